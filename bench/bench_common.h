@@ -1,0 +1,74 @@
+// flashmix-bench: the shared harness. Each op's file registers its cases in
+// run_*_cases(); this header gives them timing, ceilings and records.
+//
+// Ceilings are measured in the same run: device-to-device copy bandwidth
+// (bytes read + written by a >= 1 GiB cudaMemcpyAsync) for memory-bound ops,
+// and a dense cuBLAS bf16 GEMM for GEMMs.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+namespace flashmix::bench {
+
+struct Record {
+  std::string op;
+  std::string case_name;
+  double median_us = 0;
+  double fraction = 0;    // of the ceiling below, measured in the same run
+  std::string ceiling;    // "copy", "gemm", "time_bound" or "none" (CPU mode)
+  double bytes = 0;       // counted bytes (memory-bound ops)
+  double flops = 0;       // counted FLOPs (GEMMs)
+  std::string check;      // "passed", "FAILED: ...", or "reference" (CPU mode: nothing to compare)
+  std::map<std::string, double> extra;  // further numbers (e.g. bound_us, speedup)
+};
+
+struct Context {
+  bool gpu = false;
+  std::string gpu_name = "none";
+  int num_sms = 0;
+  size_t l2_bytes = 0;
+  std::string date;
+  std::string commit;
+  double copy_gbps = 0;    // ceiling for memory-bound ops
+  double gemm_tflops = 0;  // ceiling for GEMMs (dense bf16 8192^3)
+  bool verify = true;
+  bool quick = false;      // fewer repetitions
+  std::string filter;      // only cases whose "op/case" contains it
+  std::vector<Record> records;
+
+  bool selected(const std::string& op, const std::string& case_name) const;
+};
+
+// Aborts the benchmark (not the library) on a CUDA error: a benchmark that
+// cannot trust its numbers must not print them.
+void cuda_check(cudaError_t err, const char* what, const char* file, int line);
+#define BENCH_CUDA(x) ::flashmix::bench::cuda_check((x), #x, __FILE__, __LINE__)
+
+// Median over `iters` of the time of fn() (one or more launches on `stream`),
+// each bracketed by events, after `warmup` untimed calls.
+double median_us(const std::function<void()>& fn, cudaStream_t stream, int warmup, int iters);
+
+// fn(i) issues the i-th of `launches` launches on `stream`. They are captured
+// in one CUDA graph; the result is the median replay time divided by `launches`.
+double graph_us_per_launch(const std::function<void(int)>& fn, int launches, cudaStream_t stream,
+                           int replays);
+
+double measure_copy_gbps(cudaStream_t stream, int iters);
+// Time of one dense bf16 GEMM m x n x k (cuBLAS, fp32 accumulate), in microseconds.
+double cublas_gemm_us(int64_t m, int64_t n, int64_t k, cudaStream_t stream, int iters);
+
+// Prints the record as a table row and keeps it.
+void add_record(Context& ctx, Record r);
+void print_header();
+bool write_json(const Context& ctx, const std::string& path);
+
+// The ops' case lists.
+void run_moe_finalize_cases(Context& ctx);
+
+}  // namespace flashmix::bench

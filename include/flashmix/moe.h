@@ -1,0 +1,98 @@
+// flashmix: Mixture-of-Experts operations (SPEC.md §1-§3).
+//
+// Layouts follow TensorRT-LLM's so its users can switch:
+//   token_selected_experts          int32 [T, k], global expert ids
+//   unpermuted_row_to_permuted_row  int32 [k*T], index j*T + t, -1 for a non-local slot
+//   permuted_row_to_unpermuted_row  int32 [P],   value j*T + t
+//   expert_first_token_offset       int64 [E_local + 1], prefix sum of local rows per expert
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "flashmix/dtype.h"
+#include "flashmix/status.h"
+
+namespace flashmix {
+
+// Launch shape of the finalize kernels. Zeros mean "choose by shape" (the
+// default); the benchmark sweeps these to justify the automatic choice.
+struct FinalizeTuning {
+  int threads_per_block = 0;  // 32..1024, a multiple of 32
+  int vectors_per_thread = 0; // 16-byte vectors one thread keeps in flight per row: 1, 2 or 4
+  int blocks_per_token = 0;   // how many blocks split one output row (filling mode)
+};
+
+// SPEC §2: out[t, c] = sum over local slots j of w[t,j] * (rows[u2p[j*T+t], c] + bias[e-start, c])
+//                      (+ shared_output[t, c])
+// Summed in fp32 in the fixed order j = 0..k-1 and rounded once: bitwise reproducible.
+// Slots whose expert is outside [start_expert_id, start_expert_id + num_experts_per_node)
+// are never read (their u2p entry and row may hold anything).
+struct FinalizeMoeRoutingArgs {
+  // Expert outputs in permuted order: [num_rows, rows_stride] of rows_dtype.
+  const void* expanded_permuted_rows = nullptr;
+  DType rows_dtype = DType::kBFloat16;
+  int64_t num_rows = 0;     // rows in the buffer; every local u2p value is < num_rows
+  int64_t rows_stride = 0;  // elements between rows (padded_H); 0 means `hidden`
+
+  const int32_t* unpermuted_row_to_permuted_row = nullptr;  // [k*T]
+  const int32_t* token_selected_experts = nullptr;          // [T, k]
+  const float* scales = nullptr;  // [T, k] router weights; nullptr = NO_SCALE (all 1)
+
+  // Per-expert bias [num_experts_per_node, bias_stride] of rows_dtype, added
+  // before scaling; nullptr = none. bias_stride 0 means rows_stride.
+  const void* bias = nullptr;
+  int64_t bias_stride = 0;
+
+  // Added once, unweighted (a shared expert or a residual): [T, shared_stride]
+  // of out_dtype; nullptr = none. shared_stride 0 means `hidden`.
+  const void* shared_output = nullptr;
+  int64_t shared_stride = 0;
+
+  // Output [T, out_stride] of out_dtype; columns [0, hidden) are written.
+  void* out = nullptr;
+  DType out_dtype = DType::kBFloat16;
+  int64_t out_stride = 0;  // 0 means `hidden`
+
+  int64_t num_tokens = 0;  // T (0 is valid: nothing is launched)
+  int64_t hidden = 0;      // H, any value >= 1
+  int k = 0;               // experts per token, 1..16
+  int start_expert_id = 0;
+  int num_experts_per_node = 0;  // E_local
+
+  // Filling (default): a token with no local slot gets 0 (+ shared_output).
+  // No-filling: such tokens are left untouched and the work scales with the
+  // number of local rows, not with T; it then needs the two maps below (the
+  // local row count is read from expert_first_token_offset[E_local] on the
+  // device, so no host sync is needed).
+  bool fill = true;
+  const int32_t* permuted_row_to_unpermuted_row = nullptr;  // [num_rows], no-filling only
+  const int64_t* expert_first_token_offset = nullptr;       // [E_local + 1], no-filling only
+
+  // Programmatic dependent launch: lets this kernel's launch overlap the tail
+  // of the previous kernel on the stream (and the next kernel's with ours).
+  // Results are identical either way.
+  bool enable_pdl = true;
+
+  FinalizeTuning tuning;
+};
+
+// GPU entry point: asynchronous on `stream`, no host synchronisation, safe to
+// capture in a CUDA graph. Device pointers.
+Status finalize_moe_routing(const FinalizeMoeRoutingArgs& args, cudaStream_t stream);
+
+// CPU reference backend (double accumulation, one rounding). Host pointers.
+// Same validation as the GPU entry point.
+Status finalize_moe_routing_cpu(const FinalizeMoeRoutingArgs& args);
+
+// Host-side argument validation shared by both backends (no device access).
+Status validate_finalize_moe_routing(const FinalizeMoeRoutingArgs& args);
+
+// Debug entry point: copies the device-side index arrays to the host and
+// checks them (expert ids, permutation indices in range, maps consistent).
+// It SYNCHRONISES `stream`; not for production paths or graph capture.
+Status debug_check_finalize_moe_routing_indices(const FinalizeMoeRoutingArgs& args,
+                                                cudaStream_t stream);
+
+}  // namespace flashmix

@@ -1,0 +1,73 @@
+// Host-side argument checks: every public entry point validates with these
+// before launching anything. A failed check returns a Status whose message
+// reads "<op>: <argument>: <rule broken>".
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <sstream>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "flashmix/dtype.h"
+#include "flashmix/status.h"
+
+namespace flashmix::detail {
+
+template <typename... Parts>
+std::string concat(const Parts&... parts) {
+  std::ostringstream os;
+  (os << ... << parts);
+  return os.str();
+}
+
+// Returns early from the enclosing function with kInvalidArgument when `cond` is false.
+#define FM_REQUIRE(cond, op, arg, ...)                                                   \
+  do {                                                                                   \
+    if (!(cond))                                                                         \
+      return ::flashmix::Status(::flashmix::StatusCode::kInvalidArgument,                \
+                                ::flashmix::detail::concat(op, ": ", arg, ": ", __VA_ARGS__)); \
+  } while (0)
+
+#define FM_REQUIRE_SUPPORTED(cond, op, arg, ...)                                         \
+  do {                                                                                   \
+    if (!(cond))                                                                         \
+      return ::flashmix::Status(::flashmix::StatusCode::kNotSupported,                   \
+                                ::flashmix::detail::concat(op, ": ", arg, ": ", __VA_ARGS__)); \
+  } while (0)
+
+// Propagates a non-ok Status.
+#define FM_RETURN_IF_ERROR(expr)              \
+  do {                                        \
+    ::flashmix::Status fm_status_ = (expr);   \
+    if (!fm_status_.ok()) return fm_status_;  \
+  } while (0)
+
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+
+inline Status cuda_status(cudaError_t err, const char* op, const char* what) {
+  if (err == cudaSuccess) return Status::Ok();
+  return Status(StatusCode::kCudaError,
+                concat(op, ": ", what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
+}
+
+// A stream is usable when the runtime recognises it. cudaStreamGetFlags is
+// legal during graph capture and does not synchronise.
+inline Status check_stream(cudaStream_t stream, const char* op) {
+  unsigned int flags = 0;
+  cudaError_t err = cudaStreamGetFlags(stream, &flags);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // do not leave a sticky error behind for the caller
+    return Status(StatusCode::kInvalidArgument,
+                  concat(op, ": stream: not a usable CUDA stream (", cudaGetErrorName(err), ")"));
+  }
+  return Status::Ok();
+}
+
+// After a launch: report a launch error instead of leaving it for the caller to find.
+inline Status check_launch(const char* op) {
+  return cuda_status(cudaGetLastError(), op, "kernel launch");
+}
+
+}  // namespace flashmix::detail

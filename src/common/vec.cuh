@@ -1,0 +1,95 @@
+// The device toolkit's memory half: vectors of N elements moved with the
+// widest aligned accesses (16 bytes per instruction at most), and float
+// conversion for each storage type. Every kernel uses these.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "flashmix/dtype.h"
+
+namespace flashmix::dev {
+
+// Storage type for each DType.
+template <DType> struct StorageOf;
+template <> struct StorageOf<DType::kFloat32> { using type = float; };
+template <> struct StorageOf<DType::kFloat16> { using type = __half; };
+template <> struct StorageOf<DType::kBFloat16> { using type = __nv_bfloat16; };
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// N elements of T, aligned to their size up to 16 bytes. Larger vectors are
+// moved as several 16-byte accesses.
+template <typename T, int N>
+struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N : 16) Vec {
+  T v[N];
+};
+
+// Bytes of alignment Vec<T, N> needs.
+template <typename T, int N>
+constexpr int vec_alignment() { return sizeof(T) * N < 16 ? int(sizeof(T) * N) : 16; }
+
+namespace detail {
+template <int kBytes> struct Word;
+template <> struct Word<2> { using type = uint16_t; };
+template <> struct Word<4> { using type = uint32_t; };
+template <> struct Word<8> { using type = uint2; };
+template <> struct Word<16> { using type = uint4; };
+}  // namespace detail
+
+// Loads that bypass L1 allocation: each expert row is read exactly once.
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> load_stream(const T* p) {
+  constexpr int kBytes = vec_alignment<T, N>();
+  using W = typename detail::Word<kBytes>::type;
+  constexpr int kWords = int(sizeof(T) * N) / kBytes;
+  Vec<T, N> out;
+  const W* src = reinterpret_cast<const W*>(p);
+  W* dst = reinterpret_cast<W*>(&out);
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) dst[i] = __ldcs(src + i);
+  return out;
+}
+
+// Loads through the read-only path: data reused across blocks (bias rows).
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> load_ro(const T* p) {
+  constexpr int kBytes = vec_alignment<T, N>();
+  using W = typename detail::Word<kBytes>::type;
+  constexpr int kWords = int(sizeof(T) * N) / kBytes;
+  Vec<T, N> out;
+  const W* src = reinterpret_cast<const W*>(p);
+  W* dst = reinterpret_cast<W*>(&out);
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) dst[i] = __ldg(src + i);
+  return out;
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store(T* p, const Vec<T, N>& x) {
+  constexpr int kBytes = vec_alignment<T, N>();
+  using W = typename detail::Word<kBytes>::type;
+  constexpr int kWords = int(sizeof(T) * N) / kBytes;
+  W* dst = reinterpret_cast<W*>(p);
+  const W* src = reinterpret_cast<const W*>(&x);
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) dst[i] = src[i];
+}
+
+// True when p is aligned to `bytes`.
+__host__ __device__ inline bool is_aligned(const void* p, int bytes) {
+  return (reinterpret_cast<uintptr_t>(p) % uintptr_t(bytes)) == 0;
+}
+
+}  // namespace flashmix::dev
