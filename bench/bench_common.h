@@ -39,6 +39,7 @@ struct Context {
   double gemm_tflops = 0;  // ceiling for GEMMs (dense bf16 8192^3)
   bool verify = true;
   bool quick = false;      // fewer repetitions
+  bool sweep = false;      // also time the launch-shape tunings of each op
   std::string filter;      // only cases whose "op/case" contains it
   std::vector<Record> records;
 

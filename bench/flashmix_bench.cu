@@ -1,7 +1,7 @@
 // flashmix-bench: every op, its ceilings measured in the same run, a check
 // against the CPU reference per case, and an optional JSON record.
 //
-//   flashmix-bench [--json FILE] [--filter TEXT] [--quick] [--no-verify]
+//   flashmix-bench [--json FILE] [--filter TEXT] [--quick] [--no-verify] [--sweep]
 //
 // Without a GPU it runs the CPU reference backend on small shapes and says so.
 #include <cstdio>
@@ -21,8 +21,9 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--filter") && i + 1 < argc) ctx.filter = argv[++i];
     else if (!std::strcmp(argv[i], "--quick")) ctx.quick = true;
     else if (!std::strcmp(argv[i], "--no-verify")) ctx.verify = false;
+    else if (!std::strcmp(argv[i], "--sweep")) ctx.sweep = true;
     else {
-      std::fprintf(stderr, "usage: %s [--json FILE] [--filter TEXT] [--quick] [--no-verify]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--json FILE] [--filter TEXT] [--quick] [--no-verify] [--sweep]\n", argv[0]);
       return 2;
     }
   }

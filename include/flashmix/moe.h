@@ -19,7 +19,7 @@ namespace flashmix {
 // Launch shape of the finalize kernels. Zeros mean "choose by shape" (the
 // default); the benchmark sweeps these to justify the automatic choice.
 struct FinalizeTuning {
-  int threads_per_block = 0;  // 32..1024, a multiple of 32
+  int threads_per_block = 0;  // 32..512, a multiple of 32
   int vectors_per_thread = 0; // 16-byte vectors one thread keeps in flight per row: 1, 2 or 4
   int blocks_per_token = 0;   // how many blocks split one output row (filling mode)
 };

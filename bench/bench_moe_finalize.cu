@@ -1,0 +1,317 @@
+// flashmix-bench cases for finalize_moe_routing (SPEC §2).
+//
+// Bytes counted (the minimum any implementation moves): every local row read
+// once, every written output row written once, plus the index, expert and
+// scale reads and the bias rows (once). Fraction = (bytes / time) / copy
+// bandwidth of the same run. Decode cases are timed as CUDA-graph replays of
+// many launches over rotated inputs (larger than L2 together).
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "bench_common.h"
+#include "common/test_data.h"
+#include "flashmix/moe.h"
+
+namespace flashmix::bench {
+namespace {
+
+using flashmix::testing::HostTensor;
+using flashmix::testing::Rng;
+using flashmix::testing::Routing;
+
+struct FinalizeCase {
+  std::string name;
+  int64_t T;
+  int k;
+  int64_t H;
+  int total_experts, start, local;
+  bool bias = false, shared = false, fill = true;
+  DType in = DType::kBFloat16, out = DType::kBFloat16;
+  bool decode = false;  // time as graph replays of many launches
+  double target = 0;    // fraction of copy bandwidth the issue asks for (0: none)
+  double max_us = 0;    // latency bound for decode cases (0: none)
+  double max_ratio = 0; // time / (bytes / copy) bound (EP case)
+};
+
+// Uniform values in [-1, 1) written straight into the tensor; fast enough for
+// the 1 GB inputs (the tests use the slower, general generator).
+void fast_fill(HostTensor& t, uint64_t seed) {
+  uint64_t x = seed | 1;
+  for (int64_t i = 0; i < t.count(); ++i) {
+    x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+    t.set(i, double(int64_t(x >> 40) - (int64_t(1) << 23)) / double(int64_t(1) << 23));
+  }
+}
+
+struct HostProblem {
+  Routing routing;
+  HostTensor rows, bias, shared;
+  std::vector<float> scales;
+  int64_t written_tokens = 0;  // tokens the op writes (all when filling)
+};
+
+HostProblem make_host_problem(const FinalizeCase& c, uint64_t seed) {
+  HostProblem hp;
+  Rng rng(seed);
+  hp.routing = flashmix::testing::random_routing(rng, c.T, c.k, c.total_experts, c.start, c.local);
+  hp.rows = HostTensor(c.in, std::max<int64_t>(1, hp.routing.P()) * c.H);
+  fast_fill(hp.rows, seed + 1);
+  hp.scales.resize(size_t(c.T * c.k));
+  for (auto& s : hp.scales) s = rng.uniform(0.05f, 1.0f);
+  if (c.bias) { hp.bias = HostTensor(c.in, int64_t(c.local) * c.H); fast_fill(hp.bias, seed + 2); }
+  if (c.shared) { hp.shared = HostTensor(c.out, c.T * c.H); fast_fill(hp.shared, seed + 3); }
+  for (int64_t t = 0; t < c.T; ++t) {
+    bool any = c.fill;
+    for (int j = 0; j < c.k && !any; ++j) {
+      const int e = hp.routing.experts[t * c.k + j];
+      any = e >= c.start && e < c.start + c.local;
+    }
+    hp.written_tokens += any;
+  }
+  return hp;
+}
+
+double counted_bytes(const FinalizeCase& c, const HostProblem& hp) {
+  const double in = double(dtype_size(c.in)), out = double(dtype_size(c.out));
+  double b = double(hp.routing.P()) * c.H * in + double(hp.written_tokens) * c.H * out;
+  b += double(c.T) * c.k * (4 + 4 + 4);  // experts, u2p, scales
+  if (c.bias) b += double(c.local) * c.H * in;
+  if (c.shared) b += double(hp.written_tokens) * c.H * out;
+  return b;
+}
+
+FinalizeMoeRoutingArgs make_args(const FinalizeCase& c, int64_t num_rows) {
+  FinalizeMoeRoutingArgs a;
+  a.rows_dtype = c.in;
+  a.out_dtype = c.out;
+  a.num_rows = num_rows;
+  a.num_tokens = c.T;
+  a.hidden = c.H;
+  a.k = c.k;
+  a.start_expert_id = c.start;
+  a.num_experts_per_node = c.local;
+  a.fill = c.fill;
+  return a;
+}
+
+std::string compare(const FinalizeCase& c, const HostTensor& got, const HostTensor& ref) {
+  const double ulp = c.out == DType::kBFloat16 ? std::ldexp(1.0, -7) : c.out == DType::kFloat16 ? std::ldexp(1.0, -10)
+                                                                                               : std::ldexp(1.0, -23);
+  int64_t bad = 0;
+  double worst = 0;
+  for (int64_t i = 0; i < ref.count(); ++i) {
+    const double r = ref.get(i), g = got.get(i);
+    if (std::isnan(r)) {  // untouched by no-filling: must still hold the poison
+      bad += std::memcmp(got.bytes.data() + i * dtype_size(c.out), ref.bytes.data() + i * dtype_size(c.out),
+                         dtype_size(c.out)) != 0;
+      continue;
+    }
+    const double err = std::fabs(g - r);
+    worst = std::max(worst, err);
+    bad += !(err <= ulp * std::fabs(r) + 1e-5 * c.k * 4);
+  }
+  if (bad) return "FAILED: " + std::to_string(bad) + " elements (max abs err " + std::to_string(worst) + ")";
+  return "passed";
+}
+
+void run_gpu_case(Context& ctx, const FinalizeCase& c, cudaStream_t stream) {
+  const uint64_t seed = 0x5eed0000ull + std::hash<std::string>()(c.name);
+  HostProblem hp = make_host_problem(c, seed);
+  const int64_t P = std::max<int64_t>(1, hp.routing.P());
+  const size_t rows_bytes = size_t(P * c.H) * dtype_size(c.in);
+  const size_t out_bytes = size_t(c.T * c.H) * dtype_size(c.out);
+  // Rotate over enough copies that a pass does not live in L2.
+  const int copies = c.decode ? int(std::min<int64_t>(2000, std::max<int64_t>(1, (4 * ctx.l2_bytes) / (rows_bytes + out_bytes) + 1))) : 1;
+  char *d_rows, *d_out;
+  void *d_bias = nullptr, *d_shared = nullptr;
+  int32_t *d_u2p, *d_experts, *d_p2u;
+  float* d_scales;
+  int64_t* d_offsets;
+  BENCH_CUDA(cudaMalloc(&d_rows, rows_bytes * copies));
+  BENCH_CUDA(cudaMalloc(&d_out, out_bytes * copies));
+  BENCH_CUDA(cudaMalloc(&d_u2p, hp.routing.u2p.size() * 4));
+  BENCH_CUDA(cudaMalloc(&d_experts, hp.routing.experts.size() * 4));
+  BENCH_CUDA(cudaMalloc(&d_scales, hp.scales.size() * 4));
+  BENCH_CUDA(cudaMalloc(&d_p2u, std::max<size_t>(1, hp.routing.p2u.size()) * 4));
+  BENCH_CUDA(cudaMalloc(&d_offsets, hp.routing.offsets.size() * 8));
+  for (int i = 0; i < copies; ++i)
+    BENCH_CUDA(cudaMemcpy(d_rows + rows_bytes * i, hp.rows.data(), rows_bytes, cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemcpy(d_u2p, hp.routing.u2p.data(), hp.routing.u2p.size() * 4, cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemcpy(d_experts, hp.routing.experts.data(), hp.routing.experts.size() * 4, cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemcpy(d_scales, hp.scales.data(), hp.scales.size() * 4, cudaMemcpyHostToDevice));
+  if (!hp.routing.p2u.empty())
+    BENCH_CUDA(cudaMemcpy(d_p2u, hp.routing.p2u.data(), hp.routing.p2u.size() * 4, cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemcpy(d_offsets, hp.routing.offsets.data(), hp.routing.offsets.size() * 8, cudaMemcpyHostToDevice));
+  if (c.bias) {
+    BENCH_CUDA(cudaMalloc(&d_bias, hp.bias.bytes.size()));
+    BENCH_CUDA(cudaMemcpy(d_bias, hp.bias.data(), hp.bias.bytes.size(), cudaMemcpyHostToDevice));
+  }
+  if (c.shared) {
+    BENCH_CUDA(cudaMalloc(&d_shared, hp.shared.bytes.size()));
+    BENCH_CUDA(cudaMemcpy(d_shared, hp.shared.data(), hp.shared.bytes.size(), cudaMemcpyHostToDevice));
+  }
+  HostTensor poison(c.out, c.T * c.H);
+  poison.poison();
+  BENCH_CUDA(cudaMemcpy(d_out, poison.data(), out_bytes, cudaMemcpyHostToDevice));
+
+  FinalizeMoeRoutingArgs a = make_args(c, P);
+  a.unpermuted_row_to_permuted_row = d_u2p;
+  a.token_selected_experts = d_experts;
+  a.scales = d_scales;
+  a.bias = d_bias;
+  a.shared_output = d_shared;
+  a.permuted_row_to_unpermuted_row = d_p2u;
+  a.expert_first_token_offset = d_offsets;
+  auto args_for = [&](int i) {
+    FinalizeMoeRoutingArgs x = a;
+    x.expanded_permuted_rows = d_rows + rows_bytes * (i % copies);
+    x.out = d_out + out_bytes * (i % copies);
+    return x;
+  };
+  auto launch = [&](int i, const FinalizeTuning& tuning) {
+    FinalizeMoeRoutingArgs x = args_for(i);
+    x.tuning = tuning;
+    Status st = finalize_moe_routing(x, stream);
+    if (!st.ok()) {
+      std::fprintf(stderr, "flashmix-bench: %s: %s\n", c.name.c_str(), st.message().c_str());
+      std::exit(2);
+    }
+  };
+
+  // Check the first copy's output against the CPU reference.
+  std::string check = "not checked (--no-verify)";
+  if (ctx.verify) {
+    launch(0, {});
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    HostTensor got(c.out, c.T * c.H), ref = poison;
+    BENCH_CUDA(cudaMemcpy(got.data(), d_out, out_bytes, cudaMemcpyDeviceToHost));
+    FinalizeMoeRoutingArgs h = make_args(c, P);
+    h.expanded_permuted_rows = hp.rows.data();
+    h.unpermuted_row_to_permuted_row = hp.routing.u2p.data();
+    h.token_selected_experts = hp.routing.experts.data();
+    h.scales = hp.scales.data();
+    h.bias = c.bias ? hp.bias.data() : nullptr;
+    h.shared_output = c.shared ? hp.shared.data() : nullptr;
+    h.permuted_row_to_unpermuted_row = hp.routing.p2u.data();
+    h.expert_first_token_offset = hp.routing.offsets.data();
+    h.out = ref.data();
+    Status st = finalize_moe_routing_cpu(h);
+    check = st.ok() ? compare(c, got, ref) : "FAILED: reference: " + st.message();
+  }
+
+  const double bytes = counted_bytes(c, hp);
+  auto time_with = [&](const FinalizeTuning& tuning) {
+    if (c.decode) {
+      const int launches = std::max(copies, 200);
+      return graph_us_per_launch([&](int i) { launch(i, tuning); }, launches, stream, ctx.quick ? 5 : 20);
+    }
+    return median_us([&] { launch(0, tuning); }, stream, 5, ctx.quick ? 10 : 50);
+  };
+  const double us = time_with({});
+  Record r;
+  r.op = "moe_finalize";
+  r.case_name = c.name;
+  r.median_us = us;
+  r.bytes = bytes;
+  r.ceiling = "copy";
+  r.fraction = bytes / (us * 1e-6) / 1e9 / ctx.copy_gbps;
+  r.check = check;
+  const double bound_us = bytes / (ctx.copy_gbps * 1e9) * 1e6;
+  r.extra["bound_us"] = bound_us;
+  if (c.target) r.extra["target_fraction"] = c.target;
+  if (c.max_us) r.extra["target_max_us"] = c.max_us;
+  if (c.max_ratio) {
+    r.extra["time_over_bound"] = us / bound_us;
+    r.extra["target_max_time_over_bound"] = c.max_ratio;
+  }
+  if (c.decode) r.extra["rotated_copies"] = copies;
+  add_record(ctx, r);
+
+  if (ctx.sweep) {
+    for (int threads : {64, 128, 256, 512})
+      for (int vectors : {1, 2, 4})
+        for (int blocks : {0, 1, 2}) {
+          if (blocks && c.decode) continue;
+          const double t = time_with({threads, vectors, blocks});
+          std::printf("  sweep %-34s threads %4d vectors %d blocks/token %d: %9.2f us  %.3f of copy\n",
+                      c.name.c_str(), threads, vectors, blocks, t, bytes / (t * 1e-6) / 1e9 / ctx.copy_gbps);
+        }
+  }
+  cudaFree(d_rows); cudaFree(d_out); cudaFree(d_u2p); cudaFree(d_experts); cudaFree(d_scales);
+  cudaFree(d_p2u); cudaFree(d_offsets);
+  if (d_bias) cudaFree(d_bias);
+  if (d_shared) cudaFree(d_shared);
+}
+
+void run_cpu_case(Context& ctx, const FinalizeCase& c) {
+  HostProblem hp = make_host_problem(c, 42);
+  HostTensor out(c.out, c.T * c.H);
+  FinalizeMoeRoutingArgs h = make_args(c, std::max<int64_t>(1, hp.routing.P()));
+  h.expanded_permuted_rows = hp.rows.data();
+  h.unpermuted_row_to_permuted_row = hp.routing.u2p.data();
+  h.token_selected_experts = hp.routing.experts.data();
+  h.scales = hp.scales.data();
+  h.bias = c.bias ? hp.bias.data() : nullptr;
+  h.shared_output = c.shared ? hp.shared.data() : nullptr;
+  h.permuted_row_to_unpermuted_row = hp.routing.p2u.data();
+  h.expert_first_token_offset = hp.routing.offsets.data();
+  h.out = out.data();
+  const auto t0 = std::chrono::steady_clock::now();
+  Status st = finalize_moe_routing_cpu(h);
+  const auto t1 = std::chrono::steady_clock::now();
+  Record r;
+  r.op = "moe_finalize_cpu";
+  r.case_name = c.name;
+  r.median_us = std::chrono::duration<double, std::micro>(t1 - t0).count();
+  r.bytes = counted_bytes(c, hp);
+  r.ceiling = "none";
+  r.check = st.ok() ? "reference" : "FAILED: " + st.message();
+  add_record(ctx, r);
+}
+
+}  // namespace
+
+void run_moe_finalize_cases(Context& ctx) {
+  std::vector<FinalizeCase> cases = {
+      {"T8192_k8_H7168_bf16", 8192, 8, 7168, 256, 0, 256, false, false, true, DType::kBFloat16, DType::kBFloat16,
+       false, 0.95},
+      {"T8192_k8_H7168_bf16_bias", 8192, 8, 7168, 256, 0, 256, true, false, true, DType::kBFloat16,
+       DType::kBFloat16, false, 0.93},
+      {"T8192_k2_H4096_bf16", 8192, 2, 4096, 8, 0, 8, false, false, true, DType::kBFloat16, DType::kBFloat16,
+       false, 0.93},
+      {"T8192_k8_H7168_bf16_in_fp32_out", 8192, 8, 7168, 256, 0, 256, false, false, true, DType::kBFloat16,
+       DType::kFloat32},
+      {"T4096_k8_H7000_bf16_tail_shared", 4096, 8, 7000 + 3, 256, 0, 256, true, true, true, DType::kBFloat16,
+       DType::kBFloat16},
+      {"decode_T1_k8_H7168", 1, 8, 7168, 256, 0, 256, false, false, true, DType::kBFloat16, DType::kBFloat16, true,
+       0, 3.0},
+      {"decode_T16_k8_H7168", 16, 8, 7168, 256, 0, 256, false, false, true, DType::kBFloat16, DType::kBFloat16,
+       true, 0, 3.0},
+      {"decode_T64_k8_H7168", 64, 8, 7168, 256, 0, 256, false, false, true, DType::kBFloat16, DType::kBFloat16,
+       true, 0, 3.0},
+      {"ep8_rank3_T8192_k8_H7168_nofill", 8192, 8, 7168, 256, 96, 32, false, false, false, DType::kBFloat16,
+       DType::kBFloat16, false, 0, 0, 1.15},
+      {"ep8_rank3_T8192_k8_H7168_fill", 8192, 8, 7168, 256, 96, 32, false, false, true, DType::kBFloat16,
+       DType::kBFloat16},
+  };
+  for (const FinalizeCase& c : cases) {
+    if (!ctx.selected("moe_finalize", c.name)) continue;
+    if (ctx.gpu) {
+      cudaStream_t stream;
+      BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      run_gpu_case(ctx, c, stream);
+      BENCH_CUDA(cudaStreamDestroy(stream));
+    } else {
+      FinalizeCase small = c;  // CPU backend: small shapes
+      small.T = std::min<int64_t>(c.T, 64);
+      small.H = std::min<int64_t>(c.H, 1027);
+      small.name = c.name + "_small_cpu";
+      run_cpu_case(ctx, small);
+    }
+  }
+}
+
+}  // namespace flashmix::bench

@@ -1,0 +1,330 @@
+// finalize_moe_routing (SPEC §2): un-permute the expert outputs, weight them
+// by the router, reduce the top-k, add bias and an optional shared output.
+//
+//   out[t, c] = sum over local slots j (in order j = 0..k-1) of
+//                 w[t, j] * (rows[u2p[j*T + t], c] + bias[e - start, c])   (+ shared_output[t, c])
+//
+// Roofline: memory bound. It must read every local row once (P rows x H) and
+// write T x H outputs (tokens with a local slot only, when not filling); the
+// index and scale reads are k*T*12 bytes. At T=8192, k=8, H=7168 in bf16 that
+// is 0.94 GB read + 0.12 GB written: ~350 us at 3 TB/s of copy bandwidth.
+// Everything else (bias rows) stays in L2.
+//
+// Work decomposition: a work item is (output row, chunk of its columns). Warp 0
+// resolves the item's local slots (expert, permuted row, weight) into shared
+// memory; then each thread reduces U 16-byte column vectors over those slots,
+// keeping up to kLoadsInFlight row loads in flight before the first use. The
+// grid is persistent (at most one wave of resident blocks) and walks the items:
+//  - filling:   items are T x chunks; every token is written.
+//  - no-filling: items are (local permuted row p) x chunks, with the local row
+//    count read on the device from expert_first_token_offset[E_local]; a
+//    token is handled by the item of its first local slot, the others skip.
+//    The cost follows the local rows, not T.
+// The summation order is the same on every path (vector, narrow, tail) and for
+// every tuning, so results are bitwise reproducible and independent of tuning.
+#include <algorithm>
+
+#include "common/check.h"
+#include "common/launch.cuh"
+#include "common/reduce.cuh"
+#include "common/vec.cuh"
+#include "flashmix/moe.h"
+#include "moe/finalize_moe_routing_internal.h"
+
+namespace flashmix {
+namespace {
+
+constexpr const char* kOp = "finalize_moe_routing";
+constexpr int kLoadsInFlight = 8;  // row vectors per thread issued before their first use
+
+struct FinalizeParams {
+  const void* rows;
+  const void* bias;
+  const void* shared;
+  void* out;
+  const int32_t* u2p;
+  const int32_t* experts;
+  const float* scales;
+  const int32_t* p2u;
+  const int64_t* expert_offsets;
+  int64_t rows_stride, bias_stride, shared_stride, out_stride;
+  int64_t num_tokens;
+  int64_t items_bound;  // items the grid may have to walk (filling: all of them)
+  int hidden;
+  int k;
+  int start_expert;
+  int num_local_experts;
+  int vectors;     // full V-element vectors per row; columns [vectors*V, hidden) are the tail
+  int chunks;      // chunks per output row
+  int chunk_vecs;  // vectors per chunk
+  bool fill;
+};
+
+// The local slots of one work item, in slot order.
+struct SlotMeta {
+  int64_t row_offset[kMaxFinalizeK];   // element offset of the permuted row
+  int64_t bias_offset[kMaxFinalizeK];  // element offset of the expert's bias row
+  float weight[kMaxFinalizeK];
+  int64_t token;
+  int count;  // local slots; -1: this item is skipped (no-filling, not the token's first local slot)
+};
+
+// Warp 0 only. Resolves item `key` (a token when filling, a permuted row otherwise).
+__device__ __forceinline__ void resolve_slots(const FinalizeParams& p, int64_t key, SlotMeta& m) {
+  const int lane = threadIdx.x;
+  int64_t t = key;
+  int first_slot = -1;
+  if (!p.fill) {
+    // T * k fits in int32 (validated): 32-bit division suffices.
+    const int32_t u = p.p2u[key];
+    const int32_t T = int32_t(p.num_tokens);
+    t = u % T;
+    first_slot = u / T;
+  }
+  const bool in_k = lane < p.k;
+  // The three loads are independent, so they are issued together (one memory
+  // round trip). Reading u2p of a non-local slot is harmless (in bounds, unused).
+  const int e = in_k ? p.experts[t * p.k + lane] : -1;
+  const int32_t row = in_k ? p.u2p[int64_t(lane) * p.num_tokens + t] : 0;
+  const float w = (in_k && p.scales) ? p.scales[t * p.k + lane] : 1.0f;
+  const bool local = in_k && e >= p.start_expert && e - p.start_expert < p.num_local_experts;
+  const unsigned mask = __ballot_sync(dev::kFullMask, local);
+  if (!p.fill && __ffs(mask) - 1 != first_slot) {
+    if (lane == 0) m.count = -1;
+    return;
+  }
+  if (local) {
+    const int slot = __popc(mask & ((1u << lane) - 1u));
+    m.row_offset[slot] = int64_t(row) * p.rows_stride;
+    m.bias_offset[slot] = int64_t(e - p.start_expert) * p.bias_stride;
+    m.weight[slot] = w;
+  }
+  if (lane == 0) {
+    m.count = __popc(mask);
+    m.token = t;
+  }
+}
+
+// One slot's contribution, the same arithmetic on every path:
+// acc += w * (x + b), rounded as written (no contraction across the two steps).
+__device__ __forceinline__ float accumulate(float acc, float w, float x) { return fmaf(w, x, acc); }
+__device__ __forceinline__ float with_bias(float x, float b) { return __fadd_rn(x, b); }
+
+template <typename In, typename Out, int V, int U, bool kBias>
+__device__ __forceinline__ void reduce_vectors(const FinalizeParams& p, const SlotMeta& m, int chunk) {
+  // Slots per load group: kLoadsInFlight vectors (row and bias) per thread.
+  constexpr int kPerSlot = U * (kBias ? 2 : 1);
+  constexpr int G = kLoadsInFlight / kPerSlot > 0 ? kLoadsInFlight / kPerSlot : 1;
+  const In* rows = static_cast<const In*>(p.rows);
+  const In* bias = static_cast<const In*>(p.bias);
+  const Out* shared = static_cast<const Out*>(p.shared);
+  Out* out = static_cast<Out*>(p.out) + m.token * p.out_stride;
+  const int count = m.count;
+  const int v_begin = chunk * p.chunk_vecs;
+  const int v_end = min(p.vectors, v_begin + p.chunk_vecs);
+  const int step = blockDim.x * U;
+  for (int v0 = v_begin + threadIdx.x; v0 < v_end; v0 += step) {
+    float acc[U][V];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int e = 0; e < V; ++e) acc[u][e] = 0.0f;
+    for (int s0 = 0; s0 < count; s0 += G) {
+      dev::Vec<In, V> x[G][U];
+      dev::Vec<In, V> b[G][kBias ? U : 1];
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int v = v0 + u * blockDim.x;
+          if (s0 + g < count && v < v_end) {
+            x[g][u] = dev::load_stream<In, V>(rows + m.row_offset[s0 + g] + int64_t(v) * V);
+            if constexpr (kBias) b[g][u] = dev::load_ro<In, V>(bias + m.bias_offset[s0 + g] + int64_t(v) * V);
+          }
+        }
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        if (s0 + g >= count) break;
+        const float w = m.weight[s0 + g];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+          for (int e = 0; e < V; ++e) {
+            float xv = dev::to_float(x[g][u].v[e]);
+            if constexpr (kBias) xv = with_bias(xv, dev::to_float(b[g][u].v[e]));
+            acc[u][e] = accumulate(acc[u][e], w, xv);
+          }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int v = v0 + u * blockDim.x;
+      if (v >= v_end) break;
+      dev::Vec<Out, V> o;
+      if (shared) {
+        const dev::Vec<Out, V> sh = dev::load_ro<Out, V>(shared + m.token * p.shared_stride + int64_t(v) * V);
+#pragma unroll
+        for (int e = 0; e < V; ++e) o.v[e] = dev::from_float<Out>(__fadd_rn(acc[u][e], dev::to_float(sh.v[e])));
+      } else {
+#pragma unroll
+        for (int e = 0; e < V; ++e) o.v[e] = dev::from_float<Out>(acc[u][e]);
+      }
+      dev::store<Out, V>(out + int64_t(v) * V, o);
+    }
+  }
+}
+
+// Columns [vectors*V, hidden): the tail that does not fill a vector. Computed,
+// never dropped, with the same arithmetic as the vector path.
+template <typename In, typename Out>
+__device__ __forceinline__ void reduce_tail(const FinalizeParams& p, const SlotMeta& m, int first_col) {
+  const In* rows = static_cast<const In*>(p.rows);
+  const In* bias = static_cast<const In*>(p.bias);
+  const Out* shared = static_cast<const Out*>(p.shared);
+  Out* out = static_cast<Out*>(p.out) + m.token * p.out_stride;
+  for (int c = first_col + threadIdx.x; c < p.hidden; c += blockDim.x) {
+    float acc = 0.0f;
+    for (int s = 0; s < m.count; ++s) {
+      float xv = dev::to_float(rows[m.row_offset[s] + c]);
+      if (bias) xv = with_bias(xv, dev::to_float(bias[m.bias_offset[s] + c]));
+      acc = accumulate(acc, m.weight[s], xv);
+    }
+    if (shared) acc = __fadd_rn(acc, dev::to_float(shared[m.token * p.shared_stride + c]));
+    out[c] = dev::from_float<Out>(acc);
+  }
+}
+
+// At most kMaxThreads threads, so the compiler may use up to 128 registers:
+// the in-flight row and bias vectors need them.
+template <typename In, typename Out, int V, int U, bool kBias>
+__global__ void __launch_bounds__(kMaxFinalizeThreads) finalize_moe_routing_kernel(const FinalizeParams p) {
+  __shared__ SlotMeta meta[2];  // double-buffered: one barrier per item
+  // Everything below may read what the previous kernel on the stream wrote.
+  dev::grid_dependency_wait();
+  dev::allow_dependents_launch();
+  const int64_t num_items = p.fill ? p.items_bound : p.expert_offsets[p.num_local_experts] * p.chunks;
+  int parity = 0;
+  for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x, parity ^= 1) {
+    SlotMeta& m = meta[parity];
+    int chunk;
+    int64_t key;
+    if (num_items <= int64_t(UINT32_MAX)) {  // the common case: 32-bit division
+      chunk = int(uint32_t(item) % uint32_t(p.chunks));
+      key = uint32_t(item) / uint32_t(p.chunks);
+    } else {
+      chunk = int(item % p.chunks);
+      key = item / p.chunks;
+    }
+    if (threadIdx.x < 32) resolve_slots(p, key, m);
+    __syncthreads();
+    if (m.count < 0) continue;  // uniform across the block
+    reduce_vectors<In, Out, V, U, kBias>(p, m, chunk);
+    if (chunk == p.chunks - 1 && p.vectors * V < p.hidden) reduce_tail<In, Out>(p, m, p.vectors * V);
+  }
+}
+
+bool aligned_for(const void* ptr, int64_t stride, int elems, int elem_bytes) {
+  const int bytes = std::min(16, elems * elem_bytes);
+  return ptr == nullptr || (dev::is_aligned(ptr, bytes) && stride % elems == 0);
+}
+
+template <typename In, typename Out, int V, int U>
+Status launch_finalize(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaStream_t stream) {
+  auto kernel = p.bias ? finalize_moe_routing_kernel<In, Out, V, U, true>
+                       : finalize_moe_routing_kernel<In, Out, V, U, false>;
+  int threads = a.tuning.threads_per_block ? a.tuning.threads_per_block : 128;
+  p.vectors = p.hidden / V;
+  // Chunks: by default as many as make each thread handle U vectors once;
+  // decode-sized T thus gets several blocks per token.
+  int chunks = a.tuning.blocks_per_token ? a.tuning.blocks_per_token
+                                         : std::max(1, (p.vectors + threads * U - 1) / (threads * U));
+  chunks = std::max(1, std::min(chunks, std::max(1, p.vectors)));
+  p.chunks = chunks;
+  p.chunk_vecs = (p.vectors + chunks - 1) / chunks;
+  const int tail = p.hidden - p.vectors * V;
+  const int per_thread = (p.chunk_vecs + U - 1) / U;
+  threads = std::min(threads, std::max(32, ((std::max(per_thread, tail) + 31) / 32) * 32));
+  p.items_bound = (a.fill ? a.num_tokens : a.num_rows) * int64_t(chunks);
+  if (p.items_bound == 0) return Status::Ok();
+
+  int device = 0, sms = 0, per_sm = 0;
+  FM_RETURN_IF_ERROR(detail::cuda_status(cudaGetDevice(&device), kOp, "cudaGetDevice"));
+  FM_RETURN_IF_ERROR(detail::cuda_status(
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), kOp, "multiprocessor count"));
+  FM_RETURN_IF_ERROR(detail::cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0),
+                                         kOp, "occupancy query"));
+  const int64_t resident = int64_t(std::max(1, per_sm)) * sms;
+  const int64_t grid = std::min<int64_t>(p.items_bound, resident);
+  FM_RETURN_IF_ERROR(detail::cuda_status(
+      dev::launch(kernel, dim3(unsigned(grid)), dim3(threads), 0, stream, a.enable_pdl, p), kOp, "kernel launch"));
+  return detail::check_launch(kOp);
+}
+
+template <typename In, typename Out>
+Status dispatch_width(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaStream_t stream) {
+  constexpr int kFull = 16 / sizeof(In);
+  auto fits = [&](int v) {
+    return aligned_for(p.rows, p.rows_stride, v, sizeof(In)) && aligned_for(p.bias, p.bias_stride, v, sizeof(In)) &&
+           aligned_for(p.out, p.out_stride, v, sizeof(Out)) &&
+           aligned_for(p.shared, p.shared_stride, v, sizeof(Out));
+  };
+  if (fits(kFull)) {
+    int u = a.tuning.vectors_per_thread;
+    if (u == 0) u = a.k >= 5 ? 1 : a.k >= 3 ? 2 : 4;  // keep ~8 row loads in flight per thread
+    if (u == 4) return launch_finalize<In, Out, kFull, 4>(p, a, stream);
+    if (u == 2) return launch_finalize<In, Out, kFull, 2>(p, a, stream);
+    return launch_finalize<In, Out, kFull, 1>(p, a, stream);
+  }
+  // Misaligned pointers or strides: a narrower path that does not need them.
+  if constexpr (sizeof(In) == 2) {
+    if (fits(2)) return launch_finalize<In, Out, 2, 1>(p, a, stream);
+  }
+  return launch_finalize<In, Out, 1, 1>(p, a, stream);
+}
+
+template <typename In>
+Status dispatch_out(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaStream_t stream) {
+  switch (a.out_dtype) {
+    case DType::kFloat32: return dispatch_width<In, float>(p, a, stream);
+    case DType::kFloat16: return dispatch_width<In, __half>(p, a, stream);
+    case DType::kBFloat16: return dispatch_width<In, __nv_bfloat16>(p, a, stream);
+  }
+  return Status(StatusCode::kNotSupported, "finalize_moe_routing: out_dtype: unsupported");
+}
+
+}  // namespace
+
+Status finalize_moe_routing(const FinalizeMoeRoutingArgs& a, cudaStream_t stream) {
+  FM_RETURN_IF_ERROR(validate_finalize_moe_routing(a));
+  FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
+  if (a.num_tokens == 0) return Status::Ok();
+  const ResolvedFinalizeStrides s = resolve_finalize_strides(a);
+  FinalizeParams p{};
+  p.rows = a.expanded_permuted_rows;
+  p.bias = a.bias;
+  p.shared = a.shared_output;
+  p.out = a.out;
+  p.u2p = a.unpermuted_row_to_permuted_row;
+  p.experts = a.token_selected_experts;
+  p.scales = a.scales;
+  p.p2u = a.permuted_row_to_unpermuted_row;
+  p.expert_offsets = a.expert_first_token_offset;
+  p.rows_stride = s.rows;
+  p.bias_stride = s.bias;
+  p.shared_stride = s.shared;
+  p.out_stride = s.out;
+  p.num_tokens = a.num_tokens;
+  p.hidden = int(a.hidden);
+  p.k = a.k;
+  p.start_expert = a.start_expert_id;
+  p.num_local_experts = a.num_experts_per_node;
+  p.fill = a.fill;
+  switch (a.rows_dtype) {
+    case DType::kFloat32: return dispatch_out<float>(p, a, stream);
+    case DType::kFloat16: return dispatch_out<__half>(p, a, stream);
+    case DType::kBFloat16: return dispatch_out<__nv_bfloat16>(p, a, stream);
+  }
+  return Status(StatusCode::kNotSupported, "finalize_moe_routing: rows_dtype: unsupported");
+}
+
+}  // namespace flashmix

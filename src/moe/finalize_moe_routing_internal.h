@@ -1,0 +1,20 @@
+// Internal pieces of finalize_moe_routing shared by its validation, its GPU
+// launcher and its CPU reference.
+#pragma once
+
+#include <cstdint>
+
+#include "flashmix/moe.h"
+
+namespace flashmix {
+
+constexpr int kMaxFinalizeK = 16;
+constexpr int kMaxFinalizeThreads = 512;
+
+// Strides with the "0 means dense" defaults applied.
+struct ResolvedFinalizeStrides {
+  int64_t rows, bias, shared, out;
+};
+ResolvedFinalizeStrides resolve_finalize_strides(const FinalizeMoeRoutingArgs& a);
+
+}  // namespace flashmix

@@ -1,0 +1,81 @@
+// GPU test helpers: skip cleanly without a GPU, RAII device buffers, and
+// checked CUDA calls.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#define CUDA_OK(x)                                                                  \
+  do {                                                                              \
+    cudaError_t err_ = (x);                                                         \
+    ASSERT_EQ(err_, cudaSuccess) << #x << ": " << cudaGetErrorString(err_);          \
+  } while (0)
+
+#define SKIP_WITHOUT_GPU()                                                          \
+  do {                                                                              \
+    if (!::flashmix::testing::have_gpu()) GTEST_SKIP() << "no CUDA GPU on this machine"; \
+  } while (0)
+
+namespace flashmix::testing {
+
+inline bool have_gpu() {
+  static const bool yes = [] {
+    int n = 0;
+    bool ok = cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+    (void)cudaGetLastError();
+    return ok;
+  }();
+  return yes;
+}
+
+// A device allocation; freed on scope exit.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
+    if (bytes && cudaMalloc(&ptr_, bytes) != cudaSuccess) {
+      ptr_ = nullptr;
+      ADD_FAILURE() << "cudaMalloc(" << bytes << ") failed";
+    }
+  }
+  template <typename T>
+  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size() * sizeof(T)) {
+    upload(host.data(), bytes_);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    std::swap(ptr_, o.ptr_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  ~DeviceBuffer() { if (ptr_) cudaFree(ptr_); }
+
+  void upload(const void* src, size_t n) {
+    if (n) EXPECT_EQ(cudaMemcpy(ptr_, src, n, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  void download(void* dst, size_t n) const {
+    if (n) EXPECT_EQ(cudaMemcpy(dst, ptr_, n, cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+  template <typename T>
+  std::vector<T> to_host() const {
+    std::vector<T> v(bytes_ / sizeof(T));
+    download(v.data(), v.size() * sizeof(T));
+    return v;
+  }
+  void* get() const { return ptr_; }
+  template <typename T>
+  T* as() const { return static_cast<T*>(ptr_); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+}  // namespace flashmix::testing
