@@ -96,3 +96,77 @@ Status debug_check_finalize_moe_routing_indices(const FinalizeMoeRoutingArgs& ar
                                                 cudaStream_t stream);
 
 }  // namespace flashmix
+
+// ---------------------------------------------------------------------------
+// MoE routing maps (SPEC §1): token_selected_experts -> the permutation that
+// groups this GPU's slots by expert, plus (optionally) the gathered input rows.
+// ---------------------------------------------------------------------------
+namespace flashmix {
+
+// Launch-path choice. Zero means "choose by shape" (the default); tests and
+// the benchmark set it to exercise and compare both paths.
+struct MoeRoutingTuning {
+  // k*T at or below this runs as ONE block in ONE launch (decode); above it,
+  // three launches (count per segment, scan, stable scatter).
+  // 0 = automatic (4096); -1 = always three launches; at most 8192.
+  int single_block_max_slots = 0;
+};
+
+// A "slot" is (t, j), flattened slot-major as s = j*T + t. It is local when
+// start_expert_id <= e < start_expert_id + num_experts_per_node, e = experts[t*k + j].
+//
+// P, the number of local slots, is only known on the device (it is
+// expert_first_token_offset[E_local]). Size the outputs for the worst case,
+// P = k*T: permuted_row_to_unpermuted_row and permuted_input hold k*T rows;
+// only their first P rows are written, the rest is left untouched.
+//
+// Expert ids are device data and trusted: any int32 value is allowed, a value
+// outside this rank's range (including one outside [0, E)) just means "not
+// local". Out-of-range values never cause an out-of-bounds access.
+struct MoeRoutingArgs {
+  const int32_t* token_selected_experts = nullptr;  // [T, k], global expert ids
+  int64_t num_tokens = 0;                           // T (0 is valid: offsets are zeroed, nothing else)
+  int k = 0;                                        // 1..16; k*T must fit int32
+  int start_expert_id = 0;                          // >= 0
+  int num_experts_per_node = 0;                     // E_local, 1..1024
+
+  int64_t* expert_first_token_offset = nullptr;      // out [E_local + 1]
+  int32_t* permuted_row_to_unpermuted_row = nullptr; // out [k*T] capacity, first P written: value j*T + t
+  int32_t* unpermuted_row_to_permuted_row = nullptr; // out [k*T], index j*T + t; -1 for a non-local slot
+
+  // Optional expansion: permuted_input[p, :hidden] = input[t, :hidden] for
+  // permuted row p of token t. Give both pointers or neither. A plain copy, so
+  // any dtype works; 16-byte vectors when pointers and row strides allow it,
+  // narrower accesses otherwise (no alignment is required).
+  const void* input = nullptr;       // [T, input_stride]
+  void* permuted_input = nullptr;    // [k*T capacity, permuted_input_stride], first P rows written
+  DType input_dtype = DType::kBFloat16;
+  int64_t hidden = 0;                // H >= 1 when expanding
+  int64_t input_stride = 0;          // elements between input rows; 0 means `hidden`
+  int64_t permuted_input_stride = 0; // elements between permuted rows; 0 means `hidden`
+
+  // Programmatic dependent launch between our kernels and with the neighbours
+  // on the stream. Results are identical either way.
+  bool enable_pdl = true;
+
+  MoeRoutingTuning tuning;
+};
+
+// Bytes of device workspace build_moe_routing_maps needs for these args (CUB
+// style: ask, allocate once, pass it in; it may be reused by later calls on
+// the same stream). 0 for the single-launch path and for invalid args.
+size_t build_moe_routing_maps_workspace_size(const MoeRoutingArgs& args);
+
+// GPU entry point: asynchronous on `stream`, no host synchronisation, no
+// allocation, safe to capture in a CUDA graph. Device pointers. The output
+// is bitwise identical from run to run (the order is fully defined).
+Status build_moe_routing_maps(const MoeRoutingArgs& args, void* workspace, size_t workspace_bytes,
+                              cudaStream_t stream);
+
+// CPU reference backend. Host pointers; same validation and same outputs.
+Status build_moe_routing_maps_cpu(const MoeRoutingArgs& args);
+
+// Host-side argument validation shared by both backends (no device access).
+Status validate_moe_routing_maps(const MoeRoutingArgs& args);
+
+}  // namespace flashmix

@@ -1,0 +1,412 @@
+// MoE routing maps on the GPU (SPEC §1).
+//
+// Math: a slot s = j*T + t is local when e = experts[t*k + j] - start lies in
+// [0, E_local). The local slots are sorted by e, stably in s (a counting sort):
+//   expert_first_token_offset[e] = number of local slots with expert < e
+//   p = offset[e] + #{local s' < s with the same e}
+//   unpermuted_row_to_permuted_row[s] = p (or -1),  permuted_row_to_unpermuted_row[p] = s
+//   permuted_input[p, :] = input[t, :]                         (optional)
+//
+// Paths (chosen on the host from k*T only, see moe_routing_plan.h):
+//   single block (k*T <= 4096 by default, decode): one launch counts, scans
+//     and scatters, everything in shared memory.
+//   multi (prefill): count per segment -> one-block scan over (segment, expert)
+//     -> stable scatter per segment. Three launches chained with PDL.
+// Ranking inside a block: each warp takes 32 consecutive slots; __match_any_sync
+// gives the lanes with the same expert, so a slot's rank is the number of its
+// lower peers plus the counts of the same expert in lower warps (shared
+// memory) plus the running count of earlier steps. No sort, no atomics on
+// the rank itself, and the order is fully defined: bitwise repeatable.
+//
+// Roofline: the maps move 4 bytes read + 8 bytes written per slot (k*T*12 B,
+// 0.8 MB at T=8192, k=8): a few hundred ns at HBM speed, so the maps are
+// latency-bound (launches and the dependent scan). The expansion moves
+// T*H + P*H elements (one read of each input row, k writes) and is
+// bandwidth-bound: it should reach the device copy bandwidth.
+#include <cstdint>
+
+#include <cub/block/block_scan.cuh>
+#include <cuda_runtime.h>
+
+#include "common/check.h"
+#include "common/launch.cuh"
+#include "common/reduce.cuh"
+#include "common/vec.cuh"
+#include "flashmix/moe.h"
+#include "moe/moe_routing_plan.h"
+
+namespace flashmix {
+namespace {
+
+constexpr const char* kOp = "build_moe_routing_maps";
+constexpr int kThreads = detail::kRoutingThreads;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxItems = detail::kRoutingMaxItems;
+
+// Keys: the local expert, -1 for a non-local slot, -2 for a lane past the end.
+constexpr int kNotLocal = -1;
+constexpr int kPastEnd = -2;
+
+struct SlotSource {
+  const int32_t* experts;  // [T, k]
+  int32_t T;
+  int32_t k;
+  int32_t start;
+  int32_t E;
+  int32_t slots;  // k*T
+};
+
+__device__ __forceinline__ int load_key(const SlotSource& src, int64_t s) {
+  if (s >= src.slots) return kPastEnd;
+  const int32_t j = int32_t(s) / src.T, t = int32_t(s) - j * src.T;
+  const int32_t e = __ldg(src.experts + int64_t(t) * src.k + j);
+  // Unsigned difference: any int32 id (negative too) below start wraps past E.
+  const uint32_t local = uint32_t(e) - uint32_t(src.start);
+  return local < uint32_t(src.E) ? int(local) : kNotLocal;
+}
+
+// Loads the expert keys of one segment (items steps of kThreads slots) into registers.
+__device__ __forceinline__ void load_segment(const SlotSource& src, int64_t seg_start, int items,
+                                             int (&keys)[kMaxItems]) {
+#pragma unroll
+  for (int i = 0; i < kMaxItems; ++i)
+    keys[i] = i < items ? load_key(src, seg_start + int64_t(i) * kThreads + threadIdx.x) : kPastEnd;
+}
+
+// Adds the segment's local slots into hist[E] (shared), one atomic per
+// (warp, expert) rather than per slot: all-to-one-expert routing stays cheap.
+__device__ __forceinline__ void count_segment(const int (&keys)[kMaxItems], int items, int* hist) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int i = 0; i < kMaxItems; ++i) {
+    if (i >= items) break;
+    const unsigned peers = __match_any_sync(dev::kFullMask, keys[i]);
+    const bool leader = (peers >> lane) == 1u;  // highest lane of its group
+    if (leader && keys[i] >= 0) atomicAdd(hist + keys[i], __popc(peers));
+  }
+}
+
+// Ranks one step of kThreads consecutive slots and writes both maps.
+// running[e]: permuted row of expert e's next slot (shared); warp_count
+// [kWarps][E] (shared, all zero on entry and on exit).
+__device__ __forceinline__ void scatter_step(int key, int64_t s, int* running, uint16_t* warp_count, int E,
+                                             int32_t* __restrict__ p2u, int32_t* __restrict__ u2p) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned peers = __match_any_sync(dev::kFullMask, key);
+  const unsigned lower = peers & ((1u << lane) - 1u);
+  const bool leader = (peers >> lane) == 1u;
+  const int count = __popc(peers);
+  if (leader && key >= 0) warp_count[warp * E + key] = uint16_t(count);
+  __syncthreads();
+  if (key >= 0) {
+    int p = running[key] + __popc(lower);
+    for (int w = 0; w < warp; ++w) p += warp_count[w * E + key];
+    u2p[s] = p;
+    p2u[p] = int32_t(s);
+  } else if (key == kNotLocal) {
+    u2p[s] = -1;
+  }
+  __syncthreads();  // every rank above read running[] and warp_count[]
+  if (leader && key >= 0) {
+    atomicAdd(running + key, count);
+    warp_count[warp * E + key] = 0;
+  }
+  __syncwarp();  // the next step's leader in this warp may be another lane
+}
+
+__device__ __forceinline__ void zero_shared(int* p, int n) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) p[i] = 0;
+}
+
+// Shared memory of the scatter kernels: running[E] int32, then warp_count[kWarps][E] uint16.
+inline size_t scatter_smem_bytes(int E) {
+  return size_t(E) * sizeof(int) + size_t(kWarps) * E * sizeof(uint16_t);
+}
+
+// ---- single block: count, scan and scatter in one launch (decode) ---------
+__global__ void __launch_bounds__(kThreads)
+moe_routing_single_block_kernel(SlotSource src, int items, int64_t* __restrict__ offsets,
+                                int32_t* __restrict__ p2u, int32_t* __restrict__ u2p) {
+  extern __shared__ int smem[];
+  int* running = smem;
+  uint16_t* warp_count = reinterpret_cast<uint16_t*>(smem + src.E);
+  using BlockScan = cub::BlockScan<int, kThreads>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+
+  dev::grid_dependency_wait();  // the experts may come from the previous kernel
+  zero_shared(running, src.E);
+  zero_shared(reinterpret_cast<int*>(warp_count), (kWarps * src.E + 1) / 2);
+  int keys[kMaxItems];
+  load_segment(src, 0, items, keys);
+  __syncthreads();
+  count_segment(keys, items, running);
+  __syncthreads();
+
+  // Exclusive scan of the counts: E <= 1024 = 2 per thread.
+  int c[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int e = threadIdx.x * 2 + i;
+    c[i] = e < src.E ? running[e] : 0;
+  }
+  int block_total;
+  BlockScan(scan_storage).ExclusiveSum(c, c, block_total);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int e = threadIdx.x * 2 + i;
+    if (e < src.E) {
+      running[e] = c[i];
+      offsets[e] = c[i];
+    }
+  }
+  if (threadIdx.x == 0) offsets[src.E] = block_total;
+  __syncthreads();
+  dev::allow_dependents_launch();
+
+#pragma unroll
+  for (int i = 0; i < kMaxItems; ++i) {
+    if (i >= items) break;
+    scatter_step(keys[i], int64_t(i) * kThreads + threadIdx.x, running, warp_count, src.E, p2u, u2p);
+  }
+}
+
+// ---- multi: 1) count per segment --------------------------------------------
+__global__ void __launch_bounds__(kThreads)
+moe_routing_count_kernel(SlotSource src, int items, int32_t* __restrict__ counts /* [segments][E] */) {
+  extern __shared__ int hist[];
+  dev::grid_dependency_wait();
+  zero_shared(hist, src.E);
+  int keys[kMaxItems];
+  load_segment(src, int64_t(blockIdx.x) * items * kThreads, items, keys);
+  __syncthreads();
+  count_segment(keys, items, hist);
+  __syncthreads();
+  dev::allow_dependents_launch();
+  int32_t* row = counts + int64_t(blockIdx.x) * src.E;
+  for (int e = threadIdx.x; e < src.E; e += blockDim.x) row[e] = hist[e];
+}
+
+// ---- multi: 2) one block turns the counts into per-(segment, expert) bases --
+// Thread (g, e) owns expert e over a contiguous group g of segments, so the
+// loads of a warp are 32 consecutive experts of one segment (coalesced).
+constexpr int kScanThreads = 1024;
+
+__global__ void __launch_bounds__(kScanThreads)
+moe_routing_scan_kernel(int32_t* __restrict__ counts, int num_segments, int E, int64_t* __restrict__ offsets) {
+  __shared__ int partial[kScanThreads];  // [groups][E_pad]
+  using BlockScan = cub::BlockScan<int, kScanThreads>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+  const int e_pad = (E + 31) & ~31;
+  const int groups = kScanThreads / e_pad;
+  const int g = threadIdx.x / e_pad, e = threadIdx.x % e_pad;
+  const bool active = g < groups && e < E;
+  const int per_group = (num_segments + groups - 1) / groups;
+  const int seg_begin = min(g * per_group, num_segments), seg_end = min(seg_begin + per_group, num_segments);
+
+  dev::grid_dependency_wait();
+  int sum = 0;
+  if (active) {
+#pragma unroll 8
+    for (int seg = seg_begin; seg < seg_end; ++seg) sum += counts[int64_t(seg) * E + e];
+  }
+  partial[threadIdx.x] = sum;
+  __syncthreads();
+
+  // Per expert: exclusive scan over the groups, and the expert's total.
+  int expert_total = 0;
+  if (threadIdx.x < E) {
+    for (int gg = 0; gg < groups; ++gg) {
+      const int v = partial[gg * e_pad + threadIdx.x];
+      partial[gg * e_pad + threadIdx.x] = expert_total;
+      expert_total += v;
+    }
+  }
+  int expert_base, total;
+  BlockScan(scan_storage).ExclusiveSum(expert_total, expert_base, total);
+  if (threadIdx.x < E) {
+    offsets[threadIdx.x] = expert_base;
+    for (int gg = 0; gg < groups; ++gg) partial[gg * e_pad + threadIdx.x] += expert_base;
+  }
+  if (threadIdx.x == 0) offsets[E] = total;
+  __syncthreads();
+  dev::allow_dependents_launch();
+
+  if (active) {
+    int base = partial[threadIdx.x];
+#pragma unroll 8
+    for (int seg = seg_begin; seg < seg_end; ++seg) {
+      int32_t* p = counts + int64_t(seg) * E + e;
+      const int c = *p;
+      *p = base;
+      base += c;
+    }
+  }
+}
+
+// ---- multi: 3) stable scatter per segment --------------------------------
+__global__ void __launch_bounds__(kThreads)
+moe_routing_scatter_kernel(SlotSource src, int items, const int32_t* __restrict__ bases /* [segments][E] */,
+                           int32_t* __restrict__ p2u, int32_t* __restrict__ u2p) {
+  extern __shared__ int smem[];
+  int* running = smem;
+  uint16_t* warp_count = reinterpret_cast<uint16_t*>(smem + src.E);
+  const int64_t seg_start = int64_t(blockIdx.x) * items * kThreads;
+  // The expert ids are not written by the scan: load them before waiting.
+  int keys[kMaxItems];
+  load_segment(src, seg_start, items, keys);
+  zero_shared(reinterpret_cast<int*>(warp_count), (kWarps * src.E + 1) / 2);
+  dev::grid_dependency_wait();
+  const int32_t* row = bases + int64_t(blockIdx.x) * src.E;
+  for (int e = threadIdx.x; e < src.E; e += blockDim.x) running[e] = row[e];
+  __syncthreads();
+  dev::allow_dependents_launch();
+#pragma unroll
+  for (int i = 0; i < kMaxItems; ++i) {
+    if (i >= items) break;
+    scatter_step(keys[i], seg_start + int64_t(i) * kThreads + threadIdx.x, running, warp_count, src.E, p2u,
+                 u2p);
+  }
+}
+
+// ---- expansion: permuted_input[p] = input[t] ------------------------------
+// Token-major: a block reads its part of row t once and writes it to each of
+// the token's (up to k) permuted rows, so the input is read once, not k times.
+// Bytes: T*H + P*H elements; bandwidth-bound. Word is the widest access the
+// pointers and strides allow (16 bytes normally).
+constexpr int kExpandThreads = 128;
+constexpr int kExpandUnroll = 2;
+
+template <typename Word>
+__global__ void __launch_bounds__(kExpandThreads)
+moe_routing_expand_kernel(const char* __restrict__ input, int64_t in_stride_bytes, char* __restrict__ out,
+                          int64_t out_stride_bytes, int words_per_row, const int32_t* __restrict__ u2p,
+                          int32_t T, int k) {
+  __shared__ int32_t rows[16];
+  const int32_t t = blockIdx.x;
+  // u2p comes from the previous kernel in this call.
+  dev::grid_dependency_wait();
+  if (threadIdx.x < k) rows[threadIdx.x] = u2p[int64_t(threadIdx.x) * T + t];
+  __syncthreads();
+  dev::allow_dependents_launch();
+  const Word* src = reinterpret_cast<const Word*>(input + int64_t(t) * in_stride_bytes);
+  const int stride = gridDim.y * kExpandThreads;
+  for (int v0 = blockIdx.y * kExpandThreads + threadIdx.x; v0 < words_per_row; v0 += stride * kExpandUnroll) {
+    Word x[kExpandUnroll];
+#pragma unroll
+    for (int u = 0; u < kExpandUnroll; ++u) {
+      const int v = v0 + u * stride;
+      if (v < words_per_row) x[u] = __ldcs(src + v);  // each input word is read once
+    }
+    for (int j = 0; j < k; ++j) {
+      const int32_t p = rows[j];
+      if (p < 0) continue;
+      Word* dst = reinterpret_cast<Word*>(out + int64_t(p) * out_stride_bytes);
+#pragma unroll
+      for (int u = 0; u < kExpandUnroll; ++u) {
+        const int v = v0 + u * stride;
+        if (v < words_per_row) dst[v] = x[u];
+      }
+    }
+  }
+}
+
+template <typename Word>
+cudaError_t launch_expand(const MoeRoutingArgs& a, cudaStream_t stream) {
+  const int64_t es = int64_t(dtype_size(a.input_dtype));
+  const int64_t in_stride = (a.input_stride ? a.input_stride : a.hidden) * es;
+  const int64_t out_stride = (a.permuted_input_stride ? a.permuted_input_stride : a.hidden) * es;
+  const int words = int(a.hidden * es / int64_t(sizeof(Word)));
+  // Enough blocks to fill the GPU at decode sizes: split each row over up to
+  // `parts` blocks when there are few tokens.
+  const int64_t per_block = int64_t(kExpandThreads) * kExpandUnroll;
+  const int64_t max_parts = (words + per_block - 1) / per_block;
+  int64_t parts = (1024 + a.num_tokens - 1) / a.num_tokens;
+  if (parts > max_parts) parts = max_parts;
+  if (parts < 1) parts = 1;
+  return dev::launch(moe_routing_expand_kernel<Word>, dim3(unsigned(a.num_tokens), unsigned(parts)),
+                     dim3(kExpandThreads), 0, stream, a.enable_pdl, static_cast<const char*>(a.input),
+                     in_stride, static_cast<char*>(a.permuted_input), out_stride, words,
+                     static_cast<const int32_t*>(a.unpermuted_row_to_permuted_row), int32_t(a.num_tokens), a.k);
+}
+
+// The widest word (16, 8, 4 or 2 bytes) dividing both pointers, both row
+// strides and the row length: 16 for the usual contiguous bf16/fp16/fp32 rows.
+int expand_word_bytes(const MoeRoutingArgs& a) {
+  const int64_t es = int64_t(dtype_size(a.input_dtype));
+  const uint64_t in_stride = uint64_t((a.input_stride ? a.input_stride : a.hidden) * es);
+  const uint64_t out_stride = uint64_t((a.permuted_input_stride ? a.permuted_input_stride : a.hidden) * es);
+  const uint64_t bits = reinterpret_cast<uintptr_t>(a.input) | reinterpret_cast<uintptr_t>(a.permuted_input) |
+                        in_stride | out_stride | uint64_t(a.hidden * es);
+  for (int w = 16; w > 2; w /= 2)
+    if (bits % uint64_t(w) == 0) return w;
+  return 2;
+}
+
+Status set_smem(const void* kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return Status::Ok();
+  return detail::cuda_status(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)), kOp,
+      "cudaFuncSetAttribute");
+}
+
+}  // namespace
+
+Status build_moe_routing_maps(const MoeRoutingArgs& a, void* workspace, size_t workspace_bytes,
+                              cudaStream_t stream) {
+  FM_RETURN_IF_ERROR(validate_moe_routing_maps(a));
+  const detail::MoeRoutingPlan plan = detail::plan_moe_routing(a);
+  FM_REQUIRE(workspace_bytes >= plan.workspace_bytes, kOp, "workspace_bytes", "must be >= ",
+             plan.workspace_bytes, " (build_moe_routing_maps_workspace_size), got ", workspace_bytes);
+  FM_REQUIRE(plan.workspace_bytes == 0 || workspace != nullptr, kOp, "workspace", "must not be null");
+  FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
+
+  const int E = a.num_experts_per_node;
+  if (a.num_tokens == 0) {
+    // Nothing to route; zero the offsets so a consumer reading them on the
+    // device (the grouped GEMM) sees E empty experts.
+    return detail::cuda_status(
+        cudaMemsetAsync(a.expert_first_token_offset, 0, sizeof(int64_t) * (size_t(E) + 1), stream), kOp,
+        "cudaMemsetAsync");
+  }
+
+  SlotSource src{a.token_selected_experts, int32_t(a.num_tokens), int32_t(a.k), int32_t(a.start_expert_id),
+                 int32_t(E), int32_t(plan.slots)};
+  const size_t scatter_smem = scatter_smem_bytes(E);
+  cudaError_t err;
+  if (plan.single_block) {
+    FM_RETURN_IF_ERROR(set_smem(reinterpret_cast<const void*>(moe_routing_single_block_kernel), scatter_smem));
+    err = dev::launch(moe_routing_single_block_kernel, dim3(1), dim3(kThreads), scatter_smem, stream,
+                      a.enable_pdl, src, plan.items, a.expert_first_token_offset,
+                      a.permuted_row_to_unpermuted_row, a.unpermuted_row_to_permuted_row);
+    FM_RETURN_IF_ERROR(detail::cuda_status(err, kOp, "single-block kernel launch"));
+  } else {
+    // Align the caller's workspace to 256 bytes (the query added the slack).
+    const uintptr_t raw = reinterpret_cast<uintptr_t>(workspace);
+    int32_t* counts = reinterpret_cast<int32_t*>((raw + 255) & ~uintptr_t(255));
+    const unsigned segments = unsigned(plan.num_segments);
+    err = dev::launch(moe_routing_count_kernel, dim3(segments), dim3(kThreads), sizeof(int) * size_t(E), stream,
+                      a.enable_pdl, src, plan.items, counts);
+    FM_RETURN_IF_ERROR(detail::cuda_status(err, kOp, "count kernel launch"));
+    err = dev::launch(moe_routing_scan_kernel, dim3(1), dim3(kScanThreads), 0, stream, a.enable_pdl, counts,
+                      int(plan.num_segments), E, a.expert_first_token_offset);
+    FM_RETURN_IF_ERROR(detail::cuda_status(err, kOp, "scan kernel launch"));
+    FM_RETURN_IF_ERROR(set_smem(reinterpret_cast<const void*>(moe_routing_scatter_kernel), scatter_smem));
+    err = dev::launch(moe_routing_scatter_kernel, dim3(segments), dim3(kThreads), scatter_smem, stream,
+                      a.enable_pdl, src, plan.items, static_cast<const int32_t*>(counts),
+                      a.permuted_row_to_unpermuted_row, a.unpermuted_row_to_permuted_row);
+    FM_RETURN_IF_ERROR(detail::cuda_status(err, kOp, "scatter kernel launch"));
+  }
+
+  if (a.input != nullptr) {
+    switch (expand_word_bytes(a)) {
+      case 16: err = launch_expand<uint4>(a, stream); break;
+      case 8: err = launch_expand<uint2>(a, stream); break;
+      case 4: err = launch_expand<unsigned int>(a, stream); break;
+      default: err = launch_expand<unsigned short>(a, stream); break;
+    }
+    FM_RETURN_IF_ERROR(detail::cuda_status(err, kOp, "expand kernel launch"));
+  }
+  return detail::check_launch(kOp);
+}
+
+}  // namespace flashmix

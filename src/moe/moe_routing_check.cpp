@@ -1,0 +1,86 @@
+// MoE routing maps: the one host-side validation both backends call (SPEC §5),
+// and the workspace-size query. Never reads device memory.
+#include <cstdint>
+
+#include "common/check.h"
+#include "flashmix/moe.h"
+#include "moe/moe_routing_plan.h"
+
+namespace flashmix {
+
+namespace {
+constexpr const char* kOp = "build_moe_routing_maps";
+
+bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+}  // namespace
+
+Status validate_moe_routing_maps(const MoeRoutingArgs& a) {
+  FM_REQUIRE(a.num_tokens >= 0, kOp, "num_tokens", "must be >= 0 (got ", a.num_tokens, ")");
+  FM_REQUIRE(a.k >= 1 && a.k <= 16, kOp, "k", "must be in 1..16 (got ", a.k, ")");
+  FM_REQUIRE(a.num_tokens <= detail::kInt32Max / a.k, kOp, "num_tokens",
+             "k*T must fit int32, the permuted-row index type (T=", a.num_tokens, ", k=", a.k, ")");
+  FM_REQUIRE(a.num_experts_per_node >= 1, kOp, "num_experts_per_node", "must be >= 1 (got ",
+             a.num_experts_per_node, ")");
+  FM_REQUIRE_SUPPORTED(a.num_experts_per_node <= detail::kRoutingMaxExperts, kOp, "num_experts_per_node",
+                       "at most ", detail::kRoutingMaxExperts, " local experts are supported (got ",
+                       a.num_experts_per_node, ")");
+  FM_REQUIRE(a.start_expert_id >= 0, kOp, "start_expert_id", "must be >= 0 (got ", a.start_expert_id, ")");
+  FM_REQUIRE(int64_t(a.start_expert_id) + a.num_experts_per_node <= detail::kInt32Max, kOp,
+             "start_expert_id", "start_expert_id + num_experts_per_node must fit int32");
+  FM_REQUIRE(a.tuning.single_block_max_slots >= -1 &&
+                 a.tuning.single_block_max_slots <= detail::kRoutingMaxSegmentSlots,
+             kOp, "tuning.single_block_max_slots", "must be -1, 0 or 1..", detail::kRoutingMaxSegmentSlots,
+             " (got ", a.tuning.single_block_max_slots, ")");
+
+  // The offsets are written even for T == 0 (all zero), so the grouped GEMM
+  // that reads them on the device never sees garbage.
+  FM_REQUIRE(a.expert_first_token_offset != nullptr, kOp, "expert_first_token_offset", "must not be null");
+  FM_REQUIRE(aligned(a.expert_first_token_offset, 8), kOp, "expert_first_token_offset",
+             "must be 8-byte aligned (int64)");
+  if (a.num_tokens > 0) {
+    FM_REQUIRE(a.token_selected_experts != nullptr, kOp, "token_selected_experts", "must not be null");
+    FM_REQUIRE(a.permuted_row_to_unpermuted_row != nullptr, kOp, "permuted_row_to_unpermuted_row",
+               "must not be null");
+    FM_REQUIRE(a.unpermuted_row_to_permuted_row != nullptr, kOp, "unpermuted_row_to_permuted_row",
+               "must not be null");
+    FM_REQUIRE(aligned(a.token_selected_experts, 4), kOp, "token_selected_experts", "must be 4-byte aligned (int32)");
+    FM_REQUIRE(aligned(a.permuted_row_to_unpermuted_row, 4), kOp, "permuted_row_to_unpermuted_row",
+               "must be 4-byte aligned (int32)");
+    FM_REQUIRE(aligned(a.unpermuted_row_to_permuted_row, 4), kOp, "unpermuted_row_to_permuted_row",
+               "must be 4-byte aligned (int32)");
+  }
+
+  // Expansion: both pointers or neither.
+  FM_REQUIRE(a.input != nullptr || a.permuted_input == nullptr, kOp, "input",
+             "must not be null when permuted_input is given");
+  FM_REQUIRE(a.permuted_input != nullptr || a.input == nullptr, kOp, "permuted_input",
+             "must not be null when input is given");
+  if (a.input != nullptr) {
+    FM_REQUIRE(dtype_is_valid(a.input_dtype), kOp, "input_dtype", "is not a valid DType");
+    const int64_t es = int64_t(dtype_size(a.input_dtype));
+    FM_REQUIRE(a.hidden >= 1, kOp, "hidden", "must be >= 1 when expanding (got ", a.hidden, ")");
+    FM_REQUIRE(a.hidden <= detail::kInt32Max / es, kOp, "hidden",
+               "a row must be smaller than 2 GiB (got ", a.hidden, ")");
+    const int64_t in_stride = a.input_stride == 0 ? a.hidden : a.input_stride;
+    const int64_t out_stride = a.permuted_input_stride == 0 ? a.hidden : a.permuted_input_stride;
+    FM_REQUIRE(in_stride >= a.hidden, kOp, "input_stride", "must be 0 or >= hidden (got ", a.input_stride,
+               ", hidden ", a.hidden, ")");
+    FM_REQUIRE(out_stride >= a.hidden, kOp, "permuted_input_stride", "must be 0 or >= hidden (got ",
+               a.permuted_input_stride, ", hidden ", a.hidden, ")");
+    // Byte offsets are int64: rows * stride * element size must not overflow.
+    const int64_t limit = INT64_MAX / 4;
+    const int64_t rows = a.num_tokens * a.k;
+    FM_REQUIRE(rows == 0 || in_stride <= limit / es / (rows > 0 ? rows : 1), kOp, "input_stride",
+               "T * input_stride bytes overflow 64-bit offsets");
+    FM_REQUIRE(rows == 0 || out_stride <= limit / es / (rows > 0 ? rows : 1), kOp, "permuted_input_stride",
+               "k*T * permuted_input_stride bytes overflow 64-bit offsets");
+  }
+  return Status::Ok();
+}
+
+size_t build_moe_routing_maps_workspace_size(const MoeRoutingArgs& args) {
+  if (!validate_moe_routing_maps(args).ok()) return 0;
+  return detail::plan_moe_routing(args).workspace_bytes;
+}
+
+}  // namespace flashmix

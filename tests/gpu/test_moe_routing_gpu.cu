@@ -1,0 +1,377 @@
+// build_moe_routing_maps on the GPU against the CPU reference (SPEC §1):
+// random and unbalanced routings, expert-parallel ranges, both launch paths,
+// the expansion with every access width, graphs, repeatability and SPEC §5.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/gpu_testing.h"
+#include "common/test_data.h"
+#include "flashmix/moe.h"
+
+using namespace flashmix;
+using namespace flashmix::testing;
+
+namespace {
+
+constexpr int32_t kPoison32 = int32_t(0xDEADBEEF);
+constexpr int64_t kPoison64 = int64_t(0x0DEADBEEFDEADBEEFll);
+constexpr uint8_t kPoisonByte = 0xA5;
+
+struct Shape {
+  int64_t T;
+  int k;
+  int total;  // experts in the model
+  int start;
+  int local;
+};
+
+std::string describe(const Shape& s, int tuning) {
+  return "T=" + std::to_string(s.T) + " k=" + std::to_string(s.k) + " experts " + std::to_string(s.start) + "+" +
+         std::to_string(s.local) + "/" + std::to_string(s.total) + " single_block_max_slots=" + std::to_string(tuning);
+}
+
+struct Expansion {
+  DType dtype = DType::kBFloat16;
+  int64_t hidden = 0;  // 0: no expansion
+  int64_t in_stride = 0, out_stride = 0;
+  int64_t in_offset_bytes = 0, out_offset_bytes = 0;  // to misalign the pointers
+};
+
+// Host results of one call (buffers sized for P = k*T, poisoned before).
+struct Result {
+  std::vector<int64_t> offsets;
+  std::vector<int32_t> p2u, u2p;
+  std::vector<uint8_t> expanded;
+  bool operator==(const Result& o) const {
+    return offsets == o.offsets && p2u == o.p2u && u2p == o.u2p && expanded == o.expanded;
+  }
+};
+
+// Device buffers for one problem, poisoned.
+struct Problem {
+  int64_t T;
+  int k, start, local;
+  Expansion ex;
+  DeviceBuffer experts, offsets, p2u, u2p, input, expanded, workspace;
+  MoeRoutingArgs args;
+
+  Problem(const std::vector<int32_t>& host_experts, int64_t T_, int k_, int start_, int local_, int tuning,
+          const Expansion& ex_, const std::vector<uint8_t>* host_input = nullptr)
+      : T(T_), k(k_), start(start_), local(local_), ex(ex_),
+        experts(std::max<size_t>(4, host_experts.size() * 4)),
+        offsets(8 * size_t(local + 1)),
+        p2u(std::max<size_t>(4, 4 * size_t(T * k))),
+        u2p(std::max<size_t>(4, 4 * size_t(T * k))) {
+    experts.upload(host_experts.data(), host_experts.size() * 4);
+    args.token_selected_experts = experts.as<int32_t>();
+    args.num_tokens = T;
+    args.k = k;
+    args.start_expert_id = start;
+    args.num_experts_per_node = local;
+    args.expert_first_token_offset = offsets.as<int64_t>();
+    args.permuted_row_to_unpermuted_row = p2u.as<int32_t>();
+    args.unpermuted_row_to_permuted_row = u2p.as<int32_t>();
+    args.tuning.single_block_max_slots = tuning;
+    if (ex.hidden > 0) {
+      input = DeviceBuffer(input_bytes());
+      expanded = DeviceBuffer(expanded_bytes());
+      if (host_input) input.upload(host_input->data(), host_input->size());
+      args.input = static_cast<char*>(input.get()) + ex.in_offset_bytes;
+      args.permuted_input = static_cast<char*>(expanded.get()) + ex.out_offset_bytes;
+      args.input_dtype = ex.dtype;
+      args.hidden = ex.hidden;
+      args.input_stride = ex.in_stride;
+      args.permuted_input_stride = ex.out_stride;
+    }
+    workspace = DeviceBuffer(build_moe_routing_maps_workspace_size(args));
+    poison();
+  }
+  size_t es() const { return dtype_size(ex.dtype); }
+  size_t input_bytes() const {
+    return ex.in_offset_bytes + size_t(T) * (ex.in_stride ? ex.in_stride : ex.hidden) * es() + 16;
+  }
+  size_t expanded_bytes() const {
+    return ex.out_offset_bytes + size_t(T * k) * (ex.out_stride ? ex.out_stride : ex.hidden) * es() + 16;
+  }
+  void poison() {
+    std::vector<int64_t> o(size_t(local + 1), kPoison64);
+    offsets.upload(o.data(), o.size() * 8);
+    std::vector<int32_t> m(p2u.bytes() / 4, kPoison32);
+    p2u.upload(m.data(), m.size() * 4);
+    u2p.upload(m.data(), m.size() * 4);
+    if (ex.hidden > 0) {
+      std::vector<uint8_t> b(expanded.bytes(), kPoisonByte);
+      expanded.upload(b.data(), b.size());
+    }
+  }
+  Status launch(cudaStream_t stream = nullptr) {
+    return build_moe_routing_maps(args, workspace.get(), workspace.bytes(), stream);
+  }
+  Result fetch() const {
+    Result r;
+    r.offsets = offsets.to_host<int64_t>();
+    r.p2u = p2u.to_host<int32_t>();
+    r.u2p = u2p.to_host<int32_t>();
+    if (ex.hidden > 0) r.expanded = expanded.to_host<uint8_t>();
+    return r;
+  }
+};
+
+// The CPU reference on the same inputs into identically poisoned host buffers.
+Result reference(const std::vector<int32_t>& experts, const Problem& p, const std::vector<uint8_t>* input) {
+  Result r;
+  r.offsets.assign(size_t(p.local + 1), kPoison64);
+  r.p2u.assign(p.p2u.bytes() / 4, kPoison32);
+  r.u2p.assign(p.u2p.bytes() / 4, kPoison32);
+  MoeRoutingArgs a = p.args;
+  a.token_selected_experts = experts.data();
+  a.expert_first_token_offset = r.offsets.data();
+  a.permuted_row_to_unpermuted_row = r.p2u.data();
+  a.unpermuted_row_to_permuted_row = r.u2p.data();
+  if (p.ex.hidden > 0) {
+    r.expanded.assign(p.expanded.bytes(), kPoisonByte);
+    a.input = input->data() + p.ex.in_offset_bytes;
+    a.permuted_input = r.expanded.data() + p.ex.out_offset_bytes;
+  }
+  Status st = build_moe_routing_maps_cpu(a);
+  EXPECT_TRUE(st.ok()) << st.message();
+  return r;
+}
+
+// Runs GPU and CPU on `experts`; compares everything, poison included.
+void check_against_reference(const std::vector<int32_t>& experts, const Shape& s, int tuning,
+                             const Expansion& ex = {}) {
+  SCOPED_TRACE(describe(s, tuning));
+  std::vector<uint8_t> input;
+  if (ex.hidden > 0) {
+    input.resize(ex.in_offset_bytes + size_t(s.T) * (ex.in_stride ? ex.in_stride : ex.hidden) * dtype_size(ex.dtype) + 16);
+    Rng rng(test_seed() ^ 0x1234);
+    for (auto& b : input) b = uint8_t(rng.integer(0, 255));
+  }
+  Problem p(experts, s.T, s.k, s.start, s.local, tuning, ex, ex.hidden > 0 ? &input : nullptr);
+  Status st = p.launch();
+  ASSERT_TRUE(st.ok()) << st.message();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  Result got = p.fetch();
+  Result want = reference(experts, p, ex.hidden > 0 ? &input : nullptr);
+  EXPECT_EQ(got.offsets, want.offsets);
+  EXPECT_EQ(got.u2p, want.u2p);
+  EXPECT_EQ(got.p2u, want.p2u);  // includes the untouched tail past P
+  if (ex.hidden > 0) EXPECT_TRUE(got.expanded == want.expanded) << "expanded rows differ";
+}
+
+std::vector<int32_t> random_experts(Rng& rng, const Shape& s) {
+  return random_routing(rng, s.T, s.k, s.total, s.start, s.local).experts;
+}
+
+const int kTunings[] = {0, -1, 8192};  // automatic, always multi-launch, single block where it fits
+
+}  // namespace
+
+TEST(MoeRoutingGpu, MatchesReferenceOnRandomRoutings) {
+  SKIP_WITHOUT_GPU();
+  Rng rng(test_seed());
+  const Shape shapes[] = {
+      {1, 1, 1, 0, 1},          {1, 16, 32, 0, 32},        {16, 8, 256, 0, 256},   {16, 8, 256, 96, 32},
+      {512, 8, 256, 0, 256},    {1000, 6, 64, 10, 17},     {1024, 8, 8, 0, 8},     {8192, 8, 256, 0, 256},
+      {8192, 8, 256, 96, 32},   {8192, 8, 128, 0, 128},    {4096, 2, 8, 0, 8},     {20000, 2, 1024, 0, 1024},
+      {100000, 8, 256, 128, 64}, {3, 16, 5, 0, 5},         {7777, 3, 300, 7, 200},
+  };
+  for (const Shape& s : shapes)
+    for (int tuning : kTunings) {
+      if (tuning == 8192 && s.T * s.k > 8192) continue;
+      check_against_reference(random_experts(rng, s), s, tuning);
+    }
+}
+
+TEST(MoeRoutingGpu, KFrom1To16) {
+  SKIP_WITHOUT_GPU();
+  Rng rng(test_seed());
+  for (int k = 1; k <= 16; ++k)
+    for (int tuning : {0, -1}) {
+      Shape s{777, k, 64, 16, 32};
+      check_against_reference(random_experts(rng, s), s, tuning);
+    }
+}
+
+TEST(MoeRoutingGpu, UnbalancedRoutings) {
+  SKIP_WITHOUT_GPU();
+  Rng rng(test_seed());
+  for (int64_t T : {1, 16, 700, 9000})
+    for (int tuning : {0, -1}) {
+      const int k = 8;
+      Shape s{T, k, 256, 96, 32};
+      std::vector<int32_t> experts(size_t(T * k));
+      // Every slot to one local expert (slot-major repeats, so k = 8 copies per token).
+      for (auto& e : experts) e = 100;
+      check_against_reference(experts, s, tuning);
+      // Only experts 96 and 127 (first and last local) used: 30 empty experts.
+      for (auto& e : experts) e = rng.integer(0, 1) ? 96 : 127;
+      check_against_reference(experts, s, tuning);
+      // Nothing local at all: P = 0.
+      for (auto& e : experts) e = int32_t(rng.integer(0, 95));
+      check_against_reference(experts, s, tuning);
+      // Ids outside the model (trusted device data) are just not local.
+      for (auto& e : experts) e = int32_t(rng.integer(0, 3)) == 0 ? -1 - int32_t(rng.integer(0, 5)) : 100000;
+      experts[0] = 97;
+      check_against_reference(experts, s, tuning);
+    }
+}
+
+TEST(MoeRoutingGpu, ZeroTokensZeroesTheOffsetsAndWritesNothingElse) {
+  SKIP_WITHOUT_GPU();
+  Expansion ex;
+  ex.hidden = 64;
+  Problem p({}, 0, 4, 0, 8, 0, ex);
+  Status st = p.launch();
+  ASSERT_TRUE(st.ok()) << st.message();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  Result r = p.fetch();
+  EXPECT_EQ(r.offsets, std::vector<int64_t>(9, 0));
+  EXPECT_EQ(r.u2p, std::vector<int32_t>(1, kPoison32));
+  for (uint8_t b : r.expanded) ASSERT_EQ(b, kPoisonByte);
+}
+
+TEST(MoeRoutingGpu, ExpansionWithEveryDtypeStrideAndAlignment) {
+  SKIP_WITHOUT_GPU();
+  Rng rng(test_seed());
+  struct ExCase {
+    DType dtype;
+    int64_t hidden, in_stride, out_stride, in_off, out_off;
+  };
+  const ExCase cases[] = {
+      {DType::kBFloat16, 7168, 0, 0, 0, 0},        // 16-byte words
+      {DType::kFloat16, 2048, 2056, 2048, 0, 0},   // 16-byte words, padded input rows
+      {DType::kFloat32, 1000, 1001, 1003, 0, 0},   // 4-byte words (odd strides)
+      {DType::kBFloat16, 1024, 0, 0, 8, 0},        // 8-byte words (input pointer off by 8)
+      {DType::kBFloat16, 1023, 0, 0, 0, 0},        // 2-byte words (odd row length)
+      {DType::kFloat16, 64, 64, 64, 0, 2},         // 2-byte words (output pointer off by 2)
+      {DType::kFloat32, 1, 0, 0, 0, 0},            // one element per row
+  };
+  for (const ExCase& c : cases)
+    for (int64_t T : {1, 16, 1500})
+      for (int tuning : {0, -1}) {
+        Expansion ex{c.dtype, c.hidden, c.in_stride, c.out_stride, c.in_off, c.out_off};
+        Shape s{T, 8, 64, 16, 32};
+        SCOPED_TRACE("hidden " + std::to_string(c.hidden) + " dtype " + to_string(c.dtype));
+        check_against_reference(random_experts(rng, s), s, tuning, ex);
+      }
+}
+
+TEST(MoeRoutingGpu, BitwiseRepeatableAcrossRunsAndPaths) {
+  SKIP_WITHOUT_GPU();
+  Rng rng(test_seed());
+  Shape s{4000, 2, 16, 0, 16};  // k*T = 8000: both paths apply
+  std::vector<int32_t> experts = random_experts(rng, s);
+  Expansion ex;
+  ex.hidden = 256;
+  std::vector<uint8_t> input(size_t(s.T) * 256 * 2 + 16, 0x3c);
+  Result first;
+  for (int tuning : {0, -1, 8192})
+    for (int rep = 0; rep < 3; ++rep) {
+      Problem p(experts, s.T, s.k, s.start, s.local, tuning, ex, &input);
+      ASSERT_TRUE(p.launch().ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      Result r = p.fetch();
+      if (tuning == 0 && rep == 0) first = r;
+      else EXPECT_TRUE(r == first) << "tuning " << tuning << " rep " << rep;
+    }
+}
+
+TEST(MoeRoutingGpu, CapturableInACudaGraphAndReplayedOnNewRoutings) {
+  SKIP_WITHOUT_GPU();
+  Rng rng(test_seed());
+  for (Shape s : {Shape{16, 8, 256, 96, 32}, Shape{8192, 8, 256, 0, 256}}) {
+    Expansion ex;
+    ex.hidden = 512;
+    std::vector<uint8_t> input(size_t(s.T) * 512 * 2 + 16);
+    for (auto& b : input) b = uint8_t(rng.integer(0, 255));
+    std::vector<int32_t> experts = random_experts(rng, s);
+    Problem p(experts, s.T, s.k, s.start, s.local, 0, ex, &input);
+    cudaStream_t stream;
+    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    Status st = p.launch(stream);
+    CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    ASSERT_TRUE(st.ok()) << st.message();
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int replay = 0; replay < 3; ++replay) {
+      // New routing written in place: the graph reads it on the device.
+      experts = random_experts(rng, s);
+      p.experts.upload(experts.data(), experts.size() * 4);
+      p.poison();
+      CUDA_OK(cudaGraphLaunch(exec, stream));
+      CUDA_OK(cudaStreamSynchronize(stream));
+      Result got = p.fetch();
+      Result want = reference(experts, p, &input);
+      EXPECT_TRUE(got == want) << "replay " << replay << " T=" << s.T;
+    }
+    CUDA_OK(cudaGraphExecDestroy(exec));
+    CUDA_OK(cudaGraphDestroy(graph));
+    CUDA_OK(cudaStreamDestroy(stream));
+  }
+}
+
+TEST(MoeRoutingGpu, WithoutPdlGivesTheSameResult) {
+  SKIP_WITHOUT_GPU();
+  Rng rng(test_seed());
+  Shape s{3000, 8, 256, 0, 256};
+  std::vector<int32_t> experts = random_experts(rng, s);
+  Problem a(experts, s.T, s.k, s.start, s.local, 0, {});
+  Problem b(experts, s.T, s.k, s.start, s.local, 0, {});
+  b.args.enable_pdl = false;
+  ASSERT_TRUE(a.launch().ok());
+  ASSERT_TRUE(b.launch().ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_TRUE(a.fetch() == b.fetch());
+}
+
+// ---- SPEC §5 on the GPU entry point: error, nothing launched or written ---
+
+TEST(MoeRoutingGpuErrors, BadInputNamesTheArgumentAndWritesNothing) {
+  SKIP_WITHOUT_GPU();
+  Rng rng(test_seed());
+  Shape s{5000, 8, 256, 0, 256};  // multi-launch path: needs a workspace
+  std::vector<int32_t> experts = random_experts(rng, s);
+  Expansion ex;
+  ex.hidden = 128;
+  struct Case {
+    const char* name;
+    void (*mutate)(Problem&, void*&, size_t&);
+    const char* expect;
+  };
+  const Case cases[] = {
+      {"k = 17", [](Problem& p, void*&, size_t&) { p.args.k = 17; }, "k: must be in 1..16"},
+      {"null experts", [](Problem& p, void*&, size_t&) { p.args.token_selected_experts = nullptr; },
+       "token_selected_experts: must not be null"},
+      {"null u2p", [](Problem& p, void*&, size_t&) { p.args.unpermuted_row_to_permuted_row = nullptr; },
+       "unpermuted_row_to_permuted_row: must not be null"},
+      {"stride < hidden", [](Problem& p, void*&, size_t&) { p.args.input_stride = 100; },
+       "input_stride: must be 0 or >= hidden"},
+      {"workspace too small", [](Problem&, void*&, size_t& bytes) { bytes -= 1; }, "workspace_bytes: must be >= "},
+      {"null workspace", [](Problem&, void*& ws, size_t&) { ws = nullptr; }, "workspace: must not be null"},
+  };
+  for (const Case& c : cases) {
+    Problem p(experts, s.T, s.k, s.start, s.local, 0, ex);
+    void* ws = p.workspace.get();
+    size_t bytes = p.workspace.bytes();
+    ASSERT_GT(bytes, 0u);
+    c.mutate(p, ws, bytes);
+    Status st = build_moe_routing_maps(p.args, ws, bytes, nullptr);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << c.name;
+    EXPECT_NE(st.message().find(std::string("build_moe_routing_maps: ") + c.expect), std::string::npos)
+        << c.name << ": got \"" << st.message() << "\"";
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    Result r = p.fetch();
+    EXPECT_EQ(r.offsets, std::vector<int64_t>(size_t(s.local + 1), kPoison64)) << c.name;
+    for (int32_t v : r.u2p) ASSERT_EQ(v, kPoison32) << c.name;
+    for (int32_t v : r.p2u) ASSERT_EQ(v, kPoison32) << c.name;
+    for (uint8_t b : r.expanded) ASSERT_EQ(b, kPoisonByte) << c.name;
+  }
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
