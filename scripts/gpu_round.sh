@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One whole GPU round on a machine with an NVIDIA GPU, in one go:
+#   1. the GPU tests, 2. compute-sanitizer memcheck and racecheck on them,
+#   3. flashmix-bench over the standard workloads with verification (JSON).
+# Usage: scripts/gpu_round.sh BIN_DIR OUT_DIR [bench args...]
+#   BIN_DIR holds flashmix_gpu_tests and flashmix-bench (built elsewhere is fine).
+# Environment: SANITIZE_FILTER (gtest filter for the sanitizer runs, default: the
+#   small cases), SKIP_SANITIZER=1, SKIP_BENCH=1, SKIP_TESTS=1.
+set -uo pipefail
+bin=${1:?usage: gpu_round.sh BIN_DIR OUT_DIR [bench args...]}
+out=${2:?usage: gpu_round.sh BIN_DIR OUT_DIR [bench args...]}
+shift 2
+mkdir -p "$out"
+status=0
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$out/gpu.txt"
+
+if [ -z "${SKIP_TESTS:-}" ]; then
+  echo "== GPU tests"
+  "$bin/flashmix_gpu_tests" 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |tests ran|Failure|error" | head -60
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "GPU TESTS FAILED"; status=1; }
+fi
+
+if [ -z "${SKIP_SANITIZER:-}" ]; then
+  filter=${SANITIZE_FILTER:-"-*ManyTokens*:*OneTokenAndDecodeSizes*"}
+  for tool in memcheck racecheck; do
+    echo "== compute-sanitizer $tool ($filter)"
+    compute-sanitizer --tool "$tool" --error-exitcode 99 "$bin/flashmix_gpu_tests" --gtest_filter="$filter" \
+      > "$out/sanitizer_$tool.log" 2>&1
+    rc=$?
+    tail -n 3 "$out/sanitizer_$tool.log"
+    [ $rc -eq 0 ] || { echo "SANITIZER $tool FAILED (rc $rc)"; grep -m 20 -E "=====|FAILED" "$out/sanitizer_$tool.log"; status=1; }
+  done
+fi
+
+if [ -z "${SKIP_BENCH:-}" ]; then
+  echo "== flashmix-bench"
+  "$bin/flashmix-bench" --json "$out/bench.json" "$@" 2>&1 | tee "$out/bench.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "BENCH CHECKS FAILED"; status=1; }
+fi
+exit $status
