@@ -52,11 +52,16 @@ inline Status cuda_status(cudaError_t err, const char* op, const char* what) {
                 concat(op, ": ", what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
 }
 
-// A stream is usable when the runtime recognises it. cudaStreamGetFlags is
-// legal during graph capture and does not synchronise.
+// A stream is usable when the runtime recognises it. cudaStreamGetCaptureInfo
+// is one of the few stream queries that is legal while the stream (or another
+// one, in global capture mode) is being captured, and it does not synchronise;
+// cudaStreamGetFlags / cudaStreamQuery would invalidate a capture.
 inline Status check_stream(cudaStream_t stream, const char* op) {
-  unsigned int flags = 0;
-  cudaError_t err = cudaStreamGetFlags(stream, &flags);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaError_t err = cudaStreamGetCaptureInfo(stream, &capture);
+  if (err == cudaSuccess && capture == cudaStreamCaptureStatusInvalidated)
+    return Status(StatusCode::kInvalidArgument,
+                  concat(op, ": stream: its graph capture was already invalidated by an earlier error"));
   if (err != cudaSuccess) {
     (void)cudaGetLastError();  // do not leave a sticky error behind for the caller
     return Status(StatusCode::kInvalidArgument,
