@@ -236,7 +236,7 @@ void run_gpu_case(Context& ctx, const FinalizeCase& c, cudaStream_t stream) {
         for (int blocks : {0, 1, 2}) {
           if (blocks && c.decode) continue;
           const double t = time_with({threads, vectors, blocks});
-          std::printf("  sweep %-34s threads %4d vectors %d blocks/token %d: %9.2f us  %.3f of copy\n",
+          std::printf("  sweep %-34s threads %4d vectors %d chunks/token %d: %9.2f us  %.3f of copy\n",
                       c.name.c_str(), threads, vectors, blocks, t, bytes / (t * 1e-6) / 1e9 / ctx.copy_gbps);
         }
   }

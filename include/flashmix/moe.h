@@ -20,8 +20,8 @@ namespace flashmix {
 // default); the benchmark sweeps these to justify the automatic choice.
 struct FinalizeTuning {
   int threads_per_block = 0;  // 32..512, a multiple of 32
-  int vectors_per_thread = 0; // 16-byte vectors one thread keeps in flight per row: 1, 2 or 4
-  int blocks_per_token = 0;   // how many blocks split one output row (filling mode)
+  int vectors_per_thread = 0; // 16-byte column vectors a lane reduces at once: 1, 2 or 4
+  int chunks_per_token = 0;   // how many warps split one output row
 };
 
 // SPEC §2: out[t, c] = sum over local slots j of w[t,j] * (rows[u2p[j*T+t], c] + bias[e-start, c])

@@ -10,11 +10,14 @@
 // is 0.94 GB read + 0.12 GB written: ~350 us at 3 TB/s of copy bandwidth.
 // Everything else (bias rows) stays in L2.
 //
-// Work decomposition: a work item is (output row, chunk of its columns). Warp 0
-// resolves the item's local slots (expert, permuted row, weight) into shared
-// memory; then each thread reduces U 16-byte column vectors over those slots,
-// keeping up to kLoadsInFlight row loads in flight before the first use. The
-// grid is persistent (at most one wave of resident blocks) and walks the items:
+// Work decomposition: a work item is (output row, chunk of its columns) and
+// belongs to one warp. The warp resolves the item's local slots (expert,
+// permuted row, weight: lane j reads slot j) into its own shared-memory
+// record, then each lane reduces U 16-byte column vectors over those slots,
+// keeping up to kLoadsInFlight row loads in flight before the first use.
+// Warps never wait for each other (no block barrier), so one warp's index
+// round trip overlaps other warps' row loads. The grid is persistent (at most
+// one wave of resident blocks); its warps walk the items:
 //  - filling:   items are T x chunks; every token is written.
 //  - no-filling: items are (local permuted row p) x chunks, with the local row
 //    count read on the device from expert_first_token_offset[E_local]; a
@@ -58,6 +61,7 @@ struct FinalizeParams {
   int chunks;      // chunks per output row
   int chunk_vecs;  // vectors per chunk
   bool fill;
+  bool out_vectors;  // out (and shared_output) aligned for V-element vectors; else element stores
 };
 
 // The local slots of one work item, in slot order.
@@ -69,9 +73,10 @@ struct SlotMeta {
   int count;  // local slots; -1: this item is skipped (no-filling, not the token's first local slot)
 };
 
-// Warp 0 only. Resolves item `key` (a token when filling, a permuted row otherwise).
-__device__ __forceinline__ void resolve_slots(const FinalizeParams& p, int64_t key, SlotMeta& m) {
-  const int lane = threadIdx.x;
+// One warp. Resolves item `key` (a token when filling, a permuted row
+// otherwise) into the warp's record m. Returns false when the item is skipped.
+__device__ __forceinline__ bool resolve_slots(const FinalizeParams& p, int64_t key, SlotMeta& m) {
+  const int lane = threadIdx.x & 31;
   int64_t t = key;
   int first_slot = -1;
   if (!p.fill) {
@@ -89,10 +94,7 @@ __device__ __forceinline__ void resolve_slots(const FinalizeParams& p, int64_t k
   const float w = (in_k && p.scales) ? p.scales[t * p.k + lane] : 1.0f;
   const bool local = in_k && e >= p.start_expert && e - p.start_expert < p.num_local_experts;
   const unsigned mask = __ballot_sync(dev::kFullMask, local);
-  if (!p.fill && __ffs(mask) - 1 != first_slot) {
-    if (lane == 0) m.count = -1;
-    return;
-  }
+  if (!p.fill && __ffs(mask) - 1 != first_slot) return false;  // uniform across the warp
   if (local) {
     const int slot = __popc(mask & ((1u << lane) - 1u));
     m.row_offset[slot] = int64_t(row) * p.rows_stride;
@@ -103,6 +105,8 @@ __device__ __forceinline__ void resolve_slots(const FinalizeParams& p, int64_t k
     m.count = __popc(mask);
     m.token = t;
   }
+  __syncwarp();
+  return true;
 }
 
 // One slot's contribution, the same arithmetic on every path:
@@ -120,10 +124,11 @@ __device__ __forceinline__ void reduce_vectors(const FinalizeParams& p, const Sl
   const Out* shared = static_cast<const Out*>(p.shared);
   Out* out = static_cast<Out*>(p.out) + m.token * p.out_stride;
   const int count = m.count;
+  const int lane = threadIdx.x & 31;
   const int v_begin = chunk * p.chunk_vecs;
   const int v_end = min(p.vectors, v_begin + p.chunk_vecs);
-  const int step = blockDim.x * U;
-  for (int v0 = v_begin + threadIdx.x; v0 < v_end; v0 += step) {
+  constexpr int kStep = 32 * U;
+  for (int v0 = v_begin + lane; v0 < v_end; v0 += kStep) {
     float acc[U][V];
 #pragma unroll
     for (int u = 0; u < U; ++u)
@@ -136,7 +141,7 @@ __device__ __forceinline__ void reduce_vectors(const FinalizeParams& p, const Sl
       for (int g = 0; g < G; ++g)
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-          const int v = v0 + u * blockDim.x;
+          const int v = v0 + u * 32;
           if (s0 + g < count && v < v_end) {
             x[g][u] = dev::load_stream<In, V>(rows + m.row_offset[s0 + g] + int64_t(v) * V);
             if constexpr (kBias) b[g][u] = dev::load_ro<In, V>(bias + m.bias_offset[s0 + g] + int64_t(v) * V);
@@ -158,18 +163,28 @@ __device__ __forceinline__ void reduce_vectors(const FinalizeParams& p, const Sl
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int v = v0 + u * blockDim.x;
+      const int v = v0 + u * 32;
       if (v >= v_end) break;
-      dev::Vec<Out, V> o;
-      if (shared) {
-        const dev::Vec<Out, V> sh = dev::load_ro<Out, V>(shared + m.token * p.shared_stride + int64_t(v) * V);
+      const int64_t col = int64_t(v) * V;
+      if (p.out_vectors) {
+        dev::Vec<Out, V> o;
+        if (shared) {
+          const dev::Vec<Out, V> sh = dev::load_ro<Out, V>(shared + m.token * p.shared_stride + col);
 #pragma unroll
-        for (int e = 0; e < V; ++e) o.v[e] = dev::from_float<Out>(__fadd_rn(acc[u][e], dev::to_float(sh.v[e])));
-      } else {
+          for (int e = 0; e < V; ++e) o.v[e] = dev::from_float<Out>(__fadd_rn(acc[u][e], dev::to_float(sh.v[e])));
+        } else {
 #pragma unroll
-        for (int e = 0; e < V; ++e) o.v[e] = dev::from_float<Out>(acc[u][e]);
+          for (int e = 0; e < V; ++e) o.v[e] = dev::from_float<Out>(acc[u][e]);
+        }
+        dev::store<Out, V>(out + col, o);
+      } else {  // the output row is not aligned for vectors: element stores
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          float r = acc[u][e];
+          if (shared) r = __fadd_rn(r, dev::to_float(shared[m.token * p.shared_stride + col + e]));
+          out[col + e] = dev::from_float<Out>(r);
+        }
       }
-      dev::store<Out, V>(out + int64_t(v) * V, o);
     }
   }
 }
@@ -182,7 +197,7 @@ __device__ __forceinline__ void reduce_tail(const FinalizeParams& p, const SlotM
   const In* bias = static_cast<const In*>(p.bias);
   const Out* shared = static_cast<const Out*>(p.shared);
   Out* out = static_cast<Out*>(p.out) + m.token * p.out_stride;
-  for (int c = first_col + threadIdx.x; c < p.hidden; c += blockDim.x) {
+  for (int c = first_col + (threadIdx.x & 31); c < p.hidden; c += 32) {
     float acc = 0.0f;
     for (int s = 0; s < m.count; ++s) {
       float xv = dev::to_float(rows[m.row_offset[s] + c]);
@@ -194,18 +209,20 @@ __device__ __forceinline__ void reduce_tail(const FinalizeParams& p, const SlotM
   }
 }
 
-// At most kMaxThreads threads, so the compiler may use up to 128 registers:
-// the in-flight row and bias vectors need them.
+// At most kMaxFinalizeThreads threads, so the compiler may use up to 128
+// registers: the in-flight row and bias vectors need them.
 template <typename In, typename Out, int V, int U, bool kBias>
 __global__ void __launch_bounds__(kMaxFinalizeThreads) finalize_moe_routing_kernel(const FinalizeParams p) {
-  __shared__ SlotMeta meta[2];  // double-buffered: one barrier per item
+  __shared__ SlotMeta meta[kMaxFinalizeThreads / 32];  // one record per warp
+  SlotMeta& m = meta[threadIdx.x >> 5];
   // Everything below may read what the previous kernel on the stream wrote.
   dev::grid_dependency_wait();
   dev::allow_dependents_launch();
   const int64_t num_items = p.fill ? p.items_bound : p.expert_offsets[p.num_local_experts] * p.chunks;
-  int parity = 0;
-  for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x, parity ^= 1) {
-    SlotMeta& m = meta[parity];
+  const int warps = blockDim.x >> 5;
+  const int64_t first = int64_t(blockIdx.x) * warps + (threadIdx.x >> 5);
+  const int64_t stride = int64_t(gridDim.x) * warps;
+  for (int64_t item = first; item < num_items; item += stride) {
     int chunk;
     int64_t key;
     if (num_items <= int64_t(UINT32_MAX)) {  // the common case: 32-bit division
@@ -215,9 +232,8 @@ __global__ void __launch_bounds__(kMaxFinalizeThreads) finalize_moe_routing_kern
       chunk = int(item % p.chunks);
       key = item / p.chunks;
     }
-    if (threadIdx.x < 32) resolve_slots(p, key, m);
-    __syncthreads();
-    if (m.count < 0) continue;  // uniform across the block
+    __syncwarp();  // the previous item's record is no longer read
+    if (!resolve_slots(p, key, m)) continue;
     reduce_vectors<In, Out, V, U, kBias>(p, m, chunk);
     if (chunk == p.chunks - 1 && p.vectors * V < p.hidden) reduce_tail<In, Out>(p, m, p.vectors * V);
   }
@@ -232,29 +248,38 @@ template <typename In, typename Out, int V, int U>
 Status launch_finalize(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaStream_t stream) {
   auto kernel = p.bias ? finalize_moe_routing_kernel<In, Out, V, U, true>
                        : finalize_moe_routing_kernel<In, Out, V, U, false>;
-  int threads = a.tuning.threads_per_block ? a.tuning.threads_per_block : 128;
-  p.vectors = p.hidden / V;
-  // Chunks: by default as many as make each thread handle U vectors once;
-  // decode-sized T thus gets several blocks per token.
-  int chunks = a.tuning.blocks_per_token ? a.tuning.blocks_per_token
-                                         : std::max(1, (p.vectors + threads * U - 1) / (threads * U));
-  chunks = std::max(1, std::min(chunks, std::max(1, p.vectors)));
-  p.chunks = chunks;
-  p.chunk_vecs = (p.vectors + chunks - 1) / chunks;
-  const int tail = p.hidden - p.vectors * V;
-  const int per_thread = (p.chunk_vecs + U - 1) / U;
-  threads = std::min(threads, std::max(32, ((std::max(per_thread, tail) + 31) / 32) * 32));
-  p.items_bound = (a.fill ? a.num_tokens : a.num_rows) * int64_t(chunks);
-  if (p.items_bound == 0) return Status::Ok();
-
+  const int threads = a.tuning.threads_per_block ? a.tuning.threads_per_block : 128;
   int device = 0, sms = 0, per_sm = 0;
   FM_RETURN_IF_ERROR(detail::cuda_status(cudaGetDevice(&device), kOp, "cudaGetDevice"));
   FM_RETURN_IF_ERROR(detail::cuda_status(
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), kOp, "multiprocessor count"));
   FM_RETURN_IF_ERROR(detail::cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0),
                                          kOp, "occupancy query"));
-  const int64_t resident = int64_t(std::max(1, per_sm)) * sms;
-  const int64_t grid = std::min<int64_t>(p.items_bound, resident);
+  const int warps = threads / 32;
+  const int64_t resident_warps = int64_t(std::max(1, per_sm)) * sms * warps;
+
+  p.vectors = p.hidden / V;
+  // Chunks per output row (an item is one chunk, for one warp). By default:
+  // about 16 items per resident warp, so the last round of the persistent
+  // loop is a small share of the time, but never less than one 32*U-vector
+  // pass of the warp per item. Decode-sized T thus spreads a row over many
+  // warps and SMs; large T gives each warp a long run of columns.
+  int chunks = a.tuning.chunks_per_token;
+  if (chunks == 0) {
+    const int passes = (p.vectors + 32 * U - 1) / (32 * U);  // warp passes for a whole row
+    const int64_t rows_of_work = std::max<int64_t>(1, a.fill ? a.num_tokens : a.num_rows);
+    const int64_t want = (resident_warps * 16 + rows_of_work - 1) / rows_of_work;
+    chunks = int(std::min<int64_t>(passes, want));
+  }
+  chunks = std::max(1, std::min(chunks, std::max(1, p.vectors)));
+  // Whole warp passes per chunk: no idle lanes but in the row's last pass.
+  const int pass = 32 * U;
+  p.chunk_vecs = std::max(1, ((p.vectors + chunks - 1) / chunks + pass - 1) / pass * pass);
+  p.chunks = std::max(1, (p.vectors + p.chunk_vecs - 1) / p.chunk_vecs);
+  p.items_bound = (a.fill ? a.num_tokens : a.num_rows) * int64_t(p.chunks);
+  if (p.items_bound == 0) return Status::Ok();
+
+  const int64_t grid = std::min<int64_t>((p.items_bound + warps - 1) / warps, resident_warps / warps);
   FM_RETURN_IF_ERROR(detail::cuda_status(
       dev::launch(kernel, dim3(unsigned(grid)), dim3(threads), 0, stream, a.enable_pdl, p), kOp, "kernel launch"));
   return detail::check_launch(kOp);
@@ -263,12 +288,16 @@ Status launch_finalize(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaSt
 template <typename In, typename Out>
 Status dispatch_width(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaStream_t stream) {
   constexpr int kFull = 16 / sizeof(In);
+  // The vector width follows the inputs; an output row that is not aligned
+  // for it is written element by element (a small share of the traffic).
   auto fits = [&](int v) {
-    return aligned_for(p.rows, p.rows_stride, v, sizeof(In)) && aligned_for(p.bias, p.bias_stride, v, sizeof(In)) &&
-           aligned_for(p.out, p.out_stride, v, sizeof(Out)) &&
-           aligned_for(p.shared, p.shared_stride, v, sizeof(Out));
+    return aligned_for(p.rows, p.rows_stride, v, sizeof(In)) && aligned_for(p.bias, p.bias_stride, v, sizeof(In));
+  };
+  auto out_fits = [&](int v) {
+    return aligned_for(p.out, p.out_stride, v, sizeof(Out)) && aligned_for(p.shared, p.shared_stride, v, sizeof(Out));
   };
   if (fits(kFull)) {
+    p.out_vectors = out_fits(kFull);
     int u = a.tuning.vectors_per_thread;
     if (u == 0) u = a.k >= 5 ? 1 : a.k >= 3 ? 2 : 4;  // keep ~8 row loads in flight per thread
     if (u == 4) return launch_finalize<In, Out, kFull, 4>(p, a, stream);
@@ -277,8 +306,12 @@ Status dispatch_width(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaStr
   }
   // Misaligned pointers or strides: a narrower path that does not need them.
   if constexpr (sizeof(In) == 2) {
-    if (fits(2)) return launch_finalize<In, Out, 2, 1>(p, a, stream);
+    if (fits(2)) {
+      p.out_vectors = out_fits(2);
+      return launch_finalize<In, Out, 2, 1>(p, a, stream);
+    }
   }
+  p.out_vectors = true;
   return launch_finalize<In, Out, 1, 1>(p, a, stream);
 }
 

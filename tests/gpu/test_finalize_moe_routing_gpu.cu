@@ -354,7 +354,7 @@ TEST(FinalizeGpu, BitwiseReproducibleAcrossRunsAndTunings) {
   for (const FinalizeTuning& t : tunings) {
     p.args.tuning = t;
     EXPECT_EQ(p.run().bytes, first.bytes) << "threads " << t.threads_per_block << " vectors "
-                                          << t.vectors_per_thread << " blocks " << t.blocks_per_token;
+                                          << t.vectors_per_thread << " chunks " << t.chunks_per_token;
   }
   p.args.tuning = {};
   p.args.enable_pdl = false;
