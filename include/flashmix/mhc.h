@@ -1,0 +1,186 @@
+// flashmix: mHC (manifold-constrained hyper-connections) forward, SPEC.md §4.
+//
+// Layouts:
+//   X      bf16 [B, n, C] contiguous, seen as [B, K] with K = n*C, stream-major: X[b, i*C + c]
+//   phi    [N, K] row-major (K contiguous), fp32 or bf16, N = n*n + 2n
+//   alpha  fp32 [3] (pre, post, res), device memory
+//   bias   fp32 [N], device memory
+//   coefficient order along N: [pre n | post n | res n*n], res row-major n x n
+//
+//   r[b]        = sqrt(sum_k X[b,k]^2 / K + eps_norm)
+//   h[b, m]     = alpha_of(m) * (sum_k X[b,k] * phi[m,k]) / r[b] + bias[m]
+//   H_pre[b,i]  = sigmoid(h[b,i]) + eps_pre
+//   H_post[b,i] = post_mult * sigmoid(h[b,n+i])
+//   H_res[b]    = Sinkhorn(h[b, 2n:] as n x n)  (row softmax + eps, column normalisation,
+//                 then sinkhorn_iters - 1 rounds of row and column normalisation, each
+//                 dividing by (sum + eps_sinkhorn))
+//   F_pre[b,c]  = sum_i H_pre[b,i] * X[b,i,c]
+//   X_next[b,i,c] = sum_j R[b,i,j] * X[b,j,c] + H_post[b,i] * F_out[b,c]
+//                 R = H_res^T (res_layout deepseek) or H_res (row_mix, the seed's kernel)
+//
+// Every op: any n in [1, 8], any C that is a multiple of 8, B >= 0 (B == 0 launches
+// nothing). GPU entry points are asynchronous on the given stream, never
+// synchronise, and are safe to capture in a CUDA graph; all arguments are
+// validated on the host (alpha and bias are never read on the host). The
+// `_cpu` functions are the reference backend (host pointers, double
+// accumulation, one rounding at the store) with the same validation.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "flashmix/dtype.h"
+#include "flashmix/status.h"
+
+namespace flashmix {
+
+constexpr int kMhcMaxStreams = 8;
+
+enum class MhcResLayout {
+  kDeepSeek,  // X_next[i] = sum_j H_res[j, i] * X[j]   (R = H_res^T)
+  kRowMix,    // X_next[i] = sum_j H_res[i, j] * X[j]   (R = H_res, the seed's kernel)
+};
+
+// SPEC §4 parameters with DeepSeek's defaults. MhcParams::seed() is the seed
+// document's setting: all eps 0 (plain exp-then-normalise Sinkhorn, no eps in r).
+struct MhcParams {
+  float eps_norm = 1e-6f;
+  float eps_pre = 1e-6f;
+  float post_mult = 2.0f;
+  float eps_sinkhorn = 1e-6f;
+  int sinkhorn_iters = 20;  // >= 1
+  MhcResLayout res_layout = MhcResLayout::kDeepSeek;
+
+  static MhcParams seed() {
+    MhcParams p;
+    p.eps_norm = 0.0f;
+    p.eps_pre = 0.0f;
+    p.eps_sinkhorn = 0.0f;
+    return p;
+  }
+};
+
+// Shape shared by every op.
+struct MhcShape {
+  int64_t batch = 0;   // B, tokens (0 is valid)
+  int n = 4;           // streams, 1..8
+  int64_t hidden = 0;  // C, a positive multiple of 8
+};
+
+// mhc_pre: X -> (F_pre, H_post, H_res) in one operation (X read from device memory once).
+struct MhcPreArgs {
+  MhcShape shape;
+  const void* x = nullptr;      // bf16 [B, n*C], 16-byte aligned
+  const void* phi = nullptr;    // [N, n*C], 16-byte aligned
+  DType phi_dtype = DType::kFloat32;  // kFloat32 (tensor cores, better than TF32) or kBFloat16
+  const float* alpha = nullptr; // [3] device
+  const float* bias = nullptr;  // [N] device
+  void* f_pre = nullptr;        // bf16 [B, C], 16-byte aligned
+  float* h_post = nullptr;      // fp32 [B, n]
+  float* h_res = nullptr;       // fp32 [B, n, n] (row-major H_res, before any transpose)
+  MhcParams params;
+  bool enable_pdl = true;       // programmatic dependent launch; results identical either way
+};
+
+// mhc_post: X_next = R * X + H_post * F_out in one pass.
+struct MhcPostArgs {
+  MhcShape shape;
+  const void* x = nullptr;       // bf16 [B, n*C]
+  const void* f_out = nullptr;   // bf16 [B, C]
+  const float* h_post = nullptr; // fp32 [B, n]
+  const float* h_res = nullptr;  // fp32 [B, n, n]
+  void* x_next = nullptr;        // bf16 [B, n*C]; may not alias x
+  MhcResLayout res_layout = MhcResLayout::kDeepSeek;
+  bool enable_pdl = true;
+};
+
+// Stage 1: the projection with the sum of squares: h (before the activations,
+// alpha/r/bias applied) and r.
+struct MhcProjectArgs {
+  MhcShape shape;
+  const void* x = nullptr;
+  const void* phi = nullptr;
+  DType phi_dtype = DType::kFloat32;
+  const float* alpha = nullptr;  // [3] device
+  const float* bias = nullptr;   // [N] device
+  float* h = nullptr;            // fp32 [B, N]
+  float* r = nullptr;            // fp32 [B]
+  float eps_norm = 1e-6f;
+  bool enable_pdl = true;
+};
+
+// Stage 2: the activations and Sinkhorn: h -> H_pre, H_post, H_res.
+struct MhcActivateArgs {
+  MhcShape shape;               // hidden is not used (may be any value >= 0)
+  const float* h = nullptr;     // fp32 [B, N]
+  float* h_pre = nullptr;       // fp32 [B, n]
+  float* h_post = nullptr;      // fp32 [B, n]
+  float* h_res = nullptr;       // fp32 [B, n, n]
+  MhcParams params;             // eps_pre, post_mult, eps_sinkhorn, sinkhorn_iters
+  bool enable_pdl = true;
+};
+
+// Stage 3: the pre mix: F_pre[b, c] = sum_i H_pre[b, i] * X[b, i, c].
+struct MhcPreMixArgs {
+  MhcShape shape;
+  const void* x = nullptr;       // bf16 [B, n*C]
+  const float* h_pre = nullptr;  // fp32 [B, n]
+  void* f_pre = nullptr;         // bf16 [B, C]
+  bool enable_pdl = true;
+};
+
+// mhc_head (before the final LM head): the pre mix only, with phi [n, K]:
+//   h[b,i] = alpha[0] * (X[b] . phi[i]) / r[b] + bias[i];  out[b,c] = sum_i (sigmoid(h[b,i]) + eps_pre) X[b,i,c]
+struct MhcHeadArgs {
+  MhcShape shape;
+  const void* x = nullptr;
+  const void* phi = nullptr;       // [n, K]
+  DType phi_dtype = DType::kFloat32;
+  const float* alpha = nullptr;    // [1] device (alpha_pre)
+  const float* bias = nullptr;     // [n] device
+  void* out = nullptr;             // bf16 [B, C]
+  float eps_norm = 1e-6f;
+  float eps_pre = 1e-6f;
+  bool enable_pdl = true;
+};
+
+// mhc_expand: embedding [B, C] -> X [B, n, C] with n copies.
+struct MhcExpandArgs {
+  MhcShape shape;
+  const void* embedding = nullptr;  // bf16 [B, C]
+  void* x = nullptr;                // bf16 [B, n*C]
+  bool enable_pdl = true;
+};
+
+// N = n*n + 2n.
+inline int mhc_num_coefficients(int n) { return n * n + 2 * n; }
+
+// GPU entry points (device pointers).
+Status mhc_pre(const MhcPreArgs& args, cudaStream_t stream);
+Status mhc_post(const MhcPostArgs& args, cudaStream_t stream);
+Status mhc_project(const MhcProjectArgs& args, cudaStream_t stream);
+Status mhc_activate(const MhcActivateArgs& args, cudaStream_t stream);
+Status mhc_pre_mix(const MhcPreMixArgs& args, cudaStream_t stream);
+Status mhc_head(const MhcHeadArgs& args, cudaStream_t stream);
+Status mhc_expand(const MhcExpandArgs& args, cudaStream_t stream);
+
+// CPU reference backend (host pointers).
+Status mhc_pre_cpu(const MhcPreArgs& args);
+Status mhc_post_cpu(const MhcPostArgs& args);
+Status mhc_project_cpu(const MhcProjectArgs& args);
+Status mhc_activate_cpu(const MhcActivateArgs& args);
+Status mhc_pre_mix_cpu(const MhcPreMixArgs& args);
+Status mhc_head_cpu(const MhcHeadArgs& args);
+Status mhc_expand_cpu(const MhcExpandArgs& args);
+
+// Host-side validation shared by both backends (no device access).
+Status validate_mhc_pre(const MhcPreArgs& args);
+Status validate_mhc_post(const MhcPostArgs& args);
+Status validate_mhc_project(const MhcProjectArgs& args);
+Status validate_mhc_activate(const MhcActivateArgs& args);
+Status validate_mhc_pre_mix(const MhcPreMixArgs& args);
+Status validate_mhc_head(const MhcHeadArgs& args);
+Status validate_mhc_expand(const MhcExpandArgs& args);
+
+}  // namespace flashmix

@@ -1,0 +1,191 @@
+// CPU reference backend for the mHC ops, written from SPEC §4 alone: every
+// sum in double, each output rounded once at its store. It shares no code
+// with the kernels (host bf16 conversion comes from common/host_dtype.h).
+#include <cmath>
+#include <vector>
+
+#include "common/check.h"
+#include "common/host_dtype.h"
+#include "flashmix/mhc.h"
+
+namespace flashmix {
+
+namespace {
+
+double bf16_at(const void* p, int64_t i) { return host::bf16_to_float(static_cast<const uint16_t*>(p)[i]); }
+void store_bf16(void* p, int64_t i, double v) { static_cast<uint16_t*>(p)[i] = host::float_to_bf16(float(v)); }
+
+double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
+
+// Projection with r for one token: h[m] = alpha_of(m) * (X[b] . phi[m]) / r + bias[m].
+// `alpha_of` maps m to alpha index; returns r.
+template <typename AlphaOf>
+double project_row(const void* x, const void* phi, DType phi_dtype, const float* alpha, const float* bias,
+                   int64_t b, int64_t k_len, int num_coef, double eps_norm, AlphaOf alpha_of, double* h) {
+  const int64_t row = b * k_len;
+  double sumsq = 0;
+  for (int64_t k = 0; k < k_len; ++k) {
+    const double v = bf16_at(x, row + k);
+    sumsq += v * v;
+  }
+  const double r = std::sqrt(sumsq / double(k_len) + eps_norm);
+  for (int m = 0; m < num_coef; ++m) {
+    double acc = 0;
+    for (int64_t k = 0; k < k_len; ++k)
+      acc += bf16_at(x, row + k) * host::load_as_double(phi, phi_dtype, int64_t(m) * k_len + k);
+    h[m] = double(alpha[alpha_of(m)]) * acc / r + double(bias[m]);
+  }
+  return r;
+}
+
+// SPEC §4 activations for one token; h has N entries.
+void activate_row(const double* h, int n, const MhcParams& p, double* pre, double* post, double* res) {
+  for (int i = 0; i < n; ++i) pre[i] = sigmoid(h[i]) + p.eps_pre;
+  for (int i = 0; i < n; ++i) post[i] = double(p.post_mult) * sigmoid(h[n + i]);
+  const double eps = p.eps_sinkhorn;
+  std::vector<double> m(size_t(n) * n);
+  for (int i = 0; i < n; ++i) {  // softmax over each row, + eps
+    const double* row = h + 2 * n + i * n;
+    double mx = row[0];
+    for (int j = 1; j < n; ++j) mx = std::max(mx, row[j]);
+    double s = 0;
+    for (int j = 0; j < n; ++j) s += std::exp(row[j] - mx);
+    for (int j = 0; j < n; ++j) m[i * n + j] = std::exp(row[j] - mx) / s + eps;
+  }
+  auto col_norm = [&] {
+    for (int j = 0; j < n; ++j) {
+      double s = 0;
+      for (int i = 0; i < n; ++i) s += m[i * n + j];
+      for (int i = 0; i < n; ++i) m[i * n + j] /= (s + eps);
+    }
+  };
+  auto row_norm = [&] {
+    for (int i = 0; i < n; ++i) {
+      double s = 0;
+      for (int j = 0; j < n; ++j) s += m[i * n + j];
+      for (int j = 0; j < n; ++j) m[i * n + j] /= (s + eps);
+    }
+  };
+  col_norm();
+  for (int it = 1; it < p.sinkhorn_iters; ++it) {
+    row_norm();
+    col_norm();
+  }
+  for (int e = 0; e < n * n; ++e) res[e] = m[e];
+}
+
+int alpha_index(int m, int n) { return m < n ? 0 : (m < 2 * n ? 1 : 2); }
+
+}  // namespace
+
+Status mhc_project_cpu(const MhcProjectArgs& a) {
+  FM_RETURN_IF_ERROR(validate_mhc_project(a));
+  const int n = a.shape.n, num_coef = mhc_num_coefficients(n);
+  const int64_t k_len = n * a.shape.hidden;
+  std::vector<double> h(num_coef);
+  for (int64_t b = 0; b < a.shape.batch; ++b) {
+    const double r = project_row(a.x, a.phi, a.phi_dtype, a.alpha, a.bias, b, k_len, num_coef, a.eps_norm,
+                                 [n](int m) { return alpha_index(m, n); }, h.data());
+    for (int m = 0; m < num_coef; ++m) a.h[b * num_coef + m] = float(h[m]);
+    a.r[b] = float(r);
+  }
+  return Status::Ok();
+}
+
+Status mhc_activate_cpu(const MhcActivateArgs& a) {
+  FM_RETURN_IF_ERROR(validate_mhc_activate(a));
+  const int n = a.shape.n, num_coef = mhc_num_coefficients(n);
+  std::vector<double> h(num_coef), pre(n), post(n), res(n * n);
+  for (int64_t b = 0; b < a.shape.batch; ++b) {
+    for (int m = 0; m < num_coef; ++m) h[m] = a.h[b * num_coef + m];
+    activate_row(h.data(), n, a.params, pre.data(), post.data(), res.data());
+    for (int i = 0; i < n; ++i) a.h_pre[b * n + i] = float(pre[i]);
+    for (int i = 0; i < n; ++i) a.h_post[b * n + i] = float(post[i]);
+    for (int e = 0; e < n * n; ++e) a.h_res[b * n * n + e] = float(res[e]);
+  }
+  return Status::Ok();
+}
+
+Status mhc_pre_mix_cpu(const MhcPreMixArgs& a) {
+  FM_RETURN_IF_ERROR(validate_mhc_pre_mix(a));
+  const int n = a.shape.n;
+  const int64_t C = a.shape.hidden;
+  for (int64_t b = 0; b < a.shape.batch; ++b)
+    for (int64_t c = 0; c < C; ++c) {
+      double acc = 0;
+      for (int i = 0; i < n; ++i) acc += double(a.h_pre[b * n + i]) * bf16_at(a.x, (b * n + i) * C + c);
+      store_bf16(a.f_pre, b * C + c, acc);
+    }
+  return Status::Ok();
+}
+
+Status mhc_pre_cpu(const MhcPreArgs& a) {
+  FM_RETURN_IF_ERROR(validate_mhc_pre(a));
+  const int n = a.shape.n, num_coef = mhc_num_coefficients(n);
+  const int64_t C = a.shape.hidden, k_len = n * C;
+  std::vector<double> h(num_coef), pre(n), post(n), res(n * n);
+  for (int64_t b = 0; b < a.shape.batch; ++b) {
+    project_row(a.x, a.phi, a.phi_dtype, a.alpha, a.bias, b, k_len, num_coef, a.params.eps_norm,
+                [n](int m) { return alpha_index(m, n); }, h.data());
+    activate_row(h.data(), n, a.params, pre.data(), post.data(), res.data());
+    for (int64_t c = 0; c < C; ++c) {  // H_pre stays in double: one rounding, at the store
+      double acc = 0;
+      for (int i = 0; i < n; ++i) acc += pre[i] * bf16_at(a.x, b * k_len + i * C + c);
+      store_bf16(a.f_pre, b * C + c, acc);
+    }
+    for (int i = 0; i < n; ++i) a.h_post[b * n + i] = float(post[i]);
+    for (int e = 0; e < n * n; ++e) a.h_res[b * n * n + e] = float(res[e]);
+  }
+  return Status::Ok();
+}
+
+Status mhc_post_cpu(const MhcPostArgs& a) {
+  FM_RETURN_IF_ERROR(validate_mhc_post(a));
+  const int n = a.shape.n;
+  const int64_t C = a.shape.hidden;
+  const bool transpose = a.res_layout == MhcResLayout::kDeepSeek;
+  for (int64_t b = 0; b < a.shape.batch; ++b) {
+    const float* hres = a.h_res + b * n * n;
+    for (int i = 0; i < n; ++i)
+      for (int64_t c = 0; c < C; ++c) {
+        double acc = double(a.h_post[b * n + i]) * bf16_at(a.f_out, b * C + c);
+        for (int j = 0; j < n; ++j) {
+          const double rij = transpose ? hres[j * n + i] : hres[i * n + j];
+          acc += rij * bf16_at(a.x, (b * n + j) * C + c);
+        }
+        store_bf16(a.x_next, (b * n + i) * C + c, acc);
+      }
+  }
+  return Status::Ok();
+}
+
+Status mhc_head_cpu(const MhcHeadArgs& a) {
+  FM_RETURN_IF_ERROR(validate_mhc_head(a));
+  const int n = a.shape.n;
+  const int64_t C = a.shape.hidden, k_len = n * C;
+  std::vector<double> h(n);
+  for (int64_t b = 0; b < a.shape.batch; ++b) {
+    project_row(a.x, a.phi, a.phi_dtype, a.alpha, a.bias, b, k_len, n, a.eps_norm, [](int) { return 0; },
+                h.data());
+    for (int i = 0; i < n; ++i) h[i] = sigmoid(h[i]) + a.eps_pre;
+    for (int64_t c = 0; c < C; ++c) {
+      double acc = 0;
+      for (int i = 0; i < n; ++i) acc += h[i] * bf16_at(a.x, b * k_len + i * C + c);
+      store_bf16(a.out, b * C + c, acc);
+    }
+  }
+  return Status::Ok();
+}
+
+Status mhc_expand_cpu(const MhcExpandArgs& a) {
+  FM_RETURN_IF_ERROR(validate_mhc_expand(a));
+  const int n = a.shape.n;
+  const int64_t C = a.shape.hidden;
+  for (int64_t b = 0; b < a.shape.batch; ++b)
+    for (int i = 0; i < n; ++i)
+      for (int64_t c = 0; c < C; ++c)
+        static_cast<uint16_t*>(a.x)[(b * n + i) * C + c] = static_cast<const uint16_t*>(a.embedding)[b * C + c];
+  return Status::Ok();
+}
+
+}  // namespace flashmix

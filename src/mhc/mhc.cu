@@ -1,0 +1,409 @@
+// mHC forward (SPEC §4): the memory-bound kernels, the portable projection
+// and every public launcher. The Hopper single-pass mhc_pre lives in
+// sm90_mhc_fused.cu; this file falls back to the portable kernel elsewhere.
+//
+//   X_next[b,i,c] = sum_j R[b,i,j] X[b,j,c] + H_post[b,i] F_out[b,c]   (mhc_post)
+//   F_pre[b,c]    = sum_i H_pre[b,i] X[b,i,c]                           (pre mix)
+//   X[b,i,c]      = E[b,c]                                              (expand)
+#include <cuda_bf16.h>
+
+#include <type_traits>
+
+#include "common/check.h"
+#include "common/launch.cuh"
+#include "common/reduce.cuh"
+#include "common/vec.cuh"
+#include "flashmix/mhc.h"
+#include "mhc/mhc_device.cuh"
+
+namespace flashmix {
+
+namespace mhc_detail {
+namespace {
+
+using bf16 = __nv_bfloat16;
+using V8 = dev::Vec<bf16, 8>;
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ void unpack(const V8& v, float* f) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) f[e] = __bfloat162float(v.v[e]);
+}
+__device__ __forceinline__ V8 pack(const float* f) {
+  V8 v;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v.v[e] = __float2bfloat16_rn(f[e]);
+  return v;
+}
+
+// mhc_post. Roofline: bytes = B*(2nC + C + 2nC)... i.e. X read once (2nC B),
+// F_out once (2C B), X_next written once (2nC B) per token; ~2n^2 FLOP/elem is
+// far below the bandwidth bound. One thread per (token, 8 columns): n+1
+// 16-byte loads in flight, n 16-byte stores.
+template <int kN, bool kTranspose>
+__global__ void __launch_bounds__(kThreads) mhc_post_kernel(const bf16* __restrict__ x, const bf16* __restrict__ f_out,
+                                                            const float* __restrict__ h_post,
+                                                            const float* __restrict__ h_res, bf16* __restrict__ x_next,
+                                                            long long total, int groups, int hidden) {
+  dev::grid_dependency_wait();
+  dev::allow_dependents_launch();
+  const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (idx >= total) return;
+  const long long b = idx / groups;
+  const int c = int(idx - b * groups) * 8;
+  const bf16* xr = x + b * kN * (long long)hidden + c;
+  V8 xv[kN];
+#pragma unroll
+  for (int j = 0; j < kN; ++j) xv[j] = dev::load_stream<bf16, 8>(xr + (long long)j * hidden);
+  const V8 fv = dev::load_stream<bf16, 8>(f_out + b * hidden + c);
+  float coef[kN * kN], post[kN];
+#pragma unroll
+  for (int e = 0; e < kN * kN; ++e) coef[e] = __ldg(h_res + b * kN * kN + e);
+#pragma unroll
+  for (int i = 0; i < kN; ++i) post[i] = __ldg(h_post + b * kN + i);
+  float xf[kN][8], ff[8];
+#pragma unroll
+  for (int j = 0; j < kN; ++j) unpack(xv[j], xf[j]);
+  unpack(fv, ff);
+  bf16* outr = x_next + b * kN * (long long)hidden + c;
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    float acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = post[i] * ff[e];
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+      const float rij = kTranspose ? coef[j * kN + i] : coef[i * kN + j];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] = fmaf(rij, xf[j][e], acc[e]);
+    }
+    dev::store<bf16, 8>(outr + (long long)i * hidden, pack(acc));
+  }
+}
+
+// Pre mix alone. Roofline: X read once, F_pre written once.
+template <int kN>
+__global__ void __launch_bounds__(kThreads) mhc_pre_mix_kernel(const bf16* __restrict__ x, const float* __restrict__ h_pre,
+                                                               bf16* __restrict__ f_pre, long long total, int groups,
+                                                               int hidden) {
+  dev::grid_dependency_wait();
+  dev::allow_dependents_launch();
+  const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (idx >= total) return;
+  const long long b = idx / groups;
+  const int c = int(idx - b * groups) * 8;
+  const bf16* xr = x + b * kN * (long long)hidden + c;
+  V8 xv[kN];
+#pragma unroll
+  for (int j = 0; j < kN; ++j) xv[j] = dev::load_stream<bf16, 8>(xr + (long long)j * hidden);
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+  for (int j = 0; j < kN; ++j) {
+    const float w = __ldg(h_pre + b * kN + j);
+    float xf[8];
+    unpack(xv[j], xf);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = fmaf(w, xf[e], acc[e]);
+  }
+  dev::store<bf16, 8>(f_pre + b * hidden + c, pack(acc));
+}
+
+// Expand. Roofline: E read once (2C B), X written once (2nC B).
+template <int kN>
+__global__ void __launch_bounds__(kThreads) mhc_expand_kernel(const bf16* __restrict__ emb, bf16* __restrict__ x,
+                                                              long long total, int groups, int hidden) {
+  dev::grid_dependency_wait();
+  dev::allow_dependents_launch();
+  const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (idx >= total) return;
+  const long long b = idx / groups;
+  const int c = int(idx - b * groups) * 8;
+  const V8 v = dev::load_stream<bf16, 8>(emb + b * hidden + c);
+#pragma unroll
+  for (int i = 0; i < kN; ++i) dev::store<bf16, 8>(x + (b * kN + i) * (long long)hidden + c, v);
+}
+
+// Activations + Sinkhorn, one thread per token. Roofline: (N + n*n + 2n)*4
+// bytes per token; the Sinkhorn rounds are the latency, not the bandwidth.
+template <int kN>
+__global__ void __launch_bounds__(128) mhc_activate_kernel(const float* __restrict__ h, float* __restrict__ h_pre,
+                                                           float* __restrict__ h_post, float* __restrict__ h_res,
+                                                           long long batch, ActParams p) {
+  dev::grid_dependency_wait();
+  dev::allow_dependents_launch();
+  const long long b = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (b >= batch) return;
+  constexpr int kCoef = kN * kN + 2 * kN;
+  float hv[kCoef], pre[kN], post[kN], res[kN * kN];
+#pragma unroll
+  for (int m = 0; m < kCoef; ++m) hv[m] = h[b * kCoef + m];
+  activate_token<kN>(hv, p, pre, post, res);
+#pragma unroll
+  for (int i = 0; i < kN; ++i) h_pre[b * kN + i] = pre[i];
+#pragma unroll
+  for (int i = 0; i < kN; ++i) h_post[b * kN + i] = post[i];
+#pragma unroll
+  for (int e = 0; e < kN * kN; ++e) h_res[b * kN * kN + e] = res[e];
+}
+
+template <typename PhiT> __device__ __forceinline__ void load_phi8(const PhiT* p, float* f);
+template <> __device__ __forceinline__ void load_phi8<float>(const float* p, float* f) {
+  const auto v = dev::load_ro<float, 8>(p);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) f[e] = v.v[e];
+}
+template <> __device__ __forceinline__ void load_phi8<bf16>(const bf16* p, float* f) {
+  unpack(dev::load_ro<bf16, 8>(p), f);
+}
+
+// Portable projection (any sm_80+ GPU, any shape): one block per token. X is
+// read from device memory once for the projection and once more for the pre
+// mix (an L2 hit in practice: the row was read microseconds earlier); phi is
+// read from L2 by every block, so at large B this is bound by L2 bandwidth
+// (N*K*4 bytes per token). The sm_90a cluster kernel replaces it where it fits.
+template <int kN, typename PhiT>
+__global__ void __launch_bounds__(kThreads) mhc_project_rows_kernel(ProjectParams p) {
+  constexpr int kMaxCoef = kN * kN + 2 * kN;
+  __shared__ float red[kMaxCoef + 1][kThreads / 32];
+  __shared__ float coef[kMaxCoef + 1];
+  dev::grid_dependency_wait();
+  dev::allow_dependents_launch();
+  const long long b = blockIdx.x;
+  const int num_coef = p.num_coef;
+  const bf16* xr = p.x + b * p.k_len;
+  const PhiT* phi = static_cast<const PhiT*>(p.phi);
+  float acc[kMaxCoef];
+#pragma unroll
+  for (int m = 0; m < kMaxCoef; ++m) acc[m] = 0.f;
+  float sq = 0.f;
+  for (int k = threadIdx.x * 8; k < p.k_len; k += kThreads * 8) {
+    float xf[8];
+    unpack(dev::load_ro<bf16, 8>(xr + k), xf);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sq = fmaf(xf[e], xf[e], sq);
+#pragma unroll
+    for (int m = 0; m < kMaxCoef; ++m) {
+      if (m < num_coef) {
+        float pf[8];
+        load_phi8<PhiT>(phi + (long long)m * p.k_len + k, pf);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[m] = fmaf(xf[e], pf[e], acc[m]);
+      }
+    }
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int m = 0; m < kMaxCoef; ++m) {
+    const float s = dev::warp_sum(acc[m]);
+    if (lane == 0) red[m][warp] = s;
+  }
+  {
+    const float s = dev::warp_sum(sq);
+    if (lane == 0) red[kMaxCoef][warp] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float ss = 0.f;
+    for (int w = 0; w < kThreads / 32; ++w) ss += red[kMaxCoef][w];
+    const float r = sqrtf(ss / float(p.k_len) + p.eps_norm);
+    float h[kMaxCoef];
+#pragma unroll
+    for (int m = 0; m < kMaxCoef; ++m) {
+      float s = 0.f;
+      for (int w = 0; w < kThreads / 32; ++w) s += red[m][w];
+      const int ai = p.mode == ProjectMode::kHead ? 0 : alpha_index(m, kN);
+      h[m] = m < num_coef ? __ldg(p.alpha + ai) * s / r + __ldg(p.bias + m) : 0.f;
+    }
+    if (p.mode == ProjectMode::kProject) {
+#pragma unroll
+      for (int m = 0; m < kMaxCoef; ++m)
+        if (m < num_coef) p.h[b * num_coef + m] = h[m];
+      p.r[b] = r;
+    } else if (p.mode == ProjectMode::kHead) {
+#pragma unroll
+      for (int i = 0; i < kN; ++i) coef[i] = sigmoidf_(h[i]) + p.act.eps_pre;
+    } else {
+      float pre[kN], post[kN], res[kN * kN];
+      activate_token<kN>(h, p.act, pre, post, res);
+#pragma unroll
+      for (int i = 0; i < kN; ++i) coef[i] = pre[i];
+#pragma unroll
+      for (int i = 0; i < kN; ++i) p.h_post[b * kN + i] = post[i];
+#pragma unroll
+      for (int e = 0; e < kN * kN; ++e) p.h_res[b * kN * kN + e] = res[e];
+    }
+  }
+  if (p.mode == ProjectMode::kProject) return;  // uniform across the block
+  __syncthreads();
+  for (int c = threadIdx.x * 8; c < p.hidden; c += kThreads * 8) {
+    float out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      float xf[8];
+      unpack(dev::load_ro<bf16, 8>(xr + (long long)i * p.hidden + c), xf);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) out[e] = fmaf(coef[i], xf[e], out[e]);
+    }
+    dev::store<bf16, 8>(p.f_out + b * p.hidden + c, pack(out));
+  }
+}
+
+unsigned grid_for(long long total, int threads) { return unsigned((total + threads - 1) / threads); }
+
+// Runs the projection kernel: the sm_90a cluster kernel where it fits, else the portable one.
+Status launch_project(const ProjectParams& p, int n, DType phi_dtype, cudaStream_t stream, bool pdl,
+                      const char* op) {
+  const bool f32 = phi_dtype == DType::kFloat32;
+  cudaError_t err = sm90_mhc_project_fused(p, n, f32, stream, pdl);
+  if (err == cudaSuccess) return detail::check_launch(op);
+  if (err != cudaErrorNotSupported) return detail::cuda_status(err, op, "cluster kernel launch");
+  (void)cudaGetLastError();
+  dispatch_n(n, [&](auto kn) {
+    constexpr int kN = decltype(kn)::value;
+    if (f32)
+      err = dev::launch(mhc_project_rows_kernel<kN, float>, dim3(unsigned(p.batch)), dim3(kThreads), 0, stream, pdl, p);
+    else
+      err = dev::launch(mhc_project_rows_kernel<kN, bf16>, dim3(unsigned(p.batch)), dim3(kThreads), 0, stream, pdl, p);
+  });
+  if (err != cudaSuccess) return detail::cuda_status(err, op, "kernel launch");
+  return detail::check_launch(op);
+}
+
+ProjectParams base_params(const MhcShape& s, const void* x, const void* phi, const float* alpha,
+                          const float* bias) {
+  ProjectParams p;
+  p.x = static_cast<const bf16*>(x);
+  p.phi = phi;
+  p.alpha = alpha;
+  p.bias = bias;
+  p.batch = s.batch;
+  p.hidden = int(s.hidden);
+  p.k_len = int(s.hidden * s.n);
+  return p;
+}
+
+}  // namespace
+}  // namespace mhc_detail
+
+using namespace mhc_detail;
+
+Status mhc_pre(const MhcPreArgs& a, cudaStream_t stream) {
+  constexpr const char* kOp = "mhc_pre";
+  FM_RETURN_IF_ERROR(validate_mhc_pre(a));
+  FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
+  if (a.shape.batch == 0) return Status::Ok();
+  ProjectParams p = base_params(a.shape, a.x, a.phi, a.alpha, a.bias);
+  p.f_out = static_cast<bf16*>(a.f_pre);
+  p.h_post = a.h_post;
+  p.h_res = a.h_res;
+  p.num_coef = mhc_num_coefficients(a.shape.n);
+  p.eps_norm = a.params.eps_norm;
+  p.act = act_params(a.params);
+  p.mode = ProjectMode::kPre;
+  return launch_project(p, a.shape.n, a.phi_dtype, stream, a.enable_pdl, kOp);
+}
+
+Status mhc_project(const MhcProjectArgs& a, cudaStream_t stream) {
+  constexpr const char* kOp = "mhc_project";
+  FM_RETURN_IF_ERROR(validate_mhc_project(a));
+  FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
+  if (a.shape.batch == 0) return Status::Ok();
+  ProjectParams p = base_params(a.shape, a.x, a.phi, a.alpha, a.bias);
+  p.h = a.h;
+  p.r = a.r;
+  p.num_coef = mhc_num_coefficients(a.shape.n);
+  p.eps_norm = a.eps_norm;
+  p.mode = ProjectMode::kProject;
+  return launch_project(p, a.shape.n, a.phi_dtype, stream, a.enable_pdl, kOp);
+}
+
+Status mhc_head(const MhcHeadArgs& a, cudaStream_t stream) {
+  constexpr const char* kOp = "mhc_head";
+  FM_RETURN_IF_ERROR(validate_mhc_head(a));
+  FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
+  if (a.shape.batch == 0) return Status::Ok();
+  ProjectParams p = base_params(a.shape, a.x, a.phi, a.alpha, a.bias);
+  p.f_out = static_cast<bf16*>(a.out);
+  p.num_coef = a.shape.n;
+  p.eps_norm = a.eps_norm;
+  p.act.eps_pre = a.eps_pre;
+  p.mode = ProjectMode::kHead;
+  return launch_project(p, a.shape.n, a.phi_dtype, stream, a.enable_pdl, kOp);
+}
+
+Status mhc_post(const MhcPostArgs& a, cudaStream_t stream) {
+  constexpr const char* kOp = "mhc_post";
+  FM_RETURN_IF_ERROR(validate_mhc_post(a));
+  FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
+  if (a.shape.batch == 0) return Status::Ok();
+  const int groups = int(a.shape.hidden / 8);
+  const long long total = a.shape.batch * groups;
+  // Small batches (decode): 128-thread blocks spread the few rows over more SMs.
+  const int threads = total < 64LL * 1024 ? 128 : kThreads;
+  cudaError_t err = cudaSuccess;
+  dispatch_n(a.shape.n, [&](auto kn) {
+    constexpr int kN = decltype(kn)::value;
+    auto kernel = a.res_layout == MhcResLayout::kDeepSeek ? mhc_post_kernel<kN, true> : mhc_post_kernel<kN, false>;
+    err = dev::launch(kernel, dim3(grid_for(total, threads)), dim3(threads), 0, stream, a.enable_pdl,
+                      static_cast<const bf16*>(a.x), static_cast<const bf16*>(a.f_out), a.h_post, a.h_res,
+                      static_cast<bf16*>(a.x_next), total, groups, int(a.shape.hidden));
+  });
+  if (err != cudaSuccess) return detail::cuda_status(err, kOp, "kernel launch");
+  return detail::check_launch(kOp);
+}
+
+Status mhc_pre_mix(const MhcPreMixArgs& a, cudaStream_t stream) {
+  constexpr const char* kOp = "mhc_pre_mix";
+  FM_RETURN_IF_ERROR(validate_mhc_pre_mix(a));
+  FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
+  if (a.shape.batch == 0) return Status::Ok();
+  const int groups = int(a.shape.hidden / 8);
+  const long long total = a.shape.batch * groups;
+  const int threads = total < 64LL * 1024 ? 128 : kThreads;
+  cudaError_t err = cudaSuccess;
+  dispatch_n(a.shape.n, [&](auto kn) {
+    constexpr int kN = decltype(kn)::value;
+    err = dev::launch(mhc_pre_mix_kernel<kN>, dim3(grid_for(total, threads)), dim3(threads), 0, stream, a.enable_pdl,
+                      static_cast<const bf16*>(a.x), a.h_pre, static_cast<bf16*>(a.f_pre), total, groups,
+                      int(a.shape.hidden));
+  });
+  if (err != cudaSuccess) return detail::cuda_status(err, kOp, "kernel launch");
+  return detail::check_launch(kOp);
+}
+
+Status mhc_expand(const MhcExpandArgs& a, cudaStream_t stream) {
+  constexpr const char* kOp = "mhc_expand";
+  FM_RETURN_IF_ERROR(validate_mhc_expand(a));
+  FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
+  if (a.shape.batch == 0) return Status::Ok();
+  const int groups = int(a.shape.hidden / 8);
+  const long long total = a.shape.batch * groups;
+  const int threads = total < 64LL * 1024 ? 128 : kThreads;
+  cudaError_t err = cudaSuccess;
+  dispatch_n(a.shape.n, [&](auto kn) {
+    constexpr int kN = decltype(kn)::value;
+    err = dev::launch(mhc_expand_kernel<kN>, dim3(grid_for(total, threads)), dim3(threads), 0, stream, a.enable_pdl,
+                      static_cast<const bf16*>(a.embedding), static_cast<bf16*>(a.x), total, groups,
+                      int(a.shape.hidden));
+  });
+  if (err != cudaSuccess) return detail::cuda_status(err, kOp, "kernel launch");
+  return detail::check_launch(kOp);
+}
+
+Status mhc_activate(const MhcActivateArgs& a, cudaStream_t stream) {
+  constexpr const char* kOp = "mhc_activate";
+  FM_RETURN_IF_ERROR(validate_mhc_activate(a));
+  FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
+  if (a.shape.batch == 0) return Status::Ok();
+  cudaError_t err = cudaSuccess;
+  const ActParams p = act_params(a.params);
+  dispatch_n(a.shape.n, [&](auto kn) {
+    constexpr int kN = decltype(kn)::value;
+    err = dev::launch(mhc_activate_kernel<kN>, dim3(grid_for(a.shape.batch, 128)), dim3(128), 0, stream, a.enable_pdl,
+                      a.h, a.h_pre, a.h_post, a.h_res, (long long)a.shape.batch, p);
+  });
+  if (err != cudaSuccess) return detail::cuda_status(err, kOp, "kernel launch");
+  return detail::check_launch(kOp);
+}
+
+}  // namespace flashmix

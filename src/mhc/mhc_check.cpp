@@ -1,0 +1,156 @@
+// Host-side validation of the mHC ops (SPEC §4, §5), shared by the GPU and
+// CPU backends. Nothing here touches device memory: alpha and bias are model
+// weights on the device and are trusted like any other device value.
+#include <cmath>
+
+#include "common/check.h"
+#include "flashmix/mhc.h"
+
+namespace flashmix {
+
+namespace {
+
+using detail::kInt32Max;
+
+Status check_shape(const MhcShape& s, const char* op, bool needs_hidden) {
+  FM_REQUIRE(s.batch >= 0, op, "batch", "must be >= 0 (got ", s.batch, ")");
+  FM_REQUIRE(s.n >= 1 && s.n <= kMhcMaxStreams, op, "n", "must be in [1, ", kMhcMaxStreams, "] (got ", s.n, ")");
+  if (!needs_hidden) {
+    FM_REQUIRE(s.batch <= kInt32Max / mhc_num_coefficients(s.n), op, "batch",
+               "batch * N overflows 32-bit indexing (got ", s.batch, ")");
+    return Status::Ok();
+  }
+  FM_REQUIRE(s.hidden >= 8, op, "hidden", "must be >= 8 (got ", s.hidden, ")");
+  FM_REQUIRE(s.hidden % 8 == 0, op, "hidden", "must be a multiple of 8 (got ", s.hidden, ")");
+  const int64_t k = s.hidden * s.n;
+  FM_REQUIRE(k <= kInt32Max / mhc_num_coefficients(s.n), op, "hidden",
+             "N * n * C overflows 32-bit indexing (got C=", s.hidden, ", n=", s.n, ")");
+  FM_REQUIRE(s.batch <= kInt32Max / k, op, "batch", "batch * n * C overflows 32-bit indexing (got B=", s.batch,
+             ", n*C=", k, ")");
+  return Status::Ok();
+}
+
+Status check_params(const MhcParams& p, const char* op) {
+  FM_REQUIRE(std::isfinite(p.eps_norm) && p.eps_norm >= 0, op, "params.eps_norm", "must be finite and >= 0");
+  FM_REQUIRE(std::isfinite(p.eps_pre) && p.eps_pre >= 0, op, "params.eps_pre", "must be finite and >= 0");
+  FM_REQUIRE(std::isfinite(p.eps_sinkhorn) && p.eps_sinkhorn >= 0, op, "params.eps_sinkhorn",
+             "must be finite and >= 0");
+  FM_REQUIRE(std::isfinite(p.post_mult), op, "params.post_mult", "must be finite");
+  FM_REQUIRE(p.sinkhorn_iters >= 1 && p.sinkhorn_iters <= 10000, op, "params.sinkhorn_iters",
+             "must be in [1, 10000] (got ", p.sinkhorn_iters, ")");
+  FM_REQUIRE(p.res_layout == MhcResLayout::kDeepSeek || p.res_layout == MhcResLayout::kRowMix, op,
+             "params.res_layout", "unknown layout value ", int(p.res_layout));
+  return Status::Ok();
+}
+
+// 16-byte vectors need 16-byte aligned rows; every row offset (n*C, C
+// elements of 2 bytes, C a multiple of 8) keeps that alignment.
+Status check_ptr(const void* p, const char* op, const char* name, int align) {
+  FM_REQUIRE(p != nullptr, op, name, "null pointer");
+  FM_REQUIRE(reinterpret_cast<uintptr_t>(p) % uintptr_t(align) == 0, op, name, "must be ", align,
+             "-byte aligned");
+  return Status::Ok();
+}
+
+Status check_phi_dtype(DType t, const char* op) {
+  FM_REQUIRE(dtype_is_valid(t), op, "phi_dtype", "unsupported dtype value ", int(t));
+  FM_REQUIRE_SUPPORTED(t == DType::kFloat32 || t == DType::kBFloat16, op, "phi_dtype",
+                       "must be float32 or bfloat16");
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status validate_mhc_pre(const MhcPreArgs& a) {
+  constexpr const char* kOp = "mhc_pre";
+  FM_RETURN_IF_ERROR(check_shape(a.shape, kOp, true));
+  FM_RETURN_IF_ERROR(check_params(a.params, kOp));
+  FM_RETURN_IF_ERROR(check_phi_dtype(a.phi_dtype, kOp));
+  if (a.shape.batch == 0) return Status::Ok();  // nothing is read or written
+  FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
+  FM_RETURN_IF_ERROR(check_ptr(a.phi, kOp, "phi", 16));
+  FM_RETURN_IF_ERROR(check_ptr(a.alpha, kOp, "alpha", 4));
+  FM_RETURN_IF_ERROR(check_ptr(a.bias, kOp, "bias", 4));
+  FM_RETURN_IF_ERROR(check_ptr(a.f_pre, kOp, "f_pre", 16));
+  FM_RETURN_IF_ERROR(check_ptr(a.h_post, kOp, "h_post", 4));
+  FM_RETURN_IF_ERROR(check_ptr(a.h_res, kOp, "h_res", 4));
+  return Status::Ok();
+}
+
+Status validate_mhc_post(const MhcPostArgs& a) {
+  constexpr const char* kOp = "mhc_post";
+  FM_RETURN_IF_ERROR(check_shape(a.shape, kOp, true));
+  FM_REQUIRE(a.res_layout == MhcResLayout::kDeepSeek || a.res_layout == MhcResLayout::kRowMix, kOp,
+             "res_layout", "unknown layout value ", int(a.res_layout));
+  if (a.shape.batch == 0) return Status::Ok();
+  FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
+  FM_RETURN_IF_ERROR(check_ptr(a.f_out, kOp, "f_out", 16));
+  FM_RETURN_IF_ERROR(check_ptr(a.h_post, kOp, "h_post", 4));
+  FM_RETURN_IF_ERROR(check_ptr(a.h_res, kOp, "h_res", 4));
+  FM_RETURN_IF_ERROR(check_ptr(a.x_next, kOp, "x_next", 16));
+  FM_REQUIRE(a.x_next != a.x, kOp, "x_next", "must not alias x");
+  return Status::Ok();
+}
+
+Status validate_mhc_project(const MhcProjectArgs& a) {
+  constexpr const char* kOp = "mhc_project";
+  FM_RETURN_IF_ERROR(check_shape(a.shape, kOp, true));
+  FM_REQUIRE(std::isfinite(a.eps_norm) && a.eps_norm >= 0, kOp, "eps_norm", "must be finite and >= 0");
+  FM_RETURN_IF_ERROR(check_phi_dtype(a.phi_dtype, kOp));
+  if (a.shape.batch == 0) return Status::Ok();
+  FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
+  FM_RETURN_IF_ERROR(check_ptr(a.phi, kOp, "phi", 16));
+  FM_RETURN_IF_ERROR(check_ptr(a.alpha, kOp, "alpha", 4));
+  FM_RETURN_IF_ERROR(check_ptr(a.bias, kOp, "bias", 4));
+  FM_RETURN_IF_ERROR(check_ptr(a.h, kOp, "h", 4));
+  FM_RETURN_IF_ERROR(check_ptr(a.r, kOp, "r", 4));
+  return Status::Ok();
+}
+
+Status validate_mhc_activate(const MhcActivateArgs& a) {
+  constexpr const char* kOp = "mhc_activate";
+  FM_RETURN_IF_ERROR(check_shape(a.shape, kOp, false));
+  FM_RETURN_IF_ERROR(check_params(a.params, kOp));
+  if (a.shape.batch == 0) return Status::Ok();
+  FM_RETURN_IF_ERROR(check_ptr(a.h, kOp, "h", 4));
+  FM_RETURN_IF_ERROR(check_ptr(a.h_pre, kOp, "h_pre", 4));
+  FM_RETURN_IF_ERROR(check_ptr(a.h_post, kOp, "h_post", 4));
+  FM_RETURN_IF_ERROR(check_ptr(a.h_res, kOp, "h_res", 4));
+  return Status::Ok();
+}
+
+Status validate_mhc_pre_mix(const MhcPreMixArgs& a) {
+  constexpr const char* kOp = "mhc_pre_mix";
+  FM_RETURN_IF_ERROR(check_shape(a.shape, kOp, true));
+  if (a.shape.batch == 0) return Status::Ok();
+  FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
+  FM_RETURN_IF_ERROR(check_ptr(a.h_pre, kOp, "h_pre", 4));
+  FM_RETURN_IF_ERROR(check_ptr(a.f_pre, kOp, "f_pre", 16));
+  return Status::Ok();
+}
+
+Status validate_mhc_head(const MhcHeadArgs& a) {
+  constexpr const char* kOp = "mhc_head";
+  FM_RETURN_IF_ERROR(check_shape(a.shape, kOp, true));
+  FM_REQUIRE(std::isfinite(a.eps_norm) && a.eps_norm >= 0, kOp, "eps_norm", "must be finite and >= 0");
+  FM_REQUIRE(std::isfinite(a.eps_pre) && a.eps_pre >= 0, kOp, "eps_pre", "must be finite and >= 0");
+  FM_RETURN_IF_ERROR(check_phi_dtype(a.phi_dtype, kOp));
+  if (a.shape.batch == 0) return Status::Ok();
+  FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
+  FM_RETURN_IF_ERROR(check_ptr(a.phi, kOp, "phi", 16));
+  FM_RETURN_IF_ERROR(check_ptr(a.alpha, kOp, "alpha", 4));
+  FM_RETURN_IF_ERROR(check_ptr(a.bias, kOp, "bias", 4));
+  FM_RETURN_IF_ERROR(check_ptr(a.out, kOp, "out", 16));
+  return Status::Ok();
+}
+
+Status validate_mhc_expand(const MhcExpandArgs& a) {
+  constexpr const char* kOp = "mhc_expand";
+  FM_RETURN_IF_ERROR(check_shape(a.shape, kOp, true));
+  if (a.shape.batch == 0) return Status::Ok();
+  FM_RETURN_IF_ERROR(check_ptr(a.embedding, kOp, "embedding", 16));
+  FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
+  return Status::Ok();
+}
+
+}  // namespace flashmix

@@ -1,0 +1,475 @@
+// Single-pass mhc_pre on Hopper (sm_90a): X -> (F_pre, H_post, H_res) reading
+// X from device memory once.
+//
+//   h[b,m] = alpha_of(m) * (X[b] . phi[m]) / r[b] + bias[m],  r[b] = sqrt(|X[b]|^2 / K + eps)
+//   F_pre[b,c] = sum_i H_pre[b,i] X[b,i,c]     (H_pre from h; Sinkhorn for H_res)
+//
+// Why one pass works: the pre mix needs the whole row's projection before it
+// can use any of the row. A cluster of 8 CTAs splits the columns C into 8
+// slices; CTA j keeps columns [j*S, j*S + S) of all n streams of a tile of
+// `rows` tokens in shared memory (rows*n*S*2 bytes: 172 KB for 24 tokens,
+// n = 4, C = 7168). Each CTA computes the partial projection and sum of
+// squares of its slice on tensor cores, the 8 partials are summed through
+// distributed shared memory (each CTA sums the 8 in rank order, so every CTA
+// holds bitwise the same h), every CTA runs the activations and Sinkhorn for
+// the tile's tokens (a few hundred FLOPs each) and then mixes its own slice
+// out of shared memory. X crosses the memory bus once; F_pre once.
+//
+// Roofline (B = 8192, n = 4, C = 7168): bytes = 2*B*n*C + 2*B*C = 587 MB, the
+// floor; FLOPs = 2*B*K*N*2 (phi split into bf16 hi + lo) = 22.5 GFLOP on the
+// tensor cores (mma.sync, ~40 us at half of the dense bf16 rate), hidden
+// under the loads. phi is re-read from L2 once per tile per cluster:
+// N*K*4/rows bytes per token, 2x the X bytes at 24 rows — the L2 side of the
+// roofline, the reason the tile is as tall as shared memory allows.
+//
+// phi fp32 is split on the fly into hi = bf16(phi) and lo = bf16(phi - hi);
+// X is exact in bf16, so X*hi + X*lo carries ~16 significant bits of phi
+// (TF32 has 11) with fp32 accumulation.
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+
+#include <type_traits>
+
+#include "common/launch.cuh"
+#include "mhc/mhc_device.cuh"
+
+namespace flashmix::mhc_detail {
+
+namespace {
+
+namespace cg = cooperative_groups;
+using bf16 = __nv_bfloat16;
+
+constexpr int kClusterSize = 8;
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxRowTiles = 3;  // tokens per tile: 8, 16 or 24
+constexpr int kChunks = 4;       // X slice arrives in 4 cp.async groups; compute starts on the first
+
+struct FusedLayout {
+  int slice = 0;        // columns per CTA (multiple of 8)
+  int rows = 0;         // tokens per tile (8 * row_tiles)
+  int row_tiles = 0;
+  int pitch = 0;        // shared-memory row pitch in elements: (pitch * 2 / 16) odd, so ldmatrix is conflict-free
+  int steps = 0;        // 32-wide k steps in the (padded) slice
+  int chunk_steps = 0;  // steps per cp.async group, a multiple of kWarps
+  int off_scratch = 0, off_xchg = 0, off_total = 0, off_hpre = 0;  // byte offsets
+};
+
+template <int kN>
+constexpr int coef_tiles() { return (kN * kN + 2 * kN + 15) / 16; }
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory"); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf162(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
+
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
+
+// Raw phi for one 32-wide k step of one warp: for each 16-row coefficient tile
+// and each 16-wide half, the 4 pairs of the mma A fragment.
+template <int kN, bool kF32>
+struct PhiFrag {
+  using Raw = std::conditional_t<kF32, float2, uint32_t>;
+  Raw v[coef_tiles<kN>()][2][4];
+};
+
+template <int kN, bool kF32>
+__device__ __forceinline__ void load_phi_step(PhiFrag<kN, kF32>& f, const void* phi, int k_len, int num_coef,
+                                              int step, int kv, int cw, int hidden, int c0, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  long long gcol[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {  // global column of each 8-wide group of the step
+    const int kk = step * 32 + q * 8;
+    if (kk < kv) {
+      const int i = kk / cw;
+      gcol[q] = (long long)i * hidden + c0 + (kk - i * cw) + t * 2;
+    } else {
+      gcol[q] = -1;
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < coef_tiles<kN>(); ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int m = mt * 16 + g + (e & 1) * 8;
+        const long long col = gcol[2 * h + (e >> 1)];
+        const bool ok = m < num_coef && col >= 0;
+        if constexpr (kF32) {
+          f.v[mt][h][e] = ok ? __ldg(reinterpret_cast<const float2*>(static_cast<const float*>(phi) +
+                                                                       (long long)m * k_len + col))
+                             : make_float2(0.f, 0.f);
+        } else {
+          f.v[mt][h][e] = ok ? __ldg(reinterpret_cast<const unsigned int*>(static_cast<const bf16*>(phi) +
+                                                                             (long long)m * k_len + col))
+                             : 0u;
+        }
+      }
+    }
+  }
+}
+
+template <int kN, bool kF32>
+__global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectParams p, FusedLayout L) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int kMt = coef_tiles<kN>();
+  constexpr int kMpad = kMt * 16;
+  constexpr int kCoef = kN * kN + 2 * kN;
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* xs = reinterpret_cast<bf16*>(smem);
+  float* scratch = reinterpret_cast<float*>(smem + L.off_scratch);  // [warp][kMpad + 1][rows]
+  float* xchg = reinterpret_cast<float*>(smem + L.off_xchg);        // [num_coef + 1][rows], this CTA's partials
+  float* total = reinterpret_cast<float*>(smem + L.off_total);      // [num_coef + 1][rows], the cluster's sums
+  float* hpre = reinterpret_cast<float*>(smem + L.off_hpre);        // [rows][kN]
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank());
+  const long long tile = blockIdx.x / kClusterSize;
+  const long long row0 = tile * L.rows;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int hidden = p.hidden;
+  const int c0 = rank * L.slice;
+  const int cw = max(0, min(hidden - c0, L.slice));
+  const int kv = kN * cw;  // valid flattened k of this slice: k = i*cw + col
+  const int num_coef = p.num_coef;
+
+  dev::grid_dependency_wait();
+  dev::allow_dependents_launch();
+
+  // 1. Issue the whole slice as kChunks cp.async groups (all in flight at once).
+  {
+    const int pieces_per_step = 4;  // 16-byte pieces per row per 32-wide step
+#pragma unroll 1
+    for (int q = 0; q < kChunks; ++q) {
+      const int s0 = min(q * L.chunk_steps, L.steps), s1 = min(s0 + L.chunk_steps, L.steps);
+      const int np = (s1 - s0) * pieces_per_step;
+      for (int pc = tid; pc < L.rows * np; pc += kThreads) {
+        const int r = pc / np;
+        const int kk = (s0 * pieces_per_step + (pc - r * np)) * 8;
+        bf16* dst = xs + r * L.pitch + kk;
+        if (row0 + r < p.batch && kk < kv) {
+          const int i = kk / cw;
+          cp_async16(dst, p.x + (row0 + r) * p.k_len + (long long)i * hidden + c0 + (kk - i * cw));
+        } else {
+          *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);  // padding contributes 0
+        }
+      }
+      cp_async_commit();
+    }
+  }
+
+  // 2. Partial projection (tensor cores) and sum of squares, chunk by chunk.
+  float acc[kMt][kMaxRowTiles][4];
+  float sq[kMaxRowTiles];
+#pragma unroll
+  for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+    for (int rt = 0; rt < kMaxRowTiles; ++rt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][rt][e] = 0.f;
+#pragma unroll
+  for (int rt = 0; rt < kMaxRowTiles; ++rt) sq[rt] = 0.f;
+
+  PhiFrag<kN, kF32> cur, nxt;
+  load_phi_step<kN, kF32>(cur, p.phi, p.k_len, num_coef, warp, kv, max(cw, 8), hidden, c0, lane);
+#pragma unroll 1
+  for (int q = 0; q < kChunks; ++q) {
+    switch (q) {  // wait for chunk q only; later chunks stay in flight
+      case 0: cp_async_wait<kChunks - 1>(); break;
+      case 1: cp_async_wait<kChunks - 2>(); break;
+      case 2: cp_async_wait<kChunks - 3>(); break;
+      default: cp_async_wait<0>(); break;
+    }
+    __syncthreads();
+    const int s_end = min((q + 1) * L.chunk_steps, L.steps);
+#pragma unroll 1
+    for (int s = q * L.chunk_steps + warp; s < s_end; s += kWarps) {
+      // Prefetch this warp's next step's phi while this one computes.
+      if (s + kWarps < L.steps)
+        load_phi_step<kN, kF32>(nxt, p.phi, p.k_len, num_coef, s + kWarps, kv, max(cw, 8), hidden, c0, lane);
+      uint32_t bfrag[kMaxRowTiles][4];
+#pragma unroll
+      for (int rt = 0; rt < kMaxRowTiles; ++rt) {
+        if (rt < L.row_tiles) {
+          ldmatrix_x4(bfrag[rt], xs + (rt * 8 + (lane & 7)) * L.pitch + s * 32 + (lane >> 3) * 8);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bfrag[rt][e]));
+            sq[rt] = fmaf(v.x, v.x, fmaf(v.y, v.y, sq[rt]));
+          }
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < kMt; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          uint32_t a_hi[4], a_lo[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            if constexpr (kF32) {
+              const float2 v = cur.v[mt][h][e];
+              const __nv_bfloat162 hi = __floats2bfloat162_rn(v.x, v.y);
+              const float2 hf = __bfloat1622float2(hi);
+              a_hi[e] = pack_bf162(hi);
+              a_lo[e] = pack_bf162(__floats2bfloat162_rn(v.x - hf.x, v.y - hf.y));
+            } else {
+              a_hi[e] = cur.v[mt][h][e];
+            }
+          }
+#pragma unroll
+          for (int rt = 0; rt < kMaxRowTiles; ++rt) {
+            if (rt < L.row_tiles) {
+              mma_bf16(acc[mt][rt], a_hi, bfrag[rt][2 * h], bfrag[rt][2 * h + 1]);
+              if constexpr (kF32) mma_bf16(acc[mt][rt], a_lo, bfrag[rt][2 * h], bfrag[rt][2 * h + 1]);
+            }
+          }
+        }
+      }
+      cur = nxt;
+    }
+  }
+
+  // 3. Reduce over the warps (fixed order) into this CTA's partials.
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int rt = 0; rt < kMaxRowTiles; ++rt) {
+    sq[rt] += __shfl_xor_sync(0xffffffffu, sq[rt], 1);
+    sq[rt] += __shfl_xor_sync(0xffffffffu, sq[rt], 2);
+  }
+  const int rows = L.rows;
+  float* my = scratch + warp * (kMpad + 1) * rows;
+#pragma unroll
+  for (int rt = 0; rt < kMaxRowTiles; ++rt) {
+    if (rt < L.row_tiles) {
+#pragma unroll
+      for (int mt = 0; mt < kMt; ++mt) {
+        const int m = mt * 16 + g, row = rt * 8 + t * 2;
+        my[m * rows + row] = acc[mt][rt][0];
+        my[m * rows + row + 1] = acc[mt][rt][1];
+        my[(m + 8) * rows + row] = acc[mt][rt][2];
+        my[(m + 8) * rows + row + 1] = acc[mt][rt][3];
+      }
+      if (t == 0) my[kMpad * rows + rt * 8 + g] = sq[rt];
+    }
+  }
+  __syncthreads();
+  const int num_vals = (num_coef + 1) * rows;
+  for (int e = tid; e < num_vals; e += kThreads) {
+    const int m = e / rows, row = e - m * rows;
+    const int src_m = m == num_coef ? kMpad : m;
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) s += scratch[(w * (kMpad + 1) + src_m) * rows + row];
+    xchg[e] = s;
+  }
+
+  // 4. Sum the 8 CTAs' partials through distributed shared memory, in rank order.
+  cluster.sync();
+  for (int e = tid; e < num_vals; e += kThreads) {
+    float s = 0.f;
+#pragma unroll
+    for (int rk = 0; rk < kClusterSize; ++rk) s += cluster.map_shared_rank(xchg, rk)[e];
+    total[e] = s;
+  }
+  cluster_arrive();  // done reading the peers' partials; each CTA waits for this before it exits
+  __syncthreads();
+
+  // 5. Activations and Sinkhorn, one thread per token (identical in every CTA).
+  if (tid < rows) {
+    const int row = tid;
+    const long long b = row0 + row;
+    const float r = sqrtf(total[num_coef * rows + row] / float(p.k_len) + p.eps_norm);
+    float h[kCoef];
+#pragma unroll
+    for (int m = 0; m < kCoef; ++m) {
+      const int ai = p.mode == ProjectMode::kHead ? 0 : alpha_index(m, kN);
+      h[m] = m < num_coef ? __ldg(p.alpha + ai) * total[m * rows + row] / r + __ldg(p.bias + m) : 0.f;
+    }
+    if (p.mode == ProjectMode::kProject) {
+      if (rank == 0 && b < p.batch) {
+#pragma unroll
+        for (int m = 0; m < kCoef; ++m)
+          if (m < num_coef) p.h[b * num_coef + m] = h[m];
+        p.r[b] = r;
+      }
+    } else if (p.mode == ProjectMode::kHead) {
+#pragma unroll
+      for (int i = 0; i < kN; ++i) hpre[row * kN + i] = sigmoidf_(h[i]) + p.act.eps_pre;
+    } else {
+      float pre[kN], post[kN], res[kN * kN];
+      activate_token<kN>(h, p.act, pre, post, res);
+#pragma unroll
+      for (int i = 0; i < kN; ++i) hpre[row * kN + i] = pre[i];
+      if (rank == 0 && b < p.batch) {
+#pragma unroll
+        for (int i = 0; i < kN; ++i) p.h_post[b * kN + i] = post[i];
+#pragma unroll
+        for (int e = 0; e < kN * kN; ++e) p.h_res[b * kN * kN + e] = res[e];
+      }
+    }
+  }
+  __syncthreads();
+
+  // 6. Pre mix of this CTA's slice, out of shared memory.
+  if (p.mode != ProjectMode::kProject) {
+    const int groups = cw / 8;
+    for (int it = tid; it < rows * groups; it += kThreads) {
+      const int row = it / groups, col = (it - row * groups) * 8;
+      if (row0 + row >= p.batch) continue;
+      float out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(xs + row * L.pitch + i * cw + col);
+        const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
+        const float w = hpre[row * kN + i];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = __bfloat1622float2(v[e]);
+          out[2 * e] = fmaf(w, f.x, out[2 * e]);
+          out[2 * e + 1] = fmaf(w, f.y, out[2 * e + 1]);
+        }
+      }
+      uint4 o;
+      __nv_bfloat162* ov = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ov[e] = __floats2bfloat162_rn(out[2 * e], out[2 * e + 1]);
+      *reinterpret_cast<uint4*>(p.f_out + (row0 + row) * hidden + c0 + col) = o;
+    }
+  }
+  cluster_wait();  // no CTA leaves while a peer may still read its partials
+#endif
+}
+
+struct Choice {
+  FusedLayout layout;
+  size_t smem = 0;
+};
+
+template <int kN>
+bool choose_layout(long long batch, int hidden, int num_coef, int smem_optin, Choice& out) {
+  constexpr int kMpad = coef_tiles<kN>() * 16;
+  FusedLayout L;
+  const int groups = hidden / 8;
+  L.slice = ((groups + kClusterSize - 1) / kClusterSize) * 8;
+  const int kpad = ((kN * L.slice + 31) / 32) * 32;
+  L.steps = kpad / 32;
+  L.pitch = kpad + 8;  // kpad*2 bytes is a multiple of 64; + 16 bytes makes the pitch an odd number of 16-byte units
+  const int per_chunk = (L.steps + kChunks - 1) / kChunks;
+  L.chunk_steps = ((per_chunk + kWarps - 1) / kWarps) * kWarps;
+  // Tall tiles amortise the phi reads; small batches use short tiles so more clusters run.
+  const long long target_clusters = 16;
+  int want = int(std::min<long long>(kMaxRowTiles, std::max<long long>(1, (batch + 8 * target_clusters - 1) /
+                                                                                 (8 * target_clusters))));
+  for (int rt = want; rt >= 1; --rt) {
+    const int rows = rt * 8;
+    size_t off = size_t(rows) * L.pitch * 2;
+    off = (off + 15) / 16 * 16;
+    L.off_scratch = int(off);
+    off += size_t(kWarps) * (kMpad + 1) * rows * 4;
+    L.off_xchg = int(off);
+    off += size_t(num_coef + 1) * rows * 4;
+    L.off_total = int(off);
+    off += size_t(num_coef + 1) * rows * 4;
+    L.off_hpre = int(off);
+    off += size_t(rows) * kN * 4;
+    if (off <= size_t(smem_optin)) {
+      L.rows = rows;
+      L.row_tiles = rt;
+      out.layout = L;
+      out.smem = off;
+      return true;
+    }
+  }
+  return false;
+}
+
+template <int kN, bool kF32>
+cudaError_t launch_fused(const ProjectParams& p, cudaStream_t stream, bool pdl, int smem_optin) {
+  Choice c;
+  if (!choose_layout<kN>(p.batch, p.hidden, p.num_coef, smem_optin, c)) return cudaErrorNotSupported;
+  auto kernel = sm90_mhc_fused_kernel<kN, kF32>;
+  // Raised once per instantiation to the device maximum (a function attribute, not stream work: capture-safe).
+  static cudaError_t attr_err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_optin);
+  if (attr_err != cudaSuccess) return cudaErrorNotSupported;
+  const long long tiles = (p.batch + c.layout.rows - 1) / c.layout.rows;
+  if (tiles * kClusterSize > 0x7fffffffLL) return cudaErrorNotSupported;
+
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(tiles * kClusterSize));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = c.smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = kClusterSize;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = pdl ? 2 : 1;
+
+  // A cluster of 8 CTAs of this size must fit on the device (checked once per shared-memory size).
+  static int checked_smem = -1;
+  static int active_clusters = 0;
+  if (checked_smem != int(c.smem)) {
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+      (void)cudaGetLastError();
+      clusters = 0;
+    }
+    active_clusters = clusters;
+    checked_smem = int(c.smem);
+  }
+  if (active_clusters < 1) return cudaErrorNotSupported;
+  return cudaLaunchKernelEx(&config, kernel, p, c.layout);
+}
+
+}  // namespace
+
+cudaError_t sm90_mhc_project_fused(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl) {
+  int device = 0, major = 0, minor = 0, smem_optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return cudaErrorNotSupported;
+  }
+  if (major != 9 || minor != 0) return cudaErrorNotSupported;  // the kernel is built for sm_90a only
+  cudaError_t err = cudaErrorNotSupported;
+  dispatch_n(n, [&](auto kn) {
+    constexpr int kN = decltype(kn)::value;
+    err = phi_is_f32 ? launch_fused<kN, true>(p, stream, pdl, smem_optin)
+                     : launch_fused<kN, false>(p, stream, pdl, smem_optin);
+  });
+  return err;
+}
+
+}  // namespace flashmix::mhc_detail

@@ -1,0 +1,357 @@
+// CPU tests of the mHC reference backend and of the host-side validation
+// (SPEC §4, §5). These run on any machine.
+#include <cstring>
+
+#include <gtest/gtest.h>
+
+#include "cpu/test_mhc_common.h"
+#include "flashmix/mhc.h"
+
+namespace flashmix {
+namespace {
+
+using namespace mhc_test;
+
+struct PreOut {
+  std::vector<uint16_t> f_pre;
+  std::vector<float> h_post, h_res;
+};
+
+PreOut run_pre_cpu(const Problem& p, const MhcParams& params, DType phi_dtype = DType::kFloat32) {
+  PreOut o;
+  o.f_pre.assign(size_t(p.B * p.C), 0xffff);
+  o.h_post.assign(size_t(p.B * p.n), NAN);
+  o.h_res.assign(size_t(p.B * p.n * p.n), NAN);
+  MhcPreArgs a;
+  a.shape = {p.B, p.n, p.C};
+  a.x = p.x.data();
+  a.phi = phi_dtype == DType::kFloat32 ? static_cast<const void*>(p.phi_f32.data()) : p.phi_bf16.data();
+  a.phi_dtype = phi_dtype;
+  a.alpha = p.alpha.data();
+  a.bias = p.bias.data();
+  a.f_pre = o.f_pre.data();
+  a.h_post = o.h_post.data();
+  a.h_res = o.h_res.data();
+  a.params = params;
+  Status s = mhc_pre_cpu(a);
+  EXPECT_TRUE(s.ok()) << s.message();
+  return o;
+}
+
+// The seed's setting (all eps 0): H_res equals exp then 20 x (row, column)
+// normalisation written independently; rows and columns sum to 1.
+TEST(MhcCpu, SeedSettingSinkhornMatchesSeedAlgorithm) {
+  for (int n : {1, 2, 4, 6, 8}) {
+    Problem p = make_problem(3, n, 64, seed_for("seed_sinkhorn") + n);
+    MhcProjectArgs pa;
+    pa.shape = {p.B, n, p.C};
+    pa.x = p.x.data(); pa.phi = p.phi_f32.data(); pa.alpha = p.alpha.data(); pa.bias = p.bias.data();
+    std::vector<float> h(size_t(p.B * p.N())), r(p.B);
+    pa.h = h.data(); pa.r = r.data(); pa.eps_norm = 0;
+    ASSERT_TRUE(mhc_project_cpu(pa).ok());
+    PreOut o = run_pre_cpu(p, MhcParams::seed());
+    for (int64_t b = 0; b < p.B; ++b) {
+      std::vector<double> logits(n * n);
+      for (int e = 0; e < n * n; ++e) logits[e] = h[b * p.N() + 2 * n + e];
+      std::vector<double> ref = seed_sinkhorn(logits.data(), n, 20);
+      for (int e = 0; e < n * n; ++e) EXPECT_NEAR(o.h_res[b * n * n + e], ref[e], 1e-6) << "n=" << n;
+      for (int i = 0; i < n; ++i) {
+        double rs = 0, cs = 0;
+        for (int j = 0; j < n; ++j) rs += o.h_res[b * n * n + i * n + j], cs += o.h_res[b * n * n + j * n + i];
+        EXPECT_NEAR(cs, 1.0, 1e-6);
+        EXPECT_NEAR(rs, 1.0, 1e-3);
+      }
+      for (int i = 0; i < n; ++i) {
+        EXPECT_GT(o.h_post[b * n + i], 0.f);
+        EXPECT_LT(o.h_post[b * n + i], 2.f);
+      }
+    }
+  }
+}
+
+// h matches SPEC §4 written out for one token.
+TEST(MhcCpu, ProjectMatchesFormula) {
+  Problem p = make_problem(2, 2, 16, seed_for("project_formula"));
+  MhcProjectArgs a;
+  a.shape = {p.B, p.n, p.C};
+  a.x = p.x.data(); a.phi = p.phi_f32.data(); a.alpha = p.alpha.data(); a.bias = p.bias.data();
+  std::vector<float> h(size_t(p.B * p.N())), r(p.B);
+  a.h = h.data(); a.r = r.data(); a.eps_norm = 1e-3f;
+  ASSERT_TRUE(mhc_project_cpu(a).ok());
+  for (int64_t b = 0; b < p.B; ++b) {
+    double ss = 0;
+    for (int64_t k = 0; k < p.K(); ++k) ss += double(f32(p.x[b * p.K() + k])) * f32(p.x[b * p.K() + k]);
+    const double rr = std::sqrt(ss / double(p.K()) + 1e-3);
+    EXPECT_NEAR(r[b], rr, 1e-6 * rr);
+    for (int m = 0; m < p.N(); ++m) {
+      double dot = 0;
+      for (int64_t k = 0; k < p.K(); ++k) dot += double(f32(p.x[b * p.K() + k])) * p.phi_f32[m * p.K() + k];
+      const int ai = m < p.n ? 0 : m < 2 * p.n ? 1 : 2;
+      EXPECT_NEAR(h[b * p.N() + m], p.alpha[ai] * dot / rr + p.bias[m], 1e-5);
+    }
+  }
+}
+
+// mhc_pre equals its three stages run one after the other.
+TEST(MhcCpu, PreEqualsItsStages) {
+  for (int n : {1, 4, 6}) {
+    Problem p = make_problem(5, n, 40, seed_for("pre_stages") + n);
+    MhcParams params;
+    PreOut o = run_pre_cpu(p, params);
+    std::vector<float> h(size_t(p.B * p.N())), r(p.B), pre(p.B * n), post(p.B * n), res(p.B * n * n);
+    MhcProjectArgs pa;
+    pa.shape = {p.B, n, p.C};
+    pa.x = p.x.data(); pa.phi = p.phi_f32.data(); pa.alpha = p.alpha.data(); pa.bias = p.bias.data();
+    pa.h = h.data(); pa.r = r.data(); pa.eps_norm = params.eps_norm;
+    ASSERT_TRUE(mhc_project_cpu(pa).ok());
+    MhcActivateArgs aa;
+    aa.shape = {p.B, n, p.C};
+    aa.h = h.data(); aa.h_pre = pre.data(); aa.h_post = post.data(); aa.h_res = res.data(); aa.params = params;
+    ASSERT_TRUE(mhc_activate_cpu(aa).ok());
+    std::vector<uint16_t> f(size_t(p.B * p.C));
+    MhcPreMixArgs ma;
+    ma.shape = {p.B, n, p.C};
+    ma.x = p.x.data(); ma.h_pre = pre.data(); ma.f_pre = f.data();
+    ASSERT_TRUE(mhc_pre_mix_cpu(ma).ok());
+    for (size_t i = 0; i < post.size(); ++i) EXPECT_NEAR(post[i], o.h_post[i], 1e-5);
+    for (size_t i = 0; i < res.size(); ++i) EXPECT_NEAR(res[i], o.h_res[i], 1e-5);
+    for (size_t i = 0; i < f.size(); ++i) EXPECT_NEAR(f32(f[i]), f32(o.f_pre[i]), 0.02 * (1 + std::fabs(f32(o.f_pre[i]))));
+    for (int64_t b = 0; b < p.B; ++b)
+      for (int i = 0; i < n; ++i) {
+        EXPECT_GT(pre[b * n + i], 0.f);
+        EXPECT_LT(pre[b * n + i], 1.f + 2e-6f);
+      }
+  }
+}
+
+// deepseek layout == row_mix with H_res transposed.
+TEST(MhcCpu, PostLayoutsAreTransposesOfEachOther) {
+  const int n = 4;
+  Problem p = make_problem(3, n, 24, seed_for("post_layouts"));
+  std::vector<float> res_t(p.h_res.size());
+  for (int64_t b = 0; b < p.B; ++b)
+    for (int i = 0; i < n; ++i)
+      for (int j = 0; j < n; ++j) res_t[b * 16 + i * 4 + j] = p.h_res[b * 16 + j * 4 + i];
+  std::vector<uint16_t> o1(p.x.size()), o2(p.x.size());
+  MhcPostArgs a;
+  a.shape = {p.B, n, p.C};
+  a.x = p.x.data(); a.f_out = p.f_out.data(); a.h_post = p.h_post.data(); a.h_res = p.h_res.data();
+  a.x_next = o1.data(); a.res_layout = MhcResLayout::kDeepSeek;
+  ASSERT_TRUE(mhc_post_cpu(a).ok());
+  a.h_res = res_t.data(); a.x_next = o2.data(); a.res_layout = MhcResLayout::kRowMix;
+  ASSERT_TRUE(mhc_post_cpu(a).ok());
+  EXPECT_EQ(o1, o2);
+  // One element by hand: X_next[0, 1, 5] = sum_j H_res[j, 1] X[0, j, 5] + H_post[0, 1] F_out[0, 5].
+  double acc = double(p.h_post[1]) * f32(p.f_out[5]);
+  for (int j = 0; j < n; ++j) acc += double(p.h_res[j * 4 + 1]) * f32(p.x[j * p.C + 5]);
+  EXPECT_EQ(o1[1 * p.C + 5], bf16(float(acc)));
+}
+
+// mhc_head is mhc_pre's F_pre with the pre rows of phi and bias.
+TEST(MhcCpu, HeadEqualsPreMixOfPre) {
+  const int n = 4;
+  Problem p = make_problem(4, n, 32, seed_for("head"));
+  PreOut o = run_pre_cpu(p, MhcParams());
+  std::vector<uint16_t> out(size_t(p.B * p.C));
+  MhcHeadArgs a;
+  a.shape = {p.B, n, p.C};
+  a.x = p.x.data(); a.phi = p.phi_f32.data(); a.alpha = p.alpha.data(); a.bias = p.bias.data();
+  a.out = out.data();
+  ASSERT_TRUE(mhc_head_cpu(a).ok());
+  EXPECT_EQ(out, o.f_pre);
+}
+
+TEST(MhcCpu, ExpandCopiesEachToken) {
+  const int n = 3;
+  Problem p = make_problem(2, n, 16, seed_for("expand"));
+  std::vector<uint16_t> x(size_t(p.B * p.K()));
+  MhcExpandArgs a;
+  a.shape = {p.B, n, p.C};
+  a.embedding = p.f_out.data(); a.x = x.data();
+  ASSERT_TRUE(mhc_expand_cpu(a).ok());
+  for (int64_t b = 0; b < p.B; ++b)
+    for (int i = 0; i < n; ++i)
+      for (int64_t c = 0; c < p.C; ++c) EXPECT_EQ(x[(b * n + i) * p.C + c], p.f_out[b * p.C + c]);
+}
+
+// ---- SPEC §5: bad input names the argument and writes nothing ----
+
+struct PreFixture {
+  Problem p = make_problem(2, 4, 64, seed_for("validation"));
+  std::vector<uint16_t> f_pre = std::vector<uint16_t>(size_t(2 * 64), 0x7fc1);
+  std::vector<float> h_post = std::vector<float>(8, 1234.f), h_res = std::vector<float>(32, 1234.f);
+  MhcPreArgs args() {
+    MhcPreArgs a;
+    a.shape = {p.B, p.n, p.C};
+    a.x = p.x.data(); a.phi = p.phi_f32.data(); a.alpha = p.alpha.data(); a.bias = p.bias.data();
+    a.f_pre = f_pre.data(); a.h_post = h_post.data(); a.h_res = h_res.data();
+    return a;
+  }
+  void expect_untouched() {
+    for (auto v : f_pre) ASSERT_EQ(v, 0x7fc1);
+    for (auto v : h_post) ASSERT_EQ(v, 1234.f);
+    for (auto v : h_res) ASSERT_EQ(v, 1234.f);
+  }
+};
+
+void expect_error(const Status& s, StatusCode code, const std::string& arg) {
+  EXPECT_EQ(s.code(), code) << s.message();
+  EXPECT_NE(s.message().find(": " + arg + ": "), std::string::npos) << s.message();
+}
+
+TEST(MhcValidation, NullPointersAreRejected) {
+  const char* names[] = {"x", "phi", "alpha", "bias", "f_pre", "h_post", "h_res"};
+  for (int which = 0; which < 7; ++which) {
+    PreFixture f;
+    MhcPreArgs a = f.args();
+    switch (which) {
+      case 0: a.x = nullptr; break;
+      case 1: a.phi = nullptr; break;
+      case 2: a.alpha = nullptr; break;
+      case 3: a.bias = nullptr; break;
+      case 4: a.f_pre = nullptr; break;
+      case 5: a.h_post = nullptr; break;
+      default: a.h_res = nullptr; break;
+    }
+    expect_error(validate_mhc_pre(a), StatusCode::kInvalidArgument, names[which]);
+    expect_error(mhc_pre_cpu(a), StatusCode::kInvalidArgument, names[which]);
+    f.expect_untouched();
+  }
+}
+
+TEST(MhcValidation, NegativeBatchIsRejected) {
+  PreFixture f;
+  MhcPreArgs a = f.args();
+  a.shape.batch = -1;
+  expect_error(mhc_pre_cpu(a), StatusCode::kInvalidArgument, "batch");
+  f.expect_untouched();
+}
+
+TEST(MhcValidation, OverflowingSizesAreRejected) {
+  PreFixture f;
+  MhcPreArgs a = f.args();
+  a.shape.batch = int64_t(1) << 28;  // B * n * C > 2^31
+  expect_error(mhc_pre_cpu(a), StatusCode::kInvalidArgument, "batch");
+  a = f.args();
+  a.shape.hidden = int64_t(1) << 30;
+  expect_error(mhc_pre_cpu(a), StatusCode::kInvalidArgument, "hidden");
+  f.expect_untouched();
+}
+
+TEST(MhcValidation, StreamsOutOfRangeAreRejected) {
+  for (int n : {0, -1, 9}) {
+    PreFixture f;
+    MhcPreArgs a = f.args();
+    a.shape.n = n;
+    expect_error(mhc_pre_cpu(a), StatusCode::kInvalidArgument, "n");
+    f.expect_untouched();
+  }
+}
+
+TEST(MhcValidation, HiddenNotMultipleOf8IsRejected) {
+  for (int64_t c : {0, -8, 12, 63}) {
+    PreFixture f;
+    MhcPreArgs a = f.args();
+    a.shape.hidden = c;
+    expect_error(mhc_pre_cpu(a), StatusCode::kInvalidArgument, "hidden");
+    f.expect_untouched();
+  }
+}
+
+TEST(MhcValidation, MisalignedPointersAreRejected) {
+  PreFixture f;
+  MhcPreArgs a = f.args();
+  a.x = reinterpret_cast<const char*>(a.x) + 2;
+  expect_error(mhc_pre_cpu(a), StatusCode::kInvalidArgument, "x");
+  a = f.args();
+  a.f_pre = reinterpret_cast<char*>(a.f_pre) + 8;
+  expect_error(mhc_pre_cpu(a), StatusCode::kInvalidArgument, "f_pre");
+  a = f.args();
+  a.phi = reinterpret_cast<const char*>(a.phi) + 4;
+  expect_error(mhc_pre_cpu(a), StatusCode::kInvalidArgument, "phi");
+  f.expect_untouched();
+}
+
+TEST(MhcValidation, UnsupportedPhiDtypeIsRejected) {
+  PreFixture f;
+  MhcPreArgs a = f.args();
+  a.phi_dtype = DType::kFloat16;
+  expect_error(mhc_pre_cpu(a), StatusCode::kNotSupported, "phi_dtype");
+  a.phi_dtype = static_cast<DType>(77);
+  expect_error(mhc_pre_cpu(a), StatusCode::kInvalidArgument, "phi_dtype");
+  f.expect_untouched();
+}
+
+TEST(MhcValidation, BadParametersAreRejected) {
+  PreFixture f;
+  MhcPreArgs a = f.args();
+  a.params.sinkhorn_iters = 0;
+  expect_error(mhc_pre_cpu(a), StatusCode::kInvalidArgument, "params.sinkhorn_iters");
+  a = f.args();
+  a.params.eps_norm = -1e-6f;
+  expect_error(mhc_pre_cpu(a), StatusCode::kInvalidArgument, "params.eps_norm");
+  a = f.args();
+  a.params.eps_sinkhorn = NAN;
+  expect_error(mhc_pre_cpu(a), StatusCode::kInvalidArgument, "params.eps_sinkhorn");
+  a = f.args();
+  a.params.post_mult = INFINITY;
+  expect_error(mhc_pre_cpu(a), StatusCode::kInvalidArgument, "params.post_mult");
+  a = f.args();
+  a.params.res_layout = static_cast<MhcResLayout>(5);
+  expect_error(mhc_pre_cpu(a), StatusCode::kInvalidArgument, "params.res_layout");
+  f.expect_untouched();
+}
+
+TEST(MhcValidation, PostRejectsAliasingAndNulls) {
+  Problem p = make_problem(2, 2, 16, seed_for("post_validation"));
+  std::vector<uint16_t> out(p.x.size(), 0x7fc1);
+  MhcPostArgs a;
+  a.shape = {p.B, p.n, p.C};
+  a.x = p.x.data(); a.f_out = p.f_out.data(); a.h_post = p.h_post.data(); a.h_res = p.h_res.data();
+  a.x_next = const_cast<uint16_t*>(p.x.data());
+  expect_error(mhc_post_cpu(a), StatusCode::kInvalidArgument, "x_next");
+  a.x_next = out.data();
+  a.f_out = nullptr;
+  expect_error(mhc_post_cpu(a), StatusCode::kInvalidArgument, "f_out");
+  a.f_out = p.f_out.data();
+  a.h_res = nullptr;
+  expect_error(mhc_post_cpu(a), StatusCode::kInvalidArgument, "h_res");
+  a.h_res = p.h_res.data();
+  a.res_layout = static_cast<MhcResLayout>(9);
+  expect_error(mhc_post_cpu(a), StatusCode::kInvalidArgument, "res_layout");
+  for (auto v : out) ASSERT_EQ(v, 0x7fc1);
+}
+
+TEST(MhcValidation, OtherOpsNameTheirArguments) {
+  MhcActivateArgs act;
+  act.shape = {4, 4, 0};
+  expect_error(validate_mhc_activate(act), StatusCode::kInvalidArgument, "h");
+  MhcPreMixArgs mix;
+  mix.shape = {4, 4, 64};
+  expect_error(validate_mhc_pre_mix(mix), StatusCode::kInvalidArgument, "x");
+  MhcHeadArgs head;
+  head.shape = {4, 4, 64};
+  expect_error(validate_mhc_head(head), StatusCode::kInvalidArgument, "x");
+  MhcExpandArgs ex;
+  ex.shape = {4, 4, 60};
+  expect_error(validate_mhc_expand(ex), StatusCode::kInvalidArgument, "hidden");
+  MhcProjectArgs pr;
+  pr.shape = {4, 4, 64};
+  pr.eps_norm = -1;
+  expect_error(validate_mhc_project(pr), StatusCode::kInvalidArgument, "eps_norm");
+}
+
+TEST(MhcValidation, ZeroTokensIsValidWithoutBuffers) {
+  MhcPreArgs a;
+  a.shape = {0, 4, 7168};
+  EXPECT_TRUE(mhc_pre_cpu(a).ok());
+  MhcPostArgs b;
+  b.shape = {0, 4, 7168};
+  EXPECT_TRUE(mhc_post_cpu(b).ok());
+  MhcHeadArgs h;
+  h.shape = {0, 8, 1000};
+  EXPECT_TRUE(mhc_head_cpu(h).ok());
+}
+
+}  // namespace
+}  // namespace flashmix

@@ -1,0 +1,543 @@
+// GPU tests of the mHC ops against the CPU reference (SPEC §4) and of their
+// argument checks (SPEC §5). Without a GPU every test is skipped.
+//
+// Tolerances (see cpu/test_mhc_common.h):
+//   bf16 outputs (F_pre, X_next, head out): |got - ref| <= 2^-7 |ref| + t * scale,
+//     scale = sum of |terms| of the mix, t = 2e-4 for F_pre/head (the
+//     coefficients come from the tensor-core projection) and 1e-5 for mhc_post
+//     (coefficients are inputs); i.e. one bf16 rounding apart plus the
+//     coefficient error.
+//   fp32 coefficients H_pre/H_post/H_res: absolute 2e-4.
+//   h (stage 1): relative 1e-4 of sum |alpha x phi| / r + |bias|; r: relative 1e-5.
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "common/gpu_testing.h"
+#include "cpu/test_mhc_common.h"
+#include "flashmix/mhc.h"
+
+namespace flashmix {
+namespace {
+
+using namespace mhc_test;
+using testing::DeviceBuffer;
+
+constexpr uint16_t kPoisonBf16 = 0x7fc1;  // a NaN: an unwritten element can never pass
+
+struct DeviceProblem {
+  DeviceBuffer x, phi_f32, phi_bf16, alpha, bias, f_out, h_post, h_res;
+  explicit DeviceProblem(const Problem& p)
+      : x(p.x), phi_f32(p.phi_f32), phi_bf16(p.phi_bf16), alpha(p.alpha), bias(p.bias), f_out(p.f_out),
+        h_post(p.h_post), h_res(p.h_res) {}
+};
+
+DeviceBuffer poisoned(size_t bytes) {
+  DeviceBuffer b(bytes);
+  if (bytes) EXPECT_EQ(cudaMemset(b.get(), 0x7f, bytes), cudaSuccess);  // bf16 0x7f7f / fp32 ~3.4e38
+  return b;
+}
+
+bool bf16_close(uint16_t got, uint16_t ref, double scale, double t) {
+  const double g = f32(got), r = f32(ref);
+  if (!std::isfinite(g)) return false;
+  return std::fabs(g - r) <= std::ldexp(std::fabs(r), -7) + t * scale + 1e-6;
+}
+
+struct PreCase {
+  int n;
+  int64_t C, B;
+  bool seed_setting;
+  DType phi_dtype;
+};
+
+std::string pre_case_name(const ::testing::TestParamInfo<PreCase>& info) {
+  const PreCase& c = info.param;
+  return "n" + std::to_string(c.n) + "_C" + std::to_string(c.C) + "_B" + std::to_string(c.B) +
+         (c.seed_setting ? "_seed" : "_deepseek") + (c.phi_dtype == DType::kFloat32 ? "_phif32" : "_phibf16");
+}
+
+class MhcPreGpu : public ::testing::TestWithParam<PreCase> {};
+
+// mhc_pre against the reference: every element of F_pre, H_post and H_res
+// (for B = 8192 the values of a sample of 320 rows, and every element checked
+// as written and finite); Sinkhorn's row and column sums.
+TEST_P(MhcPreGpu, MatchesReference) {
+  SKIP_WITHOUT_GPU();
+  const PreCase c = GetParam();
+  const int n = c.n;
+  Problem p = make_problem(c.B, n, c.C, seed_for(pre_case_name({c, 0})));
+  SCOPED_TRACE("seed " + std::to_string(p.seed));
+  DeviceProblem d(p);
+  DeviceBuffer f_pre = poisoned(size_t(c.B * c.C) * 2), h_post = poisoned(size_t(c.B * n) * 4),
+               h_res = poisoned(size_t(c.B * n * n) * 4);
+  MhcPreArgs a;
+  a.shape = {c.B, n, c.C};
+  a.x = d.x.get();
+  a.phi_dtype = c.phi_dtype;
+  a.phi = c.phi_dtype == DType::kFloat32 ? d.phi_f32.get() : d.phi_bf16.get();
+  a.alpha = d.alpha.as<float>();
+  a.bias = d.bias.as<float>();
+  a.f_pre = f_pre.get();
+  a.h_post = h_post.as<float>();
+  a.h_res = h_res.as<float>();
+  a.params = c.seed_setting ? MhcParams::seed() : MhcParams();
+  Status s = mhc_pre(a, nullptr);
+  ASSERT_TRUE(s.ok()) << s.message();
+  CUDA_OK(cudaDeviceSynchronize());
+  if (c.B == 0) return;
+  auto got_f = f_pre.to_host<uint16_t>();
+  auto got_post = h_post.to_host<float>();
+  auto got_res = h_res.to_host<float>();
+
+  // Rows to check against the reference.
+  std::vector<int64_t> rows;
+  if (c.B <= 64) {
+    for (int64_t b = 0; b < c.B; ++b) rows.push_back(b);
+  } else {
+    for (int64_t b = 0; b < 64; ++b) rows.push_back(b);                   // first tiles
+    for (int64_t b = c.B - 64; b < c.B; ++b) rows.push_back(b);           // last tiles
+    for (int64_t b = 64; b < c.B - 64; b += 41) rows.push_back(b);        // a spread
+  }
+  int64_t bad = 0;
+  for (int64_t b : rows) {
+    std::vector<uint16_t> ref_f(c.C);
+    std::vector<float> ref_post(n), ref_res(n * n);
+    MhcPreArgs r = a;
+    r.shape.batch = 1;
+    r.x = p.x.data() + b * p.K();
+    r.phi = c.phi_dtype == DType::kFloat32 ? static_cast<const void*>(p.phi_f32.data()) : p.phi_bf16.data();
+    r.alpha = p.alpha.data();
+    r.bias = p.bias.data();
+    r.f_pre = ref_f.data();
+    r.h_post = ref_post.data();
+    r.h_res = ref_res.data();
+    ASSERT_TRUE(mhc_pre_cpu(r).ok());
+    for (int64_t col = 0; col < c.C; ++col) {
+      double scale = 0;
+      for (int i = 0; i < n; ++i) scale += std::fabs(f32(p.x[b * p.K() + i * c.C + col]));
+      if (!bf16_close(got_f[b * c.C + col], ref_f[col], scale, 2e-4) && bad++ < 10)
+        ADD_FAILURE() << "F_pre[" << b << "," << col << "] = " << f32(got_f[b * c.C + col]) << ", reference "
+                      << f32(ref_f[col]);
+    }
+    for (int i = 0; i < n; ++i)
+      if (!(std::fabs(got_post[b * n + i] - ref_post[i]) <= kCoefAbsTol) && bad++ < 10)
+        ADD_FAILURE() << "H_post[" << b << "," << i << "] = " << got_post[b * n + i] << ", reference " << ref_post[i];
+    for (int e = 0; e < n * n; ++e)
+      if (!(std::fabs(got_res[b * n * n + e] - ref_res[e]) <= kCoefAbsTol) && bad++ < 10)
+        ADD_FAILURE() << "H_res[" << b << "," << e << "] = " << got_res[b * n * n + e] << ", reference " << ref_res[e];
+  }
+  EXPECT_EQ(bad, 0);
+  // Every element written and finite; Sinkhorn's column sums are 1 (the last
+  // step is a column normalisation) and its row sums close to 1.
+  for (size_t i = 0; i < got_f.size(); ++i) ASSERT_TRUE(std::isfinite(f32(got_f[i]))) << "F_pre element " << i;
+  const double eps = a.params.eps_sinkhorn;
+  for (int64_t b = 0; b < c.B; ++b) {
+    for (int i = 0; i < n; ++i) {
+      ASSERT_GT(got_post[b * n + i], 0.f);
+      ASSERT_LT(got_post[b * n + i], 2.f + 1e-6f);
+      double rs = 0, cs = 0;
+      for (int j = 0; j < n; ++j) rs += got_res[b * n * n + i * n + j], cs += got_res[b * n * n + j * n + i];
+      ASSERT_NEAR(cs, 1.0, 1e-5 + n * eps * 4) << "column " << i << " of H_res[" << b << "]";
+      ASSERT_NEAR(rs, 1.0, 2e-2) << "row " << i << " of H_res[" << b << "]";
+    }
+  }
+}
+
+std::vector<PreCase> pre_cases() {
+  std::vector<PreCase> v;
+  for (int n : {1, 2, 4, 6, 8})
+    for (int64_t C : {1280, 2560, 4096, 7168, 1000})
+      for (int64_t B : {0, 1, 7})
+        for (bool seed : {true, false}) v.push_back({n, C, B, seed, DType::kFloat32});
+  for (int n : {1, 4, 8}) v.push_back({n, 1000, 7, false, DType::kBFloat16});
+  v.push_back({4, 7168, 7, true, DType::kBFloat16});
+  v.push_back({4, 7168, 8192, false, DType::kFloat32});
+  v.push_back({2, 1000, 8192, true, DType::kFloat32});
+  v.push_back({4, 7168, 16, false, DType::kFloat32});   // decode
+  v.push_back({4, 7168, 100, false, DType::kFloat32});  // a partial last tile
+  v.push_back({8, 16384, 7, false, DType::kFloat32});   // too large for the cluster kernel: portable path
+  v.push_back({3, 8, 5, false, DType::kFloat32});       // smallest C: most CTAs of the cluster hold nothing
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, MhcPreGpu, ::testing::ValuesIn(pre_cases()), pre_case_name);
+
+struct PostCase {
+  int n;
+  int64_t C, B;
+  MhcResLayout layout;
+};
+
+std::string post_case_name(const ::testing::TestParamInfo<PostCase>& info) {
+  const PostCase& c = info.param;
+  return "n" + std::to_string(c.n) + "_C" + std::to_string(c.C) + "_B" + std::to_string(c.B) +
+         (c.layout == MhcResLayout::kDeepSeek ? "_deepseek" : "_rowmix");
+}
+
+class MhcPostGpu : public ::testing::TestWithParam<PostCase> {};
+
+TEST_P(MhcPostGpu, MatchesReference) {
+  SKIP_WITHOUT_GPU();
+  const PostCase c = GetParam();
+  const int n = c.n;
+  Problem p = make_problem(c.B, n, c.C, seed_for(post_case_name({c, 0})));
+  SCOPED_TRACE("seed " + std::to_string(p.seed));
+  DeviceProblem d(p);
+  DeviceBuffer out = poisoned(size_t(c.B * p.K()) * 2);
+  MhcPostArgs a;
+  a.shape = {c.B, n, c.C};
+  a.x = d.x.get();
+  a.f_out = d.f_out.get();
+  a.h_post = d.h_post.as<float>();
+  a.h_res = d.h_res.as<float>();
+  a.x_next = out.get();
+  a.res_layout = c.layout;
+  Status s = mhc_post(a, nullptr);
+  ASSERT_TRUE(s.ok()) << s.message();
+  CUDA_OK(cudaDeviceSynchronize());
+  if (c.B == 0) return;
+  auto got = out.to_host<uint16_t>();
+  std::vector<uint16_t> ref(got.size());
+  MhcPostArgs r = a;
+  r.x = p.x.data(); r.f_out = p.f_out.data(); r.h_post = p.h_post.data(); r.h_res = p.h_res.data();
+  r.x_next = ref.data();
+  ASSERT_TRUE(mhc_post_cpu(r).ok());
+  int64_t bad = 0;
+  const bool tr = c.layout == MhcResLayout::kDeepSeek;
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int i = 0; i < n; ++i)
+      for (int64_t col = 0; col < c.C; ++col) {
+        const int64_t e = (b * n + i) * c.C + col;
+        double scale = std::fabs(p.h_post[b * n + i] * f32(p.f_out[b * c.C + col]));
+        for (int j = 0; j < n; ++j)
+          scale += std::fabs((tr ? p.h_res[b * n * n + j * n + i] : p.h_res[b * n * n + i * n + j]) *
+                             f32(p.x[(b * n + j) * c.C + col]));
+        if (!bf16_close(got[e], ref[e], scale, 1e-5) && bad++ < 10)
+          ADD_FAILURE() << "X_next[" << b << "," << i << "," << col << "] = " << f32(got[e]) << ", reference "
+                        << f32(ref[e]);
+      }
+  EXPECT_EQ(bad, 0);
+}
+
+std::vector<PostCase> post_cases() {
+  std::vector<PostCase> v;
+  for (int n : {1, 2, 4, 6, 8})
+    for (int64_t C : {1280, 2560, 4096, 7168, 1000})
+      for (int64_t B : {0, 1, 7})
+        for (MhcResLayout l : {MhcResLayout::kDeepSeek, MhcResLayout::kRowMix}) v.push_back({n, C, B, l});
+  v.push_back({4, 7168, 8192, MhcResLayout::kDeepSeek});
+  v.push_back({4, 7168, 8192, MhcResLayout::kRowMix});
+  v.push_back({6, 1000, 8192, MhcResLayout::kDeepSeek});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, MhcPostGpu, ::testing::ValuesIn(post_cases()), post_case_name);
+
+// The three stages on their own, run one after the other, match the reference
+// stage by stage; mhc_head and mhc_expand likewise.
+TEST(MhcStagesGpu, ProjectActivatePreMixHeadExpand) {
+  SKIP_WITHOUT_GPU();
+  for (int n : {1, 4, 6, 8}) {
+    for (int64_t C : {1000, 7168}) {
+      const int64_t B = 9;
+      Problem p = make_problem(B, n, C, seed_for("stages") + n * 131 + C);
+      SCOPED_TRACE("n=" + std::to_string(n) + " C=" + std::to_string(C) + " seed " + std::to_string(p.seed));
+      DeviceProblem d(p);
+      const int N = p.N();
+      MhcParams params;
+      DeviceBuffer h = poisoned(B * N * 4), r = poisoned(B * 4);
+      MhcProjectArgs pa;
+      pa.shape = {B, n, C};
+      pa.x = d.x.get(); pa.phi = d.phi_f32.get(); pa.alpha = d.alpha.as<float>(); pa.bias = d.bias.as<float>();
+      pa.h = h.as<float>(); pa.r = r.as<float>(); pa.eps_norm = params.eps_norm;
+      ASSERT_TRUE(mhc_project(pa, nullptr).ok());
+      std::vector<float> ref_h(B * N), ref_r(B);
+      MhcProjectArgs pr = pa;
+      pr.x = p.x.data(); pr.phi = p.phi_f32.data(); pr.alpha = p.alpha.data(); pr.bias = p.bias.data();
+      pr.h = ref_h.data(); pr.r = ref_r.data();
+      ASSERT_TRUE(mhc_project_cpu(pr).ok());
+      CUDA_OK(cudaDeviceSynchronize());
+      auto got_h = h.to_host<float>();
+      auto got_r = r.to_host<float>();
+      for (int64_t b = 0; b < B; ++b) {
+        EXPECT_NEAR(got_r[b], ref_r[b], 1e-5 * ref_r[b]);
+        for (int m = 0; m < N; ++m) {
+          const int ai = m < n ? 0 : m < 2 * n ? 1 : 2;
+          double scale = std::fabs(p.bias[m]);
+          double dot = 0;
+          for (int64_t k = 0; k < p.K(); ++k) dot += std::fabs(f32(p.x[b * p.K() + k]) * p.phi_f32[m * p.K() + k]);
+          scale += p.alpha[ai] * dot / ref_r[b];
+          EXPECT_NEAR(got_h[b * N + m], ref_h[b * N + m], kHRelTol * scale) << "h[" << b << "," << m << "]";
+        }
+      }
+      // Activations from the reference h, so this stage is tested on its own.
+      DeviceBuffer dh(ref_h), pre = poisoned(B * n * 4), post = poisoned(B * n * 4), res = poisoned(B * n * n * 4);
+      MhcActivateArgs aa;
+      aa.shape = {B, n, C};
+      aa.h = dh.as<float>(); aa.h_pre = pre.as<float>(); aa.h_post = post.as<float>(); aa.h_res = res.as<float>();
+      aa.params = params;
+      ASSERT_TRUE(mhc_activate(aa, nullptr).ok());
+      std::vector<float> ref_pre(B * n), ref_post(B * n), ref_res(B * n * n);
+      MhcActivateArgs ar = aa;
+      ar.h = ref_h.data(); ar.h_pre = ref_pre.data(); ar.h_post = ref_post.data(); ar.h_res = ref_res.data();
+      ASSERT_TRUE(mhc_activate_cpu(ar).ok());
+      CUDA_OK(cudaDeviceSynchronize());
+      auto got_pre = pre.to_host<float>(), got_post = post.to_host<float>(), got_res = res.to_host<float>();
+      for (size_t i = 0; i < ref_pre.size(); ++i) EXPECT_NEAR(got_pre[i], ref_pre[i], 1e-5);
+      for (size_t i = 0; i < ref_post.size(); ++i) EXPECT_NEAR(got_post[i], ref_post[i], 1e-5);
+      for (size_t i = 0; i < ref_res.size(); ++i) EXPECT_NEAR(got_res[i], ref_res[i], 1e-5);
+      // Pre mix from the reference H_pre.
+      DeviceBuffer dpre(ref_pre), f = poisoned(B * C * 2);
+      MhcPreMixArgs ma;
+      ma.shape = {B, n, C};
+      ma.x = d.x.get(); ma.h_pre = dpre.as<float>(); ma.f_pre = f.get();
+      ASSERT_TRUE(mhc_pre_mix(ma, nullptr).ok());
+      std::vector<uint16_t> ref_f(B * C);
+      MhcPreMixArgs mr = ma;
+      mr.x = p.x.data(); mr.h_pre = ref_pre.data(); mr.f_pre = ref_f.data();
+      ASSERT_TRUE(mhc_pre_mix_cpu(mr).ok());
+      CUDA_OK(cudaDeviceSynchronize());
+      auto got_f = f.to_host<uint16_t>();
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t col = 0; col < C; ++col) {
+          double scale = 0;
+          for (int i = 0; i < n; ++i) scale += std::fabs(ref_pre[b * n + i] * f32(p.x[b * p.K() + i * C + col]));
+          ASSERT_TRUE(bf16_close(got_f[b * C + col], ref_f[b * C + col], scale, 1e-5)) << "F[" << b << "," << col << "]";
+        }
+      // Head: phi [n, K] (the first n rows of phi), alpha[0], bias[:n].
+      DeviceBuffer out = poisoned(B * C * 2);
+      MhcHeadArgs ha;
+      ha.shape = {B, n, C};
+      ha.x = d.x.get(); ha.phi = d.phi_f32.get(); ha.alpha = d.alpha.as<float>(); ha.bias = d.bias.as<float>();
+      ha.out = out.get();
+      ASSERT_TRUE(mhc_head(ha, nullptr).ok());
+      std::vector<uint16_t> ref_o(B * C);
+      MhcHeadArgs hr = ha;
+      hr.x = p.x.data(); hr.phi = p.phi_f32.data(); hr.alpha = p.alpha.data(); hr.bias = p.bias.data();
+      hr.out = ref_o.data();
+      ASSERT_TRUE(mhc_head_cpu(hr).ok());
+      CUDA_OK(cudaDeviceSynchronize());
+      auto got_o = out.to_host<uint16_t>();
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t col = 0; col < C; ++col) {
+          double scale = 0;
+          for (int i = 0; i < n; ++i) scale += std::fabs(f32(p.x[b * p.K() + i * C + col]));
+          ASSERT_TRUE(bf16_close(got_o[b * C + col], ref_o[b * C + col], scale, 2e-4)) << "head[" << b << "," << col << "]";
+        }
+      // Expand: exact copies.
+      DeviceBuffer xe = poisoned(B * p.K() * 2);
+      MhcExpandArgs ea;
+      ea.shape = {B, n, C};
+      ea.embedding = d.f_out.get(); ea.x = xe.get();
+      ASSERT_TRUE(mhc_expand(ea, nullptr).ok());
+      CUDA_OK(cudaDeviceSynchronize());
+      auto got_x = xe.to_host<uint16_t>();
+      for (int64_t b = 0; b < B; ++b)
+        for (int i = 0; i < n; ++i)
+          ASSERT_EQ(0, std::memcmp(&got_x[(b * n + i) * C], &p.f_out[b * C], C * 2));
+    }
+  }
+}
+
+struct PrePostRun {
+  std::vector<uint16_t> f_pre, x_next;
+  std::vector<float> h_post, h_res;
+};
+
+// Runs pre then post on `stream`, optionally through a captured CUDA graph.
+PrePostRun run_pre_post(const Problem& p, DeviceProblem& d, bool graph) {
+  PrePostRun out;
+  const int64_t B = p.B, C = p.C;
+  const int n = p.n;
+  DeviceBuffer f_pre = poisoned(B * C * 2), h_post = poisoned(B * n * 4), h_res = poisoned(B * n * n * 4),
+               x_next = poisoned(B * p.K() * 2);
+  cudaStream_t stream;
+  EXPECT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  MhcPreArgs a;
+  a.shape = {B, n, C};
+  a.x = d.x.get(); a.phi = d.phi_f32.get(); a.alpha = d.alpha.as<float>(); a.bias = d.bias.as<float>();
+  a.f_pre = f_pre.get(); a.h_post = h_post.as<float>(); a.h_res = h_res.as<float>();
+  MhcPostArgs b;
+  b.shape = {B, n, C};
+  b.x = d.x.get(); b.f_out = f_pre.get();  // the sublayer is the identity here
+  b.h_post = h_post.as<float>(); b.h_res = h_res.as<float>(); b.x_next = x_next.get();
+  auto issue = [&] {
+    Status s1 = mhc_pre(a, stream);
+    EXPECT_TRUE(s1.ok()) << s1.message();
+    Status s2 = mhc_post(b, stream);
+    EXPECT_TRUE(s2.ok()) << s2.message();
+  };
+  if (graph) {
+    issue();  // first use sets up the kernels' attributes outside the capture
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    EXPECT_EQ(cudaMemsetAsync(f_pre.get(), 0x7f, B * C * 2, stream), cudaSuccess);
+    EXPECT_EQ(cudaMemsetAsync(x_next.get(), 0x7f, B * p.K() * 2, stream), cudaSuccess);
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    issue();
+    EXPECT_EQ(cudaStreamEndCapture(stream, &g), cudaSuccess);
+    EXPECT_EQ(cudaGraphInstantiate(&ge, g, 0), cudaSuccess);
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(cudaGraphLaunch(ge, stream), cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    cudaGraphExecDestroy(ge);
+    cudaGraphDestroy(g);
+  } else {
+    issue();
+  }
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  cudaStreamDestroy(stream);
+  out.f_pre = f_pre.to_host<uint16_t>();
+  out.h_post = h_post.to_host<float>();
+  out.h_res = h_res.to_host<float>();
+  out.x_next = x_next.to_host<uint16_t>();
+  return out;
+}
+
+// No order-dependent atomics: repeated runs are bitwise identical, and a
+// captured graph's replays give the same bits as direct launches.
+TEST(MhcDeterminismGpu, RepeatedRunsAndGraphReplayAreBitwiseIdentical) {
+  SKIP_WITHOUT_GPU();
+  for (int n : {4, 6}) {
+    Problem p = make_problem(333, n, n == 4 ? 7168 : 1000, seed_for("determinism") + n);
+    DeviceProblem d(p);
+    PrePostRun r1 = run_pre_post(p, d, false), r2 = run_pre_post(p, d, false), r3 = run_pre_post(p, d, true);
+    EXPECT_EQ(r1.f_pre, r2.f_pre);
+    EXPECT_EQ(0, std::memcmp(r1.h_post.data(), r2.h_post.data(), r1.h_post.size() * 4));
+    EXPECT_EQ(0, std::memcmp(r1.h_res.data(), r2.h_res.data(), r1.h_res.size() * 4));
+    EXPECT_EQ(r1.x_next, r2.x_next);
+    EXPECT_EQ(r1.f_pre, r3.f_pre);
+    EXPECT_EQ(0, std::memcmp(r1.h_res.data(), r3.h_res.data(), r1.h_res.size() * 4));
+    EXPECT_EQ(r1.x_next, r3.x_next);
+    for (auto v : r1.x_next) ASSERT_TRUE(std::isfinite(f32(v)));
+  }
+}
+
+// ---- SPEC §5 through the GPU entry points: error names the argument, nothing is written ----
+
+class MhcValidationGpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!testing::have_gpu()) GTEST_SKIP() << "no CUDA GPU on this machine";
+    p_ = make_problem(4, 4, 64, seed_for("gpu_validation"));
+    d_ = std::make_unique<DeviceProblem>(p_);
+    f_pre_ = poisoned(4 * 64 * 2);
+    h_post_ = poisoned(16 * 4);
+    h_res_ = poisoned(64 * 4);
+    x_next_ = poisoned(4 * 256 * 2);
+  }
+  MhcPreArgs pre() {
+    MhcPreArgs a;
+    a.shape = {4, 4, 64};
+    a.x = d_->x.get(); a.phi = d_->phi_f32.get(); a.alpha = d_->alpha.as<float>(); a.bias = d_->bias.as<float>();
+    a.f_pre = f_pre_.get(); a.h_post = h_post_.as<float>(); a.h_res = h_res_.as<float>();
+    return a;
+  }
+  MhcPostArgs post() {
+    MhcPostArgs a;
+    a.shape = {4, 4, 64};
+    a.x = d_->x.get(); a.f_out = d_->f_out.get(); a.h_post = d_->h_post.as<float>(); a.h_res = d_->h_res.as<float>();
+    a.x_next = x_next_.get();
+    return a;
+  }
+  void expect_error(const Status& s, StatusCode code, const std::string& arg) {
+    EXPECT_EQ(s.code(), code) << s.message();
+    EXPECT_NE(s.message().find(": " + arg + ": "), std::string::npos) << s.message();
+  }
+  void expect_untouched() {
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (auto v : f_pre_.to_host<uint16_t>()) ASSERT_EQ(v, 0x7f7f);
+    for (auto v : x_next_.to_host<uint16_t>()) ASSERT_EQ(v, 0x7f7f);
+    for (auto v : h_post_.to_host<uint32_t>()) ASSERT_EQ(v, 0x7f7f7f7fu);
+    for (auto v : h_res_.to_host<uint32_t>()) ASSERT_EQ(v, 0x7f7f7f7fu);
+  }
+  Problem p_;
+  std::unique_ptr<DeviceProblem> d_;
+  DeviceBuffer f_pre_, h_post_, h_res_, x_next_;
+};
+
+TEST_F(MhcValidationGpu, NullPointers) {
+  MhcPreArgs a = pre();
+  a.x = nullptr;
+  expect_error(mhc_pre(a, nullptr), StatusCode::kInvalidArgument, "x");
+  a = pre();
+  a.bias = nullptr;
+  expect_error(mhc_pre(a, nullptr), StatusCode::kInvalidArgument, "bias");
+  MhcPostArgs b = post();
+  b.h_post = nullptr;
+  expect_error(mhc_post(b, nullptr), StatusCode::kInvalidArgument, "h_post");
+  expect_untouched();
+}
+
+TEST_F(MhcValidationGpu, NegativeAndOverflowingSizes) {
+  MhcPreArgs a = pre();
+  a.shape.batch = -3;
+  expect_error(mhc_pre(a, nullptr), StatusCode::kInvalidArgument, "batch");
+  a = pre();
+  a.shape.batch = int64_t(1) << 40;
+  expect_error(mhc_pre(a, nullptr), StatusCode::kInvalidArgument, "batch");
+  MhcPostArgs b = post();
+  b.shape.batch = int64_t(1) << 40;
+  expect_error(mhc_post(b, nullptr), StatusCode::kInvalidArgument, "batch");
+  expect_untouched();
+}
+
+TEST_F(MhcValidationGpu, BadStreamCountAndHidden) {
+  MhcPreArgs a = pre();
+  a.shape.n = 9;
+  expect_error(mhc_pre(a, nullptr), StatusCode::kInvalidArgument, "n");
+  MhcPostArgs b = post();
+  b.shape.n = 0;
+  expect_error(mhc_post(b, nullptr), StatusCode::kInvalidArgument, "n");
+  a = pre();
+  a.shape.hidden = 60;
+  expect_error(mhc_pre(a, nullptr), StatusCode::kInvalidArgument, "hidden");
+  b = post();
+  b.shape.hidden = 4;
+  expect_error(mhc_post(b, nullptr), StatusCode::kInvalidArgument, "hidden");
+  expect_untouched();
+}
+
+TEST_F(MhcValidationGpu, BadAlignment) {
+  MhcPreArgs a = pre();
+  a.x = static_cast<const char*>(a.x) + 2;
+  expect_error(mhc_pre(a, nullptr), StatusCode::kInvalidArgument, "x");
+  MhcPostArgs b = post();
+  b.x_next = static_cast<char*>(b.x_next) + 8;
+  expect_error(mhc_post(b, nullptr), StatusCode::kInvalidArgument, "x_next");
+  b = post();
+  b.f_out = static_cast<const char*>(b.f_out) + 2;
+  expect_error(mhc_post(b, nullptr), StatusCode::kInvalidArgument, "f_out");
+  expect_untouched();
+}
+
+TEST_F(MhcValidationGpu, BadParametersAndDtype) {
+  MhcPreArgs a = pre();
+  a.params.sinkhorn_iters = -1;
+  expect_error(mhc_pre(a, nullptr), StatusCode::kInvalidArgument, "params.sinkhorn_iters");
+  a = pre();
+  a.phi_dtype = DType::kFloat16;
+  expect_error(mhc_pre(a, nullptr), StatusCode::kNotSupported, "phi_dtype");
+  expect_untouched();
+}
+
+TEST_F(MhcValidationGpu, ZeroTokensLaunchNothing) {
+  MhcPreArgs a;
+  a.shape = {0, 4, 7168};
+  EXPECT_TRUE(mhc_pre(a, nullptr).ok());
+  MhcPostArgs b;
+  b.shape = {0, 4, 7168};
+  EXPECT_TRUE(mhc_post(b, nullptr).ok());
+  MhcExpandArgs e;
+  e.shape = {0, 2, 1000};
+  EXPECT_TRUE(mhc_expand(e, nullptr).ok());
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  expect_untouched();
+}
+
+}  // namespace
+}  // namespace flashmix
