@@ -38,7 +38,10 @@ namespace flashmix {
 namespace {
 
 constexpr const char* kOp = "finalize_moe_routing";
-constexpr int kLoadsInFlight = 8;  // row vectors per thread issued before their first use
+// Row (and bias) vectors a lane holds in registers before their first use;
+// with the L2 prefetch of the next group below, twice that is in flight.
+// More would spill at the register cap that keeps 24 warps per SM resident.
+constexpr int kLoadsInFlight = 4;
 
 struct FinalizeParams {
   const void* rows;
@@ -73,37 +76,58 @@ struct SlotMeta {
   int count;  // local slots; -1: this item is skipped (no-filling, not the token's first local slot)
 };
 
-// One warp. Resolves item `key` (a token when filling, a permuted row
-// otherwise) into the warp's record m. Returns false when the item is skipped.
-__device__ __forceinline__ bool resolve_slots(const FinalizeParams& p, int64_t key, SlotMeta& m) {
+// Where an item's slots are read from: its token and, when not filling, the
+// slot of the permuted row that names the item.
+struct ItemKey {
+  int64_t token;
+  int first_slot;  // -1 when filling
+};
+
+__device__ __forceinline__ ItemKey item_key(const FinalizeParams& p, int64_t key, int32_t unpermuted) {
+  if (p.fill) return {key, -1};
+  // T * k fits in int32 (validated): 32-bit division suffices.
+  const int32_t T = int32_t(p.num_tokens);
+  return {unpermuted % T, unpermuted / T};
+}
+
+// Lane j's view of slot j of an item, loaded one item ahead of its use so the
+// index round trip overlaps the previous item's row loads.
+struct SlotLoad {
+  int expert;
+  int32_t row;
+  float weight;
+};
+
+__device__ __forceinline__ SlotLoad load_slot(const FinalizeParams& p, int64_t t) {
   const int lane = threadIdx.x & 31;
-  int64_t t = key;
-  int first_slot = -1;
-  if (!p.fill) {
-    // T * k fits in int32 (validated): 32-bit division suffices.
-    const int32_t u = p.p2u[key];
-    const int32_t T = int32_t(p.num_tokens);
-    t = u % T;
-    first_slot = u / T;
-  }
   const bool in_k = lane < p.k;
-  // The three loads are independent, so they are issued together (one memory
-  // round trip). Reading u2p of a non-local slot is harmless (in bounds, unused).
-  const int e = in_k ? p.experts[t * p.k + lane] : -1;
-  const int32_t row = in_k ? p.u2p[int64_t(lane) * p.num_tokens + t] : 0;
-  const float w = (in_k && p.scales) ? p.scales[t * p.k + lane] : 1.0f;
-  const bool local = in_k && e >= p.start_expert && e - p.start_expert < p.num_local_experts;
+  // Independent loads, issued together. Reading u2p of a non-local slot is
+  // harmless (in bounds, unused).
+  SlotLoad s;
+  s.expert = in_k ? p.experts[t * p.k + lane] : -1;
+  s.row = in_k ? p.u2p[int64_t(lane) * p.num_tokens + t] : 0;
+  s.weight = (in_k && p.scales) ? p.scales[t * p.k + lane] : 1.0f;
+  return s;
+}
+
+// One warp. Compacts the item's local slots into the warp's record m, in slot
+// order. Returns false when the item is skipped (no-filling: the token belongs
+// to the item of its first local slot).
+__device__ __forceinline__ bool resolve_slots(const FinalizeParams& p, const ItemKey& key, const SlotLoad& s,
+                                              SlotMeta& m) {
+  const int lane = threadIdx.x & 31;
+  const bool local = lane < p.k && s.expert >= p.start_expert && s.expert - p.start_expert < p.num_local_experts;
   const unsigned mask = __ballot_sync(dev::kFullMask, local);
-  if (!p.fill && __ffs(mask) - 1 != first_slot) return false;  // uniform across the warp
+  if (!p.fill && __ffs(mask) - 1 != key.first_slot) return false;  // uniform across the warp
   if (local) {
     const int slot = __popc(mask & ((1u << lane) - 1u));
-    m.row_offset[slot] = int64_t(row) * p.rows_stride;
-    m.bias_offset[slot] = int64_t(e - p.start_expert) * p.bias_stride;
-    m.weight[slot] = w;
+    m.row_offset[slot] = int64_t(s.row) * p.rows_stride;
+    m.bias_offset[slot] = int64_t(s.expert - p.start_expert) * p.bias_stride;
+    m.weight[slot] = s.weight;
   }
   if (lane == 0) {
     m.count = __popc(mask);
-    m.token = t;
+    m.token = key.token;
   }
   __syncwarp();
   return true;
@@ -134,6 +158,7 @@ __device__ __forceinline__ void reduce_vectors(const FinalizeParams& p, const Sl
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int e = 0; e < V; ++e) acc[u][e] = 0.0f;
+#pragma unroll 1
     for (int s0 = 0; s0 < count; s0 += G) {
       dev::Vec<In, V> x[G][U];
       dev::Vec<In, V> b[G][kBias ? U : 1];
@@ -147,6 +172,20 @@ __device__ __forceinline__ void reduce_vectors(const FinalizeParams& p, const Sl
             if constexpr (kBias) b[g][u] = dev::load_ro<In, V>(bias + m.bias_offset[s0 + g] + int64_t(v) * V);
           }
         }
+      // Ask L2 for the next group's rows (wrapping to the next pass of the
+      // lane) while this group's loads are outstanding: more bytes in flight
+      // without more registers.
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        int s = s0 + G + g, vv = v0;
+        if (s >= count) {
+          s -= count;
+          vv += kStep;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (s < count && vv + u * 32 < v_end) dev::prefetch_l2(rows + m.row_offset[s] + int64_t(vv + u * 32) * V);
+      }
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         if (s0 + g >= count) break;
@@ -209,10 +248,12 @@ __device__ __forceinline__ void reduce_tail(const FinalizeParams& p, const SlotM
   }
 }
 
-// At most kMaxFinalizeThreads threads, so the compiler may use up to 128
-// registers: the in-flight row and bias vectors need them.
+// Registers are capped at 85 (kMaxFinalizeThreads threads, 3 blocks per SM):
+// occupancy, i.e. bytes in flight per SM, is what feeds HBM here; the 8
+// in-flight 16-byte vectors of a lane take 32 of them.
 template <typename In, typename Out, int V, int U, bool kBias>
-__global__ void __launch_bounds__(kMaxFinalizeThreads) finalize_moe_routing_kernel(const FinalizeParams p) {
+__global__ void __launch_bounds__(kMaxFinalizeThreads, kMinFinalizeBlocksPerSm)
+    finalize_moe_routing_kernel(const FinalizeParams p) {
   __shared__ SlotMeta meta[kMaxFinalizeThreads / 32];  // one record per warp
   SlotMeta& m = meta[threadIdx.x >> 5];
   // Everything below may read what the previous kernel on the stream wrote.
@@ -220,22 +261,48 @@ __global__ void __launch_bounds__(kMaxFinalizeThreads) finalize_moe_routing_kern
   dev::allow_dependents_launch();
   const int64_t num_items = p.fill ? p.items_bound : p.expert_offsets[p.num_local_experts] * p.chunks;
   const int warps = blockDim.x >> 5;
-  const int64_t first = int64_t(blockIdx.x) * warps + (threadIdx.x >> 5);
   const int64_t stride = int64_t(gridDim.x) * warps;
-  for (int64_t item = first; item < num_items; item += stride) {
-    int chunk;
-    int64_t key;
-    if (num_items <= int64_t(UINT32_MAX)) {  // the common case: 32-bit division
+  const bool narrow = num_items <= int64_t(UINT32_MAX);  // the common case: 32-bit division
+  auto split = [&](int64_t item, int& chunk) -> int64_t {
+    if (narrow) {
       chunk = int(uint32_t(item) % uint32_t(p.chunks));
-      key = uint32_t(item) / uint32_t(p.chunks);
-    } else {
-      chunk = int(item % p.chunks);
-      key = item / p.chunks;
+      return uint32_t(item) / uint32_t(p.chunks);
     }
+    chunk = int(item % p.chunks);
+    return item / p.chunks;
+  };
+  // Software pipeline over this warp's items: the indices of item i+1 (and,
+  // when not filling, the permuted-row map entry of item i+2) are in flight
+  // while item i's rows stream.
+  int64_t item = int64_t(blockIdx.x) * warps + (threadIdx.x >> 5);
+  int chunk = 0, chunk_next = 0;
+  int64_t key = item < num_items ? split(item, chunk) : 0;
+  auto unpermuted_of = [&](int64_t it, int64_t k) -> int32_t {
+    return (!p.fill && it < num_items) ? p.p2u[k] : 0;
+  };
+  ItemKey ik = item_key(p, key, unpermuted_of(item, key));
+  SlotLoad slots = item < num_items ? load_slot(p, ik.token) : SlotLoad{-1, 0, 1.0f};
+  int64_t key_next = item + stride < num_items ? split(item + stride, chunk_next) : 0;
+  int32_t u_next = unpermuted_of(item + stride, key_next);
+  for (; item < num_items; item += stride) {
+    const int64_t item_next = item + stride;
+    const ItemKey ik_next = item_key(p, key_next, u_next);
+    const SlotLoad slots_next = item_next < num_items ? load_slot(p, ik_next.token) : SlotLoad{-1, 0, 1.0f};
+    int chunk_after = 0;
+    const int64_t key_after = item_next + stride < num_items ? split(item_next + stride, chunk_after) : 0;
+    const int32_t u_after = unpermuted_of(item_next + stride, key_after);
+
     __syncwarp();  // the previous item's record is no longer read
-    if (!resolve_slots(p, key, m)) continue;
-    reduce_vectors<In, Out, V, U, kBias>(p, m, chunk);
-    if (chunk == p.chunks - 1 && p.vectors * V < p.hidden) reduce_tail<In, Out>(p, m, p.vectors * V);
+    if (resolve_slots(p, ik, slots, m)) {
+      reduce_vectors<In, Out, V, U, kBias>(p, m, chunk);
+      if (chunk == p.chunks - 1 && p.vectors * V < p.hidden) reduce_tail<In, Out>(p, m, p.vectors * V);
+    }
+    ik = ik_next;
+    slots = slots_next;
+    chunk = chunk_next;
+    key_next = key_after;
+    chunk_next = chunk_after;
+    u_next = u_after;
   }
 }
 
@@ -299,8 +366,7 @@ Status dispatch_width(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaStr
   if (fits(kFull)) {
     p.out_vectors = out_fits(kFull);
     int u = a.tuning.vectors_per_thread;
-    if (u == 0) u = a.k >= 5 ? 1 : a.k >= 3 ? 2 : 4;  // keep ~8 row loads in flight per thread
-    if (u == 4) return launch_finalize<In, Out, kFull, 4>(p, a, stream);
+    if (u == 0) u = a.k >= 5 ? 1 : 2;  // keep several row loads in flight per lane
     if (u == 2) return launch_finalize<In, Out, kFull, 2>(p, a, stream);
     return launch_finalize<In, Out, kFull, 1>(p, a, stream);
   }
