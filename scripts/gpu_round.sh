@@ -4,8 +4,9 @@
 #   3. flashmix-bench over the standard workloads with verification (JSON).
 # Usage: scripts/gpu_round.sh BIN_DIR OUT_DIR [bench args...]
 #   BIN_DIR holds flashmix_gpu_tests and flashmix-bench (built elsewhere is fine).
-# Environment: SANITIZE_FILTER (gtest filter for the sanitizer runs, default: the
-#   small cases), SKIP_SANITIZER=1, SKIP_BENCH=1, SKIP_TESTS=1.
+# Environment: TEST_FILTER (gtest filter for the test run, default: all),
+#   SANITIZE_FILTER (gtest filter for the sanitizer runs, default: all but the
+#   largest cases), SKIP_SANITIZER=1, SKIP_BENCH=1, SKIP_TESTS=1.
 set -uo pipefail
 bin=${1:?usage: gpu_round.sh BIN_DIR OUT_DIR [bench args...]}
 out=${2:?usage: gpu_round.sh BIN_DIR OUT_DIR [bench args...]}
@@ -16,7 +17,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 
 if [ -z "${SKIP_TESTS:-}" ]; then
   echo "== GPU tests"
-  "$bin/flashmix_gpu_tests" 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |tests ran|Failure|error" | head -60
+  "$bin/flashmix_gpu_tests" --gtest_filter="${TEST_FILTER:-*}" 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |tests ran|Failure|error" | head -60
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "GPU TESTS FAILED"; status=1; }
 fi
 
