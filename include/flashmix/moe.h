@@ -108,7 +108,7 @@ namespace flashmix {
 struct MoeRoutingTuning {
   // k*T at or below this runs as ONE block in ONE launch (decode); above it,
   // three launches (count per segment, scan, stable scatter).
-  // 0 = automatic (4096); -1 = always three launches; at most 8192.
+  // 0 = automatic (2048); -1 = always three launches; at most 8192.
   int single_block_max_slots = 0;
 };
 

@@ -8,7 +8,7 @@
 //   permuted_input[p, :] = input[t, :]                         (optional)
 //
 // Paths (chosen on the host from k*T only, see moe_routing_plan.h):
-//   single block (k*T <= 4096 by default, decode): one launch counts, scans
+//   single block (k*T <= 2048 by default, decode): one launch counts, scans
 //     and scatters, everything in shared memory.
 //   multi (prefill): count per segment -> one-block scan over (segment, expert)
 //     -> stable scatter per segment. Three launches chained with PDL.
@@ -207,6 +207,7 @@ moe_routing_count_kernel(SlotSource src, int items, int32_t* __restrict__ counts
 // Thread (g, e) owns expert e over a contiguous group g of segments, so the
 // loads of a warp are 32 consecutive experts of one segment (coalesced).
 constexpr int kScanThreads = 1024;
+constexpr int kScanCache = 16;
 
 __global__ void __launch_bounds__(kScanThreads)
 moe_routing_scan_kernel(int32_t* __restrict__ counts, int num_segments, int E, int64_t* __restrict__ offsets) {
@@ -221,11 +222,21 @@ moe_routing_scan_kernel(int32_t* __restrict__ counts, int num_segments, int E, i
   const int seg_begin = min(g * per_group, num_segments), seg_end = min(seg_begin + per_group, num_segments);
 
   dev::grid_dependency_wait();
+  // The first kScanCache counts stay in registers for the second pass, and
+  // their loads are all in flight at once (one L2 round trip, not 16).
+  int cache[kScanCache];
   int sum = 0;
+#pragma unroll
+  for (int i = 0; i < kScanCache; ++i) {
+    const int seg = seg_begin + i;
+    cache[i] = active && seg < seg_end ? counts[int64_t(seg) * E + e] : 0;
+  }
   if (active) {
 #pragma unroll 8
-    for (int seg = seg_begin; seg < seg_end; ++seg) sum += counts[int64_t(seg) * E + e];
+    for (int seg = seg_begin + kScanCache; seg < seg_end; ++seg) sum += counts[int64_t(seg) * E + e];
   }
+#pragma unroll
+  for (int i = 0; i < kScanCache; ++i) sum += cache[i];
   partial[threadIdx.x] = sum;
   __syncthreads();
 
@@ -250,8 +261,16 @@ moe_routing_scan_kernel(int32_t* __restrict__ counts, int num_segments, int E, i
 
   if (active) {
     int base = partial[threadIdx.x];
+#pragma unroll
+    for (int i = 0; i < kScanCache; ++i) {
+      const int seg = seg_begin + i;
+      if (seg < seg_end) {
+        counts[int64_t(seg) * E + e] = base;
+        base += cache[i];
+      }
+    }
 #pragma unroll 8
-    for (int seg = seg_begin; seg < seg_end; ++seg) {
+    for (int seg = seg_begin + kScanCache; seg < seg_end; ++seg) {
       int32_t* p = counts + int64_t(seg) * E + e;
       const int c = *p;
       *p = base;

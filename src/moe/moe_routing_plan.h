@@ -14,7 +14,9 @@ namespace flashmix::detail {
 constexpr int kRoutingThreads = 512;
 constexpr int kRoutingMaxItems = 16;
 constexpr int64_t kRoutingMaxSegmentSlots = int64_t(kRoutingThreads) * kRoutingMaxItems;  // 8192
-constexpr int kRoutingDefaultSingleBlockSlots = 4096;
+// One block costs about 1.3 us per 512-slot step, the three-launch path about
+// 7 us in all for up to ~64K slots (H200, graph replays): they cross near 2048.
+constexpr int kRoutingDefaultSingleBlockSlots = 2048;
 constexpr int kRoutingMaxExperts = 1024;
 // Segments are sized so that about this many blocks cover the slots (one wave on H100/H200).
 constexpr int64_t kRoutingTargetSegments = 128;
