@@ -42,6 +42,11 @@ constexpr const char* kOp = "finalize_moe_routing";
 // with the L2 prefetch of the next group below, twice that is in flight.
 // More would spill at the register cap that keeps 24 warps per SM resident.
 constexpr int kLoadsInFlight = 4;
+// The async path: a ring of kFinalizeStages stages per warp, each holding
+// kFinalizeStageVectors 16-byte vectors per lane (8 KB per warp).
+constexpr int kFinalizeStages = 4;
+constexpr int kFinalizeStageVectors = 4;
+constexpr int kFinalizeRingVectors = kFinalizeStages * kFinalizeStageVectors * 32;
 
 struct FinalizeParams {
   const void* rows;
@@ -138,6 +143,31 @@ __device__ __forceinline__ bool resolve_slots(const FinalizeParams& p, const Ite
 __device__ __forceinline__ float accumulate(float acc, float w, float x) { return fmaf(w, x, acc); }
 __device__ __forceinline__ float with_bias(float x, float b) { return __fadd_rn(x, b); }
 
+// Writes one V-element output vector (+ shared_output), rounding once.
+template <typename Out, int V>
+__device__ __forceinline__ void store_output(const FinalizeParams& p, Out* out, const Out* shared, int64_t token,
+                                             int64_t col, const float (&acc)[V]) {
+  if (p.out_vectors) {
+    dev::Vec<Out, V> o;
+    if (shared) {
+      const dev::Vec<Out, V> sh = dev::load_ro<Out, V>(shared + token * p.shared_stride + col);
+#pragma unroll
+      for (int e = 0; e < V; ++e) o.v[e] = dev::from_float<Out>(__fadd_rn(acc[e], dev::to_float(sh.v[e])));
+    } else {
+#pragma unroll
+      for (int e = 0; e < V; ++e) o.v[e] = dev::from_float<Out>(acc[e]);
+    }
+    dev::store<Out, V>(out + col, o);
+  } else {  // the output row is not aligned for vectors: element stores
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      float r = acc[e];
+      if (shared) r = __fadd_rn(r, dev::to_float(shared[token * p.shared_stride + col + e]));
+      out[col + e] = dev::from_float<Out>(r);
+    }
+  }
+}
+
 template <typename In, typename Out, int V, int U, bool kBias>
 __device__ __forceinline__ void reduce_vectors(const FinalizeParams& p, const SlotMeta& m, int chunk) {
   // Slots per load group: kLoadsInFlight vectors (row and bias) per thread.
@@ -204,28 +234,101 @@ __device__ __forceinline__ void reduce_vectors(const FinalizeParams& p, const Sl
     for (int u = 0; u < U; ++u) {
       const int v = v0 + u * 32;
       if (v >= v_end) break;
-      const int64_t col = int64_t(v) * V;
-      if (p.out_vectors) {
-        dev::Vec<Out, V> o;
-        if (shared) {
-          const dev::Vec<Out, V> sh = dev::load_ro<Out, V>(shared + m.token * p.shared_stride + col);
+      store_output<Out, V>(p, out, shared, m.token, int64_t(v) * V, acc[u]);
+    }
+  }
+}
+
+// The 16-byte-vector path: the lane's row (and bias) vectors are staged
+// through a per-warp shared-memory ring with cp.async, kFinalizeStages - 1
+// stages ahead of their use. The bytes in flight then live in shared memory
+// instead of registers, so each SM keeps ~150 KB of row reads outstanding
+// (what HBM needs to run at full rate) at any vectors-per-lane setting.
+// A lane reads back only what it copied itself: cp.async.wait_group suffices,
+// no barrier. The arithmetic and its order are those of reduce_vectors.
+template <typename In, typename Out, int V, int U, bool kBias>
+__device__ __forceinline__ void reduce_vectors_async(const FinalizeParams& p, const SlotMeta& m, int chunk,
+                                                     uint4* ring) {
+  static_assert(sizeof(In) * V == 16, "the async path moves 16-byte vectors");
+  constexpr int kPerSlot = U * (kBias ? 2 : 1);
+  constexpr int G = kFinalizeStageVectors / kPerSlot > 0 ? kFinalizeStageVectors / kPerSlot : 1;
+  constexpr int kStep = 32 * U;
+  const In* rows = static_cast<const In*>(p.rows);
+  const In* bias = static_cast<const In*>(p.bias);
+  const Out* shared = static_cast<const Out*>(p.shared);
+  Out* out = static_cast<Out*>(p.out) + m.token * p.out_stride;
+  const int count = m.count;
+  const int lane = threadIdx.x & 31;
+  const int v_begin = chunk * p.chunk_vecs;
+  const int v_end = min(p.vectors, v_begin + p.chunk_vecs);
+  const int passes = (v_end - v_begin + kStep - 1) / kStep;
+  const int groups = max(1, (count + G - 1) / G);  // steps per pass (one empty step when no slot is local)
+  const int steps = passes * groups;
+
+  auto issue = [&](int st) {
+    if (st < steps && count > 0) {
+      const int pass = st / groups, grp = st - pass * groups;
+      uint4* stage = ring + (st % kFinalizeStages) * kFinalizeStageVectors * 32 + lane;
 #pragma unroll
-          for (int e = 0; e < V; ++e) o.v[e] = dev::from_float<Out>(__fadd_rn(acc[u][e], dev::to_float(sh.v[e])));
-        } else {
+      for (int g = 0; g < G; ++g) {
+        const int s = grp * G + g;
 #pragma unroll
-          for (int e = 0; e < V; ++e) o.v[e] = dev::from_float<Out>(acc[u][e]);
-        }
-        dev::store<Out, V>(out + col, o);
-      } else {  // the output row is not aligned for vectors: element stores
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-          float r = acc[u][e];
-          if (shared) r = __fadd_rn(r, dev::to_float(shared[m.token * p.shared_stride + col + e]));
-          out[col + e] = dev::from_float<Out>(r);
+        for (int u = 0; u < U; ++u) {
+          const int v = v_begin + lane + pass * kStep + u * 32;
+          if (s < count && v < v_end) {
+            dev::cp_async16(stage + (g * U + u) * 32, rows + m.row_offset[s] + int64_t(v) * V);
+            if constexpr (kBias)
+              dev::cp_async16(stage + (G * U + g * U + u) * 32, bias + m.bias_offset[s] + int64_t(v) * V);
+          }
         }
       }
     }
+    dev::cp_async_commit();  // every lane commits every step: group counts stay uniform
+  };
+
+#pragma unroll
+  for (int st = 0; st < kFinalizeStages - 1; ++st) issue(st);
+  float acc[U][V];
+  for (int st = 0; st < steps; ++st) {
+    issue(st + kFinalizeStages - 1);
+    dev::cp_async_wait<kFinalizeStages - 1>();  // step st has landed
+    const int pass = st / groups, grp = st - pass * groups;
+    if (grp == 0) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[u][e] = 0.0f;
+    }
+    const uint4* stage = ring + (st % kFinalizeStages) * kFinalizeStageVectors * 32 + lane;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const int s = grp * G + g;
+      if (s >= count) break;
+      const float w = m.weight[s];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const uint4 xw = stage[(g * U + u) * 32];
+        const dev::Vec<In, V>& x = reinterpret_cast<const dev::Vec<In, V>&>(xw);
+        uint4 bw;
+        if constexpr (kBias) bw = stage[(G * U + g * U + u) * 32];
+        const dev::Vec<In, V>& b = reinterpret_cast<const dev::Vec<In, V>&>(bw);
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          float xv = dev::to_float(x.v[e]);
+          if constexpr (kBias) xv = with_bias(xv, dev::to_float(b.v[e]));
+          acc[u][e] = accumulate(acc[u][e], w, xv);
+        }
+      }
+    }
+    if (grp == groups - 1) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int v = v_begin + lane + pass * kStep + u * 32;
+        if (v < v_end) store_output<Out, V>(p, out, shared, m.token, int64_t(v) * V, acc[u]);
+      }
+    }
   }
+  dev::cp_async_wait<0>();  // nothing of this item is still landing when the ring is reused
 }
 
 // Columns [vectors*V, hidden): the tail that does not fill a vector. Computed,
@@ -249,13 +352,14 @@ __device__ __forceinline__ void reduce_tail(const FinalizeParams& p, const SlotM
 }
 
 // Registers are capped at 85 (kMaxFinalizeThreads threads, 3 blocks per SM):
-// occupancy, i.e. bytes in flight per SM, is what feeds HBM here; the 8
-// in-flight 16-byte vectors of a lane take 32 of them.
+// occupancy, i.e. bytes in flight per SM, is what feeds HBM here.
 template <typename In, typename Out, int V, int U, bool kBias>
 __global__ void __launch_bounds__(kMaxFinalizeThreads, kMinFinalizeBlocksPerSm)
     finalize_moe_routing_kernel(const FinalizeParams p) {
   __shared__ SlotMeta meta[kMaxFinalizeThreads / 32];  // one record per warp
   SlotMeta& m = meta[threadIdx.x >> 5];
+  extern __shared__ uint4 finalize_ring[];  // async path: kFinalizeRingVectors per warp
+  uint4* ring = finalize_ring + (threadIdx.x >> 5) * kFinalizeRingVectors;
   // Everything below may read what the previous kernel on the stream wrote.
   dev::grid_dependency_wait();
   dev::allow_dependents_launch();
@@ -294,7 +398,10 @@ __global__ void __launch_bounds__(kMaxFinalizeThreads, kMinFinalizeBlocksPerSm)
 
     __syncwarp();  // the previous item's record is no longer read
     if (resolve_slots(p, ik, slots, m)) {
-      reduce_vectors<In, Out, V, U, kBias>(p, m, chunk);
+      if constexpr (sizeof(In) * V == 16)
+        reduce_vectors_async<In, Out, V, U, kBias>(p, m, chunk, ring);
+      else
+        reduce_vectors<In, Out, V, U, kBias>(p, m, chunk);
       if (chunk == p.chunks - 1 && p.vectors * V < p.hidden) reduce_tail<In, Out>(p, m, p.vectors * V);
     }
     ik = ik_next;
@@ -320,9 +427,13 @@ Status launch_finalize(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaSt
   FM_RETURN_IF_ERROR(detail::cuda_status(cudaGetDevice(&device), kOp, "cudaGetDevice"));
   FM_RETURN_IF_ERROR(detail::cuda_status(
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), kOp, "multiprocessor count"));
-  FM_RETURN_IF_ERROR(detail::cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0),
-                                         kOp, "occupancy query"));
   const int warps = threads / 32;
+  const size_t smem = sizeof(In) * V == 16 ? size_t(warps) * kFinalizeRingVectors * sizeof(uint4) : 0;
+  if (smem > 48 * 1024)
+    FM_RETURN_IF_ERROR(detail::cuda_status(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), kOp, "shared memory size"));
+  FM_RETURN_IF_ERROR(detail::cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem),
+                                         kOp, "occupancy query"));
   const int64_t resident_warps = int64_t(std::max(1, per_sm)) * sms * warps;
 
   p.vectors = p.hidden / V;
@@ -348,7 +459,7 @@ Status launch_finalize(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaSt
 
   const int64_t grid = std::min<int64_t>((p.items_bound + warps - 1) / warps, resident_warps / warps);
   FM_RETURN_IF_ERROR(detail::cuda_status(
-      dev::launch(kernel, dim3(unsigned(grid)), dim3(threads), 0, stream, a.enable_pdl, p), kOp, "kernel launch"));
+      dev::launch(kernel, dim3(unsigned(grid)), dim3(threads), smem, stream, a.enable_pdl, p), kOp, "kernel launch"));
   return detail::check_launch(kOp);
 }
 
