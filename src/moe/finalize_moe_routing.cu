@@ -239,19 +239,21 @@ __device__ __forceinline__ void reduce_vectors(const FinalizeParams& p, const Sl
   }
 }
 
-// The 16-byte-vector path: the lane's row (and bias) vectors are staged
-// through a per-warp shared-memory ring with cp.async, kFinalizeStages - 1
-// stages ahead of their use. The bytes in flight then live in shared memory
-// instead of registers, so each SM keeps ~150 KB of row reads outstanding
-// (what HBM needs to run at full rate) at any vectors-per-lane setting.
-// A lane reads back only what it copied itself: cp.async.wait_group suffices,
-// no barrier. The arithmetic and its order are those of reduce_vectors.
+// The 16-byte-vector path. A lane's row vectors for the item form one stream,
+// ordered (pass, slot, u) -- exactly the order they are summed in -- and the
+// stream is staged through a per-warp shared-memory ring with cp.async,
+// kFinalizeStageVectors vectors per stage, kFinalizeStages - 1 stages ahead
+// of their use. The bytes in flight then live in shared memory instead of
+// registers, and stages stay full even when a token has one or two local
+// slots (expert parallelism), because a stage may span passes. A lane reads
+// back only what it copied itself: cp.async.wait_group suffices, no barrier.
+// Bias rows (L2-resident) are loaded into registers just before the wait.
+// The arithmetic and its order are those of reduce_vectors.
 template <typename In, typename Out, int V, int U, bool kBias>
 __device__ __forceinline__ void reduce_vectors_async(const FinalizeParams& p, const SlotMeta& m, int chunk,
                                                      uint4* ring) {
   static_assert(sizeof(In) * V == 16, "the async path moves 16-byte vectors");
-  constexpr int kPerSlot = U * (kBias ? 2 : 1);
-  constexpr int G = kFinalizeStageVectors / kPerSlot > 0 ? kFinalizeStageVectors / kPerSlot : 1;
+  constexpr int kSV = kFinalizeStageVectors;
   constexpr int kStep = 32 * U;
   const In* rows = static_cast<const In*>(p.rows);
   const In* bias = static_cast<const In*>(p.bias);
@@ -259,72 +261,104 @@ __device__ __forceinline__ void reduce_vectors_async(const FinalizeParams& p, co
   Out* out = static_cast<Out*>(p.out) + m.token * p.out_stride;
   const int count = m.count;
   const int lane = threadIdx.x & 31;
-  const int v_begin = chunk * p.chunk_vecs;
-  const int v_end = min(p.vectors, v_begin + p.chunk_vecs);
-  const int passes = (v_end - v_begin + kStep - 1) / kStep;
-  const int groups = max(1, (count + G - 1) / G);  // steps per pass (one empty step when no slot is local)
-  const int steps = passes * groups;
+  const int v_lane = chunk * p.chunk_vecs + lane;  // this lane's first vector
+  const int v_end = min(p.vectors, chunk * p.chunk_vecs + p.chunk_vecs);
+  const int passes = (v_end - chunk * p.chunk_vecs + kStep - 1) / kStep;
+  float acc[U][V];
+  auto clear = [&] {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int e = 0; e < V; ++e) acc[u][e] = 0.0f;
+  };
+  auto flush = [&](int pass) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int v = v_lane + pass * kStep + u * 32;
+      if (v < v_end) store_output<Out, V>(p, out, shared, m.token, int64_t(v) * V, acc[u]);
+    }
+  };
+  clear();
+  if (count == 0) {  // filling a token with no local slot: 0 (+ shared_output)
+    for (int pass = 0; pass < passes; ++pass) flush(pass);
+    return;
+  }
+  const int total = passes * count * U;           // vectors in the stream
+  const int steps = (total + kSV - 1) / kSV;
 
-  auto issue = [&](int st) {
-    if (st < steps && count > 0) {
-      const int pass = st / groups, grp = st - pass * groups;
-      uint4* stage = ring + (st % kFinalizeStages) * kFinalizeStageVectors * 32 + lane;
+  // Position in the stream, (pass, slot, u), advanced one vector at a time.
+  struct Cursor {
+    int pass = 0, slot = 0, u = 0;
+  };
+  auto advance = [&](Cursor& c) {
+    if (++c.u == U) {
+      c.u = 0;
+      if (++c.slot == count) {
+        c.slot = 0;
+        ++c.pass;
+      }
+    }
+  };
+  Cursor in_cur, out_cur;
+  int issued = 0;
+  auto issue_stage = [&](int st) {
+    uint4* stage = ring + (st % kFinalizeStages) * kSV * 32 + lane;
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const int s = grp * G + g;
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int v = v_begin + lane + pass * kStep + u * 32;
-          if (s < count && v < v_end) {
-            dev::cp_async16(stage + (g * U + u) * 32, rows + m.row_offset[s] + int64_t(v) * V);
-            if constexpr (kBias)
-              dev::cp_async16(stage + (G * U + g * U + u) * 32, bias + m.bias_offset[s] + int64_t(v) * V);
-          }
-        }
+    for (int i = 0; i < kSV; ++i) {
+      if (issued < total) {
+        const int v = v_lane + in_cur.pass * kStep + in_cur.u * 32;
+        if (v < v_end) dev::cp_async16(stage + i * 32, rows + m.row_offset[in_cur.slot] + int64_t(v) * V);
+        advance(in_cur);
+        ++issued;
       }
     }
     dev::cp_async_commit();  // every lane commits every step: group counts stay uniform
   };
 
 #pragma unroll
-  for (int st = 0; st < kFinalizeStages - 1; ++st) issue(st);
-  float acc[U][V];
+  for (int st = 0; st < kFinalizeStages - 1; ++st) issue_stage(st);
+  int consumed = 0;
   for (int st = 0; st < steps; ++st) {
-    issue(st + kFinalizeStages - 1);
-    dev::cp_async_wait<kFinalizeStages - 1>();  // step st has landed
-    const int pass = st / groups, grp = st - pass * groups;
-    if (grp == 0) {
+    issue_stage(st + kFinalizeStages - 1);
+    dev::Vec<In, V> b[kSV];
+    if constexpr (kBias) {  // L2 hits, overlapped with the wait below
+      Cursor c = out_cur;
 #pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int e = 0; e < V; ++e) acc[u][e] = 0.0f;
-    }
-    const uint4* stage = ring + (st % kFinalizeStages) * kFinalizeStageVectors * 32 + lane;
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const int s = grp * G + g;
-      if (s >= count) break;
-      const float w = m.weight[s];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const uint4 xw = stage[(g * U + u) * 32];
-        const dev::Vec<In, V>& x = reinterpret_cast<const dev::Vec<In, V>&>(xw);
-        uint4 bw;
-        if constexpr (kBias) bw = stage[(G * U + g * U + u) * 32];
-        const dev::Vec<In, V>& b = reinterpret_cast<const dev::Vec<In, V>&>(bw);
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-          float xv = dev::to_float(x.v[e]);
-          if constexpr (kBias) xv = with_bias(xv, dev::to_float(b.v[e]));
-          acc[u][e] = accumulate(acc[u][e], w, xv);
-        }
+      for (int i = 0; i < kSV; ++i) {
+        const int v = v_lane + c.pass * kStep + c.u * 32;
+        if (consumed + i < total && v < v_end)
+          b[i] = dev::load_ro<In, V>(bias + m.bias_offset[c.slot] + int64_t(v) * V);
+        if (consumed + i < total) advance(c);
       }
     }
-    if (grp == groups - 1) {
+    dev::cp_async_wait<kFinalizeStages - 1>();  // stage st has landed
+    const uint4* stage = ring + (st % kFinalizeStages) * kSV * 32 + lane;
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int v = v_begin + lane + pass * kStep + u * 32;
-        if (v < v_end) store_output<Out, V>(p, out, shared, m.token, int64_t(v) * V, acc[u]);
+    for (int i = 0; i < kSV; ++i) {
+      if (consumed < total) {
+        const int v = v_lane + out_cur.pass * kStep + out_cur.u * 32;
+        if (v < v_end) {
+          const uint4 xw = stage[i * 32];
+          const dev::Vec<In, V>& x = reinterpret_cast<const dev::Vec<In, V>&>(xw);
+          const float w = m.weight[out_cur.slot];
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            if (u != out_cur.u) continue;  // keeps acc[] indexed by constants
+#pragma unroll
+            for (int e = 0; e < V; ++e) {
+              float xv = dev::to_float(x.v[e]);
+              if constexpr (kBias) xv = with_bias(xv, dev::to_float(b[i].v[e]));
+              acc[u][e] = accumulate(acc[u][e], w, xv);
+            }
+          }
+        }
+        const bool pass_done = out_cur.u == U - 1 && out_cur.slot == count - 1;
+        if (pass_done) {
+          flush(out_cur.pass);
+          clear();
+        }
+        advance(out_cur);
+        ++consumed;
       }
     }
   }
@@ -351,10 +385,11 @@ __device__ __forceinline__ void reduce_tail(const FinalizeParams& p, const SlotM
   }
 }
 
-// Registers are capped at 85 (kMaxFinalizeThreads threads, 3 blocks per SM):
-// occupancy, i.e. bytes in flight per SM, is what feeds HBM here.
+// Registers are capped at 85 (kMaxFinalizeThreads threads, 3 blocks per SM;
+// 128 with bias, whose vectors are held in registers): occupancy, i.e. bytes
+// in flight per SM, is what feeds HBM here.
 template <typename In, typename Out, int V, int U, bool kBias>
-__global__ void __launch_bounds__(kMaxFinalizeThreads, kMinFinalizeBlocksPerSm)
+__global__ void __launch_bounds__(kMaxFinalizeThreads, kBias ? kMinFinalizeBlocksPerSm - 1 : kMinFinalizeBlocksPerSm)
     finalize_moe_routing_kernel(const FinalizeParams p) {
   __shared__ SlotMeta meta[kMaxFinalizeThreads / 32];  // one record per warp
   SlotMeta& m = meta[threadIdx.x >> 5];
