@@ -7,6 +7,7 @@
 //   X[b,i,c]      = E[b,c]                                              (expand)
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "common/check.h"
@@ -36,48 +37,51 @@ __device__ __forceinline__ V8 pack(const float* f) {
   return v;
 }
 
-// mhc_post. Roofline: bytes = B*(2nC + C + 2nC)... i.e. X read once (2nC B),
-// F_out once (2C B), X_next written once (2nC B) per token; ~2n^2 FLOP/elem is
-// far below the bandwidth bound. One thread per (token, 8 columns): n+1
-// 16-byte loads in flight, n 16-byte stores.
+// mhc_post. Roofline: per token X read once (2nC B), F_out once (2C B), X_next
+// written once (2nC B); 2n FLOP per output element is far below the
+// bandwidth bound. One thread per (token, 8 columns): n+1 16-byte loads in
+// flight, n 16-byte streaming stores.
 template <int kN, bool kTranspose>
-__global__ void __launch_bounds__(kThreads) mhc_post_kernel(const bf16* __restrict__ x, const bf16* __restrict__ f_out,
-                                                            const float* __restrict__ h_post,
-                                                            const float* __restrict__ h_res, bf16* __restrict__ x_next,
-                                                            long long total, int groups, int hidden) {
+__global__ void __launch_bounds__(128) mhc_post_kernel(const bf16* __restrict__ x, const bf16* __restrict__ f_out,
+                                                       const float* __restrict__ h_post,
+                                                       const float* __restrict__ h_res, bf16* __restrict__ x_next,
+                                                       long long batch, int groups, int hidden) {
   dev::grid_dependency_wait();
   dev::allow_dependents_launch();
-  const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-  if (idx >= total) return;
-  const long long b = idx / groups;
-  const int c = int(idx - b * groups) * 8;
-  const bf16* xr = x + b * kN * (long long)hidden + c;
-  V8 xv[kN];
+  const int g = blockIdx.x * blockDim.x + threadIdx.x;
+  if (g >= groups) return;
+  const int c = g * 8;
+  // blockIdx.y walks the tokens: the coefficients are uniform across the block (broadcast loads).
+  for (long long b = blockIdx.y; b < batch; b += gridDim.y) {
+    const bf16* xr = x + b * kN * (long long)hidden + c;
+    V8 xv[kN];
 #pragma unroll
-  for (int j = 0; j < kN; ++j) xv[j] = dev::load_stream<bf16, 8>(xr + (long long)j * hidden);
-  const V8 fv = dev::load_stream<bf16, 8>(f_out + b * hidden + c);
-  float coef[kN * kN], post[kN];
+    for (int j = 0; j < kN; ++j) xv[j] = dev::load_stream<bf16, 8>(xr + (long long)j * hidden);
+    const V8 fv = dev::load_stream<bf16, 8>(f_out + b * hidden + c);
+    float coef[kN * kN], post[kN];
 #pragma unroll
-  for (int e = 0; e < kN * kN; ++e) coef[e] = __ldg(h_res + b * kN * kN + e);
+    for (int e = 0; e < kN * kN; ++e) coef[e] = __ldg(h_res + b * kN * kN + e);
 #pragma unroll
-  for (int i = 0; i < kN; ++i) post[i] = __ldg(h_post + b * kN + i);
-  float xf[kN][8], ff[8];
+    for (int i = 0; i < kN; ++i) post[i] = __ldg(h_post + b * kN + i);
+    float xf[kN][8], ff[8];
 #pragma unroll
-  for (int j = 0; j < kN; ++j) unpack(xv[j], xf[j]);
-  unpack(fv, ff);
-  bf16* outr = x_next + b * kN * (long long)hidden + c;
+    for (int j = 0; j < kN; ++j) unpack(xv[j], xf[j]);
+    unpack(fv, ff);
+    bf16* outr = x_next + b * kN * (long long)hidden + c;
 #pragma unroll
-  for (int i = 0; i < kN; ++i) {
-    float acc[8];
+    for (int i = 0; i < kN; ++i) {
+      float acc[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) acc[e] = post[i] * ff[e];
+      for (int e = 0; e < 8; ++e) acc[e] = post[i] * ff[e];
 #pragma unroll
-    for (int j = 0; j < kN; ++j) {
-      const float rij = kTranspose ? coef[j * kN + i] : coef[i * kN + j];
+      for (int j = 0; j < kN; ++j) {
+        const float rij = kTranspose ? coef[j * kN + i] : coef[i * kN + j];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[e] = fmaf(rij, xf[j][e], acc[e]);
+        for (int e = 0; e < 8; ++e) acc[e] = fmaf(rij, xf[j][e], acc[e]);
+      }
+      const V8 o = pack(acc);
+      __stcs(reinterpret_cast<uint4*>(outr + (long long)i * hidden), *reinterpret_cast<const uint4*>(&o));  // written once, never re-read here
     }
-    dev::store<bf16, 8>(outr + (long long)i * hidden, pack(acc));
   }
 }
 
@@ -337,16 +341,14 @@ Status mhc_post(const MhcPostArgs& a, cudaStream_t stream) {
   FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
   if (a.shape.batch == 0) return Status::Ok();
   const int groups = int(a.shape.hidden / 8);
-  const long long total = a.shape.batch * groups;
-  // Small batches (decode): 128-thread blocks spread the few rows over more SMs.
-  const int threads = total < 64LL * 1024 ? 128 : kThreads;
+  const dim3 grid(unsigned((groups + 127) / 128), unsigned(std::min<int64_t>(a.shape.batch, 65535)));
   cudaError_t err = cudaSuccess;
   dispatch_n(a.shape.n, [&](auto kn) {
     constexpr int kN = decltype(kn)::value;
     auto kernel = a.res_layout == MhcResLayout::kDeepSeek ? mhc_post_kernel<kN, true> : mhc_post_kernel<kN, false>;
-    err = dev::launch(kernel, dim3(grid_for(total, threads)), dim3(threads), 0, stream, a.enable_pdl,
-                      static_cast<const bf16*>(a.x), static_cast<const bf16*>(a.f_out), a.h_post, a.h_res,
-                      static_cast<bf16*>(a.x_next), total, groups, int(a.shape.hidden));
+    err = dev::launch(kernel, grid, dim3(128), 0, stream, a.enable_pdl, static_cast<const bf16*>(a.x),
+                      static_cast<const bf16*>(a.f_out), a.h_post, a.h_res, static_cast<bf16*>(a.x_next),
+                      (long long)a.shape.batch, groups, int(a.shape.hidden));
   });
   if (err != cudaSuccess) return detail::cuda_status(err, kOp, "kernel launch");
   return detail::check_launch(kOp);

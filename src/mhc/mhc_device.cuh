@@ -121,8 +121,9 @@ struct ProjectParams {
 
 // sm_90a cluster kernel (sm90_mhc_fused.cu). Returns cudaErrorNotSupported
 // (launching nothing) when the shape does not fit it; the caller then falls
-// back to the portable kernel.
-cudaError_t sm90_mhc_project_fused(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream,
-                                   bool pdl);
+// back to the portable kernel. With dry_run it only answers whether it would
+// launch (used by the tests to make sure the fast path is the one tested).
+cudaError_t sm90_mhc_project_fused(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
+                                   bool dry_run = false);
 
 }  // namespace flashmix::mhc_detail

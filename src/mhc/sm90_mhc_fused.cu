@@ -44,7 +44,7 @@ constexpr int kClusterSize = 8;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxRowTiles = 3;  // tokens per tile: 8, 16 or 24
-constexpr int kChunks = 4;       // X slice arrives in 4 cp.async groups; compute starts on the first
+constexpr int kChunks = 4;       // X slice arrives in 4 chunks, each on its own mbarrier; compute starts on the first
 
 struct FusedLayout {
   int slice = 0;        // columns per CTA (multiple of 8)
@@ -66,9 +66,6 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory"); }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -162,25 +159,37 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
   dev::grid_dependency_wait();
   dev::allow_dependents_launch();
 
-  // 1. Issue the whole slice as kChunks cp.async groups (all in flight at once).
+  // 1. Issue the whole slice as kChunks groups of cp.async, all in flight at
+  // once; chunk q's completion is tracked by mbarrier xbar[q] (every thread
+  // arrives once per chunk, when its own copies have landed), so each warp
+  // starts on a chunk as soon as it is there, with no block-wide barrier.
+  __shared__ __align__(8) uint64_t xbar[kChunks];
+  if (tid < kChunks)
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(&xbar[tid])), "r"(kThreads) : "memory");
   {
-    const int pieces_per_step = 4;  // 16-byte pieces per row per 32-wide step
+    constexpr int kPiecesPerStep = 4;  // 16-byte pieces per row per 32-wide step
+    const int np_all = L.steps * kPiecesPerStep;
+    // Padding (columns past the slice, tokens past B) is zeroed first with plain stores.
+    for (int pc = tid; pc < L.rows * np_all; pc += kThreads) {
+      const int r = pc / np_all;
+      const int kk = (pc - r * np_all) * 8;
+      if (!(row0 + r < p.batch && kk < kv))
+        *reinterpret_cast<uint4*>(xs + r * L.pitch + kk) = make_uint4(0, 0, 0, 0);
+    }
+    __syncthreads();  // barrier inits and padding visible to all
 #pragma unroll 1
     for (int q = 0; q < kChunks; ++q) {
       const int s0 = min(q * L.chunk_steps, L.steps), s1 = min(s0 + L.chunk_steps, L.steps);
-      const int np = (s1 - s0) * pieces_per_step;
+      const int np = (s1 - s0) * kPiecesPerStep;
       for (int pc = tid; pc < L.rows * np; pc += kThreads) {
         const int r = pc / np;
-        const int kk = (s0 * pieces_per_step + (pc - r * np)) * 8;
-        bf16* dst = xs + r * L.pitch + kk;
+        const int kk = (s0 * kPiecesPerStep + (pc - r * np)) * 8;
         if (row0 + r < p.batch && kk < kv) {
           const int i = kk / cw;
-          cp_async16(dst, p.x + (row0 + r) * p.k_len + (long long)i * hidden + c0 + (kk - i * cw));
-        } else {
-          *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);  // padding contributes 0
+          cp_async16(xs + r * L.pitch + kk, p.x + (row0 + r) * p.k_len + (long long)i * hidden + c0 + (kk - i * cw));
         }
       }
-      cp_async_commit();
+      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(&xbar[q])) : "memory");
     }
   }
 
@@ -196,23 +205,34 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
 #pragma unroll
   for (int rt = 0; rt < kMaxRowTiles; ++rt) sq[rt] = 0.f;
 
-  PhiFrag<kN, kF32> cur, nxt;
-  load_phi_step<kN, kF32>(cur, p.phi, p.k_len, num_coef, warp, kv, max(cw, 8), hidden, c0, lane);
+  // Each warp owns steps warp, warp + 8, ...; it loads phi for kBatch of them
+  // at once (phi does not depend on X, so these loads overlap the X copies),
+  // then waits for the X chunk of each step and runs its mma.
+  constexpr int kBatch = kMt <= 2 ? 4 : (kMt <= 3 ? 2 : 1);
+  const int my_steps = L.steps > warp ? (L.steps - warp + kWarps - 1) / kWarps : 0;
 #pragma unroll 1
-  for (int q = 0; q < kChunks; ++q) {
-    switch (q) {  // wait for chunk q only; later chunks stay in flight
-      case 0: cp_async_wait<kChunks - 1>(); break;
-      case 1: cp_async_wait<kChunks - 2>(); break;
-      case 2: cp_async_wait<kChunks - 3>(); break;
-      default: cp_async_wait<0>(); break;
-    }
-    __syncthreads();
-    const int s_end = min((q + 1) * L.chunk_steps, L.steps);
-#pragma unroll 1
-    for (int s = q * L.chunk_steps + warp; s < s_end; s += kWarps) {
-      // Prefetch this warp's next step's phi while this one computes.
-      if (s + kWarps < L.steps)
-        load_phi_step<kN, kF32>(nxt, p.phi, p.k_len, num_coef, s + kWarps, kv, max(cw, 8), hidden, c0, lane);
+  for (int j0 = 0; j0 < my_steps; j0 += kBatch) {
+    PhiFrag<kN, kF32> frag[kBatch];
+#pragma unroll
+    for (int bb = 0; bb < kBatch; ++bb)
+      if (j0 + bb < my_steps)
+        load_phi_step<kN, kF32>(frag[bb], p.phi, p.k_len, num_coef, warp + (j0 + bb) * kWarps, kv, max(cw, 8),
+                                hidden, c0, lane);
+#pragma unroll
+    for (int bb = 0; bb < kBatch; ++bb) {
+      if (j0 + bb >= my_steps) break;
+      const int s = warp + (j0 + bb) * kWarps;
+      {
+        const uint32_t bar = smem_addr(&xbar[s / L.chunk_steps]);
+        uint32_t done = 0;
+        while (!done)
+          asm volatile(
+              "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}\n"
+              : "=r"(done)
+              : "r"(bar)
+              : "memory");
+      }
+      const PhiFrag<kN, kF32>& cur = frag[bb];
       uint32_t bfrag[kMaxRowTiles][4];
 #pragma unroll
       for (int rt = 0; rt < kMaxRowTiles; ++rt) {
@@ -251,8 +271,21 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
           }
         }
       }
-      cur = nxt;
     }
+  }
+  // Every thread's chunks have landed (its own copies are complete once all
+  // barriers have flipped; warps with no steps wait here too) before the
+  // shared memory is read by the pre mix.
+#pragma unroll
+  for (int q = 0; q < kChunks; ++q) {
+    const uint32_t bar = smem_addr(&xbar[q]);
+    uint32_t done = 0;
+    while (!done)
+      asm volatile(
+          "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}\n"
+          : "=r"(done)
+          : "r"(bar)
+          : "memory");
   }
 
   // 3. Reduce over the warps (fixed order) into this CTA's partials.
@@ -410,13 +443,24 @@ bool choose_layout(long long batch, int hidden, int num_coef, int smem_optin, Ch
 }
 
 template <int kN, bool kF32>
-cudaError_t launch_fused(const ProjectParams& p, cudaStream_t stream, bool pdl, int smem_optin) {
-  Choice c;
-  if (!choose_layout<kN>(p.batch, p.hidden, p.num_coef, smem_optin, c)) return cudaErrorNotSupported;
+cudaError_t launch_fused(const ProjectParams& p, cudaStream_t stream, bool pdl, int smem_optin, bool dry_run) {
   auto kernel = sm90_mhc_fused_kernel<kN, kF32>;
-  // Raised once per instantiation to the device maximum (a function attribute, not stream work: capture-safe).
-  static cudaError_t attr_err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_optin);
-  if (attr_err != cudaSuccess) return cudaErrorNotSupported;
+  // The dynamic limit is the device's per-block maximum less the kernel's
+  // static shared memory (its mbarriers); raised once per instantiation (a
+  // function attribute, not stream work: capture-safe).
+  static int dynamic_max = [&] {
+    cudaFuncAttributes fa;
+    if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess) return -1;
+    const int bytes = smem_optin - int(fa.sharedSizeBytes);
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess) return -1;
+    return bytes;
+  }();
+  if (dynamic_max < 0) {
+    (void)cudaGetLastError();
+    return cudaErrorNotSupported;
+  }
+  Choice c;
+  if (!choose_layout<kN>(p.batch, p.hidden, p.num_coef, dynamic_max, c)) return cudaErrorNotSupported;
   const long long tiles = (p.batch + c.layout.rows - 1) / c.layout.rows;
   if (tiles * kClusterSize > 0x7fffffffLL) return cudaErrorNotSupported;
 
@@ -448,12 +492,14 @@ cudaError_t launch_fused(const ProjectParams& p, cudaStream_t stream, bool pdl, 
     checked_smem = int(c.smem);
   }
   if (active_clusters < 1) return cudaErrorNotSupported;
+  if (dry_run) return cudaSuccess;
   return cudaLaunchKernelEx(&config, kernel, p, c.layout);
 }
 
 }  // namespace
 
-cudaError_t sm90_mhc_project_fused(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl) {
+cudaError_t sm90_mhc_project_fused(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
+                                   bool dry_run) {
   int device = 0, major = 0, minor = 0, smem_optin = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
@@ -466,8 +512,8 @@ cudaError_t sm90_mhc_project_fused(const ProjectParams& p, int n, bool phi_is_f3
   cudaError_t err = cudaErrorNotSupported;
   dispatch_n(n, [&](auto kn) {
     constexpr int kN = decltype(kn)::value;
-    err = phi_is_f32 ? launch_fused<kN, true>(p, stream, pdl, smem_optin)
-                     : launch_fused<kN, false>(p, stream, pdl, smem_optin);
+    err = phi_is_f32 ? launch_fused<kN, true>(p, stream, pdl, smem_optin, dry_run)
+                     : launch_fused<kN, false>(p, stream, pdl, smem_optin, dry_run);
   });
   return err;
 }
