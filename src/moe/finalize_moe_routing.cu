@@ -239,24 +239,103 @@ __device__ __forceinline__ void reduce_vectors(const FinalizeParams& p, const Sl
   }
 }
 
-// The 16-byte-vector path. A lane's row vectors for the item form one stream,
-// ordered (pass, slot, u) -- exactly the order they are summed in -- and the
-// stream is staged through a per-warp shared-memory ring with cp.async,
-// kFinalizeStageVectors vectors per stage, kFinalizeStages - 1 stages ahead
-// of their use. The bytes in flight then live in shared memory instead of
-// registers, and stages stay full even when a token has one or two local
-// slots (expert parallelism), because a stage may span passes. A lane reads
-// back only what it copied itself: cp.async.wait_group suffices, no barrier.
-// Bias rows (L2-resident) are loaded into registers just before the wait.
-// The arithmetic and its order are those of reduce_vectors.
-template <typename In, typename Out, int V, int U, bool kBias>
-__device__ __forceinline__ void reduce_vectors_async(const FinalizeParams& p, const SlotMeta& m, int chunk,
+// The 16-byte-vector path without bias. A lane's row vectors are staged
+// through a per-warp shared-memory ring with cp.async, kFinalizeStages - 1
+// stages of kFinalizeStageVectors vectors ahead of their use. The bytes in
+// flight then live in shared memory instead of registers, so each SM keeps
+// ~150 KB of row reads outstanding (what HBM needs to run at full rate).
+// A lane reads back only what it copied itself: cp.async.wait_group
+// suffices, no barrier. The arithmetic and its order are those of
+// reduce_vectors. Two stage layouts, chosen per item (uniform per warp):
+
+// The 16-byte-vector path for items with at least a stage's worth of local
+// slots: each stage holds G = kFinalizeStageVectors / U slots of one pass, so
+// a pass spans ceil(count / G) stages.
+template <typename In, typename Out, int V, int U>
+__device__ __forceinline__ void reduce_vectors_async_grouped(const FinalizeParams& p, const SlotMeta& m, int chunk,
+                                                     uint4* ring) {
+  static_assert(sizeof(In) * V == 16, "the async path moves 16-byte vectors");
+  constexpr int G = kFinalizeStageVectors / U > 0 ? kFinalizeStageVectors / U : 1;
+  constexpr int kStep = 32 * U;
+  const In* rows = static_cast<const In*>(p.rows);
+  const Out* shared = static_cast<const Out*>(p.shared);
+  Out* out = static_cast<Out*>(p.out) + m.token * p.out_stride;
+  const int count = m.count;
+  const int lane = threadIdx.x & 31;
+  const int v_begin = chunk * p.chunk_vecs;
+  const int v_end = min(p.vectors, v_begin + p.chunk_vecs);
+  const int passes = (v_end - v_begin + kStep - 1) / kStep;
+  const int groups = max(1, (count + G - 1) / G);  // steps per pass (one empty step when no slot is local)
+  const int steps = passes * groups;
+
+  auto issue = [&](int st) {
+    if (st < steps && count > 0) {
+      const int pass = st / groups, grp = st - pass * groups;
+      uint4* stage = ring + (st % kFinalizeStages) * kFinalizeStageVectors * 32 + lane;
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const int s = grp * G + g;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int v = v_begin + lane + pass * kStep + u * 32;
+          if (s < count && v < v_end) {
+            dev::cp_async16(stage + (g * U + u) * 32, rows + m.row_offset[s] + int64_t(v) * V);
+          }
+        }
+      }
+    }
+    dev::cp_async_commit();  // every lane commits every step: group counts stay uniform
+  };
+
+#pragma unroll
+  for (int st = 0; st < kFinalizeStages - 1; ++st) issue(st);
+  float acc[U][V];
+  for (int st = 0; st < steps; ++st) {
+    issue(st + kFinalizeStages - 1);
+    dev::cp_async_wait<kFinalizeStages - 1>();  // step st has landed
+    const int pass = st / groups, grp = st - pass * groups;
+    if (grp == 0) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[u][e] = 0.0f;
+    }
+    const uint4* stage = ring + (st % kFinalizeStages) * kFinalizeStageVectors * 32 + lane;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const int s = grp * G + g;
+      if (s >= count) break;
+      const float w = m.weight[s];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const uint4 xw = stage[(g * U + u) * 32];
+        const dev::Vec<In, V>& x = reinterpret_cast<const dev::Vec<In, V>&>(xw);
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[u][e] = accumulate(acc[u][e], w, dev::to_float(x.v[e]));
+      }
+    }
+    if (grp == groups - 1) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int v = v_begin + lane + pass * kStep + u * 32;
+        if (v < v_end) store_output<Out, V>(p, out, shared, m.token, int64_t(v) * V, acc[u]);
+      }
+    }
+  }
+  dev::cp_async_wait<0>();  // nothing of this item is still landing when the ring is reused
+}
+
+// The 16-byte-vector path for items with few local slots (expert
+// parallelism): the lane's row vectors form one stream ordered (pass, slot,
+// u) -- the order they are summed in -- cut into stages of
+// kFinalizeStageVectors, so a stage may span passes and stays full.
+template <typename In, typename Out, int V, int U>
+__device__ __forceinline__ void reduce_vectors_async_stream(const FinalizeParams& p, const SlotMeta& m, int chunk,
                                                      uint4* ring) {
   static_assert(sizeof(In) * V == 16, "the async path moves 16-byte vectors");
   constexpr int kSV = kFinalizeStageVectors;
   constexpr int kStep = 32 * U;
   const In* rows = static_cast<const In*>(p.rows);
-  const In* bias = static_cast<const In*>(p.bias);
   const Out* shared = static_cast<const Out*>(p.shared);
   Out* out = static_cast<Out*>(p.out) + m.token * p.out_stride;
   const int count = m.count;
@@ -320,17 +399,6 @@ __device__ __forceinline__ void reduce_vectors_async(const FinalizeParams& p, co
   int consumed = 0;
   for (int st = 0; st < steps; ++st) {
     issue_stage(st + kFinalizeStages - 1);
-    dev::Vec<In, V> b[kSV];
-    if constexpr (kBias) {  // L2 hits, overlapped with the wait below
-      Cursor c = out_cur;
-#pragma unroll
-      for (int i = 0; i < kSV; ++i) {
-        const int v = v_lane + c.pass * kStep + c.u * 32;
-        if (consumed + i < total && v < v_end)
-          b[i] = dev::load_ro<In, V>(bias + m.bias_offset[c.slot] + int64_t(v) * V);
-        if (consumed + i < total) advance(c);
-      }
-    }
     dev::cp_async_wait<kFinalizeStages - 1>();  // stage st has landed
     const uint4* stage = ring + (st % kFinalizeStages) * kSV * 32 + lane;
 #pragma unroll
@@ -345,11 +413,7 @@ __device__ __forceinline__ void reduce_vectors_async(const FinalizeParams& p, co
           for (int u = 0; u < U; ++u) {
             if (u != out_cur.u) continue;  // keeps acc[] indexed by constants
 #pragma unroll
-            for (int e = 0; e < V; ++e) {
-              float xv = dev::to_float(x.v[e]);
-              if constexpr (kBias) xv = with_bias(xv, dev::to_float(b[i].v[e]));
-              acc[u][e] = accumulate(acc[u][e], w, xv);
-            }
+            for (int e = 0; e < V; ++e) acc[u][e] = accumulate(acc[u][e], w, dev::to_float(x.v[e]));
           }
         }
         const bool pass_done = out_cur.u == U - 1 && out_cur.slot == count - 1;
@@ -385,11 +449,10 @@ __device__ __forceinline__ void reduce_tail(const FinalizeParams& p, const SlotM
   }
 }
 
-// Registers are capped at 85 (kMaxFinalizeThreads threads, 3 blocks per SM;
-// 128 with bias, whose vectors are held in registers): occupancy, i.e. bytes
-// in flight per SM, is what feeds HBM here.
+// Registers are capped at 85 (kMaxFinalizeThreads threads, 3 blocks per SM):
+// occupancy, i.e. bytes in flight per SM, is what feeds HBM here.
 template <typename In, typename Out, int V, int U, bool kBias>
-__global__ void __launch_bounds__(kMaxFinalizeThreads, kBias ? kMinFinalizeBlocksPerSm - 1 : kMinFinalizeBlocksPerSm)
+__global__ void __launch_bounds__(kMaxFinalizeThreads, kMinFinalizeBlocksPerSm)
     finalize_moe_routing_kernel(const FinalizeParams p) {
   __shared__ SlotMeta meta[kMaxFinalizeThreads / 32];  // one record per warp
   SlotMeta& m = meta[threadIdx.x >> 5];
@@ -433,10 +496,16 @@ __global__ void __launch_bounds__(kMaxFinalizeThreads, kBias ? kMinFinalizeBlock
 
     __syncwarp();  // the previous item's record is no longer read
     if (resolve_slots(p, ik, slots, m)) {
-      if constexpr (sizeof(In) * V == 16)
-        reduce_vectors_async<In, Out, V, U, kBias>(p, m, chunk, ring);
-      else
+      if constexpr (sizeof(In) * V == 16 && !kBias) {
+        if (m.count * U >= kFinalizeStageVectors)
+          reduce_vectors_async_grouped<In, Out, V, U>(p, m, chunk, ring);
+        else
+          reduce_vectors_async_stream<In, Out, V, U>(p, m, chunk, ring);
+      } else {
+        // Bias doubles the vectors per slot and its rows are L2 hits: the
+        // register path with an L2 prefetch of the next group measured faster.
         reduce_vectors<In, Out, V, U, kBias>(p, m, chunk);
+      }
       if (chunk == p.chunks - 1 && p.vectors * V < p.hidden) reduce_tail<In, Out>(p, m, p.vectors * V);
     }
     ik = ik_next;
@@ -463,7 +532,7 @@ Status launch_finalize(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaSt
   FM_RETURN_IF_ERROR(detail::cuda_status(
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), kOp, "multiprocessor count"));
   const int warps = threads / 32;
-  const size_t smem = sizeof(In) * V == 16 ? size_t(warps) * kFinalizeRingVectors * sizeof(uint4) : 0;
+  const size_t smem = sizeof(In) * V == 16 && !p.bias ? size_t(warps) * kFinalizeRingVectors * sizeof(uint4) : 0;
   if (smem > 48 * 1024)
     FM_RETURN_IF_ERROR(detail::cuda_status(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), kOp, "shared memory size"));
