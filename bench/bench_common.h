@@ -72,5 +72,6 @@ bool write_json(const Context& ctx, const std::string& path);
 // The ops' case lists.
 void run_moe_finalize_cases(Context& ctx);
 void run_moe_routing_cases(Context& ctx);
+void run_mhc_cases(Context& ctx);
 
 }  // namespace flashmix::bench

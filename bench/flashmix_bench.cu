@@ -57,6 +57,7 @@ int main(int argc, char** argv) {
   }
   print_header();
   run_moe_finalize_cases(ctx);
+  run_mhc_cases(ctx);
   run_moe_routing_cases(ctx);
 
   int failed = 0;

@@ -23,7 +23,9 @@ __device__ __forceinline__ float sigmoidf_(float v) { return 1.0f / (1.0f + __ex
 
 // h: the N = n*n + 2n coefficients of one token (alpha, r and bias applied).
 // Writes H_pre, H_post and H_res (row-major n x n). Everything stays in
-// registers: n is a compile-time constant and every loop is unrolled.
+// registers: n is a compile-time constant and every loop is unrolled. Fast
+// reciprocals and exp (2 ulp): the Sinkhorn rounds are a serial latency
+// chain on the critical path of mhc_pre.
 template <int kN>
 __device__ __forceinline__ void activate_token(const float* h, const ActParams& p, float* pre, float* post,
                                                float* res) {
@@ -40,10 +42,10 @@ __device__ __forceinline__ void activate_token(const float* h, const ActParams& 
     float s = 0.f;
 #pragma unroll
     for (int j = 0; j < kN; ++j) {
-      m[i * kN + j] = expf(h[2 * kN + i * kN + j] - mx);
+      m[i * kN + j] = __expf(h[2 * kN + i * kN + j] - mx);
       s += m[i * kN + j];
     }
-    const float inv = 1.0f / s;
+    const float inv = __fdividef(1.0f, s);
 #pragma unroll
     for (int j = 0; j < kN; ++j) m[i * kN + j] = m[i * kN + j] * inv + p.eps_sinkhorn;
   }
@@ -55,7 +57,7 @@ __device__ __forceinline__ void activate_token(const float* h, const ActParams& 
         float s = 0.f;
 #pragma unroll
         for (int j = 0; j < kN; ++j) s += m[i * kN + j];
-        const float inv = 1.0f / (s + eps);
+        const float inv = __fdividef(1.0f, s + eps);
 #pragma unroll
         for (int j = 0; j < kN; ++j) m[i * kN + j] *= inv;
       }
@@ -65,7 +67,7 @@ __device__ __forceinline__ void activate_token(const float* h, const ActParams& 
       float s = 0.f;
 #pragma unroll
       for (int i = 0; i < kN; ++i) s += m[i * kN + j];
-      const float inv = 1.0f / (s + eps);
+      const float inv = __fdividef(1.0f, s + eps);
 #pragma unroll
       for (int i = 0; i < kN; ++i) m[i * kN + j] *= inv;
     }

@@ -53,7 +53,7 @@ struct FusedLayout {
   int pitch = 0;        // shared-memory row pitch in elements: (pitch * 2 / 16) odd, so ldmatrix is conflict-free
   int steps = 0;        // 32-wide k steps in the (padded) slice
   int chunk_steps = 0;  // steps per cp.async group, a multiple of kWarps
-  int off_scratch = 0, off_xchg = 0, off_total = 0, off_hpre = 0;  // byte offsets
+  int off_scratch = 0, off_xchg = 0, off_total = 0, off_hpre = 0, off_gtab = 0, off_h = 0;  // byte offsets
 };
 
 template <int kN>
@@ -94,38 +94,34 @@ struct PhiFrag {
   Raw v[coef_tiles<kN>()][2][4];
 };
 
+// Row pointers of the phi rows this thread reads (rows g and g + 8 of each
+// 16-row tile; nullptr past num_coef), set once per kernel.
 template <int kN, bool kF32>
-__device__ __forceinline__ void load_phi_step(PhiFrag<kN, kF32>& f, const void* phi, int k_len, int num_coef,
-                                              int step, int kv, int cw, int hidden, int c0, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-  long long gcol[4];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {  // global column of each 8-wide group of the step
-    const int kk = step * 32 + q * 8;
-    if (kk < kv) {
-      const int i = kk / cw;
-      gcol[q] = (long long)i * hidden + c0 + (kk - i * cw) + t * 2;
-    } else {
-      gcol[q] = -1;
-    }
-  }
+struct PhiRows {
+  using T = std::conditional_t<kF32, float, bf16>;
+  const T* row[coef_tiles<kN>()][2];
+};
+
+template <int kN, bool kF32>
+__device__ __forceinline__ void load_phi_step(PhiFrag<kN, kF32>& f, const PhiRows<kN, kF32>& pr, const int* gtab,
+                                              int step, int lane) {
+  const int t = lane & 3;
+  // Global column (within a token's row) of each 8-wide group of the step, -1 past the slice.
+  const int4 gq = *reinterpret_cast<const int4*>(gtab + step * 4);
+  const int gcol[4] = {gq.x, gq.y, gq.z, gq.w};
 #pragma unroll
   for (int mt = 0; mt < coef_tiles<kN>(); ++mt) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int m = mt * 16 + g + (e & 1) * 8;
-        const long long col = gcol[2 * h + (e >> 1)];
-        const bool ok = m < num_coef && col >= 0;
+        const auto* row = pr.row[mt][e & 1];
+        const int col = gcol[2 * h + (e >> 1)];
+        const bool ok = row != nullptr && col >= 0;
         if constexpr (kF32) {
-          f.v[mt][h][e] = ok ? __ldg(reinterpret_cast<const float2*>(static_cast<const float*>(phi) +
-                                                                       (long long)m * k_len + col))
-                             : make_float2(0.f, 0.f);
+          f.v[mt][h][e] = ok ? __ldg(reinterpret_cast<const float2*>(row + col + t * 2)) : make_float2(0.f, 0.f);
         } else {
-          f.v[mt][h][e] = ok ? __ldg(reinterpret_cast<const unsigned int*>(static_cast<const bf16*>(phi) +
-                                                                             (long long)m * k_len + col))
-                             : 0u;
+          f.v[mt][h][e] = ok ? __ldg(reinterpret_cast<const unsigned int*>(row + col + t * 2)) : 0u;
         }
       }
     }
@@ -159,38 +155,63 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
   dev::grid_dependency_wait();
   dev::allow_dependents_launch();
 
-  // 1. Issue the whole slice as kChunks groups of cp.async, all in flight at
-  // once; chunk q's completion is tracked by mbarrier xbar[q] (every thread
-  // arrives once per chunk, when its own copies have landed), so each warp
-  // starts on a chunk as soon as it is there, with no block-wide barrier.
+  // 1. The column table: for each 8-wide group of this CTA's (padded) slice,
+  // its column within a token's row of X and phi (k = i*cw + col maps to
+  // i*C + c0 + col), or -1 past the slice. Then the whole slice is issued as
+  // kChunks groups of cp.async, all in flight at once; chunk q's completion is
+  // tracked by mbarrier xbar[q] (every thread arrives once per chunk, when its
+  // own copies have landed), so each warp starts on a chunk as soon as it is
+  // there. Padding is zeroed with plain stores meanwhile.
   __shared__ __align__(8) uint64_t xbar[kChunks];
+  int* gtab = reinterpret_cast<int*>(smem + L.off_gtab);
   if (tid < kChunks)
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(&xbar[tid])), "r"(kThreads) : "memory");
+  for (int q = tid; q < L.steps * 4; q += kThreads) {
+    const int kk = q * 8;
+    int gc = -1;
+    if (kk < kv) {
+      const int i = kk / cw;
+      gc = i * hidden + c0 + (kk - i * cw);
+    }
+    gtab[q] = gc;
+  }
+  __syncthreads();  // barrier inits and the table visible to all
   {
     constexpr int kPiecesPerStep = 4;  // 16-byte pieces per row per 32-wide step
-    const int np_all = L.steps * kPiecesPerStep;
-    // Padding (columns past the slice, tokens past B) is zeroed first with plain stores.
-    for (int pc = tid; pc < L.rows * np_all; pc += kThreads) {
-      const int r = pc / np_all;
-      const int kk = (pc - r * np_all) * 8;
-      if (!(row0 + r < p.batch && kk < kv))
-        *reinterpret_cast<uint4*>(xs + r * L.pitch + kk) = make_uint4(0, 0, 0, 0);
-    }
-    __syncthreads();  // barrier inits and padding visible to all
 #pragma unroll 1
     for (int q = 0; q < kChunks; ++q) {
       const int s0 = min(q * L.chunk_steps, L.steps), s1 = min(s0 + L.chunk_steps, L.steps);
       const int np = (s1 - s0) * kPiecesPerStep;
-      for (int pc = tid; pc < L.rows * np; pc += kThreads) {
-        const int r = pc / np;
-        const int kk = (s0 * kPiecesPerStep + (pc - r * np)) * 8;
-        if (row0 + r < p.batch && kk < kv) {
-          const int i = kk / cw;
-          cp_async16(xs + r * L.pitch + kk, p.x + (row0 + r) * p.k_len + (long long)i * hidden + c0 + (kk - i * cw));
+      for (int r = 0; r < L.rows; ++r) {
+        if (row0 + r >= p.batch) break;
+        const bf16* src = p.x + (row0 + r) * p.k_len;
+        bf16* dst = xs + r * L.pitch + s0 * 32;
+        for (int pc = tid; pc < np; pc += kThreads) {
+          const int gc = gtab[s0 * kPiecesPerStep + pc];
+          if (gc >= 0) cp_async16(dst + pc * 8, src + gc);
         }
       }
       asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(&xbar[q])) : "memory");
     }
+    const int np_all = L.steps * kPiecesPerStep;
+    for (int r = 0; r < L.rows; ++r) {
+      const bool row_ok = row0 + r < p.batch;
+      for (int pc = tid; pc < np_all; pc += kThreads)
+        if (!row_ok || gtab[pc] < 0) *reinterpret_cast<uint4*>(xs + r * L.pitch + pc * 8) = make_uint4(0, 0, 0, 0);
+    }
+    __syncthreads();  // padding visible to all before any ldmatrix
+  }
+  PhiRows<kN, kF32> prow;
+  {
+    using T = typename PhiRows<kN, kF32>::T;
+    const int g = lane >> 2;
+#pragma unroll
+    for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int m = mt * 16 + g + hh * 8;
+        prow.row[mt][hh] = m < num_coef ? static_cast<const T*>(p.phi) + (long long)m * p.k_len : nullptr;
+      }
   }
 
   // 2. Partial projection (tensor cores) and sum of squares, chunk by chunk.
@@ -216,8 +237,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
 #pragma unroll
     for (int bb = 0; bb < kBatch; ++bb)
       if (j0 + bb < my_steps)
-        load_phi_step<kN, kF32>(frag[bb], p.phi, p.k_len, num_coef, warp + (j0 + bb) * kWarps, kv, max(cw, 8),
-                                hidden, c0, lane);
+        load_phi_step<kN, kF32>(frag[bb], prow, gtab, warp + (j0 + bb) * kWarps, lane);
 #pragma unroll
     for (int bb = 0; bb < kBatch; ++bb) {
       if (j0 + bb >= my_steps) break;
@@ -312,6 +332,9 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
     }
   }
   __syncthreads();
+  // Every chunk has landed and been waited on by every thread: retire the
+  // mbarriers before their shared memory could be reused.
+  if (tid < kChunks) asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(smem_addr(&xbar[tid])) : "memory");
   const int num_vals = (num_coef + 1) * rows;
   for (int e = tid; e < num_vals; e += kThreads) {
     const int m = e / rows, row = e - m * rows;
@@ -333,7 +356,10 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
   cluster_arrive();  // done reading the peers' partials; each CTA waits for this before it exits
   __syncthreads();
 
-  // 5. Activations and Sinkhorn, one thread per token (identical in every CTA).
+  // 5. h, r and H_pre, one thread per token (identical in every CTA). Only
+  // rank 0 needs H_post / H_res: its last warp runs Sinkhorn while the other
+  // warps (and every warp of the other CTAs) do the pre mix.
+  float* hbuf = reinterpret_cast<float*>(smem + L.off_h);  // [rows][kCoef]
   if (tid < rows) {
     const int row = tid;
     const long long b = row0 + row;
@@ -351,28 +377,36 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
           if (m < num_coef) p.h[b * num_coef + m] = h[m];
         p.r[b] = r;
       }
-    } else if (p.mode == ProjectMode::kHead) {
+    } else {
 #pragma unroll
       for (int i = 0; i < kN; ++i) hpre[row * kN + i] = sigmoidf_(h[i]) + p.act.eps_pre;
-    } else {
-      float pre[kN], post[kN], res[kN * kN];
-      activate_token<kN>(h, p.act, pre, post, res);
+      if (p.mode == ProjectMode::kPre && rank == 0) {
 #pragma unroll
-      for (int i = 0; i < kN; ++i) hpre[row * kN + i] = pre[i];
-      if (rank == 0 && b < p.batch) {
-#pragma unroll
-        for (int i = 0; i < kN; ++i) p.h_post[b * kN + i] = post[i];
-#pragma unroll
-        for (int e = 0; e < kN * kN; ++e) p.h_res[b * kN * kN + e] = res[e];
+        for (int m = 0; m < kCoef; ++m) hbuf[row * kCoef + m] = h[m];
       }
     }
   }
   __syncthreads();
+  const bool sinkhorn_warp = p.mode == ProjectMode::kPre && rank == 0 && warp == kWarps - 1;
+  if (sinkhorn_warp) {
+    const long long b = row0 + lane;
+    if (lane < rows && b < p.batch) {
+      float h[kCoef], pre[kN], post[kN], res[kN * kN];
+#pragma unroll
+      for (int m = 0; m < kCoef; ++m) h[m] = hbuf[lane * kCoef + m];
+      activate_token<kN>(h, p.act, pre, post, res);
+#pragma unroll
+      for (int i = 0; i < kN; ++i) p.h_post[b * kN + i] = post[i];
+#pragma unroll
+      for (int e = 0; e < kN * kN; ++e) p.h_res[b * kN * kN + e] = res[e];
+    }
+  }
 
   // 6. Pre mix of this CTA's slice, out of shared memory.
-  if (p.mode != ProjectMode::kProject) {
+  if (p.mode != ProjectMode::kProject && !sinkhorn_warp) {
     const int groups = cw / 8;
-    for (int it = tid; it < rows * groups; it += kThreads) {
+    const int mix_threads = p.mode == ProjectMode::kPre && rank == 0 ? kThreads - 32 : kThreads;
+    for (int it = tid; it < rows * groups; it += mix_threads) {
       const int row = it / groups, col = (it - row * groups) * 8;
       if (row0 + row >= p.batch) continue;
       float out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -431,6 +465,11 @@ bool choose_layout(long long batch, int hidden, int num_coef, int smem_optin, Ch
     off += size_t(num_coef + 1) * rows * 4;
     L.off_hpre = int(off);
     off += size_t(rows) * kN * 4;
+    off = (off + 15) / 16 * 16;
+    L.off_gtab = int(off);
+    off += size_t(L.steps) * 4 * 4;
+    L.off_h = int(off);
+    off += size_t(rows) * (kN * kN + 2 * kN) * 4;
     if (off <= size_t(smem_optin)) {
       L.rows = rows;
       L.row_tiles = rt;
