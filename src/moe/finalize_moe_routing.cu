@@ -541,35 +541,27 @@ Status launch_finalize(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaSt
   const int64_t resident_warps = int64_t(std::max(1, per_sm)) * sms * warps;
 
   p.vectors = p.hidden / V;
-  // Chunks per output row (an item is one chunk, for one warp). An item
-  // should hold enough of the lane's vectors to keep the staging ring busy
-  // (about 4 stages: kFinalizeStageVectors * 4 vectors, i.e. that many over
-  // (local slots * U) passes); with fewer rows than resident warps can take,
-  // rows are split further so that decode still spreads over the whole GPU.
-  // When not filling, tokens have few local slots: assume 2.
-  const int pass = 32 * U;
-  const int passes = std::max(1, (p.vectors + pass - 1) / pass);  // warp passes for a whole row
-  const int64_t rows_of_work = std::max<int64_t>(1, a.fill ? a.num_tokens : a.num_rows);
+  // Chunks per output row (an item is one chunk, for one warp). By default:
+  // about 16 items per resident warp, so the last round of the persistent
+  // loop is a small share of the time, but never less than one 32*U-vector
+  // pass of the warp per item. Decode-sized T thus spreads a row over many
+  // warps and SMs; large T gives each warp a long run of columns.
   int chunks = a.tuning.chunks_per_token;
   if (chunks == 0) {
-    const int slots = a.fill ? a.k : std::min(a.k, 2);
-    const int min_passes = std::max(1, (4 * kFinalizeStageVectors + slots * U - 1) / (slots * U));
-    const int64_t spread_passes = (rows_of_work * passes) / resident_warps;  // passes per warp if all busy
-    const int per_item = int(std::max<int64_t>(1, std::min<int64_t>(min_passes, spread_passes)));
-    chunks = (passes + per_item - 1) / per_item;
+    const int passes = (p.vectors + 32 * U - 1) / (32 * U);  // warp passes for a whole row
+    const int64_t rows_of_work = std::max<int64_t>(1, a.fill ? a.num_tokens : a.num_rows);
+    const int64_t want = (resident_warps * 16 + rows_of_work - 1) / rows_of_work;
+    chunks = int(std::min<int64_t>(passes, want));
   }
-  chunks = std::max(1, std::min(chunks, passes));
+  chunks = std::max(1, std::min(chunks, std::max(1, p.vectors)));
   // Whole warp passes per chunk: no idle lanes but in the row's last pass.
+  const int pass = 32 * U;
   p.chunk_vecs = std::max(1, ((p.vectors + chunks - 1) / chunks + pass - 1) / pass * pass);
   p.chunks = std::max(1, (p.vectors + p.chunk_vecs - 1) / p.chunk_vecs);
   p.items_bound = (a.fill ? a.num_tokens : a.num_rows) * int64_t(p.chunks);
   if (p.items_bound == 0) return Status::Ok();
 
-  // As many warps as give every warp the same number of items (rounds): no
-  // warp idles through a partial last round while others finish.
-  const int64_t rounds = (p.items_bound + resident_warps - 1) / resident_warps;
-  const int64_t want_warps = (p.items_bound + rounds - 1) / rounds;
-  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>((want_warps + warps - 1) / warps, resident_warps / warps));
+  const int64_t grid = std::min<int64_t>((p.items_bound + warps - 1) / warps, resident_warps / warps);
   FM_RETURN_IF_ERROR(detail::cuda_status(
       dev::launch(kernel, dim3(unsigned(grid)), dim3(threads), smem, stream, a.enable_pdl, p), kOp, "kernel launch"));
   return detail::check_launch(kOp);
