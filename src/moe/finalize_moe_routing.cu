@@ -239,6 +239,196 @@ __device__ __forceinline__ void reduce_vectors(const FinalizeParams& p, const Sl
   }
 }
 
+// The 16-byte-vector path without bias. A lane's row vectors are staged
+// through a per-warp shared-memory ring with cp.async, kFinalizeStages - 1
+// stages of kFinalizeStageVectors vectors ahead of their use. The bytes in
+// flight then live in shared memory instead of registers, so each SM keeps
+// ~150 KB of row reads outstanding (what HBM needs to run at full rate).
+// A lane reads back only what it copied itself: cp.async.wait_group
+// suffices, no barrier. The arithmetic and its order are those of
+// reduce_vectors. Two stage layouts, chosen per item (uniform per warp):
+
+// The 16-byte-vector path for items with at least a stage's worth of local
+// slots: each stage holds G = kFinalizeStageVectors / U slots of one pass, so
+// a pass spans ceil(count / G) stages.
+template <typename In, typename Out, int V, int U>
+__device__ __forceinline__ void reduce_vectors_async_grouped(const FinalizeParams& p, const SlotMeta& m, int chunk,
+                                                     uint4* ring) {
+  static_assert(sizeof(In) * V == 16, "the async path moves 16-byte vectors");
+  constexpr int G = kFinalizeStageVectors / U > 0 ? kFinalizeStageVectors / U : 1;
+  constexpr int kStep = 32 * U;
+  const In* rows = static_cast<const In*>(p.rows);
+  const Out* shared = static_cast<const Out*>(p.shared);
+  Out* out = static_cast<Out*>(p.out) + m.token * p.out_stride;
+  const int count = m.count;
+  const int lane = threadIdx.x & 31;
+  const int v_begin = chunk * p.chunk_vecs;
+  const int v_end = min(p.vectors, v_begin + p.chunk_vecs);
+  const int passes = (v_end - v_begin + kStep - 1) / kStep;
+  const int groups = max(1, (count + G - 1) / G);  // steps per pass (one empty step when no slot is local)
+  const int steps = passes * groups;
+
+  auto issue = [&](int st) {
+    if (st < steps && count > 0) {
+      const int pass = st / groups, grp = st - pass * groups;
+      uint4* stage = ring + (st % kFinalizeStages) * kFinalizeStageVectors * 32 + lane;
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const int s = grp * G + g;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int v = v_begin + lane + pass * kStep + u * 32;
+          if (s < count && v < v_end) {
+            dev::cp_async16(stage + (g * U + u) * 32, rows + m.row_offset[s] + int64_t(v) * V);
+          }
+        }
+      }
+    }
+    dev::cp_async_commit();  // every lane commits every step: group counts stay uniform
+  };
+
+#pragma unroll
+  for (int st = 0; st < kFinalizeStages - 1; ++st) issue(st);
+  float acc[U][V];
+  for (int st = 0; st < steps; ++st) {
+    issue(st + kFinalizeStages - 1);
+    dev::cp_async_wait<kFinalizeStages - 1>();  // step st has landed
+    const int pass = st / groups, grp = st - pass * groups;
+    if (grp == 0) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[u][e] = 0.0f;
+    }
+    const uint4* stage = ring + (st % kFinalizeStages) * kFinalizeStageVectors * 32 + lane;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const int s = grp * G + g;
+      if (s >= count) break;
+      const float w = m.weight[s];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const uint4 xw = stage[(g * U + u) * 32];
+        const dev::Vec<In, V>& x = reinterpret_cast<const dev::Vec<In, V>&>(xw);
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[u][e] = accumulate(acc[u][e], w, dev::to_float(x.v[e]));
+      }
+    }
+    if (grp == groups - 1) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int v = v_begin + lane + pass * kStep + u * 32;
+        if (v < v_end) store_output<Out, V>(p, out, shared, m.token, int64_t(v) * V, acc[u]);
+      }
+    }
+  }
+  dev::cp_async_wait<0>();  // nothing of this item is still landing when the ring is reused
+}
+
+// The 16-byte-vector path for items with few local slots (expert
+// parallelism): the lane's row vectors form one stream ordered (pass, slot,
+// u) -- the order they are summed in -- cut into stages of
+// kFinalizeStageVectors, so a stage may span passes and stays full.
+template <typename In, typename Out, int V, int U>
+__device__ __forceinline__ void reduce_vectors_async_stream(const FinalizeParams& p, const SlotMeta& m, int chunk,
+                                                     uint4* ring) {
+  static_assert(sizeof(In) * V == 16, "the async path moves 16-byte vectors");
+  constexpr int kSV = kFinalizeStageVectors;
+  constexpr int kStep = 32 * U;
+  const In* rows = static_cast<const In*>(p.rows);
+  const Out* shared = static_cast<const Out*>(p.shared);
+  Out* out = static_cast<Out*>(p.out) + m.token * p.out_stride;
+  const int count = m.count;
+  const int lane = threadIdx.x & 31;
+  const int v_lane = chunk * p.chunk_vecs + lane;  // this lane's first vector
+  const int v_end = min(p.vectors, chunk * p.chunk_vecs + p.chunk_vecs);
+  const int passes = (v_end - chunk * p.chunk_vecs + kStep - 1) / kStep;
+  float acc[U][V];
+  auto clear = [&] {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int e = 0; e < V; ++e) acc[u][e] = 0.0f;
+  };
+  auto flush = [&](int pass) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int v = v_lane + pass * kStep + u * 32;
+      if (v < v_end) store_output<Out, V>(p, out, shared, m.token, int64_t(v) * V, acc[u]);
+    }
+  };
+  clear();
+  if (count == 0) {  // filling a token with no local slot: 0 (+ shared_output)
+    for (int pass = 0; pass < passes; ++pass) flush(pass);
+    return;
+  }
+  const int total = passes * count * U;           // vectors in the stream
+  const int steps = (total + kSV - 1) / kSV;
+
+  // Position in the stream, (pass, slot, u), advanced one vector at a time.
+  struct Cursor {
+    int pass = 0, slot = 0, u = 0;
+  };
+  auto advance = [&](Cursor& c) {
+    if (++c.u == U) {
+      c.u = 0;
+      if (++c.slot == count) {
+        c.slot = 0;
+        ++c.pass;
+      }
+    }
+  };
+  Cursor in_cur, out_cur;
+  int issued = 0;
+  auto issue_stage = [&](int st) {
+    uint4* stage = ring + (st % kFinalizeStages) * kSV * 32 + lane;
+#pragma unroll
+    for (int i = 0; i < kSV; ++i) {
+      if (issued < total) {
+        const int v = v_lane + in_cur.pass * kStep + in_cur.u * 32;
+        if (v < v_end) dev::cp_async16(stage + i * 32, rows + m.row_offset[in_cur.slot] + int64_t(v) * V);
+        advance(in_cur);
+        ++issued;
+      }
+    }
+    dev::cp_async_commit();  // every lane commits every step: group counts stay uniform
+  };
+
+#pragma unroll
+  for (int st = 0; st < kFinalizeStages - 1; ++st) issue_stage(st);
+  int consumed = 0;
+  for (int st = 0; st < steps; ++st) {
+    issue_stage(st + kFinalizeStages - 1);
+    dev::cp_async_wait<kFinalizeStages - 1>();  // stage st has landed
+    const uint4* stage = ring + (st % kFinalizeStages) * kSV * 32 + lane;
+#pragma unroll
+    for (int i = 0; i < kSV; ++i) {
+      if (consumed < total) {
+        const int v = v_lane + out_cur.pass * kStep + out_cur.u * 32;
+        if (v < v_end) {
+          const uint4 xw = stage[i * 32];
+          const dev::Vec<In, V>& x = reinterpret_cast<const dev::Vec<In, V>&>(xw);
+          const float w = m.weight[out_cur.slot];
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            if (u != out_cur.u) continue;  // keeps acc[] indexed by constants
+#pragma unroll
+            for (int e = 0; e < V; ++e) acc[u][e] = accumulate(acc[u][e], w, dev::to_float(x.v[e]));
+          }
+        }
+        const bool pass_done = out_cur.u == U - 1 && out_cur.slot == count - 1;
+        if (pass_done) {
+          flush(out_cur.pass);
+          clear();
+        }
+        advance(out_cur);
+        ++consumed;
+      }
+    }
+  }
+  dev::cp_async_wait<0>();  // nothing of this item is still landing when the ring is reused
+}
+
 // Columns [vectors*V, hidden): the tail that does not fill a vector. Computed,
 // never dropped, with the same arithmetic as the vector path.
 template <typename In, typename Out>
@@ -259,266 +449,21 @@ __device__ __forceinline__ void reduce_tail(const FinalizeParams& p, const SlotM
   }
 }
 
-// ---------------------------------------------------------------------------
-// The continuous stream: the 16-byte path without bias.
-//
-// A warp's items are resolved one after another into a small ring of records
-// in shared memory, and the lane's row vectors of all its items form ONE
-// stream, ordered (item, pass, slot, u) -- within an item exactly the order
-// they are summed in. The stream is staged through the warp's cp.async ring,
-// kFinalizeStageVectors vectors per stage, kFinalizeStages - 1 stages ahead
-// of their use. So the ring never drains at an item boundary: short items
-// (k = 2, or one or two local slots under expert parallelism) and skipped
-// items (no-filling) cost no pipeline bubble, and the index loads of the
-// next items are issued while earlier rows are still landing. A lane reads
-// back only what it copied itself (cp.async.wait_group, no barrier).
-
-struct StreamRecord {
-  int32_t row[kMaxFinalizeK];  // permuted rows of the local slots, in slot order
-  float weight[kMaxFinalizeK];
-  int64_t token;
-  int count;  // local slots
-  int chunk;
-};
-constexpr int kStreamRecords = 8;  // open items per warp (issue side ahead of the consume side)
-// Shared memory of one warp, in 16-byte units: the ring, then the records.
-constexpr int kFinalizeWarpSmemVectors =
-    kFinalizeRingVectors + int((kStreamRecords * sizeof(StreamRecord) + 15) / 16);
-
-template <typename In, typename Out, int V, int U>
-__device__ __forceinline__ void finalize_stream(const FinalizeParams& p, int64_t num_items, int64_t first,
-                                                int64_t stride, uint4* ring, StreamRecord* rec) {
-  static_assert(sizeof(In) * V == 16, "the stream moves 16-byte vectors");
-  constexpr int kSV = kFinalizeStageVectors;
-  constexpr int kS = kFinalizeStages;
-  constexpr int kStep = 32 * U;
-  const int lane = threadIdx.x & 31;
-  const In* rows = static_cast<const In*>(p.rows);
-  const Out* shared = static_cast<const Out*>(p.shared);
-  const bool narrow = num_items <= int64_t(UINT32_MAX);
-  auto split = [&](int64_t item, int& chunk) -> int64_t {
-    if (narrow) {
-      chunk = int(uint32_t(item) % uint32_t(p.chunks));
-      return uint32_t(item) / uint32_t(p.chunks);
-    }
-    chunk = int(item % p.chunks);
-    return item / p.chunks;
-  };
-  auto passes_of = [&](int chunk) {
-    const int begin = chunk * p.chunk_vecs, end = min(p.vectors, begin + p.chunk_vecs);
-    return (end - begin + kStep - 1) / kStep;
-  };
-
-  // ---- item source, its index loads one item (and the p2u entry two) ahead
-  int64_t item = first;
-  int chunk = 0, chunk_next = 0;
-  int64_t key = item < num_items ? split(item, chunk) : 0;
-  ItemKey ik = item_key(p, key, (!p.fill && item < num_items) ? p.p2u[key] : 0);
-  SlotLoad slots = item < num_items ? load_slot(p, ik.token) : SlotLoad{-1, 0, 1.0f};
-  int64_t key_next = item + stride < num_items ? split(item + stride, chunk_next) : 0;
-  int32_t u_next = (!p.fill && item + stride < num_items) ? p.p2u[key_next] : 0;
-
-  // ---- issue side
-  int opened = 0;  // records written
-  int in_rec = 0, in_pass = 0, in_slot = 0, in_u = 0, in_count = 0, in_vbase = 0, in_vend = 0;
-  int in_left = 0;  // vectors of the current record still to issue
-  // Resolves items until one is opened (false: none left). Uniform per warp.
-  auto open_next = [&]() -> bool {
-    while (item < num_items) {
-      StreamRecord& r = rec[opened % kStreamRecords];
-      const int lane_local = lane < p.k && slots.expert >= p.start_expert &&
-                             slots.expert - p.start_expert < p.num_local_experts;
-      const unsigned mask = __ballot_sync(dev::kFullMask, lane_local);
-      const bool take = p.fill || __ffs(mask) - 1 == ik.first_slot;
-      if (take) {
-        if (lane_local) {
-          const int slot = __popc(mask & ((1u << lane) - 1u));
-          r.row[slot] = slots.row;
-          r.weight[slot] = slots.weight;
-        }
-        if (lane == 0) {
-          r.token = ik.token;
-          r.count = __popc(mask);
-          r.chunk = chunk;
-        }
-        in_rec = opened % kStreamRecords;
-        in_count = __popc(mask);
-        in_vbase = chunk * p.chunk_vecs;
-        in_vend = min(p.vectors, in_vbase + p.chunk_vecs);
-        in_left = passes_of(chunk) * in_count * U;
-        in_pass = in_slot = in_u = 0;
-      }
-      // Advance the source: the next item's index loads go out now.
-      item += stride;
-      ik = item_key(p, key_next, u_next);
-      chunk = chunk_next;
-      slots = item < num_items ? load_slot(p, ik.token) : SlotLoad{-1, 0, 1.0f};
-      key_next = item + stride < num_items ? split(item + stride, chunk_next) : 0;
-      u_next = (!p.fill && item + stride < num_items) ? p.p2u[key_next] : 0;
-      if (take) {
-        __syncwarp();
-        ++opened;
-        return true;
-      }
-    }
-    return false;
-  };
-
-  // ---- consume side
-  int closed = 0;  // records finished
-  bool out_open = false;
-  int out_rec = 0, out_pass = 0, out_slot = 0, out_u = 0, out_count = 0, out_vbase = 0, out_vend = 0, out_left = 0;
-  int out_passes = 0;
-  int64_t out_token = 0;
-  float acc[U][V];
-  auto clear = [&] {
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int e = 0; e < V; ++e) acc[u][e] = 0.0f;
-  };
-  auto flush = [&](int pass) {
-    Out* out = static_cast<Out*>(p.out) + out_token * p.out_stride;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int v = out_vbase + lane + pass * kStep + u * 32;
-      if (v < out_vend) store_output<Out, V>(p, out, shared, out_token, int64_t(v) * V, acc[u]);
-    }
-  };
-  // The columns past the last full vector, for the row's last chunk.
-  auto finish_record = [&] {
-    if (rec[out_rec].chunk == p.chunks - 1 && p.vectors * V < p.hidden) {
-      Out* out = static_cast<Out*>(p.out) + out_token * p.out_stride;
-      for (int c = p.vectors * V + lane; c < p.hidden; c += 32) {
-        float a = 0.0f;
-        for (int s = 0; s < out_count; ++s)
-          a = accumulate(a, rec[out_rec].weight[s], dev::to_float(rows[int64_t(rec[out_rec].row[s]) * p.rows_stride + c]));
-        if (shared) a = __fadd_rn(a, dev::to_float(shared[out_token * p.shared_stride + c]));
-        out[c] = dev::from_float<Out>(a);
-      }
-    }
-    out_open = false;
-    ++closed;
-  };
-  // Opens the next record on the consume side; a record with no local slot
-  // (filling) is written out at once: 0 (+ shared_output).
-  auto settle = [&] {
-    while (!out_open && closed < opened) {
-      out_rec = closed % kStreamRecords;
-      out_count = rec[out_rec].count;
-      out_token = rec[out_rec].token;
-      out_vbase = rec[out_rec].chunk * p.chunk_vecs;
-      out_vend = min(p.vectors, out_vbase + p.chunk_vecs);
-      out_passes = passes_of(rec[out_rec].chunk);
-      out_left = out_passes * out_count * U;
-      out_pass = out_slot = out_u = 0;
-      out_open = true;
-      clear();
-      if (out_count == 0) {
-        for (int pass = 0; pass < out_passes; ++pass) flush(pass);
-        finish_record();
-      }
-    }
-  };
-
-  uint32_t stage_counts = 0;  // vectors in each stage, 8 bits a stage
-  auto issue_stage = [&](int st) {
-    uint4* stage = ring + (st % kS) * kSV * 32 + lane;
-    int n = 0;
-#pragma unroll
-    for (int i = 0; i < kSV; ++i) {
-      while (in_left == 0 && opened - closed < kStreamRecords && open_next()) {
-      }
-      if (in_left > 0) {
-        const int v = in_vbase + lane + in_pass * kStep + in_u * 32;
-        if (v < in_vend)
-          dev::cp_async16(stage + i * 32, rows + int64_t(rec[in_rec].row[in_slot]) * p.rows_stride + int64_t(v) * V);
-        if (++in_u == U) {
-          in_u = 0;
-          if (++in_slot == in_count) {
-            in_slot = 0;
-            ++in_pass;
-          }
-        }
-        --in_left;
-        ++n;
-      }
-    }
-    dev::cp_async_commit();  // every lane commits every step: group counts stay uniform
-    const int shift = 8 * (st % kS);
-    stage_counts = (stage_counts & ~(0xffu << shift)) | (uint32_t(n) << shift);
-  };
-  auto consume_stage = [&](int st) {
-    const int n = int((stage_counts >> (8 * (st % kS))) & 0xffu);
-    const uint4* stage = ring + (st % kS) * kSV * 32 + lane;
-#pragma unroll
-    for (int i = 0; i < kSV; ++i) {
-      if (i < n) {
-        settle();
-        const int v = out_vbase + lane + out_pass * kStep + out_u * 32;
-        if (v < out_vend) {
-          const uint4 xw = stage[i * 32];
-          const dev::Vec<In, V>& x = reinterpret_cast<const dev::Vec<In, V>&>(xw);
-          const float w = rec[out_rec].weight[out_slot];
-#pragma unroll
-          for (int u = 0; u < U; ++u) {
-            if (u != out_u) continue;  // keeps acc[] indexed by constants
-#pragma unroll
-            for (int e = 0; e < V; ++e) acc[u][e] = accumulate(acc[u][e], w, dev::to_float(x.v[e]));
-          }
-        }
-        if (out_u == U - 1 && out_slot == out_count - 1) {
-          flush(out_pass);
-          clear();
-        }
-        if (++out_u == U) {
-          out_u = 0;
-          if (++out_slot == out_count) {
-            out_slot = 0;
-            ++out_pass;
-          }
-        }
-        if (--out_left == 0) finish_record();
-      }
-    }
-    settle();  // records with no local slot queued behind this stage
-  };
-
-#pragma unroll
-  for (int st = 0; st < kS - 1; ++st) issue_stage(st);
-  for (int st = 0;; ++st) {
-    issue_stage(st + kS - 1);
-    dev::cp_async_wait<kS - 1>();  // stage st has landed
-    consume_stage(st);
-    if (stage_counts == 0 && in_left == 0 && item >= num_items && closed == opened) break;
-  }
-  dev::cp_async_wait<0>();
-}
-
 // Registers are capped at 85 (kMaxFinalizeThreads threads, 3 blocks per SM):
-// occupancy, i.e. bytes in flight per SM, is what feeds HBM here. The stream
-// path keeps its bytes in flight in shared memory, which bounds its occupancy
-// anyway; its larger state may use up to 128 registers.
+// occupancy, i.e. bytes in flight per SM, is what feeds HBM here.
 template <typename In, typename Out, int V, int U, bool kBias>
-__global__ void __launch_bounds__(kMaxFinalizeThreads,
-                                  sizeof(In) * V == 16 && !kBias ? 2 : kMinFinalizeBlocksPerSm)
+__global__ void __launch_bounds__(kMaxFinalizeThreads, kMinFinalizeBlocksPerSm)
     finalize_moe_routing_kernel(const FinalizeParams p) {
   __shared__ SlotMeta meta[kMaxFinalizeThreads / 32];  // one record per warp
   SlotMeta& m = meta[threadIdx.x >> 5];
-  // Continuous-stream path: the warp's cp.async ring, then its item records.
-  extern __shared__ uint4 finalize_ring[];
-  uint4* ring = finalize_ring + (threadIdx.x >> 5) * kFinalizeWarpSmemVectors;
+  extern __shared__ uint4 finalize_ring[];  // async path: kFinalizeRingVectors per warp
+  uint4* ring = finalize_ring + (threadIdx.x >> 5) * kFinalizeRingVectors;
   // Everything below may read what the previous kernel on the stream wrote.
   dev::grid_dependency_wait();
   dev::allow_dependents_launch();
   const int64_t num_items = p.fill ? p.items_bound : p.expert_offsets[p.num_local_experts] * p.chunks;
   const int warps = blockDim.x >> 5;
   const int64_t stride = int64_t(gridDim.x) * warps;
-  if constexpr (sizeof(In) * V == 16 && !kBias) {
-    finalize_stream<In, Out, V, U>(p, num_items, int64_t(blockIdx.x) * warps + (threadIdx.x >> 5), stride, ring,
-                                   reinterpret_cast<StreamRecord*>(ring + kFinalizeRingVectors));
-    return;
-  }
   const bool narrow = num_items <= int64_t(UINT32_MAX);  // the common case: 32-bit division
   auto split = [&](int64_t item, int& chunk) -> int64_t {
     if (narrow) {
@@ -551,9 +496,16 @@ __global__ void __launch_bounds__(kMaxFinalizeThreads,
 
     __syncwarp();  // the previous item's record is no longer read
     if (resolve_slots(p, ik, slots, m)) {
-      // Bias doubles the vectors per slot and its rows are L2 hits: the
-      // register path with an L2 prefetch of the next group measured faster.
-      reduce_vectors<In, Out, V, U, kBias>(p, m, chunk);
+      if constexpr (sizeof(In) * V == 16 && !kBias) {
+        if (m.count * U >= kFinalizeStageVectors)
+          reduce_vectors_async_grouped<In, Out, V, U>(p, m, chunk, ring);
+        else
+          reduce_vectors_async_stream<In, Out, V, U>(p, m, chunk, ring);
+      } else {
+        // Bias doubles the vectors per slot and its rows are L2 hits: the
+        // register path with an L2 prefetch of the next group measured faster.
+        reduce_vectors<In, Out, V, U, kBias>(p, m, chunk);
+      }
       if (chunk == p.chunks - 1 && p.vectors * V < p.hidden) reduce_tail<In, Out>(p, m, p.vectors * V);
     }
     ik = ik_next;
@@ -580,7 +532,7 @@ Status launch_finalize(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaSt
   FM_RETURN_IF_ERROR(detail::cuda_status(
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), kOp, "multiprocessor count"));
   const int warps = threads / 32;
-  const size_t smem = sizeof(In) * V == 16 && !p.bias ? size_t(warps) * kFinalizeWarpSmemVectors * sizeof(uint4) : 0;
+  const size_t smem = sizeof(In) * V == 16 && !p.bias ? size_t(warps) * kFinalizeRingVectors * sizeof(uint4) : 0;
   if (smem > 48 * 1024)
     FM_RETURN_IF_ERROR(detail::cuda_status(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), kOp, "shared memory size"));
