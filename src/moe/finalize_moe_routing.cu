@@ -42,6 +42,7 @@ constexpr const char* kOp = "finalize_moe_routing";
 // with the L2 prefetch of the next group below, twice that is in flight.
 // More would spill at the register cap that keeps 24 warps per SM resident.
 constexpr int kLoadsInFlight = 4;
+constexpr int kDecodeLoadsInFlight = 8;  // decode: all of k = 8's rows at once
 // The async path: a ring of kFinalizeStages stages per warp, each holding
 // kFinalizeStageVectors 16-byte vectors per lane (8 KB per warp).
 constexpr int kFinalizeStages = 4;
@@ -168,11 +169,11 @@ __device__ __forceinline__ void store_output(const FinalizeParams& p, Out* out, 
   }
 }
 
-template <typename In, typename Out, int V, int U, bool kBias>
+template <typename In, typename Out, int V, int U, bool kBias, int kLoads>
 __device__ __forceinline__ void reduce_vectors(const FinalizeParams& p, const SlotMeta& m, int chunk) {
-  // Slots per load group: kLoadsInFlight vectors (row and bias) per thread.
+  // Slots per load group: kLoads vectors (row and bias) per thread.
   constexpr int kPerSlot = U * (kBias ? 2 : 1);
-  constexpr int G = kLoadsInFlight / kPerSlot > 0 ? kLoadsInFlight / kPerSlot : 1;
+  constexpr int G = kLoads / kPerSlot > 0 ? kLoads / kPerSlot : 1;
   const In* rows = static_cast<const In*>(p.rows);
   const In* bias = static_cast<const In*>(p.bias);
   const Out* shared = static_cast<const Out*>(p.shared);
@@ -451,8 +452,13 @@ __device__ __forceinline__ void reduce_tail(const FinalizeParams& p, const SlotM
 
 // Registers are capped at 85 (kMaxFinalizeThreads threads, 3 blocks per SM):
 // occupancy, i.e. bytes in flight per SM, is what feeds HBM here.
-template <typename In, typename Out, int V, int U, bool kBias>
-__global__ void __launch_bounds__(kMaxFinalizeThreads, kMinFinalizeBlocksPerSm)
+//
+// kDecode: the grid covers all items in one round (decode-sized T). Latency,
+// not bandwidth, is then the cost, so every local slot's row load of a lane
+// goes out at once (kDecodeLoadsInFlight, held in registers: up to 128 of
+// them) -- one row round trip per item instead of one per group of slots.
+template <typename In, typename Out, int V, int U, bool kBias, bool kDecode>
+__global__ void __launch_bounds__(kMaxFinalizeThreads, kDecode ? 2 : kMinFinalizeBlocksPerSm)
     finalize_moe_routing_kernel(const FinalizeParams p) {
   __shared__ SlotMeta meta[kMaxFinalizeThreads / 32];  // one record per warp
   SlotMeta& m = meta[threadIdx.x >> 5];
@@ -496,7 +502,9 @@ __global__ void __launch_bounds__(kMaxFinalizeThreads, kMinFinalizeBlocksPerSm)
 
     __syncwarp();  // the previous item's record is no longer read
     if (resolve_slots(p, ik, slots, m)) {
-      if constexpr (sizeof(In) * V == 16 && !kBias) {
+      if constexpr (kDecode) {
+        reduce_vectors<In, Out, V, U, kBias, kDecodeLoadsInFlight>(p, m, chunk);
+      } else if constexpr (sizeof(In) * V == 16 && !kBias) {
         if (m.count * U >= kFinalizeStageVectors)
           reduce_vectors_async_grouped<In, Out, V, U>(p, m, chunk, ring);
         else
@@ -504,7 +512,7 @@ __global__ void __launch_bounds__(kMaxFinalizeThreads, kMinFinalizeBlocksPerSm)
       } else {
         // Bias doubles the vectors per slot and its rows are L2 hits: the
         // register path with an L2 prefetch of the next group measured faster.
-        reduce_vectors<In, Out, V, U, kBias>(p, m, chunk);
+        reduce_vectors<In, Out, V, U, kBias, kLoadsInFlight>(p, m, chunk);
       }
       if (chunk == p.chunks - 1 && p.vectors * V < p.hidden) reduce_tail<In, Out>(p, m, p.vectors * V);
     }
@@ -524,15 +532,15 @@ bool aligned_for(const void* ptr, int64_t stride, int elems, int elem_bytes) {
 
 template <typename In, typename Out, int V, int U>
 Status launch_finalize(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaStream_t stream) {
-  auto kernel = p.bias ? finalize_moe_routing_kernel<In, Out, V, U, true>
-                       : finalize_moe_routing_kernel<In, Out, V, U, false>;
+  auto kernel = p.bias ? finalize_moe_routing_kernel<In, Out, V, U, true, false>
+                       : finalize_moe_routing_kernel<In, Out, V, U, false, false>;
   const int threads = a.tuning.threads_per_block ? a.tuning.threads_per_block : 128;
   int device = 0, sms = 0, per_sm = 0;
   FM_RETURN_IF_ERROR(detail::cuda_status(cudaGetDevice(&device), kOp, "cudaGetDevice"));
   FM_RETURN_IF_ERROR(detail::cuda_status(
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), kOp, "multiprocessor count"));
   const int warps = threads / 32;
-  const size_t smem = sizeof(In) * V == 16 && !p.bias ? size_t(warps) * kFinalizeRingVectors * sizeof(uint4) : 0;
+  size_t smem = sizeof(In) * V == 16 && !p.bias ? size_t(warps) * kFinalizeRingVectors * sizeof(uint4) : 0;
   if (smem > 48 * 1024)
     FM_RETURN_IF_ERROR(detail::cuda_status(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), kOp, "shared memory size"));
@@ -562,6 +570,15 @@ Status launch_finalize(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaSt
   if (p.items_bound == 0) return Status::Ok();
 
   const int64_t grid = std::min<int64_t>((p.items_bound + warps - 1) / warps, resident_warps / warps);
+  // One round of items (decode) with 16-byte vectors and at most 8 slots:
+  // the latency-first variant.
+  if constexpr (sizeof(In) * V == 16 && U == 1) {
+    if (a.k <= kDecodeLoadsInFlight && p.items_bound <= resident_warps && a.tuning.threads_per_block == 0) {
+      kernel = p.bias ? finalize_moe_routing_kernel<In, Out, V, U, true, true>
+                      : finalize_moe_routing_kernel<In, Out, V, U, false, true>;
+      smem = 0;
+    }
+  }
   FM_RETURN_IF_ERROR(detail::cuda_status(
       dev::launch(kernel, dim3(unsigned(grid)), dim3(threads), smem, stream, a.enable_pdl, p), kOp, "kernel launch"));
   return detail::check_launch(kOp);
