@@ -73,5 +73,6 @@ bool write_json(const Context& ctx, const std::string& path);
 void run_moe_finalize_cases(Context& ctx);
 void run_moe_routing_cases(Context& ctx);
 void run_mhc_cases(Context& ctx);
+void run_moe_fc2_cases(Context& ctx);
 
 }  // namespace flashmix::bench

@@ -170,3 +170,61 @@ Status build_moe_routing_maps_cpu(const MoeRoutingArgs& args);
 Status validate_moe_routing_maps(const MoeRoutingArgs& args);
 
 }  // namespace flashmix
+
+// ---------------------------------------------------------------------------
+// MoE FC2 grouped GEMM with the finalize fused into its epilogue (SPEC §3).
+//   out[t, :] = sum over local slots (t, j): w[t, j] * (A[p] @ W2[e]^T + bias[e])
+// p the slot's permuted row, e its local expert. sm_90a only (CUTLASS ptr-array
+// grouped GEMM, TMA + wgmma); other GPUs and builds without CUTLASS get kNotSupported.
+// ---------------------------------------------------------------------------
+namespace flashmix {
+
+enum class Fc2Mode : int {
+  kAtomic = 0,         // epilogue scales rows and red.add's bf16x2 into `out` (k == 1: plain stores)
+  kAtomicFp32 = 1,     // red.add into an fp32 [T, H] workspace, then one cast pass: one rounding
+  kDeterministic = 2,  // epilogue stores w*(acc+bias) as fp32 rows, then a fixed-order (j = 0..k-1)
+                       // fp32 sum: bitwise reproducible, one rounding
+  kUnfused = 3,        // GEMM -> [P, H] bf16 rows, then finalize_moe_routing (the baseline)
+};
+
+struct Fc2FinalizeArgs {
+  const void* A = nullptr;   // bf16 [k*T capacity, I], permuted rows (first P used)
+  const void* W2 = nullptr;  // bf16 [E_local, H, I], each expert's H x I row-major (K-contiguous)
+  const int64_t* expert_first_token_offset = nullptr;       // [E_local + 1] (device)
+  const int32_t* permuted_row_to_unpermuted_row = nullptr;  // [P], value j*T + t (device)
+  const float* scales = nullptr;  // [T, k] router weights; nullptr = all 1
+  const void* bias = nullptr;     // bf16 [E_local, H] or nullptr; added before scaling
+  bool apply_bias = true;         // false on all but one tensor-parallel rank: bias ignored
+
+  int64_t num_tokens = 0;  // T (0 is valid: nothing is launched)
+  int k = 0;               // 1..16
+  int64_t hidden = 0;      // H, a multiple of 8 (TMA: 16-byte rows)
+  int64_t inter = 0;       // I, a multiple of 8
+  int num_experts_per_node = 0;  // E_local, 1..1024
+
+  void* out = nullptr;     // bf16 [T, out_stride], columns [0, H) written
+  int64_t out_stride = 0;  // 0 means H; must be even (bf16x2 reduction adds)
+
+  Fc2Mode mode = Fc2Mode::kAtomic;
+  // kAtomic only: the caller has zeroed `out` (or holds a residual there that
+  // the experts' sum is to be added to); the op then skips its own memset.
+  bool out_already_zeroed = false;
+};
+
+// Device workspace bytes for these args (CUB style); depends on the mode, T, k,
+// H, E_local and the current device's SM count. 0 for invalid args.
+size_t moe_fc2_finalize_workspace_size(const Fc2FinalizeArgs& args);
+
+// GPU entry point: asynchronous on `stream`, no host synchronisation, no
+// allocation, safe to capture in a CUDA graph. `workspace` 256-byte aligned.
+Status moe_fc2_finalize(const Fc2FinalizeArgs& args, void* workspace, size_t workspace_bytes,
+                        cudaStream_t stream);
+
+// CPU reference (double accumulation, one rounding to bf16). Host pointers;
+// same validation (workspace not needed).
+Status moe_fc2_finalize_cpu(const Fc2FinalizeArgs& args);
+
+// Host-side validation shared by both backends (no device access).
+Status validate_moe_fc2_finalize(const Fc2FinalizeArgs& args);
+
+}  // namespace flashmix

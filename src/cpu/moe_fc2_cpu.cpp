@@ -1,0 +1,48 @@
+// CPU reference for moe_fc2_finalize, written from SPEC §3 alone:
+//   out[t, :] = sum over local slots (t, j): w[t, j] * (A[p] @ W2[e]^T + bias[e])
+// accumulated in double and rounded once to bf16.
+#include <vector>
+
+#include "common/host_dtype.h"
+#include "flashmix/moe.h"
+
+namespace flashmix {
+
+Status moe_fc2_finalize_cpu(const Fc2FinalizeArgs& a) {
+  Status st = validate_moe_fc2_finalize(a);
+  if (!st.ok()) return st;
+  const int64_t T = a.num_tokens, H = a.hidden, I = a.inter, k = a.k, E = a.num_experts_per_node;
+  if (T == 0) return Status::Ok();
+  const int64_t out_stride = a.out_stride ? a.out_stride : H;
+  const auto* A = static_cast<const uint16_t*>(a.A);
+  const auto* W2 = static_cast<const uint16_t*>(a.W2);
+  const auto* bias = (a.bias && a.apply_bias) ? static_cast<const uint16_t*>(a.bias) : nullptr;
+  auto* out = static_cast<uint16_t*>(a.out);
+  std::vector<double> acc(static_cast<size_t>(T * H), 0.0);
+  std::vector<double> arow(static_cast<size_t>(I));
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t p = a.expert_first_token_offset[e]; p < a.expert_first_token_offset[e + 1]; ++p) {
+      const int64_t s = a.permuted_row_to_unpermuted_row[p];
+      const int64_t t = s % T, j = s / T;
+      const double w = a.scales ? double(a.scales[t * k + j]) : 1.0;
+      for (int64_t i = 0; i < I; ++i) arow[i] = host::bf16_to_float(A[p * I + i]);
+      for (int64_t n = 0; n < H; ++n) {
+        const uint16_t* wrow = W2 + (e * H + n) * I;
+        double dot = 0.0;
+        for (int64_t i = 0; i < I; ++i) dot += arow[i] * double(host::bf16_to_float(wrow[i]));
+        if (bias) dot += host::bf16_to_float(bias[e * H + n]);
+        acc[t * H + n] += w * dot;
+      }
+    }
+  }
+  const bool add_to_out = a.mode == Fc2Mode::kAtomic && a.out_already_zeroed;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t n = 0; n < H; ++n) {
+      double v = acc[t * H + n];
+      if (add_to_out) v += host::bf16_to_float(out[t * out_stride + n]);
+      out[t * out_stride + n] = host::float_to_bf16(float(v));
+    }
+  return Status::Ok();
+}
+
+}  // namespace flashmix

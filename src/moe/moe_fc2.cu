@@ -1,0 +1,194 @@
+// MoE FC2 grouped GEMM with fused finalize (SPEC §3): the launcher and mode
+// dispatch. The GEMM itself (CUTLASS sm90 ptr-array grouped GEMM + our scatter
+// epilogue) is in sm90_fc2_grouped_gemm.cu; this file holds what every mode
+// adds around it:
+//   atomic         memset(out) -> GEMM red.add bf16x2 into out
+//   atomic_fp32    memset(acc32) -> GEMM red.add f32 into acc32 -> cast pass (one rounding)
+//   deterministic  GEMM stores w*(acc+bias) fp32 rows -> fixed-order k-way sum (finalize_moe_routing)
+//   unfused        GEMM stores bf16 rows -> finalize_moe_routing (weights, bias, scatter, sum)
+// For the two finalize-based modes the slot maps finalize needs (u2p and a
+// local expert per slot) are rebuilt on the device from p2u and the offsets.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "common/check.h"
+#include "flashmix/moe.h"
+#include "moe/moe_fc2_internal.h"
+
+namespace flashmix {
+
+namespace {
+
+constexpr const char* kOp = "moe_fc2_finalize";
+
+int current_sm_count(int* major) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  int sms = 0, cc = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&cc, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  if (major) *major = cc;
+  return sms;
+}
+
+// For p < P: u2p[p2u[p]] = p, experts[t*k + j] = local expert of p. Both arrays
+// were set to -1 first, so non-local slots read as "not local" in finalize.
+__global__ void fc2_slot_maps(const int32_t* __restrict__ p2u, const int64_t* __restrict__ offsets, int E,
+                              int T, int k, int32_t* __restrict__ u2p, int32_t* __restrict__ experts) {
+  const int64_t P = offsets[E];
+  for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < P; p += int64_t(gridDim.x) * blockDim.x) {
+    int lo = 0, hi = E - 1;  // the expert e with offsets[e] <= p < offsets[e+1]
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (offsets[mid] <= p) lo = mid; else hi = mid - 1;
+    }
+    const int s = p2u[p];
+    const int t = s % T, j = s / T;
+    u2p[s] = int32_t(p);
+    experts[int64_t(t) * k + j] = lo;
+  }
+}
+
+// out[t, n] = bf16(acc32[t, n]), 8 columns per thread (H % 8 == 0).
+__global__ void fc2_cast_rows(const float* __restrict__ acc32, int64_t T, int64_t H, __nv_bfloat16* out,
+                              int64_t out_stride) {
+  const int64_t vecs_per_row = H / 8;
+  const int64_t total = T * vecs_per_row;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / vecs_per_row, c = (i % vecs_per_row) * 8;
+    const float4 a = *reinterpret_cast<const float4*>(acc32 + t * H + c);
+    const float4 b = *reinterpret_cast<const float4*>(acc32 + t * H + c + 4);
+    __nv_bfloat162 h[4] = {__floats2bfloat162_rn(a.x, a.y), __floats2bfloat162_rn(a.z, a.w),
+                           __floats2bfloat162_rn(b.x, b.y), __floats2bfloat162_rn(b.z, b.w)};
+    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out + t * out_stride + c);
+    if ((reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<uint4*>(h);
+    } else {
+      for (int q = 0; q < 4; ++q) dst[q] = h[q];
+    }
+  }
+}
+
+int grid_for(int64_t items, int threads, int sms) {
+  int64_t blocks = (items + threads - 1) / threads;
+  const int64_t cap = int64_t(sms > 0 ? sms : 132) * 8;
+  if (blocks > cap) blocks = cap;
+  return int(blocks < 1 ? 1 : blocks);
+}
+
+}  // namespace
+
+size_t moe_fc2_finalize_workspace_size(const Fc2FinalizeArgs& args) {
+  if (!validate_moe_fc2_finalize(args).ok()) return 0;
+  return fc2_workspace_layout(args, current_sm_count(nullptr)).total;
+}
+
+Status moe_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  FM_RETURN_IF_ERROR(validate_moe_fc2_finalize(a));
+  FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
+  FM_REQUIRE_SUPPORTED(sm90_fc2_built_with_cutlass(), kOp, "build",
+                       "built without CUTLASS (set FLASHMIX_CUTLASS_DIR or run scripts/setup_cutlass.sh)");
+  int major = 0;
+  const int sms = current_sm_count(&major);
+  FM_REQUIRE_SUPPORTED(major == 9, kOp, "device", "needs an sm_90 (Hopper) GPU (compute capability ", major,
+                       ".x)");
+  const Fc2WorkspaceLayout l = fc2_workspace_layout(a, sms);
+  FM_REQUIRE(workspace_bytes >= l.total, kOp, "workspace_bytes", "too small: ", workspace_bytes, " < ", l.total,
+             " (ask moe_fc2_finalize_workspace_size)");
+  FM_REQUIRE(l.total == 0 || workspace != nullptr, kOp, "workspace", "must not be null");
+  FM_REQUIRE(reinterpret_cast<uintptr_t>(workspace) % 256 == 0, kOp, "workspace", "must be 256-byte aligned");
+  if (a.num_tokens == 0) return Status::Ok();
+
+  const int64_t T = a.num_tokens, H = a.hidden;
+  const int64_t out_stride = a.out_stride ? a.out_stride : H;
+  char* ws = static_cast<char*>(workspace);
+
+  Sm90Fc2GemmParams g{};
+  g.A = a.A;
+  g.W2 = a.W2;
+  g.offsets = a.expert_first_token_offset;
+  g.p2u = a.permuted_row_to_unpermuted_row;
+  g.scales = a.scales;
+  g.bias = a.apply_bias ? a.bias : nullptr;
+  g.T = int(T);
+  g.k = a.k;
+  g.H = int(H);
+  g.I = int(a.inter);
+  g.E = a.num_experts_per_node;
+  g.group_ws = ws + l.group;
+  g.cutlass_ws = ws + l.cutlass;
+  g.cutlass_ws_bytes = l.cutlass_bytes;
+  g.sm_count = sms;
+
+  const size_t slots = size_t(T) * size_t(a.k);
+  switch (a.mode) {
+    case Fc2Mode::kAtomic: {
+      if (!a.out_already_zeroed)
+        FM_RETURN_IF_ERROR(detail::cuda_status(
+            cudaMemset2DAsync(a.out, size_t(out_stride) * 2, 0, size_t(H) * 2, size_t(T), stream), kOp,
+            "zeroing out"));
+      g.op = Fc2EpilogueOp::kRedBf16;
+      g.dst = a.out;
+      g.dst_stride = out_stride;
+      return sm90_fc2_grouped_gemm(g, stream);
+    }
+    case Fc2Mode::kAtomicFp32: {
+      float* acc32 = reinterpret_cast<float*>(ws + l.acc32);
+      FM_RETURN_IF_ERROR(detail::cuda_status(cudaMemsetAsync(acc32, 0, size_t(T) * H * 4, stream), kOp,
+                                             "zeroing the fp32 accumulator"));
+      g.op = Fc2EpilogueOp::kRedFp32;
+      g.dst = acc32;
+      g.dst_stride = H;
+      FM_RETURN_IF_ERROR(sm90_fc2_grouped_gemm(g, stream));
+      fc2_cast_rows<<<grid_for(T * H / 8, 256, sms), 256, 0, stream>>>(
+          acc32, T, H, static_cast<__nv_bfloat16*>(a.out), out_stride);
+      return detail::check_launch(kOp);
+    }
+    case Fc2Mode::kDeterministic:
+    case Fc2Mode::kUnfused: {
+      const bool det = a.mode == Fc2Mode::kDeterministic;
+      int32_t* u2p = reinterpret_cast<int32_t*>(ws + l.u2p);
+      int32_t* experts = reinterpret_cast<int32_t*>(ws + l.experts);
+      FM_RETURN_IF_ERROR(detail::cuda_status(cudaMemsetAsync(u2p, 0xff, slots * 4, stream), kOp, "maps"));
+      FM_RETURN_IF_ERROR(detail::cuda_status(cudaMemsetAsync(experts, 0xff, slots * 4, stream), kOp, "maps"));
+      fc2_slot_maps<<<grid_for(int64_t(slots), 256, sms), 256, 0, stream>>>(
+          a.permuted_row_to_unpermuted_row, a.expert_first_token_offset, a.num_experts_per_node, int(T), a.k,
+          u2p, experts);
+      FM_RETURN_IF_ERROR(detail::check_launch(kOp));
+      g.op = det ? Fc2EpilogueOp::kRowsFp32Scaled : Fc2EpilogueOp::kRowsBf16;
+      g.dst = ws + l.rows;
+      g.dst_stride = H;
+      FM_RETURN_IF_ERROR(sm90_fc2_grouped_gemm(g, stream));
+      FinalizeMoeRoutingArgs f;
+      f.expanded_permuted_rows = ws + l.rows;
+      f.rows_dtype = det ? DType::kFloat32 : DType::kBFloat16;
+      f.num_rows = int64_t(slots);
+      f.rows_stride = H;
+      f.unpermuted_row_to_permuted_row = u2p;
+      f.token_selected_experts = experts;
+      f.scales = det ? nullptr : a.scales;  // deterministic rows are already w*(acc+bias)
+      f.bias = (!det && a.apply_bias) ? a.bias : nullptr;
+      f.bias_stride = H;
+      f.out = a.out;
+      f.out_dtype = DType::kBFloat16;
+      f.out_stride = out_stride;
+      f.num_tokens = T;
+      f.hidden = H;
+      f.k = a.k;
+      f.start_expert_id = 0;
+      f.num_experts_per_node = a.num_experts_per_node;
+      f.fill = true;
+      f.enable_pdl = false;
+      return finalize_moe_routing(f, stream);
+    }
+  }
+  return Status(StatusCode::kInvalidArgument, detail::concat(kOp, ": mode: unknown"));
+}
+
+}  // namespace flashmix

@@ -1,0 +1,80 @@
+// Host-side validation of moe_fc2_finalize (SPEC §5), shared by the GPU and
+// CPU backends, and the workspace layout.
+#include "common/check.h"
+#include "flashmix/moe.h"
+#include "moe/moe_fc2_internal.h"
+
+namespace flashmix {
+
+namespace {
+constexpr const char* kOp = "moe_fc2_finalize";
+size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
+}  // namespace
+
+Status validate_moe_fc2_finalize(const Fc2FinalizeArgs& a) {
+  using detail::kInt32Max;
+  FM_REQUIRE(a.num_tokens >= 0, kOp, "num_tokens", "must be >= 0 (got ", a.num_tokens, ")");
+  FM_REQUIRE(a.k >= 1 && a.k <= 16, kOp, "k", "must be in [1, 16] (got ", a.k, ")");
+  FM_REQUIRE(a.num_tokens * a.k <= kInt32Max, kOp, "num_tokens",
+             "num_tokens * k overflows int32: slot indices j*T + t are int32 (T=", a.num_tokens, ", k=", a.k, ")");
+  FM_REQUIRE(a.hidden >= 8 && a.hidden % 8 == 0, kOp, "hidden",
+             "must be a positive multiple of 8 (16-byte rows for TMA; got ", a.hidden, ")");
+  FM_REQUIRE(a.hidden <= kInt32Max, kOp, "hidden", "must fit in 32 bits (got ", a.hidden, ")");
+  FM_REQUIRE(a.inter >= 8 && a.inter % 8 == 0, kOp, "inter",
+             "must be a positive multiple of 8 (16-byte rows for TMA; got ", a.inter, ")");
+  FM_REQUIRE(a.inter <= kInt32Max, kOp, "inter", "must fit in 32 bits (got ", a.inter, ")");
+  FM_REQUIRE(a.num_experts_per_node >= 1 && a.num_experts_per_node <= 1024, kOp, "num_experts_per_node",
+             "must be in [1, 1024] (got ", a.num_experts_per_node, ")");
+  const int m = int(a.mode);
+  FM_REQUIRE(m >= 0 && m <= 3, kOp, "mode", "unknown mode value ", m);
+  FM_REQUIRE(a.out_stride >= 0, kOp, "out_stride", "must be >= 0 (0 means hidden; got ", a.out_stride, ")");
+  const int64_t out_stride = a.out_stride ? a.out_stride : a.hidden;
+  FM_REQUIRE(out_stride >= a.hidden, kOp, "out_stride", "smaller than a row: ", out_stride, " < hidden ",
+             a.hidden);
+  FM_REQUIRE(out_stride % 2 == 0, kOp, "out_stride", "must be even (bf16x2 reduction adds; got ", out_stride, ")");
+  FM_REQUIRE(out_stride <= (int64_t(1) << 60) / (a.num_tokens + 1), kOp, "out_stride",
+             "num_tokens * out_stride overflows");
+  FM_REQUIRE(int64_t(a.num_experts_per_node) * a.hidden * a.inter < (int64_t(1) << 60), kOp, "W2",
+             "E_local * H * I overflows");
+  if (a.num_tokens == 0) return Status::Ok();
+  FM_REQUIRE(a.A != nullptr, kOp, "A", "must not be null");
+  FM_REQUIRE(a.W2 != nullptr, kOp, "W2", "must not be null");
+  FM_REQUIRE(a.expert_first_token_offset != nullptr, kOp, "expert_first_token_offset", "must not be null");
+  FM_REQUIRE(a.permuted_row_to_unpermuted_row != nullptr, kOp, "permuted_row_to_unpermuted_row",
+             "must not be null");
+  FM_REQUIRE(a.out != nullptr, kOp, "out", "must not be null");
+  FM_REQUIRE(reinterpret_cast<uintptr_t>(a.A) % 16 == 0, kOp, "A", "must be 16-byte aligned (TMA)");
+  FM_REQUIRE(reinterpret_cast<uintptr_t>(a.W2) % 16 == 0, kOp, "W2", "must be 16-byte aligned (TMA)");
+  FM_REQUIRE(reinterpret_cast<uintptr_t>(a.out) % 4 == 0, kOp, "out",
+             "must be 4-byte aligned (bf16x2 reduction adds)");
+  if (a.bias && a.apply_bias)
+    FM_REQUIRE(reinterpret_cast<uintptr_t>(a.bias) % 4 == 0, kOp, "bias", "must be 4-byte aligned");
+  return Status::Ok();
+}
+
+Fc2WorkspaceLayout fc2_workspace_layout(const Fc2FinalizeArgs& a, int sm_count) {
+  Fc2WorkspaceLayout l;
+  size_t off = 0;
+  l.group = off;
+  off = align256(off + kFc2GroupBytesPerExpert * size_t(a.num_experts_per_node));
+  l.cutlass = off;
+  l.cutlass_bytes = sm90_fc2_cutlass_workspace_bytes(sm_count, a.num_experts_per_node);
+  off = align256(off + l.cutlass_bytes);
+  const size_t slots = size_t(a.num_tokens) * size_t(a.k);
+  const size_t H = size_t(a.hidden);
+  if (a.mode == Fc2Mode::kAtomicFp32) {
+    l.acc32 = off;
+    off = align256(off + size_t(a.num_tokens) * H * 4);
+  } else if (a.mode == Fc2Mode::kDeterministic || a.mode == Fc2Mode::kUnfused) {
+    l.rows = off;
+    off = align256(off + slots * H * (a.mode == Fc2Mode::kDeterministic ? 4 : 2));
+    l.u2p = off;
+    off = align256(off + slots * 4);
+    l.experts = off;
+    off = align256(off + slots * 4);
+  }
+  l.total = off;
+  return l;
+}
+
+}  // namespace flashmix

@@ -1,0 +1,55 @@
+// Internal to the FC2 op: the workspace layout (host-computed, shared by the
+// size query and the launcher) and the sm_90a CUTLASS entry points.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "flashmix/moe.h"
+
+namespace flashmix {
+
+// What the epilogue does with a row p's accumulator (one GEMM instantiation
+// serves all modes; the mode is uniform per launch, so the branch is free).
+enum class Fc2EpilogueOp : int {
+  kRedBf16 = 0,       // red.add bf16x2 of w*(acc+bias) into out[t] (k == 1: st)
+  kRedFp32 = 1,       // red.add v2.f32 of w*(acc+bias) into acc32[t]
+  kRowsFp32Scaled = 2,  // st fp32 w*(acc+bias) into rows[p]
+  kRowsBf16 = 3,      // st bf16 acc into rows[p] (unscaled, no bias: finalize applies them)
+};
+
+struct Sm90Fc2GemmParams {
+  const void* A;
+  const void* W2;
+  const int64_t* offsets;
+  const int32_t* p2u;
+  const float* scales;
+  const void* bias;  // nullptr when not applied
+  int T, k, H, I, E;
+  Fc2EpilogueOp op;
+  void* dst;             // out (kRedBf16), acc32 (kRedFp32), rows (kRows*)
+  int64_t dst_stride;    // elements
+  void* group_ws;        // kFc2GroupBytesPerExpert * E bytes
+  void* cutlass_ws;
+  size_t cutlass_ws_bytes;
+  int sm_count;
+};
+
+constexpr size_t kFc2GroupBytesPerExpert = 6 * 16;  // shapes, ptr A/B, stride A/B, spare
+
+// Bytes CUTLASS's kernel needs (per-SM tensormaps, scheduler); 0 without CUTLASS.
+size_t sm90_fc2_cutlass_workspace_bytes(int sm_count, int num_experts);
+// Fills the group arrays on the device and launches the grouped GEMM.
+Status sm90_fc2_grouped_gemm(const Sm90Fc2GemmParams& p, cudaStream_t stream);
+bool sm90_fc2_built_with_cutlass();
+
+struct Fc2WorkspaceLayout {
+  size_t group = 0, cutlass = 0, rows = 0, u2p = 0, experts = 0, acc32 = 0;
+  size_t cutlass_bytes = 0;
+  size_t total = 0;
+};
+Fc2WorkspaceLayout fc2_workspace_layout(const Fc2FinalizeArgs& a, int sm_count);
+
+}  // namespace flashmix

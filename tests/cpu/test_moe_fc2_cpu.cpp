@@ -1,0 +1,194 @@
+// The CPU reference of moe_fc2_finalize (SPEC §3) on hand-computed cases, and
+// the shared validation (SPEC §5): each rule broken names its argument.
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "common/host_dtype.h"
+#include "flashmix/moe.h"
+
+using namespace flashmix;
+
+namespace {
+
+uint16_t bf(float x) { return host::float_to_bf16(x); }
+float fl(uint16_t x) { return host::bf16_to_float(x); }
+
+// T = 2 tokens, k = 2, E_local = 2 experts, H = 8, I = 8, small integers so
+// every value is exact in bf16.
+struct Tiny {
+  std::vector<uint16_t> A, W2, bias, out;
+  std::vector<int64_t> offsets{0, 2, 3};  // expert 0: rows 0, 1; expert 1: row 2
+  // Slots (j*T + t): token 0 -> (j=0: e0, j=1: e1), token 1 -> (j=0: e0, j=1: not local)
+  std::vector<int32_t> p2u{0, 1, 2};      // rows: e0 <- slots 0 (t0 j0), 1 (t1 j0); e1 <- slot 2 (t0 j1)
+  std::vector<float> scales{0.5f, 2.0f, 1.0f, 4.0f};  // [t][j]
+  Fc2FinalizeArgs args;
+  Tiny() : A(3 * 8), W2(2 * 8 * 8), bias(2 * 8), out(2 * 8, 0xffff) {
+    for (int p = 0; p < 3; ++p)
+      for (int i = 0; i < 8; ++i) A[p * 8 + i] = bf(float(p + 1));  // row p is all (p+1)
+    for (int e = 0; e < 2; ++e)
+      for (int n = 0; n < 8; ++n) {
+        for (int i = 0; i < 8; ++i) W2[(e * 8 + n) * 8 + i] = bf(i == n ? float(e + 1) : 0.0f);
+        bias[e * 8 + n] = bf(float(10 * (e + 1)));
+      }
+    args.A = A.data();
+    args.W2 = W2.data();
+    args.expert_first_token_offset = offsets.data();
+    args.permuted_row_to_unpermuted_row = p2u.data();
+    args.scales = scales.data();
+    args.bias = bias.data();
+    args.num_tokens = 2;
+    args.k = 2;
+    args.hidden = 8;
+    args.inter = 8;
+    args.num_experts_per_node = 2;
+    args.out = out.data();
+  }
+};
+
+}  // namespace
+
+TEST(MoeFc2Cpu, WeightedSumOfExpertRowsPlusBias) {
+  Tiny c;
+  ASSERT_TRUE(moe_fc2_finalize_cpu(c.args).ok());
+  // A[p] @ W2[e]^T = (p+1)*(e+1) in every column.
+  // token 0: 0.5*(1*1 + 10) + 2.0*(3*2 + 20) = 5.5 + 52 = 57.5
+  // token 1: 1.0*(2*1 + 10) = 12
+  for (int n = 0; n < 8; ++n) {
+    EXPECT_EQ(fl(c.out[n]), 57.5f) << n;
+    EXPECT_EQ(fl(c.out[8 + n]), 12.0f) << n;
+  }
+}
+
+TEST(MoeFc2Cpu, BiasIgnoredUnlessApplied) {
+  Tiny c;
+  c.args.apply_bias = false;
+  ASSERT_TRUE(moe_fc2_finalize_cpu(c.args).ok());
+  for (int n = 0; n < 8; ++n) {
+    EXPECT_EQ(fl(c.out[n]), 0.5f * 1 + 2.0f * 6) << n;
+    EXPECT_EQ(fl(c.out[8 + n]), 2.0f) << n;
+  }
+}
+
+TEST(MoeFc2Cpu, NoScalesMeansWeightOne) {
+  Tiny c;
+  c.args.scales = nullptr;
+  ASSERT_TRUE(moe_fc2_finalize_cpu(c.args).ok());
+  EXPECT_EQ(fl(c.out[0]), 11.0f + 26.0f);
+  EXPECT_EQ(fl(c.out[8]), 12.0f);
+}
+
+TEST(MoeFc2Cpu, TokenWithoutLocalSlotGetsZero) {
+  Tiny c;
+  c.offsets = {0, 1, 1};  // only row 0 (token 0, j = 0) is local
+  c.args.expert_first_token_offset = c.offsets.data();
+  ASSERT_TRUE(moe_fc2_finalize_cpu(c.args).ok());
+  EXPECT_EQ(fl(c.out[0]), 5.5f);
+  EXPECT_EQ(fl(c.out[8]), 0.0f);
+}
+
+TEST(MoeFc2Cpu, AtomicIntoCallerZeroedOutAddsToIt) {
+  Tiny c;
+  for (auto& v : c.out) v = bf(1.0f);
+  c.args.mode = Fc2Mode::kAtomic;
+  c.args.out_already_zeroed = true;
+  ASSERT_TRUE(moe_fc2_finalize_cpu(c.args).ok());
+  EXPECT_EQ(fl(c.out[0]), 58.5f);
+}
+
+TEST(MoeFc2Cpu, ZeroTokensIsValid) {
+  Tiny c;
+  c.args.num_tokens = 0;
+  c.args.A = nullptr;
+  EXPECT_TRUE(moe_fc2_finalize_cpu(c.args).ok());
+}
+
+namespace {
+void expect_invalid(const Fc2FinalizeArgs& a, const std::string& arg) {
+  Status st = validate_moe_fc2_finalize(a);
+  EXPECT_FALSE(st.ok()) << arg;
+  EXPECT_NE(st.message().find("moe_fc2_finalize: " + arg + ":"), std::string::npos) << st.message();
+  EXPECT_EQ(moe_fc2_finalize_workspace_size(a), 0u);
+  EXPECT_FALSE(moe_fc2_finalize_cpu(a).ok());
+}
+}  // namespace
+
+TEST(MoeFc2Validation, NullDataPointersAreRejected) {
+  Tiny c;
+  Fc2FinalizeArgs a = c.args;
+  a.A = nullptr;
+  expect_invalid(a, "A");
+  a = c.args;
+  a.W2 = nullptr;
+  expect_invalid(a, "W2");
+  a = c.args;
+  a.expert_first_token_offset = nullptr;
+  expect_invalid(a, "expert_first_token_offset");
+  a = c.args;
+  a.permuted_row_to_unpermuted_row = nullptr;
+  expect_invalid(a, "permuted_row_to_unpermuted_row");
+  a = c.args;
+  a.out = nullptr;
+  expect_invalid(a, "out");
+}
+
+TEST(MoeFc2Validation, SizesOutOfRangeAreRejected) {
+  Tiny c;
+  Fc2FinalizeArgs a = c.args;
+  a.num_tokens = -1;
+  expect_invalid(a, "num_tokens");
+  a = c.args;
+  a.k = 0;
+  expect_invalid(a, "k");
+  a = c.args;
+  a.k = 17;
+  expect_invalid(a, "k");
+  a = c.args;
+  a.hidden = 12;
+  expect_invalid(a, "hidden");
+  a = c.args;
+  a.inter = 0;
+  expect_invalid(a, "inter");
+  a = c.args;
+  a.num_experts_per_node = 0;
+  expect_invalid(a, "num_experts_per_node");
+  a = c.args;
+  a.num_tokens = int64_t(1) << 29;
+  a.k = 8;
+  expect_invalid(a, "num_tokens");
+}
+
+TEST(MoeFc2Validation, StridesAndAlignment) {
+  Tiny c;
+  Fc2FinalizeArgs a = c.args;
+  a.out_stride = 4;
+  expect_invalid(a, "out_stride");
+  a = c.args;
+  a.out_stride = 9;
+  expect_invalid(a, "out_stride");
+  a = c.args;
+  a.A = reinterpret_cast<const char*>(c.A.data()) + 2;
+  expect_invalid(a, "A");
+  a = c.args;
+  a.out = reinterpret_cast<char*>(c.out.data()) + 2;
+  expect_invalid(a, "out");
+}
+
+TEST(MoeFc2Validation, UnknownModeIsRejected) {
+  Tiny c;
+  Fc2FinalizeArgs a = c.args;
+  a.mode = static_cast<Fc2Mode>(7);
+  expect_invalid(a, "mode");
+}
+
+TEST(MoeFc2Validation, GpuEntryPointReportsInsteadOfAborting) {
+  // Without a GPU (or a Hopper one, or CUTLASS) it must return an error, not crash.
+  Tiny c;
+  Fc2FinalizeArgs a = c.args;
+  a.A = nullptr;
+  Status st = moe_fc2_finalize(a, nullptr, 0, nullptr);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("A:"), std::string::npos) << st.message();
+}

@@ -1,0 +1,390 @@
+// moe_fc2_finalize on the GPU (sm_90a) against the CPU reference (SPEC §3):
+// every output element, random routings including unbalanced ones, each mode.
+//
+// Tolerances (ref in double, |.|max = largest |ref| of the case):
+//   deterministic, atomic_fp32: fp32 sums rounded once to bf16:
+//       |gpu - ref| <= 2^-8 |ref| + 2^-10 |.|max
+//   unfused: rows rounded to bf16, then summed and rounded again:
+//       |gpu - ref| <= 2^-7 |ref| + 2^-8 |.|max
+//   atomic (bf16): each of the k adds rounds a partial sum to bf16:
+//       |gpu - ref| <= 2^-8 |ref| + k 2^-8 |.|max
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "common/gpu_testing.h"
+#include "common/host_dtype.h"
+#include "common/test_data.h"
+#include "flashmix/moe.h"
+
+using namespace flashmix;
+using namespace flashmix::testing;
+
+namespace {
+
+bool have_hopper() {
+  if (!have_gpu()) return false;
+  int dev = 0, major = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  return major == 9;
+}
+
+#define SKIP_WITHOUT_HOPPER()                                                        \
+  do {                                                                               \
+    SKIP_WITHOUT_GPU();                                                              \
+    if (!have_hopper()) GTEST_SKIP() << "moe_fc2_finalize needs an sm_90 GPU";        \
+  } while (0)
+
+const char* mode_name(Fc2Mode m) {
+  switch (m) {
+    case Fc2Mode::kAtomic: return "atomic";
+    case Fc2Mode::kAtomicFp32: return "atomic_fp32";
+    case Fc2Mode::kDeterministic: return "deterministic";
+    case Fc2Mode::kUnfused: return "unfused";
+  }
+  return "?";
+}
+
+struct Case {
+  int64_t T = 64;
+  int k = 4;
+  int64_t H = 264;  // not a multiple of the 256-column tile
+  int64_t I = 200;  // not a multiple of the 64-deep K tile
+  int total = 16, start = 0, local = 16;
+  int64_t out_pad = 0;
+  bool scales = true, bias = true, apply_bias = true;
+  enum Routing { kRandom, kFirstHalfOnly, kAllToOne } routing = kRandom;
+};
+
+struct Problem {
+  Case c;
+  Routing routing;
+  HostTensor A, W2, bias, ref;
+  std::vector<float> scales;
+  DeviceBuffer dA, dW2, dbias, dscales, dp2u, doff, dout, dws;
+  Fc2FinalizeArgs args;
+  double max_ref = 0;
+
+  int64_t out_stride() const { return c.H + c.out_pad; }
+
+  Problem(const Case& cs, Fc2Mode mode, uint64_t salt = 0) : c(cs) {
+    Rng rng(test_seed() ^ (salt * 0x9e3779b97f4a7c15ull));
+    if (c.routing == Case::kRandom) {
+      routing = random_routing(rng, c.T, c.k, c.total, c.start, c.local);
+    } else {
+      std::vector<int32_t> ex(size_t(c.T * c.k));
+      for (int64_t t = 0; t < c.T; ++t)
+        for (int j = 0; j < c.k; ++j) {
+          if (c.routing == Case::kAllToOne)  // slot 0 of every token on expert 3; the rest elsewhere
+            ex[t * c.k + j] = j == 0 ? c.start + 3 : c.start + 4 + j;
+          else  // only the first half of the local experts get rows
+            ex[t * c.k + j] = c.start + int((t * c.k + j) % std::max(1, c.local / 2));
+        }
+      routing = build_routing(c.T, c.k, c.start, c.local, std::move(ex));
+    }
+    const int64_t cap = std::max<int64_t>(1, c.T * c.k);
+    A = HostTensor(DType::kBFloat16, cap * c.I);
+    A.fill_random(rng);
+    W2 = HostTensor(DType::kBFloat16, int64_t(c.local) * c.H * c.I);
+    W2.fill_random(rng, -0.1f, 0.1f);
+    bias = HostTensor(DType::kBFloat16, int64_t(c.local) * c.H);
+    bias.fill_random(rng);
+    scales.resize(size_t(std::max<int64_t>(1, c.T * c.k)));
+    for (auto& s : scales) s = rng.uniform(0.0f, 1.0f);
+    ref = HostTensor(DType::kBFloat16, std::max<int64_t>(1, c.T) * out_stride());
+    ref.poison();
+
+    args.A = A.data();
+    args.W2 = W2.data();
+    args.expert_first_token_offset = routing.offsets.data();
+    args.permuted_row_to_unpermuted_row = routing.p2u.data();
+    args.scales = c.scales ? scales.data() : nullptr;
+    args.bias = c.bias ? bias.data() : nullptr;
+    args.apply_bias = c.apply_bias;
+    args.num_tokens = c.T;
+    args.k = c.k;
+    args.hidden = c.H;
+    args.inter = c.I;
+    args.num_experts_per_node = c.local;
+    args.out = ref.data();
+    args.out_stride = out_stride();
+    args.mode = mode;
+    Status st = moe_fc2_finalize_cpu(args);
+    EXPECT_TRUE(st.ok()) << st.message();
+    for (int64_t t = 0; t < c.T; ++t)
+      for (int64_t n = 0; n < c.H; ++n) max_ref = std::max(max_ref, std::fabs(ref.get(t * out_stride() + n)));
+
+    dA = DeviceBuffer(A.bytes);
+    dW2 = DeviceBuffer(W2.bytes);
+    dbias = DeviceBuffer(bias.bytes);
+    dscales = DeviceBuffer(scales);
+    dp2u = DeviceBuffer(std::max<size_t>(4, routing.p2u.size() * 4));
+    if (!routing.p2u.empty()) dp2u.upload(routing.p2u.data(), routing.p2u.size() * 4);
+    doff = DeviceBuffer(routing.offsets);
+    dout = DeviceBuffer(ref.bytes.size());
+    poison_out();
+    args.A = dA.get();
+    args.W2 = dW2.get();
+    args.expert_first_token_offset = doff.as<int64_t>();
+    args.permuted_row_to_unpermuted_row = dp2u.as<int32_t>();
+    args.scales = c.scales ? dscales.as<float>() : nullptr;
+    args.bias = c.bias ? dbias.get() : nullptr;
+    args.out = dout.get();
+    const size_t ws = moe_fc2_finalize_workspace_size(args);
+    dws = DeviceBuffer(std::max<size_t>(ws, 256));
+  }
+
+  void poison_out() {
+    HostTensor p(DType::kBFloat16, int64_t(ref.bytes.size() / 2));
+    p.poison();
+    dout.upload(p.data(), p.bytes.size());
+  }
+
+  Status run(cudaStream_t s = nullptr) { return moe_fc2_finalize(args, dws.get(), dws.bytes(), s); }
+
+  HostTensor result() const {
+    HostTensor h(DType::kBFloat16, int64_t(ref.bytes.size() / 2));
+    dout.download(h.data(), h.bytes.size());
+    return h;
+  }
+
+  // Sum of |gpu - ref| over the output; expects every element within tolerance
+  // and the padding columns untouched (still NaN).
+  double check(Fc2Mode mode, const HostTensor& got) const {
+    double rtol = std::ldexp(1.0, -8), atol = std::ldexp(1.0, -10) * max_ref;
+    if (mode == Fc2Mode::kUnfused) rtol = std::ldexp(1.0, -7), atol = std::ldexp(1.0, -8) * max_ref;
+    if (mode == Fc2Mode::kAtomic) atol = c.k * std::ldexp(1.0, -8) * max_ref;
+    double sum_err = 0;
+    int bad = 0;
+    for (int64_t t = 0; t < c.T; ++t) {
+      for (int64_t n = 0; n < out_stride(); ++n) {
+        const double g = got.get(t * out_stride() + n), r = ref.get(t * out_stride() + n);
+        if (n >= c.H) {
+          if (!std::isnan(g) && bad++ < 5) ADD_FAILURE() << "padding written at t=" << t << " n=" << n;
+          continue;
+        }
+        const double err = std::fabs(g - r);
+        sum_err += err;
+        if (!(err <= rtol * std::fabs(r) + atol) && bad++ < 5)
+          ADD_FAILURE() << mode_name(mode) << " t=" << t << " n=" << n << " gpu=" << g << " ref=" << r
+                        << " tol=" << rtol * std::fabs(r) + atol;
+      }
+    }
+    return sum_err;
+  }
+};
+
+const Fc2Mode kModes[] = {Fc2Mode::kAtomic, Fc2Mode::kAtomicFp32, Fc2Mode::kDeterministic, Fc2Mode::kUnfused};
+
+void check_all_modes(const Case& c) {
+  for (Fc2Mode m : kModes) {
+    SCOPED_TRACE(mode_name(m));
+    Problem p(c, m);
+    Status st = p.run();
+    ASSERT_TRUE(st.ok()) << st.message();
+    CUDA_OK(cudaDeviceSynchronize());
+    p.check(m, p.result());
+  }
+}
+
+}  // namespace
+
+TEST(MoeFc2Gpu, MatchesReferenceRandomRouting) {
+  SKIP_WITHOUT_HOPPER();
+  check_all_modes(Case{});
+}
+
+TEST(MoeFc2Gpu, MatchesReferenceManyRowsPerExpertAndStridedOut) {
+  SKIP_WITHOUT_HOPPER();
+  Case c;
+  c.T = 700;  // ~175 rows per expert: two M tiles, a partial one
+  c.k = 2;
+  c.total = 8;
+  c.local = 8;
+  c.H = 512;
+  c.I = 256;
+  c.out_pad = 8;
+  check_all_modes(c);
+}
+
+TEST(MoeFc2Gpu, ExpertParallelRankTokensWithoutLocalSlotsGetZero) {
+  SKIP_WITHOUT_HOPPER();
+  Case c;
+  c.T = 96;
+  c.k = 2;
+  c.total = 64;
+  c.start = 16;
+  c.local = 8;  // most tokens have no local slot
+  check_all_modes(c);
+}
+
+TEST(MoeFc2Gpu, EmptyExperts) {
+  SKIP_WITHOUT_HOPPER();
+  Case c;
+  c.routing = Case::kFirstHalfOnly;
+  check_all_modes(c);
+}
+
+TEST(MoeFc2Gpu, OneExpertHasARowOfEveryToken) {
+  SKIP_WITHOUT_HOPPER();
+  Case c;
+  c.T = 300;
+  c.k = 3;
+  c.routing = Case::kAllToOne;
+  check_all_modes(c);
+}
+
+TEST(MoeFc2Gpu, KEqualsOneStoresPlainly) {
+  SKIP_WITHOUT_HOPPER();
+  Case c;
+  c.k = 1;
+  c.total = 8;
+  c.start = 2;
+  c.local = 4;
+  check_all_modes(c);
+}
+
+TEST(MoeFc2Gpu, SingleToken) {
+  SKIP_WITHOUT_HOPPER();
+  Case c;
+  c.T = 1;
+  c.k = 8;
+  check_all_modes(c);
+}
+
+TEST(MoeFc2Gpu, ZeroTokensLaunchesNothing) {
+  SKIP_WITHOUT_HOPPER();
+  Case c;
+  c.T = 0;
+  for (Fc2Mode m : kModes) {
+    Problem p(c, m);
+    Status st = p.run();
+    EXPECT_TRUE(st.ok()) << st.message();
+  }
+  CUDA_OK(cudaDeviceSynchronize());
+}
+
+TEST(MoeFc2Gpu, NoScalesAndBiasOnlyWhenApplied) {
+  SKIP_WITHOUT_HOPPER();
+  Case c;
+  c.scales = false;
+  c.apply_bias = false;  // the bias pointer is given but must be ignored
+  check_all_modes(c);
+}
+
+TEST(MoeFc2Gpu, DeterministicIsBitwiseReproducible) {
+  SKIP_WITHOUT_HOPPER();
+  Case c;
+  c.T = 512;
+  c.k = 8;
+  c.total = 32;
+  c.local = 32;
+  Problem p(c, Fc2Mode::kDeterministic);
+  ASSERT_TRUE(p.run().ok());
+  CUDA_OK(cudaDeviceSynchronize());
+  const HostTensor first = p.result();
+  p.check(Fc2Mode::kDeterministic, first);
+  for (int rep = 0; rep < 3; ++rep) {
+    p.poison_out();
+    ASSERT_TRUE(p.run().ok());
+    CUDA_OK(cudaDeviceSynchronize());
+    ASSERT_TRUE(p.result().bytes == first.bytes) << "run " << rep + 1 << " differs";
+  }
+}
+
+TEST(MoeFc2Gpu, AtomicFp32IsCloserToReferenceThanBf16Atomic) {
+  SKIP_WITHOUT_HOPPER();
+  Case c;
+  c.T = 256;
+  c.k = 8;
+  c.total = 16;
+  c.local = 16;
+  Problem p(c, Fc2Mode::kAtomic);
+  ASSERT_TRUE(p.run().ok());
+  CUDA_OK(cudaDeviceSynchronize());
+  const double err_bf16 = p.check(Fc2Mode::kAtomic, p.result());
+  p.args.mode = Fc2Mode::kAtomicFp32;
+  p.dws = DeviceBuffer(moe_fc2_finalize_workspace_size(p.args));
+  ASSERT_TRUE(p.run().ok());
+  CUDA_OK(cudaDeviceSynchronize());
+  const double err_fp32 = p.check(Fc2Mode::kAtomicFp32, p.result());
+  EXPECT_LT(err_fp32, err_bf16) << "sum |err|: fp32 " << err_fp32 << ", bf16 " << err_bf16;
+}
+
+TEST(MoeFc2Gpu, AtomicAddsToCallerZeroedOut) {
+  SKIP_WITHOUT_HOPPER();
+  Case c;
+  Problem p(c, Fc2Mode::kAtomic);
+  CUDA_OK(cudaMemset(p.dout.get(), 0, p.dout.bytes()));
+  p.args.out_already_zeroed = true;
+  ASSERT_TRUE(p.run().ok());
+  CUDA_OK(cudaDeviceSynchronize());
+  p.check(Fc2Mode::kAtomic, p.result());
+}
+
+TEST(MoeFc2Gpu, GraphCaptureAndReplay) {
+  SKIP_WITHOUT_HOPPER();
+  for (Fc2Mode m : kModes) {
+    SCOPED_TRACE(mode_name(m));
+    Case c;
+    c.T = 128;
+    Problem p(c, m);
+    cudaStream_t s;
+    CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    cudaGraph_t graph;
+    CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    Status st = p.run(s);
+    CUDA_OK(cudaStreamEndCapture(s, &graph));
+    ASSERT_TRUE(st.ok()) << st.message();
+    cudaGraphExec_t exec;
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int rep = 0; rep < 2; ++rep) {
+      p.poison_out();
+      CUDA_OK(cudaGraphLaunch(exec, s));
+      CUDA_OK(cudaStreamSynchronize(s));
+      p.check(m, p.result());
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(s);
+  }
+}
+
+TEST(MoeFc2Gpu, BadInputNamesTheArgumentAndWritesNothing) {
+  SKIP_WITHOUT_HOPPER();
+  Case c;
+  Problem p(c, Fc2Mode::kAtomic);
+  auto expect_error = [&](Fc2FinalizeArgs a, size_t ws_bytes, const char* arg) {
+    Status st = moe_fc2_finalize(a, p.dws.get(), ws_bytes, nullptr);
+    EXPECT_FALSE(st.ok());
+    EXPECT_NE(st.message().find(arg), std::string::npos) << st.message();
+  };
+  Fc2FinalizeArgs a = p.args;
+  a.A = nullptr;
+  expect_error(a, p.dws.bytes(), "A:");
+  a = p.args;
+  a.W2 = static_cast<const char*>(p.args.W2) + 2;
+  expect_error(a, p.dws.bytes(), "W2:");
+  a = p.args;
+  a.hidden = 260;
+  expect_error(a, p.dws.bytes(), "hidden");
+  a = p.args;
+  a.k = 17;
+  expect_error(a, p.dws.bytes(), "k:");
+  a = p.args;
+  a.out_stride = 3;
+  expect_error(a, p.dws.bytes(), "out_stride");
+  a = p.args;
+  a.mode = static_cast<Fc2Mode>(9);
+  expect_error(a, p.dws.bytes(), "mode");
+  expect_error(p.args, 16, "workspace_bytes");
+  CUDA_OK(cudaDeviceSynchronize());
+  const HostTensor got = p.result();
+  for (int64_t i = 0; i < got.count(); ++i)
+    if (!std::isnan(got.get(i))) {
+      ADD_FAILURE() << "out written at " << i;
+      break;
+    }
+}
