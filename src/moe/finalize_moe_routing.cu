@@ -251,9 +251,8 @@ __device__ __forceinline__ void reduce_vectors(const FinalizeParams& p, const Sl
 
 // The 16-byte-vector path for items with at least a stage's worth of local
 // slots: each stage holds G = kFinalizeStageVectors / U slots of one pass, so
-// a pass spans ceil(count / G) stages. Bias rows (L2 hits) are loaded into
-// registers for the stage about to be consumed, before waiting for it.
-template <typename In, typename Out, int V, int U, bool kBias>
+// a pass spans ceil(count / G) stages.
+template <typename In, typename Out, int V, int U>
 __device__ __forceinline__ void reduce_vectors_async_grouped(const FinalizeParams& p, const SlotMeta& m, int chunk,
                                                      uint4* ring) {
   static_assert(sizeof(In) * V == 16, "the async path moves 16-byte vectors");
@@ -292,21 +291,10 @@ __device__ __forceinline__ void reduce_vectors_async_grouped(const FinalizeParam
 #pragma unroll
   for (int st = 0; st < kFinalizeStages - 1; ++st) issue(st);
   float acc[U][V];
-  const In* bias = static_cast<const In*>(p.bias);
   for (int st = 0; st < steps; ++st) {
     issue(st + kFinalizeStages - 1);
-    const int pass = st / groups, grp = st - pass * groups;
-    dev::Vec<In, V> b[G][kBias ? U : 1];
-    if constexpr (kBias) {
-#pragma unroll
-      for (int g = 0; g < G; ++g)
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int s = grp * G + g, v = v_begin + lane + pass * kStep + u * 32;
-          if (s < count && v < v_end) b[g][u] = dev::load_ro<In, V>(bias + m.bias_offset[s] + int64_t(v) * V);
-        }
-    }
     dev::cp_async_wait<kFinalizeStages - 1>();  // step st has landed
+    const int pass = st / groups, grp = st - pass * groups;
     if (grp == 0) {
 #pragma unroll
       for (int u = 0; u < U; ++u)
@@ -324,11 +312,7 @@ __device__ __forceinline__ void reduce_vectors_async_grouped(const FinalizeParam
         const uint4 xw = stage[(g * U + u) * 32];
         const dev::Vec<In, V>& x = reinterpret_cast<const dev::Vec<In, V>&>(xw);
 #pragma unroll
-        for (int e = 0; e < V; ++e) {
-          float xv = dev::to_float(x.v[e]);
-          if constexpr (kBias) xv = with_bias(xv, dev::to_float(b[g][u].v[e]));
-          acc[u][e] = accumulate(acc[u][e], w, xv);
-        }
+        for (int e = 0; e < V; ++e) acc[u][e] = accumulate(acc[u][e], w, dev::to_float(x.v[e]));
       }
     }
     if (grp == groups - 1) {
@@ -474,8 +458,7 @@ __device__ __forceinline__ void reduce_tail(const FinalizeParams& p, const SlotM
 // goes out at once (kDecodeLoadsInFlight, held in registers: up to 128 of
 // them) -- one row round trip per item instead of one per group of slots.
 template <typename In, typename Out, int V, int U, bool kBias, bool kDecode>
-__global__ void __launch_bounds__(kMaxFinalizeThreads,
-                                  kDecode || (kBias && sizeof(In) * V == 16) ? 2 : kMinFinalizeBlocksPerSm)
+__global__ void __launch_bounds__(kMaxFinalizeThreads, kDecode ? 2 : kMinFinalizeBlocksPerSm)
     finalize_moe_routing_kernel(const FinalizeParams p) {
   __shared__ SlotMeta meta[kMaxFinalizeThreads / 32];  // one record per warp
   SlotMeta& m = meta[threadIdx.x >> 5];
@@ -521,9 +504,9 @@ __global__ void __launch_bounds__(kMaxFinalizeThreads,
     if (resolve_slots(p, ik, slots, m)) {
       if constexpr (kDecode) {
         reduce_vectors<In, Out, V, U, kBias, kDecodeLoadsInFlight>(p, m, chunk);
-      } else if constexpr (sizeof(In) * V == 16) {
-        if (kBias || m.count * U >= kFinalizeStageVectors)
-          reduce_vectors_async_grouped<In, Out, V, U, kBias>(p, m, chunk, ring);
+      } else if constexpr (sizeof(In) * V == 16 && !kBias) {
+        if (m.count * U >= kFinalizeStageVectors)
+          reduce_vectors_async_grouped<In, Out, V, U>(p, m, chunk, ring);
         else
           reduce_vectors_async_stream<In, Out, V, U>(p, m, chunk, ring);
       } else {
@@ -557,7 +540,7 @@ Status launch_finalize(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaSt
   FM_RETURN_IF_ERROR(detail::cuda_status(
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), kOp, "multiprocessor count"));
   const int warps = threads / 32;
-  size_t smem = sizeof(In) * V == 16 ? size_t(warps) * kFinalizeRingVectors * sizeof(uint4) : 0;
+  size_t smem = sizeof(In) * V == 16 && !p.bias ? size_t(warps) * kFinalizeRingVectors * sizeof(uint4) : 0;
   if (smem > 48 * 1024)
     FM_RETURN_IF_ERROR(detail::cuda_status(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), kOp, "shared memory size"));
