@@ -326,6 +326,77 @@ __device__ __forceinline__ void reduce_vectors_async_grouped(const FinalizeParam
   dev::cp_async_wait<0>();  // nothing of this item is still landing when the ring is reused
 }
 
+// The 16-byte-vector path for items with one or two local slots (the common
+// case under expert parallelism): a stage holds kPP whole passes of the
+// kSlots slots, everything indexed by compile-time constants.
+template <typename In, typename Out, int V, int U, int kSlots>
+__device__ __forceinline__ void reduce_vectors_async_small(const FinalizeParams& p, const SlotMeta& m, int chunk,
+                                                           uint4* ring) {
+  static_assert(sizeof(In) * V == 16 && kSlots * U <= kFinalizeStageVectors, "stage geometry");
+  constexpr int kPP = kFinalizeStageVectors / (kSlots * U);  // passes per stage
+  constexpr int kStep = 32 * U;
+  const In* rows = static_cast<const In*>(p.rows);
+  const Out* shared = static_cast<const Out*>(p.shared);
+  Out* out = static_cast<Out*>(p.out) + m.token * p.out_stride;
+  const int lane = threadIdx.x & 31;
+  const int v_begin = chunk * p.chunk_vecs;
+  const int v_end = min(p.vectors, v_begin + p.chunk_vecs);
+  const int passes = (v_end - v_begin + kStep - 1) / kStep;
+  const int steps = (passes + kPP - 1) / kPP;
+  int64_t row_offset[kSlots];
+  float weight[kSlots];
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {
+    row_offset[s] = m.row_offset[s];
+    weight[s] = m.weight[s];
+  }
+  auto issue = [&](int st) {
+    if (st < steps) {
+      uint4* stage = ring + (st % kFinalizeStages) * kFinalizeStageVectors * 32 + lane;
+#pragma unroll
+      for (int pp = 0; pp < kPP; ++pp)
+#pragma unroll
+        for (int s = 0; s < kSlots; ++s)
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            const int v = v_begin + lane + (st * kPP + pp) * kStep + u * 32;
+            if (v < v_end) dev::cp_async16(stage + ((pp * kSlots + s) * U + u) * 32, rows + row_offset[s] + int64_t(v) * V);
+          }
+    }
+    dev::cp_async_commit();  // every lane commits every step: group counts stay uniform
+  };
+#pragma unroll
+  for (int st = 0; st < kFinalizeStages - 1; ++st) issue(st);
+  for (int st = 0; st < steps; ++st) {
+    issue(st + kFinalizeStages - 1);
+    dev::cp_async_wait<kFinalizeStages - 1>();  // step st has landed
+    const uint4* stage = ring + (st % kFinalizeStages) * kFinalizeStageVectors * 32 + lane;
+#pragma unroll
+    for (int pp = 0; pp < kPP; ++pp) {
+      float acc[U][V];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[u][e] = 0.0f;
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s)
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const uint4 xw = stage[((pp * kSlots + s) * U + u) * 32];
+          const dev::Vec<In, V>& x = reinterpret_cast<const dev::Vec<In, V>&>(xw);
+#pragma unroll
+          for (int e = 0; e < V; ++e) acc[u][e] = accumulate(acc[u][e], weight[s], dev::to_float(x.v[e]));
+        }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int v = v_begin + lane + (st * kPP + pp) * kStep + u * 32;
+        if (v < v_end) store_output<Out, V>(p, out, shared, m.token, int64_t(v) * V, acc[u]);
+      }
+    }
+  }
+  dev::cp_async_wait<0>();  // nothing of this item is still landing when the ring is reused
+}
+
 // The 16-byte-vector path for items with few local slots (expert
 // parallelism): the lane's row vectors form one stream ordered (pass, slot,
 // u) -- the order they are summed in -- cut into stages of
@@ -479,26 +550,34 @@ __global__ void __launch_bounds__(kMaxFinalizeThreads, kDecode ? 2 : kMinFinaliz
     chunk = int(item % p.chunks);
     return item / p.chunks;
   };
-  // Software pipeline over this warp's items: the indices of item i+1 (and,
-  // when not filling, the permuted-row map entry of item i+2) are in flight
-  // while item i's rows stream.
-  int64_t item = int64_t(blockIdx.x) * warps + (threadIdx.x >> 5);
-  int chunk = 0, chunk_next = 0;
-  int64_t key = item < num_items ? split(item, chunk) : 0;
+  // Software pipeline over this warp's items, two deep: while item i's rows
+  // stream, the indices of items i+1 and i+2 are in flight (and, when not
+  // filling, the permuted-row map entry of item i+3). Two deep because a
+  // skipped item (no-filling) takes no time: its successor's indices must
+  // already have had a whole item's time to arrive.
+  auto key_of = [&](int64_t it, int& ch) -> int64_t { return it < num_items ? split(it, ch) : 0; };
   auto unpermuted_of = [&](int64_t it, int64_t k) -> int32_t {
     return (!p.fill && it < num_items) ? p.p2u[k] : 0;
   };
-  ItemKey ik = item_key(p, key, unpermuted_of(item, key));
-  SlotLoad slots = item < num_items ? load_slot(p, ik.token) : SlotLoad{-1, 0, 1.0f};
-  int64_t key_next = item + stride < num_items ? split(item + stride, chunk_next) : 0;
-  int32_t u_next = unpermuted_of(item + stride, key_next);
+  auto slots_of = [&](int64_t it, const ItemKey& k) -> SlotLoad {
+    return it < num_items ? load_slot(p, k.token) : SlotLoad{-1, 0, 1.0f};
+  };
+  int64_t item = int64_t(blockIdx.x) * warps + (threadIdx.x >> 5);
+  int chunk = 0, chunk1 = 0, chunk2 = 0;
+  const int64_t key0 = key_of(item, chunk);
+  ItemKey ik = item_key(p, key0, unpermuted_of(item, key0));
+  SlotLoad slots = slots_of(item, ik);
+  const int64_t key1 = key_of(item + stride, chunk1);
+  ItemKey ik1 = item_key(p, key1, unpermuted_of(item + stride, key1));
+  SlotLoad slots1 = slots_of(item + stride, ik1);
+  int64_t key2 = key_of(item + 2 * stride, chunk2);
+  int32_t u2 = unpermuted_of(item + 2 * stride, key2);
   for (; item < num_items; item += stride) {
-    const int64_t item_next = item + stride;
-    const ItemKey ik_next = item_key(p, key_next, u_next);
-    const SlotLoad slots_next = item_next < num_items ? load_slot(p, ik_next.token) : SlotLoad{-1, 0, 1.0f};
-    int chunk_after = 0;
-    const int64_t key_after = item_next + stride < num_items ? split(item_next + stride, chunk_after) : 0;
-    const int32_t u_after = unpermuted_of(item_next + stride, key_after);
+    const ItemKey ik2 = item_key(p, key2, u2);
+    const SlotLoad slots2 = slots_of(item + 2 * stride, ik2);
+    int chunk3 = 0;
+    const int64_t key3 = key_of(item + 3 * stride, chunk3);
+    const int32_t u3 = unpermuted_of(item + 3 * stride, key3);
 
     __syncwarp();  // the previous item's record is no longer read
     if (resolve_slots(p, ik, slots, m)) {
@@ -507,6 +586,10 @@ __global__ void __launch_bounds__(kMaxFinalizeThreads, kDecode ? 2 : kMinFinaliz
       } else if constexpr (sizeof(In) * V == 16 && !kBias) {
         if (m.count * U >= kFinalizeStageVectors)
           reduce_vectors_async_grouped<In, Out, V, U>(p, m, chunk, ring);
+        else if (m.count == 1)
+          reduce_vectors_async_small<In, Out, V, U, 1>(p, m, chunk, ring);
+        else if (m.count == 2)
+          reduce_vectors_async_small<In, Out, V, U, 2>(p, m, chunk, ring);
         else
           reduce_vectors_async_stream<In, Out, V, U>(p, m, chunk, ring);
       } else {
@@ -516,12 +599,15 @@ __global__ void __launch_bounds__(kMaxFinalizeThreads, kDecode ? 2 : kMinFinaliz
       }
       if (chunk == p.chunks - 1 && p.vectors * V < p.hidden) reduce_tail<In, Out>(p, m, p.vectors * V);
     }
-    ik = ik_next;
-    slots = slots_next;
-    chunk = chunk_next;
-    key_next = key_after;
-    chunk_next = chunk_after;
-    u_next = u_after;
+    ik = ik1;
+    slots = slots1;
+    chunk = chunk1;
+    ik1 = ik2;
+    slots1 = slots2;
+    chunk1 = chunk2;
+    key2 = key3;
+    chunk2 = chunk3;
+    u2 = u3;
   }
 }
 
