@@ -116,12 +116,12 @@ void run_case(Context& ctx, const Fc2Case& c, cudaStream_t stream) {
   std::vector<std::vector<double>> ref;
   double max_ref = 0;
   if (ctx.verify) {
-    std::vector<uint16_t> hA(size_t(nA)), hW(size_t(nW)), hb(size_t(c.local * c.H));
+    std::vector<uint16_t> hA(static_cast<size_t>(nA)), hW(static_cast<size_t>(nW)), hb(static_cast<size_t>(c.local * c.H));
     BENCH_CUDA(cudaMemcpy(hA.data(), dA, nA * 2, cudaMemcpyDeviceToHost));
     BENCH_CUDA(cudaMemcpy(hW.data(), dW2, nW * 2, cudaMemcpyDeviceToHost));
     BENCH_CUDA(cudaMemcpy(hb.data(), dbias, hb.size() * 2, cudaMemcpyDeviceToHost));
     for (int64_t t : tokens) {
-      std::vector<double> row(size_t(c.H), 0.0);
+      std::vector<double> row(static_cast<size_t>(c.H), 0.0);
       for (int j = 0; j < c.k; ++j) {
         const int32_t p = r.u2p[size_t(j * c.T + t)];
         if (p < 0) continue;
@@ -144,7 +144,13 @@ void run_case(Context& ctx, const Fc2Case& c, cudaStream_t stream) {
   const double flops = 2.0 * double(P) * double(c.H) * double(c.I);
   const int iters = ctx.quick ? 10 : 30;
   const double dense_us = cublas_gemm_us(std::max<int64_t>(P, 1), c.H, c.I, stream, iters);
+  std::vector<int> configs{0};  // 0 = the automatic choice
+  if (ctx.sweep)
+    for (int cfg = 1; cfg <= 4; ++cfg) configs.push_back(cfg);
+  for (int cfg : configs) {
   double unfused_us = 0;
+  a.tuning.gemm_config = cfg;
+  const std::string suffix = cfg ? "/cfg" + std::to_string(cfg) : "";
   for (Fc2Mode m : modes) {
     if (!ctx.selected("moe_fc2", c.name + "/" + mode_name(m))) continue;
     a.mode = m;
@@ -158,7 +164,7 @@ void run_case(Context& ctx, const Fc2Case& c, cudaStream_t stream) {
     BENCH_CUDA(cudaStreamSynchronize(stream));
     std::string check = "not checked (--no-verify)";
     if (ctx.verify) {
-      std::vector<uint16_t> got(size_t(c.T * c.H));
+      std::vector<uint16_t> got(static_cast<size_t>(c.T * c.H));
       BENCH_CUDA(cudaMemcpy(got.data(), dout, got.size() * 2, cudaMemcpyDeviceToHost));
       double rtol = std::ldexp(1.0, -8), atol = std::ldexp(1.0, -10) * max_ref;
       if (m == Fc2Mode::kUnfused) rtol = std::ldexp(1.0, -7), atol = std::ldexp(1.0, -8) * max_ref;
@@ -184,7 +190,7 @@ void run_case(Context& ctx, const Fc2Case& c, cudaStream_t stream) {
     if (m == Fc2Mode::kUnfused) unfused_us = us;
     Record rec;
     rec.op = "moe_fc2";
-    rec.case_name = c.name + "/" + mode_name(m);
+    rec.case_name = c.name + "/" + mode_name(m) + suffix;
     rec.median_us = us;
     rec.ceiling = "gemm";
     rec.flops = flops;
@@ -194,10 +200,17 @@ void run_case(Context& ctx, const Fc2Case& c, cudaStream_t stream) {
     rec.extra["ratio_to_dense"] = us / dense_us;
     rec.extra["tflops"] = flops / (us * 1e-6) / 1e12;
     rec.extra["rows"] = double(P);
+    {  // weight bytes of the experts with rows: the floor when rows per expert are few (decode)
+      int touched = 0;
+      for (int e = 0; e < c.local; ++e) touched += r.offsets[e + 1] > r.offsets[e];
+      const double wbytes = double(touched) * c.H * c.I * 2;
+      rec.extra["weight_bytes_fraction_of_copy"] = wbytes / (us * 1e-6) / (ctx.copy_gbps * 1e9);
+    }
     if (unfused_us > 0 && m != Fc2Mode::kUnfused) rec.extra["speedup_vs_unfused"] = unfused_us / us;
     const double bound = m == Fc2Mode::kAtomic ? c.max_ratio_atomic : m == Fc2Mode::kDeterministic ? c.max_ratio_det : 0;
     if (bound > 0) rec.extra["target_ratio"] = bound;
     add_record(ctx, rec);
+  }
   }
   cudaFree(dws);
   cudaFree(dA);

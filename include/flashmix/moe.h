@@ -187,6 +187,12 @@ enum class Fc2Mode : int {
   kUnfused = 3,        // GEMM -> [P, H] bf16 rows, then finalize_moe_routing (the baseline)
 };
 
+// GEMM configuration (schedule, tile, cluster). 0 = choose by shape (the
+// default); the benchmark's --sweep times each to justify the choice.
+struct Fc2Tuning {
+  int gemm_config = 0;  // 0 = automatic; 1..4 (docs/fc2_grouped_gemm.md lists them)
+};
+
 struct Fc2FinalizeArgs {
   const void* A = nullptr;   // bf16 [k*T capacity, I], permuted rows (first P used)
   const void* W2 = nullptr;  // bf16 [E_local, H, I], each expert's H x I row-major (K-contiguous)
@@ -209,6 +215,8 @@ struct Fc2FinalizeArgs {
   // kAtomic only: the caller has zeroed `out` (or holds a residual there that
   // the experts' sum is to be added to); the op then skips its own memset.
   bool out_already_zeroed = false;
+
+  Fc2Tuning tuning;
 };
 
 // Device workspace bytes for these args (CUB style); depends on the mode, T, k,

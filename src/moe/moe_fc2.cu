@@ -125,6 +125,7 @@ Status moe_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t worksp
   g.cutlass_ws = ws + l.cutlass;
   g.cutlass_ws_bytes = l.cutlass_bytes;
   g.sm_count = sms;
+  g.config = a.tuning.gemm_config;
 
   const size_t slots = size_t(T) * size_t(a.k);
   switch (a.mode) {
@@ -136,6 +137,7 @@ Status moe_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t worksp
       g.op = Fc2EpilogueOp::kRedBf16;
       g.dst = a.out;
       g.dst_stride = out_stride;
+      g.vec16 = reinterpret_cast<uintptr_t>(a.out) % 16 == 0 && out_stride % 8 == 0;
       return sm90_fc2_grouped_gemm(g, stream);
     }
     case Fc2Mode::kAtomicFp32: {
@@ -145,6 +147,7 @@ Status moe_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t worksp
       g.op = Fc2EpilogueOp::kRedFp32;
       g.dst = acc32;
       g.dst_stride = H;
+      g.vec16 = true;  // workspace, 256-byte aligned, H % 8 == 0
       FM_RETURN_IF_ERROR(sm90_fc2_grouped_gemm(g, stream));
       fc2_cast_rows<<<grid_for(T * H / 8, 256, sms), 256, 0, stream>>>(
           acc32, T, H, static_cast<__nv_bfloat16*>(a.out), out_stride);
@@ -164,6 +167,7 @@ Status moe_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t worksp
       g.op = det ? Fc2EpilogueOp::kRowsFp32Scaled : Fc2EpilogueOp::kRowsBf16;
       g.dst = ws + l.rows;
       g.dst_stride = H;
+      g.vec16 = true;
       FM_RETURN_IF_ERROR(sm90_fc2_grouped_gemm(g, stream));
       FinalizeMoeRoutingArgs f;
       f.expanded_permuted_rows = ws + l.rows;

@@ -27,6 +27,8 @@ Status validate_moe_fc2_finalize(const Fc2FinalizeArgs& a) {
              "must be in [1, 1024] (got ", a.num_experts_per_node, ")");
   const int m = int(a.mode);
   FM_REQUIRE(m >= 0 && m <= 3, kOp, "mode", "unknown mode value ", m);
+  FM_REQUIRE(a.tuning.gemm_config >= 0 && a.tuning.gemm_config <= 4, kOp, "tuning.gemm_config",
+             "must be 0 (automatic) or 1..4 (got ", a.tuning.gemm_config, ")");
   FM_REQUIRE(a.out_stride >= 0, kOp, "out_stride", "must be >= 0 (0 means hidden; got ", a.out_stride, ")");
   const int64_t out_stride = a.out_stride ? a.out_stride : a.hidden;
   FM_REQUIRE(out_stride >= a.hidden, kOp, "out_stride", "smaller than a row: ", out_stride, " < hidden ",

@@ -35,6 +35,8 @@ struct Sm90Fc2GemmParams {
   void* cutlass_ws;
   size_t cutlass_ws_bytes;
   int sm_count;
+  int config;   // 0 = automatic, else a configuration id (sm90_fc2_grouped_gemm.cu)
+  bool vec16;   // dst and dst_stride allow 16-byte accesses
 };
 
 constexpr size_t kFc2GroupBytesPerExpert = 6 * 16;  // shapes, ptr A/B, stride A/B, spare
@@ -44,6 +46,7 @@ size_t sm90_fc2_cutlass_workspace_bytes(int sm_count, int num_experts);
 // Fills the group arrays on the device and launches the grouped GEMM.
 Status sm90_fc2_grouped_gemm(const Sm90Fc2GemmParams& p, cudaStream_t stream);
 bool sm90_fc2_built_with_cutlass();
+int sm90_fc2_num_configs();
 
 struct Fc2WorkspaceLayout {
   size_t group = 0, cutlass = 0, rows = 0, u2p = 0, experts = 0, acc32 = 0;

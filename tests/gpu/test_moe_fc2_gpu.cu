@@ -209,6 +209,30 @@ TEST(MoeFc2Gpu, MatchesReferenceManyRowsPerExpertAndStridedOut) {
   check_all_modes(c);
 }
 
+TEST(MoeFc2Gpu, OutStrideNotAMultipleOf8UsesNarrowAccesses) {
+  SKIP_WITHOUT_HOPPER();
+  Case c;
+  c.out_pad = 2;  // rows of out are 4-byte but not 16-byte aligned
+  check_all_modes(c);
+}
+
+TEST(MoeFc2Gpu, EveryGemmConfigurationMatches) {
+  SKIP_WITHOUT_HOPPER();
+  Case c;
+  c.T = 300;
+  c.k = 4;
+  for (int cfg = 1; cfg <= 4; ++cfg)
+    for (Fc2Mode m : kModes) {
+      SCOPED_TRACE(std::string(mode_name(m)) + " config " + std::to_string(cfg));
+      Problem p(c, m);
+      p.args.tuning.gemm_config = cfg;
+      Status st = p.run();
+      ASSERT_TRUE(st.ok()) << st.message();
+      CUDA_OK(cudaDeviceSynchronize());
+      p.check(m, p.result());
+    }
+}
+
 TEST(MoeFc2Gpu, ExpertParallelRankTokensWithoutLocalSlotsGetZero) {
   SKIP_WITHOUT_HOPPER();
   Case c;
