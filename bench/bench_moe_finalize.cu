@@ -97,6 +97,21 @@ FinalizeMoeRoutingArgs make_args(const FinalizeCase& c, int64_t num_rows) {
   return a;
 }
 
+// The case's arguments over the host copies (for the CPU reference backend).
+FinalizeMoeRoutingArgs host_args(const FinalizeCase& c, HostProblem& hp, void* out) {
+  FinalizeMoeRoutingArgs h = make_args(c, std::max<int64_t>(1, hp.routing.P()));
+  h.expanded_permuted_rows = hp.rows.data();
+  h.unpermuted_row_to_permuted_row = hp.routing.u2p.data();
+  h.token_selected_experts = hp.routing.experts.data();
+  h.scales = hp.scales.data();
+  h.bias = c.bias ? hp.bias.data() : nullptr;
+  h.shared_output = c.shared ? hp.shared.data() : nullptr;
+  h.permuted_row_to_unpermuted_row = hp.routing.p2u.data();
+  h.expert_first_token_offset = hp.routing.offsets.data();
+  h.out = out;
+  return h;
+}
+
 std::string compare(const FinalizeCase& c, const HostTensor& got, const HostTensor& ref) {
   const double ulp = c.out == DType::kBFloat16 ? std::ldexp(1.0, -7) : c.out == DType::kFloat16 ? std::ldexp(1.0, -10)
                                                                                                : std::ldexp(1.0, -23);
@@ -188,17 +203,7 @@ void run_gpu_case(Context& ctx, const FinalizeCase& c, cudaStream_t stream) {
     BENCH_CUDA(cudaStreamSynchronize(stream));
     HostTensor got(c.out, c.T * c.H), ref = poison;
     BENCH_CUDA(cudaMemcpy(got.data(), d_out, out_bytes, cudaMemcpyDeviceToHost));
-    FinalizeMoeRoutingArgs h = make_args(c, P);
-    h.expanded_permuted_rows = hp.rows.data();
-    h.unpermuted_row_to_permuted_row = hp.routing.u2p.data();
-    h.token_selected_experts = hp.routing.experts.data();
-    h.scales = hp.scales.data();
-    h.bias = c.bias ? hp.bias.data() : nullptr;
-    h.shared_output = c.shared ? hp.shared.data() : nullptr;
-    h.permuted_row_to_unpermuted_row = hp.routing.p2u.data();
-    h.expert_first_token_offset = hp.routing.offsets.data();
-    h.out = ref.data();
-    Status st = finalize_moe_routing_cpu(h);
+    Status st = finalize_moe_routing_cpu(host_args(c, hp, ref.data()));
     check = st.ok() ? compare(c, got, ref) : "FAILED: reference: " + st.message();
   }
 
@@ -249,16 +254,7 @@ void run_gpu_case(Context& ctx, const FinalizeCase& c, cudaStream_t stream) {
 void run_cpu_case(Context& ctx, const FinalizeCase& c) {
   HostProblem hp = make_host_problem(c, 42);
   HostTensor out(c.out, c.T * c.H);
-  FinalizeMoeRoutingArgs h = make_args(c, std::max<int64_t>(1, hp.routing.P()));
-  h.expanded_permuted_rows = hp.rows.data();
-  h.unpermuted_row_to_permuted_row = hp.routing.u2p.data();
-  h.token_selected_experts = hp.routing.experts.data();
-  h.scales = hp.scales.data();
-  h.bias = c.bias ? hp.bias.data() : nullptr;
-  h.shared_output = c.shared ? hp.shared.data() : nullptr;
-  h.permuted_row_to_unpermuted_row = hp.routing.p2u.data();
-  h.expert_first_token_offset = hp.routing.offsets.data();
-  h.out = out.data();
+  const FinalizeMoeRoutingArgs h = host_args(c, hp, out.data());
   const auto t0 = std::chrono::steady_clock::now();
   Status st = finalize_moe_routing_cpu(h);
   const auto t1 = std::chrono::steady_clock::now();

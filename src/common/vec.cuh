@@ -48,9 +48,10 @@ template <> struct Word<8> { using type = uint2; };
 template <> struct Word<16> { using type = uint4; };
 }  // namespace detail
 
-// Loads that bypass L1 allocation: each expert row is read exactly once.
-template <typename T, int N>
-__device__ __forceinline__ Vec<T, N> load_stream(const T* p) {
+// Loads N elements with the widest aligned accesses; Load is the word load
+// (a cache policy).
+template <typename T, int N, typename Load>
+__device__ __forceinline__ Vec<T, N> load_words(const T* p, Load load) {
   constexpr int kBytes = vec_alignment<T, N>();
   using W = typename detail::Word<kBytes>::type;
   constexpr int kWords = int(sizeof(T) * N) / kBytes;
@@ -58,22 +59,20 @@ __device__ __forceinline__ Vec<T, N> load_stream(const T* p) {
   const W* src = reinterpret_cast<const W*>(p);
   W* dst = reinterpret_cast<W*>(&out);
 #pragma unroll
-  for (int i = 0; i < kWords; ++i) dst[i] = __ldcs(src + i);
+  for (int i = 0; i < kWords; ++i) dst[i] = load(src + i);
   return out;
+}
+
+// Streaming loads (evict first): data read exactly once, such as expert rows.
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> load_stream(const T* p) {
+  return load_words<T, N>(p, [](const auto* w) { return __ldcs(w); });
 }
 
 // Loads through the read-only path: data reused across blocks (bias rows).
 template <typename T, int N>
 __device__ __forceinline__ Vec<T, N> load_ro(const T* p) {
-  constexpr int kBytes = vec_alignment<T, N>();
-  using W = typename detail::Word<kBytes>::type;
-  constexpr int kWords = int(sizeof(T) * N) / kBytes;
-  Vec<T, N> out;
-  const W* src = reinterpret_cast<const W*>(p);
-  W* dst = reinterpret_cast<W*>(&out);
-#pragma unroll
-  for (int i = 0; i < kWords; ++i) dst[i] = __ldg(src + i);
-  return out;
+  return load_words<T, N>(p, [](const auto* w) { return __ldg(w); });
 }
 
 template <typename T, int N>
