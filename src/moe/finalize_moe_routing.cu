@@ -7,14 +7,20 @@
 // Roofline: memory bound. It must read every local row once (P rows x H) and
 // write T x H outputs (tokens with a local slot only, when not filling); the
 // index and scale reads are k*T*12 bytes. At T=8192, k=8, H=7168 in bf16 that
-// is 0.94 GB read + 0.12 GB written: ~350 us at 3 TB/s of copy bandwidth.
+// is 0.94 GB read + 0.12 GB written: 249 us at the H200's 4.25 TB/s of copy
+// bandwidth; this kernel takes 250-260 us there (docs/moe_finalize.md).
 // Everything else (bias rows) stays in L2.
 //
 // Work decomposition: a work item is (output row, chunk of its columns) and
 // belongs to one warp. The warp resolves the item's local slots (expert,
 // permuted row, weight: lane j reads slot j) into its own shared-memory
-// record, then each lane reduces U 16-byte column vectors over those slots,
-// keeping up to kLoadsInFlight row loads in flight before the first use.
+// record, then each lane reduces U 16-byte column vectors over those slots.
+// Three ways to keep HBM busy, chosen at the boundary:
+//  - 16-byte rows, no bias: the row vectors are staged through a per-warp
+//    cp.async ring in shared memory (bytes in flight cost no registers);
+//  - bias, or narrower vectors: register loads, kLoadsInFlight at a time,
+//    with an L2 prefetch of the next group;
+//  - decode-sized work: all of a lane's slot loads at once (one round trip).
 // Warps never wait for each other (no block barrier), so one warp's index
 // round trip overlaps other warps' row loads. The grid is persistent (at most
 // one wave of resident blocks); its warps walk the items:
@@ -79,7 +85,7 @@ struct SlotMeta {
   int64_t bias_offset[kMaxFinalizeK];  // element offset of the expert's bias row
   float weight[kMaxFinalizeK];
   int64_t token;
-  int count;  // local slots; -1: this item is skipped (no-filling, not the token's first local slot)
+  int count;  // local slots
 };
 
 // Where an item's slots are read from: its token and, when not filling, the
@@ -96,8 +102,8 @@ __device__ __forceinline__ ItemKey item_key(const FinalizeParams& p, int64_t key
   return {unpermuted % T, unpermuted / T};
 }
 
-// Lane j's view of slot j of an item, loaded one item ahead of its use so the
-// index round trip overlaps the previous item's row loads.
+// Lane j's view of slot j of an item, loaded two items ahead of its use so the
+// index round trip overlaps earlier items' row loads.
 struct SlotLoad {
   int expert;
   int32_t row;
