@@ -144,15 +144,23 @@ void run_case(Context& ctx, const Fc2Case& c, cudaStream_t stream) {
   const double flops = 2.0 * double(P) * double(c.H) * double(c.I);
   const int iters = ctx.quick ? 10 : 30;
   const double dense_us = cublas_gemm_us(std::max<int64_t>(P, 1), c.H, c.I, stream, iters);
-  std::vector<int> configs{0};  // 0 = the automatic choice
+  // Tunings: the automatic choice, then (with --sweep, unfused and atomic
+  // only) every GEMM configuration x tile order x swizzle.
+  std::vector<Fc2Tuning> tunings{Fc2Tuning{}};
   if (ctx.sweep)
-    for (int cfg = 1; cfg <= 4; ++cfg) configs.push_back(cfg);
-  for (int cfg : configs) {
+    for (int cfg = 1; cfg <= 2; ++cfg)
+      for (int raster = 1; raster <= 2; ++raster)
+        for (int swizzle : {1, 4}) tunings.push_back(Fc2Tuning{cfg, raster, swizzle});
+  for (const Fc2Tuning& tuning : tunings) {
   double unfused_us = 0;
-  a.tuning.gemm_config = cfg;
-  const std::string suffix = cfg ? "/cfg" + std::to_string(cfg) : "";
+  a.tuning = tuning;
+  const bool swept = tuning.gemm_config != 0;
+  const std::string suffix = swept ? "/cfg" + std::to_string(tuning.gemm_config) + (tuning.raster == 2 ? "_rn" : "_rm") +
+                                         "_sw" + std::to_string(tuning.swizzle)
+                                   : "";
   for (Fc2Mode m : modes) {
     if (!ctx.selected("moe_fc2", c.name + "/" + mode_name(m))) continue;
+    if (swept && m != Fc2Mode::kAtomic && m != Fc2Mode::kUnfused) continue;
     a.mode = m;
     BENCH_CUDA(cudaMemsetAsync(dout, 0xff, c.T * c.H * 2, stream));
     Status st = moe_fc2_finalize(a, dws, ws_bytes, stream);

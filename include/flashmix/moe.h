@@ -190,7 +190,9 @@ enum class Fc2Mode : int {
 // GEMM configuration (schedule, tile, cluster). 0 = choose by shape (the
 // default); the benchmark's --sweep times each to justify the choice.
 struct Fc2Tuning {
-  int gemm_config = 0;  // 0 = automatic; 1..4 (docs/fc2_grouped_gemm.md lists them)
+  int gemm_config = 0;  // 0 = automatic; 1 = cooperative 128x256, 2 = pingpong 64x256
+  int raster = 0;       // tile order: 0 = automatic (M fastest), 1 = M fastest, 2 = N fastest
+  int swizzle = 0;      // tile scheduler swizzle: 0 = automatic, 1, 2, 4 or 8
 };
 
 struct Fc2FinalizeArgs {

@@ -125,7 +125,12 @@ Status moe_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t worksp
   g.cutlass_ws = ws + l.cutlass;
   g.cutlass_ws_bytes = l.cutlass_bytes;
   g.sm_count = sms;
-  g.config = a.tuning.gemm_config;
+  // Automatic choice (H200 sweep, docs/fc2_grouped_gemm.md): pingpong 64x256
+  // (half the padding of a 128-row tile when experts have few hundred rows,
+  // epilogue overlapped) unless K is short, where the cooperative 128x256 wins.
+  g.config = a.tuning.gemm_config ? a.tuning.gemm_config : (a.inter < 1024 ? 1 : 2);
+  g.raster_along_n = a.tuning.raster == 2;
+  g.swizzle = a.tuning.swizzle;
 
   const size_t slots = size_t(T) * size_t(a.k);
   switch (a.mode) {

@@ -27,8 +27,13 @@ Status validate_moe_fc2_finalize(const Fc2FinalizeArgs& a) {
              "must be in [1, 1024] (got ", a.num_experts_per_node, ")");
   const int m = int(a.mode);
   FM_REQUIRE(m >= 0 && m <= 3, kOp, "mode", "unknown mode value ", m);
-  FM_REQUIRE(a.tuning.gemm_config >= 0 && a.tuning.gemm_config <= 4, kOp, "tuning.gemm_config",
-             "must be 0 (automatic) or 1..4 (got ", a.tuning.gemm_config, ")");
+  FM_REQUIRE(a.tuning.gemm_config >= 0 && a.tuning.gemm_config <= 2, kOp, "tuning.gemm_config",
+             "must be 0 (automatic), 1 or 2 (got ", a.tuning.gemm_config, ")");
+  FM_REQUIRE(a.tuning.raster >= 0 && a.tuning.raster <= 2, kOp, "tuning.raster",
+             "must be 0 (automatic), 1 (M fastest) or 2 (N fastest) (got ", a.tuning.raster, ")");
+  FM_REQUIRE(a.tuning.swizzle == 0 || a.tuning.swizzle == 1 || a.tuning.swizzle == 2 || a.tuning.swizzle == 4 ||
+                 a.tuning.swizzle == 8,
+             kOp, "tuning.swizzle", "must be 0 (automatic), 1, 2, 4 or 8 (got ", a.tuning.swizzle, ")");
   FM_REQUIRE(a.out_stride >= 0, kOp, "out_stride", "must be >= 0 (0 means hidden; got ", a.out_stride, ")");
   const int64_t out_stride = a.out_stride ? a.out_stride : a.hidden;
   FM_REQUIRE(out_stride >= a.hidden, kOp, "out_stride", "smaller than a row: ", out_stride, " < hidden ",

@@ -37,6 +37,8 @@ struct Sm90Fc2GemmParams {
   int sm_count;
   int config;   // 0 = automatic, else a configuration id (sm90_fc2_grouped_gemm.cu)
   bool vec16;   // dst and dst_stride allow 16-byte accesses
+  bool raster_along_n;  // tile order: N fastest (else M fastest: the M tiles of a W2 slice together)
+  int swizzle;          // scheduler swizzle 1, 2, 4 or 8
 };
 
 constexpr size_t kFc2GroupBytesPerExpert = 6 * 16;  // shapes, ptr A/B, stride A/B, spare

@@ -78,11 +78,15 @@ struct Fc2GemmConfig {
     epi.H = p.H;
     epi.op = int(p.op);
     epi.vec16 = p.vec16;
-    return typename Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGrouped,
-                                    {p.E, g.shapes, nullptr},
-                                    {g.ptr_A, g.stride_A, g.ptr_B, g.stride_B},
-                                    epi,
-                                    hw};
+    typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
+                                  {p.E, g.shapes, nullptr},
+                                  {g.ptr_A, g.stride_A, g.ptr_B, g.stride_B},
+                                  epi,
+                                  hw};
+    using RasterOrder = decltype(args.scheduler.raster_order);
+    args.scheduler.raster_order = p.raster_along_n ? RasterOrder::AlongN : RasterOrder::AlongM;
+    args.scheduler.max_swizzle_size = p.swizzle > 0 ? p.swizzle : 1;
+    return args;
   }
 
   static size_t workspace_bytes(int sm_count, int E) {

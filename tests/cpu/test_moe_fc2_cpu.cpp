@@ -183,6 +183,19 @@ TEST(MoeFc2Validation, UnknownModeIsRejected) {
   expect_invalid(a, "mode");
 }
 
+TEST(MoeFc2Validation, UnknownTuningIsRejected) {
+  Tiny c;
+  Fc2FinalizeArgs a = c.args;
+  a.tuning.gemm_config = 3;
+  expect_invalid(a, "tuning.gemm_config");
+  a = c.args;
+  a.tuning.raster = 3;
+  expect_invalid(a, "tuning.raster");
+  a = c.args;
+  a.tuning.swizzle = 3;
+  expect_invalid(a, "tuning.swizzle");
+}
+
 TEST(MoeFc2Validation, GpuEntryPointReportsInsteadOfAborting) {
   // Without a GPU (or a Hopper one, or CUTLASS) it must return an error, not crash.
   Tiny c;
