@@ -104,17 +104,6 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// Asks L2 to fetch [p, p + bytes) (sm_90 bulk prefetch; p and bytes multiples
-// of 16). A hint: no register, no completion to wait for.
-__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#else
-  (void)p;
-  (void)bytes;
-#endif
-}
-
 // True when p is aligned to `bytes`.
 __host__ __device__ inline bool is_aligned(const void* p, int bytes) {
   return (reinterpret_cast<uintptr_t>(p) % uintptr_t(bytes)) == 0;

@@ -49,7 +49,6 @@ constexpr const char* kOp = "finalize_moe_routing";
 // More would spill at the register cap that keeps 24 warps per SM resident.
 constexpr int kLoadsInFlight = 4;
 constexpr int kDecodeLoadsInFlight = 8;  // decode: all of k = 8's rows at once
-constexpr int64_t kDecodePrefetchMaxBytes = int64_t(16) << 20;  // decode: L2 prefetch of the rows up to this
 // The async path: a ring of kFinalizeStages stages per warp, each holding
 // kFinalizeStageVectors 16-byte vectors per lane (8 KB per warp).
 constexpr int kFinalizeStages = 4;
@@ -78,7 +77,6 @@ struct FinalizeParams {
   int chunk_vecs;  // vectors per chunk
   bool fill;
   bool out_vectors;  // out (and shared_output) aligned for V-element vectors; else element stores
-  int64_t prefetch_bytes;  // decode: bytes of the rows buffer to pull into L2 up front (16-byte multiple)
 };
 
 // The local slots of one work item, in slot order.
@@ -549,20 +547,6 @@ __global__ void __launch_bounds__(kMaxFinalizeThreads, kDecode ? 2 : kMinFinaliz
   const int64_t num_items = p.fill ? p.items_bound : p.expert_offsets[p.num_local_experts] * p.chunks;
   const int warps = blockDim.x >> 5;
   const int64_t stride = int64_t(gridDim.x) * warps;
-  if constexpr (kDecode) {
-    // Decode: the whole rows buffer is small (it fits L2 many times over).
-    // Pull it into L2 now, in parallel with the index loads, instead of
-    // after them: the row gather then hits L2, and the HBM transfer overlaps
-    // the index round trip. Prefetches change no value: rows of non-local
-    // slots are still never read.
-    if ((threadIdx.x & 31) == 0 && p.prefetch_bytes > 0) {
-      const int64_t per_warp = ((p.prefetch_bytes + stride - 1) / stride + 15) / 16 * 16;
-      const int64_t begin = (int64_t(blockIdx.x) * warps + (threadIdx.x >> 5)) * per_warp;
-      const int64_t end = min(p.prefetch_bytes, begin + per_warp);
-      for (int64_t b = begin; b < end; b += 65536)
-        dev::prefetch_l2_bulk(static_cast<const char*>(p.rows) + b, uint32_t(min(int64_t(65536), end - b)));
-    }
-  }
   const bool narrow = num_items <= int64_t(UINT32_MAX);  // the common case: 32-bit division
   auto split = [&](int64_t item, int& chunk) -> int64_t {
     if (narrow) {
@@ -687,9 +671,6 @@ Status launch_finalize(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaSt
       kernel = p.bias ? finalize_moe_routing_kernel<In, Out, V, U, true, true>
                       : finalize_moe_routing_kernel<In, Out, V, U, false, true>;
       smem = 0;
-      // The rows buffer up to the end of its last row, if it is small next to L2.
-      const int64_t bytes = ((a.num_rows - 1) * p.rows_stride + p.hidden) * int64_t(sizeof(In)) / 16 * 16;
-      p.prefetch_bytes = a.num_rows > 0 && bytes <= kDecodePrefetchMaxBytes ? bytes : 0;
     }
   }
   FM_RETURN_IF_ERROR(detail::cuda_status(
