@@ -33,10 +33,21 @@ bool have_hopper() {
   return major == 9;
 }
 
+// A build without CUTLASS reports kNotSupported for every call.
+bool built_with_cutlass() {
+  Fc2FinalizeArgs a;
+  a.k = 1;
+  a.hidden = 8;
+  a.inter = 8;
+  a.num_experts_per_node = 1;  // T = 0: valid, needs no data
+  return moe_fc2_finalize(a, nullptr, 0, nullptr).code() != StatusCode::kNotSupported;
+}
+
 #define SKIP_WITHOUT_HOPPER()                                                        \
   do {                                                                               \
     SKIP_WITHOUT_GPU();                                                              \
     if (!have_hopper()) GTEST_SKIP() << "moe_fc2_finalize needs an sm_90 GPU";        \
+    if (!built_with_cutlass()) GTEST_SKIP() << "built without CUTLASS";               \
   } while (0)
 
 const char* mode_name(Fc2Mode m) {
