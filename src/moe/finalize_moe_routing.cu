@@ -49,6 +49,9 @@ constexpr const char* kOp = "finalize_moe_routing";
 // More would spill at the register cap that keeps 24 warps per SM resident.
 constexpr int kLoadsInFlight = 4;
 constexpr int kDecodeLoadsInFlight = 8;  // decode: all of k = 8's rows at once
+// Bias with 16-byte vectors: 4 rows + their 4 bias vectors per group (up to
+// 128 registers, fewer warps, twice the loads in flight per warp).
+constexpr int kBiasLoadsInFlight = 8;
 // The async path: a ring of kFinalizeStages stages per warp, each holding
 // kFinalizeStageVectors 16-byte vectors per lane (8 KB per warp).
 constexpr int kFinalizeStages = 4;
@@ -535,7 +538,8 @@ __device__ __forceinline__ void reduce_tail(const FinalizeParams& p, const SlotM
 // goes out at once (kDecodeLoadsInFlight, held in registers: up to 128 of
 // them) -- one row round trip per item instead of one per group of slots.
 template <typename In, typename Out, int V, int U, bool kBias, bool kDecode>
-__global__ void __launch_bounds__(kMaxFinalizeThreads, kDecode ? 2 : kMinFinalizeBlocksPerSm)
+__global__ void __launch_bounds__(kMaxFinalizeThreads,
+                                  kDecode || (kBias && sizeof(In) * V == 16) ? 2 : kMinFinalizeBlocksPerSm)
     finalize_moe_routing_kernel(const FinalizeParams p) {
   __shared__ SlotMeta meta[kMaxFinalizeThreads / 32];  // one record per warp
   SlotMeta& m = meta[threadIdx.x >> 5];
@@ -601,7 +605,8 @@ __global__ void __launch_bounds__(kMaxFinalizeThreads, kDecode ? 2 : kMinFinaliz
       } else {
         // Bias doubles the vectors per slot and its rows are L2 hits: the
         // register path with an L2 prefetch of the next group measured faster.
-        reduce_vectors<In, Out, V, U, kBias, kLoadsInFlight>(p, m, chunk);
+        reduce_vectors<In, Out, V, U, kBias, kBias && sizeof(In) * V == 16 ? kBiasLoadsInFlight : kLoadsInFlight>(
+            p, m, chunk);
       }
       if (chunk == p.chunks - 1 && p.vectors * V < p.hidden) reduce_tail<In, Out>(p, m, p.vectors * V);
     }

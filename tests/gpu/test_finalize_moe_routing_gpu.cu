@@ -457,3 +457,30 @@ TEST(FinalizeGpuErrors, DebugIndexCheckFindsBadPermutationEntries) {
   EXPECT_FALSE(st.ok());
   EXPECT_NE(st.message().find("unpermuted_row_to_permuted_row"), std::string::npos) << st.message();
 }
+
+// SPEC §5 "a stream that is not usable": a stream whose graph capture an
+// earlier illegal call invalidated gets an error naming the stream, and the
+// output is left as it was.
+TEST(FinalizeGpuErrors, AStreamWithAnInvalidatedCaptureIsRejected) {
+  SKIP_WITHOUT_GPU();
+  Case c;
+  Problem p(c);
+  p.reset_output();
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  EXPECT_NE(cudaStreamSynchronize(stream), cudaSuccess);  // illegal while capturing: invalidates the capture
+  (void)cudaGetLastError();
+  Status st = finalize_moe_routing(p.args, stream);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("stream"), std::string::npos) << st.message();
+  cudaGraph_t graph = nullptr;
+  EXPECT_NE(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  if (graph) cudaGraphDestroy(graph);
+  (void)cudaGetLastError();
+  CUDA_OK(cudaDeviceSynchronize());
+  HostTensor got(c.out, p.out_init.count());
+  p.d_out.download(got.data(), got.bytes.size());
+  EXPECT_EQ(got.bytes, p.out_init.bytes) << "output written through an unusable stream";
+  CUDA_OK(cudaStreamDestroy(stream));
+}
