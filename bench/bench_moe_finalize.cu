@@ -237,7 +237,7 @@ void run_gpu_case(Context& ctx, const FinalizeCase& c, cudaStream_t stream) {
 
   if (ctx.sweep) {
     for (int threads : {64, 128, 256})
-      for (int vectors : {1, 2, 4})
+      for (int vectors : {1, 2})
         for (int blocks : {0, 1, 2}) {
           if (blocks && c.decode) continue;
           const double t = time_with({threads, vectors, blocks});

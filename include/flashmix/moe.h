@@ -20,7 +20,7 @@ namespace flashmix {
 // default); the benchmark sweeps these to justify the automatic choice.
 struct FinalizeTuning {
   int threads_per_block = 0;  // 32..256, a multiple of 32
-  int vectors_per_thread = 0; // 16-byte column vectors a lane reduces at once: 1, 2 or 4 (4: no bias)
+  int vectors_per_thread = 0; // 16-byte column vectors a lane reduces at once: 1 or 2
   int chunks_per_token = 0;   // how many warps split one output row
 };
 

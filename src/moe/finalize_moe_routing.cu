@@ -701,15 +701,14 @@ Status dispatch_width(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaStr
   };
   if (fits(kFull)) {
     p.out_vectors = out_fits(kFull);
-    // Vectors per lane and slot: enough row loads in flight per lane, and
-    // longer contiguous runs of each row. No-filling tokens have one or two
-    // local slots, so they take 2 whatever k is (measured on the H200, EP
-    // rank 3 of 8: 69.2 us at 1, 59.2 us at 2). 4 is for the ring path
-    // (no bias) only.
+    // Vectors per lane and slot, from same-run sweeps on the H200: filling
+    // takes 1 (k=2, H=4096: 0.88 of copy at 1, 0.86 at 2; k=8 the same);
+    // no-filling takes 2 -- its tokens have one or two local slots, and two
+    // vectors per row double the contiguous run (EP rank 3 of 8: 68.6 us at
+    // 1, 59.5 us at 2; 4 was slower than 2).
     int u = a.tuning.vectors_per_thread;
-    if (u == 0) u = (a.k >= 5 && a.fill) ? 1 : 2;
-    if (u == 4 && !p.bias) return launch_finalize<In, Out, kFull, 4>(p, a, stream);
-    if (u >= 2) return launch_finalize<In, Out, kFull, 2>(p, a, stream);
+    if (u == 0) u = a.fill ? 1 : 2;
+    if (u == 2) return launch_finalize<In, Out, kFull, 2>(p, a, stream);
     return launch_finalize<In, Out, kFull, 1>(p, a, stream);
   }
   // Misaligned pointers or strides: a narrower path that does not need them.

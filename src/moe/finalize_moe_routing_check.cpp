@@ -80,9 +80,8 @@ Status validate_finalize_moe_routing(const FinalizeMoeRoutingArgs& a) {
                                           t.threads_per_block % 32 == 0),
              kOp, "tuning.threads_per_block", "must be 0 (auto) or a multiple of 32 in [32, ", kMaxFinalizeThreads,
              "] (got ", t.threads_per_block, ")");
-  FM_REQUIRE(t.vectors_per_thread == 0 || t.vectors_per_thread == 1 || t.vectors_per_thread == 2 ||
-                 t.vectors_per_thread == 4,
-             kOp, "tuning.vectors_per_thread", "must be 0 (auto), 1, 2 or 4 (got ", t.vectors_per_thread, ")");
+  FM_REQUIRE(t.vectors_per_thread == 0 || t.vectors_per_thread == 1 || t.vectors_per_thread == 2, kOp,
+             "tuning.vectors_per_thread", "must be 0 (auto), 1 or 2 (got ", t.vectors_per_thread, ")");
   FM_REQUIRE(t.chunks_per_token >= 0, kOp, "tuning.chunks_per_token", "must be >= 0 (got ",
              t.chunks_per_token, ")");
   return Status::Ok();

@@ -193,7 +193,7 @@ TEST(FinalizeCpuErrors, UnsupportedDtypesAreRejected) {
 
 TEST(FinalizeCpuErrors, BadTuningIsRejected) {
   { SmallCase c; c.args.tuning.threads_per_block = 100; expect_error(c.args, "tuning.threads_per_block"); }
-  { SmallCase c; c.args.tuning.vectors_per_thread = 3; expect_error(c.args, "tuning.vectors_per_thread"); }
+  { SmallCase c; c.args.tuning.vectors_per_thread = 4; expect_error(c.args, "tuning.vectors_per_thread"); }
   { SmallCase c; c.args.tuning.chunks_per_token = -2; expect_error(c.args, "tuning.chunks_per_token"); }
 }
 

@@ -349,7 +349,7 @@ TEST(FinalizeGpu, BitwiseReproducibleAcrossRunsAndTunings) {
   Problem p(c);
   const HostTensor first = p.run();
   p.expect_matches(first);
-  const FinalizeTuning tunings[] = {{32, 1, 1}, {64, 2, 0}, {256, 2, 3}, {256, 1, 1}, {128, 4, 0}, {64, 4, 5}, {128, 2, 9}};
+  const FinalizeTuning tunings[] = {{32, 1, 1}, {64, 2, 0}, {256, 2, 3}, {256, 1, 1}, {64, 2, 5}, {128, 2, 9}};
   for (int rep = 0; rep < 3; ++rep) EXPECT_EQ(p.run().bytes, first.bytes) << "repeat " << rep;
   for (const FinalizeTuning& t : tunings) {
     p.args.tuning = t;
