@@ -69,6 +69,26 @@ void add_record(Context& ctx, Record r);
 void print_header();
 bool write_json(const Context& ctx, const std::string& path);
 
+// Runs each case that --filter selects: on the GPU, on a stream of its own;
+// without a GPU, shrunk to a small shape (shrink) on the CPU backend.
+template <typename Case, typename Gpu, typename Cpu, typename Shrink>
+void for_each_case(Context& ctx, const char* op, const std::vector<Case>& cases, Gpu run_gpu, Cpu run_cpu,
+                   Shrink shrink) {
+  for (const Case& c : cases) {
+    if (!ctx.selected(op, c.name)) continue;
+    if (ctx.gpu) {
+      cudaStream_t stream;
+      BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      run_gpu(ctx, c, stream);
+      BENCH_CUDA(cudaStreamDestroy(stream));
+    } else {
+      Case small = shrink(c);
+      small.name = c.name + "_small_cpu";
+      run_cpu(ctx, small);
+    }
+  }
+}
+
 // The ops' case lists.
 void run_moe_finalize_cases(Context& ctx);
 void run_moe_routing_cases(Context& ctx);

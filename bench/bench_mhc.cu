@@ -357,7 +357,7 @@ void cpu_cases(Context& ctx) {
 
 void run_mhc_cases(Context& ctx) {
   if (!ctx.gpu) {
-    cpu_cases(ctx);
+    if (ctx.selected("mhc_pre", "cpu_B4_n4_C256") || ctx.selected("mhc_post", "cpu_B4_n4_C256")) cpu_cases(ctx);
     return;
   }
   cudaStream_t stream;

@@ -293,21 +293,11 @@ void run_moe_finalize_cases(Context& ctx) {
       {"ep8_rank3_T8192_k8_H7168_fill", 8192, 8, 7168, 256, 96, 32, false, false, true, DType::kBFloat16,
        DType::kBFloat16},
   };
-  for (const FinalizeCase& c : cases) {
-    if (!ctx.selected("moe_finalize", c.name)) continue;
-    if (ctx.gpu) {
-      cudaStream_t stream;
-      BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-      run_gpu_case(ctx, c, stream);
-      BENCH_CUDA(cudaStreamDestroy(stream));
-    } else {
-      FinalizeCase small = c;  // CPU backend: small shapes
-      small.T = std::min<int64_t>(c.T, 64);
-      small.H = std::min<int64_t>(c.H, 1027);
-      small.name = c.name + "_small_cpu";
-      run_cpu_case(ctx, small);
-    }
-  }
+  for_each_case(ctx, "moe_finalize", cases, run_gpu_case, run_cpu_case, [](FinalizeCase c) {
+    c.T = std::min<int64_t>(c.T, 64);
+    c.H = std::min<int64_t>(c.H, 1027);
+    return c;
+  });
 }
 
 }  // namespace flashmix::bench

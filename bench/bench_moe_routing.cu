@@ -224,21 +224,11 @@ void run_moe_routing_cases(Context& ctx) {
       {"decode_T16_k8_E256_expand_H7168", 16, 8, 256, 0, 256, 7168, true},
       {"decode_T64_k8_E256_expand_H7168", 64, 8, 256, 0, 256, 7168, true},
   };
-  for (const RoutingCase& c : cases) {
-    if (!ctx.selected("moe_routing", c.name)) continue;
-    if (ctx.gpu) {
-      cudaStream_t stream;
-      BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-      run_gpu_case(ctx, c, stream);
-      BENCH_CUDA(cudaStreamDestroy(stream));
-    } else {
-      RoutingCase small = c;  // CPU backend: small shapes
-      small.T = std::min<int64_t>(c.T, 256);
-      small.H = std::min<int64_t>(c.H, 1024);
-      small.name = c.name + "_small_cpu";
-      run_cpu_case(ctx, small);
-    }
-  }
+  for_each_case(ctx, "moe_routing", cases, run_gpu_case, run_cpu_case, [](RoutingCase c) {
+    c.T = std::min<int64_t>(c.T, 256);
+    c.H = std::min<int64_t>(c.H, 1024);
+    return c;
+  });
 }
 
 }  // namespace flashmix::bench
