@@ -232,7 +232,14 @@ void run_gpu_case(Context& ctx, const FinalizeCase& c, cudaStream_t stream) {
     r.extra["time_over_bound"] = us / bound_us;
     r.extra["target_max_time_over_bound"] = c.max_ratio;
   }
-  if (c.decode) r.extra["rotated_copies"] = copies;
+  if (c.decode) {
+    r.extra["rotated_copies"] = copies;
+    // Without a graph: back-to-back launches from the host, per launch. At
+    // decode sizes the host side of a launch is as long as the kernel.
+    const int launches = 200;
+    r.extra["eager_us_per_launch"] =
+        median_us([&] { for (int i = 0; i < launches; ++i) launch(i, {}); }, stream, 2, ctx.quick ? 5 : 15) / launches;
+  }
   add_record(ctx, r);
 
   if (ctx.sweep) {

@@ -35,6 +35,7 @@
 
 #include "common/check.h"
 #include "common/launch.cuh"
+#include "common/occupancy.h"
 #include "common/reduce.cuh"
 #include "common/vec.cuh"
 #include "flashmix/moe.h"
@@ -637,17 +638,15 @@ Status launch_finalize(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaSt
   auto kernel = p.bias ? finalize_moe_routing_kernel<In, Out, V, U, true, false>
                        : finalize_moe_routing_kernel<In, Out, V, U, false, false>;
   const int threads = a.tuning.threads_per_block ? a.tuning.threads_per_block : 128;
-  int device = 0, sms = 0, per_sm = 0;
-  FM_RETURN_IF_ERROR(detail::cuda_status(cudaGetDevice(&device), kOp, "cudaGetDevice"));
-  FM_RETURN_IF_ERROR(detail::cuda_status(
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), kOp, "multiprocessor count"));
   const int warps = threads / 32;
   size_t smem = sizeof(In) * V == 16 && !p.bias ? size_t(warps) * kFinalizeRingVectors * sizeof(uint4) : 0;
   if (smem > 48 * 1024)
     FM_RETURN_IF_ERROR(detail::cuda_status(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), kOp, "shared memory size"));
-  FM_RETURN_IF_ERROR(detail::cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem),
-                                         kOp, "occupancy query"));
+  detail::LaunchShape shape;
+  FM_RETURN_IF_ERROR(detail::cuda_status(
+      detail::query_launch_shape(reinterpret_cast<const void*>(kernel), threads, smem, shape), kOp, "occupancy query"));
+  const int sms = shape.sms, per_sm = shape.blocks_per_sm;
   const int64_t resident_warps = int64_t(std::max(1, per_sm)) * sms * warps;
 
   p.vectors = p.hidden / V;
