@@ -6,6 +6,7 @@
 // and a dense cuBLAS bf16 GEMM for GEMMs.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -13,6 +14,8 @@
 #include <vector>
 
 #include <cuda_runtime.h>
+
+#include "flashmix/status.h"
 
 namespace flashmix::bench {
 
@@ -68,6 +71,24 @@ double cublas_gemm_us(int64_t m, int64_t n, int64_t k, cudaStream_t stream, int 
 void add_record(Context& ctx, Record r);
 void print_header();
 bool write_json(const Context& ctx, const std::string& path);
+
+// Without a GPU: times one call of the CPU reference backend (fn returns its
+// Status) and records it with no ceiling; its check is "reference", since
+// there is nothing to compare it against.
+template <typename Fn>
+void record_cpu_run(Context& ctx, const std::string& op, const std::string& case_name, double bytes, Fn fn) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const Status st = fn();
+  const auto t1 = std::chrono::steady_clock::now();
+  Record r;
+  r.op = op;
+  r.case_name = case_name;
+  r.median_us = std::chrono::duration<double, std::micro>(t1 - t0).count();
+  r.bytes = bytes;
+  r.ceiling = "none";
+  r.check = st.ok() ? "reference" : "FAILED: " + st.message();
+  add_record(ctx, std::move(r));
+}
 
 // Runs each case that --filter selects: on the GPU, on a stream of its own;
 // without a GPU, shrunk to a small shape (shrink) on the CPU backend.

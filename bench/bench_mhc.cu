@@ -331,26 +331,11 @@ void cpu_cases(Context& ctx) {
   a.shape = {h.B, h.n, h.C};
   a.x = h.x.data(); a.phi = h.phi.data(); a.alpha = h.alpha.data(); a.bias = h.bias.data();
   a.f_pre = f.data(); a.h_post = post.data(); a.h_res = res.data();
-  auto t0 = std::chrono::steady_clock::now();
-  Status s = mhc_pre_cpu(a);
-  auto t1 = std::chrono::steady_clock::now();
-  Record r;
-  r.op = "mhc_pre";
-  r.case_name = "cpu_B4_n4_C256";
-  r.median_us = std::chrono::duration<double, std::micro>(t1 - t0).count();
-  r.ceiling = "none";
-  r.check = s.ok() ? "reference" : "FAILED: " + s.message();
-  add_record(ctx, r);
+  record_cpu_run(ctx, "mhc_pre", "cpu_B4_n4_C256", 0, [&] { return mhc_pre_cpu(a); });
   MhcPostArgs b;
   b.shape = a.shape;
   b.x = h.x.data(); b.f_out = f.data(); b.h_post = post.data(); b.h_res = res.data(); b.x_next = xn.data();
-  t0 = std::chrono::steady_clock::now();
-  s = mhc_post_cpu(b);
-  t1 = std::chrono::steady_clock::now();
-  r.op = "mhc_post";
-  r.median_us = std::chrono::duration<double, std::micro>(t1 - t0).count();
-  r.check = s.ok() ? "reference" : "FAILED: " + s.message();
-  add_record(ctx, r);
+  record_cpu_run(ctx, "mhc_post", "cpu_B4_n4_C256", 0, [&] { return mhc_post_cpu(b); });
 }
 
 }  // namespace

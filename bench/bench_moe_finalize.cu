@@ -262,17 +262,7 @@ void run_cpu_case(Context& ctx, const FinalizeCase& c) {
   HostProblem hp = make_host_problem(c, 42);
   HostTensor out(c.out, c.T * c.H);
   const FinalizeMoeRoutingArgs h = host_args(c, hp, out.data());
-  const auto t0 = std::chrono::steady_clock::now();
-  Status st = finalize_moe_routing_cpu(h);
-  const auto t1 = std::chrono::steady_clock::now();
-  Record r;
-  r.op = "moe_finalize_cpu";
-  r.case_name = c.name;
-  r.median_us = std::chrono::duration<double, std::micro>(t1 - t0).count();
-  r.bytes = counted_bytes(c, hp);
-  r.ceiling = "none";
-  r.check = st.ok() ? "reference" : "FAILED: " + st.message();
-  add_record(ctx, r);
+  record_cpu_run(ctx, "moe_finalize_cpu", c.name, counted_bytes(c, hp), [&] { return finalize_moe_routing_cpu(h); });
 }
 
 }  // namespace

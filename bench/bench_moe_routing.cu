@@ -196,17 +196,7 @@ void run_cpu_case(Context& ctx, const RoutingCase& c) {
     a.permuted_input = out.data();
     a.hidden = c.H;
   }
-  const auto t0 = std::chrono::steady_clock::now();
-  Status st = build_moe_routing_maps_cpu(a);
-  const auto t1 = std::chrono::steady_clock::now();
-  Record r;
-  r.op = "moe_routing_cpu";
-  r.case_name = c.name;
-  r.median_us = std::chrono::duration<double, std::micro>(t1 - t0).count();
-  r.bytes = counted_bytes(c, ref);
-  r.ceiling = "none";
-  r.check = st.ok() ? "reference" : "FAILED: " + st.message();
-  add_record(ctx, r);
+  record_cpu_run(ctx, "moe_routing_cpu", c.name, counted_bytes(c, ref), [&] { return build_moe_routing_maps_cpu(a); });
 }
 
 }  // namespace
