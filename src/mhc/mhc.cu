@@ -1,6 +1,7 @@
 // mHC forward (SPEC §4): the memory-bound kernels, the portable projection
 // and every public launcher. The Hopper single-pass mhc_pre lives in
-// sm90_mhc_fused.cu; this file falls back to the portable kernel elsewhere.
+// sm90_mhc_resident.cu (n = 4) and sm90_mhc_fused.cu (other shapes); this file
+// falls back to the portable kernel elsewhere.
 //
 //   X_next[b,i,c] = sum_j R[b,i,j] X[b,j,c] + H_post[b,i] F_out[b,c]   (mhc_post)
 //   F_pre[b,c]    = sum_i H_pre[b,i] X[b,i,c]                           (pre mix)
@@ -254,13 +255,23 @@ __global__ void __launch_bounds__(kThreads) mhc_project_rows_kernel(ProjectParam
 
 unsigned grid_for(long long total, int threads) { return unsigned((total + threads - 1) / threads); }
 
+ProjectKernel g_project_kernel = ProjectKernel::kAuto;
+
 // Runs the projection kernel: the sm_90a cluster kernel where it fits, else the portable one.
 Status launch_project(const ProjectParams& p, int n, DType phi_dtype, cudaStream_t stream, bool pdl,
                       const char* op) {
   const bool f32 = phi_dtype == DType::kFloat32;
-  cudaError_t err = sm90_mhc_project_fused(p, n, f32, stream, pdl);
-  if (err == cudaSuccess) return detail::check_launch(op);
-  if (err != cudaErrorNotSupported) return detail::cuda_status(err, op, "cluster kernel launch");
+  cudaError_t err = cudaErrorNotSupported;
+  if (g_project_kernel == ProjectKernel::kAuto) {
+    err = sm90_mhc_project_resident(p, n, f32, stream, pdl);
+    if (err == cudaSuccess) return detail::check_launch(op);
+    if (err != cudaErrorNotSupported) return detail::cuda_status(err, op, "resident kernel launch");
+  }
+  if (g_project_kernel != ProjectKernel::kPortable) {
+    err = sm90_mhc_project_fused(p, n, f32, stream, pdl);
+    if (err == cudaSuccess) return detail::check_launch(op);
+    if (err != cudaErrorNotSupported) return detail::cuda_status(err, op, "cluster kernel launch");
+  }
   (void)cudaGetLastError();
   dispatch_n(n, [&](auto kn) {
     constexpr int kN = decltype(kn)::value;
@@ -287,6 +298,9 @@ ProjectParams base_params(const MhcShape& s, const void* x, const void* phi, con
 }
 
 }  // namespace
+
+void set_project_kernel_for_testing(ProjectKernel k) { g_project_kernel = k; }
+
 }  // namespace mhc_detail
 
 using namespace mhc_detail;

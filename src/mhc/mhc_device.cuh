@@ -128,4 +128,18 @@ struct ProjectParams {
 cudaError_t sm90_mhc_project_fused(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
                                    bool dry_run = false);
 
+// sm_90a kernel with phi resident in registers (sm90_mhc_resident.cu): n = 4,
+// C a multiple of 256 up to 7168, modes kPre and kProject. Same contract as
+// sm90_mhc_project_fused; tried first.
+cudaError_t sm90_mhc_project_resident(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
+                                      bool dry_run = false);
+
+// Which projection kernel launch_project uses. kAuto: the resident kernel,
+// else the cluster-tile kernel, else the portable one. The others pin one
+// kernel (falling back to the portable kernel where it does not fit), so
+// the tests can check each on the same shapes. Process-wide, not thread-safe:
+// a test hook.
+enum class ProjectKernel { kAuto, kClusterTiles, kPortable };
+void set_project_kernel_for_testing(ProjectKernel k);
+
 }  // namespace flashmix::mhc_detail

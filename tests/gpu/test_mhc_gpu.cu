@@ -53,12 +53,22 @@ struct PreCase {
   int64_t C, B;
   bool seed_setting;
   DType phi_dtype;
+  // kAuto: what mhc_pre picks (the resident kernel for n = 4 where it fits);
+  // kClusterTiles pins the cluster-tile kernel so it stays tested at n = 4.
+  mhc_detail::ProjectKernel kernel = mhc_detail::ProjectKernel::kAuto;
+};
+
+// Pins the projection kernel for one scope.
+struct PinProjectKernel {
+  explicit PinProjectKernel(mhc_detail::ProjectKernel k) { mhc_detail::set_project_kernel_for_testing(k); }
+  ~PinProjectKernel() { mhc_detail::set_project_kernel_for_testing(mhc_detail::ProjectKernel::kAuto); }
 };
 
 std::string pre_case_name(const ::testing::TestParamInfo<PreCase>& info) {
   const PreCase& c = info.param;
   return "n" + std::to_string(c.n) + "_C" + std::to_string(c.C) + "_B" + std::to_string(c.B) +
-         (c.seed_setting ? "_seed" : "_deepseek") + (c.phi_dtype == DType::kFloat32 ? "_phif32" : "_phibf16");
+         (c.seed_setting ? "_seed" : "_deepseek") + (c.phi_dtype == DType::kFloat32 ? "_phif32" : "_phibf16") +
+         (c.kernel == mhc_detail::ProjectKernel::kClusterTiles ? "_clustertiles" : "");
 }
 
 class MhcPreGpu : public ::testing::TestWithParam<PreCase> {};
@@ -86,8 +96,11 @@ TEST_P(MhcPreGpu, MatchesReference) {
   a.h_post = h_post.as<float>();
   a.h_res = h_res.as<float>();
   a.params = c.seed_setting ? MhcParams::seed() : MhcParams();
-  Status s = mhc_pre(a, nullptr);
-  ASSERT_TRUE(s.ok()) << s.message();
+  {
+    PinProjectKernel pin(c.kernel);
+    Status s = mhc_pre(a, nullptr);
+    ASSERT_TRUE(s.ok()) << s.message();
+  }
   CUDA_OK(cudaDeviceSynchronize());
   if (c.B == 0) return;
   auto got_f = f_pre.to_host<uint16_t>();
@@ -165,6 +178,16 @@ std::vector<PreCase> pre_cases() {
   v.push_back({4, 7168, 100, false, DType::kFloat32});  // a partial last tile
   v.push_back({8, 16384, 7, false, DType::kFloat32});   // too large for the cluster kernel: portable path
   v.push_back({3, 8, 5, false, DType::kFloat32});       // smallest C: most CTAs of the cluster hold nothing
+  // The resident kernel (n = 4): many tiles per cluster with a partial last
+  // one, phi bf16 over several tiles, the smallest C it takes (one warp with k steps).
+  v.push_back({4, 4096, 5000, true, DType::kFloat32});
+  v.push_back({4, 7168, 300, false, DType::kBFloat16});
+  v.push_back({4, 256, 33, false, DType::kFloat32});
+  // The cluster-tile kernel on shapes the resident kernel would take.
+  constexpr auto kTiles = mhc_detail::ProjectKernel::kClusterTiles;
+  v.push_back({4, 7168, 7, false, DType::kFloat32, kTiles});
+  v.push_back({4, 4096, 100, true, DType::kFloat32, kTiles});
+  v.push_back({4, 7168, 8192, false, DType::kFloat32, kTiles});
   return v;
 }
 
@@ -441,6 +464,22 @@ TEST(MhcPathGpu, ClusterKernelRunsOnHopper) {
   EXPECT_TRUE(would_run(7, 8, 7168, true));
   EXPECT_TRUE(would_run(1, 1, 1000, true));
   EXPECT_FALSE(would_run(7, 8, 16384, true));  // 8 tokens x 8 x 2048 x 2 B > shared memory: portable kernel
+  // n = 4: the resident kernel (phi in registers) where C is a multiple of
+  // 256 up to 7168, in both modes it serves.
+  auto resident = [](long long B, int n, int C, bool f32, mhc_detail::ProjectMode mode) {
+    mhc_detail::ProjectParams p;
+    p.batch = B; p.hidden = C; p.k_len = n * C; p.num_coef = mhc_num_coefficients(n); p.mode = mode;
+    return mhc_detail::sm90_mhc_project_resident(p, n, f32, nullptr, false, /*dry_run=*/true) == cudaSuccess;
+  };
+  constexpr auto kPre = mhc_detail::ProjectMode::kPre;
+  EXPECT_TRUE(resident(8192, 4, 7168, true, kPre));
+  EXPECT_TRUE(resident(16, 4, 7168, false, kPre));
+  EXPECT_TRUE(resident(9, 4, 7168, true, mhc_detail::ProjectMode::kProject));
+  EXPECT_TRUE(resident(1, 4, 256, true, kPre));
+  EXPECT_FALSE(resident(7, 4, 1000, true, kPre));   // C not a multiple of 256
+  EXPECT_FALSE(resident(7, 4, 8192, true, kPre));   // 16 k steps per warp: phi does not fit in registers
+  EXPECT_FALSE(resident(7, 8, 7168, true, kPre));   // n != 4
+  EXPECT_FALSE(resident(7, 4, 7168, true, mhc_detail::ProjectMode::kHead));
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 

@@ -1,0 +1,529 @@
+// mhc_pre (and mhc_project) on Hopper with phi resident in registers: a
+// persistent cluster of 16 CTAs splits K across its CTAs, each CTA loads its
+// slice of phi ONCE per launch into the tensor-core B fragments of its warps,
+// and X streams through in 16-token tiles.
+//
+//   h[b,m] = alpha_of(m) * (X[b] . phi[m]) / r[b] + bias[m],  r[b] = sqrt(|X[b]|^2 / K + eps)
+//   F_pre[b,c] = sum_i H_pre[b,i] X[b,i,c]     (H_pre from h; Sinkhorn for H_res)
+//
+// Why this shape (n = 4, C = 7168: K = 28672, N = 24 coefficients):
+// the projection is [B x K] . [K x N] with N tiny, so what limits it is not
+// FLOPs but how often each phi byte is fetched. A tile kernel that re-reads
+// phi (2.75 MB as bf16 hi + lo) for every tile of rows moves more phi through
+// L2 than X through HBM (the v1-v3 cluster kernel in sm90_mhc_fused.cu: 7.6x
+// the floor). Here phi never moves after the prologue: CTA j of a cluster of
+// 16 owns columns [j*S, j*S + S) of every stream (S = C/16, K/16 = 1792 of K)
+// and the 172 KB of hi/lo B fragments for them sit in its 256 threads'
+// registers (168 per thread). Shared memory is left entirely to X: a
+// 3-stage ring of 16-token tiles (57 KB each), filled by 1-D bulk TMA
+// copies on an mbarrier, so ~115 KB per SM are in flight.
+//
+// Per tile each warp runs 14 k16 steps (one ldmatrix.x4 of X, 6 mma for
+// hi/lo x 3 coefficient tiles, sum of squares from the same fragment), the
+// 8 warps' partials are summed in smem (fixed order), and the 16 CTAs'
+// partials through distributed shared memory, each CTA summing the 16 in
+// rank order, so all hold bitwise the same h (no atomics). The cluster
+// barrier of tile t is waited on only after tile t+1's projection has been
+// issued, so its latency hides behind tensor-core work. Then every CTA mixes
+// its own slice of the tile out of the ring (F_pre), and one CTA per tile
+// (rotating) runs the activations and Sinkhorn and writes H_post/H_res.
+//
+// Bytes: X once from HBM, F_pre once, phi once per cluster (8 x 2.75 MB of
+// L2 reads in all): the floor is (X + F_pre) / copy bandwidth.
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "common/launch.cuh"
+#include "mhc/mhc_device.cuh"
+
+namespace flashmix::mhc_detail {
+
+namespace {
+
+namespace cg = cooperative_groups;
+using bf16 = __nv_bfloat16;
+
+constexpr int kClusterSize = 16;  // non-portable on Hopper; the launcher checks that one fits
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kRows = 16;     // tokens per tile: the m16 of the mma
+constexpr int kStages = 3;    // X tiles in the ring
+constexpr int kMaxSteps = 14; // k16 steps per warp: phi registers = kMaxSteps * k_tiles * 2 (* 2 for hi/lo)
+
+struct ResidentLayout {
+  int slice = 0;        // columns per CTA (C / 16, a multiple of 16)
+  int steps_total = 0;  // k16 steps of a CTA's slice: n * slice / 16
+  int pitch = 0;        // bytes per token row in the ring: n * slice * 2 + 16 (odd 16-byte units: ldmatrix is conflict-free)
+  int stage_bytes = 0;  // kRows * pitch
+  int off_scratch = 0, off_part = 0, off_tot = 0, off_hpre = 0, off_hfull = 0, total = 0;
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// D += A(16x16, rows = tokens) * B(16x8, columns = coefficients), bf16 in, fp32 accumulate.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
+
+// Sum over the cluster's CTAs, in rank order, of the float at shared address
+// `local` of each (32-bit shared::cluster addresses: no 64-bit generic
+// pointers held in registers).
+__device__ __forceinline__ float cluster_sum(uint32_t local) {
+  float s = 0.f;
+#pragma unroll
+  for (int rk = 0; rk < kClusterSize; ++rk) {
+    uint32_t remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rk));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+    s += v;
+  }
+  return s;
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+}
+
+__device__ __forceinline__ float sq_pair(uint32_t v, float acc) {
+  const float lo = __uint_as_float(v << 16), hi = __uint_as_float(v & 0xffff0000u);
+  return fmaf(hi, hi, fmaf(lo, lo, acc));
+}
+
+template <int kN, bool kF32>
+__global__ void __launch_bounds__(kThreads, 1) sm90_mhc_resident_kernel(ProjectParams p, ResidentLayout L) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int kCoef = kN * kN + 2 * kN;
+  constexpr int kKt = (kCoef + 7) / 8;  // n8 coefficient tiles
+  constexpr int kV = kCoef + 1;         // values per token: N projections + the sum of squares
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ __align__(8) uint64_t full[kStages];
+  float* scratch = reinterpret_cast<float*>(smem + L.off_scratch);  // [warp][kV][kRows]
+  float* part = reinterpret_cast<float*>(smem + L.off_part);        // [2][kV][kRows], read by the cluster
+  float* tot = reinterpret_cast<float*>(smem + L.off_tot);          // [kV][kRows]
+  float* hpre = reinterpret_cast<float*>(smem + L.off_hpre);        // [kRows][kN]
+  float* hfull = reinterpret_cast<float*>(smem + L.off_hfull);      // [kRows][kCoef]
+
+  const int rank = int(cg::this_cluster().block_rank());
+  const int cluster_id = int(blockIdx.x) / kClusterSize;
+  const int num_clusters = int(gridDim.x) / kClusterSize;
+  const long long num_tiles = (p.batch + kRows - 1) / kRows;
+  const int my_tiles = cluster_id < num_tiles ? int((num_tiles - 1 - cluster_id) / num_clusters + 1) : 0;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int hidden = p.hidden, slice = L.slice;
+  const int c0 = rank * slice;
+
+  if (tid < kStages)
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(&full[tid])) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;\n fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();
+
+  dev::grid_dependency_wait();
+  dev::allow_dependents_launch();
+
+  // Fills ring stage (j % kStages) with tile j: one bulk copy per (token,
+  // stream) of this CTA's columns, lane 0 of every warp issuing its share
+  // (one lane issuing all 64 serialises them: ~4000 cycles per tile,
+  // measured). Rows past B are not copied (their ring rows hold stale data,
+  // which only ever reaches those rows' results, none of which is stored).
+  // Called by every thread.
+  auto issue = [&](int j) {
+    const long long tile = cluster_id + (long long)j * num_clusters;
+    const long long left = p.batch - tile * kRows;
+    const int valid = left < kRows ? int(left) : kRows;
+    const int stage = j % kStages;
+    const uint32_t bar = smem_u32(&full[stage]);
+    if (tid == 0) {
+      const uint32_t bytes = uint32_t(valid) * kN * slice * 2;
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+    }
+    if (lane == 0) {
+      const uint32_t dst0 = smem_u32(smem + stage * L.stage_bytes);
+      for (int q = warp; q < valid * kN; q += kWarps) {
+        const int row = q / kN, i = q - row * kN;
+        const bf16* src = p.x + (tile * kRows + row) * p.k_len + (long long)i * hidden + c0;
+        const uint32_t dst = dst0 + row * L.pitch + i * slice * 2;
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+            "l"(src), "r"(slice * 2), "r"(bar)
+            : "memory");
+      }
+    }
+  };
+  for (int j = 0; j < min(my_tiles, kStages); ++j) issue(j);
+
+  // phi -> registers, once: warp w owns k16 steps [w*kMaxSteps, ...) of the
+  // CTA's slice (stream-major: step s covers stream s / (S/16), columns
+  // c0 + (s % (S/16)) * 16 ...). B fragment of coefficient tile kt: rows
+  // (k) 2t, 2t+1 and 2t+8, 2t+9 of column (coefficient) kt*8 + g.
+  const int steps_per_stream = slice / 16;
+  const int first_step = warp * kMaxSteps;
+  const int my_steps = max(0, min(kMaxSteps, L.steps_total - first_step));
+  uint32_t bhi[kMaxSteps][kKt][2];
+  uint32_t blo[kF32 ? kMaxSteps : 1][kKt][2];
+#pragma unroll
+  for (int s = 0; s < kMaxSteps; ++s) {
+    const int gs = first_step + s;
+    const int i = gs / steps_per_stream;
+    const long long kg = (long long)i * hidden + c0 + (gs - i * steps_per_stream) * 16 + 2 * t;
+#pragma unroll
+    for (int kt = 0; kt < kKt; ++kt) {
+      const int m = kt * 8 + g;
+      const bool ok = s < my_steps && m < kCoef;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (kF32) {
+          const float2 v = ok ? __ldg(reinterpret_cast<const float2*>(static_cast<const float*>(p.phi) +
+                                                                      (long long)m * p.k_len + kg + 8 * h))
+                              : make_float2(0.f, 0.f);
+          const __nv_bfloat162 hi = __floats2bfloat162_rn(v.x, v.y);
+          const float2 hf = __bfloat1622float2(hi);
+          const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x - hf.x, v.y - hf.y);
+          bhi[s][kt][h] = *reinterpret_cast<const uint32_t*>(&hi);
+          blo[s][kt][h] = *reinterpret_cast<const uint32_t*>(&lo);
+        } else {
+          bhi[s][kt][h] = ok ? __ldg(reinterpret_cast<const unsigned int*>(static_cast<const bf16*>(p.phi) +
+                                                                           (long long)m * p.k_len + kg + 8 * h))
+                             : 0u;
+        }
+      }
+    }
+  }
+  // ldmatrix.x4 lane address: rows (lane & 7) + 8 * ((lane >> 3) & 1), k offset 8 * (lane >> 4).
+  const uint32_t a_lane = uint32_t(((lane & 7) + ((lane >> 3) & 1) * 8) * L.pitch + (first_step * 16 + (lane >> 4) * 8) * 2);
+  const uint32_t ring = smem_u32(smem);
+
+#ifdef FLASHMIX_MHC_PROFILE
+  long long prof[16] = {};
+  int owned = 0;
+  long long t0 = clock64();
+#define FM_PROF(k) { const long long t1 = clock64(); prof[k] += t1 - t0; t0 = t1; }
+#define FM_SUB(k) { const long long t1 = clock64(); prof[owner ? (k) + 4 : (k)] += t1 - t0; t0 = t1; }
+#else
+#define FM_PROF(k)
+#define FM_SUB(k)
+#endif
+  // Finishes tile j (its cluster partials are complete): sums the 16 CTAs'
+  // partials in rank order, then h, H_pre, the pre mix of this CTA's slice,
+  // and (one CTA per tile) the activations with Sinkhorn or the stage-1 outputs.
+  auto finish = [&](int j) {
+    const long long row0 = (cluster_id + (long long)j * num_clusters) * kRows;
+    const bool owner = rank == j % kClusterSize;  // writes H_post/H_res (or h, r) of this tile
+    if (p.mode == ProjectMode::kProject && !owner) return;
+    const float* pb = part + (j & 1) * kV * kRows;
+    const int nvals = owner ? kV * kRows : (kN + 1) * kRows;
+    for (int v = tid; v < nvals; v += kThreads) {
+      int m = v / kRows;
+      const int row = v - m * kRows;
+      if (!owner && m == kN) m = kCoef;  // the pre coefficients and the sum of squares
+      const int e = m * kRows + row;
+      tot[e] = cluster_sum(smem_u32(pb + e));
+    }
+#ifdef FLASHMIX_MHC_PROFILE
+    owned += owner;
+#endif
+    FM_SUB(8)
+    __syncthreads();
+    if (tid < kRows) {
+      const int row = tid;
+      const long long b = row0 + row;
+      const float r = sqrtf(tot[kCoef * kRows + row] / float(p.k_len) + p.eps_norm);
+      const float a_pre = __ldg(p.alpha);
+      if (p.mode == ProjectMode::kPre) {
+#pragma unroll
+        for (int i = 0; i < kN; ++i)
+          hpre[row * kN + i] = sigmoidf_(a_pre * tot[i * kRows + row] / r + __ldg(p.bias + i)) + p.act.eps_pre;
+      }
+      if (owner) {
+#pragma unroll
+        for (int m = 0; m < kCoef; ++m) {
+          const float h = __ldg(p.alpha + alpha_index(m, kN)) * tot[m * kRows + row] / r + __ldg(p.bias + m);
+          if (p.mode == ProjectMode::kProject) {
+            if (b < p.batch) p.h[b * kCoef + m] = h;
+          } else {
+            hfull[row * kCoef + m] = h;
+          }
+        }
+        if (p.mode == ProjectMode::kProject && b < p.batch) p.r[b] = r;
+      }
+    }
+    if (p.mode == ProjectMode::kProject) return;  // uniform: the owner of a stage-1 tile has no mix
+    FM_SUB(9)
+    __syncthreads();
+    FM_SUB(10)
+    const bool sinkhorn_warp = owner && warp == kWarps - 1;
+    if (sinkhorn_warp) {
+      const long long b = row0 + lane;
+      if (lane < kRows && b < p.batch) {
+        float pre[kN], post[kN], res[kN * kN];
+        activate_token<kN>(hfull + lane * kCoef, p.act, pre, post, res);
+#pragma unroll
+        for (int i = 0; i < kN; ++i) p.h_post[b * kN + i] = post[i];
+#pragma unroll
+        for (int e = 0; e < kN * kN; ++e) p.h_res[b * kN * kN + e] = res[e];
+      }
+      FM_SUB(11)
+      return;
+    }
+    const unsigned char* xs = smem + (j % kStages) * L.stage_bytes;
+    const int groups = slice / 8;
+    const int mix_threads = owner ? kThreads - 32 : kThreads;
+    for (int it = tid; it < kRows * groups; it += mix_threads) {
+      const int row = it / groups, col = (it - row * groups) * 8;
+      const long long b = row0 + row;
+      if (b >= p.batch) break;  // rows ascend with it
+      float out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(xs + row * L.pitch + (i * slice + col) * 2);
+        const uint32_t w4[4] = {raw.x, raw.y, raw.z, raw.w};
+        const float w = hpre[row * kN + i];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          out[2 * e] = fmaf(w, __uint_as_float(w4[e] << 16), out[2 * e]);
+          out[2 * e + 1] = fmaf(w, __uint_as_float(w4[e] & 0xffff0000u), out[2 * e + 1]);
+        }
+      }
+      uint4 o;
+      uint32_t* ov = reinterpret_cast<uint32_t*>(&o);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const __nv_bfloat162 v = __floats2bfloat162_rn(out[2 * e], out[2 * e + 1]);
+        ov[e] = *reinterpret_cast<const uint32_t*>(&v);
+      }
+      *reinterpret_cast<uint4*>(p.f_out + b * hidden + c0 + col) = o;
+    }
+    FM_SUB(11)
+  };
+
+#pragma unroll 1
+  for (int j = 0; j < my_tiles; ++j) {
+    const int stage = j % kStages;
+    mbar_wait(smem_u32(&full[stage]), uint32_t(j / kStages) & 1u);
+    FM_PROF(0)
+
+    // Partial projection of tile j over this warp's k steps; hi and lo in
+    // separate accumulators (two independent mma chains).
+    float acc_hi[kKt][4], acc_lo[kKt][4];
+#pragma unroll
+    for (int kt = 0; kt < kKt; ++kt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_hi[kt][e] = acc_lo[kt][e] = 0.f;
+    float sq0 = 0.f, sq1 = 0.f;  // tokens g and g + 8
+    const uint32_t a_base = ring + stage * L.stage_bytes + a_lane;
+#pragma unroll
+    for (int s = 0; s < kMaxSteps; ++s) {
+      if (s < my_steps) {
+        uint32_t a[4];
+        ldmatrix_x4(a, a_base + s * 32);
+        sq0 = sq_pair(a[2], sq_pair(a[0], sq0));
+        sq1 = sq_pair(a[3], sq_pair(a[1], sq1));
+#pragma unroll
+        for (int kt = 0; kt < kKt; ++kt) {
+          mma_bf16(acc_hi[kt], a, bhi[s][kt]);
+          if constexpr (kF32) mma_bf16(acc_lo[kt], a, blo[s][kt]);
+        }
+      }
+    }
+
+    FM_PROF(1)
+    // Tile j - 1's cluster sums are complete once every CTA has arrived.
+    if (j > 0) {
+      cluster_wait();
+      FM_PROF(2)
+      finish(j - 1);
+      FM_PROF(3)
+    }
+    __syncthreads();  // the ring stage of tile j - 1 is consumed; scratch is free
+    if (j > 0 && j - 1 + kStages < my_tiles) issue(j - 1 + kStages);
+    FM_PROF(4)
+
+    // This CTA's partials of tile j: per warp into scratch, then summed over the warps in order.
+    float* my = scratch + warp * kV * kRows;
+#pragma unroll
+    for (int kt = 0; kt < kKt; ++kt) {
+      const int m = kt * 8 + 2 * t;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int mm = m + (e & 1), row = g + 8 * (e >> 1);
+        if (mm < kCoef) my[mm * kRows + row] = acc_hi[kt][e] + acc_lo[kt][e];
+      }
+    }
+    sq0 += __shfl_xor_sync(0xffffffffu, sq0, 1);
+    sq0 += __shfl_xor_sync(0xffffffffu, sq0, 2);
+    sq1 += __shfl_xor_sync(0xffffffffu, sq1, 1);
+    sq1 += __shfl_xor_sync(0xffffffffu, sq1, 2);
+    if (t == 0) {
+      my[kCoef * kRows + g] = sq0;
+      my[kCoef * kRows + g + 8] = sq1;
+    }
+    __syncthreads();
+    FM_PROF(5)
+    float* pw = part + (j & 1) * kV * kRows;
+    for (int v = tid; v < kV * kRows; v += kThreads) {
+      float s = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) s += scratch[w * kV * kRows + v];
+      pw[v] = s;
+    }
+    cluster_arrive();
+    FM_PROF(6)
+  }
+#ifdef FLASHMIX_MHC_PROFILE
+  if (cluster_id == 0 && rank < 3 && (tid == 0 || tid == 224) && my_tiles > 0)
+    printf("prof rank %d tid %d tiles %d owned %d | waitX %lld proj %lld cwait %lld finish-rest %lld syncA %lld partial %lld "
+           "reduce %lld | other: sum %lld h %lld sync %lld mix %lld | owner: sum %lld h %lld sync %lld mix/sink %lld\n",
+           rank, tid, my_tiles, owned, prof[0] / my_tiles, prof[1] / my_tiles, prof[2] / my_tiles, prof[3] / my_tiles,
+           prof[4] / my_tiles, prof[5] / my_tiles, prof[6] / my_tiles, prof[8] / max(1, my_tiles - owned),
+           prof[9] / max(1, my_tiles - owned), prof[10] / max(1, my_tiles - owned), prof[11] / max(1, my_tiles - owned),
+           prof[12] / max(1, owned), prof[13] / max(1, owned), prof[14] / max(1, owned), prof[15] / max(1, owned));
+#endif
+  if (my_tiles > 0) {
+    cluster_wait();
+    finish(my_tiles - 1);
+  }
+  // No CTA leaves while a peer may still read its partials.
+  cluster_arrive();
+  cluster_wait();
+#endif
+}
+
+template <int kN>
+ResidentLayout resident_layout(int hidden) {
+  constexpr int kV = kN * kN + 2 * kN + 1;
+  ResidentLayout L;
+  L.slice = hidden / kClusterSize;
+  L.steps_total = kN * L.slice / 16;
+  L.pitch = kN * L.slice * 2 + 16;
+  L.stage_bytes = kRows * L.pitch;
+  int off = kStages * L.stage_bytes;
+  L.off_scratch = off;
+  off += kWarps * kV * kRows * 4;
+  L.off_part = off;
+  off += 2 * kV * kRows * 4;
+  L.off_tot = off;
+  off += kV * kRows * 4;
+  L.off_hpre = off;
+  off += kRows * kN * 4;
+  L.off_hfull = off;
+  off += kRows * (kV - 1) * 4;
+  L.total = off;
+  return L;
+}
+
+// Per kernel and device: the dynamic shared memory limit set on the kernel
+// and how many 16-CTA clusters of a given size fit at once (0: none).
+struct ResidentFit {
+  int dynamic_max = -1;
+  std::map<int, int> clusters_by_smem;
+};
+
+template <int kN, bool kF32>
+cudaError_t launch_resident(const ProjectParams& p, cudaStream_t stream, bool pdl, bool dry_run) {
+  if (p.hidden % (kClusterSize * 16) != 0) return cudaErrorNotSupported;
+  const ResidentLayout L = resident_layout<kN>(p.hidden);
+  if ((L.steps_total + kWarps - 1) / kWarps > kMaxSteps) return cudaErrorNotSupported;
+  auto kernel = sm90_mhc_resident_kernel<kN, kF32>;
+
+  static std::mutex mutex;
+  static std::map<int, ResidentFit> fits;  // by device
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return cudaErrorNotSupported;
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = kClusterSize;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = size_t(L.total);
+  config.stream = stream;
+  config.attrs = attr;
+  int clusters = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    ResidentFit& fit = fits[device];
+    if (fit.dynamic_max < 0) {
+      // Function attributes, not stream work: capture-safe.
+      int optin = 0;
+      cudaFuncAttributes fa;
+      if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
+          cudaFuncGetAttributes(&fa, kernel) != cudaSuccess ||
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess ||
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin - int(fa.sharedSizeBytes)) !=
+              cudaSuccess) {
+        (void)cudaGetLastError();
+        fit.dynamic_max = 0;
+      } else {
+        fit.dynamic_max = optin - int(fa.sharedSizeBytes);
+      }
+    }
+    if (L.total > fit.dynamic_max) return cudaErrorNotSupported;
+    auto it = fit.clusters_by_smem.find(L.total);
+    if (it == fit.clusters_by_smem.end()) {
+      config.gridDim = dim3(kClusterSize);
+      config.numAttrs = 1;
+      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+        (void)cudaGetLastError();
+        clusters = 0;
+      }
+      fit.clusters_by_smem.emplace(L.total, clusters);
+    } else {
+      clusters = it->second;
+    }
+  }
+  if (clusters < 1) return cudaErrorNotSupported;
+  if (dry_run) return cudaSuccess;
+  const long long tiles = (p.batch + kRows - 1) / kRows;
+  const long long grid_clusters = std::min<long long>(clusters, tiles);
+  config.gridDim = dim3(unsigned(grid_clusters * kClusterSize));
+  config.numAttrs = pdl ? 2 : 1;
+  return cudaLaunchKernelEx(&config, kernel, p, L);
+}
+
+}  // namespace
+
+cudaError_t sm90_mhc_project_resident(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
+                                      bool dry_run) {
+  if (n != 4 || p.mode == ProjectMode::kHead) return cudaErrorNotSupported;
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return cudaErrorNotSupported;
+  }
+  if (major != 9 || minor != 0) return cudaErrorNotSupported;  // built for sm_90a only
+  return phi_is_f32 ? launch_resident<4, true>(p, stream, pdl, dry_run)
+                    : launch_resident<4, false>(p, stream, pdl, dry_run);
+}
+
+}  // namespace flashmix::mhc_detail
