@@ -48,8 +48,10 @@ namespace cg = cooperative_groups;
 using bf16 = __nv_bfloat16;
 
 constexpr int kClusterSize = 16;  // non-portable on Hopper; the launcher checks that one fits
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
+constexpr int kProjWarps = 8;    // hold phi; setmaxnreg kProjRegs
+constexpr int kFinishWarps = 3;  // cluster sums, H_pre, pre mix, ring refills
+constexpr int kThreads = (kProjWarps + kFinishWarps + 1) * 32;  // + 1 Sinkhorn warp
+constexpr int kProjRegs = 224, kFinishRegs = 56;  // 256*224 + 128*56 = 65536 registers
 constexpr int kRows = 16;     // tokens per tile: the m16 of the mma
 constexpr int kStages = 3;    // X tiles in the ring
 constexpr int kMaxSteps = 14; // k16 steps per warp: phi registers = kMaxSteps * k_tiles * 2 (* 2 for hi/lo)
@@ -59,7 +61,7 @@ struct ResidentLayout {
   int steps_total = 0;  // k16 steps of a CTA's slice: n * slice / 16
   int pitch = 0;        // bytes per token row in the ring: n * slice * 2 + 16 (odd 16-byte units: ldmatrix is conflict-free)
   int stage_bytes = 0;  // kRows * pitch
-  int off_scratch = 0, off_part = 0, off_tot = 0, off_hpre = 0, off_hfull = 0, total = 0;
+  int off_scratch = 0, off_part = 0, off_tot = 0, off_hpre = 0, off_hsink = 0, total = 0;
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -84,18 +86,28 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;\n" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
 
-// Sum over the cluster's CTAs, in rank order, of the float at shared address
-// `local` of each (32-bit shared::cluster addresses: no 64-bit generic
-// pointers held in registers).
-__device__ __forceinline__ float cluster_sum(uint32_t local) {
-  float s = 0.f;
+// Sum over the cluster's CTAs, in rank order, of the float4 at shared
+// address `local` of each (32-bit shared::cluster addresses: no 64-bit
+// generic pointers held in registers). All 16 loads are issued before the
+// first add.
+__device__ __forceinline__ float4 cluster_sum4(uint32_t local) {
+  float4 v[kClusterSize];
 #pragma unroll
   for (int rk = 0; rk < kClusterSize; ++rk) {
     uint32_t remote;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rk));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
-    s += v;
+    asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rk));
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(v[rk].x), "=f"(v[rk].y), "=f"(v[rk].z), "=f"(v[rk].w)
+                 : "r"(remote)
+                 : "memory");
+  }
+  float4 s = v[0];
+#pragma unroll
+  for (int rk = 1; rk < kClusterSize; ++rk) {
+    s.x += v[rk].x;
+    s.y += v[rk].y;
+    s.z += v[rk].z;
+    s.w += v[rk].w;
   }
   return s;
 }
@@ -115,6 +127,59 @@ __device__ __forceinline__ float sq_pair(uint32_t v, float acc) {
   return fmaf(hi, hi, fmaf(lo, lo, acc));
 }
 
+// Named barriers: 0 is __syncthreads.
+constexpr int kBarProj = 1;    // the 8 projection warps
+constexpr int kBarFinish = 2;  // the 3 finish warps
+
+__device__ __forceinline__ void named_bar(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive_local(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Arrives on the mbarrier at shared address `bar` in every CTA of the
+// cluster, with release semantics at cluster scope. Called by a whole warp:
+// lane r arrives in CTA r, so the 16 remote arrivals travel at once (one lane
+// issuing them in turn waits out each one's round trip: ~16 x 1 us per
+// tile, measured as the dominant cost).
+__device__ __forceinline__ void mbar_arrive_cluster_all(uint32_t bar, int lane) {
+  if (lane < kClusterSize) {
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(lane));
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+  }
+}
+
+// Waits for a phase completed by release-arrivals from other CTAs. Spinning
+// with a cluster-scope acquire invalidates L1 on every poll (CCTL.IVALL: 16%
+// of the stall samples, measured); poll at CTA scope, then acquire once.
+__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
+  mbar_wait(bar, parity);
+  asm volatile("fence.acq_rel.cluster;\n" ::: "memory");
+}
+
+__device__ __forceinline__ float sigmoid_fast(float v) { return __fdividef(1.0f, 1.0f + __expf(-v)); }
+
+// Roles (384 threads, three warpgroups):
+//   warps 0-7  projection: phi resident in registers (setmaxnreg 224); per
+//              tile: wait for X, mma, partials summed over the 8 warps into
+//              part[tile & 1], then signal every CTA's parts_ready.
+//   warps 8-10 finish (setmaxnreg 56): wait parts_ready, sum the 16 CTAs'
+//              partials (DSMEM, rank order), release the partial buffer
+//              (parts_free in every CTA), H_pre and the pre mix of this CTA's
+//              slice, then refill the ring stage with a later tile. The
+//              tile's owner CTA (tile % 16) also stashes h for warp 11.
+//   warp 11    Sinkhorn: activations + Sinkhorn of the owned tiles' 16
+//              tokens, one per lane, off the critical path.
+// The projection warps run up to two tiles ahead of the finish warps
+// (part and the ring are double/triple buffered), so the cluster exchange,
+// the mix and Sinkhorn overlap the tensor-core work of later tiles.
 template <int kN, bool kF32>
 __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_resident_kernel(ProjectParams p, ResidentLayout L) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -122,12 +187,13 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_resident_kernel(ProjectP
   constexpr int kKt = (kCoef + 7) / 8;  // n8 coefficient tiles
   constexpr int kV = kCoef + 1;         // values per token: N projections + the sum of squares
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ __align__(8) uint64_t full[kStages];
+  __shared__ __align__(8) uint64_t full[kStages], parts_ready[2], parts_free[2], hpre_ready[2], hpre_free[2],
+      sink_full[2], sink_empty[2];
   float* scratch = reinterpret_cast<float*>(smem + L.off_scratch);  // [warp][kV][kRows]
   float* part = reinterpret_cast<float*>(smem + L.off_part);        // [2][kV][kRows], read by the cluster
   float* tot = reinterpret_cast<float*>(smem + L.off_tot);          // [kV][kRows]
-  float* hpre = reinterpret_cast<float*>(smem + L.off_hpre);        // [kRows][kN]
-  float* hfull = reinterpret_cast<float*>(smem + L.off_hfull);      // [kRows][kCoef]
+  float* hpre = reinterpret_cast<float*>(smem + L.off_hpre);        // [2][kRows][kN]
+  float* hsink = reinterpret_cast<float*>(smem + L.off_hsink);      // [2][kRows][kCoef]
 
   const int rank = int(cg::this_cluster().block_rank());
   const int cluster_id = int(blockIdx.x) / kClusterSize;
@@ -135,37 +201,46 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_resident_kernel(ProjectP
   const long long num_tiles = (p.batch + kRows - 1) / kRows;
   const int my_tiles = cluster_id < num_tiles ? int((num_tiles - 1 - cluster_id) / num_clusters + 1) : 0;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
   const int hidden = p.hidden, slice = L.slice;
   const int c0 = rank * slice;
 
-  if (tid < kStages)
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(&full[tid])) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;\n fence.proxy.async.shared::cta;\n" ::: "memory");
-  __syncthreads();
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) mbar_init(smem_u32(&full[s]), 1);
+    for (int b = 0; b < 2; ++b) {
+      mbar_init(smem_u32(&parts_ready[b]), kClusterSize);
+      mbar_init(smem_u32(&parts_free[b]), kClusterSize);
+      mbar_init(smem_u32(&hpre_ready[b]), 1);
+      mbar_init(smem_u32(&hpre_free[b]), 1);
+      mbar_init(smem_u32(&sink_full[b]), 1);
+      mbar_init(smem_u32(&sink_empty[b]), 1);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n fence.proxy.async.shared::cta;\n" ::: "memory");
+  }
+  // Every CTA's barriers are initialised before any peer may arrive on them.
+  cluster_arrive();
+  cluster_wait();
 
   dev::grid_dependency_wait();
   dev::allow_dependents_launch();
 
   // Fills ring stage (j % kStages) with tile j: one bulk copy per (token,
-  // stream) of this CTA's columns, lane 0 of every warp issuing its share
-  // (one lane issuing all 64 serialises them: ~4000 cycles per tile,
-  // measured). Rows past B are not copied (their ring rows hold stale data,
-  // which only ever reaches those rows' results, none of which is stored).
-  // Called by every thread.
-  auto issue = [&](int j) {
+  // stream) of this CTA's columns, lane 0 of each of `warps` warps issuing
+  // its share (one lane issuing all 64 serialises them: ~4000 cycles per
+  // tile, measured). Rows past B are not copied (their ring rows hold stale
+  // data, which only reaches those rows' results, none of which is stored).
+  auto issue = [&](int j, int w, int warps) {
     const long long tile = cluster_id + (long long)j * num_clusters;
     const long long left = p.batch - tile * kRows;
     const int valid = left < kRows ? int(left) : kRows;
     const int stage = j % kStages;
     const uint32_t bar = smem_u32(&full[stage]);
-    if (tid == 0) {
+    if (w == 0 && lane == 0) {
       const uint32_t bytes = uint32_t(valid) * kN * slice * 2;
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
     }
     if (lane == 0) {
       const uint32_t dst0 = smem_u32(smem + stage * L.stage_bytes);
-      for (int q = warp; q < valid * kN; q += kWarps) {
+      for (int q = w; q < valid * kN; q += warps) {
         const int row = q / kN, i = q - row * kN;
         const bf16* src = p.x + (tile * kRows + row) * p.k_len + (long long)i * hidden + c0;
         const uint32_t dst = dst0 + row * L.pitch + i * slice * 2;
@@ -176,239 +251,246 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_resident_kernel(ProjectP
       }
     }
   };
-  for (int j = 0; j < min(my_tiles, kStages); ++j) issue(j);
 
-  // phi -> registers, once: warp w owns k16 steps [w*kMaxSteps, ...) of the
-  // CTA's slice (stream-major: step s covers stream s / (S/16), columns
-  // c0 + (s % (S/16)) * 16 ...). B fragment of coefficient tile kt: rows
-  // (k) 2t, 2t+1 and 2t+8, 2t+9 of column (coefficient) kt*8 + g.
-  const int steps_per_stream = slice / 16;
-  const int first_step = warp * kMaxSteps;
-  const int my_steps = max(0, min(kMaxSteps, L.steps_total - first_step));
-  uint32_t bhi[kMaxSteps][kKt][2];
-  uint32_t blo[kF32 ? kMaxSteps : 1][kKt][2];
-#pragma unroll
-  for (int s = 0; s < kMaxSteps; ++s) {
-    const int gs = first_step + s;
-    const int i = gs / steps_per_stream;
-    const long long kg = (long long)i * hidden + c0 + (gs - i * steps_per_stream) * 16 + 2 * t;
-#pragma unroll
-    for (int kt = 0; kt < kKt; ++kt) {
-      const int m = kt * 8 + g;
-      const bool ok = s < my_steps && m < kCoef;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if constexpr (kF32) {
-          const float2 v = ok ? __ldg(reinterpret_cast<const float2*>(static_cast<const float*>(p.phi) +
-                                                                      (long long)m * p.k_len + kg + 8 * h))
-                              : make_float2(0.f, 0.f);
-          const __nv_bfloat162 hi = __floats2bfloat162_rn(v.x, v.y);
-          const float2 hf = __bfloat1622float2(hi);
-          const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x - hf.x, v.y - hf.y);
-          bhi[s][kt][h] = *reinterpret_cast<const uint32_t*>(&hi);
-          blo[s][kt][h] = *reinterpret_cast<const uint32_t*>(&lo);
-        } else {
-          bhi[s][kt][h] = ok ? __ldg(reinterpret_cast<const unsigned int*>(static_cast<const bf16*>(p.phi) +
-                                                                           (long long)m * p.k_len + kg + 8 * h))
-                             : 0u;
-        }
-      }
-    }
-  }
-  // ldmatrix.x4 lane address: rows (lane & 7) + 8 * ((lane >> 3) & 1), k offset 8 * (lane >> 4).
-  const uint32_t a_lane = uint32_t(((lane & 7) + ((lane >> 3) & 1) * 8) * L.pitch + (first_step * 16 + (lane >> 4) * 8) * 2);
-  const uint32_t ring = smem_u32(smem);
+  if (warp < kProjWarps) {
+    // ---------------- projection warps ----------------
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kProjRegs));
+    for (int j = 0; j < min(my_tiles, kStages); ++j) issue(j, warp, kProjWarps);
 
-#ifdef FLASHMIX_MHC_PROFILE
-  long long prof[16] = {};
-  int owned = 0;
-  long long t0 = clock64();
-#define FM_PROF(k) { const long long t1 = clock64(); prof[k] += t1 - t0; t0 = t1; }
-#define FM_SUB(k) { const long long t1 = clock64(); prof[owner ? (k) + 4 : (k)] += t1 - t0; t0 = t1; }
-#else
-#define FM_PROF(k)
-#define FM_SUB(k)
-#endif
-  // Finishes tile j (its cluster partials are complete): sums the 16 CTAs'
-  // partials in rank order, then h, H_pre, the pre mix of this CTA's slice,
-  // and (one CTA per tile) the activations with Sinkhorn or the stage-1 outputs.
-  auto finish = [&](int j) {
-    const long long row0 = (cluster_id + (long long)j * num_clusters) * kRows;
-    const bool owner = rank == j % kClusterSize;  // writes H_post/H_res (or h, r) of this tile
-    if (p.mode == ProjectMode::kProject && !owner) return;
-    const float* pb = part + (j & 1) * kV * kRows;
-    const int nvals = owner ? kV * kRows : (kN + 1) * kRows;
-    for (int v = tid; v < nvals; v += kThreads) {
-      int m = v / kRows;
-      const int row = v - m * kRows;
-      if (!owner && m == kN) m = kCoef;  // the pre coefficients and the sum of squares
-      const int e = m * kRows + row;
-      tot[e] = cluster_sum(smem_u32(pb + e));
-    }
-#ifdef FLASHMIX_MHC_PROFILE
-    owned += owner;
-#endif
-    FM_SUB(8)
-    __syncthreads();
-    if (tid < kRows) {
-      const int row = tid;
-      const long long b = row0 + row;
-      const float r = sqrtf(tot[kCoef * kRows + row] / float(p.k_len) + p.eps_norm);
-      const float a_pre = __ldg(p.alpha);
-      if (p.mode == ProjectMode::kPre) {
-#pragma unroll
-        for (int i = 0; i < kN; ++i)
-          hpre[row * kN + i] = sigmoidf_(a_pre * tot[i * kRows + row] / r + __ldg(p.bias + i)) + p.act.eps_pre;
-      }
-      if (owner) {
-#pragma unroll
-        for (int m = 0; m < kCoef; ++m) {
-          const float h = __ldg(p.alpha + alpha_index(m, kN)) * tot[m * kRows + row] / r + __ldg(p.bias + m);
-          if (p.mode == ProjectMode::kProject) {
-            if (b < p.batch) p.h[b * kCoef + m] = h;
-          } else {
-            hfull[row * kCoef + m] = h;
-          }
-        }
-        if (p.mode == ProjectMode::kProject && b < p.batch) p.r[b] = r;
-      }
-    }
-    if (p.mode == ProjectMode::kProject) return;  // uniform: the owner of a stage-1 tile has no mix
-    FM_SUB(9)
-    __syncthreads();
-    FM_SUB(10)
-    const bool sinkhorn_warp = owner && warp == kWarps - 1;
-    if (sinkhorn_warp) {
-      const long long b = row0 + lane;
-      if (lane < kRows && b < p.batch) {
-        float pre[kN], post[kN], res[kN * kN];
-        activate_token<kN>(hfull + lane * kCoef, p.act, pre, post, res);
-#pragma unroll
-        for (int i = 0; i < kN; ++i) p.h_post[b * kN + i] = post[i];
-#pragma unroll
-        for (int e = 0; e < kN * kN; ++e) p.h_res[b * kN * kN + e] = res[e];
-      }
-      FM_SUB(11)
-      return;
-    }
-    const unsigned char* xs = smem + (j % kStages) * L.stage_bytes;
-    const int groups = slice / 8;
-    const int mix_threads = owner ? kThreads - 32 : kThreads;
-    for (int it = tid; it < kRows * groups; it += mix_threads) {
-      const int row = it / groups, col = (it - row * groups) * 8;
-      const long long b = row0 + row;
-      if (b >= p.batch) break;  // rows ascend with it
-      float out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-      for (int i = 0; i < kN; ++i) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(xs + row * L.pitch + (i * slice + col) * 2);
-        const uint32_t w4[4] = {raw.x, raw.y, raw.z, raw.w};
-        const float w = hpre[row * kN + i];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          out[2 * e] = fmaf(w, __uint_as_float(w4[e] << 16), out[2 * e]);
-          out[2 * e + 1] = fmaf(w, __uint_as_float(w4[e] & 0xffff0000u), out[2 * e + 1]);
-        }
-      }
-      uint4 o;
-      uint32_t* ov = reinterpret_cast<uint32_t*>(&o);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const __nv_bfloat162 v = __floats2bfloat162_rn(out[2 * e], out[2 * e + 1]);
-        ov[e] = *reinterpret_cast<const uint32_t*>(&v);
-      }
-      *reinterpret_cast<uint4*>(p.f_out + b * hidden + c0 + col) = o;
-    }
-    FM_SUB(11)
-  };
-
-#pragma unroll 1
-  for (int j = 0; j < my_tiles; ++j) {
-    const int stage = j % kStages;
-    mbar_wait(smem_u32(&full[stage]), uint32_t(j / kStages) & 1u);
-    FM_PROF(0)
-
-    // Partial projection of tile j over this warp's k steps; hi and lo in
-    // separate accumulators (two independent mma chains).
-    float acc_hi[kKt][4], acc_lo[kKt][4];
-#pragma unroll
-    for (int kt = 0; kt < kKt; ++kt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_hi[kt][e] = acc_lo[kt][e] = 0.f;
-    float sq0 = 0.f, sq1 = 0.f;  // tokens g and g + 8
-    const uint32_t a_base = ring + stage * L.stage_bytes + a_lane;
+    // phi -> registers, once: warp w owns k16 steps [w*kMaxSteps, ...) of
+    // the CTA's slice (stream-major: step s covers stream s / (S/16),
+    // columns c0 + (s % (S/16)) * 16 ...). B fragment of coefficient tile
+    // kt: rows (k) 2t, 2t+1 and 2t+8, 2t+9 of column (coefficient) kt*8 + g.
+    const int g = lane >> 2, t = lane & 3;
+    const int steps_per_stream = slice / 16;
+    const int first_step = warp * kMaxSteps;
+    const int my_steps = max(0, min(kMaxSteps, L.steps_total - first_step));
+    uint32_t bhi[kMaxSteps][kKt][2];
+    uint32_t blo[kF32 ? kMaxSteps : 1][kKt][2];
 #pragma unroll
     for (int s = 0; s < kMaxSteps; ++s) {
-      if (s < my_steps) {
-        uint32_t a[4];
-        ldmatrix_x4(a, a_base + s * 32);
-        sq0 = sq_pair(a[2], sq_pair(a[0], sq0));
-        sq1 = sq_pair(a[3], sq_pair(a[1], sq1));
+      const int gs = first_step + s;
+      const int i = gs / steps_per_stream;
+      const long long kg = (long long)i * hidden + c0 + (gs - i * steps_per_stream) * 16 + 2 * t;
 #pragma unroll
-        for (int kt = 0; kt < kKt; ++kt) {
-          mma_bf16(acc_hi[kt], a, bhi[s][kt]);
-          if constexpr (kF32) mma_bf16(acc_lo[kt], a, blo[s][kt]);
+      for (int kt = 0; kt < kKt; ++kt) {
+        const int m = kt * 8 + g;
+        const bool ok = s < my_steps && m < kCoef;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if constexpr (kF32) {
+            const float2 v = ok ? __ldg(reinterpret_cast<const float2*>(static_cast<const float*>(p.phi) +
+                                                                        (long long)m * p.k_len + kg + 8 * h))
+                                : make_float2(0.f, 0.f);
+            const __nv_bfloat162 hi = __floats2bfloat162_rn(v.x, v.y);
+            const float2 hf = __bfloat1622float2(hi);
+            const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x - hf.x, v.y - hf.y);
+            bhi[s][kt][h] = *reinterpret_cast<const uint32_t*>(&hi);
+            blo[s][kt][h] = *reinterpret_cast<const uint32_t*>(&lo);
+          } else {
+            bhi[s][kt][h] = ok ? __ldg(reinterpret_cast<const unsigned int*>(static_cast<const bf16*>(p.phi) +
+                                                                             (long long)m * p.k_len + kg + 8 * h))
+                               : 0u;
+          }
         }
       }
     }
+    // ldmatrix.x4 lane address: rows (lane & 7) + 8 * ((lane >> 3) & 1), k offset 8 * (lane >> 4).
+    const uint32_t a_lane =
+        uint32_t(((lane & 7) + ((lane >> 3) & 1) * 8) * L.pitch + (first_step * 16 + (lane >> 4) * 8) * 2);
+    const uint32_t ring = smem_u32(smem);
 
-    FM_PROF(1)
-    // Tile j - 1's cluster sums are complete once every CTA has arrived.
-    if (j > 0) {
-      cluster_wait();
-      FM_PROF(2)
-      finish(j - 1);
-      FM_PROF(3)
-    }
-    __syncthreads();  // the ring stage of tile j - 1 is consumed; scratch is free
-    if (j > 0 && j - 1 + kStages < my_tiles) issue(j - 1 + kStages);
-    FM_PROF(4)
+    // F_pre of tile jj for this CTA's columns, out of the ring, once the
+    // finish warps have published its H_pre; then the stage and the H_pre
+    // buffer are released and the stage refilled with tile jj + kStages.
+    auto mix = [&](int jj) {
+      mbar_wait(smem_u32(&hpre_ready[jj & 1]), uint32_t(jj >> 1) & 1u);
+      const long long row0 = (cluster_id + (long long)jj * num_clusters) * kRows;
+      const unsigned char* xs = smem + (jj % kStages) * L.stage_bytes;
+      const float* hp = hpre + (jj & 1) * kRows * kN;
+      const int groups = slice / 8;
+      for (int it = tid; it < kRows * groups; it += kProjWarps * 32) {
+        const int row = it / groups, col = (it - row * groups) * 8;
+        const long long b = row0 + row;
+        if (b >= p.batch) break;  // rows ascend with it
+        float out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+        for (int i = 0; i < kN; ++i) {
+          const uint4 raw = *reinterpret_cast<const uint4*>(xs + row * L.pitch + (i * slice + col) * 2);
+          const uint32_t w4[4] = {raw.x, raw.y, raw.z, raw.w};
+          const float w = hp[row * kN + i];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            out[2 * e] = fmaf(w, __uint_as_float(w4[e] << 16), out[2 * e]);
+            out[2 * e + 1] = fmaf(w, __uint_as_float(w4[e] & 0xffff0000u), out[2 * e + 1]);
+          }
+        }
+        uint4 o;
+        uint32_t* ov = reinterpret_cast<uint32_t*>(&o);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const __nv_bfloat162 v = __floats2bfloat162_rn(out[2 * e], out[2 * e + 1]);
+          ov[e] = *reinterpret_cast<const uint32_t*>(&v);
+        }
+        *reinterpret_cast<uint4*>(p.f_out + b * hidden + c0 + col) = o;
+      }
+      named_bar(kBarProj, kProjWarps * 32);  // every read of the stage and of H_pre is done
+      if (tid == 0) mbar_arrive_local(smem_u32(&hpre_free[jj & 1]));
+      if (jj + kStages < my_tiles) issue(jj + kStages, warp, kProjWarps);
+    };
 
-    // This CTA's partials of tile j: per warp into scratch, then summed over the warps in order.
-    float* my = scratch + warp * kV * kRows;
+#pragma unroll 1
+    for (int j = 0; j < my_tiles; ++j) {
+      const int stage = j % kStages;
+      mbar_wait(smem_u32(&full[stage]), uint32_t(j / kStages) & 1u);
+      // Partial projection of tile j over this warp's k steps; hi and lo in
+      // separate accumulators (independent mma chains).
+      float acc_hi[kKt][4], acc_lo[kKt][4];
 #pragma unroll
-    for (int kt = 0; kt < kKt; ++kt) {
-      const int m = kt * 8 + 2 * t;
+      for (int kt = 0; kt < kKt; ++kt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int mm = m + (e & 1), row = g + 8 * (e >> 1);
-        if (mm < kCoef) my[mm * kRows + row] = acc_hi[kt][e] + acc_lo[kt][e];
+        for (int e = 0; e < 4; ++e) acc_hi[kt][e] = acc_lo[kt][e] = 0.f;
+      float sq0 = 0.f, sq1 = 0.f;  // tokens g and g + 8
+      const uint32_t a_base = ring + stage * L.stage_bytes + a_lane;
+#pragma unroll
+      for (int s = 0; s < kMaxSteps; ++s) {
+        if (s < my_steps) {
+          uint32_t a[4];
+          ldmatrix_x4(a, a_base + s * 32);
+          sq0 = sq_pair(a[2], sq_pair(a[0], sq0));
+          sq1 = sq_pair(a[3], sq_pair(a[1], sq1));
+#pragma unroll
+          for (int kt = 0; kt < kKt; ++kt) {
+            mma_bf16(acc_hi[kt], a, bhi[s][kt]);
+            if constexpr (kF32) mma_bf16(acc_lo[kt], a, blo[s][kt]);
+          }
+        }
+      }
+      // This CTA's partials of tile j: per warp into scratch, summed over
+      // the warps in a fixed order into part[j & 1] once every CTA has
+      // released that buffer's previous use (tile j - 2).
+      float* my = scratch + warp * kV * kRows;
+#pragma unroll
+      for (int kt = 0; kt < kKt; ++kt) {
+        const int m = kt * 8 + 2 * t;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int mm = m + (e & 1), row = g + 8 * (e >> 1);
+          if (mm < kCoef) my[mm * kRows + row] = acc_hi[kt][e] + acc_lo[kt][e];
+        }
+      }
+      sq0 += __shfl_xor_sync(0xffffffffu, sq0, 1);
+      sq0 += __shfl_xor_sync(0xffffffffu, sq0, 2);
+      sq1 += __shfl_xor_sync(0xffffffffu, sq1, 1);
+      sq1 += __shfl_xor_sync(0xffffffffu, sq1, 2);
+      if (t == 0) {
+        my[kCoef * kRows + g] = sq0;
+        my[kCoef * kRows + g + 8] = sq1;
+      }
+      if (j >= 2) mbar_wait_cluster(smem_u32(&parts_free[j & 1]), uint32_t((j - 2) >> 1) & 1u);
+      named_bar(kBarProj, kProjWarps * 32);
+      float* pw = part + (j & 1) * kV * kRows;
+      for (int v = tid; v < kV * kRows; v += kProjWarps * 32) {
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < kProjWarps; ++w) s += scratch[w * kV * kRows + v];
+        pw[v] = s;
+      }
+      named_bar(kBarProj, kProjWarps * 32);  // part written; scratch free for the next tile
+      if (warp == 0) {
+        asm volatile("fence.acq_rel.cluster;\n" ::: "memory");
+        mbar_arrive_cluster_all(smem_u32(&parts_ready[j & 1]), lane);
+      }
+      // The pre mix of the previous tile (its H_pre is being made by the
+      // finish warps while this tile's projection ran), then its ring stage
+      // is refilled. Stage-1 (kProject) has no mix: this tile's stage is free now.
+      if (p.mode == ProjectMode::kProject) {
+        if (j + kStages < my_tiles) issue(j + kStages, warp, kProjWarps);
+      } else if (j > 0) {
+        mix(j - 1);
       }
     }
-    sq0 += __shfl_xor_sync(0xffffffffu, sq0, 1);
-    sq0 += __shfl_xor_sync(0xffffffffu, sq0, 2);
-    sq1 += __shfl_xor_sync(0xffffffffu, sq1, 1);
-    sq1 += __shfl_xor_sync(0xffffffffu, sq1, 2);
-    if (t == 0) {
-      my[kCoef * kRows + g] = sq0;
-      my[kCoef * kRows + g + 8] = sq1;
+    if (p.mode != ProjectMode::kProject && my_tiles > 0) mix(my_tiles - 1);
+  } else if (warp < kProjWarps + kFinishWarps) {
+    // ---------------- finish warps ----------------
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kFinishRegs));
+    const int ft = tid - kProjWarps * 32;
+    int owned = 0;
+#pragma unroll 1
+    for (int j = 0; j < my_tiles; ++j) {
+      const long long row0 = (cluster_id + (long long)j * num_clusters) * kRows;
+      const bool owner = rank == j % kClusterSize;  // H_post/H_res (or h, r) of this tile
+      mbar_wait_cluster(smem_u32(&parts_ready[j & 1]), uint32_t(j >> 1) & 1u);
+      // The cluster sums, 4 tokens per float4: the pre coefficients and the
+      // sum of squares (every CTA), all N + 1 values (the owner).
+      const uint32_t pb = smem_u32(part + (j & 1) * kV * kRows);
+      constexpr int kQ = kRows / 4;  // float4s per value
+      const int nq = (owner ? kV : kN + 1) * kQ;
+      for (int q = ft; q < nq; q += kFinishWarps * 32) {
+        int m = q / kQ;
+        const int r4 = q - m * kQ;
+        if (!owner && m == kN) m = kCoef;
+        const int e = m * kRows + r4 * 4;
+        *reinterpret_cast<float4*>(tot + e) = cluster_sum4(pb + e * 4);
+      }
+      named_bar(kBarFinish, kFinishWarps * 32);
+      if (ft < 32) mbar_arrive_cluster_all(smem_u32(&parts_free[j & 1]), lane);  // every read of part[j & 1] is done
+      const int slot = owned & 1;
+      if (owner && p.mode == ProjectMode::kPre && owned >= 2)
+        mbar_wait(smem_u32(&sink_empty[slot]), uint32_t((owned - 2) >> 1) & 1u);
+      if (p.mode == ProjectMode::kPre && j >= 2) mbar_wait(smem_u32(&hpre_free[j & 1]), uint32_t((j - 2) >> 1) & 1u);
+      float* hp = hpre + (j & 1) * kRows * kN;
+      const float inv_k = 1.0f / float(p.k_len);
+      const int per_row = owner ? kCoef : kN;
+      for (int v = ft; v < per_row * kRows; v += kFinishWarps * 32) {
+        const int row = v / per_row, m = v - row * per_row;
+        const float r = sqrtf(tot[kCoef * kRows + row] * inv_k + p.eps_norm);
+        const float h = __ldg(p.alpha + alpha_index(m, kN)) * __fdividef(tot[m * kRows + row], r) + __ldg(p.bias + m);
+        const long long b = row0 + row;
+        if (p.mode == ProjectMode::kProject) {
+          if (owner && b < p.batch) {
+            p.h[b * kCoef + m] = h;
+            if (m == 0) p.r[b] = r;
+          }
+        } else {
+          if (m < kN) hp[row * kN + m] = sigmoid_fast(h) + p.act.eps_pre;
+          if (owner) hsink[(slot * kRows + row) * kCoef + m] = h;
+        }
+      }
+      named_bar(kBarFinish, kFinishWarps * 32);
+      if (ft == 0 && p.mode == ProjectMode::kPre) {
+        mbar_arrive_local(smem_u32(&hpre_ready[j & 1]));
+        if (owner) mbar_arrive_local(smem_u32(&sink_full[slot]));
+      }
+      owned += owner;
     }
-    __syncthreads();
-    FM_PROF(5)
-    float* pw = part + (j & 1) * kV * kRows;
-    for (int v = tid; v < kV * kRows; v += kThreads) {
-      float s = 0.f;
+  } else {
+    // ---------------- Sinkhorn warp ----------------
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kFinishRegs));
+    if (p.mode == ProjectMode::kPre) {
+      int owned = 0;
+#pragma unroll 1
+      for (int j = rank; j < my_tiles; j += kClusterSize, ++owned) {
+        const int slot = owned & 1;
+        mbar_wait(smem_u32(&sink_full[slot]), uint32_t(owned >> 1) & 1u);
+        const long long b = (cluster_id + (long long)j * num_clusters) * kRows + lane;
+        if (lane < kRows && b < p.batch) {
+          float h[kCoef], pre[kN], post[kN], res[kN * kN];
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) s += scratch[w * kV * kRows + v];
-      pw[v] = s;
+          for (int m = 0; m < kCoef; ++m) h[m] = hsink[(slot * kRows + lane) * kCoef + m];
+          activate_token<kN>(h, p.act, pre, post, res);
+#pragma unroll
+          for (int i = 0; i < kN; ++i) p.h_post[b * kN + i] = post[i];
+#pragma unroll
+          for (int e = 0; e < kN * kN; ++e) p.h_res[b * kN * kN + e] = res[e];
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive_local(smem_u32(&sink_empty[slot]));
+      }
     }
-    cluster_arrive();
-    FM_PROF(6)
   }
-#ifdef FLASHMIX_MHC_PROFILE
-  if (cluster_id == 0 && rank < 3 && (tid == 0 || tid == 224) && my_tiles > 0)
-    printf("prof rank %d tid %d tiles %d owned %d | waitX %lld proj %lld cwait %lld finish-rest %lld syncA %lld partial %lld "
-           "reduce %lld | other: sum %lld h %lld sync %lld mix %lld | owner: sum %lld h %lld sync %lld mix/sink %lld\n",
-           rank, tid, my_tiles, owned, prof[0] / my_tiles, prof[1] / my_tiles, prof[2] / my_tiles, prof[3] / my_tiles,
-           prof[4] / my_tiles, prof[5] / my_tiles, prof[6] / my_tiles, prof[8] / max(1, my_tiles - owned),
-           prof[9] / max(1, my_tiles - owned), prof[10] / max(1, my_tiles - owned), prof[11] / max(1, my_tiles - owned),
-           prof[12] / max(1, owned), prof[13] / max(1, owned), prof[14] / max(1, owned), prof[15] / max(1, owned));
-#endif
-  if (my_tiles > 0) {
-    cluster_wait();
-    finish(my_tiles - 1);
-  }
-  // No CTA leaves while a peer may still read its partials.
+  // No CTA leaves while a peer may still read its partials or arrive on its barriers.
+  __syncwarp();
   cluster_arrive();
   cluster_wait();
 #endif
@@ -424,15 +506,15 @@ ResidentLayout resident_layout(int hidden) {
   L.stage_bytes = kRows * L.pitch;
   int off = kStages * L.stage_bytes;
   L.off_scratch = off;
-  off += kWarps * kV * kRows * 4;
+  off += kProjWarps * kV * kRows * 4;
   L.off_part = off;
   off += 2 * kV * kRows * 4;
   L.off_tot = off;
   off += kV * kRows * 4;
   L.off_hpre = off;
-  off += kRows * kN * 4;
-  L.off_hfull = off;
-  off += kRows * (kV - 1) * 4;
+  off += 2 * kRows * kN * 4;
+  L.off_hsink = off;
+  off += 2 * kRows * (kV - 1) * 4;
   L.total = off;
   return L;
 }
@@ -448,7 +530,7 @@ template <int kN, bool kF32>
 cudaError_t launch_resident(const ProjectParams& p, cudaStream_t stream, bool pdl, bool dry_run) {
   if (p.hidden % (kClusterSize * 16) != 0) return cudaErrorNotSupported;
   const ResidentLayout L = resident_layout<kN>(p.hidden);
-  if ((L.steps_total + kWarps - 1) / kWarps > kMaxSteps) return cudaErrorNotSupported;
+  if ((L.steps_total + kProjWarps - 1) / kProjWarps > kMaxSteps) return cudaErrorNotSupported;
   auto kernel = sm90_mhc_resident_kernel<kN, kF32>;
 
   static std::mutex mutex;
