@@ -53,6 +53,7 @@ constexpr int kFinishWarps = 3;  // cluster sums, H_pre, pre mix, ring refills
 constexpr int kThreads = (kProjWarps + kFinishWarps + 1) * 32;  // + 1 Sinkhorn warp
 constexpr int kProjRegs = 224, kFinishRegs = 56;  // 256*224 + 128*56 = 65536 registers
 constexpr int kRows = 16;     // tokens per tile: the m16 of the mma
+constexpr int kScratchStride = 20;  // floats per coefficient row of the per-warp scratch: fragment stores hit 32 banks
 constexpr int kStages = 3;    // X tiles in the ring
 constexpr int kMaxSteps = 14; // k16 steps per warp: phi registers = kMaxSteps * k_tiles * 2 (* 2 for hi/lo)
 
@@ -75,8 +76,9 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
 }
 
 // D += A(16x16, rows = tokens) * B(16x8, columns = coefficients), bf16 in, fp32 accumulate.
+// Not volatile: a pure register operation the scheduler may interleave.
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -205,12 +207,12 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_resident_kernel(ProjectP
   const int c0 = rank * slice;
 
   if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) mbar_init(smem_u32(&full[s]), 1);
+    for (int s = 0; s < kStages; ++s) mbar_init(smem_u32(&full[s]), kProjWarps);  // one expect_tx arrival per projection warp
     for (int b = 0; b < 2; ++b) {
       mbar_init(smem_u32(&parts_ready[b]), kClusterSize);
       mbar_init(smem_u32(&parts_free[b]), kClusterSize);
       mbar_init(smem_u32(&hpre_ready[b]), 1);
-      mbar_init(smem_u32(&hpre_free[b]), 1);
+      mbar_init(smem_u32(&hpre_free[b]), kProjWarps);
       mbar_init(smem_u32(&sink_full[b]), 1);
       mbar_init(smem_u32(&sink_empty[b]), 1);
     }
@@ -223,39 +225,39 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_resident_kernel(ProjectP
   dev::grid_dependency_wait();
   dev::allow_dependents_launch();
 
-  // Fills ring stage (j % kStages) with tile j: one bulk copy per (token,
-  // stream) of this CTA's columns, lane 0 of each of `warps` warps issuing
-  // its share (one lane issuing all 64 serialises them: ~4000 cycles per
-  // tile, measured). Rows past B are not copied (their ring rows hold stale
-  // data, which only reaches those rows' results, none of which is stored).
-  auto issue = [&](int j, int w, int warps) {
+  // Projection warp w fills its two token rows (2w, 2w + 1) of ring stage
+  // j % kStages with tile j: one bulk copy per (token, stream) of this CTA's
+  // columns, and one expect_tx arrival (full[] counts 8). The rows a warp
+  // refills are the rows it mixes, so no block-wide barrier stands between
+  // a tile's mix and the next load into its stage. (16-byte cp.async instead
+  // cost more issue time: 1520 vs 1140 cycles per tile per warp, measured.)
+  // Rows past B are not copied: their ring rows hold stale data, which only
+  // reaches those rows' results, none of which is stored.
+  auto issue_rows = [&](int j, int w) {
     const long long tile = cluster_id + (long long)j * num_clusters;
-    const long long left = p.batch - tile * kRows;
-    const int valid = left < kRows ? int(left) : kRows;
+    const long long left = p.batch - tile * kRows - 2 * w;
+    const int rows = left <= 0 ? 0 : (left < 2 ? int(left) : 2);
     const int stage = j % kStages;
     const uint32_t bar = smem_u32(&full[stage]);
-    if (w == 0 && lane == 0) {
-      const uint32_t bytes = uint32_t(valid) * kN * slice * 2;
+    if (lane == 0) {
+      const uint32_t bytes = uint32_t(rows) * kN * slice * 2;
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
     }
-    if (lane == 0) {
-      const uint32_t dst0 = smem_u32(smem + stage * L.stage_bytes);
-      for (int q = w; q < valid * kN; q += warps) {
-        const int row = q / kN, i = q - row * kN;
-        const bf16* src = p.x + (tile * kRows + row) * p.k_len + (long long)i * hidden + c0;
-        const uint32_t dst = dst0 + row * L.pitch + i * slice * 2;
-        asm volatile(
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-            "l"(src), "r"(slice * 2), "r"(bar)
-            : "memory");
-      }
+    if (lane < rows * kN) {
+      const int row = 2 * w + lane / kN, i = lane % kN;
+      const bf16* src = p.x + (tile * kRows + row) * p.k_len + (long long)i * hidden + c0;
+      const uint32_t dst = smem_u32(smem + stage * L.stage_bytes) + row * L.pitch + i * slice * 2;
+      asm volatile(
+          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+          "l"(src), "r"(slice * 2), "r"(bar)
+          : "memory");
     }
   };
 
   if (warp < kProjWarps) {
     // ---------------- projection warps ----------------
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kProjRegs));
-    for (int j = 0; j < min(my_tiles, kStages); ++j) issue(j, warp, kProjWarps);
+    for (int j = 0; j < min(my_tiles, kStages); ++j) issue_rows(j, warp);
 
     // phi -> registers, once: warp w owns k16 steps [w*kMaxSteps, ...) of
     // the CTA's slice (stream-major: step s covers stream s / (S/16),
@@ -300,17 +302,28 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_resident_kernel(ProjectP
         uint32_t(((lane & 7) + ((lane >> 3) & 1) * 8) * L.pitch + (first_step * 16 + (lane >> 4) * 8) * 2);
     const uint32_t ring = smem_u32(smem);
 
+    // FLASHMIX_MHC_PROFILE: per-phase cycle counts of warps 0 and 1 of two
+    // CTAs, printed at the end (a profiling build, never the shipped one).
+#ifdef FLASHMIX_MHC_PROFILE
+    long long prof[8] = {};
+    long long t0 = clock64();
+#define FM_PROF(k) { const long long t1 = clock64(); prof[k] += t1 - t0; t0 = t1; }
+#else
+#define FM_PROF(k)
+#endif
     // F_pre of tile jj for this CTA's columns, out of the ring, once the
     // finish warps have published its H_pre; then the stage and the H_pre
     // buffer are released and the stage refilled with tile jj + kStages.
     auto mix = [&](int jj) {
       mbar_wait(smem_u32(&hpre_ready[jj & 1]), uint32_t(jj >> 1) & 1u);
+      FM_PROF(5)
       const long long row0 = (cluster_id + (long long)jj * num_clusters) * kRows;
       const unsigned char* xs = smem + (jj % kStages) * L.stage_bytes;
       const float* hp = hpre + (jj & 1) * kRows * kN;
       const int groups = slice / 8;
-      for (int it = tid; it < kRows * groups; it += kProjWarps * 32) {
-        const int row = it / groups, col = (it - row * groups) * 8;
+      // Warp w mixes its own two token rows (the rows it refills).
+      for (int it = lane; it < 2 * groups; it += 32) {
+        const int row = 2 * warp + it / groups, col = (it % groups) * 8;
         const long long b = row0 + row;
         if (b >= p.batch) break;  // rows ascend with it
         float out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -334,15 +347,20 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_resident_kernel(ProjectP
         }
         *reinterpret_cast<uint4*>(p.f_out + b * hidden + c0 + col) = o;
       }
-      named_bar(kBarProj, kProjWarps * 32);  // every read of the stage and of H_pre is done
-      if (tid == 0) mbar_arrive_local(smem_u32(&hpre_free[jj & 1]));
-      if (jj + kStages < my_tiles) issue(jj + kStages, warp, kProjWarps);
+      FM_PROF(6)
+      // This warp is done with its rows of the stage and with the H_pre
+      // buffer: release H_pre (8 arrivals) and refill the rows.
+      __syncwarp();
+      if (lane == 0) mbar_arrive_local(smem_u32(&hpre_free[jj & 1]));
+      if (jj + kStages < my_tiles) issue_rows(jj + kStages, warp);
+      FM_PROF(7)
     };
 
 #pragma unroll 1
     for (int j = 0; j < my_tiles; ++j) {
       const int stage = j % kStages;
       mbar_wait(smem_u32(&full[stage]), uint32_t(j / kStages) & 1u);
+      FM_PROF(0)
       // Partial projection of tile j over this warp's k steps; hi and lo in
       // separate accumulators (independent mma chains).
       float acc_hi[kKt][4], acc_lo[kKt][4];
@@ -366,17 +384,18 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_resident_kernel(ProjectP
           }
         }
       }
+      FM_PROF(1)
       // This CTA's partials of tile j: per warp into scratch, summed over
       // the warps in a fixed order into part[j & 1] once every CTA has
       // released that buffer's previous use (tile j - 2).
-      float* my = scratch + warp * kV * kRows;
+      float* my = scratch + warp * kV * kScratchStride;
 #pragma unroll
       for (int kt = 0; kt < kKt; ++kt) {
         const int m = kt * 8 + 2 * t;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int mm = m + (e & 1), row = g + 8 * (e >> 1);
-          if (mm < kCoef) my[mm * kRows + row] = acc_hi[kt][e] + acc_lo[kt][e];
+          if (mm < kCoef) my[mm * kScratchStride + row] = acc_hi[kt][e] + acc_lo[kt][e];
         }
       }
       sq0 += __shfl_xor_sync(0xffffffffu, sq0, 1);
@@ -384,33 +403,43 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_resident_kernel(ProjectP
       sq1 += __shfl_xor_sync(0xffffffffu, sq1, 1);
       sq1 += __shfl_xor_sync(0xffffffffu, sq1, 2);
       if (t == 0) {
-        my[kCoef * kRows + g] = sq0;
-        my[kCoef * kRows + g + 8] = sq1;
+        my[kCoef * kScratchStride + g] = sq0;
+        my[kCoef * kScratchStride + g + 8] = sq1;
       }
       if (j >= 2) mbar_wait_cluster(smem_u32(&parts_free[j & 1]), uint32_t((j - 2) >> 1) & 1u);
+      FM_PROF(2)
       named_bar(kBarProj, kProjWarps * 32);
       float* pw = part + (j & 1) * kV * kRows;
       for (int v = tid; v < kV * kRows; v += kProjWarps * 32) {
         float s = 0.f;
 #pragma unroll
-        for (int w = 0; w < kProjWarps; ++w) s += scratch[w * kV * kRows + v];
+        for (int w = 0; w < kProjWarps; ++w) s += scratch[(w * kV + v / kRows) * kScratchStride + v % kRows];
         pw[v] = s;
       }
       named_bar(kBarProj, kProjWarps * 32);  // part written; scratch free for the next tile
+      FM_PROF(3)
       if (warp == 0) {
         asm volatile("fence.acq_rel.cluster;\n" ::: "memory");
         mbar_arrive_cluster_all(smem_u32(&parts_ready[j & 1]), lane);
       }
+      FM_PROF(4)
       // The pre mix of the previous tile (its H_pre is being made by the
       // finish warps while this tile's projection ran), then its ring stage
       // is refilled. Stage-1 (kProject) has no mix: this tile's stage is free now.
       if (p.mode == ProjectMode::kProject) {
-        if (j + kStages < my_tiles) issue(j + kStages, warp, kProjWarps);
+        if (j + kStages < my_tiles) issue_rows(j + kStages, warp);  // no mix: every warp's ldmatrix reads are behind the barriers above
       } else if (j > 0) {
         mix(j - 1);
       }
     }
     if (p.mode != ProjectMode::kProject && my_tiles > 0) mix(my_tiles - 1);
+#ifdef FLASHMIX_MHC_PROFILE
+    if (cluster_id == 0 && rank < 2 && tid < 64 && lane == 0 && my_tiles > 0)
+      printf("prof rank %d warp %d tiles %d | waitX %lld proj %lld scratch+free %lld reduce %lld arrive %lld | "
+             "mix: wait %lld math %lld bar+issue %lld\n",
+             rank, warp, my_tiles, prof[0] / my_tiles, prof[1] / my_tiles, prof[2] / my_tiles, prof[3] / my_tiles,
+             prof[4] / my_tiles, prof[5] / my_tiles, prof[6] / my_tiles, prof[7] / my_tiles);
+#endif
   } else if (warp < kProjWarps + kFinishWarps) {
     // ---------------- finish warps ----------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kFinishRegs));
@@ -506,7 +535,7 @@ ResidentLayout resident_layout(int hidden) {
   L.stage_bytes = kRows * L.pitch;
   int off = kStages * L.stage_bytes;
   L.off_scratch = off;
-  off += kProjWarps * kV * kRows * 4;
+  off += kProjWarps * kV * kScratchStride * 4;
   L.off_part = off;
   off += 2 * kV * kRows * 4;
   L.off_tot = off;
