@@ -129,7 +129,7 @@ cudaError_t sm90_mhc_project_fused(const ProjectParams& p, int n, bool phi_is_f3
                                    bool dry_run = false);
 
 // sm_90a kernel with phi resident in registers (sm90_mhc_resident.cu): n = 4,
-// C a multiple of 256 up to 7168, modes kPre and kProject. Same contract as
+// C a multiple of 1024 up to 7168, modes kPre and kProject. Same contract as
 // sm90_mhc_project_fused; tried first.
 cudaError_t sm90_mhc_project_resident(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
                                       bool dry_run = false);

@@ -31,6 +31,7 @@
 // Bytes: X once from HBM, F_pre once, phi once per cluster (8 x 2.75 MB of
 // L2 reads in all): the floor is (X + F_pre) / copy bandwidth.
 #include <cooperative_groups.h>
+#include <cuda.h>  // CUtensorMap and its enums only: the encoder comes through the runtime (no libcuda link)
 #include <cuda_bf16.h>
 
 #include <map>
@@ -51,17 +52,18 @@ constexpr int kClusterSize = 16;  // non-portable on Hopper; the launcher checks
 constexpr int kProjWarps = 8;    // hold phi; setmaxnreg kProjRegs
 constexpr int kFinishWarps = 3;  // cluster sums, H_pre, pre mix, ring refills
 constexpr int kThreads = (kProjWarps + kFinishWarps + 1) * 32;  // + 1 Sinkhorn warp
-constexpr int kProjRegs = 224, kFinishRegs = 56;  // 256*224 + 128*56 = 65536 registers
+constexpr int kProjRegs = 224, kFinishRegs = 56;
+constexpr int kFinishMixRows = 6;  // tokens of each tile the finish warps mix (the projection warps mix the rest)  // 256*224 + 128*56 = 65536 registers
 constexpr int kRows = 16;     // tokens per tile: the m16 of the mma
 constexpr int kScratchStride = 20;  // floats per coefficient row of the per-warp scratch: fragment stores hit 32 banks
 constexpr int kStages = 3;    // X tiles in the ring
 constexpr int kMaxSteps = 14; // k16 steps per warp: phi registers = kMaxSteps * k_tiles * 2 (* 2 for hi/lo)
 
 struct ResidentLayout {
-  int slice = 0;        // columns per CTA (C / 16, a multiple of 16)
+  int slice = 0;        // columns per CTA (C / 16, a multiple of 64)
   int steps_total = 0;  // k16 steps of a CTA's slice: n * slice / 16
-  int pitch = 0;        // bytes per token row in the ring: n * slice * 2 + 16 (odd 16-byte units: ldmatrix is conflict-free)
-  int stage_bytes = 0;  // kRows * pitch
+  int chunk_bytes = 0;  // one 64-column TMA box: n * kRows * 128
+  int stage_bytes = 0;  // slice / 64 boxes
   int off_scratch = 0, off_part = 0, off_tot = 0, off_hpre = 0, off_hsink = 0, total = 0;
 };
 
@@ -163,7 +165,8 @@ __device__ __forceinline__ void mbar_arrive_cluster_all(uint32_t bar, int lane) 
 // of the stall samples, measured); poll at CTA scope, then acquire once.
 __device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
   mbar_wait(bar, parity);
-  asm volatile("fence.acq_rel.cluster;\n" ::: "memory");
+  // Acquire for shared::cluster accesses only: no L1 invalidation.
+  asm volatile("fence.acquire.sync_restrict::shared::cluster.cluster;\n" ::: "memory");
 }
 
 __device__ __forceinline__ float sigmoid_fast(float v) { return __fdividef(1.0f, 1.0f + __expf(-v)); }
@@ -183,13 +186,14 @@ __device__ __forceinline__ float sigmoid_fast(float v) { return __fdividef(1.0f,
 // (part and the ring are double/triple buffered), so the cluster exchange,
 // the mix and Sinkhorn overlap the tensor-core work of later tiles.
 template <int kN, bool kF32>
-__global__ void __launch_bounds__(kThreads, 1) sm90_mhc_resident_kernel(ProjectParams p, ResidentLayout L) {
+__global__ void __launch_bounds__(kThreads, 1)
+    sm90_mhc_resident_kernel(ProjectParams p, ResidentLayout L, const __grid_constant__ CUtensorMap x_map) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kCoef = kN * kN + 2 * kN;
   constexpr int kKt = (kCoef + 7) / 8;  // n8 coefficient tiles
   constexpr int kV = kCoef + 1;         // values per token: N projections + the sum of squares
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ __align__(8) uint64_t full[kStages], parts_ready[2], parts_free[2], hpre_ready[2], hpre_free[2],
+  __shared__ __align__(8) uint64_t full[kStages], stage_empty[kStages], parts_ready[2], parts_free[2], hpre_ready[2], hpre_free[2],
       sink_full[2], sink_empty[2];
   float* scratch = reinterpret_cast<float*>(smem + L.off_scratch);  // [warp][kV][kRows]
   float* part = reinterpret_cast<float*>(smem + L.off_part);        // [2][kV][kRows], read by the cluster
@@ -205,9 +209,15 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_resident_kernel(ProjectP
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int hidden = p.hidden, slice = L.slice;
   const int c0 = rank * slice;
+  // The ring is 1024-byte aligned: the 128-byte TMA swizzle repeats every 8 lines.
+  const uint32_t ring = (smem_u32(smem) + 1023u) & ~1023u;
+  unsigned char* ring_ptr = smem + (ring - smem_u32(smem));
 
   if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) mbar_init(smem_u32(&full[s]), kProjWarps);  // one expect_tx arrival per projection warp
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(smem_u32(&full[s]), 1);                  // the producer's expect_tx
+      mbar_init(smem_u32(&stage_empty[s]), kProjWarps + kFinishWarps);  // every warp that reads the stage, done
+    }
     for (int b = 0; b < 2; ++b) {
       mbar_init(smem_u32(&parts_ready[b]), kClusterSize);
       mbar_init(smem_u32(&parts_free[b]), kClusterSize);
@@ -225,39 +235,67 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_resident_kernel(ProjectP
   dev::grid_dependency_wait();
   dev::allow_dependents_launch();
 
-  // Projection warp w fills its two token rows (2w, 2w + 1) of ring stage
-  // j % kStages with tile j: one bulk copy per (token, stream) of this CTA's
-  // columns, and one expect_tx arrival (full[] counts 8). The rows a warp
-  // refills are the rows it mixes, so no block-wide barrier stands between
-  // a tile's mix and the next load into its stage. (16-byte cp.async instead
-  // cost more issue time: 1520 vs 1140 cycles per tile per warp, measured.)
-  // Rows past B are not copied: their ring rows hold stale data, which only
-  // reaches those rows' results, none of which is stored.
-  auto issue_rows = [&](int j, int w) {
+  // Ring layout (one stage = one tile): S/64 chunks of 64 columns, each
+  // [n streams][16 tokens][64 columns] as 128-byte lines with the TMA's
+  // 128-byte swizzle (16-byte unit u of line l sits at u ^ (l & 7)); the
+  // line of (stream i, token r) is 16i + r, so the 8 tokens an ldmatrix
+  // reads hit 8 different bank groups. One TMA box per chunk: 7 copies per
+  // tile at C = 7168 (one bulk copy per (token, stream) cost ~140 cycles of
+  // issue each, 64 per tile, measured).
+  auto x_offset = [&](int row, int i, int col) -> uint32_t {  // col: multiple of 8 within the slice
+    const int line = i * kRows + row;
+    return uint32_t((col >> 6) * L.chunk_bytes + line * 128 + ((((col & 63) >> 3) ^ (row & 7)) << 4));
+  };
+  // The producer (lane 0 of the Sinkhorn warp) loads tile j into stage j % kStages.
+  auto issue_tile = [&](int j) {
     const long long tile = cluster_id + (long long)j * num_clusters;
-    const long long left = p.batch - tile * kRows - 2 * w;
-    const int rows = left <= 0 ? 0 : (left < 2 ? int(left) : 2);
     const int stage = j % kStages;
     const uint32_t bar = smem_u32(&full[stage]);
-    if (lane == 0) {
-      const uint32_t bytes = uint32_t(rows) * kN * slice * 2;
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-    }
-    if (lane < rows * kN) {
-      const int row = 2 * w + lane / kN, i = lane % kN;
-      const bf16* src = p.x + (tile * kRows + row) * p.k_len + (long long)i * hidden + c0;
-      const uint32_t dst = smem_u32(smem + stage * L.stage_bytes) + row * L.pitch + i * slice * 2;
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(L.stage_bytes) : "memory");
+    for (int ch = 0; ch < slice / 64; ++ch)
       asm volatile(
-          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-          "l"(src), "r"(slice * 2), "r"(bar)
+          "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+          "[%5];\n" ::"r"(ring + stage * L.stage_bytes + ch * L.chunk_bytes),
+          "l"(reinterpret_cast<uint64_t>(&x_map)), "r"(c0 + ch * 64), "r"(int(tile * kRows)), "r"(0), "r"(bar)
           : "memory");
+  };
+
+  // F_pre for tokens [row_begin, row_begin + rows) of a tile whose X is in
+  // ring stage `xs`, this CTA's columns, H_pre from `hp`; thread t of
+  // `threads` takes (token, 8 columns) items t, t + threads, ...
+  auto mix_rows = [&](const unsigned char* xs, const float* hp, long long row0, int row_begin, int rows, int t,
+                      int threads) {
+    const int groups = slice / 8;
+    for (int it = t; it < rows * groups; it += threads) {
+      const int row = row_begin + it / groups, col = (it % groups) * 8;
+      const long long b = row0 + row;
+      if (b >= p.batch) break;  // rows ascend with it
+      float out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(xs + x_offset(row, i, col));
+        const uint32_t w4[4] = {raw.x, raw.y, raw.z, raw.w};
+        const float w = hp[row * kN + i];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          out[2 * e] = fmaf(w, __uint_as_float(w4[e] << 16), out[2 * e]);
+          out[2 * e + 1] = fmaf(w, __uint_as_float(w4[e] & 0xffff0000u), out[2 * e + 1]);
+        }
+      }
+      uint4 o;
+      uint32_t* ov = reinterpret_cast<uint32_t*>(&o);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const __nv_bfloat162 v = __floats2bfloat162_rn(out[2 * e], out[2 * e + 1]);
+        ov[e] = *reinterpret_cast<const uint32_t*>(&v);
+      }
+      *reinterpret_cast<uint4*>(p.f_out + b * hidden + c0 + col) = o;
     }
   };
 
   if (warp < kProjWarps) {
     // ---------------- projection warps ----------------
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kProjRegs));
-    for (int j = 0; j < min(my_tiles, kStages); ++j) issue_rows(j, warp);
 
     // phi -> registers, once: warp w owns k16 steps [w*kMaxSteps, ...) of
     // the CTA's slice (stream-major: step s covers stream s / (S/16),
@@ -298,9 +336,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_resident_kernel(ProjectP
       }
     }
     // ldmatrix.x4 lane address: rows (lane & 7) + 8 * ((lane >> 3) & 1), k offset 8 * (lane >> 4).
-    const uint32_t a_lane =
-        uint32_t(((lane & 7) + ((lane >> 3) & 1) * 8) * L.pitch + (first_step * 16 + (lane >> 4) * 8) * 2);
-    const uint32_t ring = smem_u32(smem);
+    const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8, a_kofs = (lane >> 4) * 8;
 
     // FLASHMIX_MHC_PROFILE: per-phase cycle counts of warps 0 and 1 of two
     // CTAs, printed at the end (a profiling build, never the shipped one).
@@ -318,41 +354,17 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_resident_kernel(ProjectP
       mbar_wait(smem_u32(&hpre_ready[jj & 1]), uint32_t(jj >> 1) & 1u);
       FM_PROF(5)
       const long long row0 = (cluster_id + (long long)jj * num_clusters) * kRows;
-      const unsigned char* xs = smem + (jj % kStages) * L.stage_bytes;
+      const unsigned char* xs = ring_ptr + (jj % kStages) * L.stage_bytes;
       const float* hp = hpre + (jj & 1) * kRows * kN;
-      const int groups = slice / 8;
-      // Warp w mixes its own two token rows (the rows it refills).
-      for (int it = lane; it < 2 * groups; it += 32) {
-        const int row = 2 * warp + it / groups, col = (it % groups) * 8;
-        const long long b = row0 + row;
-        if (b >= p.batch) break;  // rows ascend with it
-        float out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-        for (int i = 0; i < kN; ++i) {
-          const uint4 raw = *reinterpret_cast<const uint4*>(xs + row * L.pitch + (i * slice + col) * 2);
-          const uint32_t w4[4] = {raw.x, raw.y, raw.z, raw.w};
-          const float w = hp[row * kN + i];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            out[2 * e] = fmaf(w, __uint_as_float(w4[e] << 16), out[2 * e]);
-            out[2 * e + 1] = fmaf(w, __uint_as_float(w4[e] & 0xffff0000u), out[2 * e + 1]);
-          }
-        }
-        uint4 o;
-        uint32_t* ov = reinterpret_cast<uint32_t*>(&o);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const __nv_bfloat162 v = __floats2bfloat162_rn(out[2 * e], out[2 * e + 1]);
-          ov[e] = *reinterpret_cast<const uint32_t*>(&v);
-        }
-        *reinterpret_cast<uint4*>(p.f_out + b * hidden + c0 + col) = o;
-      }
+      mix_rows(xs, hp, row0, 0, kRows - kFinishMixRows, tid, kProjWarps * 32);
       FM_PROF(6)
-      // This warp is done with its rows of the stage and with the H_pre
-      // buffer: release H_pre (8 arrivals) and refill the rows.
+      // This warp is done with the stage (its projection reads were behind
+      // the tile's block barriers; its mix just now) and with H_pre.
       __syncwarp();
-      if (lane == 0) mbar_arrive_local(smem_u32(&hpre_free[jj & 1]));
-      if (jj + kStages < my_tiles) issue_rows(jj + kStages, warp);
+      if (lane == 0) {
+        mbar_arrive_local(smem_u32(&hpre_free[jj & 1]));
+        mbar_arrive_local(smem_u32(&stage_empty[jj % kStages]));
+      }
       FM_PROF(7)
     };
 
@@ -369,12 +381,15 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_resident_kernel(ProjectP
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_hi[kt][e] = acc_lo[kt][e] = 0.f;
       float sq0 = 0.f, sq1 = 0.f;  // tokens g and g + 8
-      const uint32_t a_base = ring + stage * L.stage_bytes + a_lane;
+      const uint32_t a_stage = ring + stage * L.stage_bytes;
+      int si = first_step / steps_per_stream, sc = (first_step - si * steps_per_stream) * 16;  // stream, column of step s
 #pragma unroll
       for (int s = 0; s < kMaxSteps; ++s) {
         if (s < my_steps) {
           uint32_t a[4];
-          ldmatrix_x4(a, a_base + s * 32);
+          ldmatrix_x4(a, a_stage + x_offset(a_row, si, sc + a_kofs));
+          sc += 16;
+          if (sc == slice) sc = 0, ++si;
           sq0 = sq_pair(a[2], sq_pair(a[0], sq0));
           sq1 = sq_pair(a[3], sq_pair(a[1], sq1));
 #pragma unroll
@@ -419,7 +434,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_resident_kernel(ProjectP
       named_bar(kBarProj, kProjWarps * 32);  // part written; scratch free for the next tile
       FM_PROF(3)
       if (warp == 0) {
-        asm volatile("fence.acq_rel.cluster;\n" ::: "memory");
+        asm volatile("fence.release.sync_restrict::shared::cta.cluster;\n" ::: "memory");
         mbar_arrive_cluster_all(smem_u32(&parts_ready[j & 1]), lane);
       }
       FM_PROF(4)
@@ -427,7 +442,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_resident_kernel(ProjectP
       // finish warps while this tile's projection ran), then its ring stage
       // is refilled. Stage-1 (kProject) has no mix: this tile's stage is free now.
       if (p.mode == ProjectMode::kProject) {
-        if (j + kStages < my_tiles) issue_rows(j + kStages, warp);  // no mix: every warp's ldmatrix reads are behind the barriers above
+        if (lane == 0) mbar_arrive_local(smem_u32(&stage_empty[j % kStages]));  // no mix: the stage is free
       } else if (j > 0) {
         mix(j - 1);
       }
@@ -492,30 +507,51 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_resident_kernel(ProjectP
         if (owner) mbar_arrive_local(smem_u32(&sink_full[slot]));
       }
       owned += owner;
+      // The last kFinishMixRows tokens of the tile are mixed here, at once
+      // (the projection warps, one tile behind, take the others): the
+      // finish warps are otherwise idle half the time (measured).
+      if (p.mode == ProjectMode::kPre) {
+        mix_rows(ring_ptr + (j % kStages) * L.stage_bytes, hp, row0, kRows - kFinishMixRows, kFinishMixRows, ft,
+                 kFinishWarps * 32);
+        __syncwarp();
+      }
+      if (lane == 0) mbar_arrive_local(smem_u32(&stage_empty[j % kStages]));
     }
   } else {
-    // ---------------- Sinkhorn warp ----------------
+    // ---------------- producer + Sinkhorn warp ----------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kFinishRegs));
-    if (p.mode == ProjectMode::kPre) {
-      int owned = 0;
+    if (lane == 0)
+      for (int j = 0; j < min(my_tiles, kStages); ++j) issue_tile(j);
+    int owned = 0;
 #pragma unroll 1
-      for (int j = rank; j < my_tiles; j += kClusterSize, ++owned) {
-        const int slot = owned & 1;
-        mbar_wait(smem_u32(&sink_full[slot]), uint32_t(owned >> 1) & 1u);
-        const long long b = (cluster_id + (long long)j * num_clusters) * kRows + lane;
-        if (lane < kRows && b < p.batch) {
-          float h[kCoef], pre[kN], post[kN], res[kN * kN];
-#pragma unroll
-          for (int m = 0; m < kCoef; ++m) h[m] = hsink[(slot * kRows + lane) * kCoef + m];
-          activate_token<kN>(h, p.act, pre, post, res);
-#pragma unroll
-          for (int i = 0; i < kN; ++i) p.h_post[b * kN + i] = post[i];
-#pragma unroll
-          for (int e = 0; e < kN * kN; ++e) p.h_res[b * kN * kN + e] = res[e];
-        }
-        __syncwarp();
-        if (lane == 0) mbar_arrive_local(smem_u32(&sink_empty[slot]));
+    for (int t = kStages; t < my_tiles + kStages; ++t) {
+      // Refill: tile t goes where tile t - kStages was, once all 8
+      // projection warps are done with it.
+      if (t < my_tiles && lane == 0) {
+        mbar_wait(smem_u32(&stage_empty[(t - kStages) % kStages]), uint32_t((t - kStages) / kStages) & 1u);
+        issue_tile(t);
       }
+      __syncwarp();
+      // Sinkhorn of tile o = t - kStages when this CTA owns it: its h was
+      // stashed about when the projection warps released its stage.
+      const int o = t - kStages;
+      if (p.mode != ProjectMode::kPre || o % kClusterSize != rank) continue;
+      const int slot = owned & 1;
+      mbar_wait(smem_u32(&sink_full[slot]), uint32_t(owned >> 1) & 1u);
+      const long long b = (cluster_id + (long long)o * num_clusters) * kRows + lane;
+      if (lane < kRows && b < p.batch) {
+        float h[kCoef], pre[kN], post[kN], res[kN * kN];
+#pragma unroll
+        for (int m = 0; m < kCoef; ++m) h[m] = hsink[(slot * kRows + lane) * kCoef + m];
+        activate_token<kN>(h, p.act, pre, post, res);
+#pragma unroll
+        for (int i = 0; i < kN; ++i) p.h_post[b * kN + i] = post[i];
+#pragma unroll
+        for (int e = 0; e < kN * kN; ++e) p.h_res[b * kN * kN + e] = res[e];
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive_local(smem_u32(&sink_empty[slot]));
+      ++owned;
     }
   }
   // No CTA leaves while a peer may still read its partials or arrive on its barriers.
@@ -525,15 +561,48 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_resident_kernel(ProjectP
 #endif
 }
 
+using TensorMapEncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                          const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                          CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+TensorMapEncodeTiled tensor_map_encoder() {
+  static const TensorMapEncodeTiled fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return TensorMapEncodeTiled(nullptr);
+    }
+    return reinterpret_cast<TensorMapEncodeTiled>(f);
+  }();
+  return fn;
+}
+
+// X as a 3-D tensor (columns, tokens, streams) with boxes of
+// 64 columns x 16 tokens x n streams, 128-byte swizzle; tokens past B read
+// as zeros. Host-only work (capture-safe), done per launch because X moves.
+bool encode_x_map(const ProjectParams& p, int n, CUtensorMap& map) {
+  const TensorMapEncodeTiled encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[3] = {cuuint64_t(p.hidden), cuuint64_t(p.batch), cuuint64_t(n)};
+  const cuuint64_t strides[2] = {cuuint64_t(p.k_len) * 2, cuuint64_t(p.hidden) * 2};  // bytes, dims 1 and 2
+  const cuuint32_t box[3] = {64, cuuint32_t(kRows), cuuint32_t(n)};
+  const cuuint32_t elem[3] = {1, 1, 1};
+  return encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<__nv_bfloat16*>(p.x), dims, strides, box, elem,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 template <int kN>
 ResidentLayout resident_layout(int hidden) {
   constexpr int kV = kN * kN + 2 * kN + 1;
   ResidentLayout L;
   L.slice = hidden / kClusterSize;
   L.steps_total = kN * L.slice / 16;
-  L.pitch = kN * L.slice * 2 + 16;
-  L.stage_bytes = kRows * L.pitch;
-  int off = kStages * L.stage_bytes;
+  L.chunk_bytes = kN * kRows * 128;
+  L.stage_bytes = L.slice / 64 * L.chunk_bytes;
+  int off = kStages * L.stage_bytes + 1024;  // + the ring's alignment
   L.off_scratch = off;
   off += kProjWarps * kV * kScratchStride * 4;
   L.off_part = off;
@@ -557,7 +626,7 @@ struct ResidentFit {
 
 template <int kN, bool kF32>
 cudaError_t launch_resident(const ProjectParams& p, cudaStream_t stream, bool pdl, bool dry_run) {
-  if (p.hidden % (kClusterSize * 16) != 0) return cudaErrorNotSupported;
+  if (p.hidden % (kClusterSize * 64) != 0) return cudaErrorNotSupported;  // whole 64-column TMA boxes per CTA
   const ResidentLayout L = resident_layout<kN>(p.hidden);
   if ((L.steps_total + kProjWarps - 1) / kProjWarps > kMaxSteps) return cudaErrorNotSupported;
   auto kernel = sm90_mhc_resident_kernel<kN, kF32>;
@@ -617,7 +686,9 @@ cudaError_t launch_resident(const ProjectParams& p, cudaStream_t stream, bool pd
   const long long grid_clusters = std::min<long long>(clusters, tiles);
   config.gridDim = dim3(unsigned(grid_clusters * kClusterSize));
   config.numAttrs = pdl ? 2 : 1;
-  return cudaLaunchKernelEx(&config, kernel, p, L);
+  CUtensorMap x_map;
+  if (!encode_x_map(p, kN, x_map)) return cudaErrorNotSupported;
+  return cudaLaunchKernelEx(&config, kernel, p, L, x_map);
 }
 
 }  // namespace

@@ -179,10 +179,10 @@ std::vector<PreCase> pre_cases() {
   v.push_back({8, 16384, 7, false, DType::kFloat32});   // too large for the cluster kernel: portable path
   v.push_back({3, 8, 5, false, DType::kFloat32});       // smallest C: most CTAs of the cluster hold nothing
   // The resident kernel (n = 4): many tiles per cluster with a partial last
-  // one, phi bf16 over several tiles, the smallest C it takes (one warp with k steps).
+  // one, phi bf16 over several tiles, the smallest C it takes (two warps with k steps).
   v.push_back({4, 4096, 5000, true, DType::kFloat32});
   v.push_back({4, 7168, 300, false, DType::kBFloat16});
-  v.push_back({4, 256, 33, false, DType::kFloat32});
+  v.push_back({4, 1024, 33, false, DType::kFloat32});
   // The cluster-tile kernel on shapes the resident kernel would take.
   constexpr auto kTiles = mhc_detail::ProjectKernel::kClusterTiles;
   v.push_back({4, 7168, 7, false, DType::kFloat32, kTiles});
@@ -465,7 +465,7 @@ TEST(MhcPathGpu, ClusterKernelRunsOnHopper) {
   EXPECT_TRUE(would_run(1, 1, 1000, true));
   EXPECT_FALSE(would_run(7, 8, 16384, true));  // 8 tokens x 8 x 2048 x 2 B > shared memory: portable kernel
   // n = 4: the resident kernel (phi in registers) where C is a multiple of
-  // 256 up to 7168, in both modes it serves.
+  // 1024 up to 7168, in both modes it serves.
   auto resident = [](long long B, int n, int C, bool f32, mhc_detail::ProjectMode mode) {
     mhc_detail::ProjectParams p;
     p.batch = B; p.hidden = C; p.k_len = n * C; p.num_coef = mhc_num_coefficients(n); p.mode = mode;
@@ -475,8 +475,8 @@ TEST(MhcPathGpu, ClusterKernelRunsOnHopper) {
   EXPECT_TRUE(resident(8192, 4, 7168, true, kPre));
   EXPECT_TRUE(resident(16, 4, 7168, false, kPre));
   EXPECT_TRUE(resident(9, 4, 7168, true, mhc_detail::ProjectMode::kProject));
-  EXPECT_TRUE(resident(1, 4, 256, true, kPre));
-  EXPECT_FALSE(resident(7, 4, 1000, true, kPre));   // C not a multiple of 256
+  EXPECT_TRUE(resident(1, 4, 1024, true, kPre));
+  EXPECT_FALSE(resident(7, 4, 2560, true, kPre));   // C not a multiple of 1024 (64-column TMA boxes per CTA)
   EXPECT_FALSE(resident(7, 4, 8192, true, kPre));   // 16 k steps per warp: phi does not fit in registers
   EXPECT_FALSE(resident(7, 8, 7168, true, kPre));   // n != 4
   EXPECT_FALSE(resident(7, 4, 7168, true, mhc_detail::ProjectMode::kHead));
