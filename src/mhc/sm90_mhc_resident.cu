@@ -53,7 +53,7 @@ constexpr int kProjWarps = 8;    // hold phi; setmaxnreg kProjRegs
 constexpr int kFinishWarps = 3;  // cluster sums, H_pre, pre mix, ring refills
 constexpr int kThreads = (kProjWarps + kFinishWarps + 1) * 32;  // + 1 Sinkhorn warp
 constexpr int kProjRegs = 224, kFinishRegs = 56;
-constexpr int kFinishMixRows = 6;  // tokens of each tile the finish warps mix (the projection warps mix the rest)  // 256*224 + 128*56 = 65536 registers
+constexpr int kFinishMixRows = 8;  // tokens of each tile the finish warps mix (the projection warps mix the rest)  // 256*224 + 128*56 = 65536 registers
 constexpr int kRows = 16;     // tokens per tile: the m16 of the mma
 constexpr int kScratchStride = 20;  // floats per coefficient row of the per-warp scratch: fragment stores hit 32 banks
 constexpr int kStages = 3;    // X tiles in the ring
