@@ -10,26 +10,26 @@
 // the projection is [B x K] . [K x N] with N tiny, so what limits it is not
 // FLOPs but how often each phi byte is fetched. A tile kernel that re-reads
 // phi (2.75 MB as bf16 hi + lo) for every tile of rows moves more phi through
-// L2 than X through HBM (the v1-v3 cluster kernel in sm90_mhc_fused.cu: 7.6x
+// L2 than X through HBM (the cluster-tile kernel in sm90_mhc_fused.cu: 7.6x
 // the floor). Here phi never moves after the prologue: CTA j of a cluster of
 // 16 owns columns [j*S, j*S + S) of every stream (S = C/16, K/16 = 1792 of K)
-// and the 172 KB of hi/lo B fragments for them sit in its 256 threads'
-// registers (168 per thread). Shared memory is left entirely to X: a
-// 3-stage ring of 16-token tiles (57 KB each), filled by 1-D bulk TMA
-// copies on an mbarrier, so ~115 KB per SM are in flight.
+// and the 172 KB of hi/lo B fragments for them sit in its 8 projection
+// warps' registers (168 per thread). Shared memory is left to X: a 3-stage
+// ring of 16-token tiles (57 KB each) filled by 3-D TMA boxes.
 //
-// Per tile each warp runs 14 k16 steps (one ldmatrix.x4 of X, 6 mma for
-// hi/lo x 3 coefficient tiles, sum of squares from the same fragment), the
-// 8 warps' partials are summed in smem (fixed order), and the 16 CTAs'
-// partials through distributed shared memory, each CTA summing the 16 in
-// rank order, so all hold bitwise the same h (no atomics). The cluster
-// barrier of tile t is waited on only after tile t+1's projection has been
-// issued, so its latency hides behind tensor-core work. Then every CTA mixes
-// its own slice of the tile out of the ring (F_pre), and one CTA per tile
-// (rotating) runs the activations and Sinkhorn and writes H_post/H_res.
+// Per tile each projection warp runs 14 k16 steps (one ldmatrix.x4 of X, 6
+// mma for hi/lo x 3 coefficient tiles, 2 mma whose diagonals are the sums
+// of squares), the 8 warps' partials are summed in smem (fixed order), and
+// the 16 CTAs' partials through distributed shared memory, each CTA summing
+// the 16 in rank order, so all hold bitwise the same h (no atomics). The
+// roles below are decoupled by mbarriers so the cluster exchange, the mix
+// and Sinkhorn overlap the tensor-core work of the next tile.
 //
-// Bytes: X once from HBM, F_pre once, phi once per cluster (8 x 2.75 MB of
-// L2 reads in all): the floor is (X + F_pre) / copy bandwidth.
+// Bytes: X once from HBM, F_pre once, phi once per cluster (7 x 2.75 MB of
+// L2 reads in all): the floor is (X + F_pre) / copy bandwidth. Reached
+// (H200, B = 8192): 2.1x the floor, 3.6x faster than the cluster-tile
+// kernel; the projection warps are bound by the mma.sync pipe and the mix's
+// ALU work (docs/mhc.md has the per-phase cycle counts and what was tried).
 #include <cooperative_groups.h>
 #include <cuda.h>  // CUtensorMap and its enums only: the encoder comes through the runtime (no libcuda link)
 #include <cuda_bf16.h>
@@ -50,10 +50,10 @@ using bf16 = __nv_bfloat16;
 
 constexpr int kClusterSize = 16;  // non-portable on Hopper; the launcher checks that one fits
 constexpr int kProjWarps = 8;    // hold phi; setmaxnreg kProjRegs
-constexpr int kFinishWarps = 3;  // cluster sums, H_pre, pre mix, ring refills
-constexpr int kThreads = (kProjWarps + kFinishWarps + 1) * 32;  // + 1 Sinkhorn warp
-constexpr int kProjRegs = 224, kFinishRegs = 56;
-constexpr int kFinishMixRows = 8;  // tokens of each tile the finish warps mix (the projection warps mix the rest)  // 256*224 + 128*56 = 65536 registers
+constexpr int kFinishWarps = 3;  // cluster sums, H_pre, part of the pre mix
+constexpr int kThreads = (kProjWarps + kFinishWarps + 1) * 32;  // + 1 producer/Sinkhorn warp
+constexpr int kProjRegs = 224, kFinishRegs = 56;  // 256*224 + 128*56 = 65536 registers
+constexpr int kFinishMixRows = 8;  // tokens of each tile the finish warps mix (the projection warps mix the rest)
 constexpr int kRows = 16;     // tokens per tile: the m16 of the mma
 constexpr int kScratchStride = 20;  // floats per coefficient row of the per-warp scratch: fragment stores hit 32 banks
 constexpr int kStages = 3;    // X tiles in the ring
@@ -170,17 +170,17 @@ __device__ __forceinline__ float sigmoid_fast(float v) { return __fdividef(1.0f,
 // Roles (384 threads, three warpgroups):
 //   warps 0-7  projection: phi resident in registers (setmaxnreg 224); per
 //              tile: wait for X, mma, partials summed over the 8 warps into
-//              part[tile & 1], then signal every CTA's parts_ready.
+//              part[tile & 1], then signal every CTA's parts_ready (16 lanes,
+//              one remote arrival each); then the pre mix of tokens 0-7 of
+//              the previous tile.
 //   warps 8-10 finish (setmaxnreg 56): wait parts_ready, sum the 16 CTAs'
 //              partials (DSMEM, rank order), release the partial buffer
-//              (parts_free in every CTA), H_pre and the pre mix of this CTA's
-//              slice, then refill the ring stage with a later tile. The
-//              tile's owner CTA (tile % 16) also stashes h for warp 11.
-//   warp 11    Sinkhorn: activations + Sinkhorn of the owned tiles' 16
-//              tokens, one per lane, off the critical path.
-// The projection warps run up to two tiles ahead of the finish warps
-// (part and the ring are double/triple buffered), so the cluster exchange,
-// the mix and Sinkhorn overlap the tensor-core work of later tiles.
+//              (parts_free in every CTA), publish H_pre, mix tokens 8-15.
+//              The tile's owner CTA (tile % 16) also stashes h for warp 11.
+//   warp 11    producer and Sinkhorn: lane 0 refills a ring stage once every
+//              warp that reads it has arrived on stage_empty; the warp runs
+//              the activations + Sinkhorn of the owned tiles' 16 tokens, one
+//              per lane, off the critical path.
 template <int kN, bool kF32>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_mhc_resident_kernel(ProjectParams p, ResidentLayout L, const __grid_constant__ CUtensorMap x_map) {
@@ -189,9 +189,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kKt = (kCoef + 7) / 8;  // n8 coefficient tiles
   constexpr int kV = kCoef + 1;         // values per token: N projections + the sum of squares
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ __align__(8) uint64_t full[kStages], stage_empty[kStages], parts_ready[2], parts_free[2], hpre_ready[2], hpre_free[2],
-      sink_full[2], sink_empty[2];
-  float* scratch = reinterpret_cast<float*>(smem + L.off_scratch);  // [warp][kV][kRows]
+  __shared__ __align__(8) uint64_t full[kStages], stage_empty[kStages], parts_ready[2], parts_free[2], hpre_ready[2],
+      hpre_free[2], sink_full[2], sink_empty[2];
+  float* scratch = reinterpret_cast<float*>(smem + L.off_scratch);  // [warp][kV][kScratchStride]
   float* part = reinterpret_cast<float*>(smem + L.off_part);        // [2][kV][kRows], read by the cluster
   float* tot = reinterpret_cast<float*>(smem + L.off_tot);          // [kV][kRows]
   float* hpre = reinterpret_cast<float*>(smem + L.off_hpre);        // [2][kRows][kN]
