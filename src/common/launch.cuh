@@ -42,4 +42,25 @@ cudaError_t launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t 
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
+// A launch configuration for clusters of `cluster_x` CTAs along x, with the
+// PDL attribute when `pdl` is set; `attr` backs config.attrs and must
+// outlive the launch.
+inline cudaLaunchConfig_t cluster_launch_config(cudaLaunchAttribute (&attr)[2], dim3 grid, dim3 block, size_t smem,
+                                                cudaStream_t stream, unsigned cluster_x, bool pdl) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster_x;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = pdl ? 2 : 1;
+  return config;
+}
+
 }  // namespace flashmix::dev

@@ -503,20 +503,9 @@ cudaError_t launch_fused(const ProjectParams& p, cudaStream_t stream, bool pdl, 
   const long long tiles = (p.batch + c.layout.rows - 1) / c.layout.rows;
   if (tiles * kClusterSize > 0x7fffffffLL) return cudaErrorNotSupported;
 
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(unsigned(tiles * kClusterSize));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = c.smem;
-  config.stream = stream;
   cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = kClusterSize;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  config.numAttrs = pdl ? 2 : 1;
+  cudaLaunchConfig_t config = dev::cluster_launch_config(attr, dim3(unsigned(tiles * kClusterSize)), dim3(kThreads),
+                                                         c.smem, stream, kClusterSize, pdl);
 
   // A cluster of 8 CTAs of this size must fit on the device (checked once per shared-memory size).
   static int checked_smem = -1;

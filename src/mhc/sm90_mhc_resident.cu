@@ -36,7 +36,6 @@
 
 #include <map>
 #include <mutex>
-#include <tuple>
 
 #include "common/launch.cuh"
 #include "mhc/mhc_device.cuh"
@@ -635,18 +634,9 @@ cudaError_t launch_resident(const ProjectParams& p, cudaStream_t stream, bool pd
   static std::map<int, ResidentFit> fits;  // by device
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return cudaErrorNotSupported;
-  cudaLaunchConfig_t config = {};
   cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = kClusterSize;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = size_t(L.total);
-  config.stream = stream;
-  config.attrs = attr;
+  cudaLaunchConfig_t config =
+      dev::cluster_launch_config(attr, dim3(kClusterSize), dim3(kThreads), size_t(L.total), stream, kClusterSize, false);
   int clusters = 0;
   {
     std::lock_guard<std::mutex> lock(mutex);
@@ -669,8 +659,6 @@ cudaError_t launch_resident(const ProjectParams& p, cudaStream_t stream, bool pd
     if (L.total > fit.dynamic_max) return cudaErrorNotSupported;
     auto it = fit.clusters_by_smem.find(L.total);
     if (it == fit.clusters_by_smem.end()) {
-      config.gridDim = dim3(kClusterSize);
-      config.numAttrs = 1;
       if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
         (void)cudaGetLastError();
         clusters = 0;
