@@ -268,11 +268,18 @@ INSTANTIATE_TEST_SUITE_P(Shapes, MhcPostGpu, ::testing::ValuesIn(post_cases()), 
 // stage by stage; mhc_head and mhc_expand likewise.
 TEST(MhcStagesGpu, ProjectActivatePreMixHeadExpand) {
   SKIP_WITHOUT_GPU();
-  for (int n : {1, 4, 6, 8}) {
-    for (int64_t C : {1000, 7168}) {
-      const int64_t B = 9;
+  struct Shape { int n; int64_t C, B; };
+  std::vector<Shape> shapes;
+  for (int n : {1, 4, 6, 8})
+    for (int64_t C : {1000, 7168}) shapes.push_back({n, C, 9});
+  shapes.push_back({4, 4096, 300});  // stage 1 on the resident kernel over several tiles per cluster
+  for (const Shape& sh : shapes) {
+    {
+      const int n = sh.n;
+      const int64_t C = sh.C, B = sh.B;
       Problem p = make_problem(B, n, C, seed_for("stages") + n * 131 + C);
-      SCOPED_TRACE("n=" + std::to_string(n) + " C=" + std::to_string(C) + " seed " + std::to_string(p.seed));
+      SCOPED_TRACE("n=" + std::to_string(n) + " C=" + std::to_string(C) + " B=" + std::to_string(B) + " seed " +
+                   std::to_string(p.seed));
       DeviceProblem d(p);
       const int N = p.N();
       MhcParams params;
