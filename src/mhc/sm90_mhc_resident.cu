@@ -125,7 +125,6 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         : "memory");
 }
 
-
 // Named barriers: 0 is __syncthreads.
 constexpr int kBarProj = 1;    // the 8 projection warps
 constexpr int kBarFinish = 2;  // the 3 finish warps
