@@ -31,6 +31,8 @@
 #include <type_traits>
 
 #include "common/launch.cuh"
+#include "common/sm90.cuh"
+#include "common/vec.cuh"
 #include "mhc/mhc_device.cuh"
 
 namespace flashmix::mhc_detail {
@@ -39,6 +41,10 @@ namespace {
 
 namespace cg = cooperative_groups;
 using bf16 = __nv_bfloat16;
+using dev::cluster_arrive;
+using dev::cluster_wait;
+using dev::mbar_wait;
+using dev::smem_u32;
 
 constexpr int kClusterSize = 8;
 constexpr int kThreads = 256;
@@ -59,32 +65,7 @@ struct FusedLayout {
 template <int kN>
 constexpr int coef_tiles() { return (kN * kN + 2 * kN + 15) / 16; }
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ uint32_t pack_bf162(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
-
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;\n" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
 
 // Raw phi for one 32-wide k step of one warp: for each 16-row coefficient tile
 // and each 16-wide half, the 4 pairs of the mma A fragment.
@@ -165,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
   __shared__ __align__(8) uint64_t xbar[kChunks];
   int* gtab = reinterpret_cast<int*>(smem + L.off_gtab);
   if (tid < kChunks)
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(&xbar[tid])), "r"(kThreads) : "memory");
+    dev::mbar_init(smem_u32(&xbar[tid]), kThreads);
   for (int q = tid; q < L.steps * 4; q += kThreads) {
     const int kk = q * 8;
     int gc = -1;
@@ -188,10 +169,10 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
         bf16* dst = xs + r * L.pitch + s0 * 32;
         for (int pc = tid; pc < np; pc += kThreads) {
           const int gc = gtab[s0 * kPiecesPerStep + pc];
-          if (gc >= 0) cp_async16(dst + pc * 8, src + gc);
+          if (gc >= 0) dev::cp_async16(dst + pc * 8, src + gc);
         }
       }
-      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(&xbar[q])) : "memory");
+      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(&xbar[q])) : "memory");
     }
     const int np_all = L.steps * kPiecesPerStep;
     for (int r = 0; r < L.rows; ++r) {
@@ -243,21 +224,15 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
       if (j0 + bb >= my_steps) break;
       const int s = warp + (j0 + bb) * kWarps;
       {
-        const uint32_t bar = smem_addr(&xbar[s / L.chunk_steps]);
-        uint32_t done = 0;
-        while (!done)
-          asm volatile(
-              "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}\n"
-              : "=r"(done)
-              : "r"(bar)
-              : "memory");
+        const uint32_t bar = smem_u32(&xbar[s / L.chunk_steps]);
+        mbar_wait(bar, 0);
       }
       const PhiFrag<kN, kF32>& cur = frag[bb];
       uint32_t bfrag[kMaxRowTiles][4];
 #pragma unroll
       for (int rt = 0; rt < kMaxRowTiles; ++rt) {
         if (rt < L.row_tiles) {
-          ldmatrix_x4(bfrag[rt], xs + (rt * 8 + (lane & 7)) * L.pitch + s * 32 + (lane >> 3) * 8);
+          dev::ldmatrix_x4(bfrag[rt], smem_u32(xs + (rt * 8 + (lane & 7)) * L.pitch + s * 32 + (lane >> 3) * 8));
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bfrag[rt][e]));
@@ -285,8 +260,8 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
 #pragma unroll
           for (int rt = 0; rt < kMaxRowTiles; ++rt) {
             if (rt < L.row_tiles) {
-              mma_bf16(acc[mt][rt], a_hi, bfrag[rt][2 * h], bfrag[rt][2 * h + 1]);
-              if constexpr (kF32) mma_bf16(acc[mt][rt], a_lo, bfrag[rt][2 * h], bfrag[rt][2 * h + 1]);
+              dev::mma_bf16_16816(acc[mt][rt], a_hi, bfrag[rt][2 * h], bfrag[rt][2 * h + 1]);
+              if constexpr (kF32) dev::mma_bf16_16816(acc[mt][rt], a_lo, bfrag[rt][2 * h], bfrag[rt][2 * h + 1]);
             }
           }
         }
@@ -298,14 +273,8 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
   // shared memory is read by the pre mix.
 #pragma unroll
   for (int q = 0; q < kChunks; ++q) {
-    const uint32_t bar = smem_addr(&xbar[q]);
-    uint32_t done = 0;
-    while (!done)
-      asm volatile(
-          "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}\n"
-          : "=r"(done)
-          : "r"(bar)
-          : "memory");
+    const uint32_t bar = smem_u32(&xbar[q]);
+    mbar_wait(bar, 0);
   }
 
   // 3. Reduce over the warps (fixed order) into this CTA's partials.
@@ -334,7 +303,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
   __syncthreads();
   // Every chunk has landed and been waited on by every thread: retire the
   // mbarriers before their shared memory could be reused.
-  if (tid < kChunks) asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(smem_addr(&xbar[tid])) : "memory");
+  if (tid < kChunks) asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(smem_u32(&xbar[tid])) : "memory");
   const int num_vals = (num_coef + 1) * rows;
   for (int e = tid; e < num_vals; e += kThreads) {
     const int m = e / rows, row = e - m * rows;

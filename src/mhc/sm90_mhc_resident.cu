@@ -38,6 +38,7 @@
 #include <mutex>
 
 #include "common/launch.cuh"
+#include "common/sm90.cuh"
 #include "mhc/mhc_device.cuh"
 
 namespace flashmix::mhc_detail {
@@ -46,6 +47,12 @@ namespace {
 
 namespace cg = cooperative_groups;
 using bf16 = __nv_bfloat16;
+using dev::cluster_arrive;
+using dev::cluster_wait;
+using dev::ldmatrix_x4;
+using dev::mbar_init;
+using dev::mbar_wait;
+using dev::smem_u32;
 
 constexpr int kClusterSize = 16;  // non-portable on Hopper; the launcher checks that one fits
 constexpr int kProjWarps = 8;    // hold phi; setmaxnreg kProjRegs
@@ -65,29 +72,6 @@ struct ResidentLayout {
   int stage_bytes = 0;  // slice / 64 boxes
   int off_scratch = 0, off_part = 0, off_tot = 0, off_hpre = 0, off_hsink = 0, total = 0;
 };
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// D += A(16x16, rows = tokens) * B(16x8, columns = coefficients), bf16 in, fp32 accumulate.
-// Not volatile: a pure register operation the scheduler may interleave.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;\n" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
 
 // Sum over the cluster's CTAs, in rank order, of the float4 at shared
 // address `local` of each (32-bit shared::cluster addresses: no 64-bit
@@ -115,26 +99,12 @@ __device__ __forceinline__ float4 cluster_sum4(uint32_t local) {
   return s;
 }
 
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done)
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-}
-
 // Named barriers: 0 is __syncthreads.
 constexpr int kBarProj = 1;    // the 8 projection warps
 constexpr int kBarFinish = 2;  // the 3 finish warps
 
 __device__ __forceinline__ void named_bar(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
 
 __device__ __forceinline__ void mbar_arrive_local(uint32_t bar) {
@@ -387,15 +357,12 @@ __global__ void __launch_bounds__(kThreads, 1)
           ldmatrix_x4(a, a_stage + x_offset(a_row, si, sc + a_kofs));
           sc += 16;
           if (sc == slice) sc = 0, ++si;
-          {
-            const uint32_t b_lo[2] = {a[0], a[2]}, b_hi[2] = {a[1], a[3]};  // B = rows 0-7 / 8-15 of A, transposed
-            mma_bf16(sq_lo, a, b_lo);
-            mma_bf16(sq_hi, a, b_hi);
-          }
+          dev::mma_bf16_16816(sq_lo, a, a[0], a[2]);  // B = rows 0-7 of A, transposed
+          dev::mma_bf16_16816(sq_hi, a, a[1], a[3]);  // B = rows 8-15 of A, transposed
 #pragma unroll
           for (int kt = 0; kt < kKt; ++kt) {
-            mma_bf16(acc_hi[kt], a, bhi[s][kt]);
-            if constexpr (kF32) mma_bf16(acc_lo[kt], a, blo[s][kt]);
+            dev::mma_bf16_16816(acc_hi[kt], a, bhi[s][kt][0], bhi[s][kt][1]);
+            if constexpr (kF32) dev::mma_bf16_16816(acc_lo[kt], a, blo[s][kt][0], blo[s][kt][1]);
           }
         }
       }
