@@ -64,6 +64,7 @@ constexpr int kRows = 16;     // tokens per tile: the m16 of the mma
 constexpr int kScratchStride = 20;  // floats per coefficient row of the per-warp scratch: fragment stores hit 32 banks
 constexpr int kStages = 3;    // X tiles in the ring
 constexpr int kMaxSteps = 14; // k16 steps per warp: phi registers = kMaxSteps * k_tiles * 2 (* 2 for hi/lo)
+constexpr int kPhiPad = 32;   // bytes after each coefficient's phi runs while phi passes through the ring
 
 struct ResidentLayout {
   int slice = 0;        // columns per CTA (C / 16, a multiple of 64)
@@ -133,6 +134,19 @@ __device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity)
   asm volatile("fence.acquire.sync_restrict::shared::cluster.cluster;\n" ::: "memory");
 }
 
+// FLASHMIX_MHC_PROFILE: a timeline of tile 0 in CTA 0 (globaltimer, ns).
+#ifdef FLASHMIX_MHC_PROFILE
+__shared__ unsigned long long fm_stamps[14];
+#define FM_STAMP(idx, cond)                                              \
+  if (cond) {                                                            \
+    unsigned long long ns;                                               \
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns) :: "memory");   \
+    fm_stamps[idx] = ns;                                                 \
+  }
+#else
+#define FM_STAMP(idx, cond)
+#endif
+
 __device__ __forceinline__ float sigmoid_fast(float v) { return __fdividef(1.0f, 1.0f + __expf(-v)); }
 
 // Roles (384 threads, three warpgroups):
@@ -158,7 +172,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kV = kCoef + 1;         // values per token: N projections + the sum of squares
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) uint64_t full[kStages], stage_empty[kStages], parts_ready[2], parts_free[2], hpre_ready[2],
-      hpre_free[2], sink_full[2], sink_empty[2];
+      hpre_free[2], sink_full[2], sink_empty[2], phi_full, phi_free;
+  __shared__ float coef_alpha[kCoef], coef_bias[kCoef];  // alpha_of(m) and bias[m], loaded once
   float* scratch = reinterpret_cast<float*>(smem + L.off_scratch);  // [warp][kV][kScratchStride]
   float* part = reinterpret_cast<float*>(smem + L.off_part);        // [2][kV][kRows], read by the cluster
   float* tot = reinterpret_cast<float*>(smem + L.off_tot);          // [kV][kRows]
@@ -177,6 +192,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t ring = (smem_u32(smem) + 1023u) & ~1023u;
   unsigned char* ring_ptr = smem + (ring - smem_u32(smem));
 
+  FM_STAMP(0, tid == 0)
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(smem_u32(&full[s]), 1);                  // the producer's expect_tx
@@ -190,6 +206,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(smem_u32(&sink_full[b]), 1);
       mbar_init(smem_u32(&sink_empty[b]), 1);
     }
+    mbar_init(smem_u32(&phi_full), 1);            // the producer's expect_tx
+    mbar_init(smem_u32(&phi_free), kProjWarps);   // every projection warp has its fragments
     asm volatile("fence.mbarrier_init.release.cluster;\n fence.proxy.async.shared::cta;\n" ::: "memory");
   }
   // Every CTA's barriers are initialised before any peer may arrive on them.
@@ -198,6 +216,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   dev::grid_dependency_wait();
   dev::allow_dependents_launch();
+  FM_STAMP(1, tid == 0)
 
   // Ring layout (one stage = one tile): S/64 chunks of 64 columns, each
   // [n streams][16 tokens][64 columns] as 128-byte lines with the TMA's
@@ -210,6 +229,32 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int line = i * kRows + row;
     return uint32_t((col >> 6) * L.chunk_bytes + line * 128 + ((((col & 63) >> 3) ^ (row & 7)) << 4));
   };
+  // phi's slice goes through the (still empty) ring once, before any X:
+  // the run of coefficient m, stream i (slice columns) sits at
+  // m * phi_m_bytes + i * slice * esz; the 32 bytes of padding per m put the
+  // 8 coefficient rows a fragment load touches in different banks. n = 4
+  // fp32: 24 x 4 x slice x 4 bytes = the ring's 3 x 16 x 4 x slice x 2 bytes.
+  constexpr int kPhiEsz = kF32 ? 4 : 2;
+  const int phi_m_bytes = kN * slice * kPhiEsz + kPhiPad;
+  auto issue_phi = [&]() {  // the whole producer warp: the 96 bulk copies spread over its lanes
+    const uint32_t bar = smem_u32(&phi_full);
+    if (lane == 0)
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
+                   "r"(kCoef * kN * slice * kPhiEsz)
+                   : "memory");
+    __syncwarp();
+    for (int run = lane; run < kCoef * kN; run += 32) {
+      const int m = run / kN, i = run - m * kN;
+      const unsigned char* src =
+          static_cast<const unsigned char*>(p.phi) + ((long long)m * p.k_len + (long long)i * hidden + c0) * kPhiEsz;
+      asm volatile(
+          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+              ring + m * phi_m_bytes + i * slice * kPhiEsz),
+          "l"(src), "r"(slice * kPhiEsz), "r"(bar)
+          : "memory");
+    }
+  };
+
   // The producer (lane 0 of the Sinkhorn warp) loads tile j into stage j % kStages.
   auto issue_tile = [&](int j) {
     const long long tile = cluster_id + (long long)j * num_clusters;
@@ -271,36 +316,38 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int my_steps = max(0, min(kMaxSteps, L.steps_total - first_step));
     uint32_t bhi[kMaxSteps][kKt][2];
     uint32_t blo[kF32 ? kMaxSteps : 1][kKt][2];
+    mbar_wait(smem_u32(&phi_full), 0u);
 #pragma unroll
     for (int s = 0; s < kMaxSteps; ++s) {
       const int gs = first_step + s;
       const int i = gs / steps_per_stream;
-      const long long kg = (long long)i * hidden + c0 + (gs - i * steps_per_stream) * 16 + 2 * t;
+      const int col = (gs - i * steps_per_stream) * 16 + 2 * t;  // within the slice
 #pragma unroll
       for (int kt = 0; kt < kKt; ++kt) {
         const int m = kt * 8 + g;
         const bool ok = s < my_steps && m < kCoef;
+        const unsigned char* run = ring_ptr + m * phi_m_bytes + (i * slice + col) * kPhiEsz;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           if constexpr (kF32) {
-            const float2 v = ok ? __ldg(reinterpret_cast<const float2*>(static_cast<const float*>(p.phi) +
-                                                                        (long long)m * p.k_len + kg + 8 * h))
-                                : make_float2(0.f, 0.f);
+            const float2 v = ok ? *reinterpret_cast<const float2*>(run + 8 * h * kPhiEsz) : make_float2(0.f, 0.f);
             const __nv_bfloat162 hi = __floats2bfloat162_rn(v.x, v.y);
             const float2 hf = __bfloat1622float2(hi);
             const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x - hf.x, v.y - hf.y);
             bhi[s][kt][h] = *reinterpret_cast<const uint32_t*>(&hi);
             blo[s][kt][h] = *reinterpret_cast<const uint32_t*>(&lo);
           } else {
-            bhi[s][kt][h] = ok ? __ldg(reinterpret_cast<const unsigned int*>(static_cast<const bf16*>(p.phi) +
-                                                                             (long long)m * p.k_len + kg + 8 * h))
-                               : 0u;
+            bhi[s][kt][h] = ok ? *reinterpret_cast<const uint32_t*>(run + 8 * h * kPhiEsz) : 0u;
           }
         }
       }
     }
+    // The ring is X's from here on.
+    __syncwarp();
+    if (lane == 0) mbar_arrive_local(smem_u32(&phi_free));
     // ldmatrix.x4 lane address: rows (lane & 7) + 8 * ((lane >> 3) & 1), k offset 8 * (lane >> 4).
     const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8, a_kofs = (lane >> 4) * 8;
+    FM_STAMP(2, tid == 0)
 
     // FLASHMIX_MHC_PROFILE: per-phase cycle counts of warps 0 and 1 of two
     // CTAs, printed at the end (a profiling build, never the shipped one).
@@ -336,6 +383,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int j = 0; j < my_tiles; ++j) {
       const int stage = j % kStages;
       mbar_wait(smem_u32(&full[stage]), uint32_t(j / kStages) & 1u);
+      FM_STAMP(3, tid == 0 && j == 0)
       FM_PROF(0)
       // Partial projection of tile j over this warp's k steps; hi and lo in
       // separate accumulators (independent mma chains).
@@ -366,6 +414,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       }
+      FM_STAMP(4, tid == 0 && j == 0)
       FM_PROF(1)
       // This CTA's partials of tile j: per warp into scratch, summed over
       // the warps in a fixed order into part[j & 1] once every CTA has
@@ -402,6 +451,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         asm volatile("fence.release.sync_restrict::shared::cta.cluster;\n" ::: "memory");
         mbar_arrive_cluster_all(smem_u32(&parts_ready[j & 1]), lane);
       }
+      FM_STAMP(5, tid == 0 && j == 0)
       FM_PROF(4)
       // The pre mix of the previous tile (its H_pre is being made by the
       // finish warps while this tile's projection ran), then its ring stage
@@ -413,6 +463,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     if (p.mode != ProjectMode::kProject && my_tiles > 0) mix(my_tiles - 1);
+    FM_STAMP(9, tid == 0)
 #ifdef FLASHMIX_MHC_PROFILE
     if (cluster_id == 0 && rank < 2 && tid < 64 && lane == 0 && my_tiles > 0)
       printf("prof rank %d warp %d tiles %d | waitX %lld proj %lld scratch+free %lld reduce %lld arrive %lld | "
@@ -424,12 +475,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     // ---------------- finish warps ----------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kFinishRegs));
     const int ft = tid - kProjWarps * 32;
+    // The coefficients' alpha and bias, once (while phi loads), not per tile.
+    for (int m = ft; m < kCoef; m += kFinishWarps * 32) {
+      coef_alpha[m] = __ldg(p.alpha + alpha_index(m, kN));
+      coef_bias[m] = __ldg(p.bias + m);
+    }
+    named_bar(kBarFinish, kFinishWarps * 32);
     int owned = 0;
 #pragma unroll 1
     for (int j = 0; j < my_tiles; ++j) {
       const long long row0 = (cluster_id + (long long)j * num_clusters) * kRows;
       const bool owner = rank == j % kClusterSize;  // H_post/H_res (or h, r) of this tile
       mbar_wait_cluster(smem_u32(&parts_ready[j & 1]), uint32_t(j >> 1) & 1u);
+      FM_STAMP(6, ft == 0 && j == 0)
       // The cluster sums, 4 tokens per float4: the pre coefficients and the
       // sum of squares (every CTA), all N + 1 values (the owner).
       const uint32_t pb = smem_u32(part + (j & 1) * kV * kRows);
@@ -454,7 +512,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int v = ft; v < per_row * kRows; v += kFinishWarps * 32) {
         const int row = v / per_row, m = v - row * per_row;
         const float r = sqrtf(tot[kCoef * kRows + row] * inv_k + p.eps_norm);
-        const float h = __ldg(p.alpha + alpha_index(m, kN)) * __fdividef(tot[m * kRows + row], r) + __ldg(p.bias + m);
+        const float h = coef_alpha[m] * __fdividef(tot[m * kRows + row], r) + coef_bias[m];
         const long long b = row0 + row;
         if (p.mode == ProjectMode::kProject) {
           if (owner && b < p.batch) {
@@ -471,6 +529,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_arrive_local(smem_u32(&hpre_ready[j & 1]));
         if (owner) mbar_arrive_local(smem_u32(&sink_full[slot]));
       }
+      FM_STAMP(7, ft == 0 && j == 0)
       owned += owner;
       // The last kFinishMixRows tokens of the tile are mixed here, at once
       // (the projection warps, one tile behind, take the others): the
@@ -480,13 +539,17 @@ __global__ void __launch_bounds__(kThreads, 1)
                  kFinishWarps * 32);
         __syncwarp();
       }
+      FM_STAMP(8, ft == 0 && j == 0)
       if (lane == 0) mbar_arrive_local(smem_u32(&stage_empty[j % kStages]));
     }
   } else {
     // ---------------- producer + Sinkhorn warp ----------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kFinishRegs));
-    if (lane == 0)
+    issue_phi();
+    if (lane == 0) {
+      mbar_wait(smem_u32(&phi_free), 0u);
       for (int j = 0; j < min(my_tiles, kStages); ++j) issue_tile(j);
+    }
     int owned = 0;
 #pragma unroll 1
     for (int t = kStages; t < my_tiles + kStages; ++t) {
@@ -503,6 +566,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (p.mode != ProjectMode::kPre || o % kClusterSize != rank) continue;
       const int slot = owned & 1;
       mbar_wait(smem_u32(&sink_full[slot]), uint32_t(owned >> 1) & 1u);
+      FM_STAMP(12, lane == 0 && o == 0)
       const long long b = (cluster_id + (long long)o * num_clusters) * kRows + lane;
       if (lane < kRows && b < p.batch) {
         float h[kCoef], pre[kN], post[kN], res[kN * kN];
@@ -515,6 +579,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int e = 0; e < kN * kN; ++e) p.h_res[b * kN * kN + e] = res[e];
       }
       __syncwarp();
+      FM_STAMP(10, lane == 0 && o == 0)
       if (lane == 0) mbar_arrive_local(smem_u32(&sink_empty[slot]));
       ++owned;
     }
@@ -523,6 +588,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncwarp();
   cluster_arrive();
   cluster_wait();
+  FM_STAMP(11, tid == 0)
+#ifdef FLASHMIX_MHC_PROFILE
+  if (tid == 0 && blockIdx.x == 0)
+    printf("timeline ns: phi %llu | X %llu | proj %llu | sent %llu | fin-ready %llu | hpre %llu | finmix %llu | "
+           "projmix %llu | sinkhorn %llu..%llu | exit %llu (from cluster wait; entry->wait %llu)\n",
+           fm_stamps[2] - fm_stamps[1], fm_stamps[3] - fm_stamps[1], fm_stamps[4] - fm_stamps[1],
+           fm_stamps[5] - fm_stamps[1], fm_stamps[6] - fm_stamps[1], fm_stamps[7] - fm_stamps[1],
+           fm_stamps[8] - fm_stamps[1], fm_stamps[9] - fm_stamps[1], fm_stamps[12] - fm_stamps[1], fm_stamps[10] - fm_stamps[1],
+           fm_stamps[11] - fm_stamps[1], fm_stamps[1] - fm_stamps[0]);
+#endif
 #endif
 }
 
@@ -567,7 +642,7 @@ ResidentLayout resident_layout(int hidden) {
   L.steps_total = kN * L.slice / 16;
   L.chunk_bytes = kN * kRows * 128;
   L.stage_bytes = L.slice / 64 * L.chunk_bytes;
-  int off = kStages * L.stage_bytes + 1024;  // + the ring's alignment
+  int off = kStages * L.stage_bytes + 1024 + (kV - 1) * kPhiPad;  // + the ring's alignment, + phi's padding
   L.off_scratch = off;
   off += kProjWarps * kV * kScratchStride * 4;
   L.off_part = off;
