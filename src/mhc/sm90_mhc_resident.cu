@@ -236,14 +236,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   // fp32: 24 x 4 x slice x 4 bytes = the ring's 3 x 16 x 4 x slice x 2 bytes.
   constexpr int kPhiEsz = kF32 ? 4 : 2;
   const int phi_m_bytes = kN * slice * kPhiEsz + kPhiPad;
-  auto issue_phi = [&]() {  // the whole producer warp: the 96 bulk copies spread over its lanes
+  // The 96 bulk copies are spread over the 128 threads of the finish and
+  // producer warps, one each: their issue is serial within a warp (~55
+  // cycles apiece), and 96 from one warp took 2.7 us of a decode launch
+  // (measured). Thread 0 of the 128 (the producer's lane 0) sets the
+  // expected bytes; a copy completing before that leaves the phase pending
+  // (its arrival is still missing), so the order does not matter.
+  auto issue_phi = [&](int t128) {
     const uint32_t bar = smem_u32(&phi_full);
-    if (lane == 0)
+    if (t128 == 0)
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
                    "r"(kCoef * kN * slice * kPhiEsz)
                    : "memory");
-    __syncwarp();
-    for (int run = lane; run < kCoef * kN; run += 32) {
+    for (int run = t128; run < kCoef * kN; run += (kFinishWarps + 1) * 32) {
       const int m = run / kN, i = run - m * kN;
       const unsigned char* src =
           static_cast<const unsigned char*>(p.phi) + ((long long)m * p.k_len + (long long)i * hidden + c0) * kPhiEsz;
@@ -306,14 +311,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     // ---------------- projection warps ----------------
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kProjRegs));
 
-    // phi -> registers, once: warp w owns k16 steps [w*kMaxSteps, ...) of
+    // phi -> registers, once: warp w owns k16 steps [w*per_warp, ...) of
     // the CTA's slice (stream-major: step s covers stream s / (S/16),
     // columns c0 + (s % (S/16)) * 16 ...). B fragment of coefficient tile
     // kt: rows (k) 2t, 2t+1 and 2t+8, 2t+9 of column (coefficient) kt*8 + g.
     const int g = lane >> 2, t = lane & 3;
     const int steps_per_stream = slice / 16;
-    const int first_step = warp * kMaxSteps;
-    const int my_steps = max(0, min(kMaxSteps, L.steps_total - first_step));
+    const int per_warp = (L.steps_total + kProjWarps - 1) / kProjWarps;  // <= kMaxSteps (launcher)
+    const int first_step = warp * per_warp;
+    const int my_steps = max(0, min(per_warp, L.steps_total - first_step));
     uint32_t bhi[kMaxSteps][kKt][2];
     uint32_t blo[kF32 ? kMaxSteps : 1][kKt][2];
     mbar_wait(smem_u32(&phi_full), 0u);
@@ -475,6 +481,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // ---------------- finish warps ----------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kFinishRegs));
     const int ft = tid - kProjWarps * 32;
+    issue_phi(32 + ft);
     // The coefficients' alpha and bias, once (while phi loads), not per tile.
     for (int m = ft; m < kCoef; m += kFinishWarps * 32) {
       coef_alpha[m] = __ldg(p.alpha + alpha_index(m, kN));
@@ -545,7 +552,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {
     // ---------------- producer + Sinkhorn warp ----------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kFinishRegs));
-    issue_phi();
+    issue_phi(lane);
     if (lane == 0) {
       mbar_wait(smem_u32(&phi_free), 0u);
       for (int j = 0; j < min(my_tiles, kStages); ++j) issue_tile(j);
