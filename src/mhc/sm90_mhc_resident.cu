@@ -15,7 +15,8 @@
 // 16 owns columns [j*S, j*S + S) of every stream (S = C/16, K/16 = 1792 of K)
 // and the 172 KB of hi/lo B fragments for them sit in its 8 projection
 // warps' registers (168 per thread). Shared memory is left to X: a 3-stage
-// ring of 16-token tiles (57 KB each) filled by 3-D TMA boxes.
+// ring of 16-token tiles (57 KB each) filled by 3-D TMA boxes (phi's fp32
+// slice, exactly the ring's size at n = 4, passes through it once first).
 //
 // Per tile each projection warp runs 14 k16 steps (one ldmatrix.x4 of X, 6
 // mma for hi/lo x 3 coefficient tiles, 2 mma whose diagonals are the sums
