@@ -36,6 +36,12 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
 
+// Arrives once on the mbarrier at shared address `bar` and raises the bytes
+// the current phase expects from asynchronous copies (TMA / bulk copies).
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
 // Spins until the phase with the given parity of the mbarrier at shared
 // address `bar` has completed (acquire at CTA scope).
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {

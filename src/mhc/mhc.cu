@@ -255,6 +255,20 @@ __global__ void __launch_bounds__(kThreads) mhc_project_rows_kernel(ProjectParam
 
 unsigned grid_for(long long total, int threads) { return unsigned((total + threads - 1) / threads); }
 
+// The element-wise ops (pre mix, expand): one thread per (token, 8 columns),
+// 128-thread blocks for small totals. `launch(kn, grid, block, total,
+// groups)` launches the n-specialised kernel and returns its error.
+template <typename Launch>
+Status launch_per_group(const MhcShape& s, const char* op, Launch&& launch) {
+  const int groups = int(s.hidden / 8);
+  const long long total = s.batch * groups;
+  const int threads = total < 64LL * 1024 ? 128 : kThreads;
+  cudaError_t err = cudaSuccess;
+  dispatch_n(s.n, [&](auto kn) { err = launch(kn, dim3(grid_for(total, threads)), dim3(threads), total, groups); });
+  if (err != cudaSuccess) return detail::cuda_status(err, op, "kernel launch");
+  return detail::check_launch(op);
+}
+
 ProjectKernel g_project_kernel = ProjectKernel::kAuto;
 
 // Runs the projection kernel: the sm_90a cluster kernel where it fits, else the portable one.
@@ -373,18 +387,11 @@ Status mhc_pre_mix(const MhcPreMixArgs& a, cudaStream_t stream) {
   FM_RETURN_IF_ERROR(validate_mhc_pre_mix(a));
   FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
   if (a.shape.batch == 0) return Status::Ok();
-  const int groups = int(a.shape.hidden / 8);
-  const long long total = a.shape.batch * groups;
-  const int threads = total < 64LL * 1024 ? 128 : kThreads;
-  cudaError_t err = cudaSuccess;
-  dispatch_n(a.shape.n, [&](auto kn) {
-    constexpr int kN = decltype(kn)::value;
-    err = dev::launch(mhc_pre_mix_kernel<kN>, dim3(grid_for(total, threads)), dim3(threads), 0, stream, a.enable_pdl,
-                      static_cast<const bf16*>(a.x), a.h_pre, static_cast<bf16*>(a.f_pre), total, groups,
-                      int(a.shape.hidden));
+  return launch_per_group(a.shape, kOp, [&](auto kn, dim3 grid, dim3 block, long long total, int groups) {
+    return dev::launch(mhc_pre_mix_kernel<decltype(kn)::value>, grid, block, 0, stream, a.enable_pdl,
+                       static_cast<const bf16*>(a.x), a.h_pre, static_cast<bf16*>(a.f_pre), total, groups,
+                       int(a.shape.hidden));
   });
-  if (err != cudaSuccess) return detail::cuda_status(err, kOp, "kernel launch");
-  return detail::check_launch(kOp);
 }
 
 Status mhc_expand(const MhcExpandArgs& a, cudaStream_t stream) {
@@ -392,18 +399,11 @@ Status mhc_expand(const MhcExpandArgs& a, cudaStream_t stream) {
   FM_RETURN_IF_ERROR(validate_mhc_expand(a));
   FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
   if (a.shape.batch == 0) return Status::Ok();
-  const int groups = int(a.shape.hidden / 8);
-  const long long total = a.shape.batch * groups;
-  const int threads = total < 64LL * 1024 ? 128 : kThreads;
-  cudaError_t err = cudaSuccess;
-  dispatch_n(a.shape.n, [&](auto kn) {
-    constexpr int kN = decltype(kn)::value;
-    err = dev::launch(mhc_expand_kernel<kN>, dim3(grid_for(total, threads)), dim3(threads), 0, stream, a.enable_pdl,
-                      static_cast<const bf16*>(a.embedding), static_cast<bf16*>(a.x), total, groups,
-                      int(a.shape.hidden));
+  return launch_per_group(a.shape, kOp, [&](auto kn, dim3 grid, dim3 block, long long total, int groups) {
+    return dev::launch(mhc_expand_kernel<decltype(kn)::value>, grid, block, 0, stream, a.enable_pdl,
+                       static_cast<const bf16*>(a.embedding), static_cast<bf16*>(a.x), total, groups,
+                       int(a.shape.hidden));
   });
-  if (err != cudaSuccess) return detail::cuda_status(err, kOp, "kernel launch");
-  return detail::check_launch(kOp);
 }
 
 Status mhc_activate(const MhcActivateArgs& a, cudaStream_t stream) {

@@ -51,6 +51,7 @@ using bf16 = __nv_bfloat16;
 using dev::cluster_arrive;
 using dev::cluster_wait;
 using dev::ldmatrix_x4;
+using dev::mbar_arrive_expect_tx;
 using dev::mbar_init;
 using dev::mbar_wait;
 using dev::smem_u32;
@@ -245,10 +246,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // (its arrival is still missing), so the order does not matter.
   auto issue_phi = [&](int t128) {
     const uint32_t bar = smem_u32(&phi_full);
-    if (t128 == 0)
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
-                   "r"(kCoef * kN * slice * kPhiEsz)
-                   : "memory");
+    if (t128 == 0) mbar_arrive_expect_tx(bar, uint32_t(kCoef * kN * slice * kPhiEsz));
     for (int run = t128; run < kCoef * kN; run += (kFinishWarps + 1) * 32) {
       const int m = run / kN, i = run - m * kN;
       const unsigned char* src =
@@ -266,7 +264,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const long long tile = cluster_id + (long long)j * num_clusters;
     const int stage = j % kStages;
     const uint32_t bar = smem_u32(&full[stage]);
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(L.stage_bytes) : "memory");
+    mbar_arrive_expect_tx(bar, uint32_t(L.stage_bytes));
     for (int ch = 0; ch < slice / 64; ++ch)
       asm volatile(
           "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
