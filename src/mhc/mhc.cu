@@ -332,6 +332,7 @@ Status mhc_pre(const MhcPreArgs& a, cudaStream_t stream) {
   p.eps_norm = a.params.eps_norm;
   p.act = act_params(a.params);
   p.mode = ProjectMode::kPre;
+  p.prefetch_weights = a.prefetch_weights && a.enable_pdl;
   return launch_project(p, a.shape.n, a.phi_dtype, stream, a.enable_pdl, kOp);
 }
 
@@ -346,6 +347,7 @@ Status mhc_project(const MhcProjectArgs& a, cudaStream_t stream) {
   p.num_coef = mhc_num_coefficients(a.shape.n);
   p.eps_norm = a.eps_norm;
   p.mode = ProjectMode::kProject;
+  p.prefetch_weights = a.prefetch_weights && a.enable_pdl;
   return launch_project(p, a.shape.n, a.phi_dtype, stream, a.enable_pdl, kOp);
 }
 

@@ -21,6 +21,52 @@ inline ActParams act_params(const MhcParams& p) {
 
 __device__ __forceinline__ float sigmoidf_(float v) { return 1.0f / (1.0f + __expf(-v)); }
 
+// 1 / v from the MUFU alone (no denormal fix-up), v clamped to FLT_MIN
+// first unless the caller knows v >= FLT_MIN.
+template <bool kClamp>
+__device__ __forceinline__ float rcp_norm(float v) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(kClamp ? fmaxf(v, 1.17549435e-38f) : v));
+  return r;
+}
+
+// Sum of kLen values as a balanced tree (log2 depth instead of kLen - 1).
+template <int kLen, int kStride>
+__device__ __forceinline__ float tree_sum(const float* v) {
+  if constexpr (kLen == 1) {
+    return v[0];
+  } else {
+    constexpr int kHalf = kLen / 2;
+    return tree_sum<kHalf, kStride>(v) + tree_sum<kLen - kHalf, kStride>(v + kHalf * kStride);
+  }
+}
+
+// Sinkhorn rounds on the n x n matrix m (row-major, in registers): the first
+// round is the column normalisation alone, then rows and columns alternate.
+template <int kN, bool kEps, bool kClamp>
+__device__ __forceinline__ void sinkhorn_rounds(float* m, float eps, int iters) {
+  for (int it = 0; it < iters; ++it) {
+    if (it > 0) {
+#pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        float s = tree_sum<kN, 1>(m + i * kN);
+        if constexpr (kEps) s += eps;
+        const float inv = rcp_norm<kClamp>(s);
+#pragma unroll
+        for (int j = 0; j < kN; ++j) m[i * kN + j] *= inv;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+      float s = tree_sum<kN, kN>(m + j);
+      if constexpr (kEps) s += eps;
+      const float inv = rcp_norm<kClamp>(s);
+#pragma unroll
+      for (int i = 0; i < kN; ++i) m[i * kN + j] *= inv;
+    }
+  }
+}
+
 // h: the N = n*n + 2n coefficients of one token (alpha, r and bias applied).
 // Writes H_pre, H_post and H_res (row-major n x n). Everything stays in
 // registers: n is a compile-time constant and every loop is unrolled. Fast
@@ -49,28 +95,19 @@ __device__ __forceinline__ void activate_token(const float* h, const ActParams& 
 #pragma unroll
     for (int j = 0; j < kN; ++j) m[i * kN + j] = m[i * kN + j] * inv + p.eps_sinkhorn;
   }
-  const float eps = p.eps_sinkhorn;
-  for (int it = 0; it < p.sinkhorn_iters; ++it) {
-    if (it > 0) {  // the first round is the column normalisation alone
-#pragma unroll
-      for (int i = 0; i < kN; ++i) {
-        float s = 0.f;
-#pragma unroll
-        for (int j = 0; j < kN; ++j) s += m[i * kN + j];
-        const float inv = __fdividef(1.0f, s + eps);
-#pragma unroll
-        for (int j = 0; j < kN; ++j) m[i * kN + j] *= inv;
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < kN; ++j) {
-      float s = 0.f;
-#pragma unroll
-      for (int i = 0; i < kN; ++i) s += m[i * kN + j];
-      const float inv = __fdividef(1.0f, s + eps);
-#pragma unroll
-      for (int i = 0; i < kN; ++i) m[i * kN + j] *= inv;
-    }
+  // The rounds are a serial chain (20 by default, each a row and a column
+  // normalisation), the last step of mhc_pre's critical path at decode
+  // sizes, so each normalisation is kept short: sums as a tree, the
+  // reciprocal straight from the MUFU (rcp.approx.ftz: ~1 ulp, no denormal
+  // fix-up; a sum that could be below FLT_MIN is clamped to it so the result
+  // stays finite), no eps add when eps is 0 and no clamp when eps >= FLT_MIN
+  // (uniform branches; H200, one warp: 150 cycles a round at eps = 0).
+  if (p.eps_sinkhorn == 0.0f) {
+    sinkhorn_rounds<kN, false, true>(m, 0.0f, p.sinkhorn_iters);
+  } else if (p.eps_sinkhorn >= 1.17549435e-38f) {
+    sinkhorn_rounds<kN, true, false>(m, p.eps_sinkhorn, p.sinkhorn_iters);
+  } else {
+    sinkhorn_rounds<kN, true, true>(m, p.eps_sinkhorn, p.sinkhorn_iters);
   }
 #pragma unroll
   for (int e = 0; e < kN * kN; ++e) res[e] = m[e];
@@ -119,6 +156,10 @@ struct ProjectParams {
   float eps_norm = 0;
   ActParams act;
   ProjectMode mode = ProjectMode::kPre;
+  // phi, alpha and bias may be read before the grid dependency (PDL) is
+  // resolved (MhcPreArgs::prefetch_weights). Kernels that do not use it
+  // wait first, which is always correct.
+  bool prefetch_weights = false;
 };
 
 // sm_90a cluster kernel (sm90_mhc_fused.cu). Returns cudaErrorNotSupported

@@ -20,15 +20,16 @@
 //
 // Per tile each projection warp runs 14 k16 steps (one ldmatrix.x4 of X, 6
 // mma for hi/lo x 3 coefficient tiles, 2 mma whose diagonals are the sums
-// of squares), the 8 warps' partials are summed in smem (fixed order), and
-// the 16 CTAs' partials through distributed shared memory, each CTA summing
-// the 16 in rank order, so all hold bitwise the same h (no atomics). The
-// roles below are decoupled by mbarriers so the cluster exchange, the mix
-// and Sinkhorn overlap the tensor-core work of the next tile.
+// of squares), the 8 warps' partials are summed in smem (fixed order) and
+// pushed to the other CTAs' shared memory (st.async), each CTA summing the
+// 16 ranks' partials in rank order, so all hold bitwise the same h (no
+// atomics). The roles below are decoupled by mbarriers so the cluster
+// exchange, the mix and Sinkhorn overlap the tensor-core work of the next
+// tile.
 //
 // Bytes: X once from HBM, F_pre once, phi once per cluster (7 x 2.75 MB of
 // L2 reads in all): the floor is (X + F_pre) / copy bandwidth. Reached
-// (H200, B = 8192): 2.1x the floor, 3.6x faster than the cluster-tile
+// (H200, B = 8192): 1.94x the floor, 3.7x faster than the cluster-tile
 // kernel; the projection warps are bound by the mma.sync pipe and the mix's
 // ALU work (docs/mhc.md has the per-phase cycle counts and what was tried).
 #include <cooperative_groups.h>
@@ -73,24 +74,17 @@ struct ResidentLayout {
   int steps_total = 0;  // k16 steps of a CTA's slice: n * slice / 16
   int chunk_bytes = 0;  // one 64-column TMA box: n * kRows * 128
   int stage_bytes = 0;  // slice / 64 boxes
-  int off_scratch = 0, off_part = 0, off_tot = 0, off_hpre = 0, off_hsink = 0, total = 0;
+  int off_scratch = 0, off_recv_common = 0, off_recv_full = 0, off_tot = 0, off_hpre = 0, off_hsink = 0,
+      total = 0;
 };
 
-// Sum over the cluster's CTAs, in rank order, of the float4 at shared
-// address `local` of each (32-bit shared::cluster addresses: no 64-bit
-// generic pointers held in registers). All 16 loads are issued before the
-// first add.
-__device__ __forceinline__ float4 cluster_sum4(uint32_t local) {
+// Sum in rank order of the kClusterSize float4s at `first`, `first + stride`,
+// ... (shared memory of this CTA, where the peers pushed them). All loads are
+// issued before the first add.
+__device__ __forceinline__ float4 rank_sum4(const float* first, int stride) {
   float4 v[kClusterSize];
 #pragma unroll
-  for (int rk = 0; rk < kClusterSize; ++rk) {
-    uint32_t remote;
-    asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rk));
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=f"(v[rk].x), "=f"(v[rk].y), "=f"(v[rk].z), "=f"(v[rk].w)
-                 : "r"(remote)
-                 : "memory");
-  }
+  for (int rk = 0; rk < kClusterSize; ++rk) v[rk] = *reinterpret_cast<const float4*>(first + rk * stride);
   float4 s = v[0];
 #pragma unroll
   for (int rk = 1; rk < kClusterSize; ++rk) {
@@ -100,6 +94,19 @@ __device__ __forceinline__ float4 cluster_sum4(uint32_t local) {
     s.w += v[rk].w;
   }
   return s;
+}
+
+// Stores v into the shared memory of CTA `rank` of the cluster, at the
+// address `local` has here, and counts its 16 bytes on that CTA's mbarrier
+// at `bar` (its address here): a one-way push, no round trip.
+__device__ __forceinline__ void push4(uint32_t local, uint32_t bar, int rank, float4 v) {
+  uint32_t remote, remote_bar;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote_bar) : "r"(bar), "r"(rank));
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
+                   remote),
+               "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(remote_bar)
+               : "memory");
 }
 
 // Named barriers: 0 is __syncthreads.
@@ -138,12 +145,14 @@ __device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity)
 
 // FLASHMIX_MHC_PROFILE: a timeline of tile 0 in CTA 0 (globaltimer, ns).
 #ifdef FLASHMIX_MHC_PROFILE
-__shared__ unsigned long long fm_stamps[14];
+__shared__ unsigned long long fm_stamps[24];
+__shared__ long long fm_cycles[24];  // clock64 beside each stamp: the SM clock, to tell latency from frequency
 #define FM_STAMP(idx, cond)                                              \
   if (cond) {                                                            \
     unsigned long long ns;                                               \
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns) :: "memory");   \
     fm_stamps[idx] = ns;                                                 \
+    fm_cycles[idx] = clock64();                                          \
   }
 #else
 #define FM_STAMP(idx, cond)
@@ -153,13 +162,18 @@ __device__ __forceinline__ float sigmoid_fast(float v) { return __fdividef(1.0f,
 
 // Roles (384 threads, three warpgroups):
 //   warps 0-7  projection: phi resident in registers (setmaxnreg 224); per
-//              tile: wait for X, mma, partials summed over the 8 warps into
-//              part[tile & 1], then signal every CTA's parts_ready (16 lanes,
-//              one remote arrival each); then the pre mix of tokens 0-7 of
-//              the previous tile.
-//   warps 8-10 finish (setmaxnreg 56): wait parts_ready, sum the 16 CTAs'
-//              partials (DSMEM, rank order), release the partial buffer
-//              (parts_free in every CTA), publish H_pre, mix tokens 8-15.
+//              tile: wait for X, mma, partials summed over the 8 warps and
+//              pushed (st.async, counted on the receiver's recv_full[tile &
+//              1]): the pre coefficients and the sum of squares to every
+//              CTA, the others to the tile's owner; then the pre mix of
+//              tokens 0-7 of the previous tile. Pushing (one-way) instead of
+//              each CTA pulling 16 peers' partials (a DSMEM round trip, ~500
+//              cycles, twice per float4 at 56 registers) took 1,200 cycles
+//              off a decode tile's chain (H200, measured).
+//   warps 8-10 finish (setmaxnreg 56): wait recv_full, sum the 16 ranks'
+//              partials (local shared memory, rank order), publish H_pre,
+//              release the receive buffer (recv_free in every CTA), mix
+//              tokens 8-15.
 //              The tile's owner CTA (tile % 16) also stashes h for warp 11.
 //   warp 11    producer and Sinkhorn: lane 0 refills a ring stage once every
 //              warp that reads it has arrived on stage_empty; the warp runs
@@ -172,12 +186,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kCoef = kN * kN + 2 * kN;
   constexpr int kKt = (kCoef + 7) / 8;  // n8 coefficient tiles
   constexpr int kV = kCoef + 1;         // values per token: N projections + the sum of squares
+  constexpr int kCommon = kN + 1;       // pre coefficients + the sum of squares: every CTA needs them
+  constexpr int kFull = kCoef - kN;     // post and res coefficients: the tile's owner only
+  constexpr int kQ = kRows / 4;         // float4s per value
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ __align__(8) uint64_t full[kStages], stage_empty[kStages], parts_ready[2], parts_free[2], hpre_ready[2],
+  __shared__ __align__(8) uint64_t full[kStages], stage_empty[kStages], recv_full[2], recv_free[2], hpre_ready[2],
       hpre_free[2], sink_full[2], sink_empty[2], phi_full, phi_free;
   __shared__ float coef_alpha[kCoef], coef_bias[kCoef];  // alpha_of(m) and bias[m], loaded once
   float* scratch = reinterpret_cast<float*>(smem + L.off_scratch);  // [warp][kV][kScratchStride]
-  float* part = reinterpret_cast<float*>(smem + L.off_part);        // [2][kV][kRows], read by the cluster
+  // What the peers push: per tile parity, [rank][kCommon][kRows] (the pre
+  // coefficients and the sum of squares, every CTA); [rank][kFull][kRows]
+  // (the other coefficients, the tile's owner only; one buffer: a CTA owns
+  // every 16th tile, and recv_free orders it like the common part).
+  float* recv_common = reinterpret_cast<float*>(smem + L.off_recv_common);
+  float* recv_full_buf = reinterpret_cast<float*>(smem + L.off_recv_full);
   float* tot = reinterpret_cast<float*>(smem + L.off_tot);          // [kV][kRows]
   float* hpre = reinterpret_cast<float*>(smem + L.off_hpre);        // [2][kRows][kN]
   float* hsink = reinterpret_cast<float*>(smem + L.off_hsink);      // [2][kRows][kCoef]
@@ -201,8 +223,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(smem_u32(&stage_empty[s]), kProjWarps + kFinishWarps);  // every warp that reads the stage, done
     }
     for (int b = 0; b < 2; ++b) {
-      mbar_init(smem_u32(&parts_ready[b]), kClusterSize);
-      mbar_init(smem_u32(&parts_free[b]), kClusterSize);
+      mbar_init(smem_u32(&recv_full[b]), 1);            // the receiver's expect_tx; the bytes come by st.async
+      mbar_init(smem_u32(&recv_free[b]), kClusterSize);  // every CTA has summed what it received
       mbar_init(smem_u32(&hpre_ready[b]), 1);
       mbar_init(smem_u32(&hpre_free[b]), kProjWarps);
       mbar_init(smem_u32(&sink_full[b]), 1);
@@ -216,7 +238,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   cluster_arrive();
   cluster_wait();
 
-  dev::grid_dependency_wait();
+  // With prefetch_weights (the caller's promise that the kernel before this
+  // one on the stream does not write phi, alpha or bias), the weights are
+  // read before the grid dependency is resolved, overlapping that kernel's
+  // tail; every role waits for it before its first touch of X or of an
+  // output. Without, everything waits here.
+  if (!p.prefetch_weights) dev::grid_dependency_wait();
   dev::allow_dependents_launch();
   FM_STAMP(1, tid == 0)
 
@@ -350,6 +377,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The ring is X's from here on.
     __syncwarp();
     if (lane == 0) mbar_arrive_local(smem_u32(&phi_free));
+    dev::grid_dependency_wait();  // before X (prefetch_weights; a no-op otherwise)
     // ldmatrix.x4 lane address: rows (lane & 7) + 8 * ((lane >> 3) & 1), k offset 8 * (lane >> 4).
     const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8, a_kofs = (lane >> 4) * 8;
     FM_STAMP(2, tid == 0)
@@ -421,9 +449,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       FM_STAMP(4, tid == 0 && j == 0)
       FM_PROF(1)
-      // This CTA's partials of tile j: per warp into scratch, summed over
-      // the warps in a fixed order into part[j & 1] once every CTA has
-      // released that buffer's previous use (tile j - 2).
+      // This CTA's partials of tile j: per warp into scratch (once every
+      // warp is done reading the previous tile's), then summed over the
+      // warps in a fixed order and pushed once every CTA has released its
+      // receive buffer of this parity (tile j - 2).
+      named_bar(kBarProj, kProjWarps * 32);
       float* my = scratch + warp * kV * kScratchStride;
 #pragma unroll
       for (int kt = 0; kt < kKt; ++kt) {
@@ -440,21 +470,58 @@ __global__ void __launch_bounds__(kThreads, 1)
         my[kCoef * kScratchStride + g] = (g & 1) ? sq_lo[1] : sq_lo[0];
         my[kCoef * kScratchStride + g + 8] = (g & 1) ? sq_hi[3] : sq_hi[2];
       }
-      if (j >= 2) mbar_wait_cluster(smem_u32(&parts_free[j & 1]), uint32_t((j - 2) >> 1) & 1u);
+      if (j >= 2) mbar_wait_cluster(smem_u32(&recv_free[j & 1]), uint32_t((j - 2) >> 1) & 1u);
       FM_PROF(2)
-      named_bar(kBarProj, kProjWarps * 32);
-      float* pw = part + (j & 1) * kV * kRows;
-      for (int v = tid; v < kV * kRows; v += kProjWarps * 32) {
-        float s = 0.f;
-#pragma unroll
-        for (int w = 0; w < kProjWarps; ++w) s += scratch[(w * kV + v / kRows) * kScratchStride + v % kRows];
-        pw[v] = s;
-      }
-      named_bar(kBarProj, kProjWarps * 32);  // part written; scratch free for the next tile
+      FM_STAMP(17, tid == 0 && j == 0)
+      named_bar(kBarProj, kProjWarps * 32);  // scratch written
+      FM_STAMP(18, tid == 0 && j == 0)
       FM_PROF(3)
-      if (warp == 0) {
-        asm volatile("fence.release.sync_restrict::shared::cta.cluster;\n" ::: "memory");
-        mbar_arrive_cluster_all(smem_u32(&parts_ready[j & 1]), lane);
+      // Sum over the 8 warps and push, per (value, 4 tokens) float4: the
+      // common ones to all 16 CTAs (each of the 16 threads of one float4
+      // sums it itself, in the same order, and pushes it to one CTA), the
+      // rest to the owner. Position [parity][this rank][value][tokens].
+      {
+        const int owner_rank = j % kClusterSize;
+        const uint32_t bar = smem_u32(&recv_full[j & 1]);
+        constexpr int kCommonPushes = kCommon * kQ * kClusterSize;
+        auto warp_sum = [&](int m, int r4) {
+          float4 v = *reinterpret_cast<const float4*>(scratch + m * kScratchStride + r4 * 4);
+#pragma unroll
+          for (int w = 1; w < kProjWarps; ++w) {
+            const float4 x = *reinterpret_cast<const float4*>(scratch + (w * kV + m) * kScratchStride + r4 * 4);
+            v.x += x.x;
+            v.y += x.y;
+            v.z += x.z;
+            v.w += x.w;
+          }
+          return v;
+        };
+        // An item's sum and destination; a thread sums both of its items
+        // before it pushes either (a remote store holds the warp ~200
+        // cycles at issue, measured: back to back they overlap).
+        auto item = [&](int it, float4& v, uint32_t& dst, int& dest) {
+          if (it < kCommonPushes) {
+            dest = it % kClusterSize;
+            const int q = it / kClusterSize, cv = q / kQ, r4 = q - cv * kQ;  // q: (common value, 4 tokens)
+            v = warp_sum(cv < kN ? cv : kCoef, r4);
+            dst = smem_u32(recv_common + (((j & 1) * kClusterSize + rank) * kCommon + cv) * kRows + r4 * 4);
+          } else {
+            dest = owner_rank;
+            const int q = it - kCommonPushes, fv = q / kQ, r4 = q - fv * kQ;
+            v = warp_sum(kN + fv, r4);
+            dst = smem_u32(recv_full_buf + (rank * kFull + fv) * kRows + r4 * 4);
+          }
+        };
+        constexpr int kItems = kCommonPushes + kFull * kQ;
+        static_assert(kItems > kProjWarps * 32 && kItems <= 2 * kProjWarps * 32, "one or two items per thread");
+        float4 v0, v1 = make_float4(0.f, 0.f, 0.f, 0.f);
+        uint32_t d0 = 0, d1 = 0;
+        int r0 = 0, r1 = 0;
+        const bool second = tid + kProjWarps * 32 < kItems;
+        item(tid, v0, d0, r0);
+        if (second) item(tid + kProjWarps * 32, v1, d1, r1);
+        push4(d0, bar, r0, v0);
+        if (second) push4(d1, bar, r1, v1);
       }
       FM_STAMP(5, tid == 0 && j == 0)
       FM_PROF(4)
@@ -486,56 +553,89 @@ __global__ void __launch_bounds__(kThreads, 1)
       coef_alpha[m] = __ldg(p.alpha + alpha_index(m, kN));
       coef_bias[m] = __ldg(p.bias + m);
     }
+    dev::grid_dependency_wait();  // before any output (prefetch_weights; a no-op otherwise)
     named_bar(kBarFinish, kFinishWarps * 32);
     int owned = 0;
 #pragma unroll 1
     for (int j = 0; j < my_tiles; ++j) {
       const long long row0 = (cluster_id + (long long)j * num_clusters) * kRows;
       const bool owner = rank == j % kClusterSize;  // H_post/H_res (or h, r) of this tile
-      mbar_wait_cluster(smem_u32(&parts_ready[j & 1]), uint32_t(j >> 1) & 1u);
+      // The bytes this CTA receives for tile j: the common values from
+      // every rank, and the rest too when it owns the tile. The peers'
+      // pushes may land before this expectation is set (the transaction
+      // count goes negative meanwhile); the phase needs both.
+      if (ft == 0)
+        mbar_arrive_expect_tx(smem_u32(&recv_full[j & 1]),
+                              uint32_t(kClusterSize * (kCommon + (owner ? kFull : 0)) * kRows * 4));
+      mbar_wait(smem_u32(&recv_full[j & 1]), uint32_t(j >> 1) & 1u);
       FM_STAMP(6, ft == 0 && j == 0)
-      // The cluster sums, 4 tokens per float4: the pre coefficients and the
-      // sum of squares (every CTA), all N + 1 values (the owner).
-      const uint32_t pb = smem_u32(part + (j & 1) * kV * kRows);
-      constexpr int kQ = kRows / 4;  // float4s per value
-      const int nq = (owner ? kV : kN + 1) * kQ;
+      // The sums over the 16 ranks, 4 tokens per float4, in rank order:
+      // the common values (every CTA) and the others (the owner).
+      const int nq = (owner ? kV : kCommon) * kQ;
       for (int q = ft; q < nq; q += kFinishWarps * 32) {
-        int m = q / kQ;
-        const int r4 = q - m * kQ;
-        if (!owner && m == kN) m = kCoef;
-        const int e = m * kRows + r4 * 4;
-        *reinterpret_cast<float4*>(tot + e) = cluster_sum4(pb + e * 4);
+        const int i = q / kQ, r4 = q - i * kQ;  // i < kCommon: common value i; else full value i - kCommon
+        float4 sum;
+        int m;
+        if (i < kCommon) {
+          m = i < kN ? i : kCoef;
+          sum = rank_sum4(recv_common + ((j & 1) * kClusterSize * kCommon + i) * kRows + r4 * 4, kCommon * kRows);
+        } else {
+          m = kN + (i - kCommon);
+          sum = rank_sum4(recv_full_buf + (i - kCommon) * kRows + r4 * 4, kFull * kRows);
+        }
+        *reinterpret_cast<float4*>(tot + m * kRows + r4 * 4) = sum;
       }
-      named_bar(kBarFinish, kFinishWarps * 32);
-      if (ft < 32) mbar_arrive_cluster_all(smem_u32(&parts_free[j & 1]), lane);  // every read of part[j & 1] is done
+      FM_STAMP(14, ft == 0 && j == 0)
+      named_bar(kBarFinish, kFinishWarps * 32);  // tot written; every read of recv[j & 1] done
+      FM_STAMP(15, ft == 0 && j == 0)
       const int slot = owned & 1;
       if (owner && p.mode == ProjectMode::kPre && owned >= 2)
         mbar_wait(smem_u32(&sink_empty[slot]), uint32_t((owned - 2) >> 1) & 1u);
       if (p.mode == ProjectMode::kPre && j >= 2) mbar_wait(smem_u32(&hpre_free[j & 1]), uint32_t((j - 2) >> 1) & 1u);
       float* hp = hpre + (j & 1) * kRows * kN;
+      // h, H_pre (and the owner's stash for Sinkhorn): thread (row, g)
+      // takes coefficients 4g .. 4g + 3 of one token, one r per thread;
+      // a non-owner needs only the pre coefficients (g = 0). One pass.
       const float inv_k = 1.0f / float(p.k_len);
-      const int per_row = owner ? kCoef : kN;
-      for (int v = ft; v < per_row * kRows; v += kFinishWarps * 32) {
-        const int row = v / per_row, m = v - row * per_row;
-        const float r = sqrtf(tot[kCoef * kRows + row] * inv_k + p.eps_norm);
-        const float h = coef_alpha[m] * __fdividef(tot[m * kRows + row], r) + coef_bias[m];
-        const long long b = row0 + row;
+      constexpr int kGroups = kCoef / 4;
+      static_assert(kCoef % 4 == 0 && kN == 4 && kRows * kGroups <= kFinishWarps * 32, "one pass of (row, group)");
+      const int hrow = ft / kGroups, hg = ft - hrow * kGroups;
+      if (hrow < kRows && (owner || hg == 0)) {
+        const float r = sqrtf(tot[kCoef * kRows + hrow] * inv_k + p.eps_norm);
+        const long long b = row0 + hrow;
+        float hv[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int m = hg * 4 + e;
+          hv[e] = coef_alpha[m] * __fdividef(tot[m * kRows + hrow], r) + coef_bias[m];
+        }
         if (p.mode == ProjectMode::kProject) {
           if (owner && b < p.batch) {
-            p.h[b * kCoef + m] = h;
-            if (m == 0) p.r[b] = r;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) p.h[b * kCoef + hg * 4 + e] = hv[e];
+            if (hg == 0) p.r[b] = r;
           }
         } else {
-          if (m < kN) hp[row * kN + m] = sigmoid_fast(h) + p.act.eps_pre;
-          if (owner) hsink[(slot * kRows + row) * kCoef + m] = h;
+          if (hg == 0) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) hp[hrow * kN + e] = sigmoid_fast(hv[e]) + p.act.eps_pre;
+          }
+          if (owner) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) hsink[(slot * kRows + hrow) * kCoef + hg * 4 + e] = hv[e];
+          }
         }
       }
+      FM_STAMP(16, ft == 0 && j == 0)
       named_bar(kBarFinish, kFinishWarps * 32);
       if (ft == 0 && p.mode == ProjectMode::kPre) {
         mbar_arrive_local(smem_u32(&hpre_ready[j & 1]));
         if (owner) mbar_arrive_local(smem_u32(&sink_full[slot]));
       }
       FM_STAMP(7, ft == 0 && j == 0)
+      // The receive buffer is free again (its reads were before the first
+      // barrier above); released after H_pre, which is what the cluster waits for.
+      if (ft < 32) mbar_arrive_cluster_all(smem_u32(&recv_free[j & 1]), lane);
       owned += owner;
       // The last kFinishMixRows tokens of the tile are mixed here, at once
       // (the projection warps, one tile behind, take the others): the
@@ -552,6 +652,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // ---------------- producer + Sinkhorn warp ----------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kFinishRegs));
     issue_phi(lane);
+    dev::grid_dependency_wait();  // before X and any output (prefetch_weights; a no-op otherwise)
     if (lane == 0) {
       mbar_wait(smem_u32(&phi_free), 0u);
       for (int j = 0; j < min(my_tiles, kStages); ++j) issue_tile(j);
@@ -578,11 +679,20 @@ __global__ void __launch_bounds__(kThreads, 1)
         float h[kCoef], pre[kN], post[kN], res[kN * kN];
 #pragma unroll
         for (int m = 0; m < kCoef; ++m) h[m] = hsink[(slot * kRows + lane) * kCoef + m];
+        FM_STAMP(13, lane == 0 && o == 0)
         activate_token<kN>(h, p.act, pre, post, res);
+        FM_STAMP(19, lane == 0 && o == 0)
+        if (((reinterpret_cast<uintptr_t>(p.h_post) | reinterpret_cast<uintptr_t>(p.h_res)) & 15) == 0) {
+          *reinterpret_cast<float4*>(p.h_post + b * kN) = make_float4(post[0], post[1], post[2], post[3]);
 #pragma unroll
-        for (int i = 0; i < kN; ++i) p.h_post[b * kN + i] = post[i];
+          for (int e = 0; e < kN * kN; e += 4)
+            *reinterpret_cast<float4*>(p.h_res + b * kN * kN + e) = make_float4(res[e], res[e + 1], res[e + 2], res[e + 3]);
+        } else {
 #pragma unroll
-        for (int e = 0; e < kN * kN; ++e) p.h_res[b * kN * kN + e] = res[e];
+          for (int i = 0; i < kN; ++i) p.h_post[b * kN + i] = post[i];
+#pragma unroll
+          for (int e = 0; e < kN * kN; ++e) p.h_res[b * kN * kN + e] = res[e];
+        }
       }
       __syncwarp();
       FM_STAMP(10, lane == 0 && o == 0)
@@ -603,6 +713,13 @@ __global__ void __launch_bounds__(kThreads, 1)
            fm_stamps[5] - fm_stamps[1], fm_stamps[6] - fm_stamps[1], fm_stamps[7] - fm_stamps[1],
            fm_stamps[8] - fm_stamps[1], fm_stamps[9] - fm_stamps[1], fm_stamps[12] - fm_stamps[1], fm_stamps[10] - fm_stamps[1],
            fm_stamps[11] - fm_stamps[1], fm_stamps[1] - fm_stamps[0]);
+  if (tid == 0 && blockIdx.x == 0) {
+    auto c = [&](int i) { return fm_cycles[i] - fm_cycles[1]; };
+    printf("cycles: phi %lld | X %lld | proj %lld | scratch %lld | bar1 %lld | sent %lld || fin-ready %lld | sums %lld | "
+           "bar+free %lld | hpre-loop %lld | hpre %lld | finmix %lld || sink-wait %lld | h-loaded %lld | act %lld | "
+           "stored %lld\n",
+           c(2), c(3), c(4), c(17), c(18), c(5), c(6), c(14), c(15), c(16), c(7), c(8), c(12), c(13), c(19), c(10));
+  }
 #endif
 #endif
 }
@@ -651,8 +768,10 @@ ResidentLayout resident_layout(int hidden) {
   int off = kStages * L.stage_bytes + 1024 + (kV - 1) * kPhiPad;  // + the ring's alignment, + phi's padding
   L.off_scratch = off;
   off += kProjWarps * kV * kScratchStride * 4;
-  L.off_part = off;
-  off += 2 * kV * kRows * 4;
+  L.off_recv_common = off;
+  off += 2 * kClusterSize * (kN + 1) * kRows * 4;
+  L.off_recv_full = off;
+  off += kClusterSize * (kV - 1 - kN) * kRows * 4;
   L.off_tot = off;
   off += kV * kRows * 4;
   L.off_hpre = off;

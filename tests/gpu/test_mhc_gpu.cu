@@ -451,6 +451,97 @@ TEST(MhcDeterminismGpu, RepeatedRunsAndGraphReplayAreBitwiseIdentical) {
   }
 }
 
+// A stand-in for the kernel ahead of mhc_pre in a layer (attention, the
+// previous mhc_post): it lets its dependents launch at once, then takes
+// `delay_ns` before it writes X (a copy of src). A dependent that read X
+// before its grid dependency resolved would see the poison.
+__global__ void slow_x_writer(const uint4* src, uint4* dst, long long vectors, long long delay_ns) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < (unsigned long long)delay_ns);
+  for (long long v = blockIdx.x * (long long)blockDim.x + threadIdx.x; v < vectors; v += gridDim.x * (long long)blockDim.x)
+    dst[v] = src[v];
+}
+
+// prefetch_weights: phi, alpha and bias are read before the grid dependency
+// resolves, X only after. Behind a kernel that writes X late (PDL chain,
+// direct and in a CUDA graph), the outputs are bitwise those of a launch
+// without prefetching; decode (one tile) and many tiles, phi fp32 and bf16.
+TEST(MhcPrefetchGpu, WeightsEarlyXAfterTheDependency) {
+  SKIP_WITHOUT_GPU();
+  for (int64_t B : {16, 333}) {
+    for (DType phi_dtype : {DType::kFloat32, DType::kBFloat16}) {
+      SCOPED_TRACE("B " + std::to_string(B) + (phi_dtype == DType::kFloat32 ? " phi fp32" : " phi bf16"));
+      Problem p = make_problem(B, 4, 7168, seed_for("prefetch") + B);
+      DeviceProblem d(p);
+      const size_t x_bytes = size_t(B) * p.K() * 2;
+      DeviceBuffer x_late = poisoned(x_bytes);
+      auto outputs = [&](bool prefetch, bool late, bool graph) {
+        DeviceBuffer f_pre = poisoned(B * p.C * 2), h_post = poisoned(B * 4 * 4), h_res = poisoned(B * 16 * 4);
+        cudaStream_t stream;
+        EXPECT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+        MhcPreArgs a;
+        a.shape = {B, 4, p.C};
+        a.x = late ? x_late.get() : d.x.get();
+        a.phi_dtype = phi_dtype;
+        a.phi = phi_dtype == DType::kFloat32 ? d.phi_f32.get() : d.phi_bf16.get();
+        a.alpha = d.alpha.as<float>(); a.bias = d.bias.as<float>();
+        a.f_pre = f_pre.get(); a.h_post = h_post.as<float>(); a.h_res = h_res.as<float>();
+        a.prefetch_weights = prefetch;
+        auto issue = [&] {
+          if (late) {
+            EXPECT_EQ(cudaMemsetAsync(x_late.get(), 0x7f, x_bytes, stream), cudaSuccess);
+            slow_x_writer<<<132, 256, 0, stream>>>(d.x.as<uint4>(), x_late.as<uint4>(), (long long)(x_bytes / 16),
+                                                   50000);
+            EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+          }
+          Status st = mhc_pre(a, stream);
+          EXPECT_TRUE(st.ok()) << st.message();
+        };
+        if (graph) {
+          issue();  // first use sets up the kernels' attributes outside the capture
+          EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+          EXPECT_EQ(cudaMemsetAsync(f_pre.get(), 0x7f, B * p.C * 2, stream), cudaSuccess);
+          cudaGraph_t g;
+          cudaGraphExec_t ge;
+          EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+          issue();
+          EXPECT_EQ(cudaStreamEndCapture(stream, &g), cudaSuccess);
+          EXPECT_EQ(cudaGraphInstantiate(&ge, g, 0), cudaSuccess);
+          for (int i = 0; i < 3; ++i) EXPECT_EQ(cudaGraphLaunch(ge, stream), cudaSuccess);
+          EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+          cudaGraphExecDestroy(ge);
+          cudaGraphDestroy(g);
+        } else {
+          issue();
+        }
+        EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        cudaStreamDestroy(stream);
+        PrePostRun r;
+        r.f_pre = f_pre.to_host<uint16_t>();
+        r.h_post = h_post.to_host<float>();
+        r.h_res = h_res.to_host<float>();
+        return r;
+      };
+      const PrePostRun ref = outputs(false, false, false);
+      for (auto v : ref.f_pre) ASSERT_TRUE(std::isfinite(f32(v)));
+      for (auto v : ref.h_res) ASSERT_TRUE(std::isfinite(v));
+      for (bool graph : {false, true}) {
+        SCOPED_TRACE(graph ? "graph" : "direct");
+        for (bool prefetch : {false, true}) {
+          const PrePostRun got = outputs(prefetch, true, graph);
+          EXPECT_EQ(ref.f_pre, got.f_pre);
+          EXPECT_EQ(0, std::memcmp(ref.h_post.data(), got.h_post.data(), ref.h_post.size() * 4));
+          EXPECT_EQ(0, std::memcmp(ref.h_res.data(), got.h_res.data(), ref.h_res.size() * 4));
+        }
+      }
+    }
+  }
+}
+
 // On Hopper the single-pass cluster kernel is the one that runs (and so the
 // one the tests above check) wherever its tile fits in shared memory.
 TEST(MhcPathGpu, ClusterKernelRunsOnHopper) {
