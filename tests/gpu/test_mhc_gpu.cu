@@ -456,7 +456,9 @@ TEST(MhcDeterminismGpu, RepeatedRunsAndGraphReplayAreBitwiseIdentical) {
 // `delay_ns` before it writes X (a copy of src). A dependent that read X
 // before its grid dependency resolved would see the poison.
 __global__ void slow_x_writer(const uint4* src, uint4* dst, long long vectors, long long delay_ns) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
   unsigned long long t0, t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
   do {
