@@ -62,7 +62,9 @@ constexpr int kProjWarps = 8;    // hold phi; setmaxnreg kProjRegs
 constexpr int kFinishWarps = 3;  // cluster sums, H_pre, part of the pre mix
 constexpr int kThreads = (kProjWarps + kFinishWarps + 1) * 32;  // + 1 producer/Sinkhorn warp
 constexpr int kProjRegs = 224, kFinishRegs = 56;  // 256*224 + 128*56 = 65536 registers
-constexpr int kFinishMixRows = 8;  // tokens of each tile the finish warps mix (the projection warps mix the rest)
+// Tokens of each tile the finish warps mix (the projection warps mix the
+// rest). H200, B = 8192: 8 -> 269 us, 10 -> 266-268 us, 12 -> 281 us.
+constexpr int kFinishMixRows = 10;
 constexpr int kRows = 16;     // tokens per tile: the m16 of the mma
 constexpr int kScratchStride = 20;  // floats per coefficient row of the per-warp scratch: fragment stores hit 32 banks
 constexpr int kStages = 3;    // X tiles in the ring
@@ -166,14 +168,14 @@ __device__ __forceinline__ float sigmoid_fast(float v) { return __fdividef(1.0f,
 //              pushed (st.async, counted on the receiver's recv_full[tile &
 //              1]): the pre coefficients and the sum of squares to every
 //              CTA, the others to the tile's owner; then the pre mix of
-//              tokens 0-7 of the previous tile. Pushing (one-way) instead of
+//              tokens 0-5 of the previous tile. Pushing (one-way) instead of
 //              each CTA pulling 16 peers' partials (a DSMEM round trip, ~500
 //              cycles, twice per float4 at 56 registers) took 1,200 cycles
 //              off a decode tile's chain (H200, measured).
 //   warps 8-10 finish (setmaxnreg 56): wait recv_full, sum the 16 ranks'
 //              partials (local shared memory, rank order), publish H_pre,
 //              release the receive buffer (recv_free in every CTA), mix
-//              tokens 8-15.
+//              tokens 6-15.
 //              The tile's owner CTA (tile % 16) also stashes h for warp 11.
 //   warp 11    producer and Sinkhorn: lane 0 refills a ring stage once every
 //              warp that reads it has arrived on stage_empty; the warp runs
