@@ -83,7 +83,7 @@ struct MhcPreArgs {
   bool enable_pdl = true;       // programmatic dependent launch; results identical either way
   // With enable_pdl: read the weights (phi, alpha, bias) before the kernel
   // ahead of this one on the stream has finished, hiding their load behind
-  // its tail (decode B = 16 on an H200: 11.9 -> 8.6 us). Set it only when that
+  // its tail (decode B = 16 on an H200: ~11.9 -> ~8.7 us). Set it only when that
   // kernel does not write them (inference weights); X is always read after.
   bool prefetch_weights = false;
 };
