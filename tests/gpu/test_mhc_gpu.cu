@@ -10,6 +10,7 @@
 //   fp32 coefficients H_pre/H_post/H_res: absolute 2e-4.
 //   h (stage 1): relative 1e-4 of sum |alpha x phi| / r + |bias|; r: relative 1e-5.
 #include <cmath>
+#include <functional>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -382,6 +383,31 @@ struct PrePostRun {
   std::vector<float> h_post, h_res;
 };
 
+// Runs `issue` on `stream` once directly, or (graph) once to set the
+// kernels' attributes up outside a capture, then `reset` and a captured
+// graph of `issue` replayed three times; synchronises either way.
+void run_direct_or_graph(cudaStream_t stream, bool graph, const std::function<void()>& issue,
+                         const std::function<void()>& reset) {
+  if (graph) {
+    issue();
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    reset();
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    issue();
+    EXPECT_EQ(cudaStreamEndCapture(stream, &g), cudaSuccess);
+    EXPECT_EQ(cudaGraphInstantiate(&ge, g, 0), cudaSuccess);
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(cudaGraphLaunch(ge, stream), cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    cudaGraphExecDestroy(ge);
+    cudaGraphDestroy(g);
+  } else {
+    issue();
+  }
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+}
+
 // Runs pre then post on `stream`, optionally through a captured CUDA graph.
 PrePostRun run_pre_post(const Problem& p, DeviceProblem& d, bool graph) {
   PrePostRun out;
@@ -405,25 +431,10 @@ PrePostRun run_pre_post(const Problem& p, DeviceProblem& d, bool graph) {
     Status s2 = mhc_post(b, stream);
     EXPECT_TRUE(s2.ok()) << s2.message();
   };
-  if (graph) {
-    issue();  // first use sets up the kernels' attributes outside the capture
-    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  run_direct_or_graph(stream, graph, issue, [&] {
     EXPECT_EQ(cudaMemsetAsync(f_pre.get(), 0x7f, B * C * 2, stream), cudaSuccess);
     EXPECT_EQ(cudaMemsetAsync(x_next.get(), 0x7f, B * p.K() * 2, stream), cudaSuccess);
-    cudaGraph_t g;
-    cudaGraphExec_t ge;
-    EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-    issue();
-    EXPECT_EQ(cudaStreamEndCapture(stream, &g), cudaSuccess);
-    EXPECT_EQ(cudaGraphInstantiate(&ge, g, 0), cudaSuccess);
-    for (int i = 0; i < 3; ++i) EXPECT_EQ(cudaGraphLaunch(ge, stream), cudaSuccess);
-    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    cudaGraphExecDestroy(ge);
-    cudaGraphDestroy(g);
-  } else {
-    issue();
-  }
-  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  });
   cudaStreamDestroy(stream);
   out.f_pre = f_pre.to_host<uint16_t>();
   out.h_post = h_post.to_host<float>();
@@ -503,24 +514,9 @@ TEST(MhcPrefetchGpu, WeightsEarlyXAfterTheDependency) {
           Status st = mhc_pre(a, stream);
           EXPECT_TRUE(st.ok()) << st.message();
         };
-        if (graph) {
-          issue();  // first use sets up the kernels' attributes outside the capture
-          EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        run_direct_or_graph(stream, graph, issue, [&] {
           EXPECT_EQ(cudaMemsetAsync(f_pre.get(), 0x7f, B * p.C * 2, stream), cudaSuccess);
-          cudaGraph_t g;
-          cudaGraphExec_t ge;
-          EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-          issue();
-          EXPECT_EQ(cudaStreamEndCapture(stream, &g), cudaSuccess);
-          EXPECT_EQ(cudaGraphInstantiate(&ge, g, 0), cudaSuccess);
-          for (int i = 0; i < 3; ++i) EXPECT_EQ(cudaGraphLaunch(ge, stream), cudaSuccess);
-          EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-          cudaGraphExecDestroy(ge);
-          cudaGraphDestroy(g);
-        } else {
-          issue();
-        }
-        EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        });
         cudaStreamDestroy(stream);
         PrePostRun r;
         r.f_pre = f_pre.to_host<uint16_t>();
