@@ -465,7 +465,8 @@ TEST(MhcDeterminismGpu, RepeatedRunsAndGraphReplayAreBitwiseIdentical) {
 // A stand-in for the kernel ahead of mhc_pre in a layer (attention, the
 // previous mhc_post): it lets its dependents launch at once, then takes
 // `delay_ns` before it writes X (a copy of src). A dependent that read X
-// before its grid dependency resolved would see the poison.
+// before its grid dependency resolved would see the poison (checked: with
+// the producer's wait removed, this test fails).
 __global__ void slow_x_writer(const uint4* src, uint4* dst, long long vectors, long long delay_ns) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -507,8 +508,10 @@ TEST(MhcPrefetchGpu, WeightsEarlyXAfterTheDependency) {
         auto issue = [&] {
           if (late) {
             EXPECT_EQ(cudaMemsetAsync(x_late.get(), 0x7f, x_bytes, stream), cudaSuccess);
-            slow_x_writer<<<132, 256, 0, stream>>>(d.x.as<uint4>(), x_late.as<uint4>(), (long long)(x_bytes / 16),
-                                                   50000);
+            // One block: the dependent's clusters (a whole register file per
+            // CTA) must find free SMs to start early, or nothing is tested.
+            slow_x_writer<<<1, 1024, 0, stream>>>(d.x.as<uint4>(), x_late.as<uint4>(), (long long)(x_bytes / 16),
+                                                  50000);
             EXPECT_EQ(cudaGetLastError(), cudaSuccess);
           }
           Status st = mhc_pre(a, stream);
