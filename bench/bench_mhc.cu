@@ -449,15 +449,20 @@ void run_mhc_cases(Context& ctx) {
       hs.push_back(make_host(16, 4, 7168, 1000 + i));
       ds.push_back(make_dev(hs.back()));
     }
-    std::string check = "passed (all 16 rows of each set vs CPU reference)";
-    for (int i = 0; i < sets && ctx.verify; ++i) {
-      MhcPreArgs a = pre_args(hs[i], ds[i]);
-      Status st = mhc_pre(a, stream);
-      BENCH_CUDA(cudaStreamSynchronize(stream));
-      std::string c = st.ok() ? check_pre(hs[i], ds[i], sample_rows(16)) : "FAILED: " + st.message();
-      if (c.rfind("FAILED", 0) == 0) { check = c; break; }
-    }
-    if (!ctx.verify) check = "not verified";
+    // Runs `run(i)` on every set and checks all 16 rows of each with
+    // `check_set(i)`; the first failure is the verdict.
+    auto verify_sets = [&](auto run, auto check_set) -> std::string {
+      if (!ctx.verify) return "not verified";
+      for (int i = 0; i < sets; ++i) {
+        Status st = run(i);
+        BENCH_CUDA(cudaStreamSynchronize(stream));
+        std::string c = st.ok() ? check_set(i) : "FAILED: " + st.message();
+        if (c.rfind("FAILED", 0) == 0) return c;
+      }
+      return "passed (all 16 rows of each set vs CPU reference)";
+    };
+    auto check_pre_set = [&](int i) { return check_pre(hs[i], ds[i], sample_rows(16)); };
+    std::string check = verify_sets([&](int i) { return mhc_pre(pre_args(hs[i], ds[i]), stream); }, check_pre_set);
     const int launches = 2 * sets;
     double us = graph_us_per_launch([&](int i) { (void)mhc_pre(pre_args(hs[i % sets], ds[i % sets]), stream); },
                                     launches, stream, iters);
@@ -485,14 +490,7 @@ void run_mhc_cases(Context& ctx) {
       a.prefetch_weights = true;
       return a;
     };
-    check = "passed (all 16 rows of each set vs CPU reference)";
-    for (int i = 0; i < sets && ctx.verify; ++i) {
-      Status st = mhc_pre(pre_prefetch(i), stream);
-      BENCH_CUDA(cudaStreamSynchronize(stream));
-      std::string c = st.ok() ? check_pre(hs[i], ds[i], sample_rows(16)) : "FAILED: " + st.message();
-      if (c.rfind("FAILED", 0) == 0) { check = c; break; }
-    }
-    if (!ctx.verify) check = "not verified";
+    check = verify_sets([&](int i) { return mhc_pre(pre_prefetch(i), stream); }, check_pre_set);
     Record rp = r;
     rp.case_name = "decode_B16_n4_C7168_graph_prefetch";
     rp.median_us = graph_us_per_launch([&](int i) { (void)mhc_pre(pre_prefetch(i), stream); }, launches, stream, iters);
@@ -501,15 +499,8 @@ void run_mhc_cases(Context& ctx) {
     rp.extra["speedup_over_unfused"] = base_us / rp.median_us;
     add_record(ctx, rp);
 
-    check = "passed (all 16 rows of each set vs CPU reference)";
-    for (int i = 0; i < sets && ctx.verify; ++i) {
-      MhcPostArgs a = post_args(hs[i], ds[i]);
-      Status st = mhc_post(a, stream);
-      BENCH_CUDA(cudaStreamSynchronize(stream));
-      std::string c = st.ok() ? check_post(hs[i], ds[i], sample_rows(16)) : "FAILED: " + st.message();
-      if (c.rfind("FAILED", 0) == 0) { check = c; break; }
-    }
-    if (!ctx.verify) check = "not verified";
+    check = verify_sets([&](int i) { return mhc_post(post_args(hs[i], ds[i]), stream); },
+                        [&](int i) { return check_post(hs[i], ds[i], sample_rows(16)); });
     us = graph_us_per_launch([&](int i) { (void)mhc_post(post_args(hs[i % sets], ds[i % sets]), stream); }, launches,
                              stream, iters);
     base_us = graph_us_per_launch([&](int i) { run_baseline_post(hs[i % sets], ds[i % sets], stream); }, launches,

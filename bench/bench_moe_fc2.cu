@@ -24,6 +24,7 @@ namespace {
 
 using flashmix::testing::Rng;
 using flashmix::testing::Routing;
+using flashmix::testing::fc2_mode_name;
 
 struct Fc2Case {
   std::string name;
@@ -45,20 +46,10 @@ __global__ void fill_bf16(__nv_bfloat16* x, int64_t n, uint64_t seed, float scal
   }
 }
 
-const char* mode_name(Fc2Mode m) {
-  switch (m) {
-    case Fc2Mode::kAtomic: return "atomic";
-    case Fc2Mode::kAtomicFp32: return "atomic_fp32";
-    case Fc2Mode::kDeterministic: return "deterministic";
-    case Fc2Mode::kUnfused: return "unfused";
-  }
-  return "?";
-}
-
 void run_case(Context& ctx, const Fc2Case& c, cudaStream_t stream) {
   const Fc2Mode modes[] = {Fc2Mode::kUnfused, Fc2Mode::kAtomic, Fc2Mode::kAtomicFp32, Fc2Mode::kDeterministic};
   bool any = false;
-  for (Fc2Mode m : modes) any |= ctx.selected("moe_fc2", c.name + "/" + mode_name(m));
+  for (Fc2Mode m : modes) any |= ctx.selected("moe_fc2", c.name + "/" + fc2_mode_name(m));
   if (!any) return;
 
   Rng rng(0xfc2000ull + std::hash<std::string>()(c.name));
@@ -159,13 +150,13 @@ void run_case(Context& ctx, const Fc2Case& c, cudaStream_t stream) {
                                          "_sw" + std::to_string(tuning.swizzle)
                                    : "";
   for (Fc2Mode m : modes) {
-    if (!ctx.selected("moe_fc2", c.name + "/" + mode_name(m))) continue;
+    if (!ctx.selected("moe_fc2", c.name + "/" + fc2_mode_name(m))) continue;
     if (swept && m != Fc2Mode::kAtomic && m != Fc2Mode::kUnfused) continue;
     a.mode = m;
     BENCH_CUDA(cudaMemsetAsync(dout, 0xff, c.T * c.H * 2, stream));
     Status st = moe_fc2_finalize(a, dws, ws_bytes, stream);
     if (!st.ok()) {
-      std::fprintf(stderr, "flashmix-bench: moe_fc2 %s/%s: %s\n", c.name.c_str(), mode_name(m),
+      std::fprintf(stderr, "flashmix-bench: moe_fc2 %s/%s: %s\n", c.name.c_str(), fc2_mode_name(m),
                    st.message().c_str());
       continue;
     }
@@ -200,7 +191,7 @@ void run_case(Context& ctx, const Fc2Case& c, cudaStream_t stream) {
     if (m == Fc2Mode::kUnfused) unfused_us = us;
     Record rec;
     rec.op = "moe_fc2";
-    rec.case_name = c.name + "/" + mode_name(m) + suffix;
+    rec.case_name = c.name + "/" + fc2_mode_name(m) + suffix;
     rec.median_us = us;
     rec.ceiling = "gemm";
     rec.flops = flops;

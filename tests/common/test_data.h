@@ -12,6 +12,7 @@
 
 #include "common/host_dtype.h"
 #include "flashmix/dtype.h"
+#include "flashmix/moe.h"
 
 namespace flashmix::testing {
 
@@ -103,6 +104,17 @@ inline Routing random_routing(Rng& rng, int64_t T, int k, int total, int start, 
     }
   }
   return build_routing(T, k, start, local, std::move(experts));
+}
+
+// The FC2 epilogue mode's name, as the tests trace it and the bench names its cases.
+inline const char* fc2_mode_name(Fc2Mode m) {
+  switch (m) {
+    case Fc2Mode::kAtomic: return "atomic";
+    case Fc2Mode::kAtomicFp32: return "atomic_fp32";
+    case Fc2Mode::kDeterministic: return "deterministic";
+    case Fc2Mode::kUnfused: return "unfused";
+  }
+  return "?";
 }
 
 }  // namespace flashmix::testing

@@ -50,16 +50,6 @@ bool built_with_cutlass() {
     if (!built_with_cutlass()) GTEST_SKIP() << "built without CUTLASS";               \
   } while (0)
 
-const char* mode_name(Fc2Mode m) {
-  switch (m) {
-    case Fc2Mode::kAtomic: return "atomic";
-    case Fc2Mode::kAtomicFp32: return "atomic_fp32";
-    case Fc2Mode::kDeterministic: return "deterministic";
-    case Fc2Mode::kUnfused: return "unfused";
-  }
-  return "?";
-}
-
 struct Case {
   int64_t T = 64;
   int k = 4;
@@ -182,7 +172,7 @@ struct Problem {
         const double err = std::fabs(g - r);
         sum_err += err;
         if (!(err <= rtol * std::fabs(r) + atol) && bad++ < 5)
-          ADD_FAILURE() << mode_name(mode) << " t=" << t << " n=" << n << " gpu=" << g << " ref=" << r
+          ADD_FAILURE() << fc2_mode_name(mode) << " t=" << t << " n=" << n << " gpu=" << g << " ref=" << r
                         << " tol=" << rtol * std::fabs(r) + atol;
       }
     }
@@ -194,7 +184,7 @@ const Fc2Mode kModes[] = {Fc2Mode::kAtomic, Fc2Mode::kAtomicFp32, Fc2Mode::kDete
 
 void check_all_modes(const Case& c) {
   for (Fc2Mode m : kModes) {
-    SCOPED_TRACE(mode_name(m));
+    SCOPED_TRACE(fc2_mode_name(m));
     Problem p(c, m);
     Status st = p.run();
     ASSERT_TRUE(st.ok()) << st.message();
@@ -237,7 +227,7 @@ TEST(MoeFc2Gpu, EveryGemmConfigurationMatches) {
   c.k = 4;
   for (int cfg = 1; cfg <= 2; ++cfg)
     for (Fc2Mode m : kModes) {
-      SCOPED_TRACE(std::string(mode_name(m)) + " config " + std::to_string(cfg));
+      SCOPED_TRACE(std::string(fc2_mode_name(m)) + " config " + std::to_string(cfg));
       Problem p(c, m);
       p.args.tuning.gemm_config = cfg;
       p.args.tuning.raster = cfg;  // both tile orders
@@ -367,7 +357,7 @@ TEST(MoeFc2Gpu, AtomicAddsToCallerZeroedOut) {
 TEST(MoeFc2Gpu, GraphCaptureAndReplay) {
   SKIP_WITHOUT_HOPPER();
   for (Fc2Mode m : kModes) {
-    SCOPED_TRACE(mode_name(m));
+    SCOPED_TRACE(fc2_mode_name(m));
     Case c;
     c.T = 128;
     Problem p(c, m);
