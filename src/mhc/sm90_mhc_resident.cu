@@ -68,12 +68,12 @@ constexpr int kFinishMixRows = 10;
 constexpr int kRows = 16;     // tokens per tile: the m16 of the mma
 constexpr int kScratchStride = 20;  // floats per coefficient row of the per-warp scratch: fragment stores hit 32 banks
 constexpr int kStages = 3;    // X tiles in the ring
-constexpr int kMaxSteps = 14; // k16 steps per warp: phi registers = kMaxSteps * k_tiles * 2 (* 2 for hi/lo)
+constexpr int kMaxChunks = 7; // 64-column TMA boxes per CTA slice (C <= 7168)
+constexpr int kMaxSteps = 2 * kMaxChunks; // k16 steps per warp, 2 per box: phi registers = kMaxSteps * k_tiles * 2 (* 2 for hi/lo)
 constexpr int kPhiPad = 32;   // bytes after each coefficient's phi runs while phi passes through the ring
 
 struct ResidentLayout {
   int slice = 0;        // columns per CTA (C / 16, a multiple of 64)
-  int steps_total = 0;  // k16 steps of a CTA's slice: n * slice / 16
   int chunk_bytes = 0;  // one 64-column TMA box: n * kRows * 128
   int stage_bytes = 0;  // slice / 64 boxes
   int off_scratch = 0, off_recv_common = 0, off_recv_full = 0, off_tot = 0, off_hpre = 0, off_hsink = 0,
@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kFull = kCoef - kN;     // post and res coefficients: the tile's owner only
   constexpr int kQ = kRows / 4;         // float4s per value
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ __align__(8) uint64_t full[kStages], stage_empty[kStages], recv_full[2], recv_free[2], hpre_ready[2],
+  __shared__ __align__(8) uint64_t full[kStages][kMaxChunks], stage_empty[kStages], recv_full[2], recv_free[2], hpre_ready[2],
       hpre_free[2], sink_full[2], sink_empty[2], phi_full, phi_free;
   __shared__ float coef_alpha[kCoef], coef_bias[kCoef];  // alpha_of(m) and bias[m], loaded once
   float* scratch = reinterpret_cast<float*>(smem + L.off_scratch);  // [warp][kV][kScratchStride]
@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   FM_STAMP(0, tid == 0)
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(smem_u32(&full[s]), 1);                  // the producer's expect_tx
+      for (int ch = 0; ch < kMaxChunks; ++ch) mbar_init(smem_u32(&full[s][ch]), 1);  // the producer's expect_tx
       mbar_init(smem_u32(&stage_empty[s]), kProjWarps + kFinishWarps);  // every warp that reads the stage, done
     }
     for (int b = 0; b < 2; ++b) {
@@ -255,7 +255,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   // line of (stream i, token r) is 16i + r, so the 8 tokens an ldmatrix
   // reads hit 8 different bank groups. One TMA box per chunk: 7 copies per
   // tile at C = 7168 (one bulk copy per (token, stream) cost ~140 cycles of
-  // issue each, 64 per tile, measured).
+  // issue each, 64 per tile, measured). In a CTA's first kStages tiles
+  // each box has its own mbarrier, so the projection starts on the first
+  // box while the others are in flight (a decode launch has one tile).
+  // Warp w's k16 steps go box by box, 2 per box (a box has n * 4 = 16 steps,
+  // 8 warps): step s is box s / 2, stream w / 2, columns
+  // 64 (s / 2) + 16 (2 (w % 2) + s % 2) of the slice.
   auto x_offset = [&](int row, int i, int col) -> uint32_t {  // col: multiple of 8 within the slice
     const int line = i * kRows + row;
     return uint32_t((col >> 6) * L.chunk_bytes + line * 128 + ((((col & 63) >> 3) ^ (row & 7)) << 4));
@@ -292,14 +297,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto issue_tile = [&](int j) {
     const long long tile = cluster_id + (long long)j * num_clusters;
     const int stage = j % kStages;
-    const uint32_t bar = smem_u32(&full[stage]);
-    mbar_arrive_expect_tx(bar, uint32_t(L.stage_bytes));
-    for (int ch = 0; ch < slice / 64; ++ch)
+    const bool per_box = j < kStages;  // see the projection warps' wait
+    if (!per_box) mbar_arrive_expect_tx(smem_u32(&full[stage][0]), uint32_t(L.stage_bytes));
+    for (int ch = 0; ch < slice / 64; ++ch) {
+      const uint32_t bar = smem_u32(&full[stage][per_box ? ch : 0]);
+      if (per_box) mbar_arrive_expect_tx(bar, uint32_t(L.chunk_bytes));
       asm volatile(
           "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
           "[%5];\n" ::"r"(ring + stage * L.stage_bytes + ch * L.chunk_bytes),
           "l"(reinterpret_cast<uint64_t>(&x_map)), "r"(c0 + ch * 64), "r"(int(tile * kRows)), "r"(0), "r"(bar)
           : "memory");
+    }
   };
 
   // F_pre for tokens [row_begin, row_begin + rows) of a tile whose X is in
@@ -339,23 +347,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     // ---------------- projection warps ----------------
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kProjRegs));
 
-    // phi -> registers, once: warp w owns k16 steps [w*per_warp, ...) of
-    // the CTA's slice (stream-major: step s covers stream s / (S/16),
-    // columns c0 + (s % (S/16)) * 16 ...). B fragment of coefficient tile
-    // kt: rows (k) 2t, 2t+1 and 2t+8, 2t+9 of column (coefficient) kt*8 + g.
+    // phi -> registers, once: warp w owns its 2 k16 steps of every box
+    // (see the ring layout). B fragment of coefficient tile kt: rows (k)
+    // 2t, 2t+1 and 2t+8, 2t+9 of column (coefficient) kt*8 + g.
     const int g = lane >> 2, t = lane & 3;
-    const int steps_per_stream = slice / 16;
-    const int per_warp = (L.steps_total + kProjWarps - 1) / kProjWarps;  // <= kMaxSteps (launcher)
-    const int first_step = warp * per_warp;
-    const int my_steps = max(0, min(per_warp, L.steps_total - first_step));
+    static_assert(kN * 4 == 2 * kProjWarps, "a box's n * 4 k16 steps, 2 per projection warp");
+    const int my_steps = 2 * (slice / 64);  // <= kMaxSteps (launcher)
+    const int step_stream = warp >> 1, step_col = 32 * (warp & 1);  // + 64 (s / 2) + 16 (s % 2)
     uint32_t bhi[kMaxSteps][kKt][2];
     uint32_t blo[kF32 ? kMaxSteps : 1][kKt][2];
     mbar_wait(smem_u32(&phi_full), 0u);
 #pragma unroll
     for (int s = 0; s < kMaxSteps; ++s) {
-      const int gs = first_step + s;
-      const int i = gs / steps_per_stream;
-      const int col = (gs - i * steps_per_stream) * 16 + 2 * t;  // within the slice
+      const int i = step_stream;
+      const int col = 64 * (s >> 1) + step_col + 16 * (s & 1) + 2 * t;  // within the slice
 #pragma unroll
       for (int kt = 0; kt < kKt; ++kt) {
         const int m = kt * 8 + g;
@@ -417,7 +422,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll 1
     for (int j = 0; j < my_tiles; ++j) {
       const int stage = j % kStages;
-      mbar_wait(smem_u32(&full[stage]), uint32_t(j / kStages) & 1u);
+      const uint32_t full_parity = uint32_t(j / kStages) & 1u;
+      // The first kStages tiles (issued at the start, X cold) are waited
+      // for box by box; later ones, issued a tile or more ahead, on one
+      // barrier (a wait per box cost B = 8192 264 -> 277 us, H200).
+      const bool per_box = j < kStages;
+      if (!per_box) mbar_wait(smem_u32(&full[stage][0]), full_parity);
       FM_STAMP(3, tid == 0 && j == 0)
       FM_PROF(0)
       // Partial projection of tile j over this warp's k steps; hi and lo in
@@ -432,14 +442,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       // fp32 accumulation), 2 mma per step instead of 16 ALU instructions.
       float sq_lo[4] = {0.f, 0.f, 0.f, 0.f}, sq_hi[4] = {0.f, 0.f, 0.f, 0.f};  // tokens 0-7, 8-15
       const uint32_t a_stage = ring + stage * L.stage_bytes;
-      int si = first_step / steps_per_stream, sc = (first_step - si * steps_per_stream) * 16;  // stream, column of step s
 #pragma unroll
       for (int s = 0; s < kMaxSteps; ++s) {
         if (s < my_steps) {
+          if ((s & 1) == 0 && per_box) mbar_wait(smem_u32(&full[stage][s >> 1]), full_parity);  // box s / 2 landed
           uint32_t a[4];
-          ldmatrix_x4(a, a_stage + x_offset(a_row, si, sc + a_kofs));
-          sc += 16;
-          if (sc == slice) sc = 0, ++si;
+          ldmatrix_x4(a, a_stage + x_offset(a_row, step_stream, 64 * (s >> 1) + step_col + 16 * (s & 1) + a_kofs));
           dev::mma_bf16_16816(sq_lo, a, a[0], a[2]);  // B = rows 0-7 of A, transposed
           dev::mma_bf16_16816(sq_hi, a, a[1], a[3]);  // B = rows 8-15 of A, transposed
 #pragma unroll
@@ -764,7 +772,6 @@ ResidentLayout resident_layout(int hidden) {
   constexpr int kV = kN * kN + 2 * kN + 1;
   ResidentLayout L;
   L.slice = hidden / kClusterSize;
-  L.steps_total = kN * L.slice / 16;
   L.chunk_bytes = kN * kRows * 128;
   L.stage_bytes = L.slice / 64 * L.chunk_bytes;
   int off = kStages * L.stage_bytes + 1024 + (kV - 1) * kPhiPad;  // + the ring's alignment, + phi's padding
@@ -795,7 +802,7 @@ template <int kN, bool kF32>
 cudaError_t launch_resident(const ProjectParams& p, cudaStream_t stream, bool pdl, bool dry_run) {
   if (p.hidden % (kClusterSize * 64) != 0) return cudaErrorNotSupported;  // whole 64-column TMA boxes per CTA
   const ResidentLayout L = resident_layout<kN>(p.hidden);
-  if ((L.steps_total + kProjWarps - 1) / kProjWarps > kMaxSteps) return cudaErrorNotSupported;
+  if (L.slice / 64 > kMaxChunks) return cudaErrorNotSupported;  // a barrier per box, 2 k16 steps per warp and box
   auto kernel = sm90_mhc_resident_kernel<kN, kF32>;
 
   static std::mutex mutex;
