@@ -261,9 +261,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Warp w's k16 steps go box by box, 2 per box (a box has n * 4 = 16 steps,
   // 8 warps): step s is box s / 2, stream w / 2, columns
   // 64 (s / 2) + 16 (2 (w % 2) + s % 2) of the slice.
+  constexpr int kChunkBytes = kN * kRows * 128;  // one box (L.chunk_bytes)
   auto x_offset = [&](int row, int i, int col) -> uint32_t {  // col: multiple of 8 within the slice
     const int line = i * kRows + row;
-    return uint32_t((col >> 6) * L.chunk_bytes + line * 128 + ((((col & 63) >> 3) ^ (row & 7)) << 4));
+    return uint32_t((col >> 6) * kChunkBytes + line * 128 + ((((col & 63) >> 3) ^ (row & 7)) << 4));
   };
   // phi's slice goes through the (still empty) ring once, before any X:
   // the run of coefficient m, stream i (slice columns) sits at
@@ -387,6 +388,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     dev::grid_dependency_wait();  // before X (prefetch_weights; a no-op otherwise)
     // ldmatrix.x4 lane address: rows (lane & 7) + 8 * ((lane >> 3) & 1), k offset 8 * (lane >> 4).
     const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8, a_kofs = (lane >> 4) * 8;
+    const uint32_t a_off_even = x_offset(a_row, step_stream, step_col + a_kofs);  // box 0, step 0
+    const uint32_t a_off_odd = x_offset(a_row, step_stream, step_col + 16 + a_kofs);  // box 0, step 1
     FM_STAMP(2, tid == 0)
 
     // FLASHMIX_MHC_PROFILE: per-phase cycle counts of warps 0 and 1 of two
@@ -442,20 +445,39 @@ __global__ void __launch_bounds__(kThreads, 1)
       // fp32 accumulation), 2 mma per step instead of 16 ALU instructions.
       float sq_lo[4] = {0.f, 0.f, 0.f, 0.f}, sq_hi[4] = {0.f, 0.f, 0.f, 0.f};  // tokens 0-7, 8-15
       const uint32_t a_stage = ring + stage * L.stage_bytes;
+      auto step = [&](int s, uint32_t a_addr) {
+        uint32_t a[4];
+        ldmatrix_x4(a, a_addr);
+        dev::mma_bf16_16816(sq_lo, a, a[0], a[2]);  // B = rows 0-7 of A, transposed
+        dev::mma_bf16_16816(sq_hi, a, a[1], a[3]);  // B = rows 8-15 of A, transposed
 #pragma unroll
-      for (int s = 0; s < kMaxSteps; ++s) {
-        if (s < my_steps) {
-          if ((s & 1) == 0 && per_box) mbar_wait(smem_u32(&full[stage][s >> 1]), full_parity);  // box s / 2 landed
-          uint32_t a[4];
-          ldmatrix_x4(a, a_stage + x_offset(a_row, step_stream, 64 * (s >> 1) + step_col + 16 * (s & 1) + a_kofs));
-          dev::mma_bf16_16816(sq_lo, a, a[0], a[2]);  // B = rows 0-7 of A, transposed
-          dev::mma_bf16_16816(sq_hi, a, a[1], a[3]);  // B = rows 8-15 of A, transposed
+        for (int kt = 0; kt < kKt; ++kt) {
+          dev::mma_bf16_16816(acc_hi[kt], a, bhi[s][kt][0], bhi[s][kt][1]);
+          if constexpr (kF32) dev::mma_bf16_16816(acc_lo[kt], a, blo[s][kt][0], blo[s][kt][1]);
+        }
+      };
+      if (per_box) {
+        // The latency-bound first tiles: box by box, and step s's address an
+        // immediate offset from the lane's even- or odd-step address (the
+        // loop below recomputes it each step, at 224 registers: ncu).
+        // Decode B16 (prefetch_weights) 7.87 -> 7.36 us, B = 8192 257 -> 253 us;
+        // used as the steady-state loop too it made B = 8192 255 -> 271 us
+        // (H200, same-run A/Bs; not understood).
+        const uint32_t a_even = a_stage + a_off_even, a_odd = a_stage + a_off_odd;
+        const uint32_t full_bar = smem_u32(&full[stage][0]);
 #pragma unroll
-          for (int kt = 0; kt < kKt; ++kt) {
-            dev::mma_bf16_16816(acc_hi[kt], a, bhi[s][kt][0], bhi[s][kt][1]);
-            if constexpr (kF32) dev::mma_bf16_16816(acc_lo[kt], a, blo[s][kt][0], blo[s][kt][1]);
+        for (int c = 0; c < kMaxChunks; ++c) {
+          if (c < my_steps / 2) {
+            mbar_wait(full_bar + 8 * c, full_parity);  // box c landed
+            step(2 * c, a_even + c * kChunkBytes);
+            step(2 * c + 1, a_odd + c * kChunkBytes);
           }
         }
+      } else {
+#pragma unroll
+        for (int s = 0; s < kMaxSteps; ++s)
+          if (s < my_steps)
+            step(s, a_stage + x_offset(a_row, step_stream, 64 * (s >> 1) + step_col + 16 * (s & 1) + a_kofs));
       }
       FM_STAMP(4, tid == 0 && j == 0)
       FM_PROF(1)
