@@ -63,8 +63,11 @@ constexpr int kFinishWarps = 3;  // cluster sums, H_pre, part of the pre mix
 constexpr int kThreads = (kProjWarps + kFinishWarps + 1) * 32;  // + 1 producer/Sinkhorn warp
 constexpr int kProjRegs = 224, kFinishRegs = 56;  // 256*224 + 128*56 = 65536 registers
 // Tokens of each tile the finish warps mix (the projection warps mix the
-// rest). H200, B = 8192: 8 -> 269 us, 10 -> 266-268 us, 12 -> 281 us.
-constexpr int kFinishMixRows = 10;
+// rest). H200, B = 8192, with the box-by-box projection loop: 10 -> 253 us
+// (the finish warps were the bottleneck), 8 -> 234, 6 -> 232, 4 -> 232-234,
+// 2 -> 241 us. (With the older per-step-address loop: 8 -> 269, 10 -> 267,
+// 12 -> 281 us.)
+constexpr int kFinishMixRows = 6;
 constexpr int kRows = 16;     // tokens per tile: the m16 of the mma
 constexpr int kScratchStride = 20;  // floats per coefficient row of the per-warp scratch: fragment stores hit 32 banks
 constexpr int kStages = 3;    // X tiles in the ring
@@ -168,14 +171,14 @@ __device__ __forceinline__ float sigmoid_fast(float v) { return __fdividef(1.0f,
 //              pushed (st.async, counted on the receiver's recv_full[tile &
 //              1]): the pre coefficients and the sum of squares to every
 //              CTA, the others to the tile's owner; then the pre mix of
-//              tokens 0-5 of the previous tile. Pushing (one-way) instead of
+//              tokens 0-9 of the previous tile. Pushing (one-way) instead of
 //              each CTA pulling 16 peers' partials (a DSMEM round trip, ~500
 //              cycles, twice per float4 at 56 registers) took 1,200 cycles
 //              off a decode tile's chain (H200, measured).
 //   warps 8-10 finish (setmaxnreg 56): wait recv_full, sum the 16 ranks'
 //              partials (local shared memory, rank order), publish H_pre,
 //              release the receive buffer (recv_free in every CTA), mix
-//              tokens 6-15.
+//              tokens 10-15.
 //              The tile's owner CTA (tile % 16) also stashes h for warp 11.
 //   warp 11    producer and Sinkhorn: lane 0 refills a ring stage once every
 //              warp that reads it has arrived on stage_empty; the warp runs
@@ -456,28 +459,21 @@ __global__ void __launch_bounds__(kThreads, 1)
           if constexpr (kF32) dev::mma_bf16_16816(acc_lo[kt], a, blo[s][kt][0], blo[s][kt][1]);
         }
       };
-      if (per_box) {
-        // The latency-bound first tiles: box by box, and step s's address an
-        // immediate offset from the lane's even- or odd-step address (the
-        // loop below recomputes it each step, at 224 registers: ncu).
-        // Decode B16 (prefetch_weights) 7.87 -> 7.36 us, B = 8192 257 -> 253 us;
-        // used as the steady-state loop too it made B = 8192 255 -> 271 us
-        // (H200, same-run A/Bs; not understood).
-        const uint32_t a_even = a_stage + a_off_even, a_odd = a_stage + a_off_odd;
-        const uint32_t full_bar = smem_u32(&full[stage][0]);
+      // Box by box; step s's address is an immediate offset from the lane's
+      // even- or odd-step address (computing x_offset per step, ptxas
+      // rematerialised it from SR_TID and the constant bank before every
+      // ldmatrix at 224 registers: ncu). With this loop the projection
+      // warps leave fewer idle issue slots to the finish warps on their
+      // sub-partitions, so those mix fewer tokens (kFinishMixRows).
+      const uint32_t a_even = a_stage + a_off_even, a_odd = a_stage + a_off_odd;
+      const uint32_t full_bar = smem_u32(&full[stage][0]);
 #pragma unroll
-        for (int c = 0; c < kMaxChunks; ++c) {
-          if (c < my_steps / 2) {
-            mbar_wait(full_bar + 8 * c, full_parity);  // box c landed
-            step(2 * c, a_even + c * kChunkBytes);
-            step(2 * c + 1, a_odd + c * kChunkBytes);
-          }
+      for (int c = 0; c < kMaxChunks; ++c) {
+        if (c < my_steps / 2) {
+          if (per_box) mbar_wait(full_bar + 8 * c, full_parity);  // box c landed
+          step(2 * c, a_even + c * kChunkBytes);
+          step(2 * c + 1, a_odd + c * kChunkBytes);
         }
-      } else {
-#pragma unroll
-        for (int s = 0; s < kMaxSteps; ++s)
-          if (s < my_steps)
-            step(s, a_stage + x_offset(a_row, step_stream, 64 * (s >> 1) + step_col + 16 * (s & 1) + a_kofs));
       }
       FM_STAMP(4, tid == 0 && j == 0)
       FM_PROF(1)
