@@ -436,13 +436,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (!per_box) mbar_wait(smem_u32(&full[stage][0]), full_parity);
       FM_STAMP(3, tid == 0 && j == 0)
       FM_PROF(0)
-      // Partial projection of tile j over this warp's k steps; hi and lo in
-      // separate accumulators (independent mma chains).
-      float acc_hi[kKt][4], acc_lo[kKt][4];
+      // Partial projection of tile j over this warp's k steps; hi and lo
+      // into one accumulator (12 registers fewer than two; B = 8192 233.7 ->
+      // 229.8 us, H200 same-run A/B).
+      float acc[kKt][4];
 #pragma unroll
       for (int kt = 0; kt < kKt; ++kt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc_hi[kt][e] = acc_lo[kt][e] = 0.f;
+        for (int e = 0; e < 4; ++e) acc[kt][e] = 0.f;
       // Sums of squares on the tensor cores too: X_tile . X_tile^T restricted
       // to 8 tokens per mma; its diagonal is |x_r|^2 (exact bf16 products,
       // fp32 accumulation), 2 mma per step instead of 16 ALU instructions.
@@ -455,8 +456,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         dev::mma_bf16_16816(sq_hi, a, a[1], a[3]);  // B = rows 8-15 of A, transposed
 #pragma unroll
         for (int kt = 0; kt < kKt; ++kt) {
-          dev::mma_bf16_16816(acc_hi[kt], a, bhi[s][kt][0], bhi[s][kt][1]);
-          if constexpr (kF32) dev::mma_bf16_16816(acc_lo[kt], a, blo[s][kt][0], blo[s][kt][1]);
+          dev::mma_bf16_16816(acc[kt], a, bhi[s][kt][0], bhi[s][kt][1]);
+          if constexpr (kF32) dev::mma_bf16_16816(acc[kt], a, blo[s][kt][0], blo[s][kt][1]);
         }
       };
       // Box by box; step s's address is an immediate offset from the lane's
@@ -489,7 +490,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int mm = m + (e & 1), row = g + 8 * (e >> 1);
-          if (mm < kCoef) my[mm * kScratchStride + row] = acc_hi[kt][e] + acc_lo[kt][e];
+          if (mm < kCoef) my[mm * kScratchStride + row] = acc[kt][e];
         }
       }
       // Diagonal: token g < 8 is D[g][g] of sq_lo (lane 4g + g/2, element g & 1);
