@@ -174,9 +174,10 @@ template <typename A>
 int64_t row_stride(const A& a, const char* op, const char* arg) {
   require_ndim(a, 2, op, arg);
   const int64_t rows = dim(a, 0), cols = dim(a, 1);
+  if (rows == 0 || cols == 0) return cols;  // nothing is accessed
   if (cols > 1 && a.stride(1) != 1)
     fail(op, arg, "columns must be contiguous (stride 1; got ", a.stride(1), ")");
-  if (rows <= 1 || cols == 0) return cols;  // the row stride is never used
+  if (rows == 1) return cols;  // the row stride is never used
   if (a.stride(0) < cols)
     fail(op, arg, "row stride must be >= the row length (got ", a.stride(0), " < ", cols, ")");
   return a.stride(0);
