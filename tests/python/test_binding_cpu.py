@@ -1,0 +1,549 @@
+"""The CPU backend through the Python binding, with numpy arrays (bf16 through
+ml_dtypes), against the numpy reference written from SPEC.md
+(spec_reference.py); argument errors; the CUDA call path's existence; import
+without torch; and, where torch is importable, the custom ops on CPU tensors.
+Runs on any machine (no GPU)."""
+import ctypes
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import flashmix
+from flashmix import _C
+
+import spec_reference as ref
+from spec_reference import BF16
+
+needs_bf16 = pytest.mark.skipif(BF16 is None, reason="ml_dtypes is not installed (numpy has no bfloat16)")
+
+
+def assert_rounded_close(got, want, dtype_name, magnitude=None):
+    """got (stored as dtype) vs the float64 reference: one rounding apart (1 ulp, relative),
+    plus 1e-12 of the summed |terms| for the summation order."""
+    got = np.asarray(got).astype(np.float64)
+    mag = np.abs(want) if magnitude is None else magnitude
+    tol = ref.ULP[dtype_name] * np.abs(want) + 1e-12 * mag + 1e-30
+    bad = ~(np.abs(got - want) <= tol)
+    assert not bad.any(), f"{bad.sum()} of {bad.size} elements out of tolerance; first at " \
+                          f"{np.argwhere(bad)[0]}: got {got[bad][0]}, want {want[bad][0]}"
+
+
+def raises_naming(exc, op, arg):
+    """pytest.raises for an error whose message is "<op>: <arg>: <rule>"."""
+    return pytest.raises(exc, match=rf"^{op}: {arg.replace('.', '[.]')}: ")
+
+
+# ---------------------------------------------------------------------------
+# finalize_moe_routing (SPEC §2)
+# ---------------------------------------------------------------------------
+
+FINALIZE_CASES = [
+    # T, k, H, padded_H, rows, out, E, start, E_local, scales, bias, shared
+    (1, 1, 8, 8, "float32", "float32", 4, 0, 4, True, False, False),
+    (7, 2, 13, 16, "float32", "float32", 8, 0, 8, True, True, False),
+    (33, 8, 64, 72, "float32", "float32", 64, 16, 16, True, True, True),  # expert-parallel rank
+    (9, 16, 24, 24, "float32", "float32", 32, 8, 8, False, False, True),  # k = 16, NO_SCALE
+    (5, 4, 40, 48, "bfloat16", "bfloat16", 16, 4, 8, True, True, True),
+    (5, 4, 17, 17, "float16", "float32", 16, 0, 16, True, True, False),
+    (6, 3, 33, 40, "float32", "bfloat16", 12, 6, 6, True, False, True),
+    (4, 2, 1, 1, "float16", "float16", 4, 1, 2, True, True, True),  # H = 1
+]
+
+
+@pytest.mark.parametrize("case", FINALIZE_CASES, ids=lambda c: "T{}_k{}_H{}_{}_{}_E{}@{}+{}{}{}{}".format(
+    c[0], c[1], c[2], c[4], c[5], c[6], c[7], c[8], "_scales" if c[9] else "", "_bias" if c[10] else "",
+    "_shared" if c[11] else ""))
+def test_finalize_matches_spec(case):
+    T, k, H, padded_H, rows_dtype, out_dtype, E, start, E_local, scales, bias, shared = case
+    if BF16 is None and "bfloat16" in (rows_dtype, out_dtype):
+        pytest.skip("ml_dtypes is not installed")
+    rng = np.random.default_rng(T * 1000 + k * 10 + H)
+    p = ref.finalize_problem(rng, T, k, H, padded_H, rows_dtype, E, start, E_local, scales, bias, shared, out_dtype)
+    out = flashmix.finalize_moe_routing(p["rows"], p["u2p"], p["experts"], num_experts_per_node=E_local,
+                                        start_expert_id=start, scales=p["scales"], bias=p["bias"],
+                                        shared_output=p["shared"], hidden=H, out_dtype=out_dtype)
+    assert out.shape == (T, H) and out.dtype == ref.np_dtype(out_dtype)
+    want, mag = ref.finalize(p["rows"], p["u2p"], p["experts"], p["scales"], p["bias"], p["shared"], start,
+                             E_local, H)
+    assert_rounded_close(out, want, out_dtype, mag)
+
+
+def test_finalize_writes_only_the_first_hidden_columns_of_a_strided_out():
+    rng = np.random.default_rng(1)
+    p = ref.finalize_problem(rng, 6, 4, 20, 24, "float32", 8, 0, 8, bias=True)
+    full = np.full((6, 32), -5.0, np.float32)
+    out = full[:, :20]  # row stride 32
+    flashmix.finalize_moe_routing(p["rows"], p["u2p"], p["experts"], num_experts_per_node=8, scales=p["scales"],
+                                  bias=p["bias"], out=out)
+    want, mag = ref.finalize(p["rows"], p["u2p"], p["experts"], p["scales"], p["bias"], None, 0, 8, 20)
+    assert_rounded_close(full[:, :20], want, "float32", mag)
+    assert (full[:, 20:] == -5.0).all()
+
+
+def test_finalize_zero_tokens_is_valid():
+    rows = np.zeros((0, 8), np.float32)
+    out = flashmix.finalize_moe_routing(rows, np.zeros(0, np.int32), np.zeros((0, 4), np.int32),
+                                        num_experts_per_node=4)
+    assert out.shape == (0, 8)
+
+
+def test_finalize_without_filling_leaves_tokens_without_a_local_slot_untouched():
+    rng = np.random.default_rng(2)
+    T, k, H, E, start, E_local = 40, 2, 16, 32, 8, 4  # most tokens have no local slot
+    p = ref.finalize_problem(rng, T, k, H, H, "float32", E, start, E_local, shared=True)
+    out = np.full((T, H), 7.0, np.float32)
+    flashmix.finalize_moe_routing(p["rows"], p["u2p"], p["experts"], num_experts_per_node=E_local,
+                                  start_expert_id=start, scales=p["scales"], shared_output=p["shared"], out=out,
+                                  fill=False, permuted_row_to_unpermuted_row=p["p2u"],
+                                  expert_first_token_offset=p["offsets"])
+    want, mag = ref.finalize(p["rows"], p["u2p"], p["experts"], p["scales"], None, p["shared"], start, E_local, H,
+                             fill=False, out_before=np.full((T, H), 7.0))
+    assert_rounded_close(out, want, "float32", mag)
+    local = ((p["experts"] >= start) & (p["experts"] < start + E_local)).any(axis=1)
+    assert (~local).sum() > 0 and (out[~local] == 7.0).all()
+
+
+def test_finalize_fresh_out_without_filling_is_zero_for_tokens_without_a_local_slot():
+    rng = np.random.default_rng(3)
+    p = ref.finalize_problem(rng, 20, 2, 8, 8, "float32", 32, 0, 4)
+    out = flashmix.finalize_moe_routing(p["rows"], p["u2p"], p["experts"], num_experts_per_node=4,
+                                        scales=p["scales"], fill=False, permuted_row_to_unpermuted_row=p["p2u"],
+                                        expert_first_token_offset=p["offsets"])
+    local = ((p["experts"] >= 0) & (p["experts"] < 4)).any(axis=1)
+    assert (out[~local] == 0).all()
+
+
+# ---------------------------------------------------------------------------
+# build_moe_routing_maps (SPEC §1)
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("T,k,E,start,E_local", [(1, 1, 4, 0, 4), (50, 8, 64, 0, 64), (37, 6, 64, 16, 8),
+                                                  (300, 2, 8, 3, 2)])
+def test_routing_maps_match_spec(T, k, E, start, E_local):
+    rng = np.random.default_rng(T + k)
+    experts = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    x = rng.uniform(-1, 1, (T, 24)).astype(np.float32)
+    maps = flashmix.build_moe_routing_maps(experts, num_experts_per_node=E_local, start_expert_id=start, input=x)
+    offsets, p2u, u2p = ref.routing_maps(experts, start, E_local)
+    P = len(p2u)
+    np.testing.assert_array_equal(maps.expert_first_token_offset, offsets)
+    np.testing.assert_array_equal(maps.permuted_row_to_unpermuted_row[:P], p2u)
+    np.testing.assert_array_equal(maps.unpermuted_row_to_permuted_row, u2p)
+    np.testing.assert_array_equal(maps.permuted_input[:P], x[p2u % T])
+    assert flashmix.build_moe_routing_maps_workspace_size(T, k, E_local, start) >= 0
+
+
+def test_routing_maps_zero_tokens_zero_the_offsets():
+    offsets = np.full(5, 9, np.int64)
+    flashmix.build_moe_routing_maps(np.zeros((0, 2), np.int32), num_experts_per_node=4,
+                                    expert_first_token_offset=offsets)
+    assert (offsets == 0).all()
+
+
+def test_routing_workspace_size_is_zero_for_decode_and_positive_for_many_slots():
+    assert flashmix.build_moe_routing_maps_workspace_size(16, 8, 256) == 0  # one block, one launch
+    assert flashmix.build_moe_routing_maps_workspace_size(8192, 8, 32) > 0
+    with raises_naming(ValueError, "build_moe_routing_maps", "k"):
+        flashmix.build_moe_routing_maps_workspace_size(16, 0, 256)
+
+
+def test_finalize_consumes_the_routing_maps():
+    rng = np.random.default_rng(4)
+    T, k, H, E, start, E_local = 24, 4, 12, 32, 8, 16
+    experts = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    maps = flashmix.build_moe_routing_maps(experts, num_experts_per_node=E_local, start_expert_id=start)
+    rows = rng.uniform(-1, 1, (k * T, H)).astype(np.float32)
+    scales = rng.uniform(0, 1, (T, k)).astype(np.float32)
+    out = flashmix.finalize_moe_routing(rows, maps.unpermuted_row_to_permuted_row, experts,
+                                        num_experts_per_node=E_local, start_expert_id=start, scales=scales)
+    want, mag = ref.finalize(rows, maps.unpermuted_row_to_permuted_row, experts, scales, None, None, start, E_local,
+                             H)
+    assert_rounded_close(out, want, "float32", mag)
+
+
+# ---------------------------------------------------------------------------
+# moe_fc2_finalize (SPEC §3), CPU reference
+# ---------------------------------------------------------------------------
+
+@needs_bf16
+@pytest.mark.parametrize("mode", flashmix.FC2_MODES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_moe_fc2_finalize_matches_spec(mode, with_bias):
+    rng = np.random.default_rng(5)
+    T, k, E, H, I = 9, 2, 4, 16, 24
+    experts = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    maps = flashmix.build_moe_routing_maps(experts, num_experts_per_node=E)
+    A = rng.uniform(-1, 1, (k * T, I)).astype(BF16)
+    W2 = (rng.uniform(-1, 1, (E, H, I)) / 4).astype(BF16)
+    scales = rng.uniform(0, 1, (T, k)).astype(np.float32)
+    bias = rng.uniform(-1, 1, (E, H)).astype(BF16) if with_bias else None
+    out = flashmix.moe_fc2_finalize(A, W2, maps.expert_first_token_offset, maps.permuted_row_to_unpermuted_row, k=k,
+                                    scales=scales, bias=bias, mode=mode)
+    assert out.shape == (T, H) and out.dtype == BF16
+    want = ref.fc2_finalize(A, W2, maps.expert_first_token_offset, maps.permuted_row_to_unpermuted_row, scales, bias,
+                            T, k)
+    assert_rounded_close(out, want, "bfloat16", None)
+    ignored = flashmix.moe_fc2_finalize(A, W2, maps.expert_first_token_offset, maps.permuted_row_to_unpermuted_row,
+                                        k=k, scales=scales, bias=bias, apply_bias=False, mode=mode)
+    want = ref.fc2_finalize(A, W2, maps.expert_first_token_offset, maps.permuted_row_to_unpermuted_row, scales, None,
+                            T, k)
+    assert_rounded_close(ignored, want, "bfloat16", None)
+
+
+# ---------------------------------------------------------------------------
+# mHC (SPEC §4)
+# ---------------------------------------------------------------------------
+
+MHC_PARAMS = {
+    "defaults": {},
+    "seed": flashmix.MHC_SEED_PARAMS,
+    "custom": {"eps_norm": 1e-3, "eps_pre": 0.01, "post_mult": 1.5, "eps_sinkhorn": 1e-4, "sinkhorn_iters": 5},
+}
+
+
+@needs_bf16
+@pytest.mark.parametrize("params", list(MHC_PARAMS))
+@pytest.mark.parametrize("phi_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("n,C", [(1, 8), (2, 24), (4, 64), (8, 16)])
+def test_mhc_pre_matches_spec(n, C, phi_dtype, params):
+    rng = np.random.default_rng(n * 100 + C)
+    B = 5
+    x, phi, alpha, bias = ref.mhc_problem(rng, B, n, C, phi_dtype)
+    kw = MHC_PARAMS[params]
+    f_pre, h_post, h_res = flashmix.mhc_pre(x, phi, alpha, bias, **kw)
+    assert f_pre.shape == (B, C) and f_pre.dtype == BF16
+    assert h_post.shape == (B, n) and h_res.shape == (B, n, n) and h_res.dtype == np.float32
+    want_f, want_post, want_res = ref.mhc_pre(x, phi, alpha, bias, n, **kw)
+    # The reference backend keeps H_pre in double: F_pre is one rounding from the exact mix.
+    assert_rounded_close(f_pre, want_f, "bfloat16")
+    np.testing.assert_allclose(h_post, want_post, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(h_res, want_res, rtol=1e-5, atol=1e-7)
+    if not kw:  # doubly stochastic up to eps: columns sum to ~1
+        np.testing.assert_allclose(h_res.sum(axis=1), 1.0, atol=1e-4)
+
+
+@needs_bf16
+def test_mhc_pre_accepts_x_as_b_by_nc():
+    rng = np.random.default_rng(6)
+    x, phi, alpha, bias = ref.mhc_problem(rng, 3, 4, 32)
+    a = flashmix.mhc_pre(x, phi, alpha, bias)
+    b = flashmix.mhc_pre(x.reshape(3, 4 * 32), phi, alpha, bias)
+    for u, v in zip(a, b):
+        np.testing.assert_array_equal(u, v)
+
+
+@needs_bf16
+def test_mhc_pre_zero_batch_is_valid():
+    rng = np.random.default_rng(7)
+    x, phi, alpha, bias = ref.mhc_problem(rng, 0, 4, 16)
+    f_pre, h_post, h_res = flashmix.mhc_pre(x, phi, alpha, bias)
+    assert f_pre.shape == (0, 16) and h_res.shape == (0, 4, 4)
+
+
+@needs_bf16
+@pytest.mark.parametrize("res_layout", ["deepseek", "row_mix"])
+@pytest.mark.parametrize("n,C", [(1, 16), (3, 8), (4, 64), (8, 24)])
+def test_mhc_post_matches_spec(n, C, res_layout):
+    rng = np.random.default_rng(n * 10 + C)
+    x, f_out, h_post, h_res = ref.post_problem(rng, 4, n, C)
+    x_next = flashmix.mhc_post(x, f_out, h_post, h_res, res_layout=res_layout)
+    assert x_next.shape == x.shape and x_next.dtype == BF16
+    assert_rounded_close(x_next, ref.mhc_post(x, f_out, h_post, h_res, res_layout), "bfloat16")
+
+
+@needs_bf16
+def test_mhc_stages_compose_to_mhc_pre():
+    rng = np.random.default_rng(8)
+    n, C = 4, 32
+    x, phi, alpha, bias = ref.mhc_problem(rng, 6, n, C)
+    h, r = flashmix.mhc_project(x, phi, alpha, bias)
+    want_h, want_r, want_pre, want_post, want_res = ref.mhc_coefficients(x, phi, alpha, bias, n)
+    np.testing.assert_allclose(h, want_h, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(r, want_r, rtol=1e-6)
+    h_pre, h_post, h_res = flashmix.mhc_activate(h)
+    np.testing.assert_allclose(h_pre, want_pre, rtol=1e-5)
+    np.testing.assert_allclose(h_post, want_post, rtol=1e-5)
+    np.testing.assert_allclose(h_res, want_res, rtol=1e-4, atol=1e-6)
+    f_pre = flashmix.mhc_pre_mix(x, h_pre)
+    whole = flashmix.mhc_pre(x, phi, alpha, bias)
+    np.testing.assert_allclose(f_pre.astype(np.float32), whole.f_pre.astype(np.float32), rtol=2 ** -7, atol=1e-6)
+
+
+@needs_bf16
+def test_mhc_head_and_expand_match_spec():
+    rng = np.random.default_rng(9)
+    n, C, B = 4, 16, 3
+    x, _, _, _ = ref.mhc_problem(rng, B, n, C)
+    phi = (rng.uniform(-1, 1, (n, n * C)) / 8).astype(np.float32)
+    alpha = np.array([0.9], np.float32)
+    bias = rng.uniform(-1, 1, n).astype(np.float32)
+    out = flashmix.mhc_head(x, phi, alpha, bias)
+    X = ref.f64(x).reshape(B, n * C)
+    r = np.sqrt((X * X).sum(axis=1) / (n * C) + 1e-6)
+    h_pre = ref.sigmoid(0.9 * (X @ ref.f64(phi).T) / r[:, None] + bias) + 1e-6
+    assert_rounded_close(out, np.einsum("bi,bic->bc", h_pre, X.reshape(B, n, C)), "bfloat16")
+    emb = rng.uniform(-1, 1, (B, C)).astype(BF16)
+    xs = flashmix.mhc_expand(emb, n=n)
+    assert xs.shape == (B, n, C)
+    for i in range(n):
+        np.testing.assert_array_equal(xs[:, i], emb)
+
+
+# ---------------------------------------------------------------------------
+# Bad input: ValueError naming the argument, nothing written
+# ---------------------------------------------------------------------------
+
+def finalize_inputs():
+    rng = np.random.default_rng(10)
+    return ref.finalize_problem(rng, 4, 2, 8, 8, "float32", 4, 0, 4)
+
+
+def call_finalize(p, rows=None, u2p=None, experts=None, **kw):
+    args = dict(num_experts_per_node=p["e_local"], scales=p["scales"])
+    args.update(kw)
+    return flashmix.finalize_moe_routing(p["rows"] if rows is None else rows, p["u2p"] if u2p is None else u2p,
+                                         p["experts"] if experts is None else experts, **args)
+
+
+@pytest.mark.parametrize("change,arg", [
+    ({"num_experts_per_node": 0}, "num_experts_per_node"),                  # library rule
+    ({"start_expert_id": -1}, "start_expert_id"),                           # library rule
+    ({"experts": np.zeros((4, 17), np.int32), "u2p": np.zeros(68, np.int32), "scales": None}, "k"),  # library: k <= 16
+    ({"experts": np.zeros((4, 2), np.int64)}, "token_selected_experts"),    # dtype
+    ({"experts": np.zeros((2, 4), np.int32).T}, "token_selected_experts"),  # not contiguous
+    ({"u2p": np.zeros(7, np.int32)}, "unpermuted_row_to_permuted_row"),     # not k*T
+    ({"scales": np.zeros((4, 3), np.float32)}, "scales"),                   # shape
+    ({"scales": np.zeros((4, 2), np.float64)}, "scales"),                   # dtype
+    ({"rows": np.zeros((8, 4), np.float32)}, "expanded_permuted_rows"),     # shorter than H
+    ({"rows": np.zeros((8, 8), np.int32)}, "expanded_permuted_rows"),       # dtype
+    ({"out": np.zeros((5, 8), np.float32)}, "out"),                         # not T rows
+    ({"out": np.zeros((8, 4), np.float32).T}, "out"),                       # columns strided
+    ({"bias": np.zeros((4, 8), np.float16)}, "bias"),                       # not the rows' dtype
+    ({"bias": np.zeros((3, 8), np.float32)}, "bias"),                       # not E_local rows
+    ({"shared_output": np.zeros((4, 8), np.float16)}, "shared_output"),     # not out's dtype
+    ({"fill": False}, "permuted_row_to_unpermuted_row"),                    # library rule: no-fill maps
+    ({"threads_per_block": 48}, "tuning.threads_per_block"),                # library rule
+])
+def test_finalize_bad_input_raises_value_error_naming_the_argument(change, arg):
+    p = finalize_inputs()
+    change.setdefault("out", np.full((4, 8), 3.0, np.float32))
+    before = change["out"].copy()
+    with raises_naming(ValueError, "finalize_moe_routing", arg):
+        call_finalize(p, **change)
+    np.testing.assert_array_equal(change["out"], before)  # nothing written
+
+
+@needs_bf16
+@pytest.mark.parametrize("op,arg,call", [
+    ("mhc_pre", "hidden", lambda x, phi, a, b: flashmix.mhc_pre(  # library rule: C a multiple of 8
+        np.zeros((2, 4, 12), BF16), np.zeros((24, 48), np.float32), a, b)),
+    ("mhc_pre", "params.sinkhorn_iters", lambda x, phi, a, b: flashmix.mhc_pre(x, phi, a, b, sinkhorn_iters=0)),
+    ("mhc_pre", "params.eps_norm", lambda x, phi, a, b: flashmix.mhc_pre(x, phi, a, b, eps_norm=-1.0)),
+    ("mhc_pre", "phi", lambda x, phi, a, b: flashmix.mhc_pre(x, phi[:23], a, b)),            # N not n*n + 2n
+    ("mhc_pre", "phi", lambda x, phi, a, b: flashmix.mhc_pre(x, phi.astype(np.float16), a, b)),
+    ("mhc_pre", "x", lambda x, phi, a, b: flashmix.mhc_pre(x.astype(np.float32), phi, a, b)),
+    ("mhc_pre", "x", lambda x, phi, a, b: flashmix.mhc_pre(x[:, :, ::2], phi[:, ::2], a, b)),  # not contiguous
+    ("mhc_pre", "alpha", lambda x, phi, a, b: flashmix.mhc_pre(x, phi, a[:2], b)),
+    ("mhc_pre", "bias", lambda x, phi, a, b: flashmix.mhc_pre(x, phi, a, b[:-1])),
+    ("mhc_pre", "h_res", lambda x, phi, a, b: flashmix.mhc_pre(x, phi, a, b, h_res=np.zeros((2, 16), np.float32))),
+    ("mhc_pre", "res_layout", lambda x, phi, a, b: flashmix.mhc_pre(x, phi, a, b, res_layout="columns")),
+])
+def test_mhc_bad_input_raises_value_error_naming_the_argument(op, arg, call):
+    rng = np.random.default_rng(11)
+    x, phi, alpha, bias = ref.mhc_problem(rng, 2, 4, 16)
+    with raises_naming(ValueError, op, arg):
+        call(x, phi, alpha, bias)
+
+
+@needs_bf16
+def test_mhc_post_rejects_x_next_overlapping_x():
+    rng = np.random.default_rng(12)
+    x, f_out, h_post, h_res = ref.post_problem(rng, 2, 4, 16)
+    with raises_naming(ValueError, "mhc_post", "x_next"):
+        flashmix.mhc_post(x, f_out, h_post, h_res, x_next=x)
+    big = np.zeros((3, 4, 16), BF16)
+    big[:2] = x
+    with raises_naming(ValueError, "mhc_post", "x_next"):  # partly overlapping
+        flashmix.mhc_post(big[:2], f_out, h_post, h_res, x_next=big[1:])
+
+
+@needs_bf16
+def test_fc2_bad_mode_and_shapes_raise_value_error_naming_the_argument():
+    A, W2 = np.zeros((4, 8), BF16), np.zeros((2, 8, 8), BF16)
+    off, p2u = np.zeros(3, np.int64), np.zeros(4, np.int32)
+    with raises_naming(ValueError, "moe_fc2_finalize", "mode"):
+        flashmix.moe_fc2_finalize(A, W2, off, p2u, k=2, num_tokens=2, mode="fast")
+    with raises_naming(ValueError, "moe_fc2_finalize", "A"):
+        flashmix.moe_fc2_finalize(np.zeros((4, 16), BF16), W2, off, p2u, k=2, num_tokens=2)
+    with raises_naming(ValueError, "moe_fc2_finalize", "hidden"):  # library rule: H a multiple of 8
+        flashmix.moe_fc2_finalize(A, np.zeros((2, 12, 8), BF16), off, p2u, k=2, num_tokens=2)
+    with raises_naming(ValueError, "moe_fc2_finalize", "expert_first_token_offset"):
+        flashmix.moe_fc2_finalize(A, W2, off[:2], p2u, k=2, num_tokens=2)
+
+
+def test_routing_not_supported_raises_not_implemented_error_a_runtime_error():
+    experts = np.zeros((2, 2), np.int32)
+    with pytest.raises(NotImplementedError, match=r"^build_moe_routing_maps: num_experts_per_node: ") as e:
+        flashmix.build_moe_routing_maps(experts, num_experts_per_node=2000)  # at most 1024 local experts
+    assert isinstance(e.value, RuntimeError)
+
+
+def test_routing_bad_input_raises_value_error_naming_the_argument():
+    experts = np.zeros((4, 2), np.int32)
+    with raises_naming(ValueError, "build_moe_routing_maps", "permuted_row_to_unpermuted_row"):
+        flashmix.build_moe_routing_maps(experts, num_experts_per_node=4,
+                                        permuted_row_to_unpermuted_row=np.zeros(7, np.int32))
+    with raises_naming(ValueError, "build_moe_routing_maps", "permuted_input"):
+        flashmix.build_moe_routing_maps(experts, num_experts_per_node=4, input=np.zeros((4, 8), np.float32),
+                                        permuted_input=np.zeros((7, 8), np.float32))
+    with raises_naming(ValueError, "build_moe_routing_maps", "start_expert_id"):
+        flashmix.build_moe_routing_maps(experts, num_experts_per_node=4, start_expert_id=-3)
+
+
+# ---------------------------------------------------------------------------
+# The CUDA call path (without a GPU: fake CUDA DLPack tensors, never dereferenced)
+# ---------------------------------------------------------------------------
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32), ("dtype", _DLDataType),
+                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+_DL_CODES = {"int": 0, "uint": 1, "float": 2, "bfloat": 4}
+
+
+class FakeCudaArray:
+    """A DLPack producer claiming a CUDA tensor at a bogus address (only metadata is ever read)."""
+
+    def __init__(self, shape, dtype, device_id=0):
+        kind = dtype.rstrip("0123456789")
+        self._shape = (ctypes.c_int64 * max(len(shape), 1))(*shape)
+        self._mt = _DLManagedTensor()
+        t = self._mt.dl_tensor
+        t.data, t.device, t.ndim = 1 << 20, _DLDevice(2, device_id), len(shape)
+        t.dtype, t.shape, t.strides = _DLDataType(_DL_CODES[kind], int(dtype[len(kind):]), 1), self._shape, None
+        self.shape = tuple(shape)
+
+    def __dlpack__(self, stream=None, max_version=None, **kwargs):
+        if max_version is not None:
+            raise TypeError("unversioned DLPack only")
+        return _capsule_new(ctypes.addressof(self._mt), b"dltensor", None)
+
+    def __dlpack_device__(self):
+        return (2, self._mt.dl_tensor.device.device_id)
+
+
+def fc2_zero_tokens(make):
+    """moe_fc2_finalize with T = 0: the CPU reference returns OK; the GPU entry point needs a
+    workspace or a Hopper GPU, so it fails without launching anything."""
+    return dict(A=make((0, 8), "bfloat16"), W2=make((2, 8, 8), "bfloat16"), off=make((3,), "int64"),
+                p2u=make((0,), "int32"), out=make((0, 8), "bfloat16"))
+
+
+def test_cuda_arrays_take_the_gpu_path():
+    if BF16 is not None:  # the CPU path: T = 0 is valid, nothing to do
+        a = fc2_zero_tokens(lambda shape, dtype: np.zeros(shape, ref.np_dtype(dtype)))
+        flashmix.moe_fc2_finalize(a["A"], a["W2"], a["off"], a["p2u"], k=2, out=a["out"])
+    a = fc2_zero_tokens(FakeCudaArray)
+    # Without a GPU the device cannot be made current (RuntimeError); on a GPU the entry point
+    # wants a workspace (ValueError) or, off Hopper, reports kNotSupported. Never the CPU's OK.
+    with pytest.raises((RuntimeError, ValueError)) as e:
+        _C.moe_fc2_finalize(a["A"], a["W2"], a["off"], a["p2u"], a["out"], k=2, workspace=None, stream=0)
+    assert str(e.value).startswith("moe_fc2_finalize: ")
+    assert any(s in str(e.value) for s in ("cuda:0", "workspace", "sm_90", "CUTLASS")), str(e.value)
+
+
+def test_mixed_devices_raise_value_error_naming_the_argument():
+    rows, out = FakeCudaArray((0, 8), "float32"), FakeCudaArray((0, 8), "float32")
+    u2p = FakeCudaArray((0,), "int32")
+    with raises_naming(ValueError, "finalize_moe_routing", "token_selected_experts"):
+        _C.finalize_moe_routing(rows, u2p, np.zeros((0, 2), np.int32), out, num_experts_per_node=4)
+    with raises_naming(ValueError, "finalize_moe_routing", "token_selected_experts"):  # another CUDA device
+        _C.finalize_moe_routing(rows, u2p, FakeCudaArray((0, 2), "int32", device_id=1), out, num_experts_per_node=4)
+
+
+def test_every_op_takes_a_stream():
+    for name in ("finalize_moe_routing", "build_moe_routing_maps", "moe_fc2_finalize", "mhc_pre", "mhc_post",
+                 "mhc_project", "mhc_activate", "mhc_pre_mix", "mhc_head", "mhc_expand"):
+        assert "stream: int = 0" in getattr(_C, name).__doc__, name
+
+
+def test_stream_is_ignored_on_the_cpu():
+    p = finalize_inputs()
+    out = call_finalize(p, stream=12345)
+    want, mag = ref.finalize(p["rows"], p["u2p"], p["experts"], p["scales"], None, None, 0, 4, 8)
+    assert_rounded_close(out, want, "float32", mag)
+
+
+# ---------------------------------------------------------------------------
+# The package without torch; the torch custom ops with CPU tensors
+# ---------------------------------------------------------------------------
+
+def test_import_works_without_torch():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import flashmix, numpy as np\n"
+            "assert not flashmix.torch_ops_registered\n"
+            "out = flashmix.finalize_moe_routing(np.ones((2, 4), np.float32), np.arange(2, dtype=np.int32),"
+            " np.zeros((2, 1), np.int32), num_experts_per_node=1)\n"
+            "assert (out == 1).all()\n")
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))
+
+
+def torch_or_skip():
+    torch = pytest.importorskip("torch")
+    if not flashmix.torch_ops_registered:
+        pytest.skip("torch was imported after flashmix")
+    return torch
+
+
+def test_torch_custom_ops_on_cpu_tensors():
+    torch = torch_or_skip()
+    rng = np.random.default_rng(13)
+    p = ref.finalize_problem(rng, 6, 4, 16, 16, "float32", 8, 2, 4, bias=True)
+    t = {k: torch.from_numpy(v) for k, v in p.items() if isinstance(v, np.ndarray)}
+    out = torch.ops.flashmix.finalize_moe_routing(t["rows"], t["u2p"], t["experts"], 4, start_expert_id=2,
+                                                  scales=t["scales"], bias=t["bias"], out_dtype=torch.bfloat16)
+    want, mag = ref.finalize(p["rows"], p["u2p"], p["experts"], p["scales"], p["bias"], None, 2, 4, 16)
+    assert out.dtype == torch.bfloat16
+    assert_rounded_close(out.float().numpy(), want, "bfloat16", mag)
+    x = torch.randn(3, 4, 16).bfloat16()
+    phi, alpha, bias = torch.randn(24, 64) * 0.1, torch.ones(3), torch.zeros(24)
+    torch.library.opcheck(torch.ops.flashmix.mhc_pre.default, (x, phi, alpha, bias))
+    f_pre, h_post, h_res = torch.ops.flashmix.mhc_pre(x, phi, alpha, bias)
+    torch.library.opcheck(torch.ops.flashmix.mhc_post.default, (x, f_pre, h_post, h_res))
+    torch.library.opcheck(torch.ops.flashmix.finalize_moe_routing.default,
+                          (t["rows"], t["u2p"], t["experts"], 4), {"start_expert_id": 2, "scales": t["scales"]})
+
+
+def test_torch_compile_of_the_custom_ops_on_cpu_tensors():
+    torch = torch_or_skip()
+
+    def layer(x, phi, alpha, bias):
+        f_pre, h_post, h_res = torch.ops.flashmix.mhc_pre(x, phi, alpha, bias)
+        f_out = (f_pre.float() * 2).bfloat16()  # the sublayer
+        return torch.ops.flashmix.mhc_post(x, f_out, h_post, h_res)
+
+    x = torch.randn(5, 4, 32).bfloat16()
+    phi, alpha, bias = torch.randn(24, 128) * 0.1, torch.rand(3) + 0.5, torch.randn(24)
+    compiled = torch.compile(layer, fullgraph=True)
+    assert torch.equal(compiled(x, phi, alpha, bias), layer(x, phi, alpha, bias))
