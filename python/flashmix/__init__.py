@@ -31,7 +31,6 @@ eager mode but a graph break under torch.compile).
 """
 import collections
 import pkgutil
-import sys
 
 # The compiled module may live in a build tree beside this source package
 # (PYTHONPATH=<build>/python:<source>/python): look for flashmix/ there too.
@@ -82,8 +81,7 @@ __all__ = [
 # ---------------------------------------------------------------------------
 
 def _torch_tensor(x):
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
+    return _torch is not None and isinstance(x, _torch.Tensor)
 
 
 def _dtype_name(x):
@@ -98,7 +96,7 @@ def _framework_dtype(like, name):
     if not isinstance(name, str):
         return name
     if _torch_tensor(like):
-        return getattr(sys.modules["torch"], name)
+        return getattr(_torch, name)
     if name == "bfloat16":
         try:
             import ml_dtypes
@@ -113,8 +111,7 @@ def _empty(like, shape, dtype, zero=False):
     """An uninitialised (or zeroed) array beside `like`: same framework and device."""
     dtype = _framework_dtype(like, dtype)
     if _torch_tensor(like):
-        torch = sys.modules["torch"]
-        return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=like.device)
+        return (_torch.zeros if zero else _torch.empty)(shape, dtype=dtype, device=like.device)
     import numpy
     return (numpy.zeros if zero else numpy.empty)(shape, dtype=dtype)
 
@@ -124,7 +121,11 @@ def _arg(x):
     if x is None:
         return None
     if _torch_tensor(x):
-        return x.detach() if x.requires_grad else x  # forward-only ops; DLPack refuses grad tensors
+        # The legacy capsule: unlike Tensor.__dlpack__ it synchronises no streams (older torch
+        # made the default stream wait, which breaks a graph capture), does not require the
+        # tensor's device to be current (the binding makes it current) and takes tensors that
+        # require grad (the ops are forward only); and it costs a tenth.
+        return _torch.utils.dlpack.to_dlpack(x)
     dtype = getattr(x, "dtype", None)
     if dtype is not None and getattr(dtype, "name", None) == "bfloat16" and hasattr(x, "view"):
         # numpy cannot export bfloat16 through DLPack: hand over a bfloat16 view of its bits.
@@ -137,7 +138,7 @@ def _stream(stream, like):
     """The cudaStream_t (an int) a call runs on."""
     if stream is None:
         if _torch_tensor(like) and like.is_cuda:
-            return sys.modules["torch"].cuda.current_stream(like.device).cuda_stream
+            return _torch.cuda.current_stream(like.device).cuda_stream
         return 0
     if isinstance(stream, int):
         return stream
@@ -158,11 +159,9 @@ def _cuda_device(like):
     return None
 
 
-def _workspace(like, nbytes, workspace):
-    """The caller's workspace, else a fresh uint8 buffer of `nbytes` on `like`'s device (None when 0)."""
-    if workspace is not None or nbytes == 0:
-        return workspace
-    return _empty(like, (nbytes,), "uint8")
+def _workspace(like, nbytes):
+    """A fresh uint8 buffer of `nbytes` on `like`'s device; None when no workspace is needed."""
+    return _empty(like, (nbytes,), "uint8") if nbytes else None
 
 
 def _streams_from_coefficients(N, op, arg):
@@ -274,10 +273,9 @@ def build_moe_routing_maps(token_selected_experts, *, num_experts_per_node, star
         unpermuted_row_to_permuted_row = _empty(ex, (k * T,), "int32")
     if input is not None and permuted_input is None:
         permuted_input = _empty(input, (k * T, input.shape[1]), _dtype_name(input))
-    if _cuda_device(ex) is not None:
-        nbytes = _C.build_moe_routing_maps_workspace_size(T, k, num_experts_per_node, start_expert_id,
-                                                          single_block_max_slots)
-        workspace = _workspace(ex, nbytes, workspace)
+    if workspace is None and _cuda_device(ex) is not None:
+        workspace = _workspace(ex, _C.build_moe_routing_maps_workspace_size(
+            T, k, num_experts_per_node, start_expert_id, single_block_max_slots))
     _C.build_moe_routing_maps(
         _arg(ex), _arg(expert_first_token_offset), _arg(permuted_row_to_unpermuted_row),
         _arg(unpermuted_row_to_permuted_row), num_experts_per_node=num_experts_per_node,
@@ -328,10 +326,9 @@ def moe_fc2_finalize(A, W2, expert_first_token_offset, permuted_row_to_unpermute
             num_tokens = scales.shape[0]
         out = _empty(A, (num_tokens, W2.shape[1]), "bfloat16")
     device = _cuda_device(out)
-    if device is not None and workspace is None:
-        nbytes = _C.moe_fc2_finalize_workspace_size(out.shape[0], k, W2.shape[1], W2.shape[2], W2.shape[0], mode,
-                                                    device)
-        workspace = _workspace(out, nbytes, None)
+    if workspace is None and device is not None:
+        workspace = _workspace(out, _C.moe_fc2_finalize_workspace_size(
+            out.shape[0], k, W2.shape[1], W2.shape[2], W2.shape[0], mode, device))
     _C.moe_fc2_finalize(
         _arg(A), _arg(W2), _arg(expert_first_token_offset), _arg(permuted_row_to_unpermuted_row), _arg(out), k=k,
         scales=_arg(scales), bias=_arg(bias), apply_bias=apply_bias, mode=mode,

@@ -12,17 +12,10 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import MHC_MAX_STREAMS, mhc_num_coefficients
+from . import _mhc_hidden, _streams_from_coefficients
 from . import finalize_moe_routing as _finalize_moe_routing
 from . import mhc_post as _mhc_post
 from . import mhc_pre as _mhc_pre
-
-
-def _streams(N):
-    for n in range(1, MHC_MAX_STREAMS + 1):
-        if mhc_num_coefficients(n) == N:
-            return n
-    raise ValueError(f"mhc_pre: phi: has {N} coefficients, not N = n*n + 2n for an n in [1, {MHC_MAX_STREAMS}]")
 
 
 @torch.library.custom_op("flashmix::finalize_moe_routing", mutates_args=())
@@ -66,9 +59,8 @@ def mhc_pre(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, eps_norm: float
 @mhc_pre.register_fake
 def _(x, phi, alpha, bias, eps_norm=1e-6, eps_pre=1e-6, post_mult=2.0, eps_sinkhorn=1e-6, sinkhorn_iters=20,
       enable_pdl=True, prefetch_weights=False):
-    n = _streams(phi.shape[0])
-    B = x.shape[0]
-    C = x.shape[2] if x.dim() == 3 else x.shape[1] // n
+    n = _streams_from_coefficients(phi.shape[0], "mhc_pre", "phi")
+    B, C = x.shape[0], _mhc_hidden(x, n, "mhc_pre")
     return (x.new_empty((B, C), dtype=torch.bfloat16), x.new_empty((B, n), dtype=torch.float32),
             x.new_empty((B, n, n), dtype=torch.float32))
 
