@@ -77,7 +77,7 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------
-# Arrays: torch tensors or numpy arrays, told apart without importing torch.
+# Arrays: torch tensors (when torch is importable) or numpy arrays.
 # ---------------------------------------------------------------------------
 
 def _torch_tensor(x):
