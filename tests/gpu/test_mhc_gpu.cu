@@ -28,7 +28,6 @@ namespace {
 using namespace mhc_test;
 using testing::DeviceBuffer;
 
-constexpr uint16_t kPoisonBf16 = 0x7fc1;  // a NaN: an unwritten element can never pass
 
 struct DeviceProblem {
   DeviceBuffer x, phi_f32, phi_bf16, alpha, bias, f_out, h_post, h_res;
