@@ -28,7 +28,6 @@ namespace {
 using namespace mhc_test;
 using testing::DeviceBuffer;
 
-
 struct DeviceProblem {
   DeviceBuffer x, phi_f32, phi_bf16, alpha, bias, f_out, h_post, h_res;
   explicit DeviceProblem(const Problem& p)
