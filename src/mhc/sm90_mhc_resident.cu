@@ -316,24 +316,29 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // F_pre for tokens [row_begin, row_begin + rows) of a tile whose X is in
   // ring stage `xs`, this CTA's columns, H_pre from `hp`; thread t of
-  // `threads` takes (token, 8 columns) items t, t + threads, ...
+  // `threads` takes (token, 8 columns) items t, t + threads, ... (one
+  // division per call, not per item; H_pre of a token as one float4).
   auto mix_rows = [&](const unsigned char* xs, const float* hp, long long row0, int row_begin, int rows, int t,
                       int threads) {
     const int groups = slice / 8;
-    for (int it = t; it < rows * groups; it += threads) {
-      const int row = row_begin + it / groups, col = (it % groups) * 8;
+    const int row_step = threads / groups, group_step = threads - row_step * groups;
+    int row = row_begin + t / groups, group = t - (t / groups) * groups;
+    for (int it = t; it < rows * groups; it += threads) {  // a counted loop: the compiler overlaps items
       const long long b = row0 + row;
-      if (b >= p.batch) break;  // rows ascend with it
+      if (b >= p.batch) break;  // rows ascend
+      const int col = group * 8;
+      const float4 w4 = *reinterpret_cast<const float4*>(hp + row * kN);
+      static_assert(kN == 4, "H_pre of a token is one float4");
+      const float w[4] = {w4.x, w4.y, w4.z, w4.w};
       float out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
       for (int i = 0; i < kN; ++i) {
         const uint4 raw = *reinterpret_cast<const uint4*>(xs + x_offset(row, i, col));
-        const uint32_t w4[4] = {raw.x, raw.y, raw.z, raw.w};
-        const float w = hp[row * kN + i];
+        const uint32_t x4[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          out[2 * e] = fmaf(w, __uint_as_float(w4[e] << 16), out[2 * e]);
-          out[2 * e + 1] = fmaf(w, __uint_as_float(w4[e] & 0xffff0000u), out[2 * e + 1]);
+          out[2 * e] = fmaf(w[i], __uint_as_float(x4[e] << 16), out[2 * e]);
+          out[2 * e + 1] = fmaf(w[i], __uint_as_float(x4[e] & 0xffff0000u), out[2 * e + 1]);
         }
       }
       uint4 o;
@@ -344,6 +349,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         ov[e] = *reinterpret_cast<const uint32_t*>(&v);
       }
       *reinterpret_cast<uint4*>(p.f_out + b * hidden + c0 + col) = o;
+      row += row_step;
+      group += group_step;
+      if (group >= groups) group -= groups, ++row;
     }
   };
 
