@@ -75,10 +75,13 @@ constexpr int kMaxChunks = 7; // 64-column TMA boxes per CTA slice (C <= 7168)
 constexpr int kMaxSteps = 2 * kMaxChunks; // k16 steps per warp, 2 per box: phi registers = kMaxSteps * k_tiles * 2 (* 2 for hi/lo)
 constexpr int kPhiPad = 32;   // bytes after each coefficient's phi runs while phi passes through the ring
 
+// One 64-column TMA box of a ring stage: n streams x kRows tokens x 128 bytes.
+template <int kN>
+constexpr int box_bytes() { return kN * kRows * 128; }
+
 struct ResidentLayout {
   int slice = 0;        // columns per CTA (C / 16, a multiple of 64)
-  int chunk_bytes = 0;  // one 64-column TMA box: n * kRows * 128
-  int stage_bytes = 0;  // slice / 64 boxes
+  int stage_bytes = 0;  // slice / 64 boxes of box_bytes<kN>()
   int off_scratch = 0, off_recv_common = 0, off_recv_full = 0, off_tot = 0, off_hpre = 0, off_hsink = 0,
       total = 0;
 };
@@ -264,7 +267,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Warp w's k16 steps go box by box, 2 per box (a box has n * 4 = 16 steps,
   // 8 warps): step s is box s / 2, stream w / 2, columns
   // 64 (s / 2) + 16 (2 (w % 2) + s % 2) of the slice.
-  constexpr int kChunkBytes = kN * kRows * 128;  // one box (L.chunk_bytes)
+  constexpr int kChunkBytes = box_bytes<kN>();
   auto x_offset = [&](int row, int i, int col) -> uint32_t {  // col: multiple of 8 within the slice
     const int line = i * kRows + row;
     return uint32_t((col >> 6) * kChunkBytes + line * 128 + ((((col & 63) >> 3) ^ (row & 7)) << 4));
@@ -305,10 +308,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (!per_box) mbar_arrive_expect_tx(smem_u32(&full[stage][0]), uint32_t(L.stage_bytes));
     for (int ch = 0; ch < slice / 64; ++ch) {
       const uint32_t bar = smem_u32(&full[stage][per_box ? ch : 0]);
-      if (per_box) mbar_arrive_expect_tx(bar, uint32_t(L.chunk_bytes));
+      if (per_box) mbar_arrive_expect_tx(bar, uint32_t(kChunkBytes));
       asm volatile(
           "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
-          "[%5];\n" ::"r"(ring + stage * L.stage_bytes + ch * L.chunk_bytes),
+          "[%5];\n" ::"r"(ring + stage * L.stage_bytes + ch * kChunkBytes),
           "l"(reinterpret_cast<uint64_t>(&x_map)), "r"(c0 + ch * 64), "r"(int(tile * kRows)), "r"(0), "r"(bar)
           : "memory");
     }
@@ -799,8 +802,7 @@ ResidentLayout resident_layout(int hidden) {
   constexpr int kV = kN * kN + 2 * kN + 1;
   ResidentLayout L;
   L.slice = hidden / kClusterSize;
-  L.chunk_bytes = kN * kRows * 128;
-  L.stage_bytes = L.slice / 64 * L.chunk_bytes;
+  L.stage_bytes = L.slice / 64 * box_bytes<kN>();
   int off = kStages * L.stage_bytes + 1024 + (kV - 1) * kPhiPad;  // + the ring's alignment, + phi's padding
   L.off_scratch = off;
   off += kProjWarps * kV * kScratchStride * 4;
