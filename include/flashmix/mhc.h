@@ -95,7 +95,7 @@ struct MhcPostArgs {
   const void* f_out = nullptr;   // bf16 [B, C]
   const float* h_post = nullptr; // fp32 [B, n]
   const float* h_res = nullptr;  // fp32 [B, n, n]
-  void* x_next = nullptr;        // bf16 [B, n*C]; may not alias x
+  void* x_next = nullptr;        // bf16 [B, n*C]; must not overlap any input
   MhcResLayout res_layout = MhcResLayout::kDeepSeek;
   bool enable_pdl = true;
 };

@@ -46,6 +46,14 @@ std::string concat(const Parts&... parts) {
 
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
+// True when the byte ranges [a, a + a_bytes) and [b, b + b_bytes) share a
+// byte (null pointers and empty ranges share none).
+inline bool ranges_overlap(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
+  if (a == nullptr || b == nullptr || a_bytes <= 0 || b_bytes <= 0) return false;
+  const uintptr_t x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return x < y + uintptr_t(b_bytes) && y < x + uintptr_t(a_bytes);
+}
+
 inline Status cuda_status(cudaError_t err, const char* op, const char* what) {
   if (err == cudaSuccess) return Status::Ok();
   return Status(StatusCode::kCudaError,

@@ -59,6 +59,28 @@ Status check_phi_dtype(DType t, const char* op) {
   return Status::Ok();
 }
 
+// An argument's name, address and size in bytes, for the overlap checks.
+struct Range {
+  const char* name;
+  const void* ptr;
+  int64_t bytes;
+};
+
+// Every output must share no byte with any input or with another output
+// (the kernels read inputs after writing outputs of other tokens).
+template <size_t kOuts, size_t kIns>
+Status check_no_overlap(const char* op, const Range (&outs)[kOuts], const Range (&ins)[kIns]) {
+  for (size_t o = 0; o < kOuts; ++o) {
+    for (size_t i = 0; i < kIns; ++i)
+      FM_REQUIRE(!detail::ranges_overlap(outs[o].ptr, outs[o].bytes, ins[i].ptr, ins[i].bytes), op, outs[o].name,
+                 "must not overlap ", ins[i].name);
+    for (size_t q = 0; q < o; ++q)
+      FM_REQUIRE(!detail::ranges_overlap(outs[o].ptr, outs[o].bytes, outs[q].ptr, outs[q].bytes), op,
+                 outs[o].name, "must not overlap ", outs[q].name);
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status validate_mhc_pre(const MhcPreArgs& a) {
@@ -74,7 +96,16 @@ Status validate_mhc_pre(const MhcPreArgs& a) {
   FM_RETURN_IF_ERROR(check_ptr(a.f_pre, kOp, "f_pre", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.h_post, kOp, "h_post", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.h_res, kOp, "h_res", 4));
-  return Status::Ok();
+  const MhcShape& s = a.shape;
+  const int64_t N = mhc_num_coefficients(s.n), K = int64_t(s.n) * s.hidden;
+  const Range outs[] = {{"f_pre", a.f_pre, s.batch * s.hidden * 2},
+                        {"h_post", a.h_post, s.batch * s.n * 4},
+                        {"h_res", a.h_res, s.batch * s.n * s.n * 4}};
+  const Range ins[] = {{"x", a.x, s.batch * K * 2},
+                       {"phi", a.phi, N * K * int64_t(dtype_size(a.phi_dtype))},
+                       {"alpha", a.alpha, 3 * 4},
+                       {"bias", a.bias, N * 4}};
+  return check_no_overlap(kOp, outs, ins);
 }
 
 Status validate_mhc_post(const MhcPostArgs& a) {
@@ -88,8 +119,13 @@ Status validate_mhc_post(const MhcPostArgs& a) {
   FM_RETURN_IF_ERROR(check_ptr(a.h_post, kOp, "h_post", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.h_res, kOp, "h_res", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.x_next, kOp, "x_next", 16));
-  FM_REQUIRE(a.x_next != a.x, kOp, "x_next", "must not alias x");
-  return Status::Ok();
+  const MhcShape& s = a.shape;
+  const Range outs[] = {{"x_next", a.x_next, s.batch * s.n * s.hidden * 2}};
+  const Range ins[] = {{"x", a.x, s.batch * s.n * s.hidden * 2},
+                       {"f_out", a.f_out, s.batch * s.hidden * 2},
+                       {"h_post", a.h_post, s.batch * s.n * 4},
+                       {"h_res", a.h_res, s.batch * s.n * s.n * 4}};
+  return check_no_overlap(kOp, outs, ins);
 }
 
 Status validate_mhc_project(const MhcProjectArgs& a) {

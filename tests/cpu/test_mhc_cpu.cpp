@@ -1,5 +1,6 @@
 // CPU tests of the mHC reference backend and of the host-side validation
 // (SPEC §4, §5). These run on any machine.
+#include <algorithm>
 #include <cstring>
 
 #include <gtest/gtest.h>
@@ -270,6 +271,45 @@ TEST(MhcValidation, MisalignedPointersAreRejected) {
   a.phi = reinterpret_cast<const char*>(a.phi) + 4;
   expect_error(mhc_pre_cpu(a), StatusCode::kInvalidArgument, "phi");
   f.expect_untouched();
+}
+
+// Outputs that share bytes with an input or with each other are rejected,
+// with the two arguments named; a partial overlap as much as an exact alias.
+TEST(MhcValidation, OverlappingOutputsAreRejected) {
+  PreFixture f;
+  std::vector<uint16_t> big(f.p.x.size() + 64, 0x7fc1);  // a writable copy of x with room after it
+  std::copy(f.p.x.begin(), f.p.x.end(), big.begin());
+  MhcPreArgs a = f.args();
+  a.x = big.data();
+  a.f_pre = big.data() + 8;  // inside x, 16-byte aligned
+  Status st = mhc_pre_cpu(a);
+  expect_error(st, StatusCode::kInvalidArgument, "f_pre");
+  EXPECT_NE(st.message().find("must not overlap x"), std::string::npos) << st.message();
+  a = f.args();
+  a.h_res = a.h_post + 4;  // h_post's second token and h_res's first rows
+  st = mhc_pre_cpu(a);
+  expect_error(st, StatusCode::kInvalidArgument, "h_res");
+  EXPECT_NE(st.message().find("must not overlap h_post"), std::string::npos) << st.message();
+  a = f.args();
+  a.h_post = const_cast<float*>(a.bias);
+  expect_error(mhc_pre_cpu(a), StatusCode::kInvalidArgument, "h_post");
+  f.expect_untouched();
+  for (size_t i = 0; i < f.p.x.size(); ++i) ASSERT_EQ(big[i], f.p.x[i]);
+
+  Problem p = make_problem(2, 2, 16, seed_for("post_overlap"));
+  std::vector<uint16_t> buf(p.x.size() * 2 + 8, 0x7fc1);
+  std::copy(p.x.begin(), p.x.end(), buf.begin());
+  const std::vector<uint16_t> before = buf;
+  MhcPostArgs q;
+  q.shape = {p.B, p.n, p.C};
+  q.x = buf.data(); q.f_out = p.f_out.data(); q.h_post = p.h_post.data(); q.h_res = p.h_res.data();
+  q.x_next = buf.data() + p.x.size() - 8;  // its first vector is x's last
+  st = mhc_post_cpu(q);
+  expect_error(st, StatusCode::kInvalidArgument, "x_next");
+  EXPECT_NE(st.message().find("must not overlap x"), std::string::npos) << st.message();
+  q.x_next = buf.data() + p.x.size();  // right after x: fine
+  EXPECT_TRUE(mhc_post_cpu(q).ok());
+  EXPECT_TRUE(std::equal(before.begin(), before.begin() + p.x.size(), buf.begin())) << "x was written";
 }
 
 TEST(MhcValidation, UnsupportedPhiDtypeIsRejected) {
