@@ -233,10 +233,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int b = 0; b < 2; ++b) {
       mbar_init(smem_u32(&recv_full[b]), 1);            // the receiver's expect_tx; the bytes come by st.async
       mbar_init(smem_u32(&recv_free[b]), kClusterSize);  // every CTA has summed what it received
-      mbar_init(smem_u32(&hpre_ready[b]), 1);
+      // H_pre and the h stash: every thread that wrote them (and every
+      // lane of the Sinkhorn warp that read the stash) arrives itself: a
+      // release per accessing thread, which is what racecheck needs to see
+      // the ordering. The mix's release of H_pre stays one lane per warp.
+      mbar_init(smem_u32(&hpre_ready[b]), kFinishWarps * 32);
       mbar_init(smem_u32(&hpre_free[b]), kProjWarps);
-      mbar_init(smem_u32(&sink_full[b]), 1);
-      mbar_init(smem_u32(&sink_empty[b]), 1);
+      mbar_init(smem_u32(&sink_full[b]), kFinishWarps * 32);
+      mbar_init(smem_u32(&sink_empty[b]), 32);
     }
     mbar_init(smem_u32(&phi_full), 1);            // the producer's expect_tx
     mbar_init(smem_u32(&phi_free), kProjWarps);   // every projection warp has its fragments
@@ -427,7 +431,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       mix_rows(xs, hp, row0, 0, kRows - kFinishMixRows, tid, kProjWarps * 32);
       FM_PROF(6)
       // This warp is done with the stage (its projection reads were behind
-      // the tile's block barriers; its mix just now) and with H_pre.
+      // the tile's block barriers; its mix just now) and with H_pre. One
+      // lane releases both: an arrive per lane on hpre_free made ptxas spill
+      // at setmaxnreg 224 and cost decode 0.44 us (docs/mhc.md).
       __syncwarp();
       if (lane == 0) {
         mbar_arrive_local(smem_u32(&hpre_free[jj & 1]));
@@ -668,7 +674,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       FM_STAMP(16, ft == 0 && j == 0)
       named_bar(kBarFinish, kFinishWarps * 32);
-      if (ft == 0 && p.mode == ProjectMode::kPre) {
+      if (p.mode == ProjectMode::kPre) {
         mbar_arrive_local(smem_u32(&hpre_ready[j & 1]));
         if (owner) mbar_arrive_local(smem_u32(&sink_full[slot]));
       }
@@ -736,7 +742,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       __syncwarp();
       FM_STAMP(10, lane == 0 && o == 0)
-      if (lane == 0) mbar_arrive_local(smem_u32(&sink_empty[slot]));
+      mbar_arrive_local(smem_u32(&sink_empty[slot]));
       ++owned;
     }
   }
