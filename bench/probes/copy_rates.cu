@@ -1,9 +1,13 @@
-// Probe: SM-kernel copy bandwidth vs cudaMemcpy, read-only and write-only
-// rates, and row-gather copies, timed like flashmix-bench (events around one
-// launch, median of 30, warm-up 5).
+// Probe: SM-kernel copy bandwidth vs cudaMemcpy's D2D rate (the benchmark's
+// copy ceiling): read-only and write-only rates, row-gather copies, and which
+// copy method (store flavour, loads in flight, tiles, TMA bulk copies) comes
+// closest. Timed like flashmix-bench (events around one launch, median of
+// 30, warm-up 5). `copy_rates methods` runs the copy-method comparison.
 // A stand-alone probe (not built by CMake; docs/moe_finalize.md quotes it):
 //   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o copy_rates bench/probes/copy_rates.cu && ./copy_rates
 #include <cstdio>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 #include <algorithm>
 #include <cuda_runtime.h>
@@ -49,6 +53,72 @@ __global__ void sum2_kernel(const uint4* __restrict__ a, uint4* __restrict__ b, 
   }
 }
 
+template <int L, int kStore>  // kStore: 0 plain, 1 st.global.cs, 2 st.global.L1::no_allocate
+__global__ void copy_gs(const uint4* __restrict__ a, uint4* __restrict__ b, size_t n) {
+  size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x, s = size_t(gridDim.x) * blockDim.x;
+  for (; i + (L - 1) * s < n; i += L * s) {
+    uint4 x[L];
+#pragma unroll
+    for (int j = 0; j < L; ++j) x[j] = __ldcs(a + i + j * s);
+#pragma unroll
+    for (int j = 0; j < L; ++j) {
+      if (kStore == 0) b[i + j * s] = x[j];
+      else if (kStore == 1) __stcs(b + i + j * s, x[j]);
+      else asm volatile("st.global.L1::no_allocate.v4.u32 [%0], {%1,%2,%3,%4};" :: "l"(b + i + j * s), "r"(x[j].x), "r"(x[j].y), "r"(x[j].z), "r"(x[j].w) : "memory");
+    }
+  }
+  for (; i < n; i += s) b[i] = a[i];
+}
+// Each block copies contiguous 16 KB tiles: tile t = blockIdx + k*grid.
+template <int L>
+__global__ void copy_tiles(const uint4* __restrict__ a, uint4* __restrict__ b, size_t n) {
+  const size_t tile = 1024;  // vectors (16 KB)
+  const size_t tiles = n / tile;
+  for (size_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const uint4* src = a + t * tile; uint4* dst = b + t * tile;
+    uint4 x[L];
+#pragma unroll
+    for (int j = 0; j < L; ++j) x[j] = __ldcs(src + threadIdx.x + j * blockDim.x);
+#pragma unroll
+    for (int j = 0; j < L; ++j) dst[threadIdx.x + j * blockDim.x] = x[j];
+  }
+}
+// TMA: bulk G2S of a chunk into smem, then bulk S2G, kStages chunks in flight per block.
+template <int kChunk, int kStages>
+__global__ void copy_bulk(const char* __restrict__ a, char* __restrict__ b, size_t bytes) {
+  extern __shared__ __align__(128) char sm[];
+  __shared__ __align__(8) uint64_t full[kStages];
+  const size_t chunks = bytes / kChunk;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"((unsigned)__cvta_generic_to_shared(&full[s])));
+    asm volatile("fence.mbarrier_init.release.cluster;\n fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  auto load = [&](size_t c, int s) {
+    unsigned bar = (unsigned)__cvta_generic_to_shared(&full[s]);
+    unsigned dst = (unsigned)__cvta_generic_to_shared(sm + s * kChunk);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(kChunk) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" :: "r"(dst), "l"(a + c * kChunk), "r"(kChunk), "r"(bar) : "memory");
+  };
+  int k = 0;
+  size_t c0 = blockIdx.x;
+  for (int s = 0; s < kStages; ++s) if (c0 + s * gridDim.x < chunks) load(c0 + s * gridDim.x, s);
+  for (size_t c = c0; c < chunks; c += gridDim.x, ++k) {
+    const int s = k % kStages; const unsigned par = (k / kStages) & 1;
+    unsigned bar = (unsigned)__cvta_generic_to_shared(&full[s]);
+    unsigned done = 0;
+    while (!done) asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0,1,0,p; }" : "=r"(done) : "r"(bar), "r"(par) : "memory");
+    unsigned src = (unsigned)__cvta_generic_to_shared(sm + s * kChunk);
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" :: "l"(b + c * kChunk), "r"(src), "r"(kChunk) : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // smem stage free again
+    const size_t nc = c + size_t(kStages) * gridDim.x;
+    if (nc < chunks) load(nc, s);
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
 template <typename F> float med(F f) {
   cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
   for (int i = 0; i < 5; ++i) f();
@@ -57,7 +127,44 @@ template <typename F> float med(F f) {
   std::sort(v.begin(), v.end()); CK(cudaGetLastError()); return v[15] * 1e3f;
 }
 
-int main() {
+// Which copy method comes closest to cudaMemcpy (2 GiB and 100 MB).
+void methods() {
+  const size_t big = size_t(2) << 30;
+  char *a, *b;
+  CK(cudaMalloc(&a, big)); CK(cudaMalloc(&b, big));
+  CK(cudaMemset(a, 1, big)); CK(cudaMemset(b, 2, big));
+  int sms; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  float t = med([&] { CK(cudaMemcpyAsync(b, a, big, cudaMemcpyDeviceToDevice)); });
+  const double ceil = 2.0 * big / (t * 1e-6) / 1e9;
+  printf("cudaMemcpy 2 GiB: %.1f us, %.1f GB/s (ceiling)\n", t, ceil);
+  auto report = [&](const char* what, size_t bytes, float us) { printf("%-44s %6zu MB %9.2f us %.3f of ceiling\n", what, bytes >> 20, us, 2.0 * bytes / (us * 1e-6) / 1e9 / ceil); };
+  auto set_smem = [](auto k, int bytes) { CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes)); };
+  set_smem(copy_bulk<16384, 12>, 12 * 16384);
+  set_smem(copy_bulk<32768, 6>, 6 * 32768);
+  set_smem(copy_bulk<8192, 12>, 12 * 8192);
+  set_smem(copy_bulk<4096, 16>, 16 * 4096);
+  for (size_t bytes : {big, size_t(100) << 20}) {
+    const size_t n = bytes / 16;
+    report("cudaMemcpy", bytes, med([&] { CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); }));
+    report("grid-stride L4 plain 8/SM", bytes, med([&] { copy_gs<4, 0><<<sms * 8, 256>>>((const uint4*)a, (uint4*)b, n); }));
+    report("grid-stride L4 .cs 8/SM", bytes, med([&] { copy_gs<4, 1><<<sms * 8, 256>>>((const uint4*)a, (uint4*)b, n); }));
+    report("grid-stride L4 no_allocate 8/SM", bytes, med([&] { copy_gs<4, 2><<<sms * 8, 256>>>((const uint4*)a, (uint4*)b, n); }));
+    report("grid-stride L8 plain 4/SM", bytes, med([&] { copy_gs<8, 0><<<sms * 4, 256>>>((const uint4*)a, (uint4*)b, n); }));
+    report("grid-stride L2 plain 16/SM", bytes, med([&] { copy_gs<2, 0><<<sms * 8, 256>>>((const uint4*)a, (uint4*)b, n); }));
+    report("16 KB tiles L4 x256 8/SM", bytes, med([&] { copy_tiles<4><<<sms * 8, 256>>>((const uint4*)a, (uint4*)b, n); }));
+    report("16 KB tiles L8 x128 8/SM", bytes, med([&] { copy_tiles<8><<<sms * 8, 128>>>((const uint4*)a, (uint4*)b, n); }));
+    report("bulk 16 KB x 12 stages 1/SM", bytes, med([&] { copy_bulk<16384, 12><<<sms, 32, 12 * 16384>>>(a, b, bytes); }));
+    report("bulk 32 KB x 6 stages 1/SM", bytes, med([&] { copy_bulk<32768, 6><<<sms, 32, 6 * 32768>>>(a, b, bytes); }));
+    report("bulk 8 KB x 12 stages 2/SM", bytes, med([&] { copy_bulk<8192, 12><<<sms * 2, 32, 12 * 8192>>>(a, b, bytes); }));
+    report("bulk 4 KB x 16 stages 3/SM", bytes, med([&] { copy_bulk<4096, 16><<<sms * 3, 32, 16 * 4096>>>(a, b, bytes); }));
+  }
+  }
+
+int main(int argc, char** argv) {
+  if (argc > 1 && !std::strcmp(argv[1], "methods")) {
+    methods();
+    return 0;
+  }
   const size_t big = size_t(2) << 30;
   char *a, *b; unsigned* sink;
   CK(cudaMalloc(&a, big)); CK(cudaMalloc(&b, big)); CK(cudaMalloc(&sink, 4));
