@@ -21,7 +21,8 @@
 // Every op: any n in [1, 8], any C that is a multiple of 8, B >= 0 (B == 0 launches
 // nothing). GPU entry points are asynchronous on the given stream, never
 // synchronise, and are safe to capture in a CUDA graph; all arguments are
-// validated on the host (alpha and bias are never read on the host). The
+// validated on the host (alpha and bias are never read on the host), and no
+// output may overlap an input or another output (kInvalidArgument). The
 // `_cpu` functions are the reference backend (host pointers, double
 // accumulation, one rounding at the store) with the same validation.
 #pragma once

@@ -66,8 +66,9 @@ struct Range {
   int64_t bytes;
 };
 
-// Every output must share no byte with any input or with another output
-// (the kernels read inputs after writing outputs of other tokens).
+// Every output must share no byte with any input or with another output: a
+// kernel may write one token's outputs while other blocks still read their
+// inputs, so overlapping buffers would give schedule-dependent results.
 template <size_t kOuts, size_t kIns>
 Status check_no_overlap(const char* op, const Range (&outs)[kOuts], const Range (&ins)[kIns]) {
   for (size_t o = 0; o < kOuts; ++o) {
@@ -140,7 +141,14 @@ Status validate_mhc_project(const MhcProjectArgs& a) {
   FM_RETURN_IF_ERROR(check_ptr(a.bias, kOp, "bias", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.h, kOp, "h", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.r, kOp, "r", 4));
-  return Status::Ok();
+  const MhcShape& s = a.shape;
+  const int64_t N = mhc_num_coefficients(s.n), K = int64_t(s.n) * s.hidden;
+  const Range outs[] = {{"h", a.h, s.batch * N * 4}, {"r", a.r, s.batch * 4}};
+  const Range ins[] = {{"x", a.x, s.batch * K * 2},
+                       {"phi", a.phi, N * K * int64_t(dtype_size(a.phi_dtype))},
+                       {"alpha", a.alpha, 3 * 4},
+                       {"bias", a.bias, N * 4}};
+  return check_no_overlap(kOp, outs, ins);
 }
 
 Status validate_mhc_activate(const MhcActivateArgs& a) {
@@ -152,7 +160,12 @@ Status validate_mhc_activate(const MhcActivateArgs& a) {
   FM_RETURN_IF_ERROR(check_ptr(a.h_pre, kOp, "h_pre", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.h_post, kOp, "h_post", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.h_res, kOp, "h_res", 4));
-  return Status::Ok();
+  const MhcShape& s = a.shape;
+  const Range outs[] = {{"h_pre", a.h_pre, s.batch * s.n * 4},
+                        {"h_post", a.h_post, s.batch * s.n * 4},
+                        {"h_res", a.h_res, s.batch * s.n * s.n * 4}};
+  const Range ins[] = {{"h", a.h, s.batch * mhc_num_coefficients(s.n) * 4}};
+  return check_no_overlap(kOp, outs, ins);
 }
 
 Status validate_mhc_pre_mix(const MhcPreMixArgs& a) {
@@ -162,7 +175,10 @@ Status validate_mhc_pre_mix(const MhcPreMixArgs& a) {
   FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.h_pre, kOp, "h_pre", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.f_pre, kOp, "f_pre", 16));
-  return Status::Ok();
+  const MhcShape& s = a.shape;
+  const Range outs[] = {{"f_pre", a.f_pre, s.batch * s.hidden * 2}};
+  const Range ins[] = {{"x", a.x, s.batch * s.n * s.hidden * 2}, {"h_pre", a.h_pre, s.batch * s.n * 4}};
+  return check_no_overlap(kOp, outs, ins);
 }
 
 Status validate_mhc_head(const MhcHeadArgs& a) {
@@ -177,7 +193,14 @@ Status validate_mhc_head(const MhcHeadArgs& a) {
   FM_RETURN_IF_ERROR(check_ptr(a.alpha, kOp, "alpha", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.bias, kOp, "bias", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.out, kOp, "out", 16));
-  return Status::Ok();
+  const MhcShape& s = a.shape;
+  const int64_t K = int64_t(s.n) * s.hidden;
+  const Range outs[] = {{"out", a.out, s.batch * s.hidden * 2}};
+  const Range ins[] = {{"x", a.x, s.batch * K * 2},
+                       {"phi", a.phi, s.n * K * int64_t(dtype_size(a.phi_dtype))},
+                       {"alpha", a.alpha, 4},
+                       {"bias", a.bias, s.n * 4}};
+  return check_no_overlap(kOp, outs, ins);
 }
 
 Status validate_mhc_expand(const MhcExpandArgs& a) {
@@ -186,7 +209,10 @@ Status validate_mhc_expand(const MhcExpandArgs& a) {
   if (a.shape.batch == 0) return Status::Ok();
   FM_RETURN_IF_ERROR(check_ptr(a.embedding, kOp, "embedding", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
-  return Status::Ok();
+  const MhcShape& s = a.shape;
+  const Range outs[] = {{"x", a.x, s.batch * s.n * s.hidden * 2}};
+  const Range ins[] = {{"embedding", a.embedding, s.batch * s.hidden * 2}};
+  return check_no_overlap(kOp, outs, ins);
 }
 
 }  // namespace flashmix

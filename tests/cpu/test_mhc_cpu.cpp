@@ -312,6 +312,54 @@ TEST(MhcValidation, OverlappingOutputsAreRejected) {
   EXPECT_TRUE(std::equal(before.begin(), before.begin() + p.x.size(), buf.begin())) << "x was written";
 }
 
+// The stage ops, mhc_head and mhc_expand check their outputs the same way.
+TEST(MhcValidation, StageOutputsThatOverlapAnInputAreRejected) {
+  const int n = 4;
+  Problem p = make_problem(3, n, 32, seed_for("stage_overlap"));
+  std::vector<float> h(size_t(p.B * p.N()), 7.f), r(size_t(p.B), 7.f), pre(size_t(p.B * n), 7.f),
+      post(size_t(p.B * n), 7.f), res(size_t(p.B * n * n), 7.f);
+  const std::vector<float> h0 = h;
+  MhcProjectArgs pa;
+  pa.shape = {p.B, n, p.C};
+  pa.x = p.x.data(); pa.phi = p.phi_f32.data(); pa.alpha = p.alpha.data(); pa.bias = p.bias.data();
+  pa.h = h.data(); pa.r = h.data() + 4;  // r inside h
+  Status st = mhc_project_cpu(pa);
+  expect_error(st, StatusCode::kInvalidArgument, "r");
+  EXPECT_NE(st.message().find("must not overlap h"), std::string::npos) << st.message();
+  EXPECT_EQ(h, h0) << "h was written";
+  pa.r = r.data();
+  ASSERT_TRUE(mhc_project_cpu(pa).ok());
+
+  MhcActivateArgs aa;
+  aa.shape = {p.B, n, p.C};
+  aa.h = h.data(); aa.h_pre = h.data(); aa.h_post = post.data(); aa.h_res = res.data();  // h_pre aliases h
+  expect_error(mhc_activate_cpu(aa), StatusCode::kInvalidArgument, "h_pre");
+  aa.h_pre = pre.data();
+  ASSERT_TRUE(mhc_activate_cpu(aa).ok());
+
+  std::vector<uint16_t> f(size_t(p.B * p.C), 0x7fc1);
+  MhcPreMixArgs ma;
+  ma.shape = {p.B, n, p.C};
+  ma.x = p.x.data(); ma.h_pre = pre.data();
+  ma.f_pre = const_cast<uint16_t*>(p.x.data()) + 8;  // inside x
+  expect_error(mhc_pre_mix_cpu(ma), StatusCode::kInvalidArgument, "f_pre");
+
+  MhcHeadArgs ha;
+  ha.shape = {p.B, n, p.C};
+  ha.x = p.x.data(); ha.phi = p.phi_f32.data(); ha.alpha = p.alpha.data(); ha.bias = p.bias.data();
+  ha.out = const_cast<uint16_t*>(p.x.data());  // aliases x
+  expect_error(mhc_head_cpu(ha), StatusCode::kInvalidArgument, "out");
+
+  std::vector<uint16_t> xs(size_t(p.B * p.K()) + 16, 0x7fc1);
+  MhcExpandArgs ea;
+  ea.shape = {p.B, n, p.C};
+  ea.embedding = xs.data() + 8;  // inside x
+  ea.x = xs.data();
+  expect_error(mhc_expand_cpu(ea), StatusCode::kInvalidArgument, "x");
+  for (auto v : xs) ASSERT_EQ(v, 0x7fc1);
+  for (auto v : f) ASSERT_EQ(v, 0x7fc1);
+}
+
 TEST(MhcValidation, UnsupportedPhiDtypeIsRejected) {
   PreFixture f;
   MhcPreArgs a = f.args();
