@@ -46,7 +46,9 @@ struct FinalizeMoeRoutingArgs {
   int64_t bias_stride = 0;
 
   // Added once, unweighted (a shared expert or a residual): [T, shared_stride]
-  // of out_dtype; nullptr = none. shared_stride 0 means `hidden`.
+  // of out_dtype; nullptr = none. shared_stride 0 means `hidden`. May be
+  // `out` itself with the same stride (in place); may not otherwise overlap
+  // it. `out` overlaps no input.
   const void* shared_output = nullptr;
   int64_t shared_stride = 0;
 

@@ -186,6 +186,45 @@ TEST(FinalizeCpuErrors, StridesSmallerThanARowAreRejected) {
   }
 }
 
+TEST(FinalizeCpuErrors, OutOverlappingAnInputIsRejected) {
+  {
+    SmallCase c;
+    c.args.out = c.rows.data() + 3;  // out inside the expert rows
+    expect_error(c.args, "out");
+  }
+  {
+    SmallCase c;
+    c.args.out = c.scales.data();
+    expect_error(c.args, "out");
+  }
+  {
+    SmallCase c;
+    c.args.bias = c.bias.data();
+    c.args.out = c.bias.data() + 2;
+    expect_error(c.args, "out");
+  }
+  {
+    SmallCase c;  // shared_output shifted by one element against out
+    std::vector<float> buf(7, 0.5f);
+    c.args.out = buf.data();
+    c.args.shared_output = buf.data() + 1;
+    expect_error(c.args, "shared_output");
+  }
+}
+
+// shared_output == out (same stride): an in-place residual add.
+TEST(FinalizeCpu, SharedOutputMayBeOutInPlace) {
+  SmallCase a, b;
+  std::vector<float> residual = {0.5f, -1.0f, 2.0f, 3.0f, -0.25f, 4.0f};
+  a.args.shared_output = residual.data();
+  ASSERT_TRUE(finalize_moe_routing_cpu(a.args).ok());
+  b.out = residual;
+  b.args.out = b.out.data();
+  b.args.shared_output = b.out.data();
+  ASSERT_TRUE(finalize_moe_routing_cpu(b.args).ok());
+  EXPECT_EQ(b.out, a.out);
+}
+
 TEST(FinalizeCpuErrors, UnsupportedDtypesAreRejected) {
   { SmallCase c; c.args.rows_dtype = static_cast<DType>(7); expect_error(c.args, "rows_dtype"); }
   { SmallCase c; c.args.out_dtype = static_cast<DType>(-1); expect_error(c.args, "out_dtype"); }

@@ -7,6 +7,7 @@
 //   |gpu - ref| <= ulp(out dtype) * |ref| + 1e-6 * (sum of |terms|)
 // with ulp = 2^-7 (bf16), 2^-10 (fp16), 2^-23 (fp32).
 #include <cmath>
+#include <cstring>
 #include <string>
 
 #include "common/gpu_testing.h"
@@ -322,6 +323,42 @@ TEST(FinalizeGpu, MisalignedPointersFallBackToANarrowerPath) {
     d.H = 1002;  // even stride, 4-byte but not 16-byte aligned rows (bf16)
     check_case(d);
   }
+}
+
+// shared_output == out with the same stride (an in-place residual add) gives
+// the same bytes as a separate shared_output buffer, on every path.
+TEST(FinalizeGpu, SharedOutputMayBeOutInPlace) {
+  SKIP_WITHOUT_GPU();
+  for (int64_t H : {1000, 1003, 7168})
+    for (DType out : {DType::kBFloat16, DType::kFloat32}) {
+      Case c;
+      c.H = H;
+      c.out = out;
+      c.k = 8;
+      c.total_experts = 32;
+      c.local = 32;
+      c.shared = true;
+      c.bias = H == 1000;
+      c.out_pad = 8;
+      SCOPED_TRACE(describe(c));
+      Problem p(c);
+      const HostTensor separate = p.run();
+      p.expect_matches(separate);
+      p.d_out.upload(p.shared.data(), p.shared.bytes.size());  // out starts as the residual
+      FinalizeMoeRoutingArgs a = p.args;
+      a.shared_output = p.d_out.get();
+      Status st = finalize_moe_routing(a, nullptr);
+      ASSERT_TRUE(st.ok()) << st.message();
+      CUDA_OK(cudaDeviceSynchronize());
+      HostTensor in_place(c.out, p.out_init.count());
+      p.d_out.download(in_place.data(), in_place.bytes.size());
+      // Columns past H keep the residual's padding; the H columns match bitwise.
+      for (int64_t t = 0; t < c.T; ++t)
+        ASSERT_EQ(std::memcmp(in_place.bytes.data() + t * p.out_stride() * dtype_size(c.out),
+                              separate.bytes.data() + t * p.out_stride() * dtype_size(c.out), c.H * dtype_size(c.out)),
+                  0)
+            << "token " << t;
+    }
 }
 
 TEST(FinalizeGpu, NanInNonLocalSlotsNeverReachesTheOutput) {
