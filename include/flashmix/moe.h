@@ -132,6 +132,7 @@ struct MoeRoutingArgs {
   int start_expert_id = 0;                          // >= 0
   int num_experts_per_node = 0;                     // E_local, 1..1024
 
+  // Outputs (none may overlap an input or another output):
   int64_t* expert_first_token_offset = nullptr;      // out [E_local + 1]
   int32_t* permuted_row_to_unpermuted_row = nullptr; // out [k*T] capacity, first P written: value j*T + t
   int32_t* unpermuted_row_to_permuted_row = nullptr; // out [k*T], index j*T + t; -1 for a non-local slot
@@ -212,7 +213,7 @@ struct Fc2FinalizeArgs {
   int64_t inter = 0;       // I, a multiple of 8
   int num_experts_per_node = 0;  // E_local, 1..1024
 
-  void* out = nullptr;     // bf16 [T, out_stride], columns [0, H) written
+  void* out = nullptr;     // bf16 [T, out_stride], columns [0, H) written; overlaps no input
   int64_t out_stride = 0;  // 0 means H; must be even (bf16x2 reduction adds)
 
   Fc2Mode mode = Fc2Mode::kAtomic;

@@ -54,6 +54,29 @@ inline bool ranges_overlap(const void* a, int64_t a_bytes, const void* b, int64_
   return x < y + uintptr_t(b_bytes) && y < x + uintptr_t(a_bytes);
 }
 
+// An argument's name, address and size in bytes, for the overlap checks.
+struct Range {
+  const char* name;
+  const void* ptr;
+  int64_t bytes;
+};
+
+// Every output must share no byte with any input or with another output: a
+// kernel may write one item's outputs while other blocks still read their
+// inputs, so overlapping buffers would give schedule-dependent results.
+template <size_t kOuts, size_t kIns>
+Status check_no_overlap(const char* op, const Range (&outs)[kOuts], const Range (&ins)[kIns]) {
+  for (size_t o = 0; o < kOuts; ++o) {
+    for (size_t i = 0; i < kIns; ++i)
+      FM_REQUIRE(!ranges_overlap(outs[o].ptr, outs[o].bytes, ins[i].ptr, ins[i].bytes), op, outs[o].name,
+                 "must not overlap ", ins[i].name);
+    for (size_t q = 0; q < o; ++q)
+      FM_REQUIRE(!ranges_overlap(outs[o].ptr, outs[o].bytes, outs[q].ptr, outs[q].bytes), op, outs[o].name,
+                 "must not overlap ", outs[q].name);
+  }
+  return Status::Ok();
+}
+
 inline Status cuda_status(cudaError_t err, const char* op, const char* what) {
   if (err == cudaSuccess) return Status::Ok();
   return Status(StatusCode::kCudaError,

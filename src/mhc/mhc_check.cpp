@@ -10,7 +10,9 @@ namespace flashmix {
 
 namespace {
 
+using detail::check_no_overlap;
 using detail::kInt32Max;
+using detail::Range;
 
 Status check_shape(const MhcShape& s, const char* op, bool needs_hidden) {
   FM_REQUIRE(s.batch >= 0, op, "batch", "must be >= 0 (got ", s.batch, ")");
@@ -56,29 +58,6 @@ Status check_phi_dtype(DType t, const char* op) {
   FM_REQUIRE(dtype_is_valid(t), op, "phi_dtype", "unsupported dtype value ", int(t));
   FM_REQUIRE_SUPPORTED(t == DType::kFloat32 || t == DType::kBFloat16, op, "phi_dtype",
                        "must be float32 or bfloat16");
-  return Status::Ok();
-}
-
-// An argument's name, address and size in bytes, for the overlap checks.
-struct Range {
-  const char* name;
-  const void* ptr;
-  int64_t bytes;
-};
-
-// Every output must share no byte with any input or with another output: a
-// kernel may write one token's outputs while other blocks still read their
-// inputs, so overlapping buffers would give schedule-dependent results.
-template <size_t kOuts, size_t kIns>
-Status check_no_overlap(const char* op, const Range (&outs)[kOuts], const Range (&ins)[kIns]) {
-  for (size_t o = 0; o < kOuts; ++o) {
-    for (size_t i = 0; i < kIns; ++i)
-      FM_REQUIRE(!detail::ranges_overlap(outs[o].ptr, outs[o].bytes, ins[i].ptr, ins[i].bytes), op, outs[o].name,
-                 "must not overlap ", ins[i].name);
-    for (size_t q = 0; q < o; ++q)
-      FM_REQUIRE(!detail::ranges_overlap(outs[o].ptr, outs[o].bytes, outs[q].ptr, outs[q].bytes), op,
-                 outs[o].name, "must not overlap ", outs[q].name);
-  }
   return Status::Ok();
 }
 

@@ -83,12 +83,8 @@ Status validate_finalize_moe_routing(const FinalizeMoeRoutingArgs& a) {
     const int64_t slots = a.num_tokens * a.k;
     auto extent = [&](int64_t count, int64_t stride, int64_t esz) { return ((count - 1) * stride + a.hidden) * esz; };
     const int64_t out_bytes = extent(a.num_tokens, s.out, osz);
-    struct Input {
-      const char* name;
-      const void* ptr;
-      int64_t bytes;
-    };
-    const Input inputs[] = {
+    const detail::Range outs[] = {{"out", a.out, out_bytes}};
+    const detail::Range ins[] = {
         {"expanded_permuted_rows", a.expanded_permuted_rows, a.num_rows > 0 ? extent(a.num_rows, s.rows, isz) : 0},
         {"bias", a.bias, extent(a.num_experts_per_node, s.bias, isz)},
         {"unpermuted_row_to_permuted_row", a.unpermuted_row_to_permuted_row, slots * 4},
@@ -97,9 +93,7 @@ Status validate_finalize_moe_routing(const FinalizeMoeRoutingArgs& a) {
         {"permuted_row_to_unpermuted_row", a.fill ? nullptr : a.permuted_row_to_unpermuted_row, a.num_rows * 4},
         {"expert_first_token_offset", a.fill ? nullptr : a.expert_first_token_offset,
          (int64_t(a.num_experts_per_node) + 1) * 8}};
-    for (const Input& in : inputs)
-      FM_REQUIRE(!detail::ranges_overlap(a.out, out_bytes, in.ptr, in.bytes), kOp, "out", "must not overlap ",
-                 in.name);
+    FM_RETURN_IF_ERROR(detail::check_no_overlap(kOp, outs, ins));
     if (a.shared_output != a.out || s.shared != s.out)
       FM_REQUIRE(!detail::ranges_overlap(a.out, out_bytes, a.shared_output, extent(a.num_tokens, s.shared, osz)),
                  kOp, "shared_output", "must be out itself (same stride) or not overlap it");

@@ -56,7 +56,16 @@ Status validate_moe_fc2_finalize(const Fc2FinalizeArgs& a) {
              "must be 4-byte aligned (bf16x2 reduction adds)");
   if (a.bias && a.apply_bias)
     FM_REQUIRE(reinterpret_cast<uintptr_t>(a.bias) % 4 == 0, kOp, "bias", "must be 4-byte aligned");
-  return Status::Ok();
+  // `out` (reduced into by the epilogue) overlaps no input.
+  const int64_t slots = a.num_tokens * a.k, E = a.num_experts_per_node;
+  const detail::Range outs[] = {{"out", a.out, ((a.num_tokens - 1) * out_stride + a.hidden) * 2}};
+  const detail::Range ins[] = {{"A", a.A, slots * a.inter * 2},
+                               {"W2", a.W2, E * a.hidden * a.inter * 2},
+                               {"expert_first_token_offset", a.expert_first_token_offset, (E + 1) * 8},
+                               {"permuted_row_to_unpermuted_row", a.permuted_row_to_unpermuted_row, slots * 4},
+                               {"scales", a.scales, slots * 4},
+                               {"bias", a.apply_bias ? a.bias : nullptr, E * a.hidden * 2}};
+  return detail::check_no_overlap(kOp, outs, ins);
 }
 
 Fc2WorkspaceLayout fc2_workspace_layout(const Fc2FinalizeArgs& a, int sm_count) {

@@ -75,7 +75,24 @@ Status validate_moe_routing_maps(const MoeRoutingArgs& a) {
     FM_REQUIRE(rows == 0 || out_stride <= limit / es / (rows > 0 ? rows : 1), kOp, "permuted_input_stride",
                "k*T * permuted_input_stride bytes overflow 64-bit offsets");
   }
-  return Status::Ok();
+  // No output overlaps an input or another output.
+  const int64_t slots = a.num_tokens * a.k;
+  int64_t in_bytes = 0, out_bytes = 0;
+  if (a.input != nullptr && slots > 0) {
+    const int64_t es = int64_t(dtype_size(a.input_dtype));
+    const int64_t in_stride = a.input_stride == 0 ? a.hidden : a.input_stride;
+    const int64_t out_stride = a.permuted_input_stride == 0 ? a.hidden : a.permuted_input_stride;
+    in_bytes = ((a.num_tokens - 1) * in_stride + a.hidden) * es;
+    out_bytes = ((slots - 1) * out_stride + a.hidden) * es;
+  }
+  const detail::Range outs[] = {
+      {"expert_first_token_offset", a.expert_first_token_offset, (int64_t(a.num_experts_per_node) + 1) * 8},
+      {"permuted_row_to_unpermuted_row", a.permuted_row_to_unpermuted_row, slots * 4},
+      {"unpermuted_row_to_permuted_row", a.unpermuted_row_to_permuted_row, slots * 4},
+      {"permuted_input", a.permuted_input, out_bytes}};
+  const detail::Range ins[] = {{"token_selected_experts", a.token_selected_experts, slots * 4},
+                               {"input", a.input, in_bytes}};
+  return detail::check_no_overlap(kOp, outs, ins);
 }
 
 size_t build_moe_routing_maps_workspace_size(const MoeRoutingArgs& args) {

@@ -176,6 +176,16 @@ TEST(MoeFc2Validation, StridesAndAlignment) {
   expect_invalid(a, "out");
 }
 
+TEST(MoeFc2Validation, OutOverlappingAnInputIsRejected) {
+  Tiny c;
+  Fc2FinalizeArgs a = c.args;
+  a.out = const_cast<void*>(a.A);
+  expect_invalid(a, "out");
+  a = c.args;
+  a.out = const_cast<void*>(a.W2);
+  expect_invalid(a, "out");
+}
+
 TEST(MoeFc2Validation, UnknownModeIsRejected) {
   Tiny c;
   Fc2FinalizeArgs a = c.args;

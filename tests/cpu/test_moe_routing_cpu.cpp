@@ -169,6 +169,15 @@ TEST(MoeRoutingCpuValidation, RejectsBadSizesNamingTheArgument) {
        "permuted_input_stride: must be 0 or >= hidden"},
       {"bad tuning", [](MoeRoutingArgs& a) { a.tuning.single_block_max_slots = 9000; },
        "tuning.single_block_max_slots"},
+      {"u2p overlaps p2u", [](MoeRoutingArgs& a) { a.unpermuted_row_to_permuted_row = a.permuted_row_to_unpermuted_row + 1; },
+       "unpermuted_row_to_permuted_row: must not overlap permuted_row_to_unpermuted_row"},
+      {"expansion in place", [](MoeRoutingArgs& a) { a.permuted_input = const_cast<void*>(a.input); },
+       "permuted_input: must not overlap input"},
+      {"offsets over the experts",
+       [](MoeRoutingArgs& a) {
+         a.expert_first_token_offset = reinterpret_cast<int64_t*>(const_cast<int32_t*>(a.token_selected_experts));
+       },
+       "expert_first_token_offset: must not overlap token_selected_experts"},
   };
   for (const Case& c : cases) {
     Maps m(kSmallExperts, 3, 2, 1, 2);
