@@ -85,7 +85,7 @@ int grid_for(int64_t items, int threads, int sms) {
 }  // namespace
 
 size_t moe_fc2_finalize_workspace_size(const Fc2FinalizeArgs& args) {
-  if (!validate_moe_fc2_finalize(args).ok()) return 0;
+  if (!validate_fc2(args, false).ok()) return 0;
   return fc2_workspace_layout(args, current_sm_count(nullptr)).total;
 }
 

@@ -11,6 +11,11 @@
 
 namespace flashmix {
 
+// validate_moe_fc2_finalize with check_buffers = false leaves out the overlap
+// of the buffers: the workspace size query needs sizes only (callers may ask
+// before allocating, or pass placeholders).
+Status validate_fc2(const Fc2FinalizeArgs& a, bool check_buffers);
+
 // What the epilogue does with a row p's accumulator (one GEMM instantiation
 // serves all modes; the mode is uniform per launch, so the branch is free).
 enum class Fc2EpilogueOp : int {

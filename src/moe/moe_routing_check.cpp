@@ -14,7 +14,11 @@ constexpr const char* kOp = "build_moe_routing_maps";
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 }  // namespace
 
-Status validate_moe_routing_maps(const MoeRoutingArgs& a) {
+namespace {
+
+// check_buffers = false: everything but the overlap of the buffers (the
+// workspace size query needs sizes only; callers may ask before allocating).
+Status validate_routing(const MoeRoutingArgs& a, bool check_buffers) {
   FM_REQUIRE(a.num_tokens >= 0, kOp, "num_tokens", "must be >= 0 (got ", a.num_tokens, ")");
   FM_REQUIRE(a.k >= 1 && a.k <= 16, kOp, "k", "must be in 1..16 (got ", a.k, ")");
   FM_REQUIRE(a.num_tokens <= detail::kInt32Max / a.k, kOp, "num_tokens",
@@ -75,6 +79,7 @@ Status validate_moe_routing_maps(const MoeRoutingArgs& a) {
     FM_REQUIRE(rows == 0 || out_stride <= limit / es / (rows > 0 ? rows : 1), kOp, "permuted_input_stride",
                "k*T * permuted_input_stride bytes overflow 64-bit offsets");
   }
+  if (!check_buffers) return Status::Ok();
   // No output overlaps an input or another output.
   const int64_t slots = a.num_tokens * a.k;
   int64_t in_bytes = 0, out_bytes = 0;
@@ -95,8 +100,12 @@ Status validate_moe_routing_maps(const MoeRoutingArgs& a) {
   return detail::check_no_overlap(kOp, outs, ins);
 }
 
+}  // namespace
+
+Status validate_moe_routing_maps(const MoeRoutingArgs& a) { return validate_routing(a, true); }
+
 size_t build_moe_routing_maps_workspace_size(const MoeRoutingArgs& args) {
-  if (!validate_moe_routing_maps(args).ok()) return 0;
+  if (!validate_routing(args, false).ok()) return 0;
   return detail::plan_moe_routing(args).workspace_bytes;
 }
 

@@ -286,12 +286,15 @@ TEST(MhcValidation, OverlappingOutputsAreRejected) {
   expect_error(st, StatusCode::kInvalidArgument, "f_pre");
   EXPECT_NE(st.message().find("must not overlap x"), std::string::npos) << st.message();
   a = f.args();
-  a.h_res = a.h_post + 4;  // h_post's second token and h_res's first rows
+  std::vector<float> post_res(64, 1234.f);  // h_post, and h_res starting at its second token
+  a.h_post = post_res.data();
+  a.h_res = post_res.data() + 4;
   st = mhc_pre_cpu(a);
   expect_error(st, StatusCode::kInvalidArgument, "h_res");
   EXPECT_NE(st.message().find("must not overlap h_post"), std::string::npos) << st.message();
+  for (float v : post_res) ASSERT_EQ(v, 1234.f);
   a = f.args();
-  a.h_post = const_cast<float*>(a.bias);
+  a.h_post = const_cast<float*>(a.bias);  // bias has N >= 2n floats: h_post's range lies inside it
   expect_error(mhc_pre_cpu(a), StatusCode::kInvalidArgument, "h_post");
   f.expect_untouched();
   for (size_t i = 0; i < f.p.x.size(); ++i) ASSERT_EQ(big[i], f.p.x[i]);

@@ -169,9 +169,9 @@ TEST(MoeRoutingCpuValidation, RejectsBadSizesNamingTheArgument) {
        "permuted_input_stride: must be 0 or >= hidden"},
       {"bad tuning", [](MoeRoutingArgs& a) { a.tuning.single_block_max_slots = 9000; },
        "tuning.single_block_max_slots"},
-      {"u2p overlaps p2u", [](MoeRoutingArgs& a) { a.unpermuted_row_to_permuted_row = a.permuted_row_to_unpermuted_row + 1; },
+      {"u2p aliases p2u", [](MoeRoutingArgs& a) { a.unpermuted_row_to_permuted_row = a.permuted_row_to_unpermuted_row; },
        "unpermuted_row_to_permuted_row: must not overlap permuted_row_to_unpermuted_row"},
-      {"expansion in place", [](MoeRoutingArgs& a) { a.permuted_input = const_cast<void*>(a.input); },
+      {"input inside the expanded rows", [](MoeRoutingArgs& a) { a.input = a.permuted_input; },
        "permuted_input: must not overlap input"},
       {"offsets over the experts",
        [](MoeRoutingArgs& a) {
