@@ -316,10 +316,11 @@ void dispatch(const Placement& where, const char* op, Gpu&& gpu, Cpu&& cpu) {
 }
 
 // A non-null, maximally aligned address for size queries that validate
-// pointers they never dereference.
+// pointers they never dereference. Each argument gets its own slot, 1 TiB
+// apart, so the host checks that buffers do not overlap pass too.
 template <typename T>
-T* placeholder() {
-  return reinterpret_cast<T*>(uintptr_t(256));
+T* placeholder(int slot) {
+  return reinterpret_cast<T*>(uintptr_t(slot + 1) << 40);
 }
 
 // ---------------------------------------------------------------------------
@@ -466,14 +467,14 @@ size_t build_moe_routing_maps_workspace_size(int64_t num_tokens, int k, int num_
   // The size query validates the whole Args, pointers included; it never
   // dereferences them, so placeholders stand in for the arrays.
   fm::MoeRoutingArgs a;
-  a.token_selected_experts = placeholder<const int32_t>();
+  a.token_selected_experts = placeholder<const int32_t>(0);
   a.num_tokens = num_tokens;
   a.k = k;
   a.start_expert_id = start_expert_id;
   a.num_experts_per_node = num_experts_per_node;
-  a.expert_first_token_offset = placeholder<int64_t>();
-  a.permuted_row_to_unpermuted_row = placeholder<int32_t>();
-  a.unpermuted_row_to_permuted_row = placeholder<int32_t>();
+  a.expert_first_token_offset = placeholder<int64_t>(1);
+  a.permuted_row_to_unpermuted_row = placeholder<int32_t>(2);
+  a.unpermuted_row_to_permuted_row = placeholder<int32_t>(3);
   a.tuning.single_block_max_slots = single_block_max_slots;
   raise_if_error(fm::validate_moe_routing_maps(a));
   return fm::build_moe_routing_maps_workspace_size(a);
@@ -546,11 +547,11 @@ void build_moe_routing_maps(const In& experts, const Out& offsets, const Out& p2
 size_t moe_fc2_finalize_workspace_size(int64_t num_tokens, int k, int64_t hidden, int64_t inter,
                                        int num_experts_per_node, const std::string& mode, int device) {
   fm::Fc2FinalizeArgs a;  // placeholders: validated, never dereferenced
-  a.A = placeholder<const void>();
-  a.W2 = placeholder<const void>();
-  a.expert_first_token_offset = placeholder<const int64_t>();
-  a.permuted_row_to_unpermuted_row = placeholder<const int32_t>();
-  a.out = placeholder<void>();
+  a.A = placeholder<const void>(0);
+  a.W2 = placeholder<const void>(1);
+  a.expert_first_token_offset = placeholder<const int64_t>(2);
+  a.permuted_row_to_unpermuted_row = placeholder<const int32_t>(3);
+  a.out = placeholder<void>(4);
   a.num_tokens = num_tokens;
   a.k = k;
   a.hidden = hidden;
