@@ -544,7 +544,9 @@ __device__ __forceinline__ void reduce_tail(const FinalizeParams& p, const SlotM
 }
 
 // Registers are capped at 85 (kMaxFinalizeThreads threads, 3 blocks per SM):
-// occupancy, i.e. bytes in flight per SM, is what feeds HBM here.
+// occupancy, i.e. bytes in flight per SM, is what feeds HBM here. The decode
+// variant runs at most half a round of warps, so it asks for one block per SM
+// (its 8 loads in flight spilled 12 bytes at 128 registers; same speed).
 //
 // kDecode: the grid covers all items in one round (decode-sized T). Latency,
 // not bandwidth, is then the cost, so every local slot's row load of a lane
@@ -552,7 +554,7 @@ __device__ __forceinline__ void reduce_tail(const FinalizeParams& p, const SlotM
 // them) -- one row round trip per item instead of one per group of slots.
 template <typename In, typename Out, int V, int U, bool kBias, bool kDecode>
 __global__ void __launch_bounds__(kMaxFinalizeThreads,
-                                  kDecode || (kBias && sizeof(In) * V == 16) ? 2 : kMinFinalizeBlocksPerSm)
+                                  kDecode ? 1 : (kBias && sizeof(In) * V == 16) ? 2 : kMinFinalizeBlocksPerSm)
     finalize_moe_routing_kernel(const FinalizeParams p) {
   __shared__ SlotMeta meta[kMaxFinalizeThreads / 32];  // one record per warp
   SlotMeta& m = meta[threadIdx.x >> 5];
