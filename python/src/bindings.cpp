@@ -205,6 +205,14 @@ void require_dense(const A& a, nb::dlpack::dtype dt, std::initializer_list<int64
   require_contiguous(a, op, arg);
 }
 
+// Contiguous, with this dtype and number of dimensions (extents free).
+template <typename A>
+void require_dense_rank(const A& a, nb::dlpack::dtype dt, size_t ndim, const char* op, const char* arg) {
+  require_dtype(a, dt, op, arg);
+  require_ndim(a, ndim, op, arg);
+  require_contiguous(a, op, arg);
+}
+
 // A contiguous vector of at least `min_size` elements (any number of dimensions).
 template <typename A>
 void require_vector(const A& a, nb::dlpack::dtype dt, int64_t min_size, const char* op, const char* arg) {
@@ -223,6 +231,17 @@ const void* ptr(const std::optional<A>& a) {
   return a ? static_cast<const void*>(a->data()) : nullptr;
 }
 void* mut(const Out& a) { return a.data(); }
+
+// An optional caller-owned workspace: a uint8 array, or none.
+struct Workspace {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+};
+Workspace workspace_of(const OptOut& workspace, const char* op) {
+  if (!workspace) return {};
+  require_vector(*workspace, kUInt8, 0, op, "workspace");
+  return {mut(*workspace), workspace->size()};
+}
 
 // ---------------------------------------------------------------------------
 // Devices and streams
@@ -369,9 +388,7 @@ FinalizeCall make_finalize(const In& rows, const In& u2p, const In& experts, con
   w.add(offsets, "expert_first_token_offset");
 
   fm::FinalizeMoeRoutingArgs& a = c.args;
-  require_dtype(experts, kInt32, op, "token_selected_experts");
-  require_ndim(experts, 2, op, "token_selected_experts");
-  require_contiguous(experts, op, "token_selected_experts");
+  require_dense_rank(experts, kInt32, 2, op, "token_selected_experts");
   const int64_t T = dim(experts, 0), k = dim(experts, 1);
 
   a.out_dtype = float_dtype(out, op, "out");
@@ -494,9 +511,7 @@ void build_moe_routing_maps(const In& experts, const Out& offsets, const Out& p2
   w.add(permuted_input, "permuted_input");
   w.add(workspace, "workspace");
 
-  require_dtype(experts, kInt32, op, "token_selected_experts");
-  require_ndim(experts, 2, op, "token_selected_experts");
-  require_contiguous(experts, op, "token_selected_experts");
+  require_dense_rank(experts, kInt32, 2, op, "token_selected_experts");
   const int64_t T = dim(experts, 0), k = dim(experts, 1);
   require_vector(offsets, kInt64, int64_t(num_experts_per_node) + 1, op, "expert_first_token_offset");
   require_vector(p2u, kInt32, k * T, op, "permuted_row_to_unpermuted_row");
@@ -528,15 +543,9 @@ void build_moe_routing_maps(const In& experts, const Out& offsets, const Out& p2
     a.input = ptr(input);
     a.permuted_input = mut(*permuted_input);
   }
-  void* ws = nullptr;
-  size_t ws_bytes = 0;
-  if (workspace) {
-    require_vector(*workspace, kUInt8, 0, op, "workspace");
-    ws = mut(*workspace);
-    ws_bytes = workspace->size();
-  }
+  const Workspace ws = workspace_of(workspace, op);
   dispatch(
-      w, op, [&] { return fm::build_moe_routing_maps(a, ws, ws_bytes, as_stream(stream)); },
+      w, op, [&] { return fm::build_moe_routing_maps(a, ws.ptr, ws.bytes, as_stream(stream)); },
       [&] { return fm::build_moe_routing_maps_cpu(a); });
 }
 
@@ -579,13 +588,9 @@ void moe_fc2_finalize(const In& A, const In& W2, const In& offsets, const In& p2
   w.add(bias, "bias");
   w.add(workspace, "workspace");
 
-  require_dtype(W2, kBFloat16, op, "W2");
-  require_ndim(W2, 3, op, "W2");
-  require_contiguous(W2, op, "W2");
+  require_dense_rank(W2, kBFloat16, 3, op, "W2");
   const int64_t E = dim(W2, 0), H = dim(W2, 1), I = dim(W2, 2);
-  require_dtype(A, kBFloat16, op, "A");
-  require_ndim(A, 2, op, "A");
-  require_contiguous(A, op, "A");
+  require_dense_rank(A, kBFloat16, 2, op, "A");
   if (dim(A, 1) != I) fail(op, "A", "must have I = ", I, " columns, as W2 [E, H, I] (got shape ", shape_str(A), ")");
   require_dtype(out, kBFloat16, op, "out");
   fm::Fc2FinalizeArgs a;
@@ -616,21 +621,24 @@ void moe_fc2_finalize(const In& A, const In& W2, const In& offsets, const In& p2
   a.tuning.gemm_config = gemm_config;
   a.tuning.raster = raster;
   a.tuning.swizzle = swizzle;
-  void* ws = nullptr;
-  size_t ws_bytes = 0;
-  if (workspace) {
-    require_vector(*workspace, kUInt8, 0, op, "workspace");
-    ws = mut(*workspace);
-    ws_bytes = workspace->size();
-  }
+  const Workspace ws = workspace_of(workspace, op);
   dispatch(
-      w, op, [&] { return fm::moe_fc2_finalize(a, ws, ws_bytes, as_stream(stream)); },
+      w, op, [&] { return fm::moe_fc2_finalize(a, ws.ptr, ws.bytes, as_stream(stream)); },
       [&] { return fm::moe_fc2_finalize_cpu(a); });
 }
 
 // ---------------------------------------------------------------------------
 // mHC (SPEC §4)
 // ---------------------------------------------------------------------------
+
+// n from the columns of a per-stream coefficient array [B, n] (H_pre, H_post).
+int streams_from_columns(const In& h, const char* op, const char* arg) {
+  require_ndim(h, 2, op, arg);
+  const int64_t n = dim(h, 1);
+  if (n < 1 || n > fm::kMhcMaxStreams)
+    fail(op, arg, "[B, n]: n must be in [1, ", fm::kMhcMaxStreams, "] (got shape ", shape_str(h), ")");
+  return int(n);
+}
 
 // n from N = n*n + 2n, the rows of phi (or the columns of h).
 int streams_from_coefficients(int64_t N, const char* op, const char* arg) {
@@ -685,6 +693,24 @@ fm::DType check_weights(const In& phi, const In& alpha, const In& bias, int64_t 
   return t;
 }
 
+// The projection's inputs, shared by mhc_pre and mhc_project (whose Args
+// name them alike): n from phi's N rows, the shape from x, the weights
+// checked against both; sets shape, phi_dtype and the four pointers and
+// returns N.
+template <typename Args>
+int64_t set_projection_inputs(Args& a, const In& x, const In& phi, const In& alpha, const In& bias, const char* op) {
+  require_ndim(phi, 2, op, "phi");
+  const int64_t N = dim(phi, 0);
+  const int n = streams_from_coefficients(N, op, "phi");
+  a.shape = residual_shape(x, n, op, "x");
+  a.phi_dtype = check_weights(phi, alpha, bias, N, n * a.shape.hidden, 3, op);
+  a.x = ptr(x);
+  a.phi = ptr(phi);
+  a.alpha = static_cast<const float*>(ptr(alpha));
+  a.bias = static_cast<const float*>(ptr(bias));
+  return N;
+}
+
 void mhc_pre(const In& x, const In& phi, const In& alpha, const In& bias, const Out& f_pre, const Out& h_post,
              const Out& h_res, float eps_norm, float eps_pre, float post_mult, float eps_sinkhorn, int sinkhorn_iters,
              const std::string& res_layout, bool enable_pdl, bool prefetch_weights, uintptr_t stream) {
@@ -696,20 +722,12 @@ void mhc_pre(const In& x, const In& phi, const In& alpha, const In& bias, const 
   w.add(h_post, "h_post");
   w.add(h_res, "h_res");
 
-  require_ndim(phi, 2, op, "phi");
-  const int64_t N = dim(phi, 0);
-  const int n = streams_from_coefficients(N, op, "phi");
   fm::MhcPreArgs a;
-  a.shape = residual_shape(x, n, op, "x");
-  const int64_t B = a.shape.batch, C = a.shape.hidden;
-  a.phi_dtype = check_weights(phi, alpha, bias, N, n * C, 3, op);
+  set_projection_inputs(a, x, phi, alpha, bias, op);
+  const int64_t B = a.shape.batch, C = a.shape.hidden, n = a.shape.n;
   require_dense(f_pre, kBFloat16, {B, C}, op, "f_pre");
   require_dense(h_post, kFloat32, {B, n}, op, "h_post");
   require_dense(h_res, kFloat32, {B, n, n}, op, "h_res");
-  a.x = ptr(x);
-  a.phi = ptr(phi);
-  a.alpha = static_cast<const float*>(ptr(alpha));
-  a.bias = static_cast<const float*>(ptr(bias));
   a.f_pre = mut(f_pre);
   a.h_post = static_cast<float*>(mut(h_post));
   a.h_res = static_cast<float*>(mut(h_res));
@@ -736,10 +754,7 @@ void mhc_post(const In& x, const In& f_out, const In& h_post, const In& h_res, c
   w.add(h_res, "h_res");
   w.add(x_next, "x_next");
 
-  require_ndim(h_post, 2, op, "h_post");
-  const int64_t n = dim(h_post, 1);
-  if (n < 1 || n > fm::kMhcMaxStreams)
-    fail(op, "h_post", "[B, n]: n must be in [1, ", fm::kMhcMaxStreams, "] (got shape ", shape_str(h_post), ")");
+  const int64_t n = streams_from_columns(h_post, op, "h_post");
   fm::MhcPostArgs a;
   a.shape = residual_shape(x, int(n), op, "x");
   const int64_t B = a.shape.batch, C = a.shape.hidden;
@@ -769,19 +784,11 @@ void mhc_project(const In& x, const In& phi, const In& alpha, const In& bias, co
     w.add(*a, name);
   w.add(h, "h");
   w.add(r, "r");
-  require_ndim(phi, 2, op, "phi");
-  const int64_t N = dim(phi, 0);
-  const int n = streams_from_coefficients(N, op, "phi");
   fm::MhcProjectArgs a;
-  a.shape = residual_shape(x, n, op, "x");
+  const int64_t N = set_projection_inputs(a, x, phi, alpha, bias, op);
   const int64_t B = a.shape.batch;
-  a.phi_dtype = check_weights(phi, alpha, bias, N, n * a.shape.hidden, 3, op);
   require_dense(h, kFloat32, {B, N}, op, "h");
   require_dense(r, kFloat32, {B}, op, "r");
-  a.x = ptr(x);
-  a.phi = ptr(phi);
-  a.alpha = static_cast<const float*>(ptr(alpha));
-  a.bias = static_cast<const float*>(ptr(bias));
   a.h = static_cast<float*>(mut(h));
   a.r = static_cast<float*>(mut(r));
   a.eps_norm = eps_norm;
@@ -825,10 +832,7 @@ void mhc_pre_mix(const In& x, const In& h_pre, const Out& f_pre, bool enable_pdl
   w.add(x, "x");
   w.add(h_pre, "h_pre");
   w.add(f_pre, "f_pre");
-  require_ndim(h_pre, 2, op, "h_pre");
-  const int64_t n = dim(h_pre, 1);
-  if (n < 1 || n > fm::kMhcMaxStreams)
-    fail(op, "h_pre", "[B, n]: n must be in [1, ", fm::kMhcMaxStreams, "] (got shape ", shape_str(h_pre), ")");
+  const int64_t n = streams_from_columns(h_pre, op, "h_pre");
   fm::MhcPreMixArgs a;
   a.shape = residual_shape(x, int(n), op, "x");
   const int64_t B = a.shape.batch, C = a.shape.hidden;

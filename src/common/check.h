@@ -54,6 +54,13 @@ inline bool ranges_overlap(const void* a, int64_t a_bytes, const void* b, int64_
   return x < y + uintptr_t(b_bytes) && y < x + uintptr_t(a_bytes);
 }
 
+// Bytes spanned by `rows` rows of `cols` elements of `elem_bytes`, `stride`
+// elements apart: from the first row's start to the last row's end (0 for no
+// rows). What an overlap check covers for a strided matrix.
+inline int64_t rows_extent_bytes(int64_t rows, int64_t stride, int64_t cols, int64_t elem_bytes) {
+  return rows > 0 ? ((rows - 1) * stride + cols) * elem_bytes : 0;
+}
+
 // An argument's name, address and size in bytes, for the overlap checks.
 struct Range {
   const char* name;

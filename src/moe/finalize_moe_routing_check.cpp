@@ -81,12 +81,11 @@ Status validate_finalize_moe_routing(const FinalizeMoeRoutingArgs& a) {
   {
     const int64_t osz = int64_t(dtype_size(a.out_dtype)), isz = int64_t(dtype_size(a.rows_dtype));
     const int64_t slots = a.num_tokens * a.k;
-    auto extent = [&](int64_t count, int64_t stride, int64_t esz) { return ((count - 1) * stride + a.hidden) * esz; };
-    const int64_t out_bytes = extent(a.num_tokens, s.out, osz);
+    const int64_t out_bytes = detail::rows_extent_bytes(a.num_tokens, s.out, a.hidden, osz);
     const detail::Range outs[] = {{"out", a.out, out_bytes}};
     const detail::Range ins[] = {
-        {"expanded_permuted_rows", a.expanded_permuted_rows, a.num_rows > 0 ? extent(a.num_rows, s.rows, isz) : 0},
-        {"bias", a.bias, extent(a.num_experts_per_node, s.bias, isz)},
+        {"expanded_permuted_rows", a.expanded_permuted_rows, detail::rows_extent_bytes(a.num_rows, s.rows, a.hidden, isz)},
+        {"bias", a.bias, detail::rows_extent_bytes(a.num_experts_per_node, s.bias, a.hidden, isz)},
         {"unpermuted_row_to_permuted_row", a.unpermuted_row_to_permuted_row, slots * 4},
         {"token_selected_experts", a.token_selected_experts, slots * 4},
         {"scales", a.scales, slots * 4},
@@ -95,7 +94,8 @@ Status validate_finalize_moe_routing(const FinalizeMoeRoutingArgs& a) {
          (int64_t(a.num_experts_per_node) + 1) * 8}};
     FM_RETURN_IF_ERROR(detail::check_no_overlap(kOp, outs, ins));
     if (a.shared_output != a.out || s.shared != s.out)
-      FM_REQUIRE(!detail::ranges_overlap(a.out, out_bytes, a.shared_output, extent(a.num_tokens, s.shared, osz)),
+      FM_REQUIRE(!detail::ranges_overlap(a.out, out_bytes, a.shared_output,
+                                         detail::rows_extent_bytes(a.num_tokens, s.shared, a.hidden, osz)),
                  kOp, "shared_output", "must be out itself (same stride) or not overlap it");
   }
   const FinalizeTuning& t = a.tuning;

@@ -61,7 +61,7 @@ Status validate_fc2(const Fc2FinalizeArgs& a, bool check_buffers) {
   if (!check_buffers) return Status::Ok();
   // `out` (reduced into by the epilogue) overlaps no input.
   const int64_t slots = a.num_tokens * a.k, E = a.num_experts_per_node;
-  const detail::Range outs[] = {{"out", a.out, ((a.num_tokens - 1) * out_stride + a.hidden) * 2}};
+  const detail::Range outs[] = {{"out", a.out, detail::rows_extent_bytes(a.num_tokens, out_stride, a.hidden, 2)}};
   const detail::Range ins[] = {{"A", a.A, slots * a.inter * 2},
                                {"W2", a.W2, E * a.hidden * a.inter * 2},
                                {"expert_first_token_offset", a.expert_first_token_offset, (E + 1) * 8},

@@ -59,6 +59,8 @@ Status validate_routing(const MoeRoutingArgs& a, bool check_buffers) {
              "must not be null when permuted_input is given");
   FM_REQUIRE(a.permuted_input != nullptr || a.input == nullptr, kOp, "permuted_input",
              "must not be null when input is given");
+  const int64_t slots = a.num_tokens * a.k;
+  int64_t in_bytes = 0, out_bytes = 0;  // the expansion's extents, for the overlap check below
   if (a.input != nullptr) {
     FM_REQUIRE(dtype_is_valid(a.input_dtype), kOp, "input_dtype", "is not a valid DType");
     const int64_t es = int64_t(dtype_size(a.input_dtype));
@@ -73,23 +75,15 @@ Status validate_routing(const MoeRoutingArgs& a, bool check_buffers) {
                a.permuted_input_stride, ", hidden ", a.hidden, ")");
     // Byte offsets are int64: rows * stride * element size must not overflow.
     const int64_t limit = INT64_MAX / 4;
-    const int64_t rows = a.num_tokens * a.k;
-    FM_REQUIRE(rows == 0 || in_stride <= limit / es / (rows > 0 ? rows : 1), kOp, "input_stride",
+    FM_REQUIRE(slots == 0 || in_stride <= limit / es / (slots > 0 ? slots : 1), kOp, "input_stride",
                "T * input_stride bytes overflow 64-bit offsets");
-    FM_REQUIRE(rows == 0 || out_stride <= limit / es / (rows > 0 ? rows : 1), kOp, "permuted_input_stride",
+    FM_REQUIRE(slots == 0 || out_stride <= limit / es / (slots > 0 ? slots : 1), kOp, "permuted_input_stride",
                "k*T * permuted_input_stride bytes overflow 64-bit offsets");
+    in_bytes = detail::rows_extent_bytes(a.num_tokens, in_stride, a.hidden, es);
+    out_bytes = detail::rows_extent_bytes(slots, out_stride, a.hidden, es);
   }
   if (!check_buffers) return Status::Ok();
   // No output overlaps an input or another output.
-  const int64_t slots = a.num_tokens * a.k;
-  int64_t in_bytes = 0, out_bytes = 0;
-  if (a.input != nullptr && slots > 0) {
-    const int64_t es = int64_t(dtype_size(a.input_dtype));
-    const int64_t in_stride = a.input_stride == 0 ? a.hidden : a.input_stride;
-    const int64_t out_stride = a.permuted_input_stride == 0 ? a.hidden : a.permuted_input_stride;
-    in_bytes = ((a.num_tokens - 1) * in_stride + a.hidden) * es;
-    out_bytes = ((slots - 1) * out_stride + a.hidden) * es;
-  }
   const detail::Range outs[] = {
       {"expert_first_token_offset", a.expert_first_token_offset, (int64_t(a.num_experts_per_node) + 1) * 8},
       {"permuted_row_to_unpermuted_row", a.permuted_row_to_unpermuted_row, slots * 4},
