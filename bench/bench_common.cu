@@ -82,37 +82,44 @@ __global__ void fill_bf16_random(__nv_bfloat16* p, int64_t n, uint32_t seed) {
   }
 }
 
-double cublas_gemm_us(int64_t m, int64_t n, int64_t k, cudaStream_t stream, int iters) {
+DenseGemm::DenseGemm(int64_t m, int64_t n, int64_t k, cudaStream_t stream) : m_(m), n_(n), k_(k) {
   cublasHandle_t handle;
   if (cublasCreate(&handle) != CUBLAS_STATUS_SUCCESS) {
     std::fprintf(stderr, "flashmix-bench: cublasCreate failed\n");
     std::exit(2);
   }
   cublasSetStream(handle, stream);
-  __nv_bfloat16 *a, *b, *c;
-  BENCH_CUDA(cudaMalloc(&a, sizeof(__nv_bfloat16) * m * k));
-  BENCH_CUDA(cudaMalloc(&b, sizeof(__nv_bfloat16) * n * k));
-  BENCH_CUDA(cudaMalloc(&c, sizeof(__nv_bfloat16) * m * n));
-  fill_bf16_random<<<1024, 256, 0, stream>>>(a, m * k, 1u);
-  fill_bf16_random<<<1024, 256, 0, stream>>>(b, n * k, 2u);
+  handle_ = handle;
+  BENCH_CUDA(cudaMalloc(&a_, sizeof(__nv_bfloat16) * m * k));
+  BENCH_CUDA(cudaMalloc(&b_, sizeof(__nv_bfloat16) * n * k));
+  BENCH_CUDA(cudaMalloc(&c_, sizeof(__nv_bfloat16) * m * n));
+  fill_bf16_random<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(a_), m * k, 1u);
+  fill_bf16_random<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(b_), n * k, 2u);
   BENCH_CUDA(cudaGetLastError());
+}
+
+DenseGemm::~DenseGemm() {
+  cudaFree(a_);
+  cudaFree(b_);
+  cudaFree(c_);
+  cublasDestroy(static_cast<cublasHandle_t>(handle_));
+}
+
+void DenseGemm::run() {
   const float alpha = 1.0f, beta = 0.0f;
   // Row-major C[m,n] = A[m,k] * B[n,k]^T, written as column-major C^T = B * A^T.
-  auto gemm = [&] {
-    cublasStatus_t st = cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, int(n), int(m), int(k), &alpha, b,
-                                     CUDA_R_16BF, int(k), a, CUDA_R_16BF, int(k), &beta, c, CUDA_R_16BF,
-                                     int(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-    if (st != CUBLAS_STATUS_SUCCESS) {
-      std::fprintf(stderr, "flashmix-bench: cublasGemmEx failed (%d)\n", int(st));
-      std::exit(2);
-    }
-  };
-  double us = median_us(gemm, stream, 5, iters);
-  BENCH_CUDA(cudaFree(a));
-  BENCH_CUDA(cudaFree(b));
-  BENCH_CUDA(cudaFree(c));
-  cublasDestroy(handle);
-  return us;
+  cublasStatus_t st = cublasGemmEx(static_cast<cublasHandle_t>(handle_), CUBLAS_OP_T, CUBLAS_OP_N, int(n_), int(m_),
+                                   int(k_), &alpha, b_, CUDA_R_16BF, int(k_), a_, CUDA_R_16BF, int(k_), &beta, c_,
+                                   CUDA_R_16BF, int(n_), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  if (st != CUBLAS_STATUS_SUCCESS) {
+    std::fprintf(stderr, "flashmix-bench: cublasGemmEx failed (%d)\n", int(st));
+    std::exit(2);
+  }
+}
+
+double cublas_gemm_us(int64_t m, int64_t n, int64_t k, cudaStream_t stream, int iters) {
+  DenseGemm gemm(m, n, k, stream);
+  return median_us([&] { gemm.run(); }, stream, 5, iters);
 }
 
 void print_header() {

@@ -67,6 +67,23 @@ double measure_copy_gbps(cudaStream_t stream, int iters);
 // Time of one dense bf16 GEMM m x n x k (cuBLAS, fp32 accumulate), in microseconds.
 double cublas_gemm_us(int64_t m, int64_t n, int64_t k, cudaStream_t stream, int iters);
 
+// A dense cuBLAS bf16 GEMM C[m,n] = A[m,k] B[n,k]^T on random inputs, to be
+// launched many times (run()).
+class DenseGemm {
+ public:
+  DenseGemm(int64_t m, int64_t n, int64_t k, cudaStream_t stream);
+  ~DenseGemm();
+  DenseGemm(const DenseGemm&) = delete;
+  DenseGemm& operator=(const DenseGemm&) = delete;
+  void run();
+
+ private:
+  int64_t m_, n_, k_;
+  void* handle_ = nullptr;
+  void *a_ = nullptr, *b_ = nullptr, *c_ = nullptr;
+};
+
+
 // Prints the record as a table row and keeps it.
 void add_record(Context& ctx, Record r);
 void print_header();

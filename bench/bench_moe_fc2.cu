@@ -34,6 +34,7 @@ struct Fc2Case {
   int64_t H, I;
   bool decode = false;
   double max_ratio_atomic = 0, max_ratio_det = 0;  // the issue's bounds (0: report only)
+  bool balanced = false;  // diagnostic: slot (t, j) -> expert (t*k + j) mod local (equal rows per expert)
 };
 
 __global__ void fill_bf16(__nv_bfloat16* x, int64_t n, uint64_t seed, float scale) {
@@ -53,7 +54,14 @@ void run_case(Context& ctx, const Fc2Case& c, cudaStream_t stream) {
   if (!any) return;
 
   Rng rng(0xfc2000ull + std::hash<std::string>()(c.name));
-  Routing r = flashmix::testing::random_routing(rng, c.T, c.k, c.total, 0, c.local);
+  Routing r;
+  if (c.balanced) {
+    std::vector<int32_t> experts(size_t(c.T * c.k));
+    for (size_t i = 0; i < experts.size(); ++i) experts[i] = int32_t(i % size_t(c.local));
+    r = flashmix::testing::build_routing(c.T, c.k, 0, c.local, std::move(experts));
+  } else {
+    r = flashmix::testing::random_routing(rng, c.T, c.k, c.total, 0, c.local);
+  }
   const int64_t P = r.P();
   std::vector<float> scales(size_t(c.T * c.k));
   for (auto& s : scales) s = rng.uniform(0.05f, 1.0f);
@@ -134,7 +142,11 @@ void run_case(Context& ctx, const Fc2Case& c, cudaStream_t stream) {
 
   const double flops = 2.0 * double(P) * double(c.H) * double(c.I);
   const int iters = ctx.quick ? 10 : 30;
-  const double dense_us = cublas_gemm_us(std::max<int64_t>(P, 1), c.H, c.I, stream, iters);
+  // The dense reference is timed again right before each mode (back-to-back
+  // launches, like ours): the H200's clock drifts by several percent over a
+  // run. (Timed alternately with our op instead, a launch at a time, the dense
+  // GEMM came out 15-20 % slower than back-to-back, which flattered the ratio.)
+  DenseGemm dense(std::max<int64_t>(P, 1), c.H, c.I, stream);
   // Tunings: the automatic choice, then (with --sweep, unfused and atomic
   // only) every GEMM configuration x tile order x swizzle.
   std::vector<Fc2Tuning> tunings{Fc2Tuning{}};
@@ -182,6 +194,7 @@ void run_case(Context& ctx, const Fc2Case& c, cudaStream_t stream) {
       check = bad ? "FAILED: " + std::to_string(bad) + " sampled elements (max abs err " + std::to_string(worst) + ")"
                   : "passed (" + std::to_string(tokens.size()) + " sampled tokens, every 4th column)";
     }
+    const double dense_us = median_us([&] { dense.run(); }, stream, 5, iters);
     double us;
     if (c.decode)
       us = graph_us_per_launch([&](int) { (void)moe_fc2_finalize(a, dws, ws_bytes, stream); }, 20, stream,
@@ -233,6 +246,13 @@ void run_moe_fc2_cases(Context& ctx) {
       {"qwen3moe_T4096_k8_E128_I768_H2048", 4096, 8, 128, 128, 2048, 768, false, 0, 0},
       {"decode_deepseek_T16_k8_E32_I2048_H7168", 16, 8, 32, 32, 7168, 2048, true, 0, 0},
   };
+  // Diagnostics (--sweep): the DeepSeek shape with equal rows per expert (no
+  // ragged tiles), and its FLOPs as one expert (the grouped kernel as a dense GEMM).
+  if (ctx.sweep) {
+    cases.push_back({"diag_deepseek_balanced_T1024_k8_E32_I2048_H7168", 1024, 8, 32, 32, 7168, 2048, false, 0, 0, true});
+    cases.push_back({"diag_one_expert_T8192_k1_E1_I2048_H7168", 8192, 1, 1, 1, 7168, 2048, false, 0, 0, true});
+    cases.push_back({"diag_two_experts_T4096_k2_E2_I2048_H7168", 4096, 2, 2, 2, 7168, 2048, false, 0, 0, true});
+  }
   cudaStream_t stream;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   for (const auto& c : cases) run_case(ctx, c, stream);
