@@ -52,8 +52,10 @@ struct Fc2GemmConfig {
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Fc2ElementA, cutlass::layout::RowMajor*, 8, Fc2ElementB,
       cutlass::layout::ColumnMajor*, 8, float, TileShape, ClusterShape,
+      // The adapter takes our SharedStorage both as its tensor storage and as
+      // its tensormap storage: the kernel holds it twice.
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+          sizeof(typename CollectiveEpilogue::TensorStorage) + sizeof(typename CollectiveEpilogue::TensorMapStorage))>,
       KernelSchedule>::CollectiveOp;
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<Fc2ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
