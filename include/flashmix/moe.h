@@ -157,7 +157,9 @@ struct MoeRoutingArgs {
 
 // Bytes of device workspace build_moe_routing_maps needs for these args (CUB
 // style: ask, allocate once, pass it in; it may be reused by later calls on
-// the same stream). 0 for the single-launch path and for invalid args.
+// the same stream). Reads the sizes only (num_tokens, k, the expert range,
+// tuning): the pointers may still be null. 0 for the single-launch path and
+// for invalid sizes.
 size_t build_moe_routing_maps_workspace_size(const MoeRoutingArgs& args);
 
 // GPU entry point: asynchronous on `stream`, no host synchronisation, no
@@ -225,7 +227,9 @@ struct Fc2FinalizeArgs {
 };
 
 // Device workspace bytes for these args (CUB style); depends on the mode, T, k,
-// H, E_local and the current device's SM count. 0 for invalid args.
+// H and E_local only: the pointers may still be null, and the answer holds on
+// any device (it is sized for the most SMs an sm_90 GPU has). 0 for invalid
+// sizes.
 size_t moe_fc2_finalize_workspace_size(const Fc2FinalizeArgs& args);
 
 // GPU entry point: asynchronous on `stream`, no host synchronisation, no

@@ -288,8 +288,9 @@ def build_moe_routing_maps(token_selected_experts, *, num_experts_per_node, star
 
 def moe_fc2_finalize_workspace_size(num_tokens, k, hidden, inter, num_experts_per_node, mode="atomic",
                                     device=None):
-    """Bytes of device workspace moe_fc2_finalize needs on CUDA device ``device`` (an index, a
-    torch.device, or None for the current device); it depends on the device's SM count."""
+    """Bytes of device workspace moe_fc2_finalize needs. The answer holds on any device (it is
+    sized for the most SMs an sm_90 GPU has); ``device`` (an index, a torch.device, or None for
+    the current device) is kept for compatibility."""
     index = -1 if device is None else getattr(device, "index", device)
     return _C.moe_fc2_finalize_workspace_size(num_tokens, k, hidden, inter, num_experts_per_node, mode,
                                               -1 if index is None else index)

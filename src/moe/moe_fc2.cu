@@ -8,6 +8,8 @@
 //   unfused        GEMM stores bf16 rows -> finalize_moe_routing (weights, bias, scatter, sum)
 // For the two finalize-based modes the slot maps finalize needs (u2p and a
 // local expert per slot) are rebuilt on the device from p2u and the offsets.
+#include <algorithm>
+
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -86,7 +88,7 @@ int grid_for(int64_t items, int threads, int sms) {
 
 size_t moe_fc2_finalize_workspace_size(const Fc2FinalizeArgs& args) {
   if (!validate_fc2(args, false).ok()) return 0;
-  return fc2_workspace_layout(args, current_sm_count(nullptr)).total;
+  return fc2_workspace_layout(args, std::max(kFc2MaxSmCount, current_sm_count(nullptr))).total;
 }
 
 Status moe_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {

@@ -11,9 +11,9 @@
 
 namespace flashmix {
 
-// validate_moe_fc2_finalize with check_buffers = false leaves out the overlap
-// of the buffers: the workspace size query needs sizes only (callers may ask
-// before allocating, or pass placeholders).
+// validate_moe_fc2_finalize with check_buffers = false checks the sizes only,
+// not the buffers (presence, alignment, overlap): the workspace size query
+// needs sizes only, and callers may ask before allocating.
 Status validate_fc2(const Fc2FinalizeArgs& a, bool check_buffers);
 
 // What the epilogue does with a row p's accumulator (one GEMM instantiation
@@ -47,6 +47,11 @@ struct Sm90Fc2GemmParams {
 };
 
 constexpr size_t kFc2GroupBytesPerExpert = 6 * 16;  // shapes, ptr A/B, stride A/B, spare
+
+// The workspace size query sizes for this many SMs, the most any sm_90 GPU
+// has (a full GH100), so its answer is valid on every device; the op lays
+// the workspace out for the current device's count, which needs no more.
+constexpr int kFc2MaxSmCount = 144;
 
 // Bytes CUTLASS's kernel needs (per-SM tensormaps, scheduler); 0 without CUTLASS.
 size_t sm90_fc2_cutlass_workspace_bytes(int sm_count, int num_experts);

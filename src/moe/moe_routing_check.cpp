@@ -16,8 +16,9 @@ bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t
 
 namespace {
 
-// check_buffers = false: everything but the overlap of the buffers (the
-// workspace size query needs sizes only; callers may ask before allocating).
+// check_buffers = false: the sizes only, not the buffers (presence,
+// alignment, overlap): the workspace size query needs sizes only, and callers
+// may ask before allocating.
 Status validate_routing(const MoeRoutingArgs& a, bool check_buffers) {
   FM_REQUIRE(a.num_tokens >= 0, kOp, "num_tokens", "must be >= 0 (got ", a.num_tokens, ")");
   FM_REQUIRE(a.k >= 1 && a.k <= 16, kOp, "k", "must be in 1..16 (got ", a.k, ")");
@@ -38,10 +39,12 @@ Status validate_routing(const MoeRoutingArgs& a, bool check_buffers) {
 
   // The offsets are written even for T == 0 (all zero), so the grouped GEMM
   // that reads them on the device never sees garbage.
-  FM_REQUIRE(a.expert_first_token_offset != nullptr, kOp, "expert_first_token_offset", "must not be null");
-  FM_REQUIRE(aligned(a.expert_first_token_offset, 8), kOp, "expert_first_token_offset",
-             "must be 8-byte aligned (int64)");
-  if (a.num_tokens > 0) {
+  if (check_buffers) {
+    FM_REQUIRE(a.expert_first_token_offset != nullptr, kOp, "expert_first_token_offset", "must not be null");
+    FM_REQUIRE(aligned(a.expert_first_token_offset, 8), kOp, "expert_first_token_offset",
+               "must be 8-byte aligned (int64)");
+  }
+  if (check_buffers && a.num_tokens > 0) {
     FM_REQUIRE(a.token_selected_experts != nullptr, kOp, "token_selected_experts", "must not be null");
     FM_REQUIRE(a.permuted_row_to_unpermuted_row != nullptr, kOp, "permuted_row_to_unpermuted_row",
                "must not be null");
@@ -55,10 +58,12 @@ Status validate_routing(const MoeRoutingArgs& a, bool check_buffers) {
   }
 
   // Expansion: both pointers or neither.
-  FM_REQUIRE(a.input != nullptr || a.permuted_input == nullptr, kOp, "input",
-             "must not be null when permuted_input is given");
-  FM_REQUIRE(a.permuted_input != nullptr || a.input == nullptr, kOp, "permuted_input",
-             "must not be null when input is given");
+  if (check_buffers) {
+    FM_REQUIRE(a.input != nullptr || a.permuted_input == nullptr, kOp, "input",
+               "must not be null when permuted_input is given");
+    FM_REQUIRE(a.permuted_input != nullptr || a.input == nullptr, kOp, "permuted_input",
+               "must not be null when input is given");
+  }
   const int64_t slots = a.num_tokens * a.k;
   int64_t in_bytes = 0, out_bytes = 0;  // the expansion's extents, for the overlap check below
   if (a.input != nullptr) {

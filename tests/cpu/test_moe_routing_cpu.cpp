@@ -222,3 +222,18 @@ TEST(MoeRoutingCpuValidation, WorkspaceSizeIsZeroForTheSingleLaunchPathAndForBad
   m.args.k = 0;
   EXPECT_EQ(build_moe_routing_maps_workspace_size(m.args), 0u);
 }
+
+// The size query reads sizes only: the same answer before any buffer exists.
+TEST(MoeRoutingCpuValidation, WorkspaceSizeNeedsNoBuffers) {
+  Maps m(kSmallExperts, 3, 2, 1, 2);
+  m.args.tuning.single_block_max_slots = -1;  // the multi-launch path, which has a workspace
+  const size_t with_buffers = build_moe_routing_maps_workspace_size(m.args);
+  EXPECT_GT(with_buffers, 0u);
+  MoeRoutingArgs a = m.args;
+  a.token_selected_experts = nullptr;
+  a.expert_first_token_offset = nullptr;
+  a.permuted_row_to_unpermuted_row = nullptr;
+  a.unpermuted_row_to_permuted_row = nullptr;
+  EXPECT_EQ(build_moe_routing_maps_workspace_size(a), with_buffers);
+  EXPECT_FALSE(validate_moe_routing_maps(a).ok());  // the op itself still needs them
+}
