@@ -51,6 +51,9 @@ struct MhcParams {
   float post_mult = 2.0f;
   float eps_sinkhorn = 1e-6f;
   int sinkhorn_iters = 20;  // >= 1
+  // Validated but not read by mhc_pre / mhc_activate: they always write H_res
+  // row-major (untransposed). It is carried for the caller's mhc_post, which
+  // takes its own MhcPostArgs::res_layout.
   MhcResLayout res_layout = MhcResLayout::kDeepSeek;
 
   static MhcParams seed() {
