@@ -165,6 +165,9 @@ T* upload(const std::vector<T>& v) {
   T* p = nullptr;
   BENCH_CUDA(cudaMalloc(&p, v.size() * sizeof(T) + 16));
   BENCH_CUDA(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  // A pageable cudaMemcpy may return before its DMA lands; the timed work runs
+  // on a non-blocking stream, which does not wait for it.
+  BENCH_CUDA(cudaDeviceSynchronize());
   return p;
 }
 template <typename T>

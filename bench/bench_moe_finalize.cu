@@ -172,6 +172,9 @@ void run_gpu_case(Context& ctx, const FinalizeCase& c, cudaStream_t stream) {
   HostTensor poison(c.out, c.T * c.H);
   poison.poison();
   BENCH_CUDA(cudaMemcpy(d_out, poison.data(), out_bytes, cudaMemcpyHostToDevice));
+  // A pageable cudaMemcpy may return before its DMA lands, and the
+  // non-blocking stream below does not wait for it.
+  BENCH_CUDA(cudaDeviceSynchronize());
 
   FinalizeMoeRoutingArgs a = make_args(c, P);
   a.unpermuted_row_to_permuted_row = d_u2p;

@@ -81,6 +81,10 @@ void run_gpu_case(Context& ctx, const RoutingCase& c, cudaStream_t stream) {
     for (int i = 0; i < copies; ++i)
       BENCH_CUDA(cudaMemcpy(d_in + in_bytes * i, h_in.data(), in_bytes, cudaMemcpyHostToDevice));
   }
+  // A pageable cudaMemcpy may return before its DMA lands, and the
+  // non-blocking stream below does not wait for it: one full-bench run had
+  // the maps case's first launch read the experts before they had landed.
+  BENCH_CUDA(cudaDeviceSynchronize());
 
   MoeRoutingArgs a;
   a.token_selected_experts = d_experts;

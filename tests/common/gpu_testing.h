@@ -56,8 +56,15 @@ class DeviceBuffer {
   }
   ~DeviceBuffer() { if (ptr_) cudaFree(ptr_); }
 
+  // A cudaMemcpy from pageable host memory may return before its DMA has
+  // landed (CUDA's API synchronization rules), and work on a non-blocking
+  // stream does not wait for it: wait here, so no kernel reads (or poisoned
+  // output is written over) before the upload is complete.
   void upload(const void* src, size_t n) {
-    if (n) EXPECT_EQ(cudaMemcpy(ptr_, src, n, cudaMemcpyHostToDevice), cudaSuccess);
+    if (n) {
+      EXPECT_EQ(cudaMemcpy(ptr_, src, n, cudaMemcpyHostToDevice), cudaSuccess);
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    }
   }
   void download(void* dst, size_t n) const {
     if (n) EXPECT_EQ(cudaMemcpy(dst, ptr_, n, cudaMemcpyDeviceToHost), cudaSuccess);
