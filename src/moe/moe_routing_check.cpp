@@ -12,9 +12,6 @@ namespace {
 constexpr const char* kOp = "build_moe_routing_maps";
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-}  // namespace
-
-namespace {
 
 // check_buffers = false: the sizes only, not the buffers (presence,
 // alignment, overlap): the workspace size query needs sizes only, and callers
@@ -80,9 +77,9 @@ Status validate_routing(const MoeRoutingArgs& a, bool check_buffers) {
                a.permuted_input_stride, ", hidden ", a.hidden, ")");
     // Byte offsets are int64: rows * stride * element size must not overflow.
     const int64_t limit = INT64_MAX / 4;
-    FM_REQUIRE(slots == 0 || in_stride <= limit / es / (slots > 0 ? slots : 1), kOp, "input_stride",
+    FM_REQUIRE(slots == 0 || in_stride <= limit / es / slots, kOp, "input_stride",
                "T * input_stride bytes overflow 64-bit offsets");
-    FM_REQUIRE(slots == 0 || out_stride <= limit / es / (slots > 0 ? slots : 1), kOp, "permuted_input_stride",
+    FM_REQUIRE(slots == 0 || out_stride <= limit / es / slots, kOp, "permuted_input_stride",
                "k*T * permuted_input_stride bytes overflow 64-bit offsets");
     in_bytes = detail::rows_extent_bytes(a.num_tokens, in_stride, a.hidden, es);
     out_bytes = detail::rows_extent_bytes(slots, out_stride, a.hidden, es);

@@ -25,7 +25,8 @@ namespace flashmix {
 //   2 pp_64x256_c1:    pingpong (each consumer warpgroup its own 64-row tile; one's
 //                      epilogue overlaps the other's mainloop), 1x1
 // Measured and dropped (H200, docs/fc2_grouped_gemm.md): cooperative 128x256
-// and pingpong 128x128 with 2x1 clusters, pingpong 64x256 with 1x2 and with 2x1
+// with 1x2 and with 2x1 clusters, cooperative 256x128 1x2, pingpong 128x128
+// with 1x1 and with 2x1 clusters, pingpong 64x256 with 1x2 and with 2x1
 // clusters.
 #define FLASHMIX_FC2_CONFIGS(X) \
   X(1, coop_128x256_c1)         \
