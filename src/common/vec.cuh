@@ -86,6 +86,40 @@ __device__ __forceinline__ void store(T* p, const Vec<T, N>& x) {
   for (int i = 0; i < kWords; ++i) dst[i] = src[i];
 }
 
+// The 16 bytes that start `shift` elements into `lo` and run on into `hi`
+// (lo, hi: two consecutive 16-byte-aligned vectors of a row; 0 <= shift < V).
+// How a row that is not 16-byte aligned is still read with 16-byte loads:
+// each lane loads the aligned vector at its position, takes its neighbour's
+// as `hi` (a shuffle) and shifts. Word selection by compares, not indexing,
+// so nothing goes to local memory: 15 SEL + 4 SHF per vector. Host-callable
+// (tests/cpu/test_vec_realign.cu).
+// (hi:lo) >> bits, low word; bits < 32. On the host too, for the tests.
+__host__ __device__ __forceinline__ uint32_t funnel_right(uint32_t lo, uint32_t hi, uint32_t bits) {
+#ifdef __CUDA_ARCH__
+  return __funnelshift_r(lo, hi, bits);
+#else
+  return uint32_t(((uint64_t(hi) << 32) | lo) >> bits);
+#endif
+}
+
+template <typename T, int V>
+__host__ __device__ __forceinline__ Vec<T, V> realign16(const uint4& lo, const uint4& hi, int shift) {
+  static_assert(sizeof(T) * V == 16, "realign16 moves 16-byte vectors");
+  const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  const int bytes = shift * int(sizeof(T));
+  const int q = bytes >> 2;                   // whole words, 0..3
+  const uint32_t bits = uint32_t(bytes & 3) * 8u;  // 0, or 16 for 2-byte elements at an odd position
+  uint32_t t[5];
+#pragma unroll
+  for (int i = 0; i < 5; ++i) t[i] = (q & 2) ? ((q & 1) ? w[i + 3] : w[i + 2]) : ((q & 1) ? w[i + 1] : w[i]);
+  uint4 o;
+  o.x = funnel_right(t[0], t[1], bits);
+  o.y = funnel_right(t[1], t[2], bits);
+  o.z = funnel_right(t[2], t[3], bits);
+  o.w = funnel_right(t[3], t[4], bits);
+  return reinterpret_cast<const Vec<T, V>&>(o);
+}
+
 // Brings the line holding p into L2 without using a register for the data.
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));

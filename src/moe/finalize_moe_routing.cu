@@ -18,8 +18,10 @@
 // Three ways to keep HBM busy, chosen at the boundary:
 //  - 16-byte rows, no bias: the row vectors are staged through a per-warp
 //    cp.async ring in shared memory (bytes in flight cost no registers);
-//  - bias, or narrower vectors: register loads, kLoadsInFlight at a time,
-//    with an L2 prefetch of the next group;
+//  - bias: register loads, kLoadsInFlight at a time, with an L2 prefetch of
+//    the next group;
+//  - rows not on the 16-byte grid (odd strides, offset pointers): the
+//    register path with 16-byte loads realigned across lanes;
 //  - decode-sized work: all of a lane's slot loads at once (one round trip).
 // Warps never wait for each other (no block barrier), so one warp's index
 // round trip overlaps other warps' row loads. The grid is persistent (at most
@@ -70,6 +72,10 @@ struct FinalizeParams {
   const int32_t* p2u;
   const int64_t* expert_offsets;
   int64_t rows_stride, bias_stride, shared_stride, out_stride;
+  // Realigned path: rows / bias point at the 16-byte boundary at or below
+  // the caller's pointer, and these are the caller's pointers' distances from
+  // it in elements (folded into every row offset). 0 on the other paths.
+  int rows_shift, bias_shift;
   int64_t num_tokens;
   int64_t items_bound;  // items the grid may have to walk (filling: all of them)
   int hidden;
@@ -137,8 +143,8 @@ __device__ __forceinline__ bool resolve_slots(const FinalizeParams& p, const Ite
   if (!p.fill && __ffs(mask) - 1 != key.first_slot) return false;  // uniform across the warp
   if (local) {
     const int slot = __popc(mask & ((1u << lane) - 1u));
-    m.row_offset[slot] = int64_t(s.row) * p.rows_stride;
-    m.bias_offset[slot] = int64_t(s.expert - p.start_expert) * p.bias_stride;
+    m.row_offset[slot] = p.rows_shift + int64_t(s.row) * p.rows_stride;
+    m.bias_offset[slot] = p.bias_shift + int64_t(s.expert - p.start_expert) * p.bias_stride;
     m.weight[slot] = s.weight;
   }
   if (lane == 0) {
@@ -179,11 +185,20 @@ __device__ __forceinline__ void store_output(const FinalizeParams& p, Out* out, 
   }
 }
 
-template <typename In, typename Out, int V, int U, bool kBias, int kLoads>
+// The register path. kRealign: rows (and bias rows) that are not 16-byte
+// aligned, read with 16-byte loads all the same: lane l loads the aligned
+// vector at its position and lanes 0..30 combine it with lane l+1's
+// (realign16), so a pass yields 31 vectors per u from 32 loads. One load in
+// 32 is read twice (an L1/L2 hit); the alternative, element loads, ran at
+// 0.26 of copy (H = 7003).
+template <typename In, typename Out, int V, int U, bool kBias, int kLoads, bool kRealign>
 __device__ __forceinline__ void reduce_vectors(const FinalizeParams& p, const SlotMeta& m, int chunk) {
+  static_assert(!kRealign || sizeof(In) * V == 16, "realigned loads are 16-byte vectors");
   // Slots per load group: kLoads vectors (row and bias) per thread.
   constexpr int kPerSlot = U * (kBias ? 2 : 1);
   constexpr int G = kLoads / kPerSlot > 0 ? kLoads / kPerSlot : 1;
+  constexpr int kLanesOut = kRealign ? 31 : 32;  // lanes that produce a vector per u
+  constexpr int kStep = kLanesOut * U;
   const In* rows = static_cast<const In*>(p.rows);
   const In* bias = static_cast<const In*>(p.bias);
   const Out* shared = static_cast<const Out*>(p.shared);
@@ -192,8 +207,31 @@ __device__ __forceinline__ void reduce_vectors(const FinalizeParams& p, const Sl
   const int lane = threadIdx.x & 31;
   const int v_begin = chunk * p.chunk_vecs;
   const int v_end = min(p.vectors, v_begin + p.chunk_vecs);
-  constexpr int kStep = 32 * U;
-  for (int v0 = v_begin + lane; v0 < v_end; v0 += kStep) {
+  // Realigned: the vector after the last one produced is loaded too (it is
+  // the last lane's `hi`; in bounds since p.vectors leaves a vector's room).
+  const int v_load_end = kRealign ? v_end + 1 : v_end;
+  // Element offset of a row's 16-byte boundary at or below its start, and
+  // the start's distance from it (warp-uniform, 0 off the realigned path).
+  auto aligned = [](int64_t off) { return kRealign ? off & ~int64_t(V - 1) : off; };
+  auto shift = [](int64_t off) { return kRealign ? int(off & (V - 1)) : 0; };
+  auto realigned = [&](const dev::Vec<In, V>& x, int sh) {
+    if constexpr (kRealign) {
+      const uint4 lo = reinterpret_cast<const uint4&>(x);
+      uint4 hi;
+      hi.x = __shfl_down_sync(dev::kFullMask, lo.x, 1);
+      hi.y = __shfl_down_sync(dev::kFullMask, lo.y, 1);
+      hi.z = __shfl_down_sync(dev::kFullMask, lo.z, 1);
+      hi.w = __shfl_down_sync(dev::kFullMask, lo.w, 1);
+      return dev::realign16<In, V>(lo, hi, sh);
+    } else {
+      return x;
+    }
+  };
+  // Realigned passes are warp-uniform (every lane shuffles); otherwise a
+  // lane stops after its own last vector.
+  const int v_first = kRealign ? v_begin : v_begin + lane;
+  const int lane_v = kRealign ? lane : 0;
+  for (int v0 = v_first; v0 < v_end; v0 += kStep) {
     float acc[U][V];
 #pragma unroll
     for (int u = 0; u < U; ++u)
@@ -207,10 +245,10 @@ __device__ __forceinline__ void reduce_vectors(const FinalizeParams& p, const Sl
       for (int g = 0; g < G; ++g)
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-          const int v = v0 + u * 32;
-          if (s0 + g < count && v < v_end) {
-            x[g][u] = dev::load_stream<In, V>(rows + m.row_offset[s0 + g] + int64_t(v) * V);
-            if constexpr (kBias) b[g][u] = dev::load_ro<In, V>(bias + m.bias_offset[s0 + g] + int64_t(v) * V);
+          const int v = v0 + lane_v + u * kLanesOut;
+          if (s0 + g < count && v < v_load_end) {
+            x[g][u] = dev::load_stream<In, V>(rows + aligned(m.row_offset[s0 + g]) + int64_t(v) * V);
+            if constexpr (kBias) b[g][u] = dev::load_ro<In, V>(bias + aligned(m.bias_offset[s0 + g]) + int64_t(v) * V);
           }
         }
       // Ask L2 for the next group's rows (wrapping to the next pass of the
@@ -218,34 +256,43 @@ __device__ __forceinline__ void reduce_vectors(const FinalizeParams& p, const Sl
       // without more registers.
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        int s = s0 + G + g, vv = v0;
+        int s = s0 + G + g, vv = v0 + lane_v;
         if (s >= count) {
           s -= count;
           vv += kStep;
         }
 #pragma unroll
         for (int u = 0; u < U; ++u)
-          if (s < count && vv + u * 32 < v_end) dev::prefetch_l2(rows + m.row_offset[s] + int64_t(vv + u * 32) * V);
+          if (s < count && vv + u * kLanesOut < v_end)
+            dev::prefetch_l2(rows + m.row_offset[s] + int64_t(vv + u * kLanesOut) * V);
       }
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        if (s0 + g >= count) break;
+        if (s0 + g >= count) break;  // uniform across the warp
         const float w = m.weight[s0 + g];
+        const int row_shift = shift(m.row_offset[s0 + g]);
+        const int bias_shift = kBias ? shift(m.bias_offset[s0 + g]) : 0;
 #pragma unroll
-        for (int u = 0; u < U; ++u)
+        for (int u = 0; u < U; ++u) {
+          const dev::Vec<In, V> xr = realigned(x[g][u], row_shift);
+          dev::Vec<In, V> br;
+          if constexpr (kBias) br = realigned(b[g][u], bias_shift);
 #pragma unroll
           for (int e = 0; e < V; ++e) {
-            float xv = dev::to_float(x[g][u].v[e]);
-            if constexpr (kBias) xv = with_bias(xv, dev::to_float(b[g][u].v[e]));
+            float xv = dev::to_float(xr.v[e]);
+            if constexpr (kBias) xv = with_bias(xv, dev::to_float(br.v[e]));
             acc[u][e] = accumulate(acc[u][e], w, xv);
           }
+        }
       }
     }
+    if (lane < kLanesOut) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int v = v0 + u * 32;
-      if (v >= v_end) break;
-      store_output<Out, V>(p, out, shared, m.token, int64_t(v) * V, acc[u]);
+      for (int u = 0; u < U; ++u) {
+        const int v = v0 + lane_v + u * kLanesOut;
+        if (v >= v_end) break;
+        store_output<Out, V>(p, out, shared, m.token, int64_t(v) * V, acc[u]);
+      }
     }
   }
 }
@@ -552,7 +599,7 @@ __device__ __forceinline__ void reduce_tail(const FinalizeParams& p, const SlotM
 // not bandwidth, is then the cost, so every local slot's row load of a lane
 // goes out at once (kDecodeLoadsInFlight, held in registers: up to 128 of
 // them) -- one row round trip per item instead of one per group of slots.
-template <typename In, typename Out, int V, int U, bool kBias, bool kDecode>
+template <typename In, typename Out, int V, int U, bool kBias, bool kDecode, bool kRealign>
 __global__ void __launch_bounds__(kMaxFinalizeThreads,
                                   kDecode ? 1 : (kBias && sizeof(In) * V == 16) ? 2 : kMinFinalizeBlocksPerSm)
     finalize_moe_routing_kernel(const FinalizeParams p) {
@@ -607,14 +654,14 @@ __global__ void __launch_bounds__(kMaxFinalizeThreads,
     __syncwarp();  // the previous item's record is no longer read
     if (resolve_slots(p, ik, slots, m)) {
       if constexpr (kDecode) {
-        reduce_vectors<In, Out, V, U, kBias, kDecodeLoadsInFlight>(p, m, chunk);
-      } else if constexpr (sizeof(In) * V == 16 && !kBias) {
+        reduce_vectors<In, Out, V, U, kBias, kDecodeLoadsInFlight, kRealign>(p, m, chunk);
+      } else if constexpr (sizeof(In) * V == 16 && !kBias && !kRealign) {
         reduce_vectors_async<In, Out, V, U>(p, m, chunk, ring);
       } else {
         // Bias doubles the vectors per slot and its rows are L2 hits: the
         // register path with an L2 prefetch of the next group measured faster.
-        reduce_vectors<In, Out, V, U, kBias, kBias && sizeof(In) * V == 16 ? kBiasLoadsInFlight : kLoadsInFlight>(
-            p, m, chunk);
+        reduce_vectors<In, Out, V, U, kBias, kBias && sizeof(In) * V == 16 ? kBiasLoadsInFlight : kLoadsInFlight,
+                       kRealign>(p, m, chunk);
       }
       if (chunk == p.chunks - 1 && p.vectors * V < p.hidden) reduce_tail<In, Out>(p, m, p.vectors * V);
     }
@@ -635,13 +682,14 @@ bool aligned_for(const void* ptr, int64_t stride, int elems, int elem_bytes) {
   return ptr == nullptr || (dev::is_aligned(ptr, bytes) && stride % elems == 0);
 }
 
-template <typename In, typename Out, int V, int U>
+template <typename In, typename Out, int V, int U, bool kRealign>
 Status launch_finalize(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaStream_t stream) {
-  auto kernel = p.bias ? finalize_moe_routing_kernel<In, Out, V, U, true, false>
-                       : finalize_moe_routing_kernel<In, Out, V, U, false, false>;
+  auto kernel = p.bias ? finalize_moe_routing_kernel<In, Out, V, U, true, false, kRealign>
+                       : finalize_moe_routing_kernel<In, Out, V, U, false, false, kRealign>;
   const int threads = a.tuning.threads_per_block ? a.tuning.threads_per_block : 128;
   const int warps = threads / 32;
-  size_t smem = sizeof(In) * V == 16 && !p.bias ? size_t(warps) * kFinalizeRingVectors * sizeof(uint4) : 0;
+  size_t smem =
+      sizeof(In) * V == 16 && !p.bias && !kRealign ? size_t(warps) * kFinalizeRingVectors * sizeof(uint4) : 0;
   if (smem > 48 * 1024)
     FM_RETURN_IF_ERROR(detail::cuda_status(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), kOp, "shared memory size"));
@@ -651,7 +699,10 @@ Status launch_finalize(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaSt
   const int sms = shape.sms, per_sm = shape.blocks_per_sm;
   const int64_t resident_warps = int64_t(std::max(1, per_sm)) * sms * warps;
 
-  p.vectors = p.hidden / V;
+  // Realigned: the last whole vector goes to the tail path too, so that the
+  // aligned vector after the last one produced is still inside the row.
+  p.vectors = kRealign ? std::max(0, p.hidden / V - 1) : p.hidden / V;
+  const int lanes_out = kRealign ? 31 : 32;  // vectors a warp pass yields per u
   // Chunks per output row (an item is one chunk, for one warp). By default:
   // about 16 items per resident warp, so the last round of the persistent
   // loop is a small share of the time, but never less than one 32*U-vector
@@ -659,14 +710,14 @@ Status launch_finalize(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaSt
   // warps and SMs; large T gives each warp a long run of columns.
   int chunks = a.tuning.chunks_per_token;
   if (chunks == 0) {
-    const int passes = (p.vectors + 32 * U - 1) / (32 * U);  // warp passes for a whole row
+    const int passes = (p.vectors + lanes_out * U - 1) / (lanes_out * U);  // warp passes for a whole row
     const int64_t rows_of_work = std::max<int64_t>(1, a.fill ? a.num_tokens : a.num_rows);
     const int64_t want = (resident_warps * 16 + rows_of_work - 1) / rows_of_work;
     chunks = int(std::min<int64_t>(passes, want));
   }
   chunks = std::max(1, std::min(chunks, std::max(1, p.vectors)));
   // Whole warp passes per chunk: no idle lanes but in the row's last pass.
-  const int pass = 32 * U;
+  const int pass = lanes_out * U;
   p.chunk_vecs = std::max(1, ((p.vectors + chunks - 1) / chunks + pass - 1) / pass * pass);
   p.chunks = std::max(1, (p.vectors + p.chunk_vecs - 1) / p.chunk_vecs);
   p.items_bound = (a.fill ? a.num_tokens : a.num_rows) * int64_t(p.chunks);
@@ -679,8 +730,8 @@ Status launch_finalize(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaSt
   // a round) the ring path was ahead (4.58 vs 4.72 us).
   if constexpr (sizeof(In) * V == 16 && U == 1) {
     if (a.k <= kDecodeLoadsInFlight && 2 * p.items_bound <= resident_warps && a.tuning.threads_per_block == 0) {
-      kernel = p.bias ? finalize_moe_routing_kernel<In, Out, V, U, true, true>
-                      : finalize_moe_routing_kernel<In, Out, V, U, false, true>;
+      kernel = p.bias ? finalize_moe_routing_kernel<In, Out, V, U, true, true, kRealign>
+                      : finalize_moe_routing_kernel<In, Out, V, U, false, true, kRealign>;
       smem = 0;
     }
   }
@@ -692,16 +743,11 @@ Status launch_finalize(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaSt
 template <typename In, typename Out>
 Status dispatch_width(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaStream_t stream) {
   constexpr int kFull = 16 / sizeof(In);
-  // The vector width follows the inputs; an output row that is not aligned
-  // for it is written element by element (a small share of the traffic).
-  auto fits = [&](int v) {
-    return aligned_for(p.rows, p.rows_stride, v, sizeof(In)) && aligned_for(p.bias, p.bias_stride, v, sizeof(In));
-  };
-  auto out_fits = [&](int v) {
-    return aligned_for(p.out, p.out_stride, v, sizeof(Out)) && aligned_for(p.shared, p.shared_stride, v, sizeof(Out));
-  };
-  if (fits(kFull)) {
-    p.out_vectors = out_fits(kFull);
+  // An output row that is not aligned for 16-byte vectors is written element
+  // by element (a small share of the traffic).
+  p.out_vectors =
+      aligned_for(p.out, p.out_stride, kFull, sizeof(Out)) && aligned_for(p.shared, p.shared_stride, kFull, sizeof(Out));
+  if (aligned_for(p.rows, p.rows_stride, kFull, sizeof(In)) && aligned_for(p.bias, p.bias_stride, kFull, sizeof(In))) {
     // Vectors per lane and slot, from same-run sweeps on the H200: filling
     // takes 1 (k=2, H=4096: 0.88 of copy at 1, 0.86 at 2; k=8 the same);
     // no-filling takes 2 -- its tokens have one or two local slots, and two
@@ -709,18 +755,20 @@ Status dispatch_width(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaStr
     // 1, 59.5 us at 2; 4 was slower than 2).
     int u = a.tuning.vectors_per_thread;
     if (u == 0) u = a.fill ? 1 : 2;
-    if (u == 2) return launch_finalize<In, Out, kFull, 2>(p, a, stream);
-    return launch_finalize<In, Out, kFull, 1>(p, a, stream);
+    if (u == 2) return launch_finalize<In, Out, kFull, 2, false>(p, a, stream);
+    return launch_finalize<In, Out, kFull, 1, false>(p, a, stream);
   }
-  // Misaligned pointers or strides: a narrower path that does not need them.
-  if constexpr (sizeof(In) == 2) {
-    if (fits(2)) {
-      p.out_vectors = out_fits(2);
-      return launch_finalize<In, Out, 2, 1>(p, a, stream);
-    }
-  }
-  p.out_vectors = true;
-  return launch_finalize<In, Out, 1, 1>(p, a, stream);
+  // Rows or bias rows off the 16-byte grid (an odd stride, an offset
+  // pointer): still 16-byte loads, realigned across lanes. The pointers move
+  // down to their 16-byte boundary; the distance rides in every row offset.
+  auto align_down = [](const void*& ptr, int& shift) {
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(ptr);
+    shift = ptr ? int((addr % 16) / sizeof(In)) : 0;  // pointers are element-aligned (validated)
+    ptr = ptr ? reinterpret_cast<const void*>(addr - addr % 16) : nullptr;
+  };
+  align_down(p.rows, p.rows_shift);
+  align_down(p.bias, p.bias_shift);
+  return launch_finalize<In, Out, kFull, 1, true>(p, a, stream);
 }
 
 template <typename In>

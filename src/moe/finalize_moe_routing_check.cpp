@@ -75,6 +75,27 @@ Status validate_finalize_moe_routing(const FinalizeMoeRoutingArgs& a) {
     FM_REQUIRE(a.expert_first_token_offset != nullptr, kOp, "expert_first_token_offset",
                "is null (required when fill = false)");
   }
+  // Every pointer is aligned to its element: the narrowest path the kernels
+  // have (realigned 16-byte loads, element stores) needs no more than that.
+  {
+    const uintptr_t isz = dtype_size(a.rows_dtype), osz = dtype_size(a.out_dtype);
+    const struct {
+      const char* name;
+      const void* ptr;
+      uintptr_t align;
+    } ptrs[] = {{"expanded_permuted_rows", a.expanded_permuted_rows, isz},
+                {"bias", a.bias, isz},
+                {"out", a.out, osz},
+                {"shared_output", a.shared_output, osz},
+                {"token_selected_experts", a.token_selected_experts, 4},
+                {"unpermuted_row_to_permuted_row", a.unpermuted_row_to_permuted_row, 4},
+                {"scales", a.scales, 4},
+                {"permuted_row_to_unpermuted_row", a.fill ? nullptr : a.permuted_row_to_unpermuted_row, 4},
+                {"expert_first_token_offset", a.fill ? nullptr : a.expert_first_token_offset, 8}};
+    for (const auto& q : ptrs)
+      FM_REQUIRE(reinterpret_cast<uintptr_t>(q.ptr) % q.align == 0, kOp, q.name, "must be aligned to its element (",
+                 q.align, " bytes)");
+  }
   // `out` shares no byte with an input. shared_output may be `out` itself
   // with the same stride (an in-place residual add: each element is read by
   // the thread that then writes it), but must not otherwise overlap it.

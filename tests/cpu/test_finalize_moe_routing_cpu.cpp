@@ -186,6 +186,39 @@ TEST(FinalizeCpuErrors, StridesSmallerThanARowAreRejected) {
   }
 }
 
+TEST(FinalizeCpuErrors, PointersNotAlignedToTheirElementAreRejected) {
+  auto off = [](const void* p, int bytes) { return static_cast<const char*>(p) + bytes; };
+  { SmallCase c; c.args.expanded_permuted_rows = off(c.rows.data(), 2); expect_error(c.args, "expanded_permuted_rows"); }
+  { SmallCase c; c.args.bias = off(c.bias.data(), 1); expect_error(c.args, "bias"); }
+  { SmallCase c; c.args.out = const_cast<char*>(off(c.out.data(), 2)); expect_error(c.args, "out"); }
+  { SmallCase c; c.args.shared_output = off(c.out.data(), 2); expect_error(c.args, "shared_output"); }
+  { SmallCase c; c.args.scales = reinterpret_cast<const float*>(off(c.scales.data(), 2)); expect_error(c.args, "scales"); }
+  {
+    SmallCase c;
+    c.args.token_selected_experts = reinterpret_cast<const int32_t*>(off(c.routing.experts.data(), 1));
+    expect_error(c.args, "token_selected_experts");
+  }
+  {
+    SmallCase c;
+    c.args.unpermuted_row_to_permuted_row = reinterpret_cast<const int32_t*>(off(c.routing.u2p.data(), 3));
+    expect_error(c.args, "unpermuted_row_to_permuted_row");
+  }
+  {
+    SmallCase c;  // int64 offsets need 8 bytes
+    c.args.fill = false;
+    c.args.permuted_row_to_unpermuted_row = c.routing.p2u.data();
+    c.args.expert_first_token_offset = reinterpret_cast<const int64_t*>(off(c.routing.offsets.data(), 4));
+    expect_error(c.args, "expert_first_token_offset");
+  }
+  {
+    SmallCase c;  // bf16 rows need 2 bytes, not 16: an odd element offset is fine
+    std::vector<uint16_t> rows16(10, 0x3f80);
+    c.args.rows_dtype = DType::kBFloat16;
+    c.args.expanded_permuted_rows = rows16.data() + 1;
+    EXPECT_TRUE(finalize_moe_routing_cpu(c.args).ok());
+  }
+}
+
 TEST(FinalizeCpuErrors, OutOverlappingAnInputIsRejected) {
   {
     SmallCase c;

@@ -33,6 +33,7 @@ struct Case {
   DType in = DType::kBFloat16, out = DType::kBFloat16;
   bool scales = true, bias = false, shared = false, fill = true;
   int extra_rows = 3;  // rows in the buffer no slot points at (filled with NaN)
+  int lead = 0;        // NaN elements before the first row and the first bias row (pointers off the 16-byte grid)
   FinalizeTuning tuning;
 };
 
@@ -113,20 +114,21 @@ struct Problem {
       }
 
     // Device copies.
-    d_rows = DeviceBuffer(rows.bytes);
+    d_rows = DeviceBuffer(with_lead(rows));
     d_u2p = DeviceBuffer(routing.u2p);
     d_experts = DeviceBuffer(routing.experts);
     d_scales = DeviceBuffer(scales);
     d_p2u = DeviceBuffer(routing.p2u.empty() ? std::vector<int32_t>{0} : routing.p2u);
     d_offsets = DeviceBuffer(routing.offsets);
-    if (c.bias) d_bias = DeviceBuffer(bias.bytes);
+    if (c.bias) d_bias = DeviceBuffer(with_lead(bias));
     if (c.shared) d_shared = DeviceBuffer(shared.bytes);
     d_out = DeviceBuffer(out_init.bytes);
-    args.expanded_permuted_rows = d_rows.get();
+    const size_t lead_bytes = size_t(c.lead) * dtype_size(c.in);
+    args.expanded_permuted_rows = static_cast<char*>(d_rows.get()) + lead_bytes;
     args.unpermuted_row_to_permuted_row = d_u2p.as<int32_t>();
     args.token_selected_experts = d_experts.as<int32_t>();
     args.scales = c.scales ? d_scales.as<float>() : nullptr;
-    args.bias = c.bias ? d_bias.get() : nullptr;
+    args.bias = c.bias ? static_cast<char*>(d_bias.get()) + lead_bytes : nullptr;
     args.shared_output = c.shared ? d_shared.get() : nullptr;
     args.out = d_out.get();
     if (!c.fill) {
@@ -134,6 +136,16 @@ struct Problem {
       args.expert_first_token_offset = d_offsets.as<int64_t>();
     }
     reset_output();
+  }
+
+  // The tensor's bytes after c.lead NaN elements; the buffer ends where the
+  // tensor does, so memcheck sees any read past its last element.
+  std::vector<uint8_t> with_lead(const HostTensor& t) const {
+    HostTensor lead(t.dtype, c.lead);
+    for (int64_t i = 0; i < c.lead; ++i) lead.set(i, std::nan(""));
+    std::vector<uint8_t> b = lead.bytes;
+    b.insert(b.end(), t.bytes.begin(), t.bytes.end());
+    return b;
   }
 
   void reset_output() { d_out.upload(out_init.data(), out_init.bytes.size()); }
@@ -322,6 +334,63 @@ TEST(FinalizeGpu, MisalignedPointersFallBackToANarrowerPath) {
     Case d = c;
     d.H = 1002;  // even stride, 4-byte but not 16-byte aligned rows (bf16)
     check_case(d);
+  }
+}
+
+// Rows off the 16-byte grid (odd strides, pointers a few elements past a
+// boundary) take 16-byte loads realigned across lanes: every kernel variant
+// that reads rows (filling, no-filling, decode-sized, bias or not), and the
+// last row ending where its buffer ends (memcheck: no read past it).
+TEST(FinalizeGpu, RowsOffThe16ByteGridAreRealigned) {
+  SKIP_WITHOUT_GPU();
+  std::vector<Case> cases;
+  for (DType in : {DType::kBFloat16, DType::kFloat16, DType::kFloat32})
+    for (int lead : {0, 1, 3}) {
+      Case c;
+      c.in = in;
+      c.H = 2003;
+      c.lead = lead;
+      c.extra_rows = 0;
+      c.bias = lead != 1;
+      cases.push_back(c);
+    }
+  for (int64_t T : {1, 16, 64}) {  // decode-sized grids
+    Case c;
+    c.T = T;
+    c.k = 8;
+    c.total_experts = 64;
+    c.local = 64;
+    c.H = 7003;
+    c.lead = 5;
+    c.bias = T == 16;
+    cases.push_back(c);
+  }
+  {
+    Case c;  // expert parallel, no filling, with the out rows aligned (padded)
+    c.total_experts = 256;
+    c.start = 96;
+    c.local = 32;
+    c.k = 8;
+    c.T = 300;
+    c.H = 1545;
+    c.out_pad = 7;
+    c.fill = false;
+    c.extra_rows = 0;
+    cases.push_back(c);
+  }
+  for (int64_t H : {8, 15, 16, 17, 31, 33, 63, 65, 250, 500})  // rows shorter than, or just past, one warp pass
+    for (int lead : {1, 6}) {
+      Case c;
+      c.H = H;
+      c.rows_pad = 1;
+      c.lead = lead;
+      c.bias = lead == 6;
+      c.shared = true;
+      cases.push_back(c);
+    }
+  for (const Case& c : cases) {
+    SCOPED_TRACE("lead " + std::to_string(c.lead));
+    check_case(c);
   }
 }
 
