@@ -23,11 +23,12 @@ capture, from the graph's pool).
 
 bfloat16 on the CPU without torch: numpy arrays of ``ml_dtypes.bfloat16``.
 
-torch.compile: when torch is importable, ``torch.ops.flashmix.finalize_moe_routing``,
-``torch.ops.flashmix.mhc_pre`` and ``torch.ops.flashmix.mhc_post`` are
-registered as custom ops with shape functions; call those inside compiled
-code (the functions here call the binding directly, which is cheaper in
-eager mode but a graph break under torch.compile).
+torch.compile: when torch is importable, ``torch.ops.flashmix.build_moe_routing_maps``,
+``finalize_moe_routing``, ``moe_fc2_finalize``, ``mhc_expand``, ``mhc_pre``,
+``mhc_post`` and ``mhc_head`` are registered as custom ops with shape
+functions; call those inside compiled code (the functions here call the
+binding directly, which is cheaper in eager mode but a graph break under
+torch.compile).
 """
 import collections
 import pkgutil

@@ -1,4 +1,6 @@
-"""torch custom ops over flashmix: torch.ops.flashmix.{finalize_moe_routing, mhc_pre, mhc_post}.
+"""torch custom ops over flashmix: torch.ops.flashmix.{build_moe_routing_maps, finalize_moe_routing,
+moe_fc2_finalize, mhc_expand, mhc_pre, mhc_post, mhc_head} -- a whole MoE layer's end and a whole mHC
+model (expand at the embedding, pre/post around every sublayer, head before the LM head) in compiled code.
 
 Functional (outputs are fresh tensors, inputs are not written), with fake
 implementations (shape functions), so they trace under torch.compile (one
@@ -13,9 +15,87 @@ import torch
 from torch import Tensor
 
 from . import _mhc_hidden, _streams_from_coefficients
+from . import build_moe_routing_maps as _build_moe_routing_maps
 from . import finalize_moe_routing as _finalize_moe_routing
+from . import mhc_expand as _mhc_expand
+from . import mhc_head as _mhc_head
 from . import mhc_post as _mhc_post
 from . import mhc_pre as _mhc_pre
+from . import moe_fc2_finalize as _moe_fc2_finalize
+
+
+@torch.library.custom_op("flashmix::build_moe_routing_maps", mutates_args=())
+def build_moe_routing_maps(token_selected_experts: Tensor, num_experts_per_node: int, start_expert_id: int = 0,
+                           input: Optional[Tensor] = None,
+                           enable_pdl: bool = True) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """flashmix.build_moe_routing_maps as a custom op: (expert_first_token_offset int64 ``[E_local + 1]``,
+    permuted_row_to_unpermuted_row int32 ``[k*T]``, unpermuted_row_to_permuted_row int32 ``[k*T]``,
+    permuted_input ``[k*T, H]``). As in the C++ API, P = ``expert_first_token_offset[-1]`` (on the
+    device) and only the first P entries of permuted_row_to_unpermuted_row and rows of
+    permuted_input are written; the rest is unspecified. Without ``input``, permuted_input is an
+    empty ``[0, 0]`` tensor."""
+    maps = _build_moe_routing_maps(token_selected_experts, num_experts_per_node=num_experts_per_node,
+                                   start_expert_id=start_expert_id, input=input, enable_pdl=enable_pdl)
+    permuted = maps.permuted_input if input is not None else token_selected_experts.new_empty((0, 0))
+    return (maps.expert_first_token_offset, maps.permuted_row_to_unpermuted_row,
+            maps.unpermuted_row_to_permuted_row, permuted)
+
+
+@build_moe_routing_maps.register_fake
+def _(token_selected_experts, num_experts_per_node, start_expert_id=0, input=None, enable_pdl=True):
+    slots = token_selected_experts.shape[0] * token_selected_experts.shape[1]
+    ex = token_selected_experts
+    return (ex.new_empty((num_experts_per_node + 1,), dtype=torch.int64), ex.new_empty((slots,)),
+            ex.new_empty((slots,)),
+            input.new_empty((slots, input.shape[1])) if input is not None else ex.new_empty((0, 0)))
+
+
+@torch.library.custom_op("flashmix::moe_fc2_finalize", mutates_args=())
+def moe_fc2_finalize(A: Tensor, W2: Tensor, expert_first_token_offset: Tensor, permuted_row_to_unpermuted_row: Tensor,
+                     k: int, num_tokens: int = -1, scales: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+                     apply_bias: bool = True, mode: str = "atomic") -> Tensor:
+    """flashmix.moe_fc2_finalize as a custom op: a fresh bf16 ``out`` ``[T, H]``. T is ``num_tokens``,
+    or ``scales.shape[0]`` when ``num_tokens=-1``."""
+    return _moe_fc2_finalize(A, W2, expert_first_token_offset, permuted_row_to_unpermuted_row, k=k,
+                             num_tokens=_fc2_tokens(num_tokens, scales), scales=scales, bias=bias,
+                             apply_bias=apply_bias, mode=mode)
+
+
+def _fc2_tokens(num_tokens, scales):
+    if num_tokens >= 0:
+        return num_tokens
+    if scales is None:
+        raise ValueError("moe_fc2_finalize: num_tokens: needed when scales is None")
+    return scales.shape[0]
+
+
+@moe_fc2_finalize.register_fake
+def _(A, W2, expert_first_token_offset, permuted_row_to_unpermuted_row, k, num_tokens=-1, scales=None, bias=None,
+      apply_bias=True, mode="atomic"):
+    return A.new_empty((_fc2_tokens(num_tokens, scales), W2.shape[1]), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("flashmix::mhc_expand", mutates_args=())
+def mhc_expand(embedding: Tensor, n: int, enable_pdl: bool = True) -> Tensor:
+    """flashmix.mhc_expand as a custom op: a fresh X bf16 ``[B, n, C]`` holding n copies of the embedding."""
+    return _mhc_expand(embedding, n=n, enable_pdl=enable_pdl)
+
+
+@mhc_expand.register_fake
+def _(embedding, n, enable_pdl=True):
+    return embedding.new_empty((embedding.shape[0], n, embedding.shape[1]), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("flashmix::mhc_head", mutates_args=())
+def mhc_head(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, eps_norm: float = 1e-6, eps_pre: float = 1e-6,
+             enable_pdl: bool = True) -> Tensor:
+    """flashmix.mhc_head as a custom op: a fresh bf16 ``[B, C]`` (phi ``[n, n*C]``)."""
+    return _mhc_head(x, phi, alpha, bias, eps_norm=eps_norm, eps_pre=eps_pre, enable_pdl=enable_pdl)
+
+
+@mhc_head.register_fake
+def _(x, phi, alpha, bias, eps_norm=1e-6, eps_pre=1e-6, enable_pdl=True):
+    return x.new_empty((x.shape[0], _mhc_hidden(x, phi.shape[0], "mhc_head")), dtype=torch.bfloat16)
 
 
 @torch.library.custom_op("flashmix::finalize_moe_routing", mutates_args=())

@@ -547,3 +547,87 @@ def test_torch_compile_of_the_custom_ops_on_cpu_tensors():
     phi, alpha, bias = torch.randn(24, 128) * 0.1, torch.rand(3) + 0.5, torch.randn(24)
     compiled = torch.compile(layer, fullgraph=True)
     assert torch.equal(compiled(x, phi, alpha, bias), layer(x, phi, alpha, bias))
+
+
+def test_torch_custom_ops_for_the_moe_end_on_cpu_tensors():
+    torch = torch_or_skip()
+    rng = np.random.default_rng(15)
+    T, k, E, start, E_local, H, I = 11, 3, 12, 4, 6, 16, 24
+    experts = torch.from_numpy(np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32))
+    x = torch.randn(T, I)
+    off, p2u, u2p, permuted = torch.ops.flashmix.build_moe_routing_maps(experts, E_local, start_expert_id=start,
+                                                                        input=x)
+    want_off, want_p2u, want_u2p = ref.routing_maps(experts.numpy(), start, E_local)
+    P = int(want_off[-1])
+    assert off.dtype == torch.int64 and p2u.dtype == torch.int32 and u2p.dtype == torch.int32
+    assert p2u.shape == (k * T,) and u2p.shape == (k * T,) and permuted.shape == (k * T, I)
+    np.testing.assert_array_equal(off.numpy(), want_off)
+    np.testing.assert_array_equal(p2u[:P].numpy(), want_p2u)
+    np.testing.assert_array_equal(u2p.numpy(), want_u2p)
+    assert torch.equal(permuted[:P], x[p2u[:P].long() % T])
+    _, _, _, none = torch.ops.flashmix.build_moe_routing_maps(experts, E_local, start_expert_id=start)
+    assert none.shape == (0, 0)
+    # Past P the maps are unspecified: the checks that compare outputs across runs are left out.
+    torch.library.opcheck(torch.ops.flashmix.build_moe_routing_maps.default, (experts, E_local),
+                          {"start_expert_id": start, "input": x},
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+    A = (torch.rand(k * T, I) * 2 - 1).bfloat16()
+    W2 = ((torch.rand(E_local, H, I) * 2 - 1) / 4).bfloat16()
+    scales, bias = torch.rand(T, k), (torch.rand(E_local, H) * 2 - 1).bfloat16()
+    for mode in flashmix.FC2_MODES:
+        out = torch.ops.flashmix.moe_fc2_finalize(A, W2, off, p2u, k, scales=scales, bias=bias, mode=mode)
+        assert out.shape == (T, H) and out.dtype == torch.bfloat16
+        want = ref.fc2_finalize(A.float().numpy(), W2.float().numpy(), off.numpy(), p2u.numpy(), scales.numpy(),
+                                bias.float().numpy(), T, k)
+        assert_rounded_close(out.float().numpy(), want, "bfloat16", None)
+    no_scales = torch.ops.flashmix.moe_fc2_finalize(A, W2, off, p2u, k, num_tokens=T)
+    want = ref.fc2_finalize(A.float().numpy(), W2.float().numpy(), off.numpy(), p2u.numpy(), None, None, T, k)
+    assert_rounded_close(no_scales.float().numpy(), want, "bfloat16", None)
+    with pytest.raises(ValueError, match="^moe_fc2_finalize: num_tokens: "):
+        torch.ops.flashmix.moe_fc2_finalize(A, W2, off, p2u, k)
+    torch.library.opcheck(torch.ops.flashmix.moe_fc2_finalize.default, (A, W2, off, p2u, k),
+                          {"scales": scales, "bias": bias, "mode": "deterministic"})
+
+
+def test_torch_custom_ops_for_mhc_expand_and_head_on_cpu_tensors():
+    torch = torch_or_skip()
+    n, C, B = 4, 16, 3
+    emb = torch.randn(B, C).bfloat16()
+    x = torch.ops.flashmix.mhc_expand(emb, n)
+    assert x.shape == (B, n, C) and all(torch.equal(x[:, i], emb) for i in range(n))
+    torch.library.opcheck(torch.ops.flashmix.mhc_expand.default, (emb, n))
+    phi, alpha, bias = torch.randn(n, n * C) / 8, torch.tensor([0.9]), torch.randn(n)
+    out = torch.ops.flashmix.mhc_head(x, phi, alpha, bias)
+    assert torch.equal(out, flashmix.mhc_head(x, phi, alpha, bias))
+    torch.library.opcheck(torch.ops.flashmix.mhc_head.default, (x, phi, alpha, bias))
+
+
+def test_torch_compile_of_a_moe_end_and_an_mhc_model_on_cpu_tensors():
+    torch = torch_or_skip()
+    rng = np.random.default_rng(16)
+    T, k, E, E_local, H, I = 7, 2, 8, 8, 16, 32
+    experts = torch.from_numpy(np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32))
+
+    # The stand-ins for FC1 and an unfused FC2 are exact (a cast, a slice), so eager == compiled.
+    def moe_end(x, experts, scales, W2):
+        off, p2u, u2p, xp = torch.ops.flashmix.build_moe_routing_maps(experts, E_local, input=x)
+        act = xp.bfloat16()
+        fused = torch.ops.flashmix.moe_fc2_finalize(act, W2, off, p2u, k, scales=scales, mode="deterministic")
+        rows = act[:, :H]
+        return fused, torch.ops.flashmix.finalize_moe_routing(rows, u2p, experts, E_local, scales=scales)
+
+    def mhc_model(emb, phi, alpha, bias, head_phi, head_alpha, head_bias):
+        x = torch.ops.flashmix.mhc_expand(emb, 4)
+        for _ in range(2):
+            f_pre, h_post, h_res = torch.ops.flashmix.mhc_pre(x, phi, alpha, bias)
+            x = torch.ops.flashmix.mhc_post(x, (f_pre.float() * 0.5).bfloat16(), h_post, h_res)
+        return torch.ops.flashmix.mhc_head(x, head_phi, head_alpha, head_bias)
+
+    moe_args = (torch.randn(T, I), experts, torch.rand(T, k), (torch.randn(E_local, H, I) / 4).bfloat16())
+    for got, want in zip(torch.compile(moe_end, fullgraph=True)(*moe_args), moe_end(*moe_args)):
+        assert torch.equal(got, want)
+    C = 32
+    mhc_args = (torch.randn(5, C).bfloat16(), torch.randn(24, 4 * C) * 0.1, torch.rand(3) + 0.5, torch.randn(24),
+                torch.randn(4, 4 * C) * 0.1, torch.tensor([0.8]), torch.randn(4))
+    assert torch.equal(torch.compile(mhc_model, fullgraph=True)(*mhc_args), mhc_model(*mhc_args))
