@@ -72,10 +72,6 @@ struct FinalizeParams {
   const int32_t* p2u;
   const int64_t* expert_offsets;
   int64_t rows_stride, bias_stride, shared_stride, out_stride;
-  // Realigned path: rows / bias point at the 16-byte boundary at or below
-  // the caller's pointer, and these are the caller's pointers' distances from
-  // it in elements (folded into every row offset). 0 on the other paths.
-  int rows_shift, bias_shift;
   int64_t num_tokens;
   int64_t items_bound;  // items the grid may have to walk (filling: all of them)
   int hidden;
@@ -87,6 +83,10 @@ struct FinalizeParams {
   int chunk_vecs;  // vectors per chunk
   bool fill;
   bool out_vectors;  // out (and shared_output) aligned for V-element vectors; else element stores
+  // Realigned path: rows / bias point at the 16-byte boundary at or below
+  // the caller's pointer, and these are the caller's pointers' distances from
+  // it in elements (folded into every row offset). 0 on the other paths.
+  int rows_shift, bias_shift;
 };
 
 // The local slots of one work item, in slot order.
@@ -134,7 +134,11 @@ __device__ __forceinline__ SlotLoad load_slot(const FinalizeParams& p, int64_t t
 
 // One warp. Compacts the item's local slots into the warp's record m, in slot
 // order. Returns false when the item is skipped (no-filling: the token belongs
-// to the item of its first local slot).
+// to the item of its first local slot). kRealign: the offsets include the
+// pointers' distances from their 16-byte boundary (the other paths' code is
+// left exactly as it was: the bias path's speed has moved with code changes
+// as small as an unused branch).
+template <bool kRealign>
 __device__ __forceinline__ bool resolve_slots(const FinalizeParams& p, const ItemKey& key, const SlotLoad& s,
                                               SlotMeta& m) {
   const int lane = threadIdx.x & 31;
@@ -143,8 +147,8 @@ __device__ __forceinline__ bool resolve_slots(const FinalizeParams& p, const Ite
   if (!p.fill && __ffs(mask) - 1 != key.first_slot) return false;  // uniform across the warp
   if (local) {
     const int slot = __popc(mask & ((1u << lane) - 1u));
-    m.row_offset[slot] = p.rows_shift + int64_t(s.row) * p.rows_stride;
-    m.bias_offset[slot] = p.bias_shift + int64_t(s.expert - p.start_expert) * p.bias_stride;
+    m.row_offset[slot] = (kRealign ? p.rows_shift : 0) + int64_t(s.row) * p.rows_stride;
+    m.bias_offset[slot] = (kRealign ? p.bias_shift : 0) + int64_t(s.expert - p.start_expert) * p.bias_stride;
     m.weight[slot] = s.weight;
   }
   if (lane == 0) {
@@ -652,7 +656,7 @@ __global__ void __launch_bounds__(kMaxFinalizeThreads,
     const int32_t u3 = unpermuted_of(item + 3 * stride, key3);
 
     __syncwarp();  // the previous item's record is no longer read
-    if (resolve_slots(p, ik, slots, m)) {
+    if (resolve_slots<kRealign>(p, ik, slots, m)) {
       if constexpr (kDecode) {
         reduce_vectors<In, Out, V, U, kBias, kDecodeLoadsInFlight, kRealign>(p, m, chunk);
       } else if constexpr (sizeof(In) * V == 16 && !kBias && !kRealign) {
