@@ -3,7 +3,8 @@
 #   1. the GPU tests, 2. compute-sanitizer memcheck and racecheck on them,
 #   3. flashmix-bench over the standard workloads with verification (JSON).
 # Usage: scripts/gpu_round.sh BIN_DIR OUT_DIR [bench args...]
-#   BIN_DIR holds flashmix_gpu_tests and flashmix-bench (built elsewhere is fine).
+#   BIN_DIR holds flashmix_gpu_tests and flashmix-bench (built elsewhere is
+#   fine), or is the .tar.xz that scripts/stage_gpu_binaries.sh packs them in.
 # Environment: TEST_FILTER (gtest filter for the test run, default: all),
 #   SANITIZE_FILTER (gtest filter for the sanitizer runs, default: all but the
 #   largest cases and the tests that provoke a CUDA API error on purpose, which
@@ -13,6 +14,11 @@ bin=${1:?usage: gpu_round.sh BIN_DIR OUT_DIR [bench args...]}
 out=${2:?usage: gpu_round.sh BIN_DIR OUT_DIR [bench args...]}
 shift 2
 mkdir -p "$out"
+if [[ "$bin" == *.tar.xz ]]; then
+  unpacked=$(mktemp -d)
+  tar xJf "$bin" -C "$unpacked"
+  bin=$(find "$unpacked" -name flashmix-bench -printf '%h\n' | head -n 1)
+fi
 status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$out/gpu.txt"
 

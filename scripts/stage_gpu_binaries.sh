@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# Copies the GPU binaries of a build tree into .carry/<name>/ (git-ignored), the
-# folder a device run carries. Usage: scripts/stage_gpu_binaries.sh BUILD_DIR NAME
+# Packs the GPU binaries of a build tree (flashmix_gpu_tests, flashmix-bench;
+# debug info stripped) into .carry/<name>.tar.xz (git-ignored), the file a
+# device run carries: ~8 MB against ~50 MB unpacked, so an A/B pair of builds
+# fits the device tool's 64 MiB. On the device:
+#   tar xJf .carry/<name>.tar.xz -C .carry  ->  .carry/<name>/{flashmix_gpu_tests,flashmix-bench}
+# Usage: scripts/stage_gpu_binaries.sh BUILD_DIR NAME
 set -euo pipefail
 build=${1:?usage: stage_gpu_binaries.sh BUILD_DIR NAME}
 name=${2:?usage: stage_gpu_binaries.sh BUILD_DIR NAME}
 root=$(cd "$(dirname "$0")/.." && pwd)
-dest="$root/.carry/$name"
-rm -rf "$dest" && mkdir -p "$dest"
-cp "$build/tests/flashmix_gpu_tests" "$build/bench/flashmix-bench" "$dest/"
-strip --strip-debug "$dest"/* 2>/dev/null || true
-du -sh "$dest"
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+mkdir -p "$stage/$name" "$root/.carry"
+cp "$build/tests/flashmix_gpu_tests" "$build/bench/flashmix-bench" "$stage/$name/"
+strip --strip-debug "$stage/$name"/* 2>/dev/null || true
+tar -C "$stage" -cf - "$name" | xz -6 -T0 > "$root/.carry/$name.tar.xz"
+ls -l "$root/.carry/$name.tar.xz"
