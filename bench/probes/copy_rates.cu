@@ -2,7 +2,8 @@
 // copy ceiling): read-only and write-only rates, row-gather copies, and which
 // copy method (store flavour, loads in flight, tiles, TMA bulk copies) comes
 // closest. Timed like flashmix-bench (events around one launch, median of
-// 30, warm-up 5). `copy_rates methods` runs the copy-method comparison.
+// 30, warm-up 5). `copy_rates methods` runs the copy-method comparison;
+// `copy_rates l2mix` the L2 read rate and the HBM + L2 mix of the bias case.
 // A stand-alone probe (not built by CMake; docs/moe_finalize.md quotes it):
 //   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o copy_rates bench/probes/copy_rates.cu && ./copy_rates
 #include <cstdio>
@@ -119,6 +120,28 @@ __global__ void copy_bulk(const char* __restrict__ a, char* __restrict__ b, size
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
+// L2 read rate: the grid walks a small (L2-resident) table over and over,
+// 16-byte vectors, a warp's 32 contiguous (as a warp reads a bias row slice).
+// With `hbm` set, the same number of vectors is also streamed
+// from HBM (the finalize-with-bias mix: each row vector read once from HBM,
+// one bias vector from L2 per row vector).
+__global__ void l2_mix_kernel(const uint4* __restrict__ table, size_t table_vecs, const uint4* __restrict__ hbm,
+                              size_t n, unsigned* sink) {
+  size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x, s = size_t(gridDim.x) * blockDim.x;
+  unsigned acc = 0;
+  for (; i + 3 * s < n; i += 4 * s) {
+    const size_t m = table_vecs - 1;  // a power of two: a mask, not a 64-bit division
+    uint4 t0 = __ldg(table + (i & m)), t1 = __ldg(table + ((i + s) & m));
+    uint4 t2 = __ldg(table + ((i + 2 * s) & m)), t3 = __ldg(table + ((i + 3 * s) & m));
+    acc ^= t0.x ^ t1.y ^ t2.z ^ t3.w;
+    if (hbm) {
+      uint4 x0 = __ldcs(hbm + i), x1 = __ldcs(hbm + i + s), x2 = __ldcs(hbm + i + 2 * s), x3 = __ldcs(hbm + i + 3 * s);
+      acc ^= x0.x ^ x1.y ^ x2.z ^ x3.w;
+    }
+  }
+  if (acc == 0x12345678u) *sink = acc;
+}
+
 template <typename F> float med(F f) {
   cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
   for (int i = 0; i < 5; ++i) f();
@@ -160,9 +183,45 @@ void methods() {
   }
   }
 
+// Is the finalize's bias case (0.91 of copy; every row vector read from HBM
+// and one bias vector from L2 beside it) bound by the rate L2 feeds the SMs?
+// The L2 read rate alone, from a table of about the bias's size (256
+// experts x 7168 bf16 = 3.5 MiB; 4 MiB here), and the mix of 940 MB from HBM + 940 MB from L2.
+// Prediction: if the L2 rate alone is near 1.88 GB / 272 us = 6.9 TB/s, the
+// bias case is L2-bound and 0.93 of copy is out of reach for any kernel that
+// reads the bias rows per slot.
+void l2_mix() {
+  // 4 MiB: the bias's 3.5 MiB rounded up to a power of two (the kernel masks).
+  const size_t big = size_t(2) << 30, table_bytes = size_t(4) << 20, hbm_bytes = size_t(940) << 20;
+  char *a, *b, *table; unsigned* sink;
+  CK(cudaMalloc(&a, big)); CK(cudaMalloc(&b, big)); CK(cudaMalloc(&table, table_bytes)); CK(cudaMalloc(&sink, 4));
+  CK(cudaMemset(a, 1, big)); CK(cudaMemset(b, 2, big)); CK(cudaMemset(table, 3, table_bytes));
+  int sms; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  float t = med([&] { CK(cudaMemcpyAsync(b, a, big, cudaMemcpyDeviceToDevice)); });
+  const double ceil = 2.0 * big / (t * 1e-6) / 1e9;
+  printf("cudaMemcpy 2 GiB: %.1f us, %.1f GB/s (ceiling)\n", t, ceil);
+  const size_t n = hbm_bytes / 16, tv = table_bytes / 16;
+  for (int per_sm : {4, 8, 16}) {
+    float us = med([&] { l2_mix_kernel<<<sms * per_sm, 256>>>((const uint4*)table, tv, nullptr, n, sink); });
+    printf("L2 reads only (4 MiB table), %zu MB, %2d/SM: %8.2f us %8.1f GB/s\n", hbm_bytes >> 20, per_sm, us,
+           hbm_bytes / (us * 1e-6) / 1e9);
+    us = med([&] { read_kernel<<<sms * per_sm, 256>>>((const uint4*)a, n, sink); });
+    printf("HBM reads only, %zu MB, %2d/SM:                 %8.2f us %8.1f GB/s %.3f of ceiling\n", hbm_bytes >> 20,
+           per_sm, us, hbm_bytes / (us * 1e-6) / 1e9, hbm_bytes / (us * 1e-6) / 1e9 / ceil);
+    us = med([&] { l2_mix_kernel<<<sms * per_sm, 256>>>((const uint4*)table, tv, (const uint4*)a, n, sink); });
+    printf("HBM + as many L2 reads, %zu MB each, %2d/SM:   %8.2f us %8.1f GB/s from HBM %.3f of ceiling, "
+           "%.1f GB/s into the SMs\n", hbm_bytes >> 20, per_sm, us, hbm_bytes / (us * 1e-6) / 1e9,
+           hbm_bytes / (us * 1e-6) / 1e9 / ceil, 2.0 * hbm_bytes / (us * 1e-6) / 1e9);
+  }
+}
+
 int main(int argc, char** argv) {
   if (argc > 1 && !std::strcmp(argv[1], "methods")) {
     methods();
+    return 0;
+  }
+  if (argc > 1 && !std::strcmp(argv[1], "l2mix")) {
+    l2_mix();
     return 0;
   }
   const size_t big = size_t(2) << 30;
