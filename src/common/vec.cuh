@@ -90,8 +90,8 @@ __device__ __forceinline__ void store(T* p, const Vec<T, N>& x) {
 // (lo, hi: two consecutive 16-byte-aligned vectors of a row; 0 <= shift < V).
 // How a row that is not 16-byte aligned is still read with 16-byte loads:
 // each lane loads the aligned vector at its position, takes its neighbour's
-// as `hi` (a shuffle) and shifts. Word selection by compares, not indexing,
-// so nothing goes to local memory: 15 SEL + 4 SHF per vector. Host-callable
+// as `hi` (a shuffle) and shifts. Word selection by selects, not indexing,
+// so nothing goes to local memory (sm_90a SASS: ~9 SEL + 4 SHF per vector). Host-callable
 // (tests/cpu/test_vec_realign.cu).
 // (hi:lo) >> bits, low word; bits < 32. On the host too, for the tests.
 __host__ __device__ __forceinline__ uint32_t funnel_right(uint32_t lo, uint32_t hi, uint32_t bits) {
@@ -109,9 +109,12 @@ __host__ __device__ __forceinline__ Vec<T, V> realign16(const uint4& lo, const u
   const int bytes = shift * int(sizeof(T));
   const int q = bytes >> 2;                   // whole words, 0..3
   const uint32_t bits = uint32_t(bytes & 3) * 8u;  // 0, or 16 for 2-byte elements at an odd position
-  uint32_t t[5];
+  // t = w[q .. q+4]: a two-stage barrel shift (by 2 words, then by 1).
+  uint32_t u[6], t[5];
 #pragma unroll
-  for (int i = 0; i < 5; ++i) t[i] = (q & 2) ? ((q & 1) ? w[i + 3] : w[i + 2]) : ((q & 1) ? w[i + 1] : w[i]);
+  for (int i = 0; i < 6; ++i) u[i] = (q & 2) ? w[i + 2] : w[i];
+#pragma unroll
+  for (int i = 0; i < 5; ++i) t[i] = (q & 1) ? u[i + 1] : u[i];
   uint4 o;
   o.x = funnel_right(t[0], t[1], bits);
   o.y = funnel_right(t[1], t[2], bits);
