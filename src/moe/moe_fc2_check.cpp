@@ -58,6 +58,11 @@ Status validate_fc2(const Fc2FinalizeArgs& a, bool check_buffers) {
              "must be 4-byte aligned (bf16x2 reduction adds)");
   if (a.bias && a.apply_bias)
     FM_REQUIRE(reinterpret_cast<uintptr_t>(a.bias) % 4 == 0, kOp, "bias", "must be 4-byte aligned");
+  FM_REQUIRE(reinterpret_cast<uintptr_t>(a.expert_first_token_offset) % 8 == 0, kOp, "expert_first_token_offset",
+             "must be 8-byte aligned (int64)");
+  FM_REQUIRE(reinterpret_cast<uintptr_t>(a.permuted_row_to_unpermuted_row) % 4 == 0, kOp,
+             "permuted_row_to_unpermuted_row", "must be 4-byte aligned (int32)");
+  FM_REQUIRE(reinterpret_cast<uintptr_t>(a.scales) % 4 == 0, kOp, "scales", "must be 4-byte aligned (fp32)");
   // `out` (reduced into by the epilogue) overlaps no input.
   const int64_t slots = a.num_tokens * a.k, E = a.num_experts_per_node;
   const detail::Range outs[] = {{"out", a.out, detail::rows_extent_bytes(a.num_tokens, out_stride, a.hidden, 2)}};

@@ -85,6 +85,13 @@ Status validate_routing(const MoeRoutingArgs& a, bool check_buffers) {
     out_bytes = detail::rows_extent_bytes(slots, out_stride, a.hidden, es);
   }
   if (!check_buffers) return Status::Ok();
+  // The expansion's narrowest access is one element (2 bytes for bf16/fp16).
+  if (a.input != nullptr) {
+    const uintptr_t es = dtype_size(a.input_dtype);
+    FM_REQUIRE(aligned(a.input, es), kOp, "input", "must be aligned to its element (", es, " bytes)");
+    FM_REQUIRE(aligned(a.permuted_input, es), kOp, "permuted_input", "must be aligned to its element (", es,
+               " bytes)");
+  }
   // No output overlaps an input or another output.
   const detail::Range outs[] = {
       {"expert_first_token_offset", a.expert_first_token_offset, (int64_t(a.num_experts_per_node) + 1) * 8},

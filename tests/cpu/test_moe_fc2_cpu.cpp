@@ -112,7 +112,7 @@ void expect_invalid(const Fc2FinalizeArgs& a, const std::string& arg) {
   Status st = validate_moe_fc2_finalize(a);
   EXPECT_FALSE(st.ok()) << arg;
   EXPECT_NE(st.message().find("moe_fc2_finalize: " + arg + ":"), std::string::npos) << st.message();
-  const bool buffer = arg == "A" || arg == "W2" || arg == "out" || arg == "bias" ||
+  const bool buffer = arg == "A" || arg == "W2" || arg == "out" || arg == "bias" || arg == "scales" ||
                       arg == "expert_first_token_offset" || arg == "permuted_row_to_unpermuted_row";
   if (buffer)
     EXPECT_GT(moe_fc2_finalize_workspace_size(a), 0u) << arg;
@@ -181,6 +181,18 @@ TEST(MoeFc2Validation, StridesAndAlignment) {
   a = c.args;
   a.out = reinterpret_cast<char*>(c.out.data()) + 2;
   expect_invalid(a, "out");
+  a = c.args;
+  a.expert_first_token_offset = reinterpret_cast<const int64_t*>(
+      reinterpret_cast<const char*>(c.args.expert_first_token_offset) + 4);
+  expect_invalid(a, "expert_first_token_offset");
+  a = c.args;
+  a.permuted_row_to_unpermuted_row = reinterpret_cast<const int32_t*>(
+      reinterpret_cast<const char*>(c.args.permuted_row_to_unpermuted_row) + 2);
+  expect_invalid(a, "permuted_row_to_unpermuted_row");
+  ASSERT_NE(c.args.scales, nullptr);
+  a = c.args;
+  a.scales = reinterpret_cast<const float*>(reinterpret_cast<const char*>(c.args.scales) + 1);
+  expect_invalid(a, "scales");
 }
 
 // The buffers overlap but the sizes are valid: the calls fail naming `out`;

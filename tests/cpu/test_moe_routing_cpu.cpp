@@ -158,6 +158,12 @@ TEST(MoeRoutingCpuValidation, RejectsBadSizesNamingTheArgument) {
              reinterpret_cast<int64_t*>(reinterpret_cast<char*>(a.expert_first_token_offset) + 4);
        },
        "expert_first_token_offset: must be 8-byte aligned"},
+      {"misaligned input",
+       [](MoeRoutingArgs& a) { a.input = static_cast<const char*>(a.input) + 1; },
+       "input: must be aligned to its element (2 bytes)"},
+      {"misaligned expanded rows",
+       [](MoeRoutingArgs& a) { a.permuted_input = static_cast<char*>(a.permuted_input) + 1; },
+       "permuted_input: must be aligned to its element (2 bytes)"},
       {"input without output", [](MoeRoutingArgs& a) { a.permuted_input = nullptr; },
        "permuted_input: must not be null when input is given"},
       {"output without input", [](MoeRoutingArgs& a) { a.input = nullptr; },
