@@ -287,17 +287,22 @@ TEST(FinalizeGpu, NoFillingLeavesTokensWithoutLocalSlotsUntouched) {
   }
 }
 
+namespace {
+// T tokens with k = 8 of 64 experts, all local: the decode-sized grids.
+Case decode_case(int64_t T, int64_t H) {
+  Case c;
+  c.T = T;
+  c.k = 8;
+  c.total_experts = 64;
+  c.local = 64;
+  c.H = H;
+  return c;
+}
+}  // namespace
+
 TEST(FinalizeGpu, OneTokenAndDecodeSizes) {
   SKIP_WITHOUT_GPU();
-  for (int64_t T : {1, 2, 16, 64}) {
-    Case c;
-    c.T = T;
-    c.k = 8;
-    c.total_experts = 64;
-    c.local = 64;
-    c.H = 7168;
-    check_case(c);
-  }
+  for (int64_t T : {1, 2, 16, 64}) check_case(decode_case(T, 7168));
 }
 
 TEST(FinalizeGpu, ManyTokens) {
@@ -354,13 +359,8 @@ TEST(FinalizeGpu, RowsOffThe16ByteGridAreRealigned) {
       c.bias = lead != 1;
       cases.push_back(c);
     }
-  for (int64_t T : {1, 16, 64}) {  // decode-sized grids
-    Case c;
-    c.T = T;
-    c.k = 8;
-    c.total_experts = 64;
-    c.local = 64;
-    c.H = 7003;
+  for (int64_t T : {1, 16, 64}) {
+    Case c = decode_case(T, 7003);
     c.lead = 5;
     c.bias = T == 16;
     cases.push_back(c);
