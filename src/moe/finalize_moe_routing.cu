@@ -575,8 +575,11 @@ __device__ __forceinline__ void reduce_vectors_async(const FinalizeParams& p, co
 }
 
 // Columns [vectors*V, hidden): the tail that does not fill a vector. Computed,
-// never dropped, with the same arithmetic as the vector path.
-template <typename In, typename Out>
+// never dropped, with the same arithmetic as the vector path. kTailBatch > 1
+// (the realigned path, whose tail is up to 2V - 1 columns of every row): a
+// column's slot loads go out kTailBatch at a time, a round trip per batch
+// instead of per slot (more at once spilled the kernels at their register caps).
+template <typename In, typename Out, int kTailBatch>
 __device__ __forceinline__ void reduce_tail(const FinalizeParams& p, const SlotMeta& m, int first_col) {
   const In* rows = static_cast<const In*>(p.rows);
   const In* bias = static_cast<const In*>(p.bias);
@@ -584,10 +587,26 @@ __device__ __forceinline__ void reduce_tail(const FinalizeParams& p, const SlotM
   Out* out = static_cast<Out*>(p.out) + m.token * p.out_stride;
   for (int c = first_col + (threadIdx.x & 31); c < p.hidden; c += 32) {
     float acc = 0.0f;
-    for (int s = 0; s < m.count; ++s) {
-      float xv = dev::to_float(rows[m.row_offset[s] + c]);
-      if (bias) xv = with_bias(xv, dev::to_float(bias[m.bias_offset[s] + c]));
-      acc = accumulate(acc, m.weight[s], xv);
+    if constexpr (kTailBatch > 1) {
+#pragma unroll 1
+      for (int s0 = 0; s0 < m.count; s0 += kTailBatch) {
+        float x[kTailBatch], b[kTailBatch];
+#pragma unroll
+        for (int g = 0; g < kTailBatch; ++g)
+          if (s0 + g < m.count) {
+            x[g] = dev::to_float(rows[m.row_offset[s0 + g] + c]);
+            b[g] = bias ? dev::to_float(bias[m.bias_offset[s0 + g] + c]) : 0.0f;
+          }
+#pragma unroll
+        for (int g = 0; g < kTailBatch; ++g)
+          if (s0 + g < m.count) acc = accumulate(acc, m.weight[s0 + g], bias ? with_bias(x[g], b[g]) : x[g]);
+      }
+    } else {
+      for (int s = 0; s < m.count; ++s) {
+        float xv = dev::to_float(rows[m.row_offset[s] + c]);
+        if (bias) xv = with_bias(xv, dev::to_float(bias[m.bias_offset[s] + c]));
+        acc = accumulate(acc, m.weight[s], xv);
+      }
     }
     if (shared) acc = __fadd_rn(acc, dev::to_float(shared[m.token * p.shared_stride + c]));
     out[c] = dev::from_float<Out>(acc);
@@ -667,7 +686,7 @@ __global__ void __launch_bounds__(kMaxFinalizeThreads,
         reduce_vectors<In, Out, V, U, kBias, kBias && sizeof(In) * V == 16 ? kBiasLoadsInFlight : kLoadsInFlight,
                        kRealign>(p, m, chunk);
       }
-      if (chunk == p.chunks - 1 && p.vectors * V < p.hidden) reduce_tail<In, Out>(p, m, p.vectors * V);
+      if (chunk == p.chunks - 1 && p.vectors * V < p.hidden) reduce_tail<In, Out, kRealign ? 4 : 1>(p, m, p.vectors * V);
     }
     ik = ik1;
     slots = slots1;
