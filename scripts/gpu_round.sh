@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # One whole GPU round on a machine with an NVIDIA GPU, in one go:
 #   1. the GPU tests, 2. compute-sanitizer memcheck and racecheck on them,
-#   3. flashmix-bench over the standard workloads with verification (JSON).
+#   3. flashmix-bench over the standard workloads with verification (JSON),
+#   4. where BIN_DIR has it, the copy-rate probe's `l2mix` mode (bench/probes).
 # Usage: scripts/gpu_round.sh BIN_DIR OUT_DIR [bench args...]
 #   BIN_DIR holds flashmix_gpu_tests and flashmix-bench (built elsewhere is
 #   fine), or is the .tar.xz that scripts/stage_gpu_binaries.sh packs them in.
 # Environment: TEST_FILTER (gtest filter for the test run, default: all),
 #   SANITIZE_FILTER (gtest filter for the sanitizer runs, default: all but the
 #   largest cases and the tests that provoke a CUDA API error on purpose, which
-#   memcheck would report), SKIP_SANITIZER=1, SKIP_BENCH=1, SKIP_TESTS=1.
+#   memcheck would report), SKIP_SANITIZER=1, SKIP_BENCH=1, SKIP_TESTS=1,
+#   SKIP_PROBES=1.
 set -uo pipefail
 bin=${1:?usage: gpu_round.sh BIN_DIR OUT_DIR [bench args...]}
 out=${2:?usage: gpu_round.sh BIN_DIR OUT_DIR [bench args...]}
@@ -44,5 +46,9 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   echo "== flashmix-bench"
   "$bin/flashmix-bench" --json "$out/bench.json" "$@" 2>&1 | tee "$out/bench.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "BENCH CHECKS FAILED"; status=1; }
+fi
+if [ -z "${SKIP_PROBES:-}" ] && [ -x "$bin/copy_rates" ]; then
+  echo "== copy_rates l2mix (bench/probes)"
+  "$bin/copy_rates" l2mix 2>&1 | tee "$out/probe_l2mix.log"
 fi
 exit $status

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Packs the GPU binaries of a build tree (flashmix_gpu_tests, flashmix-bench;
-# debug info stripped) into .carry/<name>.tar.xz (git-ignored), the file a
+# debug info stripped) and the copy-rate probe (bench/probes/copy_rates.cu,
+# compiled here for sm_90a) into .carry/<name>.tar.xz (git-ignored), the file a
 # device run carries: ~8 MB against ~50 MB unpacked, so an A/B pair of builds
 # fits the device tool's 64 MiB. On the device:
-#   tar xJf .carry/<name>.tar.xz -C .carry  ->  .carry/<name>/{flashmix_gpu_tests,flashmix-bench}
+#   tar xJf .carry/<name>.tar.xz -C .carry  ->  .carry/<name>/{flashmix_gpu_tests,flashmix-bench,copy_rates}
 # Usage: scripts/stage_gpu_binaries.sh BUILD_DIR NAME
 set -euo pipefail
 build=${1:?usage: stage_gpu_binaries.sh BUILD_DIR NAME}
@@ -13,6 +14,7 @@ stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/$name" "$root/.carry"
 cp "$build/tests/flashmix_gpu_tests" "$build/bench/flashmix-bench" "$stage/$name/"
+nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o "$stage/$name/copy_rates" "$root/bench/probes/copy_rates.cu"
 strip --strip-debug "$stage/$name"/* 2>/dev/null || true
 tar -C "$stage" -cf - "$name" | xz -6 -T0 > "$root/.carry/$name.tar.xz"
 ls -l "$root/.carry/$name.tar.xz"
