@@ -123,6 +123,25 @@ __host__ __device__ __forceinline__ Vec<T, V> realign16(const uint4& lo, const u
   return reinterpret_cast<const Vec<T, V>&>(o);
 }
 
+// Storing a warp's run of V-element vectors (lane l holds columns
+// [c + lV, c + lV + V), lanes 0..last) into a row that starts `shift`
+// elements past a 16-byte boundary, without touching a column outside the run
+// (other warps write next to it). Lane l >= 1 writes the aligned 16 bytes
+// that end inside its vector: lane l-1's last `shift` elements and its own
+// first V - shift (realign16(prev, own, V - shift)); lane 0 writes its first
+// V - shift elements one by one, the last lane its last `shift`. With
+// shift == 0 every lane writes its own vector. What one lane does:
+struct RealignedStore {
+  bool vector;      // the 16-byte store (at the aligned address lV - shift past c)
+  int first, last;  // its own elements [first, last) stored one by one
+};
+__host__ __device__ inline RealignedStore realigned_store(int lane, bool last_lane, int shift, int V) {
+  if (shift == 0) return {true, 0, 0};
+  RealignedStore r{lane > 0, lane > 0 ? V - shift : 0, V - shift};
+  if (last_lane) r.last = V;
+  return r;
+}
+
 // Brings the line holding p into L2 without using a register for the data.
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));

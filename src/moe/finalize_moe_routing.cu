@@ -189,6 +189,61 @@ __device__ __forceinline__ void store_output(const FinalizeParams& p, Out* out, 
   }
 }
 
+// The realigned path's store of one warp pass (all 32 lanes call it; lane l
+// < 31 holds output vector v = first + l when v < v_end) into an output row
+// that is not on the 16-byte grid: 16-byte stores realigned across lanes
+// (dev::realigned_store), the run's two ends element by element. A
+// shared_output row off the grid is read the way the rows are (aligned
+// vectors, the neighbour's by a shuffle), and the arithmetic is store_output's.
+// In place (shared_output == out) each lane reads only columns no lane has
+// written yet: the pass's loads precede its stores, and the bytes an aligned
+// load takes from the previous pass are ones it does not use.
+template <typename Out, int V>
+__device__ __forceinline__ void store_output_realigned(const FinalizeParams& p, int64_t token, int v, int v_end,
+                                                       const float (&acc)[V]) {
+  static_assert(sizeof(Out) * V == 16, "16-byte output vectors");
+  const int lane = threadIdx.x & 31;
+  auto shuffled = [](const uint4& x, bool up) {
+    uint4 y;
+    y.x = up ? __shfl_up_sync(dev::kFullMask, x.x, 1) : __shfl_down_sync(dev::kFullMask, x.x, 1);
+    y.y = up ? __shfl_up_sync(dev::kFullMask, x.y, 1) : __shfl_down_sync(dev::kFullMask, x.y, 1);
+    y.z = up ? __shfl_up_sync(dev::kFullMask, x.z, 1) : __shfl_down_sync(dev::kFullMask, x.z, 1);
+    y.w = up ? __shfl_up_sync(dev::kFullMask, x.w, 1) : __shfl_down_sync(dev::kFullMask, x.w, 1);
+    return y;
+  };
+  // Elements of a row pointer past its 16-byte boundary (warp-uniform).
+  auto shift_of = [](const void* row) { return int(reinterpret_cast<uintptr_t>(row) / sizeof(Out)) & (V - 1); };
+  float r[V];
+#pragma unroll
+  for (int e = 0; e < V; ++e) r[e] = acc[e];
+  if (p.shared) {
+    const Out* srow = static_cast<const Out*>(p.shared) + token * p.shared_stride;
+    const int ms = shift_of(srow);
+    uint4 lo = make_uint4(0, 0, 0, 0);
+    // Up to the vector after the run's last: in the row (p.vectors leaves it room).
+    if (v <= v_end) {
+      const dev::Vec<Out, V> x = dev::load_ro<Out, V>(srow - ms + int64_t(v) * V);
+      lo = reinterpret_cast<const uint4&>(x);
+    }
+    const dev::Vec<Out, V> sh = dev::realign16<Out, V>(lo, shuffled(lo, false), ms);
+#pragma unroll
+    for (int e = 0; e < V; ++e) r[e] = __fadd_rn(r[e], dev::to_float(sh.v[e]));
+  }
+  dev::Vec<Out, V> o;
+#pragma unroll
+  for (int e = 0; e < V; ++e) o.v[e] = dev::from_float<Out>(r[e]);
+  const uint4 own = reinterpret_cast<const uint4&>(o);
+  const uint4 prev = shuffled(own, true);
+  Out* orow = static_cast<Out*>(p.out) + token * p.out_stride;
+  const int mo = shift_of(orow);
+  if (lane < 31 && v < v_end) {
+    const dev::RealignedStore plan = dev::realigned_store(lane, lane == 30 || v + 1 == v_end, mo, V);
+    if (plan.vector)
+      dev::store<Out, V>(orow - mo + int64_t(v) * V, mo == 0 ? o : dev::realign16<Out, V>(prev, own, V - mo));
+    for (int e = plan.first; e < plan.last; ++e) orow[int64_t(v) * V + e] = o.v[e];
+  }
+}
+
 // The register path. kRealign: rows (and bias rows) that are not 16-byte
 // aligned, read with 16-byte loads all the same: lane l loads the aligned
 // vector at its position and lanes 0..30 combine it with lane l+1's
@@ -288,6 +343,13 @@ __device__ __forceinline__ void reduce_vectors(const FinalizeParams& p, const Sl
             acc[u][e] = accumulate(acc[u][e], w, xv);
           }
         }
+      }
+    }
+    if constexpr (kRealign && sizeof(Out) * V == 16) {
+      static_assert(U == 1, "the realigned path takes one vector per lane");
+      if (!p.out_vectors) {  // uniform: the output rows are off the 16-byte grid too
+        store_output_realigned<Out, V>(p, m.token, v0 + lane, v_end, acc[0]);
+        continue;
       }
     }
     if (lane < kLanesOut) {
