@@ -328,7 +328,7 @@ TEST(FinalizeGpu, ZeroTokensLaunchesNothing) {
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
-TEST(FinalizeGpu, MisalignedPointersFallBackToANarrowerPath) {
+TEST(FinalizeGpu, StridesOffThe16ByteGridAreHandled) {
   SKIP_WITHOUT_GPU();
   for (DType in : {DType::kBFloat16, DType::kFloat32}) {
     Case c;
