@@ -315,8 +315,8 @@ constexpr int kExpandUnroll = 2;
 template <typename Word>
 __global__ void __launch_bounds__(kExpandThreads)
 moe_routing_expand_kernel(const char* __restrict__ input, int64_t in_stride_bytes, char* __restrict__ out,
-                          int64_t out_stride_bytes, int words_per_row, const int32_t* __restrict__ u2p,
-                          int32_t T, int k) {
+                          int64_t out_stride_bytes, int words_per_row, int tail_units,
+                          const int32_t* __restrict__ u2p, int32_t T, int k) {
   __shared__ int32_t rows[16];
   const int32_t t = blockIdx.x;
   // u2p comes from the previous kernel in this call.
@@ -330,6 +330,19 @@ moe_routing_expand_kernel(const char* __restrict__ input, int64_t in_stride_byte
   for (int j = 0; j < k; ++j) any_local |= rows[j] >= 0;
   if (!any_local) return;
   const Word* src = reinterpret_cast<const Word*>(input + int64_t(t) * in_stride_bytes);
+  // The row's last bytes that do not fill a Word (a row length that is not
+  // a multiple of the word, e.g. H = 7003 in padded rows): 2-byte units
+  // (pointers are element-aligned), by the first block of the row.
+  if (blockIdx.y == 0) {
+    const auto* src2 = reinterpret_cast<const unsigned short*>(src + words_per_row);
+    for (int i = threadIdx.x; i < tail_units; i += kExpandThreads) {
+      const unsigned short x = src2[i];
+      for (int j = 0; j < k; ++j)
+        if (rows[j] >= 0)
+          reinterpret_cast<unsigned short*>(out + int64_t(rows[j]) * out_stride_bytes + int64_t(words_per_row) *
+                                                                                            int64_t(sizeof(Word)))[i] = x;
+    }
+  }
   const int stride = gridDim.y * kExpandThreads;
   for (int v0 = blockIdx.y * kExpandThreads + threadIdx.x; v0 < words_per_row; v0 += stride * kExpandUnroll) {
     Word x[kExpandUnroll];
@@ -357,6 +370,7 @@ cudaError_t launch_expand(const MoeRoutingArgs& a, cudaStream_t stream) {
   const int64_t in_stride = (a.input_stride ? a.input_stride : a.hidden) * es;
   const int64_t out_stride = (a.permuted_input_stride ? a.permuted_input_stride : a.hidden) * es;
   const int words = int(a.hidden * es / int64_t(sizeof(Word)));
+  const int tail_units = int((a.hidden * es - int64_t(words) * int64_t(sizeof(Word))) / 2);
   // Enough blocks to fill the GPU at decode sizes: split each row over up to
   // `parts` blocks when there are few tokens.
   const int64_t per_block = int64_t(kExpandThreads) * kExpandUnroll;
@@ -366,18 +380,19 @@ cudaError_t launch_expand(const MoeRoutingArgs& a, cudaStream_t stream) {
   if (parts < 1) parts = 1;
   return dev::launch(moe_routing_expand_kernel<Word>, dim3(unsigned(a.num_tokens), unsigned(parts)),
                      dim3(kExpandThreads), 0, stream, a.enable_pdl, static_cast<const char*>(a.input),
-                     in_stride, static_cast<char*>(a.permuted_input), out_stride, words,
+                     in_stride, static_cast<char*>(a.permuted_input), out_stride, words, tail_units,
                      static_cast<const int32_t*>(a.unpermuted_row_to_permuted_row), int32_t(a.num_tokens), a.k);
 }
 
-// The widest word (16, 8, 4 or 2 bytes) dividing both pointers, both row
-// strides and the row length: 16 for the usual contiguous bf16/fp16/fp32 rows.
+// The widest word (16, 8, 4 or 2 bytes) dividing both pointers and both row
+// strides: 16 for the usual contiguous bf16/fp16/fp32 rows. A row length that
+// is not a multiple of it leaves a tail the kernel copies in 2-byte units.
 int expand_word_bytes(const MoeRoutingArgs& a) {
   const int64_t es = int64_t(dtype_size(a.input_dtype));
   const uint64_t in_stride = uint64_t((a.input_stride ? a.input_stride : a.hidden) * es);
   const uint64_t out_stride = uint64_t((a.permuted_input_stride ? a.permuted_input_stride : a.hidden) * es);
   const uint64_t bits = reinterpret_cast<uintptr_t>(a.input) | reinterpret_cast<uintptr_t>(a.permuted_input) |
-                        in_stride | out_stride | uint64_t(a.hidden * es);
+                        in_stride | out_stride;
   for (int w = 16; w > 2; w /= 2)
     if (bits % uint64_t(w) == 0) return w;
   return 2;

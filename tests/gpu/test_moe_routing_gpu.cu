@@ -248,6 +248,9 @@ TEST(MoeRoutingGpu, ExpansionWithEveryDtypeStrideAndAlignment) {
       {DType::kFloat32, 1000, 1001, 1003, 0, 0},   // 4-byte words (odd strides)
       {DType::kBFloat16, 1024, 0, 0, 8, 0},        // 8-byte words (input pointer off by 8)
       {DType::kBFloat16, 1023, 0, 0, 0, 0},        // 2-byte words (odd row length)
+      {DType::kBFloat16, 1023, 1024, 1032, 0, 0},  // 16-byte words + a 14-byte tail (padded rows)
+      {DType::kFloat16, 7, 8, 8, 0, 0},            // the whole row is the tail
+      {DType::kFloat32, 1001, 1004, 1004, 0, 0},   // 16-byte words + a 4-byte tail
       {DType::kFloat16, 64, 64, 64, 0, 2},         // 2-byte words (output pointer off by 2)
       {DType::kFloat32, 1, 0, 0, 0, 0},            // one element per row
   };
