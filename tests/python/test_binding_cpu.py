@@ -631,3 +631,12 @@ def test_torch_compile_of_a_moe_end_and_an_mhc_model_on_cpu_tensors():
     mhc_args = (torch.randn(5, C).bfloat16(), torch.randn(24, 4 * C) * 0.1, torch.rand(3) + 0.5, torch.randn(24),
                 torch.randn(4, 4 * C) * 0.1, torch.tensor([0.8]), torch.randn(4))
     assert torch.equal(torch.compile(mhc_model, fullgraph=True)(*mhc_args), mhc_model(*mhc_args))
+
+
+def test_an_array_not_aligned_to_its_element_raises_value_error_naming_it():
+    buf = bytearray(4 * 8 + 2)
+    rows = np.frombuffer(buf, dtype=np.float32, offset=2, count=8).reshape(2, 4)  # 2 bytes past a float
+    assert not rows.flags.aligned
+    with raises_naming(ValueError, "finalize_moe_routing", "expanded_permuted_rows"):
+        flashmix.finalize_moe_routing(rows, np.arange(2, dtype=np.int32), np.zeros((2, 1), np.int32),
+                                      num_experts_per_node=1)
