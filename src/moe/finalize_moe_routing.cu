@@ -240,7 +240,9 @@ __device__ __forceinline__ void store_output_realigned(const FinalizeParams& p, 
     const dev::RealignedStore plan = dev::realigned_store(lane, lane == 30 || v + 1 == v_end, mo, V);
     if (plan.vector)
       dev::store<Out, V>(orow - mo + int64_t(v) * V, mo == 0 ? o : dev::realign16<Out, V>(prev, own, V - mo));
-    for (int e = plan.first; e < plan.last; ++e) orow[int64_t(v) * V + e] = o.v[e];
+#pragma unroll
+    for (int e = 0; e < V; ++e)  // constant indices: o stays in registers
+      if (e >= plan.first && e < plan.last) orow[int64_t(v) * V + e] = o.v[e];
   }
 }
 
