@@ -14,7 +14,8 @@ stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/$name" "$root/.carry"
 cp "$build/tests/flashmix_gpu_tests" "$build/bench/flashmix-bench" "$stage/$name/"
-nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o "$stage/$name/copy_rates" "$root/bench/probes/copy_rates.cu"
+nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+"$nvcc" -O3 -gencode=arch=compute_90a,code=sm_90a -o "$stage/$name/copy_rates" "$root/bench/probes/copy_rates.cu"
 strip --strip-debug "$stage/$name"/* 2>/dev/null || true
 tar -C "$stage" -cf - "$name" | xz -6 -T0 > "$root/.carry/$name.tar.xz"
 ls -l "$root/.carry/$name.tar.xz"
