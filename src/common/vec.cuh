@@ -8,6 +8,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "common/reduce.cuh"
 #include "flashmix/dtype.h"
 
 namespace flashmix::dev {
@@ -86,13 +87,6 @@ __device__ __forceinline__ void store(T* p, const Vec<T, N>& x) {
   for (int i = 0; i < kWords; ++i) dst[i] = src[i];
 }
 
-// The 16 bytes that start `shift` elements into `lo` and run on into `hi`
-// (lo, hi: two consecutive 16-byte-aligned vectors of a row; 0 <= shift < V).
-// How a row that is not 16-byte aligned is still read with 16-byte loads:
-// each lane loads the aligned vector at its position, takes its neighbour's
-// as `hi` (a shuffle) and shifts. Word selection by selects, not indexing,
-// so nothing goes to local memory (sm_90a SASS: ~9 SEL + 4 SHF per vector). Host-callable
-// (tests/cpu/test_vec_realign.cu).
 // (hi:lo) >> bits, low word; bits < 32. On the host too, for the tests.
 __host__ __device__ __forceinline__ uint32_t funnel_right(uint32_t lo, uint32_t hi, uint32_t bits) {
 #ifdef __CUDA_ARCH__
@@ -102,6 +96,13 @@ __host__ __device__ __forceinline__ uint32_t funnel_right(uint32_t lo, uint32_t 
 #endif
 }
 
+// The 16 bytes that start `shift` elements into `lo` and run on into `hi`
+// (lo, hi: two consecutive 16-byte-aligned vectors of a row; 0 <= shift < V).
+// How a row that is not 16-byte aligned is still read with 16-byte loads:
+// each lane loads the aligned vector at its position, takes its neighbour's
+// as `hi` (a shuffle) and shifts. Word selection by selects, not indexing,
+// so nothing goes to local memory (sm_90a SASS: ~9 SEL + 4 SHF per vector).
+// Host-callable (tests/cpu/test_vec_realign.cu).
 template <typename T, int V>
 __host__ __device__ __forceinline__ Vec<T, V> realign16(const uint4& lo, const uint4& hi, int shift) {
   static_assert(sizeof(T) * V == 16, "realign16 moves 16-byte vectors");
@@ -121,6 +122,24 @@ __host__ __device__ __forceinline__ Vec<T, V> realign16(const uint4& lo, const u
   o.z = funnel_right(t[2], t[3], bits);
   o.w = funnel_right(t[3], t[4], bits);
   return reinterpret_cast<const Vec<T, V>&>(o);
+}
+
+// A 16-byte vector from the next lane of the warp (up = false) or the
+// previous one (up = true). Every lane of the warp calls it.
+__device__ __forceinline__ uint4 shfl16(const uint4& x, bool up) {
+  uint4 y;
+  y.x = up ? __shfl_up_sync(kFullMask, x.x, 1) : __shfl_down_sync(kFullMask, x.x, 1);
+  y.y = up ? __shfl_up_sync(kFullMask, x.y, 1) : __shfl_down_sync(kFullMask, x.y, 1);
+  y.z = up ? __shfl_up_sync(kFullMask, x.z, 1) : __shfl_down_sync(kFullMask, x.z, 1);
+  y.w = up ? __shfl_up_sync(kFullMask, x.w, 1) : __shfl_down_sync(kFullMask, x.w, 1);
+  return y;
+}
+
+// The realigned read, warp-wide: this lane's aligned vector `lo` with the
+// next lane's as `hi` (realign16). Every lane of the warp calls it.
+template <typename T, int V>
+__device__ __forceinline__ Vec<T, V> realign_with_next_lane(const uint4& lo, int shift) {
+  return realign16<T, V>(lo, shfl16(lo, false), shift);
 }
 
 // Storing a warp's run of V-element vectors (lane l holds columns

@@ -203,14 +203,6 @@ __device__ __forceinline__ void store_output_realigned(const FinalizeParams& p, 
                                                        const float (&acc)[V]) {
   static_assert(sizeof(Out) * V == 16, "16-byte output vectors");
   const int lane = threadIdx.x & 31;
-  auto shuffled = [](const uint4& x, bool up) {
-    uint4 y;
-    y.x = up ? __shfl_up_sync(dev::kFullMask, x.x, 1) : __shfl_down_sync(dev::kFullMask, x.x, 1);
-    y.y = up ? __shfl_up_sync(dev::kFullMask, x.y, 1) : __shfl_down_sync(dev::kFullMask, x.y, 1);
-    y.z = up ? __shfl_up_sync(dev::kFullMask, x.z, 1) : __shfl_down_sync(dev::kFullMask, x.z, 1);
-    y.w = up ? __shfl_up_sync(dev::kFullMask, x.w, 1) : __shfl_down_sync(dev::kFullMask, x.w, 1);
-    return y;
-  };
   // Elements of a row pointer past its 16-byte boundary (warp-uniform).
   auto shift_of = [](const void* row) { return int(reinterpret_cast<uintptr_t>(row) / sizeof(Out)) & (V - 1); };
   float r[V];
@@ -225,7 +217,7 @@ __device__ __forceinline__ void store_output_realigned(const FinalizeParams& p, 
       const dev::Vec<Out, V> x = dev::load_ro<Out, V>(srow - ms + int64_t(v) * V);
       lo = reinterpret_cast<const uint4&>(x);
     }
-    const dev::Vec<Out, V> sh = dev::realign16<Out, V>(lo, shuffled(lo, false), ms);
+    const dev::Vec<Out, V> sh = dev::realign_with_next_lane<Out, V>(lo, ms);
 #pragma unroll
     for (int e = 0; e < V; ++e) r[e] = __fadd_rn(r[e], dev::to_float(sh.v[e]));
   }
@@ -233,7 +225,7 @@ __device__ __forceinline__ void store_output_realigned(const FinalizeParams& p, 
 #pragma unroll
   for (int e = 0; e < V; ++e) o.v[e] = dev::from_float<Out>(r[e]);
   const uint4 own = reinterpret_cast<const uint4&>(o);
-  const uint4 prev = shuffled(own, true);
+  const uint4 prev = dev::shfl16(own, true);
   Out* orow = static_cast<Out*>(p.out) + token * p.out_stride;
   const int mo = shift_of(orow);
   if (lane < 31 && v < v_end) {
@@ -275,15 +267,9 @@ __device__ __forceinline__ void reduce_vectors(const FinalizeParams& p, const Sl
   // the start's distance from it (warp-uniform, 0 off the realigned path).
   auto aligned = [](int64_t off) { return kRealign ? off & ~int64_t(V - 1) : off; };
   auto shift = [](int64_t off) { return kRealign ? int(off & (V - 1)) : 0; };
-  auto realigned = [&](const dev::Vec<In, V>& x, int sh) {
+  auto realigned = [](const dev::Vec<In, V>& x, int sh) {
     if constexpr (kRealign) {
-      const uint4 lo = reinterpret_cast<const uint4&>(x);
-      uint4 hi;
-      hi.x = __shfl_down_sync(dev::kFullMask, lo.x, 1);
-      hi.y = __shfl_down_sync(dev::kFullMask, lo.y, 1);
-      hi.z = __shfl_down_sync(dev::kFullMask, lo.z, 1);
-      hi.w = __shfl_down_sync(dev::kFullMask, lo.w, 1);
-      return dev::realign16<In, V>(lo, hi, sh);
+      return dev::realign_with_next_lane<In, V>(reinterpret_cast<const uint4&>(x), sh);
     } else {
       return x;
     }
