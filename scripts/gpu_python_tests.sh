@@ -4,7 +4,7 @@
 # from the build machine. Uses that machine's python3 with nanobind, numpy,
 # pytest and torch installed (scripts/setup_python.sh installs the first
 # three where they are missing; torch is the caller's).
-# Usage: scripts/gpu_python_tests.sh BUILD_DIR [CUTLASS_INCLUDE_DIR]
+# Usage: [PYTEST=0] scripts/gpu_python_tests.sh BUILD_DIR [CUTLASS_INCLUDE_DIR]
 #   BUILD_DIR            where to configure and build (fresh or reused)
 #   CUTLASS_INCLUDE_DIR  has cutlass/cutlass.h (default: the project's .deps;
 #                        without CUTLASS the FC2 tests expect kNotSupported)
@@ -17,6 +17,8 @@ cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DFLASHMIX_PYTHON=ON -DF
   -DFLASHMIX_CUDA_ARCHS="${FLASHMIX_CUDA_ARCHS:-90a}" -DFLASHMIX_CUTLASS_DIR="$cutlass" \
   -DPython_EXECUTABLE="$(command -v python3)" > "$build.configure.log" 2>&1 || { tail -30 "$build.configure.log"; exit 1; }
 cmake --build "$build" --target flashmix_python -j "$(nproc)" > "$build.build.log" 2>&1 || { grep -m 20 -E "error" "$build.build.log"; tail -5 "$build.build.log"; exit 1; }
+# PYTEST=0: build only (e.g. for bench/peers.py).
+[ "${PYTEST:-1}" = 0 ] && exit 0
 # pytest directly (the C++ test suites, and with them GoogleTest, are not built here).
 PYTHONPATH="$build/python:$root/python" python3 -m pytest -p no:cacheprovider -q -rs \
   "$root/tests/python/test_binding_gpu.py" "$root/tests/python/test_binding_cpu.py"

@@ -9,7 +9,10 @@
 # Environment: TEST_FILTER (gtest filter for the test run, default: all),
 #   SANITIZE_FILTER (gtest filter for the sanitizer runs, default: all but the
 #   largest cases and the tests that provoke a CUDA API error on purpose, which
-#   memcheck would report), SKIP_SANITIZER=1, SKIP_BENCH=1, SKIP_TESTS=1,
+#   memcheck would report), RACECHECK_FILTER (racecheck's own filter, default
+#   SANITIZE_FILTER: racecheck over all of it outlasts a 10-minute device call),
+#   STEP_TIMEOUT (seconds per step, default 540, so that a slow step leaves the
+#   logs of the others), SKIP_SANITIZER=1, SKIP_BENCH=1, SKIP_TESTS=1,
 #   SKIP_PROBES=1.
 set -uo pipefail
 bin=${1:?usage: gpu_round.sh BIN_DIR OUT_DIR [bench args...]}
@@ -22,19 +25,22 @@ if [[ "$bin" == *.tar.xz ]]; then
   bin=$(find "$unpacked" -name flashmix-bench -printf '%h\n' | head -n 1)
 fi
 status=0
+to="timeout ${STEP_TIMEOUT:-540}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$out/gpu.txt"
 
 if [ -z "${SKIP_TESTS:-}" ]; then
   echo "== GPU tests"
-  "$bin/flashmix_gpu_tests" --gtest_filter="${TEST_FILTER:-*}" 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |tests ran|Failure|error" | head -60
+  $to "$bin/flashmix_gpu_tests" --gtest_filter="${TEST_FILTER:-*}" 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |tests ran|Failure|error" | head -60
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "GPU TESTS FAILED"; status=1; }
 fi
 
 if [ -z "${SKIP_SANITIZER:-}" ]; then
   filter=${SANITIZE_FILTER:-"-*ManyTokens*:*OneTokenAndDecodeSizes*:*InvalidatedCapture*"}
   for tool in memcheck racecheck; do
-    echo "== compute-sanitizer $tool ($filter)"
-    compute-sanitizer --tool "$tool" --error-exitcode 99 "$bin/flashmix_gpu_tests" --gtest_filter="$filter" \
+    f=$filter
+    [ "$tool" = racecheck ] && f=${RACECHECK_FILTER:-$filter}
+    echo "== compute-sanitizer $tool ($f)"
+    $to compute-sanitizer --tool "$tool" --error-exitcode 99 "$bin/flashmix_gpu_tests" --gtest_filter="$f" \
       > "$out/sanitizer_$tool.log" 2>&1
     rc=$?
     tail -n 3 "$out/sanitizer_$tool.log"
@@ -44,11 +50,11 @@ fi
 
 if [ -z "${SKIP_BENCH:-}" ]; then
   echo "== flashmix-bench"
-  "$bin/flashmix-bench" --json "$out/bench.json" "$@" 2>&1 | tee "$out/bench.log"
+  $to "$bin/flashmix-bench" --json "$out/bench.json" "$@" 2>&1 | tee "$out/bench.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "BENCH CHECKS FAILED"; status=1; }
 fi
 if [ -z "${SKIP_PROBES:-}" ] && [ -x "$bin/copy_rates" ]; then
   echo "== copy_rates l2mix (bench/probes)"
-  "$bin/copy_rates" l2mix 2>&1 | tee "$out/probe_l2mix.log"
+  $to "$bin/copy_rates" l2mix 2>&1 | tee "$out/probe_l2mix.log"
 fi
 exit $status
