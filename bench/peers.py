@@ -9,9 +9,10 @@ would otherwise use:
     finalize in torch, torch.bmm with the same rows spread evenly over the
     experts (cuBLAS batched: a grouped GEMM with perfect balance), and a dense
     cuBLAS GEMM of equal FLOPs (the ceiling flashmix-bench uses).
-Ceilings are measured in the same run: a 2 GiB device-to-device copy (bytes
+Ceilings are measured in the same run: a 1 GiB device-to-device copy (bytes
 read + written) and an 8192^3 bf16 cuBLAS GEMM. Timing: CUDA events around
-each call, median of many calls after warm-up; every input is larger than L2.
+batches of back-to-back calls, median of the batches after warm-up; every
+input is larger than L2.
 Every peer's output is compared with flashmix's (which the C++ tests check
 against the CPU reference); a peer that disagrees is reported as such.
 
@@ -32,18 +33,28 @@ import flashmix
 DEV = "cuda"
 
 
-def timed(fn, iters, warmup=3):
+def timed(fn, repeats, warmup=3):
+    """Median over `repeats` batches of the time per call, each batch a run of
+    back-to-back calls between two events (>= ~2 ms of GPU work), so the
+    Python and binding overhead of a call hides behind the GPU's queue, as
+    in an engine; flashmix-bench times its cases the same way."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    fn()
+    e1.record()
+    e1.synchronize()
+    batch = max(1, min(200, int(2000.0 / max(1.0, e0.elapsed_time(e1) * 1e3))))
     times = []
-    for _ in range(iters):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(repeats):
         e0.record()
-        fn()
+        for _ in range(batch):
+            fn()
         e1.record()
         e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3)
+        times.append(e0.elapsed_time(e1) * 1e3 / batch)
     return statistics.median(times)
 
 
@@ -70,7 +81,7 @@ class Run:
         y = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
         us = timed(lambda: x @ y, 20)
         self.gemm_tflops = 2 * n ** 3 / (us * 1e-6) / 1e12
-        print("ceilings: copy %.1f GB/s (read + write, 2 GiB), cuBLAS bf16 GEMM %.1f TFLOP/s" %
+        print("ceilings: copy %.1f GB/s (a 1 GiB copy, bytes read + written), cuBLAS bf16 GEMM %.1f TFLOP/s" %
               (self.copy_gbps, self.gemm_tflops))
 
     def record(self, op, case, impl, us, *, bytes_=None, dense_us=None, err=None, tol=None, note=""):
@@ -247,7 +258,15 @@ def bench_fc2(run, name, T, k, E, I, H):
     bm = lambda: torch.bmm(Ab, W2.transpose(1, 2))
     run.record("moe_fc2", case, "cuBLAS bmm, even rows", timed(bm, 10), dense_us=dense_us,
                note="GEMM alone, rows spread evenly, no finalize")
-    run.record("moe_fc2", case, "cuBLAS dense, equal FLOPs", timed(dense, 10), dense_us=dense_us, note="ceiling")
+    dense_end = timed(dense, 10)
+    run.record("moe_fc2", case, "cuBLAS dense, equal FLOPs", dense_end, dense_us=dense_us, note="ceiling")
+    # The H200's clock drops under sustained tensor load: every ratio of the case
+    # is taken against the faster of the two dense timings (never flatters flashmix).
+    best = min(dense_us, dense_end)
+    for r in run.records:
+        if r["case"] == case and r.get("median_us") and "dense_us" in r:
+            r["dense_us"] = round(best, 3)
+            r["ratio_to_dense"] = round(r["median_us"] / best, 4)
 
 
 def main():
@@ -264,6 +283,12 @@ def main():
     bench_mhc(run, 8192, 4, 7168)
     bench_fc2(run, "deepseek_ep", 1024, 8, 32, 2048, 7168)
     bench_fc2(run, "mixtral", 4096, 2, 8, 14336, 4096)
+    print("\nsummary (FC2 ratios against the faster of the case's two dense timings)")
+    for r in run.records:
+        m = ("%.3f of copy" % r["fraction"]) if "fraction" in r else (
+            "%.2f x dense" % r["ratio_to_dense"] if "ratio_to_dense" in r else "")
+        t = "%10.2f us" % r["median_us"] if r["median_us"] else "%13s" % "-"
+        print("%-13s %-37s %-29s %s  %-13s %s" % (r["op"], r["case"], r["impl"], t, m, r["check"]))
     if args.json:
         doc = {"gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).strftime(
             "%Y-%m-%dT%H:%M:%SZ"), "commit": args.commit, "torch": torch.__version__,
