@@ -12,7 +12,10 @@
 #include <string>
 #include <vector>
 
+#include <cuda_bf16.h>
+
 #include "bench_common.h"
+#include "common/launch.cuh"
 #include "common/test_data.h"
 #include "flashmix/moe.h"
 
@@ -276,6 +279,123 @@ void run_gpu_case(Context& ctx, const FinalizeCase& c, cudaStream_t stream) {
   if (d_shared) cudaFree(d_shared);
 }
 
+// Decode floors: reference records beside the decode cases (not ops), timed
+// the same way (graph replays of many PDL launches over rotated buffers).
+//  - `_floor_empty`: a launch on the finalize's grid for the case that does
+//    nothing but the grid-dependency wait and trigger: the fixed cost of one
+//    dependent launch in the graph.
+//  - `_floor_no_index_sum`: out vector v = sum over j < k of rows vector
+//    (j, v): the case's row and output bytes, 16-byte accesses, all k loads of
+//    a thread in flight at once, and no index round trip (rows at fixed
+//    places). What a finalize of these bytes costs if its indices were free;
+//    again without rotation (`_l2_warm`).
+__global__ void floor_empty_kernel() {
+  flashmix::dev::grid_dependency_wait();
+  flashmix::dev::allow_dependents_launch();
+}
+
+constexpr int kFloorMaxK = 8;
+
+__global__ void floor_sum_kernel(const uint4* __restrict__ rows, uint4* __restrict__ out, int64_t vecs, int k) {
+  flashmix::dev::grid_dependency_wait();
+  flashmix::dev::allow_dependents_launch();
+  const int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (v >= vecs) return;
+  uint4 x[kFloorMaxK];
+#pragma unroll
+  for (int j = 0; j < kFloorMaxK; ++j)
+    if (j < k) x[j] = __ldcs(rows + j * vecs + v);
+  float acc[8] = {};
+#pragma unroll
+  for (int j = 0; j < kFloorMaxK; ++j) {
+    if (j >= k) break;
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&x[j]);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 f = __bfloat1622float2(h[e]);
+      acc[2 * e] += f.x;
+      acc[2 * e + 1] += f.y;
+    }
+  }
+  uint4 o;
+  __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) oh[e] = __floats2bfloat162_rn(acc[2 * e], acc[2 * e + 1]);
+  out[v] = o;
+}
+
+void run_decode_floors(Context& ctx, const FinalizeCase& c) {
+  const std::string empty_name = c.name + "_floor_empty", sum_name = c.name + "_floor_no_index_sum";
+  const bool want_empty = ctx.selected("moe_finalize", empty_name), want_sum = ctx.selected("moe_finalize", sum_name);
+  if (!ctx.gpu || !(want_empty || want_sum) || c.k > kFloorMaxK || c.H % 8) return;
+  cudaStream_t stream;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const int64_t vecs = c.T * c.H / 8;  // 16-byte output vectors
+  const size_t rows_bytes = size_t(vecs) * c.k * 16, out_bytes = size_t(vecs) * 16;
+  const int copies = int(std::min<int64_t>(2000, (4 * ctx.l2_bytes) / (rows_bytes + out_bytes) + 1));
+  const int threads = 128;
+  const dim3 grid(unsigned((vecs + threads - 1) / threads));
+  // Rows of small integers: every sum is exact in fp32 and in bf16, so the
+  // check below is bitwise.
+  std::vector<__nv_bfloat16> h_rows(size_t(vecs) * c.k * 8);
+  for (size_t i = 0; i < h_rows.size(); ++i) h_rows[i] = __float2bfloat16(float(int((i * 2654435761u) % 15) - 7));
+  uint4 *d_rows = nullptr, *d_out = nullptr;
+  BENCH_CUDA(cudaMalloc(&d_rows, rows_bytes * copies));
+  BENCH_CUDA(cudaMalloc(&d_out, out_bytes * copies));
+  for (int i = 0; i < copies; ++i)
+    BENCH_CUDA(cudaMemcpy(reinterpret_cast<char*>(d_rows) + rows_bytes * i, h_rows.data(), rows_bytes,
+                          cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemset(d_out, 0xff, out_bytes * copies));
+  BENCH_CUDA(cudaDeviceSynchronize());
+  auto sum_launch = [&](int i) {
+    BENCH_CUDA(flashmix::dev::launch(floor_sum_kernel, grid, dim3(threads), 0, stream, true,
+                                     d_rows + (rows_bytes / 16) * (i % copies), d_out + vecs * (i % copies), vecs,
+                                     c.k));
+  };
+  const int launches = std::max(copies, 200), replays = ctx.quick ? 5 : 20;
+  const double bytes = double(rows_bytes + out_bytes);
+  auto record = [&](const std::string& name, double us, const std::string& check, int rotated) {
+    Record r;
+    r.op = "moe_finalize";
+    r.case_name = name;
+    r.median_us = us;
+    r.bytes = bytes;
+    r.ceiling = "copy";
+    r.fraction = bytes / (us * 1e-6) / 1e9 / ctx.copy_gbps;
+    r.check = check;
+    r.extra["rotated_copies"] = rotated;
+    add_record(ctx, r);
+  };
+  if (want_empty)
+    record(empty_name,
+           graph_us_per_launch([&](int) {
+             BENCH_CUDA(flashmix::dev::launch(floor_empty_kernel, grid, dim3(threads), 0, stream, true));
+           }, launches, stream, replays),
+           "none: nothing computed", copies);
+  if (want_sum) {
+    sum_launch(0);
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    BENCH_CUDA(cudaGetLastError());
+    std::vector<__nv_bfloat16> got(size_t(vecs) * 8);
+    BENCH_CUDA(cudaMemcpy(got.data(), d_out, out_bytes, cudaMemcpyDeviceToHost));
+    int64_t bad = 0;
+    for (int64_t i = 0; i < vecs * 8; ++i) {
+      float ref = 0;
+      for (int j = 0; j < c.k; ++j) ref += __bfloat162float(h_rows[size_t(j) * vecs * 8 + i]);
+      bad += __bfloat162float(got[i]) != ref;
+    }
+    const std::string check = bad ? "FAILED: " + std::to_string(bad) + " sums differ" : "passed";
+    record(sum_name, graph_us_per_launch(sum_launch, launches, stream, replays), check, copies);
+    // Without rotation (every launch reads copy 0, which stays in L2): the
+    // floor of the `_l2_warm` replays.
+    record(sum_name + "_l2_warm", graph_us_per_launch([&](int) { sum_launch(0); }, launches, stream, replays), check,
+           1);
+  }
+  cudaFree(d_rows);
+  cudaFree(d_out);
+  BENCH_CUDA(cudaStreamDestroy(stream));
+}
+
 void run_cpu_case(Context& ctx, const FinalizeCase& c) {
   HostProblem hp = make_host_problem(c, 42);
   HostTensor out(c.out, c.T * c.H);
@@ -313,6 +433,8 @@ void run_moe_finalize_cases(Context& ctx) {
     c.H = std::min<int64_t>(c.H, 1027);
     return c;
   });
+  for (const FinalizeCase& c : cases)
+    if (c.decode) run_decode_floors(ctx, c);
 }
 
 }  // namespace flashmix::bench
