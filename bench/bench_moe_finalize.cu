@@ -38,6 +38,7 @@ struct FinalizeCase {
   double target = 0;    // fraction of copy bandwidth the issue asks for (0: none)
   double max_us = 0;    // latency bound for decode cases (0: none)
   double max_ratio = 0; // time / (bytes / copy) bound (EP case)
+  bool prefetch = false; // FinalizeMoeRoutingArgs::prefetch_indices
 };
 
 // Uniform values in [-1, 1) written straight into the tensor; fast enough for
@@ -98,6 +99,7 @@ FinalizeMoeRoutingArgs make_args(const FinalizeCase& c, int64_t num_rows) {
   a.start_expert_id = c.start;
   a.num_experts_per_node = c.local;
   a.fill = c.fill;
+  a.prefetch_indices = c.prefetch;
   return a;
 }
 
@@ -423,6 +425,14 @@ void run_moe_finalize_cases(Context& ctx) {
        true, 0, 3.0},
       {"decode_T64_k8_H7168", 64, 8, 7168, 256, 0, 256, false, false, true, DType::kBFloat16, DType::kBFloat16,
        true, 0, 3.0},
+      // The same with prefetch_indices (the indices read behind the previous
+      // launch's tail; in a model, behind the FC2 GEMM's). Reported, no target.
+      {"decode_T1_k8_H7168_prefetch_indices", 1, 8, 7168, 256, 0, 256, false, false, true, DType::kBFloat16,
+       DType::kBFloat16, true, 0, 0, 0, true},
+      {"decode_T16_k8_H7168_prefetch_indices", 16, 8, 7168, 256, 0, 256, false, false, true, DType::kBFloat16,
+       DType::kBFloat16, true, 0, 0, 0, true},
+      {"decode_T64_k8_H7168_prefetch_indices", 64, 8, 7168, 256, 0, 256, false, false, true, DType::kBFloat16,
+       DType::kBFloat16, true, 0, 0, 0, true},
       {"ep8_rank3_T8192_k8_H7168_nofill", 8192, 8, 7168, 256, 96, 32, false, false, false, DType::kBFloat16,
        DType::kBFloat16, false, 0, 0, 1.15},
       {"ep8_rank3_T8192_k8_H7168_fill", 8192, 8, 7168, 256, 96, 32, false, false, true, DType::kBFloat16,
@@ -434,7 +444,7 @@ void run_moe_finalize_cases(Context& ctx) {
     return c;
   });
   for (const FinalizeCase& c : cases)
-    if (c.decode) run_decode_floors(ctx, c);
+    if (c.decode && !c.prefetch) run_decode_floors(ctx, c);
 }
 
 }  // namespace flashmix::bench

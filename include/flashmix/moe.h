@@ -76,6 +76,15 @@ struct FinalizeMoeRoutingArgs {
   // of the previous kernel on the stream (and the next kernel's with ours).
   // Results are identical either way.
   bool enable_pdl = true;
+  // With enable_pdl: read the routing indices (unpermuted_row_to_permuted_row,
+  // token_selected_experts, scales; when not filling also
+  // permuted_row_to_unpermuted_row and expert_first_token_offset) before the
+  // kernel ahead of this one on the stream has finished, so their round trip
+  // hides behind its tail. Set it only when that kernel does not write them:
+  // in a MoE layer it is the FC2 GEMM, and the maps come from the routing
+  // kernels before it. The rows, bias and shared_output are always read, and
+  // `out` written, after. Results are identical either way.
+  bool prefetch_indices = false;
 
   FinalizeTuning tuning;
 };

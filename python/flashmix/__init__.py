@@ -188,8 +188,8 @@ def _mhc_hidden(x, n, op):
 def finalize_moe_routing(expanded_permuted_rows, unpermuted_row_to_permuted_row, token_selected_experts, *,
                          num_experts_per_node, start_expert_id=0, scales=None, bias=None, shared_output=None,
                          out=None, hidden=None, out_dtype=None, fill=True, permuted_row_to_unpermuted_row=None,
-                         expert_first_token_offset=None, enable_pdl=True, threads_per_block=0,
-                         vectors_per_thread=0, chunks_per_token=0, stream=None):
+                         expert_first_token_offset=None, enable_pdl=True, prefetch_indices=False,
+                         threads_per_block=0, vectors_per_thread=0, chunks_per_token=0, stream=None):
     """SPEC §2: un-permute the expert outputs, weight and reduce the top-k, add bias.
 
     ``out[t, c] = sum over local slots j of scales[t, j] * (rows[u2p[j*T + t], c] + bias[e - start, c])
@@ -210,6 +210,9 @@ def finalize_moe_routing(expanded_permuted_rows, unpermuted_row_to_permuted_row,
         and the cost follows the local rows; needs ``permuted_row_to_unpermuted_row`` and
         ``expert_first_token_offset`` (the maps of build_moe_routing_maps).
       enable_pdl, threads_per_block, vectors_per_thread, chunks_per_token: launch options (GPU).
+      prefetch_indices: with enable_pdl, the routing indices are read before the previous kernel on
+        the stream finishes; only when that kernel does not write them (in a MoE layer it is the FC2
+        GEMM). The rows, bias and shared_output are always read after it.
       stream: see the module docstring.
 
     Returns ``out``.
@@ -225,8 +228,8 @@ def finalize_moe_routing(expanded_permuted_rows, unpermuted_row_to_permuted_row,
         bias=_arg(bias), shared_output=_arg(shared_output), fill=fill,
         permuted_row_to_unpermuted_row=_arg(permuted_row_to_unpermuted_row),
         expert_first_token_offset=_arg(expert_first_token_offset), enable_pdl=enable_pdl,
-        threads_per_block=threads_per_block, vectors_per_thread=vectors_per_thread,
-        chunks_per_token=chunks_per_token, stream=_stream(stream, out))
+        prefetch_indices=prefetch_indices, threads_per_block=threads_per_block,
+        vectors_per_thread=vectors_per_thread, chunks_per_token=chunks_per_token, stream=_stream(stream, out))
     return out
 
 

@@ -450,11 +450,12 @@ FinalizeCall make_finalize(const In& rows, const In& u2p, const In& experts, con
 void finalize_moe_routing(const In& rows, const In& u2p, const In& experts, const Out& out,
                           int num_experts_per_node, int start_expert_id, const OptIn& scales, const OptIn& bias,
                           const OptIn& shared_output, bool fill, const OptIn& p2u, const OptIn& offsets,
-                          bool enable_pdl, int threads_per_block, int vectors_per_thread, int chunks_per_token,
-                          uintptr_t stream) {
-  const FinalizeCall c = make_finalize(rows, u2p, experts, out, num_experts_per_node, start_expert_id, scales, bias,
-                                       shared_output, fill, p2u, offsets, enable_pdl, threads_per_block,
-                                       vectors_per_thread, chunks_per_token);
+                          bool enable_pdl, bool prefetch_indices, int threads_per_block, int vectors_per_thread,
+                          int chunks_per_token, uintptr_t stream) {
+  FinalizeCall c = make_finalize(rows, u2p, experts, out, num_experts_per_node, start_expert_id, scales, bias,
+                                 shared_output, fill, p2u, offsets, enable_pdl, threads_per_block, vectors_per_thread,
+                                 chunks_per_token);
+  c.args.prefetch_indices = prefetch_indices;
   dispatch(
       c.where, "finalize_moe_routing", [&] { return fm::finalize_moe_routing(c.args, as_stream(stream)); },
       [&] { return fm::finalize_moe_routing_cpu(c.args); });
@@ -923,8 +924,8 @@ NB_MODULE(_C, m) {
         "unpermuted_row_to_permuted_row"_a, "token_selected_experts"_a, "out"_a, nb::kw_only(),
         "num_experts_per_node"_a, "start_expert_id"_a = 0, "scales"_a = nb::none(), "bias"_a = nb::none(),
         "shared_output"_a = nb::none(), "fill"_a = true, "permuted_row_to_unpermuted_row"_a = nb::none(),
-        "expert_first_token_offset"_a = nb::none(), "enable_pdl"_a = true, "threads_per_block"_a = 0,
-        "vectors_per_thread"_a = 0, "chunks_per_token"_a = 0, "stream"_a = 0,
+        "expert_first_token_offset"_a = nb::none(), "enable_pdl"_a = true, "prefetch_indices"_a = false,
+        "threads_per_block"_a = 0, "vectors_per_thread"_a = 0, "chunks_per_token"_a = 0, "stream"_a = 0,
         "SPEC §2 into `out` [T, H] (H = out.shape[1]); T and k from token_selected_experts [T, k].");
   m.def("debug_check_finalize_moe_routing_indices", &debug_check_finalize_moe_routing_indices,
         "expanded_permuted_rows"_a, "unpermuted_row_to_permuted_row"_a, "token_selected_experts"_a, "out"_a,

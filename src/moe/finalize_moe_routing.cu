@@ -82,6 +82,7 @@ struct FinalizeParams {
   int chunks;      // chunks per output row
   int chunk_vecs;  // vectors per chunk
   bool fill;
+  bool prefetch_indices;  // the index loads of the first items go out before the grid dependency wait
   bool out_vectors;  // out (and shared_output) aligned for V-element vectors; else element stores
   // Realigned path: rows / bias point at the 16-byte boundary at or below
   // the caller's pointer, and these are the caller's pointers' distances from
@@ -680,8 +681,10 @@ __global__ void __launch_bounds__(kMaxFinalizeThreads,
   SlotMeta& m = meta[threadIdx.x >> 5];
   extern __shared__ uint4 finalize_ring[];  // async path: kFinalizeRingVectors per warp
   uint4* ring = finalize_ring + (threadIdx.x >> 5) * kFinalizeRingVectors;
-  // Everything below may read what the previous kernel on the stream wrote.
-  dev::grid_dependency_wait();
+  // Everything below may read what the previous kernel on the stream wrote;
+  // with prefetch_indices, only from the second wait on (the indices of the
+  // first items are the caller's promise).
+  if (!p.prefetch_indices) dev::grid_dependency_wait();
   dev::allow_dependents_launch();
   const int64_t num_items = p.fill ? p.items_bound : p.expert_offsets[p.num_local_experts] * p.chunks;
   const int warps = blockDim.x >> 5;
@@ -717,6 +720,8 @@ __global__ void __launch_bounds__(kMaxFinalizeThreads,
   SlotLoad slots1 = slots_of(item + stride, ik1);
   int64_t key2 = key_of(item + 2 * stride, chunk2);
   int32_t u2 = unpermuted_of(item + 2 * stride, key2);
+  // The rows, bias and shared_output, and every store, come after this.
+  if (p.prefetch_indices) dev::grid_dependency_wait();
   for (; item < num_items; item += stride) {
     const ItemKey ik2 = item_key(p, key2, u2);
     const SlotLoad slots2 = slots_of(item + 2 * stride, ik2);
@@ -881,6 +886,7 @@ Status finalize_moe_routing(const FinalizeMoeRoutingArgs& a, cudaStream_t stream
   p.start_expert = a.start_expert_id;
   p.num_local_experts = a.num_experts_per_node;
   p.fill = a.fill;
+  p.prefetch_indices = a.prefetch_indices && a.enable_pdl;
   switch (a.rows_dtype) {
     case DType::kFloat32: return dispatch_out<float>(p, a, stream);
     case DType::kFloat16: return dispatch_out<__half>(p, a, stream);

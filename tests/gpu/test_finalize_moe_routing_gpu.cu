@@ -501,6 +501,129 @@ TEST(FinalizeGpu, CapturableInACudaGraph) {
   }
 }
 
+// A stand-in for the FC2 GEMM ahead of the finalize: it lets its dependents
+// launch at once, then takes `delay_ns` before it writes the rows and the
+// shared_output (copies of src / src2). A finalize that read either before
+// its grid dependency resolved would see the poison.
+__global__ void slow_rows_writer(const uint8_t* src, uint8_t* dst, long long n, const uint8_t* src2, uint8_t* dst2,
+                                 long long n2, long long delay_ns) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < (unsigned long long)delay_ns);
+  auto copy = [](const uint8_t* a, uint8_t* b, long long bytes) {
+    const long long vecs = bytes / 16;  // both buffers come from cudaMalloc: 16-byte aligned
+    for (long long v = threadIdx.x; v < vecs; v += blockDim.x)
+      reinterpret_cast<uint4*>(b)[v] = reinterpret_cast<const uint4*>(a)[v];
+    for (long long i = vecs * 16 + threadIdx.x; i < bytes; i += blockDim.x) b[i] = a[i];
+  };
+  copy(src, dst, n);
+  if (src2) copy(src2, dst2, n2);
+}
+
+// prefetch_indices: the routing indices are read before the grid dependency
+// resolves, the rows and shared_output only after. Behind a kernel that
+// writes those late (a PDL chain, direct and in a CUDA graph), the output is
+// bitwise that of a launch without prefetching: decode sizes (the decode and
+// the ring kernels), bias + shared_output, no-filling EP (its row count and
+// map read early too), rows off the 16-byte grid.
+TEST(FinalizeGpu, PrefetchIndicesReadsRowsAfterTheDependency) {
+  SKIP_WITHOUT_GPU();
+  std::vector<Case> cases;
+  for (int64_t T : {1, 16, 64}) {
+    Case c;
+    c.T = T;
+    c.k = 8;
+    c.H = 7168;
+    c.total_experts = c.local = 256;
+    cases.push_back(c);
+  }
+  {
+    Case c;
+    c.T = 257;
+    c.k = 8;
+    c.H = 2056;
+    c.bias = c.shared = true;
+    cases.push_back(c);
+  }
+  {
+    Case c;
+    c.T = 300;
+    c.k = 8;
+    c.H = 1000;
+    c.total_experts = 64;
+    c.start = 32;
+    c.local = 16;
+    c.fill = false;
+    c.shared = true;
+    cases.push_back(c);
+  }
+  {
+    Case c;
+    c.T = 40;
+    c.H = 1003;
+    c.lead = 3;
+    c.bias = true;
+    cases.push_back(c);
+  }
+  for (const Case& c : cases) {
+    SCOPED_TRACE(describe(c) + (c.fill ? "" : " no-filling"));
+    Problem p(c, 77);
+    const HostTensor ref = p.run();
+    p.expect_matches(ref);
+    // What the writer puts in place: the rows buffer and shared_output as the problem holds them.
+    const size_t rows_bytes = p.d_rows.bytes(), shared_bytes = c.shared ? p.d_shared.bytes() : 0;
+    DeviceBuffer rows_src(rows_bytes), shared_src(shared_bytes ? shared_bytes : 16);
+    CUDA_OK(cudaMemcpy(rows_src.get(), p.d_rows.get(), rows_bytes, cudaMemcpyDeviceToDevice));
+    if (shared_bytes) CUDA_OK(cudaMemcpy(shared_src.get(), p.d_shared.get(), shared_bytes, cudaMemcpyDeviceToDevice));
+    for (bool graph : {false, true})
+      for (bool prefetch : {false, true}) {
+        SCOPED_TRACE(std::string(graph ? "graph" : "direct") + (prefetch ? ", prefetch_indices" : ""));
+        cudaStream_t stream;
+        CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        p.reset_output();
+        FinalizeMoeRoutingArgs a = p.args;
+        a.prefetch_indices = prefetch;
+        auto issue = [&] {
+          // 0x7f bytes: a huge finite value in every dtype, so a row read early shows in the output.
+          EXPECT_EQ(cudaMemsetAsync(p.d_rows.get(), 0x7f, rows_bytes, stream), cudaSuccess);
+          if (shared_bytes) EXPECT_EQ(cudaMemsetAsync(p.d_shared.get(), 0x7f, shared_bytes, stream), cudaSuccess);
+          // One block: the finalize's blocks find free SMs to start early.
+          slow_rows_writer<<<1, 1024, 0, stream>>>(rows_src.as<uint8_t>(), p.d_rows.as<uint8_t>(), (long long)rows_bytes,
+                                                   shared_bytes ? shared_src.as<uint8_t>() : nullptr,
+                                                   p.d_shared.as<uint8_t>(), (long long)shared_bytes, 50000);
+          EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+          Status st = finalize_moe_routing(a, stream);
+          EXPECT_TRUE(st.ok()) << st.message();
+        };
+        if (graph) {
+          cudaGraph_t g;
+          cudaGraphExec_t exec;
+          CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+          issue();
+          CUDA_OK(cudaStreamEndCapture(stream, &g));
+          CUDA_OK(cudaGraphInstantiate(&exec, g, 0));
+          CUDA_OK(cudaGraphLaunch(exec, stream));
+          CUDA_OK(cudaStreamSynchronize(stream));
+          CUDA_OK(cudaGraphExecDestroy(exec));
+          CUDA_OK(cudaGraphDestroy(g));
+        } else {
+          issue();
+        }
+        CUDA_OK(cudaStreamSynchronize(stream));
+        CUDA_OK(cudaGetLastError());
+        CUDA_OK(cudaStreamDestroy(stream));
+        HostTensor got(c.out, p.out_init.count());
+        p.d_out.download(got.data(), got.bytes.size());
+        EXPECT_EQ(got.bytes, ref.bytes);
+      }
+  }
+}
+
 // SPEC §5 on the GPU entry point: the error names the argument, and the
 // (poisoned) output is left exactly as it was: nothing was launched.
 TEST(FinalizeGpuErrors, BadInputNamesTheArgumentAndWritesNothing) {

@@ -83,6 +83,17 @@ def test_finalize_writes_only_the_first_hidden_columns_of_a_strided_out():
     assert (full[:, 20:] == -5.0).all()
 
 
+def test_finalize_takes_prefetch_indices():
+    # A GPU launch option (the indices read behind the previous kernel): the
+    # binding takes it, and the CPU backend's result is the same with it.
+    rng = np.random.default_rng(5)
+    p = ref.finalize_problem(rng, 9, 4, 24, 24, "float32", 16, 0, 16, True, True, False, "float32")
+    kw = dict(num_experts_per_node=16, scales=p["scales"], bias=p["bias"])
+    want = flashmix.finalize_moe_routing(p["rows"], p["u2p"], p["experts"], **kw)
+    got = flashmix.finalize_moe_routing(p["rows"], p["u2p"], p["experts"], prefetch_indices=True, **kw)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_finalize_zero_tokens_is_valid():
     rows = np.zeros((0, 8), np.float32)
     out = flashmix.finalize_moe_routing(rows, np.zeros(0, np.int32), np.zeros((0, 4), np.int32),

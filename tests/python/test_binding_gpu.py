@@ -103,7 +103,8 @@ def test_finalize_is_bitwise_reproducible():
     p = ref.finalize_problem(rng, 128, 8, 2048, 2048, "bfloat16", 64, 0, 64, True, True)
     t = {n: tensor(p[n]) for n in ("rows", "u2p", "experts", "scales", "bias")}
     outs = [flashmix.finalize_moe_routing(t["rows"], t["u2p"], t["experts"], num_experts_per_node=64,
-                                          scales=t["scales"], bias=t["bias"]) for _ in range(3)]
+                                          scales=t["scales"], bias=t["bias"], prefetch_indices=prefetch)
+            for prefetch in (False, False, True)]
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
