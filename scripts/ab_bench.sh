@@ -6,7 +6,7 @@
 # Usage: scripts/ab_bench.sh OUT_DIR FILTER ROUNDS BUILD [BUILD ...]
 #   BUILD: a directory holding flashmix-bench, or the .tar.xz that
 #          scripts/stage_gpu_binaries.sh packs (its name names the build)
-# Each run's JSON lands in OUT_DIR/<build>-<round>.json.
+# Each run's JSON and log end up in OUT_DIR/runs.tar.gz (<build>-<round>.json).
 set -uo pipefail
 out=${1:?usage: ab_bench.sh OUT_DIR FILTER ROUNDS BUILD...}
 filter=${2:?usage: ab_bench.sh OUT_DIR FILTER ROUNDS BUILD...}
@@ -15,16 +15,10 @@ shift 3
 mkdir -p "$out"
 names=()
 bins=()
+source "$(dirname "$0")/bin_dir.sh"
 for b in "$@"; do
-  if [[ "$b" == *.tar.xz ]]; then
-    d=$(mktemp -d)
-    tar xJf "$b" -C "$d"
-    names+=("$(basename "$b" .tar.xz)")
-    bins+=("$(find "$d" -name flashmix-bench | head -n 1)")
-  else
-    names+=("$(basename "$b")")
-    bins+=("$b/flashmix-bench")
-  fi
+  names+=("$(basename "$b" .tar.xz)")
+  bins+=("$(bin_dir "$b")/flashmix-bench")
 done
 status=0
 for r in $(seq 1 "$rounds"); do
@@ -52,4 +46,8 @@ for key, per in cases.items():
         v = per.get(n, [])
         print("  %-12s %s" % (n, "  ".join("%8.2f us %.3f %s" % (t, f, c[:6]) for t, f, c in v)))
 EOF
+# One file back from a device call instead of two per run (the device tool
+# returns at most 8): the runs' JSON and logs packed together.
+(cd "$out" && shopt -s nullglob && runs=(*-[0-9]*.json *-[0-9]*.log) && ((${#runs[@]})) &&
+  tar czf runs.tar.gz -- "${runs[@]}" && rm -f -- "${runs[@]}")
 exit $status

@@ -19,11 +19,8 @@ bin=${1:?usage: gpu_round.sh BIN_DIR OUT_DIR [bench args...]}
 out=${2:?usage: gpu_round.sh BIN_DIR OUT_DIR [bench args...]}
 shift 2
 mkdir -p "$out"
-if [[ "$bin" == *.tar.xz ]]; then
-  unpacked=$(mktemp -d)
-  tar xJf "$bin" -C "$unpacked"
-  bin=$(find "$unpacked" -name flashmix-bench -printf '%h\n' | head -n 1)
-fi
+source "$(dirname "$0")/bin_dir.sh"
+bin=$(bin_dir "$bin")
 status=0
 to="timeout ${STEP_TIMEOUT:-540}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$out/gpu.txt"

@@ -13,11 +13,8 @@ bin=${1:?usage: ncu_cases.sh BIN_DIR OUT_DIR NAME=FILTER=KERNEL_REGEX ...}
 out=${2:?usage: ncu_cases.sh BIN_DIR OUT_DIR NAME=FILTER=KERNEL_REGEX ...}
 shift 2
 mkdir -p "$out"
-if [[ "$bin" == *.tar.xz ]]; then
-  unpacked=$(mktemp -d)
-  tar xJf "$bin" -C "$unpacked"
-  bin=$(find "$unpacked" -name flashmix-bench -printf '%h\n' | head -n 1)
-fi
+source "$(dirname "$0")/bin_dir.sh"
+bin=$(bin_dir "$bin")
 status=0
 for spec in "$@"; do
   IFS='=' read -r name filter kernel <<< "$spec"

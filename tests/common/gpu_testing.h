@@ -22,6 +22,22 @@
 
 namespace flashmix::testing {
 
+#ifdef __CUDACC__
+// The start of a stand-in for the kernel ahead of an op with a PDL option:
+// it lets its dependents launch at once, then spins for `delay_ns` before it
+// writes what the dependent must only read after its grid dependency wait.
+__device__ inline void launch_dependents_then_wait_ns(long long delay_ns) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < (unsigned long long)delay_ns);
+}
+#endif
+
 inline bool have_gpu() {
   static const bool yes = [] {
     int n = 0;

@@ -507,14 +507,7 @@ TEST(FinalizeGpu, CapturableInACudaGraph) {
 // its grid dependency resolved would see the poison.
 __global__ void slow_rows_writer(const uint8_t* src, uint8_t* dst, long long n, const uint8_t* src2, uint8_t* dst2,
                                  long long n2, long long delay_ns) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-  unsigned long long t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  do {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  } while (t - t0 < (unsigned long long)delay_ns);
+  launch_dependents_then_wait_ns(delay_ns);
   auto copy = [](const uint8_t* a, uint8_t* b, long long bytes) {
     const long long vecs = bytes / 16;  // both buffers come from cudaMalloc: 16-byte aligned
     for (long long v = threadIdx.x; v < vecs; v += blockDim.x)

@@ -466,14 +466,7 @@ TEST(MhcDeterminismGpu, RepeatedRunsAndGraphReplayAreBitwiseIdentical) {
 // before its grid dependency resolved would see the poison (checked: with
 // the producer's wait removed, this test fails).
 __global__ void slow_x_writer(const uint4* src, uint4* dst, long long vectors, long long delay_ns) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-  unsigned long long t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  do {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  } while (t - t0 < (unsigned long long)delay_ns);
+  flashmix::testing::launch_dependents_then_wait_ns(delay_ns);
   for (long long v = blockIdx.x * (long long)blockDim.x + threadIdx.x; v < vectors; v += gridDim.x * (long long)blockDim.x)
     dst[v] = src[v];
 }
