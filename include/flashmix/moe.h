@@ -80,10 +80,13 @@ struct FinalizeMoeRoutingArgs {
   // token_selected_experts, scales; when not filling also
   // permuted_row_to_unpermuted_row and expert_first_token_offset) before the
   // kernel ahead of this one on the stream has finished, so their round trip
-  // hides behind its tail. Set it only when that kernel does not write them:
-  // in a MoE layer it is the FC2 GEMM, and the maps come from the routing
-  // kernels before it. The rows, bias and shared_output are always read, and
-  // `out` written, after. Results are identical either way.
+  // hides behind its tail. Set it only when that kernel does not write them,
+  // nor any kernel that may still run when ours starts (one ahead of it that
+  // it let launch early, before its own dependency wait). In a MoE layer the
+  // kernel ahead is the FC2 GEMM, which waits for its inputs before letting
+  // ours launch, and the maps come from the routing kernels before it. The
+  // rows, bias and shared_output are always read, and `out` written, after.
+  // Results are identical either way.
   bool prefetch_indices = false;
 
   FinalizeTuning tuning;
