@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -46,6 +47,31 @@ inline bool have_gpu() {
     return ok;
   }();
   return yes;
+}
+
+// Runs `issue` on `stream` once directly, or (graph) once to set the
+// kernels' attributes up outside a capture, then `reset` and a captured
+// graph of `issue` replayed three times; synchronises either way.
+inline void run_direct_or_graph(cudaStream_t stream, bool graph, const std::function<void()>& issue,
+                                const std::function<void()>& reset) {
+  if (graph) {
+    issue();
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    reset();
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    issue();
+    EXPECT_EQ(cudaStreamEndCapture(stream, &g), cudaSuccess);
+    EXPECT_EQ(cudaGraphInstantiate(&ge, g, 0), cudaSuccess);
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(cudaGraphLaunch(ge, stream), cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    cudaGraphExecDestroy(ge);
+    cudaGraphDestroy(g);
+  } else {
+    issue();
+  }
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
 }
 
 // A device allocation; freed on scope exit.

@@ -593,21 +593,7 @@ TEST(FinalizeGpu, PrefetchIndicesReadsRowsAfterTheDependency) {
           Status st = finalize_moe_routing(a, stream);
           EXPECT_TRUE(st.ok()) << st.message();
         };
-        if (graph) {
-          cudaGraph_t g;
-          cudaGraphExec_t exec;
-          CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-          issue();
-          CUDA_OK(cudaStreamEndCapture(stream, &g));
-          CUDA_OK(cudaGraphInstantiate(&exec, g, 0));
-          CUDA_OK(cudaGraphLaunch(exec, stream));
-          CUDA_OK(cudaStreamSynchronize(stream));
-          CUDA_OK(cudaGraphExecDestroy(exec));
-          CUDA_OK(cudaGraphDestroy(g));
-        } else {
-          issue();
-        }
-        CUDA_OK(cudaStreamSynchronize(stream));
+        run_direct_or_graph(stream, graph, issue, [&] { p.reset_output(); });
         CUDA_OK(cudaGetLastError());
         CUDA_OK(cudaStreamDestroy(stream));
         HostTensor got(c.out, p.out_init.count());

@@ -27,6 +27,7 @@ namespace {
 
 using namespace mhc_test;
 using testing::DeviceBuffer;
+using testing::run_direct_or_graph;
 
 struct DeviceProblem {
   DeviceBuffer x, phi_f32, phi_bf16, alpha, bias, f_out, h_post, h_res;
@@ -380,31 +381,6 @@ struct PrePostRun {
   std::vector<uint16_t> f_pre, x_next;
   std::vector<float> h_post, h_res;
 };
-
-// Runs `issue` on `stream` once directly, or (graph) once to set the
-// kernels' attributes up outside a capture, then `reset` and a captured
-// graph of `issue` replayed three times; synchronises either way.
-void run_direct_or_graph(cudaStream_t stream, bool graph, const std::function<void()>& issue,
-                         const std::function<void()>& reset) {
-  if (graph) {
-    issue();
-    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    reset();
-    cudaGraph_t g;
-    cudaGraphExec_t ge;
-    EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-    issue();
-    EXPECT_EQ(cudaStreamEndCapture(stream, &g), cudaSuccess);
-    EXPECT_EQ(cudaGraphInstantiate(&ge, g, 0), cudaSuccess);
-    for (int i = 0; i < 3; ++i) EXPECT_EQ(cudaGraphLaunch(ge, stream), cudaSuccess);
-    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    cudaGraphExecDestroy(ge);
-    cudaGraphDestroy(g);
-  } else {
-    issue();
-  }
-  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-}
 
 // Runs pre then post on `stream`, optionally through a captured CUDA graph.
 PrePostRun run_pre_post(const Problem& p, DeviceProblem& d, bool graph) {
