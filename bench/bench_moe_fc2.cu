@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -153,6 +154,12 @@ void run_case(Context& ctx, const Fc2Case& c, cudaStream_t stream) {
   // Tunings: the automatic choice, then (with --sweep, unfused and atomic
   // only) every GEMM configuration x tile order x swizzle.
   std::vector<Fc2Tuning> tunings{Fc2Tuning{}};
+  // FLASHMIX_BENCH_FC2_TUNING=cfg,raster,swizzle replaces the automatic
+  // choice (to profile one configuration with scripts/ncu_cases.sh).
+  if (const char* env = std::getenv("FLASHMIX_BENCH_FC2_TUNING")) {
+    Fc2Tuning t;
+    if (std::sscanf(env, "%d,%d,%d", &t.gemm_config, &t.raster, &t.swizzle) == 3) tunings[0] = t;
+  }
   if (ctx.sweep)
     for (int cfg = 1; cfg <= 2; ++cfg)
       for (int raster = 1; raster <= 2; ++raster)
