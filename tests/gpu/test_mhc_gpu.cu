@@ -273,8 +273,8 @@ TEST(MhcStagesGpu, ProjectActivatePreMixHeadExpand) {
   for (int n : {1, 4, 6, 8})
     for (int64_t C : {1000, 7168}) shapes.push_back({n, C, 9});
   // Stage 1 on the resident kernel, ~18 tiles per cluster on an H200 (7
-  // clusters): ring refills and the reuse of the H_pre slots and of the
-  // owner's receive buffer (every 16th tile) without a pre mix.
+  // clusters): ring refills and the reuse of the receive buffers (by tile
+  // parity, and the owner's every 16th tile) without a pre mix.
   shapes.push_back({4, 4096, 2000});
   for (const Shape& sh : shapes) {
     {
