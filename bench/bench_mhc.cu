@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
@@ -221,6 +222,9 @@ MhcPreArgs pre_args(const HostData& h, const DevSet& d, bool phi_bf16 = false) {
   a.phi = phi_bf16 ? static_cast<const void*>(d.phi_bf16) : static_cast<const void*>(d.phi);
   a.phi_dtype = phi_bf16 ? DType::kBFloat16 : DType::kFloat32;
   a.f_pre = d.f_pre; a.h_post = d.h_post; a.h_res = d.h_res;
+  // FLASHMIX_BENCH_MHC_SINKHORN_ITERS=n: a timing diagnostic (with
+  // --no-verify: the checks' reference keeps 20 iterations).
+  if (const char* env = std::getenv("FLASHMIX_BENCH_MHC_SINKHORN_ITERS")) a.params.sinkhorn_iters = std::atoi(env);
   return a;
 }
 MhcPostArgs post_args(const HostData& h, const DevSet& d) {

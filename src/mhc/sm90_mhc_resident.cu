@@ -601,6 +601,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     dev::grid_dependency_wait();  // before any output (prefetch_weights; a no-op otherwise)
     named_bar(kBarFinish, kFinishWarps * 32);
+#ifdef FLASHMIX_MHC_PROFILE
+    long long prof[8] = {};
+    long long t0 = clock64();
+#endif
     int owned = 0;
 #pragma unroll 1
     for (int j = 0; j < my_tiles; ++j) {
@@ -614,6 +618,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_arrive_expect_tx(smem_u32(&recv_full[j & 1]),
                               uint32_t(kClusterSize * (kCommon + (owner ? kFull : 0)) * kRows * 4));
       mbar_wait(smem_u32(&recv_full[j & 1]), uint32_t(j >> 1) & 1u);
+      FM_PROF(0)
       FM_STAMP(6, ft == 0 && j == 0)
       // The sums over the 16 ranks, 4 tokens per float4, in rank order:
       // the common values (every CTA) and the others (the owner).
@@ -632,12 +637,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         *reinterpret_cast<float4*>(tot + m * kRows + r4 * 4) = sum;
       }
       FM_STAMP(14, ft == 0 && j == 0)
+      FM_PROF(1)
       named_bar(kBarFinish, kFinishWarps * 32);  // tot written; every read of recv[j & 1] done
       FM_STAMP(15, ft == 0 && j == 0)
       const int slot = owned & 1;
       if (owner && p.mode == ProjectMode::kPre && owned >= 2)
         mbar_wait(smem_u32(&sink_empty[slot]), uint32_t((owned - 2) >> 1) & 1u);
       if (p.mode == ProjectMode::kPre && j >= 2) mbar_wait(smem_u32(&hpre_free[j & 1]), uint32_t((j - 2) >> 1) & 1u);
+      FM_PROF(2)
       float* hp = hpre + (j & 1) * kRows * kN;
       // h, H_pre (and the owner's stash for Sinkhorn): thread (row, g)
       // takes coefficients 4g .. 4g + 3 of one token, one r per thread;
@@ -673,12 +680,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       FM_STAMP(16, ft == 0 && j == 0)
+      FM_PROF(3)
       named_bar(kBarFinish, kFinishWarps * 32);
       if (p.mode == ProjectMode::kPre) {
         mbar_arrive_local(smem_u32(&hpre_ready[j & 1]));
         if (owner) mbar_arrive_local(smem_u32(&sink_full[slot]));
       }
       FM_STAMP(7, ft == 0 && j == 0)
+      FM_PROF(4)
       // The receive buffer is free again (its reads were before the first
       // barrier above); released after H_pre, which is what the cluster waits for.
       if (ft < 32) mbar_arrive_cluster_all(smem_u32(&recv_free[j & 1]), lane);
@@ -692,8 +701,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         __syncwarp();
       }
       FM_STAMP(8, ft == 0 && j == 0)
+      FM_PROF(5)
       if (lane == 0) mbar_arrive_local(smem_u32(&stage_empty[j % kStages]));
     }
+#ifdef FLASHMIX_MHC_PROFILE
+    if (cluster_id == 0 && rank < 2 && ft == 0 && my_tiles > 0)
+      printf("prof-finish rank %d tiles %d | wait-recv %lld sums %lld bar+waits %lld hpre %lld bar+release %lld mix %lld\n",
+             rank, my_tiles, prof[0] / my_tiles, prof[1] / my_tiles, prof[2] / my_tiles, prof[3] / my_tiles,
+             prof[4] / my_tiles, prof[5] / my_tiles);
+#endif
   } else {
     // ---------------- producer + Sinkhorn warp ----------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kFinishRegs));
@@ -703,6 +719,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_wait(smem_u32(&phi_free), 0u);
       for (int j = 0; j < min(my_tiles, kStages); ++j) issue_tile(j);
     }
+#ifdef FLASHMIX_MHC_PROFILE
+    long long prof[8] = {};
+    long long t0 = clock64();
+#endif
     int owned = 0;
 #pragma unroll 1
     for (int t = kStages; t < my_tiles + kStages; ++t) {
@@ -712,6 +732,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_wait(smem_u32(&stage_empty[(t - kStages) % kStages]), uint32_t((t - kStages) / kStages) & 1u);
         issue_tile(t);
       }
+      FM_PROF(0)
       __syncwarp();
       // Sinkhorn of tile o = t - kStages when this CTA owns it: its h was
       // stashed about when the projection warps released its stage.
@@ -720,6 +741,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int slot = owned & 1;
       mbar_wait(smem_u32(&sink_full[slot]), uint32_t(owned >> 1) & 1u);
       FM_STAMP(12, lane == 0 && o == 0)
+      FM_PROF(1)
       const long long b = (cluster_id + (long long)o * num_clusters) * kRows + lane;
       if (lane < kRows && b < p.batch) {
         float h[kCoef], pre[kN], post[kN], res[kN * kN];
@@ -742,9 +764,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       __syncwarp();
       FM_STAMP(10, lane == 0 && o == 0)
+      FM_PROF(2)
       mbar_arrive_local(smem_u32(&sink_empty[slot]));
       ++owned;
     }
+#ifdef FLASHMIX_MHC_PROFILE
+    if (cluster_id == 0 && rank < 2 && lane == 0 && my_tiles > 0)
+      printf("prof-producer rank %d tiles %d owned %d | wait-empty+issue %lld (per tile) | wait-h %lld sinkhorn %lld (per owned tile)\n",
+             rank, my_tiles, owned, prof[0] / my_tiles, owned ? prof[1] / owned : 0, owned ? prof[2] / owned : 0);
+#endif
   }
   // No CTA leaves while a peer may still read its partials or arrive on its barriers.
   __syncwarp();
