@@ -6,6 +6,7 @@
 // bandwidth of the same run. Decode cases are timed as CUDA-graph replays of
 // many launches over rotated inputs (larger than L2 together), and again
 // without rotation (`_l2_warm`: the rows in L2, as right after FC2).
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -138,6 +139,19 @@ std::string compare(const FinalizeCase& c, const HostTensor& got, const HostTens
   return "passed";
 }
 
+// A record of `bytes` moved in `us` against the copy ceiling of this run.
+Record copy_record(const Context& ctx, const std::string& name, double us, double bytes, const std::string& check) {
+  Record r;
+  r.op = "moe_finalize";
+  r.case_name = name;
+  r.median_us = us;
+  r.bytes = bytes;
+  r.ceiling = "copy";
+  r.fraction = bytes / (us * 1e-6) / 1e9 / ctx.copy_gbps;
+  r.check = check;
+  return r;
+}
+
 void run_gpu_case(Context& ctx, const FinalizeCase& c, cudaStream_t stream) {
   const uint64_t seed = 0x5eed0000ull + std::hash<std::string>()(c.name);
   HostProblem hp = make_host_problem(c, seed);
@@ -227,14 +241,7 @@ void run_gpu_case(Context& ctx, const FinalizeCase& c, cudaStream_t stream) {
     return median_us([&] { launch(0, tuning); }, stream, 5, ctx.quick ? 10 : 50);
   };
   const double us = time_with({});
-  Record r;
-  r.op = "moe_finalize";
-  r.case_name = c.name;
-  r.median_us = us;
-  r.bytes = bytes;
-  r.ceiling = "copy";
-  r.fraction = bytes / (us * 1e-6) / 1e9 / ctx.copy_gbps;
-  r.check = check;
+  Record r = copy_record(ctx, c.name, us, bytes, check);
   const double bound_us = bytes / (ctx.copy_gbps * 1e9) * 1e6;
   r.extra["bound_us"] = bound_us;
   if (c.target) r.extra["target_fraction"] = c.target;
@@ -256,11 +263,7 @@ void run_gpu_case(Context& ctx, const FinalizeCase& c, cudaStream_t stream) {
     // The same graph replays without rotation: the rows stay in L2, as in a
     // model where the FC2 GEMM has just written them. Reported beside the
     // cold number above (which carries the target), not instead of it.
-    Record w = r;
-    w.case_name = c.name + "_l2_warm";
-    w.median_us = time_with({}, false);
-    w.fraction = bytes / (w.median_us * 1e-6) / 1e9 / ctx.copy_gbps;
-    w.extra.clear();
+    Record w = copy_record(ctx, c.name + "_l2_warm", time_with({}, false), bytes, check);
     w.extra["rotated_copies"] = 1;
     add_record(ctx, w);
   }
@@ -357,14 +360,7 @@ void run_decode_floors(Context& ctx, const FinalizeCase& c) {
   const int launches = std::max(copies, 200), replays = ctx.quick ? 5 : 20;
   const double bytes = double(rows_bytes + out_bytes);
   auto record = [&](const std::string& name, double us, const std::string& check, int rotated) {
-    Record r;
-    r.op = "moe_finalize";
-    r.case_name = name;
-    r.median_us = us;
-    r.bytes = bytes;
-    r.ceiling = "copy";
-    r.fraction = bytes / (us * 1e-6) / 1e9 / ctx.copy_gbps;
-    r.check = check;
+    Record r = copy_record(ctx, name, us, bytes, check);
     r.extra["rotated_copies"] = rotated;
     add_record(ctx, r);
   };
@@ -425,19 +421,26 @@ void run_moe_finalize_cases(Context& ctx) {
        true, 0, 3.0},
       {"decode_T64_k8_H7168", 64, 8, 7168, 256, 0, 256, false, false, true, DType::kBFloat16, DType::kBFloat16,
        true, 0, 3.0},
-      // The same with prefetch_indices (the indices read behind the previous
-      // launch's tail; in a model, behind the FC2 GEMM's). Reported, no target.
-      {"decode_T1_k8_H7168_prefetch_indices", 1, 8, 7168, 256, 0, 256, false, false, true, DType::kBFloat16,
-       DType::kBFloat16, true, 0, 0, 0, true},
-      {"decode_T16_k8_H7168_prefetch_indices", 16, 8, 7168, 256, 0, 256, false, false, true, DType::kBFloat16,
-       DType::kBFloat16, true, 0, 0, 0, true},
-      {"decode_T64_k8_H7168_prefetch_indices", 64, 8, 7168, 256, 0, 256, false, false, true, DType::kBFloat16,
-       DType::kBFloat16, true, 0, 0, 0, true},
       {"ep8_rank3_T8192_k8_H7168_nofill", 8192, 8, 7168, 256, 96, 32, false, false, false, DType::kBFloat16,
        DType::kBFloat16, false, 0, 0, 1.15},
       {"ep8_rank3_T8192_k8_H7168_fill", 8192, 8, 7168, 256, 96, 32, false, false, true, DType::kBFloat16,
        DType::kBFloat16},
   };
+  // Each decode case again with prefetch_indices (the indices read behind
+  // the previous launch's tail; in a model, behind the FC2 GEMM's), listed
+  // right after the decode cases. Reported, no target.
+  {
+    std::vector<FinalizeCase> prefetch;
+    for (FinalizeCase c : cases)
+      if (c.decode) {
+        c.name += "_prefetch_indices";
+        c.prefetch = true;
+        c.target = c.max_us = c.max_ratio = 0;
+        prefetch.push_back(c);
+      }
+    const auto last_decode = std::find_if(cases.rbegin(), cases.rend(), [](const FinalizeCase& c) { return c.decode; });
+    cases.insert(last_decode.base(), prefetch.begin(), prefetch.end());
+  }
   for_each_case(ctx, "moe_finalize", cases, run_gpu_case, run_cpu_case, [](FinalizeCase c) {
     c.T = std::min<int64_t>(c.T, 64);
     c.H = std::min<int64_t>(c.H, 1027);

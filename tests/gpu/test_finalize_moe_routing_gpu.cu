@@ -528,10 +528,7 @@ TEST(FinalizeGpu, PrefetchIndicesReadsRowsAfterTheDependency) {
   SKIP_WITHOUT_GPU();
   std::vector<Case> cases;
   for (int64_t T : {1, 16, 64}) {
-    Case c;
-    c.T = T;
-    c.k = 8;
-    c.H = 7168;
+    Case c = decode_case(T, 7168);
     c.total_experts = c.local = 256;
     cases.push_back(c);
   }
