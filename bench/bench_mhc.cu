@@ -519,6 +519,52 @@ void run_mhc_cases(Context& ctx) {
     rp.extra["speedup_over_unfused"] = base_us / rp.median_us;
     add_record(ctx, rp);
 
+    // With a workspace, pinned to the split kernel (every SM takes a slice of
+    // the columns; one grid-wide exchange), which mhc_pre does not pick at
+    // n = 4 (the resident kernel is faster here). One zeroed workspace serves
+    // every launch of the graph (each leaves it zeroed).
+    mhc_detail::set_project_kernel_for_testing(mhc_detail::ProjectKernel::kSplit);
+    void* ws = nullptr;
+    const size_t ws_bytes = mhc_workspace_bytes({16, 4, 7168});
+    BENCH_CUDA(cudaMalloc(&ws, ws_bytes));
+    BENCH_CUDA(cudaMemset(ws, 0, ws_bytes));
+    for (bool prefetch : {false, true}) {
+      auto pre_ws = [&](int i) {
+        MhcPreArgs a = pre_args(hs[i % sets], ds[i % sets]);
+        a.workspace = ws;
+        a.workspace_bytes = ws_bytes;
+        a.prefetch_weights = prefetch;
+        return a;
+      };
+      check = verify_sets([&](int i) { return mhc_pre(pre_ws(i), stream); }, check_pre_set);
+      Record rs = r;
+      rs.case_name = prefetch ? "decode_B16_n4_C7168_graph_workspace_prefetch" : "decode_B16_n4_C7168_graph_workspace";
+      rs.median_us = graph_us_per_launch([&](int i) { (void)mhc_pre(pre_ws(i), stream); }, launches, stream, iters);
+      rs.fraction = 8.0 / rs.median_us;
+      rs.check = check;
+      rs.extra["speedup_over_unfused"] = base_us / rs.median_us;
+      add_record(ctx, rs);
+    }
+    {
+      Record rs = r;
+      rs.case_name = "decode_B16_n4_C7168_graph_workspace_l2_warm";
+      rs.median_us = graph_us_per_launch(
+          [&](int) {
+            MhcPreArgs a = pre_args(hs[0], ds[0]);
+            a.workspace = ws;
+            a.workspace_bytes = ws_bytes;
+            (void)mhc_pre(a, stream);
+          },
+          launches, stream, iters);
+      rs.fraction = 8.0 / rs.median_us;
+      rs.extra.erase("target_max_us");
+      rs.extra["rotated_sets"] = 1;
+      rs.extra["speedup_over_unfused"] = base_us / rs.median_us;
+      add_record(ctx, rs);
+    }
+    BENCH_CUDA(cudaFree(ws));
+    mhc_detail::set_project_kernel_for_testing(mhc_detail::ProjectKernel::kAuto);
+
     // phi in bf16 (the caller's weights stored in bf16): half the weight
     // bytes to bring in, and no lo half to split off. Reported beside the
     // fp32 case, which carries the target (SPEC's precision for fp32 phi).
@@ -567,6 +613,59 @@ void run_mhc_cases(Context& ctx) {
     q.extra["unfused_us"] = base_us;
     q.extra["speedup_over_unfused"] = base_us / us;
     add_record(ctx, q);
+    for (auto& d : ds) free_dev(d);
+  }
+  // ---- decode at n = 8 (no resident kernel): the cluster-tile kernel, and
+  // the split kernel that a workspace selects. phi is 80 x 57344 fp32 (18 MB).
+  if (ctx.selected("mhc_pre", "decode_B16_n8_C7168")) {
+    const int sets = 6;  // 6 x (18.4 MB phi + 1.8 MB X) > L2
+    std::vector<HostData> hs;
+    std::vector<DevSet> ds;
+    for (int i = 0; i < sets; ++i) {
+      hs.push_back(make_host(16, 8, 7168, 2000 + i));
+      ds.push_back(make_dev(hs.back()));
+    }
+    void* ws = nullptr;
+    const size_t ws_bytes = mhc_workspace_bytes({16, 8, 7168});
+    BENCH_CUDA(cudaMalloc(&ws, ws_bytes));
+    BENCH_CUDA(cudaMemset(ws, 0, ws_bytes));
+    double plain_us = 0;
+    for (bool use_ws : {false, true}) {
+      auto args = [&](int i) {
+        MhcPreArgs a = pre_args(hs[i % sets], ds[i % sets]);
+        if (use_ws) {
+          a.workspace = ws;
+          a.workspace_bytes = ws_bytes;
+        }
+        return a;
+      };
+      std::string check = "not verified";
+      if (ctx.verify) {
+        check = "passed (all 16 rows of each set vs CPU reference)";
+        for (int i = 0; i < sets; ++i) {
+          Status st = mhc_pre(args(i), stream);
+          BENCH_CUDA(cudaStreamSynchronize(stream));
+          std::string c = st.ok() ? check_pre(hs[i], ds[i], sample_rows(16)) : "FAILED: " + st.message();
+          if (c.rfind("FAILED", 0) == 0) {
+            check = c;
+            break;
+          }
+        }
+      }
+      Record r;
+      r.op = "mhc_pre";
+      r.case_name = use_ws ? "decode_B16_n8_C7168_graph_workspace" : "decode_B16_n8_C7168_graph";
+      r.median_us = graph_us_per_launch([&](int i) { (void)mhc_pre(args(i), stream); }, 4 * sets, stream, iters);
+      r.ceiling = "time_bound";
+      r.bytes = 2.0 * 16 * 8 * 7168 + 2.0 * 16 * 7168;
+      r.fraction = 8.0 / r.median_us;
+      r.check = check;
+      r.extra["rotated_sets"] = sets;
+      if (use_ws) r.extra["speedup_over_no_workspace"] = plain_us / r.median_us;
+      else plain_us = r.median_us;
+      add_record(ctx, r);
+    }
+    BENCH_CUDA(cudaFree(ws));
     for (auto& d : ds) free_dev(d);
   }
   cublasDestroy(handle);

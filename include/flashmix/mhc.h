@@ -27,6 +27,7 @@
 // accumulation, one rounding at the store) with the same validation.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include <cuda_runtime_api.h>
@@ -90,6 +91,10 @@ struct MhcPreArgs {
   // its tail (decode B = 16 on an H200: ~11.9 -> ~8.7 us). Set it only when that
   // kernel does not write them (inference weights); X is always read after.
   bool prefetch_weights = false;
+  // Optional workspace for small batches (see mhc_workspace_bytes): with it,
+  // B <= kMhcSplitMaxBatch runs on every SM in one launch (decode).
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
 };
 
 // mhc_post: X_next = R * X + H_post * F_out in one pass.
@@ -118,6 +123,8 @@ struct MhcProjectArgs {
   float eps_norm = 1e-6f;
   bool enable_pdl = true;
   bool prefetch_weights = false;  // as in MhcPreArgs
+  void* workspace = nullptr;      // as in MhcPreArgs
+  size_t workspace_bytes = 0;
 };
 
 // Stage 2: the activations and Sinkhorn: h -> H_pre, H_post, H_res.
@@ -153,6 +160,8 @@ struct MhcHeadArgs {
   float eps_norm = 1e-6f;
   float eps_pre = 1e-6f;
   bool enable_pdl = true;
+  void* workspace = nullptr;       // as in MhcPreArgs
+  size_t workspace_bytes = 0;
 };
 
 // mhc_expand: embedding [B, C] -> X [B, n, C] with n copies.
@@ -165,6 +174,26 @@ struct MhcExpandArgs {
 
 // N = n*n + 2n.
 inline int mhc_num_coefficients(int n) { return n * n + 2 * n; }
+
+// Small batches (decode). mhc_pre, mhc_project and mhc_head take an optional
+// workspace (CUB style: ask the size, pass the buffer). With it and
+// 1 <= B <= kMhcSplitMaxBatch the projection runs on up to one CTA per SM,
+// each a slice of the columns of every stream for all tokens, in one launch:
+// the CTAs exchange their partial sums through the workspace (summed in a
+// fixed order: bitwise reproducible) and meet at a grid barrier kept there.
+// Without one, small batches run on one 16-CTA cluster (slower: phi is
+// fetched by 16 SMs). Rules:
+//   - size: mhc_workspace_bytes(shape) (0 where the path does not apply:
+//     B == 0 or B > kMhcSplitMaxBatch; a workspace is then ignored);
+//     16-byte aligned; it must not overlap any input or output;
+//   - zero it once before its first use (cudaMemset); every launch leaves it
+//     zeroed, so it can be reused by any number of launches and graph replays;
+//   - one launch at a time per workspace: launches on different streams that
+//     may overlap need different workspaces;
+//   - the launch takes up to one CTA per SM, all resident together: do not
+//     share the GPU with work that holds SMs until this launch finishes.
+constexpr int kMhcSplitMaxBatch = 32;
+size_t mhc_workspace_bytes(const MhcShape& shape);
 
 // GPU entry points (device pointers).
 Status mhc_pre(const MhcPreArgs& args, cudaStream_t stream);

@@ -1,10 +1,12 @@
 // Host-side validation of the mHC ops (SPEC §4, §5), shared by the GPU and
 // CPU backends. Nothing here touches device memory: alpha and bias are model
 // weights on the device and are trusted like any other device value.
+#include <algorithm>
 #include <cmath>
 
 #include "common/check.h"
 #include "flashmix/mhc.h"
+#include "mhc/mhc_split_layout.h"
 
 namespace flashmix {
 
@@ -61,7 +63,32 @@ Status check_phi_dtype(DType t, const char* op) {
   return Status::Ok();
 }
 
+// The optional small-batch workspace: null (and no size), or 16-byte aligned
+// and at least mhc_workspace_bytes(shape) where that is not 0.
+Status check_workspace(const MhcShape& s, const void* ws, size_t bytes, const char* op) {
+  if (ws == nullptr) {
+    FM_REQUIRE(bytes == 0, op, "workspace", "null pointer with workspace_bytes = ", bytes);
+    return Status::Ok();
+  }
+  FM_RETURN_IF_ERROR(check_ptr(ws, op, "workspace", 16));
+  const size_t need = mhc_workspace_bytes(s);
+  FM_REQUIRE(bytes >= need, op, "workspace_bytes", "must be >= mhc_workspace_bytes(shape) = ", need, " (got ",
+             bytes, ")");
+  return Status::Ok();
+}
+
+// The workspace as an output range for the overlap check (empty when absent).
+Range workspace_range(const void* ws, size_t bytes) { return {"workspace", ws, ws ? int64_t(bytes) : 0}; }
+
 }  // namespace
+
+size_t mhc_workspace_bytes(const MhcShape& s) {
+  if (s.batch < 1 || s.batch > kMhcSplitMaxBatch || s.n < 1 || s.n > kMhcMaxStreams || s.hidden < 8 ||
+      s.hidden % 8 != 0)
+    return 0;
+  const int64_t ctas = std::min<int64_t>(mhc_detail::kSplitMaxCtas, s.hidden / 8);
+  return mhc_detail::split_workspace_layout(ctas, s.batch, s.n, mhc_num_coefficients(s.n)).bytes;
+}
 
 Status validate_mhc_pre(const MhcPreArgs& a) {
   constexpr const char* kOp = "mhc_pre";
@@ -76,11 +103,13 @@ Status validate_mhc_pre(const MhcPreArgs& a) {
   FM_RETURN_IF_ERROR(check_ptr(a.f_pre, kOp, "f_pre", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.h_post, kOp, "h_post", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.h_res, kOp, "h_res", 4));
+  FM_RETURN_IF_ERROR(check_workspace(a.shape, a.workspace, a.workspace_bytes, kOp));
   const MhcShape& s = a.shape;
   const int64_t N = mhc_num_coefficients(s.n), K = int64_t(s.n) * s.hidden;
   const Range outs[] = {{"f_pre", a.f_pre, s.batch * s.hidden * 2},
                         {"h_post", a.h_post, s.batch * s.n * 4},
-                        {"h_res", a.h_res, s.batch * s.n * s.n * 4}};
+                        {"h_res", a.h_res, s.batch * s.n * s.n * 4},
+                        workspace_range(a.workspace, a.workspace_bytes)};
   const Range ins[] = {{"x", a.x, s.batch * K * 2},
                        {"phi", a.phi, N * K * int64_t(dtype_size(a.phi_dtype))},
                        {"alpha", a.alpha, 3 * 4},
@@ -120,9 +149,11 @@ Status validate_mhc_project(const MhcProjectArgs& a) {
   FM_RETURN_IF_ERROR(check_ptr(a.bias, kOp, "bias", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.h, kOp, "h", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.r, kOp, "r", 4));
+  FM_RETURN_IF_ERROR(check_workspace(a.shape, a.workspace, a.workspace_bytes, kOp));
   const MhcShape& s = a.shape;
   const int64_t N = mhc_num_coefficients(s.n), K = int64_t(s.n) * s.hidden;
-  const Range outs[] = {{"h", a.h, s.batch * N * 4}, {"r", a.r, s.batch * 4}};
+  const Range outs[] = {{"h", a.h, s.batch * N * 4}, {"r", a.r, s.batch * 4},
+                        workspace_range(a.workspace, a.workspace_bytes)};
   const Range ins[] = {{"x", a.x, s.batch * K * 2},
                        {"phi", a.phi, N * K * int64_t(dtype_size(a.phi_dtype))},
                        {"alpha", a.alpha, 3 * 4},
@@ -172,9 +203,10 @@ Status validate_mhc_head(const MhcHeadArgs& a) {
   FM_RETURN_IF_ERROR(check_ptr(a.alpha, kOp, "alpha", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.bias, kOp, "bias", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.out, kOp, "out", 16));
+  FM_RETURN_IF_ERROR(check_workspace(a.shape, a.workspace, a.workspace_bytes, kOp));
   const MhcShape& s = a.shape;
   const int64_t K = int64_t(s.n) * s.hidden;
-  const Range outs[] = {{"out", a.out, s.batch * s.hidden * 2}};
+  const Range outs[] = {{"out", a.out, s.batch * s.hidden * 2}, workspace_range(a.workspace, a.workspace_bytes)};
   const Range ins[] = {{"x", a.x, s.batch * K * 2},
                        {"phi", a.phi, s.n * K * int64_t(dtype_size(a.phi_dtype))},
                        {"alpha", a.alpha, 4},

@@ -175,7 +175,18 @@ struct ProjectParams {
   // resolved (MhcPreArgs::prefetch_weights). Kernels that do not use it
   // wait first, which is always correct.
   bool prefetch_weights = false;
+  // The caller's workspace (MhcPreArgs::workspace): null, or at least
+  // mhc_workspace_bytes(shape) bytes, zero when idle.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
 };
+
+// The split projection for small batches (mhc_split.cu): with a workspace and
+// B <= kMhcSplitMaxBatch, one CTA per SM, each a slice of the columns, the
+// partial sums exchanged through the workspace. Same contract as
+// sm90_mhc_project_fused; tried first. Any GPU (FFMA only).
+cudaError_t mhc_split_project(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
+                              bool dry_run = false);
 
 // sm_90a cluster kernel (sm90_mhc_fused.cu). Returns cudaErrorNotSupported
 // (launching nothing) when the shape does not fit it; the caller then falls
@@ -195,7 +206,8 @@ cudaError_t sm90_mhc_project_resident(const ProjectParams& p, int n, bool phi_is
 // kernel (falling back to the portable kernel where it does not fit), so
 // the tests can check each on the same shapes. Process-wide, not thread-safe:
 // a test hook.
-enum class ProjectKernel { kAuto, kClusterTiles, kPortable };
+// kSplit: the split kernel first where it takes the shape (a workspace, B <= 32), then as kAuto.
+enum class ProjectKernel { kAuto, kClusterTiles, kPortable, kSplit };
 void set_project_kernel_for_testing(ProjectKernel k);
 
 }  // namespace flashmix::mhc_detail

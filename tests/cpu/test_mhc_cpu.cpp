@@ -432,6 +432,46 @@ TEST(MhcValidation, OtherOpsNameTheirArguments) {
   expect_error(validate_mhc_project(pr), StatusCode::kInvalidArgument, "eps_norm");
 }
 
+// The small-batch workspace: its size covers the split kernel's CTAs for
+// 1 <= B <= kMhcSplitMaxBatch and is 0 elsewhere; a bad workspace is named.
+TEST(MhcValidation, WorkspaceSizeAndRules) {
+  EXPECT_EQ(mhc_workspace_bytes({0, 4, 7168}), 0u);
+  EXPECT_EQ(mhc_workspace_bytes({kMhcSplitMaxBatch + 1, 4, 7168}), 0u);
+  EXPECT_EQ(mhc_workspace_bytes({4, 4, 60}), 0u);  // invalid hidden
+  const size_t b16 = mhc_workspace_bytes({16, 4, 7168});
+  // 256 header bytes + [256 CTAs][16 tokens][n + 1] + [16 tokens][256 CTAs][n*n + n] floats.
+  EXPECT_EQ(b16, 256u + 4u * (256 * 16 * 5 + 16 * 256 * 20));
+  EXPECT_LT(mhc_workspace_bytes({1, 4, 7168}), b16);
+  EXPECT_LT(mhc_workspace_bytes({16, 4, 64}), b16);  // 8 CTAs at most for 8 column groups
+  EXPECT_GT(mhc_workspace_bytes({kMhcSplitMaxBatch, 8, 7168}), b16);
+
+  PreFixture f;
+  const size_t need = mhc_workspace_bytes({f.p.B, f.p.n, f.p.C});
+  ASSERT_GT(need, 0u);
+  std::vector<float> ws(need / 4 + 8, 0.f);
+  MhcPreArgs a = f.args();
+  a.workspace = ws.data();
+  a.workspace_bytes = need;
+  EXPECT_TRUE(validate_mhc_pre(a).ok());
+  a.workspace_bytes = need - 4;
+  expect_error(validate_mhc_pre(a), StatusCode::kInvalidArgument, "workspace_bytes");
+  a.workspace = ws.data() + 1;  // 4-byte aligned only
+  a.workspace_bytes = need;
+  expect_error(validate_mhc_pre(a), StatusCode::kInvalidArgument, "workspace");
+  a.workspace = nullptr;
+  expect_error(validate_mhc_pre(a), StatusCode::kInvalidArgument, "workspace");
+  a = f.args();
+  a.workspace = f.h_res.data();  // overlaps an output
+  a.workspace_bytes = need;
+  expect_error(mhc_pre_cpu(a), StatusCode::kInvalidArgument, "workspace");
+  a = f.args();
+  a.workspace = ws.data();
+  a.workspace_bytes = need;
+  a.workspace = const_cast<float*>(f.p.alpha.data());  // overlaps an input
+  expect_error(mhc_pre_cpu(a), StatusCode::kInvalidArgument, "workspace");
+  f.expect_untouched();
+}
+
 TEST(MhcValidation, ZeroTokensIsValidWithoutBuffers) {
   MhcPreArgs a;
   a.shape = {0, 4, 7168};

@@ -9,6 +9,7 @@
 //     coefficient error.
 //   fp32 coefficients H_pre/H_post/H_res: absolute 2e-4.
 //   h (stage 1): relative 1e-4 of sum |alpha x phi| / r + |bias|; r: relative 1e-5.
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <cstring>
@@ -56,7 +57,26 @@ struct PreCase {
   // kAuto: what mhc_pre picks (the resident kernel for n = 4 where it fits);
   // kClusterTiles pins the cluster-tile kernel so it stays tested at n = 4.
   mhc_detail::ProjectKernel kernel = mhc_detail::ProjectKernel::kAuto;
+  // With a workspace: the split kernel for B <= kMhcSplitMaxBatch.
+  bool workspace = false;
 };
+
+// A zeroed workspace of mhc_workspace_bytes(shape) bytes (256 where that is 0:
+// the op must then ignore it).
+DeviceBuffer zeroed_workspace(const MhcShape& shape) {
+  const size_t bytes = std::max<size_t>(mhc_workspace_bytes(shape), 256);
+  DeviceBuffer b(bytes);
+  if (bytes) EXPECT_EQ(cudaMemset(b.get(), 0, bytes), cudaSuccess);
+  return b;
+}
+
+// The grid barrier's words are back at zero after a launch (so the next one starts clean).
+void expect_barrier_idle(const DeviceBuffer& ws) {
+  if (ws.get() == nullptr) return;
+  uint32_t words[64];
+  ASSERT_EQ(cudaMemcpy(words, ws.get(), sizeof(words), cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(words[0], 0u) << "the barrier's arrival count is left non-zero";
+}
 
 // Pins the projection kernel for one scope.
 struct PinProjectKernel {
@@ -68,7 +88,9 @@ std::string pre_case_name(const ::testing::TestParamInfo<PreCase>& info) {
   const PreCase& c = info.param;
   return "n" + std::to_string(c.n) + "_C" + std::to_string(c.C) + "_B" + std::to_string(c.B) +
          (c.seed_setting ? "_seed" : "_deepseek") + (c.phi_dtype == DType::kFloat32 ? "_phif32" : "_phibf16") +
-         (c.kernel == mhc_detail::ProjectKernel::kClusterTiles ? "_clustertiles" : "");
+         (c.kernel == mhc_detail::ProjectKernel::kClusterTiles ? "_clustertiles" : "") +
+         (c.kernel == mhc_detail::ProjectKernel::kSplit ? "_splitpinned" : "") +
+         (c.workspace ? "_workspace" : "");
 }
 
 class MhcPreGpu : public ::testing::TestWithParam<PreCase> {};
@@ -96,12 +118,16 @@ TEST_P(MhcPreGpu, MatchesReference) {
   a.h_post = h_post.as<float>();
   a.h_res = h_res.as<float>();
   a.params = c.seed_setting ? MhcParams::seed() : MhcParams();
+  DeviceBuffer ws = c.workspace ? zeroed_workspace(a.shape) : DeviceBuffer();
+  a.workspace = ws.get();
+  a.workspace_bytes = ws.bytes();
   {
     PinProjectKernel pin(c.kernel);
     Status s = mhc_pre(a, nullptr);
     ASSERT_TRUE(s.ok()) << s.message();
   }
   CUDA_OK(cudaDeviceSynchronize());
+  expect_barrier_idle(ws);
   if (c.B == 0) return;
   auto got_f = f_pre.to_host<uint16_t>();
   auto got_post = h_post.to_host<float>();
@@ -129,6 +155,8 @@ TEST_P(MhcPreGpu, MatchesReference) {
     r.f_pre = ref_f.data();
     r.h_post = ref_post.data();
     r.h_res = ref_res.data();
+    r.workspace = nullptr;
+    r.workspace_bytes = 0;
     ASSERT_TRUE(mhc_pre_cpu(r).ok());
     for (int64_t col = 0; col < c.C; ++col) {
       double scale = 0;
@@ -188,6 +216,19 @@ std::vector<PreCase> pre_cases() {
   v.push_back({4, 7168, 7, false, DType::kFloat32, kTiles});
   v.push_back({4, 4096, 100, true, DType::kFloat32, kTiles});
   v.push_back({4, 7168, 8192, false, DType::kFloat32, kTiles});
+  // With a workspace: the split kernel (B <= 32), every n and C of the sweep;
+  // pinned where the resident kernel would take the shape (n = 4).
+  constexpr auto kAuto = mhc_detail::ProjectKernel::kAuto, kSplit = mhc_detail::ProjectKernel::kSplit;
+  for (int n : {1, 2, 4, 6, 8})
+    for (int64_t C : {1280, 2560, 4096, 7168, 1000})
+      for (int64_t B : {1, 7, 32}) v.push_back({n, C, B, B == 7, DType::kFloat32, n == 4 ? kSplit : kAuto, true});
+  v.push_back({4, 7168, 16, false, DType::kFloat32, kSplit, true});   // decode
+  v.push_back({4, 7168, 16, true, DType::kBFloat16, kSplit, true});
+  v.push_back({4, 7168, 16, false, DType::kFloat32, kAuto, true});    // the resident kernel: the workspace is unused
+  v.push_back({8, 1000, 32, false, DType::kBFloat16, kAuto, true});
+  v.push_back({3, 8, 5, false, DType::kFloat32, kAuto, true});       // one CTA: it owns all 5 tokens
+  v.push_back({8, 16384, 7, false, DType::kFloat32, kAuto, true});   // too large for the split kernel: falls back
+  v.push_back({4, 7168, 100, false, DType::kFloat32, kAuto, true});  // B > 32: the workspace is ignored
   return v;
 }
 
@@ -277,12 +318,15 @@ TEST(MhcStagesGpu, ProjectActivatePreMixHeadExpand) {
   // parity, and the owner's every 16th tile) without a pre mix.
   shapes.push_back({4, 4096, 2000});
   for (const Shape& sh : shapes) {
-    {
+    for (bool use_ws : {false, true}) {  // with a workspace: the split kernel (B <= 32)
+      if (use_ws && sh.B > kMhcSplitMaxBatch) continue;
       const int n = sh.n;
       const int64_t C = sh.C, B = sh.B;
       Problem p = make_problem(B, n, C, seed_for("stages") + n * 131 + C);
       SCOPED_TRACE("n=" + std::to_string(n) + " C=" + std::to_string(C) + " B=" + std::to_string(B) + " seed " +
-                   std::to_string(p.seed));
+                   std::to_string(p.seed) + (use_ws ? " workspace" : ""));
+      DeviceBuffer ws = use_ws ? zeroed_workspace({B, n, C}) : DeviceBuffer();
+      PinProjectKernel pin(use_ws ? mhc_detail::ProjectKernel::kSplit : mhc_detail::ProjectKernel::kAuto);
       DeviceProblem d(p);
       const int N = p.N();
       MhcParams params;
@@ -291,9 +335,11 @@ TEST(MhcStagesGpu, ProjectActivatePreMixHeadExpand) {
       pa.shape = {B, n, C};
       pa.x = d.x.get(); pa.phi = d.phi_f32.get(); pa.alpha = d.alpha.as<float>(); pa.bias = d.bias.as<float>();
       pa.h = h.as<float>(); pa.r = r.as<float>(); pa.eps_norm = params.eps_norm;
+      pa.workspace = ws.get(); pa.workspace_bytes = ws.bytes();
       ASSERT_TRUE(mhc_project(pa, nullptr).ok());
       std::vector<float> ref_h(B * N), ref_r(B);
       MhcProjectArgs pr = pa;
+      pr.workspace = nullptr; pr.workspace_bytes = 0;
       pr.x = p.x.data(); pr.phi = p.phi_f32.data(); pr.alpha = p.alpha.data(); pr.bias = p.bias.data();
       pr.h = ref_h.data(); pr.r = ref_r.data();
       ASSERT_TRUE(mhc_project_cpu(pr).ok());
@@ -351,9 +397,11 @@ TEST(MhcStagesGpu, ProjectActivatePreMixHeadExpand) {
       ha.shape = {B, n, C};
       ha.x = d.x.get(); ha.phi = d.phi_f32.get(); ha.alpha = d.alpha.as<float>(); ha.bias = d.bias.as<float>();
       ha.out = out.get();
+      ha.workspace = ws.get(); ha.workspace_bytes = ws.bytes();
       ASSERT_TRUE(mhc_head(ha, nullptr).ok());
       std::vector<uint16_t> ref_o(B * C);
       MhcHeadArgs hr = ha;
+      hr.workspace = nullptr; hr.workspace_bytes = 0;
       hr.x = p.x.data(); hr.phi = p.phi_f32.data(); hr.alpha = p.alpha.data(); hr.bias = p.bias.data();
       hr.out = ref_o.data();
       ASSERT_TRUE(mhc_head_cpu(hr).ok());
@@ -386,7 +434,8 @@ struct PrePostRun {
 };
 
 // Runs pre then post on `stream`, optionally through a captured CUDA graph.
-PrePostRun run_pre_post(const Problem& p, DeviceProblem& d, bool graph) {
+PrePostRun run_pre_post(const Problem& p, DeviceProblem& d, bool graph, void* workspace = nullptr,
+                        size_t workspace_bytes = 0) {
   PrePostRun out;
   const int64_t B = p.B, C = p.C;
   const int n = p.n;
@@ -398,6 +447,7 @@ PrePostRun run_pre_post(const Problem& p, DeviceProblem& d, bool graph) {
   a.shape = {B, n, C};
   a.x = d.x.get(); a.phi = d.phi_f32.get(); a.alpha = d.alpha.as<float>(); a.bias = d.bias.as<float>();
   a.f_pre = f_pre.get(); a.h_post = h_post.as<float>(); a.h_res = h_res.as<float>();
+  a.workspace = workspace; a.workspace_bytes = workspace_bytes;
   MhcPostArgs b;
   b.shape = {B, n, C};
   b.x = d.x.get(); b.f_out = f_pre.get();  // the sublayer is the identity here
@@ -437,6 +487,24 @@ TEST(MhcDeterminismGpu, RepeatedRunsAndGraphReplayAreBitwiseIdentical) {
     EXPECT_EQ(r1.x_next, r3.x_next);
     for (auto v : r1.x_next) ASSERT_TRUE(std::isfinite(f32(v)));
   }
+  // The split kernel (decode, with a workspace): its grid barrier is reused
+  // by every launch, graph replays included.
+  for (int n : {4, 6}) {
+    Problem p = make_problem(16, n, n == 4 ? 7168 : 1000, seed_for("determinism_split") + n);
+    DeviceProblem d(p);
+    DeviceBuffer ws = zeroed_workspace({p.B, n, p.C});
+    PinProjectKernel pin(mhc_detail::ProjectKernel::kSplit);
+    PrePostRun r1 = run_pre_post(p, d, false, ws.get(), ws.bytes()), r2 = run_pre_post(p, d, false, ws.get(), ws.bytes()),
+               r3 = run_pre_post(p, d, true, ws.get(), ws.bytes());
+    EXPECT_EQ(r1.f_pre, r2.f_pre);
+    EXPECT_EQ(0, std::memcmp(r1.h_post.data(), r2.h_post.data(), r1.h_post.size() * 4));
+    EXPECT_EQ(0, std::memcmp(r1.h_res.data(), r2.h_res.data(), r1.h_res.size() * 4));
+    EXPECT_EQ(r1.f_pre, r3.f_pre);
+    EXPECT_EQ(0, std::memcmp(r1.h_post.data(), r3.h_post.data(), r1.h_post.size() * 4));
+    EXPECT_EQ(0, std::memcmp(r1.h_res.data(), r3.h_res.data(), r1.h_res.size() * 4));
+    for (auto v : r1.f_pre) ASSERT_TRUE(std::isfinite(f32(v)));
+    expect_barrier_idle(ws);
+  }
 }
 
 // A stand-in for the kernel ahead of mhc_pre in a layer (attention, the
@@ -458,9 +526,14 @@ TEST(MhcPrefetchGpu, WeightsEarlyXAfterTheDependency) {
   SKIP_WITHOUT_GPU();
   for (int64_t B : {16, 333}) {
     for (DType phi_dtype : {DType::kFloat32, DType::kBFloat16}) {
-      SCOPED_TRACE("B " + std::to_string(B) + (phi_dtype == DType::kFloat32 ? " phi fp32" : " phi bf16"));
+     for (bool use_ws : {false, true}) {  // with a workspace at B = 16: the split kernel
+      if (use_ws && B > kMhcSplitMaxBatch) continue;
+      SCOPED_TRACE("B " + std::to_string(B) + (phi_dtype == DType::kFloat32 ? " phi fp32" : " phi bf16") +
+                   (use_ws ? " workspace" : ""));
       Problem p = make_problem(B, 4, 7168, seed_for("prefetch") + B);
       DeviceProblem d(p);
+      DeviceBuffer ws = use_ws ? zeroed_workspace({B, 4, p.C}) : DeviceBuffer();
+      PinProjectKernel pin(use_ws ? mhc_detail::ProjectKernel::kSplit : mhc_detail::ProjectKernel::kAuto);
       const size_t x_bytes = size_t(B) * p.K() * 2;
       DeviceBuffer x_late = poisoned(x_bytes);
       auto outputs = [&](bool prefetch, bool late, bool graph) {
@@ -475,6 +548,7 @@ TEST(MhcPrefetchGpu, WeightsEarlyXAfterTheDependency) {
         a.alpha = d.alpha.as<float>(); a.bias = d.bias.as<float>();
         a.f_pre = f_pre.get(); a.h_post = h_post.as<float>(); a.h_res = h_res.as<float>();
         a.prefetch_weights = prefetch;
+        a.workspace = ws.get(); a.workspace_bytes = ws.bytes();
         auto issue = [&] {
           if (late) {
             EXPECT_EQ(cudaMemsetAsync(x_late.get(), 0x7f, x_bytes, stream), cudaSuccess);
@@ -509,6 +583,7 @@ TEST(MhcPrefetchGpu, WeightsEarlyXAfterTheDependency) {
           EXPECT_EQ(0, std::memcmp(ref.h_res.data(), got.h_res.data(), ref.h_res.size() * 4));
         }
       }
+     }
     }
   }
 }
@@ -549,6 +624,32 @@ TEST(MhcPathGpu, ClusterKernelRunsOnHopper) {
   EXPECT_FALSE(resident(7, 4, 8192, true, kPre));   // 16 k steps per warp: phi does not fit in registers
   EXPECT_FALSE(resident(7, 8, 7168, true, kPre));   // n != 4
   EXPECT_FALSE(resident(7, 4, 7168, true, mhc_detail::ProjectMode::kHead));
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// With a workspace, small batches take the split kernel (any GPU) wherever
+// its slices fit in shared memory, in all three modes it serves.
+TEST(MhcPathGpu, SplitKernelTakesSmallBatchesWithAWorkspace) {
+  SKIP_WITHOUT_GPU();
+  int dummy = 0;
+  auto split = [&](long long B, int n, int C, bool f32, mhc_detail::ProjectMode mode, bool with_ws = true) {
+    mhc_detail::ProjectParams p;
+    p.batch = B; p.hidden = C; p.k_len = n * C; p.mode = mode;
+    p.num_coef = mode == mhc_detail::ProjectMode::kHead ? n : mhc_num_coefficients(n);
+    p.workspace = with_ws ? &dummy : nullptr;  // never touched by a dry run
+    p.workspace_bytes = mhc_workspace_bytes({B, n, C});
+    return mhc_detail::mhc_split_project(p, n, f32, nullptr, false, /*dry_run=*/true) == cudaSuccess;
+  };
+  constexpr auto kPre = mhc_detail::ProjectMode::kPre;
+  EXPECT_TRUE(split(16, 4, 7168, true, kPre));
+  EXPECT_TRUE(split(16, 4, 7168, false, kPre));
+  EXPECT_TRUE(split(1, 1, 8, true, kPre));
+  EXPECT_TRUE(split(32, 8, 7168, true, kPre));
+  EXPECT_TRUE(split(9, 6, 1000, true, mhc_detail::ProjectMode::kProject));
+  EXPECT_TRUE(split(9, 8, 7168, true, mhc_detail::ProjectMode::kHead));
+  EXPECT_FALSE(split(16, 4, 7168, true, kPre, /*with_ws=*/false));
+  EXPECT_FALSE(split(33, 4, 7168, true, kPre));   // more tokens than the path takes
+  EXPECT_FALSE(split(7, 8, 16384, true, kPre));   // phi's slice does not fit in shared memory
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
@@ -657,6 +758,33 @@ TEST_F(MhcValidationGpu, BadParametersAndDtype) {
   a = pre();
   a.phi_dtype = DType::kFloat16;
   expect_error(mhc_pre(a, nullptr), StatusCode::kNotSupported, "phi_dtype");
+  expect_untouched();
+}
+
+TEST_F(MhcValidationGpu, BadWorkspace) {
+  const size_t need = mhc_workspace_bytes({4, 4, 64});
+  ASSERT_GT(need, 0u);
+  DeviceBuffer ws(need + 16);
+  MhcPreArgs a = pre();
+  a.workspace = ws.get();
+  a.workspace_bytes = need - 4;
+  expect_error(mhc_pre(a, nullptr), StatusCode::kInvalidArgument, "workspace_bytes");
+  a.workspace = static_cast<char*>(ws.get()) + 8;
+  a.workspace_bytes = need;
+  expect_error(mhc_pre(a, nullptr), StatusCode::kInvalidArgument, "workspace");
+  a.workspace = nullptr;
+  expect_error(mhc_pre(a, nullptr), StatusCode::kInvalidArgument, "workspace");
+  a = pre();
+  a.workspace = f_pre_.get();  // overlaps an output
+  a.workspace_bytes = need;
+  expect_error(mhc_pre(a, nullptr), StatusCode::kInvalidArgument, "workspace");
+  MhcHeadArgs h;
+  h.shape = {4, 4, 64};
+  h.x = d_->x.get(); h.phi = d_->phi_f32.get(); h.alpha = d_->alpha.as<float>(); h.bias = d_->bias.as<float>();
+  h.out = f_pre_.get();
+  h.workspace = ws.get();
+  h.workspace_bytes = 16;
+  expect_error(mhc_head(h, nullptr), StatusCode::kInvalidArgument, "workspace_bytes");
   expect_untouched();
 }
 
