@@ -277,7 +277,7 @@ Status launch_project(const ProjectParams& p, int n, DType phi_dtype, cudaStream
                       const char* op) {
   const bool f32 = phi_dtype == DType::kFloat32;
   // The resident kernel first: at decode (B = 16, n = 4, C = 7168, H200) it
-  // takes 10.7 us against the split kernel's 16.5 (docs/mhc.md). The split
+  // takes 10.6 us against the split kernel's 11.2 (docs/mhc.md). The split
   // kernel (with a workspace) then takes the small batches of every other
   // shape, where the cluster-tile kernel fetches all of phi through 8 SMs.
   // A launcher's cudaErrorNotSupported means "not this shape": try the next.

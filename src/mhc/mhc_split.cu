@@ -5,27 +5,28 @@
 //   h[b, m] = alpha_of(m) * (sum_k X[b,k] phi[m,k]) / r[b] + bias[m],  r[b] = sqrt(sum_k X[b,k]^2 / K + eps_norm)
 //   F_pre[b, c] = sum_i H_pre[b, i] X[b, i, c]                          (SPEC §4)
 //
-// Why: at decode sizes the op is a latency problem, and the largest step is
-// reading phi (N x K fp32: 2.75 MB at n = 4, C = 7168). A 16-CTA cluster (the
-// resident kernel) reads it at ~16 SMs' fetch rate (~2 us) and then needs the
-// cluster's steps after it; here each of up to one CTA per SM takes 8-column
-// groups of every stream (all B tokens), so phi's slice is ~21 KB per CTA.
-// Roofline (B = 16, n = 4, C = 7168, H200): bytes 2.75 MB phi + 0.92 MB X +
-// 0.23 MB F_pre, ~1 us at the copy rate; the rest is latency: one grid-wide
-// exchange of the partial sums through the workspace.
+// Why: at decode sizes the op is latency, and reading phi is its largest
+// step (N x K fp32: 2.75 MB at n = 4, 18.4 MB at n = 8, C = 7168). The
+// cluster-tile kernel fetches all of it through one 8-CTA cluster; here up to
+// one CTA per SM takes 8-column groups of every stream for all B tokens, so
+// phi streams in at the whole GPU's rate. Roofline (B = 16, n = 8, C = 7168,
+// H200): 18.4 MB phi + 1.8 MB X, ~5 us at the copy rate; the rest is
+// latency. Measured (H200, graph replays, docs/mhc.md): n = 8 103 -> 26 us;
+// at n = 4 the resident kernel stays faster (10.6 vs 11.2 us), so mhc_pre
+// tries it first.
 //
-// Steps, one CTA (256 threads) per column slice:
-//   1. phi's slice (fp32 in shared memory) and X's slice of every token.
+// Steps, one CTA (512 threads) per column slice:
+//   1. phi's slice (fp32 in shared memory), alpha and bias, X's slice of every token.
 //   2. Partial sums of the N coefficients and the sum of squares (FFMA in
-//      fp32: phi is used exactly, no tensor-core split), reduced over the 8
+//      fp32: phi is used exactly, no tensor-core split), reduced over the
 //      warps in a fixed order, stored to the workspace.
 //   3. A grid barrier (all CTAs are resident: at most one per SM, and the
 //      launcher checks one fits).
 //   4. Every CTA sums the pre coefficients and the sums of squares of all
 //      tokens over the CTAs in a fixed order (bitwise the same in every CTA)
-//      and mixes its own columns; CTA b (the owner of token b) also sums
-//      token b's other coefficients and runs the activations + Sinkhorn
-//      (mhc_pre) or writes h and r (mhc_project).
+//      and mixes its own columns; CTA b (the owner of token b) meanwhile sums
+//      token b's other coefficients on its other half and runs the
+//      activations + Sinkhorn (mhc_pre) or writes h and r (mhc_project).
 // No atomics on values: the output is bitwise reproducible.
 #include <cuda_bf16.h>
 
@@ -43,7 +44,7 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 using V8 = dev::Vec<bf16, 8>;
-constexpr int kThreads = 256, kWarps = kThreads / 32;
+constexpr int kThreads = 512, kWarps = kThreads / 32;
 constexpr int kMaxItems = kMhcSplitMaxBatch * (kMhcMaxStreams + 1);  // pre sums of all tokens
 
 struct SplitArgs {
@@ -56,7 +57,10 @@ struct SplitArgs {
   int x_row;                // shared-memory row of one token's slice, in bf16 elements
   int pre_floats;           // size of ws_pre, a multiple of 4
   int rest_stride;          // floats per token in ws_rest, a multiple of 4
+  float inv_k;              // 1 / K
 };
+
+__device__ __forceinline__ float sigmoid_fast(float v) { return __fdividef(1.0f, 1.0f + __expf(-v)); }
 
 __device__ __forceinline__ void unpack8(const V8& v, float* f) {
 #pragma unroll
@@ -68,24 +72,33 @@ __device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+__device__ __forceinline__ unsigned ld_relaxed_gpu(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 
-// Every CTA of the grid arrives; returns once all have. The counter is back
-// at 0 afterwards, so the next launch on the same workspace starts clean.
-// Callers' global writes before it are visible to every CTA after it.
-__device__ __forceinline__ void grid_barrier(unsigned* count, unsigned* gen, unsigned ctas) {
-  __threadfence();
+// Every CTA of the grid arrives; returns once all have. `gen0` is the
+// generation word as read after the grid dependency (this launch cannot bump
+// it before every CTA has arrived, and the launch before bumped it before it
+// finished). Each arrival is a release (the CTA's global writes, ordered
+// before it by the block barrier, go with it) and an acquire; the last one
+// resets the counter (nobody touches it again in this launch, and the next
+// launch starts after this one ends) and publishes the new generation with a
+// release store; the others acquire it. Callers' global writes before it are
+// visible to every CTA after it.
+__device__ __forceinline__ void grid_barrier(unsigned* count, unsigned* gen, unsigned gen0, unsigned ctas) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    const unsigned g0 = ld_acquire_gpu(gen);  // read before arriving: the barrier cannot complete without us
-    if (atomicAdd(count, 1u) == ctas - 1) {
-      atomicExch(count, 0u);
-      __threadfence();
-      atomicAdd(gen, 1u);
+    unsigned arrived;
+    asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;" : "=r"(arrived) : "l"(count) : "memory");
+    if (arrived == ctas - 1) {
+      asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" ::"l"(count) : "memory");
+      asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(gen), "r"(gen0 + 1) : "memory");
     } else {
-      while (ld_acquire_gpu(gen) == g0) {
+      while (ld_acquire_gpu(gen) == gen0) {
       }
     }
-    __threadfence();
   }
   __syncthreads();
 }
@@ -97,38 +110,58 @@ __device__ __forceinline__ void copy_words(float* dst, const float* src, int wor
   dev::cp_async_commit();
 }
 
-// Sums `items` values over the ctas' records (record g at in + g * items) in
-// a fixed order: `splits` contiguous runs of CTAs, then the runs in order.
-// Every thread of the CTA calls it; out[items] in shared memory afterwards.
-__device__ __forceinline__ void sum_over_ctas(const float* in, int items, int ctas, float* tmp, float* out) {
-  const int splits = max(1, min(kThreads / items, ctas));
-  for (int idx = threadIdx.x; idx < items * splits; idx += kThreads) {
+// A group of `threads` threads (from thread `first`, whole warps) that
+// synchronises on its own named barrier `bar` (1..15), or the whole CTA (bar 0).
+struct Group {
+  int first, threads, bar;
+  __device__ int tid() const { return int(threadIdx.x) - first; }
+  __device__ void sync() const {
+    if (bar == 0) __syncthreads();
+    else asm volatile("bar.sync %0, %1;" ::"r"(bar), "r"(threads) : "memory");
+  }
+};
+
+// Sums `items` values over the ctas' records (value it of record g at
+// in[g * stride + it]) in a fixed order: `splits` contiguous runs of CTAs,
+// then the runs in order. Every thread of the group calls it; out[items] (in
+// shared memory) is complete when it returns.
+__device__ __forceinline__ void sum_over_ctas(const float* in, int stride, int items, int ctas, float* tmp,
+                                              float* out, const Group& grp) {
+  const int splits = max(1, min(grp.threads / items, ctas));
+  for (int idx = grp.tid(); idx < items * splits; idx += grp.threads) {
     const int it = idx % items, sp = idx / items;
     const int g0 = sp * ctas / splits, g1 = (sp + 1) * ctas / splits;
     float sum = 0.f;
-    for (int gg = g0; gg < g1; ++gg) sum += in[gg * items + it];
+#pragma unroll 8
+    for (int gg = g0; gg < g1; ++gg) sum += in[gg * stride + it];  // in order; the loads run ahead
     tmp[sp * items + it] = sum;
   }
-  __syncthreads();
-  for (int it = threadIdx.x; it < items; it += kThreads) {
+  grp.sync();
+  for (int it = grp.tid(); it < items; it += grp.threads) {
     float sum = tmp[it];
     for (int sp = 1; sp < splits; ++sp) sum += tmp[sp * items + it];
     out[it] = sum;
   }
-  __syncthreads();
+  grp.sync();
 }
 
 template <int kN, typename PhiT, int kTok>
 __global__ void __launch_bounds__(kThreads, 1) mhc_split_kernel(ProjectParams p, SplitArgs s) {
   constexpr int kMaxCoef = kN * kN + 2 * kN;
-  constexpr int kLaneSplit = 32 / kTok;  // lanes that share a token split its coefficients
-  constexpr int kAcc = (kMaxCoef + kLaneSplit - 1) / kLaneSplit;
-  constexpr int kRows = kAcc * kLaneSplit;  // phi rows in shared memory, zero past N
-  __shared__ float s_tmp[kMaxItems > kThreads ? kMaxItems : kThreads];
+  // Projection lanes: 4 token groups x 8 coefficient groups; a lane takes
+  // kTpl tokens (tg, tg + 4, ...) and every 8th coefficient, so each 16-byte load of phi (from
+  // shared memory) feeds kTpl tokens and each load of X feeds kAcc coefficients.
+  constexpr int kTpl = kTok / 4, kMs = 8;
+  constexpr int kAcc = (kMaxCoef + kMs - 1) / kMs;
+  constexpr int kRows = kAcc * kMs;  // phi rows in shared memory, zero past N
+  __shared__ float s_tmp[kMaxItems > kThreads ? kMaxItems : kThreads];  // the pre path's partial sums
+  __shared__ float s_tmp_own[kThreads];                                   // the owner's
   __shared__ float s_sum[kMaxItems];           // [B][n+1]: pre coefficients, then the sum of squares
   __shared__ float s_hpre[kMhcSplitMaxBatch][kN];
-  __shared__ float s_r[kMhcSplitMaxBatch];
+  __shared__ float s_own[kN + 1];                  // the owned token's pre coefficients and sum of squares
   __shared__ float s_rest[kMaxCoef];
+  __shared__ float s_h[kMaxCoef];
+  __shared__ float s_alpha[3], s_bias[kMaxCoef];  // weights, loaded with phi (no latency at the end)
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* xs = reinterpret_cast<bf16*>(smem);  // [kTok][x_row]
   float* region = reinterpret_cast<float*>(smem + ((kTok * s.x_row * 2 + 15) / 16) * 16);
@@ -137,17 +170,24 @@ __global__ void __launch_bounds__(kThreads, 1) mhc_split_kernel(ProjectParams p,
   const int C = p.hidden, K = p.k_len, ncoef = p.num_coef, B = int(p.batch);
   const int j0 = g * s.cpg, cw = min(s.cpg, C / 8 - j0);  // this CTA's 8-column groups
   const int chunks = kN * cw;                            // (stream, column group) pairs
-  const int krow = kN * s.cpg * 8;                       // phi_s row, floats
+  const int krow = kN * s.cpg * 8 + 4;  // phi_s row, floats (+ 16 bytes: the 8 rows a warp reads hit different banks)
   const int slots = ncoef + 1;
 
   // 1. phi's slice (weights: before the dependency when the caller allows it), then X's.
+  // Thread t copies chunk t % chunks of rows t / chunks, + rows_per_pass, ...
+  // (chunks <= kThreads: the launcher checks), so no division per copy.
+  const int row_step = kThreads / chunks, my_chunk = threadIdx.x % chunks;
+  const int first_row = threadIdx.x < row_step * chunks ? threadIdx.x / chunks : 1 << 20;  // the rest copy nothing
+  const int my_i = my_chunk / cw, my_j = my_chunk - my_i * cw;
+  const int my_off = (my_i * s.cpg + my_j) * 8;                           // in a shared-memory row
+  const long long my_src = (long long)my_i * C + (j0 + my_j) * 8;         // in a global row
   auto load_phi = [&] {
+    if (threadIdx.x < ncoef) s_bias[threadIdx.x] = __ldg(p.bias + threadIdx.x);
+    if (threadIdx.x < (p.mode == ProjectMode::kHead ? 1 : 3)) s_alpha[threadIdx.x] = __ldg(p.alpha + threadIdx.x);
     const PhiT* phi = static_cast<const PhiT*>(p.phi);
-    const int total = kRows * chunks;
-    for (int idx = threadIdx.x; idx < total; idx += kThreads) {
-      const int m = idx / chunks, q = idx - m * chunks, i = q / cw, j = q - i * cw;
-      const PhiT* src = phi + (long long)m * K + (long long)i * C + (j0 + j) * 8;
-      float* dst = region + m * krow + (i * s.cpg + j) * 8;
+    for (int m = first_row; m < kRows; m += row_step) {
+      const PhiT* src = phi + (long long)m * K + my_src;
+      float* dst = region + m * krow + my_off;
       if (m >= ncoef) {  // rows past N: zeros, so the projection loop needs no guard
         *reinterpret_cast<float4*>(dst) = make_float4(0.f, 0.f, 0.f, 0.f);
         *reinterpret_cast<float4*>(dst + 4) = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -164,12 +204,12 @@ __global__ void __launch_bounds__(kThreads, 1) mhc_split_kernel(ProjectParams p,
   };
   if (p.prefetch_weights) load_phi();
   dev::grid_dependency_wait();
+  const unsigned gen0 = threadIdx.x == 0 ? ld_relaxed_gpu(s.bar_gen) : 0u;  // in flight during the loads
   if (!p.prefetch_weights) load_phi();
-  for (int idx = threadIdx.x; idx < kTok * chunks; idx += kThreads) {
-    const int b = idx / chunks, q = idx - b * chunks, i = q / cw, j = q - i * cw;
-    bf16* dst = xs + b * s.x_row + (i * s.cpg + j) * 8;
+  for (int b = first_row; b < kTok; b += row_step) {
+    bf16* dst = xs + b * s.x_row + my_off;
     if (b < B)
-      dev::cp_async16(dst, p.x + (long long)b * K + (long long)i * C + (j0 + j) * 8);
+      dev::cp_async16(dst, p.x + (long long)b * K + my_src);
     else
       *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);  // padding tokens: zeros, never stored
   }
@@ -177,43 +217,57 @@ __global__ void __launch_bounds__(kThreads, 1) mhc_split_kernel(ProjectParams p,
   dev::cp_async_wait<0>();
   __syncthreads();
 
-  // 2. Partial sums: lane = (token, which of kLaneSplit coefficient subsets); warp w takes chunks w, w + 8, ...
+  // 2. Partial sums. Warp w takes chunks w, w + kWarps, ...; a chunk in two
+  // halves of 4 columns (fewer live registers).
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int tb = lane % kTok, ms = lane / kTok;
-  float acc[kAcc];
+  const int tg = lane / kMs, ms = lane % kMs;
+  float acc[kAcc][kTpl], sq[kTpl];
 #pragma unroll
-  for (int a = 0; a < kAcc; ++a) acc[a] = 0.f;
-  float sq = 0.f;
+  for (int t = 0; t < kTpl; ++t) {
+    sq[t] = 0.f;
+#pragma unroll
+    for (int a = 0; a < kAcc; ++a) acc[a][t] = 0.f;
+  }
   for (int q = warp; q < chunks; q += kWarps) {
     const int i = q / cw, j = q - i * cw, off = (i * s.cpg + j) * 8;
-    float xf[8];
-    unpack8(*reinterpret_cast<const V8*>(xs + tb * s.x_row + off), xf);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) sq = fmaf(xf[e], xf[e], sq);
+    for (int h = 0; h < 8; h += 4) {
+      float xv[kTpl][4];
 #pragma unroll
-    for (int a = 0; a < kAcc; ++a) {
-      const float* row = region + (ms + a * kLaneSplit) * krow + off;
-      const float4 p0 = *reinterpret_cast<const float4*>(row);
-      const float4 p1 = *reinterpret_cast<const float4*>(row + 4);
-      float t = acc[a];
-      t = fmaf(xf[0], p0.x, t);
-      t = fmaf(xf[1], p0.y, t);
-      t = fmaf(xf[2], p0.z, t);
-      t = fmaf(xf[3], p0.w, t);
-      t = fmaf(xf[4], p1.x, t);
-      t = fmaf(xf[5], p1.y, t);
-      t = fmaf(xf[6], p1.z, t);
-      acc[a] = fmaf(xf[7], p1.w, t);
+      for (int t = 0; t < kTpl; ++t) {  // 4 bf16 -> fp32 exactly (a shift, a mask)
+        const uint2 raw = *reinterpret_cast<const uint2*>(xs + (tg + 4 * t) * s.x_row + off + h);
+        xv[t][0] = __uint_as_float(raw.x << 16);
+        xv[t][1] = __uint_as_float(raw.x & 0xffff0000u);
+        xv[t][2] = __uint_as_float(raw.y << 16);
+        xv[t][3] = __uint_as_float(raw.y & 0xffff0000u);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sq[t] = fmaf(xv[t][e], xv[t][e], sq[t]);
+      }
+#pragma unroll
+      for (int a = 0; a < kAcc; ++a) {
+        const float4 pv = *reinterpret_cast<const float4*>(region + (ms + a * kMs) * krow + off + h);
+#pragma unroll
+        for (int t = 0; t < kTpl; ++t) {
+          float v = fmaf(xv[t][0], pv.x, acc[a][t]);
+          v = fmaf(xv[t][1], pv.y, v);
+          v = fmaf(xv[t][2], pv.z, v);
+          acc[a][t] = fmaf(xv[t][3], pv.w, v);
+        }
+      }
     }
   }
   __syncthreads();  // phi_s is done with: the region now holds the warps' sums
   float* red = region;  // [kWarps][kTok][slots]
 #pragma unroll
-  for (int a = 0; a < kAcc; ++a) {
-    const int m = ms + a * kLaneSplit;
-    if (m < ncoef) red[(warp * kTok + tb) * slots + m] = acc[a];
+  for (int t = 0; t < kTpl; ++t) {
+    float* row = red + (warp * kTok + tg + 4 * t) * slots;
+#pragma unroll
+    for (int a = 0; a < kAcc; ++a) {
+      const int m = ms + a * kMs;
+      if (m < ncoef) row[m] = acc[a][t];
+    }
+    if (ms == 0) row[ncoef] = sq[t];
   }
-  if (ms == 0) red[(warp * kTok + tb) * slots + ncoef] = sq;
   __syncthreads();
   for (int idx = threadIdx.x; idx < B * slots; idx += kThreads) {
     const int b = idx / slots, v = idx - b * slots;
@@ -229,33 +283,38 @@ __global__ void __launch_bounds__(kThreads, 1) mhc_split_kernel(ProjectParams p,
   }
 
   // 3. Every CTA's partial sums are in the workspace after this.
-  grid_barrier(s.bar_count, s.bar_gen, unsigned(s.ctas));
+  grid_barrier(s.bar_count, s.bar_gen, gen0, unsigned(s.ctas));
   dev::allow_dependents_launch();
 
-  // 4. Pre coefficients and sums of squares of every token, summed over the CTAs.
-  // The owner's other coefficients come in the same round trip (behind the pre block).
+  // 4. The blocks every CTA needs (all tokens' pre coefficients and sums of
+  // squares) and, for the owner of token g, its other coefficients: one round trip.
   const int items = B * (kN + 1);
+  const int rest = ncoef - kN;
   float* rest_in = region + s.pre_floats;
+  const bool owner = p.mode != ProjectMode::kHead && g < B;
   copy_words(region, s.ws_pre, s.pre_floats / 4);
-  if (p.mode != ProjectMode::kHead && g < B) copy_words(rest_in, s.ws_rest + g * s.rest_stride, s.rest_stride / 4);
+  if (owner) copy_words(rest_in, s.ws_rest + g * s.rest_stride, s.rest_stride / 4);
   dev::cp_async_wait<0>();
   __syncthreads();
-  sum_over_ctas(region, items, s.ctas, s_tmp, s_sum);
-  for (int b = threadIdx.x; b < B; b += kThreads) {
-    const float r = sqrtf(s_sum[b * (kN + 1) + kN] / float(K) + p.eps_norm);
-    s_r[b] = r;
-    if (p.mode != ProjectMode::kProject) {
-      const float alpha = __ldg(p.alpha);
+
+  // The pre path (every CTA but in stage 1): H_pre of every token, then the
+  // mix of this CTA's columns from the slice of X still in shared memory. In
+  // an owner CTA it takes half the warps, and the other half makes token g's
+  // coefficients at the same time (the two are the kernel's last steps).
+  const Group all{0, kThreads, 0};
+  const Group pre_grp = owner ? Group{0, kThreads / 2, 1} : all;
+  const Group own_grp{kThreads / 2, kThreads / 2, 2};
+  if (p.mode != ProjectMode::kProject && (!owner || threadIdx.x < kThreads / 2)) {
+    sum_over_ctas(region, items, items, s.ctas, s_tmp, s_sum, pre_grp);
+    for (int b = pre_grp.tid(); b < B; b += pre_grp.threads) {
+      // Fast division and sigmoid (as the resident kernel): H_pre within ~2 ulp.
+      const float r = sqrtf(s_sum[b * (kN + 1) + kN] * s.inv_k + p.eps_norm);
 #pragma unroll
       for (int i = 0; i < kN; ++i)
-        s_hpre[b][i] = sigmoidf_(alpha * s_sum[b * (kN + 1) + i] / r + __ldg(p.bias + i)) + p.act.eps_pre;
+        s_hpre[b][i] = sigmoid_fast(s_alpha[0] * __fdividef(s_sum[b * (kN + 1) + i], r) + s_bias[i]) + p.act.eps_pre;
     }
-  }
-  __syncthreads();
-
-  // The pre mix of this CTA's columns, from the slice of X still in shared memory.
-  if (p.mode != ProjectMode::kProject) {
-    for (int idx = threadIdx.x; idx < B * cw; idx += kThreads) {
+    pre_grp.sync();
+    for (int idx = pre_grp.tid(); idx < B * cw; idx += pre_grp.threads) {
       const int b = idx / cw, j = idx - b * cw;
       float out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
@@ -272,40 +331,48 @@ __global__ void __launch_bounds__(kThreads, 1) mhc_split_kernel(ProjectParams p,
       dev::store<bf16, 8>(p.f_out + (long long)b * C + (j0 + j) * 8, o);
     }
   }
-  if (p.mode == ProjectMode::kHead) return;
+  if (!owner) return;
 
-  // The owner of token b (CTA b mod ctas): its other coefficients, then the
-  // activations with Sinkhorn (mhc_pre) or h and r (mhc_project).
-  const int rest = ncoef - kN;
+  // The owner of token b (CTA b mod ctas): its coefficients summed over the
+  // CTAs, then the activations with Sinkhorn (mhc_pre) or h and r
+  // (mhc_project). Token g on the owner half (the whole CTA in stage 1);
+  // further tokens (more tokens than CTAs: tiny C) on the whole CTA.
   for (int b = g; b < B; b += s.ctas) {
-    if (b != g) {  // more tokens than CTAs (tiny C): the next owned token's block
+    const Group grp = b == g && p.mode != ProjectMode::kProject ? own_grp : all;
+    if (b != g) {
+      __syncthreads();  // both halves are done with the previous token
       copy_words(rest_in, s.ws_rest + b * s.rest_stride, s.rest_stride / 4);
       dev::cp_async_wait<0>();
       __syncthreads();
     }
-    sum_over_ctas(rest_in, rest, s.ctas, s_tmp, s_rest);
-    if (threadIdx.x == 0) {
-      const float r = s_r[b];
-      float h[kMaxCoef];
-#pragma unroll
-      for (int m = 0; m < kMaxCoef; ++m) {
-        const float raw = m < kN ? s_sum[b * (kN + 1) + m] : s_rest[m - kN];
-        h[m] = __ldg(p.alpha + alpha_index(m, kN)) * raw / r + __ldg(p.bias + m);
+    if (grp.bar == 0 || threadIdx.x >= kThreads / 2) {
+      sum_over_ctas(region + b * (kN + 1), items, kN + 1, s.ctas, s_tmp_own, s_own, grp);  // pre + sum of squares
+      sum_over_ctas(rest_in, rest, rest, s.ctas, s_tmp_own, s_rest, grp);
+      const float r = sqrtf(s_own[kN] * s.inv_k + p.eps_norm);
+      for (int m = grp.tid(); m < kMaxCoef; m += grp.threads) {  // h, a thread per coefficient
+        const float raw = m < kN ? s_own[m] : s_rest[m - kN];
+        const float h = s_alpha[alpha_index(m, kN)] * __fdividef(raw, r) + s_bias[m];
+        if (p.mode == ProjectMode::kProject) p.h[(long long)b * kMaxCoef + m] = h;
+        s_h[m] = h;
       }
-      if (p.mode == ProjectMode::kProject) {
+      grp.sync();
+      if (grp.tid() == 0) {
+        if (p.mode == ProjectMode::kProject) {
+          p.r[b] = r;
+        } else {
+          float h[kMaxCoef];
 #pragma unroll
-        for (int m = 0; m < kMaxCoef; ++m) p.h[(long long)b * kMaxCoef + m] = h[m];
-        p.r[b] = r;
-      } else {
-        float pre[kN], post[kN], res[kN * kN];
-        activate_token<kN>(h, p.act, pre, post, res);
+          for (int m = 0; m < kMaxCoef; ++m) h[m] = s_h[m];
+          float pre[kN], post[kN], res[kN * kN];
+          activate_token<kN>(h, p.act, pre, post, res);
 #pragma unroll
-        for (int i = 0; i < kN; ++i) p.h_post[(long long)b * kN + i] = post[i];
+          for (int i = 0; i < kN; ++i) p.h_post[(long long)b * kN + i] = post[i];
 #pragma unroll
-        for (int e = 0; e < kN * kN; ++e) p.h_res[(long long)b * kN * kN + e] = res[e];
+          for (int e = 0; e < kN * kN; ++e) p.h_res[(long long)b * kN * kN + e] = res[e];
+        }
       }
+      grp.sync();
     }
-    __syncthreads();  // rest_in and s_tmp are reused by the next owned token
   }
 }
 
@@ -324,6 +391,7 @@ cudaError_t launch_split(const ProjectParams& p, const SplitArgs& s, size_t smem
 }
 
 }  // namespace
+
 
 cudaError_t mhc_split_project(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
                               bool dry_run) {
@@ -352,14 +420,16 @@ cudaError_t mhc_split_project(const ProjectParams& p, int n, bool phi_is_f32, cu
   s.x_row = n * cpg * 8 + 8;  // + 16 bytes: the tokens' rows start on different banks
   s.pre_floats = int(l.pre_floats);
   s.rest_stride = int(l.rest_floats);
+  s.inv_k = 1.0f / float(p.k_len);
   const size_t x_bytes = (size_t(tok) * s.x_row * 2 + 15) / 16 * 16;
-  const int lane_split = 32 / tok, max_coef = n * n + 2 * n;
-  const int rows = (max_coef + lane_split - 1) / lane_split * lane_split;  // the kernel's kRows
-  const size_t phi_bytes = size_t(rows) * n * cpg * 8 * 4;
+  const int max_coef = n * n + 2 * n;
+  const int rows = (max_coef + 7) / 8 * 8;  // the kernel's kRows
+  const size_t phi_bytes = size_t(rows) * (n * cpg * 8 + 4) * 4;
   const size_t red_bytes = size_t(kThreads / 32) * tok * (p.num_coef + 1) * 4;
   const size_t in_bytes = size_t(l.pre_floats + l.rest_floats) * 4;
   const size_t smem = x_bytes + std::max({phi_bytes, red_bytes, in_bytes});
   if (smem > size_t(smem_max)) return cudaErrorNotSupported;
+  if (n * cpg > kThreads) return cudaErrorNotSupported;  // a thread per (stream, column group) when copying
   cudaError_t err = cudaErrorNotSupported;
   dispatch_n(n, [&](auto kn) {
     constexpr int kN = decltype(kn)::value;
