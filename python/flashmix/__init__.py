@@ -58,6 +58,7 @@ MHC_MAX_STREAMS = _C.MHC_MAX_STREAMS
 FC2_MODES = _C.FC2_MODES
 mhc_num_coefficients = _C.mhc_num_coefficients
 build_moe_routing_maps_workspace_size = _C.build_moe_routing_maps_workspace_size
+mhc_workspace_bytes = _C.mhc_workspace_bytes
 
 #: MhcParams::seed(): the seed document's setting (all eps 0), as keyword arguments.
 MHC_SEED_PARAMS = {"eps_norm": 0.0, "eps_pre": 0.0, "eps_sinkhorn": 0.0}
@@ -72,6 +73,7 @@ __all__ = [
     "finalize_moe_routing", "debug_check_finalize_moe_routing_indices", "build_moe_routing_maps",
     "build_moe_routing_maps_workspace_size", "moe_fc2_finalize", "moe_fc2_finalize_workspace_size",
     "mhc_pre", "mhc_post", "mhc_project", "mhc_activate", "mhc_pre_mix", "mhc_head", "mhc_expand",
+    "mhc_workspace_bytes",
     "mhc_num_coefficients", "MHC_MAX_STREAMS", "MHC_SEED_PARAMS", "FC2_MODES", "RoutingMaps", "MhcPreOutput",
     "MhcActivateOutput", "torch_ops_registered",
 ]
@@ -349,7 +351,7 @@ def moe_fc2_finalize(A, W2, expert_first_token_offset, permuted_row_to_unpermute
 
 def mhc_pre(x, phi, alpha, bias, *, f_pre=None, h_post=None, h_res=None, eps_norm=1e-6, eps_pre=1e-6,
             post_mult=2.0, eps_sinkhorn=1e-6, sinkhorn_iters=20, res_layout="deepseek", enable_pdl=True,
-            prefetch_weights=False, stream=None):
+            prefetch_weights=False, workspace=None, stream=None):
     """SPEC §4 mhc_pre: X -> (F_pre, H_post, H_res) in one pass over X.
 
     n comes from phi (N = n*n + 2n rows). Returns MhcPreOutput(f_pre bf16 ``[B, C]``,
@@ -358,6 +360,10 @@ def mhc_pre(x, phi, alpha, bias, *, f_pre=None, h_post=None, h_res=None, eps_nor
     ``**MHC_SEED_PARAMS`` gives the seed's. ``res_layout`` is an MhcParams field that only
     mhc_post uses. ``prefetch_weights`` (with enable_pdl): phi, alpha and bias are read before
     the previous kernel on the stream finishes; only when that kernel does not write them.
+    ``workspace`` (optional): a uint8 device buffer of ``mhc_workspace_bytes(B, n, C)`` bytes,
+    zeroed once by the caller (every launch leaves it zeroed; one launch at a time per buffer).
+    With it, small batches (B <= 32) of shapes without the resident kernel (n != 4, ...) spread
+    the projection over every SM (decode n = 8 on an H200: 103 -> 26 us).
     """
     n = _streams_from_coefficients(phi.shape[0], "mhc_pre", "phi")
     B, C = x.shape[0], _mhc_hidden(x, n, "mhc_pre")
@@ -367,7 +373,7 @@ def mhc_pre(x, phi, alpha, bias, *, f_pre=None, h_post=None, h_res=None, eps_nor
     _C.mhc_pre(_arg(x), _arg(phi), _arg(alpha), _arg(bias), _arg(f_pre), _arg(h_post), _arg(h_res),
                eps_norm=eps_norm, eps_pre=eps_pre, post_mult=post_mult, eps_sinkhorn=eps_sinkhorn,
                sinkhorn_iters=sinkhorn_iters, res_layout=res_layout, enable_pdl=enable_pdl,
-               prefetch_weights=prefetch_weights, stream=_stream(stream, x))
+               prefetch_weights=prefetch_weights, workspace=_arg(workspace), stream=_stream(stream, x))
     return MhcPreOutput(f_pre, h_post, h_res)
 
 
@@ -382,16 +388,17 @@ def mhc_post(x, f_out, h_post, h_res, *, x_next=None, res_layout="deepseek", ena
 
 
 def mhc_project(x, phi, alpha, bias, *, h=None, r=None, eps_norm=1e-6, enable_pdl=True, prefetch_weights=False,
-                stream=None):
+                workspace=None, stream=None):
     """mhc_pre's stage 1: h float32 ``[B, N]`` (alpha, 1/r and bias applied, before the
-    activations) and r float32 ``[B]``. Returns (h, r)."""
+    activations) and r float32 ``[B]``. Returns (h, r). ``workspace`` as in mhc_pre."""
     n = _streams_from_coefficients(phi.shape[0], "mhc_project", "phi")
     B = x.shape[0]
     h = _empty(x, (B, phi.shape[0]), "float32") if h is None else h
     r = _empty(x, (B,), "float32") if r is None else r
     _mhc_hidden(x, n, "mhc_project")
     _C.mhc_project(_arg(x), _arg(phi), _arg(alpha), _arg(bias), _arg(h), _arg(r), eps_norm=eps_norm,
-                   enable_pdl=enable_pdl, prefetch_weights=prefetch_weights, stream=_stream(stream, x))
+                   enable_pdl=enable_pdl, prefetch_weights=prefetch_weights, workspace=_arg(workspace),
+                   stream=_stream(stream, x))
     return h, r
 
 
@@ -418,13 +425,14 @@ def mhc_pre_mix(x, h_pre, *, f_pre=None, enable_pdl=True, stream=None):
     return f_pre
 
 
-def mhc_head(x, phi, alpha, bias, *, out=None, eps_norm=1e-6, eps_pre=1e-6, enable_pdl=True, stream=None):
+def mhc_head(x, phi, alpha, bias, *, out=None, eps_norm=1e-6, eps_pre=1e-6, enable_pdl=True, workspace=None,
+             stream=None):
     """mhc_head (before the final LM head): the pre mix only, with phi ``[n, n*C]``, alpha
-    ``[1]`` (alpha_pre) and bias ``[n]``. Returns out bf16 ``[B, C]``."""
+    ``[1]`` (alpha_pre) and bias ``[n]``. Returns out bf16 ``[B, C]``. ``workspace`` as in mhc_pre."""
     n = phi.shape[0]
     out = _empty(x, (x.shape[0], _mhc_hidden(x, n, "mhc_head")), "bfloat16") if out is None else out
     _C.mhc_head(_arg(x), _arg(phi), _arg(alpha), _arg(bias), _arg(out), eps_norm=eps_norm, eps_pre=eps_pre,
-                enable_pdl=enable_pdl, stream=_stream(stream, x))
+                enable_pdl=enable_pdl, workspace=_arg(workspace), stream=_stream(stream, x))
     return out
 
 

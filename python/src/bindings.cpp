@@ -714,7 +714,8 @@ int64_t set_projection_inputs(Args& a, const In& x, const In& phi, const In& alp
 
 void mhc_pre(const In& x, const In& phi, const In& alpha, const In& bias, const Out& f_pre, const Out& h_post,
              const Out& h_res, float eps_norm, float eps_pre, float post_mult, float eps_sinkhorn, int sinkhorn_iters,
-             const std::string& res_layout, bool enable_pdl, bool prefetch_weights, uintptr_t stream) {
+             const std::string& res_layout, bool enable_pdl, bool prefetch_weights, const OptOut& workspace,
+             uintptr_t stream) {
   constexpr const char* op = "mhc_pre";
   Placement w(op);
   for (auto [a, name] : {std::pair<const In*, const char*>{&x, "x"}, {&phi, "phi"}, {&alpha, "alpha"}, {&bias, "bias"}})
@@ -722,6 +723,7 @@ void mhc_pre(const In& x, const In& phi, const In& alpha, const In& bias, const 
   w.add(f_pre, "f_pre");
   w.add(h_post, "h_post");
   w.add(h_res, "h_res");
+  w.add(workspace, "workspace");
 
   fm::MhcPreArgs a;
   set_projection_inputs(a, x, phi, alpha, bias, op);
@@ -735,6 +737,9 @@ void mhc_pre(const In& x, const In& phi, const In& alpha, const In& bias, const 
   a.params = make_params(eps_norm, eps_pre, post_mult, eps_sinkhorn, sinkhorn_iters, res_layout, op);
   a.enable_pdl = enable_pdl;
   a.prefetch_weights = prefetch_weights;
+  const Workspace ws = workspace_of(workspace, op);
+  a.workspace = ws.ptr;
+  a.workspace_bytes = ws.bytes;
   dispatch(
       w, op, [&] { return fm::mhc_pre(a, as_stream(stream)); }, [&] { return fm::mhc_pre_cpu(a); });
 }
@@ -778,13 +783,14 @@ void mhc_post(const In& x, const In& f_out, const In& h_post, const In& h_res, c
 }
 
 void mhc_project(const In& x, const In& phi, const In& alpha, const In& bias, const Out& h, const Out& r,
-                 float eps_norm, bool enable_pdl, bool prefetch_weights, uintptr_t stream) {
+                 float eps_norm, bool enable_pdl, bool prefetch_weights, const OptOut& workspace, uintptr_t stream) {
   constexpr const char* op = "mhc_project";
   Placement w(op);
   for (auto [a, name] : {std::pair<const In*, const char*>{&x, "x"}, {&phi, "phi"}, {&alpha, "alpha"}, {&bias, "bias"}})
     w.add(*a, name);
   w.add(h, "h");
   w.add(r, "r");
+  w.add(workspace, "workspace");
   fm::MhcProjectArgs a;
   const int64_t N = set_projection_inputs(a, x, phi, alpha, bias, op);
   const int64_t B = a.shape.batch;
@@ -795,6 +801,9 @@ void mhc_project(const In& x, const In& phi, const In& alpha, const In& bias, co
   a.eps_norm = eps_norm;
   a.enable_pdl = enable_pdl;
   a.prefetch_weights = prefetch_weights;
+  const Workspace ws = workspace_of(workspace, op);
+  a.workspace = ws.ptr;
+  a.workspace_bytes = ws.bytes;
   dispatch(
       w, op, [&] { return fm::mhc_project(a, as_stream(stream)); }, [&] { return fm::mhc_project_cpu(a); });
 }
@@ -848,12 +857,13 @@ void mhc_pre_mix(const In& x, const In& h_pre, const Out& f_pre, bool enable_pdl
 }
 
 void mhc_head(const In& x, const In& phi, const In& alpha, const In& bias, const Out& out, float eps_norm,
-              float eps_pre, bool enable_pdl, uintptr_t stream) {
+              float eps_pre, bool enable_pdl, const OptOut& workspace, uintptr_t stream) {
   constexpr const char* op = "mhc_head";
   Placement w(op);
   for (auto [a, name] : {std::pair<const In*, const char*>{&x, "x"}, {&phi, "phi"}, {&alpha, "alpha"}, {&bias, "bias"}})
     w.add(*a, name);
   w.add(out, "out");
+  w.add(workspace, "workspace");
   require_ndim(phi, 2, op, "phi");
   const int64_t n = dim(phi, 0);
   if (n < 1 || n > fm::kMhcMaxStreams)
@@ -871,6 +881,9 @@ void mhc_head(const In& x, const In& phi, const In& alpha, const In& bias, const
   a.eps_norm = eps_norm;
   a.eps_pre = eps_pre;
   a.enable_pdl = enable_pdl;
+  const Workspace ws = workspace_of(workspace, op);
+  a.workspace = ws.ptr;
+  a.workspace_bytes = ws.bytes;
   dispatch(
       w, op, [&] { return fm::mhc_head(a, as_stream(stream)); }, [&] { return fm::mhc_head_cpu(a); });
 }
@@ -956,19 +969,26 @@ NB_MODULE(_C, m) {
   m.def("mhc_pre", &mhc_pre, "x"_a, "phi"_a, "alpha"_a, "bias"_a, "f_pre"_a, "h_post"_a, "h_res"_a, nb::kw_only(),
         "eps_norm"_a = d.eps_norm, "eps_pre"_a = d.eps_pre, "post_mult"_a = d.post_mult,
         "eps_sinkhorn"_a = d.eps_sinkhorn, "sinkhorn_iters"_a = d.sinkhorn_iters, "res_layout"_a = "deepseek",
-        "enable_pdl"_a = true, "prefetch_weights"_a = false, "stream"_a = 0,
+        "enable_pdl"_a = true, "prefetch_weights"_a = false, "workspace"_a = nb::none(), "stream"_a = 0,
         "SPEC §4 mhc_pre; n from phi [N, n*C].");
   m.def("mhc_post", &mhc_post, "x"_a, "f_out"_a, "h_post"_a, "h_res"_a, "x_next"_a, nb::kw_only(),
         "res_layout"_a = "deepseek", "enable_pdl"_a = true, "stream"_a = 0, "SPEC §4 mhc_post; n from h_post [B, n].");
   m.def("mhc_project", &mhc_project, "x"_a, "phi"_a, "alpha"_a, "bias"_a, "h"_a, "r"_a, nb::kw_only(),
-        "eps_norm"_a = d.eps_norm, "enable_pdl"_a = true, "prefetch_weights"_a = false, "stream"_a = 0);
+        "eps_norm"_a = d.eps_norm, "enable_pdl"_a = true, "prefetch_weights"_a = false, "workspace"_a = nb::none(),
+        "stream"_a = 0);
   m.def("mhc_activate", &mhc_activate, "h"_a, "h_pre"_a, "h_post"_a, "h_res"_a, nb::kw_only(),
         "eps_pre"_a = d.eps_pre, "post_mult"_a = d.post_mult, "eps_sinkhorn"_a = d.eps_sinkhorn,
         "sinkhorn_iters"_a = d.sinkhorn_iters, "enable_pdl"_a = true, "stream"_a = 0);
   m.def("mhc_pre_mix", &mhc_pre_mix, "x"_a, "h_pre"_a, "f_pre"_a, nb::kw_only(), "enable_pdl"_a = true,
         "stream"_a = 0);
   m.def("mhc_head", &mhc_head, "x"_a, "phi"_a, "alpha"_a, "bias"_a, "out"_a, nb::kw_only(),
-        "eps_norm"_a = d.eps_norm, "eps_pre"_a = d.eps_pre, "enable_pdl"_a = true, "stream"_a = 0);
+        "eps_norm"_a = d.eps_norm, "eps_pre"_a = d.eps_pre, "enable_pdl"_a = true, "workspace"_a = nb::none(),
+        "stream"_a = 0);
+  m.def("mhc_workspace_bytes", [](int64_t batch, int n, int64_t hidden) {
+          return fm::mhc_workspace_bytes(fm::MhcShape{batch, n, hidden});
+        }, "batch"_a, "n"_a, "hidden"_a,
+        "Bytes of the optional small-batch workspace of mhc_pre / mhc_project / mhc_head (0: not used for this "
+        "shape). Zero it once; every launch leaves it zeroed.");
   m.def("mhc_expand", &mhc_expand, "embedding"_a, "x"_a, nb::kw_only(), "enable_pdl"_a = true, "stream"_a = 0);
 
   m.def("bfloat16_view", &bfloat16_view, "bits"_a,

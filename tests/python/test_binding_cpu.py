@@ -236,6 +236,32 @@ def test_mhc_pre_matches_spec(n, C, phi_dtype, params):
         np.testing.assert_allclose(h_res.sum(axis=1), 1.0, atol=1e-4)
 
 
+def test_mhc_workspace_bytes_covers_small_batches_only():
+    assert flashmix.mhc_workspace_bytes(0, 4, 7168) == 0
+    assert flashmix.mhc_workspace_bytes(33, 4, 7168) == 0
+    # 256 header bytes + [256 CTAs][16 tokens][n + 1] + [16 tokens][256 CTAs][n*n + n] floats
+    assert flashmix.mhc_workspace_bytes(16, 4, 7168) == 256 + 4 * (256 * 16 * 5 + 16 * 256 * 20)
+    assert 0 < flashmix.mhc_workspace_bytes(1, 8, 64) < flashmix.mhc_workspace_bytes(32, 8, 64)
+
+
+@needs_bf16
+def test_mhc_workspace_is_checked_and_does_not_change_the_cpu_result():
+    rng = np.random.default_rng(9)
+    B, n, C = 5, 8, 16
+    x, phi, alpha, bias = ref.mhc_problem(rng, B, n, C)
+    ws = np.zeros(flashmix.mhc_workspace_bytes(B, n, C), dtype=np.uint8)
+    plain = flashmix.mhc_pre(x, phi, alpha, bias)
+    with_ws = flashmix.mhc_pre(x, phi, alpha, bias, workspace=ws)
+    for u, v in zip(plain, with_ws):
+        np.testing.assert_array_equal(u, v)
+    h, r = flashmix.mhc_project(x, phi, alpha, bias, workspace=ws)
+    np.testing.assert_array_equal(h, flashmix.mhc_project(x, phi, alpha, bias)[0])
+    with pytest.raises(ValueError, match="workspace_bytes"):
+        flashmix.mhc_pre(x, phi, alpha, bias, workspace=ws[:64])
+    with pytest.raises(ValueError, match="workspace_bytes"):
+        flashmix.mhc_head(x, phi[:n], alpha[:1], bias[:n], workspace=ws[:64])
+
+
 @needs_bf16
 def test_mhc_pre_accepts_x_as_b_by_nc():
     rng = np.random.default_rng(6)

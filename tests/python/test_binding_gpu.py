@@ -220,6 +220,23 @@ def test_mhc_pre_gpu_matches_cpu(B, n, C, phi_dtype, options):
     assert_within(got.h_res, want.h_res, 2e-4, "h_res")
 
 
+@pytest.mark.parametrize("B,n,C", [(16, 8, 7168), (32, 6, 1000), (1, 2, 64), (7, 4, 7168)])
+def test_mhc_pre_gpu_with_workspace_matches_cpu_and_repeats_bitwise(B, n, C):
+    x, phi, alpha, bias = mhc_inputs(B, n, C, "float32", seed=B * 17 + n + C)
+    ws = torch.zeros(flashmix.mhc_workspace_bytes(B, n, C), dtype=torch.uint8, device=DEV)
+    got = flashmix.mhc_pre(x, phi, alpha, bias, workspace=ws)
+    again = flashmix.mhc_pre(x, phi, alpha, bias, workspace=ws)
+    want = flashmix.mhc_pre(*(a.cpu() for a in (x, phi, alpha, bias)))
+    sync()
+    scale = f64(x).abs().sum(dim=1)
+    assert_within(got.f_pre, want.f_pre, 2.0 ** -7 * f64(want.f_pre).abs() + 2e-4 * scale + 1e-6, "f_pre")
+    assert_within(got.h_post, want.h_post, 2e-4, "h_post")
+    assert_within(got.h_res, want.h_res, 2e-4, "h_res")
+    for u, v in zip(got, again):
+        assert torch.equal(u, v)
+    assert int(ws[:4].view(torch.int32).item()) == 0  # the grid barrier's counter is back at 0
+
+
 @pytest.mark.parametrize("res_layout", ["deepseek", "row_mix"])
 @pytest.mark.parametrize("B,n,C", [(16, 4, 7168), (7, 3, 40), (4, 8, 64), (0, 4, 64)])
 def test_mhc_post_gpu_matches_cpu(B, n, C, res_layout):
