@@ -149,9 +149,12 @@ template <int kN, typename PhiT, int kTok>
 __global__ void __launch_bounds__(kThreads, 1) mhc_split_kernel(ProjectParams p, SplitArgs s) {
   constexpr int kMaxCoef = kN * kN + 2 * kN;
   // Projection lanes: 4 token groups x 8 coefficient groups; a lane takes
-  // kTpl tokens (tg, tg + 4, ...) and every 8th coefficient, so each 16-byte load of phi (from
-  // shared memory) feeds kTpl tokens and each load of X feeds kAcc coefficients.
-  constexpr int kTpl = kTok / 4, kMs = 8;
+  // kTpl tokens (tg, tg + 4, ...) and every 8th coefficient, so each 16-byte
+  // load of phi (from shared memory) feeds kTpl tokens and each load of X
+  // feeds kAcc coefficients. 32 tokens: the warps split into two halves of
+  // 16 tokens each (kTpl <= 4 keeps the accumulators in registers at n = 8).
+  constexpr int kHalves = kTok > 16 ? 2 : 1;
+  constexpr int kTpl = kTok / kHalves / 4, kMs = 8;
   constexpr int kAcc = (kMaxCoef + kMs - 1) / kMs;
   constexpr int kRows = kAcc * kMs;  // phi rows in shared memory, zero past N
   __shared__ float s_tmp[kMaxItems > kThreads ? kMaxItems : kThreads];  // the pre path's partial sums
@@ -217,10 +220,11 @@ __global__ void __launch_bounds__(kThreads, 1) mhc_split_kernel(ProjectParams p,
   dev::cp_async_wait<0>();
   __syncthreads();
 
-  // 2. Partial sums. Warp w takes chunks w, w + kWarps, ...; a chunk in two
-  // halves of 4 columns (fewer live registers).
+  // 2. Partial sums. Warp w takes the tokens of half w % kHalves and chunks
+  // w / kHalves + i * kWarps / kHalves; a chunk in two halves of 4 columns
+  // (fewer live registers).
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int tg = lane / kMs, ms = lane % kMs;
+  const int half = warp % kHalves, tg = half * 16 + lane / kMs, ms = lane % kMs;
   float acc[kAcc][kTpl], sq[kTpl];
 #pragma unroll
   for (int t = 0; t < kTpl; ++t) {
@@ -228,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1) mhc_split_kernel(ProjectParams p,
 #pragma unroll
     for (int a = 0; a < kAcc; ++a) acc[a][t] = 0.f;
   }
-  for (int q = warp; q < chunks; q += kWarps) {
+  for (int q = warp / kHalves; q < chunks; q += kWarps / kHalves) {
     const int i = q / cw, j = q - i * cw, off = (i * s.cpg + j) * 8;
 #pragma unroll
     for (int h = 0; h < 8; h += 4) {
@@ -273,7 +277,7 @@ __global__ void __launch_bounds__(kThreads, 1) mhc_split_kernel(ProjectParams p,
     const int b = idx / slots, v = idx - b * slots;
     float sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) sum += red[(w * kTok + b) * slots + v];
+    for (int w = b / 16 % kHalves; w < kWarps; w += kHalves) sum += red[(w * kTok + b) * slots + v];
     if (v < kN)
       s.ws_pre[(g * B + b) * (kN + 1) + v] = sum;
     else if (v == ncoef)
