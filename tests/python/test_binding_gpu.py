@@ -441,6 +441,30 @@ def test_torch_compile_of_a_function_calling_the_custom_ops(mode):
     assert torch.equal(got, want)
 
 
+def mhc_decode_step(x, phi, alpha, bias, ws):
+    f_pre, h_post, h_res = torch.ops.flashmix.mhc_pre(x, phi, alpha, bias, workspace=ws)
+    return torch.ops.flashmix.mhc_post(x, f_pre, h_post, h_res), h_res
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_torch_compile_of_mhc_pre_with_a_workspace(mode):
+    """The custom op with the small-batch workspace (n = 8: the split kernel) under torch.compile,
+    against the same op eagerly and against the binding without a workspace."""
+    if mode == "reduce-overhead" and DRY_RUN:
+        pytest.skip("CUDA graphs need a GPU")
+    x, phi, alpha, bias = mhc_inputs(16, 8, 1024, "float32", seed=21)
+    ws = torch.zeros(flashmix.mhc_workspace_bytes(16, 8, 1024), dtype=torch.uint8, device=DEV)
+    compiled = torch.compile(mhc_decode_step, fullgraph=True, mode=mode)
+    for _ in range(3):  # reduce-overhead records a graph on a later call
+        got = compiled(x, phi, alpha, bias, ws)
+    want = mhc_decode_step(x, phi, alpha, bias, ws)
+    plain = flashmix.mhc_pre(x, phi, alpha, bias)
+    sync()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert_within(want[1], plain.h_res, 2e-4, "h_res")
+    assert int(ws.view(torch.int32)[0].item()) == 0
+
+
 def compiled_moe_end(x, experts, scales, W2):
     """Routing maps (with the gathered input), the fused FC2 + finalize, and an unfused path (the
     finalize of stand-in rows), all custom ops; the torch between them is exact (a cast, a slice)."""
