@@ -25,7 +25,8 @@ bfloat16 on the CPU without torch: numpy arrays of ``ml_dtypes.bfloat16``.
 
 torch.compile: when torch is importable, ``torch.ops.flashmix.build_moe_routing_maps``,
 ``finalize_moe_routing``, ``moe_fc2_finalize``, ``mhc_expand``, ``mhc_pre``,
-``mhc_post`` and ``mhc_head`` are registered as custom ops with shape
+``mhc_pre_with_workspace`` (mhc_pre with the small-batch workspace), ``mhc_post``
+and ``mhc_head`` are registered as custom ops with shape
 functions; call those inside compiled code (the functions here call the
 binding directly, which is cheaper in eager mode but a graph break under
 torch.compile).

@@ -1,9 +1,10 @@
 """torch custom ops over flashmix: torch.ops.flashmix.{build_moe_routing_maps, finalize_moe_routing,
-moe_fc2_finalize, mhc_expand, mhc_pre, mhc_post, mhc_head} -- a whole MoE layer's end and a whole mHC
+moe_fc2_finalize, mhc_expand, mhc_pre, mhc_pre_with_workspace, mhc_post, mhc_head} -- a whole MoE layer's end
+and a whole mHC
 model (expand at the embedding, pre/post around every sublayer, head before the LM head) in compiled code.
 
-Functional (outputs are fresh tensors, inputs are not written; the optional
-small-batch ``workspace`` of mhc_pre / mhc_head is declared mutated: the
+Functional (outputs are fresh tensors, inputs are not written; the one
+exception, mhc_pre_with_workspace, declares its workspace mutated: the
 kernel uses it and leaves it zeroed), with fake
 implementations (shape functions), so they trace under torch.compile (one
 graph node each, no graph break) and work inside CUDA graphs (the real
@@ -88,17 +89,15 @@ def _(embedding, n, enable_pdl=True):
     return embedding.new_empty((embedding.shape[0], n, embedding.shape[1]), dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("flashmix::mhc_head", mutates_args=("workspace",))
+@torch.library.custom_op("flashmix::mhc_head", mutates_args=())
 def mhc_head(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, eps_norm: float = 1e-6, eps_pre: float = 1e-6,
-             enable_pdl: bool = True, workspace: Optional[Tensor] = None) -> Tensor:
-    """flashmix.mhc_head as a custom op: a fresh bf16 ``[B, C]`` (phi ``[n, n*C]``). ``workspace``
-    as in flashmix.mhc_pre."""
-    return _mhc_head(x, phi, alpha, bias, eps_norm=eps_norm, eps_pre=eps_pre, enable_pdl=enable_pdl,
-                     workspace=workspace)
+             enable_pdl: bool = True) -> Tensor:
+    """flashmix.mhc_head as a custom op: a fresh bf16 ``[B, C]`` (phi ``[n, n*C]``)."""
+    return _mhc_head(x, phi, alpha, bias, eps_norm=eps_norm, eps_pre=eps_pre, enable_pdl=enable_pdl)
 
 
 @mhc_head.register_fake
-def _(x, phi, alpha, bias, eps_norm=1e-6, eps_pre=1e-6, enable_pdl=True, workspace=None):
+def _(x, phi, alpha, bias, eps_norm=1e-6, eps_pre=1e-6, enable_pdl=True):
     return x.new_empty((x.shape[0], _mhc_hidden(x, phi.shape[0], "mhc_head")), dtype=torch.bfloat16)
 
 
@@ -129,21 +128,45 @@ def _(expanded_permuted_rows, unpermuted_row_to_permuted_row, token_selected_exp
     return expanded_permuted_rows.new_empty((token_selected_experts.shape[0], H), dtype=dtype)
 
 
-@torch.library.custom_op("flashmix::mhc_pre", mutates_args=("workspace",))
+@torch.library.custom_op("flashmix::mhc_pre", mutates_args=())
 def mhc_pre(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, eps_norm: float = 1e-6, eps_pre: float = 1e-6,
             post_mult: float = 2.0, eps_sinkhorn: float = 1e-6, sinkhorn_iters: int = 20, enable_pdl: bool = True,
-            prefetch_weights: bool = False, workspace: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    """flashmix.mhc_pre as a custom op: (f_pre bf16 [B, C], h_post fp32 [B, n], h_res fp32 [B, n, n]).
-    ``workspace``: as in flashmix.mhc_pre (uint8 ``[mhc_workspace_bytes(B, n, C)]``, zeroed once)."""
+            prefetch_weights: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+    """flashmix.mhc_pre as a custom op: (f_pre bf16 [B, C], h_post fp32 [B, n], h_res fp32 [B, n, n])."""
+    out = _mhc_pre(x, phi, alpha, bias, eps_norm=eps_norm, eps_pre=eps_pre, post_mult=post_mult,
+                   eps_sinkhorn=eps_sinkhorn, sinkhorn_iters=sinkhorn_iters, enable_pdl=enable_pdl,
+                   prefetch_weights=prefetch_weights)
+    return tuple(out)
+
+
+@mhc_pre.register_fake
+def _(x, phi, alpha, bias, eps_norm=1e-6, eps_pre=1e-6, post_mult=2.0, eps_sinkhorn=1e-6, sinkhorn_iters=20,
+      enable_pdl=True, prefetch_weights=False):
+    n = _streams_from_coefficients(phi.shape[0], "mhc_pre", "phi")
+    B, C = x.shape[0], _mhc_hidden(x, n, "mhc_pre")
+    return (x.new_empty((B, C), dtype=torch.bfloat16), x.new_empty((B, n), dtype=torch.float32),
+            x.new_empty((B, n, n), dtype=torch.float32))
+
+
+# A separate op rather than an optional argument of mhc_pre: torch 2.11's
+# functionalization fails (IndexError under torch.compile) on an Optional
+# tensor in mutates_args when the caller leaves it None.
+@torch.library.custom_op("flashmix::mhc_pre_with_workspace", mutates_args=("workspace",))
+def mhc_pre_with_workspace(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, workspace: Tensor,
+                           eps_norm: float = 1e-6, eps_pre: float = 1e-6, post_mult: float = 2.0,
+                           eps_sinkhorn: float = 1e-6, sinkhorn_iters: int = 20, enable_pdl: bool = True,
+                           prefetch_weights: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+    """flashmix.mhc_pre with the small-batch workspace (uint8 ``[mhc_workspace_bytes(B, n, C)]``,
+    zeroed once by the caller; left zeroed) as a custom op; outputs as mhc_pre."""
     out = _mhc_pre(x, phi, alpha, bias, eps_norm=eps_norm, eps_pre=eps_pre, post_mult=post_mult,
                    eps_sinkhorn=eps_sinkhorn, sinkhorn_iters=sinkhorn_iters, enable_pdl=enable_pdl,
                    prefetch_weights=prefetch_weights, workspace=workspace)
     return tuple(out)
 
 
-@mhc_pre.register_fake
-def _(x, phi, alpha, bias, eps_norm=1e-6, eps_pre=1e-6, post_mult=2.0, eps_sinkhorn=1e-6, sinkhorn_iters=20,
-      enable_pdl=True, prefetch_weights=False, workspace=None):
+@mhc_pre_with_workspace.register_fake
+def _(x, phi, alpha, bias, workspace, eps_norm=1e-6, eps_pre=1e-6, post_mult=2.0, eps_sinkhorn=1e-6,
+      sinkhorn_iters=20, enable_pdl=True, prefetch_weights=False):
     n = _streams_from_coefficients(phi.shape[0], "mhc_pre", "phi")
     B, C = x.shape[0], _mhc_hidden(x, n, "mhc_pre")
     return (x.new_empty((B, C), dtype=torch.bfloat16), x.new_empty((B, n), dtype=torch.float32),

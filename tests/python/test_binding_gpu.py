@@ -442,7 +442,7 @@ def test_torch_compile_of_a_function_calling_the_custom_ops(mode):
 
 
 def mhc_decode_step(x, phi, alpha, bias, ws):
-    f_pre, h_post, h_res = torch.ops.flashmix.mhc_pre(x, phi, alpha, bias, workspace=ws)
+    f_pre, h_post, h_res = torch.ops.flashmix.mhc_pre_with_workspace(x, phi, alpha, bias, ws)
     return torch.ops.flashmix.mhc_post(x, f_pre, h_post, h_res), h_res
 
 
