@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(kThreads, 1) mhc_split_kernel(ProjectParams p,
   const int slots = ncoef + 1;
 
   // 1. phi's slice (weights: before the dependency when the caller allows it), then X's.
-  // Thread t copies chunk t % chunks of rows t / chunks, + rows_per_pass, ...
+  // Thread t copies chunk t % chunks of rows t / chunks, + row_step, ...
   // (chunks <= kThreads: the launcher checks), so no division per copy.
   const int row_step = kThreads / chunks, my_chunk = threadIdx.x % chunks;
   const int first_row = threadIdx.x < row_step * chunks ? threadIdx.x / chunks : 1 << 20;  // the rest copy nothing
@@ -189,12 +189,14 @@ __global__ void __launch_bounds__(kThreads, 1) mhc_split_kernel(ProjectParams p,
     if (threadIdx.x < (p.mode == ProjectMode::kHead ? 1 : 3)) s_alpha[threadIdx.x] = __ldg(p.alpha + threadIdx.x);
     const PhiT* phi = static_cast<const PhiT*>(p.phi);
     for (int m = first_row; m < kRows; m += row_step) {
-      const PhiT* src = phi + (long long)m * K + my_src;
       float* dst = region + m * krow + my_off;
       if (m >= ncoef) {  // rows past N: zeros, so the projection loop needs no guard
         *reinterpret_cast<float4*>(dst) = make_float4(0.f, 0.f, 0.f, 0.f);
         *reinterpret_cast<float4*>(dst + 4) = make_float4(0.f, 0.f, 0.f, 0.f);
-      } else if constexpr (std::is_same_v<PhiT, float>) {
+        continue;
+      }
+      const PhiT* src = phi + (long long)m * K + my_src;
+      if constexpr (std::is_same_v<PhiT, float>) {
         dev::cp_async16(dst, src);
         dev::cp_async16(dst + 4, src + 4);
       } else {
@@ -395,7 +397,6 @@ cudaError_t launch_split(const ProjectParams& p, const SplitArgs& s, size_t smem
 }
 
 }  // namespace
-
 
 cudaError_t mhc_split_project(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
                               bool dry_run) {
