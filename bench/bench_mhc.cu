@@ -14,6 +14,7 @@
 // sum-of-squares kernel, a scale/bias/sigmoid kernel, a Sinkhorn kernel, and
 // the pre mix the seed leaves out (the library's stage kernel); for post the
 // seed's residual-apply kernel written plainly (one thread per element).
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -615,18 +616,25 @@ void run_mhc_cases(Context& ctx) {
     add_record(ctx, q);
     for (auto& d : ds) free_dev(d);
   }
-  // ---- decode at n = 8 (no resident kernel): the cluster-tile kernel, and
-  // the split kernel that a workspace selects. phi is 80 x 57344 fp32 (18 MB).
-  if (ctx.selected("mhc_pre", "decode_B16_n8_C7168")) {
-    const int sets = 6;  // 6 x (18.4 MB phi + 1.8 MB X) > L2
+  // ---- small batches of shapes without the resident kernel (n != 4, or C
+  // not a multiple of 1024): the cluster-tile kernel, and the split kernel
+  // that a workspace selects. Sets rotated: together larger than L2.
+  struct SmallCase { int64_t B; int n; int64_t C; };
+  for (const SmallCase sc : {SmallCase{16, 8, 7168}, SmallCase{32, 8, 7168}, SmallCase{16, 6, 4096},
+                             SmallCase{16, 4, 2560}}) {
+    const std::string base = "decode_B" + std::to_string(sc.B) + "_n" + std::to_string(sc.n) + "_C" +
+                             std::to_string(sc.C);
+    if (!ctx.selected("mhc_pre", base)) continue;
+    const double set_bytes = 4.0 * mhc_num_coefficients(sc.n) * sc.n * sc.C + 2.0 * sc.B * sc.n * sc.C;
+    const int sets = std::max(2, int(std::ceil(120e6 / set_bytes)));
     std::vector<HostData> hs;
     std::vector<DevSet> ds;
     for (int i = 0; i < sets; ++i) {
-      hs.push_back(make_host(16, 8, 7168, 2000 + i));
+      hs.push_back(make_host(sc.B, sc.n, sc.C, 2000 + i));
       ds.push_back(make_dev(hs.back()));
     }
     void* ws = nullptr;
-    const size_t ws_bytes = mhc_workspace_bytes({16, 8, 7168});
+    const size_t ws_bytes = mhc_workspace_bytes({sc.B, sc.n, sc.C});
     BENCH_CUDA(cudaMalloc(&ws, ws_bytes));
     BENCH_CUDA(cudaMemset(ws, 0, ws_bytes));
     double plain_us = 0;
@@ -641,11 +649,11 @@ void run_mhc_cases(Context& ctx) {
       };
       std::string check = "not verified";
       if (ctx.verify) {
-        check = "passed (all 16 rows of each set vs CPU reference)";
+        check = "passed (all " + std::to_string(sc.B) + " rows of each set vs CPU reference)";
         for (int i = 0; i < sets; ++i) {
           Status st = mhc_pre(args(i), stream);
           BENCH_CUDA(cudaStreamSynchronize(stream));
-          std::string c = st.ok() ? check_pre(hs[i], ds[i], sample_rows(16)) : "FAILED: " + st.message();
+          std::string c = st.ok() ? check_pre(hs[i], ds[i], sample_rows(sc.B)) : "FAILED: " + st.message();
           if (c.rfind("FAILED", 0) == 0) {
             check = c;
             break;
@@ -654,10 +662,10 @@ void run_mhc_cases(Context& ctx) {
       }
       Record r;
       r.op = "mhc_pre";
-      r.case_name = use_ws ? "decode_B16_n8_C7168_graph_workspace" : "decode_B16_n8_C7168_graph";
+      r.case_name = base + (use_ws ? "_graph_workspace" : "_graph");
       r.median_us = graph_us_per_launch([&](int i) { (void)mhc_pre(args(i), stream); }, 4 * sets, stream, iters);
       r.ceiling = "time_bound";
-      r.bytes = 2.0 * 16 * 8 * 7168 + 2.0 * 16 * 7168;
+      r.bytes = 2.0 * sc.B * sc.n * sc.C + 2.0 * sc.B * sc.C;
       r.fraction = 8.0 / r.median_us;
       r.check = check;
       r.extra["rotated_sets"] = sets;
