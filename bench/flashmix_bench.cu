@@ -10,6 +10,7 @@
 #include <string>
 
 #include "bench_common.h"
+#include "flashmix_git_commit.h"  // generated at build time (cmake/git_commit.cmake)
 
 using namespace flashmix::bench;
 

@@ -505,6 +505,24 @@ TEST(MhcDeterminismGpu, RepeatedRunsAndGraphReplayAreBitwiseIdentical) {
     for (auto v : r1.f_pre) ASSERT_TRUE(std::isfinite(f32(v)));
     expect_barrier_idle(ws);
   }
+  // One workspace shared by launches of different shapes (different CTA
+  // counts at the grid barrier): each leaves it idle for the next.
+  {
+    Problem pa = make_problem(16, 8, 7168, seed_for("determinism_split_a")),
+            pb = make_problem(9, 6, 1000, seed_for("determinism_split_b"));
+    DeviceProblem da(pa), db(pb);
+    const size_t bytes = std::max(mhc_workspace_bytes({pa.B, pa.n, pa.C}), mhc_workspace_bytes({pb.B, pb.n, pb.C}));
+    DeviceBuffer ws(bytes);
+    CUDA_OK(cudaMemset(ws.get(), 0, bytes));
+    PinProjectKernel pin(mhc_detail::ProjectKernel::kSplit);
+    PrePostRun a1 = run_pre_post(pa, da, false, ws.get(), bytes), b1 = run_pre_post(pb, db, true, ws.get(), bytes),
+               a2 = run_pre_post(pa, da, true, ws.get(), bytes), b2 = run_pre_post(pb, db, false, ws.get(), bytes);
+    EXPECT_EQ(a1.f_pre, a2.f_pre);
+    EXPECT_EQ(0, std::memcmp(a1.h_res.data(), a2.h_res.data(), a1.h_res.size() * 4));
+    EXPECT_EQ(b1.f_pre, b2.f_pre);
+    EXPECT_EQ(0, std::memcmp(b1.h_res.data(), b2.h_res.data(), b1.h_res.size() * 4));
+    expect_barrier_idle(ws);
+  }
 }
 
 // A stand-in for the kernel ahead of mhc_pre in a layer (attention, the
