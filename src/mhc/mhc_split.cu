@@ -31,7 +31,10 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <map>
+#include <mutex>
 #include <type_traits>
+#include <utility>
 
 #include "common/launch.cuh"
 #include "common/vec.cuh"
@@ -386,12 +389,47 @@ template <int kN, typename PhiT, int kTok>
 cudaError_t launch_split(const ProjectParams& p, const SplitArgs& s, size_t smem, cudaStream_t stream, bool pdl,
                          bool dry_run) {
   auto kernel = mhc_split_kernel<kN, PhiT, kTok>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (err != cudaSuccess) return err;
-  int per_sm = 0;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
-  if (err != cudaSuccess) return err;
-  if (per_sm < 1) return cudaErrorNotSupported;  // the grid barrier needs every CTA resident
+  // Function attributes, not stream work (capture-safe), worked out once per
+  // device: the dynamic shared memory allowed next to the kernel's static
+  // shared memory (set once to the largest), and per size whether a CTA fits
+  // on an SM (the grid barrier needs every CTA resident). A shape that does
+  // not fit is "not this kernel" (the caller falls back), not an error.
+  static std::mutex mutex;
+  static std::map<int, int> dynamic_max;                // device -> bytes (0: unusable)
+  static std::map<std::pair<int, size_t>, bool> fits;  // (device, bytes) -> resident
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return cudaErrorNotSupported;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto dm = dynamic_max.find(device);
+    if (dm == dynamic_max.end()) {
+      int optin = 0;
+      cudaFuncAttributes fa;
+      int bytes = 0;
+      if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
+          cudaFuncGetAttributes(&fa, kernel) == cudaSuccess &&
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               optin - int(fa.sharedSizeBytes)) == cudaSuccess)
+        bytes = optin - int(fa.sharedSizeBytes);
+      else
+        (void)cudaGetLastError();  // the failed query's error, not the caller's
+      dm = dynamic_max.emplace(device, bytes).first;
+    }
+    if (smem > size_t(dm->second)) return cudaErrorNotSupported;
+    auto f = fits.find({device, smem});
+    if (f == fits.end()) {
+      int per_sm = 0;
+      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) != cudaSuccess) {
+        (void)cudaGetLastError();
+        per_sm = 0;
+      }
+      f = fits.emplace(std::make_pair(device, smem), per_sm >= 1).first;
+    }
+    if (!f->second) return cudaErrorNotSupported;
+  }
   if (dry_run) return cudaSuccess;
   return dev::launch(kernel, dim3(unsigned(s.ctas)), dim3(kThreads), smem, stream, pdl, p, s);
 }
