@@ -338,6 +338,21 @@ std::vector<int64_t> sample_rows(int64_t B) {
   return rows;
 }
 
+// Decode cases rotate input sets: runs `run(i)` on every set and checks all
+// `rows` rows of each with `check_set(i)`; the first failure is the verdict.
+std::string verify_rotated_sets(const Context& ctx, cudaStream_t stream, int sets, int64_t rows,
+                                const std::function<Status(int)>& run,
+                                const std::function<std::string(int)>& check_set) {
+  if (!ctx.verify) return "not verified";
+  for (int i = 0; i < sets; ++i) {
+    Status st = run(i);
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    std::string c = st.ok() ? check_set(i) : "FAILED: " + st.message();
+    if (c.rfind("FAILED", 0) == 0) return c;
+  }
+  return "passed (all " + std::to_string(rows) + " rows of each set vs CPU reference)";
+}
+
 void cpu_cases(Context& ctx) {
   HostData h = make_host(4, 4, 256, 7);
   std::vector<uint16_t> f(h.B * h.C), xn(h.B * h.n * h.C);
@@ -470,18 +485,7 @@ void run_mhc_cases(Context& ctx) {
       hs.push_back(make_host(16, 4, 7168, 1000 + i));
       ds.push_back(make_dev(hs.back()));
     }
-    // Runs `run(i)` on every set and checks all 16 rows of each with
-    // `check_set(i)`; the first failure is the verdict.
-    auto verify_sets = [&](auto run, auto check_set) -> std::string {
-      if (!ctx.verify) return "not verified";
-      for (int i = 0; i < sets; ++i) {
-        Status st = run(i);
-        BENCH_CUDA(cudaStreamSynchronize(stream));
-        std::string c = st.ok() ? check_set(i) : "FAILED: " + st.message();
-        if (c.rfind("FAILED", 0) == 0) return c;
-      }
-      return "passed (all 16 rows of each set vs CPU reference)";
-    };
+    auto verify_sets = [&](auto run, auto check_set) { return verify_rotated_sets(ctx, stream, sets, 16, run, check_set); };
     auto check_pre_set = [&](int i) { return check_pre(hs[i], ds[i], sample_rows(16)); };
     std::string check = verify_sets([&](int i) { return mhc_pre(pre_args(hs[i], ds[i]), stream); }, check_pre_set);
     const int launches = 2 * sets;
@@ -647,19 +651,9 @@ void run_mhc_cases(Context& ctx) {
         }
         return a;
       };
-      std::string check = "not verified";
-      if (ctx.verify) {
-        check = "passed (all " + std::to_string(sc.B) + " rows of each set vs CPU reference)";
-        for (int i = 0; i < sets; ++i) {
-          Status st = mhc_pre(args(i), stream);
-          BENCH_CUDA(cudaStreamSynchronize(stream));
-          std::string c = st.ok() ? check_pre(hs[i], ds[i], sample_rows(sc.B)) : "FAILED: " + st.message();
-          if (c.rfind("FAILED", 0) == 0) {
-            check = c;
-            break;
-          }
-        }
-      }
+      const std::string check = verify_rotated_sets(
+          ctx, stream, sets, sc.B, [&](int i) { return mhc_pre(args(i), stream); },
+          [&](int i) { return check_pre(hs[i], ds[i], sample_rows(sc.B)); });
       Record r;
       r.op = "mhc_pre";
       r.case_name = base + (use_ws ? "_graph_workspace" : "_graph");

@@ -242,6 +242,13 @@ Workspace workspace_of(const OptOut& workspace, const char* op) {
   require_vector(*workspace, kUInt8, 0, op, "workspace");
   return {mut(*workspace), workspace->size()};
 }
+// The same into an Args struct with `workspace` / `workspace_bytes` fields (the mHC ops).
+template <typename Args>
+void set_workspace(Args& a, const OptOut& workspace, const char* op) {
+  const Workspace ws = workspace_of(workspace, op);
+  a.workspace = ws.ptr;
+  a.workspace_bytes = ws.bytes;
+}
 
 // ---------------------------------------------------------------------------
 // Devices and streams
@@ -737,9 +744,7 @@ void mhc_pre(const In& x, const In& phi, const In& alpha, const In& bias, const 
   a.params = make_params(eps_norm, eps_pre, post_mult, eps_sinkhorn, sinkhorn_iters, res_layout, op);
   a.enable_pdl = enable_pdl;
   a.prefetch_weights = prefetch_weights;
-  const Workspace ws = workspace_of(workspace, op);
-  a.workspace = ws.ptr;
-  a.workspace_bytes = ws.bytes;
+  set_workspace(a, workspace, op);
   dispatch(
       w, op, [&] { return fm::mhc_pre(a, as_stream(stream)); }, [&] { return fm::mhc_pre_cpu(a); });
 }
@@ -801,9 +806,7 @@ void mhc_project(const In& x, const In& phi, const In& alpha, const In& bias, co
   a.eps_norm = eps_norm;
   a.enable_pdl = enable_pdl;
   a.prefetch_weights = prefetch_weights;
-  const Workspace ws = workspace_of(workspace, op);
-  a.workspace = ws.ptr;
-  a.workspace_bytes = ws.bytes;
+  set_workspace(a, workspace, op);
   dispatch(
       w, op, [&] { return fm::mhc_project(a, as_stream(stream)); }, [&] { return fm::mhc_project_cpu(a); });
 }
@@ -881,9 +884,7 @@ void mhc_head(const In& x, const In& phi, const In& alpha, const In& bias, const
   a.eps_norm = eps_norm;
   a.eps_pre = eps_pre;
   a.enable_pdl = enable_pdl;
-  const Workspace ws = workspace_of(workspace, op);
-  a.workspace = ws.ptr;
-  a.workspace_bytes = ws.bytes;
+  set_workspace(a, workspace, op);
   dispatch(
       w, op, [&] { return fm::mhc_head(a, as_stream(stream)); }, [&] { return fm::mhc_head_cpu(a); });
 }

@@ -28,10 +28,6 @@ using bf16 = __nv_bfloat16;
 using V8 = dev::Vec<bf16, 8>;
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ void unpack(const V8& v, float* f) {
-#pragma unroll
-  for (int e = 0; e < 8; ++e) f[e] = __bfloat162float(v.v[e]);
-}
 __device__ __forceinline__ V8 pack(const float* f) {
   V8 v;
 #pragma unroll
@@ -67,8 +63,8 @@ __global__ void __launch_bounds__(128) mhc_post_kernel(const bf16* __restrict__ 
     for (int i = 0; i < kN; ++i) post[i] = __ldg(h_post + b * kN + i);
     float xf[kN][8], ff[8];
 #pragma unroll
-    for (int j = 0; j < kN; ++j) unpack(xv[j], xf[j]);
-    unpack(fv, ff);
+    for (int j = 0; j < kN; ++j) unpack8(xv[j], xf[j]);
+    unpack8(fv, ff);
     bf16* outr = x_next + b * kN * (long long)hidden + c;
 #pragma unroll
     for (int i = 0; i < kN; ++i) {
@@ -107,7 +103,7 @@ __global__ void __launch_bounds__(kThreads) mhc_pre_mix_kernel(const bf16* __res
   for (int j = 0; j < kN; ++j) {
     const float w = __ldg(h_pre + b * kN + j);
     float xf[8];
-    unpack(xv[j], xf);
+    unpack8(xv[j], xf);
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] = fmaf(w, xf[e], acc[e]);
   }
@@ -159,7 +155,7 @@ template <> __device__ __forceinline__ void load_phi8<float>(const float* p, flo
   for (int e = 0; e < 8; ++e) f[e] = v.v[e];
 }
 template <> __device__ __forceinline__ void load_phi8<bf16>(const bf16* p, float* f) {
-  unpack(dev::load_ro<bf16, 8>(p), f);
+  unpack8(dev::load_ro<bf16, 8>(p), f);
 }
 
 // Portable projection (any sm_80+ GPU, any shape): one block per token. X is
@@ -184,7 +180,7 @@ __global__ void __launch_bounds__(kThreads) mhc_project_rows_kernel(ProjectParam
   float sq = 0.f;
   for (int k = threadIdx.x * 8; k < p.k_len; k += kThreads * 8) {
     float xf[8];
-    unpack(dev::load_ro<bf16, 8>(xr + k), xf);
+    unpack8(dev::load_ro<bf16, 8>(xr + k), xf);
 #pragma unroll
     for (int e = 0; e < 8; ++e) sq = fmaf(xf[e], xf[e], sq);
 #pragma unroll
@@ -246,7 +242,7 @@ __global__ void __launch_bounds__(kThreads) mhc_project_rows_kernel(ProjectParam
 #pragma unroll
     for (int i = 0; i < kN; ++i) {
       float xf[8];
-      unpack(dev::load_ro<bf16, 8>(xr + (long long)i * p.hidden + c), xf);
+      unpack8(dev::load_ro<bf16, 8>(xr + (long long)i * p.hidden + c), xf);
 #pragma unroll
       for (int e = 0; e < 8; ++e) out[e] = fmaf(coef[i], xf[e], out[e]);
     }

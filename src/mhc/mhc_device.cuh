@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "common/vec.cuh"
 #include "flashmix/mhc.h"
 
 namespace flashmix::mhc_detail {
@@ -20,6 +21,14 @@ inline ActParams act_params(const MhcParams& p) {
 }
 
 __device__ __forceinline__ float sigmoidf_(float v) { return 1.0f / (1.0f + __expf(-v)); }
+// The same with a fast division (~2 ulp): the coefficients on a kernel's critical path.
+__device__ __forceinline__ float sigmoid_fast(float v) { return __fdividef(1.0f, 1.0f + __expf(-v)); }
+
+// 8 bf16 values of X (one 16-byte vector) as floats (exact).
+__device__ __forceinline__ void unpack8(const dev::Vec<__nv_bfloat16, 8>& v, float* f) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) f[e] = __bfloat162float(v.v[e]);
+}
 
 // 1 / v from the MUFU alone (no denormal fix-up), v clamped to FLT_MIN first
 // so the result stays finite.

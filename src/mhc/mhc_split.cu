@@ -50,6 +50,13 @@ using V8 = dev::Vec<bf16, 8>;
 constexpr int kThreads = 512, kWarps = kThreads / 32;
 constexpr int kMaxItems = kMhcSplitMaxBatch * (kMhcMaxStreams + 1);  // pre sums of all tokens
 
+// Rows of phi in shared memory: N rounded up to the 8 coefficient groups of
+// the projection lanes (the rows past N are zeros). Kernel and launcher.
+constexpr int kCoefGroups = 8;
+__host__ __device__ constexpr int split_phi_rows(int n) {
+  return (n * n + 2 * n + kCoefGroups - 1) / kCoefGroups * kCoefGroups;
+}
+
 struct SplitArgs {
   float* ws_pre;            // [ctas][B][n+1]
   float* ws_rest;           // [B][rest_stride]: [ctas][N-n] per token
@@ -58,17 +65,11 @@ struct SplitArgs {
   int ctas;
   int cpg;                  // 8-column groups per CTA (the last CTA may have fewer)
   int x_row;                // shared-memory row of one token's slice, in bf16 elements
+  int phi_row;              // shared-memory row of phi's slice, in floats
   int pre_floats;           // size of ws_pre, a multiple of 4
   int rest_stride;          // floats per token in ws_rest, a multiple of 4
   float inv_k;              // 1 / K
 };
-
-__device__ __forceinline__ float sigmoid_fast(float v) { return __fdividef(1.0f, 1.0f + __expf(-v)); }
-
-__device__ __forceinline__ void unpack8(const V8& v, float* f) {
-#pragma unroll
-  for (int e = 0; e < 8; ++e) f[e] = __bfloat162float(v.v[e]);
-}
 
 __device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
   unsigned v;
@@ -157,9 +158,9 @@ __global__ void __launch_bounds__(kThreads, 1) mhc_split_kernel(ProjectParams p,
   // feeds kAcc coefficients. 32 tokens: the warps split into two halves of
   // 16 tokens each (kTpl <= 4 keeps the accumulators in registers at n = 8).
   constexpr int kHalves = kTok > 16 ? 2 : 1;
-  constexpr int kTpl = kTok / kHalves / 4, kMs = 8;
-  constexpr int kAcc = (kMaxCoef + kMs - 1) / kMs;
-  constexpr int kRows = kAcc * kMs;  // phi rows in shared memory, zero past N
+  constexpr int kTpl = kTok / kHalves / 4, kMs = kCoefGroups;
+  constexpr int kRows = split_phi_rows(kN);  // phi rows in shared memory, zero past N
+  constexpr int kAcc = kRows / kMs;
   __shared__ float s_tmp[kMaxItems > kThreads ? kMaxItems : kThreads];  // the pre path's partial sums
   __shared__ float s_tmp_own[kThreads];                                   // the owner's
   __shared__ float s_sum[kMaxItems];           // [B][n+1]: pre coefficients, then the sum of squares
@@ -176,7 +177,7 @@ __global__ void __launch_bounds__(kThreads, 1) mhc_split_kernel(ProjectParams p,
   const int C = p.hidden, K = p.k_len, ncoef = p.num_coef, B = int(p.batch);
   const int j0 = g * s.cpg, cw = min(s.cpg, C / 8 - j0);  // this CTA's 8-column groups
   const int chunks = kN * cw;                            // (stream, column group) pairs
-  const int krow = kN * s.cpg * 8 + 4;  // phi_s row, floats (+ 16 bytes: the 8 rows a warp reads hit different banks)
+  const int krow = s.phi_row;
   const int slots = ncoef + 1;
 
   // 1. phi's slice (weights: before the dependency when the caller allows it), then X's.
@@ -460,14 +461,13 @@ cudaError_t mhc_split_project(const ProjectParams& p, int n, bool phi_is_f32, cu
   s.ws_rest = reinterpret_cast<float*>(ws + l.rest_offset);
   s.ctas = ctas;
   s.cpg = cpg;
-  s.x_row = n * cpg * 8 + 8;  // + 16 bytes: the tokens' rows start on different banks
+  s.x_row = n * cpg * 8 + 8;    // + 16 bytes: the tokens' rows start on different banks
+  s.phi_row = n * cpg * 8 + 4;  // + 16 bytes: the 8 rows a warp reads hit different banks
   s.pre_floats = int(l.pre_floats);
   s.rest_stride = int(l.rest_floats);
   s.inv_k = 1.0f / float(p.k_len);
   const size_t x_bytes = (size_t(tok) * s.x_row * 2 + 15) / 16 * 16;
-  const int max_coef = n * n + 2 * n;
-  const int rows = (max_coef + 7) / 8 * 8;  // the kernel's kRows
-  const size_t phi_bytes = size_t(rows) * (n * cpg * 8 + 4) * 4;
+  const size_t phi_bytes = size_t(split_phi_rows(n)) * s.phi_row * 4;
   const size_t red_bytes = size_t(kThreads / 32) * tok * (p.num_coef + 1) * 4;
   const size_t in_bytes = size_t(l.pre_floats + l.rest_floats) * 4;
   const size_t smem = x_bytes + std::max({phi_bytes, red_bytes, in_bytes});

@@ -166,8 +166,6 @@ __shared__ long long fm_cycles[24];  // clock64 beside each stamp: the SM clock,
 #define FM_STAMP(idx, cond)
 #endif
 
-__device__ __forceinline__ float sigmoid_fast(float v) { return __fdividef(1.0f, 1.0f + __expf(-v)); }
-
 // Roles (384 threads, three warpgroups):
 //   warps 0-7  projection: phi resident in registers (setmaxnreg 224); per
 //              tile: wait for X, mma, partials summed over the 8 warps and
