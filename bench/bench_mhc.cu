@@ -440,6 +440,21 @@ void run_mhc_cases(Context& ctx) {
     // carries the target: how much of the time over the bound is the hi/lo
     // split of fp32 phi.
     variant("B8192_n4_C7168_phibf16", pre_args(h, d, true), true);
+    // With a workspace: the streamed kernel (one CTA per 64-column slice,
+    // 64-token chunks, the partial sums exchanged through the workspace).
+    {
+      const size_t ws_bytes = mhc_workspace_bytes(pa.shape);
+      void* ws = nullptr;
+      BENCH_CUDA(cudaMalloc(&ws, ws_bytes));
+      BENCH_CUDA(cudaMemset(ws, 0, ws_bytes));
+      for (bool phi_bf16 : {false, true}) {
+        MhcPreArgs wa = pre_args(h, d, phi_bf16);
+        wa.workspace = ws;
+        wa.workspace_bytes = ws_bytes;
+        variant(phi_bf16 ? "B8192_n4_C7168_phibf16_workspace" : "B8192_n4_C7168_phif32_workspace", wa, phi_bf16);
+      }
+      BENCH_CUDA(cudaFree(ws));
+    }
     Record rb;
     rb.op = "mhc_pre_unfused_seed";
     rb.case_name = "B8192_n4_C7168";

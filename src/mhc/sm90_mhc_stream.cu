@@ -1,0 +1,502 @@
+// mhc_pre (and mhc_project) for larger batches when the caller passes a
+// workspace: one CTA per 64-column slice of every stream (G = C / 64 CTAs,
+// 112 at C = 7168), X streamed through in chunks of 64 tokens, the partial
+// projections exchanged through the workspace.
+//
+//   h[b,m] = alpha_of(m) * (X[b] . phi[m]) / r[b] + bias[m],  r[b] = sqrt(|X[b]|^2 / K + eps)
+//   F_pre[b,c] = sum_i H_pre[b,i] X[b,i,c]     (H_pre from h; Sinkhorn for H_res)
+//
+// Why (n = 4, C = 7168, B = 8192; docs/mhc.md): the resident kernel splits K
+// over a 16-CTA cluster and pays, per 16-token tile, a partial sum over 8
+// warps and 400 st.async pushes into 16 CTAs; its warps were bound by those
+// steps, not by HBM (1.6x the floor). Here K is split over G CTAs instead
+// and a chunk is 64 tokens: a CTA's slice of phi (64 columns x 4 streams, 24
+// KB as hi/lo fragments) sits in its projection warps' registers, each warp
+// runs a whole 16-token tile over half the slice (no cross-warp reduction
+// but one pair add), and the exchange is one 112-byte record per (token,
+// CTA) written to the workspace (L2) plus one counter per chunk. The tile's
+// owner CTA (token b: CTA b mod G) sums the G records in a fixed order,
+// publishes H_pre, and every CTA mixes its columns from the chunk still in
+// shared memory: X is read from HBM once. A 6-stage ring of chunks (32 KB
+// each) keeps ~8 us of exchange latency in flight.
+//
+// Roles (512 threads, 4 warpgroups):
+//   warps 0-7   projection (setmaxnreg 160): warp w takes tokens 16 (w % 4)..
+//               of the chunk over streams 2 (w / 4), 2 (w / 4) + 1; the pair
+//               (w, w + 4) adds in smem (fixed order), warp w writes the records;
+//               thread 0 then counts the chunk's arrival (release).
+//   warps 8-11  mix (setmaxnreg 80): wait for the chunk's H_pre count, mix
+//               64 tokens x 64 columns, release the stage.
+//   warp 12     producer (setmaxnreg 112, as the owners): one 3-D TMA box
+//               (64 columns x 64 tokens x 4 streams) per chunk.
+//   warps 13-15 owners (setmaxnreg 112): for each owned token, wait for the
+//               chunk's G arrivals, sum the pre coefficients and the sum of
+//               squares (pass 1), publish H_pre, sum the other coefficients
+//               (pass 2), release the records, then the activations and
+//               Sinkhorn (or h and r for mhc_project).
+// No atomics on values: sums in fixed orders, bitwise reproducible. The
+// counters are left at zero by the last CTA to leave.
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <map>
+#include <mutex>
+
+#include "common/launch.cuh"
+#include "common/sm90.cuh"
+#include "mhc/mhc_device.cuh"
+#include "mhc/mhc_split_layout.h"
+#include "mhc/sm90_mhc_tma.h"
+
+namespace flashmix::mhc_detail {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+using dev::ldmatrix_x4;
+using dev::mbar_arrive_expect_tx;
+using dev::mbar_init;
+using dev::mbar_wait;
+using dev::smem_u32;
+
+constexpr int kN = 4;
+constexpr int kCoef = kN * kN + 2 * kN;  // 24
+constexpr int kKt = kCoef / 8;           // n8 coefficient tiles
+constexpr int kTok = kStreamChunk;       // 64 tokens per chunk
+constexpr int kStages = 6;
+constexpr int kSlots = kStreamSlots;
+constexpr int kRec = kStreamRecord;
+constexpr int kProjWarps = 8, kMixWarps = 4, kOwnerWarps = 3;
+constexpr int kThreads = 512;
+constexpr int kProjRegs = 160, kMixRegs = 80, kOwnerRegs = 112;  // 256*160 + 128*80 + 128*112 = 65536
+constexpr int kStageBytes = kN * kTok * 128;                     // [stream][token][64 columns]: 32 KB
+constexpr int kSteps = kN * 64 / 16 / 2;                         // k16 steps per projection warp (half the slice)
+constexpr int kPairVals = 20;                                    // 12 accumulators + 8 sums-of-squares fragments
+constexpr int kBarWriters = 5;                                   // named barriers 1-4: the pairs; 5: warps 0-3
+static_assert(kCoef % 8 == 0, "n = 4: three whole coefficient tiles");
+
+struct StreamArgs {
+  unsigned* done;      // CTAs that have left (the last one resets the counters)
+  unsigned* arrivals;  // [chunks] CTAs whose records of the chunk are written
+  unsigned* hcount;    // [chunks] owners that published H_pre
+  unsigned* released;  // [chunks] owners done reading the chunk's records
+  float* hpre;         // [kSlots][kTok][4]
+  float* part;         // [kSlots][kTok][G][kRec]
+  int ctas;            // G
+  int chunks;
+  float inv_k;
+};
+
+__device__ __forceinline__ void named_bar(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_local(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Counts one arrival on a workspace counter, releasing this thread's earlier
+// writes (and, through the block or warp barrier before it, its group's).
+__device__ __forceinline__ void count_release(unsigned* p) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory");
+}
+// Spins (with a short sleep: up to ~1,000 CTAs' warps poll the same lines)
+// until *p >= target, then acquires.
+__device__ __forceinline__ void wait_count(const unsigned* p, unsigned target) {
+  while (ld_acquire_gpu(p) < target) __nanosleep(40);
+}
+__device__ __forceinline__ float4 ld_l2(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
+__device__ __forceinline__ void add4(float* v, const float4& a) {
+  v[0] += a.x;
+  v[1] += a.y;
+  v[2] += a.z;
+  v[3] += a.w;
+}
+
+// v[0, 4 kF4) += floats [first, first + 4 kF4) of the records of CTAs
+// lane, lane + 32, ... (< G), in that order; kBatch CTAs' loads in flight.
+template <int kF4, int kBatch>
+__device__ __forceinline__ void sum_records(const float* recs, int G, int first, int lane, float* v) {
+#pragma unroll 1
+  for (int u0 = 0; 32 * u0 < G; u0 += kBatch) {
+    float4 a[kBatch][kF4];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int gg = lane + 32 * (u0 + u);
+      if (gg < G)
+#pragma unroll
+        for (int f = 0; f < kF4; ++f) a[u][f] = ld_l2(recs + gg * kRec + first + 4 * f);
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u)
+      if (lane + 32 * (u0 + u) < G)
+#pragma unroll
+        for (int f = 0; f < kF4; ++f) add4(v + 4 * f, a[u][f]);
+  }
+}
+
+template <bool kF32>
+__global__ void __launch_bounds__(kThreads, 1)
+    sm90_mhc_stream_kernel(ProjectParams p, StreamArgs s, const __grid_constant__ CUtensorMap x_map) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(1024) unsigned char smem[];
+  __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
+  __shared__ float coef_alpha[kCoef], coef_bias[kCoef];
+  __shared__ __align__(16) float pair_buf[2][kProjWarps / 2][32][kPairVals];  // [chunk & 1][tile][lane][values]
+  __shared__ unsigned last_cta;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int G = s.ctas, cta = int(blockIdx.x), nch = s.chunks;
+  const int C = p.hidden, K = p.k_len;
+  const long long B = p.batch;
+  const int c0 = cta * 64;  // this CTA's columns of every stream
+  const uint32_t ring = (smem_u32(smem) + 1023u) & ~1023u;  // the 128-byte swizzle repeats every 1024 bytes
+  auto valid_of = [&](int c) { const long long left = B - (long long)c * kTok; return int(left < kTok ? left : kTok); };
+
+  if (tid == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      mbar_init(smem_u32(&full[st]), 1);                         // the producer's expect_tx
+      mbar_init(smem_u32(&empty[st]), kProjWarps + kMixWarps);  // every warp that reads the stage
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n fence.proxy.async.shared::cta;\n" ::: "memory");
+  }
+  // Weights may be read before the grid dependency with prefetch_weights
+  // (the caller's promise); everything else waits for it.
+  if (!p.prefetch_weights) dev::grid_dependency_wait();
+  dev::allow_dependents_launch();
+  if (tid < kCoef) {
+    coef_alpha[tid] = __ldg(p.alpha + alpha_index(tid, kN));
+    coef_bias[tid] = __ldg(p.bias + tid);
+  }
+  __syncthreads();
+
+  if (warp < kProjWarps) {
+    // ---------------- projection ----------------
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kProjRegs));
+    const int tile = warp & 3, half = warp >> 2;
+    const int g = lane >> 2, t = lane & 3;
+    // phi's B fragments for this warp's 8 k16 steps: step s covers stream
+    // 2 half + s / 4, columns 16 (s % 4) .. + 15 of the slice; fragment rows
+    // (k) 2t, 2t+1 and 2t+8, 2t+9, column (coefficient) 8 kt + g.
+    uint32_t bhi[kSteps][kKt][2];
+    uint32_t blo[kF32 ? kSteps : 1][kKt][2];
+#pragma unroll
+    for (int st = 0; st < kSteps; ++st) {
+      const long long k = (long long)(2 * half + st / 4) * C + c0 + 16 * (st % 4) + 2 * t;
+#pragma unroll
+      for (int kt = 0; kt < kKt; ++kt) {
+        const long long at = (long long)(kt * 8 + g) * K + k;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          if constexpr (kF32) {
+            const float2 v = __ldg(reinterpret_cast<const float2*>(static_cast<const float*>(p.phi) + at + 8 * hh));
+            const __nv_bfloat162 hi = __floats2bfloat162_rn(v.x, v.y);
+            const float2 hf = __bfloat1622float2(hi);
+            const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x - hf.x, v.y - hf.y);
+            bhi[st][kt][hh] = *reinterpret_cast<const uint32_t*>(&hi);
+            blo[st][kt][hh] = *reinterpret_cast<const uint32_t*>(&lo);
+          } else {
+            bhi[st][kt][hh] = __ldg(reinterpret_cast<const unsigned*>(static_cast<const bf16*>(p.phi) + at + 8 * hh));
+          }
+        }
+      }
+    }
+    dev::grid_dependency_wait();  // before the workspace and X (a no-op unless prefetch_weights)
+    // ldmatrix.x4 lane address: token row (lane & 7) + 8 ((lane >> 3) & 1) of
+    // the tile, k offset 8 (lane >> 4); line = stream * 64 + token, 16-byte
+    // unit u of a line at u ^ (line & 7).
+    const int a_row = tile * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+    uint32_t u_off[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      u_off[q] = uint32_t((2 * half * kTok + a_row) * 128 + (((2 * q + (lane >> 4)) ^ (a_row & 7)) << 4));
+
+#pragma unroll 1
+    for (int c = 0; c < nch; ++c) {
+      const int stage = c % kStages, slot = c % kSlots;
+      mbar_wait(smem_u32(&full[stage]), uint32_t(c / kStages) & 1u);
+      float acc[kKt][4], sq_lo[4] = {0.f, 0.f, 0.f, 0.f}, sq_hi[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int kt = 0; kt < kKt; ++kt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[kt][e] = 0.f;
+      const uint32_t base = ring + stage * kStageBytes;
+#pragma unroll
+      for (int st = 0; st < kSteps; ++st) {
+        uint32_t a[4];
+        ldmatrix_x4(a, base + u_off[st % 4] + (st / 4) * kTok * 128);
+        // Sums of squares as the diagonals of X_tile X_tile^T (8 tokens per mma).
+        dev::mma_bf16_16816(sq_lo, a, a[0], a[2]);
+        dev::mma_bf16_16816(sq_hi, a, a[1], a[3]);
+#pragma unroll
+        for (int kt = 0; kt < kKt; ++kt) {
+          dev::mma_bf16_16816(acc[kt], a, bhi[st][kt][0], bhi[st][kt][1]);
+          if constexpr (kF32) dev::mma_bf16_16816(acc[kt], a, blo[st][kt][0], blo[st][kt][1]);
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive_local(smem_u32(&empty[stage]));  // ldmatrix is synchronous: the reads are done
+      float* pb = &pair_buf[c & 1][tile][lane][0];
+      if (half == 1) {
+        float4* o = reinterpret_cast<float4*>(pb);
+        o[0] = make_float4(acc[0][0], acc[0][1], acc[0][2], acc[0][3]);
+        o[1] = make_float4(acc[1][0], acc[1][1], acc[1][2], acc[1][3]);
+        o[2] = make_float4(acc[2][0], acc[2][1], acc[2][2], acc[2][3]);
+        o[3] = make_float4(sq_lo[0], sq_lo[1], sq_lo[2], sq_lo[3]);
+        o[4] = make_float4(sq_hi[0], sq_hi[1], sq_hi[2], sq_hi[3]);
+        named_bar(1 + tile, 64);
+        continue;
+      }
+      named_bar(1 + tile, 64);  // the other half's values are in pair_buf (double-buffered by chunk parity)
+      {
+        const float4* o = reinterpret_cast<const float4*>(pb);
+        float4 v;
+#pragma unroll
+        for (int kt = 0; kt < kKt; ++kt) {
+          v = o[kt];
+          acc[kt][0] += v.x, acc[kt][1] += v.y, acc[kt][2] += v.z, acc[kt][3] += v.w;
+        }
+        v = o[3];
+        sq_lo[0] += v.x, sq_lo[1] += v.y, sq_lo[2] += v.z, sq_lo[3] += v.w;
+        v = o[4];
+        sq_hi[0] += v.x, sq_hi[1] += v.y, sq_hi[2] += v.z, sq_hi[3] += v.w;
+      }
+      // The slot's records of chunk c - kSlots must have been read by their owners.
+      if (c >= kSlots) {
+        if (lane == 0) wait_count(s.released + (c - kSlots), unsigned(valid_of(c - kSlots)));
+        __syncwarp();
+      }
+      // Records: coefficient m at m (m < 4) or m + 4; the sum of squares at 4.
+      float* rec0 = s.part + ((long long)(slot * kTok + tile * 16 + g) * G + cta) * kRec;
+      float* rec8 = rec0 + 8LL * G * kRec;  // token + 8
+#pragma unroll
+      for (int kt = 0; kt < kKt; ++kt) {
+        const int m = kt * 8 + 2 * t, at = m < kN ? m : m + 4;
+        *reinterpret_cast<float2*>(rec0 + at) = make_float2(acc[kt][0], acc[kt][1]);
+        *reinterpret_cast<float2*>(rec8 + at) = make_float2(acc[kt][2], acc[kt][3]);
+      }
+      // Diagonal: token g < 8 is D[g][g] of sq_lo (lane 4g + g/2, element g & 1);
+      // token 8 + g is D[8+g][g] of sq_hi (same lane, element 2 + (g & 1)).
+      if (t == (g >> 1)) {
+        rec0[kN] = (g & 1) ? sq_lo[1] : sq_lo[0];
+        rec8[kN] = (g & 1) ? sq_hi[3] : sq_hi[2];
+      }
+      named_bar(kBarWriters, 4 * 32);
+      if (tid == 0) count_release(s.arrivals + c);
+    }
+  } else if (warp < kProjWarps + kMixWarps) {
+    // ---------------- mix ----------------
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kMixRegs));
+    dev::grid_dependency_wait();
+    const int mt = tid - kProjWarps * 32;  // 0..127
+    const int unit = mt & 7, r0 = mt >> 3;  // 8 columns (one 16-byte unit), tokens r0, r0 + 16, ...
+#pragma unroll 1
+    for (int c = 0; c < nch; ++c) {
+      const int stage = c % kStages, valid = valid_of(c);
+      mbar_wait(smem_u32(&full[stage]), uint32_t(c / kStages) & 1u);
+      if (p.mode == ProjectMode::kPre) {
+        if (lane == 0) wait_count(s.hcount + c, unsigned(valid));
+        __syncwarp();
+        const float* hp = s.hpre + (c % kSlots) * kTok * 4;
+        const unsigned char* xs = smem + (ring - smem_u32(smem)) + stage * kStageBytes;
+#pragma unroll
+        for (int it = 0; it < kTok / 16; ++it) {
+          const int r = r0 + 16 * it;
+          if (r >= valid) break;
+          const float4 w4 = ld_l2(hp + r * 4);
+          const float w[4] = {w4.x, w4.y, w4.z, w4.w};
+          float out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+          for (int i = 0; i < kN; ++i) {
+            const uint4 raw = *reinterpret_cast<const uint4*>(xs + (i * kTok + r) * 128 + ((unit ^ (r & 7)) << 4));
+            const uint32_t x4[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              out[2 * e] = fmaf(w[i], __uint_as_float(x4[e] << 16), out[2 * e]);
+              out[2 * e + 1] = fmaf(w[i], __uint_as_float(x4[e] & 0xffff0000u), out[2 * e + 1]);
+            }
+          }
+          uint4 o;
+          uint32_t* ov = reinterpret_cast<uint32_t*>(&o);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const __nv_bfloat162 v = __floats2bfloat162_rn(out[2 * e], out[2 * e + 1]);
+            ov[e] = *reinterpret_cast<const uint32_t*>(&v);
+          }
+          *reinterpret_cast<uint4*>(p.f_out + ((long long)c * kTok + r) * C + c0 + unit * 8) = o;
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive_local(smem_u32(&empty[stage]));
+    }
+  } else {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kOwnerRegs));
+    dev::grid_dependency_wait();
+    if (warp == kProjWarps + kMixWarps) {
+      // ---------------- producer ----------------
+      if (lane == 0) {
+        for (int c = 0; c < nch; ++c) {
+          const int stage = c % kStages;
+          if (c >= kStages) mbar_wait(smem_u32(&empty[stage]), uint32_t(c / kStages - 1) & 1u);
+          const uint32_t bar = smem_u32(&full[stage]);
+          mbar_arrive_expect_tx(bar, uint32_t(kStageBytes));
+          asm volatile(
+              "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, "
+              "%4}], [%5];\n" ::"r"(ring + stage * kStageBytes),
+              "l"(reinterpret_cast<uint64_t>(&x_map)), "r"(c0), "r"(c * kTok), "r"(0), "r"(bar)
+              : "memory");
+        }
+      }
+    } else {
+      // ---------------- owners ----------------
+      // Token b = c * kTok + i belongs to CTA b mod G; the owner warps take
+      // this CTA's tokens in turn.
+      const int ow = warp - (kProjWarps + kMixWarps + 1);
+      int q = 0;
+#pragma unroll 1
+      for (int c = 0; c < nch; ++c) {
+        const int valid = valid_of(c), slot = c % kSlots;
+        int i = int(((long long)cta - (long long)c * kTok) % G);
+        if (i < 0) i += G;
+#pragma unroll 1
+        for (; i < valid; i += G, ++q) {
+          if (q % kOwnerWarps != ow) continue;
+          const long long b = (long long)c * kTok + i;
+          if (lane == 0) wait_count(s.arrivals + c, unsigned(G));
+          __syncwarp();
+          const float* recs = s.part + (long long)(slot * kTok + i) * G * kRec;
+          // Pass 1: the pre coefficients and the sum of squares. Lane l sums
+          // CTAs l, l + 32, ... in order, then a butterfly (every lane ends
+          // with the same, fixed-order totals).
+          float v1[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+          sum_records<2, 4>(recs, G, 0, lane, v1);
+#pragma unroll
+          for (int m = 16; m >= 1; m >>= 1)
+#pragma unroll
+            for (int e = 0; e < kN + 1; ++e) v1[e] += __shfl_xor_sync(0xffffffffu, v1[e], m);
+          const float r = sqrtf(v1[kN] * s.inv_k + p.eps_norm);
+          if (p.mode == ProjectMode::kPre && lane == 0) {
+            float hp[kN];
+#pragma unroll
+            for (int e = 0; e < kN; ++e)
+              hp[e] = sigmoid_fast(coef_alpha[e] * __fdividef(v1[e], r) + coef_bias[e]) + p.act.eps_pre;
+            *reinterpret_cast<float4*>(s.hpre + (slot * kTok + i) * 4) = make_float4(hp[0], hp[1], hp[2], hp[3]);
+            count_release(s.hcount + c);
+          }
+          // Pass 2: the other 20 coefficients.
+          float v2[kCoef - kN];
+#pragma unroll
+          for (int e = 0; e < kCoef - kN; ++e) v2[e] = 0.f;
+          sum_records<5, 2>(recs, G, 8, lane, v2);
+#pragma unroll
+          for (int m = 16; m >= 1; m >>= 1)
+#pragma unroll
+            for (int e = 0; e < kCoef - kN; ++e) v2[e] += __shfl_xor_sync(0xffffffffu, v2[e], m);
+          __syncwarp();
+          if (lane == 0) count_release(s.released + c);  // the records of this token are read
+          if (lane == 0) {
+            float h[kCoef];
+#pragma unroll
+            for (int m = 0; m < kCoef; ++m)
+              h[m] = coef_alpha[m] * __fdividef(m < kN ? v1[m] : v2[m - kN], r) + coef_bias[m];
+            if (p.mode == ProjectMode::kProject) {
+#pragma unroll
+              for (int m = 0; m < kCoef; ++m) p.h[b * kCoef + m] = h[m];
+              p.r[b] = r;
+            } else {
+              float pre[kN], post[kN], res[kN * kN];
+              activate_token<kN>(h, p.act, pre, post, res);
+              *reinterpret_cast<float4*>(p.h_post + b * kN) = make_float4(post[0], post[1], post[2], post[3]);
+#pragma unroll
+              for (int e = 0; e < kN * kN; e += 4)
+                *reinterpret_cast<float4*>(p.h_res + b * kN * kN + e) =
+                    make_float4(res[e], res[e + 1], res[e + 2], res[e + 3]);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // The last CTA to leave resets the counters (every CTA's polls are done
+  // by then; the rings need no reset).
+  __syncwarp();
+  __syncthreads();
+  if (tid == 0) {
+    unsigned prev;
+    asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;" : "=r"(prev) : "l"(s.done) : "memory");
+    last_cta = prev == unsigned(G - 1);
+  }
+  __syncthreads();
+  if (last_cta) {
+    for (int idx = tid; idx < 3 * nch; idx += kThreads) s.arrivals[idx] = 0u;
+    if (tid == 0) *s.done = 0u;
+  }
+#endif
+}
+
+constexpr size_t kDynamicSmem = size_t(kStages) * kStageBytes + 1024;  // + the ring's alignment
+
+template <bool kF32>
+cudaError_t launch_stream(const ProjectParams& p, cudaStream_t stream, bool pdl, bool dry_run) {
+  const int G = p.hidden / 64;
+  const StreamWorkspaceLayout l = stream_workspace_layout(G, p.batch);
+  if (p.workspace_bytes < l.bytes) return cudaErrorNotSupported;  // validated against mhc_workspace_bytes: not reached
+  auto kernel = sm90_mhc_stream_kernel<kF32>;
+  // Function attributes, not stream work (capture-safe), once per device:
+  // every CTA must be resident at once (they wait on each other's records).
+  static std::mutex mutex;
+  static std::map<int, int> max_ctas;  // device -> CTAs that fit at once (0: none)
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return cudaErrorNotSupported;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = max_ctas.find(device);
+    if (it == max_ctas.end()) {
+      int sms = 0, per_sm = 0;
+      if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kDynamicSmem)) != cudaSuccess ||
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, kDynamicSmem) != cudaSuccess) {
+        (void)cudaGetLastError();
+        sms = per_sm = 0;
+      }
+      it = max_ctas.emplace(device, sms * per_sm).first;
+    }
+    if (G > it->second) return cudaErrorNotSupported;
+  }
+  if (dry_run) return cudaSuccess;
+  CUtensorMap x_map;
+  if (!encode_x_map(p, kN, kTok, x_map)) return cudaErrorNotSupported;
+  StreamArgs s;
+  auto* ws = static_cast<unsigned char*>(p.workspace);
+  s.done = reinterpret_cast<unsigned*>(ws);
+  s.arrivals = reinterpret_cast<unsigned*>(ws + l.counters_offset);
+  s.hcount = s.arrivals + l.chunks;
+  s.released = s.hcount + l.chunks;
+  s.hpre = reinterpret_cast<float*>(ws + l.hpre_offset);
+  s.part = reinterpret_cast<float*>(ws + l.part_offset);
+  s.ctas = G;
+  s.chunks = int(l.chunks);
+  s.inv_k = 1.0f / float(p.k_len);
+  return dev::launch(kernel, dim3(unsigned(G)), dim3(kThreads), kDynamicSmem, stream, pdl, p, s, x_map);
+}
+
+}  // namespace
+
+cudaError_t sm90_mhc_project_stream(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
+                                    bool dry_run) {
+  if (p.workspace == nullptr || p.mode == ProjectMode::kHead || !stream_takes_shape(p.batch, n, p.hidden))
+    return cudaErrorNotSupported;
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return cudaErrorNotSupported;
+  }
+  if (major != 9 || minor != 0) return cudaErrorNotSupported;  // built for sm_90a only
+  return phi_is_f32 ? launch_stream<true>(p, stream, pdl, dry_run) : launch_stream<false>(p, stream, pdl, dry_run);
+}
+
+}  // namespace flashmix::mhc_detail
