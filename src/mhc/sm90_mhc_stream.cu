@@ -25,11 +25,11 @@
 //               of the chunk over streams 2 (w / 4), 2 (w / 4) + 1; the pair
 //               (w, w + 4) adds in smem (fixed order), warp w writes the records;
 //               thread 0 then counts the chunk's arrival (release).
-//   warps 8-11  mix (setmaxnreg 80): wait for the chunk's H_pre count, mix
+//   warps 8-11  mix (setmaxnreg 72): wait for the chunk's H_pre count, mix
 //               64 tokens x 64 columns, release the stage.
-//   warp 12     producer (setmaxnreg 112, as the owners): one 3-D TMA box
+//   warp 12     producer (setmaxnreg 120, as the owners): one 3-D TMA box
 //               (64 columns x 64 tokens x 4 streams) per chunk.
-//   warps 13-15 owners (setmaxnreg 112): for each owned token, wait for the
+//   warps 13-15 owners (setmaxnreg 120): for each owned token, wait for the
 //               chunk's G arrivals, sum the pre coefficients and the sum of
 //               squares (pass 1), publish H_pre, sum the other coefficients
 //               (pass 2), release the records, then the activations and
@@ -68,7 +68,7 @@ constexpr int kSlots = kStreamSlots;
 constexpr int kRec = kStreamRecord;
 constexpr int kProjWarps = 8, kMixWarps = 4, kOwnerWarps = 3;
 constexpr int kThreads = 512;
-constexpr int kProjRegs = 160, kMixRegs = 80, kOwnerRegs = 112;  // 256*160 + 128*80 + 128*112 = 65536
+constexpr int kProjRegs = 160, kMixRegs = 72, kOwnerRegs = 120;  // 256*160 + 128*72 + 128*120 = 65536
 constexpr int kStageBytes = kN * kTok * 128;                     // [stream][token][64 columns]: 32 KB
 constexpr int kSteps = kN * 64 / 16 / 2;                         // k16 steps per projection warp (half the slice)
 constexpr int kPairVals = 20;                                    // 12 accumulators + 8 sums-of-squares fragments
@@ -76,12 +76,10 @@ constexpr int kBarWriters = 5;                                   // named barrie
 static_assert(kCoef % 8 == 0, "n = 4: three whole coefficient tiles");
 
 struct StreamArgs {
-  unsigned* done;      // CTAs that have left (the last one resets the counters)
-  unsigned* arrivals;  // [chunks] CTAs whose records of the chunk are written
-  unsigned* hcount;    // [chunks] owners that published H_pre
-  unsigned* released;  // [chunks] owners done reading the chunk's records
-  float* hpre;         // [kSlots][kTok][4]
-  float* part;         // [kSlots][kTok][G][kRec]
+  unsigned* done;      // CTAs that have left (the last one resets the workspace)
+  unsigned* released;  // [chunks] owners done with the chunk's records
+  float* hpre;         // [B][4], encoded
+  float* part;         // [kSlots][kTok][G][kRec], encoded
   int ctas;            // G
   int chunks;
   float inv_k;
@@ -94,42 +92,85 @@ __device__ __forceinline__ void mbar_arrive_local(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 // Counts one arrival on a workspace counter, releasing this thread's earlier
-// writes (and, through the block or warp barrier before it, its group's).
+// accesses (and, through the warp barrier before it, its warp's).
 __device__ __forceinline__ void count_release(unsigned* p) {
   asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory");
 }
-// Spins (with a short sleep: up to ~1,000 CTAs' warps poll the same lines)
-// until *p >= target, then acquires.
-__device__ __forceinline__ void wait_count(const unsigned* p, unsigned target) {
-  while (ld_acquire_gpu(p) < target) __nanosleep(40);
+
+// Values exchanged through the workspace carry their own "written" flag: a
+// written word is never 0. enc flips the sign bit of v + 0 (which turns -0
+// into +0, so no value encodes to 0; NaN stays NaN); dec undoes it. Readers
+// poll the words themselves (one L2 round trip once they land) instead of a
+// counter that the writer would have to release after a fence (two more).
+__device__ __forceinline__ uint32_t enc(float v) { return __float_as_uint(__fadd_rn(v, 0.0f)) ^ 0x80000000u; }
+__device__ __forceinline__ float dec(uint32_t w) { return __uint_as_float(w ^ 0x80000000u); }
+__device__ __forceinline__ uint4 ld_poll(const float* p) {  // relaxed, GPU scope: from L2, re-read every call
+  uint4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
 }
-__device__ __forceinline__ float4 ld_l2(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
-__device__ __forceinline__ void add4(float* v, const float4& a) {
-  v[0] += a.x;
-  v[1] += a.y;
-  v[2] += a.z;
-  v[3] += a.w;
+__device__ __forceinline__ bool written(const uint4& v) { return v.x != 0u && v.y != 0u && v.z != 0u && v.w != 0u; }
+
+__device__ __forceinline__ uint32_t ld_poll1(const float* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
 }
 
-// v[0, 4 kF4) += floats [first, first + 4 kF4) of the records of CTAs
-// lane, lane + 32, ... (< G), in that order; kBatch CTAs' loads in flight.
-template <int kF4, int kBatch>
-__device__ __forceinline__ void sum_records(const float* recs, int G, int first, int lane, float* v) {
+// The owner's reads of one token's records, CTAs lane, lane + 32, ... (< G)
+// in kBatch-CTA batches: polled until every word read is written, summed in
+// CTA order, then zeroed for the ring's next lap. Pass 1: the pre
+// coefficients (floats 0-3) into v[0..3] and the sum of squares (float 4)
+// into v[4]; pass 2: the other coefficients (floats 8-27) into v[0..19].
+template <bool kPass1, int kBatch>
+__device__ __forceinline__ void take_records(float* recs, int G, int lane, float (&v)[kPass1 ? 5 : 20]) {
+  constexpr int kF4 = kPass1 ? 1 : 5;  // 16-byte words per record (+ the sum of squares in pass 1)
+  constexpr int kFirst = kPass1 ? 0 : 8;
 #pragma unroll 1
   for (int u0 = 0; 32 * u0 < G; u0 += kBatch) {
-    float4 a[kBatch][kF4];
+    uint4 a[kBatch][kF4];
+    uint32_t sq[kBatch];
+    bool ok;
+    do {
+      ok = true;
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int gg = lane + 32 * (u0 + u);
+        if (gg < G) {
+#pragma unroll
+          for (int f = 0; f < kF4; ++f) {
+            a[u][f] = ld_poll(recs + gg * kRec + kFirst + 4 * f);
+            ok = ok && written(a[u][f]);
+          }
+          if (kPass1) {
+            sq[u] = ld_poll1(recs + gg * kRec + kN);
+            ok = ok && sq[u] != 0u;
+          }
+        }
+      }
+      if (!ok) __nanosleep(32);
+    } while (!ok);
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       const int gg = lane + 32 * (u0 + u);
-      if (gg < G)
+      if (gg < G) {
 #pragma unroll
-        for (int f = 0; f < kF4; ++f) a[u][f] = ld_l2(recs + gg * kRec + first + 4 * f);
+        for (int f = 0; f < kF4; ++f) {
+          v[4 * f] += dec(a[u][f].x);
+          v[4 * f + 1] += dec(a[u][f].y);
+          v[4 * f + 2] += dec(a[u][f].z);
+          v[4 * f + 3] += dec(a[u][f].w);
+          *reinterpret_cast<uint4*>(recs + gg * kRec + kFirst + 4 * f) = make_uint4(0, 0, 0, 0);
+        }
+        if (kPass1) {
+          v[4] += dec(sq[u]);
+          recs[gg * kRec + kN] = 0.f;
+        }
+      }
     }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u)
-      if (lane + 32 * (u0 + u) < G)
-#pragma unroll
-        for (int f = 0; f < kF4; ++f) add4(v + 4 * f, a[u][f]);
   }
 }
 
@@ -141,7 +182,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
   __shared__ float coef_alpha[kCoef], coef_bias[kCoef];
   __shared__ __align__(16) float pair_buf[2][kProjWarps / 2][32][kPairVals];  // [chunk & 1][tile][lane][values]
-  __shared__ unsigned last_cta;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int G = s.ctas, cta = int(blockIdx.x), nch = s.chunks;
@@ -212,6 +252,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll 1
     for (int c = 0; c < nch; ++c) {
       const int stage = c % kStages, slot = c % kSlots;
+      // The producer issued this chunk's X only once the owners of chunk
+      // c - kSlots were done with the record slot (released): the stage's
+      // full barrier carries that ordering here.
       mbar_wait(smem_u32(&full[stage]), uint32_t(c / kStages) & 1u);
       float acc[kKt][4], sq_lo[4] = {0.f, 0.f, 0.f, 0.f}, sq_hi[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -259,28 +302,23 @@ __global__ void __launch_bounds__(kThreads, 1)
         v = o[4];
         sq_hi[0] += v.x, sq_hi[1] += v.y, sq_hi[2] += v.z, sq_hi[3] += v.w;
       }
-      // The slot's records of chunk c - kSlots must have been read by their owners.
-      if (c >= kSlots) {
-        if (lane == 0) wait_count(s.released + (c - kSlots), unsigned(valid_of(c - kSlots)));
-        __syncwarp();
-      }
-      // Records: coefficient m at m (m < 4) or m + 4; the sum of squares at 4.
-      float* rec0 = s.part + ((long long)(slot * kTok + tile * 16 + g) * G + cta) * kRec;
-      float* rec8 = rec0 + 8LL * G * kRec;  // token + 8
+      // Records of the chunk's valid tokens (an owner reads and zeroes each):
+      // coefficient m at m (m < 4) or m + 4; the sum of squares at 4.
+      const int valid = valid_of(c), r_lo = tile * 16 + g, r_hi = r_lo + 8;
+      uint32_t* rec0 = reinterpret_cast<uint32_t*>(s.part) + ((long long)(slot * kTok + r_lo) * G + cta) * kRec;
+      uint32_t* rec8 = rec0 + 8LL * G * kRec;
 #pragma unroll
       for (int kt = 0; kt < kKt; ++kt) {
         const int m = kt * 8 + 2 * t, at = m < kN ? m : m + 4;
-        *reinterpret_cast<float2*>(rec0 + at) = make_float2(acc[kt][0], acc[kt][1]);
-        *reinterpret_cast<float2*>(rec8 + at) = make_float2(acc[kt][2], acc[kt][3]);
+        if (r_lo < valid) *reinterpret_cast<uint2*>(rec0 + at) = make_uint2(enc(acc[kt][0]), enc(acc[kt][1]));
+        if (r_hi < valid) *reinterpret_cast<uint2*>(rec8 + at) = make_uint2(enc(acc[kt][2]), enc(acc[kt][3]));
       }
       // Diagonal: token g < 8 is D[g][g] of sq_lo (lane 4g + g/2, element g & 1);
       // token 8 + g is D[8+g][g] of sq_hi (same lane, element 2 + (g & 1)).
       if (t == (g >> 1)) {
-        rec0[kN] = (g & 1) ? sq_lo[1] : sq_lo[0];
-        rec8[kN] = (g & 1) ? sq_hi[3] : sq_hi[2];
+        if (r_lo < valid) rec0[kN] = enc((g & 1) ? sq_lo[1] : sq_lo[0]);
+        if (r_hi < valid) rec8[kN] = enc((g & 1) ? sq_hi[3] : sq_hi[2]);
       }
-      named_bar(kBarWriters, 4 * 32);
-      if (tid == 0) count_release(s.arrivals + c);
     }
   } else if (warp < kProjWarps + kMixWarps) {
     // ---------------- mix ----------------
@@ -288,21 +326,32 @@ __global__ void __launch_bounds__(kThreads, 1)
     dev::grid_dependency_wait();
     const int mt = tid - kProjWarps * 32;  // 0..127
     const int unit = mt & 7, r0 = mt >> 3;  // 8 columns (one 16-byte unit), tokens r0, r0 + 16, ...
+    constexpr int kItems = kTok / 16;
 #pragma unroll 1
     for (int c = 0; c < nch; ++c) {
       const int stage = c % kStages, valid = valid_of(c);
       mbar_wait(smem_u32(&full[stage]), uint32_t(c / kStages) & 1u);
       if (p.mode == ProjectMode::kPre) {
-        if (lane == 0) wait_count(s.hcount + c, unsigned(valid));
-        __syncwarp();
-        const float* hp = s.hpre + (c % kSlots) * kTok * 4;
+        // H_pre of this thread's tokens, polled until their owners wrote them.
+        const float* hp = s.hpre + (long long)c * kTok * 4;
+        uint4 w4[kItems];
+        bool ok;
+        do {
+          ok = true;
+#pragma unroll
+          for (int it = 0; it < kItems; ++it) {
+            const int r = r0 + 16 * it;
+            w4[it] = r < valid ? ld_poll(hp + r * 4) : make_uint4(1, 1, 1, 1);
+            ok = ok && written(w4[it]);
+          }
+          if (!ok) __nanosleep(32);
+        } while (!__all_sync(0xffffffffu, ok));
         const unsigned char* xs = smem + (ring - smem_u32(smem)) + stage * kStageBytes;
 #pragma unroll
-        for (int it = 0; it < kTok / 16; ++it) {
+        for (int it = 0; it < kItems; ++it) {
           const int r = r0 + 16 * it;
           if (r >= valid) break;
-          const float4 w4 = ld_l2(hp + r * 4);
-          const float w[4] = {w4.x, w4.y, w4.z, w4.w};
+          const float w[4] = {dec(w4[it].x), dec(w4[it].y), dec(w4[it].z), dec(w4[it].w)};
           float out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
           for (int i = 0; i < kN; ++i) {
@@ -336,6 +385,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int c = 0; c < nch; ++c) {
           const int stage = c % kStages;
           if (c >= kStages) mbar_wait(smem_u32(&empty[stage]), uint32_t(c / kStages - 1) & 1u);
+          // The record slot chunk c will write: its owners of chunk c - kSlots
+          // have read and zeroed it (acquire; passed on by the full barrier).
+          if (c >= kSlots) {
+            const unsigned* rel = s.released + (c - kSlots);
+            const unsigned need = unsigned(valid_of(c - kSlots));
+            while (ld_acquire_gpu(rel) < need) __nanosleep(64);
+          }
           const uint32_t bar = smem_u32(&full[stage]);
           mbar_arrive_expect_tx(bar, uint32_t(kStageBytes));
           asm volatile(
@@ -348,86 +404,96 @@ __global__ void __launch_bounds__(kThreads, 1)
     } else {
       // ---------------- owners ----------------
       // Token b = c * kTok + i belongs to CTA b mod G; the owner warps take
-      // this CTA's tokens in turn.
+      // this CTA's tokens in turn. Per token: the pre coefficients and the
+      // sum of squares (pass 1) -> H_pre, published at once; the other
+      // coefficients (pass 2); h stashed in lane (count % 32), and the
+      // activations + Sinkhorn run 32 tokens at a time, one per lane, off
+      // the path H_pre takes.
       const int ow = warp - (kProjWarps + kMixWarps + 1);
-      int q = 0;
+      int q = 0, stashed = 0;
+      float stash[kCoef];
+      long long stash_b = 0;
+      auto flush = [&] {
+        if (lane < stashed) {
+          float pre[kN], post[kN], res[kN * kN];
+          activate_token<kN>(stash, p.act, pre, post, res);
+          *reinterpret_cast<float4*>(p.h_post + stash_b * kN) = make_float4(post[0], post[1], post[2], post[3]);
+#pragma unroll
+          for (int e = 0; e < kN * kN; e += 4)
+            *reinterpret_cast<float4*>(p.h_res + stash_b * kN * kN + e) =
+                make_float4(res[e], res[e + 1], res[e + 2], res[e + 3]);
+        }
+        stashed = 0;
+      };
 #pragma unroll 1
       for (int c = 0; c < nch; ++c) {
         const int valid = valid_of(c), slot = c % kSlots;
-        int i = int(((long long)cta - (long long)c * kTok) % G);
+        int i = cta - int((long long)c * kTok % G);
         if (i < 0) i += G;
 #pragma unroll 1
         for (; i < valid; i += G, ++q) {
           if (q % kOwnerWarps != ow) continue;
           const long long b = (long long)c * kTok + i;
-          if (lane == 0) wait_count(s.arrivals + c, unsigned(G));
-          __syncwarp();
-          const float* recs = s.part + (long long)(slot * kTok + i) * G * kRec;
-          // Pass 1: the pre coefficients and the sum of squares. Lane l sums
-          // CTAs l, l + 32, ... in order, then a butterfly (every lane ends
-          // with the same, fixed-order totals).
-          float v1[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-          sum_records<2, 4>(recs, G, 0, lane, v1);
+          float* recs = s.part + (long long)(slot * kTok + i) * G * kRec;
+          // Lane l sums CTAs l, l + 32, ... in order, then a butterfly:
+          // every lane ends with the same fixed-order totals.
+          float v1[kN + 1] = {0, 0, 0, 0, 0};
+          take_records<true, 4>(recs, G, lane, v1);
 #pragma unroll
           for (int m = 16; m >= 1; m >>= 1)
 #pragma unroll
             for (int e = 0; e < kN + 1; ++e) v1[e] += __shfl_xor_sync(0xffffffffu, v1[e], m);
           const float r = sqrtf(v1[kN] * s.inv_k + p.eps_norm);
           if (p.mode == ProjectMode::kPre && lane == 0) {
-            float hp[kN];
-#pragma unroll
-            for (int e = 0; e < kN; ++e)
-              hp[e] = sigmoid_fast(coef_alpha[e] * __fdividef(v1[e], r) + coef_bias[e]) + p.act.eps_pre;
-            *reinterpret_cast<float4*>(s.hpre + (slot * kTok + i) * 4) = make_float4(hp[0], hp[1], hp[2], hp[3]);
-            count_release(s.hcount + c);
+            uint4 hp;
+            hp.x = enc(sigmoid_fast(coef_alpha[0] * __fdividef(v1[0], r) + coef_bias[0]) + p.act.eps_pre);
+            hp.y = enc(sigmoid_fast(coef_alpha[1] * __fdividef(v1[1], r) + coef_bias[1]) + p.act.eps_pre);
+            hp.z = enc(sigmoid_fast(coef_alpha[2] * __fdividef(v1[2], r) + coef_bias[2]) + p.act.eps_pre);
+            hp.w = enc(sigmoid_fast(coef_alpha[3] * __fdividef(v1[3], r) + coef_bias[3]) + p.act.eps_pre);
+            *reinterpret_cast<uint4*>(s.hpre + b * 4) = hp;
           }
-          // Pass 2: the other 20 coefficients.
           float v2[kCoef - kN];
 #pragma unroll
           for (int e = 0; e < kCoef - kN; ++e) v2[e] = 0.f;
-          sum_records<5, 2>(recs, G, 8, lane, v2);
+          take_records<false, 2>(recs, G, lane, v2);
+          __syncwarp();
+          if (lane == 0) count_release(s.released + c);  // this token's records are read and zeroed
 #pragma unroll
           for (int m = 16; m >= 1; m >>= 1)
 #pragma unroll
             for (int e = 0; e < kCoef - kN; ++e) v2[e] += __shfl_xor_sync(0xffffffffu, v2[e], m);
-          __syncwarp();
-          if (lane == 0) count_release(s.released + c);  // the records of this token are read
-          if (lane == 0) {
-            float h[kCoef];
+          if (p.mode == ProjectMode::kProject) {
+            float raw = 0.f;  // lane m writes h[m] (selected, not indexed: v1 and v2 stay in registers)
+#pragma unroll
+            for (int m = 0; m < kCoef; ++m) raw = lane == m ? (m < kN ? v1[m] : v2[m - kN]) : raw;
+            if (lane < kCoef) p.h[b * kCoef + lane] = coef_alpha[lane] * __fdividef(raw, r) + coef_bias[lane];
+            if (lane == 0) p.r[b] = r;
+            continue;
+          }
+          if (lane == stashed) {
 #pragma unroll
             for (int m = 0; m < kCoef; ++m)
-              h[m] = coef_alpha[m] * __fdividef(m < kN ? v1[m] : v2[m - kN], r) + coef_bias[m];
-            if (p.mode == ProjectMode::kProject) {
-#pragma unroll
-              for (int m = 0; m < kCoef; ++m) p.h[b * kCoef + m] = h[m];
-              p.r[b] = r;
-            } else {
-              float pre[kN], post[kN], res[kN * kN];
-              activate_token<kN>(h, p.act, pre, post, res);
-              *reinterpret_cast<float4*>(p.h_post + b * kN) = make_float4(post[0], post[1], post[2], post[3]);
-#pragma unroll
-              for (int e = 0; e < kN * kN; e += 4)
-                *reinterpret_cast<float4*>(p.h_res + b * kN * kN + e) =
-                    make_float4(res[e], res[e + 1], res[e + 2], res[e + 3]);
-            }
+              stash[m] = coef_alpha[m] * __fdividef(m < kN ? v1[m] : v2[m - kN], r) + coef_bias[m];
+            stash_b = b;
           }
+          if (++stashed == 32) flush();
         }
       }
+      if (stashed > 0) flush();
     }
   }
 
-  // The last CTA to leave resets the counters (every CTA's polls are done
-  // by then; the rings need no reset).
+  // The last CTA to leave resets the counters and H_pre (every CTA's polls
+  // are done by then; the owners zeroed the records they read).
   __syncwarp();
   __syncthreads();
-  if (tid == 0) {
-    unsigned prev;
+  unsigned prev = 0;
+  if (tid == 0)
     asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;" : "=r"(prev) : "l"(s.done) : "memory");
-    last_cta = prev == unsigned(G - 1);
-  }
-  __syncthreads();
-  if (last_cta) {
-    for (int idx = tid; idx < 3 * nch; idx += kThreads) s.arrivals[idx] = 0u;
+  if (__syncthreads_or(tid == 0 && prev == unsigned(G - 1))) {
+    for (int idx = tid; idx < nch; idx += kThreads) s.released[idx] = 0u;
+    for (long long idx = tid; idx < B; idx += kThreads)
+      *reinterpret_cast<uint4*>(s.hpre + idx * 4) = make_uint4(0, 0, 0, 0);
     if (tid == 0) *s.done = 0u;
   }
 #endif
@@ -471,9 +537,7 @@ cudaError_t launch_stream(const ProjectParams& p, cudaStream_t stream, bool pdl,
   StreamArgs s;
   auto* ws = static_cast<unsigned char*>(p.workspace);
   s.done = reinterpret_cast<unsigned*>(ws);
-  s.arrivals = reinterpret_cast<unsigned*>(ws + l.counters_offset);
-  s.hcount = s.arrivals + l.chunks;
-  s.released = s.hcount + l.chunks;
+  s.released = reinterpret_cast<unsigned*>(ws + l.released_offset);
   s.hpre = reinterpret_cast<float*>(ws + l.hpre_offset);
   s.part = reinterpret_cast<float*>(ws + l.part_offset);
   s.ctas = G;

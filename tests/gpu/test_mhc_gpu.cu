@@ -72,7 +72,8 @@ DeviceBuffer zeroed_workspace(const MhcShape& shape) {
 }
 
 // The grid barrier's words are back at zero after a launch (so the next one
-// starts clean); for the streamed kernel's shapes, every chunk counter too.
+// starts clean); for the streamed kernel's shapes, the whole workspace
+// (counters, H_pre, the record ring).
 void expect_barrier_idle(const DeviceBuffer& ws, const MhcShape* shape = nullptr) {
   if (ws.get() == nullptr) return;
   uint32_t words[64];
@@ -80,11 +81,12 @@ void expect_barrier_idle(const DeviceBuffer& ws, const MhcShape* shape = nullptr
   EXPECT_EQ(words[0], 0u) << "the barrier's arrival count is left non-zero";
   if (shape == nullptr || !mhc_detail::stream_takes_shape(shape->batch, shape->n, shape->hidden)) return;
   const auto l = mhc_detail::stream_workspace_layout(shape->hidden / 64, shape->batch);
-  std::vector<uint32_t> counters(3 * l.chunks);
-  ASSERT_EQ(cudaMemcpy(counters.data(), static_cast<const char*>(ws.get()) + l.counters_offset, counters.size() * 4,
+  std::vector<uint32_t> rest((l.bytes - l.released_offset) / 4);
+  ASSERT_EQ(cudaMemcpy(rest.data(), static_cast<const char*>(ws.get()) + l.released_offset, rest.size() * 4,
                        cudaMemcpyDeviceToHost),
             cudaSuccess);
-  for (size_t i = 0; i < counters.size(); ++i) ASSERT_EQ(counters[i], 0u) << "chunk counter " << i << " left non-zero";
+  for (size_t i = 0; i < rest.size(); ++i)
+    ASSERT_EQ(rest[i], 0u) << "workspace word " << i << " past the header left non-zero";
 }
 
 // Pins the projection kernel for one scope.
