@@ -72,7 +72,11 @@ constexpr int kProjRegs = 160, kMixRegs = 72, kOwnerRegs = 120;  // 256*160 + 12
 constexpr int kStageBytes = kN * kTok * 128;                     // [stream][token][64 columns]: 32 KB
 constexpr int kSteps = kN * 64 / 16 / 2;                         // k16 steps per projection warp (half the slice)
 constexpr int kPairVals = 20;                                    // 12 accumulators + 8 sums-of-squares fragments
-constexpr int kBarWriters = 5;                                   // named barriers 1-4: the pairs; 5: warps 0-3
+constexpr int kBarMix = 5;                                       // named barriers 1-4: the pairs; 5: the mix warps
+// The producer issues chunk c's X once this CTA has mixed chunk c - kMixLag:
+// the mix re-reads X from L2, so this bounds the X in L2 awaiting its mix
+// (kMixLag chunks x 64 tokens x K x 2 bytes: 29 MB at C = 7168).
+constexpr int kMixLag = 8;
 static_assert(kCoef % 8 == 0, "n = 4: three whole coefficient tiles");
 
 struct StreamArgs {
@@ -114,6 +118,31 @@ __device__ __forceinline__ uint4 ld_poll(const float* p) {  // relaxed, GPU scop
 }
 __device__ __forceinline__ bool written(const uint4& v) { return v.x != 0u && v.y != 0u && v.z != 0u && v.w != 0u; }
 
+// L2 eviction policies: X's TMA loads stay (evict_last) until the mix has
+// re-read them (evict_first, as the F_pre stores).
+__device__ __forceinline__ uint64_t l2_policy_last() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ uint64_t l2_policy_first() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ uint4 ld_x(const void* p, uint64_t pol) {
+  uint4 v;
+  asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p), "l"(pol));
+  return v;
+}
+__device__ __forceinline__ void st_out(void* p, const uint4& v, uint64_t pol) {
+  asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w), "l"(pol)
+               : "memory");
+}
+
 __device__ __forceinline__ uint32_t ld_poll1(const float* p) {
   uint32_t v;
   asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -151,7 +180,7 @@ __device__ __forceinline__ void take_records(float* recs, int G, int lane, float
           }
         }
       }
-      if (!ok) __nanosleep(32);
+      if (!ok) __nanosleep(128);
     } while (!ok);
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
@@ -182,6 +211,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
   __shared__ float coef_alpha[kCoef], coef_bias[kCoef];
   __shared__ __align__(16) float pair_buf[2][kProjWarps / 2][32][kPairVals];  // [chunk & 1][tile][lane][values]
+  __shared__ __align__(16) float hpre_s[2][kTok][kN];  // [chunk & 1]: H_pre of the chunk's tokens, decoded
+  __shared__ int mixed;                                 // chunks this CTA has mixed (the producer's throttle)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int G = s.ctas, cta = int(blockIdx.x), nch = s.chunks;
@@ -194,7 +225,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
     for (int st = 0; st < kStages; ++st) {
       mbar_init(smem_u32(&full[st]), 1);                         // the producer's expect_tx
-      mbar_init(smem_u32(&empty[st]), kProjWarps + kMixWarps);  // every warp that reads the stage
+      mbar_init(smem_u32(&empty[st]), kProjWarps);  // every warp that reads the stage
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n fence.proxy.async.shared::cta;\n" ::: "memory");
   }
@@ -202,6 +233,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // (the caller's promise); everything else waits for it.
   if (!p.prefetch_weights) dev::grid_dependency_wait();
   dev::allow_dependents_launch();
+  if (tid == 0) mixed = 0;
   if (tid < kCoef) {
     coef_alpha[tid] = __ldg(p.alpha + alpha_index(tid, kN));
     coef_bias[tid] = __ldg(p.bias + tid);
@@ -322,59 +354,85 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   } else if (warp < kProjWarps + kMixWarps) {
     // ---------------- mix ----------------
+    // X comes from L2 (left there by the TMA with evict_last), not from the
+    // ring: a stage is free as soon as the projection has read it, and the
+    // ring only has to cover X's HBM latency, not the exchange's.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kMixRegs));
     dev::grid_dependency_wait();
     const int mt = tid - kProjWarps * 32;  // 0..127
     const int unit = mt & 7, r0 = mt >> 3;  // 8 columns (one 16-byte unit), tokens r0, r0 + 16, ...
+    const uint64_t pol_first = l2_policy_first();
     constexpr int kItems = kTok / 16;
 #pragma unroll 1
     for (int c = 0; c < nch; ++c) {
-      const int stage = c % kStages, valid = valid_of(c);
-      mbar_wait(smem_u32(&full[stage]), uint32_t(c / kStages) & 1u);
+      const int valid = valid_of(c);
       if (p.mode == ProjectMode::kPre) {
-        // H_pre of this thread's tokens, polled until their owners wrote them.
-        const float* hp = s.hpre + (long long)c * kTok * 4;
-        uint4 w4[kItems];
-        bool ok;
-        do {
-          ok = true;
+        // Warp 0 of the mix polls the chunk's H_pre (2 tokens per lane)
+        // until every owner wrote it, and hands it over in shared memory.
+        float(*hs)[kN] = hpre_s[c & 1];
+        if (mt < 32) {
+          const float* hp = s.hpre + (long long)c * kTok * 4;
+          uint4 w[2];
+          bool ok;
+          do {
+            ok = true;
 #pragma unroll
-          for (int it = 0; it < kItems; ++it) {
-            const int r = r0 + 16 * it;
-            w4[it] = r < valid ? ld_poll(hp + r * 4) : make_uint4(1, 1, 1, 1);
-            ok = ok && written(w4[it]);
+            for (int j = 0; j < 2; ++j) {
+              const int r = lane + 32 * j;
+              w[j] = r < valid ? ld_poll(hp + r * 4) : make_uint4(1, 1, 1, 1);
+              ok = ok && written(w[j]);
+            }
+            if (!ok) __nanosleep(64);
+          } while (!__all_sync(0xffffffffu, ok));
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+            *reinterpret_cast<float4*>(hs[lane + 32 * j]) = make_float4(dec(w[j].x), dec(w[j].y), dec(w[j].z), dec(w[j].w));
+        }
+        named_bar(kBarMix, kMixWarps * 32);
+        const bf16* xc = p.x + (long long)c * kTok * K + c0 + unit * 8;
+#pragma unroll
+        for (int it = 0; it < kItems; it += 2) {
+          uint4 raw[2][kN];
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            const int r = r0 + 16 * (it + u);
+#pragma unroll
+            for (int i = 0; i < kN; ++i)
+              raw[u][i] = r < valid ? ld_x(xc + (long long)r * K + i * C, pol_first) : make_uint4(0, 0, 0, 0);
           }
-          if (!ok) __nanosleep(32);
-        } while (!__all_sync(0xffffffffu, ok));
-        const unsigned char* xs = smem + (ring - smem_u32(smem)) + stage * kStageBytes;
 #pragma unroll
-        for (int it = 0; it < kItems; ++it) {
-          const int r = r0 + 16 * it;
-          if (r >= valid) break;
-          const float w[4] = {dec(w4[it].x), dec(w4[it].y), dec(w4[it].z), dec(w4[it].w)};
-          float out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+          for (int u = 0; u < 2; ++u) {
+            const int r = r0 + 16 * (it + u);
+            if (r >= valid) break;
+            const float4 w4 = *reinterpret_cast<const float4*>(hs[r]);
+            const float w[4] = {w4.x, w4.y, w4.z, w4.w};
+            float out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
-          for (int i = 0; i < kN; ++i) {
-            const uint4 raw = *reinterpret_cast<const uint4*>(xs + (i * kTok + r) * 128 + ((unit ^ (r & 7)) << 4));
-            const uint32_t x4[4] = {raw.x, raw.y, raw.z, raw.w};
+            for (int i = 0; i < kN; ++i) {
+              const uint32_t x4[4] = {raw[u][i].x, raw[u][i].y, raw[u][i].z, raw[u][i].w};
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                out[2 * e] = fmaf(w[i], __uint_as_float(x4[e] << 16), out[2 * e]);
+                out[2 * e + 1] = fmaf(w[i], __uint_as_float(x4[e] & 0xffff0000u), out[2 * e + 1]);
+              }
+            }
+            uint4 o;
+            uint32_t* ov = reinterpret_cast<uint32_t*>(&o);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              out[2 * e] = fmaf(w[i], __uint_as_float(x4[e] << 16), out[2 * e]);
-              out[2 * e + 1] = fmaf(w[i], __uint_as_float(x4[e] & 0xffff0000u), out[2 * e + 1]);
+              const __nv_bfloat162 v = __floats2bfloat162_rn(out[2 * e], out[2 * e + 1]);
+              ov[e] = *reinterpret_cast<const uint32_t*>(&v);
             }
+            st_out(p.f_out + ((long long)c * kTok + r) * C + c0 + unit * 8, o, pol_first);
           }
-          uint4 o;
-          uint32_t* ov = reinterpret_cast<uint32_t*>(&o);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const __nv_bfloat162 v = __floats2bfloat162_rn(out[2 * e], out[2 * e + 1]);
-            ov[e] = *reinterpret_cast<const uint32_t*>(&v);
-          }
-          *reinterpret_cast<uint4*>(p.f_out + ((long long)c * kTok + r) * C + c0 + unit * 8) = o;
         }
       }
-      __syncwarp();
-      if (lane == 0) mbar_arrive_local(smem_u32(&empty[stage]));
+      // This CTA has mixed chunk c (the producer's throttle; hpre_s[c & 1]
+      // is reused two chunks on, after the barrier of chunk c + 1).
+      named_bar(kBarMix, kMixWarps * 32);
+      if (mt == 0) {
+        asm volatile("st.volatile.shared.u32 [%0], %1;" ::"r"(smem_u32(&mixed)), "r"(c + 1) : "memory");
+      }
     }
   } else {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kOwnerRegs));
@@ -382,8 +440,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (warp == kProjWarps + kMixWarps) {
       // ---------------- producer ----------------
       if (lane == 0) {
+        const uint64_t pol_last = l2_policy_last();
         for (int c = 0; c < nch; ++c) {
           const int stage = c % kStages;
+          if (c >= kMixLag) {  // this CTA has mixed chunk c - kMixLag (its X may leave L2)
+            int done;
+            do {
+              asm volatile("ld.volatile.shared.u32 %0, [%1];" : "=r"(done) : "r"(smem_u32(&mixed)) : "memory");
+            } while (done < c - kMixLag + 1);
+          }
           if (c >= kStages) mbar_wait(smem_u32(&empty[stage]), uint32_t(c / kStages - 1) & 1u);
           // The record slot chunk c will write: its owners of chunk c - kSlots
           // have read and zeroed it (acquire; passed on by the full barrier).
@@ -395,9 +460,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           const uint32_t bar = smem_u32(&full[stage]);
           mbar_arrive_expect_tx(bar, uint32_t(kStageBytes));
           asm volatile(
-              "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, "
-              "%4}], [%5];\n" ::"r"(ring + stage * kStageBytes),
-              "l"(reinterpret_cast<uint64_t>(&x_map)), "r"(c0), "r"(c * kTok), "r"(0), "r"(bar)
+              "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], "
+              "[%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(ring + stage * kStageBytes),
+              "l"(reinterpret_cast<uint64_t>(&x_map)), "r"(c0), "r"(c * kTok), "r"(0), "r"(bar), "l"(pol_last)
               : "memory");
         }
       }
