@@ -285,11 +285,6 @@ Status launch_project(const ProjectParams& p, int n, DType phi_dtype, cudaStream
   };
   auto split = [&] { return p.workspace ? mhc_split_project(p, n, f32, stream, pdl) : cudaErrorNotSupported; };
   const ProjectKernel k = g_project_kernel;
-  // With a workspace, larger batches stream through every column slice
-  // (B = 8192, n = 4, C = 7168: docs/mhc.md).
-  if ((k == ProjectKernel::kAuto || k == ProjectKernel::kSplit) && p.workspace &&
-      launched(sm90_mhc_project_stream(p, n, f32, stream, pdl), "stream kernel launch"))
-    return st;
   if (k == ProjectKernel::kSplit && launched(split(), "split kernel launch")) return st;
   if (k == ProjectKernel::kAuto || k == ProjectKernel::kSplit) {
     if (launched(sm90_mhc_project_resident(p, n, f32, stream, pdl), "resident kernel launch")) return st;

@@ -83,11 +83,9 @@ Range workspace_range(const void* ws, size_t bytes) { return {"workspace", ws, w
 }  // namespace
 
 size_t mhc_workspace_bytes(const MhcShape& s) {
-  if (s.batch < 1 || s.n < 1 || s.n > kMhcMaxStreams || s.hidden < 8 || s.hidden % 8 != 0) return 0;
-  if (s.batch > kMhcSplitMaxBatch)
-    return mhc_detail::stream_takes_shape(s.batch, s.n, s.hidden)
-               ? mhc_detail::stream_workspace_layout(s.hidden / 64, s.batch).bytes
-               : 0;
+  if (s.batch < 1 || s.batch > kMhcSplitMaxBatch || s.n < 1 || s.n > kMhcMaxStreams || s.hidden < 8 ||
+      s.hidden % 8 != 0)
+    return 0;
   const int64_t ctas = std::min<int64_t>(mhc_detail::kSplitMaxCtas, s.hidden / 8);
   return mhc_detail::split_workspace_layout(ctas, s.batch, s.n, mhc_num_coefficients(s.n)).bytes;
 }

@@ -137,19 +137,6 @@ __device__ __forceinline__ void activate_token(const float* h, const ActParams& 
   for (int e = 0; e < kN * kN; ++e) res[e] = m[e];
 }
 
-// Loads of a word that other CTAs of the running grid write (flags and
-// counters in a workspace): acquire or relaxed, at GPU scope.
-__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ unsigned ld_relaxed_gpu(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 // alpha index of coefficient m: pre, post or res.
 __device__ __forceinline__ int alpha_index(int m, int n) { return m < n ? 0 : (m < 2 * n ? 1 : 2); }
 
@@ -222,13 +209,6 @@ cudaError_t sm90_mhc_project_fused(const ProjectParams& p, int n, bool phi_is_f3
 // sm90_mhc_project_fused; tried first.
 cudaError_t sm90_mhc_project_resident(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
                                       bool dry_run = false);
-
-// sm_90a streamed kernel for larger batches with a workspace
-// (sm90_mhc_stream.cu): n = 4, B > kMhcSplitMaxBatch, C a multiple of 64 with
-// C / 64 CTAs resident at once; modes kPre and kProject. Same contract as
-// sm90_mhc_project_fused; tried first.
-cudaError_t sm90_mhc_project_stream(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
-                                    bool dry_run = false);
 
 // Which projection kernel launch_project uses. kAuto: the resident kernel,
 // else the cluster-tile kernel, else the portable one. The others pin one

@@ -71,6 +71,17 @@ struct SplitArgs {
   float inv_k;              // 1 / K
 };
 
+__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned ld_relaxed_gpu(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // Every CTA of the grid arrives; returns once all have. `gen0` is the
 // generation word as read after the grid dependency (this launch cannot bump
 // it before every CTA has arrived, and the launch before bumped it before it

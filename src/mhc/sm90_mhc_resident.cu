@@ -42,7 +42,6 @@
 #include "common/launch.cuh"
 #include "common/sm90.cuh"
 #include "mhc/mhc_device.cuh"
-#include "mhc/sm90_mhc_tma.h"
 
 namespace flashmix::mhc_detail {
 
@@ -815,21 +814,20 @@ TensorMapEncodeTiled tensor_map_encoder() {
   return fn;
 }
 
-}  // namespace
-
-bool encode_x_map(const ProjectParams& p, int n, int box_rows, CUtensorMap& map) {
+// X as a 3-D tensor (columns, tokens, streams) with boxes of
+// 64 columns x 16 tokens x n streams, 128-byte swizzle; tokens past B read
+// as zeros. Host-only work (capture-safe), done per launch because X moves.
+bool encode_x_map(const ProjectParams& p, int n, CUtensorMap& map) {
   const TensorMapEncodeTiled encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   const cuuint64_t dims[3] = {cuuint64_t(p.hidden), cuuint64_t(p.batch), cuuint64_t(n)};
   const cuuint64_t strides[2] = {cuuint64_t(p.k_len) * 2, cuuint64_t(p.hidden) * 2};  // bytes, dims 1 and 2
-  const cuuint32_t box[3] = {64, cuuint32_t(box_rows), cuuint32_t(n)};
+  const cuuint32_t box[3] = {64, cuuint32_t(kRows), cuuint32_t(n)};
   const cuuint32_t elem[3] = {1, 1, 1};
   return encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<__nv_bfloat16*>(p.x), dims, strides, box, elem,
                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
-
-namespace {
 
 template <int kN>
 ResidentLayout resident_layout(int hidden) {
@@ -913,7 +911,7 @@ cudaError_t launch_resident(const ProjectParams& p, cudaStream_t stream, bool pd
   config.gridDim = dim3(unsigned(grid_clusters * kClusterSize));
   config.numAttrs = pdl ? 2 : 1;
   CUtensorMap x_map;
-  if (!encode_x_map(p, kN, kRows, x_map)) return cudaErrorNotSupported;
+  if (!encode_x_map(p, kN, x_map)) return cudaErrorNotSupported;
   return cudaLaunchKernelEx(&config, kernel, p, L, x_map);
 }
 

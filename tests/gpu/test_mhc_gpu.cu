@@ -22,7 +22,6 @@
 #include "cpu/test_mhc_common.h"
 #include "flashmix/mhc.h"
 #include "mhc/mhc_device.cuh"
-#include "mhc/mhc_split_layout.h"
 
 namespace flashmix {
 namespace {
@@ -71,22 +70,12 @@ DeviceBuffer zeroed_workspace(const MhcShape& shape) {
   return b;
 }
 
-// The grid barrier's words are back at zero after a launch (so the next one
-// starts clean); for the streamed kernel's shapes, the whole workspace
-// (counters, H_pre, the record ring).
-void expect_barrier_idle(const DeviceBuffer& ws, const MhcShape* shape = nullptr) {
+// The grid barrier's words are back at zero after a launch (so the next one starts clean).
+void expect_barrier_idle(const DeviceBuffer& ws) {
   if (ws.get() == nullptr) return;
   uint32_t words[64];
   ASSERT_EQ(cudaMemcpy(words, ws.get(), sizeof(words), cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(words[0], 0u) << "the barrier's arrival count is left non-zero";
-  if (shape == nullptr || !mhc_detail::stream_takes_shape(shape->batch, shape->n, shape->hidden)) return;
-  const auto l = mhc_detail::stream_workspace_layout(shape->hidden / 64, shape->batch);
-  std::vector<uint32_t> rest((l.bytes - l.released_offset) / 4);
-  ASSERT_EQ(cudaMemcpy(rest.data(), static_cast<const char*>(ws.get()) + l.released_offset, rest.size() * 4,
-                       cudaMemcpyDeviceToHost),
-            cudaSuccess);
-  for (size_t i = 0; i < rest.size(); ++i)
-    ASSERT_EQ(rest[i], 0u) << "workspace word " << i << " past the header left non-zero";
 }
 
 // Pins the projection kernel for one scope.
@@ -138,7 +127,7 @@ TEST_P(MhcPreGpu, MatchesReference) {
     ASSERT_TRUE(s.ok()) << s.message();
   }
   CUDA_OK(cudaDeviceSynchronize());
-  expect_barrier_idle(ws, &a.shape);
+  expect_barrier_idle(ws);
   if (c.B == 0) return;
   auto got_f = f_pre.to_host<uint16_t>();
   auto got_post = h_post.to_host<float>();
@@ -239,20 +228,7 @@ std::vector<PreCase> pre_cases() {
   v.push_back({8, 1000, 32, false, DType::kBFloat16, kAuto, true});
   v.push_back({3, 8, 5, false, DType::kFloat32, kAuto, true});       // one CTA: it owns all 5 tokens
   v.push_back({8, 16384, 7, false, DType::kFloat32, kAuto, true});   // too large for the split kernel: falls back
-  v.push_back({4, 1000, 100, false, DType::kFloat32, kAuto, true});  // B > 32, C % 64 != 0: the workspace is ignored
-  // With a workspace and B > 32 (n = 4, C a multiple of 64): the streamed
-  // kernel. A partial last chunk; more chunks than record slots (5000: 79
-  // chunks, 8 tokens in the last); one CTA (C = 64: it owns all 64 tokens
-  // of every chunk); 20 CTAs (several owned tokens per chunk); phi bf16;
-  // the issue's shape; more column slices than SMs (falls back).
-  v.push_back({4, 7168, 100, false, DType::kFloat32, kAuto, true});
-  v.push_back({4, 4096, 5000, true, DType::kFloat32, kAuto, true});
-  v.push_back({4, 64, 200, false, DType::kFloat32, kAuto, true});
-  v.push_back({4, 1280, 33, true, DType::kFloat32, kAuto, true});
-  v.push_back({4, 2560, 777, false, DType::kBFloat16, kAuto, true});
-  v.push_back({4, 7168, 8192, false, DType::kFloat32, kAuto, true});
-  v.push_back({4, 7168, 8192, true, DType::kBFloat16, kAuto, true});
-  v.push_back({4, 16384, 40, false, DType::kFloat32, kAuto, true});
+  v.push_back({4, 7168, 100, false, DType::kFloat32, kAuto, true});  // B > 32: the workspace is ignored
   return v;
 }
 
@@ -340,10 +316,10 @@ TEST(MhcStagesGpu, ProjectActivatePreMixHeadExpand) {
   // Stage 1 on the resident kernel, ~18 tiles per cluster on an H200 (7
   // clusters): ring refills and the reuse of the receive buffers (by tile
   // parity, and the owner's every 16th tile) without a pre mix.
-  // With a workspace: stage 1 on the streamed kernel (32 chunks).
   shapes.push_back({4, 4096, 2000});
   for (const Shape& sh : shapes) {
-    for (bool use_ws : {false, true}) {  // with a workspace: the split kernel (B <= 32), the streamed one (B > 32)
+    for (bool use_ws : {false, true}) {  // with a workspace: the split kernel (B <= 32)
+      if (use_ws && sh.B > kMhcSplitMaxBatch) continue;
       const int n = sh.n;
       const int64_t C = sh.C, B = sh.B;
       Problem p = make_problem(B, n, C, seed_for("stages") + n * 131 + C);
@@ -529,33 +505,6 @@ TEST(MhcDeterminismGpu, RepeatedRunsAndGraphReplayAreBitwiseIdentical) {
     for (auto v : r1.f_pre) ASSERT_TRUE(std::isfinite(f32(v)));
     expect_barrier_idle(ws);
   }
-  // The streamed kernel (B > 32, with a workspace): its chunk counters are
-  // reused by every launch, graph replays included.
-  {
-    Problem p = make_problem(333, 4, 7168, seed_for("determinism_stream"));
-    DeviceProblem d(p);
-    const MhcShape shape{p.B, 4, p.C};
-    DeviceBuffer ws = zeroed_workspace(shape);
-    ASSERT_TRUE(mhc_detail::stream_takes_shape(shape.batch, shape.n, shape.hidden));
-    PrePostRun r1 = run_pre_post(p, d, false, ws.get(), ws.bytes()), r2 = run_pre_post(p, d, false, ws.get(), ws.bytes()),
-               r3 = run_pre_post(p, d, true, ws.get(), ws.bytes()), r0 = run_pre_post(p, d, false);
-    EXPECT_EQ(r1.f_pre, r2.f_pre);
-    EXPECT_EQ(0, std::memcmp(r1.h_post.data(), r2.h_post.data(), r1.h_post.size() * 4));
-    EXPECT_EQ(0, std::memcmp(r1.h_res.data(), r2.h_res.data(), r1.h_res.size() * 4));
-    EXPECT_EQ(r1.f_pre, r3.f_pre);
-    EXPECT_EQ(0, std::memcmp(r1.h_post.data(), r3.h_post.data(), r1.h_post.size() * 4));
-    EXPECT_EQ(0, std::memcmp(r1.h_res.data(), r3.h_res.data(), r1.h_res.size() * 4));
-    for (auto v : r1.f_pre) ASSERT_TRUE(std::isfinite(f32(v)));
-    // Against the resident kernel (no workspace): the same math in another
-    // summation order, so close but not bitwise.
-    int64_t far = 0;
-    for (size_t i = 0; i < r1.f_pre.size(); ++i) {
-      const double a = f32(r1.f_pre[i]), b = f32(r0.f_pre[i]);
-      if (std::fabs(a - b) > 1e-2 * std::fabs(b) + 1e-3) ++far;
-    }
-    EXPECT_EQ(far, 0);
-    expect_barrier_idle(ws, &shape);
-  }
   // One workspace shared by launches of different shapes (different CTA
   // counts at the grid barrier): each leaves it idle for the next.
   {
@@ -595,7 +544,8 @@ TEST(MhcPrefetchGpu, WeightsEarlyXAfterTheDependency) {
   SKIP_WITHOUT_GPU();
   for (int64_t B : {16, 333}) {
     for (DType phi_dtype : {DType::kFloat32, DType::kBFloat16}) {
-     for (bool use_ws : {false, true}) {  // with a workspace: the split kernel (B = 16), the streamed one (B = 333)
+     for (bool use_ws : {false, true}) {  // with a workspace at B = 16: the split kernel
+      if (use_ws && B > kMhcSplitMaxBatch) continue;
       SCOPED_TRACE("B " + std::to_string(B) + (phi_dtype == DType::kFloat32 ? " phi fp32" : " phi bf16") +
                    (use_ws ? " workspace" : ""));
       Problem p = make_problem(B, 4, 7168, seed_for("prefetch") + B);
@@ -718,37 +668,6 @@ TEST(MhcPathGpu, SplitKernelTakesSmallBatchesWithAWorkspace) {
   EXPECT_FALSE(split(16, 4, 7168, true, kPre, /*with_ws=*/false));
   EXPECT_FALSE(split(33, 4, 7168, true, kPre));   // more tokens than the path takes
   EXPECT_FALSE(split(7, 8, 16384, true, kPre));   // phi's slice does not fit in shared memory
-  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
-}
-
-// With a workspace, larger batches take the streamed kernel on Hopper (n = 4,
-// C a multiple of 64, one CTA per 64 columns, all resident).
-TEST(MhcPathGpu, StreamKernelTakesLargerBatchesWithAWorkspace) {
-  SKIP_WITHOUT_GPU();
-  int major = 0, minor = 0, sms = 0;
-  CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
-  CUDA_OK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0));
-  CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  int dummy = 0;
-  auto stream = [&](long long B, int n, int C, bool f32, mhc_detail::ProjectMode mode, bool with_ws = true) {
-    mhc_detail::ProjectParams p;
-    p.batch = B; p.hidden = C; p.k_len = n * C; p.mode = mode;
-    p.num_coef = mode == mhc_detail::ProjectMode::kHead ? n : mhc_num_coefficients(n);
-    p.workspace = with_ws ? &dummy : nullptr;  // never touched by a dry run
-    p.workspace_bytes = mhc_workspace_bytes({B, n, C});
-    return mhc_detail::sm90_mhc_project_stream(p, n, f32, nullptr, false, /*dry_run=*/true) == cudaSuccess;
-  };
-  constexpr auto kPre = mhc_detail::ProjectMode::kPre;
-  const bool hopper = major == 9 && minor == 0;
-  EXPECT_EQ(stream(8192, 4, 7168, true, kPre), hopper && sms >= 112);
-  EXPECT_EQ(stream(33, 4, 64, false, kPre), hopper);
-  EXPECT_EQ(stream(2000, 4, 4096, true, mhc_detail::ProjectMode::kProject), hopper);
-  EXPECT_FALSE(stream(8192, 4, 7168, true, kPre, /*with_ws=*/false));
-  EXPECT_FALSE(stream(32, 4, 7168, true, kPre));    // the split kernel's batches
-  EXPECT_FALSE(stream(8192, 6, 7168, true, kPre));  // n != 4
-  EXPECT_FALSE(stream(8192, 4, 1000, true, kPre));  // C not a multiple of 64
-  EXPECT_FALSE(stream(100, 4, 7168, true, mhc_detail::ProjectMode::kHead));
-  if (sms < 256) EXPECT_FALSE(stream(40, 4, 16384, true, kPre));  // 256 slices: not all resident
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
