@@ -5,7 +5,8 @@
 
 Each row: op, case, median time, the fraction of the same run's ceiling
 (copy bandwidth for memory-bound ops, dense cuBLAS for GEMMs), the issue's
-target where the case has one, and the check against the CPU reference.
+target where the case has one and whether this run met it, and the check of
+the outputs against the CPU reference (correctness, not the target).
 """
 import json
 import sys
@@ -22,6 +23,21 @@ def target_of(r):
         return "<= %.2f x dense" % r["target_ratio"]
     if "target_max_time_over_floor" in r:
         return "<= %.2f x floor" % r["target_max_time_over_floor"]
+    return ""
+
+
+def target_met(r):
+    """'yes' / 'no' where the record carries a target, '' otherwise."""
+    checks = [
+        ("target_fraction", lambda t: r["fraction"] >= t),
+        ("target_max_us", lambda t: r["median_us"] <= t),
+        ("target_max_time_over_bound", lambda t: r["time_over_bound"] <= t),
+        ("target_ratio", lambda t: r["ratio_to_dense"] <= t),
+        ("target_max_time_over_floor", lambda t: r["time_over_floor"] <= t),
+    ]
+    for key, ok in checks:
+        if key in r:
+            return "yes" if ok(r[key]) else "**no**"
     return ""
 
 
@@ -42,11 +58,11 @@ def main():
     print("Measured on %s, %s, commit %s; copy ceiling %.0f GB/s, dense bf16 GEMM %.0f TFLOP/s (same run)."
           % (data["gpu"], data["date"], data["commit"], data["copy_gbps"], data["gemm_tflops"]))
     print()
-    print("| op | case | median | measured | target | check |")
-    print("|---|---|---:|---:|---|---|")
+    print("| op | case | median | measured | target | target met | check (vs CPU reference) |")
+    print("|---|---|---:|---:|---|---|---|")
     for r in data["records"]:
-        print("| %s | %s | %.2f us | %s | %s | %s |" % (r["op"], r["case"], r["median_us"], measured_of(r),
-                                                       target_of(r), r["check"]))
+        print("| %s | %s | %.2f us | %s | %s | %s | %s |" % (r["op"], r["case"], r["median_us"], measured_of(r),
+                                                            target_of(r), target_met(r), r["check"]))
 
 
 if __name__ == "__main__":

@@ -108,21 +108,24 @@ def finalize_moe_routing(expanded_permuted_rows: Tensor, unpermuted_row_to_permu
                          shared_output: Optional[Tensor] = None, hidden: int = -1,
                          out_dtype: Optional[torch.dtype] = None, fill: bool = True,
                          permuted_row_to_unpermuted_row: Optional[Tensor] = None,
-                         expert_first_token_offset: Optional[Tensor] = None, enable_pdl: bool = True) -> Tensor:
+                         expert_first_token_offset: Optional[Tensor] = None, enable_pdl: bool = True,
+                         prefetch_indices: bool = False) -> Tensor:
     """flashmix.finalize_moe_routing as a custom op; returns a fresh ``out`` ``[T, H]``
-    (``hidden=-1``: H = padded_H; with ``fill=False`` tokens without a local slot are 0)."""
+    (``hidden=-1``: H = padded_H; with ``fill=False`` tokens without a local slot are 0;
+    ``prefetch_indices`` as in flashmix.finalize_moe_routing)."""
     return _finalize_moe_routing(
         expanded_permuted_rows, unpermuted_row_to_permuted_row, token_selected_experts,
         num_experts_per_node=num_experts_per_node, start_expert_id=start_expert_id, scales=scales, bias=bias,
         shared_output=shared_output, hidden=None if hidden < 0 else hidden, out_dtype=out_dtype, fill=fill,
         permuted_row_to_unpermuted_row=permuted_row_to_unpermuted_row,
-        expert_first_token_offset=expert_first_token_offset, enable_pdl=enable_pdl)
+        expert_first_token_offset=expert_first_token_offset, enable_pdl=enable_pdl,
+        prefetch_indices=prefetch_indices)
 
 
 @finalize_moe_routing.register_fake
 def _(expanded_permuted_rows, unpermuted_row_to_permuted_row, token_selected_experts, num_experts_per_node,
       start_expert_id=0, scales=None, bias=None, shared_output=None, hidden=-1, out_dtype=None, fill=True,
-      permuted_row_to_unpermuted_row=None, expert_first_token_offset=None, enable_pdl=True):
+      permuted_row_to_unpermuted_row=None, expert_first_token_offset=None, enable_pdl=True, prefetch_indices=False):
     H = expanded_permuted_rows.shape[1] if hidden < 0 else hidden
     dtype = expanded_permuted_rows.dtype if out_dtype is None else out_dtype
     return expanded_permuted_rows.new_empty((token_selected_experts.shape[0], H), dtype=dtype)

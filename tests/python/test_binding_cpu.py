@@ -570,6 +570,12 @@ def test_torch_custom_ops_on_cpu_tensors():
     torch.library.opcheck(torch.ops.flashmix.mhc_post.default, (x, f_pre, h_post, h_res))
     torch.library.opcheck(torch.ops.flashmix.finalize_moe_routing.default,
                           (t["rows"], t["u2p"], t["experts"], 4), {"start_expert_id": 2, "scales": t["scales"]})
+    # prefetch_indices is in the op's schema (a launch option: same values)
+    kw = {"start_expert_id": 2, "scales": t["scales"], "bias": t["bias"], "out_dtype": torch.bfloat16}
+    got = torch.ops.flashmix.finalize_moe_routing(t["rows"], t["u2p"], t["experts"], 4, prefetch_indices=True, **kw)
+    assert torch.equal(got, out)
+    torch.library.opcheck(torch.ops.flashmix.finalize_moe_routing.default, (t["rows"], t["u2p"], t["experts"], 4),
+                          {"start_expert_id": 2, "scales": t["scales"], "prefetch_indices": True})
 
 
 def test_torch_compile_of_the_custom_ops_on_cpu_tensors():

@@ -418,8 +418,9 @@ def test_cuda_graph_capture_and_replay():
 
 def compiled_layer(x, phi, alpha, bias, rows, u2p, experts, scales):
     f_pre, h_post, h_res = torch.ops.flashmix.mhc_pre(x, phi, alpha, bias)
+    # prefetch_indices: the kernel ahead (mhc_pre) does not write the routing indices
     moe = torch.ops.flashmix.finalize_moe_routing(rows, u2p, experts, 16, start_expert_id=16, scales=scales,
-                                                  hidden=f_pre.shape[1])
+                                                  hidden=f_pre.shape[1], prefetch_indices=True)
     f_out = f_pre + moe[:f_pre.shape[0]]  # stands in for the sublayer (one rounding: eager == compiled)
     return torch.ops.flashmix.mhc_post(x, f_out, h_post, h_res)
 
