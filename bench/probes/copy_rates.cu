@@ -3,7 +3,8 @@
 // copy method (store flavour, loads in flight, tiles, TMA bulk copies) comes
 // closest. Timed like flashmix-bench (events around one launch, median of
 // 30, warm-up 5). `copy_rates methods` runs the copy-method comparison;
-// `copy_rates l2mix` the L2 read rate and the HBM + L2 mix of the bias case.
+// `copy_rates l2mix` the L2 read rate and the HBM + L2 mix of the bias case;
+// `copy_rates reds` the rate of the FC2 epilogue's scatter reductions.
 // A stand-alone probe (not built by CMake; docs/moe_finalize.md quotes it):
 //   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o copy_rates bench/probes/copy_rates.cu && ./copy_rates
 #include <cstdio>
@@ -215,6 +216,71 @@ void l2_mix() {
   }
 }
 
+// The FC2 `atomic` epilogue's traffic without the GEMM: P = T*k rows of H
+// values, row p added into out row tok[p] (each token k times, rows in a
+// random token order, as an expert-sorted tile sees them), the values from
+// registers. How fast can L2 take 16-byte bf16x2 reductions, and how does
+// that compare with fp32 reductions and plain stores of the same bytes?
+template <int kOp>  // 0 red.v4.bf16x2, 1 red.bf16x2 (4 B), 2 red.v4.f32, 3 st.v4 to out row tok[p], 4 st.v4 to row p
+__global__ void scatter_rows(char* out, const int* tok, int rows, int H) {
+  const int vecs = kOp == 2 ? H / 4 : H / 8;  // 16-byte words per row
+  for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int t = kOp == 4 ? r : tok[r];
+    for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
+      const uint32_t w = 0x3c003c00u ^ (uint32_t(v) << 1);  // small bf16 pairs
+      if (kOp == 0) {
+        char* a = out + (size_t(t) * H + size_t(v) * 8) * 2;
+        asm volatile("red.global.add.noftz.v4.bf16x2 [%0], {%1, %2, %3, %4};" ::"l"(a), "r"(w), "r"(w), "r"(w), "r"(w) : "memory");
+      } else if (kOp == 1) {
+        char* a = out + (size_t(t) * H + size_t(v) * 8) * 2;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("red.global.add.noftz.bf16x2 [%0], %1;" ::"l"(a + 4 * e), "r"(w) : "memory");
+      } else if (kOp == 2) {
+        char* a = out + (size_t(t) * H + size_t(v) * 4) * 4;
+        const float f = 1e-3f * float(v & 7);
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(a), "f"(f), "f"(f), "f"(f), "f"(f) : "memory");
+      } else {
+        *reinterpret_cast<uint4*>(out + (size_t(t) * H + size_t(v) * 8) * 2) = make_uint4(w, w, w, w);
+      }
+    }
+  }
+}
+
+void reds() {
+  const size_t big = size_t(2) << 30;
+  char *a, *b; int* tok;
+  CK(cudaMalloc(&a, big)); CK(cudaMalloc(&b, big));
+  CK(cudaMemset(a, 1, big)); CK(cudaMemset(b, 2, big));
+  int sms; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  float t = med([&] { CK(cudaMemcpyAsync(b, a, big, cudaMemcpyDeviceToDevice)); });
+  printf("cudaMemcpy 2 GiB: %.1f us, %.1f GB/s (ceiling)\n", t, 2.0 * big / (t * 1e-6) / 1e9);
+  struct Shape { const char* name; int T, k, H; };
+  for (const Shape sh : {Shape{"DeepSeek EP (T 1024, k 8, H 7168)", 1024, 8, 7168},
+                         Shape{"Qwen3-MoE (T 4096, k 8, H 2048)", 4096, 8, 2048},
+                         Shape{"Mixtral (T 4096, k 2, H 4096)", 4096, 2, 4096}}) {
+    const int rows = sh.T * sh.k;
+    std::vector<int> h(rows);
+    for (int p = 0; p < rows; ++p) h[p] = p % sh.T;
+    unsigned s = 777; for (int i = rows - 1; i > 0; --i) { s = s * 1664525u + 1013904223u; std::swap(h[i], h[s % (i + 1)]); }
+    CK(cudaMalloc(&tok, rows * 4)); CK(cudaMemcpy(tok, h.data(), rows * 4, cudaMemcpyHostToDevice));
+    const double bf16_bytes = 2.0 * rows * sh.H;
+    printf("%s: %d rows, %.0f MB of bf16 values into a %.1f MB output\n", sh.name, rows, bf16_bytes / 1e6,
+           2.0 * sh.T * sh.H / 1e6);
+    auto run = [&](const char* what, double bytes, auto launch) {
+      for (int per_sm : {4, 16}) {
+        const float us = med([&] { launch(sms * per_sm); });
+        printf("  %-44s %2d/SM %9.2f us %8.1f GB/s of values\n", what, per_sm, us, bytes / (us * 1e-6) / 1e9);
+      }
+    };
+    run("red.v4.bf16x2 (16 B), out bf16", bf16_bytes, [&](int g) { scatter_rows<0><<<g, 256>>>(b, tok, rows, sh.H); });
+    run("red.bf16x2 (4 B) x 4, out bf16", bf16_bytes, [&](int g) { scatter_rows<1><<<g, 256>>>(b, tok, rows, sh.H); });
+    run("red.v4.f32 (16 B), out fp32", 2 * bf16_bytes, [&](int g) { scatter_rows<2><<<g, 256>>>(b, tok, rows, sh.H); });
+    run("st.v4 to the token's row (same lines)", bf16_bytes, [&](int g) { scatter_rows<3><<<g, 256>>>(b, tok, rows, sh.H); });
+    run("st.v4 to row p (the unfused rows, HBM)", bf16_bytes, [&](int g) { scatter_rows<4><<<g, 256>>>(b, tok, rows, sh.H); });
+    CK(cudaFree(tok));
+  }
+}
+
 int main(int argc, char** argv) {
   if (argc > 1 && !std::strcmp(argv[1], "methods")) {
     methods();
@@ -222,6 +288,10 @@ int main(int argc, char** argv) {
   }
   if (argc > 1 && !std::strcmp(argv[1], "l2mix")) {
     l2_mix();
+    return 0;
+  }
+  if (argc > 1 && !std::strcmp(argv[1], "reds")) {
+    reds();
     return 0;
   }
   const size_t big = size_t(2) << 30;
