@@ -20,6 +20,7 @@
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/detail.hpp"
 #include "cutlass/epilogue/dispatch_policy.hpp"
 #include "cutlass/gemm/gemm.h"
 #include "moe/moe_fc2_internal.h"
@@ -61,7 +62,9 @@ extern __shared__ __align__(128) char fc2_dynamic_smem[];
 // The bulk path (cooperative 128-row tiles, atomic bf16): the scaled tile is
 // staged kBulkCols columns at a time, each row added into its token's row by
 // one asynchronous bulk reduction (cp.reduce.async.bulk ... add.noftz.bf16).
-constexpr int kBulkRows = 128, kBulkCols = 64;
+// With the whole tile staged, the consumers go on to the next tile while the
+// reductions run.
+constexpr int kBulkRows = 128, kBulkCols = 256;
 constexpr int kBulkRowBytes = kBulkCols * 2 + 16;  // + 16: the 8 rows a warp writes hit different banks
 // + each row's destination, two buffers (by tile parity: a tile's issuers may
 // still read theirs while the other threads start the next tile)
@@ -420,8 +423,10 @@ class Fc2ScatterEpilogue {
     const uint32_t stage_s = static_cast<uint32_t>(__cvta_generic_to_shared(stage));
     CUTLASS_PRAGMA_UNROLL
     for (int c0 = 0; c0 < kTileN; c0 += kBulkCols) {
-      // The staging is free (each issuer waited for its copy's read) and the
-      // row destinations are written.
+      // The staging is free once each issuer's earlier copies have read it
+      // (the previous round's, or the previous tile's); the row destinations
+      // are written.
+      if (thread_idx < kBulkRows) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
       asm volatile("bar.sync %0, 256;" ::"r"(kBulkBarrier) : "memory");
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < kRows; ++i) {
@@ -456,7 +461,6 @@ class Fc2ScatterEpilogue {
                        "r"(stage_s + uint32_t(thread_idx * kBulkRowBytes)), "r"(cols * 2)
                        : "memory");
           asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-          asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
         }
       }
     }
@@ -469,6 +473,21 @@ class Fc2ScatterEpilogue {
   Params params;
   int tile_parity_ = 0;
   int bulk_parity_ = 0;
+};
+
+// CUTLASS's adapter for operator-style epilogues, plus a store_tail that
+// waits until the last tile's bulk reductions have read the staging (the
+// shared memory must outlive them); a no-op when none were issued.
+class Fc2EpilogueAdapter : public cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Fc2ScatterEpilogue> {
+  using Base = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Fc2ScatterEpilogue>;
+
+ public:
+  using Base::Base;
+  template <class... Args>
+  CUTLASS_DEVICE auto store_tail(Args... args) {
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    return Base::store_tail(args...);
+  }
 };
 
 }  // namespace flashmix::sm90

@@ -57,7 +57,7 @@ struct Fc2GemmConfig {
       std::is_same_v<KernelSchedule, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative> &&
       cute::size<0>(TileShape{}) == kBulkRows;
   static constexpr int kExtraSmem = kBulk ? kBulkStagingBytes + 128 : 0;  // + alignment
-  using CollectiveEpilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Fc2ScatterEpilogue>;
+  using CollectiveEpilogue = Fc2EpilogueAdapter;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Fc2ElementA, cutlass::layout::RowMajor*, 8, Fc2ElementB,
       cutlass::layout::ColumnMajor*, 8, float, TileShape, ClusterShape,
