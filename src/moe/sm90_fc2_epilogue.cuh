@@ -20,7 +20,6 @@
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
-#include "cutlass/epilogue/collective/detail.hpp"
 #include "cutlass/epilogue/dispatch_policy.hpp"
 #include "cutlass/gemm/gemm.h"
 #include "moe/moe_fc2_internal.h"
@@ -54,22 +53,6 @@ __device__ __forceinline__ void st_global_v4(void* addr, uint32_t a, uint32_t b,
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
 
-// Dynamic shared memory as the kernel sees it (every extern __shared__ array
-// starts at its base): the bulk path's staging lies past CUTLASS's shared
-// storage, at Fc2EpilogueParamsDevice::staging_offset.
-extern __shared__ __align__(128) char fc2_dynamic_smem[];
-
-// The bulk path (cooperative 128-row tiles, atomic bf16): the scaled tile is
-// staged kBulkCols columns at a time, each row added into its token's row by
-// one asynchronous bulk reduction (cp.reduce.async.bulk ... add.noftz.bf16).
-// With the whole tile staged, the consumers go on to the next tile while the
-// reductions run.
-constexpr int kBulkRows = 128, kBulkCols = 256;
-constexpr int kBulkRowBytes = kBulkCols * 2 + 16;  // + 16: the 8 rows a warp writes hit different banks
-// + each row's destination, two buffers (by tile parity: a tile's issuers may
-// still read theirs while the other threads start the next tile)
-constexpr int kBulkStagingBytes = kBulkRows * kBulkRowBytes + 2 * kBulkRows * 8;
-
 // x[i] of lane q (of a quad) is element (q, i); afterwards it is element (i, q).
 // Two butterfly stages; at stage m, an element whose lane bit m differs from
 // its slot bit m moves to lane ^ m, slot ^ m. Register indices stay static.
@@ -97,8 +80,6 @@ struct Fc2EpilogueParamsDevice {
   int T = 0, k = 0, H = 0;
   int op = 0;  // Fc2EpilogueOp
   bool vec16 = false;  // dst and dst_stride allow 16-byte accesses
-  bool bulk = false;   // kRedBf16 through staged bulk reductions (the launcher gives the staging)
-  uint32_t staging_offset = 0;  // bytes from the dynamic shared memory's base
 };
 
 class Fc2ScatterEpilogue {
@@ -179,10 +160,6 @@ class Fc2ScatterEpilogue {
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
     Tensor tCcD = thr_mma.partition_C(cD);  // (VEC, MMA_M, MMA_N) coordinates
     const int n0 = int(n_coord) * int(size<1>(blk_shape_MNK));  // first column of the tile
-    if (params.bulk && params.op == int(Fc2EpilogueOp::kRedBf16)) {
-      const int m0 = int(m_coord) * int(size<0>(blk_shape_MNK));
-      return store_tile_bulk(accumulators, tCcD, M, N, e, n0, m0, thread_idx, smem);
-    }
     // One unrolled body per mode (the mode is uniform per launch): runtime
     // branches inside the unrolled loops had cost selects on every element.
     switch (params.op * 2 + (params.vec16 ? 1 : 0)) {
@@ -363,131 +340,10 @@ class Fc2ScatterEpilogue {
     }
   }
 
-  // The bulk path of kRedBf16 (cooperative kernel: 2 consumer warpgroups, a
-  // 128-row tile). The loads as in store_tile; then, kBulkCols columns at a
-  // time: every thread writes its scaled bf16 pairs into the staging rows,
-  // the 256 consumer threads meet, and thread r < 128 adds row r into its
-  // token's row with one bulk reduction, then waits until the copy has read
-  // the staging (not for the reduction itself), so the next round can
-  // overwrite it.
-  template <class FrgEngine, class FrgLayout, class CoordTensor>
-  CUTLASS_DEVICE void store_tile_bulk(cute::Tensor<FrgEngine, FrgLayout> const& accumulators,
-                                      CoordTensor const& tCcD, int M, int N, int e, int n0, int m0, int thread_idx,
-                                      char* smem_raw) {
-    using namespace cute;
-    static_assert(is_static<FrgLayout>::value, "accumulator layout must be static");
-    static_assert(rank<0>(FrgLayout{}) == 3, "unexpected accumulator layout");
-    constexpr int kV = size<0, 2>(FrgLayout{});
-    constexpr int kMmaM = size<1>(FrgLayout{});
-    constexpr int kMmaN = size<2>(FrgLayout{});
-    constexpr int kRows = kMmaM * 2;
-    constexpr int kGroups = kMmaN * kV;  // 8-column groups of the tile
-    static_assert(kGroups * 8 % kBulkCols == 0, "whole staging rounds");
-    constexpr int kTileN = kGroups * 8;
-    const int64_t row0 = params.offsets[e];
-    const int T = params.T, k = params.k;
-
-    int mrow[kRows], slot[kRows];
-    bool valid[kRows];
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kRows; ++i) {
-      mrow[i] = int(get<0>(tCcD(make_coord(make_coord(0, i % 2, 0), i / 2, 0))));
-      valid[i] = mrow[i] < M;
-      slot[i] = valid[i] ? __ldg(params.p2u + row0 + mrow[i]) : 0;
-    }
-    const uint32_t* bias_s = nullptr;
-    if (params.bias) {
-      const int wg = int(threadIdx.x) / 128 - 1;
-      const int wt = int(threadIdx.x) % 128;
-      SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
-      uint32_t* buf = ss.bias[wg][tile_parity_];
-      tile_parity_ ^= 1;
-      if (wt < kTileN / 2) {
-        const int n = n0 + 2 * wt;
-        buf[wt] = n < N ? __ldg(reinterpret_cast<const unsigned int*>(params.bias + int64_t(e) * N + n)) : 0u;
-      }
-      asm volatile("bar.sync %0, 128;" ::"r"(kBiasBarrierBase + wg) : "memory");
-      bias_s = buf;
-    }
-    float weight[kRows];
-    char* stage = fc2_dynamic_smem + params.staging_offset;
-    int64_t* rowdst = reinterpret_cast<int64_t*>(stage + kBulkRows * kBulkRowBytes) + bulk_parity_ * kBulkRows;
-    bulk_parity_ ^= 1;
-    const int q = thread_idx & 3;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kRows; ++i) {
-      const int t = slot[i] % T, j = slot[i] / T;
-      weight[i] = params.scales && valid[i] ? __ldg(params.scales + int64_t(t) * k + j) : 1.0f;
-      if (q == 0) rowdst[mrow[i] - m0] = valid[i] ? int64_t(t) * params.dst_stride : int64_t(-1);
-    }
-    const uint32_t stage_s = static_cast<uint32_t>(__cvta_generic_to_shared(stage));
-    CUTLASS_PRAGMA_UNROLL
-    for (int c0 = 0; c0 < kTileN; c0 += kBulkCols) {
-      // The staging is free once each issuer's earlier copies have read it
-      // (the previous round's, or the previous tile's); the row destinations
-      // are written.
-      if (thread_idx < kBulkRows) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-      asm volatile("bar.sync %0, 256;" ::"r"(kBulkBarrier) : "memory");
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < kRows; ++i) {
-        const int mi = i / 2, r = i % 2;
-        if (!valid[i]) continue;
-        char* srow = stage + (mrow[i] - m0) * kBulkRowBytes;
-        CUTLASS_PRAGMA_UNROLL
-        for (int gi = c0 / 8; gi < (c0 + kBulkCols) / 8; ++gi) {
-          const int ni = gi / kV, v = gi % kV;
-          const auto idx0 = make_coord(make_coord(0, r, v), mi, ni);
-          const auto idx1 = make_coord(make_coord(1, r, v), mi, ni);
-          const int n = int(get<1>(tCcD(idx0)));
-          float a0 = accumulators(idx0), a1 = accumulators(idx1);
-          if (bias_s) {
-            const uint32_t bits = bias_s[(n - n0) / 2];
-            const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&bits);
-            a0 += __low2float(b);
-            a1 += __high2float(b);
-          }
-          const __nv_bfloat162 h = __floats2bfloat162_rn(a0 * weight[i], a1 * weight[i]);
-          *reinterpret_cast<__nv_bfloat162*>(srow + (n - n0 - c0) * 2) = h;
-        }
-      }
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the writes, visible to the bulk copies
-      asm volatile("bar.sync %0, 256;" ::"r"(kBulkBarrier) : "memory");
-      if (thread_idx < kBulkRows) {
-        const int64_t d = rowdst[thread_idx];
-        const int cols = min(kBulkCols, N - n0 - c0);
-        if (d >= 0 && cols > 0) {
-          __nv_bfloat16* g = static_cast<__nv_bfloat16*>(params.dst) + d + n0 + c0;
-          asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.noftz.bf16 [%0], [%1], %2;" ::"l"(g),
-                       "r"(stage_s + uint32_t(thread_idx * kBulkRowBytes)), "r"(cols * 2)
-                       : "memory");
-          asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-        }
-      }
-    }
-  }
-
   // Named barriers 8 and 9 (CUTLASS reserves 0-7); the kernels in use take none.
-  // 10: the bulk path's 256 consumer threads.
   static constexpr int kBiasBarrierBase = 8;
-  static constexpr int kBulkBarrier = 10;
   Params params;
   int tile_parity_ = 0;
-  int bulk_parity_ = 0;
-};
-
-// CUTLASS's adapter for operator-style epilogues, plus a store_tail that
-// waits until the last tile's bulk reductions have read the staging (the
-// shared memory must outlive them); a no-op when none were issued.
-class Fc2EpilogueAdapter : public cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Fc2ScatterEpilogue> {
-  using Base = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Fc2ScatterEpilogue>;
-
- public:
-  using Base::Base;
-  template <class... Args>
-  CUTLASS_DEVICE auto store_tail(Args... args) {
-    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-    return Base::store_tail(args...);
-  }
 };
 
 }  // namespace flashmix::sm90

@@ -14,7 +14,6 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "cutlass/kernel_launch.h"
 #include "moe/moe_fc2_internal.h"
 #include "moe/sm90_fc2_epilogue.cuh"
 
@@ -49,23 +48,14 @@ inline Fc2GroupArrays fc2_group_arrays(void* ws, int E) {
 
 template <class KernelSchedule, class TileShape, class ClusterShape>
 struct Fc2GemmConfig {
-  // The cooperative kernel (128-row tiles, epilogue not overlapped with the
-  // next mainloop) adds atomic bf16 tiles through staged bulk reductions
-  // (sm90_fc2_epilogue.cuh); the staging lies past the kernel's shared
-  // storage, in dynamic shared memory this launcher adds.
-  static constexpr bool kBulk =
-      std::is_same_v<KernelSchedule, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative> &&
-      cute::size<0>(TileShape{}) == kBulkRows;
-  static constexpr int kExtraSmem = kBulk ? kBulkStagingBytes + 128 : 0;  // + alignment
-  using CollectiveEpilogue = Fc2EpilogueAdapter;
+  using CollectiveEpilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Fc2ScatterEpilogue>;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Fc2ElementA, cutlass::layout::RowMajor*, 8, Fc2ElementB,
       cutlass::layout::ColumnMajor*, 8, float, TileShape, ClusterShape,
       // The adapter takes our SharedStorage both as its tensor storage and as
       // its tensormap storage: the kernel holds it twice.
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename CollectiveEpilogue::TensorStorage) + sizeof(typename CollectiveEpilogue::TensorMapStorage) +
-          kExtraSmem)>,
+          sizeof(typename CollectiveEpilogue::TensorStorage) + sizeof(typename CollectiveEpilogue::TensorMapStorage))>,
       KernelSchedule>::CollectiveOp;
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<Fc2ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
@@ -113,12 +103,6 @@ struct Fc2GemmConfig {
   static Status run(const Sm90Fc2GemmParams& p, cudaStream_t stream) {
     constexpr const char* kOp = "moe_fc2_finalize";
     typename Gemm::Arguments args = arguments(p);
-    const bool bulk = kBulk && p.op == Fc2EpilogueOp::kRedBf16 && p.vec16 && p.k >= 2;
-    const int staging_offset = (int(GemmKernel::SharedStorageSize) + 127) / 128 * 128;
-    if (bulk) {
-      args.epilogue.bulk = true;
-      args.epilogue.staging_offset = uint32_t(staging_offset);
-    }
     Gemm gemm;
     cutlass::Status cs = gemm.can_implement(args);
     FM_REQUIRE_SUPPORTED(cs == cutlass::Status::kSuccess, kOp, "shape", "CUTLASS cannot implement it (",
@@ -127,22 +111,7 @@ struct Fc2GemmConfig {
     if (cs != cutlass::Status::kSuccess)
       return Status(StatusCode::kCudaError,
                     detail::concat(kOp, ": grouped GEMM initialize: ", cutlassGetStatusString(cs)));
-    bool launched = false;
-    if constexpr (kBulk) {
-      if (bulk) {
-        // CUTLASS's launch with more dynamic shared memory: the staging.
-        const int smem = staging_offset + kBulkStagingBytes;
-        cudaError_t err = cudaFuncSetAttribute(cutlass::device_kernel<GemmKernel>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-        if (err != cudaSuccess)
-          return Status(StatusCode::kCudaError,
-                        detail::concat(kOp, ": grouped GEMM shared memory: ", cudaGetErrorString(err)));
-        cs = cutlass::kernel_launch<GemmKernel>(Gemm::get_grid_shape(gemm.params()), GemmKernel::get_block_shape(),
-                                                smem, stream, gemm.params(), false);
-        launched = true;
-      }
-    }
-    if (!launched) cs = gemm.run(stream);
+    cs = gemm.run(stream);
     if (cs != cutlass::Status::kSuccess)
       return Status(StatusCode::kCudaError,
                     detail::concat(kOp, ": grouped GEMM launch: ", cutlassGetStatusString(cs)));
