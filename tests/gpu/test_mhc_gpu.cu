@@ -202,6 +202,12 @@ std::vector<PreCase> pre_cases() {
   v.push_back({4, 7168, 7, true, DType::kBFloat16});
   v.push_back({4, 7168, 8192, false, DType::kFloat32});
   v.push_back({2, 1000, 8192, true, DType::kFloat32});
+  // B = 8192 for every n and every C of the sweep (one pairing each).
+  v.push_back({1, 1280, 8192, true, DType::kFloat32});
+  v.push_back({2, 2560, 8192, false, DType::kFloat32});
+  v.push_back({4, 4096, 8192, true, DType::kBFloat16});
+  v.push_back({6, 7168, 8192, false, DType::kFloat32});
+  v.push_back({8, 1000, 8192, true, DType::kFloat32});
   v.push_back({4, 7168, 16, false, DType::kFloat32});   // decode
   v.push_back({4, 7168, 100, false, DType::kFloat32});  // a partial last tile
   v.push_back({8, 16384, 7, false, DType::kFloat32});   // too large for the cluster kernel: portable path
@@ -300,6 +306,11 @@ std::vector<PostCase> post_cases() {
   v.push_back({4, 7168, 8192, MhcResLayout::kDeepSeek});
   v.push_back({4, 7168, 8192, MhcResLayout::kRowMix});
   v.push_back({6, 1000, 8192, MhcResLayout::kDeepSeek});
+  // B = 8192 for every n and every C of the sweep (one pairing each).
+  v.push_back({1, 1280, 8192, MhcResLayout::kRowMix});
+  v.push_back({2, 2560, 8192, MhcResLayout::kDeepSeek});
+  v.push_back({4, 4096, 8192, MhcResLayout::kRowMix});
+  v.push_back({8, 7168, 8192, MhcResLayout::kDeepSeek});
   return v;
 }
 
