@@ -203,6 +203,12 @@ enum class Fc2Mode : int {
                        // fp32 sum: bitwise reproducible, one rounding
   kUnfused = 3,        // GEMM -> [P, H] bf16 rows, then finalize_moe_routing (the baseline)
 };
+// Which mode is fastest depends on the shape (H200, bench record
+// NVIDIA_H200-20261123-223144, us): DeepSeek-like EP rank (k = 8, I = 2048)
+// kAtomic 466 < kUnfused 486; Mixtral-like (k = 2, I = 14336) 1569 vs 1562,
+// even; Qwen3-MoE-like (k = 8, I = 768) kUnfused 293 < kAtomic 319.
+// kUnfused needs a [P, H] bf16 workspace (moe_fc2_finalize_workspace_size);
+// time both on the target shape when the workspace is affordable.
 
 // GEMM configuration (schedule, tile, cluster). 0 = choose by shape (the
 // default); the benchmark's --sweep times each to justify the choice.
