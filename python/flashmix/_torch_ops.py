@@ -131,6 +131,15 @@ def _(expanded_permuted_rows, unpermuted_row_to_permuted_row, token_selected_exp
     return expanded_permuted_rows.new_empty((token_selected_experts.shape[0], H), dtype=dtype)
 
 
+def _mhc_pre_outputs_like(x, phi):
+    """The shapes of mhc_pre's outputs (f_pre bf16 [B, C], h_post fp32 [B, n], h_res fp32 [B, n, n]),
+    for the fake implementations."""
+    n = _streams_from_coefficients(phi.shape[0], "mhc_pre", "phi")
+    B, C = x.shape[0], _mhc_hidden(x, n, "mhc_pre")
+    return (x.new_empty((B, C), dtype=torch.bfloat16), x.new_empty((B, n), dtype=torch.float32),
+            x.new_empty((B, n, n), dtype=torch.float32))
+
+
 @torch.library.custom_op("flashmix::mhc_pre", mutates_args=())
 def mhc_pre(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, eps_norm: float = 1e-6, eps_pre: float = 1e-6,
             post_mult: float = 2.0, eps_sinkhorn: float = 1e-6, sinkhorn_iters: int = 20, enable_pdl: bool = True,
@@ -145,10 +154,7 @@ def mhc_pre(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, eps_norm: float
 @mhc_pre.register_fake
 def _(x, phi, alpha, bias, eps_norm=1e-6, eps_pre=1e-6, post_mult=2.0, eps_sinkhorn=1e-6, sinkhorn_iters=20,
       enable_pdl=True, prefetch_weights=False):
-    n = _streams_from_coefficients(phi.shape[0], "mhc_pre", "phi")
-    B, C = x.shape[0], _mhc_hidden(x, n, "mhc_pre")
-    return (x.new_empty((B, C), dtype=torch.bfloat16), x.new_empty((B, n), dtype=torch.float32),
-            x.new_empty((B, n, n), dtype=torch.float32))
+    return _mhc_pre_outputs_like(x, phi)
 
 
 # A separate op rather than an optional argument of mhc_pre: torch 2.11's
@@ -170,10 +176,7 @@ def mhc_pre_with_workspace(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, 
 @mhc_pre_with_workspace.register_fake
 def _(x, phi, alpha, bias, workspace, eps_norm=1e-6, eps_pre=1e-6, post_mult=2.0, eps_sinkhorn=1e-6,
       sinkhorn_iters=20, enable_pdl=True, prefetch_weights=False):
-    n = _streams_from_coefficients(phi.shape[0], "mhc_pre", "phi")
-    B, C = x.shape[0], _mhc_hidden(x, n, "mhc_pre")
-    return (x.new_empty((B, C), dtype=torch.bfloat16), x.new_empty((B, n), dtype=torch.float32),
-            x.new_empty((B, n, n), dtype=torch.float32))
+    return _mhc_pre_outputs_like(x, phi)
 
 
 @torch.library.custom_op("flashmix::mhc_post", mutates_args=())

@@ -193,7 +193,8 @@ struct ProjectParams {
 // The split projection for small batches (mhc_split.cu): with a workspace and
 // B <= kMhcSplitMaxBatch, one CTA per SM, each a slice of the columns, the
 // partial sums exchanged through the workspace. Same contract as
-// sm90_mhc_project_fused; tried first. Any GPU (FFMA only).
+// sm90_mhc_project_fused; launch_project tries it after the resident kernel
+// (first when ProjectKernel::kSplit pins it). Any GPU (FFMA only).
 cudaError_t mhc_split_project(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
                               bool dry_run = false);
 

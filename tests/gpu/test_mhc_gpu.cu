@@ -66,7 +66,7 @@ struct PreCase {
 DeviceBuffer zeroed_workspace(const MhcShape& shape) {
   const size_t bytes = std::max<size_t>(mhc_workspace_bytes(shape), 256);
   DeviceBuffer b(bytes);
-  if (bytes) EXPECT_EQ(cudaMemset(b.get(), 0, bytes), cudaSuccess);
+  EXPECT_EQ(cudaMemset(b.get(), 0, bytes), cudaSuccess);
   return b;
 }
 
@@ -481,6 +481,13 @@ PrePostRun run_pre_post(const Problem& p, DeviceProblem& d, bool graph, void* wo
   return out;
 }
 
+// F_pre, H_post and H_res of two runs are bitwise the same.
+void expect_bitwise_equal(const PrePostRun& a, const PrePostRun& b) {
+  EXPECT_EQ(a.f_pre, b.f_pre);
+  EXPECT_EQ(0, std::memcmp(a.h_post.data(), b.h_post.data(), a.h_post.size() * 4));
+  EXPECT_EQ(0, std::memcmp(a.h_res.data(), b.h_res.data(), a.h_res.size() * 4));
+}
+
 // No order-dependent atomics: repeated runs are bitwise identical, and a
 // captured graph's replays give the same bits as direct launches.
 TEST(MhcDeterminismGpu, RepeatedRunsAndGraphReplayAreBitwiseIdentical) {
@@ -489,12 +496,9 @@ TEST(MhcDeterminismGpu, RepeatedRunsAndGraphReplayAreBitwiseIdentical) {
     Problem p = make_problem(333, n, n == 4 ? 7168 : 1000, seed_for("determinism") + n);
     DeviceProblem d(p);
     PrePostRun r1 = run_pre_post(p, d, false), r2 = run_pre_post(p, d, false), r3 = run_pre_post(p, d, true);
-    EXPECT_EQ(r1.f_pre, r2.f_pre);
-    EXPECT_EQ(0, std::memcmp(r1.h_post.data(), r2.h_post.data(), r1.h_post.size() * 4));
-    EXPECT_EQ(0, std::memcmp(r1.h_res.data(), r2.h_res.data(), r1.h_res.size() * 4));
+    expect_bitwise_equal(r1, r2);
     EXPECT_EQ(r1.x_next, r2.x_next);
-    EXPECT_EQ(r1.f_pre, r3.f_pre);
-    EXPECT_EQ(0, std::memcmp(r1.h_res.data(), r3.h_res.data(), r1.h_res.size() * 4));
+    expect_bitwise_equal(r1, r3);  // H_post compared too
     EXPECT_EQ(r1.x_next, r3.x_next);
     for (auto v : r1.x_next) ASSERT_TRUE(std::isfinite(f32(v)));
   }
@@ -507,12 +511,8 @@ TEST(MhcDeterminismGpu, RepeatedRunsAndGraphReplayAreBitwiseIdentical) {
     PinProjectKernel pin(mhc_detail::ProjectKernel::kSplit);
     PrePostRun r1 = run_pre_post(p, d, false, ws.get(), ws.bytes()), r2 = run_pre_post(p, d, false, ws.get(), ws.bytes()),
                r3 = run_pre_post(p, d, true, ws.get(), ws.bytes());
-    EXPECT_EQ(r1.f_pre, r2.f_pre);
-    EXPECT_EQ(0, std::memcmp(r1.h_post.data(), r2.h_post.data(), r1.h_post.size() * 4));
-    EXPECT_EQ(0, std::memcmp(r1.h_res.data(), r2.h_res.data(), r1.h_res.size() * 4));
-    EXPECT_EQ(r1.f_pre, r3.f_pre);
-    EXPECT_EQ(0, std::memcmp(r1.h_post.data(), r3.h_post.data(), r1.h_post.size() * 4));
-    EXPECT_EQ(0, std::memcmp(r1.h_res.data(), r3.h_res.data(), r1.h_res.size() * 4));
+    expect_bitwise_equal(r1, r2);
+    expect_bitwise_equal(r1, r3);
     for (auto v : r1.f_pre) ASSERT_TRUE(std::isfinite(f32(v)));
     expect_barrier_idle(ws);
   }
@@ -528,10 +528,8 @@ TEST(MhcDeterminismGpu, RepeatedRunsAndGraphReplayAreBitwiseIdentical) {
     PinProjectKernel pin(mhc_detail::ProjectKernel::kSplit);
     PrePostRun a1 = run_pre_post(pa, da, false, ws.get(), bytes), b1 = run_pre_post(pb, db, true, ws.get(), bytes),
                a2 = run_pre_post(pa, da, true, ws.get(), bytes), b2 = run_pre_post(pb, db, false, ws.get(), bytes);
-    EXPECT_EQ(a1.f_pre, a2.f_pre);
-    EXPECT_EQ(0, std::memcmp(a1.h_res.data(), a2.h_res.data(), a1.h_res.size() * 4));
-    EXPECT_EQ(b1.f_pre, b2.f_pre);
-    EXPECT_EQ(0, std::memcmp(b1.h_res.data(), b2.h_res.data(), b1.h_res.size() * 4));
+    expect_bitwise_equal(a1, a2);  // H_post compared too
+    expect_bitwise_equal(b1, b2);
     expect_barrier_idle(ws);
   }
 }
@@ -606,10 +604,7 @@ TEST(MhcPrefetchGpu, WeightsEarlyXAfterTheDependency) {
       for (bool graph : {false, true}) {
         SCOPED_TRACE(graph ? "graph" : "direct");
         for (bool prefetch : {false, true}) {
-          const PrePostRun got = outputs(prefetch, true, graph);
-          EXPECT_EQ(ref.f_pre, got.f_pre);
-          EXPECT_EQ(0, std::memcmp(ref.h_post.data(), got.h_post.data(), ref.h_post.size() * 4));
-          EXPECT_EQ(0, std::memcmp(ref.h_res.data(), got.h_res.data(), ref.h_res.size() * 4));
+          expect_bitwise_equal(ref, outputs(prefetch, true, graph));
         }
       }
      }
