@@ -160,11 +160,15 @@ void run_case(Context& ctx, const Fc2Case& c, cudaStream_t stream) {
     Fc2Tuning t;
     if (std::sscanf(env, "%d,%d,%d", &t.gemm_config, &t.raster, &t.swizzle) == 3) tunings[0] = t;
   }
-  if (ctx.sweep)
+  if (ctx.sweep) {
     for (int cfg = 1; cfg <= 2; ++cfg)
       for (int raster = 1; raster <= 2; ++raster)
         for (int swizzle : {1, 4}) tunings.push_back(Fc2Tuning{cfg, raster, swizzle});
-  for (const Fc2Tuning& tuning : tunings) {
+    tunings.push_back(Fc2Tuning{3, 1, 1});  // our own kernel: its tile order is fixed
+  }
+  const bool pinned = std::getenv("FLASHMIX_BENCH_FC2_TUNING") != nullptr;
+  for (size_t ti = 0; ti < tunings.size(); ++ti) {
+  const Fc2Tuning& tuning = tunings[ti];
   double unfused_us = 0;
   a.tuning = tuning;
   const bool swept = tuning.gemm_config != 0;
@@ -173,7 +177,8 @@ void run_case(Context& ctx, const Fc2Case& c, cudaStream_t stream) {
                                    : "";
   for (Fc2Mode m : modes) {
     if (!ctx.selected("moe_fc2", c.name + "/" + fc2_mode_name(m))) continue;
-    if (swept && m != Fc2Mode::kAtomic && m != Fc2Mode::kUnfused) continue;
+    // The sweep's extra tunings time atomic and unfused only; a pinned one (the env) every mode.
+    if (swept && !(pinned && ti == 0) && m != Fc2Mode::kAtomic && m != Fc2Mode::kUnfused) continue;
     a.mode = m;
     BENCH_CUDA(cudaMemsetAsync(dout, 0xff, c.T * c.H * 2, stream));
     Status st = moe_fc2_finalize(a, dws, ws_bytes, stream);

@@ -41,6 +41,7 @@
 
 #include "common/launch.cuh"
 #include "common/sm90.cuh"
+#include "common/tma_host.h"
 #include "mhc/mhc_device.cuh"
 
 namespace flashmix::mhc_detail {
@@ -796,29 +797,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-using TensorMapEncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                          const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                          CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-TensorMapEncodeTiled tensor_map_encoder() {
-  static const TensorMapEncodeTiled fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      return TensorMapEncodeTiled(nullptr);
-    }
-    return reinterpret_cast<TensorMapEncodeTiled>(f);
-  }();
-  return fn;
-}
-
 // X as a 3-D tensor (columns, tokens, streams) with boxes of
 // 64 columns x 16 tokens x n streams, 128-byte swizzle; tokens past B read
 // as zeros. Host-only work (capture-safe), done per launch because X moves.
 bool encode_x_map(const ProjectParams& p, int n, CUtensorMap& map) {
-  const TensorMapEncodeTiled encode = tensor_map_encoder();
+  const detail::TensorMapEncodeTiled encode = detail::tensor_map_encoder();
   if (encode == nullptr) return false;
   const cuuint64_t dims[3] = {cuuint64_t(p.hidden), cuuint64_t(p.batch), cuuint64_t(n)};
   const cuuint64_t strides[2] = {cuuint64_t(p.k_len) * 2, cuuint64_t(p.hidden) * 2};  // bytes, dims 1 and 2

@@ -145,6 +145,7 @@ Status moe_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t worksp
       g.dst = a.out;
       g.dst_stride = out_stride;
       g.vec16 = reinterpret_cast<uintptr_t>(a.out) % 16 == 0 && out_stride % 8 == 0;
+      g.add_to_out = a.out_already_zeroed;
       return sm90_fc2_grouped_gemm(g, stream);
     }
     case Fc2Mode::kAtomicFp32: {

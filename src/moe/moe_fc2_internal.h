@@ -42,6 +42,7 @@ struct Sm90Fc2GemmParams {
   int sm_count;
   int config;   // 0 = automatic, else a configuration id (sm90_fc2_grouped_gemm.cu)
   bool vec16;   // dst and dst_stride allow 16-byte accesses
+  bool add_to_out;  // kRedBf16: out holds the caller's zeros or residual, so k == 1 adds too (no plain stores)
   bool raster_along_n;  // tile order: N fastest (else M fastest: the M tiles of a W2 slice together)
   int swizzle;          // scheduler swizzle 1, 2, 4 or 8
 };

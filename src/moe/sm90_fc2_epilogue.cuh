@@ -22,36 +22,16 @@
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/dispatch_policy.hpp"
 #include "cutlass/gemm/gemm.h"
+#include "common/red.cuh"
 #include "moe/moe_fc2_internal.h"
 
 namespace flashmix::sm90 {
 
-__device__ __forceinline__ void red_add_bf16x2(__nv_bfloat16* addr, float a, float b) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-  uint32_t bits = *reinterpret_cast<uint32_t*>(&v);
-  asm volatile("red.global.add.noftz.bf16x2 [%0], %1;" ::"l"(addr), "r"(bits) : "memory");
-}
-
-__device__ __forceinline__ void red_add_f32x2(float* addr, float a, float b) {
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(addr), "f"(a), "f"(b) : "memory");
-}
-
-__device__ __forceinline__ void red_add_bf16x8(__nv_bfloat16* addr, const uint32_t (&x)[4]) {
-  asm volatile("red.global.v4.bf16x2.add.noftz [%0], {%1, %2, %3, %4};" ::"l"(addr), "r"(x[0]), "r"(x[1]),
-               "r"(x[2]), "r"(x[3])
-               : "memory");
-}
-
-__device__ __forceinline__ void red_add_f32x4(float* addr, float4 v) {
-  asm volatile("red.global.v4.f32.add [%0], {%1, %2, %3, %4};" ::"l"(addr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
-               : "memory");
-}
-
-// 16-byte stores in asm: written as uint4 / float4 assignments, some of the
-// per-mode bodies came out of the compiler as four 4-byte stores.
-__device__ __forceinline__ void st_global_v4(void* addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
-  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
-}
+using dev::red_add_bf16x2;
+using dev::red_add_bf16x8;
+using dev::red_add_f32x2;
+using dev::red_add_f32x4;
+using dev::st_global_v4;
 
 // x[i] of lane q (of a quad) is element (q, i); afterwards it is element (i, q).
 // Two butterfly stages; at stage m, an element whose lane bit m differs from
@@ -80,6 +60,7 @@ struct Fc2EpilogueParamsDevice {
   int T = 0, k = 0, H = 0;
   int op = 0;  // Fc2EpilogueOp
   bool vec16 = false;  // dst and dst_stride allow 16-byte accesses
+  bool add_to_out = false;  // kRedBf16 with k == 1 adds (out holds the caller's residual)
 };
 
 class Fc2ScatterEpilogue {
@@ -194,7 +175,8 @@ class Fc2ScatterEpilogue {
 
     const int64_t row0 = params.offsets[e];
     const int T = params.T, k = params.k;
-    const bool plain_store = kOp == Fc2EpilogueOp::kRowsBf16 || kOp == Fc2EpilogueOp::kRowsFp32Scaled || k == 1;
+    const bool plain_store = kOp == Fc2EpilogueOp::kRowsBf16 || kOp == Fc2EpilogueOp::kRowsFp32Scaled ||
+                             (k == 1 && !params.add_to_out);
 
     // Every global load this tile needs is issued before the first store or
     // reduction: the row slots, the bias of the tile's columns, then the

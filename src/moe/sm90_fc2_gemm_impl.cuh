@@ -80,6 +80,7 @@ struct Fc2GemmConfig {
     epi.H = p.H;
     epi.op = int(p.op);
     epi.vec16 = p.vec16;
+    epi.add_to_out = p.add_to_out;
     typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
                                   {p.E, g.shapes, nullptr},
                                   {g.ptr_A, g.stride_A, g.ptr_B, g.stride_B},

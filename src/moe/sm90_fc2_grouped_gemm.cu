@@ -24,6 +24,8 @@ namespace flashmix {
 //   1 coop_128x256_c1: cooperative (two consumer warpgroups on one 128-row tile), 1x1
 //   2 pp_64x256_c1:    pingpong (each consumer warpgroup its own 64-row tile; one's
 //                      epilogue overlaps the other's mainloop), 1x1
+//   3 rows_128xN:      our own kernel (sm90_fc2_rows_gemm.cu, no CUTLASS): 128 H
+//                      columns x all rows of an expert (N picked per tile)
 // Measured and dropped (H200, docs/fc2_grouped_gemm.md): cooperative 128x256
 // with 1x2 and with 2x1 clusters, cooperative 256x128 1x2, pingpong 128x128
 // with 1x1 and with 2x1 clusters, pingpong 64x256 with 1x2 and with 2x1
@@ -36,6 +38,7 @@ namespace flashmix {
   size_t sm90_fc2_workspace_##NAME(int sm_count, int E);         \
   Status sm90_fc2_run_##NAME(const Sm90Fc2GemmParams& p, cudaStream_t stream);
 FLASHMIX_FC2_CONFIGS(FLASHMIX_FC2_DECLARE)
+Status sm90_fc2_run_rows_128xN(const Sm90Fc2GemmParams& p, cudaStream_t stream);
 
 namespace {
 
@@ -65,7 +68,7 @@ __global__ void fc2_prepare_groups(Fc2GroupArrays g, const Fc2ElementA* A, const
 
 bool sm90_fc2_built_with_cutlass() { return true; }
 
-int sm90_fc2_num_configs() { return 2; }
+int sm90_fc2_num_configs() { return 3; }
 
 size_t sm90_fc2_cutlass_workspace_bytes(int sm_count, int num_experts) {
   size_t bytes = 0;
@@ -76,6 +79,7 @@ size_t sm90_fc2_cutlass_workspace_bytes(int sm_count, int num_experts) {
 }
 
 Status sm90_fc2_grouped_gemm(const Sm90Fc2GemmParams& p, cudaStream_t stream) {
+  if (p.config == 3) return sm90_fc2_run_rows_128xN(p, stream);  // needs no group arrays
   Fc2GroupArrays g = fc2_group_arrays(p.group_ws, p.E);
   fc2_prepare_groups<<<(p.E + 127) / 128, 128, 0, stream>>>(g, static_cast<const Fc2ElementA*>(p.A),
                                                             static_cast<const Fc2ElementB*>(p.W2), p.offsets,

@@ -238,7 +238,7 @@ TEST(MoeFc2Validation, UnknownModeIsRejected) {
 TEST(MoeFc2Validation, UnknownTuningIsRejected) {
   Tiny c;
   Fc2FinalizeArgs a = c.args;
-  a.tuning.gemm_config = 3;
+  a.tuning.gemm_config = 4;
   expect_invalid(a, "tuning.gemm_config");
   a = c.args;
   a.tuning.raster = 3;

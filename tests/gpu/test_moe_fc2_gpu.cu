@@ -12,6 +12,7 @@
 //       |gpu - ref| <= 2^-7 |ref| + k 2^-8 |.|max
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -114,6 +115,10 @@ struct Problem {
     args.out = ref.data();
     args.out_stride = out_stride();
     args.mode = mode;
+    // FLASHMIX_TEST_FC2_CONFIG=n runs every test of this file on GEMM
+    // configuration n (scripts/gpu_round.sh runs the file once per config).
+    if (const char* cfg = std::getenv("FLASHMIX_TEST_FC2_CONFIG")) args.tuning.gemm_config = std::atoi(cfg);
+    if (const char* r = std::getenv("FLASHMIX_TEST_FC2_RASTER")) args.tuning.raster = std::atoi(r);
     Status st = moe_fc2_finalize_cpu(args);
     EXPECT_TRUE(st.ok()) << st.message();
     for (int64_t t = 0; t < c.T; ++t)
@@ -225,13 +230,41 @@ TEST(MoeFc2Gpu, EveryGemmConfigurationMatches) {
   Case c;
   c.T = 300;
   c.k = 4;
-  for (int cfg = 1; cfg <= 2; ++cfg)
+  for (int cfg = 1; cfg <= 3; ++cfg)
     for (Fc2Mode m : kModes) {
       SCOPED_TRACE(std::string(fc2_mode_name(m)) + " config " + std::to_string(cfg));
       Problem p(c, m);
       p.args.tuning.gemm_config = cfg;
-      p.args.tuning.raster = cfg;  // both tile orders
+      p.args.tuning.raster = cfg == 2 ? 2 : 1;  // both tile orders (configuration 3 has its own)
       p.args.tuning.swizzle = cfg == 2 ? 4 : 0;
+      Status st = p.run();
+      ASSERT_TRUE(st.ok()) << st.message();
+      CUDA_OK(cudaDeviceSynchronize());
+      p.check(m, p.result());
+    }
+}
+
+// Configuration 3 cuts an expert's rows into equal chunks of at most 256 and
+// sizes each tile's wgmma N to its chunk: experts of 600, 257 and 1 rows.
+TEST(MoeFc2Gpu, RowsKernelChunksLargeExperts) {
+  SKIP_WITHOUT_HOPPER();
+  Case c;
+  c.T = 600;
+  c.k = 2;
+  c.routing = Case::kAllToOne;  // expert 3: a row of every token (600 rows: 3 chunks of 200)
+  Case d;
+  d.T = 257;
+  d.k = 1;
+  d.total = 1;
+  d.local = 1;  // one expert of 257 rows: chunks of 129 and 128 (N = 144 and 144)
+  Case e;
+  e.T = 1;
+  e.k = 1;
+  for (const Case& cs : {c, d, e})
+    for (Fc2Mode m : kModes) {
+      SCOPED_TRACE(std::string(fc2_mode_name(m)) + " T=" + std::to_string(cs.T));
+      Problem p(cs, m);
+      p.args.tuning.gemm_config = 3;
       Status st = p.run();
       ASSERT_TRUE(st.ok()) << st.message();
       CUDA_OK(cudaDeviceSynchronize());
@@ -352,6 +385,29 @@ TEST(MoeFc2Gpu, AtomicAddsToCallerZeroedOut) {
   ASSERT_TRUE(p.run().ok());
   CUDA_OK(cudaDeviceSynchronize());
   p.check(Fc2Mode::kAtomic, p.result());
+}
+
+// With k = 1 the epilogue may store instead of adding, but not when out
+// holds the caller's residual.
+TEST(MoeFc2Gpu, AtomicWithKEqualsOneAddsToCallerResidual) {
+  SKIP_WITHOUT_HOPPER();
+  Case c;
+  c.k = 1;
+  for (int cfg = 1; cfg <= 3; ++cfg) {
+    SCOPED_TRACE("config " + std::to_string(cfg));
+    Problem p(c, Fc2Mode::kAtomic);
+    p.args.tuning.gemm_config = cfg;
+    HostTensor out(DType::kBFloat16, int64_t(p.ref.bytes.size() / 2));
+    Rng rng(test_seed() ^ 0x51);
+    out.fill_random(rng);
+    for (int64_t i = 0; i < out.count(); ++i)  // expected: residual + the experts' sum
+      p.ref.set(i, double(out.get(i)) + p.ref.get(i));
+    p.dout.upload(out.data(), out.bytes.size());
+    p.args.out_already_zeroed = true;
+    ASSERT_TRUE(p.run().ok());
+    CUDA_OK(cudaDeviceSynchronize());
+    p.check(Fc2Mode::kAtomic, p.result());
+  }
 }
 
 TEST(MoeFc2Gpu, GraphCaptureAndReplay) {

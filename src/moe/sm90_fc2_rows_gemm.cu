@@ -1,0 +1,509 @@
+// FC2 grouped GEMM on sm_90a, our own kernel (configuration 3, "rows_128xN"):
+// the tile is 128 output columns (H) x all rows of one expert (up to 256; an
+// expert with more is cut into equal chunks of at most 256), so an expert's
+// W2 column slice is read from device memory once for all of its rows and no
+// tile computes rows that do not exist. SPEC §3: per expert e,
+//   out[t, h] += w[t, j] * (sum_i A[p, i] * W2[e, h, i] + bias[e, h])
+// for its rows p (slot s = p2u[p], t = s % T, j = s / T).
+//
+// Why not CUTLASS here: its grouped GEMM fixes the tile's row count at
+// compile time, so an expert with 256 + 16 rows takes 2 or 3 tiles of 128
+// (or 5 of 64) whose MMAs run on padding: on the DeepSeek-like EP shape
+// (256 +- 16 rows per expert) that cost ~0.12x of the dense GEMM's time
+// (docs/fc2_grouped_gemm.md). Here the wgmma N (the rows) is picked per tile
+// from 16..256 in steps of 16 (one instantiation each), the product computed
+// transposed: D^T[h, row] = W2[e] (M = 128 H, K-major) x A_rows^T (N = rows,
+// K-major), both operands by TMA with 128-byte swizzle.
+//
+// CTA: 10 warps, persistent (one CTA per SM, static round robin over the
+// tiles, which are ordered expert, H slice, chunk, so the chunks of one W2
+// slice run side by side and share it in L2). Warp 8 issues the TMA loads
+// into a 4-stage ring (W2 128 x 64 in one 3-D box, the rows in boxes of
+// 128/64/32/16); warp 9 fills per-tile tables (each row's destination row and
+// weight, the slice's bias) up to two tiles ahead; warps 0-7, two
+// warpgroups, each run wgmma m64nNk16 on 64 of the 128 columns, then the
+// epilogue: w * (acc + bias) through shared memory (32 rows at a time,
+// transposed so a thread holds 8 consecutive columns of one row) to 16-byte
+// reduction adds / stores. The accumulators (N/2 fp32 per thread) cap N at
+// 256: with 3 warps on a sub-partition a thread has at most 168 registers.
+// The tile's schedule comes from expert_first_token_offset on the device:
+// no host sync, capturable.
+#include <cuda.h>  // CUtensorMap
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "common/check.h"
+#include "common/red.cuh"
+#include "common/sm90.cuh"
+#include "common/sm90_wgmma.cuh"
+#include "common/tma_host.h"
+#include "moe/moe_fc2_internal.h"
+
+namespace flashmix {
+
+namespace {
+
+constexpr const char* kOp = "moe_fc2_finalize";
+
+constexpr int kTileH = 128;      // output columns per tile: 2 consumer warpgroups x wgmma M = 64
+constexpr int kTileK = 64;       // K per stage: one 128-byte swizzled row
+constexpr int kChunkRows = 256;  // an expert with more rows than a tile takes is cut into chunks of at most this
+constexpr int kRowQuantum = 16;  // N is a multiple of this
+constexpr int kWBytes = kTileH * kTileK * 2;  // 16 KB
+constexpr int kEpiRows = 32;        // rows per epilogue pass
+constexpr int kEpiStride = 64 + 4;  // floats per staged row: 2*stride = 8 (mod 32 banks) keeps the writes conflict-free
+constexpr int kThreads = 320;  // warps 0-7: two consumer warpgroups; 8: TMA producer; 9: row tables
+constexpr int kMaxExperts = 1024;
+
+// kMaxRows: the most rows a tile takes (wgmma N <= 256; above that, a second
+// wgmma per k16 step covers rows 256..kMaxRows-1).
+template <int kStages_, int kMaxRows_>
+struct RowsCfg {
+  static constexpr int kStages = kStages_;
+  static constexpr int kMaxRows = kMaxRows_;
+  static constexpr int kRBytes = kMaxRows * kTileK * 2;
+  static constexpr int kStageBytes = kWBytes + kRBytes;
+  static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned (128-byte swizzle)");
+  // Shared memory, from a 1024-byte aligned base.
+  static constexpr int kOffEpi = kStages * kStageBytes;
+  static constexpr int kOffTabRow = kOffEpi + 2 * kEpiRows * kEpiStride * 4;
+  static constexpr int kOffTabW = kOffTabRow + 2 * kMaxRows * 4;
+  static constexpr int kOffTabBias = kOffTabW + 2 * kMaxRows * 4;
+  static constexpr int kOffRowOff = kOffTabBias + 2 * kTileH * 4;
+  static constexpr int kOffTileStart = kOffRowOff + (kMaxExperts + 1) * 4;
+  static constexpr int kOffBars = (kOffTileStart + (kMaxExperts + 1) * 4 + 7) / 8 * 8;
+  static constexpr int kNumBars = 2 * kStages + 4;
+  static constexpr int kSmemBytes = kOffBars + kNumBars * 8 + 1024;  // + alignment slack
+  static_assert(kSmemBytes <= 232448, "shared memory");
+};
+
+// Chunks of an expert of R rows: one tile if it fits, else equal chunks of at most kChunkRows.
+template <int kMaxRows>
+__host__ __device__ __forceinline__ int row_chunks(int R) {
+  return R <= kMaxRows ? (R > 0 ? 1 : 0) : (R + kChunkRows - 1) / kChunkRows;
+}
+
+struct RowsGemmParams {
+  const int64_t* offsets;
+  const int32_t* p2u;
+  const float* scales;
+  const __nv_bfloat16* bias;
+  void* dst;
+  int64_t dst_stride;
+  int T, k, H, E;
+  int h_slices, k_blocks;
+  int op;         // Fc2EpilogueOp
+  bool vec16;     // dst and dst_stride allow 16-byte accesses
+  bool plain_k1;  // kRedBf16, k == 1, out zeroed by the op: stores instead of reduction adds
+};
+
+struct TileInfo {
+  int e, hs;
+  int p0;    // first permuted row of the chunk
+  int rows;  // rows of the chunk
+  int n;     // rows rounded up to kRowQuantum: the wgmma N
+};
+
+template <int kMaxRows>
+__device__ __forceinline__ TileInfo decode_tile(int tile, const int* tile_start, const int* row_off, int E) {
+  int lo = 0, hi = E - 1;  // the last expert whose first tile is <= tile (empty experts share it)
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
+  }
+  const int local = tile - tile_start[lo];
+  const int R = row_off[lo + 1] - row_off[lo];
+  const int chunks = row_chunks<kMaxRows>(R);
+  const int per = (R + chunks - 1) / chunks;
+  const int c = local % chunks;
+  TileInfo t;
+  t.e = lo;
+  t.hs = local / chunks;
+  t.p0 = row_off[lo] + c * per;
+  t.rows = min(per, R - c * per);
+  t.n = (per + kRowQuantum - 1) / kRowQuantum * kRowQuantum;
+  return t;
+}
+
+struct Shared {
+  uint32_t stages;  // shared address of stage 0
+  float* epi;
+  int* tab_row;
+  float* tab_w;
+  float* tab_bias;
+  const int* row_off;
+  const int* tile_start;
+  uint32_t full, empty, tab_full, tab_empty;  // shared addresses of the first barrier of each kind
+};
+
+__device__ __forceinline__ uint32_t bar_at(uint32_t first, int i) { return first + 8 * i; }
+
+// One 8-column group of row `row` of dst, values v[0..7] (fp32).
+__device__ __forceinline__ void store_group(const RowsGemmParams& p, int64_t row, int col, const float4& x0,
+                                            const float4& x1) {
+  const int op = p.op;
+  if (op == int(Fc2EpilogueOp::kRedFp32) || op == int(Fc2EpilogueOp::kRowsFp32Scaled)) {
+    float* a = static_cast<float*>(p.dst) + row * p.dst_stride + col;  // fp32 workspace: 16-byte aligned
+    if (op == int(Fc2EpilogueOp::kRedFp32)) {
+      dev::red_add_f32x4(a, x0);
+      dev::red_add_f32x4(a + 4, x1);
+    } else {
+      dev::st_global_v4(a, __float_as_uint(x0.x), __float_as_uint(x0.y), __float_as_uint(x0.z),
+                        __float_as_uint(x0.w));
+      dev::st_global_v4(a + 4, __float_as_uint(x1.x), __float_as_uint(x1.y), __float_as_uint(x1.z),
+                        __float_as_uint(x1.w));
+    }
+    return;
+  }
+  __nv_bfloat162 h[4] = {__floats2bfloat162_rn(x0.x, x0.y), __floats2bfloat162_rn(x0.z, x0.w),
+                         __floats2bfloat162_rn(x1.x, x1.y), __floats2bfloat162_rn(x1.z, x1.w)};
+  uint32_t u[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) u[i] = *reinterpret_cast<uint32_t*>(&h[i]);
+  __nv_bfloat16* a = static_cast<__nv_bfloat16*>(p.dst) + row * p.dst_stride + col;
+  const bool reduce = op == int(Fc2EpilogueOp::kRedBf16) && !p.plain_k1;
+  if (p.vec16) {
+    if (reduce) dev::red_add_bf16x8(a, u);
+    else dev::st_global_v4(a, u[0], u[1], u[2], u[3]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (reduce)
+        asm volatile("red.global.add.noftz.bf16x2 [%0], %1;" ::"l"(a + 2 * i), "r"(u[i]) : "memory");
+      else
+        *reinterpret_cast<uint32_t*>(a + 2 * i) = u[i];
+    }
+  }
+}
+
+// A consumer warpgroup's whole tile: mainloop over K, then the epilogue.
+template <class Cfg, int N>
+__device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shared& sh, const TileInfo& t, int wg,
+                                             int& s, uint32_t& ph, int it) {
+  float acc[N / 2];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
+  const int lane = threadIdx.x & 31;
+  const uint32_t a_off = uint32_t(wg) * 64 * 128;  // this warpgroup's 64 H rows of the W2 tile
+  int prev = -1;
+  for (int kb = 0; kb < p.k_blocks; ++kb) {
+    dev::mbar_wait(bar_at(sh.full, s), ph);
+    const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
+    const uint64_t da = dev::wgmma_desc_k_sw128(st + a_off);
+    const uint64_t db = dev::wgmma_desc_k_sw128(st + kWBytes);
+    dev::fence_operands(acc);
+    dev::wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < kTileK / 16; ++j) {
+      if constexpr (N <= 256) {
+        dev::Wgmma<N>::mma(acc, da + 2 * j, db + 2 * j, 1);
+      } else {  // rows 0..255, then rows 256..N-1 (their smem rows start 32 KB further: +2048 in 16-byte units)
+        dev::Wgmma<256>::mma(*reinterpret_cast<float(*)[128]>(&acc[0]), da + 2 * j, db + 2 * j, 1);
+        dev::Wgmma<N - 256>::mma(*reinterpret_cast<float(*)[N / 2 - 128]>(&acc[128]), da + 2 * j,
+                                 db + 2048 + 2 * j, 1);
+      }
+    }
+    dev::wgmma_commit();
+    dev::fence_operands(acc);
+    dev::wgmma_wait<1>();  // the previous stage's MMAs are done: release it
+    if (prev >= 0) {
+      __syncwarp();
+      if (lane == 0) dev::mbar_arrive(bar_at(sh.empty, prev));
+    }
+    prev = s;
+    if (++s == Cfg::kStages) {
+      s = 0;
+      ph ^= 1;
+    }
+  }
+  dev::wgmma_wait<0>();
+  dev::fence_operands(acc);
+  __syncwarp();
+  if (lane == 0) dev::mbar_arrive(bar_at(sh.empty, prev));
+
+  // Epilogue.
+  const int b = it & 1;
+  dev::mbar_wait(bar_at(sh.tab_full, b), (it >> 1) & 1);
+  const int q = (threadIdx.x >> 5) & 3, g = lane >> 2, c4 = lane & 3;
+  const int hl = 16 * q + g;  // this thread's columns within the warpgroup's 64: hl and hl + 8
+  const float bias0 = sh.tab_bias[b * kTileH + wg * 64 + hl];
+  const float bias1 = sh.tab_bias[b * kTileH + wg * 64 + hl + 8];
+  const int* tab_row = sh.tab_row + b * Cfg::kMaxRows;
+  const float* tab_w = sh.tab_w + b * Cfg::kMaxRows;
+  float* stg = sh.epi + wg * kEpiRows * kEpiStride;
+  const int wt = threadIdx.x & 127;
+  const int col0 = t.hs * kTileH + wg * 64;
+  constexpr int kPasses = (N + kEpiRows - 1) / kEpiRows;
+#pragma unroll
+  for (int ps = 0; ps < kPasses; ++ps) {
+#pragma unroll
+    for (int jj = 0; jj < kEpiRows / 8; ++jj) {
+      const int j = ps * (kEpiRows / 8) + jj;
+      if (j < N / 8) {
+        const int nl = jj * 8 + 2 * c4;
+        const float w0 = tab_w[ps * kEpiRows + nl], w1 = tab_w[ps * kEpiRows + nl + 1];
+        stg[nl * kEpiStride + hl] = w0 * (acc[4 * j + 0] + bias0);
+        stg[(nl + 1) * kEpiStride + hl] = w1 * (acc[4 * j + 1] + bias0);
+        stg[nl * kEpiStride + hl + 8] = w0 * (acc[4 * j + 2] + bias1);
+        stg[(nl + 1) * kEpiStride + hl + 8] = w1 * (acc[4 * j + 3] + bias1);
+      }
+    }
+    dev::named_bar_sync(1 + wg, 128);
+#pragma unroll
+    for (int item = wt; item < kEpiRows * 8; item += 128) {
+      const int nl = item >> 3, v = item & 7;
+      const int n = ps * kEpiRows + nl;
+      const int col = col0 + 8 * v;
+      if (n < t.rows && col < p.H) {
+        const float4 x0 = *reinterpret_cast<const float4*>(stg + nl * kEpiStride + 8 * v);
+        const float4 x1 = *reinterpret_cast<const float4*>(stg + nl * kEpiStride + 8 * v + 4);
+        const int row = tab_row[n];
+        if (row >= 0) store_group(p, row, col, x0, x1);
+      }
+    }
+    dev::named_bar_sync(1 + wg, 128);
+  }
+  __syncwarp();
+  if (lane == 0) dev::mbar_arrive(bar_at(sh.tab_empty, b));
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(kThreads, 1)
+    fc2_rows_gemm_kernel(const __grid_constant__ RowsGemmParams p, const __grid_constant__ CUtensorMap map_w,
+                         const __grid_constant__ CUtensorMap map_a128, const __grid_constant__ CUtensorMap map_a64,
+                         const __grid_constant__ CUtensorMap map_a32, const __grid_constant__ CUtensorMap map_a16) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = dev::smem_u32(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  uint8_t* sm = smem_raw + (base - raw);
+  Shared sh;
+  sh.stages = base;
+  constexpr int kStages = Cfg::kStages, kMaxRows = Cfg::kMaxRows;
+  sh.epi = reinterpret_cast<float*>(sm + Cfg::kOffEpi);
+  sh.tab_row = reinterpret_cast<int*>(sm + Cfg::kOffTabRow);
+  sh.tab_w = reinterpret_cast<float*>(sm + Cfg::kOffTabW);
+  sh.tab_bias = reinterpret_cast<float*>(sm + Cfg::kOffTabBias);
+  int* row_off = reinterpret_cast<int*>(sm + Cfg::kOffRowOff);
+  int* tile_start = reinterpret_cast<int*>(sm + Cfg::kOffTileStart);
+  sh.row_off = row_off;
+  sh.tile_start = tile_start;
+  sh.full = base + Cfg::kOffBars;
+  sh.empty = sh.full + 8 * kStages;
+  sh.tab_full = sh.empty + 8 * kStages;
+  sh.tab_empty = sh.tab_full + 16;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int E = p.E;
+  for (int e = tid; e <= E; e += kThreads) row_off[e] = int(p.offsets[e]);
+  if (tid == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      dev::mbar_init(bar_at(sh.full, i), 1);
+      dev::mbar_init(bar_at(sh.empty, i), 8);  // one arrival per consumer warp
+    }
+    for (int i = 0; i < 2; ++i) {
+      dev::mbar_init(bar_at(sh.tab_full, i), 32);  // every lane of the table warp
+      dev::mbar_init(bar_at(sh.tab_empty, i), 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n fence.proxy.async.shared::cta;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (warp == 0) {  // tiles per expert: ceil(R / 256) chunks x H slices; exclusive scan
+    int carry = 0;
+    for (int b0 = 0; b0 < E; b0 += 32) {
+      const int e = b0 + lane;
+      int v = 0;
+      if (e < E) v = row_chunks<kMaxRows>(row_off[e + 1] - row_off[e]) * p.h_slices;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int u = __shfl_up_sync(~0u, v, d);
+        if (lane >= d) v += u;
+      }
+      if (e < E) tile_start[e + 1] = carry + v;
+      carry += __shfl_sync(~0u, v, 31);
+    }
+    if (lane == 0) tile_start[0] = 0;
+  }
+  __syncthreads();
+  const int total = tile_start[E];
+
+  if (warp == 8) {
+    // TMA producer.
+    if (lane == 0) {
+      dev::prefetch_tensor_map(&map_w);
+      dev::prefetch_tensor_map(&map_a128);
+      int s = 0;
+      uint32_t ph = 0;
+      for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+        const TileInfo t = decode_tile<kMaxRows>(tile, tile_start, row_off, E);
+        for (int kb = 0; kb < p.k_blocks; ++kb) {
+          dev::mbar_wait(bar_at(sh.empty, s), ph ^ 1);
+          const uint32_t full = bar_at(sh.full, s);
+          dev::mbar_arrive_expect_tx(full, kWBytes + uint32_t(t.n) * kTileK * 2);
+          const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
+          dev::tma_load_3d(st, &map_w, full, kb * kTileK, t.hs * kTileH, t.e);
+          const uint32_t rows_dst = st + kWBytes;
+          int r = 0;
+          for (; r + 128 <= t.n; r += 128) dev::tma_load_2d(rows_dst + r * 128, &map_a128, full, kb * kTileK, t.p0 + r);
+          if (t.n - r >= 64) {
+            dev::tma_load_2d(rows_dst + r * 128, &map_a64, full, kb * kTileK, t.p0 + r);
+            r += 64;
+          }
+          if (t.n - r >= 32) {
+            dev::tma_load_2d(rows_dst + r * 128, &map_a32, full, kb * kTileK, t.p0 + r);
+            r += 32;
+          }
+          if (t.n - r >= 16) dev::tma_load_2d(rows_dst + r * 128, &map_a16, full, kb * kTileK, t.p0 + r);
+          if (++s == kStages) {
+            s = 0;
+            ph ^= 1;
+          }
+        }
+      }
+    }
+  } else if (warp == 9) {
+    // Per-tile tables, two tiles ahead of the consumers.
+    const int op = p.op;
+    int it = 0;
+    for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++it) {
+      const int b = it & 1;
+      dev::mbar_wait(bar_at(sh.tab_empty, b), ((it >> 1) & 1) ^ 1);
+      const TileInfo t = decode_tile<kMaxRows>(tile, tile_start, row_off, E);
+      for (int n = lane; n < t.n; n += 32) {
+        int row = -1;
+        float w = 0.f;
+        if (n < t.rows) {
+          const int pr = t.p0 + n;
+          if (op == int(Fc2EpilogueOp::kRowsBf16)) {
+            row = pr;
+            w = 1.f;
+          } else {
+            const int slot = __ldg(p.p2u + pr);
+            const int tok = slot % p.T, j = slot / p.T;
+            w = p.scales ? __ldg(p.scales + int64_t(tok) * p.k + j) : 1.f;
+            row = op == int(Fc2EpilogueOp::kRowsFp32Scaled) ? pr : tok;
+          }
+        }
+        sh.tab_row[b * kMaxRows + n] = row;
+        sh.tab_w[b * kMaxRows + n] = w;
+      }
+      for (int h = lane; h < kTileH; h += 32) {
+        const int col = t.hs * kTileH + h;
+        float bv = 0.f;
+        if (p.bias != nullptr && op != int(Fc2EpilogueOp::kRowsBf16) && col < p.H)
+          bv = __bfloat162float(p.bias[int64_t(t.e) * p.H + col]);
+        sh.tab_bias[b * kTileH + h] = bv;
+      }
+      dev::mbar_arrive(bar_at(sh.tab_full, b));
+    }
+  } else {
+    // Consumer warpgroups 0 and 1.
+    const int wg = warp / 4;
+    int s = 0, it = 0;
+    uint32_t ph = 0;
+    for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++it) {
+      const TileInfo t = decode_tile<kMaxRows>(tile, tile_start, row_off, E);
+      switch (t.n / kRowQuantum) {
+#define FLASHMIX_FC2_ROWS_CASE(K) \
+  case K: consume_tile<Cfg, K * kRowQuantum>(p, sh, t, wg, s, ph, it); break;
+        FLASHMIX_FC2_ROWS_CASE(1)
+        FLASHMIX_FC2_ROWS_CASE(2)
+        FLASHMIX_FC2_ROWS_CASE(3)
+        FLASHMIX_FC2_ROWS_CASE(4)
+        FLASHMIX_FC2_ROWS_CASE(5)
+        FLASHMIX_FC2_ROWS_CASE(6)
+        FLASHMIX_FC2_ROWS_CASE(7)
+        FLASHMIX_FC2_ROWS_CASE(8)
+        FLASHMIX_FC2_ROWS_CASE(9)
+        FLASHMIX_FC2_ROWS_CASE(10)
+        FLASHMIX_FC2_ROWS_CASE(11)
+        FLASHMIX_FC2_ROWS_CASE(12)
+        FLASHMIX_FC2_ROWS_CASE(13)
+        FLASHMIX_FC2_ROWS_CASE(14)
+        FLASHMIX_FC2_ROWS_CASE(15)
+        FLASHMIX_FC2_ROWS_CASE(16)
+        default:
+          if constexpr (kMaxRows > 256) {
+            switch (t.n / kRowQuantum) {
+              FLASHMIX_FC2_ROWS_CASE(17)
+              FLASHMIX_FC2_ROWS_CASE(18)
+              FLASHMIX_FC2_ROWS_CASE(19)
+              FLASHMIX_FC2_ROWS_CASE(20)
+              default: break;
+            }
+          }
+          break;
+#undef FLASHMIX_FC2_ROWS_CASE
+      }
+    }
+  }
+}
+
+// W2 as a 3-D tensor (I, H, E): boxes of 64 x 128 x 1, so rows past H read as
+// zeros; the permuted rows A as (I, capacity) in boxes of 64 x {128,64,32,16}.
+bool encode_maps(const Sm90Fc2GemmParams& p, CUtensorMap& w, CUtensorMap (&a)[4]) {
+  const detail::TensorMapEncodeTiled encode = detail::tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint32_t elem[3] = {1, 1, 1};
+  {
+    const cuuint64_t dims[3] = {cuuint64_t(p.I), cuuint64_t(p.H), cuuint64_t(p.E)};
+    const cuuint64_t strides[2] = {cuuint64_t(p.I) * 2, cuuint64_t(p.H) * p.I * 2};
+    const cuuint32_t box[3] = {kTileK, kTileH, 1};
+    if (encode(&w, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(p.W2), dims, strides, box, elem,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+      return false;
+  }
+  const cuuint64_t dims[2] = {cuuint64_t(p.I), cuuint64_t(std::max<int64_t>(1, int64_t(p.T) * p.k))};
+  const cuuint64_t strides[1] = {cuuint64_t(p.I) * 2};
+  const cuuint32_t rows[4] = {128, 64, 32, 16};
+  for (int i = 0; i < 4; ++i) {
+    const cuuint32_t box[2] = {kTileK, rows[i]};
+    if (encode(&a[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(p.A), dims, strides, box, elem,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+      return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+Status sm90_fc2_run_rows_128xN(const Sm90Fc2GemmParams& p, cudaStream_t stream) {
+  FM_REQUIRE_SUPPORTED(p.E <= kMaxExperts, kOp, "num_experts_per_node", "at most ", kMaxExperts,
+                       " for gemm configuration 3");
+  FM_REQUIRE_SUPPORTED(int64_t(p.T) * p.k < (int64_t(1) << 31), kOp, "num_tokens",
+                       "T * k must be below 2^31 (TMA row coordinates)");
+  CUtensorMap w, a[4];
+  FM_REQUIRE_SUPPORTED(encode_maps(p, w, a), kOp, "A", "TMA descriptors could not be encoded");
+  RowsGemmParams k{};
+  k.offsets = p.offsets;
+  k.p2u = p.p2u;
+  k.scales = p.scales;
+  k.bias = static_cast<const __nv_bfloat16*>(p.bias);
+  k.dst = p.dst;
+  k.dst_stride = p.dst_stride;
+  k.T = p.T;
+  k.k = p.k;
+  k.H = p.H;
+  k.E = p.E;
+  k.h_slices = (p.H + kTileH - 1) / kTileH;
+  k.k_blocks = (p.I + kTileK - 1) / kTileK;
+  k.op = int(p.op);
+  k.vec16 = p.vec16;
+  k.plain_k1 = p.op == Fc2EpilogueOp::kRedBf16 && p.k == 1 && !p.add_to_out;
+
+  auto launch = [&](auto cfg) -> Status {
+    using Cfg = decltype(cfg);
+    auto kernel = fc2_rows_gemm_kernel<Cfg>;
+    FM_RETURN_IF_ERROR(detail::cuda_status(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes), kOp,
+        "shared memory size"));
+    kernel<<<p.sm_count, kThreads, Cfg::kSmemBytes, stream>>>(k, w, a[0], a[1], a[2], a[3]);
+    return detail::check_launch(kOp);
+  };
+  return launch(RowsCfg<4, 256>{});
+}
+
+}  // namespace flashmix
