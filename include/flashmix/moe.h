@@ -191,8 +191,9 @@ Status validate_moe_routing_maps(const MoeRoutingArgs& args);
 // ---------------------------------------------------------------------------
 // MoE FC2 grouped GEMM with the finalize fused into its epilogue (SPEC §3).
 //   out[t, :] = sum over local slots (t, j): w[t, j] * (A[p] @ W2[e]^T + bias[e])
-// p the slot's permuted row, e its local expert. sm_90a only (CUTLASS ptr-array
-// grouped GEMM, TMA + wgmma); other GPUs and builds without CUTLASS get kNotSupported.
+// p the slot's permuted row, e its local expert. sm_90a only (TMA + wgmma: our
+// own grouped GEMM for `atomic`, CUTLASS's ptr-array grouped GEMM for the other
+// modes by default); other GPUs and builds without CUTLASS get kNotSupported.
 // ---------------------------------------------------------------------------
 namespace flashmix {
 
@@ -213,7 +214,8 @@ enum class Fc2Mode : int {
 // GEMM configuration (schedule, tile, cluster). 0 = choose by shape (the
 // default); the benchmark's --sweep times each to justify the choice.
 struct Fc2Tuning {
-  int gemm_config = 0;  // 0 = automatic; 1 = cooperative 128x256, 2 = pingpong 64x256
+  int gemm_config = 0;  // 0 = automatic; 1 = CUTLASS cooperative 128x256, 2 = CUTLASS pingpong 64x256,
+                        // 3 = our own kernel: 128 H columns x all rows of an expert (tile order fixed)
   int raster = 0;       // tile order: 0 = automatic (M fastest), 1 = M fastest, 2 = N fastest
   int swizzle = 0;      // tile scheduler swizzle: 0 = automatic, 1, 2, 4 or 8
 };

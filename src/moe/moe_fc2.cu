@@ -127,10 +127,16 @@ Status moe_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t worksp
   g.cutlass_ws = ws + l.cutlass;
   g.cutlass_ws_bytes = l.cutlass_bytes;
   g.sm_count = sms;
-  // Automatic choice (H200 sweep, docs/fc2_grouped_gemm.md): pingpong 64x256
-  // (half the padding of a 128-row tile when experts have few hundred rows,
-  // epilogue overlapped) unless K is short, where the cooperative 128x256 wins.
-  g.config = a.tuning.gemm_config ? a.tuning.gemm_config : (a.inter < 1024 ? 1 : 2);
+  // Automatic choice (H200, docs/fc2_grouped_gemm.md): `atomic` on our own
+  // kernel (configuration 3: no padded tiles; faster or even on every bench
+  // shape); the other modes on CUTLASS's pingpong 64x256 (half the padding of
+  // a 128-row tile when experts have few hundred rows, epilogue overlapped)
+  // unless K is short, where the cooperative 128x256 wins. Configuration 3
+  // lost to them on the DeepSeek-like shape in those modes.
+  g.config = a.tuning.gemm_config ? a.tuning.gemm_config
+                                  : (a.mode == Fc2Mode::kAtomic && T * a.k < (int64_t(1) << 31) ? 3
+                                     : a.inter < 1024                                         ? 1
+                                                                                              : 2);
   g.raster_along_n = a.tuning.raster == 2;
   g.swizzle = a.tuning.swizzle;
 
