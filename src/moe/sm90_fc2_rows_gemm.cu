@@ -33,11 +33,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 
 #include "common/check.h"
-#include "common/launch.cuh"
 #include "common/red.cuh"
 #include "common/sm90.cuh"
 #include "common/sm90_wgmma.cuh"
@@ -60,6 +57,8 @@ constexpr int kEpiStride = 64 + 4;  // floats per staged row: 2*stride = 8 (mod 
 constexpr int kThreads = 320;  // warps 0-7: two consumer warpgroups; 8: TMA producer; 9: row tables
 constexpr int kMaxExperts = 1024;
 
+// kMaxRows: the most rows a tile takes (wgmma N <= 256; above that, a second
+// wgmma per k16 step covers rows 256..kMaxRows-1).
 template <int kStages_, int kMaxRows_>
 struct RowsCfg {
   static constexpr int kStages = kStages_;
@@ -86,26 +85,6 @@ __host__ __device__ __forceinline__ int row_chunks(int R) {
   return R <= kMaxRows ? (R > 0 ? 1 : 0) : (R + kChunkRows - 1) / kChunkRows;
 }
 
-// With CTA pairs (clusters of 2) an expert's chunks come in pairs: one chunk,
-// or an even number of them.
-__host__ __device__ __forceinline__ int pair_chunks(int R) {
-  return R <= kChunkRows ? (R > 0 ? 1 : 0) : 2 * ((R + 2 * kChunkRows - 1) / (2 * kChunkRows));
-}
-
-// Work items of an expert: its tiles, or with pairs its units of two tiles:
-// two H slices of a one-chunk expert (the rows shared), or two chunks of one
-// H slice (W2's slice shared). An odd slice count leaves the last unit's
-// second tile past H: it computes zeros and stores nothing.
-template <int kMaxRows, bool kPair>
-__host__ __device__ __forceinline__ int work_items(int R, int h_slices) {
-  if constexpr (kPair) {
-    const int c = pair_chunks(R);
-    return c == 0 ? 0 : c == 1 ? (h_slices + 1) / 2 : h_slices * (c / 2);
-  } else {
-    return row_chunks<kMaxRows>(R) * h_slices;
-  }
-}
-
 struct RowsGemmParams {
   const int64_t* offsets;
   const int32_t* p2u;
@@ -125,12 +104,10 @@ struct TileInfo {
   int p0;    // first permuted row of the chunk
   int rows;  // rows of the chunk
   int n;     // rows rounded up to kRowQuantum: the wgmma N
-  bool shared_w;  // pairs: the two tiles share W2's slice (else their rows)
 };
 
-template <int kMaxRows, bool kPair>
-__device__ __forceinline__ TileInfo decode_tile(int tile, const int* tile_start, const int* row_off, int E,
-                                                int rank) {
+template <int kMaxRows>
+__device__ __forceinline__ TileInfo decode_tile(int tile, const int* tile_start, const int* row_off, int E) {
   int lo = 0, hi = E - 1;  // the last expert whose first tile is <= tile (empty experts share it)
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
@@ -138,27 +115,12 @@ __device__ __forceinline__ TileInfo decode_tile(int tile, const int* tile_start,
   }
   const int local = tile - tile_start[lo];
   const int R = row_off[lo + 1] - row_off[lo];
+  const int chunks = row_chunks<kMaxRows>(R);
+  const int per = (R + chunks - 1) / chunks;
+  const int c = local % chunks;
   TileInfo t;
   t.e = lo;
-  int chunks, c;
-  if constexpr (kPair) {
-    chunks = pair_chunks(R);
-    if (chunks == 1) {
-      c = 0;
-      t.hs = 2 * local + rank;
-      t.shared_w = false;
-    } else {
-      c = 2 * (local % (chunks / 2)) + rank;
-      t.hs = local / (chunks / 2);
-      t.shared_w = true;
-    }
-  } else {
-    chunks = row_chunks<kMaxRows>(R);
-    c = local % chunks;
-    t.hs = local / chunks;
-    t.shared_w = false;
-  }
-  const int per = (R + chunks - 1) / chunks;
+  t.hs = local / chunks;
   t.p0 = row_off[lo] + c * per;
   t.rows = min(per, R - c * per);
   t.n = (per + kRowQuantum - 1) / kRowQuantum * kRowQuantum;
@@ -217,9 +179,9 @@ __device__ __forceinline__ void store_group(const RowsGemmParams& p, int64_t row
 }
 
 // A consumer warpgroup's whole tile: mainloop over K, then the epilogue.
-template <class Cfg, bool kPair, int N>
+template <class Cfg, int N>
 __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shared& sh, const TileInfo& t, int wg,
-                                             int& s, uint32_t& ph, int it, int peer) {
+                                             int& s, uint32_t& ph, int it) {
   float acc[N / 2];
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
@@ -235,17 +197,20 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
     dev::wgmma_fence();
 #pragma unroll
     for (int j = 0; j < kTileK / 16; ++j) {
-      dev::Wgmma<N>::mma(acc, da + 2 * j, db + 2 * j, 1);
+      if constexpr (N <= 256) {
+        dev::Wgmma<N>::mma(acc, da + 2 * j, db + 2 * j, 1);
+      } else {  // rows 0..255, then rows 256..N-1 (their smem rows start 32 KB further: +2048 in 16-byte units)
+        dev::Wgmma<256>::mma(*reinterpret_cast<float(*)[128]>(&acc[0]), da + 2 * j, db + 2 * j, 1);
+        dev::Wgmma<N - 256>::mma(*reinterpret_cast<float(*)[N / 2 - 128]>(&acc[128]), da + 2 * j,
+                                 db + 2048 + 2 * j, 1);
+      }
     }
     dev::wgmma_commit();
     dev::fence_operands(acc);
     dev::wgmma_wait<1>();  // the previous stage's MMAs are done: release it
     if (prev >= 0) {
       __syncwarp();
-      if (lane == 0) {
-        dev::mbar_arrive(bar_at(sh.empty, prev));
-        if constexpr (kPair) dev::mbar_arrive_remote(bar_at(sh.empty, prev), peer);  // the peer writes here too
-      }
+      if (lane == 0) dev::mbar_arrive(bar_at(sh.empty, prev));
     }
     prev = s;
     if (++s == Cfg::kStages) {
@@ -256,10 +221,7 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
   dev::wgmma_wait<0>();
   dev::fence_operands(acc);
   __syncwarp();
-  if (lane == 0) {
-    dev::mbar_arrive(bar_at(sh.empty, prev));
-    if constexpr (kPair) dev::mbar_arrive_remote(bar_at(sh.empty, prev), peer);
-  }
+  if (lane == 0) dev::mbar_arrive(bar_at(sh.empty, prev));
 
   // Epilogue.
   const int b = it & 1;
@@ -307,10 +269,9 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
   if (lane == 0) dev::mbar_arrive(bar_at(sh.tab_empty, b));
 }
 
-template <class Cfg, bool kPair>
+template <class Cfg>
 __global__ void __launch_bounds__(kThreads, 1)
     fc2_rows_gemm_kernel(const __grid_constant__ RowsGemmParams p, const __grid_constant__ CUtensorMap map_w,
-                         const __grid_constant__ CUtensorMap map_w_half,
                          const __grid_constant__ CUtensorMap map_a128, const __grid_constant__ CUtensorMap map_a64,
                          const __grid_constant__ CUtensorMap map_a32, const __grid_constant__ CUtensorMap map_a16) {
   extern __shared__ uint8_t smem_raw[];
@@ -339,7 +300,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
       dev::mbar_init(bar_at(sh.full, i), 1);
-      dev::mbar_init(bar_at(sh.empty, i), kPair ? 16 : 8);  // one arrival per consumer warp (of both CTAs)
+      dev::mbar_init(bar_at(sh.empty, i), 8);  // one arrival per consumer warp
     }
     for (int i = 0; i < 2; ++i) {
       dev::mbar_init(bar_at(sh.tab_full, i), 32);  // every lane of the table warp
@@ -353,7 +314,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int b0 = 0; b0 < E; b0 += 32) {
       const int e = b0 + lane;
       int v = 0;
-      if (e < E) v = work_items<kMaxRows, kPair>(row_off[e + 1] - row_off[e], p.h_slices);
+      if (e < E) v = row_chunks<kMaxRows>(row_off[e + 1] - row_off[e]) * p.h_slices;
 #pragma unroll
       for (int d = 1; d < 32; d <<= 1) {
         const int u = __shfl_up_sync(~0u, v, d);
@@ -366,15 +327,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   const int total = tile_start[E];
-  // Work items go round robin over the CTAs, or with pairs over the clusters.
-  const int rank = kPair ? dev::cluster_ctarank() : 0;
-  const int peer = rank ^ 1;
-  const int first = kPair ? int(blockIdx.x) / 2 : int(blockIdx.x);
-  const int stride = kPair ? int(gridDim.x) / 2 : int(gridDim.x);
-  if constexpr (kPair) {  // the peer's barriers are initialised before anything reaches them
-    dev::cluster_arrive();
-    dev::cluster_wait();
-  }
 
   if (warp == 8) {
     // TMA producer.
@@ -383,36 +335,26 @@ __global__ void __launch_bounds__(kThreads, 1)
       dev::prefetch_tensor_map(&map_a128);
       int s = 0;
       uint32_t ph = 0;
-      for (int tile = first; tile < total; tile += stride) {
-        const TileInfo t = decode_tile<kMaxRows, kPair>(tile, tile_start, row_off, E, rank);
+      for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+        const TileInfo t = decode_tile<kMaxRows>(tile, tile_start, row_off, E);
         for (int kb = 0; kb < p.k_blocks; ++kb) {
           dev::mbar_wait(bar_at(sh.empty, s), ph ^ 1);
           const uint32_t full = bar_at(sh.full, s);
           dev::mbar_arrive_expect_tx(full, kWBytes + uint32_t(t.n) * kTileK * 2);
           const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
+          dev::tma_load_3d(st, &map_w, full, kb * kTileK, t.hs * kTileH, t.e);
           const uint32_t rows_dst = st + kWBytes;
-          if (kPair && t.shared_w) {  // each CTA loads half of W2's tile into both
-            dev::tma_load_3d_mc(st + uint32_t(rank) * (kWBytes / 2), &map_w_half, full, kb * kTileK,
-                                t.hs * kTileH + rank * (kTileH / 2), t.e, 0x3);
-          } else {
-            dev::tma_load_3d(st, &map_w, full, kb * kTileK, t.hs * kTileH, t.e);
+          int r = 0;
+          for (; r + 128 <= t.n; r += 128) dev::tma_load_2d(rows_dst + r * 128, &map_a128, full, kb * kTileK, t.p0 + r);
+          if (t.n - r >= 64) {
+            dev::tma_load_2d(rows_dst + r * 128, &map_a64, full, kb * kTileK, t.p0 + r);
+            r += 64;
           }
-          // The rows: boxes of 128/64/32/16; with pairs that share them, box i
-          // is loaded by CTA i % 2 into both.
-          const bool split_rows = kPair && !t.shared_w;
-          int r = 0, box = 0;
-          auto rows_box = [&](const CUtensorMap* m, int size) {
-            if (!split_rows)
-              dev::tma_load_2d(rows_dst + r * 128, m, full, kb * kTileK, t.p0 + r);
-            else if ((box & 1) == rank)
-              dev::tma_load_2d_mc(rows_dst + r * 128, m, full, kb * kTileK, t.p0 + r, 0x3);
-            r += size;
-            ++box;
-          };
-          while (r + 128 <= t.n) rows_box(&map_a128, 128);
-          if (t.n - r >= 64) rows_box(&map_a64, 64);
-          if (t.n - r >= 32) rows_box(&map_a32, 32);
-          if (t.n - r >= 16) rows_box(&map_a16, 16);
+          if (t.n - r >= 32) {
+            dev::tma_load_2d(rows_dst + r * 128, &map_a32, full, kb * kTileK, t.p0 + r);
+            r += 32;
+          }
+          if (t.n - r >= 16) dev::tma_load_2d(rows_dst + r * 128, &map_a16, full, kb * kTileK, t.p0 + r);
           if (++s == kStages) {
             s = 0;
             ph ^= 1;
@@ -424,10 +366,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Per-tile tables, two tiles ahead of the consumers.
     const int op = p.op;
     int it = 0;
-    for (int tile = first; tile < total; tile += stride, ++it) {
+    for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++it) {
       const int b = it & 1;
       dev::mbar_wait(bar_at(sh.tab_empty, b), ((it >> 1) & 1) ^ 1);
-      const TileInfo t = decode_tile<kMaxRows, kPair>(tile, tile_start, row_off, E, rank);
+      const TileInfo t = decode_tile<kMaxRows>(tile, tile_start, row_off, E);
       for (int n = lane; n < t.n; n += 32) {
         int row = -1;
         float w = 0.f;
@@ -460,11 +402,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int wg = warp / 4;
     int s = 0, it = 0;
     uint32_t ph = 0;
-    for (int tile = first; tile < total; tile += stride, ++it) {
-      const TileInfo t = decode_tile<kMaxRows, kPair>(tile, tile_start, row_off, E, rank);
+    for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++it) {
+      const TileInfo t = decode_tile<kMaxRows>(tile, tile_start, row_off, E);
       switch (t.n / kRowQuantum) {
 #define FLASHMIX_FC2_ROWS_CASE(K) \
-  case K: consume_tile<Cfg, kPair, K * kRowQuantum>(p, sh, t, wg, s, ph, it, peer); break;
+  case K: consume_tile<Cfg, K * kRowQuantum>(p, sh, t, wg, s, ph, it); break;
         FLASHMIX_FC2_ROWS_CASE(1)
         FLASHMIX_FC2_ROWS_CASE(2)
         FLASHMIX_FC2_ROWS_CASE(3)
@@ -482,33 +424,36 @@ __global__ void __launch_bounds__(kThreads, 1)
         FLASHMIX_FC2_ROWS_CASE(15)
         FLASHMIX_FC2_ROWS_CASE(16)
         default:
+          if constexpr (kMaxRows > 256) {
+            switch (t.n / kRowQuantum) {
+              FLASHMIX_FC2_ROWS_CASE(17)
+              FLASHMIX_FC2_ROWS_CASE(18)
+              FLASHMIX_FC2_ROWS_CASE(19)
+              FLASHMIX_FC2_ROWS_CASE(20)
+              default: break;
+            }
+          }
           break;
 #undef FLASHMIX_FC2_ROWS_CASE
       }
     }
   }
-  if constexpr (kPair) {  // the peer may still arrive on this CTA's barriers
-    dev::cluster_arrive();
-    dev::cluster_wait();
-  }
 }
 
 // W2 as a 3-D tensor (I, H, E): boxes of 64 x 128 x 1, so rows past H read as
 // zeros; the permuted rows A as (I, capacity) in boxes of 64 x {128,64,32,16}.
-bool encode_maps(const Sm90Fc2GemmParams& p, CUtensorMap& w, CUtensorMap& w_half, CUtensorMap (&a)[4]) {
+bool encode_maps(const Sm90Fc2GemmParams& p, CUtensorMap& w, CUtensorMap (&a)[4]) {
   const detail::TensorMapEncodeTiled encode = detail::tensor_map_encoder();
   if (encode == nullptr) return false;
   const cuuint32_t elem[3] = {1, 1, 1};
   {
     const cuuint64_t dims[3] = {cuuint64_t(p.I), cuuint64_t(p.H), cuuint64_t(p.E)};
     const cuuint64_t strides[2] = {cuuint64_t(p.I) * 2, cuuint64_t(p.H) * p.I * 2};
-    for (int half = 0; half < 2; ++half) {  // the whole 128-row box, and half of it (pairs)
-      const cuuint32_t box[3] = {kTileK, cuuint32_t(half ? kTileH / 2 : kTileH), 1};
-      if (encode(half ? &w_half : &w, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(p.W2), dims, strides,
-                 box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
-        return false;
-    }
+    const cuuint32_t box[3] = {kTileK, kTileH, 1};
+    if (encode(&w, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(p.W2), dims, strides, box, elem,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+      return false;
   }
   const cuuint64_t dims[2] = {cuuint64_t(p.I), cuuint64_t(std::max<int64_t>(1, int64_t(p.T) * p.k))};
   const cuuint64_t strides[1] = {cuuint64_t(p.I) * 2};
@@ -530,8 +475,8 @@ Status sm90_fc2_run_rows_128xN(const Sm90Fc2GemmParams& p, cudaStream_t stream) 
                        " for gemm configuration 3");
   FM_REQUIRE_SUPPORTED(int64_t(p.T) * p.k < (int64_t(1) << 31), kOp, "num_tokens",
                        "T * k must be below 2^31 (TMA row coordinates)");
-  CUtensorMap w, w_half, a[4];
-  FM_REQUIRE_SUPPORTED(encode_maps(p, w, w_half, a), kOp, "A", "TMA descriptors could not be encoded");
+  CUtensorMap w, a[4];
+  FM_REQUIRE_SUPPORTED(encode_maps(p, w, a), kOp, "A", "TMA descriptors could not be encoded");
   RowsGemmParams k{};
   k.offsets = p.offsets;
   k.p2u = p.p2u;
@@ -549,32 +494,16 @@ Status sm90_fc2_run_rows_128xN(const Sm90Fc2GemmParams& p, cudaStream_t stream) 
   k.vec16 = p.vec16;
   k.plain_k1 = p.op == Fc2EpilogueOp::kRedBf16 && p.k == 1 && !p.add_to_out;
 
-  using Cfg = RowsCfg<4, 256>;
-  if (!p.raster_along_n) {  // EXPERIMENT: raster 2 = CTA pairs
-    auto kernel = fc2_rows_gemm_kernel<Cfg, false>;
+  auto launch = [&](auto cfg) -> Status {
+    using Cfg = decltype(cfg);
+    auto kernel = fc2_rows_gemm_kernel<Cfg>;
     FM_RETURN_IF_ERROR(detail::cuda_status(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes), kOp,
         "shared memory size"));
-    kernel<<<p.sm_count, kThreads, Cfg::kSmemBytes, stream>>>(k, w, w_half, a[0], a[1], a[2], a[3]);
+    kernel<<<p.sm_count, kThreads, Cfg::kSmemBytes, stream>>>(k, w, a[0], a[1], a[2], a[3]);
     return detail::check_launch(kOp);
-  }
-  auto kernel = fc2_rows_gemm_kernel<Cfg, true>;
-  FM_RETURN_IF_ERROR(detail::cuda_status(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes), kOp,
-      "shared memory size"));
-  cudaLaunchAttribute attr[2];
-  cudaLaunchConfig_t config =
-      dev::cluster_launch_config(attr, dim3(2), dim3(kThreads), Cfg::kSmemBytes, stream, 2, false);
-  int clusters = 0;
-  FM_RETURN_IF_ERROR(detail::cuda_status(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config), kOp,
-                                         "cluster occupancy"));
-  FM_REQUIRE_SUPPORTED(clusters > 0, kOp, "device", "no cluster of 2 CTAs fits");
-  if (const char* env = std::getenv("FLASHMIX_EXP_PAIR_CLUSTERS")) clusters = std::atoi(env);  // EXPERIMENT
-  if (std::getenv("FLASHMIX_EXP_PRINT")) std::fprintf(stderr, "pair clusters %d\n", clusters);
-  config.gridDim = dim3(unsigned(2 * clusters));
-  FM_RETURN_IF_ERROR(detail::cuda_status(cudaLaunchKernelEx(&config, kernel, k, w, w_half, a[0], a[1], a[2], a[3]),
-                                         kOp, "kernel launch"));
-  return detail::check_launch(kOp);
+  };
+  return launch(RowsCfg<4, 256>{});
 }
 
 }  // namespace flashmix
