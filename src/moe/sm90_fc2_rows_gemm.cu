@@ -52,13 +52,21 @@ constexpr int kTileK = 64;       // K per stage: one 128-byte swizzled row
 constexpr int kChunkRows = 256;  // an expert with more rows than a tile takes is cut into chunks of at most this
 constexpr int kRowQuantum = 16;  // N is a multiple of this
 constexpr int kWBytes = kTileH * kTileK * 2;  // 16 KB
-constexpr int kEpiRows = 32;        // rows per epilogue pass
-constexpr int kEpiStride = 64 + 4;  // floats per staged row: 2*stride = 8 (mod 32 banks) keeps the writes conflict-free
+// Epilogue staging, per consumer warpgroup (its 64 columns x some rows):
+// fp32 outputs 32 rows a pass, 68 floats a row (2 x 68 = 8 mod 32 banks: the
+// scalar writes are conflict-free); bf16 outputs 64 rows a pass, 72 bf16 a
+// row (144 bytes: the 8 rows of an stmatrix hit distinct banks).
+constexpr int kEpiRows = 32;
+constexpr int kEpiStride = 64 + 4;
+constexpr int kEpiRowsBf16 = 64;
+constexpr int kEpiStrideBf16 = 72;
+constexpr int kEpiBytes = kEpiRows * kEpiStride * 4 > kEpiRowsBf16 * kEpiStrideBf16 * 2 ? kEpiRows * kEpiStride * 4
+                                                                                      : kEpiRowsBf16 * kEpiStrideBf16 * 2;
 constexpr int kThreads = 320;  // warps 0-7: two consumer warpgroups; 8: TMA producer; 9: row tables
 constexpr int kMaxExperts = 1024;
 
-// kMaxRows: the most rows a tile takes (wgmma N <= 256; above that, a second
-// wgmma per k16 step covers rows 256..kMaxRows-1).
+// kMaxRows: the most rows a tile takes (at most 256: wgmma's N, and the
+// accumulators of 128 x 256 fill a consumer thread's 168 registers).
 template <int kStages_, int kMaxRows_>
 struct RowsCfg {
   static constexpr int kStages = kStages_;
@@ -68,7 +76,7 @@ struct RowsCfg {
   static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned (128-byte swizzle)");
   // Shared memory, from a 1024-byte aligned base.
   static constexpr int kOffEpi = kStages * kStageBytes;
-  static constexpr int kOffTabRow = kOffEpi + 2 * kEpiRows * kEpiStride * 4;
+  static constexpr int kOffTabRow = kOffEpi + 2 * kEpiBytes;
   static constexpr int kOffTabW = kOffTabRow + 2 * kMaxRows * 4;
   static constexpr int kOffTabBias = kOffTabW + 2 * kMaxRows * 4;
   static constexpr int kOffRowOff = kOffTabBias + 2 * kTileH * 4;
@@ -140,30 +148,26 @@ struct Shared {
 
 __device__ __forceinline__ uint32_t bar_at(uint32_t first, int i) { return first + 8 * i; }
 
-// One 8-column group of row `row` of dst, values v[0..7] (fp32).
-__device__ __forceinline__ void store_group(const RowsGemmParams& p, int64_t row, int col, const float4& x0,
-                                            const float4& x1) {
-  const int op = p.op;
-  if (op == int(Fc2EpilogueOp::kRedFp32) || op == int(Fc2EpilogueOp::kRowsFp32Scaled)) {
-    float* a = static_cast<float*>(p.dst) + row * p.dst_stride + col;  // fp32 workspace: 16-byte aligned
-    if (op == int(Fc2EpilogueOp::kRedFp32)) {
-      dev::red_add_f32x4(a, x0);
-      dev::red_add_f32x4(a + 4, x1);
-    } else {
-      dev::st_global_v4(a, __float_as_uint(x0.x), __float_as_uint(x0.y), __float_as_uint(x0.z),
-                        __float_as_uint(x0.w));
-      dev::st_global_v4(a + 4, __float_as_uint(x1.x), __float_as_uint(x1.y), __float_as_uint(x1.z),
-                        __float_as_uint(x1.w));
-    }
-    return;
+// One 8-column group of row `row` of dst, fp32 (kRedFp32, kRowsFp32Scaled:
+// workspace rows, 16-byte aligned).
+__device__ __forceinline__ void store_group_f32(const RowsGemmParams& p, int64_t row, int col, const float4& x0,
+                                                const float4& x1) {
+  float* a = static_cast<float*>(p.dst) + row * p.dst_stride + col;
+  if (p.op == int(Fc2EpilogueOp::kRedFp32)) {
+    dev::red_add_f32x4(a, x0);
+    dev::red_add_f32x4(a + 4, x1);
+  } else {
+    dev::st_global_v4(a, __float_as_uint(x0.x), __float_as_uint(x0.y), __float_as_uint(x0.z), __float_as_uint(x0.w));
+    dev::st_global_v4(a + 4, __float_as_uint(x1.x), __float_as_uint(x1.y), __float_as_uint(x1.z),
+                      __float_as_uint(x1.w));
   }
-  __nv_bfloat162 h[4] = {__floats2bfloat162_rn(x0.x, x0.y), __floats2bfloat162_rn(x0.z, x0.w),
-                         __floats2bfloat162_rn(x1.x, x1.y), __floats2bfloat162_rn(x1.z, x1.w)};
-  uint32_t u[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) u[i] = *reinterpret_cast<uint32_t*>(&h[i]);
+}
+
+// One 8-column group of row `row` of dst, already bf16 (kRedBf16, kRowsBf16).
+__device__ __forceinline__ void store_group_bf16(const RowsGemmParams& p, int64_t row, int col, const uint4& v) {
   __nv_bfloat16* a = static_cast<__nv_bfloat16*>(p.dst) + row * p.dst_stride + col;
-  const bool reduce = op == int(Fc2EpilogueOp::kRedBf16) && !p.plain_k1;
+  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+  const bool reduce = p.op == int(Fc2EpilogueOp::kRedBf16) && !p.plain_k1;
   if (p.vec16) {
     if (reduce) dev::red_add_bf16x8(a, u);
     else dev::st_global_v4(a, u[0], u[1], u[2], u[3]);
@@ -178,8 +182,13 @@ __device__ __forceinline__ void store_group(const RowsGemmParams& p, int64_t row
   }
 }
 
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
 // A consumer warpgroup's whole tile: mainloop over K, then the epilogue.
-template <class Cfg, int N>
+template <class Cfg, int N, bool kBf16Out>
 __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shared& sh, const TileInfo& t, int wg,
                                              int& s, uint32_t& ph, int it) {
   float acc[N / 2];
@@ -197,13 +206,7 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
     dev::wgmma_fence();
 #pragma unroll
     for (int j = 0; j < kTileK / 16; ++j) {
-      if constexpr (N <= 256) {
-        dev::Wgmma<N>::mma(acc, da + 2 * j, db + 2 * j, 1);
-      } else {  // rows 0..255, then rows 256..N-1 (their smem rows start 32 KB further: +2048 in 16-byte units)
-        dev::Wgmma<256>::mma(*reinterpret_cast<float(*)[128]>(&acc[0]), da + 2 * j, db + 2 * j, 1);
-        dev::Wgmma<N - 256>::mma(*reinterpret_cast<float(*)[N / 2 - 128]>(&acc[128]), da + 2 * j,
-                                 db + 2048 + 2 * j, 1);
-      }
+      dev::Wgmma<N>::mma(acc, da + 2 * j, db + 2 * j, 1);
     }
     dev::wgmma_commit();
     dev::fence_operands(acc);
@@ -232,9 +235,50 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
   const float bias1 = sh.tab_bias[b * kTileH + wg * 64 + hl + 8];
   const int* tab_row = sh.tab_row + b * Cfg::kMaxRows;
   const float* tab_w = sh.tab_w + b * Cfg::kMaxRows;
-  float* stg = sh.epi + wg * kEpiRows * kEpiStride;
+  float* stg = reinterpret_cast<float*>(reinterpret_cast<char*>(sh.epi) + wg * kEpiBytes);
   const int wt = threadIdx.x & 127;
   const int col0 = t.hs * kTileH + wg * 64;
+  if constexpr (kBf16Out) {
+    // w * (acc + bias) rounded to bf16 and stored transposed by stmatrix:
+    // one x4 per 16 rows x the warp's 16 columns; lane L addresses row L % 8
+    // of matrix L / 8 (rows j and j + 1 of the fragment, columns +0 / +8).
+    uint16_t* stg16 = reinterpret_cast<uint16_t*>(stg);
+    const int mi = lane >> 3, mr = lane & 7;
+    const uint32_t st_addr = dev::smem_u32(stg16 + ((mi >> 1) * 8 + mr) * kEpiStrideBf16 + 16 * q + (mi & 1) * 8);
+    constexpr int kPasses = (N + kEpiRowsBf16 - 1) / kEpiRowsBf16;
+#pragma unroll
+    for (int ps = 0; ps < kPasses; ++ps) {
+#pragma unroll
+      for (int jj = 0; jj < kEpiRowsBf16 / 8; jj += 2) {
+        const int j = ps * (kEpiRowsBf16 / 8) + jj;
+        if (j < N / 8) {  // N is a multiple of 16: j + 1 < N / 8 too
+          const int n0 = ps * kEpiRowsBf16 + jj * 8 + 2 * c4;
+          const float w0 = tab_w[n0], w1 = tab_w[n0 + 1], w2 = tab_w[n0 + 8], w3 = tab_w[n0 + 9];
+          const uint32_t r0 = pack_bf16x2(w0 * (acc[4 * j + 0] + bias0), w1 * (acc[4 * j + 1] + bias0));
+          const uint32_t r1 = pack_bf16x2(w0 * (acc[4 * j + 2] + bias1), w1 * (acc[4 * j + 3] + bias1));
+          const uint32_t r2 = pack_bf16x2(w2 * (acc[4 * j + 4] + bias0), w3 * (acc[4 * j + 5] + bias0));
+          const uint32_t r3 = pack_bf16x2(w2 * (acc[4 * j + 6] + bias1), w3 * (acc[4 * j + 7] + bias1));
+          asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                           st_addr + uint32_t(jj * 8 * kEpiStrideBf16 * 2)),
+                       "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+                       : "memory");
+        }
+      }
+      dev::named_bar_sync(1 + wg, 128);
+#pragma unroll
+      for (int item = wt; item < kEpiRowsBf16 * 8; item += 128) {
+        const int nl = item >> 3, v = item & 7;
+        const int n = ps * kEpiRowsBf16 + nl;
+        const int col = col0 + 8 * v;
+        if (n < t.rows && col < p.H) {
+          const uint4 x = *reinterpret_cast<const uint4*>(stg16 + nl * kEpiStrideBf16 + 8 * v);
+          const int row = tab_row[n];
+          if (row >= 0) store_group_bf16(p, row, col, x);
+        }
+      }
+      dev::named_bar_sync(1 + wg, 128);
+    }
+  } else {
   constexpr int kPasses = (N + kEpiRows - 1) / kEpiRows;
 #pragma unroll
   for (int ps = 0; ps < kPasses; ++ps) {
@@ -260,10 +304,11 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
         const float4 x0 = *reinterpret_cast<const float4*>(stg + nl * kEpiStride + 8 * v);
         const float4 x1 = *reinterpret_cast<const float4*>(stg + nl * kEpiStride + 8 * v + 4);
         const int row = tab_row[n];
-        if (row >= 0) store_group(p, row, col, x0, x1);
+        if (row >= 0) store_group_f32(p, row, col, x0, x1);
       }
     }
     dev::named_bar_sync(1 + wg, 128);
+  }
   }
   __syncwarp();
   if (lane == 0) dev::mbar_arrive(bar_at(sh.tab_empty, b));
@@ -400,13 +445,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {
     // Consumer warpgroups 0 and 1.
     const int wg = warp / 4;
+    const bool bf16_out = p.op == int(Fc2EpilogueOp::kRedBf16) || p.op == int(Fc2EpilogueOp::kRowsBf16);
     int s = 0, it = 0;
     uint32_t ph = 0;
     for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++it) {
       const TileInfo t = decode_tile<kMaxRows>(tile, tile_start, row_off, E);
       switch (t.n / kRowQuantum) {
 #define FLASHMIX_FC2_ROWS_CASE(K) \
-  case K: consume_tile<Cfg, K * kRowQuantum>(p, sh, t, wg, s, ph, it); break;
+  case K:                                                                             \
+    if (bf16_out)                                                                     \
+      consume_tile<Cfg, K * kRowQuantum, true>(p, sh, t, wg, s, ph, it);              \
+    else                                                                              \
+      consume_tile<Cfg, K * kRowQuantum, false>(p, sh, t, wg, s, ph, it);             \
+    break;
         FLASHMIX_FC2_ROWS_CASE(1)
         FLASHMIX_FC2_ROWS_CASE(2)
         FLASHMIX_FC2_ROWS_CASE(3)
@@ -424,15 +475,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         FLASHMIX_FC2_ROWS_CASE(15)
         FLASHMIX_FC2_ROWS_CASE(16)
         default:
-          if constexpr (kMaxRows > 256) {
-            switch (t.n / kRowQuantum) {
-              FLASHMIX_FC2_ROWS_CASE(17)
-              FLASHMIX_FC2_ROWS_CASE(18)
-              FLASHMIX_FC2_ROWS_CASE(19)
-              FLASHMIX_FC2_ROWS_CASE(20)
-              default: break;
-            }
-          }
           break;
 #undef FLASHMIX_FC2_ROWS_CASE
       }
