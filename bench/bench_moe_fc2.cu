@@ -265,6 +265,8 @@ void run_moe_fc2_cases(Context& ctx) {
   // ragged tiles), and its FLOPs as one expert (the grouped kernel as a dense GEMM).
   if (ctx.sweep) {
     cases.push_back({"diag_deepseek_balanced_T1024_k8_E32_I2048_H7168", 1024, 8, 32, 32, 7168, 2048, false, 0, 0, true});
+    // 272 rows per expert: configuration 3 cuts every expert into two chunks (N = 144 tiles).
+    cases.push_back({"diag_deepseek_balanced_T1088_k8_E32_I2048_H7168", 1088, 8, 32, 32, 7168, 2048, false, 0, 0, true});
     cases.push_back({"diag_one_expert_T8192_k1_E1_I2048_H7168", 8192, 1, 1, 1, 7168, 2048, false, 0, 0, true});
     cases.push_back({"diag_two_experts_T4096_k2_E2_I2048_H7168", 4096, 2, 2, 2, 7168, 2048, false, 0, 0, true});
   }
