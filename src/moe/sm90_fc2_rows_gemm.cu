@@ -67,31 +67,22 @@ constexpr int kMaxExperts = 1024;
 
 // kMaxRows: the most rows a tile takes (at most 256: wgmma's N, and the
 // accumulators of 128 x 256 fill a consumer thread's 168 registers).
-// kByteRing: the operands of a k-block (W2 128 x 64, then the tile's N rows
-// x 64) take 16 KB + N * 128 bytes of a 192 KB byte ring, so a tile with
-// fewer rows has more k-blocks in flight (5 at N = 144, 8 at N <= 64; 4 at
-// N = 256), in at most kSlots records taken and released in order. Else
-// kStages fixed stages of 48 KB.
-template <int kStages_, int kMaxRows_, bool kByteRing_ = false>
+template <int kStages_, int kMaxRows_>
 struct RowsCfg {
-  static constexpr bool kByteRing = kByteRing_;
   static constexpr int kStages = kStages_;
   static constexpr int kMaxRows = kMaxRows_;
   static constexpr int kRBytes = kMaxRows * kTileK * 2;
   static constexpr int kStageBytes = kWBytes + kRBytes;
   static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned (128-byte swizzle)");
-  static constexpr int kRingBytes = kStages * kStageBytes;
-  static constexpr int kSlots = kByteRing ? 8 : kStages;
   // Shared memory, from a 1024-byte aligned base.
-  static constexpr int kOffEpi = kRingBytes;
+  static constexpr int kOffEpi = kStages * kStageBytes;
   static constexpr int kOffTabRow = kOffEpi + 2 * kEpiBytes;
   static constexpr int kOffTabW = kOffTabRow + 2 * kMaxRows * 4;
   static constexpr int kOffTabBias = kOffTabW + 2 * kMaxRows * 4;
   static constexpr int kOffRowOff = kOffTabBias + 2 * kTileH * 4;
   static constexpr int kOffTileStart = kOffRowOff + (kMaxExperts + 1) * 4;
-  static constexpr int kOffBars = (kOffTileStart + (kMaxExperts + 1) * 4 + 2 * 8 * 4 + 7) / 8 * 8;
-  static constexpr int kOffRec = kOffTileStart + (kMaxExperts + 1) * 4;  // byte ring: [kSlots] offsets, [kSlots] reservations
-  static constexpr int kNumBars = 2 * kSlots + 4;
+  static constexpr int kOffBars = (kOffTileStart + (kMaxExperts + 1) * 4 + 7) / 8 * 8;
+  static constexpr int kNumBars = 2 * kStages + 4;
   static constexpr int kSmemBytes = kOffBars + kNumBars * 8 + 1024;  // + alignment slack
   static_assert(kSmemBytes <= 232448, "shared memory");
 };
@@ -153,7 +144,6 @@ struct Shared {
   const int* row_off;
   const int* tile_start;
   uint32_t full, empty, tab_full, tab_empty;  // shared addresses of the first barrier of each kind
-  volatile int* rec_off;                      // byte ring: each record's offset in the ring
 };
 
 __device__ __forceinline__ uint32_t bar_at(uint32_t first, int i) { return first + 8 * i; }
@@ -209,8 +199,7 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
   int prev = -1;
   for (int kb = 0; kb < p.k_blocks; ++kb) {
     dev::mbar_wait(bar_at(sh.full, s), ph);
-    const uint32_t st =
-        sh.stages + (Cfg::kByteRing ? uint32_t(sh.rec_off[s]) : uint32_t(s) * Cfg::kStageBytes);
+    const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
     const uint64_t da = dev::wgmma_desc_k_sw128(st + a_off);
     const uint64_t db = dev::wgmma_desc_k_sw128(st + kWBytes);
     dev::fence_operands(acc);
@@ -227,7 +216,7 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
       if (lane == 0) dev::mbar_arrive(bar_at(sh.empty, prev));
     }
     prev = s;
-    if (++s == Cfg::kSlots) {
+    if (++s == Cfg::kStages) {
       s = 0;
       ph ^= 1;
     }
@@ -336,7 +325,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* sm = smem_raw + (base - raw);
   Shared sh;
   sh.stages = base;
-  constexpr int kSlots = Cfg::kSlots, kMaxRows = Cfg::kMaxRows;
+  constexpr int kStages = Cfg::kStages, kMaxRows = Cfg::kMaxRows;
   sh.epi = reinterpret_cast<float*>(sm + Cfg::kOffEpi);
   sh.tab_row = reinterpret_cast<int*>(sm + Cfg::kOffTabRow);
   sh.tab_w = reinterpret_cast<float*>(sm + Cfg::kOffTabW);
@@ -346,17 +335,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   sh.row_off = row_off;
   sh.tile_start = tile_start;
   sh.full = base + Cfg::kOffBars;
-  sh.empty = sh.full + 8 * kSlots;
-  sh.tab_full = sh.empty + 8 * kSlots;
-  sh.rec_off = reinterpret_cast<volatile int*>(sm + Cfg::kOffRec);
-  volatile int* rec_res = sh.rec_off + 8;
+  sh.empty = sh.full + 8 * kStages;
+  sh.tab_full = sh.empty + 8 * kStages;
   sh.tab_empty = sh.tab_full + 16;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int E = p.E;
   for (int e = tid; e <= E; e += kThreads) row_off[e] = int(p.offsets[e]);
   if (tid == 0) {
-    for (int i = 0; i < kSlots; ++i) {
+    for (int i = 0; i < kStages; ++i) {
       dev::mbar_init(bar_at(sh.full, i), 1);
       dev::mbar_init(bar_at(sh.empty, i), 8);  // one arrival per consumer warp
     }
@@ -393,47 +380,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       dev::prefetch_tensor_map(&map_a128);
       int s = 0;
       uint32_t ph = 0;
-      int issued = 0, popped = 0, head = 0;  // byte ring
       for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
         const TileInfo t = decode_tile<kMaxRows>(tile, tile_start, row_off, E);
-        const int bytes = kWBytes + t.n * kTileK * 2;  // a multiple of 2 KB: offsets stay 1024-byte aligned
         for (int kb = 0; kb < p.k_blocks; ++kb) {
-          int off;
-          if constexpr (Cfg::kByteRing) {
-            // Records [popped, issued) are live; their space runs circularly
-            // from rec_res[oldest] to head (a record that wrapped reserved the
-            // gap at the end too). Wait for the oldest until this one fits.
-            for (;;) {
-              if (popped == issued) {
-                head = off = 0;
-                rec_res[s] = 0;
-                break;
-              }
-              if (issued - popped < kSlots) {
-                const int tail = rec_res[popped % kSlots];
-                if (head > tail) {
-                  if (Cfg::kRingBytes - head >= bytes) { off = head; rec_res[s] = head; break; }
-                  if (tail >= bytes) { off = 0; rec_res[s] = head; break; }
-                } else if (head < tail && tail - head >= bytes) {
-                  off = head;
-                  rec_res[s] = head;
-                  break;
-                }
-              }
-              const int old = popped++;
-              dev::mbar_wait(bar_at(sh.empty, old % kSlots), (old / kSlots) & 1);
-            }
-            head = off + bytes;
-            if (head == Cfg::kRingBytes) head = 0;
-            ++issued;
-            sh.rec_off[s] = off;
-          } else {
-            dev::mbar_wait(bar_at(sh.empty, s), ph ^ 1);
-            off = s * Cfg::kStageBytes;
-          }
+          dev::mbar_wait(bar_at(sh.empty, s), ph ^ 1);
           const uint32_t full = bar_at(sh.full, s);
-          dev::mbar_arrive_expect_tx(full, uint32_t(bytes));
-          const uint32_t st = sh.stages + uint32_t(off);
+          dev::mbar_arrive_expect_tx(full, kWBytes + uint32_t(t.n) * kTileK * 2);
+          const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
           dev::tma_load_3d(st, &map_w, full, kb * kTileK, t.hs * kTileH, t.e);
           const uint32_t rows_dst = st + kWBytes;
           int r = 0;
@@ -447,7 +400,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             r += 32;
           }
           if (t.n - r >= 16) dev::tma_load_2d(rows_dst + r * 128, &map_a16, full, kb * kTileK, t.p0 + r);
-          if (++s == kSlots) {
+          if (++s == kStages) {
             s = 0;
             ph ^= 1;
           }
@@ -592,7 +545,6 @@ Status sm90_fc2_run_rows_128xN(const Sm90Fc2GemmParams& p, cudaStream_t stream) 
     kernel<<<p.sm_count, kThreads, Cfg::kSmemBytes, stream>>>(k, w, a[0], a[1], a[2], a[3]);
     return detail::check_launch(kOp);
   };
-  if (p.raster_along_n) return launch(RowsCfg<4, 256, true>{});  // EXPERIMENT
   return launch(RowsCfg<4, 256>{});
 }
 

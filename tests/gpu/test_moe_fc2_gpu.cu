@@ -118,7 +118,6 @@ struct Problem {
     // FLASHMIX_TEST_FC2_CONFIG=n runs every test of this file on GEMM
     // configuration n (scripts/gpu_round.sh runs the file once per config).
     if (const char* cfg = std::getenv("FLASHMIX_TEST_FC2_CONFIG")) args.tuning.gemm_config = std::atoi(cfg);
-    if (const char* r = std::getenv("FLASHMIX_TEST_FC2_RASTER")) args.tuning.raster = std::atoi(r);
     Status st = moe_fc2_finalize_cpu(args);
     EXPECT_TRUE(st.ok()) << st.message();
     for (int64_t t = 0; t < c.T; ++t)
