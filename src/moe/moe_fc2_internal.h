@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
 #include "flashmix/moe.h"
@@ -46,6 +47,37 @@ struct Sm90Fc2GemmParams {
   bool raster_along_n;  // tile order: N fastest (else M fastest: the M tiles of a W2 slice together)
   int swizzle;          // scheduler swizzle 1, 2, 4 or 8
 };
+
+// What either GEMM's epilogue needs (the CUTLASS configurations' and ours).
+struct Fc2EpilogueParamsDevice {
+  const int64_t* offsets = nullptr;
+  const int32_t* p2u = nullptr;
+  const float* scales = nullptr;
+  const __nv_bfloat16* bias = nullptr;
+  void* dst = nullptr;
+  int64_t dst_stride = 0;
+  int T = 0, k = 0, H = 0;
+  int op = 0;  // Fc2EpilogueOp
+  bool vec16 = false;  // dst and dst_stride allow 16-byte accesses
+  bool add_to_out = false;  // kRedBf16 with k == 1 adds (out holds the caller's residual)
+};
+
+inline Fc2EpilogueParamsDevice fc2_epilogue_params(const Sm90Fc2GemmParams& p) {
+  Fc2EpilogueParamsDevice e;
+  e.offsets = p.offsets;
+  e.p2u = p.p2u;
+  e.scales = p.scales;
+  e.bias = static_cast<const __nv_bfloat16*>(p.bias);
+  e.dst = p.dst;
+  e.dst_stride = p.dst_stride;
+  e.T = p.T;
+  e.k = p.k;
+  e.H = p.H;
+  e.op = int(p.op);
+  e.vec16 = p.vec16;
+  e.add_to_out = p.add_to_out;
+  return e;
+}
 
 constexpr size_t kFc2GroupBytesPerExpert = 6 * 16;  // shapes, ptr A/B, stride A/B, spare
 

@@ -50,18 +50,6 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&x)[4], int q, unsigned
   }
 }
 
-struct Fc2EpilogueParamsDevice {
-  const int64_t* offsets = nullptr;
-  const int32_t* p2u = nullptr;
-  const float* scales = nullptr;
-  const __nv_bfloat16* bias = nullptr;
-  void* dst = nullptr;
-  int64_t dst_stride = 0;
-  int T = 0, k = 0, H = 0;
-  int op = 0;  // Fc2EpilogueOp
-  bool vec16 = false;  // dst and dst_stride allow 16-byte accesses
-  bool add_to_out = false;  // kRedBf16 with k == 1 adds (out holds the caller's residual)
-};
 
 class Fc2ScatterEpilogue {
  public:

@@ -68,19 +68,7 @@ struct Fc2GemmConfig {
     cutlass::KernelHardwareInfo hw;
     hw.device_id = 0;
     hw.sm_count = p.sm_count;
-    Fc2EpilogueParamsDevice epi;
-    epi.offsets = p.offsets;
-    epi.p2u = p.p2u;
-    epi.scales = p.scales;
-    epi.bias = static_cast<const __nv_bfloat16*>(p.bias);
-    epi.dst = p.dst;
-    epi.dst_stride = p.dst_stride;
-    epi.T = p.T;
-    epi.k = p.k;
-    epi.H = p.H;
-    epi.op = int(p.op);
-    epi.vec16 = p.vec16;
-    epi.add_to_out = p.add_to_out;
+    const Fc2EpilogueParamsDevice epi = fc2_epilogue_params(p);
     typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
                                   {p.E, g.shapes, nullptr},
                                   {g.ptr_A, g.stride_A, g.ptr_B, g.stride_B},

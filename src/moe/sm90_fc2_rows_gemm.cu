@@ -93,17 +93,9 @@ __host__ __device__ __forceinline__ int row_chunks(int R) {
   return R <= kMaxRows ? (R > 0 ? 1 : 0) : (R + kChunkRows - 1) / kChunkRows;
 }
 
-struct RowsGemmParams {
-  const int64_t* offsets;
-  const int32_t* p2u;
-  const float* scales;
-  const __nv_bfloat16* bias;
-  void* dst;
-  int64_t dst_stride;
-  int T, k, H, E;
+struct RowsGemmParams : Fc2EpilogueParamsDevice {
+  int E;
   int h_slices, k_blocks;
-  int op;         // Fc2EpilogueOp
-  bool vec16;     // dst and dst_stride allow 16-byte accesses
   bool plain_k1;  // kRedBf16, k == 1, out zeroed by the op: stores instead of reduction adds
 };
 
@@ -187,6 +179,23 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
+// The readers of one epilogue pass: 8 threads per staged row, one 8-column
+// group each; rows past the chunk and columns past H are skipped.
+template <int kRowsPerPass, class Store>
+__device__ __forceinline__ void drain_pass(const RowsGemmParams& p, const TileInfo& t, const int* tab_row, int ps,
+                                           int col0, int wt, Store&& store) {
+#pragma unroll
+  for (int item = wt; item < kRowsPerPass * 8; item += 128) {
+    const int nl = item >> 3, v = item & 7;
+    const int n = ps * kRowsPerPass + nl;
+    const int col = col0 + 8 * v;
+    if (n < t.rows && col < p.H) {
+      const int row = tab_row[n];
+      if (row >= 0) store(nl, v, row, col);
+    }
+  }
+}
+
 // A consumer warpgroup's whole tile: mainloop over K, then the epilogue.
 template <class Cfg, int N, bool kBf16Out>
 __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shared& sh, const TileInfo& t, int wg,
@@ -265,50 +274,34 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
         }
       }
       dev::named_bar_sync(1 + wg, 128);
-#pragma unroll
-      for (int item = wt; item < kEpiRowsBf16 * 8; item += 128) {
-        const int nl = item >> 3, v = item & 7;
-        const int n = ps * kEpiRowsBf16 + nl;
-        const int col = col0 + 8 * v;
-        if (n < t.rows && col < p.H) {
-          const uint4 x = *reinterpret_cast<const uint4*>(stg16 + nl * kEpiStrideBf16 + 8 * v);
-          const int row = tab_row[n];
-          if (row >= 0) store_group_bf16(p, row, col, x);
-        }
-      }
+      drain_pass<kEpiRowsBf16>(p, t, tab_row, ps, col0, wt, [&](int nl, int v, int row, int col) {
+        store_group_bf16(p, row, col, *reinterpret_cast<const uint4*>(stg16 + nl * kEpiStrideBf16 + 8 * v));
+      });
       dev::named_bar_sync(1 + wg, 128);
     }
   } else {
-  constexpr int kPasses = (N + kEpiRows - 1) / kEpiRows;
+    constexpr int kPasses = (N + kEpiRows - 1) / kEpiRows;
 #pragma unroll
-  for (int ps = 0; ps < kPasses; ++ps) {
+    for (int ps = 0; ps < kPasses; ++ps) {
 #pragma unroll
-    for (int jj = 0; jj < kEpiRows / 8; ++jj) {
-      const int j = ps * (kEpiRows / 8) + jj;
-      if (j < N / 8) {
-        const int nl = jj * 8 + 2 * c4;
-        const float w0 = tab_w[ps * kEpiRows + nl], w1 = tab_w[ps * kEpiRows + nl + 1];
-        stg[nl * kEpiStride + hl] = w0 * (acc[4 * j + 0] + bias0);
-        stg[(nl + 1) * kEpiStride + hl] = w1 * (acc[4 * j + 1] + bias0);
-        stg[nl * kEpiStride + hl + 8] = w0 * (acc[4 * j + 2] + bias1);
-        stg[(nl + 1) * kEpiStride + hl + 8] = w1 * (acc[4 * j + 3] + bias1);
+      for (int jj = 0; jj < kEpiRows / 8; ++jj) {
+        const int j = ps * (kEpiRows / 8) + jj;
+        if (j < N / 8) {
+          const int nl = jj * 8 + 2 * c4;
+          const float w0 = tab_w[ps * kEpiRows + nl], w1 = tab_w[ps * kEpiRows + nl + 1];
+          stg[nl * kEpiStride + hl] = w0 * (acc[4 * j + 0] + bias0);
+          stg[(nl + 1) * kEpiStride + hl] = w1 * (acc[4 * j + 1] + bias0);
+          stg[nl * kEpiStride + hl + 8] = w0 * (acc[4 * j + 2] + bias1);
+          stg[(nl + 1) * kEpiStride + hl + 8] = w1 * (acc[4 * j + 3] + bias1);
+        }
       }
+      dev::named_bar_sync(1 + wg, 128);
+      drain_pass<kEpiRows>(p, t, tab_row, ps, col0, wt, [&](int nl, int v, int row, int col) {
+        const float* x = stg + nl * kEpiStride + 8 * v;
+        store_group_f32(p, row, col, *reinterpret_cast<const float4*>(x), *reinterpret_cast<const float4*>(x + 4));
+      });
+      dev::named_bar_sync(1 + wg, 128);
     }
-    dev::named_bar_sync(1 + wg, 128);
-#pragma unroll
-    for (int item = wt; item < kEpiRows * 8; item += 128) {
-      const int nl = item >> 3, v = item & 7;
-      const int n = ps * kEpiRows + nl;
-      const int col = col0 + 8 * v;
-      if (n < t.rows && col < p.H) {
-        const float4 x0 = *reinterpret_cast<const float4*>(stg + nl * kEpiStride + 8 * v);
-        const float4 x1 = *reinterpret_cast<const float4*>(stg + nl * kEpiStride + 8 * v + 4);
-        const int row = tab_row[n];
-        if (row >= 0) store_group_f32(p, row, col, x0, x1);
-      }
-    }
-    dev::named_bar_sync(1 + wg, 128);
-  }
   }
   __syncwarp();
   if (lane == 0) dev::mbar_arrive(bar_at(sh.tab_empty, b));
@@ -520,20 +513,10 @@ Status sm90_fc2_run_rows_128xN(const Sm90Fc2GemmParams& p, cudaStream_t stream) 
   CUtensorMap w, a[4];
   FM_REQUIRE_SUPPORTED(encode_maps(p, w, a), kOp, "A", "TMA descriptors could not be encoded");
   RowsGemmParams k{};
-  k.offsets = p.offsets;
-  k.p2u = p.p2u;
-  k.scales = p.scales;
-  k.bias = static_cast<const __nv_bfloat16*>(p.bias);
-  k.dst = p.dst;
-  k.dst_stride = p.dst_stride;
-  k.T = p.T;
-  k.k = p.k;
-  k.H = p.H;
+  static_cast<Fc2EpilogueParamsDevice&>(k) = fc2_epilogue_params(p);
   k.E = p.E;
   k.h_slices = (p.H + kTileH - 1) / kTileH;
   k.k_blocks = (p.I + kTileK - 1) / kTileK;
-  k.op = int(p.op);
-  k.vec16 = p.vec16;
   k.plain_k1 = p.op == Fc2EpilogueOp::kRedBf16 && p.k == 1 && !p.add_to_out;
 
   auto launch = [&](auto cfg) -> Status {
