@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One whole GPU round on a machine with an NVIDIA GPU, in one go:
-#   1. the GPU tests, 2. compute-sanitizer memcheck and racecheck on them,
+#   1. the GPU tests (and the FC2 ones again with every mode on our own GEMM),
+#   2. compute-sanitizer memcheck and racecheck on them,
 #   3. flashmix-bench over the standard workloads with verification (JSON),
 #   4. where BIN_DIR has it, the copy-rate probe's `l2mix` mode (bench/probes).
 # Usage: scripts/gpu_round.sh BIN_DIR OUT_DIR [bench args...]
@@ -29,6 +30,17 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   echo "== GPU tests"
   $to "$bin/flashmix_gpu_tests" --gtest_filter="${TEST_FILTER:-*}" 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |tests ran|Failure|error" | head -60
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "GPU TESTS FAILED"; status=1; }
+  # The FC2 tests once more with every mode on our own GEMM (configuration 3;
+  # by default only `atomic` runs there). Part of a full run, or of one whose
+  # TEST_FILTER names the FC2 tests.
+  case "${TEST_FILTER:-*}" in
+    "*" | *MoeFc2*)
+      echo "== FC2 GPU tests on configuration 3"
+      FLASHMIX_TEST_FC2_CONFIG=3 $to "$bin/flashmix_gpu_tests" --gtest_filter='*MoeFc2Gpu*' 2>&1 \
+        | tee "$out/gpu_tests_fc2_cfg3.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |tests ran|Failure|error" | head -20
+      [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "FC2 CONFIGURATION 3 TESTS FAILED"; status=1; }
+      ;;
+  esac
 fi
 
 if [ -z "${SKIP_SANITIZER:-}" ]; then

@@ -116,7 +116,7 @@ struct Problem {
     args.out_stride = out_stride();
     args.mode = mode;
     // FLASHMIX_TEST_FC2_CONFIG=n runs every test of this file on GEMM
-    // configuration n (scripts/gpu_round.sh runs the file once per config).
+    // configuration n (scripts/gpu_round.sh runs this file once more on 3).
     if (const char* cfg = std::getenv("FLASHMIX_TEST_FC2_CONFIG")) args.tuning.gemm_config = std::atoi(cfg);
     Status st = moe_fc2_finalize_cpu(args);
     EXPECT_TRUE(st.ok()) << st.message();
