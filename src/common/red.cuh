@@ -9,10 +9,14 @@
 
 namespace flashmix::dev {
 
+// bits: a packed bf16x2 (low half at addr).
+__device__ __forceinline__ void red_add_bf16x2(__nv_bfloat16* addr, uint32_t bits) {
+  asm volatile("red.global.add.noftz.bf16x2 [%0], %1;" ::"l"(addr), "r"(bits) : "memory");
+}
+
 __device__ __forceinline__ void red_add_bf16x2(__nv_bfloat16* addr, float a, float b) {
   __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-  uint32_t bits = *reinterpret_cast<uint32_t*>(&v);
-  asm volatile("red.global.add.noftz.bf16x2 [%0], %1;" ::"l"(addr), "r"(bits) : "memory");
+  red_add_bf16x2(addr, *reinterpret_cast<uint32_t*>(&v));
 }
 
 __device__ __forceinline__ void red_add_f32x2(float* addr, float a, float b) {

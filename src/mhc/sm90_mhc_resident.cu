@@ -122,13 +122,8 @@ __device__ __forceinline__ void push4(uint32_t local, uint32_t bar, int rank, fl
 constexpr int kBarProj = 1;    // the 8 projection warps
 constexpr int kBarFinish = 2;  // the 3 finish warps
 
-__device__ __forceinline__ void named_bar(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive_local(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
+using dev::mbar_arrive;
+using dev::named_bar_sync;
 
 // Arrives on the mbarrier at shared address `bar` in every CTA of the
 // cluster, with release semantics at cluster scope. Called by a whole warp:
@@ -312,11 +307,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int ch = 0; ch < slice / 64; ++ch) {
       const uint32_t bar = smem_u32(&full[stage][per_box ? ch : 0]);
       if (per_box) mbar_arrive_expect_tx(bar, uint32_t(kChunkBytes));
-      asm volatile(
-          "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
-          "[%5];\n" ::"r"(ring + stage * L.stage_bytes + ch * kChunkBytes),
-          "l"(reinterpret_cast<uint64_t>(&x_map)), "r"(c0 + ch * 64), "r"(int(tile * kRows)), "r"(0), "r"(bar)
-          : "memory");
+      dev::tma_load_3d(ring + stage * L.stage_bytes + ch * kChunkBytes, &x_map, bar, c0 + ch * 64, int(tile * kRows),
+                       0);
     }
   };
 
@@ -401,7 +393,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     // The ring is X's from here on.
     __syncwarp();
-    if (lane == 0) mbar_arrive_local(smem_u32(&phi_free));
+    if (lane == 0) mbar_arrive(smem_u32(&phi_free));
     dev::grid_dependency_wait();  // before X (prefetch_weights; a no-op otherwise)
     // ldmatrix.x4 lane address: rows (lane & 7) + 8 * ((lane >> 3) & 1), k offset 8 * (lane >> 4).
     const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8, a_kofs = (lane >> 4) * 8;
@@ -435,8 +427,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       // at setmaxnreg 224 and cost decode 0.44 us (docs/mhc.md).
       __syncwarp();
       if (lane == 0) {
-        mbar_arrive_local(smem_u32(&hpre_free[jj & 1]));
-        mbar_arrive_local(smem_u32(&stage_empty[jj % kStages]));
+        mbar_arrive(smem_u32(&hpre_free[jj & 1]));
+        mbar_arrive(smem_u32(&stage_empty[jj % kStages]));
       }
       FM_PROF(7)
     };
@@ -498,7 +490,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // warp is done reading the previous tile's), then summed over the
       // warps in a fixed order and pushed once every CTA has released its
       // receive buffer of this parity (tile j - 2).
-      named_bar(kBarProj, kProjWarps * 32);
+      named_bar_sync(kBarProj, kProjWarps * 32);
       float* my = scratch + warp * kV * kScratchStride;
 #pragma unroll
       for (int kt = 0; kt < kKt; ++kt) {
@@ -518,7 +510,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (j >= 2) mbar_wait_cluster(smem_u32(&recv_free[j & 1]), uint32_t((j - 2) >> 1) & 1u);
       FM_PROF(2)
       FM_STAMP(17, tid == 0 && j == 0)
-      named_bar(kBarProj, kProjWarps * 32);  // scratch written
+      named_bar_sync(kBarProj, kProjWarps * 32);  // scratch written
       FM_STAMP(18, tid == 0 && j == 0)
       FM_PROF(3)
       // Sum over the 8 warps and push, per (value, 4 tokens) float4: the
@@ -574,7 +566,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // finish warps while this tile's projection ran), then its ring stage
       // is refilled. Stage-1 (kProject) has no mix: this tile's stage is free now.
       if (p.mode == ProjectMode::kProject) {
-        if (lane == 0) mbar_arrive_local(smem_u32(&stage_empty[j % kStages]));  // no mix: the stage is free
+        if (lane == 0) mbar_arrive(smem_u32(&stage_empty[j % kStages]));  // no mix: the stage is free
       } else if (j > 0) {
         mix(j - 1);
       }
@@ -599,7 +591,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       coef_bias[m] = __ldg(p.bias + m);
     }
     dev::grid_dependency_wait();  // before any output (prefetch_weights; a no-op otherwise)
-    named_bar(kBarFinish, kFinishWarps * 32);
+    named_bar_sync(kBarFinish, kFinishWarps * 32);
 #ifdef FLASHMIX_MHC_PROFILE
     long long prof[8] = {};
     long long t0 = clock64();
@@ -637,7 +629,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       FM_STAMP(14, ft == 0 && j == 0)
       FM_PROF(1)
-      named_bar(kBarFinish, kFinishWarps * 32);  // tot written; every read of recv[j & 1] done
+      named_bar_sync(kBarFinish, kFinishWarps * 32);  // tot written; every read of recv[j & 1] done
       FM_STAMP(15, ft == 0 && j == 0)
       const int slot = owned & 1;
       if (owner && p.mode == ProjectMode::kPre && owned >= 2)
@@ -680,10 +672,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       FM_STAMP(16, ft == 0 && j == 0)
       FM_PROF(3)
-      named_bar(kBarFinish, kFinishWarps * 32);
+      named_bar_sync(kBarFinish, kFinishWarps * 32);
       if (p.mode == ProjectMode::kPre) {
-        mbar_arrive_local(smem_u32(&hpre_ready[j & 1]));
-        if (owner) mbar_arrive_local(smem_u32(&sink_full[slot]));
+        mbar_arrive(smem_u32(&hpre_ready[j & 1]));
+        if (owner) mbar_arrive(smem_u32(&sink_full[slot]));
       }
       FM_STAMP(7, ft == 0 && j == 0)
       FM_PROF(4)
@@ -701,7 +693,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       FM_STAMP(8, ft == 0 && j == 0)
       FM_PROF(5)
-      if (lane == 0) mbar_arrive_local(smem_u32(&stage_empty[j % kStages]));
+      if (lane == 0) mbar_arrive(smem_u32(&stage_empty[j % kStages]));
     }
 #ifdef FLASHMIX_MHC_PROFILE
     if (cluster_id == 0 && rank < 2 && ft == 0 && my_tiles > 0)
@@ -764,7 +756,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       __syncwarp();
       FM_STAMP(10, lane == 0 && o == 0)
       FM_PROF(2)
-      mbar_arrive_local(smem_u32(&sink_empty[slot]));
+      mbar_arrive(smem_u32(&sink_empty[slot]));
       ++owned;
     }
 #ifdef FLASHMIX_MHC_PROFILE

@@ -23,6 +23,7 @@
 #include "cutlass/epilogue/dispatch_policy.hpp"
 #include "cutlass/gemm/gemm.h"
 #include "common/red.cuh"
+#include "common/sm90.cuh"
 #include "moe/moe_fc2_internal.h"
 
 namespace flashmix::sm90 {
@@ -198,7 +199,7 @@ class Fc2ScatterEpilogue {
         }
         // The warpgroup's threads have all finished reading this buffer two
         // tiles ago (they passed the previous tile's barrier after that).
-        asm volatile("bar.sync %0, 128;" ::"r"(kBiasBarrierBase + wg) : "memory");
+        dev::named_bar_sync(kBiasBarrierBase + wg, 128);
         bias_s = buf;
       }
     }

@@ -49,7 +49,7 @@ constexpr const char* kOp = "moe_fc2_finalize";
 
 constexpr int kTileH = 128;      // output columns per tile: 2 consumer warpgroups x wgmma M = 64
 constexpr int kTileK = 64;       // K per stage: one 128-byte swizzled row
-constexpr int kChunkRows = 256;  // an expert with more rows than a tile takes is cut into chunks of at most this
+constexpr int kChunkRows = 256;  // rows per tile at most; an expert with more is cut into equal chunks
 constexpr int kRowQuantum = 16;  // N is a multiple of this
 constexpr int kWBytes = kTileH * kTileK * 2;  // 16 KB
 // Epilogue staging, per consumer warpgroup (its 64 columns x some rows):
@@ -65,16 +65,17 @@ constexpr int kEpiBytes = kEpiRows * kEpiStride * 4 > kEpiRowsBf16 * kEpiStrideB
 constexpr int kThreads = 320;  // warps 0-7: two consumer warpgroups; 8: TMA producer; 9: row tables
 constexpr int kMaxExperts = 1024;
 
-// kMaxRows: the most rows a tile takes (at most 256: wgmma's N, and the
-// accumulators of 128 x 256 fill a consumer thread's 168 registers).
-template <int kStages_, int kMaxRows_>
+// Shared memory layout (from a 1024-byte aligned base): a 4-stage ring of
+// W2 128 x 64 + up to kMaxRows rows x 64, the epilogue staging, the per-tile
+// tables (two tiles), the experts' row offsets and first tiles, barriers.
 struct RowsCfg {
-  static constexpr int kStages = kStages_;
-  static constexpr int kMaxRows = kMaxRows_;
+  static constexpr int kStages = 4;
+  // The most rows a tile takes: wgmma's N, and 128 x 256 fp32 accumulators
+  // fill a consumer thread's 168 registers.
+  static constexpr int kMaxRows = kChunkRows;
   static constexpr int kRBytes = kMaxRows * kTileK * 2;
   static constexpr int kStageBytes = kWBytes + kRBytes;
   static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned (128-byte swizzle)");
-  // Shared memory, from a 1024-byte aligned base.
   static constexpr int kOffEpi = kStages * kStageBytes;
   static constexpr int kOffTabRow = kOffEpi + 2 * kEpiBytes;
   static constexpr int kOffTabW = kOffTabRow + 2 * kMaxRows * 4;
@@ -87,11 +88,9 @@ struct RowsCfg {
   static_assert(kSmemBytes <= 232448, "shared memory");
 };
 
-// Chunks of an expert of R rows: one tile if it fits, else equal chunks of at most kChunkRows.
-template <int kMaxRows>
-__host__ __device__ __forceinline__ int row_chunks(int R) {
-  return R <= kMaxRows ? (R > 0 ? 1 : 0) : (R + kChunkRows - 1) / kChunkRows;
-}
+// Chunks of an expert of R rows: one tile if it fits, else equal chunks of at
+// most kChunkRows (both cases are ceil(R / kChunkRows)).
+__host__ __device__ __forceinline__ int row_chunks(int R) { return (R + kChunkRows - 1) / kChunkRows; }
 
 struct RowsGemmParams : Fc2EpilogueParamsDevice {
   int E;
@@ -106,7 +105,6 @@ struct TileInfo {
   int n;     // rows rounded up to kRowQuantum: the wgmma N
 };
 
-template <int kMaxRows>
 __device__ __forceinline__ TileInfo decode_tile(int tile, const int* tile_start, const int* row_off, int E) {
   int lo = 0, hi = E - 1;  // the last expert whose first tile is <= tile (empty experts share it)
   while (lo < hi) {
@@ -115,7 +113,7 @@ __device__ __forceinline__ TileInfo decode_tile(int tile, const int* tile_start,
   }
   const int local = tile - tile_start[lo];
   const int R = row_off[lo + 1] - row_off[lo];
-  const int chunks = row_chunks<kMaxRows>(R);
+  const int chunks = row_chunks(R);
   const int per = (R + chunks - 1) / chunks;
   const int c = local % chunks;
   TileInfo t;
@@ -133,8 +131,6 @@ struct Shared {
   int* tab_row;
   float* tab_w;
   float* tab_bias;
-  const int* row_off;
-  const int* tile_start;
   uint32_t full, empty, tab_full, tab_empty;  // shared addresses of the first barrier of each kind
 };
 
@@ -167,7 +163,7 @@ __device__ __forceinline__ void store_group_bf16(const RowsGemmParams& p, int64_
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       if (reduce)
-        asm volatile("red.global.add.noftz.bf16x2 [%0], %1;" ::"l"(a + 2 * i), "r"(u[i]) : "memory");
+        dev::red_add_bf16x2(a + 2 * i, u[i]);
       else
         *reinterpret_cast<uint32_t*>(a + 2 * i) = u[i];
     }
@@ -197,7 +193,7 @@ __device__ __forceinline__ void drain_pass(const RowsGemmParams& p, const TileIn
 }
 
 // A consumer warpgroup's whole tile: mainloop over K, then the epilogue.
-template <class Cfg, int N, bool kBf16Out>
+template <int N, bool kBf16Out>
 __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shared& sh, const TileInfo& t, int wg,
                                              int& s, uint32_t& ph, int it) {
   float acc[N / 2];
@@ -208,7 +204,7 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
   int prev = -1;
   for (int kb = 0; kb < p.k_blocks; ++kb) {
     dev::mbar_wait(bar_at(sh.full, s), ph);
-    const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
+    const uint32_t st = sh.stages + uint32_t(s) * RowsCfg::kStageBytes;
     const uint64_t da = dev::wgmma_desc_k_sw128(st + a_off);
     const uint64_t db = dev::wgmma_desc_k_sw128(st + kWBytes);
     dev::fence_operands(acc);
@@ -225,7 +221,7 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
       if (lane == 0) dev::mbar_arrive(bar_at(sh.empty, prev));
     }
     prev = s;
-    if (++s == Cfg::kStages) {
+    if (++s == RowsCfg::kStages) {
       s = 0;
       ph ^= 1;
     }
@@ -242,8 +238,8 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
   const int hl = 16 * q + g;  // this thread's columns within the warpgroup's 64: hl and hl + 8
   const float bias0 = sh.tab_bias[b * kTileH + wg * 64 + hl];
   const float bias1 = sh.tab_bias[b * kTileH + wg * 64 + hl + 8];
-  const int* tab_row = sh.tab_row + b * Cfg::kMaxRows;
-  const float* tab_w = sh.tab_w + b * Cfg::kMaxRows;
+  const int* tab_row = sh.tab_row + b * RowsCfg::kMaxRows;
+  const float* tab_w = sh.tab_w + b * RowsCfg::kMaxRows;
   float* stg = reinterpret_cast<float*>(reinterpret_cast<char*>(sh.epi) + wg * kEpiBytes);
   const int wt = threadIdx.x & 127;
   const int col0 = t.hs * kTileH + wg * 64;
@@ -307,7 +303,6 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
   if (lane == 0) dev::mbar_arrive(bar_at(sh.tab_empty, b));
 }
 
-template <class Cfg>
 __global__ void __launch_bounds__(kThreads, 1)
     fc2_rows_gemm_kernel(const __grid_constant__ RowsGemmParams p, const __grid_constant__ CUtensorMap map_w,
                          const __grid_constant__ CUtensorMap map_a128, const __grid_constant__ CUtensorMap map_a64,
@@ -318,16 +313,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* sm = smem_raw + (base - raw);
   Shared sh;
   sh.stages = base;
-  constexpr int kStages = Cfg::kStages, kMaxRows = Cfg::kMaxRows;
-  sh.epi = reinterpret_cast<float*>(sm + Cfg::kOffEpi);
-  sh.tab_row = reinterpret_cast<int*>(sm + Cfg::kOffTabRow);
-  sh.tab_w = reinterpret_cast<float*>(sm + Cfg::kOffTabW);
-  sh.tab_bias = reinterpret_cast<float*>(sm + Cfg::kOffTabBias);
-  int* row_off = reinterpret_cast<int*>(sm + Cfg::kOffRowOff);
-  int* tile_start = reinterpret_cast<int*>(sm + Cfg::kOffTileStart);
-  sh.row_off = row_off;
-  sh.tile_start = tile_start;
-  sh.full = base + Cfg::kOffBars;
+  constexpr int kStages = RowsCfg::kStages, kMaxRows = RowsCfg::kMaxRows;
+  sh.epi = reinterpret_cast<float*>(sm + RowsCfg::kOffEpi);
+  sh.tab_row = reinterpret_cast<int*>(sm + RowsCfg::kOffTabRow);
+  sh.tab_w = reinterpret_cast<float*>(sm + RowsCfg::kOffTabW);
+  sh.tab_bias = reinterpret_cast<float*>(sm + RowsCfg::kOffTabBias);
+  int* row_off = reinterpret_cast<int*>(sm + RowsCfg::kOffRowOff);
+  int* tile_start = reinterpret_cast<int*>(sm + RowsCfg::kOffTileStart);
+  sh.full = base + RowsCfg::kOffBars;
   sh.empty = sh.full + 8 * kStages;
   sh.tab_full = sh.empty + 8 * kStages;
   sh.tab_empty = sh.tab_full + 16;
@@ -352,7 +345,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int b0 = 0; b0 < E; b0 += 32) {
       const int e = b0 + lane;
       int v = 0;
-      if (e < E) v = row_chunks<kMaxRows>(row_off[e + 1] - row_off[e]) * p.h_slices;
+      if (e < E) v = row_chunks(row_off[e + 1] - row_off[e]) * p.h_slices;
 #pragma unroll
       for (int d = 1; d < 32; d <<= 1) {
         const int u = __shfl_up_sync(~0u, v, d);
@@ -374,25 +367,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       int s = 0;
       uint32_t ph = 0;
       for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-        const TileInfo t = decode_tile<kMaxRows>(tile, tile_start, row_off, E);
+        const TileInfo t = decode_tile(tile, tile_start, row_off, E);
         for (int kb = 0; kb < p.k_blocks; ++kb) {
           dev::mbar_wait(bar_at(sh.empty, s), ph ^ 1);
           const uint32_t full = bar_at(sh.full, s);
           dev::mbar_arrive_expect_tx(full, kWBytes + uint32_t(t.n) * kTileK * 2);
-          const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
+          const uint32_t st = sh.stages + uint32_t(s) * RowsCfg::kStageBytes;
           dev::tma_load_3d(st, &map_w, full, kb * kTileK, t.hs * kTileH, t.e);
           const uint32_t rows_dst = st + kWBytes;
+          const CUtensorMap* row_maps[4] = {&map_a128, &map_a64, &map_a32, &map_a16};  // boxes of 128 >> i rows
           int r = 0;
-          for (; r + 128 <= t.n; r += 128) dev::tma_load_2d(rows_dst + r * 128, &map_a128, full, kb * kTileK, t.p0 + r);
-          if (t.n - r >= 64) {
-            dev::tma_load_2d(rows_dst + r * 128, &map_a64, full, kb * kTileK, t.p0 + r);
-            r += 64;
-          }
-          if (t.n - r >= 32) {
-            dev::tma_load_2d(rows_dst + r * 128, &map_a32, full, kb * kTileK, t.p0 + r);
-            r += 32;
-          }
-          if (t.n - r >= 16) dev::tma_load_2d(rows_dst + r * 128, &map_a16, full, kb * kTileK, t.p0 + r);
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            for (; r + (128 >> i) <= t.n; r += 128 >> i)
+              dev::tma_load_2d(rows_dst + r * 128, row_maps[i], full, kb * kTileK, t.p0 + r);
           if (++s == kStages) {
             s = 0;
             ph ^= 1;
@@ -407,7 +395,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++it) {
       const int b = it & 1;
       dev::mbar_wait(bar_at(sh.tab_empty, b), ((it >> 1) & 1) ^ 1);
-      const TileInfo t = decode_tile<kMaxRows>(tile, tile_start, row_off, E);
+      const TileInfo t = decode_tile(tile, tile_start, row_off, E);
       for (int n = lane; n < t.n; n += 32) {
         int row = -1;
         float w = 0.f;
@@ -442,14 +430,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     int s = 0, it = 0;
     uint32_t ph = 0;
     for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++it) {
-      const TileInfo t = decode_tile<kMaxRows>(tile, tile_start, row_off, E);
+      const TileInfo t = decode_tile(tile, tile_start, row_off, E);
       switch (t.n / kRowQuantum) {
 #define FLASHMIX_FC2_ROWS_CASE(K) \
   case K:                                                                             \
     if (bf16_out)                                                                     \
-      consume_tile<Cfg, K * kRowQuantum, true>(p, sh, t, wg, s, ph, it);              \
+      consume_tile<K * kRowQuantum, true>(p, sh, t, wg, s, ph, it);              \
     else                                                                              \
-      consume_tile<Cfg, K * kRowQuantum, false>(p, sh, t, wg, s, ph, it);             \
+      consume_tile<K * kRowQuantum, false>(p, sh, t, wg, s, ph, it);             \
     break;
         FLASHMIX_FC2_ROWS_CASE(1)
         FLASHMIX_FC2_ROWS_CASE(2)
@@ -519,16 +507,11 @@ Status sm90_fc2_run_rows_128xN(const Sm90Fc2GemmParams& p, cudaStream_t stream) 
   k.k_blocks = (p.I + kTileK - 1) / kTileK;
   k.plain_k1 = p.op == Fc2EpilogueOp::kRedBf16 && p.k == 1 && !p.add_to_out;
 
-  auto launch = [&](auto cfg) -> Status {
-    using Cfg = decltype(cfg);
-    auto kernel = fc2_rows_gemm_kernel<Cfg>;
-    FM_RETURN_IF_ERROR(detail::cuda_status(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes), kOp,
-        "shared memory size"));
-    kernel<<<p.sm_count, kThreads, Cfg::kSmemBytes, stream>>>(k, w, a[0], a[1], a[2], a[3]);
-    return detail::check_launch(kOp);
-  };
-  return launch(RowsCfg<4, 256>{});
+  FM_RETURN_IF_ERROR(detail::cuda_status(
+      cudaFuncSetAttribute(fc2_rows_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, RowsCfg::kSmemBytes),
+      kOp, "shared memory size"));
+  fc2_rows_gemm_kernel<<<p.sm_count, kThreads, RowsCfg::kSmemBytes, stream>>>(k, w, a[0], a[1], a[2], a[3]);
+  return detail::check_launch(kOp);
 }
 
 }  // namespace flashmix
