@@ -33,6 +33,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#ifdef FLASHMIX_FC2_PROFILE
+#include <cstdio>
+#include <cstdlib>
+#endif
 
 #include "common/check.h"
 #include "common/red.cuh"
@@ -82,9 +86,20 @@ struct RowsCfg {
   static constexpr int kOffTabBias = kOffTabW + 2 * kMaxRows * 4;
   static constexpr int kOffRowOff = kOffTabBias + 2 * kTileH * 4;
   static constexpr int kOffTileStart = kOffRowOff + (kMaxExperts + 1) * 4;
-  static constexpr int kOffBars = (kOffTileStart + (kMaxExperts + 1) * 4 + 7) / 8 * 8;
-  static constexpr int kNumBars = 2 * kStages + 4;
-  static constexpr int kSmemBytes = kOffBars + kNumBars * 8 + 1024;  // + alignment slack
+  static constexpr int kOffOrder = kOffTileStart + (kMaxExperts + 1) * 4;  // uint16 [kMaxExperts]
+  static constexpr int kOffTabInfo = (kOffOrder + kMaxExperts * 2 + 15) / 16 * 16;  // TileInfo [2]
+  static constexpr int kOffBars = (kOffTabInfo + 2 * 32 + 7) / 8 * 8;
+  static constexpr int kNumBars = 2 * kStages + 6;
+#ifdef FLASHMIX_FC2_PROFILE
+  // Profiling build: per consumer warpgroup, 8 clock stamps for each of its
+  // first kProfTiles tiles and a last record (begin, end, tiles).
+  static constexpr int kProfTiles = 12;
+  static constexpr int kOffProf = kOffBars + kNumBars * 8;
+  static constexpr int kProfBytes = 2 * (kProfTiles + 1) * 8 * 4;
+#else
+  static constexpr int kProfBytes = 0;
+#endif
+  static constexpr int kSmemBytes = kOffBars + kNumBars * 8 + kProfBytes + 1024;  // + alignment slack
   static_assert(kSmemBytes <= 232448, "shared memory");
 };
 
@@ -105,21 +120,33 @@ struct TileInfo {
   int n;     // rows rounded up to kRowQuantum: the wgmma N
 };
 
-__device__ __forceinline__ TileInfo decode_tile(int tile, const int* tile_start, const int* row_off, int E) {
-  int lo = 0, hi = E - 1;  // the last expert whose first tile is <= tile (empty experts share it)
+// The wgmma N of an expert's tiles (0 for an empty expert).
+__device__ __forceinline__ int tile_n(int R) {
+  const int chunks = row_chunks(R);
+  return chunks == 0 ? 0 : ((R + chunks - 1) / chunks + kRowQuantum - 1) / kRowQuantum * kRowQuantum;
+}
+
+// Tile `tile` of the schedule: experts in `order` (largest N first, so the
+// CTAs' last round-robin rounds take the short tiles), each expert's tiles
+// H slice by H slice, the chunks of a slice side by side (they share its W2
+// slice in L2).
+__device__ __forceinline__ TileInfo decode_tile(int tile, const int* tile_start, const int* row_off,
+                                                const uint16_t* order, int E) {
+  int lo = 0, hi = E - 1;  // the last position whose first tile is <= tile (empty experts share it)
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
     if (tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
   }
+  const int e = order[lo];
   const int local = tile - tile_start[lo];
-  const int R = row_off[lo + 1] - row_off[lo];
+  const int R = row_off[e + 1] - row_off[e];
   const int chunks = row_chunks(R);
   const int per = (R + chunks - 1) / chunks;
   const int c = local % chunks;
   TileInfo t;
-  t.e = lo;
+  t.e = e;
   t.hs = local / chunks;
-  t.p0 = row_off[lo] + c * per;
+  t.p0 = row_off[e] + c * per;
   t.rows = min(per, R - c * per);
   t.n = (per + kRowQuantum - 1) / kRowQuantum * kRowQuantum;
   return t;
@@ -131,8 +158,30 @@ struct Shared {
   int* tab_row;
   float* tab_w;
   float* tab_bias;
-  uint32_t full, empty, tab_full, tab_empty;  // shared addresses of the first barrier of each kind
+  TileInfo* tab_info;  // [2]: the tile of each table buffer
+  uint32_t full, empty, tab_full, tab_empty, info_full;  // shared addresses of the first barrier of each kind
+#ifdef FLASHMIX_FC2_PROFILE
+  uint32_t* prof;  // this warpgroup's stamps (RowsCfg::kOffProf)
+#endif
 };
+
+#ifdef FLASHMIX_FC2_PROFILE
+// Stamps of a tile (32-bit SM clock): 0 start, 1 first stage landed, 2
+// mainloop done, 3 row table ready, 4 epilogue done, 5 N, 6 cycles waiting
+// for later stages, 7 cycles issuing the epilogue's stores. Copied out per
+// CTA and warpgroup at the end; not printed from the kernel (a call there
+// would serialise the wgmma pipeline).
+constexpr int kProfCtas = 256;
+__device__ uint32_t g_fc2_prof[kProfCtas][2][RowsCfg::kProfTiles + 1][8];
+#define FC2_STAMP(slot, value)                                                    \
+  do {                                                                            \
+    if ((threadIdx.x & 127) == 0 && it < RowsCfg::kProfTiles) sh.prof[it * 8 + (slot)] = (value); \
+  } while (0)
+#else
+#define FC2_STAMP(slot, value) \
+  do {                         \
+  } while (0)
+#endif
 
 __device__ __forceinline__ uint32_t bar_at(uint32_t first, int i) { return first + 8 * i; }
 
@@ -202,8 +251,18 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
   const int lane = threadIdx.x & 31;
   const uint32_t a_off = uint32_t(wg) * 64 * 128;  // this warpgroup's 64 H rows of the W2 tile
   int prev = -1;
+#ifdef FLASHMIX_FC2_PROFILE
+  uint32_t waited = 0;
+#endif
   for (int kb = 0; kb < p.k_blocks; ++kb) {
+#ifdef FLASHMIX_FC2_PROFILE
+    const uint32_t w0 = uint32_t(clock());
+#endif
     dev::mbar_wait(bar_at(sh.full, s), ph);
+#ifdef FLASHMIX_FC2_PROFILE
+    const uint32_t w1 = uint32_t(clock());
+    if (kb == 0) FC2_STAMP(1, w1); else waited += w1 - w0;
+#endif
     const uint32_t st = sh.stages + uint32_t(s) * RowsCfg::kStageBytes;
     const uint64_t da = dev::wgmma_desc_k_sw128(st + a_off);
     const uint64_t db = dev::wgmma_desc_k_sw128(st + kWBytes);
@@ -228,12 +287,18 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
   }
   dev::wgmma_wait<0>();
   dev::fence_operands(acc);
+  FC2_STAMP(2, uint32_t(clock()));
+#ifdef FLASHMIX_FC2_PROFILE
+  FC2_STAMP(6, waited);
+  uint32_t drained = 0;
+#endif
   __syncwarp();
   if (lane == 0) dev::mbar_arrive(bar_at(sh.empty, prev));
 
   // Epilogue.
   const int b = it & 1;
   dev::mbar_wait(bar_at(sh.tab_full, b), (it >> 1) & 1);
+  FC2_STAMP(3, uint32_t(clock()));
   const int q = (threadIdx.x >> 5) & 3, g = lane >> 2, c4 = lane & 3;
   const int hl = 16 * q + g;  // this thread's columns within the warpgroup's 64: hl and hl + 8
   const float bias0 = sh.tab_bias[b * kTileH + wg * 64 + hl];
@@ -270,9 +335,15 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
         }
       }
       dev::named_bar_sync(1 + wg, 128);
+#ifdef FLASHMIX_FC2_PROFILE
+      const uint32_t d0 = uint32_t(clock());
+#endif
       drain_pass<kEpiRowsBf16>(p, t, tab_row, ps, col0, wt, [&](int nl, int v, int row, int col) {
         store_group_bf16(p, row, col, *reinterpret_cast<const uint4*>(stg16 + nl * kEpiStrideBf16 + 8 * v));
       });
+#ifdef FLASHMIX_FC2_PROFILE
+      drained += uint32_t(clock()) - d0;
+#endif
       dev::named_bar_sync(1 + wg, 128);
     }
   } else {
@@ -299,6 +370,9 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
       dev::named_bar_sync(1 + wg, 128);
     }
   }
+#ifdef FLASHMIX_FC2_PROFILE
+  FC2_STAMP(7, drained);
+#endif
   __syncwarp();
   if (lane == 0) dev::mbar_arrive(bar_at(sh.tab_empty, b));
 }
@@ -320,10 +394,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   sh.tab_bias = reinterpret_cast<float*>(sm + RowsCfg::kOffTabBias);
   int* row_off = reinterpret_cast<int*>(sm + RowsCfg::kOffRowOff);
   int* tile_start = reinterpret_cast<int*>(sm + RowsCfg::kOffTileStart);
+  uint16_t* order = reinterpret_cast<uint16_t*>(sm + RowsCfg::kOffOrder);
+  sh.tab_info = reinterpret_cast<TileInfo*>(sm + RowsCfg::kOffTabInfo);
   sh.full = base + RowsCfg::kOffBars;
   sh.empty = sh.full + 8 * kStages;
   sh.tab_full = sh.empty + 8 * kStages;
   sh.tab_empty = sh.tab_full + 16;
+  sh.info_full = sh.tab_empty + 16;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int E = p.E;
@@ -336,22 +413,47 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < 2; ++i) {
       dev::mbar_init(bar_at(sh.tab_full, i), 32);  // every lane of the table warp
       dev::mbar_init(bar_at(sh.tab_empty, i), 8);
+      dev::mbar_init(bar_at(sh.info_full, i), 1);  // lane 0 of the table warp, once the tile is decoded
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n fence.proxy.async.shared::cta;\n" ::: "memory");
   }
   __syncthreads();
-  if (warp == 0) {  // tiles per expert: ceil(R / 256) chunks x H slices; exclusive scan
+  if (warp == 0) {
+    // The schedule's expert order: by tile N, largest first (a stable
+    // counting sort over N / 16 = 16..0; the keys present are a bit mask, so
+    // decode-sized batches, all in one or two keys, take one or two passes).
+    uint32_t present = 0;
+    for (int e = lane; e < E; e += 32) present |= 1u << (tile_n(row_off[e + 1] - row_off[e]) / kRowQuantum);
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) present |= __shfl_xor_sync(~0u, present, d);
+    int pos = 0;
+    while (present != 0) {
+      const int key = 31 - __clz(present);
+      present &= ~(1u << key);
+      for (int b0 = 0; b0 < E; b0 += 32) {
+        const int e = b0 + lane;
+        const bool mine = e < E && tile_n(row_off[e + 1] - row_off[e]) / kRowQuantum == key;
+        const uint32_t ballot = __ballot_sync(~0u, mine);
+        if (mine) order[pos + __popc(ballot & ((1u << lane) - 1))] = uint16_t(e);
+        pos += __popc(ballot);
+      }
+    }
+    __syncwarp();
+    // Tiles per expert in that order: ceil(R / 256) chunks x H slices; exclusive scan.
     int carry = 0;
     for (int b0 = 0; b0 < E; b0 += 32) {
-      const int e = b0 + lane;
+      const int i = b0 + lane;
       int v = 0;
-      if (e < E) v = row_chunks(row_off[e + 1] - row_off[e]) * p.h_slices;
+      if (i < E) {
+        const int e = order[i];
+        v = row_chunks(row_off[e + 1] - row_off[e]) * p.h_slices;
+      }
 #pragma unroll
       for (int d = 1; d < 32; d <<= 1) {
         const int u = __shfl_up_sync(~0u, v, d);
         if (lane >= d) v += u;
       }
-      if (e < E) tile_start[e + 1] = carry + v;
+      if (i < E) tile_start[i + 1] = carry + v;
       carry += __shfl_sync(~0u, v, 31);
     }
     if (lane == 0) tile_start[0] = 0;
@@ -367,7 +469,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       int s = 0;
       uint32_t ph = 0;
       for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-        const TileInfo t = decode_tile(tile, tile_start, row_off, E);
+        const TileInfo t = decode_tile(tile, tile_start, row_off, order, E);
         for (int kb = 0; kb < p.k_blocks; ++kb) {
           dev::mbar_wait(bar_at(sh.empty, s), ph ^ 1);
           const uint32_t full = bar_at(sh.full, s);
@@ -395,7 +497,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++it) {
       const int b = it & 1;
       dev::mbar_wait(bar_at(sh.tab_empty, b), ((it >> 1) & 1) ^ 1);
-      const TileInfo t = decode_tile(tile, tile_start, row_off, E);
+      const TileInfo t = decode_tile(tile, tile_start, row_off, order, E);
+      if (lane == 0) {
+        sh.tab_info[b] = t;
+        dev::mbar_arrive(bar_at(sh.info_full, b));
+      }
       for (int n = lane; n < t.n; n += 32) {
         int row = -1;
         float w = 0.f;
@@ -426,11 +532,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {
     // Consumer warpgroups 0 and 1.
     const int wg = warp / 4;
+#ifdef FLASHMIX_FC2_PROFILE
+    sh.prof = reinterpret_cast<uint32_t*>(sm + RowsCfg::kOffProf) + wg * (RowsCfg::kProfTiles + 1) * 8;
+    const uint32_t c_begin = uint32_t(clock());
+#endif
     const bool bf16_out = p.op == int(Fc2EpilogueOp::kRedBf16) || p.op == int(Fc2EpilogueOp::kRowsBf16);
     int s = 0, it = 0;
     uint32_t ph = 0;
     for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++it) {
-      const TileInfo t = decode_tile(tile, tile_start, row_off, E);
+      FC2_STAMP(0, uint32_t(clock()));
+      // The tile, from the table warp (up to two tiles ahead; its row table
+      // is waited for before the epilogue).
+      dev::mbar_wait(bar_at(sh.info_full, it & 1), (it >> 1) & 1);
+      const TileInfo t = sh.tab_info[it & 1];
+      FC2_STAMP(5, uint32_t(t.n));
       switch (t.n / kRowQuantum) {
 #define FLASHMIX_FC2_ROWS_CASE(K) \
   case K:                                                                             \
@@ -459,7 +574,18 @@ __global__ void __launch_bounds__(kThreads, 1)
           break;
 #undef FLASHMIX_FC2_ROWS_CASE
       }
+      FC2_STAMP(4, uint32_t(clock()));
     }
+#ifdef FLASHMIX_FC2_PROFILE
+    if ((threadIdx.x & 127) == 0 && blockIdx.x < kProfCtas) {
+      uint32_t* last = sh.prof + RowsCfg::kProfTiles * 8;
+      last[0] = c_begin;
+      last[1] = uint32_t(clock());
+      last[2] = uint32_t(it);
+      for (int i = 0; i < min(it, RowsCfg::kProfTiles) * 8; ++i) (&g_fc2_prof[blockIdx.x][wg][0][0])[i] = sh.prof[i];
+      for (int i = 0; i < 3; ++i) g_fc2_prof[blockIdx.x][wg][RowsCfg::kProfTiles][i] = last[i];
+    }
+#endif
   }
 }
 
@@ -511,6 +637,27 @@ Status sm90_fc2_run_rows_128xN(const Sm90Fc2GemmParams& p, cudaStream_t stream) 
       cudaFuncSetAttribute(fc2_rows_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, RowsCfg::kSmemBytes),
       kOp, "shared memory size"));
   fc2_rows_gemm_kernel<<<p.sm_count, kThreads, RowsCfg::kSmemBytes, stream>>>(k, w, a[0], a[1], a[2], a[3]);
+#ifdef FLASHMIX_FC2_PROFILE
+  {  // FLASHMIX_FC2_PROFILE_LAUNCH=n: the n-th launch in this process prints its stamps (a host sync)
+    static int launches = 0;
+    const char* env = std::getenv("FLASHMIX_FC2_PROFILE_LAUNCH");
+    if (env != nullptr && ++launches == std::atoi(env)) {
+      static uint32_t h[kProfCtas][2][RowsCfg::kProfTiles + 1][8];
+      cudaStreamSynchronize(stream);
+      cudaMemcpyFromSymbol(h, g_fc2_prof, sizeof(h));
+      for (int c = 0; c < std::min(p.sm_count, kProfCtas); ++c)
+        for (int wg = 0; wg < 2; ++wg) {
+          const uint32_t* last = h[c][wg][RowsCfg::kProfTiles];
+          std::fprintf(stderr, "FC2CTA %d %d %u %u\n", c, wg, last[1] - last[0], last[2]);
+          for (int i = 0; i < std::min<int>(int(last[2]), RowsCfg::kProfTiles); ++i) {
+            const uint32_t* v = h[c][wg][i];
+            std::fprintf(stderr, "FC2T %d %d %d %u %u %u %u %u %u %u %u\n", c, wg, i, v[0] - last[0], v[1] - v[0],
+                         v[2] - v[1], v[3] - v[2], v[4] - v[3], v[5], v[6], v[7]);
+          }
+        }
+    }
+  }
+#endif
   return detail::check_launch(kOp);
 }
 
