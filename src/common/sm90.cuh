@@ -59,6 +59,17 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 }
 
 // Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads.
+// Moves registers between warpgroups (every warp of the warpgroup executes
+// it): ptxas allocates up to the new count in the code that follows.
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
 __device__ __forceinline__ void named_bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }

@@ -15,17 +15,18 @@
 // transposed: D^T[h, row] = W2[e] (M = 128 H, K-major) x A_rows^T (N = rows,
 // K-major), both operands by TMA with 128-byte swizzle.
 //
-// CTA: 10 warps, persistent (one CTA per SM, static round robin over the
-// tiles, which are ordered expert, H slice, chunk, so the chunks of one W2
-// slice run side by side and share it in L2). Warp 8 issues the TMA loads
-// into a 4-stage ring (W2 128 x 64 in one 3-D box, the rows in boxes of
-// 128/64/32/16); warp 9 fills per-tile tables (each row's destination row and
-// weight, the slice's bias) up to two tiles ahead; warps 0-7, two
-// warpgroups, each run wgmma m64nNk16 on 64 of the 128 columns, then the
-// epilogue: w * (acc + bias) through shared memory (32 rows at a time,
-// transposed so a thread holds 8 consecutive columns of one row) to 16-byte
-// reduction adds / stores. The accumulators (N/2 fp32 per thread) cap N at
-// 256: with 3 warps on a sub-partition a thread has at most 168 registers.
+// CTA: 12 warps, persistent (one CTA per SM, static round robin over the
+// tiles: experts with the largest tiles first, then each expert's H slices,
+// the chunks of one W2 slice side by side so they share it in L2). Warp 8
+// issues the TMA loads into a 4-stage ring (W2 128 x 64 in one 3-D box, the
+// rows in boxes of 128/64/32/16); warp 9 decodes the tiles and fills their
+// tables (each row's destination row and weight, the slice's bias) up to two
+// tiles ahead; warps 0-7, two warpgroups, each run wgmma m64nNk16 on 64 of
+// the 128 columns, then the epilogue: w * (acc + bias) through shared memory
+// (transposed so a thread holds 8 consecutive columns of one row) to 16-byte
+// reduction adds / stores. Warps 8-11 give registers to the consumers
+// (setmaxnreg 56 / 224). N stays at most 256: a larger tile needs larger
+// stages, and 3 of them ran slower than 4 (docs/fc2_grouped_gemm.md).
 // The tile's schedule comes from expert_first_token_offset on the device:
 // no host sync, capturable.
 #include <cuda.h>  // CUtensorMap
@@ -53,7 +54,6 @@ constexpr const char* kOp = "moe_fc2_finalize";
 
 constexpr int kTileH = 128;      // output columns per tile: 2 consumer warpgroups x wgmma M = 64
 constexpr int kTileK = 64;       // K per stage: one 128-byte swizzled row
-constexpr int kChunkRows = 256;  // rows per tile at most; an expert with more is cut into equal chunks
 constexpr int kRowQuantum = 16;  // N is a multiple of this
 constexpr int kWBytes = kTileH * kTileK * 2;  // 16 KB
 // Epilogue staging, per consumer warpgroup (its 64 columns x some rows):
@@ -66,7 +66,14 @@ constexpr int kEpiRowsBf16 = 64;
 constexpr int kEpiStrideBf16 = 72;
 constexpr int kEpiBytes = kEpiRows * kEpiStride * 4 > kEpiRowsBf16 * kEpiStrideBf16 * 2 ? kEpiRows * kEpiStride * 4
                                                                                       : kEpiRowsBf16 * kEpiStrideBf16 * 2;
-constexpr int kThreads = 320;  // warps 0-7: two consumer warpgroups; 8: TMA producer; 9: row tables
+// Warps 0-7: two consumer warpgroups; 8: TMA producer; 9: row tables; 10-11
+// idle (a whole third warpgroup, so setmaxnreg can move its registers to the
+// consumers).
+constexpr int kThreads = 384;
+constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // 128 x 56 + 256 x 224 <= 65,536
+#ifdef FLASHMIX_FC2_PROFILE
+constexpr int kProfTiles = 12;  // profiling build: tiles stamped per warpgroup
+#endif
 constexpr int kMaxExperts = 1024;
 
 // Shared memory layout (from a 1024-byte aligned base): a 4-stage ring of
@@ -74,9 +81,10 @@ constexpr int kMaxExperts = 1024;
 // tables (two tiles), the experts' row offsets and first tiles, barriers.
 struct RowsCfg {
   static constexpr int kStages = 4;
-  // The most rows a tile takes: wgmma's N, and 128 x 256 fp32 accumulators
-  // fill a consumer thread's 168 registers.
-  static constexpr int kMaxRows = kChunkRows;
+  // The most rows a tile takes: wgmma's N (N / 2 fp32 accumulators per
+  // consumer thread). Larger tiles would need larger stages: 3 stages of
+  // 56 KB for 320 rows ran slower than these 4 of 48 KB (docs/fc2_grouped_gemm.md).
+  static constexpr int kMaxRows = 256;
   static constexpr int kRBytes = kMaxRows * kTileK * 2;
   static constexpr int kStageBytes = kWBytes + kRBytes;
   static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned (128-byte swizzle)");
@@ -93,7 +101,6 @@ struct RowsCfg {
 #ifdef FLASHMIX_FC2_PROFILE
   // Profiling build: per consumer warpgroup, 8 clock stamps for each of its
   // first kProfTiles tiles and a last record (begin, end, tiles).
-  static constexpr int kProfTiles = 12;
   static constexpr int kOffProf = kOffBars + kNumBars * 8;
   static constexpr int kProfBytes = 2 * (kProfTiles + 1) * 8 * 4;
 #else
@@ -104,8 +111,8 @@ struct RowsCfg {
 };
 
 // Chunks of an expert of R rows: one tile if it fits, else equal chunks of at
-// most kChunkRows (both cases are ceil(R / kChunkRows)).
-__host__ __device__ __forceinline__ int row_chunks(int R) { return (R + kChunkRows - 1) / kChunkRows; }
+// most kMaxRows (both cases are ceil(R / kMaxRows)).
+__host__ __device__ __forceinline__ int row_chunks(int R) { return (R + RowsCfg::kMaxRows - 1) / RowsCfg::kMaxRows; }
 
 struct RowsGemmParams : Fc2EpilogueParamsDevice {
   int E;
@@ -172,10 +179,10 @@ struct Shared {
 // CTA and warpgroup at the end; not printed from the kernel (a call there
 // would serialise the wgmma pipeline).
 constexpr int kProfCtas = 256;
-__device__ uint32_t g_fc2_prof[kProfCtas][2][RowsCfg::kProfTiles + 1][8];
+__device__ uint32_t g_fc2_prof[kProfCtas][2][kProfTiles + 1][8];
 #define FC2_STAMP(slot, value)                                                    \
   do {                                                                            \
-    if ((threadIdx.x & 127) == 0 && it < RowsCfg::kProfTiles) sh.prof[it * 8 + (slot)] = (value); \
+    if ((threadIdx.x & 127) == 0 && it < kProfTiles) sh.prof[it * 8 + (slot)] = (value); \
   } while (0)
 #else
 #define FC2_STAMP(slot, value) \
@@ -461,6 +468,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   const int total = tile_start[E];
 
+  // Each role's code sits inside its setmaxnreg branch: ptxas ignores the
+  // instruction when code needing more registers is reachable after it.
+  if (warp >= 8) {
+    dev::setmaxnreg_dec<kProducerRegs>();
   if (warp == 8) {
     // TMA producer.
     if (lane == 0) {
@@ -529,11 +540,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       dev::mbar_arrive(bar_at(sh.tab_full, b));
     }
+  }
   } else {
+    dev::setmaxnreg_inc<kConsumerRegs>();
     // Consumer warpgroups 0 and 1.
     const int wg = warp / 4;
 #ifdef FLASHMIX_FC2_PROFILE
-    sh.prof = reinterpret_cast<uint32_t*>(sm + RowsCfg::kOffProf) + wg * (RowsCfg::kProfTiles + 1) * 8;
+    sh.prof = reinterpret_cast<uint32_t*>(sm + RowsCfg::kOffProf) + wg * (kProfTiles + 1) * 8;
     const uint32_t c_begin = uint32_t(clock());
 #endif
     const bool bf16_out = p.op == int(Fc2EpilogueOp::kRedBf16) || p.op == int(Fc2EpilogueOp::kRowsBf16);
@@ -550,9 +563,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #define FLASHMIX_FC2_ROWS_CASE(K) \
   case K:                                                                             \
     if (bf16_out)                                                                     \
-      consume_tile<K * kRowQuantum, true>(p, sh, t, wg, s, ph, it);              \
+      consume_tile<K * kRowQuantum, true>(p, sh, t, wg, s, ph, it);         \
     else                                                                              \
-      consume_tile<K * kRowQuantum, false>(p, sh, t, wg, s, ph, it);             \
+      consume_tile<K * kRowQuantum, false>(p, sh, t, wg, s, ph, it);        \
     break;
         FLASHMIX_FC2_ROWS_CASE(1)
         FLASHMIX_FC2_ROWS_CASE(2)
@@ -578,12 +591,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 #ifdef FLASHMIX_FC2_PROFILE
     if ((threadIdx.x & 127) == 0 && blockIdx.x < kProfCtas) {
-      uint32_t* last = sh.prof + RowsCfg::kProfTiles * 8;
+      uint32_t* last = sh.prof + kProfTiles * 8;
       last[0] = c_begin;
       last[1] = uint32_t(clock());
       last[2] = uint32_t(it);
-      for (int i = 0; i < min(it, RowsCfg::kProfTiles) * 8; ++i) (&g_fc2_prof[blockIdx.x][wg][0][0])[i] = sh.prof[i];
-      for (int i = 0; i < 3; ++i) g_fc2_prof[blockIdx.x][wg][RowsCfg::kProfTiles][i] = last[i];
+      for (int i = 0; i < min(it, kProfTiles) * 8; ++i) (&g_fc2_prof[blockIdx.x][wg][0][0])[i] = sh.prof[i];
+      for (int i = 0; i < 3; ++i) g_fc2_prof[blockIdx.x][wg][kProfTiles][i] = last[i];
     }
 #endif
   }
@@ -642,14 +655,14 @@ Status sm90_fc2_run_rows_128xN(const Sm90Fc2GemmParams& p, cudaStream_t stream) 
     static int launches = 0;
     const char* env = std::getenv("FLASHMIX_FC2_PROFILE_LAUNCH");
     if (env != nullptr && ++launches == std::atoi(env)) {
-      static uint32_t h[kProfCtas][2][RowsCfg::kProfTiles + 1][8];
+      static uint32_t h[kProfCtas][2][kProfTiles + 1][8];
       cudaStreamSynchronize(stream);
       cudaMemcpyFromSymbol(h, g_fc2_prof, sizeof(h));
       for (int c = 0; c < std::min(p.sm_count, kProfCtas); ++c)
         for (int wg = 0; wg < 2; ++wg) {
-          const uint32_t* last = h[c][wg][RowsCfg::kProfTiles];
+          const uint32_t* last = h[c][wg][kProfTiles];
           std::fprintf(stderr, "FC2CTA %d %d %u %u\n", c, wg, last[1] - last[0], last[2]);
-          for (int i = 0; i < std::min<int>(int(last[2]), RowsCfg::kProfTiles); ++i) {
+          for (int i = 0; i < std::min<int>(int(last[2]), kProfTiles); ++i) {
             const uint32_t* v = h[c][wg][i];
             std::fprintf(stderr, "FC2T %d %d %d %u %u %u %u %u %u %u %u\n", c, wg, i, v[0] - last[0], v[1] - v[0],
                          v[2] - v[1], v[3] - v[2], v[4] - v[3], v[5], v[6], v[7]);

@@ -117,7 +117,11 @@ struct Problem {
     args.mode = mode;
     // FLASHMIX_TEST_FC2_CONFIG=n runs every test of this file on GEMM
     // configuration n (scripts/gpu_round.sh runs this file once more on 3).
-    if (const char* cfg = std::getenv("FLASHMIX_TEST_FC2_CONFIG")) args.tuning.gemm_config = std::atoi(cfg);
+    // (n,r also pins the tile order r.)
+    if (const char* cfg = std::getenv("FLASHMIX_TEST_FC2_CONFIG")) {
+      args.tuning.gemm_config = std::atoi(cfg);
+      if (const char* comma = std::strchr(cfg, ',')) args.tuning.raster = std::atoi(comma + 1);
+    }
     Status st = moe_fc2_finalize_cpu(args);
     EXPECT_TRUE(st.ok()) << st.message();
     for (int64_t t = 0; t < c.T; ++t)
@@ -259,7 +263,14 @@ TEST(MoeFc2Gpu, RowsKernelChunksLargeExperts) {
   Case e;
   e.T = 1;
   e.k = 1;
-  for (const Case& cs : {c, d, e})
+  // One expert of 300, 320 and 641 rows: 2, 2 and 3 chunks (N = 160, 160, 224).
+  std::vector<Case> cases{c, d, e};
+  for (int64_t rows : {300, 320, 641}) {
+    Case f = d;
+    f.T = rows;
+    cases.push_back(f);
+  }
+  for (const Case& cs : cases)
     for (Fc2Mode m : kModes) {
       SCOPED_TRACE(std::string(fc2_mode_name(m)) + " T=" + std::to_string(cs.T));
       Problem p(cs, m);
