@@ -127,16 +127,18 @@ Status moe_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t worksp
   g.cutlass_ws = ws + l.cutlass;
   g.cutlass_ws_bytes = l.cutlass_bytes;
   g.sm_count = sms;
-  // Automatic choice (H200, docs/fc2_grouped_gemm.md): `atomic` on our own
-  // kernel (configuration 3: no padded tiles; faster or even on every bench
-  // shape); the other modes on CUTLASS's pingpong 64x256 (half the padding of
-  // a 128-row tile when experts have few hundred rows, epilogue overlapped)
-  // unless K is short, where the cooperative 128x256 wins. Configuration 3
-  // lost to them on the DeepSeek-like shape in those modes.
+  // Automatic choice (H200, docs/fc2_grouped_gemm.md): our own kernel
+  // (configuration 3: no padded tiles) for `atomic`, `unfused` and
+  // `deterministic`, faster or even on every bench shape (2026-11-24, same
+  // call: DeepSeek EP unfused 454 vs 482 us, deterministic 563-574 vs 561-570;
+  // Qwen3 deterministic 363-368 vs 434-451; Mixtral 1510 vs 1596-1608).
+  // `atomic_fp32` stays on CUTLASS (DeepSeek EP 525-551 vs 500-519): the
+  // pingpong 64x256 unless K is short, where the cooperative 128x256 wins.
+  const bool rows_kernel = T * a.k < (int64_t(1) << 31);  // TMA row coordinates
   g.config = a.tuning.gemm_config ? a.tuning.gemm_config
-                                  : (a.mode == Fc2Mode::kAtomic && T * a.k < (int64_t(1) << 31) ? 3
-                                     : a.inter < 1024                                         ? 1
-                                                                                              : 2);
+                                  : (rows_kernel && a.mode != Fc2Mode::kAtomicFp32 ? 3
+                                     : a.inter < 1024                             ? 1
+                                                                                  : 2);
   g.raster_along_n = a.tuning.raster == 2;
   g.swizzle = a.tuning.swizzle;
 

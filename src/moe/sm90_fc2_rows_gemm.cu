@@ -74,7 +74,7 @@ constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // 128 x 56 + 256 x 224 
 #ifdef FLASHMIX_FC2_PROFILE
 constexpr int kProfTiles = 12;  // profiling build: tiles stamped per warpgroup
 #endif
-constexpr int kMaxExperts = 1024;
+constexpr int kMaxExperts = 1024;  // the op's limit (moe_fc2_check.cpp)
 
 // Shared memory layout (from a 1024-byte aligned base): a 4-stage ring of
 // W2 128 x 64 + up to kMaxRows rows x 64, the epilogue staging, the per-tile
