@@ -205,9 +205,9 @@ enum class Fc2Mode : int {
   kUnfused = 3,        // GEMM -> [P, H] bf16 rows, then finalize_moe_routing (the baseline)
 };
 // Which mode is fastest depends on the shape (H200, bench record
-// NVIDIA_H200-20261124-001107, us): DeepSeek-like EP rank (k = 8, I = 2048)
-// kAtomic 457 < kUnfused 486; Mixtral-like (k = 2, I = 14336) kAtomic 1429 <
-// kUnfused 1443; Qwen3-MoE-like (k = 8, I = 768) kAtomic 244 < kUnfused 292.
+// NVIDIA_H200-20261124-015707, us): DeepSeek-like EP rank (k = 8, I = 2048)
+// kAtomic 424 < kUnfused 464; Mixtral-like (k = 2, I = 14336) kAtomic 1421 <
+// kUnfused 1431; Qwen3-MoE-like (k = 8, I = 768) kAtomic 240 < kUnfused 287.
 // kUnfused needs a [P, H] bf16 workspace (moe_fc2_finalize_workspace_size);
 // time both on the target shape when the workspace is affordable.
 
