@@ -25,7 +25,7 @@
 // the 128 columns, then the epilogue: w * (acc + bias) through shared memory
 // (transposed so a thread holds 8 consecutive columns of one row) to 16-byte
 // reduction adds / stores. Warps 8-11 give registers to the consumers
-// (setmaxnreg 56 / 224). N stays at most 256: a larger tile needs larger
+// (setmaxnreg 64 / 216). N stays at most 256: a larger tile needs larger
 // stages, and 3 of them ran slower than 4 (docs/fc2_grouped_gemm.md).
 // The tile's schedule comes from expert_first_token_offset on the device:
 // no host sync, capturable.
@@ -70,7 +70,9 @@ constexpr int kEpiBytes = kEpiRows * kEpiStride * 4 > kEpiRowsBf16 * kEpiStrideB
 // idle (a whole third warpgroup, so setmaxnreg can move its registers to the
 // consumers).
 constexpr int kThreads = 384;
-constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // 128 x 56 + 256 x 224 <= 65,536
+// setmaxnreg.inc takes registers from what the CTA holds (168 x 384 at
+// launch): (168 - 64) x 128 >= (216 - 168) x 256.
+constexpr int kProducerRegs = 64, kConsumerRegs = 216;
 #ifdef FLASHMIX_FC2_PROFILE
 constexpr int kProfTiles = 12;  // profiling build: tiles stamped per warpgroup
 #endif
@@ -513,31 +515,47 @@ __global__ void __launch_bounds__(kThreads, 1)
         sh.tab_info[b] = t;
         dev::mbar_arrive(bar_at(sh.info_full, b));
       }
-      for (int n = lane; n < t.n; n += 32) {
-        int row = -1;
-        float w = 0.f;
+      // All of a tile's loads issued before any is used (two round trips,
+      // not one per 32 rows: a serial loop here made the consumers wait for
+      // the table on short tiles).
+      constexpr int kPer = kMaxRows / 32;
+      const bool rows_only = op == int(Fc2EpilogueOp::kRowsBf16);
+      int slot[kPer];
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int n = lane + 32 * i;
+        slot[i] = n < t.rows && !rows_only ? __ldg(p.p2u + t.p0 + n) : 0;
+      }
+      float w[kPer];
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int n = lane + 32 * i;
+        w[i] = 0.f;
         if (n < t.rows) {
-          const int pr = t.p0 + n;
-          if (op == int(Fc2EpilogueOp::kRowsBf16)) {
-            row = pr;
-            w = 1.f;
-          } else {
-            const int slot = __ldg(p.p2u + pr);
-            const int tok = slot % p.T, j = slot / p.T;
-            w = p.scales ? __ldg(p.scales + int64_t(tok) * p.k + j) : 1.f;
-            row = op == int(Fc2EpilogueOp::kRowsFp32Scaled) ? pr : tok;
-          }
+          const int tok = slot[i] % p.T, j = slot[i] / p.T;
+          w[i] = rows_only || p.scales == nullptr ? 1.f : __ldg(p.scales + int64_t(tok) * p.k + j);
         }
-        sh.tab_row[b * kMaxRows + n] = row;
-        sh.tab_w[b * kMaxRows + n] = w;
       }
-      for (int h = lane; h < kTileH; h += 32) {
-        const int col = t.hs * kTileH + h;
-        float bv = 0.f;
-        if (p.bias != nullptr && op != int(Fc2EpilogueOp::kRowsBf16) && col < p.H)
-          bv = __bfloat162float(p.bias[int64_t(t.e) * p.H + col]);
-        sh.tab_bias[b * kTileH + h] = bv;
+      float bv[kTileH / 32];
+#pragma unroll
+      for (int i = 0; i < kTileH / 32; ++i) {
+        const int col = t.hs * kTileH + lane + 32 * i;
+        bv[i] = p.bias != nullptr && !rows_only && col < p.H ? __bfloat162float(p.bias[int64_t(t.e) * p.H + col]) : 0.f;
       }
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int n = lane + 32 * i;
+        if (n < t.n) {
+          const int pr = t.p0 + n;
+          const int row = n >= t.rows ? -1
+                          : rows_only || op == int(Fc2EpilogueOp::kRowsFp32Scaled) ? pr
+                                                                                  : slot[i] % p.T;
+          sh.tab_row[b * kMaxRows + n] = row;
+          sh.tab_w[b * kMaxRows + n] = w[i];
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kTileH / 32; ++i) sh.tab_bias[b * kTileH + lane + 32 * i] = bv[i];
       dev::mbar_arrive(bar_at(sh.tab_full, b));
     }
   }
