@@ -355,7 +355,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (warp < kProjWarps) {
     // ---------------- projection warps ----------------
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kProjRegs));
+    dev::setmaxnreg_inc<kProjRegs>();
 
     // phi -> registers, once: warp w owns its 2 k16 steps of every box
     // (see the ring layout). B fragment of coefficient tile kt: rows (k)
@@ -582,7 +582,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
   } else if (warp < kProjWarps + kFinishWarps) {
     // ---------------- finish warps ----------------
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kFinishRegs));
+    dev::setmaxnreg_dec<kFinishRegs>();
     const int ft = tid - kProjWarps * 32;
     issue_phi(32 + ft);
     // The coefficients' alpha and bias, once (while phi loads), not per tile.
@@ -703,7 +703,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
   } else {
     // ---------------- producer + Sinkhorn warp ----------------
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kFinishRegs));
+    dev::setmaxnreg_dec<kFinishRegs>();
     issue_phi(lane);
     dev::grid_dependency_wait();  // before X and any output (prefetch_weights; a no-op otherwise)
     if (lane == 0) {
