@@ -474,91 +474,92 @@ __global__ void __launch_bounds__(kThreads, 1)
   // instruction when code needing more registers is reachable after it.
   if (warp >= 8) {
     dev::setmaxnreg_dec<kProducerRegs>();
-  if (warp == 8) {
-    // TMA producer.
-    if (lane == 0) {
-      dev::prefetch_tensor_map(&map_w);
-      dev::prefetch_tensor_map(&map_a128);
-      int s = 0;
-      uint32_t ph = 0;
-      for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-        const TileInfo t = decode_tile(tile, tile_start, row_off, order, E);
-        for (int kb = 0; kb < p.k_blocks; ++kb) {
-          dev::mbar_wait(bar_at(sh.empty, s), ph ^ 1);
-          const uint32_t full = bar_at(sh.full, s);
-          dev::mbar_arrive_expect_tx(full, kWBytes + uint32_t(t.n) * kTileK * 2);
-          const uint32_t st = sh.stages + uint32_t(s) * RowsCfg::kStageBytes;
-          dev::tma_load_3d(st, &map_w, full, kb * kTileK, t.hs * kTileH, t.e);
-          const uint32_t rows_dst = st + kWBytes;
-          const CUtensorMap* row_maps[4] = {&map_a128, &map_a64, &map_a32, &map_a16};  // boxes of 128 >> i rows
-          int r = 0;
+    if (warp == 8) {
+      // TMA producer.
+      if (lane == 0) {
+        dev::prefetch_tensor_map(&map_w);
+        dev::prefetch_tensor_map(&map_a128);
+        int s = 0;
+        uint32_t ph = 0;
+        for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+          const TileInfo t = decode_tile(tile, tile_start, row_off, order, E);
+          for (int kb = 0; kb < p.k_blocks; ++kb) {
+            dev::mbar_wait(bar_at(sh.empty, s), ph ^ 1);
+            const uint32_t full = bar_at(sh.full, s);
+            dev::mbar_arrive_expect_tx(full, kWBytes + uint32_t(t.n) * kTileK * 2);
+            const uint32_t st = sh.stages + uint32_t(s) * RowsCfg::kStageBytes;
+            dev::tma_load_3d(st, &map_w, full, kb * kTileK, t.hs * kTileH, t.e);
+            const uint32_t rows_dst = st + kWBytes;
+            const CUtensorMap* row_maps[4] = {&map_a128, &map_a64, &map_a32, &map_a16};  // boxes of 128 >> i rows
+            int r = 0;
 #pragma unroll
-          for (int i = 0; i < 4; ++i)
-            for (; r + (128 >> i) <= t.n; r += 128 >> i)
-              dev::tma_load_2d(rows_dst + r * 128, row_maps[i], full, kb * kTileK, t.p0 + r);
-          if (++s == kStages) {
-            s = 0;
-            ph ^= 1;
+            for (int i = 0; i < 4; ++i)
+              for (; r + (128 >> i) <= t.n; r += 128 >> i)
+                dev::tma_load_2d(rows_dst + r * 128, row_maps[i], full, kb * kTileK, t.p0 + r);
+            if (++s == kStages) {
+              s = 0;
+              ph ^= 1;
+            }
           }
         }
       }
-    }
-  } else if (warp == 9) {
-    // Per-tile tables, two tiles ahead of the consumers.
-    const int op = p.op;
-    int it = 0;
-    for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++it) {
-      const int b = it & 1;
-      dev::mbar_wait(bar_at(sh.tab_empty, b), ((it >> 1) & 1) ^ 1);
-      const TileInfo t = decode_tile(tile, tile_start, row_off, order, E);
-      if (lane == 0) {
-        sh.tab_info[b] = t;
-        dev::mbar_arrive(bar_at(sh.info_full, b));
-      }
-      // All of a tile's loads issued before any is used (two round trips,
-      // not one per 32 rows: a serial loop here made the consumers wait for
-      // the table on short tiles).
-      constexpr int kPer = kMaxRows / 32;
-      const bool rows_only = op == int(Fc2EpilogueOp::kRowsBf16);
-      int slot[kPer];
-#pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        const int n = lane + 32 * i;
-        slot[i] = n < t.rows && !rows_only ? __ldg(p.p2u + t.p0 + n) : 0;
-      }
-      float w[kPer];
-#pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        const int n = lane + 32 * i;
-        w[i] = 0.f;
-        if (n < t.rows) {
-          const int tok = slot[i] % p.T, j = slot[i] / p.T;
-          w[i] = rows_only || p.scales == nullptr ? 1.f : __ldg(p.scales + int64_t(tok) * p.k + j);
+    } else if (warp == 9) {
+      // Per-tile tables, two tiles ahead of the consumers.
+      const int op = p.op;
+      int it = 0;
+      for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++it) {
+        const int b = it & 1;
+        dev::mbar_wait(bar_at(sh.tab_empty, b), ((it >> 1) & 1) ^ 1);
+        const TileInfo t = decode_tile(tile, tile_start, row_off, order, E);
+        if (lane == 0) {
+          sh.tab_info[b] = t;
+          dev::mbar_arrive(bar_at(sh.info_full, b));
         }
-      }
-      float bv[kTileH / 32];
+        // All of a tile's loads issued before any is used (two round trips,
+        // not one per 32 rows: a serial loop here made the consumers wait for
+        // the table on short tiles).
+        constexpr int kPer = kMaxRows / 32;
+        const bool rows_only = op == int(Fc2EpilogueOp::kRowsBf16);
+        int slot[kPer];
 #pragma unroll
-      for (int i = 0; i < kTileH / 32; ++i) {
-        const int col = t.hs * kTileH + lane + 32 * i;
-        bv[i] = p.bias != nullptr && !rows_only && col < p.H ? __bfloat162float(p.bias[int64_t(t.e) * p.H + col]) : 0.f;
-      }
-#pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        const int n = lane + 32 * i;
-        if (n < t.n) {
-          const int pr = t.p0 + n;
-          const int row = n >= t.rows ? -1
-                          : rows_only || op == int(Fc2EpilogueOp::kRowsFp32Scaled) ? pr
-                                                                                  : slot[i] % p.T;
-          sh.tab_row[b * kMaxRows + n] = row;
-          sh.tab_w[b * kMaxRows + n] = w[i];
+        for (int i = 0; i < kPer; ++i) {
+          const int n = lane + 32 * i;
+          slot[i] = n < t.rows && !rows_only ? __ldg(p.p2u + t.p0 + n) : 0;
         }
-      }
+        float w[kPer];
 #pragma unroll
-      for (int i = 0; i < kTileH / 32; ++i) sh.tab_bias[b * kTileH + lane + 32 * i] = bv[i];
-      dev::mbar_arrive(bar_at(sh.tab_full, b));
+        for (int i = 0; i < kPer; ++i) {
+          const int n = lane + 32 * i;
+          w[i] = 0.f;
+          if (n < t.rows) {
+            const int tok = slot[i] % p.T, j = slot[i] / p.T;
+            w[i] = rows_only || p.scales == nullptr ? 1.f : __ldg(p.scales + int64_t(tok) * p.k + j);
+          }
+        }
+        float bv[kTileH / 32];
+#pragma unroll
+        for (int i = 0; i < kTileH / 32; ++i) {
+          const int col = t.hs * kTileH + lane + 32 * i;
+          bv[i] = p.bias != nullptr && !rows_only && col < p.H ? __bfloat162float(p.bias[int64_t(t.e) * p.H + col])
+                                                               : 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) {
+          const int n = lane + 32 * i;
+          if (n < t.n) {
+            const int pr = t.p0 + n;
+            const int row = n >= t.rows ? -1
+                            : rows_only || op == int(Fc2EpilogueOp::kRowsFp32Scaled) ? pr
+                                                                                    : slot[i] % p.T;
+            sh.tab_row[b * kMaxRows + n] = row;
+            sh.tab_w[b * kMaxRows + n] = w[i];
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < kTileH / 32; ++i) sh.tab_bias[b * kTileH + lane + 32 * i] = bv[i];
+        dev::mbar_arrive(bar_at(sh.tab_full, b));
+      }
     }
-  }
   } else {
     dev::setmaxnreg_inc<kConsumerRegs>();
     // Consumer warpgroups 0 and 1.
