@@ -249,6 +249,28 @@ TEST(MoeFc2Gpu, EveryGemmConfigurationMatches) {
 
 // Configuration 3 cuts an expert's rows into equal chunks of at most 256 and
 // sizes each tile's wgmma N to its chunk: experts of 600, 257 and 1 rows.
+// Our kernel orders the experts by tile size in a counting sort over blocks
+// of 32 experts: many experts (up to the op's 1,024), most of them empty or
+// with a few rows, in every mode.
+TEST(MoeFc2Gpu, RowsKernelManyExperts) {
+  SKIP_WITHOUT_HOPPER();
+  for (int experts : {40, 1024}) {
+    Case c;
+    c.T = 700;
+    c.k = 8;
+    c.total = c.local = experts;
+    for (Fc2Mode m : kModes) {
+      SCOPED_TRACE(std::string(fc2_mode_name(m)) + " experts " + std::to_string(experts));
+      Problem p(c, m);
+      p.args.tuning.gemm_config = 3;
+      Status st = p.run();
+      ASSERT_TRUE(st.ok()) << st.message();
+      CUDA_OK(cudaDeviceSynchronize());
+      p.check(m, p.result());
+    }
+  }
+}
+
 TEST(MoeFc2Gpu, RowsKernelChunksLargeExperts) {
   SKIP_WITHOUT_HOPPER();
   Case c;
