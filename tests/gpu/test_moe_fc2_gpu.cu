@@ -190,10 +190,13 @@ struct Problem {
 
 const Fc2Mode kModes[] = {Fc2Mode::kAtomic, Fc2Mode::kAtomicFp32, Fc2Mode::kDeterministic, Fc2Mode::kUnfused};
 
-void check_all_modes(const Case& c) {
+// Every mode of c against the reference; gemm_config != 0 pins a GEMM
+// configuration.
+void check_all_modes(const Case& c, int gemm_config = 0) {
   for (Fc2Mode m : kModes) {
     SCOPED_TRACE(fc2_mode_name(m));
     Problem p(c, m);
+    if (gemm_config != 0) p.args.tuning.gemm_config = gemm_config;
     Status st = p.run();
     ASSERT_TRUE(st.ok()) << st.message();
     CUDA_OK(cudaDeviceSynchronize());
@@ -251,7 +254,7 @@ TEST(MoeFc2Gpu, EveryGemmConfigurationMatches) {
 // sizes each tile's wgmma N to its chunk: experts of 600, 257 and 1 rows.
 // Our kernel orders the experts by tile size in a counting sort over blocks
 // of 32 experts: many experts (up to the op's 1,024), most of them empty or
-// with a few rows, in every mode.
+// with a few rows.
 TEST(MoeFc2Gpu, RowsKernelManyExperts) {
   SKIP_WITHOUT_HOPPER();
   for (int experts : {40, 1024}) {
@@ -259,15 +262,8 @@ TEST(MoeFc2Gpu, RowsKernelManyExperts) {
     c.T = 700;
     c.k = 8;
     c.total = c.local = experts;
-    for (Fc2Mode m : kModes) {
-      SCOPED_TRACE(std::string(fc2_mode_name(m)) + " experts " + std::to_string(experts));
-      Problem p(c, m);
-      p.args.tuning.gemm_config = 3;
-      Status st = p.run();
-      ASSERT_TRUE(st.ok()) << st.message();
-      CUDA_OK(cudaDeviceSynchronize());
-      p.check(m, p.result());
-    }
+    SCOPED_TRACE("experts " + std::to_string(experts));
+    check_all_modes(c, 3);
   }
 }
 
@@ -292,16 +288,10 @@ TEST(MoeFc2Gpu, RowsKernelChunksLargeExperts) {
     f.T = rows;
     cases.push_back(f);
   }
-  for (const Case& cs : cases)
-    for (Fc2Mode m : kModes) {
-      SCOPED_TRACE(std::string(fc2_mode_name(m)) + " T=" + std::to_string(cs.T));
-      Problem p(cs, m);
-      p.args.tuning.gemm_config = 3;
-      Status st = p.run();
-      ASSERT_TRUE(st.ok()) << st.message();
-      CUDA_OK(cudaDeviceSynchronize());
-      p.check(m, p.result());
-    }
+  for (const Case& cs : cases) {
+    SCOPED_TRACE("T=" + std::to_string(cs.T));
+    check_all_modes(cs, 3);
+  }
 }
 
 TEST(MoeFc2Gpu, ExpertParallelRankTokensWithoutLocalSlotsGetZero) {
