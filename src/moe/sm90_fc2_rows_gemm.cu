@@ -433,8 +433,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The schedule's expert order: by tile N, largest first (a stable
     // counting sort over N / 16 = 16..0; the keys present are a bit mask, so
     // decode-sized batches, all in one or two keys, take one or two passes).
+    // The keys wait in tile_start, which the scan below fills afterwards.
     uint32_t present = 0;
-    for (int e = lane; e < E; e += 32) present |= 1u << (tile_n(row_off[e + 1] - row_off[e]) / kRowQuantum);
+    for (int e = lane; e < E; e += 32) {
+      const int key = tile_n(row_off[e + 1] - row_off[e]) / kRowQuantum;
+      tile_start[e] = key;
+      present |= 1u << key;
+    }
 #pragma unroll
     for (int d = 16; d > 0; d >>= 1) present |= __shfl_xor_sync(~0u, present, d);
     int pos = 0;
@@ -443,7 +448,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       present &= ~(1u << key);
       for (int b0 = 0; b0 < E; b0 += 32) {
         const int e = b0 + lane;
-        const bool mine = e < E && tile_n(row_off[e + 1] - row_off[e]) / kRowQuantum == key;
+        const bool mine = e < E && tile_start[e] == key;  // this lane's own key from above
         const uint32_t ballot = __ballot_sync(~0u, mine);
         if (mine) order[pos + __popc(ballot & ((1u << lane) - 1))] = uint16_t(e);
         pos += __popc(ballot);
@@ -522,11 +527,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         // the table on short tiles).
         constexpr int kPer = kMaxRows / 32;
         const bool rows_only = op == int(Fc2EpilogueOp::kRowsBf16);
-        int slot[kPer];
+        int tok[kPer];  // each row's slot, then its token
 #pragma unroll
         for (int i = 0; i < kPer; ++i) {
           const int n = lane + 32 * i;
-          slot[i] = n < t.rows && !rows_only ? __ldg(p.p2u + t.p0 + n) : 0;
+          tok[i] = n < t.rows && !rows_only ? __ldg(p.p2u + t.p0 + n) : 0;
         }
         float w[kPer];
 #pragma unroll
@@ -534,8 +539,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int n = lane + 32 * i;
           w[i] = 0.f;
           if (n < t.rows) {
-            const int tok = slot[i] % p.T, j = slot[i] / p.T;
-            w[i] = rows_only || p.scales == nullptr ? 1.f : __ldg(p.scales + int64_t(tok) * p.k + j);
+            const int j = tok[i] / p.T;
+            tok[i] -= j * p.T;
+            w[i] = rows_only || p.scales == nullptr ? 1.f : __ldg(p.scales + int64_t(tok[i]) * p.k + j);
           }
         }
         float bv[kTileH / 32];
@@ -552,7 +558,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int pr = t.p0 + n;
             const int row = n >= t.rows ? -1
                             : rows_only || op == int(Fc2EpilogueOp::kRowsFp32Scaled) ? pr
-                                                                                    : slot[i] % p.T;
+                                                                                    : tok[i];
             sh.tab_row[b * kMaxRows + n] = row;
             sh.tab_w[b * kMaxRows + n] = w[i];
           }
