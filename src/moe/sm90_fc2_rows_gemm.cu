@@ -1,6 +1,7 @@
 // FC2 grouped GEMM on sm_90a, our own kernel (configuration 3, "rows_128xN"):
-// the tile is 128 output columns (H) x all rows of one expert (up to 256; an
-// expert with more is cut into equal chunks of at most 256), so an expert's
+// the tile is 128 output columns (H) x all rows of one expert (up to 272 with
+// at most 256 experts, else 256; an expert with more is cut into equal chunks
+// of at most 256), so an expert's
 // W2 column slice is read from device memory once for all of its rows and no
 // tile computes rows that do not exist. SPEC §3: per expert e,
 //   out[t, h] += w[t, j] * (sum_i A[p, i] * W2[e, h, i] + bias[e, h])
@@ -11,7 +12,8 @@
 // (or 5 of 64) whose MMAs run on padding: on the DeepSeek-like EP shape
 // (256 +- 16 rows per expert) that cost ~0.12x of the dense GEMM's time
 // (docs/fc2_grouped_gemm.md). Here the wgmma N (the rows) is picked per tile
-// from 16..256 in steps of 16 (one instantiation each), the product computed
+// from 16..272 in steps of 16 (one instantiation each; 272 as two wgmmas of
+// 256 + 16 rows sharing one A fragment from registers), the product computed
 // transposed: D^T[h, row] = W2[e] (M = 128 H, K-major) x A_rows^T (N = rows,
 // K-major), both operands by TMA with 128-byte swizzle.
 //
@@ -25,8 +27,11 @@
 // the 128 columns, then the epilogue: w * (acc + bias) through shared memory
 // (transposed so a thread holds 8 consecutive columns of one row) to 16-byte
 // reduction adds / stores. Warps 8-11 give registers to the consumers
-// (setmaxnreg 64 / 216). N stays at most 256: a larger tile needs larger
-// stages, and 3 of them ran slower than 4 (docs/fc2_grouped_gemm.md).
+// (setmaxnreg 72 / 216). N stays at most 272: a larger tile needs larger
+// stages than 4 fit, and 3 of them ran slower (docs/fc2_grouped_gemm.md).
+// What bounds a tile's mainloop is shared-memory bandwidth (128 bytes a
+// cycle: TMA's writes plus the wgmmas' operand reads, B read once per
+// warpgroup), not the MMA rate, below N = 256.
 // The tile's schedule comes from expert_first_token_offset on the device:
 // no host sync, capturable.
 #include <cuda.h>  // CUtensorMap
@@ -71,22 +76,30 @@ constexpr int kEpiBytes = kEpiRows * kEpiStride * 4 > kEpiRowsBf16 * kEpiStrideB
 // consumers).
 constexpr int kThreads = 384;
 // setmaxnreg.inc takes registers from what the CTA holds (168 x 384 at
-// launch): (168 - 64) x 128 >= (216 - 168) x 256.
-constexpr int kProducerRegs = 64, kConsumerRegs = 216;
+// launch): (168 - 72) x 128 >= (216 - 168) x 256.
+constexpr int kProducerRegs = 72, kConsumerRegs = 216;
 #ifdef FLASHMIX_FC2_PROFILE
 constexpr int kProfTiles = 12;  // profiling build: tiles stamped per warpgroup
 #endif
-constexpr int kMaxExperts = 1024;  // the op's limit (moe_fc2_check.cpp)
+constexpr int kMaxExpertsOp = 1024;  // the op's limit (moe_fc2_check.cpp)
 
 // Shared memory layout (from a 1024-byte aligned base): a 4-stage ring of
 // W2 128 x 64 + up to kMaxRows rows x 64, the epilogue staging, the per-tile
 // tables (two tiles), the experts' row offsets and first tiles, barriers.
+// kMaxRows, the most rows a tile takes (wgmma's N; N / 2 fp32 accumulators
+// per consumer thread): 272 (two wgmmas above 256 rows) where the experts'
+// tables fit beside the larger stages (up to 256 experts, 128 in the
+// profiling build), else 256. Larger tiles would need larger stages than 4
+// fit: 3 stages of 56 KB for 320 rows ran slower (docs/fc2_grouped_gemm.md).
+template <int kMaxRows_>
 struct RowsCfg {
   static constexpr int kStages = 4;
-  // The most rows a tile takes: wgmma's N (N / 2 fp32 accumulators per
-  // consumer thread). Larger tiles would need larger stages: 3 stages of
-  // 56 KB for 320 rows ran slower than these 4 of 48 KB (docs/fc2_grouped_gemm.md).
-  static constexpr int kMaxRows = 256;
+  static constexpr int kMaxRows = kMaxRows_;
+#ifdef FLASHMIX_FC2_PROFILE
+  static constexpr int kMaxExperts = kMaxRows > 256 ? 128 : kMaxExpertsOp;  // room for the stamps
+#else
+  static constexpr int kMaxExperts = kMaxRows > 256 ? 256 : kMaxExpertsOp;
+#endif
   static constexpr int kRBytes = kMaxRows * kTileK * 2;
   static constexpr int kStageBytes = kWBytes + kRBytes;
   static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned (128-byte swizzle)");
@@ -112,9 +125,18 @@ struct RowsCfg {
   static_assert(kSmemBytes <= 232448, "shared memory");
 };
 
-// Chunks of an expert of R rows: one tile if it fits, else equal chunks of at
-// most kMaxRows (both cases are ceil(R / kMaxRows)).
-__host__ __device__ __forceinline__ int row_chunks(int R) { return (R + RowsCfg::kMaxRows - 1) / RowsCfg::kMaxRows; }
+__device__ __forceinline__ int round_rows(int r) { return (r + kRowQuantum - 1) / kRowQuantum * kRowQuantum; }
+
+// Chunks of an expert of R rows: one tile if it fits in kMaxRows, else equal
+// chunks of at most 256. (A tile above 256 rows takes two wgmmas; it is there
+// for the experts just past 256 rows, which would otherwise be two tiles of
+// ~136 rows, fed at ~80 % of the MMA rate. Larger experts keep chunks of at
+// most 256: 4 x 258 rows instead of 5 x 206 lost to the wave quantisation
+// on the Mixtral-like shape.)
+template <int kMaxRows>
+__device__ __forceinline__ int row_chunks(int R) {
+  return R <= 0 ? 0 : R <= kMaxRows ? 1 : (R + 255) / 256;
+}
 
 struct RowsGemmParams : Fc2EpilogueParamsDevice {
   int E;
@@ -130,15 +152,17 @@ struct TileInfo {
 };
 
 // The wgmma N of an expert's tiles (0 for an empty expert).
+template <int kMaxRows>
 __device__ __forceinline__ int tile_n(int R) {
-  const int chunks = row_chunks(R);
-  return chunks == 0 ? 0 : ((R + chunks - 1) / chunks + kRowQuantum - 1) / kRowQuantum * kRowQuantum;
+  const int chunks = row_chunks<kMaxRows>(R);
+  return chunks == 0 ? 0 : round_rows((R + chunks - 1) / chunks);
 }
 
 // Tile `tile` of the schedule: experts in `order` (largest N first, so the
 // CTAs' last round-robin rounds take the short tiles), each expert's tiles
 // H slice by H slice, the chunks of a slice side by side (they share its W2
 // slice in L2).
+template <int kMaxRows>
 __device__ __forceinline__ TileInfo decode_tile(int tile, const int* tile_start, const int* row_off,
                                                 const uint16_t* order, int E) {
   int lo = 0, hi = E - 1;  // the last position whose first tile is <= tile (empty experts share it)
@@ -149,7 +173,7 @@ __device__ __forceinline__ TileInfo decode_tile(int tile, const int* tile_start,
   const int e = order[lo];
   const int local = tile - tile_start[lo];
   const int R = row_off[e + 1] - row_off[e];
-  const int chunks = row_chunks(R);
+  const int chunks = row_chunks<kMaxRows>(R);
   const int per = (R + chunks - 1) / chunks;
   const int c = local % chunks;
   TileInfo t;
@@ -157,7 +181,7 @@ __device__ __forceinline__ TileInfo decode_tile(int tile, const int* tile_start,
   t.hs = local / chunks;
   t.p0 = row_off[e] + c * per;
   t.rows = min(per, R - c * per);
-  t.n = (per + kRowQuantum - 1) / kRowQuantum * kRowQuantum;
+  t.n = round_rows(per);
   return t;
 }
 
@@ -170,7 +194,7 @@ struct Shared {
   TileInfo* tab_info;  // [2]: the tile of each table buffer
   uint32_t full, empty, tab_full, tab_empty, info_full;  // shared addresses of the first barrier of each kind
 #ifdef FLASHMIX_FC2_PROFILE
-  uint32_t* prof;  // this warpgroup's stamps (RowsCfg::kOffProf)
+  uint32_t* prof;  // this warpgroup's stamps (RowsCfg<>::kOffProf)
 #endif
 };
 
@@ -251,7 +275,12 @@ __device__ __forceinline__ void drain_pass(const RowsGemmParams& p, const TileIn
 }
 
 // A consumer warpgroup's whole tile: mainloop over K, then the epilogue.
-template <int N, bool kBf16Out>
+// N <= 256: one wgmma m64nNk16 per k16 step, both operands from shared
+// memory. N > 256: two per step (rows 0..255 and 256..N-1) on one A fragment
+// that the warp loads by ldmatrix, so W2's tile is read from shared memory
+// once, not once per wgmma (shared-memory bandwidth is what an N > 256 tile
+// is bound by; docs/fc2_grouped_gemm.md).
+template <int kMaxRows, int N, bool kBf16Out>
 __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shared& sh, const TileInfo& t, int wg,
                                              int& s, uint32_t& ph, int it) {
   float acc[N / 2];
@@ -259,10 +288,19 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
   for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
   const int lane = threadIdx.x & 31;
   const uint32_t a_off = uint32_t(wg) * 64 * 128;  // this warpgroup's 64 H rows of the W2 tile
+  // N > 256: the row this lane addresses for ldmatrix.x4 (matrices: rows 0-7 /
+  // 8-15 of the warp's 16, k 0-7 / 8-15 of the step) and its 16-byte chunk.
+  const int lm_row = ((threadIdx.x >> 5) & 3) * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+  const uint32_t lm_off = a_off + uint32_t(lm_row) * 128;
+  const int lm_hi = lane >> 4, lm_x = lm_row & 7;  // 128-byte swizzle: chunk q sits at q ^ (row % 8)
   int prev = -1;
 #ifdef FLASHMIX_FC2_PROFILE
   uint32_t waited = 0;
 #endif
+  // N > 256: a commit group per k16 step, two steps' A fragments alternating
+  // (a step's registers are rewritten two steps later, after the wait for its
+  // group), so the accumulators and fragments fit with the epilogue's registers.
+  uint32_t fa[2][4];
   for (int kb = 0; kb < p.k_blocks; ++kb) {
 #ifdef FLASHMIX_FC2_PROFILE
     const uint32_t w0 = uint32_t(clock());
@@ -272,24 +310,39 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
     const uint32_t w1 = uint32_t(clock());
     if (kb == 0) FC2_STAMP(1, w1); else waited += w1 - w0;
 #endif
-    const uint32_t st = sh.stages + uint32_t(s) * RowsCfg::kStageBytes;
-    const uint64_t da = dev::wgmma_desc_k_sw128(st + a_off);
+    const uint32_t st = sh.stages + uint32_t(s) * RowsCfg<kMaxRows>::kStageBytes;
     const uint64_t db = dev::wgmma_desc_k_sw128(st + kWBytes);
-    dev::fence_operands(acc);
-    dev::wgmma_fence();
+    if constexpr (N <= 256) {
+      const uint64_t da = dev::wgmma_desc_k_sw128(st + a_off);
+      dev::fence_operands(acc);
+      dev::wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < kTileK / 16; ++j) {
-      dev::Wgmma<N>::mma(acc, da + 2 * j, db + 2 * j, 1);
+      for (int j = 0; j < kTileK / 16; ++j) dev::Wgmma<N>::mma(acc, da + 2 * j, db + 2 * j, 1);
+      dev::wgmma_commit();
+      dev::fence_operands(acc);
+      dev::wgmma_wait<1>();  // the previous stage's MMAs are done: release it
+    } else {
+#pragma unroll
+      for (int j = 0; j < kTileK / 16; ++j) {
+        uint32_t(&f)[4] = fa[j & 1];
+        dev::ldmatrix_x4(f, st + lm_off + uint32_t(((2 * j + lm_hi) ^ lm_x) << 4));
+        dev::fence_operands(acc);
+        dev::wgmma_fence();
+        dev::WgmmaRS<256>::mma(*reinterpret_cast<float(*)[128]>(acc), f, db + 2 * j, 1);
+        // B's rows 256.. start 256 x 128 bytes further.
+        dev::WgmmaRS<N - 256>::mma(*reinterpret_cast<float(*)[(N - 256) / 2]>(acc + 128), f,
+                                   db + 2 * j + (256 * 128 >> 4), 1);
+        dev::wgmma_commit();
+        dev::fence_operands(acc);
+        dev::wgmma_wait<1>();  // at j = 0: the previous stage's last group is done
+      }
     }
-    dev::wgmma_commit();
-    dev::fence_operands(acc);
-    dev::wgmma_wait<1>();  // the previous stage's MMAs are done: release it
     if (prev >= 0) {
       __syncwarp();
       if (lane == 0) dev::mbar_arrive(bar_at(sh.empty, prev));
     }
     prev = s;
-    if (++s == RowsCfg::kStages) {
+    if (++s == RowsCfg<kMaxRows>::kStages) {
       s = 0;
       ph ^= 1;
     }
@@ -312,8 +365,8 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
   const int hl = 16 * q + g;  // this thread's columns within the warpgroup's 64: hl and hl + 8
   const float bias0 = sh.tab_bias[b * kTileH + wg * 64 + hl];
   const float bias1 = sh.tab_bias[b * kTileH + wg * 64 + hl + 8];
-  const int* tab_row = sh.tab_row + b * RowsCfg::kMaxRows;
-  const float* tab_w = sh.tab_w + b * RowsCfg::kMaxRows;
+  const int* tab_row = sh.tab_row + b * RowsCfg<kMaxRows>::kMaxRows;
+  const float* tab_w = sh.tab_w + b * RowsCfg<kMaxRows>::kMaxRows;
   float* stg = reinterpret_cast<float*>(reinterpret_cast<char*>(sh.epi) + wg * kEpiBytes);
   const int wt = threadIdx.x & 127;
   const int col0 = t.hs * kTileH + wg * 64;
@@ -388,6 +441,7 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
   dev::mbar_arrive(bar_at(sh.tab_empty, b));
 }
 
+template <int kMaxRows>
 __global__ void __launch_bounds__(kThreads, 1)
     fc2_rows_gemm_kernel(const __grid_constant__ RowsGemmParams p, const __grid_constant__ CUtensorMap map_w,
                          const __grid_constant__ CUtensorMap map_a128, const __grid_constant__ CUtensorMap map_a64,
@@ -398,16 +452,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* sm = smem_raw + (base - raw);
   Shared sh;
   sh.stages = base;
-  constexpr int kStages = RowsCfg::kStages, kMaxRows = RowsCfg::kMaxRows;
-  sh.epi = reinterpret_cast<float*>(sm + RowsCfg::kOffEpi);
-  sh.tab_row = reinterpret_cast<int*>(sm + RowsCfg::kOffTabRow);
-  sh.tab_w = reinterpret_cast<float*>(sm + RowsCfg::kOffTabW);
-  sh.tab_bias = reinterpret_cast<float*>(sm + RowsCfg::kOffTabBias);
-  int* row_off = reinterpret_cast<int*>(sm + RowsCfg::kOffRowOff);
-  int* tile_start = reinterpret_cast<int*>(sm + RowsCfg::kOffTileStart);
-  uint16_t* order = reinterpret_cast<uint16_t*>(sm + RowsCfg::kOffOrder);
-  sh.tab_info = reinterpret_cast<TileInfo*>(sm + RowsCfg::kOffTabInfo);
-  sh.full = base + RowsCfg::kOffBars;
+  using Cfg = RowsCfg<kMaxRows>;
+  constexpr int kStages = Cfg::kStages;
+  sh.epi = reinterpret_cast<float*>(sm + Cfg::kOffEpi);
+  sh.tab_row = reinterpret_cast<int*>(sm + Cfg::kOffTabRow);
+  sh.tab_w = reinterpret_cast<float*>(sm + Cfg::kOffTabW);
+  sh.tab_bias = reinterpret_cast<float*>(sm + Cfg::kOffTabBias);
+  int* row_off = reinterpret_cast<int*>(sm + Cfg::kOffRowOff);
+  int* tile_start = reinterpret_cast<int*>(sm + Cfg::kOffTileStart);
+  uint16_t* order = reinterpret_cast<uint16_t*>(sm + Cfg::kOffOrder);
+  sh.tab_info = reinterpret_cast<TileInfo*>(sm + Cfg::kOffTabInfo);
+  sh.full = base + Cfg::kOffBars;
   sh.empty = sh.full + 8 * kStages;
   sh.tab_full = sh.empty + 8 * kStages;
   sh.tab_empty = sh.tab_full + 16;
@@ -431,12 +486,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   if (warp == 0) {
     // The schedule's expert order: by tile N, largest first (a stable
-    // counting sort over N / 16 = 16..0; the keys present are a bit mask, so
+    // counting sort over N / 16 = 17..0; the keys present are a bit mask, so
     // decode-sized batches, all in one or two keys, take one or two passes).
     // The keys wait in tile_start, which the scan below fills afterwards.
     uint32_t present = 0;
     for (int e = lane; e < E; e += 32) {
-      const int key = tile_n(row_off[e + 1] - row_off[e]) / kRowQuantum;
+      const int key = tile_n<kMaxRows>(row_off[e + 1] - row_off[e]) / kRowQuantum;
       tile_start[e] = key;
       present |= 1u << key;
     }
@@ -455,14 +510,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     __syncwarp();
-    // Tiles per expert in that order: ceil(R / 256) chunks x H slices; exclusive scan.
+    // Tiles per expert in that order: row_chunks x H slices; exclusive scan.
     int carry = 0;
     for (int b0 = 0; b0 < E; b0 += 32) {
       const int i = b0 + lane;
       int v = 0;
       if (i < E) {
         const int e = order[i];
-        v = row_chunks(row_off[e + 1] - row_off[e]) * p.h_slices;
+        v = row_chunks<kMaxRows>(row_off[e + 1] - row_off[e]) * p.h_slices;
       }
 #pragma unroll
       for (int d = 1; d < 32; d <<= 1) {
@@ -475,12 +530,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0) tile_start[0] = 0;
   }
   __syncthreads();
-  const int total = tile_start[E];
 
   // Each role's code sits inside its setmaxnreg branch: ptxas ignores the
   // instruction when code needing more registers is reachable after it.
   if (warp >= 8) {
     dev::setmaxnreg_dec<kProducerRegs>();
+    const int total = tile_start[E];  // read after setmaxnreg: a value live across it is spilled
     if (warp == 8) {
       // TMA producer.
       if (lane == 0) {
@@ -489,12 +544,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         int s = 0;
         uint32_t ph = 0;
         for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-          const TileInfo t = decode_tile(tile, tile_start, row_off, order, E);
+          const TileInfo t = decode_tile<kMaxRows>(tile, tile_start, row_off, order, E);
           for (int kb = 0; kb < p.k_blocks; ++kb) {
             dev::mbar_wait(bar_at(sh.empty, s), ph ^ 1);
             const uint32_t full = bar_at(sh.full, s);
             dev::mbar_arrive_expect_tx(full, kWBytes + uint32_t(t.n) * kTileK * 2);
-            const uint32_t st = sh.stages + uint32_t(s) * RowsCfg::kStageBytes;
+            const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
             dev::tma_load_3d(st, &map_w, full, kb * kTileK, t.hs * kTileH, t.e);
             const uint32_t rows_dst = st + kWBytes;
             const CUtensorMap* row_maps[4] = {&map_a128, &map_a64, &map_a32, &map_a16};  // boxes of 128 >> i rows
@@ -517,7 +572,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++it) {
         const int b = it & 1;
         dev::mbar_wait(bar_at(sh.tab_empty, b), ((it >> 1) & 1) ^ 1);
-        const TileInfo t = decode_tile(tile, tile_start, row_off, order, E);
+        const TileInfo t = decode_tile<kMaxRows>(tile, tile_start, row_off, order, E);
         if (lane == 0) {
           sh.tab_info[b] = t;
           dev::mbar_arrive(bar_at(sh.info_full, b));
@@ -525,7 +580,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         // All of a tile's loads issued before any is used (two round trips,
         // not one per 32 rows: a serial loop here made the consumers wait for
         // the table on short tiles).
-        constexpr int kPer = kMaxRows / 32;
+        constexpr int kPer = (kMaxRows + 31) / 32;
         const bool rows_only = op == int(Fc2EpilogueOp::kRowsBf16);
         int tok[kPer];  // each row's slot, then its token
 #pragma unroll
@@ -570,10 +625,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   } else {
     dev::setmaxnreg_inc<kConsumerRegs>();
+    const int total = tile_start[E];
     // Consumer warpgroups 0 and 1.
     const int wg = warp / 4;
 #ifdef FLASHMIX_FC2_PROFILE
-    sh.prof = reinterpret_cast<uint32_t*>(sm + RowsCfg::kOffProf) + wg * (kProfTiles + 1) * 8;
+    sh.prof = reinterpret_cast<uint32_t*>(sm + Cfg::kOffProf) + wg * (kProfTiles + 1) * 8;
     const uint32_t c_begin = uint32_t(clock());
 #endif
     const bool bf16_out = p.op == int(Fc2EpilogueOp::kRedBf16) || p.op == int(Fc2EpilogueOp::kRowsBf16);
@@ -589,10 +645,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       switch (t.n / kRowQuantum) {
 #define FLASHMIX_FC2_ROWS_CASE(K) \
   case K:                                                                             \
-    if (bf16_out)                                                                     \
-      consume_tile<K * kRowQuantum, true>(p, sh, t, wg, s, ph, it);         \
-    else                                                                              \
-      consume_tile<K * kRowQuantum, false>(p, sh, t, wg, s, ph, it);        \
+    if constexpr (K * kRowQuantum <= kMaxRows) {                                      \
+      if (bf16_out)                                                                   \
+        consume_tile<kMaxRows, K * kRowQuantum, true>(p, sh, t, wg, s, ph, it);       \
+      else                                                                            \
+        consume_tile<kMaxRows, K * kRowQuantum, false>(p, sh, t, wg, s, ph, it);      \
+    }                                                                                 \
     break;
         FLASHMIX_FC2_ROWS_CASE(1)
         FLASHMIX_FC2_ROWS_CASE(2)
@@ -610,6 +668,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         FLASHMIX_FC2_ROWS_CASE(14)
         FLASHMIX_FC2_ROWS_CASE(15)
         FLASHMIX_FC2_ROWS_CASE(16)
+        FLASHMIX_FC2_ROWS_CASE(17)
         default:
           break;
 #undef FLASHMIX_FC2_ROWS_CASE
@@ -660,7 +719,7 @@ bool encode_maps(const Sm90Fc2GemmParams& p, CUtensorMap& w, CUtensorMap (&a)[4]
 }  // namespace
 
 Status sm90_fc2_run_rows_128xN(const Sm90Fc2GemmParams& p, cudaStream_t stream) {
-  FM_REQUIRE_SUPPORTED(p.E <= kMaxExperts, kOp, "num_experts_per_node", "at most ", kMaxExperts,
+  FM_REQUIRE_SUPPORTED(p.E <= kMaxExpertsOp, kOp, "num_experts_per_node", "at most ", kMaxExpertsOp,
                        " for gemm configuration 3");
   FM_REQUIRE_SUPPORTED(int64_t(p.T) * p.k < (int64_t(1) << 31), kOp, "num_tokens",
                        "T * k must be below 2^31 (TMA row coordinates)");
@@ -673,10 +732,13 @@ Status sm90_fc2_run_rows_128xN(const Sm90Fc2GemmParams& p, cudaStream_t stream) 
   k.k_blocks = (p.I + kTileK - 1) / kTileK;
   k.plain_k1 = p.op == Fc2EpilogueOp::kRedBf16 && p.k == 1 && !p.add_to_out;
 
+  // Tiles of up to 272 rows where the experts' tables fit beside their stages.
+  const bool wide = p.E <= RowsCfg<272>::kMaxExperts;
+  const auto kernel = wide ? fc2_rows_gemm_kernel<272> : fc2_rows_gemm_kernel<256>;
+  const int smem = wide ? RowsCfg<272>::kSmemBytes : RowsCfg<256>::kSmemBytes;
   FM_RETURN_IF_ERROR(detail::cuda_status(
-      cudaFuncSetAttribute(fc2_rows_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, RowsCfg::kSmemBytes),
-      kOp, "shared memory size"));
-  fc2_rows_gemm_kernel<<<p.sm_count, kThreads, RowsCfg::kSmemBytes, stream>>>(k, w, a[0], a[1], a[2], a[3]);
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), kOp, "shared memory size"));
+  kernel<<<p.sm_count, kThreads, smem, stream>>>(k, w, a[0], a[1], a[2], a[3]);
 #ifdef FLASHMIX_FC2_PROFILE
   {  // FLASHMIX_FC2_PROFILE_LAUNCH=n: the n-th launch in this process prints its stamps (a host sync)
     static int launches = 0;

@@ -277,17 +277,24 @@ TEST(MoeFc2Gpu, RowsKernelChunksLargeExperts) {
   d.T = 257;
   d.k = 1;
   d.total = 1;
-  d.local = 1;  // one expert of 257 rows: chunks of 129 and 128 (N = 144 and 144)
+  d.local = 1;  // one expert of 257 rows: one tile of N = 272 (two wgmmas a k16 step)
   Case e;
   e.T = 1;
   e.k = 1;
-  // One expert of 300, 320 and 641 rows: 2, 2 and 3 chunks (N = 160, 160, 224).
+  // One expert of 264 and 272 rows: one N = 272 tile; of 273, 300, 320 and 641
+  // rows: 2, 2, 2 and 3 chunks (N = 144, 160, 160, 224).
   std::vector<Case> cases{c, d, e};
-  for (int64_t rows : {300, 320, 641}) {
+  for (int64_t rows : {264, 272, 273, 300, 320, 641}) {
     Case f = d;
     f.T = rows;
     cases.push_back(f);
   }
+  // More experts than the 272-row tiles' tables hold: the kernel with tiles of
+  // at most 256 rows, where 257 rows are two chunks (N = 144).
+  Case g = d;
+  g.total = g.local = 300;
+  g.routing = Case::kAllToOne;
+  cases.push_back(g);
   for (const Case& cs : cases) {
     SCOPED_TRACE("T=" + std::to_string(cs.T));
     check_all_modes(cs, 3);

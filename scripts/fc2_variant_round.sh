@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# On the device: FC2 kernel variants side by side. DIR holds one directory
+# per build (flashmix-bench, optionally flashmix-bench-prof and
+# flashmix_gpu_tests; scripts/profile_bench.sh links them from one tree
+# with FC2_DEFS). For each build with a test binary: the FC2 GPU tests on
+# configuration 3; then scripts/ab_bench.sh over FILTER (ROUNDS rounds,
+# interleaved); then, for each build with a profiling binary, the per-tile
+# profile of the cases in FC2_PROFILE_CASES (fc2_profile_round.sh).
+# SANITIZE_FILTER (a gtest filter): memcheck and racecheck on those tests too.
+# Usage: fc2_variant_round.sh DIR OUT FILTER ROUNDS BUILD...
+set -uo pipefail
+dir=${1:?}; out=${2:?}; filter=${3:?}; rounds=${4:?}; shift 4
+status=0
+for b in "$@"; do
+  if [ -x "$dir/$b/flashmix_gpu_tests" ]; then
+    echo "== $b: FC2 GPU tests, configuration 3"
+    FLASHMIX_TEST_FC2_CONFIG=3 "$dir/$b/flashmix_gpu_tests" --gtest_filter='*MoeFc2Gpu*' 2>&1 |
+      grep -E "^\[  (FAILED|PASSED) |tests ran|Failure" | head -20
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    if [ -n "${SANITIZE_FILTER:-}" ]; then
+      for tool in memcheck racecheck; do
+        echo "== $b: $tool on $SANITIZE_FILTER (configuration 3)"
+        FLASHMIX_TEST_FC2_CONFIG=3 compute-sanitizer --tool $tool --error-exitcode 99 "$dir/$b/flashmix_gpu_tests" \
+          --gtest_filter="$SANITIZE_FILTER" 2>&1 | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|^\[  (FAILED|PASSED) " | head -5
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      done
+    fi
+  fi
+done
+builds=()
+for b in "$@"; do builds+=("$dir/$b"); done
+scripts/ab_bench.sh "$out/ab" "$filter" "$rounds" "${builds[@]}" || status=1
+for b in "$@"; do
+  if [ -x "$dir/$b/flashmix-bench-prof" ] && [ -n "${FC2_PROFILE_CASES:-}" ]; then
+    echo "== $b: profile"
+    scripts/fc2_profile_round.sh "$dir/$b" "$out" 2>&1 | grep -v '^ *$'
+  fi
+done
+exit $status
