@@ -283,6 +283,7 @@ __device__ __forceinline__ void drain_pass(const RowsGemmParams& p, const TileIn
 template <int kMaxRows, int N, bool kBf16Out>
 __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shared& sh, const TileInfo& t, int wg,
                                              int& s, uint32_t& ph, int it) {
+  using Cfg = RowsCfg<kMaxRows>;
   float acc[N / 2];
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
@@ -310,7 +311,7 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
     const uint32_t w1 = uint32_t(clock());
     if (kb == 0) FC2_STAMP(1, w1); else waited += w1 - w0;
 #endif
-    const uint32_t st = sh.stages + uint32_t(s) * RowsCfg<kMaxRows>::kStageBytes;
+    const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
     const uint64_t db = dev::wgmma_desc_k_sw128(st + kWBytes);
     if constexpr (N <= 256) {
       const uint64_t da = dev::wgmma_desc_k_sw128(st + a_off);
@@ -342,7 +343,7 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
       if (lane == 0) dev::mbar_arrive(bar_at(sh.empty, prev));
     }
     prev = s;
-    if (++s == RowsCfg<kMaxRows>::kStages) {
+    if (++s == Cfg::kStages) {
       s = 0;
       ph ^= 1;
     }
@@ -365,8 +366,8 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
   const int hl = 16 * q + g;  // this thread's columns within the warpgroup's 64: hl and hl + 8
   const float bias0 = sh.tab_bias[b * kTileH + wg * 64 + hl];
   const float bias1 = sh.tab_bias[b * kTileH + wg * 64 + hl + 8];
-  const int* tab_row = sh.tab_row + b * RowsCfg<kMaxRows>::kMaxRows;
-  const float* tab_w = sh.tab_w + b * RowsCfg<kMaxRows>::kMaxRows;
+  const int* tab_row = sh.tab_row + b * kMaxRows;
+  const float* tab_w = sh.tab_w + b * kMaxRows;
   float* stg = reinterpret_cast<float*>(reinterpret_cast<char*>(sh.epi) + wg * kEpiBytes);
   const int wt = threadIdx.x & 127;
   const int col0 = t.hs * kTileH + wg * 64;
