@@ -29,9 +29,9 @@
 // reduction adds / stores. Warps 8-11 give registers to the consumers
 // (setmaxnreg 72 / 216). N stays at most 272: a larger tile needs larger
 // stages than 4 fit, and 3 of them ran slower (docs/fc2_grouped_gemm.md).
-// What bounds a tile's mainloop is shared-memory bandwidth (128 bytes a
-// cycle: TMA's writes plus the wgmmas' operand reads, B read once per
-// warpgroup), not the MMA rate, below N = 256.
+// Below N = 256 a tile's mainloop is bound, by a model that fits the
+// profiles, by shared-memory bandwidth (128 bytes a cycle: TMA's writes plus
+// the wgmmas' operand reads, B read once per warpgroup), not the MMA rate.
 // The tile's schedule comes from expert_first_token_offset on the device:
 // no host sync, capturable.
 #include <cuda.h>  // CUtensorMap
@@ -278,8 +278,8 @@ __device__ __forceinline__ void drain_pass(const RowsGemmParams& p, const TileIn
 // N <= 256: one wgmma m64nNk16 per k16 step, both operands from shared
 // memory. N > 256: two per step (rows 0..255 and 256..N-1) on one A fragment
 // that the warp loads by ldmatrix, so W2's tile is read from shared memory
-// once, not once per wgmma (shared-memory bandwidth is what an N > 256 tile
-// is bound by; docs/fc2_grouped_gemm.md).
+// once, not once per wgmma (with both from shared memory the tile ran at the
+// shared-memory bandwidth model's rate; docs/fc2_grouped_gemm.md).
 template <int kMaxRows, int N, bool kBf16Out>
 __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shared& sh, const TileInfo& t, int wg,
                                              int& s, uint32_t& ph, int it) {
