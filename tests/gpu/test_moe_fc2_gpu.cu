@@ -295,6 +295,13 @@ TEST(MoeFc2Gpu, RowsKernelChunksLargeExperts) {
   g.total = g.local = 300;
   g.routing = Case::kAllToOne;
   cases.push_back(g);
+  // A 272-row tile with a single, partial k-block (I = 40) and H below one
+  // 128-column slice.
+  Case h = d;
+  h.T = 260;
+  h.I = 40;
+  h.H = 104;
+  cases.push_back(h);
   for (const Case& cs : cases) {
     SCOPED_TRACE("T=" + std::to_string(cs.T));
     check_all_modes(cs, 3);
