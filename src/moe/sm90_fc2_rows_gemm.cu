@@ -206,6 +206,9 @@ struct Shared {
 // would serialise the wgmma pipeline).
 constexpr int kProfCtas = 256;
 __device__ uint32_t g_fc2_prof[kProfCtas][2][kProfTiles + 1][8];
+// The producer's side of a tile: SM clock before it waits for the stage of
+// k-block 0, after issuing k-block 0, after issuing k-block 3 (or the last).
+__device__ uint32_t g_fc2_prod[kProfCtas][kProfTiles][4];
 #define FC2_STAMP(slot, value)                                                    \
   do {                                                                            \
     if ((threadIdx.x & 127) == 0 && it < kProfTiles) sh.prof[it * 8 + (slot)] = (value); \
@@ -544,9 +547,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         dev::prefetch_tensor_map(&map_a128);
         int s = 0;
         uint32_t ph = 0;
+#ifdef FLASHMIX_FC2_PROFILE
+        int pit = 0;
+#endif
         for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
           const TileInfo t = decode_tile<kMaxRows>(tile, tile_start, row_off, order, E);
           for (int kb = 0; kb < p.k_blocks; ++kb) {
+#ifdef FLASHMIX_FC2_PROFILE
+            if (kb == 0 && pit < kProfTiles && blockIdx.x < kProfCtas) g_fc2_prod[blockIdx.x][pit][0] = uint32_t(clock());
+#endif
             dev::mbar_wait(bar_at(sh.empty, s), ph ^ 1);
             const uint32_t full = bar_at(sh.full, s);
             dev::mbar_arrive_expect_tx(full, kWBytes + uint32_t(t.n) * kTileK * 2);
@@ -559,11 +568,18 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int i = 0; i < 4; ++i)
               for (; r + (128 >> i) <= t.n; r += 128 >> i)
                 dev::tma_load_2d(rows_dst + r * 128, row_maps[i], full, kb * kTileK, t.p0 + r);
+#ifdef FLASHMIX_FC2_PROFILE
+            if ((kb == 0 || kb == min(3, p.k_blocks - 1)) && pit < kProfTiles && blockIdx.x < kProfCtas)
+              g_fc2_prod[blockIdx.x][pit][kb == 0 ? 1 : 2] = uint32_t(clock());
+#endif
             if (++s == kStages) {
               s = 0;
               ph ^= 1;
             }
           }
+#ifdef FLASHMIX_FC2_PROFILE
+          ++pit;
+#endif
         }
       }
     } else if (warp == 9) {
@@ -752,6 +768,13 @@ Status sm90_fc2_run_rows_128xN(const Sm90Fc2GemmParams& p, cudaStream_t stream) 
         for (int wg = 0; wg < 2; ++wg) {
           const uint32_t* last = h[c][wg][kProfTiles];
           std::fprintf(stderr, "FC2CTA %d %d %u %u\n", c, wg, last[1] - last[0], last[2]);
+          if (wg == 0) {
+            static uint32_t pr[kProfCtas][kProfTiles][4];
+            if (c == 0) cudaMemcpyFromSymbol(pr, g_fc2_prod, sizeof(pr));
+            for (int i = 0; i < std::min<int>(int(last[2]), kProfTiles); ++i)
+              std::fprintf(stderr, "FC2P %d %d %d %d %d\n", c, i, int(pr[c][i][0] - last[0]), int(pr[c][i][1] - last[0]),
+                           int(pr[c][i][2] - last[0]));
+          }
           for (int i = 0; i < std::min<int>(int(last[2]), kProfTiles); ++i) {
             const uint32_t* v = h[c][wg][i];
             std::fprintf(stderr, "FC2T %d %d %d %u %u %u %u %u %u %u %u\n", c, wg, i, v[0] - last[0], v[1] - v[0],
