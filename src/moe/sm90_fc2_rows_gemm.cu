@@ -60,6 +60,8 @@ constexpr const char* kOp = "moe_fc2_finalize";
 constexpr int kTileH = 128;      // output columns per tile: 2 consumer warpgroups x wgmma M = 64
 constexpr int kTileK = 64;       // K per stage: one 128-byte swizzled row
 constexpr int kRowQuantum = 16;  // N is a multiple of this
+constexpr int kWgmmaMaxN = 256;  // the most rows one wgmma takes; a tile above it takes two
+constexpr int kWideRows = 272;   // the row limit of the wide kernel (kWgmmaMaxN + one 16-row wgmma)
 constexpr int kWBytes = kTileH * kTileK * 2;  // 16 KB
 // Epilogue staging, per consumer warpgroup (its 64 columns x some rows):
 // fp32 outputs 32 rows a pass, 68 floats a row (2 x 68 = 8 mod 32 banks: the
@@ -96,9 +98,9 @@ struct RowsCfg {
   static constexpr int kStages = 4;
   static constexpr int kMaxRows = kMaxRows_;
 #ifdef FLASHMIX_FC2_PROFILE
-  static constexpr int kMaxExperts = kMaxRows > 256 ? 128 : kMaxExpertsOp;  // room for the stamps
+  static constexpr int kMaxExperts = kMaxRows > kWgmmaMaxN ? 128 : kMaxExpertsOp;  // room for the stamps
 #else
-  static constexpr int kMaxExperts = kMaxRows > 256 ? 256 : kMaxExpertsOp;
+  static constexpr int kMaxExperts = kMaxRows > kWgmmaMaxN ? 256 : kMaxExpertsOp;
 #endif
   static constexpr int kRBytes = kMaxRows * kTileK * 2;
   static constexpr int kStageBytes = kWBytes + kRBytes;
@@ -135,7 +137,7 @@ __device__ __forceinline__ int round_rows(int r) { return (r + kRowQuantum - 1) 
 // on the Mixtral-like shape.)
 template <int kMaxRows>
 __device__ __forceinline__ int row_chunks(int R) {
-  return R <= 0 ? 0 : R <= kMaxRows ? 1 : (R + 255) / 256;
+  return R <= 0 ? 0 : R <= kMaxRows ? 1 : (R + kWgmmaMaxN - 1) / kWgmmaMaxN;
 }
 
 struct RowsGemmParams : Fc2EpilogueParamsDevice {
@@ -328,7 +330,7 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
 #endif
     const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
     const uint64_t db = dev::wgmma_desc_k_sw128(st + kWBytes);
-    if constexpr (N <= 256) {
+    if constexpr (N <= kWgmmaMaxN) {
       const uint64_t da = dev::wgmma_desc_k_sw128(st + a_off);
       dev::fence_operands(acc);
       dev::wgmma_fence();
@@ -344,10 +346,10 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
         dev::ldmatrix_x4(f, st + lm_off + uint32_t(((2 * j + lm_hi) ^ lm_x) << 4));
         dev::fence_operands(acc);
         dev::wgmma_fence();
-        dev::WgmmaRS<256>::mma(*reinterpret_cast<float(*)[128]>(acc), f, db + 2 * j, 1);
+        dev::WgmmaRS<kWgmmaMaxN>::mma(*reinterpret_cast<float(*)[kWgmmaMaxN / 2]>(acc), f, db + 2 * j, 1);
         // B's rows 256.. start 256 x 128 bytes further.
-        dev::WgmmaRS<N - 256>::mma(*reinterpret_cast<float(*)[(N - 256) / 2]>(acc + 128), f,
-                                   db + 2 * j + (256 * 128 >> 4), 1);
+        dev::WgmmaRS<N - kWgmmaMaxN>::mma(*reinterpret_cast<float(*)[(N - kWgmmaMaxN) / 2]>(acc + kWgmmaMaxN / 2),
+                                          f, db + 2 * j + (kWgmmaMaxN * 128 >> 4), 1);
         dev::wgmma_commit();
         dev::fence_operands(acc);
         dev::wgmma_wait<1>();  // at j = 0: the previous stage's last group is done
@@ -766,9 +768,9 @@ Status sm90_fc2_run_rows_128xN(const Sm90Fc2GemmParams& p, cudaStream_t stream) 
   k.plain_k1 = p.op == Fc2EpilogueOp::kRedBf16 && p.k == 1 && !p.add_to_out;
 
   // Tiles of up to 272 rows where the experts' tables fit beside their stages.
-  const bool wide = p.E <= RowsCfg<272>::kMaxExperts;
-  const auto kernel = wide ? fc2_rows_gemm_kernel<272> : fc2_rows_gemm_kernel<256>;
-  const int smem = wide ? RowsCfg<272>::kSmemBytes : RowsCfg<256>::kSmemBytes;
+  const bool wide = p.E <= RowsCfg<kWideRows>::kMaxExperts;
+  const auto kernel = wide ? fc2_rows_gemm_kernel<kWideRows> : fc2_rows_gemm_kernel<kWgmmaMaxN>;
+  const int smem = wide ? RowsCfg<kWideRows>::kSmemBytes : RowsCfg<kWgmmaMaxN>::kSmemBytes;
   FM_RETURN_IF_ERROR(detail::cuda_status(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), kOp, "shared memory size"));
   kernel<<<p.sm_count, kThreads, smem, stream>>>(k, w, a[0], a[1], a[2], a[3]);
