@@ -7,14 +7,18 @@
 # interleaved); then, for each build with a profiling binary, the per-tile
 # profile of the cases in FC2_PROFILE_CASES (fc2_profile_round.sh).
 # SANITIZE_FILTER (a gtest filter): memcheck and racecheck on those tests too.
+# VARIANT_TESTS (a gtest filter, default '*MoeFc2Gpu*') runs other tests
+# instead (variants of another kernel: profile_bench.sh with SRC); a build's
+# flashmix-bench-prof then runs FILTER once (its printed profile kept in
+# OUT/<build>-prof.log) unless FC2_PROFILE_CASES is set.
 # Usage: fc2_variant_round.sh DIR OUT FILTER ROUNDS BUILD...
 set -uo pipefail
 dir=${1:?}; out=${2:?}; filter=${3:?}; rounds=${4:?}; shift 4
 status=0
 for b in "$@"; do
   if [ -x "$dir/$b/flashmix_gpu_tests" ]; then
-    echo "== $b: FC2 GPU tests, configuration 3"
-    FLASHMIX_TEST_FC2_CONFIG=3 "$dir/$b/flashmix_gpu_tests" --gtest_filter='*MoeFc2Gpu*' 2>&1 |
+    echo "== $b: GPU tests ${VARIANT_TESTS:-*MoeFc2Gpu*}, FC2 configuration 3"
+    FLASHMIX_TEST_FC2_CONFIG=3 "$dir/$b/flashmix_gpu_tests" --gtest_filter="${VARIANT_TESTS:-*MoeFc2Gpu*}" 2>&1 |
       grep -E "^\[  (FAILED|PASSED) |tests ran|Failure" | head -20
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     if [ -n "${SANITIZE_FILTER:-}" ]; then
@@ -34,6 +38,10 @@ for b in "$@"; do
   if [ -x "$dir/$b/flashmix-bench-prof" ] && [ -n "${FC2_PROFILE_CASES:-}" ]; then
     echo "== $b: profile"
     scripts/fc2_profile_round.sh "$dir/$b" "$out" 2>&1 | grep -v '^ *$'
+  elif [ -x "$dir/$b/flashmix-bench-prof" ]; then
+    echo "== $b: profiling build on $filter"
+    "$dir/$b/flashmix-bench-prof" --filter "$filter" --no-verify > "$out/$b-prof.log" 2>&1 || status=1
+    grep -E "^prof|^cycles|^timeline" "$out/$b-prof.log" | tail -24
   fi
 done
 exit $status

@@ -68,7 +68,11 @@ constexpr int kProjRegs = 224, kFinishRegs = 56;  // 256*224 + 128*56 = 65536 re
 // (the finish warps were the bottleneck), 8 -> 234, 6 -> 232, 4 -> 232-234,
 // 2 -> 241 us. (With the older per-step-address loop: 8 -> 269, 10 -> 267,
 // 12 -> 281 us.)
-constexpr int kFinishMixRows = 6;
+// With the restricted release fence (mbar_arrive_cluster_all) the finish
+// warps mix faster and take more: same call, 6 -> 8 tokens, B = 8192
+// 217.3-218.0 -> 213.2-213.8 us, decode unchanged (10.65 / 10.61 us; 10
+// tokens: 213.3-213.6 / 10.58).
+constexpr int kFinishMixRows = 8;
 constexpr int kRows = 16;     // tokens per tile: the m16 of the mma
 constexpr int kScratchStride = 20;  // floats per coefficient row of the per-warp scratch: fragment stores hit 32 banks
 constexpr int kStages = 3;    // X tiles in the ring
@@ -130,11 +134,21 @@ using dev::named_bar_sync;
 // lane r arrives in CTA r, so the 16 remote arrivals travel at once (one lane
 // issuing them in turn waits out each one's round trip: ~16 x 1 us per
 // tile, measured as the dominant cost).
+//
+// What is released is this CTA's shared memory (the receive buffer, read by
+// every finish thread before the named barrier ahead of the call): a release
+// fence restricted to shared::cta, then relaxed remote arrivals. An arrive
+// with .release.cluster compiles to MEMBAR.ALL.GPU, which waits for every
+// earlier memory operation of the warp, its global F_pre stores included:
+// ~2 % of the kernel's stall samples, all on this one warp (ncu, H200); with
+// the restricted fence the finish warps' mix of 6 tokens went 2,650 -> 1,800
+// cycles a tile (profiling build).
 __device__ __forceinline__ void mbar_arrive_cluster_all(uint32_t bar, int lane) {
+  asm volatile("fence.release.sync_restrict::shared::cta.cluster;\n" ::: "memory");
   if (lane < kClusterSize) {
     uint32_t remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(lane));
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+    asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
   }
 }
 
@@ -168,14 +182,14 @@ __shared__ long long fm_cycles[24];  // clock64 beside each stamp: the SM clock,
 //              pushed (st.async, counted on the receiver's recv_full[tile &
 //              1]): the pre coefficients and the sum of squares to every
 //              CTA, the others to the tile's owner; then the pre mix of
-//              tokens 0-9 of the previous tile. Pushing (one-way) instead of
+//              tokens 0-7 of the previous tile. Pushing (one-way) instead of
 //              each CTA pulling 16 peers' partials (a DSMEM round trip, ~500
 //              cycles, twice per float4 at 56 registers) took 1,200 cycles
 //              off a decode tile's chain (H200, measured).
 //   warps 8-10 finish (setmaxnreg 56): wait recv_full, sum the 16 ranks'
 //              partials (local shared memory, rank order), publish H_pre,
 //              release the receive buffer (recv_free in every CTA), mix
-//              tokens 10-15.
+//              tokens 8-15 (kFinishMixRows).
 //              The tile's owner CTA (tile % 16) also stashes h for warp 11.
 //   warp 11    producer and Sinkhorn: lane 0 refills a ring stage once every
 //              warp that reads it has arrived on stage_empty; the warp runs
