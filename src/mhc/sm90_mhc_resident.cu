@@ -29,9 +29,10 @@
 //
 // Bytes: X once from HBM, F_pre once, phi once per cluster (7 x 2.75 MB of
 // L2 reads in all): the floor is (X + F_pre) / copy bandwidth. Reached
-// (H200, B = 8192): 1.94x the floor, 3.7x faster than the cluster-tile
-// kernel; the projection warps are bound by the mma.sync pipe and the mix's
-// ALU work (docs/mhc.md has the per-phase cycle counts and what was tried).
+// (H200, B = 8192, 2026-11-24): 1.55-1.57x the floor, ~4.9x faster than the
+// cluster-tile kernel; the projection warps are bound by the mma.sync pipe,
+// the cross-warp sums and pushes and the mix's ALU work (docs/mhc.md has the
+// per-phase cycle counts, an ncu breakdown and what was tried).
 #include <cooperative_groups.h>
 #include <cuda.h>  // CUtensorMap and its enums only: the encoder comes through the runtime (no libcuda link)
 #include <cuda_bf16.h>
