@@ -250,11 +250,9 @@ TEST(MoeFc2Gpu, EveryGemmConfigurationMatches) {
     }
 }
 
-// Configuration 3 cuts an expert's rows into equal chunks of at most 256 and
-// sizes each tile's wgmma N to its chunk: experts of 600, 257 and 1 rows.
-// Our kernel orders the experts by tile size in a counting sort over blocks
-// of 32 experts: many experts (up to the op's 1,024), most of them empty or
-// with a few rows.
+// Our kernel (configuration 3) orders the experts by tile size in a counting
+// sort over blocks of 32 experts: many experts (up to the op's 1,024), most
+// of them empty or with a few rows.
 TEST(MoeFc2Gpu, RowsKernelManyExperts) {
   SKIP_WITHOUT_HOPPER();
   for (int experts : {40, 1024}) {
@@ -267,6 +265,10 @@ TEST(MoeFc2Gpu, RowsKernelManyExperts) {
   }
 }
 
+// Configuration 3 takes an expert of up to 272 rows (256 with more than 256
+// experts) as one tile, cuts a larger one into equal chunks of at most 256,
+// and sizes each tile's wgmma N to its chunk: experts of 600, 257 and 1 rows
+// and the sizes around the limits below.
 TEST(MoeFc2Gpu, RowsKernelChunksLargeExperts) {
   SKIP_WITHOUT_HOPPER();
   Case c;
