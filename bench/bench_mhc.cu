@@ -432,9 +432,9 @@ void run_mhc_cases(Context& ctx) {
     };
     // The same op on the cluster-tile kernel (phi re-read per tile), which
     // the resident kernel replaced for n = 4: the A/B in one run.
-    mhc_detail::set_project_kernel_for_testing(mhc_detail::ProjectKernel::kClusterTiles);
-    variant("B8192_n4_C7168_phif32_clustertiles", pa, false);
-    mhc_detail::set_project_kernel_for_testing(mhc_detail::ProjectKernel::kAuto);
+    MhcPreArgs tiles = pa;
+    tiles.kernel = MhcPreKernel::kClusterTile;
+    variant("B8192_n4_C7168_phif32_clustertiles", tiles, false);
     // phi in bf16: the projection without the lo half (5 mma per k step
     // instead of 8 in the resident kernel's SASS). Beside the fp32 case that
     // carries the target: how much of the time over the bound is the hi/lo
@@ -528,7 +528,6 @@ void run_mhc_cases(Context& ctx) {
     // the columns; one grid-wide exchange), which mhc_pre does not pick at
     // n = 4 (the resident kernel is faster here). One zeroed workspace serves
     // every launch of the graph (each leaves it zeroed).
-    mhc_detail::set_project_kernel_for_testing(mhc_detail::ProjectKernel::kSplit);
     void* ws = nullptr;
     const size_t ws_bytes = mhc_workspace_bytes({16, 4, 7168});
     BENCH_CUDA(cudaMalloc(&ws, ws_bytes));
@@ -539,6 +538,7 @@ void run_mhc_cases(Context& ctx) {
         a.workspace = ws;
         a.workspace_bytes = ws_bytes;
         a.prefetch_weights = prefetch;
+        a.kernel = MhcPreKernel::kSplit;
         return a;
       };
       check = verify_sets([&](int i) { return mhc_pre(pre_ws(i), stream); }, check_pre_set);
@@ -558,6 +558,7 @@ void run_mhc_cases(Context& ctx) {
             MhcPreArgs a = pre_args(hs[0], ds[0]);
             a.workspace = ws;
             a.workspace_bytes = ws_bytes;
+            a.kernel = MhcPreKernel::kSplit;
             (void)mhc_pre(a, stream);
           },
           launches, stream, iters);
@@ -568,7 +569,6 @@ void run_mhc_cases(Context& ctx) {
       add_record(ctx, rs);
     }
     BENCH_CUDA(cudaFree(ws));
-    mhc_detail::set_project_kernel_for_testing(mhc_detail::ProjectKernel::kAuto);
 
     // phi in bf16 (the caller's weights stored in bf16): half the weight
     // bytes to bring in, and no lo half to split off. Reported beside the

@@ -29,6 +29,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include <cuda_runtime_api.h>
 
@@ -74,6 +75,20 @@ struct MhcShape {
 };
 
 // mhc_pre: X -> (F_pre, H_post, H_res) in one operation (X read from device memory once).
+// The projection kernel of mhc_pre, mhc_project and mhc_head. kAuto (the
+// default) picks the first of these that takes the shape on the current
+// device, in this order (docs/spec.md §4 states each one's conditions):
+//   kResident     sm_90, n = 4, C a multiple of 1024 up to 7168; not mhc_head
+//   kSplit        a workspace and 1 <= B <= kMhcSplitMaxBatch
+//   kClusterTile  sm_90, a tile of 8-24 tokens of the shape fits in shared memory
+//   kPortable     any GPU, any shape
+// Any other value pins that kernel: where it cannot take the shape the call
+// fails with kNotSupported and says why, launching nothing. Results agree
+// within the stated tolerance between kernels; each one is bitwise
+// reproducible on its own.
+enum class MhcPreKernel { kAuto, kResident, kSplit, kClusterTile, kPortable };
+const char* to_string(MhcPreKernel kernel);
+
 struct MhcPreArgs {
   MhcShape shape;
   const void* x = nullptr;      // bf16 [B, n*C], 16-byte aligned
@@ -95,6 +110,7 @@ struct MhcPreArgs {
   // B <= kMhcSplitMaxBatch runs on every SM in one launch (decode).
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  MhcPreKernel kernel = MhcPreKernel::kAuto;  // which projection kernel (see MhcPreKernel)
 };
 
 // mhc_post: X_next = R * X + H_post * F_out in one pass.
@@ -125,6 +141,7 @@ struct MhcProjectArgs {
   bool prefetch_weights = false;  // as in MhcPreArgs
   void* workspace = nullptr;      // as in MhcPreArgs
   size_t workspace_bytes = 0;
+  MhcPreKernel kernel = MhcPreKernel::kAuto;  // which projection kernel (see MhcPreKernel)
 };
 
 // Stage 2: the activations and Sinkhorn: h -> H_pre, H_post, H_res.
@@ -162,6 +179,7 @@ struct MhcHeadArgs {
   bool enable_pdl = true;
   void* workspace = nullptr;       // as in MhcPreArgs
   size_t workspace_bytes = 0;
+  MhcPreKernel kernel = MhcPreKernel::kAuto;  // which projection kernel (see MhcPreKernel)
 };
 
 // mhc_expand: embedding [B, C] -> X [B, n, C] with n copies.
@@ -199,6 +217,10 @@ size_t mhc_workspace_bytes(const MhcShape& shape);
 
 // GPU entry points (device pointers).
 Status mhc_pre(const MhcPreArgs& args, cudaStream_t stream);
+// The projection kernel mhc_pre would run for `args` on the current device,
+// and why (host only: validates args, launches nothing). With args.kernel
+// pinned to a kernel that cannot take the shape: kNotSupported and the reason.
+Status mhc_pre_kernel_choice(const MhcPreArgs& args, MhcPreKernel* kernel, std::string* reason);
 Status mhc_post(const MhcPostArgs& args, cudaStream_t stream);
 Status mhc_project(const MhcProjectArgs& args, cudaStream_t stream);
 Status mhc_activate(const MhcActivateArgs& args, cudaStream_t stream);

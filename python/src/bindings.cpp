@@ -428,9 +428,10 @@ FinalizeCall make_finalize(const In& rows, const In& u2p, const In& experts, con
     if (dim(*shared_output, 0) != T || dim(*shared_output, 1) < H)
       fail(op, "shared_output", "must have shape [T = ", T, ", >= ", H, "] (got ", shape_str(*shared_output), ")");
   }
-  if (p2u) require_vector(*p2u, kInt32, fill ? 0 : a.num_rows, op, "permuted_row_to_unpermuted_row");
+  // Zero tokens: nothing is read (docs/spec.md), whatever the maps hold.
+  if (p2u) require_vector(*p2u, kInt32, fill || T == 0 ? 0 : a.num_rows, op, "permuted_row_to_unpermuted_row");
   if (offsets)
-    require_vector(*offsets, kInt64, int64_t(num_experts_per_node) + 1, op, "expert_first_token_offset");
+    require_vector(*offsets, kInt64, T == 0 ? 0 : int64_t(num_experts_per_node) + 1, op, "expert_first_token_offset");
 
   a.expanded_permuted_rows = ptr(rows);
   a.unpermuted_row_to_permuted_row = static_cast<const int32_t*>(ptr(u2p));

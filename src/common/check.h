@@ -113,4 +113,23 @@ inline Status check_launch(const char* op) {
   return cuda_status(cudaGetLastError(), op, "kernel launch");
 }
 
+// Runs the body of a GPU entry point so that the call leaves no CUDA error
+// set: an error already pending when the call starts is the caller's; it is
+// reported (kCudaError) and left where it is, and nothing is launched. An
+// error the body causes (a failed launch, say) becomes the call's Status and
+// is cleared. The runtime's last error is per host thread, so other threads'
+// calls do not interfere.
+template <typename Body>
+Status without_cuda_error_left(const char* op, Body&& body) {
+  const cudaError_t pending = cudaPeekAtLastError();
+  if (pending != cudaSuccess)
+    return Status(StatusCode::kCudaError,
+                  concat(op, ": a CUDA error was pending before this call (", cudaGetErrorName(pending), ": ",
+                         cudaGetErrorString(pending), "); nothing was launched"));
+  Status s = body();
+  const cudaError_t left = cudaGetLastError();
+  if (left != cudaSuccess && s.ok()) return cuda_status(left, op, "CUDA error");
+  return s;
+}
+
 }  // namespace flashmix::detail

@@ -266,42 +266,76 @@ Status launch_per_group(const MhcShape& s, const char* op, Launch&& launch) {
   return detail::check_launch(op);
 }
 
-ProjectKernel g_project_kernel = ProjectKernel::kAuto;
-
-// Runs the projection kernel: the sm_90a cluster kernel where it fits, else the portable one.
-Status launch_project(const ProjectParams& p, int n, DType phi_dtype, cudaStream_t stream, bool pdl,
-                      const char* op) {
-  const bool f32 = phi_dtype == DType::kFloat32;
-  // The resident kernel first: at decode (B = 16, n = 4, C = 7168, H200) it
-  // takes 10.6 us against the split kernel's 11.2 (docs/mhc.md). The split
-  // kernel (with a workspace) then takes the small batches of every other
-  // shape, where the cluster-tile kernel fetches all of phi through 8 SMs.
-  // A launcher's cudaErrorNotSupported means "not this shape": try the next.
-  Status st;
-  auto launched = [&](cudaError_t e, const char* what) {
-    if (e == cudaErrorNotSupported) return false;
-    st = e == cudaSuccess ? detail::check_launch(op) : detail::cuda_status(e, op, what);
-    return true;
-  };
-  auto split = [&] { return p.workspace ? mhc_split_project(p, n, f32, stream, pdl) : cudaErrorNotSupported; };
-  const ProjectKernel k = g_project_kernel;
-  if (k == ProjectKernel::kSplit && launched(split(), "split kernel launch")) return st;
-  if (k == ProjectKernel::kAuto || k == ProjectKernel::kSplit) {
-    if (launched(sm90_mhc_project_resident(p, n, f32, stream, pdl), "resident kernel launch")) return st;
-    if (k == ProjectKernel::kAuto && launched(split(), "split kernel launch")) return st;
-  }
-  if (k != ProjectKernel::kPortable &&
-      launched(sm90_mhc_project_fused(p, n, f32, stream, pdl), "cluster kernel launch"))
-    return st;
+// The portable projection kernel: any GPU, any shape; one CTA per token.
+cudaError_t portable_project(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
+                             bool dry_run, const char** /*why_not*/) {
+  if (dry_run) return cudaSuccess;
   cudaError_t err = cudaSuccess;
-  (void)cudaGetLastError();
   dispatch_n(n, [&](auto kn) {
     constexpr int kN = decltype(kn)::value;
-    if (f32)
+    if (phi_is_f32)
       err = dev::launch(mhc_project_rows_kernel<kN, float>, dim3(unsigned(p.batch)), dim3(kThreads), 0, stream, pdl, p);
     else
       err = dev::launch(mhc_project_rows_kernel<kN, bf16>, dim3(unsigned(p.batch)), dim3(kThreads), 0, stream, pdl, p);
   });
+  return err;
+}
+
+// The projection kernels, in the order the automatic choice tries them
+// (measured on an H200, docs/mhc.md): the resident kernel first (decode,
+// B = 16, n = 4, C = 7168: 10.6 us against the split kernel's 11.2; every
+// batch size of the shapes it takes); the split kernel for the small batches
+// of every other shape, where the cluster-tile kernel would fetch all of phi
+// through 8 SMs (n = 8, B = 16: 26 against 103 us); the cluster tiles for
+// the rest of sm_90; the portable kernel everywhere else.
+struct ProjectCandidate {
+  MhcPreKernel kernel;
+  ProjectLauncher launch;
+};
+constexpr ProjectCandidate kProjectKernels[] = {
+    {MhcPreKernel::kResident, sm90_mhc_project_resident},
+    {MhcPreKernel::kSplit, mhc_split_project},
+    {MhcPreKernel::kClusterTile, sm90_mhc_project_fused},
+    {MhcPreKernel::kPortable, portable_project},
+};
+
+// Picks the projection kernel for `p` on the current device: the pinned one
+// (kNotSupported with its reason where it cannot take the shape) or the
+// first candidate that can. `reason` says why, naming each kernel passed over.
+Status choose_project_kernel(const ProjectParams& p, int n, bool f32, MhcPreKernel pinned, const char* op,
+                             const ProjectCandidate** chosen, std::string* reason) {
+  std::string why;
+  for (const ProjectCandidate& c : kProjectKernels) {
+    if (pinned != MhcPreKernel::kAuto && c.kernel != pinned) continue;
+    const char* why_not = "cannot take this shape";
+    const cudaError_t err = c.launch(p, n, f32, nullptr, false, /*dry_run=*/true, &why_not);
+    if (err == cudaSuccess) {
+      *chosen = &c;
+      if (reason != nullptr)
+        *reason = pinned != MhcPreKernel::kAuto ? detail::concat(to_string(c.kernel), ": pinned by args.kernel")
+                                                : detail::concat(why, to_string(c.kernel), ": takes the shape");
+      return Status::Ok();
+    }
+    if (err != cudaErrorNotSupported) return detail::cuda_status(err, op, "kernel choice");
+    if (pinned != MhcPreKernel::kAuto)
+      return Status(StatusCode::kNotSupported,
+                    detail::concat(op, ": kernel: ", to_string(pinned), " cannot take this shape here (", why_not,
+                                   ")"));
+    why += detail::concat(why_not, "; ");
+  }
+  return Status(StatusCode::kNotSupported, detail::concat(op, ": no projection kernel takes this shape (", why, ")"));
+}
+
+// Runs the projection kernel that choose_project_kernel picks.
+Status launch_project(const ProjectParams& p, int n, DType phi_dtype, MhcPreKernel pinned, cudaStream_t stream,
+                      bool pdl, const char* op) {
+  const bool f32 = phi_dtype == DType::kFloat32;
+  const ProjectCandidate* c = nullptr;
+  FM_RETURN_IF_ERROR(choose_project_kernel(p, n, f32, pinned, op, &c, nullptr));
+  const char* why_not = "cannot take this shape";
+  const cudaError_t err = c->launch(p, n, f32, stream, pdl, /*dry_run=*/false, &why_not);
+  if (err == cudaErrorNotSupported)
+    return Status(StatusCode::kNotSupported, detail::concat(op, ": ", to_string(c->kernel), ": ", why_not));
   if (err != cudaSuccess) return detail::cuda_status(err, op, "kernel launch");
   return detail::check_launch(op);
 }
@@ -321,17 +355,13 @@ ProjectParams base_params(const MhcShape& s, const void* x, const void* phi, con
 
 }  // namespace
 
-void set_project_kernel_for_testing(ProjectKernel k) { g_project_kernel = k; }
-
 }  // namespace mhc_detail
 
 using namespace mhc_detail;
 
-Status mhc_pre(const MhcPreArgs& a, cudaStream_t stream) {
-  constexpr const char* kOp = "mhc_pre";
-  FM_RETURN_IF_ERROR(validate_mhc_pre(a));
-  FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
-  if (a.shape.batch == 0) return Status::Ok();
+namespace {
+
+ProjectParams pre_params(const MhcPreArgs& a) {
   ProjectParams p = base_params(a.shape, a.x, a.phi, a.alpha, a.bias);
   p.f_out = static_cast<bf16*>(a.f_pre);
   p.h_post = a.h_post;
@@ -343,99 +373,138 @@ Status mhc_pre(const MhcPreArgs& a, cudaStream_t stream) {
   p.prefetch_weights = a.prefetch_weights && a.enable_pdl;
   p.workspace = a.workspace;
   p.workspace_bytes = a.workspace_bytes;
-  return launch_project(p, a.shape.n, a.phi_dtype, stream, a.enable_pdl, kOp);
+  return p;
+}
+
+}  // namespace
+
+Status mhc_pre_kernel_choice(const MhcPreArgs& a, MhcPreKernel* kernel, std::string* reason) {
+  constexpr const char* kOp = "mhc_pre_kernel_choice";
+  FM_REQUIRE(kernel != nullptr, kOp, "kernel", "must not be null");
+  FM_RETURN_IF_ERROR(validate_mhc_pre(a));
+  return detail::without_cuda_error_left(kOp, [&]() -> Status {
+    const ProjectCandidate* c = nullptr;
+    std::string why;
+    FM_RETURN_IF_ERROR(
+        choose_project_kernel(pre_params(a), a.shape.n, a.phi_dtype == DType::kFloat32, a.kernel, kOp, &c, &why));
+    *kernel = c->kernel;
+    if (reason != nullptr) *reason = why;
+    return Status::Ok();
+  });
+}
+
+Status mhc_pre(const MhcPreArgs& a, cudaStream_t stream) {
+  constexpr const char* kOp = "mhc_pre";
+  FM_RETURN_IF_ERROR(validate_mhc_pre(a));
+  return detail::without_cuda_error_left(kOp, [&]() -> Status {
+    FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
+    if (a.shape.batch == 0) return Status::Ok();
+    return launch_project(pre_params(a), a.shape.n, a.phi_dtype, a.kernel, stream, a.enable_pdl, kOp);
+  });
 }
 
 Status mhc_project(const MhcProjectArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_project";
   FM_RETURN_IF_ERROR(validate_mhc_project(a));
-  FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
-  if (a.shape.batch == 0) return Status::Ok();
-  ProjectParams p = base_params(a.shape, a.x, a.phi, a.alpha, a.bias);
-  p.h = a.h;
-  p.r = a.r;
-  p.num_coef = mhc_num_coefficients(a.shape.n);
-  p.eps_norm = a.eps_norm;
-  p.mode = ProjectMode::kProject;
-  p.prefetch_weights = a.prefetch_weights && a.enable_pdl;
-  p.workspace = a.workspace;
-  p.workspace_bytes = a.workspace_bytes;
-  return launch_project(p, a.shape.n, a.phi_dtype, stream, a.enable_pdl, kOp);
+  return detail::without_cuda_error_left(kOp, [&]() -> Status {
+    FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
+    if (a.shape.batch == 0) return Status::Ok();
+    ProjectParams p = base_params(a.shape, a.x, a.phi, a.alpha, a.bias);
+    p.h = a.h;
+    p.r = a.r;
+    p.num_coef = mhc_num_coefficients(a.shape.n);
+    p.eps_norm = a.eps_norm;
+    p.mode = ProjectMode::kProject;
+    p.prefetch_weights = a.prefetch_weights && a.enable_pdl;
+    p.workspace = a.workspace;
+    p.workspace_bytes = a.workspace_bytes;
+    return launch_project(p, a.shape.n, a.phi_dtype, a.kernel, stream, a.enable_pdl, kOp);
+  });
 }
 
 Status mhc_head(const MhcHeadArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_head";
   FM_RETURN_IF_ERROR(validate_mhc_head(a));
-  FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
-  if (a.shape.batch == 0) return Status::Ok();
-  ProjectParams p = base_params(a.shape, a.x, a.phi, a.alpha, a.bias);
-  p.f_out = static_cast<bf16*>(a.out);
-  p.num_coef = a.shape.n;
-  p.eps_norm = a.eps_norm;
-  p.act.eps_pre = a.eps_pre;
-  p.mode = ProjectMode::kHead;
-  p.workspace = a.workspace;
-  p.workspace_bytes = a.workspace_bytes;
-  return launch_project(p, a.shape.n, a.phi_dtype, stream, a.enable_pdl, kOp);
+  return detail::without_cuda_error_left(kOp, [&]() -> Status {
+    FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
+    if (a.shape.batch == 0) return Status::Ok();
+    ProjectParams p = base_params(a.shape, a.x, a.phi, a.alpha, a.bias);
+    p.f_out = static_cast<bf16*>(a.out);
+    p.num_coef = a.shape.n;
+    p.eps_norm = a.eps_norm;
+    p.act.eps_pre = a.eps_pre;
+    p.mode = ProjectMode::kHead;
+    p.workspace = a.workspace;
+    p.workspace_bytes = a.workspace_bytes;
+    return launch_project(p, a.shape.n, a.phi_dtype, a.kernel, stream, a.enable_pdl, kOp);
+  });
 }
 
 Status mhc_post(const MhcPostArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_post";
   FM_RETURN_IF_ERROR(validate_mhc_post(a));
-  FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
-  if (a.shape.batch == 0) return Status::Ok();
-  const int groups = int(a.shape.hidden / 8);
-  const dim3 grid(unsigned((groups + 127) / 128), unsigned(std::min<int64_t>(a.shape.batch, 65535)));
-  cudaError_t err = cudaSuccess;
-  dispatch_n(a.shape.n, [&](auto kn) {
-    constexpr int kN = decltype(kn)::value;
-    auto kernel = a.res_layout == MhcResLayout::kDeepSeek ? mhc_post_kernel<kN, true> : mhc_post_kernel<kN, false>;
-    err = dev::launch(kernel, grid, dim3(128), 0, stream, a.enable_pdl, static_cast<const bf16*>(a.x),
-                      static_cast<const bf16*>(a.f_out), a.h_post, a.h_res, static_cast<bf16*>(a.x_next),
-                      (long long)a.shape.batch, groups, int(a.shape.hidden));
+  return detail::without_cuda_error_left(kOp, [&]() -> Status {
+    FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
+    if (a.shape.batch == 0) return Status::Ok();
+    const int groups = int(a.shape.hidden / 8);
+    const dim3 grid(unsigned((groups + 127) / 128), unsigned(std::min<int64_t>(a.shape.batch, 65535)));
+    cudaError_t err = cudaSuccess;
+    dispatch_n(a.shape.n, [&](auto kn) {
+      constexpr int kN = decltype(kn)::value;
+      auto kernel = a.res_layout == MhcResLayout::kDeepSeek ? mhc_post_kernel<kN, true> : mhc_post_kernel<kN, false>;
+      err = dev::launch(kernel, grid, dim3(128), 0, stream, a.enable_pdl, static_cast<const bf16*>(a.x),
+                        static_cast<const bf16*>(a.f_out), a.h_post, a.h_res, static_cast<bf16*>(a.x_next),
+                        (long long)a.shape.batch, groups, int(a.shape.hidden));
+    });
+    if (err != cudaSuccess) return detail::cuda_status(err, kOp, "kernel launch");
+    return detail::check_launch(kOp);
   });
-  if (err != cudaSuccess) return detail::cuda_status(err, kOp, "kernel launch");
-  return detail::check_launch(kOp);
 }
 
 Status mhc_pre_mix(const MhcPreMixArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_pre_mix";
   FM_RETURN_IF_ERROR(validate_mhc_pre_mix(a));
-  FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
-  if (a.shape.batch == 0) return Status::Ok();
-  return launch_per_group(a.shape, kOp, [&](auto kn, dim3 grid, dim3 block, long long total, int groups) {
-    return dev::launch(mhc_pre_mix_kernel<decltype(kn)::value>, grid, block, 0, stream, a.enable_pdl,
-                       static_cast<const bf16*>(a.x), a.h_pre, static_cast<bf16*>(a.f_pre), total, groups,
-                       int(a.shape.hidden));
+  return detail::without_cuda_error_left(kOp, [&]() -> Status {
+    FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
+    if (a.shape.batch == 0) return Status::Ok();
+    return launch_per_group(a.shape, kOp, [&](auto kn, dim3 grid, dim3 block, long long total, int groups) {
+      return dev::launch(mhc_pre_mix_kernel<decltype(kn)::value>, grid, block, 0, stream, a.enable_pdl,
+                         static_cast<const bf16*>(a.x), a.h_pre, static_cast<bf16*>(a.f_pre), total, groups,
+                         int(a.shape.hidden));
+    });
   });
 }
 
 Status mhc_expand(const MhcExpandArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_expand";
   FM_RETURN_IF_ERROR(validate_mhc_expand(a));
-  FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
-  if (a.shape.batch == 0) return Status::Ok();
-  return launch_per_group(a.shape, kOp, [&](auto kn, dim3 grid, dim3 block, long long total, int groups) {
-    return dev::launch(mhc_expand_kernel<decltype(kn)::value>, grid, block, 0, stream, a.enable_pdl,
-                       static_cast<const bf16*>(a.embedding), static_cast<bf16*>(a.x), total, groups,
-                       int(a.shape.hidden));
+  return detail::without_cuda_error_left(kOp, [&]() -> Status {
+    FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
+    if (a.shape.batch == 0) return Status::Ok();
+    return launch_per_group(a.shape, kOp, [&](auto kn, dim3 grid, dim3 block, long long total, int groups) {
+      return dev::launch(mhc_expand_kernel<decltype(kn)::value>, grid, block, 0, stream, a.enable_pdl,
+                         static_cast<const bf16*>(a.embedding), static_cast<bf16*>(a.x), total, groups,
+                         int(a.shape.hidden));
+    });
   });
 }
 
 Status mhc_activate(const MhcActivateArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_activate";
   FM_RETURN_IF_ERROR(validate_mhc_activate(a));
-  FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
-  if (a.shape.batch == 0) return Status::Ok();
-  cudaError_t err = cudaSuccess;
-  const ActParams p = act_params(a.params);
-  dispatch_n(a.shape.n, [&](auto kn) {
-    constexpr int kN = decltype(kn)::value;
-    err = dev::launch(mhc_activate_kernel<kN>, dim3(grid_for(a.shape.batch, 128)), dim3(128), 0, stream, a.enable_pdl,
-                      a.h, a.h_pre, a.h_post, a.h_res, (long long)a.shape.batch, p);
+  return detail::without_cuda_error_left(kOp, [&]() -> Status {
+    FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
+    if (a.shape.batch == 0) return Status::Ok();
+    cudaError_t err = cudaSuccess;
+    const ActParams p = act_params(a.params);
+    dispatch_n(a.shape.n, [&](auto kn) {
+      constexpr int kN = decltype(kn)::value;
+      err = dev::launch(mhc_activate_kernel<kN>, dim3(grid_for(a.shape.batch, 128)), dim3(128), 0, stream, a.enable_pdl,
+                        a.h, a.h_pre, a.h_post, a.h_res, (long long)a.shape.batch, p);
+    });
+    if (err != cudaSuccess) return detail::cuda_status(err, kOp, "kernel launch");
+    return detail::check_launch(kOp);
   });
-  if (err != cudaSuccess) return detail::cuda_status(err, kOp, "kernel launch");
-  return detail::check_launch(kOp);
 }
 
 }  // namespace flashmix

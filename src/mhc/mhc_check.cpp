@@ -63,6 +63,13 @@ Status check_phi_dtype(DType t, const char* op) {
   return Status::Ok();
 }
 
+Status check_kernel(MhcPreKernel k, const char* op) {
+  FM_REQUIRE(k == MhcPreKernel::kAuto || k == MhcPreKernel::kResident || k == MhcPreKernel::kSplit ||
+                 k == MhcPreKernel::kClusterTile || k == MhcPreKernel::kPortable,
+             op, "kernel", "unknown MhcPreKernel value ", int(k));
+  return Status::Ok();
+}
+
 // The optional small-batch workspace: null (and no size), or 16-byte aligned
 // and at least mhc_workspace_bytes(shape) where that is not 0.
 Status check_workspace(const MhcShape& s, const void* ws, size_t bytes, const char* op) {
@@ -82,6 +89,17 @@ Range workspace_range(const void* ws, size_t bytes) { return {"workspace", ws, w
 
 }  // namespace
 
+const char* to_string(MhcPreKernel k) {
+  switch (k) {
+    case MhcPreKernel::kAuto: return "auto";
+    case MhcPreKernel::kResident: return "resident";
+    case MhcPreKernel::kSplit: return "split";
+    case MhcPreKernel::kClusterTile: return "cluster_tile";
+    case MhcPreKernel::kPortable: return "portable";
+  }
+  return "unknown";
+}
+
 size_t mhc_workspace_bytes(const MhcShape& s) {
   if (s.batch < 1 || s.batch > kMhcSplitMaxBatch || s.n < 1 || s.n > kMhcMaxStreams || s.hidden < 8 ||
       s.hidden % 8 != 0)
@@ -95,6 +113,7 @@ Status validate_mhc_pre(const MhcPreArgs& a) {
   FM_RETURN_IF_ERROR(check_shape(a.shape, kOp, true));
   FM_RETURN_IF_ERROR(check_params(a.params, kOp));
   FM_RETURN_IF_ERROR(check_phi_dtype(a.phi_dtype, kOp));
+  FM_RETURN_IF_ERROR(check_kernel(a.kernel, kOp));
   if (a.shape.batch == 0) return Status::Ok();  // nothing is read or written
   FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.phi, kOp, "phi", 16));
@@ -142,6 +161,7 @@ Status validate_mhc_project(const MhcProjectArgs& a) {
   FM_RETURN_IF_ERROR(check_shape(a.shape, kOp, true));
   FM_REQUIRE(std::isfinite(a.eps_norm) && a.eps_norm >= 0, kOp, "eps_norm", "must be finite and >= 0");
   FM_RETURN_IF_ERROR(check_phi_dtype(a.phi_dtype, kOp));
+  FM_RETURN_IF_ERROR(check_kernel(a.kernel, kOp));
   if (a.shape.batch == 0) return Status::Ok();
   FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.phi, kOp, "phi", 16));
@@ -197,6 +217,7 @@ Status validate_mhc_head(const MhcHeadArgs& a) {
   FM_REQUIRE(std::isfinite(a.eps_norm) && a.eps_norm >= 0, kOp, "eps_norm", "must be finite and >= 0");
   FM_REQUIRE(std::isfinite(a.eps_pre) && a.eps_pre >= 0, kOp, "eps_pre", "must be finite and >= 0");
   FM_RETURN_IF_ERROR(check_phi_dtype(a.phi_dtype, kOp));
+  FM_RETURN_IF_ERROR(check_kernel(a.kernel, kOp));
   if (a.shape.batch == 0) return Status::Ok();
   FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.phi, kOp, "phi", 16));

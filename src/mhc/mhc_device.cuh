@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "common/kernel_fit.h"
 #include "common/vec.cuh"
 #include "flashmix/mhc.h"
 
@@ -190,34 +191,34 @@ struct ProjectParams {
   size_t workspace_bytes = 0;
 };
 
-// The split projection for small batches (mhc_split.cu): with a workspace and
-// B <= kMhcSplitMaxBatch, one CTA per SM, each a slice of the columns, the
-// partial sums exchanged through the workspace. Same contract as
-// sm90_mhc_project_fused; launch_project tries it after the resident kernel
-// (first when ProjectKernel::kSplit pins it). Any GPU (FFMA only).
-cudaError_t mhc_split_project(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
-                              bool dry_run = false);
+// The projection kernels' launchers (mhc_pre, mhc_project, mhc_head), one
+// per kernel. Each returns cudaErrorNotSupported, launching nothing and
+// setting *why_not (when not null) to a short reason, when it cannot take
+// the shape on the current device; with dry_run it only answers that
+// question. Which one runs is decided once, in choose_project_kernel
+// (mhc.cu).
+inline cudaError_t not_supported(const char** why_not, const char* why) {
+  if (why_not != nullptr) *why_not = why;
+  return cudaErrorNotSupported;
+}
+using ProjectLauncher = cudaError_t (*)(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream,
+                                        bool pdl, bool dry_run, const char** why_not);
 
-// sm_90a cluster kernel (sm90_mhc_fused.cu). Returns cudaErrorNotSupported
-// (launching nothing) when the shape does not fit it; the caller then falls
-// back to the portable kernel. With dry_run it only answers whether it would
-// launch (used by the tests to make sure the fast path is the one tested).
-cudaError_t sm90_mhc_project_fused(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
-                                   bool dry_run = false);
-
-// sm_90a kernel with phi resident in registers (sm90_mhc_resident.cu): n = 4,
-// C a multiple of 1024 up to 7168, modes kPre and kProject. Same contract as
-// sm90_mhc_project_fused; tried first.
+// sm_90a, phi resident in registers across a 16-CTA cluster
+// (sm90_mhc_resident.cu): n = 4, C a multiple of 1024 up to 7168, mhc_pre and
+// mhc_project.
 cudaError_t sm90_mhc_project_resident(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
-                                      bool dry_run = false);
+                                      bool dry_run, const char** why_not);
 
-// Which projection kernel launch_project uses. kAuto: the resident kernel,
-// else the cluster-tile kernel, else the portable one. The others pin one
-// kernel (falling back to the portable kernel where it does not fit), so
-// the tests can check each on the same shapes. Process-wide, not thread-safe:
-// a test hook.
-// kSplit: the split kernel first where it takes the shape (a workspace, B <= 32), then as kAuto.
-enum class ProjectKernel { kAuto, kClusterTiles, kPortable, kSplit };
-void set_project_kernel_for_testing(ProjectKernel k);
+// Small batches with the caller's workspace (mhc_split.cu): B <= 32, one CTA
+// per SM, each a slice of the columns, the partial sums exchanged through the
+// workspace. Any GPU (FFMA only).
+cudaError_t mhc_split_project(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
+                              bool dry_run, const char** why_not);
+
+// sm_90a cluster tiles (sm90_mhc_fused.cu): 8-CTA clusters over tiles of
+// 8-24 tokens, any n and C that fit.
+cudaError_t sm90_mhc_project_fused(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
+                                   bool dry_run, const char** why_not);
 
 }  // namespace flashmix::mhc_detail

@@ -31,11 +31,10 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
 #include <type_traits>
 #include <utility>
 
+#include "common/kernel_fit.h"
 #include "common/launch.cuh"
 #include "common/vec.cuh"
 #include "flashmix/mhc.h"
@@ -388,49 +387,12 @@ __global__ void __launch_bounds__(kThreads, 1) mhc_split_kernel(ProjectParams p,
 
 template <int kN, typename PhiT, int kTok>
 cudaError_t launch_split(const ProjectParams& p, const SplitArgs& s, size_t smem, cudaStream_t stream, bool pdl,
-                         bool dry_run) {
+                         bool dry_run, const char** why_not) {
   auto kernel = mhc_split_kernel<kN, PhiT, kTok>;
-  // Function attributes, not stream work (capture-safe), worked out once per
-  // device: the dynamic shared memory allowed next to the kernel's static
-  // shared memory (set once to the largest), and per size whether a CTA fits
-  // on an SM (the grid barrier needs every CTA resident). A shape that does
-  // not fit is "not this kernel" (the caller falls back), not an error.
-  static std::mutex mutex;
-  static std::map<int, int> dynamic_max;                // device -> bytes (0: unusable)
-  static std::map<std::pair<int, size_t>, bool> fits;  // (device, bytes) -> resident
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return cudaErrorNotSupported;
-  }
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    auto dm = dynamic_max.find(device);
-    if (dm == dynamic_max.end()) {
-      int optin = 0;
-      cudaFuncAttributes fa;
-      int bytes = 0;
-      if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
-          cudaFuncGetAttributes(&fa, kernel) == cudaSuccess &&
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               optin - int(fa.sharedSizeBytes)) == cudaSuccess)
-        bytes = optin - int(fa.sharedSizeBytes);
-      else
-        (void)cudaGetLastError();  // the failed query's error, not the caller's
-      dm = dynamic_max.emplace(device, bytes).first;
-    }
-    if (smem > size_t(dm->second)) return cudaErrorNotSupported;
-    auto f = fits.find({device, smem});
-    if (f == fits.end()) {
-      int per_sm = 0;
-      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) != cudaSuccess) {
-        (void)cudaGetLastError();
-        per_sm = 0;
-      }
-      f = fits.emplace(std::make_pair(device, smem), per_sm >= 1).first;
-    }
-    if (!f->second) return cudaErrorNotSupported;
-  }
+  // The grid barrier needs every CTA resident: one per SM must fit.
+  int per_sm = 0;
+  if (detail::blocks_per_sm(detail::kernel_key(kernel), kThreads, smem, &per_sm) != cudaSuccess || per_sm < 1)
+    return not_supported(why_not, "split: a CTA of this size does not fit on an SM of this device");
   if (dry_run) return cudaSuccess;
   return dev::launch(kernel, dim3(unsigned(s.ctas)), dim3(kThreads), smem, stream, pdl, p, s);
 }
@@ -438,20 +400,19 @@ cudaError_t launch_split(const ProjectParams& p, const SplitArgs& s, size_t smem
 }  // namespace
 
 cudaError_t mhc_split_project(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
-                              bool dry_run) {
-  if (p.workspace == nullptr || p.batch < 1 || p.batch > kMhcSplitMaxBatch) return cudaErrorNotSupported;
-  int device = 0, sms = 0, smem_max = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return cudaErrorNotSupported;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
-    return cudaErrorNotSupported;
+                              bool dry_run, const char** why_not) {
+  if (p.workspace == nullptr) return not_supported(why_not, "split: needs a workspace (mhc_workspace_bytes)");
+  if (p.batch < 1 || p.batch > kMhcSplitMaxBatch) return not_supported(why_not, "split: B must be 1..32");
+  detail::DeviceProps dev;
+  if (detail::current_device_props(&dev) != cudaSuccess) return not_supported(why_not, "no usable CUDA device");
   const int groups = p.hidden / 8;
-  const int target = std::min(sms, kSplitMaxCtas);
+  const int target = std::min(dev.sms, kSplitMaxCtas);
   const int cpg = (groups + target - 1) / target;
   const int ctas = (groups + cpg - 1) / cpg;
   const int B = int(p.batch);
   const SplitWorkspaceLayout l = split_workspace_layout(ctas, B, n, p.num_coef);
-  if (l.bytes > p.workspace_bytes) return cudaErrorNotSupported;  // validated for kSplitMaxCtas: not reached
+  if (l.bytes > p.workspace_bytes)  // validated for kSplitMaxCtas: not reached
+    return not_supported(why_not, "split: the workspace is smaller than this device needs");
   const int tok = B <= 8 ? 8 : B <= 16 ? 16 : 32;
   SplitArgs s;
   auto* ws = static_cast<unsigned char*>(p.workspace);
@@ -471,15 +432,16 @@ cudaError_t mhc_split_project(const ProjectParams& p, int n, bool phi_is_f32, cu
   const size_t red_bytes = size_t(kThreads / 32) * tok * (p.num_coef + 1) * 4;
   const size_t in_bytes = size_t(l.pre_floats + l.rest_floats) * 4;
   const size_t smem = x_bytes + std::max({phi_bytes, red_bytes, in_bytes});
-  if (smem > size_t(smem_max)) return cudaErrorNotSupported;
-  if (n * cpg > kThreads) return cudaErrorNotSupported;  // a thread per (stream, column group) when copying
+  if (smem > size_t(dev.smem_optin)) return not_supported(why_not, "split: its tile does not fit in shared memory");
+  if (n * cpg > kThreads)  // a thread per (stream, column group) when copying
+    return not_supported(why_not, "split: C too large for one CTA per SM");
   cudaError_t err = cudaErrorNotSupported;
   dispatch_n(n, [&](auto kn) {
     constexpr int kN = decltype(kn)::value;
     auto go = [&](auto tok_c) {
       constexpr int kTok = decltype(tok_c)::value;
-      err = phi_is_f32 ? launch_split<kN, float, kTok>(p, s, smem, stream, pdl, dry_run)
-                       : launch_split<kN, bf16, kTok>(p, s, smem, stream, pdl, dry_run);
+      err = phi_is_f32 ? launch_split<kN, float, kTok>(p, s, smem, stream, pdl, dry_run, why_not)
+                       : launch_split<kN, bf16, kTok>(p, s, smem, stream, pdl, dry_run, why_not);
     };
     if (tok == 8) go(std::integral_constant<int, 8>{});
     else if (tok == 16) go(std::integral_constant<int, 16>{});

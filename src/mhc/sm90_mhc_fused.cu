@@ -30,6 +30,7 @@
 
 #include <type_traits>
 
+#include "common/kernel_fit.h"
 #include "common/launch.cuh"
 #include "common/sm90.cuh"
 #include "common/vec.cuh"
@@ -451,66 +452,41 @@ bool choose_layout(long long batch, int hidden, int num_coef, int smem_optin, Ch
 }
 
 template <int kN, bool kF32>
-cudaError_t launch_fused(const ProjectParams& p, cudaStream_t stream, bool pdl, int smem_optin, bool dry_run) {
+cudaError_t launch_fused(const ProjectParams& p, cudaStream_t stream, bool pdl, bool dry_run, const char** why_not) {
   auto kernel = sm90_mhc_fused_kernel<kN, kF32>;
-  // The dynamic limit is the device's per-block maximum less the kernel's
-  // static shared memory (its mbarriers); raised once per instantiation (a
-  // function attribute, not stream work: capture-safe).
-  static int dynamic_max = [&] {
-    cudaFuncAttributes fa;
-    if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess) return -1;
-    const int bytes = smem_optin - int(fa.sharedSizeBytes);
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess) return -1;
-    return bytes;
-  }();
-  if (dynamic_max < 0) {
-    (void)cudaGetLastError();
-    return cudaErrorNotSupported;
-  }
+  int dynamic_max = 0;
+  if (detail::prepare_kernel(detail::kernel_key(kernel), false, &dynamic_max) != cudaSuccess)
+    return not_supported(why_not, "cluster tile: the kernel's attributes could not be set on this device");
   Choice c;
-  if (!choose_layout<kN>(p.batch, p.hidden, p.num_coef, dynamic_max, c)) return cudaErrorNotSupported;
+  if (!choose_layout<kN>(p.batch, p.hidden, p.num_coef, dynamic_max, c))
+    return not_supported(why_not, "cluster tile: no tile of 8-24 tokens fits in shared memory at this C");
   const long long tiles = (p.batch + c.layout.rows - 1) / c.layout.rows;
-  if (tiles * kClusterSize > 0x7fffffffLL) return cudaErrorNotSupported;
-
+  if (tiles * kClusterSize > 0x7fffffffLL) return not_supported(why_not, "cluster tile: too many tiles for one grid");
+  // A cluster of 8 CTAs of this size must fit on the device.
+  int clusters = 0;
+  if (detail::active_clusters(detail::kernel_key(kernel), kThreads, c.smem, kClusterSize, &clusters) != cudaSuccess ||
+      clusters < 1)
+    return not_supported(why_not, "cluster tile: a cluster of 8 such CTAs does not fit on this device");
+  if (dry_run) return cudaSuccess;
   cudaLaunchAttribute attr[2];
   cudaLaunchConfig_t config = dev::cluster_launch_config(attr, dim3(unsigned(tiles * kClusterSize)), dim3(kThreads),
                                                          c.smem, stream, kClusterSize, pdl);
-
-  // A cluster of 8 CTAs of this size must fit on the device (checked once per shared-memory size).
-  static int checked_smem = -1;
-  static int active_clusters = 0;
-  if (checked_smem != int(c.smem)) {
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
-      (void)cudaGetLastError();
-      clusters = 0;
-    }
-    active_clusters = clusters;
-    checked_smem = int(c.smem);
-  }
-  if (active_clusters < 1) return cudaErrorNotSupported;
-  if (dry_run) return cudaSuccess;
   return cudaLaunchKernelEx(&config, kernel, p, c.layout);
 }
 
 }  // namespace
 
 cudaError_t sm90_mhc_project_fused(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
-                                   bool dry_run) {
-  int device = 0, major = 0, minor = 0, smem_optin = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return cudaErrorNotSupported;
-  }
-  if (major != 9 || minor != 0) return cudaErrorNotSupported;  // the kernel is built for sm_90a only
+                                   bool dry_run, const char** why_not) {
+  detail::DeviceProps dev;
+  if (detail::current_device_props(&dev) != cudaSuccess) return not_supported(why_not, "no usable CUDA device");
+  // The kernel is built for sm_90a only.
+  if (dev.cc_major != 9 || dev.cc_minor != 0) return not_supported(why_not, "cluster tile: needs an sm_90 GPU");
   cudaError_t err = cudaErrorNotSupported;
   dispatch_n(n, [&](auto kn) {
     constexpr int kN = decltype(kn)::value;
-    err = phi_is_f32 ? launch_fused<kN, true>(p, stream, pdl, smem_optin, dry_run)
-                     : launch_fused<kN, false>(p, stream, pdl, smem_optin, dry_run);
+    err = phi_is_f32 ? launch_fused<kN, true>(p, stream, pdl, dry_run, why_not)
+                     : launch_fused<kN, false>(p, stream, pdl, dry_run, why_not);
   });
   return err;
 }

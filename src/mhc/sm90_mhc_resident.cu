@@ -842,84 +842,43 @@ ResidentLayout resident_layout(int hidden) {
   return L;
 }
 
-// Per kernel and device: the dynamic shared memory limit set on the kernel
-// and how many 16-CTA clusters of a given size fit at once (0: none).
-struct ResidentFit {
-  int dynamic_max = -1;
-  std::map<int, int> clusters_by_smem;
-};
-
 template <int kN, bool kF32>
-cudaError_t launch_resident(const ProjectParams& p, cudaStream_t stream, bool pdl, bool dry_run) {
-  if (p.hidden % (kClusterSize * 64) != 0) return cudaErrorNotSupported;  // whole 64-column TMA boxes per CTA
+cudaError_t launch_resident(const ProjectParams& p, cudaStream_t stream, bool pdl, bool dry_run,
+                            const char** why_not) {
+  if (p.hidden % (kClusterSize * 64) != 0)  // whole 64-column TMA boxes per CTA
+    return not_supported(why_not, "resident: C must be a multiple of 1024");
   const ResidentLayout L = resident_layout<kN>(p.hidden);
-  if (L.slice / 64 > kMaxChunks) return cudaErrorNotSupported;  // a barrier per box, 2 k16 steps per warp and box
+  if (L.slice / 64 > kMaxChunks)  // a barrier per box, 2 k16 steps per warp and box
+    return not_supported(why_not, "resident: C above 7168 (phi's slice would not fit in registers)");
   auto kernel = sm90_mhc_resident_kernel<kN, kF32>;
-
-  static std::mutex mutex;
-  static std::map<int, ResidentFit> fits;  // by device
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return cudaErrorNotSupported;
-  cudaLaunchAttribute attr[2];
-  cudaLaunchConfig_t config =
-      dev::cluster_launch_config(attr, dim3(kClusterSize), dim3(kThreads), size_t(L.total), stream, kClusterSize, false);
   int clusters = 0;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    ResidentFit& fit = fits[device];
-    if (fit.dynamic_max < 0) {
-      // Function attributes, not stream work: capture-safe.
-      int optin = 0;
-      cudaFuncAttributes fa;
-      if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
-          cudaFuncGetAttributes(&fa, kernel) != cudaSuccess ||
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess ||
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin - int(fa.sharedSizeBytes)) !=
-              cudaSuccess) {
-        (void)cudaGetLastError();
-        fit.dynamic_max = 0;
-      } else {
-        fit.dynamic_max = optin - int(fa.sharedSizeBytes);
-      }
-    }
-    if (L.total > fit.dynamic_max) return cudaErrorNotSupported;
-    auto it = fit.clusters_by_smem.find(L.total);
-    if (it == fit.clusters_by_smem.end()) {
-      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
-        (void)cudaGetLastError();
-        clusters = 0;
-      }
-      fit.clusters_by_smem.emplace(L.total, clusters);
-    } else {
-      clusters = it->second;
-    }
-  }
-  if (clusters < 1) return cudaErrorNotSupported;
+  if (detail::active_clusters(detail::kernel_key(kernel), kThreads, size_t(L.total), kClusterSize, &clusters) !=
+          cudaSuccess ||
+      clusters < 1)
+    return not_supported(why_not, "resident: a cluster of 16 such CTAs does not fit on this device");
   if (dry_run) return cudaSuccess;
+  CUtensorMap x_map;
+  if (!encode_x_map(p, kN, x_map)) return not_supported(why_not, "resident: X's TMA descriptor could not be encoded");
   const long long tiles = (p.batch + kRows - 1) / kRows;
   const long long grid_clusters = std::min<long long>(clusters, tiles);
-  config.gridDim = dim3(unsigned(grid_clusters * kClusterSize));
-  config.numAttrs = pdl ? 2 : 1;
-  CUtensorMap x_map;
-  if (!encode_x_map(p, kN, x_map)) return cudaErrorNotSupported;
+  cudaLaunchAttribute attr[2];
+  cudaLaunchConfig_t config = dev::cluster_launch_config(attr, dim3(unsigned(grid_clusters * kClusterSize)),
+                                                         dim3(kThreads), size_t(L.total), stream, kClusterSize, pdl);
   return cudaLaunchKernelEx(&config, kernel, p, L, x_map);
 }
 
 }  // namespace
 
 cudaError_t sm90_mhc_project_resident(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
-                                      bool dry_run) {
-  if (n != 4 || p.mode == ProjectMode::kHead) return cudaErrorNotSupported;
-  int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return cudaErrorNotSupported;
-  }
-  if (major != 9 || minor != 0) return cudaErrorNotSupported;  // built for sm_90a only
-  return phi_is_f32 ? launch_resident<4, true>(p, stream, pdl, dry_run)
-                    : launch_resident<4, false>(p, stream, pdl, dry_run);
+                                      bool dry_run, const char** why_not) {
+  if (n != 4) return not_supported(why_not, "resident: n must be 4");
+  if (p.mode == ProjectMode::kHead) return not_supported(why_not, "resident: not for mhc_head");
+  detail::DeviceProps dev;
+  if (detail::current_device_props(&dev) != cudaSuccess) return not_supported(why_not, "no usable CUDA device");
+  if (dev.cc_major != 9 || dev.cc_minor != 0)  // built for sm_90a only
+    return not_supported(why_not, "resident: needs an sm_90 GPU");
+  return phi_is_f32 ? launch_resident<4, true>(p, stream, pdl, dry_run, why_not)
+                    : launch_resident<4, false>(p, stream, pdl, dry_run, why_not);
 }
 
 }  // namespace flashmix::mhc_detail

@@ -37,7 +37,7 @@
 
 #include "common/check.h"
 #include "common/launch.cuh"
-#include "common/occupancy.h"
+#include "common/kernel_fit.h"
 #include "common/reduce.cuh"
 #include "common/vec.cuh"
 #include "flashmix/moe.h"
@@ -768,13 +768,12 @@ Status launch_finalize(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaSt
   const int warps = threads / 32;
   size_t smem =
       sizeof(In) * V == 16 && !p.bias && !kRealign ? size_t(warps) * kFinalizeRingVectors * sizeof(uint4) : 0;
-  if (smem > 48 * 1024)
-    FM_RETURN_IF_ERROR(detail::cuda_status(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), kOp, "shared memory size"));
-  detail::LaunchShape shape;
-  FM_RETURN_IF_ERROR(detail::cuda_status(
-      detail::query_launch_shape(reinterpret_cast<const void*>(kernel), threads, smem, shape), kOp, "occupancy query"));
-  const int sms = shape.sms, per_sm = shape.blocks_per_sm;
+  detail::DeviceProps dev;
+  FM_RETURN_IF_ERROR(detail::cuda_status(detail::current_device_props(&dev), kOp, "device query"));
+  int per_sm = 0;
+  FM_RETURN_IF_ERROR(detail::cuda_status(detail::blocks_per_sm(detail::kernel_key(kernel), threads, smem, &per_sm),
+                                         kOp, "occupancy query"));
+  const int sms = dev.sms;
   const int64_t resident_warps = int64_t(std::max(1, per_sm)) * sms * warps;
 
   // Realigned: the last whole vector goes to the tail path too, so that the
@@ -859,10 +858,7 @@ Status dispatch_out(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaStrea
   return Status(StatusCode::kNotSupported, "finalize_moe_routing: out_dtype: unsupported");
 }
 
-}  // namespace
-
-Status finalize_moe_routing(const FinalizeMoeRoutingArgs& a, cudaStream_t stream) {
-  FM_RETURN_IF_ERROR(validate_finalize_moe_routing(a));
+Status run_finalize(const FinalizeMoeRoutingArgs& a, cudaStream_t stream) {
   FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
   if (a.num_tokens == 0) return Status::Ok();
   const ResolvedFinalizeStrides s = resolve_finalize_strides(a);
@@ -893,6 +889,13 @@ Status finalize_moe_routing(const FinalizeMoeRoutingArgs& a, cudaStream_t stream
     case DType::kBFloat16: return dispatch_out<__nv_bfloat16>(p, a, stream);
   }
   return Status(StatusCode::kNotSupported, "finalize_moe_routing: rows_dtype: unsupported");
+}
+
+}  // namespace
+
+Status finalize_moe_routing(const FinalizeMoeRoutingArgs& a, cudaStream_t stream) {
+  FM_RETURN_IF_ERROR(validate_finalize_moe_routing(a));
+  return detail::without_cuda_error_left(kOp, [&] { return run_finalize(a, stream); });
 }
 
 }  // namespace flashmix

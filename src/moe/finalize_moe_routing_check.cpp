@@ -131,8 +131,9 @@ Status validate_finalize_moe_routing(const FinalizeMoeRoutingArgs& a) {
   return Status::Ok();
 }
 
-Status debug_check_finalize_moe_routing_indices(const FinalizeMoeRoutingArgs& a, cudaStream_t stream) {
-  FM_RETURN_IF_ERROR(validate_finalize_moe_routing(a));
+namespace {
+
+Status check_indices(const FinalizeMoeRoutingArgs& a, cudaStream_t stream) {
   FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
   const int64_t T = a.num_tokens, k = a.k;
   if (T == 0) return Status::Ok();
@@ -176,6 +177,13 @@ Status debug_check_finalize_moe_routing_indices(const FinalizeMoeRoutingArgs& a,
                  "entry ", p, " is ", p2u[p], " but the slot that maps to row ", p, " is ", owner[p]);
   }
   return Status::Ok();
+}
+
+}  // namespace
+
+Status debug_check_finalize_moe_routing_indices(const FinalizeMoeRoutingArgs& a, cudaStream_t stream) {
+  FM_RETURN_IF_ERROR(validate_finalize_moe_routing(a));
+  return detail::without_cuda_error_left(kOp, [&] { return check_indices(a, stream); });
 }
 
 }  // namespace flashmix

@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include "common/check.h"
+#include "common/kernel_fit.h"
 #include "flashmix/moe.h"
 #include "moe/moe_fc2_internal.h"
 
@@ -24,19 +25,10 @@ namespace {
 constexpr const char* kOp = "moe_fc2_finalize";
 
 int current_sm_count(int* major) {
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  int sms = 0, cc = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&cc, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  if (major) *major = cc;
-  return sms;
+  detail::DeviceProps dev;
+  if (detail::current_device_props(&dev) != cudaSuccess) return 0;
+  if (major) *major = dev.cc_major;
+  return dev.sms;
 }
 
 // For p < P: u2p[p2u[p]] = p, experts[t*k + j] = local expert of p. Both arrays
@@ -91,8 +83,9 @@ size_t moe_fc2_finalize_workspace_size(const Fc2FinalizeArgs& args) {
   return fc2_workspace_layout(args, std::max(kFc2MaxSmCount, current_sm_count(nullptr))).total;
 }
 
-Status moe_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  FM_RETURN_IF_ERROR(validate_moe_fc2_finalize(a));
+namespace {
+
+Status run_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
   FM_REQUIRE_SUPPORTED(sm90_fc2_built_with_cutlass(), kOp, "build",
                        "built without CUTLASS (set FLASHMIX_CUTLASS_DIR or run scripts/setup_cutlass.sh)");
@@ -209,6 +202,14 @@ Status moe_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t worksp
     }
   }
   return Status(StatusCode::kInvalidArgument, detail::concat(kOp, ": mode: unknown"));
+}
+
+}  // namespace
+
+Status moe_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  FM_RETURN_IF_ERROR(validate_moe_fc2_finalize(a));
+  return detail::without_cuda_error_left(
+      kOp, [&] { return run_fc2_finalize(a, workspace, workspace_bytes, stream); });
 }
 
 }  // namespace flashmix

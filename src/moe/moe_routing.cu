@@ -30,6 +30,7 @@
 #include <cuda_runtime.h>
 
 #include "common/check.h"
+#include "common/kernel_fit.h"
 #include "common/launch.cuh"
 #include "common/reduce.cuh"
 #include "common/vec.cuh"
@@ -413,18 +414,19 @@ Status check_stream_capture_safe(cudaStream_t stream) {
   return Status::Ok();
 }
 
+// Lets `kernel` take `bytes` of dynamic shared memory on the current device.
 Status set_smem(const void* kernel, size_t bytes) {
-  if (bytes <= 48 * 1024) return Status::Ok();
-  return detail::cuda_status(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)), kOp,
-      "cudaFuncSetAttribute");
+  if (bytes <= detail::kDefaultDynamicSmem) return Status::Ok();
+  int max_dynamic = 0;
+  FM_RETURN_IF_ERROR(
+      detail::cuda_status(detail::prepare_kernel(kernel, false, &max_dynamic), kOp, "kernel attributes"));
+  FM_REQUIRE_SUPPORTED(bytes <= size_t(max_dynamic), kOp, "num_experts_per_node",
+                       "needs ", bytes, " bytes of shared memory per block, more than this device allows (",
+                       max_dynamic, ")");
+  return Status::Ok();
 }
 
-}  // namespace
-
-Status build_moe_routing_maps(const MoeRoutingArgs& a, void* workspace, size_t workspace_bytes,
-                              cudaStream_t stream) {
-  FM_RETURN_IF_ERROR(validate_moe_routing_maps(a));
+Status run_routing(const MoeRoutingArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   const detail::MoeRoutingPlan plan = detail::plan_moe_routing(a);
   FM_REQUIRE(workspace_bytes >= plan.workspace_bytes, kOp, "workspace_bytes", "must be >= ",
              plan.workspace_bytes, " (build_moe_routing_maps_workspace_size), got ", workspace_bytes);
@@ -480,6 +482,14 @@ Status build_moe_routing_maps(const MoeRoutingArgs& a, void* workspace, size_t w
     FM_RETURN_IF_ERROR(detail::cuda_status(err, kOp, "expand kernel launch"));
   }
   return detail::check_launch(kOp);
+}
+
+}  // namespace
+
+Status build_moe_routing_maps(const MoeRoutingArgs& a, void* workspace, size_t workspace_bytes,
+                              cudaStream_t stream) {
+  FM_RETURN_IF_ERROR(validate_moe_routing_maps(a));
+  return detail::without_cuda_error_left(kOp, [&] { return run_routing(a, workspace, workspace_bytes, stream); });
 }
 
 }  // namespace flashmix

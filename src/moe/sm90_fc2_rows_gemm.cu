@@ -45,6 +45,7 @@
 #endif
 
 #include "common/check.h"
+#include "common/kernel_fit.h"
 #include "common/red.cuh"
 #include "common/sm90.cuh"
 #include "common/sm90_wgmma.cuh"
@@ -771,8 +772,11 @@ Status sm90_fc2_run_rows_128xN(const Sm90Fc2GemmParams& p, cudaStream_t stream) 
   const bool wide = p.E <= RowsCfg<kWideRows>::kMaxExperts;
   const auto kernel = wide ? fc2_rows_gemm_kernel<kWideRows> : fc2_rows_gemm_kernel<kWgmmaMaxN>;
   const int smem = wide ? RowsCfg<kWideRows>::kSmemBytes : RowsCfg<kWgmmaMaxN>::kSmemBytes;
-  FM_RETURN_IF_ERROR(detail::cuda_status(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), kOp, "shared memory size"));
+  int max_dynamic = 0;
+  FM_RETURN_IF_ERROR(detail::cuda_status(detail::prepare_kernel(detail::kernel_key(kernel), false, &max_dynamic),
+                                         kOp, "kernel attributes"));
+  FM_REQUIRE_SUPPORTED(smem <= max_dynamic, kOp, "device", "the rows kernel needs ", smem,
+                       " bytes of shared memory per block; this device allows ", max_dynamic);
   kernel<<<p.sm_count, kThreads, smem, stream>>>(k, w, a[0], a[1], a[2], a[3]);
 #ifdef FLASHMIX_FC2_PROFILE
   {  // FLASHMIX_FC2_PROFILE_LAUNCH=n: the n-th launch in this process prints its stamps (a host sync)

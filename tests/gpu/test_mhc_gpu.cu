@@ -55,8 +55,9 @@ struct PreCase {
   bool seed_setting;
   DType phi_dtype;
   // kAuto: what mhc_pre picks (the resident kernel for n = 4 where it fits);
-  // kClusterTiles pins the cluster-tile kernel so it stays tested at n = 4.
-  mhc_detail::ProjectKernel kernel = mhc_detail::ProjectKernel::kAuto;
+  // kClusterTile pins the cluster-tile kernel so it stays tested at n = 4,
+  // kSplit the split kernel where the resident kernel would take the shape.
+  MhcPreKernel kernel = MhcPreKernel::kAuto;
   // With a workspace: the split kernel for B <= kMhcSplitMaxBatch.
   bool workspace = false;
 };
@@ -78,18 +79,12 @@ void expect_barrier_idle(const DeviceBuffer& ws) {
   EXPECT_EQ(words[0], 0u) << "the barrier's arrival count is left non-zero";
 }
 
-// Pins the projection kernel for one scope.
-struct PinProjectKernel {
-  explicit PinProjectKernel(mhc_detail::ProjectKernel k) { mhc_detail::set_project_kernel_for_testing(k); }
-  ~PinProjectKernel() { mhc_detail::set_project_kernel_for_testing(mhc_detail::ProjectKernel::kAuto); }
-};
-
 std::string pre_case_name(const ::testing::TestParamInfo<PreCase>& info) {
   const PreCase& c = info.param;
   return "n" + std::to_string(c.n) + "_C" + std::to_string(c.C) + "_B" + std::to_string(c.B) +
          (c.seed_setting ? "_seed" : "_deepseek") + (c.phi_dtype == DType::kFloat32 ? "_phif32" : "_phibf16") +
-         (c.kernel == mhc_detail::ProjectKernel::kClusterTiles ? "_clustertiles" : "") +
-         (c.kernel == mhc_detail::ProjectKernel::kSplit ? "_splitpinned" : "") +
+         (c.kernel == MhcPreKernel::kClusterTile ? "_clustertiles" : "") +
+         (c.kernel == MhcPreKernel::kSplit ? "_splitpinned" : "") +
          (c.workspace ? "_workspace" : "");
 }
 
@@ -121,8 +116,8 @@ TEST_P(MhcPreGpu, MatchesReference) {
   DeviceBuffer ws = c.workspace ? zeroed_workspace(a.shape) : DeviceBuffer();
   a.workspace = ws.get();
   a.workspace_bytes = ws.bytes();
+  a.kernel = c.kernel;
   {
-    PinProjectKernel pin(c.kernel);
     Status s = mhc_pre(a, nullptr);
     ASSERT_TRUE(s.ok()) << s.message();
   }
@@ -218,13 +213,13 @@ std::vector<PreCase> pre_cases() {
   v.push_back({4, 7168, 300, false, DType::kBFloat16});
   v.push_back({4, 1024, 33, false, DType::kFloat32});
   // The cluster-tile kernel on shapes the resident kernel would take.
-  constexpr auto kTiles = mhc_detail::ProjectKernel::kClusterTiles;
+  constexpr auto kTiles = MhcPreKernel::kClusterTile;
   v.push_back({4, 7168, 7, false, DType::kFloat32, kTiles});
   v.push_back({4, 4096, 100, true, DType::kFloat32, kTiles});
   v.push_back({4, 7168, 8192, false, DType::kFloat32, kTiles});
   // With a workspace: the split kernel (B <= 32), every n and C of the sweep;
   // pinned where the resident kernel would take the shape (n = 4).
-  constexpr auto kAuto = mhc_detail::ProjectKernel::kAuto, kSplit = mhc_detail::ProjectKernel::kSplit;
+  constexpr auto kAuto = MhcPreKernel::kAuto, kSplit = MhcPreKernel::kSplit;
   for (int n : {1, 2, 4, 6, 8})
     for (int64_t C : {1280, 2560, 4096, 7168, 1000})
       for (int64_t B : {1, 7, 32}) v.push_back({n, C, B, B == 7, DType::kFloat32, n == 4 ? kSplit : kAuto, true});
@@ -337,7 +332,7 @@ TEST(MhcStagesGpu, ProjectActivatePreMixHeadExpand) {
       SCOPED_TRACE("n=" + std::to_string(n) + " C=" + std::to_string(C) + " B=" + std::to_string(B) + " seed " +
                    std::to_string(p.seed) + (use_ws ? " workspace" : ""));
       DeviceBuffer ws = use_ws ? zeroed_workspace({B, n, C}) : DeviceBuffer();
-      PinProjectKernel pin(use_ws ? mhc_detail::ProjectKernel::kSplit : mhc_detail::ProjectKernel::kAuto);
+      const MhcPreKernel kernel = use_ws ? MhcPreKernel::kSplit : MhcPreKernel::kAuto;
       DeviceProblem d(p);
       const int N = p.N();
       MhcParams params;
@@ -347,6 +342,7 @@ TEST(MhcStagesGpu, ProjectActivatePreMixHeadExpand) {
       pa.x = d.x.get(); pa.phi = d.phi_f32.get(); pa.alpha = d.alpha.as<float>(); pa.bias = d.bias.as<float>();
       pa.h = h.as<float>(); pa.r = r.as<float>(); pa.eps_norm = params.eps_norm;
       pa.workspace = ws.get(); pa.workspace_bytes = ws.bytes();
+      pa.kernel = kernel;
       ASSERT_TRUE(mhc_project(pa, nullptr).ok());
       std::vector<float> ref_h(B * N), ref_r(B);
       MhcProjectArgs pr = pa;
@@ -409,6 +405,7 @@ TEST(MhcStagesGpu, ProjectActivatePreMixHeadExpand) {
       ha.x = d.x.get(); ha.phi = d.phi_f32.get(); ha.alpha = d.alpha.as<float>(); ha.bias = d.bias.as<float>();
       ha.out = out.get();
       ha.workspace = ws.get(); ha.workspace_bytes = ws.bytes();
+      ha.kernel = kernel;
       ASSERT_TRUE(mhc_head(ha, nullptr).ok());
       std::vector<uint16_t> ref_o(B * C);
       MhcHeadArgs hr = ha;
@@ -446,7 +443,7 @@ struct PrePostRun {
 
 // Runs pre then post on `stream`, optionally through a captured CUDA graph.
 PrePostRun run_pre_post(const Problem& p, DeviceProblem& d, bool graph, void* workspace = nullptr,
-                        size_t workspace_bytes = 0) {
+                        size_t workspace_bytes = 0, MhcPreKernel kernel = MhcPreKernel::kAuto) {
   PrePostRun out;
   const int64_t B = p.B, C = p.C;
   const int n = p.n;
@@ -459,6 +456,7 @@ PrePostRun run_pre_post(const Problem& p, DeviceProblem& d, bool graph, void* wo
   a.x = d.x.get(); a.phi = d.phi_f32.get(); a.alpha = d.alpha.as<float>(); a.bias = d.bias.as<float>();
   a.f_pre = f_pre.get(); a.h_post = h_post.as<float>(); a.h_res = h_res.as<float>();
   a.workspace = workspace; a.workspace_bytes = workspace_bytes;
+  a.kernel = kernel;
   MhcPostArgs b;
   b.shape = {B, n, C};
   b.x = d.x.get(); b.f_out = f_pre.get();  // the sublayer is the identity here
@@ -508,9 +506,10 @@ TEST(MhcDeterminismGpu, RepeatedRunsAndGraphReplayAreBitwiseIdentical) {
     Problem p = make_problem(16, n, n == 4 ? 7168 : 1000, seed_for("determinism_split") + n);
     DeviceProblem d(p);
     DeviceBuffer ws = zeroed_workspace({p.B, n, p.C});
-    PinProjectKernel pin(mhc_detail::ProjectKernel::kSplit);
-    PrePostRun r1 = run_pre_post(p, d, false, ws.get(), ws.bytes()), r2 = run_pre_post(p, d, false, ws.get(), ws.bytes()),
-               r3 = run_pre_post(p, d, true, ws.get(), ws.bytes());
+    const MhcPreKernel kernel = MhcPreKernel::kSplit;
+    PrePostRun r1 = run_pre_post(p, d, false, ws.get(), ws.bytes(), kernel),
+               r2 = run_pre_post(p, d, false, ws.get(), ws.bytes(), kernel),
+               r3 = run_pre_post(p, d, true, ws.get(), ws.bytes(), kernel);
     expect_bitwise_equal(r1, r2);
     expect_bitwise_equal(r1, r3);
     for (auto v : r1.f_pre) ASSERT_TRUE(std::isfinite(f32(v)));
@@ -525,9 +524,11 @@ TEST(MhcDeterminismGpu, RepeatedRunsAndGraphReplayAreBitwiseIdentical) {
     const size_t bytes = std::max(mhc_workspace_bytes({pa.B, pa.n, pa.C}), mhc_workspace_bytes({pb.B, pb.n, pb.C}));
     DeviceBuffer ws(bytes);
     CUDA_OK(cudaMemset(ws.get(), 0, bytes));
-    PinProjectKernel pin(mhc_detail::ProjectKernel::kSplit);
-    PrePostRun a1 = run_pre_post(pa, da, false, ws.get(), bytes), b1 = run_pre_post(pb, db, true, ws.get(), bytes),
-               a2 = run_pre_post(pa, da, true, ws.get(), bytes), b2 = run_pre_post(pb, db, false, ws.get(), bytes);
+    const MhcPreKernel kernel = MhcPreKernel::kSplit;
+    PrePostRun a1 = run_pre_post(pa, da, false, ws.get(), bytes, kernel),
+               b1 = run_pre_post(pb, db, true, ws.get(), bytes, kernel),
+               a2 = run_pre_post(pa, da, true, ws.get(), bytes, kernel),
+               b2 = run_pre_post(pb, db, false, ws.get(), bytes, kernel);
     expect_bitwise_equal(a1, a2);  // H_post compared too
     expect_bitwise_equal(b1, b2);
     expect_barrier_idle(ws);
@@ -560,7 +561,7 @@ TEST(MhcPrefetchGpu, WeightsEarlyXAfterTheDependency) {
       Problem p = make_problem(B, 4, 7168, seed_for("prefetch") + B);
       DeviceProblem d(p);
       DeviceBuffer ws = use_ws ? zeroed_workspace({B, 4, p.C}) : DeviceBuffer();
-      PinProjectKernel pin(use_ws ? mhc_detail::ProjectKernel::kSplit : mhc_detail::ProjectKernel::kAuto);
+      const MhcPreKernel kernel = use_ws ? MhcPreKernel::kSplit : MhcPreKernel::kAuto;
       const size_t x_bytes = size_t(B) * p.K() * 2;
       DeviceBuffer x_late = poisoned(x_bytes);
       auto outputs = [&](bool prefetch, bool late, bool graph) {
@@ -576,6 +577,7 @@ TEST(MhcPrefetchGpu, WeightsEarlyXAfterTheDependency) {
         a.f_pre = f_pre.get(); a.h_post = h_post.as<float>(); a.h_res = h_res.as<float>();
         a.prefetch_weights = prefetch;
         a.workspace = ws.get(); a.workspace_bytes = ws.bytes();
+        a.kernel = kernel;
         auto issue = [&] {
           if (late) {
             EXPECT_EQ(cudaMemsetAsync(x_late.get(), 0x7f, x_bytes, stream), cudaSuccess);
@@ -624,7 +626,7 @@ TEST(MhcPathGpu, ClusterKernelRunsOnHopper) {
   auto would_run = [](long long B, int n, int C, bool f32) {
     mhc_detail::ProjectParams p;
     p.batch = B; p.hidden = C; p.k_len = n * C; p.num_coef = mhc_num_coefficients(n);
-    return mhc_detail::sm90_mhc_project_fused(p, n, f32, nullptr, false, /*dry_run=*/true) == cudaSuccess;
+    return mhc_detail::sm90_mhc_project_fused(p, n, f32, nullptr, false, /*dry_run=*/true, nullptr) == cudaSuccess;
   };
   EXPECT_TRUE(would_run(8192, 4, 7168, true));
   EXPECT_TRUE(would_run(16, 4, 7168, true));
@@ -637,7 +639,7 @@ TEST(MhcPathGpu, ClusterKernelRunsOnHopper) {
   auto resident = [](long long B, int n, int C, bool f32, mhc_detail::ProjectMode mode) {
     mhc_detail::ProjectParams p;
     p.batch = B; p.hidden = C; p.k_len = n * C; p.num_coef = mhc_num_coefficients(n); p.mode = mode;
-    return mhc_detail::sm90_mhc_project_resident(p, n, f32, nullptr, false, /*dry_run=*/true) == cudaSuccess;
+    return mhc_detail::sm90_mhc_project_resident(p, n, f32, nullptr, false, /*dry_run=*/true, nullptr) == cudaSuccess;
   };
   constexpr auto kPre = mhc_detail::ProjectMode::kPre;
   EXPECT_TRUE(resident(8192, 4, 7168, true, kPre));
@@ -662,7 +664,7 @@ TEST(MhcPathGpu, SplitKernelTakesSmallBatchesWithAWorkspace) {
     p.num_coef = mode == mhc_detail::ProjectMode::kHead ? n : mhc_num_coefficients(n);
     p.workspace = with_ws ? &dummy : nullptr;  // never touched by a dry run
     p.workspace_bytes = mhc_workspace_bytes({B, n, C});
-    return mhc_detail::mhc_split_project(p, n, f32, nullptr, false, /*dry_run=*/true) == cudaSuccess;
+    return mhc_detail::mhc_split_project(p, n, f32, nullptr, false, /*dry_run=*/true, nullptr) == cudaSuccess;
   };
   constexpr auto kPre = mhc_detail::ProjectMode::kPre;
   EXPECT_TRUE(split(16, 4, 7168, true, kPre));

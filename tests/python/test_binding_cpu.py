@@ -101,6 +101,18 @@ def test_finalize_zero_tokens_is_valid():
     assert out.shape == (0, 8)
 
 
+@pytest.mark.parametrize("num_rows", [0, 5])
+def test_finalize_zero_tokens_without_filling_is_valid(num_rows):
+    # Zero tokens read nothing: empty maps are fine whatever the rows buffer holds.
+    rows = np.ones((num_rows, 8), np.float32)
+    for offsets in (np.zeros(0, np.int64), np.zeros(5, np.int64)):
+        out = flashmix.finalize_moe_routing(rows, np.zeros(0, np.int32), np.zeros((0, 4), np.int32),
+                                            num_experts_per_node=4, fill=False,
+                                            permuted_row_to_unpermuted_row=np.zeros(0, np.int32),
+                                            expert_first_token_offset=offsets)
+        assert out.shape == (0, 8)
+
+
 def test_finalize_without_filling_leaves_tokens_without_a_local_slot_untouched():
     rng = np.random.default_rng(2)
     T, k, H, E, start, E_local = 40, 2, 16, 32, 8, 4  # most tokens have no local slot
