@@ -1,38 +1,27 @@
-// mhc_pre (and mhc_project) on Hopper with phi resident in registers: a
-// persistent cluster of 16 CTAs splits K across its CTAs, each CTA loads its
-// slice of phi ONCE per launch into the tensor-core B fragments of its warps,
-// and X streams through in 16-token tiles.
+// mhc_pre (and mhc_project) on Hopper for n = 4, with phi resident in
+// registers:
 //
 //   h[b,m] = alpha_of(m) * (X[b] . phi[m]) / r[b] + bias[m],  r[b] = sqrt(|X[b]|^2 / K + eps)
 //   F_pre[b,c] = sum_i H_pre[b,i] X[b,i,c]     (H_pre from h; Sinkhorn for H_res)
 //
-// Why this shape (n = 4, C = 7168: K = 28672, N = 24 coefficients):
-// the projection is [B x K] . [K x N] with N tiny, so what limits it is not
-// FLOPs but how often each phi byte is fetched. A tile kernel that re-reads
-// phi (2.75 MB as bf16 hi + lo) for every tile of rows moves more phi through
-// L2 than X through HBM (the cluster-tile kernel in sm90_mhc_fused.cu: 7.6x
-// the floor). Here phi never moves after the prologue: CTA j of a cluster of
-// 16 owns columns [j*S, j*S + S) of every stream (S = C/16, K/16 = 1792 of K)
-// and the 172 KB of hi/lo B fragments for them sit in its 8 projection
-// warps' registers (168 per thread). Shared memory is left to X: a 3-stage
-// ring of 16-token tiles (57 KB each) filled by 3-D TMA boxes (phi's fp32
-// slice, exactly the ring's size at n = 4, passes through it once first).
+// Design: the projection is [B x K] . [K x N] with N = 24 tiny, so what
+// limits it is how often phi is fetched, not FLOPs. A persistent cluster of
+// 16 CTAs splits K: CTA j owns columns [j*S, j*S + S) of every stream
+// (S = C/16) and keeps the bf16 hi/lo tensor-core B fragments of its phi
+// slice in the registers of its 8 projection warps, loaded once per launch.
+// X streams through a 3-stage shared-memory ring of 16-token tiles (TMA);
+// per tile each CTA's partial projection is pushed into the other CTAs'
+// shared memory (st.async) and every CTA sums the 16 ranks' partials in rank
+// order, so all hold bitwise the same h (no atomics). The exchange, the pre
+// mix and Sinkhorn overlap the next tile's mma.sync work: the roles below are
+// decoupled by mbarriers.
 //
-// Per tile each projection warp runs 14 k16 steps (one ldmatrix.x4 of X, 6
-// mma for hi/lo x 3 coefficient tiles, 2 mma whose diagonals are the sums
-// of squares), the 8 warps' partials are summed in smem (fixed order) and
-// pushed to the other CTAs' shared memory (st.async), each CTA summing the
-// 16 ranks' partials in rank order, so all hold bitwise the same h (no
-// atomics). The roles below are decoupled by mbarriers so the cluster
-// exchange, the mix and Sinkhorn overlap the tensor-core work of the next
-// tile.
-//
-// Bytes: X once from HBM, F_pre once, phi once per cluster (7 x 2.75 MB of
-// L2 reads in all): the floor is (X + F_pre) / copy bandwidth. Reached
-// (H200, B = 8192, 2026-11-24): 1.55-1.57x the floor, ~4.9x faster than the
-// cluster-tile kernel; the projection warps are bound by the mma.sync pipe,
-// the cross-warp sums and pushes and the mix's ALU work (docs/mhc.md has the
-// per-phase cycle counts, an ncu breakdown and what was tried).
+// Roofline: X once from HBM, F_pre once, phi once per cluster (from L2): the
+// floor is (X + F_pre) / copy bandwidth. mhc_pre B = 8192, n = 4, C = 7168:
+// ~214 us on an H200, 1.55x the floor; the projection warps are bound by the
+// mma.sync pipe and their share of the exchange and the mix. docs/mhc.md has
+// the per-role cycle counts, the measurements behind the choices here and
+// what was tried.
 #include <cooperative_groups.h>
 #include <cuda.h>  // CUtensorMap and its enums only: the encoder comes through the runtime (no libcuda link)
 #include <cuda_bf16.h>
@@ -50,13 +39,7 @@ namespace flashmix::mhc_detail {
 namespace {
 
 namespace cg = cooperative_groups;
-using bf16 = __nv_bfloat16;
-using dev::cluster_arrive;
-using dev::cluster_wait;
-using dev::ldmatrix_x4;
-using dev::mbar_arrive_expect_tx;
-using dev::mbar_init;
-using dev::mbar_wait;
+using dev::named_bar_sync;
 using dev::smem_u32;
 
 constexpr int kClusterSize = 16;  // non-portable on Hopper; the launcher checks that one fits
@@ -65,14 +48,9 @@ constexpr int kFinishWarps = 3;  // cluster sums, H_pre, part of the pre mix
 constexpr int kThreads = (kProjWarps + kFinishWarps + 1) * 32;  // + 1 producer/Sinkhorn warp
 constexpr int kProjRegs = 224, kFinishRegs = 56;  // 256*224 + 128*56 = 65536 registers
 // Tokens of each tile the finish warps mix (the projection warps mix the
-// rest). H200, B = 8192, with the box-by-box projection loop: 10 -> 253 us
-// (the finish warps were the bottleneck), 8 -> 234, 6 -> 232, 4 -> 232-234,
-// 2 -> 241 us. (With the older per-step-address loop: 8 -> 269, 10 -> 267,
-// 12 -> 281 us.)
-// With the restricted release fence (mbar_arrive_cluster_all) the finish
-// warps mix faster and take more: same call, 6 -> 8 tokens, B = 8192
-// 217.3-218.0 -> 213.2-213.8 us, decode unchanged (10.65 / 10.61 us; 10
-// tokens: 213.3-213.6 / 10.58).
+// others, a tile later): they share sub-partitions with the projection warps
+// and mix in the issue slots the projection loop leaves idle, so the best
+// split was found by a sweep (docs/mhc.md).
 constexpr int kFinishMixRows = 8;
 constexpr int kRows = 16;     // tokens per tile: the m16 of the mma
 constexpr int kScratchStride = 20;  // floats per coefficient row of the per-warp scratch: fragment stores hit 32 banks
@@ -80,6 +58,10 @@ constexpr int kStages = 3;    // X tiles in the ring
 constexpr int kMaxChunks = 7; // 64-column TMA boxes per CTA slice (C <= 7168)
 constexpr int kMaxSteps = 2 * kMaxChunks; // k16 steps per warp, 2 per box: phi registers = kMaxSteps * k_tiles * 2 (* 2 for hi/lo)
 constexpr int kPhiPad = 32;   // bytes after each coefficient's phi runs while phi passes through the ring
+
+// Named barriers: 0 is __syncthreads.
+constexpr int kBarProj = 1;    // the 8 projection warps
+constexpr int kBarFinish = 2;  // the 3 finish warps
 
 // One 64-column TMA box of a ring stage: n streams x kRows tokens x 128 bytes.
 template <int kN>
@@ -91,6 +73,135 @@ struct ResidentLayout {
   int off_scratch = 0, off_recv_common = 0, off_recv_full = 0, off_tot = 0, off_hpre = 0, off_hsink = 0,
       total = 0;
 };
+
+// Sizes that follow from n.
+template <int kN>
+struct Dims {
+  static constexpr int kCoef = kN * kN + 2 * kN;  // N coefficients: pre, post, res
+  static constexpr int kKt = (kCoef + 7) / 8;     // n8 coefficient tiles
+  static constexpr int kV = kCoef + 1;            // values per token: N projections + the sum of squares
+  static constexpr int kCommon = kN + 1;          // pre coefficients + the sum of squares: every CTA needs them
+  static constexpr int kFull = kCoef - kN;        // post and res coefficients: the tile's owner only
+  static constexpr int kQ = kRows / 4;            // float4s per value
+  static constexpr int kChunkBytes = box_bytes<kN>();
+};
+
+// ---------------------------------------------------------------------------
+// Barriers
+
+// Where use i of a ring of kDepth slots stands: its slot, and the parity of
+// the phase that this use completes on the slot's barriers (each completes
+// one phase per use of its slot, so the parity flips on every pass over the
+// ring). A consumer waits for `phase` on the slot's 'full' barrier; a
+// producer, before use i >= kDepth, waits for prev_phase() on the barrier
+// that hands the slot back (the release of use i - kDepth).
+template <int kDepth>
+struct PipeState {
+  static_assert(kDepth == 2 || kDepth == 3, "the rings here");
+  int index;
+  uint32_t phase;
+
+  __device__ __forceinline__ static PipeState at(int i) {
+    if constexpr (kDepth == 2) {
+      return {i & 1, uint32_t(i >> 1) & 1u};
+    } else {
+      return {i % kDepth, uint32_t(i / kDepth) & 1u};
+    }
+  }
+  __device__ __forceinline__ uint32_t prev_phase() const { return phase ^ 1u; }
+};
+
+// An mbarrier of this CTA's shared memory.
+struct Mbar {
+  uint32_t addr;  // shared address
+
+  __device__ __forceinline__ explicit Mbar(uint64_t& bar) : addr(smem_u32(&bar)) {}
+  __device__ __forceinline__ explicit Mbar(uint32_t a) : addr(a) {}
+  // The k-th mbarrier after this one in an array.
+  __device__ __forceinline__ Mbar operator+(int k) const { return Mbar(addr + 8u * uint32_t(k)); }
+  __device__ __forceinline__ void init(int count) const { dev::mbar_init(addr, count); }
+  // Spins until the phase of parity `phase` has completed (acquire, CTA scope).
+  __device__ __forceinline__ void wait(uint32_t phase) const { dev::mbar_wait(addr, phase); }
+  __device__ __forceinline__ void arrive() const { dev::mbar_arrive(addr); }
+  // Arrives and raises the bytes the phase expects from asynchronous copies.
+  __device__ __forceinline__ void arrive_expect_tx(uint32_t bytes) const { dev::mbar_arrive_expect_tx(addr, bytes); }
+
+  // Waits for a phase completed by release-arrivals from other CTAs.
+  // Spinning with a cluster-scope acquire invalidates L1 on every poll
+  // (CCTL.IVALL, measured as a large share of the stalls): poll at CTA
+  // scope, then acquire once, for shared::cluster accesses only (no L1
+  // invalidation).
+  __device__ __forceinline__ void wait_cluster(uint32_t phase) const {
+    dev::mbar_wait(addr, phase);
+    asm volatile("fence.acquire.sync_restrict::shared::cluster.cluster;\n" ::: "memory");
+  }
+
+  // Arrives on this mbarrier in every CTA of the cluster (the same address
+  // there), with release semantics at cluster scope. Called by a whole warp:
+  // lane r arrives in CTA r, so the 16 remote arrivals travel at once (one
+  // lane issuing them in turn waits out each one's round trip).
+  //
+  // What is released is this CTA's shared memory (the receive buffer, read
+  // by every finish thread before the named barrier ahead of the call): a
+  // release fence restricted to shared::cta, then relaxed remote arrivals.
+  // An arrive with .release.cluster compiles to MEMBAR.ALL.GPU, which waits
+  // for every earlier memory operation of the warp, its global F_pre stores
+  // included.
+  __device__ __forceinline__ void arrive_cluster_all(int lane) const {
+    asm volatile("fence.release.sync_restrict::shared::cta.cluster;\n" ::: "memory");
+    if (lane < kClusterSize) {
+      uint32_t remote;
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(lane));
+      asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+    }
+  }
+};
+
+// Every mbarrier of the kernel (static shared memory): what completes a
+// phase, who waits for it.
+struct Barriers {
+  // X of ring stage s landed (the producer's expect_tx + the TMA bytes).
+  // In a CTA's first kStages tiles each 64-column box has its own, so the
+  // projection starts on the first box while the others are in flight;
+  // later tiles use [s][0] for the whole stage.
+  uint64_t full[kStages][kMaxChunks];
+  uint64_t stage_empty[kStages];  // every warp that reads the stage is done: the producer may refill it
+  // Per tile parity (the exchange and H_pre are double-buffered):
+  uint64_t recv_full[2];   // the 16 ranks' pushes to this CTA landed (its expect_tx + the st.async bytes)
+  uint64_t recv_free[2];   // every CTA has summed what it received: the projection warps may push again
+  uint64_t hpre_ready[2];  // H_pre published
+  uint64_t hpre_free[2];   // every projection warp is done mixing with it
+  // Per parity of the count of owned tiles: the owner's h stash for the Sinkhorn warp.
+  uint64_t sink_full[2], sink_empty[2];
+  uint64_t phi_full;  // phi's slice landed in the (still empty) ring
+  uint64_t phi_free;  // every projection warp has its fragments: the ring is X's
+
+  // By one thread, before the cluster barrier that publishes them.
+  __device__ __forceinline__ void init() {
+    for (int s = 0; s < kStages; ++s) {
+      for (int ch = 0; ch < kMaxChunks; ++ch) Mbar(full[s][ch]).init(1);  // the producer's expect_tx
+      Mbar(stage_empty[s]).init(kProjWarps + kFinishWarps);  // every warp that reads the stage, done
+    }
+    for (int b = 0; b < 2; ++b) {
+      Mbar(recv_full[b]).init(1);             // the receiver's expect_tx; the bytes come by st.async
+      Mbar(recv_free[b]).init(kClusterSize);  // every CTA has summed what it received
+      // H_pre and the h stash: every thread that wrote them (and every
+      // lane of the Sinkhorn warp that read the stash) arrives itself: a
+      // release per accessing thread, which is what racecheck needs to see
+      // the ordering. The mix's release of H_pre stays one lane per warp.
+      Mbar(hpre_ready[b]).init(kFinishWarps * 32);
+      Mbar(hpre_free[b]).init(kProjWarps);
+      Mbar(sink_full[b]).init(kFinishWarps * 32);
+      Mbar(sink_empty[b]).init(32);
+    }
+    Mbar(phi_full).init(1);           // the producer's expect_tx
+    Mbar(phi_free).init(kProjWarps);  // every projection warp has its fragments
+    asm volatile("fence.mbarrier_init.release.cluster;\n fence.proxy.async.shared::cta;\n" ::: "memory");
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Data movement
 
 // Sum in rank order of the kClusterSize float4s at `first`, `first + stride`,
 // ... (shared memory of this CTA, where the peers pushed them). All loads are
@@ -123,216 +234,254 @@ __device__ __forceinline__ void push4(uint32_t local, uint32_t bar, int rank, fl
                : "memory");
 }
 
-// Named barriers: 0 is __syncthreads.
-constexpr int kBarProj = 1;    // the 8 projection warps
-constexpr int kBarFinish = 2;  // the 3 finish warps
-
-using dev::mbar_arrive;
-using dev::named_bar_sync;
-
-// Arrives on the mbarrier at shared address `bar` in every CTA of the
-// cluster, with release semantics at cluster scope. Called by a whole warp:
-// lane r arrives in CTA r, so the 16 remote arrivals travel at once (one lane
-// issuing them in turn waits out each one's round trip: ~16 x 1 us per
-// tile, measured as the dominant cost).
-//
-// What is released is this CTA's shared memory (the receive buffer, read by
-// every finish thread before the named barrier ahead of the call): a release
-// fence restricted to shared::cta, then relaxed remote arrivals. An arrive
-// with .release.cluster compiles to MEMBAR.ALL.GPU, which waits for every
-// earlier memory operation of the warp, its global F_pre stores included:
-// ~2 % of the kernel's stall samples, all on this one warp (ncu, H200); with
-// the restricted fence the finish warps' mix of 6 tokens went 2,650 -> 1,800
-// cycles a tile (profiling build).
-__device__ __forceinline__ void mbar_arrive_cluster_all(uint32_t bar, int lane) {
-  asm volatile("fence.release.sync_restrict::shared::cta.cluster;\n" ::: "memory");
-  if (lane < kClusterSize) {
-    uint32_t remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(lane));
-    asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
-  }
+// A bulk copy of `bytes` from global memory to shared address `dst`,
+// completing them on the mbarrier `bar`.
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, int bytes, const Mbar& bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar.addr)
+               : "memory");
 }
 
-// Waits for a phase completed by release-arrivals from other CTAs. Spinning
-// with a cluster-scope acquire invalidates L1 on every poll (CCTL.IVALL: 16%
-// of the stall samples, measured); poll at CTA scope, then acquire once.
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-  mbar_wait(bar, parity);
-  // Acquire for shared::cluster accesses only: no L1 invalidation.
-  asm volatile("fence.acquire.sync_restrict::shared::cluster.cluster;\n" ::: "memory");
-}
-
-// FLASHMIX_MHC_PROFILE: a timeline of tile 0 in CTA 0 (globaltimer, ns).
-#ifdef FLASHMIX_MHC_PROFILE
+// ---------------------------------------------------------------------------
+// Profiling hooks (FLASHMIX_MHC_PROFILE; nothing in the shipped build): a
+// timeline of tile 0 in CTA 0 (globaltimer ns, and clock64 beside each stamp
+// to tell latency from frequency) and per-phase cycle counts of a few warps.
+// The hooks' bodies exist in the device pass of a profiling build only.
+#if defined(FLASHMIX_MHC_PROFILE) && defined(__CUDA_ARCH__)
+#define FM_PROFILE_DEVICE 1
 __shared__ unsigned long long fm_stamps[24];
-__shared__ long long fm_cycles[24];  // clock64 beside each stamp: the SM clock, to tell latency from frequency
-#define FM_STAMP(idx, cond)                                              \
-  if (cond) {                                                            \
-    unsigned long long ns;                                               \
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns) :: "memory");   \
-    fm_stamps[idx] = ns;                                                 \
-    fm_cycles[idx] = clock64();                                          \
-  }
-#else
-#define FM_STAMP(idx, cond)
+__shared__ long long fm_cycles[24];
 #endif
 
-// Roles (384 threads, three warpgroups):
-//   warps 0-7  projection: phi resident in registers (setmaxnreg 224); per
-//              tile: wait for X, mma, partials summed over the 8 warps and
-//              pushed (st.async, counted on the receiver's recv_full[tile &
-//              1]): the pre coefficients and the sum of squares to every
-//              CTA, the others to the tile's owner; then the pre mix of
-//              tokens 0-7 of the previous tile. Pushing (one-way) instead of
-//              each CTA pulling 16 peers' partials (a DSMEM round trip, ~500
-//              cycles, twice per float4 at 56 registers) took 1,200 cycles
-//              off a decode tile's chain (H200, measured).
-//   warps 8-10 finish (setmaxnreg 56): wait recv_full, sum the 16 ranks'
-//              partials (local shared memory, rank order), publish H_pre,
-//              release the receive buffer (recv_free in every CTA), mix
-//              tokens 8-15 (kFinishMixRows).
-//              The tile's owner CTA (tile % 16) also stashes h for warp 11.
-//   warp 11    producer and Sinkhorn: lane 0 refills a ring stage once every
-//              warp that reads it has arrived on stage_empty; the warp runs
-//              the activations + Sinkhorn of the owned tiles' 16 tokens, one
-//              per lane, off the critical path.
-template <int kN, bool kF32>
-__global__ void __launch_bounds__(kThreads, 1)
-    sm90_mhc_resident_kernel(ProjectParams p, ResidentLayout L, const __grid_constant__ CUtensorMap x_map) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int kCoef = kN * kN + 2 * kN;
-  constexpr int kKt = (kCoef + 7) / 8;  // n8 coefficient tiles
-  constexpr int kV = kCoef + 1;         // values per token: N projections + the sum of squares
-  constexpr int kCommon = kN + 1;       // pre coefficients + the sum of squares: every CTA needs them
-  constexpr int kFull = kCoef - kN;     // post and res coefficients: the tile's owner only
-  constexpr int kQ = kRows / 4;         // float4s per value
-  extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ __align__(8) uint64_t full[kStages][kMaxChunks], stage_empty[kStages], recv_full[2], recv_free[2], hpre_ready[2],
-      hpre_free[2], sink_full[2], sink_empty[2], phi_full, phi_free;
-  __shared__ float coef_alpha[kCoef], coef_bias[kCoef];  // alpha_of(m) and bias[m], loaded once
-  float* scratch = reinterpret_cast<float*>(smem + L.off_scratch);  // [warp][kV][kScratchStride]
+__device__ __forceinline__ void stamp(int idx, bool cond) {
+#ifdef FM_PROFILE_DEVICE
+  if (cond) {
+    unsigned long long ns;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns)::"memory");
+    fm_stamps[idx] = ns;
+    fm_cycles[idx] = clock64();
+  }
+#endif
+}
+
+// Cycles spent in each phase of a role's loop: mark(k) adds the time since
+// the previous mark to phase k.
+struct PhaseClock {
+#ifdef FM_PROFILE_DEVICE
+  long long sum[8];
+  long long t0;
+  __device__ __forceinline__ PhaseClock() : sum{}, t0(clock64()) {}
+  __device__ __forceinline__ void mark(int k) {
+    const long long t1 = clock64();
+    sum[k] += t1 - t0;
+    t0 = t1;
+  }
+  __device__ __forceinline__ long long per(int k, int n) const { return n ? sum[k] / n : 0; }
+#else
+  __device__ __forceinline__ void mark(int) {}
+#endif
+};
+
+__device__ __forceinline__ void report_projection(const PhaseClock& c, bool cond, int rank, int warp, int tiles) {
+#ifdef FM_PROFILE_DEVICE
+  if (cond)
+    printf("prof rank %d warp %d tiles %d | waitX %lld proj %lld scratch+free %lld reduce %lld arrive %lld | "
+           "mix: wait %lld math %lld bar+issue %lld\n",
+           rank, warp, tiles, c.per(0, tiles), c.per(1, tiles), c.per(2, tiles), c.per(3, tiles), c.per(4, tiles),
+           c.per(5, tiles), c.per(6, tiles), c.per(7, tiles));
+#endif
+}
+
+__device__ __forceinline__ void report_finish(const PhaseClock& c, bool cond, int rank, int tiles) {
+#ifdef FM_PROFILE_DEVICE
+  if (cond)
+    printf("prof-finish rank %d tiles %d | wait-recv %lld sums %lld bar+waits %lld hpre %lld bar+release %lld mix %lld\n",
+           rank, tiles, c.per(0, tiles), c.per(1, tiles), c.per(2, tiles), c.per(3, tiles), c.per(4, tiles),
+           c.per(5, tiles));
+#endif
+}
+
+__device__ __forceinline__ void report_producer(const PhaseClock& c, bool cond, int rank, int tiles, int owned) {
+#ifdef FM_PROFILE_DEVICE
+  if (cond)
+    printf("prof-producer rank %d tiles %d owned %d | wait-empty+issue %lld (per tile) | wait-h %lld sinkhorn %lld (per "
+           "owned tile)\n",
+           rank, tiles, owned, c.per(0, tiles), c.per(1, owned), c.per(2, owned));
+#endif
+}
+
+__device__ __forceinline__ void report_timeline(bool cond) {
+#ifdef FM_PROFILE_DEVICE
+  if (!cond) return;
+  printf("timeline ns: phi %llu | X %llu | proj %llu | sent %llu | fin-ready %llu | hpre %llu | finmix %llu | "
+         "projmix %llu | sinkhorn %llu..%llu | exit %llu (from cluster wait; entry->wait %llu)\n",
+         fm_stamps[2] - fm_stamps[1], fm_stamps[3] - fm_stamps[1], fm_stamps[4] - fm_stamps[1],
+         fm_stamps[5] - fm_stamps[1], fm_stamps[6] - fm_stamps[1], fm_stamps[7] - fm_stamps[1],
+         fm_stamps[8] - fm_stamps[1], fm_stamps[9] - fm_stamps[1], fm_stamps[12] - fm_stamps[1],
+         fm_stamps[10] - fm_stamps[1], fm_stamps[11] - fm_stamps[1], fm_stamps[1] - fm_stamps[0]);
+  auto c = [&](int i) { return fm_cycles[i] - fm_cycles[1]; };
+  printf("cycles: phi %lld | X %lld | proj %lld | scratch %lld | bar1 %lld | sent %lld || fin-ready %lld | sums %lld | "
+         "bar+free %lld | hpre-loop %lld | hpre %lld | finmix %lld || sink-wait %lld | h-loaded %lld | act %lld | "
+         "stored %lld\n",
+         c(2), c(3), c(4), c(17), c(18), c(5), c(6), c(14), c(15), c(16), c(7), c(8), c(12), c(13), c(19), c(10));
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// Shared memory as typed pointers: the dynamic part carved up by
+// ResidentLayout (offsets from the host, resident_layout() below), the ring
+// first, 1024-byte aligned (the 128-byte TMA swizzle repeats every 8 lines);
+// alpha and bias in static shared memory.
+template <int kN>
+struct ResidentSmem {
+  static constexpr int kCoef = Dims<kN>::kCoef;
+  uint32_t ring;            // the X ring, [kStages][slice / 64 boxes] (phi's slice passes through it once first)
+  unsigned char* ring_ptr;  // the same, generic
+  float* scratch;           // [kProjWarps][kV][kScratchStride]: each projection warp's partials of a tile
   // What the peers push: per tile parity, [rank][kCommon][kRows] (the pre
   // coefficients and the sum of squares, every CTA); [rank][kFull][kRows]
   // (the other coefficients, the tile's owner only; one buffer: a CTA owns
   // every 16th tile, and recv_free orders it like the common part).
-  float* recv_common = reinterpret_cast<float*>(smem + L.off_recv_common);
-  float* recv_full_buf = reinterpret_cast<float*>(smem + L.off_recv_full);
-  float* tot = reinterpret_cast<float*>(smem + L.off_tot);          // [kV][kRows]
-  float* hpre = reinterpret_cast<float*>(smem + L.off_hpre);        // [2][kRows][kN]
-  float* hsink = reinterpret_cast<float*>(smem + L.off_hsink);      // [2][kRows][kCoef]
+  float* recv_common;
+  float* recv_owner;
+  float* tot;         // [kV][kRows]: the tile's sums over the cluster
+  float* hpre;        // [2][kRows][kN]: H_pre, per tile parity
+  float* hsink;       // [2][kRows][kCoef]: h of the owned tiles, for the Sinkhorn warp
+  float* coef_alpha;  // [kCoef]: alpha_of(m), loaded once
+  float* coef_bias;   // [kCoef]: bias[m]
 
-  const int rank = int(cg::this_cluster().block_rank());
-  const int cluster_id = int(blockIdx.x) / kClusterSize;
-  const int num_clusters = int(gridDim.x) / kClusterSize;
-  const long long num_tiles = (p.batch + kRows - 1) / kRows;
-  const int my_tiles = cluster_id < num_tiles ? int((num_tiles - 1 - cluster_id) / num_clusters + 1) : 0;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int hidden = p.hidden, slice = L.slice;
-  const int c0 = rank * slice;
-  // The ring is 1024-byte aligned: the 128-byte TMA swizzle repeats every 8 lines.
-  const uint32_t ring = (smem_u32(smem) + 1023u) & ~1023u;
-  unsigned char* ring_ptr = smem + (ring - smem_u32(smem));
+  __device__ __forceinline__ ResidentSmem(unsigned char* smem, const ResidentLayout& L, float* coef)
+      : ring((smem_u32(smem) + 1023u) & ~1023u),
+        ring_ptr(smem + (ring - smem_u32(smem))),
+        scratch(reinterpret_cast<float*>(smem + L.off_scratch)),
+        recv_common(reinterpret_cast<float*>(smem + L.off_recv_common)),
+        recv_owner(reinterpret_cast<float*>(smem + L.off_recv_full)),
+        tot(reinterpret_cast<float*>(smem + L.off_tot)),
+        hpre(reinterpret_cast<float*>(smem + L.off_hpre)),
+        hsink(reinterpret_cast<float*>(smem + L.off_hsink)),
+        coef_alpha(coef),
+        coef_bias(coef + kCoef) {}
+};
 
-  FM_STAMP(0, tid == 0)
-  if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      for (int ch = 0; ch < kMaxChunks; ++ch) mbar_init(smem_u32(&full[s][ch]), 1);  // the producer's expect_tx
-      mbar_init(smem_u32(&stage_empty[s]), kProjWarps + kFinishWarps);  // every warp that reads the stage, done
-    }
-    for (int b = 0; b < 2; ++b) {
-      mbar_init(smem_u32(&recv_full[b]), 1);            // the receiver's expect_tx; the bytes come by st.async
-      mbar_init(smem_u32(&recv_free[b]), kClusterSize);  // every CTA has summed what it received
-      // H_pre and the h stash: every thread that wrote them (and every
-      // lane of the Sinkhorn warp that read the stash) arrives itself: a
-      // release per accessing thread, which is what racecheck needs to see
-      // the ordering. The mix's release of H_pre stays one lane per warp.
-      mbar_init(smem_u32(&hpre_ready[b]), kFinishWarps * 32);
-      mbar_init(smem_u32(&hpre_free[b]), kProjWarps);
-      mbar_init(smem_u32(&sink_full[b]), kFinishWarps * 32);
-      mbar_init(smem_u32(&sink_empty[b]), 32);
-    }
-    mbar_init(smem_u32(&phi_full), 1);            // the producer's expect_tx
-    mbar_init(smem_u32(&phi_free), kProjWarps);   // every projection warp has its fragments
-    asm volatile("fence.mbarrier_init.release.cluster;\n fence.proxy.async.shared::cta;\n" ::: "memory");
+// ---------------------------------------------------------------------------
+// The kernel's roles (384 threads, three warpgroups):
+//   warps 0-7  projection (setmaxnreg 224): phi resident in registers; per
+//              tile: wait for X, mma, partials summed over the 8 warps and
+//              pushed (st.async, counted on the receiver's recv_full): the
+//              pre coefficients and the sum of squares to every CTA, the
+//              others to the tile's owner; then the pre mix of tokens 0-7 of
+//              the previous tile. Pushed (one-way) rather than pulled by
+//              each CTA: a DSMEM load is a round trip.
+//   warps 8-10 finish (setmaxnreg 56): wait recv_full, sum the 16 ranks'
+//              partials (local shared memory, rank order), publish H_pre,
+//              release the receive buffer (recv_free in every CTA), mix
+//              tokens 8-15 (kFinishMixRows). The tile's owner CTA
+//              (tile % 16) also stashes h for warp 11.
+//   warp 11    producer and Sinkhorn (setmaxnreg 56): lane 0 refills a ring
+//              stage once every warp that reads it has arrived on
+//              stage_empty; the warp runs the activations + Sinkhorn of the
+//              owned tiles' 16 tokens, one per lane, off the critical path.
+// Each role is called only from its branch of the kernel, after that
+// branch's setmaxnreg: ptxas ignores a setmaxnreg.inc when code that needs
+// more registers is reachable after a dec.
+template <int kN, bool kF32>
+struct ResidentCta {
+  static constexpr int kCoef = Dims<kN>::kCoef, kKt = Dims<kN>::kKt, kV = Dims<kN>::kV,
+                       kCommon = Dims<kN>::kCommon, kFull = Dims<kN>::kFull, kQ = Dims<kN>::kQ,
+                       kChunkBytes = Dims<kN>::kChunkBytes;
+  static constexpr int kPhiEsz = kF32 ? 4 : 2;
+
+  const ProjectParams& p;
+  const ResidentLayout& L;
+  const CUtensorMap* x_map;
+  Barriers& bar;
+
+  const ResidentSmem<kN> sm;
+
+  // This CTA's tiles (tile j of the cluster: rows row0(j) .. + 16) and
+  // columns [c0, c0 + slice) of every stream.
+  int rank, cluster_id, num_clusters, my_tiles;
+  int hidden, slice, c0;
+  int tid, lane, warp;
+  int phi_m_bytes;  // phi's run of one coefficient in the ring, with its padding
+
+  __device__ __forceinline__ ResidentCta(const ProjectParams& p_, const ResidentLayout& L_, const CUtensorMap* x_map_,
+                                         unsigned char* smem, Barriers& bar_, float* coef)
+      : p(p_), L(L_), x_map(x_map_), bar(bar_), sm(smem, L_, coef) {
+    rank = int(cg::this_cluster().block_rank());
+    cluster_id = int(blockIdx.x) / kClusterSize;
+    num_clusters = int(gridDim.x) / kClusterSize;
+    const long long num_tiles = (p.batch + kRows - 1) / kRows;
+    my_tiles = cluster_id < num_tiles ? int((num_tiles - 1 - cluster_id) / num_clusters + 1) : 0;
+    hidden = p.hidden;
+    slice = L.slice;
+    c0 = rank * slice;
+    tid = threadIdx.x;
+    lane = tid & 31;
+    warp = tid >> 5;
+    phi_m_bytes = kN * slice * kPhiEsz + kPhiPad;
   }
-  // Every CTA's barriers are initialised before any peer may arrive on them.
-  cluster_arrive();
-  cluster_wait();
 
-  // With prefetch_weights (the caller's promise that the kernel before this
-  // one on the stream does not write phi, alpha or bias), the weights are
-  // read before the grid dependency is resolved, overlapping that kernel's
-  // tail; every role waits for it before its first touch of X or of an
-  // output. Without, everything waits here.
-  if (!p.prefetch_weights) dev::grid_dependency_wait();
-  dev::allow_dependents_launch();
-  FM_STAMP(1, tid == 0)
+  __device__ __forceinline__ long long row0(int j) const { return (cluster_id + (long long)j * num_clusters) * kRows; }
 
-  // Ring layout (one stage = one tile): S/64 chunks of 64 columns, each
-  // [n streams][16 tokens][64 columns] as 128-byte lines with the TMA's
-  // 128-byte swizzle (16-byte unit u of line l sits at u ^ (l & 7)); the
-  // line of (stream i, token r) is 16i + r, so the 8 tokens an ldmatrix
-  // reads hit 8 different bank groups. One TMA box per chunk: 7 copies per
-  // tile at C = 7168 (one bulk copy per (token, stream) cost ~140 cycles of
-  // issue each, 64 per tile, measured). In a CTA's first kStages tiles
-  // each box has its own mbarrier, so the projection starts on the first
-  // box while the others are in flight (a decode launch has one tile).
-  // Warp w's k16 steps go box by box, 2 per box (a box has n * 4 = 16 steps,
-  // 8 warps): step s is box s / 2, stream w / 2, columns
-  // 64 (s / 2) + 16 (2 (w % 2) + s % 2) of the slice.
-  constexpr int kChunkBytes = box_bytes<kN>();
-  auto x_offset = [&](int row, int i, int col) -> uint32_t {  // col: multiple of 8 within the slice
+  // ---- The ring ----
+  // One stage = one tile: slice/64 chunks of 64 columns, each [n streams]
+  // [16 tokens][64 columns] as 128-byte lines with the TMA's 128-byte
+  // swizzle (16-byte unit u of line l sits at u ^ (l & 7)); the line of
+  // (stream i, token r) is 16i + r, so the 8 tokens an ldmatrix reads hit 8
+  // different bank groups. One TMA box per chunk (a bulk copy per (token,
+  // stream) costs more issue than the box). Warp w's k16 steps go box by box,
+  // 2 per box (a box has n * 4 = 16 steps, 8 warps): step s is box s / 2,
+  // stream w / 2, columns 64 (s / 2) + 16 (2 (w % 2) + s % 2) of the slice.
+  // Byte offset of (token row, stream i, col: a multiple of 8 in the slice).
+  __device__ __forceinline__ static uint32_t x_offset(int row, int i, int col) {
     const int line = i * kRows + row;
     return uint32_t((col >> 6) * kChunkBytes + line * 128 + ((((col & 63) >> 3) ^ (row & 7)) << 4));
-  };
-  // phi's slice goes through the (still empty) ring once, before any X:
-  // the run of coefficient m, stream i (slice columns) sits at
-  // m * phi_m_bytes + i * slice * esz; the 32 bytes of padding per m put the
-  // 8 coefficient rows a fragment load touches in different banks. n = 4
-  // fp32: 24 x 4 x slice x 4 bytes = the ring's 3 x 16 x 4 x slice x 2 bytes.
-  constexpr int kPhiEsz = kF32 ? 4 : 2;
-  const int phi_m_bytes = kN * slice * kPhiEsz + kPhiPad;
+  }
+
+  // phi's slice goes through the (still empty) ring once, before any X: the
+  // run of coefficient m, stream i (slice columns) sits at m * phi_m_bytes +
+  // i * slice * esz; the 32 bytes of padding per m put the 8 coefficient
+  // rows a fragment load touches in different banks. n = 4 fp32:
+  // 24 x 4 x slice x 4 bytes = the ring's 3 x 16 x 4 x slice x 2 bytes.
   // The 96 bulk copies are spread over the 128 threads of the finish and
-  // producer warps, one each: their issue is serial within a warp (~55
-  // cycles apiece), and 96 from one warp took 2.7 us of a decode launch
-  // (measured). Thread 0 of the 128 (the producer's lane 0) sets the
-  // expected bytes; a copy completing before that leaves the phase pending
-  // (its arrival is still missing), so the order does not matter.
-  auto issue_phi = [&](int t128) {
-    const uint32_t bar = smem_u32(&phi_full);
-    if (t128 == 0) mbar_arrive_expect_tx(bar, uint32_t(kCoef * kN * slice * kPhiEsz));
+  // producer warps, one each (their issue is serial within a warp). Thread 0
+  // of the 128 (the producer's lane 0) sets the expected bytes; a copy
+  // completing before that leaves the phase pending (its arrival is still
+  // missing), so the order does not matter.
+  __device__ __forceinline__ void load_phi(int t128) {
+    const Mbar full(bar.phi_full);
+    if (t128 == 0) full.arrive_expect_tx(uint32_t(kCoef * kN * slice * kPhiEsz));
     for (int run = t128; run < kCoef * kN; run += (kFinishWarps + 1) * 32) {
       const int m = run / kN, i = run - m * kN;
       const unsigned char* src =
           static_cast<const unsigned char*>(p.phi) + ((long long)m * p.k_len + (long long)i * hidden + c0) * kPhiEsz;
-      asm volatile(
-          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-              ring + m * phi_m_bytes + i * slice * kPhiEsz),
-          "l"(src), "r"(slice * kPhiEsz), "r"(bar)
-          : "memory");
+      bulk_load(sm.ring + m * phi_m_bytes + i * slice * kPhiEsz, src, slice * kPhiEsz, full);
     }
-  };
+  }
 
-  // The producer (lane 0 of the Sinkhorn warp) loads tile j into stage j % kStages.
-  auto issue_tile = [&](int j) {
+  // Tile j into ring stage j % kStages (the producer's lane 0). Per-box
+  // barriers in the CTA's first kStages tiles (see Barriers::full).
+  __device__ __forceinline__ void load_tile(int j) {
     const long long tile = cluster_id + (long long)j * num_clusters;
-    const int stage = j % kStages;
-    const bool per_box = j < kStages;  // see the projection warps' wait
-    if (!per_box) mbar_arrive_expect_tx(smem_u32(&full[stage][0]), uint32_t(L.stage_bytes));
+    const int stage = PipeState<kStages>::at(j).index;
+    const bool per_box = j < kStages;
+    if (!per_box) Mbar(bar.full[stage][0]).arrive_expect_tx(uint32_t(L.stage_bytes));
     for (int ch = 0; ch < slice / 64; ++ch) {
-      const uint32_t bar = smem_u32(&full[stage][per_box ? ch : 0]);
-      if (per_box) mbar_arrive_expect_tx(bar, uint32_t(kChunkBytes));
-      dev::tma_load_3d(ring + stage * L.stage_bytes + ch * kChunkBytes, &x_map, bar, c0 + ch * 64, int(tile * kRows),
-                       0);
+      const Mbar box(bar.full[stage][per_box ? ch : 0]);
+      if (per_box) box.arrive_expect_tx(uint32_t(kChunkBytes));
+      dev::tma_load_3d(sm.ring + stage * L.stage_bytes + ch * kChunkBytes, x_map, box.addr, c0 + ch * 64,
+                       int(tile * kRows), 0);
     }
-  };
+  }
 
+  // ---- The pre mix ----
   // F_pre for tokens [row_begin, row_begin + rows) of a tile whose X is in
   // ring stage `xs`, this CTA's columns, H_pre from `hp`; thread t of
   // `threads` takes (token, 8 columns) items t, t + threads, ... (one
   // division per call, not per item; H_pre of a token as one float4).
-  auto mix_rows = [&](const unsigned char* xs, const float* hp, long long row0, int row_begin, int rows, int t,
-                      int threads) {
+  __device__ __forceinline__ void mix_rows(const unsigned char* xs, const float* hp, long long row0, int row_begin,
+                                           int rows, int t, int threads) {
     const int groups = slice / 8;
     const int row_step = threads / groups, group_step = threads - row_step * groups;
     int row = row_begin + t / groups, group = t - (t / groups) * groups;
@@ -366,22 +515,23 @@ __global__ void __launch_bounds__(kThreads, 1)
       group += group_step;
       if (group >= groups) group -= groups, ++row;
     }
+  }
+
+  // =========================================================================
+  // Projection warps (0-7)
+
+  // This warp's B fragments of phi: its 2 k16 steps of every box (see the
+  // ring), hi and (fp32 phi) lo. Coefficient tile kt: rows (k) 2t, 2t+1 and
+  // 2t+8, 2t+9 of column (coefficient) kt*8 + g.
+  struct PhiFrags {
+    uint32_t hi[kMaxSteps][kKt][2];
+    uint32_t lo[kF32 ? kMaxSteps : 1][kKt][2];
   };
 
-  if (warp < kProjWarps) {
-    // ---------------- projection warps ----------------
-    dev::setmaxnreg_inc<kProjRegs>();
-
-    // phi -> registers, once: warp w owns its 2 k16 steps of every box
-    // (see the ring layout). B fragment of coefficient tile kt: rows (k)
-    // 2t, 2t+1 and 2t+8, 2t+9 of column (coefficient) kt*8 + g.
-    const int g = lane >> 2, t = lane & 3;
-    static_assert(kN * 4 == 2 * kProjWarps, "a box's n * 4 k16 steps, 2 per projection warp");
-    const int my_steps = 2 * (slice / 64);  // <= kMaxSteps (launcher)
-    const int step_stream = warp >> 1, step_col = 32 * (warp & 1);  // + 64 (s / 2) + 16 (s % 2)
-    uint32_t bhi[kMaxSteps][kKt][2];
-    uint32_t blo[kF32 ? kMaxSteps : 1][kKt][2];
-    mbar_wait(smem_u32(&phi_full), 0u);
+  // phi -> registers, once, out of the ring; then the ring is X's.
+  __device__ __forceinline__ void phi_to_registers(PhiFrags& phi, int g, int t, int my_steps, int step_stream,
+                                                   int step_col) {
+    Mbar(bar.phi_full).wait(0u);
 #pragma unroll
     for (int s = 0; s < kMaxSteps; ++s) {
       const int i = step_stream;
@@ -390,7 +540,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int kt = 0; kt < kKt; ++kt) {
         const int m = kt * 8 + g;
         const bool ok = s < my_steps && m < kCoef;
-        const unsigned char* run = ring_ptr + m * phi_m_bytes + (i * slice + col) * kPhiEsz;
+        const unsigned char* run = sm.ring_ptr + m * phi_m_bytes + (i * slice + col) * kPhiEsz;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           if constexpr (kF32) {
@@ -398,409 +548,451 @@ __global__ void __launch_bounds__(kThreads, 1)
             const __nv_bfloat162 hi = __floats2bfloat162_rn(v.x, v.y);
             const float2 hf = __bfloat1622float2(hi);
             const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x - hf.x, v.y - hf.y);
-            bhi[s][kt][h] = *reinterpret_cast<const uint32_t*>(&hi);
-            blo[s][kt][h] = *reinterpret_cast<const uint32_t*>(&lo);
+            phi.hi[s][kt][h] = *reinterpret_cast<const uint32_t*>(&hi);
+            phi.lo[s][kt][h] = *reinterpret_cast<const uint32_t*>(&lo);
           } else {
-            bhi[s][kt][h] = ok ? *reinterpret_cast<const uint32_t*>(run + 8 * h * kPhiEsz) : 0u;
+            phi.hi[s][kt][h] = ok ? *reinterpret_cast<const uint32_t*>(run + 8 * h * kPhiEsz) : 0u;
           }
         }
       }
     }
-    // The ring is X's from here on.
     __syncwarp();
-    if (lane == 0) mbar_arrive(smem_u32(&phi_free));
+    if (lane == 0) Mbar(bar.phi_free).arrive();
+  }
+
+  // One k16 step s of a tile, A from the ring at `a_addr`. The sums of
+  // squares on the tensor cores too: X_tile . X_tile^T restricted to 8 tokens
+  // per mma; its diagonal is |x_r|^2 (exact bf16 products, fp32
+  // accumulation), 2 mma per step instead of 16 ALU instructions. hi and lo
+  // into one accumulator (fewer registers than two).
+  __device__ __forceinline__ static void mma_step(const PhiFrags& phi, int s, uint32_t a_addr, float (&acc)[kKt][4],
+                                                  float (&sq_lo)[4], float (&sq_hi)[4]) {
+    uint32_t a[4];
+    dev::ldmatrix_x4(a, a_addr);
+    dev::mma_bf16_16816(sq_lo, a, a[0], a[2]);  // B = rows 0-7 of A, transposed
+    dev::mma_bf16_16816(sq_hi, a, a[1], a[3]);  // B = rows 8-15 of A, transposed
+#pragma unroll
+    for (int kt = 0; kt < kKt; ++kt) {
+      dev::mma_bf16_16816(acc[kt], a, phi.hi[s][kt][0], phi.hi[s][kt][1]);
+      if constexpr (kF32) dev::mma_bf16_16816(acc[kt], a, phi.lo[s][kt][0], phi.lo[s][kt][1]);
+    }
+  }
+
+  // This warp's partials of the tile in ring stage `x`: box by box, step s's
+  // address an immediate offset from the lane's even- or odd-step address
+  // (an address computed per step gets rematerialised by ptxas before every
+  // ldmatrix at 224 registers). `per_box`: wait for each box's own barrier.
+  __device__ __forceinline__ void project_tile(const PhiFrags& phi, const PipeState<kStages>& x, bool per_box,
+                                               int my_steps, uint32_t a_off_even, uint32_t a_off_odd,
+                                               float (&acc)[kKt][4], float (&sq_lo)[4], float (&sq_hi)[4]) {
+    const uint32_t a_stage = sm.ring + x.index * L.stage_bytes;
+    const uint32_t a_even = a_stage + a_off_even, a_odd = a_stage + a_off_odd;
+    // Box c's barrier as an immediate offset from box 0's too (indexed as
+    // full[x.index][c], ptxas spilled 4 bytes at fp32 phi).
+    const Mbar box0(bar.full[x.index][0]);
+#pragma unroll
+    for (int c = 0; c < kMaxChunks; ++c) {
+      if (c < my_steps / 2) {
+        if (per_box) (box0 + c).wait(x.phase);  // box c landed
+        mma_step(phi, 2 * c, a_even + c * kChunkBytes, acc, sq_lo, sq_hi);
+        mma_step(phi, 2 * c + 1, a_odd + c * kChunkBytes, acc, sq_lo, sq_hi);
+      }
+    }
+  }
+
+  // This warp's partials into its scratch rows [kV][kScratchStride].
+  __device__ __forceinline__ void stash_partials(const float (&acc)[kKt][4], const float (&sq_lo)[4],
+                                                 const float (&sq_hi)[4], int g, int t) {
+    float* my = sm.scratch + warp * kV * kScratchStride;
+#pragma unroll
+    for (int kt = 0; kt < kKt; ++kt) {
+      const int m = kt * 8 + 2 * t;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int mm = m + (e & 1), row = g + 8 * (e >> 1);
+        if (mm < kCoef) my[mm * kScratchStride + row] = acc[kt][e];
+      }
+    }
+    // Diagonal: token g < 8 is D[g][g] of sq_lo (lane 4g + g/2, element g & 1);
+    // token 8 + g is D[8+g][g] of sq_hi (same lane, element 2 + (g & 1)).
+    if (t == (g >> 1)) {
+      my[kCoef * kScratchStride + g] = (g & 1) ? sq_lo[1] : sq_lo[0];
+      my[kCoef * kScratchStride + g + 8] = (g & 1) ? sq_hi[3] : sq_hi[2];
+    }
+  }
+
+  // This CTA's partials of tile j: the 8 warps' scratch summed in a fixed
+  // order per (value, 4 tokens) float4 and pushed into the receive buffers
+  // of parity `buf`: the common ones to all 16 CTAs (each of the 16 threads
+  // of one float4 sums it itself, in the same order, and pushes it to one
+  // CTA), the rest to the owner. Position [parity][this rank][value][tokens].
+  __device__ __forceinline__ void push_partials(int j, const PipeState<2>& buf) {
+    const int owner_rank = j % kClusterSize;
+    const uint32_t recv_bar = Mbar(bar.recv_full[buf.index]).addr;
+    constexpr int kCommonPushes = kCommon * kQ * kClusterSize;
+    auto warp_sum = [&](int m, int r4) {
+      float4 v = *reinterpret_cast<const float4*>(sm.scratch + m * kScratchStride + r4 * 4);
+#pragma unroll
+      for (int w = 1; w < kProjWarps; ++w) {
+        const float4 x = *reinterpret_cast<const float4*>(sm.scratch + (w * kV + m) * kScratchStride + r4 * 4);
+        v.x += x.x;
+        v.y += x.y;
+        v.z += x.z;
+        v.w += x.w;
+      }
+      return v;
+    };
+    // An item's sum and destination; a thread sums both of its items
+    // before it pushes either (a remote store holds the warp at issue:
+    // back to back they overlap).
+    auto item = [&](int it, float4& v, uint32_t& dst, int& dest) {
+      if (it < kCommonPushes) {
+        dest = it % kClusterSize;
+        const int q = it / kClusterSize, cv = q / kQ, r4 = q - cv * kQ;  // q: (common value, 4 tokens)
+        v = warp_sum(cv < kN ? cv : kCoef, r4);
+        dst = smem_u32(sm.recv_common + ((buf.index * kClusterSize + rank) * kCommon + cv) * kRows + r4 * 4);
+      } else {
+        dest = owner_rank;
+        const int q = it - kCommonPushes, fv = q / kQ, r4 = q - fv * kQ;
+        v = warp_sum(kN + fv, r4);
+        dst = smem_u32(sm.recv_owner + (rank * kFull + fv) * kRows + r4 * 4);
+      }
+    };
+    constexpr int kItems = kCommonPushes + kFull * kQ;
+    static_assert(kItems > kProjWarps * 32 && kItems <= 2 * kProjWarps * 32, "one or two items per thread");
+    float4 v0, v1 = make_float4(0.f, 0.f, 0.f, 0.f);
+    uint32_t d0 = 0, d1 = 0;
+    int r0 = 0, r1 = 0;
+    const bool second = tid + kProjWarps * 32 < kItems;
+    item(tid, v0, d0, r0);
+    if (second) item(tid + kProjWarps * 32, v1, d1, r1);
+    push4(d0, recv_bar, r0, v0);
+    if (second) push4(d1, recv_bar, r1, v1);
+  }
+
+  // F_pre of tile j's tokens 0-7 for this CTA's columns, out of the ring,
+  // once the finish warps have published its H_pre; then the stage and the
+  // H_pre buffer are released.
+  __device__ __forceinline__ void projection_mix(int j, PhaseClock& clock) {
+    const PipeState<kStages> x = PipeState<kStages>::at(j);
+    const PipeState<2> buf = PipeState<2>::at(j);
+    Mbar(bar.hpre_ready[buf.index]).wait(buf.phase);
+    clock.mark(5);
+    const unsigned char* xs = sm.ring_ptr + x.index * L.stage_bytes;
+    const float* hp = sm.hpre + buf.index * kRows * kN;
+    mix_rows(xs, hp, row0(j), 0, kRows - kFinishMixRows, tid, kProjWarps * 32);
+    clock.mark(6);
+    // This warp is done with the stage (its projection reads were behind
+    // the tile's block barriers; its mix just now) and with H_pre. One lane
+    // releases both: an arrive per lane on hpre_free made ptxas spill at
+    // setmaxnreg 224 (docs/mhc.md).
+    __syncwarp();
+    if (lane == 0) {
+      Mbar(bar.hpre_free[buf.index]).arrive();
+      Mbar(bar.stage_empty[x.index]).arrive();
+    }
+    clock.mark(7);
+  }
+
+  __device__ __forceinline__ void projection() {
+    const int g = lane >> 2, t = lane & 3;
+    static_assert(kN * 4 == 2 * kProjWarps, "a box's n * 4 k16 steps, 2 per projection warp");
+    const int my_steps = 2 * (slice / 64);  // <= kMaxSteps (launcher)
+    const int step_stream = warp >> 1, step_col = 32 * (warp & 1);  // + 64 (s / 2) + 16 (s % 2)
+    PhiFrags phi;
+    phi_to_registers(phi, g, t, my_steps, step_stream, step_col);
     dev::grid_dependency_wait();  // before X (prefetch_weights; a no-op otherwise)
     // ldmatrix.x4 lane address: rows (lane & 7) + 8 * ((lane >> 3) & 1), k offset 8 * (lane >> 4).
     const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8, a_kofs = (lane >> 4) * 8;
-    const uint32_t a_off_even = x_offset(a_row, step_stream, step_col + a_kofs);  // box 0, step 0
+    const uint32_t a_off_even = x_offset(a_row, step_stream, step_col + a_kofs);       // box 0, step 0
     const uint32_t a_off_odd = x_offset(a_row, step_stream, step_col + 16 + a_kofs);  // box 0, step 1
-    FM_STAMP(2, tid == 0)
+    stamp(2, tid == 0);
 
-    // FLASHMIX_MHC_PROFILE: per-phase cycle counts of warps 0 and 1 of two
-    // CTAs, printed at the end (a profiling build, never the shipped one).
-#ifdef FLASHMIX_MHC_PROFILE
-    long long prof[8] = {};
-    long long t0 = clock64();
-#define FM_PROF(k) { const long long t1 = clock64(); prof[k] += t1 - t0; t0 = t1; }
-#else
-#define FM_PROF(k)
-#endif
-    // F_pre of tile jj for this CTA's columns, out of the ring, once the
-    // finish warps have published its H_pre; then the stage and the H_pre
-    // buffer are released and the stage refilled with tile jj + kStages.
-    auto mix = [&](int jj) {
-      mbar_wait(smem_u32(&hpre_ready[jj & 1]), uint32_t(jj >> 1) & 1u);
-      FM_PROF(5)
-      const long long row0 = (cluster_id + (long long)jj * num_clusters) * kRows;
-      const unsigned char* xs = ring_ptr + (jj % kStages) * L.stage_bytes;
-      const float* hp = hpre + (jj & 1) * kRows * kN;
-      mix_rows(xs, hp, row0, 0, kRows - kFinishMixRows, tid, kProjWarps * 32);
-      FM_PROF(6)
-      // This warp is done with the stage (its projection reads were behind
-      // the tile's block barriers; its mix just now) and with H_pre. One
-      // lane releases both: an arrive per lane on hpre_free made ptxas spill
-      // at setmaxnreg 224 and cost decode 0.44 us (docs/mhc.md).
-      __syncwarp();
-      if (lane == 0) {
-        mbar_arrive(smem_u32(&hpre_free[jj & 1]));
-        mbar_arrive(smem_u32(&stage_empty[jj % kStages]));
-      }
-      FM_PROF(7)
-    };
-
+    PhaseClock clock;
 #pragma unroll 1
     for (int j = 0; j < my_tiles; ++j) {
-      const int stage = j % kStages;
-      const uint32_t full_parity = uint32_t(j / kStages) & 1u;
+      const PipeState<kStages> x = PipeState<kStages>::at(j);
       // The first kStages tiles (issued at the start, X cold) are waited
       // for box by box; later ones, issued a tile or more ahead, on one
-      // barrier (a wait per box cost B = 8192 264 -> 277 us, H200).
+      // barrier (a wait per box on every tile was slower).
       const bool per_box = j < kStages;
-      if (!per_box) mbar_wait(smem_u32(&full[stage][0]), full_parity);
-      FM_STAMP(3, tid == 0 && j == 0)
-      FM_PROF(0)
-      // Partial projection of tile j over this warp's k steps; hi and lo
-      // into one accumulator (12 registers fewer than two; B = 8192 233.7 ->
-      // 229.8 us, H200 same-run A/B).
+      if (!per_box) Mbar(bar.full[x.index][0]).wait(x.phase);
+      stamp(3, tid == 0 && j == 0);
+      clock.mark(0);
       float acc[kKt][4];
 #pragma unroll
       for (int kt = 0; kt < kKt; ++kt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[kt][e] = 0.f;
-      // Sums of squares on the tensor cores too: X_tile . X_tile^T restricted
-      // to 8 tokens per mma; its diagonal is |x_r|^2 (exact bf16 products,
-      // fp32 accumulation), 2 mma per step instead of 16 ALU instructions.
       float sq_lo[4] = {0.f, 0.f, 0.f, 0.f}, sq_hi[4] = {0.f, 0.f, 0.f, 0.f};  // tokens 0-7, 8-15
-      const uint32_t a_stage = ring + stage * L.stage_bytes;
-      auto step = [&](int s, uint32_t a_addr) {
-        uint32_t a[4];
-        ldmatrix_x4(a, a_addr);
-        dev::mma_bf16_16816(sq_lo, a, a[0], a[2]);  // B = rows 0-7 of A, transposed
-        dev::mma_bf16_16816(sq_hi, a, a[1], a[3]);  // B = rows 8-15 of A, transposed
-#pragma unroll
-        for (int kt = 0; kt < kKt; ++kt) {
-          dev::mma_bf16_16816(acc[kt], a, bhi[s][kt][0], bhi[s][kt][1]);
-          if constexpr (kF32) dev::mma_bf16_16816(acc[kt], a, blo[s][kt][0], blo[s][kt][1]);
-        }
-      };
-      // Box by box; step s's address is an immediate offset from the lane's
-      // even- or odd-step address (computing x_offset per step, ptxas
-      // rematerialised it from SR_TID and the constant bank before every
-      // ldmatrix at 224 registers: ncu). With this loop the projection
-      // warps leave fewer idle issue slots to the finish warps on their
-      // sub-partitions, so those mix fewer tokens (kFinishMixRows).
-      const uint32_t a_even = a_stage + a_off_even, a_odd = a_stage + a_off_odd;
-      const uint32_t full_bar = smem_u32(&full[stage][0]);
-#pragma unroll
-      for (int c = 0; c < kMaxChunks; ++c) {
-        if (c < my_steps / 2) {
-          if (per_box) mbar_wait(full_bar + 8 * c, full_parity);  // box c landed
-          step(2 * c, a_even + c * kChunkBytes);
-          step(2 * c + 1, a_odd + c * kChunkBytes);
-        }
-      }
-      FM_STAMP(4, tid == 0 && j == 0)
-      FM_PROF(1)
+      project_tile(phi, x, per_box, my_steps, a_off_even, a_off_odd, acc, sq_lo, sq_hi);
+      stamp(4, tid == 0 && j == 0);
+      clock.mark(1);
       // This CTA's partials of tile j: per warp into scratch (once every
       // warp is done reading the previous tile's), then summed over the
-      // warps in a fixed order and pushed once every CTA has released its
-      // receive buffer of this parity (tile j - 2).
+      // warps and pushed once every CTA has released its receive buffer of
+      // this parity (tile j - 2).
       named_bar_sync(kBarProj, kProjWarps * 32);
-      float* my = scratch + warp * kV * kScratchStride;
-#pragma unroll
-      for (int kt = 0; kt < kKt; ++kt) {
-        const int m = kt * 8 + 2 * t;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int mm = m + (e & 1), row = g + 8 * (e >> 1);
-          if (mm < kCoef) my[mm * kScratchStride + row] = acc[kt][e];
-        }
-      }
-      // Diagonal: token g < 8 is D[g][g] of sq_lo (lane 4g + g/2, element g & 1);
-      // token 8 + g is D[8+g][g] of sq_hi (same lane, element 2 + (g & 1)).
-      if (t == (g >> 1)) {
-        my[kCoef * kScratchStride + g] = (g & 1) ? sq_lo[1] : sq_lo[0];
-        my[kCoef * kScratchStride + g + 8] = (g & 1) ? sq_hi[3] : sq_hi[2];
-      }
-      if (j >= 2) mbar_wait_cluster(smem_u32(&recv_free[j & 1]), uint32_t((j - 2) >> 1) & 1u);
-      FM_PROF(2)
-      FM_STAMP(17, tid == 0 && j == 0)
+      stash_partials(acc, sq_lo, sq_hi, g, t);
+      const PipeState<2> buf = PipeState<2>::at(j);
+      if (j >= 2) Mbar(bar.recv_free[buf.index]).wait_cluster(buf.prev_phase());
+      clock.mark(2);
+      stamp(17, tid == 0 && j == 0);
       named_bar_sync(kBarProj, kProjWarps * 32);  // scratch written
-      FM_STAMP(18, tid == 0 && j == 0)
-      FM_PROF(3)
-      // Sum over the 8 warps and push, per (value, 4 tokens) float4: the
-      // common ones to all 16 CTAs (each of the 16 threads of one float4
-      // sums it itself, in the same order, and pushes it to one CTA), the
-      // rest to the owner. Position [parity][this rank][value][tokens].
-      {
-        const int owner_rank = j % kClusterSize;
-        const uint32_t bar = smem_u32(&recv_full[j & 1]);
-        constexpr int kCommonPushes = kCommon * kQ * kClusterSize;
-        auto warp_sum = [&](int m, int r4) {
-          float4 v = *reinterpret_cast<const float4*>(scratch + m * kScratchStride + r4 * 4);
-#pragma unroll
-          for (int w = 1; w < kProjWarps; ++w) {
-            const float4 x = *reinterpret_cast<const float4*>(scratch + (w * kV + m) * kScratchStride + r4 * 4);
-            v.x += x.x;
-            v.y += x.y;
-            v.z += x.z;
-            v.w += x.w;
-          }
-          return v;
-        };
-        // An item's sum and destination; a thread sums both of its items
-        // before it pushes either (a remote store holds the warp ~200
-        // cycles at issue, measured: back to back they overlap).
-        auto item = [&](int it, float4& v, uint32_t& dst, int& dest) {
-          if (it < kCommonPushes) {
-            dest = it % kClusterSize;
-            const int q = it / kClusterSize, cv = q / kQ, r4 = q - cv * kQ;  // q: (common value, 4 tokens)
-            v = warp_sum(cv < kN ? cv : kCoef, r4);
-            dst = smem_u32(recv_common + (((j & 1) * kClusterSize + rank) * kCommon + cv) * kRows + r4 * 4);
-          } else {
-            dest = owner_rank;
-            const int q = it - kCommonPushes, fv = q / kQ, r4 = q - fv * kQ;
-            v = warp_sum(kN + fv, r4);
-            dst = smem_u32(recv_full_buf + (rank * kFull + fv) * kRows + r4 * 4);
-          }
-        };
-        constexpr int kItems = kCommonPushes + kFull * kQ;
-        static_assert(kItems > kProjWarps * 32 && kItems <= 2 * kProjWarps * 32, "one or two items per thread");
-        float4 v0, v1 = make_float4(0.f, 0.f, 0.f, 0.f);
-        uint32_t d0 = 0, d1 = 0;
-        int r0 = 0, r1 = 0;
-        const bool second = tid + kProjWarps * 32 < kItems;
-        item(tid, v0, d0, r0);
-        if (second) item(tid + kProjWarps * 32, v1, d1, r1);
-        push4(d0, bar, r0, v0);
-        if (second) push4(d1, bar, r1, v1);
-      }
-      FM_STAMP(5, tid == 0 && j == 0)
-      FM_PROF(4)
+      stamp(18, tid == 0 && j == 0);
+      clock.mark(3);
+      push_partials(j, buf);
+      stamp(5, tid == 0 && j == 0);
+      clock.mark(4);
       // The pre mix of the previous tile (its H_pre is being made by the
-      // finish warps while this tile's projection ran), then its ring stage
-      // is refilled. Stage-1 (kProject) has no mix: this tile's stage is free now.
+      // finish warps while this tile's projection ran), which releases its
+      // stage. Stage 1 (kProject) has no mix: this tile's stage is free now.
       if (p.mode == ProjectMode::kProject) {
-        if (lane == 0) mbar_arrive(smem_u32(&stage_empty[j % kStages]));  // no mix: the stage is free
+        if (lane == 0) Mbar(bar.stage_empty[x.index]).arrive();
       } else if (j > 0) {
-        mix(j - 1);
+        projection_mix(j - 1, clock);
       }
     }
-    if (p.mode != ProjectMode::kProject && my_tiles > 0) mix(my_tiles - 1);
-    FM_STAMP(9, tid == 0)
-#ifdef FLASHMIX_MHC_PROFILE
-    if (cluster_id == 0 && rank < 2 && tid < 64 && lane == 0 && my_tiles > 0)
-      printf("prof rank %d warp %d tiles %d | waitX %lld proj %lld scratch+free %lld reduce %lld arrive %lld | "
-             "mix: wait %lld math %lld bar+issue %lld\n",
-             rank, warp, my_tiles, prof[0] / my_tiles, prof[1] / my_tiles, prof[2] / my_tiles, prof[3] / my_tiles,
-             prof[4] / my_tiles, prof[5] / my_tiles, prof[6] / my_tiles, prof[7] / my_tiles);
-#endif
-  } else if (warp < kProjWarps + kFinishWarps) {
-    // ---------------- finish warps ----------------
-    dev::setmaxnreg_dec<kFinishRegs>();
+    if (p.mode != ProjectMode::kProject && my_tiles > 0) projection_mix(my_tiles - 1, clock);
+    stamp(9, tid == 0);
+    report_projection(clock, cluster_id == 0 && rank < 2 && tid < 64 && lane == 0 && my_tiles > 0, rank, warp,
+                      my_tiles);
+  }
+
+  // =========================================================================
+  // Finish warps (8-10); ft: 0 .. 95
+
+  // Tile j's sums over the 16 ranks into tot, 4 tokens per float4, in rank
+  // order: the common values (every CTA) and the others (the owner).
+  __device__ __forceinline__ void sum_ranks(const PipeState<2>& buf, bool owner, int ft) {
+    const int nq = (owner ? kV : kCommon) * kQ;
+    for (int q = ft; q < nq; q += kFinishWarps * 32) {
+      const int i = q / kQ, r4 = q - i * kQ;  // i < kCommon: common value i; else full value i - kCommon
+      float4 sum;
+      int m;
+      if (i < kCommon) {
+        m = i < kN ? i : kCoef;
+        sum = rank_sum4(sm.recv_common + (buf.index * kClusterSize * kCommon + i) * kRows + r4 * 4, kCommon * kRows);
+      } else {
+        m = kN + (i - kCommon);
+        sum = rank_sum4(sm.recv_owner + (i - kCommon) * kRows + r4 * 4, kFull * kRows);
+      }
+      *reinterpret_cast<float4*>(sm.tot + m * kRows + r4 * 4) = sum;
+    }
+  }
+
+  // h from the sums, in one pass: thread (row, g) takes coefficients
+  // 4g .. 4g + 3 of one token, one r per thread; a non-owner needs only the
+  // pre coefficients (g = 0). kPre: H_pre into hp, and the owner's h into
+  // the stash `slot`; kProject: the owner writes h and r.
+  __device__ __forceinline__ void publish_h(long long row0, bool owner, int slot, float* hp, int ft) {
+    const float inv_k = 1.0f / float(p.k_len);
+    constexpr int kGroups = kCoef / 4;
+    static_assert(kCoef % 4 == 0 && kN == 4 && kRows * kGroups <= kFinishWarps * 32, "one pass of (row, group)");
+    const int hrow = ft / kGroups, hg = ft - hrow * kGroups;
+    if (hrow < kRows && (owner || hg == 0)) {
+      const float r = sqrtf(sm.tot[kCoef * kRows + hrow] * inv_k + p.eps_norm);
+      const long long b = row0 + hrow;
+      float hv[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int m = hg * 4 + e;
+        hv[e] = sm.coef_alpha[m] * __fdividef(sm.tot[m * kRows + hrow], r) + sm.coef_bias[m];
+      }
+      if (p.mode == ProjectMode::kProject) {
+        if (owner && b < p.batch) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) p.h[b * kCoef + hg * 4 + e] = hv[e];
+          if (hg == 0) p.r[b] = r;
+        }
+      } else {
+        if (hg == 0) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) hp[hrow * kN + e] = sigmoid_fast(hv[e]) + p.act.eps_pre;
+        }
+        if (owner) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sm.hsink[(slot * kRows + hrow) * kCoef + hg * 4 + e] = hv[e];
+        }
+      }
+    }
+  }
+
+  __device__ __forceinline__ void finish() {
     const int ft = tid - kProjWarps * 32;
-    issue_phi(32 + ft);
+    load_phi(32 + ft);
     // The coefficients' alpha and bias, once (while phi loads), not per tile.
     for (int m = ft; m < kCoef; m += kFinishWarps * 32) {
-      coef_alpha[m] = __ldg(p.alpha + alpha_index(m, kN));
-      coef_bias[m] = __ldg(p.bias + m);
+      sm.coef_alpha[m] = __ldg(p.alpha + alpha_index(m, kN));
+      sm.coef_bias[m] = __ldg(p.bias + m);
     }
     dev::grid_dependency_wait();  // before any output (prefetch_weights; a no-op otherwise)
     named_bar_sync(kBarFinish, kFinishWarps * 32);
-#ifdef FLASHMIX_MHC_PROFILE
-    long long prof[8] = {};
-    long long t0 = clock64();
-#endif
-    int owned = 0;
+    PhaseClock clock;
+    int owned = 0;  // tiles this CTA owned so far
 #pragma unroll 1
     for (int j = 0; j < my_tiles; ++j) {
-      const long long row0 = (cluster_id + (long long)j * num_clusters) * kRows;
+      const long long row0_j = row0(j);
       const bool owner = rank == j % kClusterSize;  // H_post/H_res (or h, r) of this tile
+      const PipeState<2> buf = PipeState<2>::at(j);
       // The bytes this CTA receives for tile j: the common values from
       // every rank, and the rest too when it owns the tile. The peers'
       // pushes may land before this expectation is set (the transaction
       // count goes negative meanwhile); the phase needs both.
-      if (ft == 0)
-        mbar_arrive_expect_tx(smem_u32(&recv_full[j & 1]),
-                              uint32_t(kClusterSize * (kCommon + (owner ? kFull : 0)) * kRows * 4));
-      mbar_wait(smem_u32(&recv_full[j & 1]), uint32_t(j >> 1) & 1u);
-      FM_PROF(0)
-      FM_STAMP(6, ft == 0 && j == 0)
-      // The sums over the 16 ranks, 4 tokens per float4, in rank order:
-      // the common values (every CTA) and the others (the owner).
-      const int nq = (owner ? kV : kCommon) * kQ;
-      for (int q = ft; q < nq; q += kFinishWarps * 32) {
-        const int i = q / kQ, r4 = q - i * kQ;  // i < kCommon: common value i; else full value i - kCommon
-        float4 sum;
-        int m;
-        if (i < kCommon) {
-          m = i < kN ? i : kCoef;
-          sum = rank_sum4(recv_common + ((j & 1) * kClusterSize * kCommon + i) * kRows + r4 * 4, kCommon * kRows);
-        } else {
-          m = kN + (i - kCommon);
-          sum = rank_sum4(recv_full_buf + (i - kCommon) * kRows + r4 * 4, kFull * kRows);
-        }
-        *reinterpret_cast<float4*>(tot + m * kRows + r4 * 4) = sum;
-      }
-      FM_STAMP(14, ft == 0 && j == 0)
-      FM_PROF(1)
-      named_bar_sync(kBarFinish, kFinishWarps * 32);  // tot written; every read of recv[j & 1] done
-      FM_STAMP(15, ft == 0 && j == 0)
-      const int slot = owned & 1;
-      if (owner && p.mode == ProjectMode::kPre && owned >= 2)
-        mbar_wait(smem_u32(&sink_empty[slot]), uint32_t((owned - 2) >> 1) & 1u);
-      if (p.mode == ProjectMode::kPre && j >= 2) mbar_wait(smem_u32(&hpre_free[j & 1]), uint32_t((j - 2) >> 1) & 1u);
-      FM_PROF(2)
-      float* hp = hpre + (j & 1) * kRows * kN;
-      // h, H_pre (and the owner's stash for Sinkhorn): thread (row, g)
-      // takes coefficients 4g .. 4g + 3 of one token, one r per thread;
-      // a non-owner needs only the pre coefficients (g = 0). One pass.
-      const float inv_k = 1.0f / float(p.k_len);
-      constexpr int kGroups = kCoef / 4;
-      static_assert(kCoef % 4 == 0 && kN == 4 && kRows * kGroups <= kFinishWarps * 32, "one pass of (row, group)");
-      const int hrow = ft / kGroups, hg = ft - hrow * kGroups;
-      if (hrow < kRows && (owner || hg == 0)) {
-        const float r = sqrtf(tot[kCoef * kRows + hrow] * inv_k + p.eps_norm);
-        const long long b = row0 + hrow;
-        float hv[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int m = hg * 4 + e;
-          hv[e] = coef_alpha[m] * __fdividef(tot[m * kRows + hrow], r) + coef_bias[m];
-        }
-        if (p.mode == ProjectMode::kProject) {
-          if (owner && b < p.batch) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) p.h[b * kCoef + hg * 4 + e] = hv[e];
-            if (hg == 0) p.r[b] = r;
-          }
-        } else {
-          if (hg == 0) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) hp[hrow * kN + e] = sigmoid_fast(hv[e]) + p.act.eps_pre;
-          }
-          if (owner) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) hsink[(slot * kRows + hrow) * kCoef + hg * 4 + e] = hv[e];
-          }
-        }
-      }
-      FM_STAMP(16, ft == 0 && j == 0)
-      FM_PROF(3)
+      const Mbar recv(bar.recv_full[buf.index]);
+      if (ft == 0) recv.arrive_expect_tx(uint32_t(kClusterSize * (kCommon + (owner ? kFull : 0)) * kRows * 4));
+      recv.wait(buf.phase);
+      clock.mark(0);
+      stamp(6, ft == 0 && j == 0);
+      sum_ranks(buf, owner, ft);
+      stamp(14, ft == 0 && j == 0);
+      clock.mark(1);
+      named_bar_sync(kBarFinish, kFinishWarps * 32);  // tot written; every read of the receive buffer done
+      stamp(15, ft == 0 && j == 0);
+      // The stash slot (after its previous use's Sinkhorn) and H_pre buffer
+      // (after tile j - 2's mix) are free.
+      const PipeState<2> sink = PipeState<2>::at(owned);
+      if (owner && p.mode == ProjectMode::kPre && owned >= 2) Mbar(bar.sink_empty[sink.index]).wait(sink.prev_phase());
+      if (p.mode == ProjectMode::kPre && j >= 2) Mbar(bar.hpre_free[buf.index]).wait(buf.prev_phase());
+      clock.mark(2);
+      float* hp = sm.hpre + buf.index * kRows * kN;
+      publish_h(row0_j, owner, sink.index, hp, ft);
+      stamp(16, ft == 0 && j == 0);
+      clock.mark(3);
       named_bar_sync(kBarFinish, kFinishWarps * 32);
       if (p.mode == ProjectMode::kPre) {
-        mbar_arrive(smem_u32(&hpre_ready[j & 1]));
-        if (owner) mbar_arrive(smem_u32(&sink_full[slot]));
+        Mbar(bar.hpre_ready[buf.index]).arrive();
+        if (owner) Mbar(bar.sink_full[sink.index]).arrive();
       }
-      FM_STAMP(7, ft == 0 && j == 0)
-      FM_PROF(4)
+      stamp(7, ft == 0 && j == 0);
+      clock.mark(4);
       // The receive buffer is free again (its reads were before the first
       // barrier above); released after H_pre, which is what the cluster waits for.
-      if (ft < 32) mbar_arrive_cluster_all(smem_u32(&recv_free[j & 1]), lane);
+      if (ft < 32) Mbar(bar.recv_free[buf.index]).arrive_cluster_all(lane);
       owned += owner;
       // The last kFinishMixRows tokens of the tile are mixed here, at once
-      // (the projection warps, one tile behind, take the others): the
-      // finish warps are otherwise idle half the time (measured).
+      // (the projection warps, one tile behind, take the others).
+      const int stage = PipeState<kStages>::at(j).index;
       if (p.mode == ProjectMode::kPre) {
-        mix_rows(ring_ptr + (j % kStages) * L.stage_bytes, hp, row0, kRows - kFinishMixRows, kFinishMixRows, ft,
+        mix_rows(sm.ring_ptr + stage * L.stage_bytes, hp, row0_j, kRows - kFinishMixRows, kFinishMixRows, ft,
                  kFinishWarps * 32);
         __syncwarp();
       }
-      FM_STAMP(8, ft == 0 && j == 0)
-      FM_PROF(5)
-      if (lane == 0) mbar_arrive(smem_u32(&stage_empty[j % kStages]));
+      stamp(8, ft == 0 && j == 0);
+      clock.mark(5);
+      if (lane == 0) Mbar(bar.stage_empty[stage]).arrive();
     }
-#ifdef FLASHMIX_MHC_PROFILE
-    if (cluster_id == 0 && rank < 2 && ft == 0 && my_tiles > 0)
-      printf("prof-finish rank %d tiles %d | wait-recv %lld sums %lld bar+waits %lld hpre %lld bar+release %lld mix %lld\n",
-             rank, my_tiles, prof[0] / my_tiles, prof[1] / my_tiles, prof[2] / my_tiles, prof[3] / my_tiles,
-             prof[4] / my_tiles, prof[5] / my_tiles);
-#endif
-  } else {
-    // ---------------- producer + Sinkhorn warp ----------------
-    dev::setmaxnreg_dec<kFinishRegs>();
-    issue_phi(lane);
+    report_finish(clock, cluster_id == 0 && rank < 2 && ft == 0 && my_tiles > 0, rank, my_tiles);
+  }
+
+  // =========================================================================
+  // Producer and Sinkhorn warp (11)
+
+  // Activations + Sinkhorn of owned tile o, one token per lane, h from
+  // stash `slot`; H_post and H_res out.
+  __device__ __forceinline__ void sinkhorn_tile(int o, int slot) {
+    const long long b = row0(o) + lane;
+    if (lane < kRows && b < p.batch) {
+      float h[kCoef], pre[kN], post[kN], res[kN * kN];
+#pragma unroll
+      for (int m = 0; m < kCoef; ++m) h[m] = sm.hsink[(slot * kRows + lane) * kCoef + m];
+      stamp(13, lane == 0 && o == 0);
+      activate_token<kN>(h, p.act, pre, post, res);
+      stamp(19, lane == 0 && o == 0);
+      if (((reinterpret_cast<uintptr_t>(p.h_post) | reinterpret_cast<uintptr_t>(p.h_res)) & 15) == 0) {
+        *reinterpret_cast<float4*>(p.h_post + b * kN) = make_float4(post[0], post[1], post[2], post[3]);
+#pragma unroll
+        for (int e = 0; e < kN * kN; e += 4)
+          *reinterpret_cast<float4*>(p.h_res + b * kN * kN + e) = make_float4(res[e], res[e + 1], res[e + 2], res[e + 3]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kN; ++i) p.h_post[b * kN + i] = post[i];
+#pragma unroll
+        for (int e = 0; e < kN * kN; ++e) p.h_res[b * kN * kN + e] = res[e];
+      }
+    }
+  }
+
+  __device__ __forceinline__ void producer() {
+    load_phi(lane);
     dev::grid_dependency_wait();  // before X and any output (prefetch_weights; a no-op otherwise)
     if (lane == 0) {
-      mbar_wait(smem_u32(&phi_free), 0u);
-      for (int j = 0; j < min(my_tiles, kStages); ++j) issue_tile(j);
+      Mbar(bar.phi_free).wait(0u);
+      for (int j = 0; j < min(my_tiles, kStages); ++j) load_tile(j);
     }
-#ifdef FLASHMIX_MHC_PROFILE
-    long long prof[8] = {};
-    long long t0 = clock64();
-#endif
-    int owned = 0;
+    PhaseClock clock;
+    int owned = 0;  // tiles this CTA owned so far
 #pragma unroll 1
     for (int t = kStages; t < my_tiles + kStages; ++t) {
-      // Refill: tile t goes where tile t - kStages was, once all 8
-      // projection warps are done with it.
+      // Refill: tile t goes where tile t - kStages was, once every warp
+      // that reads it is done with it.
       if (t < my_tiles && lane == 0) {
-        mbar_wait(smem_u32(&stage_empty[(t - kStages) % kStages]), uint32_t((t - kStages) / kStages) & 1u);
-        issue_tile(t);
+        const PipeState<kStages> x = PipeState<kStages>::at(t);
+        Mbar(bar.stage_empty[x.index]).wait(x.prev_phase());
+        load_tile(t);
       }
-      FM_PROF(0)
+      clock.mark(0);
       __syncwarp();
       // Sinkhorn of tile o = t - kStages when this CTA owns it: its h was
       // stashed about when the projection warps released its stage.
       const int o = t - kStages;
       if (p.mode != ProjectMode::kPre || o % kClusterSize != rank) continue;
-      const int slot = owned & 1;
-      mbar_wait(smem_u32(&sink_full[slot]), uint32_t(owned >> 1) & 1u);
-      FM_STAMP(12, lane == 0 && o == 0)
-      FM_PROF(1)
-      const long long b = (cluster_id + (long long)o * num_clusters) * kRows + lane;
-      if (lane < kRows && b < p.batch) {
-        float h[kCoef], pre[kN], post[kN], res[kN * kN];
-#pragma unroll
-        for (int m = 0; m < kCoef; ++m) h[m] = hsink[(slot * kRows + lane) * kCoef + m];
-        FM_STAMP(13, lane == 0 && o == 0)
-        activate_token<kN>(h, p.act, pre, post, res);
-        FM_STAMP(19, lane == 0 && o == 0)
-        if (((reinterpret_cast<uintptr_t>(p.h_post) | reinterpret_cast<uintptr_t>(p.h_res)) & 15) == 0) {
-          *reinterpret_cast<float4*>(p.h_post + b * kN) = make_float4(post[0], post[1], post[2], post[3]);
-#pragma unroll
-          for (int e = 0; e < kN * kN; e += 4)
-            *reinterpret_cast<float4*>(p.h_res + b * kN * kN + e) = make_float4(res[e], res[e + 1], res[e + 2], res[e + 3]);
-        } else {
-#pragma unroll
-          for (int i = 0; i < kN; ++i) p.h_post[b * kN + i] = post[i];
-#pragma unroll
-          for (int e = 0; e < kN * kN; ++e) p.h_res[b * kN * kN + e] = res[e];
-        }
-      }
+      const PipeState<2> sink = PipeState<2>::at(owned);
+      Mbar(bar.sink_full[sink.index]).wait(sink.phase);
+      stamp(12, lane == 0 && o == 0);
+      clock.mark(1);
+      sinkhorn_tile(o, sink.index);
       __syncwarp();
-      FM_STAMP(10, lane == 0 && o == 0)
-      FM_PROF(2)
-      mbar_arrive(smem_u32(&sink_empty[slot]));
+      stamp(10, lane == 0 && o == 0);
+      clock.mark(2);
+      Mbar(bar.sink_empty[sink.index]).arrive();
       ++owned;
     }
-#ifdef FLASHMIX_MHC_PROFILE
-    if (cluster_id == 0 && rank < 2 && lane == 0 && my_tiles > 0)
-      printf("prof-producer rank %d tiles %d owned %d | wait-empty+issue %lld (per tile) | wait-h %lld sinkhorn %lld (per owned tile)\n",
-             rank, my_tiles, owned, prof[0] / my_tiles, owned ? prof[1] / owned : 0, owned ? prof[2] / owned : 0);
-#endif
+    report_producer(clock, cluster_id == 0 && rank < 2 && lane == 0 && my_tiles > 0, rank, my_tiles, owned);
+  }
+};
+
+template <int kN, bool kF32>
+__global__ void __launch_bounds__(kThreads, 1)
+    sm90_mhc_resident_kernel(ProjectParams p, ResidentLayout L, const __grid_constant__ CUtensorMap x_map) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ Barriers bars;
+  __shared__ float coef[2 * Dims<kN>::kCoef];  // alpha_of(m), then bias[m]
+  ResidentCta<kN, kF32> cta(p, L, &x_map, smem, bars, coef);
+
+  stamp(0, threadIdx.x == 0);
+  if (threadIdx.x == 0) bars.init();
+  // Every CTA's barriers are initialised before any peer may arrive on them.
+  dev::cluster_arrive();
+  dev::cluster_wait();
+
+  // With prefetch_weights (the caller's promise that the kernel before this
+  // one on the stream does not write phi, alpha or bias), the weights are
+  // read before the grid dependency is resolved, overlapping that kernel's
+  // tail; every role waits for it before its first touch of X or of an
+  // output. Without, everything waits here.
+  if (!p.prefetch_weights) dev::grid_dependency_wait();
+  dev::allow_dependents_launch();
+  stamp(1, threadIdx.x == 0);
+
+  const int warp = threadIdx.x >> 5;
+  if (warp < kProjWarps) {
+    dev::setmaxnreg_inc<kProjRegs>();
+    cta.projection();
+  } else if (warp < kProjWarps + kFinishWarps) {
+    dev::setmaxnreg_dec<kFinishRegs>();
+    cta.finish();
+  } else {
+    dev::setmaxnreg_dec<kFinishRegs>();
+    cta.producer();
   }
   // No CTA leaves while a peer may still read its partials or arrive on its barriers.
   __syncwarp();
-  cluster_arrive();
-  cluster_wait();
-  FM_STAMP(11, tid == 0)
-#ifdef FLASHMIX_MHC_PROFILE
-  if (tid == 0 && blockIdx.x == 0)
-    printf("timeline ns: phi %llu | X %llu | proj %llu | sent %llu | fin-ready %llu | hpre %llu | finmix %llu | "
-           "projmix %llu | sinkhorn %llu..%llu | exit %llu (from cluster wait; entry->wait %llu)\n",
-           fm_stamps[2] - fm_stamps[1], fm_stamps[3] - fm_stamps[1], fm_stamps[4] - fm_stamps[1],
-           fm_stamps[5] - fm_stamps[1], fm_stamps[6] - fm_stamps[1], fm_stamps[7] - fm_stamps[1],
-           fm_stamps[8] - fm_stamps[1], fm_stamps[9] - fm_stamps[1], fm_stamps[12] - fm_stamps[1], fm_stamps[10] - fm_stamps[1],
-           fm_stamps[11] - fm_stamps[1], fm_stamps[1] - fm_stamps[0]);
-  if (tid == 0 && blockIdx.x == 0) {
-    auto c = [&](int i) { return fm_cycles[i] - fm_cycles[1]; };
-    printf("cycles: phi %lld | X %lld | proj %lld | scratch %lld | bar1 %lld | sent %lld || fin-ready %lld | sums %lld | "
-           "bar+free %lld | hpre-loop %lld | hpre %lld | finmix %lld || sink-wait %lld | h-loaded %lld | act %lld | "
-           "stored %lld\n",
-           c(2), c(3), c(4), c(17), c(18), c(5), c(6), c(14), c(15), c(16), c(7), c(8), c(12), c(13), c(19), c(10));
-  }
-#endif
+  dev::cluster_arrive();
+  dev::cluster_wait();
+  stamp(11, threadIdx.x == 0);
+  report_timeline(threadIdx.x == 0 && blockIdx.x == 0);
 #endif
 }
 
