@@ -44,7 +44,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 
 if [ -z "${SKIP_SANITIZER:-}" ]; then
-  filter=${SANITIZE_FILTER:-"-*ManyTokens*:*OneTokenAndDecodeSizes*:*InvalidatedCapture*"}
+  filter=${SANITIZE_FILTER:-"-*ManyTokens*:*OneTokenAndDecodeSizes*:*InvalidatedCapture*:*CudaErrorState*"}
   for tool in memcheck racecheck; do
     f=$filter
     [ "$tool" = racecheck ] && f=${RACECHECK_FILTER:-$filter}

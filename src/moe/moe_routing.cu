@@ -399,21 +399,6 @@ int expand_word_bytes(const MoeRoutingArgs& a) {
   return 2;
 }
 
-// A stream is usable when the runtime recognises it. cudaStreamIsCapturing
-// is legal during graph capture (cudaStreamGetFlags is not on CUDA 13: it
-// invalidated the capture, seen on an H200), and it rejects the legacy
-// stream while another stream captures in global mode, which is right.
-Status check_stream_capture_safe(cudaStream_t stream) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  const cudaError_t err = cudaStreamIsCapturing(stream, &capture);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    return Status(StatusCode::kInvalidArgument,
-                  detail::concat(kOp, ": stream: not a usable CUDA stream (", cudaGetErrorName(err), ")"));
-  }
-  return Status::Ok();
-}
-
 // Lets `kernel` take `bytes` of dynamic shared memory on the current device.
 Status set_smem(const void* kernel, size_t bytes) {
   if (bytes <= detail::kDefaultDynamicSmem) return Status::Ok();
@@ -431,7 +416,7 @@ Status run_routing(const MoeRoutingArgs& a, void* workspace, size_t workspace_by
   FM_REQUIRE(workspace_bytes >= plan.workspace_bytes, kOp, "workspace_bytes", "must be >= ",
              plan.workspace_bytes, " (build_moe_routing_maps_workspace_size), got ", workspace_bytes);
   FM_REQUIRE(plan.workspace_bytes == 0 || workspace != nullptr, kOp, "workspace", "must not be null");
-  FM_RETURN_IF_ERROR(check_stream_capture_safe(stream));
+  FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
 
   const int E = a.num_experts_per_node;
   if (a.num_tokens == 0) {
