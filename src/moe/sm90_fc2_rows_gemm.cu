@@ -1,4 +1,4 @@
-// FC2 grouped GEMM on sm_90a, our own kernel (configuration 3, "rows_128xN"):
+// FC2 grouped GEMM on sm_90a, our own kernel (Fc2GemmKernel::kRows, "rows_128xN"):
 // the tile is 128 output columns (H) x all rows of one expert (up to 272 with
 // at most 256 experts, else 256; an expert with more is cut into equal chunks
 // of at most 256), so an expert's
@@ -83,7 +83,7 @@ constexpr int kProducerRegs = 72, kConsumerRegs = 216;
 #ifdef FLASHMIX_FC2_PROFILE
 constexpr int kProfTiles = 12;  // profiling build: tiles stamped per warpgroup
 #endif
-constexpr int kMaxExpertsOp = 1024;  // the op's limit (moe_fc2_check.cpp)
+constexpr int kMaxExpertsOp = kFc2RowsMaxExperts;  // the most experts the 256-row kernel's tables hold
 
 // Shared memory layout (from a 1024-byte aligned base): a 4-stage ring of
 // W2 128 x 64 + up to kMaxRows rows x 64, the epilogue staging, the per-tile
@@ -753,11 +753,9 @@ bool encode_maps(const Sm90Fc2GemmParams& p, CUtensorMap& w, CUtensorMap (&a)[4]
 
 }  // namespace
 
-Status sm90_fc2_run_rows_128xN(const Sm90Fc2GemmParams& p, cudaStream_t stream) {
-  FM_REQUIRE_SUPPORTED(p.E <= kMaxExpertsOp, kOp, "num_experts_per_node", "at most ", kMaxExpertsOp,
-                       " for gemm configuration 3");
-  FM_REQUIRE_SUPPORTED(int64_t(p.T) * p.k < (int64_t(1) << 31), kOp, "num_tokens",
-                       "T * k must be below 2^31 (TMA row coordinates)");
+Status sm90_fc2_run_rows(const Sm90Fc2GemmParams& p, cudaStream_t stream) {
+  // The shapes it takes (E <= kMaxExpertsOp, T * k < 2^31) are checked where
+  // the kernel is chosen (moe_fc2_dispatch.cpp).
   CUtensorMap w, a[4];
   FM_REQUIRE_SUPPORTED(encode_maps(p, w, a), kOp, "A", "TMA descriptors could not be encoded");
   RowsGemmParams k{};
