@@ -1,21 +1,19 @@
-// FC2 grouped GEMM on sm_90a, our own kernel (Fc2GemmKernel::kRows, "rows_128xN"):
-// the tile is 128 output columns (H) x all rows of one expert (up to 272 with
-// at most 256 experts, else 256; an expert with more is cut into equal chunks
-// of at most 256), so an expert's
-// W2 column slice is read from device memory once for all of its rows and no
-// tile computes rows that do not exist. SPEC §3: per expert e,
+// FC2 grouped GEMM on sm_90a, our own kernel (Fc2GemmKernel::kRows; TMA +
+// wgmma, no CUTLASS, always built): SPEC §3, per expert e,
 //   out[t, h] += w[t, j] * (sum_i A[p, i] * W2[e, h, i] + bias[e, h])
-// for its rows p (slot s = p2u[p], t = s % T, j = s / T).
+// for its rows p (slot s = p2u[p], t = s % T, j = s / T), with the finalize
+// in the epilogue (reduction adds into out or an fp32 accumulator, or rows
+// stored for the deterministic / unfused modes: Fc2EpilogueOp).
 //
-// Why not CUTLASS here: its grouped GEMM fixes the tile's row count at
-// compile time, so an expert with 256 + 16 rows takes 2 or 3 tiles of 128
-// (or 5 of 64) whose MMAs run on padding: on the DeepSeek-like EP shape
-// (256 +- 16 rows per expert) that cost ~0.12x of the dense GEMM's time
-// (docs/fc2_grouped_gemm.md). Here the wgmma N (the rows) is picked per tile
-// from 16..272 in steps of 16 (one instantiation each; 272 as two wgmmas of
-// 256 + 16 rows sharing one A fragment from registers), the product computed
-// transposed: D^T[h, row] = W2[e] (M = 128 H, K-major) x A_rows^T (N = rows,
-// K-major), both operands by TMA with 128-byte swizzle.
+// A tile is 128 output columns (H) x all rows of one expert (up to 272 with
+// at most 256 experts, else 256; a larger expert is cut into equal chunks of
+// at most 256), so an expert's W2 column slice is read from device memory
+// once for all of its rows, and the wgmma N (the rows, 16..272 in steps of
+// 16, one instantiation each; 272 as two wgmmas of 256 + 16 sharing one A
+// fragment from registers) is sized per tile, so no MMA runs on padding rows
+// (CUTLASS's grouped GEMM fixes the tile's row count at compile time). The
+// product is computed transposed: D^T[h, row] = W2[e] (M = 128 H, K-major) x
+// A_rows^T (N = rows, K-major), both operands by TMA with 128-byte swizzle.
 //
 // CTA: 12 warps, persistent (one CTA per SM, static round robin over the
 // tiles: experts with the largest tiles first, then each expert's H slices,
@@ -27,13 +25,19 @@
 // the 128 columns, then the epilogue: w * (acc + bias) through shared memory
 // (transposed so a thread holds 8 consecutive columns of one row) to 16-byte
 // reduction adds / stores. Warps 8-11 give registers to the consumers
-// (setmaxnreg 72 / 216). N stays at most 272: a larger tile needs larger
-// stages than 4 fit, and 3 of them ran slower (docs/fc2_grouped_gemm.md).
-// Below N = 256 a tile's mainloop is bound, by a model that fits the
-// profiles, by shared-memory bandwidth (128 bytes a cycle: TMA's writes plus
-// the wgmmas' operand reads, B read once per warpgroup), not the MMA rate.
-// The tile's schedule comes from expert_first_token_offset on the device:
-// no host sync, capturable.
+// (setmaxnreg 72 / 216). The schedule comes from expert_first_token_offset
+// on the device: no host sync, capturable.
+//
+// Roofline: 2*P*H*I FLOPs; the DeepSeek-like EP rank (P = 8192, H = 7168,
+// I = 2048) is 240 GFLOP, ~300 us at the ~800 TFLOP/s a dense cuBLAS GEMM
+// reaches on an H200 (W2, 0.94 GB read once, is ~200 us of HBM bandwidth).
+// Below N = 256 a tile's mainloop is bound by shared-memory bandwidth (TMA's
+// writes plus the wgmmas' operand reads), not the MMA rate.
+// Current figure (H200, flashmix-bench against a dense cuBLAS GEMM of equal
+// FLOPs): DeepSeek EP atomic ~1.31-1.38x dense, Mixtral-like ~1.17-1.22x,
+// Qwen3-MoE-like ~1.57x. Design, profiles and measurements:
+// docs/fc2_grouped_gemm.md. Cycle profile: -DFLASHMIX_FC2_PROFILE
+// (sm90_fc2_rows_profile.cuh).
 #include <cuda.h>  // CUtensorMap
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -88,7 +92,7 @@ namespace prof = fc2_rows_prof;  // per-tile cycle stamps: empty hooks unless FL
 // per consumer thread): 272 (two wgmmas above 256 rows) where the experts'
 // tables fit beside the larger stages (up to 256 experts, 128 in the
 // profiling build), else 256. Larger tiles would need larger stages than 4
-// fit: 3 stages of 56 KB for 320 rows ran slower (docs/fc2_grouped_gemm.md).
+// fit (fewer, larger stages were slower: docs/fc2_grouped_gemm.md).
 template <int kMaxRows_>
 struct RowsCfg {
   static constexpr int kStages = 4;
