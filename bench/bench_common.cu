@@ -133,6 +133,8 @@ void add_record(Context& ctx, Record r) {
   std::printf("%-22s %-34s %11.2f %10.1f %9.3f %-8s %s\n", r.op.c_str(), r.case_name.c_str(), r.median_us,
               rate, r.fraction, r.ceiling.c_str(), r.check.c_str());
   for (const auto& [key, value] : r.extra) std::printf("%-22s %-34s   %s = %.4g\n", "", "", key.c_str(), value);
+  for (const auto& [key, value] : r.labels)
+    std::printf("%-22s %-34s   %s: %s\n", "", "", key.c_str(), value.c_str());
   std::fflush(stdout);
   ctx.records.push_back(std::move(r));
 }
@@ -162,6 +164,7 @@ bool write_json(const Context& ctx, const std::string& path) {
       << json_escape(r.check) << "\", \"gpu\": \"" << json_escape(ctx.gpu_name) << "\", \"date\": \""
       << ctx.date << "\", \"commit\": \"" << ctx.commit << "\"";
     for (const auto& [key, value] : r.extra) f << ", \"" << key << "\": " << value;
+    for (const auto& [key, value] : r.labels) f << ", \"" << key << "\": \"" << json_escape(value) << "\"";
     f << "}" << (i + 1 < ctx.records.size() ? "," : "") << "\n";
   }
   f << "  ]\n}\n";

@@ -29,6 +29,7 @@ struct Record {
   double flops = 0;       // counted FLOPs (GEMMs)
   std::string check;      // "passed", "FAILED: ...", or "reference" (CPU mode: nothing to compare)
   std::map<std::string, double> extra;  // further numbers (e.g. bound_us, speedup)
+  std::map<std::string, std::string> labels;  // further text (e.g. the kernel an op chose)
 };
 
 struct Context {
@@ -44,6 +45,9 @@ struct Context {
   bool quick = false;      // fewer repetitions
   bool sweep = false;      // also time the launch-shape tunings of each op
   std::string filter;      // only cases whose "op/case" contains it
+  // moe_fc2: the GEMM kernels to time each case on (--fc2-gemm-kernel, a
+  // comma-separated list of Fc2GemmKernel names; default "auto").
+  std::string fc2_gemm_kernels = "auto";
   std::vector<Record> records;
 
   bool selected(const std::string& op, const std::string& case_name) const;

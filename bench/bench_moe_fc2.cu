@@ -5,11 +5,16 @@
 // (not timed). Fraction = dense time / our time (1.0 = as fast as dense).
 // Verification: a sample of tokens and every 4th column against a double
 // reference computed here from the same inputs (the full CPU reference would
-// take minutes for these shapes); the check string says so.
+// take minutes for these shapes); the check string says so. Each record
+// names the GEMM kernel that ran (gemm_kernel) and why (gemm_kernel_why);
+// --fc2-gemm-kernel pins kernels against each other in the same process
+// (records case/mode@kernel), e.g. atomic_fp32 on rows vs CUTLASS:
+//   flashmix-bench --filter atomic_fp32 --fc2-gemm-kernel auto,rows,cutlass_pingpong,cutlass_cooperative
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -19,6 +24,8 @@
 #include "common/host_dtype.h"
 #include "common/test_data.h"
 #include "flashmix/moe.h"
+#include "moe/moe_fc2_dispatch.h"
+#include "moe/moe_fc2_internal.h"
 
 namespace flashmix::bench {
 namespace {
@@ -46,6 +53,41 @@ __global__ void fill_bf16(__nv_bfloat16* x, int64_t n, uint64_t seed, float scal
     h ^= h >> 29;
     x[i] = __float2bfloat16(scale * (float(h >> 40) / float(1 << 24) * 2.0f - 1.0f));
   }
+}
+
+struct Fc2BenchTuning {
+  Fc2Tuning tuning;
+  bool all_modes;  // else atomic and unfused only (the sweep's extra tunings)
+};
+
+// The record name's suffix: none for the automatic choice, else @kernel (and
+// the CUTLASS tile order and swizzle when set).
+std::string fc2_suffix(const Fc2Tuning& t) {
+  const bool cutlass =
+      t.gemm_kernel == Fc2GemmKernel::kCutlassCooperative || t.gemm_kernel == Fc2GemmKernel::kCutlassPingpong;
+  std::string s = t.gemm_kernel == Fc2GemmKernel::kAuto ? "" : std::string("@") + to_string(t.gemm_kernel);
+  if ((cutlass || t.gemm_kernel == Fc2GemmKernel::kAuto) && (t.raster != 0 || t.swizzle != 0))
+    s += (s.empty() ? "@auto" : "") + std::string(t.raster == 2 ? "_rn" : "_rm") + "_sw" + std::to_string(t.swizzle);
+  return s;
+}
+
+// --fc2-gemm-kernel's list; exits on a name that is no kernel.
+std::vector<Fc2GemmKernel> fc2_kernels_of(const Context& ctx) {
+  std::vector<Fc2GemmKernel> out;
+  const std::string& list = ctx.fc2_gemm_kernels;
+  for (size_t b = 0; b <= list.size();) {
+    size_t e = list.find(',', b);
+    if (e == std::string::npos) e = list.size();
+    Fc2GemmKernel k;
+    if (!flashmix::testing::parse_fc2_gemm_kernel(list.c_str() + b, e - b, &k)) {
+      std::fprintf(stderr, "flashmix-bench: --fc2-gemm-kernel %s: \"%s\" is none of auto, rows, "
+                   "cutlass_cooperative, cutlass_pingpong\n", list.c_str(), list.substr(b, e - b).c_str());
+      std::exit(2);
+    }
+    out.push_back(k);
+    b = e + 1;
+  }
+  return out;
 }
 
 void run_case(Context& ctx, const Fc2Case& c, cudaStream_t stream) {
@@ -151,40 +193,62 @@ void run_case(Context& ctx, const Fc2Case& c, cudaStream_t stream) {
   // launch at a time, it was 15-20 % slower too.)
   DenseGemm dense(std::max<int64_t>(P, 1), c.H, c.I, stream);
   const double dense_first_us = median_us([&] { dense.run(); }, stream, 5, iters);
-  // Tunings: the automatic choice, then (with --sweep, unfused and atomic
-  // only) every GEMM configuration x tile order x swizzle.
-  std::vector<Fc2Tuning> tunings{Fc2Tuning{}};
-  // FLASHMIX_BENCH_FC2_TUNING=cfg,raster,swizzle replaces the automatic
-  // choice (to profile one configuration with scripts/ncu_cases.sh).
+  // Tunings: each kernel of --fc2-gemm-kernel (default: the automatic
+  // choice), every mode; then with --sweep (atomic and unfused only) every
+  // kernel this build has, the CUTLASS ones in both tile orders x swizzles.
+  std::vector<Fc2BenchTuning> tunings;
+  // FLASHMIX_BENCH_FC2_TUNING=kernel,raster,swizzle (a kernel name, e.g.
+  // rows,0,0 or cutlass_pingpong,2,4) replaces --fc2-gemm-kernel's list (to
+  // profile one tuning with scripts/ncu_cases.sh or fc2_profile_round.sh).
   if (const char* env = std::getenv("FLASHMIX_BENCH_FC2_TUNING")) {
     Fc2Tuning t;
-    if (std::sscanf(env, "%d,%d,%d", &t.gemm_config, &t.raster, &t.swizzle) == 3) tunings[0] = t;
+    const char* comma = std::strchr(env, ',');
+    if (!comma || !flashmix::testing::parse_fc2_gemm_kernel(env, size_t(comma - env), &t.gemm_kernel) ||
+        std::sscanf(comma + 1, "%d,%d", &t.raster, &t.swizzle) != 2) {
+      std::fprintf(stderr, "flashmix-bench: FLASHMIX_BENCH_FC2_TUNING=%s: want kernel,raster,swizzle\n", env);
+      std::exit(2);
+    }
+    tunings.push_back({t, true});
+  } else {
+    for (Fc2GemmKernel k : fc2_kernels_of(ctx)) {
+      Fc2Tuning t;
+      t.gemm_kernel = k;
+      tunings.push_back({t, true});
+    }
   }
   if (ctx.sweep) {
-    for (int cfg = 1; cfg <= 2; ++cfg)
-      for (int raster = 1; raster <= 2; ++raster)
-        for (int swizzle : {1, 4}) tunings.push_back(Fc2Tuning{cfg, raster, swizzle});
-    tunings.push_back(Fc2Tuning{3, 1, 1});  // our own kernel: its tile order is fixed
+    auto add = [&](Fc2GemmKernel k, int raster, int swizzle) {
+      Fc2Tuning t;
+      t.gemm_kernel = k;
+      t.raster = raster;
+      t.swizzle = swizzle;
+      for (const auto& have : tunings)
+        if (fc2_suffix(have.tuning) == fc2_suffix(t)) return;
+      tunings.push_back({t, false});
+    };
+    if (sm90_fc2_built_with_cutlass())
+      for (Fc2GemmKernel k : {Fc2GemmKernel::kCutlassCooperative, Fc2GemmKernel::kCutlassPingpong})
+        for (int raster = 1; raster <= 2; ++raster)
+          for (int swizzle : {1, 4}) add(k, raster, swizzle);
+    add(Fc2GemmKernel::kRows, 0, 0);  // its tile order is its own
   }
-  const bool pinned = std::getenv("FLASHMIX_BENCH_FC2_TUNING") != nullptr;
-  for (size_t ti = 0; ti < tunings.size(); ++ti) {
-  const Fc2Tuning& tuning = tunings[ti];
+  for (const Fc2BenchTuning& bt : tunings) {
+  const Fc2Tuning& tuning = bt.tuning;
   double unfused_us = 0;
   a.tuning = tuning;
-  const bool swept = tuning.gemm_config != 0;
-  const std::string suffix = swept ? "/cfg" + std::to_string(tuning.gemm_config) + (tuning.raster == 2 ? "_rn" : "_rm") +
-                                         "_sw" + std::to_string(tuning.swizzle)
-                                   : "";
+  const std::string suffix = fc2_suffix(tuning);
   for (Fc2Mode m : modes) {
     if (!ctx.selected("moe_fc2", c.name + "/" + fc2_mode_name(m))) continue;
-    // The sweep's extra tunings time atomic and unfused only; a pinned one (the env) every mode.
-    if (swept && !(pinned && ti == 0) && m != Fc2Mode::kAtomic && m != Fc2Mode::kUnfused) continue;
+    // The sweep's extra tunings time atomic and unfused only.
+    if (!bt.all_modes && m != Fc2Mode::kAtomic && m != Fc2Mode::kUnfused) continue;
     a.mode = m;
+    Fc2GemmChoice choice;
+    const Status chosen = choose_fc2_gemm_kernel(a, &choice);
     BENCH_CUDA(cudaMemsetAsync(dout, 0xff, c.T * c.H * 2, stream));
     Status st = moe_fc2_finalize(a, dws, ws_bytes, stream);
     if (!st.ok()) {
-      std::fprintf(stderr, "flashmix-bench: moe_fc2 %s/%s: %s\n", c.name.c_str(), fc2_mode_name(m),
-                   st.message().c_str());
+      std::fprintf(stderr, "flashmix-bench: moe_fc2 %s/%s%s: %s\n", c.name.c_str(), fc2_mode_name(m),
+                   suffix.c_str(), st.message().c_str());
       continue;
     }
     BENCH_CUDA(cudaStreamSynchronize(stream));
@@ -229,6 +293,10 @@ void run_case(Context& ctx, const Fc2Case& c, cudaStream_t stream) {
     rec.extra["ratio_to_dense"] = us / dense_us;
     rec.extra["tflops"] = flops / (us * 1e-6) / 1e12;
     rec.extra["rows"] = double(P);
+    if (chosen.ok()) {
+      rec.labels["gemm_kernel"] = to_string(choice.kernel);
+      rec.labels["gemm_kernel_why"] = choice.why;
+    }
     {  // weight bytes of the experts with rows: the floor when rows per expert are few (decode)
       int touched = 0;
       for (int e = 0; e < c.local; ++e) touched += r.offsets[e + 1] > r.offsets[e];
@@ -254,7 +322,8 @@ void run_case(Context& ctx, const Fc2Case& c, cudaStream_t stream) {
 }  // namespace
 
 void run_moe_fc2_cases(Context& ctx) {
-  if (!ctx.gpu) return;  // the CPU reference on these shapes would take minutes
+  (void)fc2_kernels_of(ctx);  // a bad --fc2-gemm-kernel fails here, GPU or not
+  if (!ctx.gpu) return;       // the CPU reference on these shapes would take minutes
   std::vector<Fc2Case> cases = {
       {"deepseek_ep_T1024_k8_E32_I2048_H7168", 1024, 8, 32, 32, 7168, 2048, false, 1.15, 1.30},
       {"mixtral_T4096_k2_E8_I14336_H4096", 4096, 2, 8, 8, 4096, 14336, false, 1.15, 1.30},
@@ -265,7 +334,7 @@ void run_moe_fc2_cases(Context& ctx) {
   // ragged tiles), and its FLOPs as one expert (the grouped kernel as a dense GEMM).
   if (ctx.sweep) {
     cases.push_back({"diag_deepseek_balanced_T1024_k8_E32_I2048_H7168", 1024, 8, 32, 32, 7168, 2048, false, 0, 0, true});
-    // 272 rows per expert: configuration 3 cuts every expert into two chunks (N = 144 tiles).
+    // 272 rows per expert: the rows kernel cuts every expert into two chunks (N = 144 tiles).
     cases.push_back({"diag_deepseek_balanced_T1088_k8_E32_I2048_H7168", 1088, 8, 32, 32, 7168, 2048, false, 0, 0, true});
     cases.push_back({"diag_one_expert_T8192_k1_E1_I2048_H7168", 8192, 1, 1, 1, 7168, 2048, false, 0, 0, true});
     cases.push_back({"diag_two_experts_T4096_k2_E2_I2048_H7168", 4096, 2, 2, 2, 7168, 2048, false, 0, 0, true});

@@ -2,6 +2,11 @@
 // against the CPU reference per case, and an optional JSON record.
 //
 //   flashmix-bench [--json FILE] [--filter TEXT] [--quick] [--no-verify] [--sweep]
+//                  [--fc2-gemm-kernel NAME[,NAME...]]
+//
+// --fc2-gemm-kernel: time each moe_fc2 case on these GEMM kernels (auto,
+// rows, cutlass_cooperative, cutlass_pingpong; default auto); a pinned one's
+// records are named case/mode@NAME.
 //
 // Without a GPU it runs the CPU reference backend on small shapes and says so.
 #include <cstdio>
@@ -23,8 +28,12 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--quick")) ctx.quick = true;
     else if (!std::strcmp(argv[i], "--no-verify")) ctx.verify = false;
     else if (!std::strcmp(argv[i], "--sweep")) ctx.sweep = true;
+    else if (!std::strcmp(argv[i], "--fc2-gemm-kernel") && i + 1 < argc) ctx.fc2_gemm_kernels = argv[++i];
     else {
-      std::fprintf(stderr, "usage: %s [--json FILE] [--filter TEXT] [--quick] [--no-verify] [--sweep]\n", argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--json FILE] [--filter TEXT] [--quick] [--no-verify] [--sweep] "
+                   "[--fc2-gemm-kernel NAME[,NAME...]]\n",
+                   argv[0]);
       return 2;
     }
   }

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Sums the stamps of the FC2 configuration-3 profiling build
+"""Sums the stamps of the FC2 rows kernel's profiling build
 (scripts/profile_bench.sh, FLASHMIX_FC2_PROFILE_LAUNCH=n): per consumer
 warpgroup and tile class (N >= 224 'big', else 'small'), the mean cycles
 from a tile's start to its first stage, of the mainloop (and its waits for

@@ -3,7 +3,7 @@
 # per build (flashmix-bench, optionally flashmix-bench-prof and
 # flashmix_gpu_tests; scripts/profile_bench.sh links them from one tree
 # with FC2_DEFS). For each build with a test binary: the FC2 GPU tests on
-# configuration 3; then scripts/ab_bench.sh over FILTER (ROUNDS rounds,
+# our own kernel (rows); then scripts/ab_bench.sh over FILTER (ROUNDS rounds,
 # interleaved); then, for each build with a profiling binary, the per-tile
 # profile of the cases in FC2_PROFILE_CASES (fc2_profile_round.sh).
 # SANITIZE_FILTER (a gtest filter): memcheck and racecheck on those tests too.
@@ -17,14 +17,14 @@ dir=${1:?}; out=${2:?}; filter=${3:?}; rounds=${4:?}; shift 4
 status=0
 for b in "$@"; do
   if [ -x "$dir/$b/flashmix_gpu_tests" ]; then
-    echo "== $b: GPU tests ${VARIANT_TESTS:-*MoeFc2Gpu*}, FC2 configuration 3"
-    FLASHMIX_TEST_FC2_CONFIG=3 "$dir/$b/flashmix_gpu_tests" --gtest_filter="${VARIANT_TESTS:-*MoeFc2Gpu*}" 2>&1 |
+    echo "== $b: GPU tests ${VARIANT_TESTS:-*MoeFc2Gpu*}, FC2 on the rows kernel"
+    FLASHMIX_TEST_FC2_KERNEL=rows "$dir/$b/flashmix_gpu_tests" --gtest_filter="${VARIANT_TESTS:-*MoeFc2Gpu*}" 2>&1 |
       grep -E "^\[  (FAILED|PASSED) |tests ran|Failure" | head -20
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     if [ -n "${SANITIZE_FILTER:-}" ]; then
       for tool in memcheck racecheck; do
-        echo "== $b: $tool on $SANITIZE_FILTER (configuration 3)"
-        FLASHMIX_TEST_FC2_CONFIG=3 compute-sanitizer --tool $tool --error-exitcode 99 "$dir/$b/flashmix_gpu_tests" \
+        echo "== $b: $tool on $SANITIZE_FILTER (rows kernel)"
+        FLASHMIX_TEST_FC2_KERNEL=rows compute-sanitizer --tool $tool --error-exitcode 99 "$dir/$b/flashmix_gpu_tests" \
           --gtest_filter="$SANITIZE_FILTER" 2>&1 | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|^\[  (FAILED|PASSED) " | head -5
         [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       done

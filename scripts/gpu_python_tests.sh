@@ -7,7 +7,7 @@
 # Usage: [PYTEST=0] scripts/gpu_python_tests.sh BUILD_DIR [CUTLASS_INCLUDE_DIR]
 #   BUILD_DIR            where to configure and build (fresh or reused)
 #   CUTLASS_INCLUDE_DIR  has cutlass/cutlass.h (default: the project's .deps;
-#                        without CUTLASS the FC2 tests expect kNotSupported)
+#                        without CUTLASS the FC2 tests run on the rows kernel)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:?usage: gpu_python_tests.sh BUILD_DIR [CUTLASS_INCLUDE_DIR]}

@@ -30,15 +30,15 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   echo "== GPU tests"
   $to "$bin/flashmix_gpu_tests" --gtest_filter="${TEST_FILTER:-*}" 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |tests ran|Failure|error" | head -60
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "GPU TESTS FAILED"; status=1; }
-  # The FC2 tests once more with every mode on our own GEMM (configuration 3;
-  # by default only `atomic` runs there). Part of a full run, or of one whose
+  # The FC2 tests once more with every mode on our own GEMM (the rows kernel;
+  # by default atomic_fp32 runs on CUTLASS). Part of a full run, or of one whose
   # TEST_FILTER names the FC2 tests.
   case "${TEST_FILTER:-*}" in
     "*" | *MoeFc2*)
-      echo "== FC2 GPU tests on configuration 3"
-      FLASHMIX_TEST_FC2_CONFIG=3 $to "$bin/flashmix_gpu_tests" --gtest_filter='*MoeFc2Gpu*' 2>&1 \
-        | tee "$out/gpu_tests_fc2_cfg3.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |tests ran|Failure|error" | head -20
-      [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "FC2 CONFIGURATION 3 TESTS FAILED"; status=1; }
+      echo "== FC2 GPU tests on the rows kernel"
+      FLASHMIX_TEST_FC2_KERNEL=rows $to "$bin/flashmix_gpu_tests" --gtest_filter='*MoeFc2Gpu*' 2>&1 \
+        | tee "$out/gpu_tests_fc2_rows.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |tests ran|Failure|error" | head -20
+      [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "FC2 ROWS KERNEL TESTS FAILED"; status=1; }
       ;;
   esac
 fi

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Links a flashmix-bench (or, with TARGET=flashmix_gpu_tests, the GPU test
-# binary) whose FC2 configuration-3 kernel is compiled with extra defines,
+# binary) whose FC2 rows kernel (sm90_fc2_rows_gemm.cu) is compiled with extra defines,
 # from an already built tree, without touching it: the one object is
 # recompiled into a copy of libflashmix.a.
 # FC2_DEFS defaults to -DFLASHMIX_FC2_PROFILE (per-CTA cycle counts printed

@@ -191,9 +191,11 @@ Status validate_moe_routing_maps(const MoeRoutingArgs& args);
 // ---------------------------------------------------------------------------
 // MoE FC2 grouped GEMM with the finalize fused into its epilogue (SPEC §3).
 //   out[t, :] = sum over local slots (t, j): w[t, j] * (A[p] @ W2[e]^T + bias[e])
-// p the slot's permuted row, e its local expert. sm_90a only (TMA + wgmma: our
-// own grouped GEMM for `atomic`, CUTLASS's ptr-array grouped GEMM for the other
-// modes by default); other GPUs and builds without CUTLASS get kNotSupported.
+// p the slot's permuted row, e its local expert. sm_90a only (TMA + wgmma):
+// our own grouped GEMM by default (every mode but atomic_fp32, and that one
+// too in builds without CUTLASS), CUTLASS's ptr-array grouped GEMM for
+// atomic_fp32 when it is built in (Fc2GemmKernel below). Other GPUs get
+// kNotSupported.
 // ---------------------------------------------------------------------------
 namespace flashmix {
 
@@ -211,13 +213,41 @@ enum class Fc2Mode : int {
 // kUnfused needs a [P, H] bf16 workspace (moe_fc2_finalize_workspace_size);
 // time both on the target shape when the workspace is affordable.
 
-// GEMM configuration (schedule, tile, cluster). 0 = choose by shape (the
-// default); the benchmark's --sweep times each to justify the choice.
+// The GEMM kernel under the finalize epilogue. kAuto (the default) picks one
+// by mode and shape; the others pin it (tests, flashmix-bench). A pinned
+// kernel that this build lacks or that cannot take the shape makes
+// moe_fc2_finalize return kNotSupported naming tuning.gemm_kernel, with
+// nothing launched.
+enum class Fc2GemmKernel : int {
+  // The automatic choice (H200 measurements, docs/fc2_grouped_gemm.md):
+  // kRows for atomic, deterministic and unfused; for atomic_fp32
+  // kCutlassPingpong, or kCutlassCooperative when I < 1024; kRows for every
+  // mode in a build without CUTLASS.
+  kAuto = 0,
+  // Our own TMA + wgmma kernel (no CUTLASS): a tile is 128 H columns x all
+  // rows of one expert (up to 272; larger experts in equal chunks), its wgmma
+  // N sized per tile, so no MMA runs on padding rows. Always built; takes
+  // every valid shape (E_local <= 1024, T * k < 2^31).
+  kRows = 1,
+  // CUTLASS sm90 ptr-array grouped GEMM, cooperative schedule, 128 x 256
+  // tiles (rows x H columns), 1x1 cluster. Only in builds with CUTLASS.
+  kCutlassCooperative = 2,
+  // CUTLASS sm90 ptr-array grouped GEMM, pingpong schedule (one consumer
+  // warpgroup's epilogue overlaps the other's mainloop), 64 x 256 tiles, 1x1
+  // cluster. Only in builds with CUTLASS.
+  kCutlassPingpong = 3,
+};
+
+// "auto", "rows", "cutlass_cooperative", "cutlass_pingpong" (the names the
+// Python binding and flashmix-bench take); "unknown" for any other value.
+const char* to_string(Fc2GemmKernel kernel);
+
 struct Fc2Tuning {
-  int gemm_config = 0;  // 0 = automatic; 1 = CUTLASS cooperative 128x256, 2 = CUTLASS pingpong 64x256,
-                        // 3 = our own kernel: 128 H columns x all rows of an expert (tile order fixed)
-  int raster = 0;       // tile order: 0 = automatic (M fastest), 1 = M fastest, 2 = N fastest
-  int swizzle = 0;      // tile scheduler swizzle: 0 = automatic, 1, 2, 4 or 8
+  Fc2GemmKernel gemm_kernel = Fc2GemmKernel::kAuto;
+  // Tile order and scheduler swizzle of the CUTLASS kernels (kRows orders its
+  // tiles itself and ignores both):
+  int raster = 0;   // 0 = automatic (M fastest), 1 = M fastest, 2 = N fastest
+  int swizzle = 0;  // 0 = automatic (1), 1, 2, 4 or 8
 };
 
 struct Fc2FinalizeArgs {

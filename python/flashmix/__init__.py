@@ -305,7 +305,7 @@ def moe_fc2_finalize_workspace_size(num_tokens, k, hidden, inter, num_experts_pe
 
 def moe_fc2_finalize(A, W2, expert_first_token_offset, permuted_row_to_unpermuted_row, *, k, num_tokens=None,
                      scales=None, bias=None, apply_bias=True, mode="atomic", out=None, out_already_zeroed=False,
-                     workspace=None, gemm_config=0, raster=0, swizzle=0, stream=None):
+                     workspace=None, gemm_kernel="auto", raster=0, swizzle=0, stream=None):
     """SPEC §3: the FC2 grouped GEMM with the finalize fused into its epilogue (sm_90a).
 
     ``out[t, :] = sum over local slots (t, j): scales[t, j] * (A[p] @ W2[e]^T + bias[e])``
@@ -322,6 +322,9 @@ def moe_fc2_finalize(A, W2, expert_first_token_offset, permuted_row_to_unpermute
       out_already_zeroed: "atomic" only: ``out`` holds zeros (or a residual to add to) already.
       workspace: uint8 device buffer of moe_fc2_finalize_workspace_size(...) bytes, 256-byte
         aligned; allocated when None.
+      gemm_kernel: the GEMM under the epilogue: "auto" (the library's choice), or pinned:
+        "rows" (flashmix's own), "cutlass_cooperative" or "cutlass_pingpong" (builds with
+        CUTLASS only: NotImplementedError otherwise). raster and swizzle tune the CUTLASS ones.
 
     Returns ``out``. CPU arrays run the reference (any mode).
     """
@@ -340,7 +343,7 @@ def moe_fc2_finalize(A, W2, expert_first_token_offset, permuted_row_to_unpermute
     _C.moe_fc2_finalize(
         _arg(A), _arg(W2), _arg(expert_first_token_offset), _arg(permuted_row_to_unpermuted_row), _arg(out), k=k,
         scales=_arg(scales), bias=_arg(bias), apply_bias=apply_bias, mode=mode,
-        out_already_zeroed=out_already_zeroed, workspace=_arg(workspace), gemm_config=gemm_config, raster=raster,
+        out_already_zeroed=out_already_zeroed, workspace=_arg(workspace), gemm_kernel=gemm_kernel, raster=raster,
         swizzle=swizzle, stream=_stream(stream, out))
     return out
 

@@ -368,6 +368,14 @@ fm::Fc2Mode parse_fc2_mode(const std::string& s) {
        s, "\")");
 }
 
+fm::Fc2GemmKernel parse_fc2_gemm_kernel(const std::string& s) {
+  for (fm::Fc2GemmKernel k : {fm::Fc2GemmKernel::kAuto, fm::Fc2GemmKernel::kRows,
+                              fm::Fc2GemmKernel::kCutlassCooperative, fm::Fc2GemmKernel::kCutlassPingpong})
+    if (s == fm::to_string(k)) return k;
+  fail("moe_fc2_finalize", "gemm_kernel",
+       "must be \"auto\", \"rows\", \"cutlass_cooperative\" or \"cutlass_pingpong\" (got \"", s, "\")");
+}
+
 // ---------------------------------------------------------------------------
 // MoE finalize (SPEC §2)
 // ---------------------------------------------------------------------------
@@ -584,8 +592,8 @@ size_t moe_fc2_finalize_workspace_size(int64_t num_tokens, int k, int64_t hidden
 
 void moe_fc2_finalize(const In& A, const In& W2, const In& offsets, const In& p2u, const Out& out, int k,
                       const OptIn& scales, const OptIn& bias, bool apply_bias, const std::string& mode,
-                      bool out_already_zeroed, const OptOut& workspace, int gemm_config, int raster, int swizzle,
-                      uintptr_t stream) {
+                      bool out_already_zeroed, const OptOut& workspace, const std::string& gemm_kernel, int raster,
+                      int swizzle, uintptr_t stream) {
   constexpr const char* op = "moe_fc2_finalize";
   Placement w(op);
   w.add(out, "out");
@@ -627,7 +635,7 @@ void moe_fc2_finalize(const In& A, const In& W2, const In& offsets, const In& p2
   a.out = mut(out);
   a.mode = parse_fc2_mode(mode);
   a.out_already_zeroed = out_already_zeroed;
-  a.tuning.gemm_config = gemm_config;
+  a.tuning.gemm_kernel = parse_fc2_gemm_kernel(gemm_kernel);
   a.tuning.raster = raster;
   a.tuning.swizzle = swizzle;
   const Workspace ws = workspace_of(workspace, op);
@@ -964,7 +972,7 @@ NB_MODULE(_C, m) {
   m.def("moe_fc2_finalize", &moe_fc2_finalize, "A"_a, "W2"_a, "expert_first_token_offset"_a,
         "permuted_row_to_unpermuted_row"_a, "out"_a, nb::kw_only(), "k"_a, "scales"_a = nb::none(),
         "bias"_a = nb::none(), "apply_bias"_a = true, "mode"_a = "atomic", "out_already_zeroed"_a = false,
-        "workspace"_a = nb::none(), "gemm_config"_a = 0, "raster"_a = 0, "swizzle"_a = 0, "stream"_a = 0,
+        "workspace"_a = nb::none(), "gemm_kernel"_a = "auto", "raster"_a = 0, "swizzle"_a = 0, "stream"_a = 0,
         "SPEC §3 into `out` [T, H]; E, H, I from W2 [E, H, I].");
 
   const fm::MhcParams d;  // SPEC §4 defaults

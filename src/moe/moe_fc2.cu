@@ -1,7 +1,7 @@
 // MoE FC2 grouped GEMM with fused finalize (SPEC §3): the launcher and mode
-// dispatch. The GEMM itself (CUTLASS sm90 ptr-array grouped GEMM + our scatter
-// epilogue) is in sm90_fc2_grouped_gemm.cu; this file holds what every mode
-// adds around it:
+// dispatch. The GEMM kernel is chosen in moe_fc2_dispatch.cpp (our own,
+// sm90_fc2_rows_gemm.cu, or CUTLASS's, sm90_fc2_grouped_gemm.cu), each with
+// our scatter epilogue; this file holds what every mode adds around it:
 //   atomic         memset(out) -> GEMM red.add bf16x2 into out
 //   atomic_fp32    memset(acc32) -> GEMM red.add f32 into acc32 -> cast pass (one rounding)
 //   deterministic  GEMM stores w*(acc+bias) fp32 rows -> fixed-order k-way sum (finalize_moe_routing)
@@ -16,6 +16,7 @@
 #include "common/check.h"
 #include "common/kernel_fit.h"
 #include "flashmix/moe.h"
+#include "moe/moe_fc2_dispatch.h"
 #include "moe/moe_fc2_internal.h"
 
 namespace flashmix {
@@ -69,6 +70,11 @@ __global__ void fc2_cast_rows(const float* __restrict__ acc32, int64_t T, int64_
   }
 }
 
+// The chosen kernel (g.kernel) with its epilogue.
+Status run_gemm(const Sm90Fc2GemmParams& g, cudaStream_t stream) {
+  return g.kernel == Fc2GemmKernel::kRows ? sm90_fc2_run_rows(g, stream) : sm90_fc2_run_cutlass(g, stream);
+}
+
 int grid_for(int64_t items, int threads, int sms) {
   int64_t blocks = (items + threads - 1) / threads;
   const int64_t cap = int64_t(sms > 0 ? sms : 132) * 8;
@@ -87,12 +93,12 @@ namespace {
 
 Status run_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
-  FM_REQUIRE_SUPPORTED(sm90_fc2_built_with_cutlass(), kOp, "build",
-                       "built without CUTLASS (set FLASHMIX_CUTLASS_DIR or run scripts/setup_cutlass.sh)");
   int major = 0;
   const int sms = current_sm_count(&major);
   FM_REQUIRE_SUPPORTED(major == 9, kOp, "device", "needs an sm_90 (Hopper) GPU (compute capability ", major,
                        ".x)");
+  Fc2GemmChoice choice;
+  FM_RETURN_IF_ERROR(choose_fc2_gemm_kernel(a, &choice));  // a pinned kernel this build or shape lacks: kNotSupported
   const Fc2WorkspaceLayout l = fc2_workspace_layout(a, sms);
   FM_REQUIRE(workspace_bytes >= l.total, kOp, "workspace_bytes", "too small: ", workspace_bytes, " < ", l.total,
              " (ask moe_fc2_finalize_workspace_size)");
@@ -120,18 +126,7 @@ Status run_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t worksp
   g.cutlass_ws = ws + l.cutlass;
   g.cutlass_ws_bytes = l.cutlass_bytes;
   g.sm_count = sms;
-  // Automatic choice (H200, docs/fc2_grouped_gemm.md): our own kernel
-  // (configuration 3: no padded tiles) for `atomic`, `unfused` and
-  // `deterministic`, faster or even on every bench shape (2026-11-24, same
-  // call: DeepSeek EP unfused 454 vs 482 us, deterministic 563-574 vs 561-570;
-  // Qwen3 deterministic 363-368 vs 434-451; Mixtral 1510 vs 1596-1608).
-  // `atomic_fp32` stays on CUTLASS (DeepSeek EP 525-551 vs 500-519): the
-  // pingpong 64x256 unless K is short, where the cooperative 128x256 wins.
-  const bool rows_kernel = T * a.k < (int64_t(1) << 31);  // TMA row coordinates
-  g.config = a.tuning.gemm_config ? a.tuning.gemm_config
-                                  : (rows_kernel && a.mode != Fc2Mode::kAtomicFp32 ? 3
-                                     : a.inter < 1024                             ? 1
-                                                                                  : 2);
+  g.kernel = choice.kernel;
   g.raster_along_n = a.tuning.raster == 2;
   g.swizzle = a.tuning.swizzle;
 
@@ -147,7 +142,7 @@ Status run_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t worksp
       g.dst_stride = out_stride;
       g.vec16 = reinterpret_cast<uintptr_t>(a.out) % 16 == 0 && out_stride % 8 == 0;
       g.add_to_out = a.out_already_zeroed;
-      return sm90_fc2_grouped_gemm(g, stream);
+      return run_gemm(g, stream);
     }
     case Fc2Mode::kAtomicFp32: {
       float* acc32 = reinterpret_cast<float*>(ws + l.acc32);
@@ -157,7 +152,7 @@ Status run_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t worksp
       g.dst = acc32;
       g.dst_stride = H;
       g.vec16 = true;  // workspace, 256-byte aligned, H % 8 == 0
-      FM_RETURN_IF_ERROR(sm90_fc2_grouped_gemm(g, stream));
+      FM_RETURN_IF_ERROR(run_gemm(g, stream));
       fc2_cast_rows<<<grid_for(T * H / 8, 256, sms), 256, 0, stream>>>(
           acc32, T, H, static_cast<__nv_bfloat16*>(a.out), out_stride);
       return detail::check_launch(kOp);
@@ -177,7 +172,7 @@ Status run_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t worksp
       g.dst = ws + l.rows;
       g.dst_stride = H;
       g.vec16 = true;
-      FM_RETURN_IF_ERROR(sm90_fc2_grouped_gemm(g, stream));
+      FM_RETURN_IF_ERROR(run_gemm(g, stream));
       FinalizeMoeRoutingArgs f;
       f.expanded_permuted_rows = ws + l.rows;
       f.rows_dtype = det ? DType::kFloat32 : DType::kBFloat16;

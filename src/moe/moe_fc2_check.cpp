@@ -29,8 +29,9 @@ Status validate_fc2(const Fc2FinalizeArgs& a, bool check_buffers) {
              "must be in [1, 1024] (got ", a.num_experts_per_node, ")");
   const int m = int(a.mode);
   FM_REQUIRE(m >= 0 && m <= 3, kOp, "mode", "unknown mode value ", m);
-  FM_REQUIRE(a.tuning.gemm_config >= 0 && a.tuning.gemm_config <= 3, kOp, "tuning.gemm_config",
-             "must be 0 (automatic), 1, 2 or 3 (got ", a.tuning.gemm_config, ")");
+  const int gk = int(a.tuning.gemm_kernel);
+  FM_REQUIRE(gk >= int(Fc2GemmKernel::kAuto) && gk <= int(Fc2GemmKernel::kCutlassPingpong), kOp,
+             "tuning.gemm_kernel", "unknown Fc2GemmKernel value ", gk);
   FM_REQUIRE(a.tuning.raster >= 0 && a.tuning.raster <= 2, kOp, "tuning.raster",
              "must be 0 (automatic), 1 (M fastest) or 2 (N fastest) (got ", a.tuning.raster, ")");
   FM_REQUIRE(a.tuning.swizzle == 0 || a.tuning.swizzle == 1 || a.tuning.swizzle == 2 || a.tuning.swizzle == 4 ||

@@ -1,5 +1,7 @@
 // Internal to the FC2 op: the workspace layout (host-computed, shared by the
-// size query and the launcher) and the sm_90a CUTLASS entry points.
+// size query and the launcher) and the sm_90a GEMM entry points (ours,
+// always built, and CUTLASS's, built when its headers are found). Nothing
+// here needs CUTLASS.
 #pragma once
 
 #include <cstddef>
@@ -41,7 +43,7 @@ struct Sm90Fc2GemmParams {
   void* cutlass_ws;
   size_t cutlass_ws_bytes;
   int sm_count;
-  int config;   // 0 = automatic, else a configuration id (sm90_fc2_grouped_gemm.cu)
+  Fc2GemmKernel kernel;  // as chosen by choose_fc2_gemm_kernel (never kAuto)
   bool vec16;   // dst and dst_stride allow 16-byte accesses
   bool add_to_out;  // kRedBf16: out holds the caller's zeros or residual, so k == 1 adds too (no plain stores)
   bool raster_along_n;  // tile order: N fastest (else M fastest: the M tiles of a W2 slice together)
@@ -86,12 +88,21 @@ constexpr size_t kFc2GroupBytesPerExpert = 6 * 16;  // shapes, ptr A/B, stride A
 // the workspace out for the current device's count, which needs no more.
 constexpr int kFc2MaxSmCount = 144;
 
-// Bytes CUTLASS's kernel needs (per-SM tensormaps, scheduler); 0 without CUTLASS.
-size_t sm90_fc2_cutlass_workspace_bytes(int sm_count, int num_experts);
-// Fills the group arrays on the device and launches the grouped GEMM.
-Status sm90_fc2_grouped_gemm(const Sm90Fc2GemmParams& p, cudaStream_t stream);
+// The most local experts our own kernel takes (its shared-memory tables).
+constexpr int kFc2RowsMaxExperts = 1024;
+
+// Our own kernel (sm90_fc2_rows_gemm.cu, Fc2GemmKernel::kRows): needs no
+// group arrays nor CUTLASS workspace.
+Status sm90_fc2_run_rows(const Sm90Fc2GemmParams& p, cudaStream_t stream);
+
+// CUTLASS's grouped GEMM (sm90_fc2_grouped_gemm.cu; sm90_fc2_stub.cpp in
+// builds without CUTLASS, which answer false / 0 / kNotSupported).
 bool sm90_fc2_built_with_cutlass();
-int sm90_fc2_num_configs();
+// Bytes CUTLASS's kernels need (per-SM tensormaps, scheduler); 0 without CUTLASS.
+size_t sm90_fc2_cutlass_workspace_bytes(int sm_count, int num_experts);
+// Fills the group arrays on the device and launches p.kernel
+// (kCutlassCooperative or kCutlassPingpong).
+Status sm90_fc2_run_cutlass(const Sm90Fc2GemmParams& p, cudaStream_t stream);
 
 struct Fc2WorkspaceLayout {
   size_t group = 0, cutlass = 0, rows = 0, u2p = 0, experts = 0, acc32 = 0;

@@ -1,21 +1,19 @@
-// FC2 grouped GEMM on sm_90a, our own kernel (configuration 3, "rows_128xN"):
-// the tile is 128 output columns (H) x all rows of one expert (up to 272 with
-// at most 256 experts, else 256; an expert with more is cut into equal chunks
-// of at most 256), so an expert's
-// W2 column slice is read from device memory once for all of its rows and no
-// tile computes rows that do not exist. SPEC §3: per expert e,
+// FC2 grouped GEMM on sm_90a, our own kernel (Fc2GemmKernel::kRows; TMA +
+// wgmma, no CUTLASS, always built): SPEC §3, per expert e,
 //   out[t, h] += w[t, j] * (sum_i A[p, i] * W2[e, h, i] + bias[e, h])
-// for its rows p (slot s = p2u[p], t = s % T, j = s / T).
+// for its rows p (slot s = p2u[p], t = s % T, j = s / T), with the finalize
+// in the epilogue (reduction adds into out or an fp32 accumulator, or rows
+// stored for the deterministic / unfused modes: Fc2EpilogueOp).
 //
-// Why not CUTLASS here: its grouped GEMM fixes the tile's row count at
-// compile time, so an expert with 256 + 16 rows takes 2 or 3 tiles of 128
-// (or 5 of 64) whose MMAs run on padding: on the DeepSeek-like EP shape
-// (256 +- 16 rows per expert) that cost ~0.12x of the dense GEMM's time
-// (docs/fc2_grouped_gemm.md). Here the wgmma N (the rows) is picked per tile
-// from 16..272 in steps of 16 (one instantiation each; 272 as two wgmmas of
-// 256 + 16 rows sharing one A fragment from registers), the product computed
-// transposed: D^T[h, row] = W2[e] (M = 128 H, K-major) x A_rows^T (N = rows,
-// K-major), both operands by TMA with 128-byte swizzle.
+// A tile is 128 output columns (H) x all rows of one expert (up to 272 with
+// at most 256 experts, else 256; a larger expert is cut into equal chunks of
+// at most 256), so an expert's W2 column slice is read from device memory
+// once for all of its rows, and the wgmma N (the rows, 16..272 in steps of
+// 16, one instantiation each; 272 as two wgmmas of 256 + 16 sharing one A
+// fragment from registers) is sized per tile, so no MMA runs on padding rows
+// (CUTLASS's grouped GEMM fixes the tile's row count at compile time). The
+// product is computed transposed: D^T[h, row] = W2[e] (M = 128 H, K-major) x
+// A_rows^T (N = rows, K-major), both operands by TMA with 128-byte swizzle.
 //
 // CTA: 12 warps, persistent (one CTA per SM, static round robin over the
 // tiles: experts with the largest tiles first, then each expert's H slices,
@@ -27,22 +25,24 @@
 // the 128 columns, then the epilogue: w * (acc + bias) through shared memory
 // (transposed so a thread holds 8 consecutive columns of one row) to 16-byte
 // reduction adds / stores. Warps 8-11 give registers to the consumers
-// (setmaxnreg 72 / 216). N stays at most 272: a larger tile needs larger
-// stages than 4 fit, and 3 of them ran slower (docs/fc2_grouped_gemm.md).
-// Below N = 256 a tile's mainloop is bound, by a model that fits the
-// profiles, by shared-memory bandwidth (128 bytes a cycle: TMA's writes plus
-// the wgmmas' operand reads, B read once per warpgroup), not the MMA rate.
-// The tile's schedule comes from expert_first_token_offset on the device:
-// no host sync, capturable.
+// (setmaxnreg 72 / 216). The schedule comes from expert_first_token_offset
+// on the device: no host sync, capturable.
+//
+// Roofline: 2*P*H*I FLOPs; the DeepSeek-like EP rank (P = 8192, H = 7168,
+// I = 2048) is 240 GFLOP, ~300 us at the ~800 TFLOP/s a dense cuBLAS GEMM
+// reaches on an H200 (W2, 0.94 GB read once, is ~200 us of HBM bandwidth).
+// Below N = 256 a tile's mainloop is bound by shared-memory bandwidth (TMA's
+// writes plus the wgmmas' operand reads), not the MMA rate.
+// Current figure (H200, flashmix-bench against a dense cuBLAS GEMM of equal
+// FLOPs): DeepSeek EP atomic ~1.31-1.38x dense, Mixtral-like ~1.17-1.22x,
+// Qwen3-MoE-like ~1.57x. Design, profiles and measurements:
+// docs/fc2_grouped_gemm.md. Cycle profile: -DFLASHMIX_FC2_PROFILE
+// (sm90_fc2_rows_profile.cuh).
 #include <cuda.h>  // CUtensorMap
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#ifdef FLASHMIX_FC2_PROFILE
-#include <cstdio>
-#include <cstdlib>
-#endif
 
 #include "common/check.h"
 #include "common/kernel_fit.h"
@@ -51,6 +51,7 @@
 #include "common/sm90_wgmma.cuh"
 #include "common/tma_host.h"
 #include "moe/moe_fc2_internal.h"
+#include "moe/sm90_fc2_rows_profile.cuh"
 
 namespace flashmix {
 
@@ -81,28 +82,23 @@ constexpr int kThreads = 384;
 // setmaxnreg.inc takes registers from what the CTA holds (168 x 384 at
 // launch): (168 - 72) x 128 >= (216 - 168) x 256.
 constexpr int kProducerRegs = 72, kConsumerRegs = 216;
-#ifdef FLASHMIX_FC2_PROFILE
-constexpr int kProfTiles = 12;  // profiling build: tiles stamped per warpgroup
-#endif
-constexpr int kMaxExpertsOp = 1024;  // the op's limit (moe_fc2_check.cpp)
+constexpr int kMaxExpertsOp = kFc2RowsMaxExperts;  // the most experts the 256-row kernel's tables hold
+namespace prof = fc2_rows_prof;  // per-tile cycle stamps: empty hooks unless FLASHMIX_FC2_PROFILE
 
 // Shared memory layout (from a 1024-byte aligned base): a 4-stage ring of
 // W2 128 x 64 + up to kMaxRows rows x 64, the epilogue staging, the per-tile
-// tables (two tiles), the experts' row offsets and first tiles, barriers.
+// tables (two tiles), the experts' row offsets and first tiles, barriers
+// (and in the profiling build the stamps).
 // kMaxRows, the most rows a tile takes (wgmma's N; N / 2 fp32 accumulators
 // per consumer thread): 272 (two wgmmas above 256 rows) where the experts'
 // tables fit beside the larger stages (up to 256 experts, 128 in the
 // profiling build), else 256. Larger tiles would need larger stages than 4
-// fit: 3 stages of 56 KB for 320 rows ran slower (docs/fc2_grouped_gemm.md).
+// fit (fewer, larger stages were slower: docs/fc2_grouped_gemm.md).
 template <int kMaxRows_>
 struct RowsCfg {
   static constexpr int kStages = 4;
   static constexpr int kMaxRows = kMaxRows_;
-#ifdef FLASHMIX_FC2_PROFILE
-  static constexpr int kMaxExperts = kMaxRows > kWgmmaMaxN ? 128 : kMaxExpertsOp;  // room for the stamps
-#else
-  static constexpr int kMaxExperts = kMaxRows > kWgmmaMaxN ? 256 : kMaxExpertsOp;
-#endif
+  static constexpr int kMaxExperts = kMaxRows > kWgmmaMaxN ? prof::wide_max_experts(256) : kMaxExpertsOp;
   static constexpr int kRBytes = kMaxRows * kTileK * 2;
   static constexpr int kStageBytes = kWBytes + kRBytes;
   static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned (128-byte swizzle)");
@@ -116,14 +112,8 @@ struct RowsCfg {
   static constexpr int kOffTabInfo = (kOffOrder + kMaxExperts * 2 + 15) / 16 * 16;  // TileInfo [2]
   static constexpr int kOffBars = (kOffTabInfo + 2 * 32 + 7) / 8 * 8;
   static constexpr int kNumBars = 2 * kStages + 6;
-#ifdef FLASHMIX_FC2_PROFILE
-  // Profiling build: per consumer warpgroup, 8 clock stamps for each of its
-  // first kProfTiles tiles and a last record (begin, end, tiles).
   static constexpr int kOffProf = kOffBars + kNumBars * 8;
-  static constexpr int kProfBytes = 2 * (kProfTiles + 1) * 8 * 4;
-#else
-  static constexpr int kProfBytes = 0;
-#endif
+  static constexpr int kProfBytes = prof::kSmemBytes;  // 0 in a release build
   static constexpr int kSmemBytes = kOffBars + kNumBars * 8 + kProfBytes + 1024;  // + alignment slack
   static_assert(kSmemBytes <= 232448, "shared memory");
 };
@@ -196,31 +186,7 @@ struct Shared {
   float* tab_bias;
   TileInfo* tab_info;  // [2]: the tile of each table buffer
   uint32_t full, empty, tab_full, tab_empty, info_full;  // shared addresses of the first barrier of each kind
-#ifdef FLASHMIX_FC2_PROFILE
-  uint32_t* prof;  // this warpgroup's stamps (RowsCfg<>::kOffProf)
-#endif
 };
-
-#ifdef FLASHMIX_FC2_PROFILE
-// Stamps of a tile (32-bit SM clock): 0 start, 1 first stage landed, 2
-// mainloop done, 3 row table ready, 4 epilogue done, 5 N, 6 cycles waiting
-// for later stages, 7 cycles issuing the epilogue's stores. Copied out per
-// CTA and warpgroup at the end; not printed from the kernel (a call there
-// would serialise the wgmma pipeline).
-constexpr int kProfCtas = 256;
-__device__ uint32_t g_fc2_prof[kProfCtas][2][kProfTiles + 1][8];
-// The producer's side of a tile: SM clock before it waits for the stage of
-// k-block 0, after issuing k-block 0, after issuing k-block 3 (or the last).
-__device__ uint32_t g_fc2_prod[kProfCtas][kProfTiles][4];
-#define FC2_STAMP(slot, value)                                                    \
-  do {                                                                            \
-    if ((threadIdx.x & 127) == 0 && it < kProfTiles) sh.prof[it * 8 + (slot)] = (value); \
-  } while (0)
-#else
-#define FC2_STAMP(slot, value) \
-  do {                         \
-  } while (0)
-#endif
 
 __device__ __forceinline__ uint32_t bar_at(uint32_t first, int i) { return first + 8 * i; }
 
@@ -300,7 +266,7 @@ __device__ __forceinline__ void drain_pass(const RowsGemmParams& p, const TileIn
 // shared-memory bandwidth model's rate; docs/fc2_grouped_gemm.md).
 template <int kMaxRows, int N, bool kBf16Out>
 __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shared& sh, const TileInfo& t, int wg,
-                                             int& s, uint32_t& ph, int it) {
+                                             int& s, uint32_t& ph, int it, const prof::ConsumerLog& log) {
   using Cfg = RowsCfg<kMaxRows>;
   float acc[N / 2];
 #pragma unroll
@@ -313,22 +279,15 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
   const uint32_t lm_off = a_off + uint32_t(lm_row) * 128;
   const int lm_hi = lane >> 4, lm_x = lm_row & 7;  // 128-byte swizzle: chunk q sits at q ^ (row % 8)
   int prev = -1;
-#ifdef FLASHMIX_FC2_PROFILE
-  uint32_t waited = 0;
-#endif
+  prof::TileClock clk;
   // N > 256: a commit group per k16 step, two steps' A fragments alternating
   // (a step's registers are rewritten two steps later, after the wait for its
   // group), so the accumulators and fragments fit with the epilogue's registers.
   uint32_t fa[2][4];
   for (int kb = 0; kb < p.k_blocks; ++kb) {
-#ifdef FLASHMIX_FC2_PROFILE
-    const uint32_t w0 = uint32_t(clock());
-#endif
+    clk.before_stage_wait();
     dev::mbar_wait(bar_at(sh.full, s), ph);
-#ifdef FLASHMIX_FC2_PROFILE
-    const uint32_t w1 = uint32_t(clock());
-    if (kb == 0) FC2_STAMP(1, w1); else waited += w1 - w0;
-#endif
+    clk.after_stage_wait(log, it, kb);
     const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
     const uint64_t db = dev::wgmma_desc_k_sw128(st + kWBytes);
     if constexpr (N <= kWgmmaMaxN) {
@@ -368,18 +327,14 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
   }
   dev::wgmma_wait<0>();
   dev::fence_operands(acc);
-  FC2_STAMP(2, uint32_t(clock()));
-#ifdef FLASHMIX_FC2_PROFILE
-  FC2_STAMP(6, waited);
-  uint32_t drained = 0;
-#endif
+  clk.mainloop_done(log, it);
   __syncwarp();
   if (lane == 0) dev::mbar_arrive(bar_at(sh.empty, prev));
 
   // Epilogue.
   const int b = it & 1;
   dev::mbar_wait(bar_at(sh.tab_full, b), (it >> 1) & 1);
-  FC2_STAMP(3, uint32_t(clock()));
+  log.stamp_clock(it, 3);
   const int q = (threadIdx.x >> 5) & 3, g = lane >> 2, c4 = lane & 3;
   const int hl = 16 * q + g;  // this thread's columns within the warpgroup's 64: hl and hl + 8
   const float bias0 = sh.tab_bias[b * kTileH + wg * 64 + hl];
@@ -416,16 +371,12 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
         }
       }
       dev::named_bar_sync(1 + wg, 128);
-#ifdef FLASHMIX_FC2_PROFILE
-      const uint32_t d0 = uint32_t(clock());
-#endif
+      clk.before_drain();
       drain_pass<kEpiRowsBf16>(
           p, t, tab_row, ps, col0, wt,
           [&](int nl, int v) { return *reinterpret_cast<const uint4*>(stg16 + nl * kEpiStrideBf16 + 8 * v); },
           [&](int row, int col, const uint4& x) { store_group_bf16(p, row, col, x); });
-#ifdef FLASHMIX_FC2_PROFILE
-      drained += uint32_t(clock()) - d0;
-#endif
+      clk.after_drain();
       dev::named_bar_sync(1 + wg, 128);
     }
   } else {
@@ -455,9 +406,7 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
       dev::named_bar_sync(1 + wg, 128);
     }
   }
-#ifdef FLASHMIX_FC2_PROFILE
-  FC2_STAMP(7, drained);
-#endif
+  clk.epilogue_done(log, it);
   // Every thread that read the tile's table (and its TileInfo) arrives: a
   // single lane after __syncwarp orders the same, but compute-sanitizer's
   // racecheck only credits an arrive to the thread that made it.
@@ -566,15 +515,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         dev::prefetch_tensor_map(&map_a128);
         int s = 0;
         uint32_t ph = 0;
-#ifdef FLASHMIX_FC2_PROFILE
-        int pit = 0;
-#endif
+        prof::ProducerLog plog;
         for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
           const TileInfo t = decode_tile<kMaxRows>(tile, tile_start, row_off, order, E);
           for (int kb = 0; kb < p.k_blocks; ++kb) {
-#ifdef FLASHMIX_FC2_PROFILE
-            if (kb == 0 && pit < kProfTiles && blockIdx.x < kProfCtas) g_fc2_prod[blockIdx.x][pit][0] = uint32_t(clock());
-#endif
+            plog.before_stage_wait(kb);
             dev::mbar_wait(bar_at(sh.empty, s), ph ^ 1);
             const uint32_t full = bar_at(sh.full, s);
             dev::mbar_arrive_expect_tx(full, kWBytes + uint32_t(t.n) * kTileK * 2);
@@ -587,18 +532,13 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int i = 0; i < 4; ++i)
               for (; r + (128 >> i) <= t.n; r += 128 >> i)
                 dev::tma_load_2d(rows_dst + r * 128, row_maps[i], full, kb * kTileK, t.p0 + r);
-#ifdef FLASHMIX_FC2_PROFILE
-            if ((kb == 0 || kb == min(3, p.k_blocks - 1)) && pit < kProfTiles && blockIdx.x < kProfCtas)
-              g_fc2_prod[blockIdx.x][pit][kb == 0 ? 1 : 2] = uint32_t(clock());
-#endif
+            plog.after_issue(kb, p.k_blocks);
             if (++s == kStages) {
               s = 0;
               ph ^= 1;
             }
           }
-#ifdef FLASHMIX_FC2_PROFILE
-          ++pit;
-#endif
+          plog.next_tile();
         }
       }
     } else if (warp == 9) {
@@ -664,28 +604,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int total = tile_start[E];
     // Consumer warpgroups 0 and 1.
     const int wg = warp / 4;
-#ifdef FLASHMIX_FC2_PROFILE
-    sh.prof = reinterpret_cast<uint32_t*>(sm + Cfg::kOffProf) + wg * (kProfTiles + 1) * 8;
-    const uint32_t c_begin = uint32_t(clock());
-#endif
+    const prof::ConsumerLog log(sm + Cfg::kOffProf, wg);
     const bool bf16_out = p.op == int(Fc2EpilogueOp::kRedBf16) || p.op == int(Fc2EpilogueOp::kRowsBf16);
     int s = 0, it = 0;
     uint32_t ph = 0;
     for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++it) {
-      FC2_STAMP(0, uint32_t(clock()));
+      log.stamp_clock(it, 0);
       // The tile, from the table warp (up to two tiles ahead; its row table
       // is waited for before the epilogue).
       dev::mbar_wait(bar_at(sh.info_full, it & 1), (it >> 1) & 1);
       const TileInfo t = sh.tab_info[it & 1];
-      FC2_STAMP(5, uint32_t(t.n));
+      log.stamp(it, 5, uint32_t(t.n));
       switch (t.n / kRowQuantum) {
 #define FLASHMIX_FC2_ROWS_CASE(K) \
   case K:                                                                             \
     if constexpr (K * kRowQuantum <= kMaxRows) {                                      \
       if (bf16_out)                                                                   \
-        consume_tile<kMaxRows, K * kRowQuantum, true>(p, sh, t, wg, s, ph, it);       \
+        consume_tile<kMaxRows, K * kRowQuantum, true>(p, sh, t, wg, s, ph, it, log);  \
       else                                                                            \
-        consume_tile<kMaxRows, K * kRowQuantum, false>(p, sh, t, wg, s, ph, it);      \
+        consume_tile<kMaxRows, K * kRowQuantum, false>(p, sh, t, wg, s, ph, it, log); \
     }                                                                                 \
     break;
         FLASHMIX_FC2_ROWS_CASE(1)
@@ -709,18 +646,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           break;
 #undef FLASHMIX_FC2_ROWS_CASE
       }
-      FC2_STAMP(4, uint32_t(clock()));
+      log.stamp_clock(it, 4);
     }
-#ifdef FLASHMIX_FC2_PROFILE
-    if ((threadIdx.x & 127) == 0 && blockIdx.x < kProfCtas) {
-      uint32_t* last = sh.prof + kProfTiles * 8;
-      last[0] = c_begin;
-      last[1] = uint32_t(clock());
-      last[2] = uint32_t(it);
-      for (int i = 0; i < min(it, kProfTiles) * 8; ++i) (&g_fc2_prof[blockIdx.x][wg][0][0])[i] = sh.prof[i];
-      for (int i = 0; i < 3; ++i) g_fc2_prof[blockIdx.x][wg][kProfTiles][i] = last[i];
-    }
-#endif
+    log.finish(it, wg);
   }
 }
 
@@ -754,11 +682,9 @@ bool encode_maps(const Sm90Fc2GemmParams& p, CUtensorMap& w, CUtensorMap (&a)[4]
 
 }  // namespace
 
-Status sm90_fc2_run_rows_128xN(const Sm90Fc2GemmParams& p, cudaStream_t stream) {
-  FM_REQUIRE_SUPPORTED(p.E <= kMaxExpertsOp, kOp, "num_experts_per_node", "at most ", kMaxExpertsOp,
-                       " for gemm configuration 3");
-  FM_REQUIRE_SUPPORTED(int64_t(p.T) * p.k < (int64_t(1) << 31), kOp, "num_tokens",
-                       "T * k must be below 2^31 (TMA row coordinates)");
+Status sm90_fc2_run_rows(const Sm90Fc2GemmParams& p, cudaStream_t stream) {
+  // The shapes it takes (E <= kMaxExpertsOp, T * k < 2^31) are checked where
+  // the kernel is chosen (moe_fc2_dispatch.cpp).
   CUtensorMap w, a[4];
   FM_REQUIRE_SUPPORTED(encode_maps(p, w, a), kOp, "A", "TMA descriptors could not be encoded");
   RowsGemmParams k{};
@@ -778,34 +704,7 @@ Status sm90_fc2_run_rows_128xN(const Sm90Fc2GemmParams& p, cudaStream_t stream) 
   FM_REQUIRE_SUPPORTED(smem <= max_dynamic, kOp, "device", "the rows kernel needs ", smem,
                        " bytes of shared memory per block; this device allows ", max_dynamic);
   kernel<<<p.sm_count, kThreads, smem, stream>>>(k, w, a[0], a[1], a[2], a[3]);
-#ifdef FLASHMIX_FC2_PROFILE
-  {  // FLASHMIX_FC2_PROFILE_LAUNCH=n: the n-th launch in this process prints its stamps (a host sync)
-    static int launches = 0;
-    const char* env = std::getenv("FLASHMIX_FC2_PROFILE_LAUNCH");
-    if (env != nullptr && ++launches == std::atoi(env)) {
-      static uint32_t h[kProfCtas][2][kProfTiles + 1][8];
-      cudaStreamSynchronize(stream);
-      cudaMemcpyFromSymbol(h, g_fc2_prof, sizeof(h));
-      for (int c = 0; c < std::min(p.sm_count, kProfCtas); ++c)
-        for (int wg = 0; wg < 2; ++wg) {
-          const uint32_t* last = h[c][wg][kProfTiles];
-          std::fprintf(stderr, "FC2CTA %d %d %u %u\n", c, wg, last[1] - last[0], last[2]);
-          if (wg == 0) {
-            static uint32_t pr[kProfCtas][kProfTiles][4];
-            if (c == 0) cudaMemcpyFromSymbol(pr, g_fc2_prod, sizeof(pr));
-            for (int i = 0; i < std::min<int>(int(last[2]), kProfTiles); ++i)
-              std::fprintf(stderr, "FC2P %d %d %d %d %d\n", c, i, int(pr[c][i][0] - last[0]), int(pr[c][i][1] - last[0]),
-                           int(pr[c][i][2] - last[0]));
-          }
-          for (int i = 0; i < std::min<int>(int(last[2]), kProfTiles); ++i) {
-            const uint32_t* v = h[c][wg][i];
-            std::fprintf(stderr, "FC2T %d %d %d %u %u %u %u %u %u %u %u\n", c, wg, i, v[0] - last[0], v[1] - v[0],
-                         v[2] - v[1], v[3] - v[2], v[4] - v[3], v[5], v[6], v[7]);
-          }
-        }
-    }
-  }
-#endif
+  prof::after_launch(stream, p.sm_count);  // profiling build: prints the launch FLASHMIX_FC2_PROFILE_LAUNCH names
   return detail::check_launch(kOp);
 }
 

@@ -117,4 +117,25 @@ inline const char* fc2_mode_name(Fc2Mode m) {
   return "?";
 }
 
+// The pinnable FC2 GEMM kernels (Fc2GemmKernel without kAuto).
+constexpr Fc2GemmKernel kFc2GemmKernels[] = {Fc2GemmKernel::kRows, Fc2GemmKernel::kCutlassCooperative,
+                                             Fc2GemmKernel::kCutlassPingpong};
+
+// An Fc2GemmKernel from its to_string name ("auto", "rows", ...); false for
+// any other text.
+inline bool parse_fc2_gemm_kernel(const char* name, size_t len, Fc2GemmKernel* kernel) {
+  for (Fc2GemmKernel k : {Fc2GemmKernel::kAuto, Fc2GemmKernel::kRows, Fc2GemmKernel::kCutlassCooperative,
+                          Fc2GemmKernel::kCutlassPingpong}) {
+    const char* n = to_string(k);
+    if (std::strlen(n) == len && std::strncmp(n, name, len) == 0) {
+      *kernel = k;
+      return true;
+    }
+  }
+  return false;
+}
+inline bool parse_fc2_gemm_kernel(const char* name, Fc2GemmKernel* kernel) {
+  return parse_fc2_gemm_kernel(name, std::strlen(name), kernel);
+}
+
 }  // namespace flashmix::testing

@@ -7,7 +7,10 @@
 #include <gtest/gtest.h>
 
 #include "common/host_dtype.h"
+#include "common/test_data.h"
 #include "flashmix/moe.h"
+#include "moe/moe_fc2_dispatch.h"
+#include "moe/moe_fc2_internal.h"
 
 using namespace flashmix;
 
@@ -238,8 +241,8 @@ TEST(MoeFc2Validation, UnknownModeIsRejected) {
 TEST(MoeFc2Validation, UnknownTuningIsRejected) {
   Tiny c;
   Fc2FinalizeArgs a = c.args;
-  a.tuning.gemm_config = 4;
-  expect_invalid(a, "tuning.gemm_config");
+  a.tuning.gemm_kernel = static_cast<Fc2GemmKernel>(4);
+  expect_invalid(a, "tuning.gemm_kernel");
   a = c.args;
   a.tuning.raster = 3;
   expect_invalid(a, "tuning.raster");
@@ -256,4 +259,62 @@ TEST(MoeFc2Validation, GpuEntryPointReportsInsteadOfAborting) {
   Status st = moe_fc2_finalize(a, nullptr, 0, nullptr);
   EXPECT_FALSE(st.ok());
   EXPECT_NE(st.message().find("A:"), std::string::npos) << st.message();
+}
+
+// The GEMM kernel choice (moe_fc2_dispatch.cpp): names, the automatic rule,
+// and a pinned kernel this build lacks.
+TEST(MoeFc2GemmKernel, NamesRoundTrip) {
+  EXPECT_STREQ(to_string(Fc2GemmKernel::kAuto), "auto");
+  EXPECT_STREQ(to_string(Fc2GemmKernel::kRows), "rows");
+  EXPECT_STREQ(to_string(Fc2GemmKernel::kCutlassCooperative), "cutlass_cooperative");
+  EXPECT_STREQ(to_string(Fc2GemmKernel::kCutlassPingpong), "cutlass_pingpong");
+  EXPECT_STREQ(to_string(static_cast<Fc2GemmKernel>(9)), "unknown");
+  for (Fc2GemmKernel k : {Fc2GemmKernel::kAuto, Fc2GemmKernel::kRows, Fc2GemmKernel::kCutlassCooperative,
+                          Fc2GemmKernel::kCutlassPingpong}) {
+    Fc2GemmKernel parsed = Fc2GemmKernel::kAuto;
+    EXPECT_TRUE(flashmix::testing::parse_fc2_gemm_kernel(to_string(k), &parsed)) << to_string(k);
+    EXPECT_EQ(parsed, k);
+  }
+  Fc2GemmKernel parsed;
+  EXPECT_FALSE(flashmix::testing::parse_fc2_gemm_kernel("cutlass", &parsed));
+}
+
+TEST(MoeFc2GemmKernel, AutomaticChoice) {
+  const bool cutlass = sm90_fc2_built_with_cutlass();
+  Tiny c;
+  for (int64_t inter : {int64_t(8), int64_t(1024)}) {
+    for (Fc2Mode m : {Fc2Mode::kAtomic, Fc2Mode::kAtomicFp32, Fc2Mode::kDeterministic, Fc2Mode::kUnfused}) {
+      Fc2FinalizeArgs a = c.args;
+      a.inter = inter;
+      a.mode = m;
+      Fc2GemmChoice choice;
+      ASSERT_TRUE(choose_fc2_gemm_kernel(a, &choice).ok());
+      Fc2GemmKernel want = Fc2GemmKernel::kRows;
+      if (m == Fc2Mode::kAtomicFp32 && cutlass)
+        want = inter < 1024 ? Fc2GemmKernel::kCutlassCooperative : Fc2GemmKernel::kCutlassPingpong;
+      EXPECT_EQ(choice.kernel, want) << int(m) << " I=" << inter << ": " << to_string(choice.kernel) << " ("
+                                     << choice.why << ")";
+      EXPECT_NE(std::string(choice.why), "");
+    }
+  }
+}
+
+TEST(MoeFc2GemmKernel, PinnedKernelIsTakenOrRefused) {
+  Tiny c;
+  for (Fc2GemmKernel k : flashmix::testing::kFc2GemmKernels) {
+    Fc2FinalizeArgs a = c.args;
+    a.mode = Fc2Mode::kAtomicFp32;
+    a.tuning.gemm_kernel = k;
+    Fc2GemmChoice choice;
+    const Status st = choose_fc2_gemm_kernel(a, &choice);
+    const bool built = k == Fc2GemmKernel::kRows || sm90_fc2_built_with_cutlass();
+    if (built) {
+      ASSERT_TRUE(st.ok()) << st.message();
+      EXPECT_EQ(choice.kernel, k);
+    } else {
+      EXPECT_EQ(st.code(), StatusCode::kNotSupported);
+      EXPECT_NE(st.message().find("tuning.gemm_kernel"), std::string::npos) << st.message();
+      EXPECT_NE(st.message().find("CUTLASS"), std::string::npos) << st.message();
+    }
+  }
 }

@@ -12,6 +12,7 @@
 //       |gpu - ref| <= 2^-7 |ref| + k 2^-8 |.|max
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -20,6 +21,8 @@
 #include "common/host_dtype.h"
 #include "common/test_data.h"
 #include "flashmix/moe.h"
+#include "moe/moe_fc2_dispatch.h"
+#include "moe/moe_fc2_internal.h"
 
 using namespace flashmix;
 using namespace flashmix::testing;
@@ -34,22 +37,25 @@ bool have_hopper() {
   return major == 9;
 }
 
-// A build without CUTLASS reports kNotSupported for every call.
-bool built_with_cutlass() {
-  Fc2FinalizeArgs a;
-  a.k = 1;
-  a.hidden = 8;
-  a.inter = 8;
-  a.num_experts_per_node = 1;  // T = 0: valid, needs no data
-  return moe_fc2_finalize(a, nullptr, 0, nullptr).code() != StatusCode::kNotSupported;
-}
-
+// A build without CUTLASS runs every mode on our own kernel; the tests that
+// pin a CUTLASS kernel skip it there (and PinnedCutlassKernelWithoutCutlass
+// checks that pinning it is refused).
 #define SKIP_WITHOUT_HOPPER()                                                        \
   do {                                                                               \
     SKIP_WITHOUT_GPU();                                                              \
     if (!have_hopper()) GTEST_SKIP() << "moe_fc2_finalize needs an sm_90 GPU";        \
-    if (!built_with_cutlass()) GTEST_SKIP() << "built without CUTLASS";               \
   } while (0)
+
+// Whether this build has `kernel` (the CUTLASS ones need CUTLASS's headers);
+// says so on stdout when it does not.
+bool have_kernel(Fc2GemmKernel kernel) {
+  const bool cutlass = kernel == Fc2GemmKernel::kCutlassCooperative || kernel == Fc2GemmKernel::kCutlassPingpong;
+  if (cutlass && !sm90_fc2_built_with_cutlass()) {
+    std::printf("  (%s not built: skipped)\n", to_string(kernel));
+    return false;
+  }
+  return true;
+}
 
 struct Case {
   int64_t T = 64;
@@ -115,12 +121,15 @@ struct Problem {
     args.out = ref.data();
     args.out_stride = out_stride();
     args.mode = mode;
-    // FLASHMIX_TEST_FC2_CONFIG=n runs every test of this file on GEMM
-    // configuration n (scripts/gpu_round.sh runs this file once more on 3).
-    // (n,r also pins the tile order r.)
-    if (const char* cfg = std::getenv("FLASHMIX_TEST_FC2_CONFIG")) {
-      args.tuning.gemm_config = std::atoi(cfg);
-      if (const char* comma = std::strchr(cfg, ',')) args.tuning.raster = std::atoi(comma + 1);
+    // FLASHMIX_TEST_FC2_KERNEL=name runs every test of this file on that GEMM
+    // kernel (to_string names: rows, cutlass_cooperative, cutlass_pingpong;
+    // scripts/gpu_round.sh runs this file once more on rows, with all modes);
+    // name,r also pins the CUTLASS tile order r.
+    if (const char* env = std::getenv("FLASHMIX_TEST_FC2_KERNEL")) {
+      const char* comma = std::strchr(env, ',');
+      if (!parse_fc2_gemm_kernel(env, comma ? size_t(comma - env) : std::strlen(env), &args.tuning.gemm_kernel))
+        ADD_FAILURE() << "FLASHMIX_TEST_FC2_KERNEL=" << env << ": not a kernel name";
+      if (comma) args.tuning.raster = std::atoi(comma + 1);
     }
     Status st = moe_fc2_finalize_cpu(args);
     EXPECT_TRUE(st.ok()) << st.message();
@@ -190,13 +199,12 @@ struct Problem {
 
 const Fc2Mode kModes[] = {Fc2Mode::kAtomic, Fc2Mode::kAtomicFp32, Fc2Mode::kDeterministic, Fc2Mode::kUnfused};
 
-// Every mode of c against the reference; gemm_config != 0 pins a GEMM
-// configuration.
-void check_all_modes(const Case& c, int gemm_config = 0) {
+// Every mode of c against the reference; a kernel other than kAuto pins it.
+void check_all_modes(const Case& c, Fc2GemmKernel kernel = Fc2GemmKernel::kAuto) {
   for (Fc2Mode m : kModes) {
     SCOPED_TRACE(fc2_mode_name(m));
     Problem p(c, m);
-    if (gemm_config != 0) p.args.tuning.gemm_config = gemm_config;
+    if (kernel != Fc2GemmKernel::kAuto) p.args.tuning.gemm_kernel = kernel;
     Status st = p.run();
     ASSERT_TRUE(st.ok()) << st.message();
     CUDA_OK(cudaDeviceSynchronize());
@@ -231,26 +239,58 @@ TEST(MoeFc2Gpu, OutStrideNotAMultipleOf8UsesNarrowAccesses) {
   check_all_modes(c);
 }
 
-TEST(MoeFc2Gpu, EveryGemmConfigurationMatches) {
+TEST(MoeFc2Gpu, EveryGemmKernelMatches) {
   SKIP_WITHOUT_HOPPER();
   Case c;
   c.T = 300;
   c.k = 4;
-  for (int cfg = 1; cfg <= 3; ++cfg)
+  for (Fc2GemmKernel kernel : kFc2GemmKernels) {
+    if (!have_kernel(kernel)) continue;
+    const bool pingpong = kernel == Fc2GemmKernel::kCutlassPingpong;
     for (Fc2Mode m : kModes) {
-      SCOPED_TRACE(std::string(fc2_mode_name(m)) + " config " + std::to_string(cfg));
+      SCOPED_TRACE(std::string(fc2_mode_name(m)) + " on " + to_string(kernel));
       Problem p(c, m);
-      p.args.tuning.gemm_config = cfg;
-      p.args.tuning.raster = cfg == 2 ? 2 : 1;  // both tile orders (configuration 3 has its own)
-      p.args.tuning.swizzle = cfg == 2 ? 4 : 0;
+      p.args.tuning.gemm_kernel = kernel;
+      p.args.tuning.raster = pingpong ? 2 : 1;  // both CUTLASS tile orders (rows ignores it)
+      p.args.tuning.swizzle = pingpong ? 4 : 0;
       Status st = p.run();
       ASSERT_TRUE(st.ok()) << st.message();
       CUDA_OK(cudaDeviceSynchronize());
       p.check(m, p.result());
     }
+  }
 }
 
-// Our kernel (configuration 3) orders the experts by tile size in a counting
+// What the automatic choice runs, and that a kernel this build lacks is
+// refused when pinned, naming tuning.gemm_kernel, with nothing written.
+TEST(MoeFc2Gpu, AutomaticChoiceAndPinnedKernelWithoutCutlass) {
+  SKIP_WITHOUT_HOPPER();
+  Case c;
+  for (Fc2Mode m : kModes) {
+    Problem p(c, m);
+    Fc2GemmChoice choice;
+    ASSERT_TRUE(choose_fc2_gemm_kernel(p.args, &choice).ok());
+    std::printf("  %s: %s (%s)\n", fc2_mode_name(m), to_string(choice.kernel), choice.why);
+  }
+  if (sm90_fc2_built_with_cutlass()) return;
+  for (Fc2GemmKernel kernel : {Fc2GemmKernel::kCutlassCooperative, Fc2GemmKernel::kCutlassPingpong}) {
+    SCOPED_TRACE(to_string(kernel));
+    Problem p(c, Fc2Mode::kAtomic);
+    p.args.tuning.gemm_kernel = kernel;
+    const Status st = p.run();
+    EXPECT_EQ(st.code(), StatusCode::kNotSupported) << st.message();
+    EXPECT_NE(st.message().find("tuning.gemm_kernel"), std::string::npos) << st.message();
+    CUDA_OK(cudaDeviceSynchronize());
+    const HostTensor got = p.result();
+    for (int64_t i = 0; i < got.count(); ++i)
+      if (!std::isnan(got.get(i))) {
+        ADD_FAILURE() << "out written at " << i;
+        break;
+      }
+  }
+}
+
+// Our kernel (kRows) orders the experts by tile size in a counting
 // sort over blocks of 32 experts: many experts (up to the op's 1,024), most
 // of them empty or with a few rows.
 TEST(MoeFc2Gpu, RowsKernelManyExperts) {
@@ -261,11 +301,11 @@ TEST(MoeFc2Gpu, RowsKernelManyExperts) {
     c.k = 8;
     c.total = c.local = experts;
     SCOPED_TRACE("experts " + std::to_string(experts));
-    check_all_modes(c, 3);
+    check_all_modes(c, Fc2GemmKernel::kRows);
   }
 }
 
-// Configuration 3 takes an expert of up to 272 rows (256 with more than 256
+// Our kernel (kRows) takes an expert of up to 272 rows (256 with more than 256
 // experts) as one tile, cuts a larger one into equal chunks of at most 256,
 // and sizes each tile's wgmma N to its chunk: experts of 600, 257 and 1 rows
 // and the sizes around the limits below.
@@ -306,7 +346,7 @@ TEST(MoeFc2Gpu, RowsKernelChunksLargeExperts) {
   cases.push_back(h);
   for (const Case& cs : cases) {
     SCOPED_TRACE("T=" + std::to_string(cs.T));
-    check_all_modes(cs, 3);
+    check_all_modes(cs, Fc2GemmKernel::kRows);
   }
 }
 
@@ -431,10 +471,11 @@ TEST(MoeFc2Gpu, AtomicWithKEqualsOneAddsToCallerResidual) {
   SKIP_WITHOUT_HOPPER();
   Case c;
   c.k = 1;
-  for (int cfg = 1; cfg <= 3; ++cfg) {
-    SCOPED_TRACE("config " + std::to_string(cfg));
+  for (Fc2GemmKernel kernel : kFc2GemmKernels) {
+    if (!have_kernel(kernel)) continue;
+    SCOPED_TRACE(to_string(kernel));
     Problem p(c, Fc2Mode::kAtomic);
-    p.args.tuning.gemm_config = cfg;
+    p.args.tuning.gemm_kernel = kernel;
     HostTensor out(DType::kBFloat16, int64_t(p.ref.bytes.size() / 2));
     Rng rng(test_seed() ^ 0x51);
     out.fill_random(rng);

@@ -425,6 +425,8 @@ def test_fc2_bad_mode_and_shapes_raise_value_error_naming_the_argument():
     off, p2u = np.zeros(3, np.int64), np.zeros(4, np.int32)
     with raises_naming(ValueError, "moe_fc2_finalize", "mode"):
         flashmix.moe_fc2_finalize(A, W2, off, p2u, k=2, num_tokens=2, mode="fast")
+    with raises_naming(ValueError, "moe_fc2_finalize", "gemm_kernel"):
+        flashmix.moe_fc2_finalize(A, W2, off, p2u, k=2, num_tokens=2, gemm_kernel="cutlass")
     with raises_naming(ValueError, "moe_fc2_finalize", "A"):
         flashmix.moe_fc2_finalize(np.zeros((4, 16), BF16), W2, off, p2u, k=2, num_tokens=2)
     with raises_naming(ValueError, "moe_fc2_finalize", "hidden"):  # library rule: H a multiple of 8
