@@ -93,6 +93,7 @@ namespace {
 
 Status run_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
+  if (a.num_tokens == 0) return Status::Ok();  // valid on any device and build: nothing to launch
   int major = 0;
   const int sms = current_sm_count(&major);
   FM_REQUIRE_SUPPORTED(major == 9, kOp, "device", "needs an sm_90 (Hopper) GPU (compute capability ", major,
@@ -104,7 +105,6 @@ Status run_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t worksp
              " (ask moe_fc2_finalize_workspace_size)");
   FM_REQUIRE(l.total == 0 || workspace != nullptr, kOp, "workspace", "must not be null");
   FM_REQUIRE(reinterpret_cast<uintptr_t>(workspace) % 256 == 0, kOp, "workspace", "must be 256-byte aligned");
-  if (a.num_tokens == 0) return Status::Ok();
 
   const int64_t T = a.num_tokens, H = a.hidden;
   const int64_t out_stride = a.out_stride ? a.out_stride : H;

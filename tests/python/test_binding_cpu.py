@@ -505,8 +505,7 @@ class FakeCudaArray:
 
 
 def fc2_zero_tokens(make):
-    """moe_fc2_finalize with T = 0: the CPU reference returns OK; the GPU entry point needs a
-    workspace or a Hopper GPU, so it fails without launching anything."""
+    """moe_fc2_finalize with T = 0: valid input on either backend, nothing to do."""
     return dict(A=make((0, 8), "bfloat16"), W2=make((2, 8, 8), "bfloat16"), off=make((3,), "int64"),
                 p2u=make((0,), "int32"), out=make((0, 8), "bfloat16"))
 
@@ -516,12 +515,12 @@ def test_cuda_arrays_take_the_gpu_path():
         a = fc2_zero_tokens(lambda shape, dtype: np.zeros(shape, ref.np_dtype(dtype)))
         flashmix.moe_fc2_finalize(a["A"], a["W2"], a["off"], a["p2u"], k=2, out=a["out"])
     a = fc2_zero_tokens(FakeCudaArray)
-    # Without a GPU the device cannot be made current (RuntimeError); on a GPU the entry point
-    # wants a workspace (ValueError) or, off Hopper, reports kNotSupported. Never the CPU's OK.
-    with pytest.raises((RuntimeError, ValueError)) as e:
+    # The GPU entry point: without a GPU the device cannot be made current (RuntimeError naming
+    # it); on a GPU, T = 0 is valid and nothing is launched (no workspace needed).
+    try:
         _C.moe_fc2_finalize(a["A"], a["W2"], a["off"], a["p2u"], a["out"], k=2, workspace=None, stream=0)
-    assert str(e.value).startswith("moe_fc2_finalize: ")
-    assert any(s in str(e.value) for s in ("cuda:0", "workspace", "sm_90", "CUTLASS")), str(e.value)
+    except RuntimeError as e:
+        assert str(e).startswith("moe_fc2_finalize: ") and "cuda:0" in str(e), str(e)
 
 
 def test_mixed_devices_raise_value_error_naming_the_argument():
