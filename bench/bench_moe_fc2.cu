@@ -199,7 +199,7 @@ void run_case(Context& ctx, const Fc2Case& c, cudaStream_t stream) {
   std::vector<Fc2BenchTuning> tunings;
   // FLASHMIX_BENCH_FC2_TUNING=kernel,raster,swizzle (a kernel name, e.g.
   // rows,0,0 or cutlass_pingpong,2,4) replaces --fc2-gemm-kernel's list (to
-  // profile one tuning with scripts/ncu_cases.sh or fc2_profile_round.sh).
+  // profile one tuning with scripts/tuning/ncu_cases.sh or fc2_profile_round.sh).
   if (const char* env = std::getenv("FLASHMIX_BENCH_FC2_TUNING")) {
     Fc2Tuning t;
     const char* comma = std::strchr(env, ',');

@@ -1,6 +1,6 @@
 // Per-tile cycle profile of our FC2 kernel (sm90_fc2_rows_gemm.cu), compiled
-// in only with -DFLASHMIX_FC2_PROFILE (scripts/profile_bench.sh builds such a
-// flashmix-bench; scripts/fc2_profile.py reads what it prints). In a release
+// in only with -DFLASHMIX_FC2_PROFILE (scripts/tuning/profile_bench.sh builds such a
+// flashmix-bench; scripts/tuning/fc2_profile.py reads what it prints). In a release
 // build every hook below is empty and the kernel compiles to the same code
 // as without them.
 //

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Profiles single launches of bench cases with Nsight Compute on a GPU machine
 # (clocks left alone), one report per case, plus a text summary of each.
-# Usage: scripts/ncu_cases.sh BIN_DIR OUT_DIR NAME=FILTER=KERNEL_REGEX [...]
+# Usage: scripts/tuning/ncu_cases.sh BIN_DIR OUT_DIR NAME=FILTER=KERNEL_REGEX [...]
 #   BIN_DIR  holds flashmix-bench (or is the .tar.xz stage_gpu_binaries.sh packs)
 #   NAME     the report's name under OUT_DIR (NAME.ncu-rep, NAME.txt)
 #   FILTER   flashmix-bench --filter text selecting the case
@@ -13,7 +13,7 @@ bin=${1:?usage: ncu_cases.sh BIN_DIR OUT_DIR NAME=FILTER=KERNEL_REGEX ...}
 out=${2:?usage: ncu_cases.sh BIN_DIR OUT_DIR NAME=FILTER=KERNEL_REGEX ...}
 shift 2
 mkdir -p "$out"
-source "$(dirname "$0")/bin_dir.sh"
+source "$(dirname "$0")/../bin_dir.sh"
 bin=$(bin_dir "$bin")
 status=0
 for spec in "$@"; do

@@ -3,7 +3,7 @@
 # flashmix-bench over the same cases, interleaved (A B C A B C ...), and
 # prints one line per case and build with every round's median, so that
 # run-to-run spread and the difference between builds can be read together.
-# Usage: scripts/ab_bench.sh OUT_DIR FILTER ROUNDS BUILD [BUILD ...]
+# Usage: scripts/tuning/ab_bench.sh OUT_DIR FILTER ROUNDS BUILD [BUILD ...]
 #   BUILD: a directory holding flashmix-bench, or the .tar.xz that
 #          scripts/stage_gpu_binaries.sh packs (its name names the build)
 # Each run's JSON and log end up in OUT_DIR/runs.tar.gz (<build>-<round>.json).
@@ -15,7 +15,7 @@ shift 3
 mkdir -p "$out"
 names=()
 bins=()
-source "$(dirname "$0")/bin_dir.sh"
+source "$(dirname "$0")/../bin_dir.sh"
 for b in "$@"; do
   names+=("$(basename "$b" .tar.xz)")
   bins+=("$(bin_dir "$b")/flashmix-bench")

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Sums the stamps of the FC2 rows kernel's profiling build
-(scripts/profile_bench.sh, FLASHMIX_FC2_PROFILE_LAUNCH=n): per consumer
+(scripts/tuning/profile_bench.sh, FLASHMIX_FC2_PROFILE_LAUNCH=n): per consumer
 warpgroup and tile class (N >= 224 'big', else 'small'), the mean cycles
 from a tile's start to its first stage, of the mainloop (and its waits for
 later stages), from the mainloop's end to the row table, and of the rest of

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # On the device: FC2 kernel variants side by side. DIR holds one directory
 # per build (flashmix-bench, optionally flashmix-bench-prof and
-# flashmix_gpu_tests; scripts/profile_bench.sh links them from one tree
+# flashmix_gpu_tests; scripts/tuning/profile_bench.sh links them from one tree
 # with FC2_DEFS). For each build with a test binary: the FC2 GPU tests on
-# our own kernel (rows); then scripts/ab_bench.sh over FILTER (ROUNDS rounds,
+# our own kernel (rows); then scripts/tuning/ab_bench.sh over FILTER (ROUNDS rounds,
 # interleaved); then, for each build with a profiling binary, the per-tile
 # profile of the cases in FC2_PROFILE_CASES (fc2_profile_round.sh).
 # SANITIZE_FILTER (a gtest filter): memcheck and racecheck on those tests too.
@@ -33,11 +33,11 @@ for b in "$@"; do
 done
 builds=()
 for b in "$@"; do builds+=("$dir/$b"); done
-scripts/ab_bench.sh "$out/ab" "$filter" "$rounds" "${builds[@]}" || status=1
+scripts/tuning/ab_bench.sh "$out/ab" "$filter" "$rounds" "${builds[@]}" || status=1
 for b in "$@"; do
   if [ -x "$dir/$b/flashmix-bench-prof" ] && [ -n "${FC2_PROFILE_CASES:-}" ]; then
     echo "== $b: profile"
-    scripts/fc2_profile_round.sh "$dir/$b" "$out" 2>&1 | grep -v '^ *$'
+    scripts/tuning/fc2_profile_round.sh "$dir/$b" "$out" 2>&1 | grep -v '^ *$'
   elif [ -x "$dir/$b/flashmix-bench-prof" ]; then
     echo "== $b: profiling build on $filter"
     "$dir/$b/flashmix-bench-prof" --filter "$filter" --no-verify > "$out/$b-prof.log" 2>&1 || status=1

@@ -4,12 +4,12 @@
 # from an already built tree, without touching it: the one object is
 # recompiled into a copy of libflashmix.a.
 # FC2_DEFS defaults to -DFLASHMIX_FC2_PROFILE (per-CTA cycle counts printed
-# by the launch that FLASHMIX_FC2_PROFILE_LAUNCH names; scripts/fc2_profile.py
+# by the launch that FLASHMIX_FC2_PROFILE_LAUNCH names; scripts/tuning/fc2_profile.py
 # sums them); any other -D of sm90_fc2_rows_gemm.cu can be given instead.
 # SRC (another source file of the library, relative to the repository) and
 # SRC_TARGET (the CMake target whose flags compile it, e.g.
 # flashmix_mhc_sm90) recompile a different object the same way.
-# Usage: [FC2_DEFS=...] [TARGET=...] [SRC=... SRC_TARGET=...] scripts/profile_bench.sh BUILD_DIR OUT_BINARY
+# Usage: [FC2_DEFS=...] [TARGET=...] [SRC=... SRC_TARGET=...] scripts/tuning/profile_bench.sh BUILD_DIR OUT_BINARY
 set -euo pipefail
 build=$(cd "${1:?usage: profile_bench.sh BUILD_DIR OUT_BINARY}" && pwd)
 out=${2:?usage: profile_bench.sh BUILD_DIR OUT_BINARY}
@@ -20,7 +20,7 @@ case $target in
   flashmix_gpu_tests) dir=tests ;;
   *) echo "TARGET: flashmix-bench or flashmix_gpu_tests" >&2; exit 2 ;;
 esac
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)

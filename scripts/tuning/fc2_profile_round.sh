@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the device: per-tile cycle profile of the FC2 rows kernel on a few cases
-# (profiling build, scripts/profile_bench.sh) beside the same cases' times
+# (profiling build, scripts/tuning/profile_bench.sh) beside the same cases' times
 # from the regular build. Usage: fc2_profile_round.sh DIR OUT [launch]
 # DIR holds flashmix-bench and flashmix-bench-prof.
 set -uo pipefail
@@ -11,7 +11,7 @@ for c in $cases; do
   FLASHMIX_BENCH_FC2_TUNING=rows,0,0 FLASHMIX_FC2_PROFILE_LAUNCH=$launch "$dir/flashmix-bench-prof" --sweep --no-verify \
     --filter "moe_fc2/$c/atomic" --json /tmp/prof_$c.json > /tmp/prof_$c.log 2>&1
   grep -E "^moe_fc2" /tmp/prof_$c.log | head -2
-  python3 scripts/fc2_profile.py /tmp/prof_$c.log ${FC2_PROFILE_KB:-0}
+  python3 scripts/tuning/fc2_profile.py /tmp/prof_$c.log ${FC2_PROFILE_KB:-0}
   FLASHMIX_BENCH_FC2_TUNING=rows,0,0 "$dir/flashmix-bench" --sweep --no-verify --filter "moe_fc2/$c/atomic" \
     --json /tmp/reg_$c.json 2>&1 | grep -E "^moe_fc2" | head -2
 done
