@@ -1,4 +1,4 @@
-// flashmix-bench cases for the mHC forward (SPEC §4).
+// flashmix-bench cases for the mHC forward (spec §4).
 //
 // Bytes counted (the minimum any implementation moves):
 //   mhc_pre:  X read once + F_pre written once (phi, alpha, bias and the
@@ -572,7 +572,7 @@ void run_mhc_cases(Context& ctx) {
 
     // phi in bf16 (the caller's weights stored in bf16): half the weight
     // bytes to bring in, and no lo half to split off. Reported beside the
-    // fp32 case, which carries the target (SPEC's precision for fp32 phi).
+    // fp32 case, which carries the target (the spec's precision for fp32 phi).
     check = verify_sets([&](int i) { return mhc_pre(pre_args(hs[i], ds[i], true), stream); },
                         [&](int i) { return check_pre(hs[i], ds[i], sample_rows(16), true); });
     Record rb = r;

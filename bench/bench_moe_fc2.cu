@@ -1,4 +1,4 @@
-// flashmix-bench cases for moe_fc2_finalize (SPEC §3): the FC2 grouped GEMM
+// flashmix-bench cases for moe_fc2_finalize (spec §3): the FC2 grouped GEMM
 // with the finalize, per mode, against a dense cuBLAS bf16 GEMM of equal
 // FLOPs (2 * P * H * I, P = local rows) timed in the same run, and the fused
 // modes against the unfused baseline. The routing maps are built beforehand

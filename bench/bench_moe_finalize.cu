@@ -1,4 +1,4 @@
-// flashmix-bench cases for finalize_moe_routing (SPEC §2).
+// flashmix-bench cases for finalize_moe_routing (spec §2).
 //
 // Bytes counted (the minimum any implementation moves): every local row read
 // once, every written output row written once, plus the index, expert and

@@ -1,4 +1,4 @@
-// flashmix-bench cases for build_moe_routing_maps (SPEC §1).
+// flashmix-bench cases for build_moe_routing_maps (spec §1).
 //
 // Bytes counted (the minimum any implementation moves): the expert ids read
 // once (k*T*4), both maps written once (k*T*4 + P*4), the offsets; with the

@@ -3,7 +3,7 @@
 
 Each op runs as flashmix (through the Python binding) and as what an engine
 would otherwise use:
-  - torch eager: the SPEC math written plainly in torch;
+  - torch eager: the spec's math (docs/spec.md) written plainly in torch;
   - torch.compile of the same function (inductor, default mode);
   - for the FC2 GEMM: torch._grouped_mm (the grouped GEMM torch ships) plus the
     finalize in torch, torch.bmm with the same rows spread evenly over the
@@ -112,7 +112,7 @@ class Run:
         return torch.compile(fn, dynamic=False) if not self.args.no_compile else None
 
 
-# --------------------------------------------------------------------------- finalize (SPEC §2)
+# --------------------------------------------------------------------------- finalize (spec §2)
 
 def finalize_torch(rows, u2p, experts, scales, bias):
     T, k = experts.shape
@@ -145,7 +145,7 @@ def bench_finalize(run, T, k, H, E, with_bias):
         run.record("moe_finalize", case, "torch.compile", timed(f, 20), bytes_=nbytes, err=rel_err(f(), ref), tol=2e-2)
 
 
-# --------------------------------------------------------------------------- mHC (SPEC §4)
+# --------------------------------------------------------------------------- mHC (spec §4)
 
 def mhc_pre_torch(x, phi, alpha, bias, n, eps_norm=1e-6, eps_pre=1e-6, post_mult=2.0, eps_s=1e-6, iters=20):
     B = x.shape[0]
@@ -174,7 +174,7 @@ def mhc_post_torch(x, f_out, h_post, h_res):
 def bench_mhc(run, B, n, C):
     case = "B%d_n%d_C%d" % (B, n, C)
     N, K = n * n + 2 * n, n * C
-    torch.backends.cuda.matmul.allow_tf32 = False  # the SPEC's fp32 projection
+    torch.backends.cuda.matmul.allow_tf32 = False  # the the spec's fp32 projection
     x = torch.randn(B, n, C, device=DEV, dtype=torch.bfloat16)
     phi = torch.randn(N, K, device=DEV) * (1.0 / K ** 0.5)
     alpha = torch.tensor([0.8, 1.1, 0.9], device=DEV)
@@ -211,7 +211,7 @@ def bench_mhc(run, B, n, C):
                    tol=2e-2)
 
 
-# --------------------------------------------------------------------------- FC2 + finalize (SPEC §3)
+# --------------------------------------------------------------------------- FC2 + finalize (spec §3)
 
 def bench_fc2(run, name, T, k, E, I, H):
     case = "%s_T%d_k%d_E%d_I%d_H%d" % (name, T, k, E, I, H)

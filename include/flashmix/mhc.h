@@ -1,4 +1,4 @@
-// flashmix: mHC (manifold-constrained hyper-connections) forward, SPEC.md §4.
+// flashmix: mHC (manifold-constrained hyper-connections) forward, docs/spec.md §4.
 //
 // Layouts:
 //   X      bf16 [B, n, C] contiguous, seen as [B, K] with K = n*C, stream-major: X[b, i*C + c]
@@ -45,7 +45,7 @@ enum class MhcResLayout {
   kRowMix,    // X_next[i] = sum_j H_res[i, j] * X[j]   (R = H_res, the seed's kernel)
 };
 
-// SPEC §4 parameters with DeepSeek's defaults. MhcParams::seed() is the seed
+// spec §4 parameters with DeepSeek's defaults. MhcParams::seed() is the seed
 // document's setting: all eps 0 (plain exp-then-normalise Sinkhorn, no eps in r).
 struct MhcParams {
   float eps_norm = 1e-6f;

@@ -1,4 +1,4 @@
-// flashmix: Mixture-of-Experts operations (SPEC.md §1-§3).
+// flashmix: Mixture-of-Experts operations (docs/spec.md §1-§3).
 //
 // Layouts follow TensorRT-LLM's so its users can switch:
 //   token_selected_experts          int32 [T, k], global expert ids
@@ -24,7 +24,7 @@ struct FinalizeTuning {
   int chunks_per_token = 0;   // how many warps split one output row
 };
 
-// SPEC §2: out[t, c] = sum over local slots j of w[t,j] * (rows[u2p[j*T+t], c] + bias[e-start, c])
+// spec §2: out[t, c] = sum over local slots j of w[t,j] * (rows[u2p[j*T+t], c] + bias[e-start, c])
 //                      (+ shared_output[t, c])
 // Summed in fp32 in the fixed order j = 0..k-1 and rounded once: bitwise reproducible.
 // Slots whose expert is outside [start_expert_id, start_expert_id + num_experts_per_node)
@@ -112,7 +112,7 @@ Status debug_check_finalize_moe_routing_indices(const FinalizeMoeRoutingArgs& ar
 }  // namespace flashmix
 
 // ---------------------------------------------------------------------------
-// MoE routing maps (SPEC §1): token_selected_experts -> the permutation that
+// MoE routing maps (spec §1): token_selected_experts -> the permutation that
 // groups this GPU's slots by expert, plus (optionally) the gathered input rows.
 // ---------------------------------------------------------------------------
 namespace flashmix {
@@ -189,7 +189,7 @@ Status validate_moe_routing_maps(const MoeRoutingArgs& args);
 }  // namespace flashmix
 
 // ---------------------------------------------------------------------------
-// MoE FC2 grouped GEMM with the finalize fused into its epilogue (SPEC §3).
+// MoE FC2 grouped GEMM with the finalize fused into its epilogue (spec §3).
 //   out[t, :] = sum over local slots (t, j): w[t, j] * (A[p] @ W2[e]^T + bias[e])
 // p the slot's permuted row, e its local expert. sm_90a only (TMA + wgmma):
 // our own grouped GEMM by default (every mode but atomic_fp32, and that one
@@ -219,9 +219,9 @@ enum class Fc2Mode : int {
 // moe_fc2_finalize return kNotSupported naming tuning.gemm_kernel, with
 // nothing launched.
 enum class Fc2GemmKernel : int {
-  // The automatic choice (H200 measurements, docs/fc2_grouped_gemm.md):
-  // kRows for atomic, deterministic and unfused; for atomic_fp32
-  // kCutlassPingpong, or kCutlassCooperative when I < 1024; kRows for every
+  // The automatic choice (measured, docs/fc2_grouped_gemm.md): kRows for
+  // atomic, deterministic and unfused; for atomic_fp32 kCutlassPingpong when
+  // 16 < T*k/E_local < 1024 rows a expert, kRows otherwise; kRows for every
   // mode in a build without CUTLASS.
   kAuto = 0,
   // Our own TMA + wgmma kernel (no CUTLASS): a tile is 128 H columns x all

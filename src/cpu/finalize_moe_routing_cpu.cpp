@@ -1,4 +1,4 @@
-// CPU reference for finalize_moe_routing, written from SPEC §2 alone:
+// CPU reference for finalize_moe_routing, written from spec §2 alone:
 //   out[t, c] = sum over j with e = experts[t, j] local:
 //                 w[t, j] * (rows[u2p[j*T + t], c] + bias[e - start, c])   (+ shared_output[t, c])
 // accumulated in double and rounded once to the output dtype.

@@ -1,4 +1,4 @@
-// CPU reference backend for the mHC ops, written from SPEC §4 alone: every
+// CPU reference backend for the mHC ops, written from spec §4 alone: every
 // sum in double, each output rounded once at its store. It shares no code
 // with the kernels (host bf16 conversion comes from common/host_dtype.h).
 #include <cmath>
@@ -38,7 +38,7 @@ double project_row(const void* x, const void* phi, DType phi_dtype, const float*
   return r;
 }
 
-// SPEC §4 activations for one token; h has N entries.
+// spec §4 activations for one token; h has N entries.
 void activate_row(const double* h, int n, const MhcParams& p, double* pre, double* post, double* res) {
   for (int i = 0; i < n; ++i) pre[i] = sigmoid(h[i]) + p.eps_pre;
   for (int i = 0; i < n; ++i) post[i] = double(p.post_mult) * sigmoid(h[n + i]);

@@ -1,4 +1,4 @@
-// CPU reference for moe_fc2_finalize, written from SPEC §3 alone:
+// CPU reference for moe_fc2_finalize, written from spec §3 alone:
 //   out[t, :] = sum over local slots (t, j): w[t, j] * (A[p] @ W2[e]^T + bias[e])
 // accumulated in double and rounded once to bf16.
 #include <vector>

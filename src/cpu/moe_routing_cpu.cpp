@@ -1,4 +1,4 @@
-// CPU reference for the MoE routing maps (SPEC §1), written from the spec:
+// CPU reference for the MoE routing maps (spec §1), written from the spec:
 // a stable counting sort of the local slots s = j*T + t by local expert.
 #include <cstdint>
 #include <cstring>

@@ -1,4 +1,4 @@
-// mHC forward (SPEC §4): the memory-bound kernels, the portable projection
+// mHC forward (spec §4): the memory-bound kernels, the portable projection
 // and every public launcher. The Hopper single-pass mhc_pre lives in
 // sm90_mhc_resident.cu (n = 4) and sm90_mhc_fused.cu (other shapes), small
 // batches with a workspace in mhc_split.cu; this file falls back to the

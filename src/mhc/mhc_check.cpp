@@ -1,4 +1,4 @@
-// Host-side validation of the mHC ops (SPEC §4, §5), shared by the GPU and
+// Host-side validation of the mHC ops (spec §4, §5), shared by the GPU and
 // CPU backends. Nothing here touches device memory: alpha and bias are model
 // weights on the device and are trusted like any other device value.
 #include <algorithm>

@@ -1,5 +1,5 @@
 // Device pieces shared by the mHC kernels: the activations with Sinkhorn for
-// one token (SPEC §4), and the launch-side parameter block.
+// one token (spec §4), and the launch-side parameter block.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -59,7 +59,7 @@ __device__ __forceinline__ float tree_sum(const float* v) {
 // Per round (n = 4): 2n^2 FMAs and 2n reciprocals instead of 2n(n-1) adds,
 // 2n^2 multiplies and 2n reciprocals (H200, one warp, 20 rounds: 3,760 ->
 // 2,810 cycles at eps = 0, 3,720 -> 2,900 with eps). The first round is the
-// column normalisation alone (SPEC §4); iters >= 1 (validated). Reciprocals
+// column normalisation alone (spec §4); iters >= 1 (validated). Reciprocals
 // straight from the MUFU (rcp.approx.ftz, ~1 ulp), their argument clamped to
 // FLT_MIN so the scales stay finite. On return m holds a_i K_ij b_j.
 template <int kN, bool kEps>

@@ -3,7 +3,7 @@
 // in one launch.
 //
 //   h[b, m] = alpha_of(m) * (sum_k X[b,k] phi[m,k]) / r[b] + bias[m],  r[b] = sqrt(sum_k X[b,k]^2 / K + eps_norm)
-//   F_pre[b, c] = sum_i H_pre[b, i] X[b, i, c]                          (SPEC §4)
+//   F_pre[b, c] = sum_i H_pre[b, i] X[b, i, c]                          (spec §4)
 //
 // Why: at decode sizes the op is latency, and reading phi is its largest
 // step (N x K fp32: 2.75 MB at n = 4, 18.4 MB at n = 8, C = 7168). The

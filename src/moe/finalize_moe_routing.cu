@@ -1,4 +1,4 @@
-// finalize_moe_routing (SPEC §2): un-permute the expert outputs, weight them
+// finalize_moe_routing (spec §2): un-permute the expert outputs, weight them
 // by the router, reduce the top-k, add bias and an optional shared output.
 //
 //   out[t, c] = sum over local slots j (in order j = 0..k-1) of

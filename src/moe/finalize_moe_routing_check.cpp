@@ -1,4 +1,4 @@
-// Host-side validation of finalize_moe_routing (SPEC §5), shared by the GPU
+// Host-side validation of finalize_moe_routing (spec §5), shared by the GPU
 // and CPU backends, and the debug check of the device-side index arrays.
 #include <cstring>
 #include <vector>

@@ -1,4 +1,4 @@
-// MoE FC2 grouped GEMM with fused finalize (SPEC §3): the launcher and mode
+// MoE FC2 grouped GEMM with fused finalize (spec §3): the launcher and mode
 // dispatch. The GEMM kernel is chosen in moe_fc2_dispatch.cpp (our own,
 // sm90_fc2_rows_gemm.cu, or CUTLASS's, sm90_fc2_grouped_gemm.cu), each with
 // our scatter epilogue; this file holds what every mode adds around it:

@@ -1,4 +1,4 @@
-// Host-side validation of moe_fc2_finalize (SPEC §5), shared by the GPU and
+// Host-side validation of moe_fc2_finalize (spec §5), shared by the GPU and
 // CPU backends, and the workspace layout.
 #include "common/check.h"
 #include "flashmix/moe.h"

@@ -2,6 +2,8 @@
 // candidates with their conditions, and the automatic rule, stated once.
 #include "moe/moe_fc2_dispatch.h"
 
+#include <algorithm>
+
 #include "common/check.h"
 #include "moe/moe_fc2_internal.h"
 
@@ -60,21 +62,25 @@ const char* fc2_gemm_kernel_unavailable(Fc2GemmKernel kernel, const Fc2FinalizeA
   return "not a kernel (kAuto or an unknown value)";
 }
 
-// The automatic rule. Measured on an H200 with flashmix-bench, the kernels
-// pinned against each other in the same process (docs/fc2_grouped_gemm.md,
-// 2026-11-23/24):
+// The automatic rule, measured with flashmix-bench, the kernels pinned
+// against each other in the same process (docs/fc2_grouped_gemm.md):
 //  - atomic, deterministic, unfused: kRows, faster or even on every bench
 //    shape (no MMA on padding rows: CUTLASS's tiles have a fixed row count).
-//    unfused DeepSeek EP 454 vs 482 us; deterministic DeepSeek EP 563-574 vs
-//    561-570, Qwen3-MoE 363-368 vs 434-451, Mixtral 1510 vs 1596-1608;
-//    atomic Mixtral -9 %, Qwen3-MoE -13 %, decode -2 %.
-//  - atomic_fp32: CUTLASS, where DeepSeek EP ran 500-519 us vs 525-551 on
-//    kRows (measured before kRows' 272-row tiles and batched epilogue;
-//    `flashmix-bench --fc2-gemm-kernel` re-measures it): the pingpong
-//    64x256, whose epilogue (twice the reduction bytes of atomic) overlaps
-//    the other warpgroup's mainloop, except with a short K (I < 1024:
-//    Qwen3-MoE's I = 768), where the cooperative 128x256 was faster.
+//    H200, 2026-11-23/24: unfused DeepSeek EP 454 vs 482 us; deterministic
+//    Qwen3-MoE 363-368 vs 434-451, Mixtral 1510 vs 1596-1608; atomic Mixtral
+//    -9 %, Qwen3-MoE -13 %.
+//  - atomic_fp32 (twice the reduction bytes of atomic in the epilogue): by
+//    the rows per local expert, bounded on the host by T*k / E_local.
+//    H100, 2026-11-25, two rounds (rows / CUTLASS pingpong / cooperative):
+//    DeepSeek EP (256 a expert) 612 / 588-594 / 625-642 us, Qwen3-MoE (256)
+//    449-451 / 412 / 430-432, Mixtral (1024) 1527-1534 / 1733-1794 /
+//    1678-1720, decode (T = 16, 4) 318 / 343 / 349-350. So CUTLASS pingpong
+//    (whose epilogue overlaps the other warpgroup's mainloop) between
+//    kFc2Fp32CutlassMinRows and kFc2Fp32CutlassMaxRows rows a expert, kRows
+//    outside (long experts: no padded tiles; decode: one short wave).
 //  - without CUTLASS in the build: kRows for every mode.
+constexpr int64_t kFc2Fp32CutlassMinRows = 16, kFc2Fp32CutlassMaxRows = 1024;
+
 Status choose_fc2_gemm_kernel(const Fc2FinalizeArgs& a, Fc2GemmChoice* choice) {
   const Fc2GemmKernel pinned = a.tuning.gemm_kernel;
   if (pinned != Fc2GemmKernel::kAuto) {
@@ -84,20 +90,20 @@ Status choose_fc2_gemm_kernel(const Fc2FinalizeArgs& a, Fc2GemmChoice* choice) {
     return Status::Ok();
   }
   // The preferred kernel first, then the fallback, each with its reason.
-  const bool short_k = a.inter < 1024;
-  const Fc2GemmChoice cutlass =
-      short_k ? Fc2GemmChoice{Fc2GemmKernel::kCutlassCooperative,
-                              "auto: atomic_fp32, I < 1024: CUTLASS cooperative 128x256 measured fastest"}
-              : Fc2GemmChoice{Fc2GemmKernel::kCutlassPingpong,
-                              "auto: atomic_fp32: CUTLASS pingpong 64x256 measured faster than rows (DeepSeek EP)"};
+  const int64_t rows_per_expert = a.num_tokens * a.k / std::max(1, a.num_experts_per_node);
+  const bool fp32_on_cutlass = rows_per_expert > kFc2Fp32CutlassMinRows && rows_per_expert < kFc2Fp32CutlassMaxRows;
   Fc2GemmChoice order[2];
   int n = 0;
-  if (a.mode == Fc2Mode::kAtomicFp32) {
-    order[n++] = cutlass;
+  if (a.mode == Fc2Mode::kAtomicFp32 && fp32_on_cutlass) {
+    order[n++] = {Fc2GemmKernel::kCutlassPingpong,
+                  "auto: atomic_fp32, 16 < T*k/E_local < 1024: CUTLASS pingpong 64x256 measured fastest"};
     order[n++] = {Fc2GemmKernel::kRows, "auto: atomic_fp32 on rows: built without CUTLASS"};
+  } else if (a.mode == Fc2Mode::kAtomicFp32) {
+    order[n++] = {Fc2GemmKernel::kRows, "auto: atomic_fp32, T*k/E_local <= 16 or >= 1024: rows measured fastest"};
+    order[n++] = {Fc2GemmKernel::kCutlassPingpong, "auto: rows cannot take the shape: CUTLASS"};
   } else {
     order[n++] = {Fc2GemmKernel::kRows, "auto: atomic, deterministic, unfused: rows measured faster or even"};
-    order[n++] = {cutlass.kernel, "auto: rows cannot take the shape: CUTLASS"};
+    order[n++] = {Fc2GemmKernel::kCutlassPingpong, "auto: rows cannot take the shape: CUTLASS"};
   }
   for (int i = 0; i < n; ++i)
     if (fc2_gemm_kernel_unavailable(order[i].kernel, a) == nullptr) {

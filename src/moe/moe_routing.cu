@@ -1,4 +1,4 @@
-// MoE routing maps on the GPU (SPEC §1).
+// MoE routing maps on the GPU (spec §1).
 //
 // Math: a slot s = j*T + t is local when e = experts[t*k + j] - start lies in
 // [0, E_local). The local slots are sorted by e, stably in s (a counting sort):

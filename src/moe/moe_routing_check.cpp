@@ -1,4 +1,4 @@
-// MoE routing maps: the one host-side validation both backends call (SPEC §5),
+// MoE routing maps: the one host-side validation both backends call (spec §5),
 // and the workspace-size query. Never reads device memory.
 #include <cstdint>
 

@@ -1,5 +1,5 @@
 // FC2 grouped GEMM on sm_90a, our own kernel (Fc2GemmKernel::kRows; TMA +
-// wgmma, no CUTLASS, always built): SPEC §3, per expert e,
+// wgmma, no CUTLASS, always built): spec §3, per expert e,
 //   out[t, h] += w[t, j] * (sum_i A[p, i] * W2[e, h, i] + bias[e, h])
 // for its rows p (slot s = p2u[p], t = s % T, j = s / T), with the finalize
 // in the epilogue (reduction adds into out or an fp32 accumulator, or rows

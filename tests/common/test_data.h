@@ -1,6 +1,6 @@
 // Test data shared by the CPU and GPU tests: a seeded random source, host
 // tensors of any DType, and MoE routings with their maps built on the host
-// straight from SPEC §1 (independent of the library's routing code).
+// straight from spec §1 (independent of the library's routing code).
 #pragma once
 
 #include <algorithm>
@@ -50,7 +50,7 @@ struct HostTensor {
   void poison() { std::fill(bytes.begin(), bytes.end(), uint8_t(0xff)); }
 };
 
-// A top-k routing and its maps (SPEC §1), built on the host.
+// A top-k routing and its maps (spec §1), built on the host.
 struct Routing {
   int64_t T = 0;
   int k = 0;

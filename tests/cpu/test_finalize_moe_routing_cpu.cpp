@@ -1,5 +1,5 @@
 // finalize_moe_routing: the CPU reference on hand-worked cases, and every
-// SPEC §5 rule of the shared validation (the GPU tests check the same rules
+// spec §5 rule of the shared validation (the GPU tests check the same rules
 // leave device outputs untouched).
 #include <cmath>
 #include <gtest/gtest.h>
@@ -126,7 +126,7 @@ TEST(FinalizeCpu, Bf16OutputIsRoundedOnce) {
   EXPECT_EQ(out.get(3), double(host::bf16_to_float(host::float_to_bf16(float(want)))));
 }
 
-// --- SPEC §5: each rule, an error that names the argument.
+// --- spec §5: each rule, an error that names the argument.
 
 namespace {
 void expect_error(const FinalizeMoeRoutingArgs& a, const char* argument) {

@@ -1,5 +1,5 @@
 // CPU tests of the mHC reference backend and of the host-side validation
-// (SPEC §4, §5). These run on any machine.
+// (spec §4, §5). These run on any machine.
 #include <algorithm>
 #include <cstring>
 
@@ -70,7 +70,7 @@ TEST(MhcCpu, SeedSettingSinkhornMatchesSeedAlgorithm) {
   }
 }
 
-// h matches SPEC §4 written out for one token.
+// h matches spec §4 written out for one token.
 TEST(MhcCpu, ProjectMatchesFormula) {
   Problem p = make_problem(2, 2, 16, seed_for("project_formula"));
   MhcProjectArgs a;
@@ -175,7 +175,7 @@ TEST(MhcCpu, ExpandCopiesEachToken) {
       for (int64_t c = 0; c < p.C; ++c) EXPECT_EQ(x[(b * n + i) * p.C + c], p.f_out[b * p.C + c]);
 }
 
-// ---- SPEC §5: bad input names the argument and writes nothing ----
+// ---- spec §5: bad input names the argument and writes nothing ----
 
 struct PreFixture {
   Problem p = make_problem(2, 4, 64, seed_for("validation"));

@@ -1,5 +1,5 @@
-// The CPU reference of moe_fc2_finalize (SPEC §3) on hand-computed cases, and
-// the shared validation (SPEC §5): each rule broken names its argument.
+// The CPU reference of moe_fc2_finalize (spec §3) on hand-computed cases, and
+// the shared validation (spec §5): each rule broken names its argument.
 #include <cmath>
 #include <string>
 #include <vector>
@@ -282,18 +282,24 @@ TEST(MoeFc2GemmKernel, NamesRoundTrip) {
 TEST(MoeFc2GemmKernel, AutomaticChoice) {
   const bool cutlass = sm90_fc2_built_with_cutlass();
   Tiny c;
-  for (int64_t inter : {int64_t(8), int64_t(1024)}) {
+  // (T, k, E_local): rows a local expert at most T*k/E_local = 2 (decode-like), 256 (DeepSeek EP, Qwen3-MoE),
+  // 1024 (Mixtral).
+  struct Shape { int64_t T; int k, E; Fc2GemmKernel fp32; };
+  const Shape shapes[] = {{2, 2, 2, Fc2GemmKernel::kRows},
+                          {1024, 8, 32, Fc2GemmKernel::kCutlassPingpong},
+                          {4096, 2, 8, Fc2GemmKernel::kRows}};
+  for (const Shape& sh : shapes) {
     for (Fc2Mode m : {Fc2Mode::kAtomic, Fc2Mode::kAtomicFp32, Fc2Mode::kDeterministic, Fc2Mode::kUnfused}) {
       Fc2FinalizeArgs a = c.args;
-      a.inter = inter;
+      a.num_tokens = sh.T;
+      a.k = sh.k;
+      a.num_experts_per_node = sh.E;
       a.mode = m;
       Fc2GemmChoice choice;
       ASSERT_TRUE(choose_fc2_gemm_kernel(a, &choice).ok());
-      Fc2GemmKernel want = Fc2GemmKernel::kRows;
-      if (m == Fc2Mode::kAtomicFp32 && cutlass)
-        want = inter < 1024 ? Fc2GemmKernel::kCutlassCooperative : Fc2GemmKernel::kCutlassPingpong;
-      EXPECT_EQ(choice.kernel, want) << int(m) << " I=" << inter << ": " << to_string(choice.kernel) << " ("
-                                     << choice.why << ")";
+      const Fc2GemmKernel want = m == Fc2Mode::kAtomicFp32 && cutlass ? sh.fp32 : Fc2GemmKernel::kRows;
+      EXPECT_EQ(choice.kernel, want) << int(m) << " T*k/E=" << sh.T * sh.k / sh.E << ": " << to_string(choice.kernel)
+                                     << " (" << choice.why << ")";
       EXPECT_NE(std::string(choice.why), "");
     }
   }

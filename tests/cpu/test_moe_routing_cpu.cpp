@@ -1,5 +1,5 @@
-// build_moe_routing_maps: the CPU reference on hand-worked cases (SPEC §1),
-// and every SPEC §5 rule of the shared validation (the GPU tests check that
+// build_moe_routing_maps: the CPU reference on hand-worked cases (spec §1),
+// and every spec §5 rule of the shared validation (the GPU tests check that
 // the same rules leave device outputs untouched).
 #include <gtest/gtest.h>
 
@@ -120,7 +120,7 @@ TEST(MoeRoutingCpu, ZeroTokensZeroesTheOffsets) {
   EXPECT_EQ(offsets, (std::vector<int64_t>(5, 0)));
 }
 
-// ---- SPEC §5: every rule names its argument; nothing is written ------------
+// ---- spec §5: every rule names its argument; nothing is written ------------
 
 TEST(MoeRoutingCpuValidation, RejectsBadSizesNamingTheArgument) {
   struct Case {

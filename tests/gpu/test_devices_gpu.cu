@@ -499,9 +499,10 @@ TEST(CudaErrorState, PendingErrorIsReportedNotSwallowed) {
   CUDA_OK(cudaDeviceSynchronize());
 }
 
-// A call that fails inside the CUDA runtime: the legacy stream while another
-// stream captures in global mode (the runtime refuses it and invalidates the
-// capture). The failure is the call's Status, and no error is left set.
+// A call that fails inside the CUDA runtime: the legacy stream while a
+// blocking stream captures in global mode (the legacy stream would join the
+// capture implicitly: the runtime refuses it and invalidates the capture).
+// The failure is the call's Status, and no error is left set.
 TEST(CudaErrorState, FailedCallLeavesNoErrorSet) {
   SKIP_WITHOUT_GPU();
   CUDA_OK(cudaGetLastError());
@@ -512,7 +513,7 @@ TEST(CudaErrorState, FailedCallLeavesNoErrorSet) {
   expand.embedding = emb.get();
   expand.x = x.get();
   cudaStream_t capturing = nullptr;
-  CUDA_OK(cudaStreamCreateWithFlags(&capturing, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreateWithFlags(&capturing, cudaStreamDefault));  // blocking: synchronises with the legacy stream
   CUDA_OK(cudaStreamBeginCapture(capturing, cudaStreamCaptureModeGlobal));
   const Status s = mhc_expand(expand, nullptr);  // the legacy stream
   EXPECT_FALSE(s.ok());

@@ -600,7 +600,7 @@ TEST(FinalizeGpu, PrefetchIndicesReadsRowsAfterTheDependency) {
   }
 }
 
-// SPEC §5 on the GPU entry point: the error names the argument, and the
+// spec §5 on the GPU entry point: the error names the argument, and the
 // (poisoned) output is left exactly as it was: nothing was launched.
 TEST(FinalizeGpuErrors, BadInputNamesTheArgumentAndWritesNothing) {
   SKIP_WITHOUT_GPU();
@@ -663,7 +663,7 @@ TEST(FinalizeGpuErrors, DebugIndexCheckFindsBadPermutationEntries) {
   EXPECT_NE(st.message().find("unpermuted_row_to_permuted_row"), std::string::npos) << st.message();
 }
 
-// SPEC §5 "a stream that is not usable": a stream whose graph capture an
+// spec §5 "a stream that is not usable": a stream whose graph capture an
 // earlier illegal call invalidated gets an error naming the stream, and the
 // output is left as it was.
 TEST(FinalizeGpuErrors, AStreamWithAnInvalidatedCaptureIsRejected) {

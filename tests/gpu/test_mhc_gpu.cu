@@ -1,5 +1,5 @@
-// GPU tests of the mHC ops against the CPU reference (SPEC §4) and of their
-// argument checks (SPEC §5). Without a GPU every test is skipped.
+// GPU tests of the mHC ops against the CPU reference (spec §4) and of their
+// argument checks (spec §5). Without a GPU every test is skipped.
 //
 // Tolerances (see cpu/test_mhc_common.h):
 //   bf16 outputs (F_pre, X_next, head out): |got - ref| <= 2^-7 |ref| + t * scale,
@@ -679,7 +679,7 @@ TEST(MhcPathGpu, SplitKernelTakesSmallBatchesWithAWorkspace) {
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
-// ---- SPEC §5 through the GPU entry points: error names the argument, nothing is written ----
+// ---- spec §5 through the GPU entry points: error names the argument, nothing is written ----
 
 class MhcValidationGpu : public ::testing::Test {
  protected:

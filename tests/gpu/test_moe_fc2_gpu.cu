@@ -1,4 +1,4 @@
-// moe_fc2_finalize on the GPU (sm_90a) against the CPU reference (SPEC §3):
+// moe_fc2_finalize on the GPU (sm_90a) against the CPU reference (spec §3):
 // every output element, random routings including unbalanced ones, each mode.
 //
 // Tolerances (ref in double, rounded once; |.|max = largest |ref| of the case).

@@ -1,6 +1,6 @@
-// build_moe_routing_maps on the GPU against the CPU reference (SPEC §1):
+// build_moe_routing_maps on the GPU against the CPU reference (spec §1):
 // random and unbalanced routings, expert-parallel ranges, both launch paths,
-// the expansion with every access width, graphs, repeatability and SPEC §5.
+// the expansion with every access width, graphs, repeatability and spec §5.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -334,7 +334,7 @@ TEST(MoeRoutingGpu, WithoutPdlGivesTheSameResult) {
   EXPECT_TRUE(a.fetch() == b.fetch());
 }
 
-// ---- SPEC §5 on the GPU entry point: error, nothing launched or written ---
+// ---- spec §5 on the GPU entry point: error, nothing launched or written ---
 
 TEST(MoeRoutingGpuErrors, BadInputNamesTheArgumentAndWritesNothing) {
   SKIP_WITHOUT_GPU();
