@@ -1,4 +1,4 @@
-"""A small numpy reference written from SPEC.md alone (float64, no flashmix
+"""A small numpy reference written from docs/spec.md alone (float64, no flashmix
 code), and the random problems the Python tests share."""
 import numpy as np
 
