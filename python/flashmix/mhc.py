@@ -1,4 +1,4 @@
-"""mHC, DeepSeek's manifold-constrained hyper-connections (SPEC §4 of
+"""mHC, DeepSeek's manifold-constrained hyper-connections (spec §4 of
 docs/spec.md): mhc_pre and its stages, mhc_post, mhc_head, mhc_expand, the
 projection kernel choice -- each function with its torch custom op and shape
 function beside it.
@@ -85,11 +85,11 @@ def mhc_pre(x, phi, alpha, bias, *, f_pre=None, h_post=None, h_res=None, eps_nor
             eps_pre=_PRE.eps_pre, post_mult=_PRE.post_mult, eps_sinkhorn=_PRE.eps_sinkhorn,
             sinkhorn_iters=_PRE.sinkhorn_iters, res_layout=_PRE.res_layout, enable_pdl=_PRE.enable_pdl,
             prefetch_weights=_PRE.prefetch_weights, workspace=None, kernel=_PRE.kernel, stream=None):
-    """SPEC §4 mhc_pre: X -> (F_pre, H_post, H_res) in one pass over X.
+    """spec §4 mhc_pre: X -> (F_pre, H_post, H_res) in one pass over X.
 
     n comes from phi (N = n*n + 2n rows). Returns MhcPreOutput(f_pre bf16 ``[B, C]``,
     h_post float32 ``[B, n]``, h_res float32 ``[B, n, n]``, row-major, before any transpose);
-    outputs not passed are allocated. Parameters default to SPEC §4 (DeepSeek's);
+    outputs not passed are allocated. Parameters default to spec §4 (DeepSeek's);
     ``**MHC_SEED_PARAMS`` gives the seed's. ``res_layout`` is an MhcParams field that only
     mhc_post uses. ``prefetch_weights`` (with enable_pdl): phi, alpha and bias are read before
     the previous kernel on the stream finishes; only when that kernel does not write them.
@@ -172,7 +172,7 @@ def _new_x_next(x):
 
 def mhc_post(x, f_out, h_post, h_res, *, x_next=None, res_layout=_POST.res_layout, enable_pdl=_POST.enable_pdl,
              stream=None):
-    """SPEC §4 mhc_post: ``X_next[b, i] = sum_j R[b, i, j] X[b, j] + H_post[b, i] F_out[b]`` with
+    """spec §4 mhc_post: ``X_next[b, i] = sum_j R[b, i, j] X[b, j] + H_post[b, i] F_out[b]`` with
     R = H_res^T ("deepseek") or H_res ("row_mix"). n from h_post ``[B, n]``. ``x_next`` (X's
     shape, must not overlap X) is allocated when None. Returns ``x_next``."""
     x_next = _new_x_next(x) if x_next is None else x_next

@@ -1,5 +1,5 @@
-"""MoE: the routing maps (SPEC §1), the finalize (SPEC §2) and the FC2 grouped
-GEMM with the finalize fused (SPEC §3) of docs/spec.md -- each function with
+"""MoE: the routing maps (spec §1), the finalize (spec §2) and the FC2 grouped
+GEMM with the finalize fused (spec §3) of docs/spec.md -- each function with
 its torch custom op and shape function beside it.
 
 Keyword defaults are the library's (the Args initialisers of
@@ -30,7 +30,7 @@ RoutingMaps = collections.namedtuple(
 
 
 # ---------------------------------------------------------------------------
-# Routing maps (SPEC §1)
+# Routing maps (spec §1)
 # ---------------------------------------------------------------------------
 
 def _new_offsets(ex, num_experts_per_node):
@@ -57,7 +57,7 @@ def build_moe_routing_maps(token_selected_experts, *, num_experts_per_node, star
                            unpermuted_row_to_permuted_row=None, permuted_input=None, workspace=None,
                            enable_pdl=_ROUTING.enable_pdl, single_block_max_slots=_ROUTING.single_block_max_slots,
                            stream=None):
-    """SPEC §1: the routing maps of this rank's slots (and optionally the gathered input rows).
+    """spec §1: the routing maps of this rank's slots (and optionally the gathered input rows).
 
     Args:
       token_selected_experts: int32 ``[T, k]`` global expert ids.
@@ -119,7 +119,7 @@ if torch is not None:
 
 
 # ---------------------------------------------------------------------------
-# Finalize (SPEC §2)
+# Finalize (spec §2)
 # ---------------------------------------------------------------------------
 
 def _new_finalize_out(expanded_permuted_rows, token_selected_experts, hidden, out_dtype, fill):
@@ -139,7 +139,7 @@ def finalize_moe_routing(expanded_permuted_rows, unpermuted_row_to_permuted_row,
                          threads_per_block=_FINALIZE.threads_per_block,
                          vectors_per_thread=_FINALIZE.vectors_per_thread,
                          chunks_per_token=_FINALIZE.chunks_per_token, stream=None):
-    """SPEC §2: un-permute the expert outputs, weight and reduce the top-k, add bias.
+    """spec §2: un-permute the expert outputs, weight and reduce the top-k, add bias.
 
     ``out[t, c] = sum over local slots j of scales[t, j] * (rows[u2p[j*T + t], c] + bias[e - start, c])
     (+ shared_output[t, c])``, summed in a fixed order (bitwise reproducible).
@@ -226,7 +226,7 @@ if torch is not None:
 
 
 # ---------------------------------------------------------------------------
-# FC2 grouped GEMM + finalize (SPEC §3)
+# FC2 grouped GEMM + finalize (spec §3)
 # ---------------------------------------------------------------------------
 
 #: The ``mode`` values of moe_fc2_finalize.
@@ -252,7 +252,7 @@ def moe_fc2_finalize(A, W2, expert_first_token_offset, permuted_row_to_unpermute
                      scales=None, bias=None, apply_bias=_FC2.apply_bias, mode=_FC2.mode, out=None,
                      out_already_zeroed=_FC2.out_already_zeroed, workspace=None, gemm_kernel=_FC2.gemm_kernel,
                      raster=_FC2.raster, swizzle=_FC2.swizzle, stream=None):
-    """SPEC §3: the FC2 grouped GEMM with the finalize fused into its epilogue (sm_90a).
+    """spec §3: the FC2 grouped GEMM with the finalize fused into its epilogue (sm_90a).
 
     ``out[t, :] = sum over local slots (t, j): scales[t, j] * (A[p] @ W2[e]^T + bias[e])``
 

@@ -1,4 +1,4 @@
-// flashmix._C, mHC (SPEC §4): mhc_pre and its stages (mhc_project,
+// flashmix._C, mHC (spec §4): mhc_pre and its stages (mhc_project,
 // mhc_activate, mhc_pre_mix), mhc_post, mhc_head, mhc_expand, the
 // projection kernel choice. include/flashmix/mhc.h.
 //
@@ -479,14 +479,14 @@ void register_mhc(nb::module_& m) {
   m.def("mhc_pre", &mhc_pre, "x"_a, "phi"_a, "alpha"_a, "bias"_a, "f_pre"_a, "h_post"_a, "h_res"_a, nb::kw_only(),
         "eps_norm"_a, "eps_pre"_a, "post_mult"_a, "eps_sinkhorn"_a, "sinkhorn_iters"_a, "res_layout"_a,
         "enable_pdl"_a, "prefetch_weights"_a, "kernel"_a, "workspace"_a.none(), "stream"_a,
-        "SPEC §4 mhc_pre; n from phi [N, n*C].");
+        "spec §4 mhc_pre; n from phi [N, n*C].");
   m.def("mhc_pre_kernel_choice", &mhc_pre_kernel_choice, "x"_a, "phi"_a, "alpha"_a, "bias"_a, "f_pre"_a, "h_post"_a,
         "h_res"_a, nb::kw_only(), "eps_norm"_a, "eps_pre"_a, "post_mult"_a, "eps_sinkhorn"_a, "sinkhorn_iters"_a,
         "res_layout"_a, "enable_pdl"_a, "prefetch_weights"_a, "kernel"_a, "workspace"_a.none(),
         "(kernel name, reason): the projection kernel mhc_pre would run with these arguments on their CUDA "
         "device. Launches nothing.");
   m.def("mhc_post", &mhc_post, "x"_a, "f_out"_a, "h_post"_a, "h_res"_a, "x_next"_a, nb::kw_only(), "res_layout"_a,
-        "enable_pdl"_a, "stream"_a, "SPEC §4 mhc_post; n from h_post [B, n].");
+        "enable_pdl"_a, "stream"_a, "spec §4 mhc_post; n from h_post [B, n].");
   m.def("mhc_project", &mhc_project, "x"_a, "phi"_a, "alpha"_a, "bias"_a, "h"_a, "r"_a, nb::kw_only(), "eps_norm"_a,
         "enable_pdl"_a, "prefetch_weights"_a, "kernel"_a, "workspace"_a.none(), "stream"_a);
   m.def("mhc_activate", &mhc_activate, "h"_a, "h_pre"_a, "h_post"_a, "h_res"_a, nb::kw_only(), "eps_pre"_a,

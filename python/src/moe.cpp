@@ -1,5 +1,5 @@
-// flashmix._C, MoE: routing maps (SPEC §1), finalize (SPEC §2), the FC2
-// grouped GEMM with the finalize fused (SPEC §3). include/flashmix/moe.h.
+// flashmix._C, MoE: routing maps (spec §1), finalize (spec §2), the FC2
+// grouped GEMM with the finalize fused (spec §3). include/flashmix/moe.h.
 //
 // Every function takes every argument (no defaults here): the defaults are
 // the library's Args initialisers, handed to Python by moe_defaults() at the
@@ -22,7 +22,7 @@ using namespace nb::literals;
 namespace {
 
 // ---------------------------------------------------------------------------
-// MoE finalize (SPEC §2)
+// MoE finalize (spec §2)
 // ---------------------------------------------------------------------------
 
 struct FinalizeCall {
@@ -139,7 +139,7 @@ void debug_check_finalize_moe_routing_indices(const In& rows, const In& u2p, con
 }
 
 // ---------------------------------------------------------------------------
-// MoE routing maps (SPEC §1)
+// MoE routing maps (spec §1)
 // ---------------------------------------------------------------------------
 
 size_t build_moe_routing_maps_workspace_size(int64_t num_tokens, int k, int num_experts_per_node,
@@ -213,7 +213,7 @@ void build_moe_routing_maps(const In& experts, const Out& offsets, const Out& p2
 }
 
 // ---------------------------------------------------------------------------
-// MoE FC2 grouped GEMM + finalize (SPEC §3)
+// MoE FC2 grouped GEMM + finalize (spec §3)
 // ---------------------------------------------------------------------------
 
 // Fc2Mode in Python, in the order of FC2_MODES.
@@ -366,14 +366,14 @@ void register_moe(nb::module_& m) {
         "expert_first_token_offset"_a, "permuted_row_to_unpermuted_row"_a, "unpermuted_row_to_permuted_row"_a,
         nb::kw_only(), "num_experts_per_node"_a, "start_expert_id"_a, "input"_a.none(), "permuted_input"_a.none(),
         "workspace"_a.none(), "enable_pdl"_a, "single_block_max_slots"_a, "stream"_a,
-        "SPEC §1 into the three map arrays (and permuted_input).");
+        "spec §1 into the three map arrays (and permuted_input).");
 
   m.def("finalize_moe_routing", &finalize_moe_routing, "expanded_permuted_rows"_a,
         "unpermuted_row_to_permuted_row"_a, "token_selected_experts"_a, "out"_a, nb::kw_only(),
         "num_experts_per_node"_a, "start_expert_id"_a, "scales"_a.none(), "bias"_a.none(), "shared_output"_a.none(),
         "fill"_a, "permuted_row_to_unpermuted_row"_a.none(), "expert_first_token_offset"_a.none(), "enable_pdl"_a,
         "prefetch_indices"_a, "threads_per_block"_a, "vectors_per_thread"_a, "chunks_per_token"_a, "stream"_a,
-        "SPEC §2 into `out` [T, H] (H = out.shape[1]); T and k from token_selected_experts [T, k].");
+        "spec §2 into `out` [T, H] (H = out.shape[1]); T and k from token_selected_experts [T, k].");
   m.def("debug_check_finalize_moe_routing_indices", &debug_check_finalize_moe_routing_indices,
         "expanded_permuted_rows"_a, "unpermuted_row_to_permuted_row"_a, "token_selected_experts"_a, "out"_a,
         nb::kw_only(), "num_experts_per_node"_a, "start_expert_id"_a, "scales"_a.none(), "bias"_a.none(),
@@ -390,7 +390,7 @@ void register_moe(nb::module_& m) {
   m.def("moe_fc2_finalize", &moe_fc2_finalize, "A"_a, "W2"_a, "expert_first_token_offset"_a,
         "permuted_row_to_unpermuted_row"_a, "out"_a, nb::kw_only(), "k"_a, "scales"_a.none(), "bias"_a.none(),
         "apply_bias"_a, "mode"_a, "out_already_zeroed"_a, "workspace"_a.none(), "gemm_kernel"_a, "raster"_a,
-        "swizzle"_a, "stream"_a, "SPEC §3 into `out` [T, H]; E, H, I from W2 [E, H, I].");
+        "swizzle"_a, "stream"_a, "spec §3 into `out` [T, H]; E, H, I from W2 [E, H, I].");
 }
 
 }  // namespace flashmix::python

@@ -38,7 +38,7 @@ def raises_naming(exc, op, arg):
 
 
 # ---------------------------------------------------------------------------
-# finalize_moe_routing (SPEC §2)
+# finalize_moe_routing (spec §2)
 # ---------------------------------------------------------------------------
 
 FINALIZE_CASES = [
@@ -141,7 +141,7 @@ def test_finalize_fresh_out_without_filling_is_zero_for_tokens_without_a_local_s
 
 
 # ---------------------------------------------------------------------------
-# build_moe_routing_maps (SPEC §1)
+# build_moe_routing_maps (spec §1)
 # ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("T,k,E,start,E_local", [(1, 1, 4, 0, 4), (50, 8, 64, 0, 64), (37, 6, 64, 16, 8),
@@ -189,7 +189,7 @@ def test_finalize_consumes_the_routing_maps():
 
 
 # ---------------------------------------------------------------------------
-# moe_fc2_finalize (SPEC §3), CPU reference
+# moe_fc2_finalize (spec §3), CPU reference
 # ---------------------------------------------------------------------------
 
 @needs_bf16
@@ -218,7 +218,7 @@ def test_moe_fc2_finalize_matches_spec(mode, with_bias):
 
 
 # ---------------------------------------------------------------------------
-# mHC (SPEC §4)
+# mHC (spec §4)
 # ---------------------------------------------------------------------------
 
 MHC_PARAMS = {

@@ -53,7 +53,7 @@ def assert_within(got, want, tol, what):
 
 
 # ---------------------------------------------------------------------------
-# finalize_moe_routing (SPEC §2): |gpu - ref| <= ulp(out) |ref| + 1e-6 (sum |terms| + 1)
+# finalize_moe_routing (spec §2): |gpu - ref| <= ulp(out) |ref| + 1e-6 (sum |terms| + 1)
 # ---------------------------------------------------------------------------
 
 FINALIZE_CASES = [
@@ -109,7 +109,7 @@ def test_finalize_is_bitwise_reproducible():
 
 
 # ---------------------------------------------------------------------------
-# build_moe_routing_maps (SPEC §1): identical to the CPU path
+# build_moe_routing_maps (spec §1): identical to the CPU path
 # ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("T,k,E,start,E_local,single_block_max_slots,H", [
@@ -139,7 +139,7 @@ def test_routing_maps_gpu_match_cpu(T, k, E, start, E_local, single_block_max_sl
 
 
 # ---------------------------------------------------------------------------
-# moe_fc2_finalize (SPEC §3): rtol 2^-7, atol 2^-10 max|ref| (unfused 2^-8, atomic k 2^-8)
+# moe_fc2_finalize (spec §3): rtol 2^-7, atol 2^-10 max|ref| (unfused 2^-8, atomic k 2^-8)
 # ---------------------------------------------------------------------------
 
 def fc2_problem(T=64, k=4, E=8, H=256, I=128, seed=2):
@@ -193,7 +193,7 @@ def test_moe_fc2_atomic_adds_to_a_caller_zeroed_out():
 
 
 # ---------------------------------------------------------------------------
-# mHC (SPEC §4): bf16 |got - ref| <= 2^-7 |ref| + t * scale + 1e-6 (t = 2e-4 pre, 1e-5 post);
+# mHC (spec §4): bf16 |got - ref| <= 2^-7 |ref| + t * scale + 1e-6 (t = 2e-4 pre, 1e-5 post);
 # fp32 coefficients: absolute 2e-4
 # ---------------------------------------------------------------------------
 
