@@ -1,4 +1,4 @@
-"""A small numpy reference written from SPEC.md alone (float64, no flashmix
+"""A small numpy reference written from docs/spec.md alone (float64, no flashmix
 code), and the random problems the Python tests share."""
 import numpy as np
 
@@ -27,7 +27,7 @@ def f64(a):
 
 
 # ---------------------------------------------------------------------------
-# SPEC §1: routing maps
+# spec §1: routing maps
 # ---------------------------------------------------------------------------
 
 def routing_maps(experts, start, e_local):
@@ -53,7 +53,7 @@ def routing_maps(experts, start, e_local):
 
 
 # ---------------------------------------------------------------------------
-# SPEC §2: finalize
+# spec §2: finalize
 # ---------------------------------------------------------------------------
 
 def finalize(rows, u2p, experts, scales, bias, shared, start, e_local, H, fill=True, out_before=None):
@@ -114,7 +114,7 @@ def finalize_problem(rng, T, k, H, padded_H, rows_dtype, e_total, start, e_local
 
 
 # ---------------------------------------------------------------------------
-# SPEC §3: FC2 + finalize
+# spec §3: FC2 + finalize
 # ---------------------------------------------------------------------------
 
 def fc2_finalize(A, W2, offsets, p2u, scales, bias, T, k):
@@ -135,7 +135,7 @@ def fc2_finalize(A, W2, offsets, p2u, scales, bias, T, k):
 
 
 # ---------------------------------------------------------------------------
-# SPEC §4: mHC
+# spec §4: mHC
 # ---------------------------------------------------------------------------
 
 def sigmoid(v):

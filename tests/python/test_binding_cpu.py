@@ -1,9 +1,10 @@
 """The CPU backend through the Python binding, with numpy arrays (bf16 through
-ml_dtypes), against the numpy reference written from SPEC.md
+ml_dtypes), against the numpy reference written from docs/spec.md
 (spec_reference.py); argument errors; the CUDA call path's existence; import
 without torch; and, where torch is importable, the custom ops on CPU tensors.
 Runs on any machine (no GPU)."""
 import ctypes
+import inspect
 import os
 import subprocess
 import sys
@@ -37,7 +38,7 @@ def raises_naming(exc, op, arg):
 
 
 # ---------------------------------------------------------------------------
-# finalize_moe_routing (SPEC §2)
+# finalize_moe_routing (spec §2)
 # ---------------------------------------------------------------------------
 
 FINALIZE_CASES = [
@@ -140,7 +141,7 @@ def test_finalize_fresh_out_without_filling_is_zero_for_tokens_without_a_local_s
 
 
 # ---------------------------------------------------------------------------
-# build_moe_routing_maps (SPEC §1)
+# build_moe_routing_maps (spec §1)
 # ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("T,k,E,start,E_local", [(1, 1, 4, 0, 4), (50, 8, 64, 0, 64), (37, 6, 64, 16, 8),
@@ -188,7 +189,7 @@ def test_finalize_consumes_the_routing_maps():
 
 
 # ---------------------------------------------------------------------------
-# moe_fc2_finalize (SPEC §3), CPU reference
+# moe_fc2_finalize (spec §3), CPU reference
 # ---------------------------------------------------------------------------
 
 @needs_bf16
@@ -217,7 +218,7 @@ def test_moe_fc2_finalize_matches_spec(mode, with_bias):
 
 
 # ---------------------------------------------------------------------------
-# mHC (SPEC §4)
+# mHC (spec §4)
 # ---------------------------------------------------------------------------
 
 MHC_PARAMS = {
@@ -339,6 +340,97 @@ def test_mhc_head_and_expand_match_spec():
     assert xs.shape == (B, n, C)
     for i in range(n):
         np.testing.assert_array_equal(xs[:, i], emb)
+
+
+# ---------------------------------------------------------------------------
+# The projection kernel (`kernel`): parsed everywhere, one implementation on the CPU
+# ---------------------------------------------------------------------------
+
+def test_mhc_pre_kernels_are_the_library_names():
+    assert flashmix.MHC_PRE_KERNELS == ("auto", "resident", "split", "cluster_tile", "portable")
+    for fn in (flashmix.mhc_pre, flashmix.mhc_project, flashmix.mhc_head, flashmix.mhc_pre_kernel_choice):
+        assert inspect.signature(fn).parameters["kernel"].default == "auto", fn.__name__
+
+
+@needs_bf16
+@pytest.mark.parametrize("kernel", ["auto", "resident", "split", "cluster_tile", "portable"])
+def test_mhc_kernel_is_accepted_and_ignored_on_the_cpu(kernel):
+    rng = np.random.default_rng(21)
+    B, n, C = 3, 4, 32
+    x, phi, alpha, bias = ref.mhc_problem(rng, B, n, C)
+    ws = np.zeros(flashmix.mhc_workspace_bytes(B, n, C), dtype=np.uint8)
+    for got, want in zip(flashmix.mhc_pre(x, phi, alpha, bias, kernel=kernel, workspace=ws),
+                         flashmix.mhc_pre(x, phi, alpha, bias)):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(flashmix.mhc_project(x, phi, alpha, bias, kernel=kernel),
+                         flashmix.mhc_project(x, phi, alpha, bias)):
+        np.testing.assert_array_equal(got, want)
+    # mhc_head has no resident kernel on the GPU; the CPU backend has one implementation for all
+    head = (phi[:n], alpha[:1], bias[:n])
+    np.testing.assert_array_equal(flashmix.mhc_head(x, *head, kernel=kernel), flashmix.mhc_head(x, *head))
+
+
+@needs_bf16
+@pytest.mark.parametrize("op", ["mhc_pre", "mhc_project", "mhc_head"])
+@pytest.mark.parametrize("kernel", ["fast", "Resident", "", "kResident"])
+def test_mhc_bad_kernel_name_raises_value_error_naming_kernel(op, kernel):
+    rng = np.random.default_rng(22)
+    x, phi, alpha, bias = ref.mhc_problem(rng, 2, 4, 16)
+    if op == "mhc_head":
+        phi, alpha, bias = phi[:4], alpha[:1], bias[:4]
+    with raises_naming(ValueError, op, "kernel") as e:
+        getattr(flashmix, op)(x, phi, alpha, bias, kernel=kernel)
+    assert '"auto", "resident", "split", "cluster_tile" or "portable"' in str(e.value)
+
+
+@needs_bf16
+def test_mhc_pre_kernel_choice_wants_cuda_arrays():
+    rng = np.random.default_rng(23)
+    x, phi, alpha, bias = ref.mhc_problem(rng, 2, 4, 16)
+    with raises_naming(ValueError, "mhc_pre_kernel_choice", "x"):
+        flashmix.mhc_pre_kernel_choice(x, phi, alpha, bias)
+    with raises_naming(ValueError, "mhc_pre_kernel_choice", "kernel"):  # the name is checked first
+        flashmix.mhc_pre_kernel_choice(x, phi, alpha, bias, kernel="fast")
+    with raises_naming(ValueError, "mhc_pre_kernel_choice", "alpha"):  # and the arrays, as mhc_pre's
+        flashmix.mhc_pre_kernel_choice(x, phi, alpha[:2], bias)
+
+
+# ---------------------------------------------------------------------------
+# Defaults: the library's, stated once (include/flashmix/*.h), through the binding
+# ---------------------------------------------------------------------------
+
+def defaults_of(fn):
+    return {k: p.default for k, p in inspect.signature(fn).parameters.items() if p.default is not p.empty}
+
+
+def test_defaults_are_the_library_values():
+    pre = defaults_of(flashmix.mhc_pre)
+    assert pre["eps_norm"] == 1e-6 and pre["eps_pre"] == 1e-6 and pre["eps_sinkhorn"] == 1e-6  # 1e-6f, shown as 1e-6
+    assert pre["post_mult"] == 2.0 and pre["sinkhorn_iters"] == 20 and pre["res_layout"] == "deepseek"
+    assert pre["enable_pdl"] is True and pre["prefetch_weights"] is False and pre["kernel"] == "auto"
+    assert defaults_of(flashmix.mhc_pre_kernel_choice) == pre
+    assert flashmix.MHC_SEED_PARAMS == {"eps_norm": 0.0, "eps_pre": 0.0, "eps_sinkhorn": 0.0}
+    fin = defaults_of(flashmix.finalize_moe_routing)
+    assert (fin["start_expert_id"], fin["fill"], fin["enable_pdl"], fin["prefetch_indices"]) == (0, True, True, False)
+    assert (fin["threads_per_block"], fin["vectors_per_thread"], fin["chunks_per_token"]) == (0, 0, 0)
+    fc2 = defaults_of(flashmix.moe_fc2_finalize)
+    assert (fc2["mode"], fc2["apply_bias"], fc2["out_already_zeroed"]) == ("atomic", True, False)
+    assert (fc2["gemm_kernel"], fc2["raster"], fc2["swizzle"]) == ("auto", 0, 0)
+    assert defaults_of(flashmix.build_moe_routing_maps)["single_block_max_slots"] == 0
+
+
+def test_the_package_restates_none_of_the_library_defaults():
+    # Every keyword the binding reports a library default for has that default in the package's
+    # function, and the binding itself has no defaults (its signatures are all required keywords).
+    tables = {**_C.moe_defaults(), **_C.mhc_defaults()}
+    for op, table in tables.items():
+        got = defaults_of(getattr(flashmix, op))
+        for keyword, value in table.items():
+            assert got[keyword] == value and type(got[keyword]) is type(value), (op, keyword)
+    for name in BOUND_OPS + ("mhc_pre_kernel_choice", "build_moe_routing_maps_workspace_size",
+                             "moe_fc2_finalize_workspace_size"):
+        signature = getattr(_C, name).__doc__.splitlines()[0]
+        assert " = " not in signature, signature
 
 
 # ---------------------------------------------------------------------------
@@ -517,8 +609,9 @@ def test_cuda_arrays_take_the_gpu_path():
     a = fc2_zero_tokens(FakeCudaArray)
     # The GPU entry point: without a GPU the device cannot be made current (RuntimeError naming
     # it); on a GPU, T = 0 is valid and nothing is launched (no workspace needed).
-    try:
-        _C.moe_fc2_finalize(a["A"], a["W2"], a["off"], a["p2u"], a["out"], k=2, workspace=None, stream=0)
+    try:  # the binding takes every argument: the library's defaults
+        _C.moe_fc2_finalize(a["A"], a["W2"], a["off"], a["p2u"], a["out"], k=2, scales=None, bias=None,
+                            workspace=None, stream=0, **_C.moe_defaults()["moe_fc2_finalize"])
     except RuntimeError as e:
         assert str(e).startswith("moe_fc2_finalize: ") and "cuda:0" in str(e), str(e)
 
@@ -527,15 +620,20 @@ def test_mixed_devices_raise_value_error_naming_the_argument():
     rows, out = FakeCudaArray((0, 8), "float32"), FakeCudaArray((0, 8), "float32")
     u2p = FakeCudaArray((0,), "int32")
     with raises_naming(ValueError, "finalize_moe_routing", "token_selected_experts"):
-        _C.finalize_moe_routing(rows, u2p, np.zeros((0, 2), np.int32), out, num_experts_per_node=4)
+        flashmix.finalize_moe_routing(rows, u2p, np.zeros((0, 2), np.int32), out=out, num_experts_per_node=4)
     with raises_naming(ValueError, "finalize_moe_routing", "token_selected_experts"):  # another CUDA device
-        _C.finalize_moe_routing(rows, u2p, FakeCudaArray((0, 2), "int32", device_id=1), out, num_experts_per_node=4)
+        flashmix.finalize_moe_routing(rows, u2p, FakeCudaArray((0, 2), "int32", device_id=1), out=out,
+                                      num_experts_per_node=4)
+
+
+BOUND_OPS = ("finalize_moe_routing", "debug_check_finalize_moe_routing_indices", "build_moe_routing_maps",
+             "moe_fc2_finalize", "mhc_pre", "mhc_post", "mhc_project", "mhc_activate", "mhc_pre_mix", "mhc_head",
+             "mhc_expand")
 
 
 def test_every_op_takes_a_stream():
-    for name in ("finalize_moe_routing", "build_moe_routing_maps", "moe_fc2_finalize", "mhc_pre", "mhc_post",
-                 "mhc_project", "mhc_activate", "mhc_pre_mix", "mhc_head", "mhc_expand"):
-        assert "stream: int = 0" in getattr(_C, name).__doc__, name
+    for name in BOUND_OPS:
+        assert "stream: int" in getattr(_C, name).__doc__, name
 
 
 def test_stream_is_ignored_on_the_cpu():
@@ -687,6 +785,52 @@ def test_torch_compile_of_a_moe_end_and_an_mhc_model_on_cpu_tensors():
     mhc_args = (torch.randn(5, C).bfloat16(), torch.randn(24, 4 * C) * 0.1, torch.rand(3) + 0.5, torch.randn(24),
                 torch.randn(4, 4 * C) * 0.1, torch.tensor([0.8]), torch.randn(4))
     assert torch.equal(torch.compile(mhc_model, fullgraph=True)(*mhc_args), mhc_model(*mhc_args))
+
+
+TORCH_OPS = ("build_moe_routing_maps", "finalize_moe_routing", "moe_fc2_finalize", "mhc_expand", "mhc_pre",
+             "mhc_pre_with_workspace", "mhc_post", "mhc_head")
+
+
+def test_torch_op_schemas_take_the_functions_defaults():
+    torch = torch_or_skip()
+    for name in TORCH_OPS:
+        schema = getattr(torch.ops.flashmix, name).default._schema
+        fn = getattr(flashmix, "mhc_pre" if name == "mhc_pre_with_workspace" else name)
+        want = defaults_of(fn)
+        for a in schema.arguments:
+            keyword = "kernel" if a.name == "projection_kernel" else a.name  # the ops' name for `kernel`
+            if a.has_default_value() and keyword in want and keyword not in ("hidden", "num_tokens"):  # -1 in ops
+                assert a.default_value == want[keyword], (name, a.name, a.default_value, want[keyword])
+    pre = {a.name: a.default_value for a in torch.ops.flashmix.mhc_pre.default._schema.arguments}
+    assert pre["eps_norm"] == 1e-6 and pre["sinkhorn_iters"] == 20 and pre["projection_kernel"] == "auto", pre
+
+
+def test_torch_custom_ops_take_the_kernel_on_cpu_tensors():
+    # `projection_kernel` in the ops: an op argument named `kernel` breaks Inductor's fallback lowering
+    torch = torch_or_skip()
+    n, C, B = 4, 16, 3
+    x = torch.randn(B, n, C).bfloat16()
+    phi, alpha, bias = torch.randn(24, n * C) * 0.1, torch.rand(3) + 0.5, torch.randn(24)
+    want = torch.ops.flashmix.mhc_pre(x, phi, alpha, bias)
+    for kernel in flashmix.MHC_PRE_KERNELS:
+        got = torch.ops.flashmix.mhc_pre(x, phi, alpha, bias, projection_kernel=kernel)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), kernel
+    torch.library.opcheck(torch.ops.flashmix.mhc_pre.default, (x, phi, alpha, bias), {"projection_kernel": "portable"})
+    ws = torch.zeros(flashmix.mhc_workspace_bytes(B, n, C), dtype=torch.uint8)
+    got = torch.ops.flashmix.mhc_pre_with_workspace(x, phi, alpha, bias, ws, projection_kernel="split")
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    head = (phi[:n], alpha[:1], bias[:n])
+    assert torch.equal(torch.ops.flashmix.mhc_head(x, *head, projection_kernel="cluster_tile"),
+                       flashmix.mhc_head(x, *head))
+    torch.library.opcheck(torch.ops.flashmix.mhc_head.default, (x, *head), {"projection_kernel": "portable"})
+    with pytest.raises(ValueError, match="^mhc_pre: kernel: "):
+        torch.ops.flashmix.mhc_pre(x, phi, alpha, bias, projection_kernel="fast")
+
+    def layer(x, phi, alpha, bias):
+        f_pre, h_post, h_res = torch.ops.flashmix.mhc_pre(x, phi, alpha, bias, projection_kernel="portable")
+        return torch.ops.flashmix.mhc_post(x, f_pre, h_post, h_res)
+
+    assert torch.equal(torch.compile(layer, fullgraph=True)(x, phi, alpha, bias), layer(x, phi, alpha, bias))
 
 
 def test_an_array_not_aligned_to_its_element_raises_value_error_naming_it():

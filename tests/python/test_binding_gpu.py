@@ -53,7 +53,7 @@ def assert_within(got, want, tol, what):
 
 
 # ---------------------------------------------------------------------------
-# finalize_moe_routing (SPEC §2): |gpu - ref| <= ulp(out) |ref| + 1e-6 (sum |terms| + 1)
+# finalize_moe_routing (spec §2): |gpu - ref| <= ulp(out) |ref| + 1e-6 (sum |terms| + 1)
 # ---------------------------------------------------------------------------
 
 FINALIZE_CASES = [
@@ -109,7 +109,7 @@ def test_finalize_is_bitwise_reproducible():
 
 
 # ---------------------------------------------------------------------------
-# build_moe_routing_maps (SPEC §1): identical to the CPU path
+# build_moe_routing_maps (spec §1): identical to the CPU path
 # ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("T,k,E,start,E_local,single_block_max_slots,H", [
@@ -139,7 +139,7 @@ def test_routing_maps_gpu_match_cpu(T, k, E, start, E_local, single_block_max_sl
 
 
 # ---------------------------------------------------------------------------
-# moe_fc2_finalize (SPEC §3): rtol 2^-7, atol 2^-10 max|ref| (unfused 2^-8, atomic k 2^-8)
+# moe_fc2_finalize (spec §3): rtol 2^-7, atol 2^-10 max|ref| (unfused 2^-8, atomic k 2^-8)
 # ---------------------------------------------------------------------------
 
 def fc2_problem(T=64, k=4, E=8, H=256, I=128, seed=2):
@@ -193,7 +193,7 @@ def test_moe_fc2_atomic_adds_to_a_caller_zeroed_out():
 
 
 # ---------------------------------------------------------------------------
-# mHC (SPEC §4): bf16 |got - ref| <= 2^-7 |ref| + t * scale + 1e-6 (t = 2e-4 pre, 1e-5 post);
+# mHC (spec §4): bf16 |got - ref| <= 2^-7 |ref| + t * scale + 1e-6 (t = 2e-4 pre, 1e-5 post);
 # fp32 coefficients: absolute 2e-4
 # ---------------------------------------------------------------------------
 
@@ -277,6 +277,160 @@ def test_mhc_stages_and_head_and_expand_gpu_match_cpu():
     out_cpu = flashmix.mhc_head(cpu[0], head_phi.cpu(), head_alpha.cpu(), head_bias.cpu())
     sync()
     assert_within(out, out_cpu, 2.0 ** -7 * f64(out_cpu).abs() + 2e-4 * f64(x).abs().sum(1) + 1e-6, "head out")
+
+
+# ---------------------------------------------------------------------------
+# The projection kernel: pinned kernels agree with the automatic choice
+# (docs/spec.md §4.6), and mhc_pre_kernel_choice says which one runs
+# ---------------------------------------------------------------------------
+
+PINNED = ("resident", "split", "cluster_tile", "portable")
+SM90 = not DRY_RUN and torch.cuda.get_device_capability(DEV) == (9, 0)
+
+
+def mhc_pre_within(got, want, x, factor, what):
+    """The mhc_pre GPU tolerance of test_mhc_pre_gpu_matches_cpu, times `factor`."""
+    scale = f64(x).abs().sum(dim=1)
+    assert_within(got.f_pre, want.f_pre, factor * (2.0 ** -7 * f64(want.f_pre).abs() + 2e-4 * scale + 1e-6),
+                  f"{what}: f_pre")
+    assert_within(got.h_post, want.h_post, factor * 2e-4, f"{what}: h_post")
+    assert_within(got.h_res, want.h_res, factor * 2e-4, f"{what}: h_res")
+
+
+# B, n, C, phi dtype, workspace, the pinned kernels that take the call on an sm_90 GPU
+PINNED_CASES = [
+    (16, 4, 7168, "float32", True, {"resident", "split", "cluster_tile", "portable"}),  # decode, DeepSeek's shape
+    (64, 4, 1024, "float32", False, {"resident", "cluster_tile", "portable"}),
+    (16, 8, 1024, "bfloat16", True, {"split", "cluster_tile", "portable"}),
+    (5, 2, 64, "float32", True, {"split", "cluster_tile", "portable"}),
+    (0, 4, 1024, "float32", False, set(PINNED)),  # B = 0: OK, nothing launched, whatever the kernel
+]
+
+
+@pytest.mark.parametrize("B,n,C,phi_dtype,with_ws,takes", PINNED_CASES,
+                         ids=lambda v: str(v) if not isinstance(v, set) else "")
+def test_mhc_pre_pinned_kernels_match_auto(B, n, C, phi_dtype, with_ws, takes):
+    x, phi, alpha, bias = mhc_inputs(B, n, C, phi_dtype, seed=B * 13 + n * 5 + C)
+    ws_bytes = flashmix.mhc_workspace_bytes(B, n, C) if with_ws else 0
+
+    def run(**kw):
+        ws = torch.zeros(ws_bytes, dtype=torch.uint8, device=DEV) if ws_bytes else None
+        return flashmix.mhc_pre(x, phi, alpha, bias, workspace=ws, **kw)
+
+    auto = run()
+    want = flashmix.mhc_pre(*(a.cpu() for a in (x, phi, alpha, bias)))
+    ran = set()
+    for kernel in PINNED:
+        try:
+            got = run(kernel=kernel)
+        except NotImplementedError as e:
+            assert str(e).startswith("mhc_pre: ") and kernel in str(e), str(e)  # says which kernel and why
+            continue
+        ran.add(kernel)
+        sync()
+        mhc_pre_within(got, want, x, 1, f"{kernel} vs cpu")
+        mhc_pre_within(got, auto, x, 2, f"{kernel} vs auto")
+    if DRY_RUN:
+        return  # one CPU implementation: every name runs
+    assert "portable" in ran  # any GPU, any shape
+    if SM90:
+        assert ran == takes
+    if B > 0:  # the automatic choice is one of them, and pinning it gives auto's result bit for bit
+        ws = torch.zeros(ws_bytes, dtype=torch.uint8, device=DEV) if ws_bytes else None
+        chosen, reason = flashmix.mhc_pre_kernel_choice(x, phi, alpha, bias, workspace=ws)
+        assert chosen in ran and chosen in reason, (chosen, reason)
+        sync()
+        assert all(torch.equal(a, b) for a, b in zip(run(kernel=chosen), auto)), chosen
+
+
+@gpu_only
+def test_mhc_pre_kernel_choice():
+    x, phi, alpha, bias = mhc_inputs(16, 4, 7168, "float32", seed=31)
+    kernel, reason = flashmix.mhc_pre_kernel_choice(x, phi, alpha, bias)
+    if SM90:
+        assert kernel == "resident", reason
+    assert kernel in flashmix.MHC_PRE_KERNELS[1:] and reason, (kernel, reason)
+    # the same with outputs passed, and any keyword of mhc_pre
+    out = flashmix.mhc_pre(x, phi, alpha, bias)
+    again = flashmix.mhc_pre_kernel_choice(x, phi, alpha, bias, f_pre=out.f_pre, h_post=out.h_post,
+                                           h_res=out.h_res, prefetch_weights=True, stream=torch.cuda.current_stream())
+    assert again[0] == kernel, again
+    # pinned: the pin, or NotImplementedError saying why
+    kernel, reason = flashmix.mhc_pre_kernel_choice(x, phi, alpha, bias, kernel="portable")
+    assert kernel == "portable" and "pinned" in reason, reason
+    x8, phi8, alpha8, bias8 = mhc_inputs(16, 8, 1024, "float32", seed=32)
+    with pytest.raises(NotImplementedError, match=r"^mhc_pre_kernel_choice: kernel: resident cannot take"):
+        flashmix.mhc_pre_kernel_choice(x8, phi8, alpha8, bias8, kernel="resident")
+    ws = torch.zeros(flashmix.mhc_workspace_bytes(16, 8, 1024), dtype=torch.uint8, device=DEV)
+    kernel, reason = flashmix.mhc_pre_kernel_choice(x8, phi8, alpha8, bias8, workspace=ws)
+    assert kernel == "split", reason  # n = 8 at decode with a workspace: the split kernel (sm_80+)
+    kernel, _ = flashmix.mhc_pre_kernel_choice(x8, phi8, alpha8, bias8)
+    assert kernel == ("cluster_tile" if SM90 else "portable")
+    with pytest.raises(ValueError, match=r"^mhc_pre_kernel_choice: kernel: "):
+        flashmix.mhc_pre_kernel_choice(x, phi, alpha, bias, kernel="fast")
+    with pytest.raises(ValueError, match=r"^mhc_pre_kernel_choice: x: "):
+        flashmix.mhc_pre_kernel_choice(*(a.cpu() for a in (x, phi, alpha, bias)))
+
+
+def test_mhc_project_and_head_pinned_kernels_match_auto():
+    B, n, C = 16, 4, 1024
+    x, phi, alpha, bias = mhc_inputs(B, n, C, "float32", seed=33)
+    ws = torch.zeros(flashmix.mhc_workspace_bytes(B, n, C), dtype=torch.uint8, device=DEV)
+    h_auto, r_auto = flashmix.mhc_project(x, phi, alpha, bias, workspace=ws)
+    head = (phi[:n], alpha[:1], bias[:n])
+    out_auto = flashmix.mhc_head(x, *head, workspace=ws)
+    sync()
+    a = f64(alpha)[[0] * n + [1] * n + [2] * n * n]
+    h_scale = a * (f64(x).reshape(B, -1).abs() @ f64(phi).abs().T) / f64(r_auto)[:, None] + f64(bias).abs()
+    projected, headed = set(), set()
+    for kernel in PINNED:
+        try:
+            h, r = flashmix.mhc_project(x, phi, alpha, bias, workspace=ws, kernel=kernel)
+            sync()
+            assert_within(r, r_auto, 2e-5 * f64(r_auto), f"{kernel}: r")
+            assert_within(h, h_auto, 2e-4 * h_scale, f"{kernel}: h")
+            projected.add(kernel)
+        except NotImplementedError as e:
+            assert str(e).startswith("mhc_project: ") and kernel in str(e), str(e)
+        try:
+            out = flashmix.mhc_head(x, *head, workspace=ws, kernel=kernel)
+            sync()
+            assert_within(out, out_auto, 2 * (2.0 ** -7 * f64(out_auto).abs() + 2e-4 * f64(x).abs().sum(1) + 1e-6),
+                          f"{kernel}: head out")
+            headed.add(kernel)
+        except NotImplementedError as e:
+            assert str(e).startswith("mhc_head: ") and kernel in str(e), str(e)
+    if DRY_RUN:
+        return
+    assert "resident" not in headed  # mhc_head has no resident kernel
+    assert {"split", "portable"} <= projected & headed  # a workspace, B <= 32: sm_80+
+    if SM90:
+        assert projected == set(PINNED) and headed == {"split", "cluster_tile", "portable"}
+
+
+def test_custom_ops_take_the_kernel():
+    # `projection_kernel` in the ops (an op argument named `kernel` breaks Inductor's fallback lowering)
+    x, phi, alpha, bias = mhc_inputs(8, 4, 1024, "float32", seed=34)
+    for kernel in ("auto", "portable"):
+        got = torch.ops.flashmix.mhc_pre(x, phi, alpha, bias, projection_kernel=kernel)
+        want = flashmix.mhc_pre(x, phi, alpha, bias, kernel=kernel)
+        sync()
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), kernel
+    head = (phi[:4], alpha[:1], bias[:4])
+    assert torch.equal(torch.ops.flashmix.mhc_head(x, *head, projection_kernel="portable"),
+                       flashmix.mhc_head(x, *head, kernel="portable"))
+    if not DRY_RUN:
+        with pytest.raises(NotImplementedError, match=r"^mhc_head: .*resident"):
+            torch.ops.flashmix.mhc_head(x, *head, projection_kernel="resident")
+
+    def pinned_layer(x, phi, alpha, bias):
+        f_pre, h_post, h_res = torch.ops.flashmix.mhc_pre(x, phi, alpha, bias, projection_kernel="portable")
+        return torch.ops.flashmix.mhc_post(x, f_pre, h_post, h_res)
+
+    got = torch.compile(pinned_layer, fullgraph=True)(x, phi, alpha, bias)
+    want = pinned_layer(x, phi, alpha, bias)
+    sync()
+    assert torch.equal(got, want)
 
 
 def test_weights_that_require_grad_are_accepted():

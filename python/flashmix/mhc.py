@@ -1,0 +1,279 @@
+"""mHC, DeepSeek's manifold-constrained hyper-connections (spec §4 of
+docs/spec.md): mhc_pre and its stages, mhc_post, mhc_head, mhc_expand, the
+projection kernel choice -- each function with its torch custom op and shape
+function beside it.
+
+X is bf16 ``[B, n, C]`` or ``[B, n*C]``; phi ``[N, n*C]`` float32 or bf16; alpha
+float32 ``[3]``; bias float32 ``[N]``; N = n*n + 2n.
+
+Keyword defaults are the library's (the Args initialisers of
+include/flashmix/mhc.h, MhcParams among them, read through
+``_C.mhc_defaults()``); the binding (python/src/mhc.cpp) takes every argument
+explicitly.
+"""
+import collections
+
+from ._common import _C, arg, defaults, empty, stream_of, torch
+
+__all__ = [
+    "mhc_pre", "mhc_pre_kernel_choice", "mhc_post", "mhc_project", "mhc_activate", "mhc_pre_mix", "mhc_head",
+    "mhc_expand", "mhc_workspace_bytes", "mhc_num_coefficients",
+    "MHC_MAX_STREAMS", "MHC_SEED_PARAMS", "MHC_PRE_KERNELS", "MhcPreOutput", "MhcActivateOutput",
+]
+
+if torch is not None:
+    from ._torch_ops import Tensor, Tuple, custom_op
+
+_DEFAULTS = defaults(_C.mhc_defaults())
+_PRE = _DEFAULTS["mhc_pre"]
+_POST = _DEFAULTS["mhc_post"]
+_PROJECT = _DEFAULTS["mhc_project"]
+_ACTIVATE = _DEFAULTS["mhc_activate"]
+_PRE_MIX = _DEFAULTS["mhc_pre_mix"]
+_HEAD = _DEFAULTS["mhc_head"]
+_EXPAND = _DEFAULTS["mhc_expand"]
+
+MHC_MAX_STREAMS = _C.MHC_MAX_STREAMS
+#: The ``kernel`` values of mhc_pre, mhc_project and mhc_head (``MhcPreKernel``; docs/spec.md §4.6).
+MHC_PRE_KERNELS = _C.MHC_PRE_KERNELS
+#: MhcParams::seed(): the seed document's setting (all eps 0), as keyword arguments.
+MHC_SEED_PARAMS = _C.mhc_seed_params()
+mhc_num_coefficients = _C.mhc_num_coefficients
+mhc_workspace_bytes = _C.mhc_workspace_bytes
+
+MhcPreOutput = collections.namedtuple("MhcPreOutput", ["f_pre", "h_post", "h_res"])
+MhcActivateOutput = collections.namedtuple("MhcActivateOutput", ["h_pre", "h_post", "h_res"])
+
+
+def _streams_from_coefficients(N, op, name):
+    """n from N = n*n + 2n (the rows of phi, the columns of h); a ValueError naming `name` otherwise."""
+    for n in range(1, MHC_MAX_STREAMS + 1):
+        if mhc_num_coefficients(n) == N:
+            return n
+    raise ValueError(f"{op}: {name}: has {N} coefficients, not N = n*n + 2n for an n in [1, {MHC_MAX_STREAMS}]")
+
+
+def _hidden(x, n, op):
+    """C for X [B, n, C] or [B, n*C]."""
+    if len(x.shape) == 3:
+        return x.shape[2]
+    if len(x.shape) == 2:
+        return x.shape[1] // n
+    raise ValueError(f"{op}: x: must be [B, n, C] or [B, n*C] (got shape {tuple(x.shape)})")
+
+
+def _new_mix(x, n, op):
+    """A bf16 ``[B, C]`` output (F_pre, the head's out)."""
+    return empty(x, (x.shape[0], _hidden(x, n, op)), "bfloat16")
+
+
+def _pre_outputs(x, phi, op, f_pre=None, h_post=None, h_res=None):
+    """mhc_pre's outputs (f_pre bf16 ``[B, C]``, h_post fp32 ``[B, n]``, h_res fp32 ``[B, n, n]``;
+    n from phi): those given, fresh ones for the others."""
+    n = _streams_from_coefficients(phi.shape[0], op, "phi")
+    B = x.shape[0]
+    return (_new_mix(x, n, op) if f_pre is None else f_pre,
+            empty(x, (B, n), "float32") if h_post is None else h_post,
+            empty(x, (B, n, n), "float32") if h_res is None else h_res)
+
+
+# ---------------------------------------------------------------------------
+# mhc_pre and its projection kernel
+# ---------------------------------------------------------------------------
+
+def mhc_pre(x, phi, alpha, bias, *, f_pre=None, h_post=None, h_res=None, eps_norm=_PRE.eps_norm,
+            eps_pre=_PRE.eps_pre, post_mult=_PRE.post_mult, eps_sinkhorn=_PRE.eps_sinkhorn,
+            sinkhorn_iters=_PRE.sinkhorn_iters, res_layout=_PRE.res_layout, enable_pdl=_PRE.enable_pdl,
+            prefetch_weights=_PRE.prefetch_weights, workspace=None, kernel=_PRE.kernel, stream=None):
+    """spec §4 mhc_pre: X -> (F_pre, H_post, H_res) in one pass over X.
+
+    n comes from phi (N = n*n + 2n rows). Returns MhcPreOutput(f_pre bf16 ``[B, C]``,
+    h_post float32 ``[B, n]``, h_res float32 ``[B, n, n]``, row-major, before any transpose);
+    outputs not passed are allocated. Parameters default to spec §4 (DeepSeek's);
+    ``**MHC_SEED_PARAMS`` gives the seed's. ``res_layout`` is an MhcParams field that only
+    mhc_post uses. ``prefetch_weights`` (with enable_pdl): phi, alpha and bias are read before
+    the previous kernel on the stream finishes; only when that kernel does not write them.
+    ``workspace`` (optional): a uint8 device buffer of ``mhc_workspace_bytes(B, n, C)`` bytes,
+    zeroed once by the caller (every launch leaves it zeroed; one launch at a time per buffer).
+    With it, small batches (B <= 32) of shapes without the resident kernel (n != 4, ...) spread
+    the projection over every SM (decode n = 8 on an H200: 103 -> 26 us).
+    ``kernel``: the projection kernel, one of MHC_PRE_KERNELS: "auto" (the first that takes the
+    shape: docs/spec.md §4.6) or a pinned one, which runs or raises NotImplementedError saying
+    why (nothing launched). CPU arrays run the one reference whatever ``kernel`` names.
+    """
+    f_pre, h_post, h_res = _pre_outputs(x, phi, "mhc_pre", f_pre, h_post, h_res)
+    _C.mhc_pre(arg(x), arg(phi), arg(alpha), arg(bias), arg(f_pre), arg(h_post), arg(h_res),
+               eps_norm=eps_norm, eps_pre=eps_pre, post_mult=post_mult, eps_sinkhorn=eps_sinkhorn,
+               sinkhorn_iters=sinkhorn_iters, res_layout=res_layout, enable_pdl=enable_pdl,
+               prefetch_weights=prefetch_weights, kernel=kernel, workspace=arg(workspace), stream=stream_of(stream, x))
+    return MhcPreOutput(f_pre, h_post, h_res)
+
+
+def mhc_pre_kernel_choice(x, phi, alpha, bias, *, f_pre=None, h_post=None, h_res=None, eps_norm=_PRE.eps_norm,
+                          eps_pre=_PRE.eps_pre, post_mult=_PRE.post_mult, eps_sinkhorn=_PRE.eps_sinkhorn,
+                          sinkhorn_iters=_PRE.sinkhorn_iters, res_layout=_PRE.res_layout,
+                          enable_pdl=_PRE.enable_pdl, prefetch_weights=_PRE.prefetch_weights, workspace=None,
+                          kernel=_PRE.kernel, stream=None):
+    """``(kernel, reason)``: the projection kernel mhc_pre would run with these arguments (CUDA
+    arrays) on their device, one of MHC_PRE_KERNELS other than "auto", and why. Launches nothing
+    and reads no array. It takes mhc_pre's arguments (outputs not passed are allocated, as there;
+    ``stream`` is not used). A pinned ``kernel`` that cannot take the call raises
+    NotImplementedError saying why; CPU arrays raise ValueError."""
+    del stream  # the choice does not depend on the stream
+    f_pre, h_post, h_res = _pre_outputs(x, phi, "mhc_pre_kernel_choice", f_pre, h_post, h_res)
+    return tuple(_C.mhc_pre_kernel_choice(
+        arg(x), arg(phi), arg(alpha), arg(bias), arg(f_pre), arg(h_post), arg(h_res), eps_norm=eps_norm,
+        eps_pre=eps_pre, post_mult=post_mult, eps_sinkhorn=eps_sinkhorn, sinkhorn_iters=sinkhorn_iters,
+        res_layout=res_layout, enable_pdl=enable_pdl, prefetch_weights=prefetch_weights, kernel=kernel,
+        workspace=arg(workspace)))
+
+
+if torch is not None:
+    def _pre_fake(x, phi, **_):
+        return _pre_outputs(x, phi, "mhc_pre")
+
+    @custom_op("mhc_pre", fake=_pre_fake)
+    def _mhc_pre_op(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, eps_norm: float = _PRE.eps_norm,
+                    eps_pre: float = _PRE.eps_pre, post_mult: float = _PRE.post_mult,
+                    eps_sinkhorn: float = _PRE.eps_sinkhorn, sinkhorn_iters: int = _PRE.sinkhorn_iters,
+                    enable_pdl: bool = _PRE.enable_pdl, prefetch_weights: bool = _PRE.prefetch_weights,
+                    projection_kernel: str = _PRE.kernel) -> Tuple[Tensor, Tensor, Tensor]:
+        """flashmix.mhc_pre as a custom op: (f_pre bf16 [B, C], h_post fp32 [B, n], h_res fp32 [B, n, n]).
+        ``projection_kernel`` is mhc_pre's ``kernel``: an op argument named ``kernel`` breaks
+        Inductor, whose fallback lowering calls ``FallbackKernel.create(kernel, *args, **kwargs)``."""
+        return tuple(mhc_pre(x, phi, alpha, bias, eps_norm=eps_norm, eps_pre=eps_pre, post_mult=post_mult,
+                             eps_sinkhorn=eps_sinkhorn, sinkhorn_iters=sinkhorn_iters, enable_pdl=enable_pdl,
+                             prefetch_weights=prefetch_weights, kernel=projection_kernel))
+
+    # A separate op rather than an optional argument of mhc_pre: torch 2.11's
+    # functionalization fails (IndexError under torch.compile) on an Optional
+    # tensor in mutates_args when the caller leaves it None.
+    @custom_op("mhc_pre_with_workspace", fake=_pre_fake, mutates_args=("workspace",))
+    def _mhc_pre_with_workspace_op(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, workspace: Tensor,
+                                   eps_norm: float = _PRE.eps_norm, eps_pre: float = _PRE.eps_pre,
+                                   post_mult: float = _PRE.post_mult, eps_sinkhorn: float = _PRE.eps_sinkhorn,
+                                   sinkhorn_iters: int = _PRE.sinkhorn_iters, enable_pdl: bool = _PRE.enable_pdl,
+                                   prefetch_weights: bool = _PRE.prefetch_weights,
+                                   projection_kernel: str = _PRE.kernel) -> Tuple[Tensor, Tensor, Tensor]:
+        """flashmix.mhc_pre with the small-batch workspace (uint8 ``[mhc_workspace_bytes(B, n, C)]``,
+        zeroed once by the caller; left zeroed) as a custom op; outputs as mhc_pre."""
+        return tuple(mhc_pre(x, phi, alpha, bias, eps_norm=eps_norm, eps_pre=eps_pre, post_mult=post_mult,
+                             eps_sinkhorn=eps_sinkhorn, sinkhorn_iters=sinkhorn_iters, enable_pdl=enable_pdl,
+                             prefetch_weights=prefetch_weights, kernel=projection_kernel, workspace=workspace))
+
+
+# ---------------------------------------------------------------------------
+# mhc_post
+# ---------------------------------------------------------------------------
+
+def _new_x_next(x):
+    return empty(x, tuple(x.shape), "bfloat16")
+
+
+def mhc_post(x, f_out, h_post, h_res, *, x_next=None, res_layout=_POST.res_layout, enable_pdl=_POST.enable_pdl,
+             stream=None):
+    """spec §4 mhc_post: ``X_next[b, i] = sum_j R[b, i, j] X[b, j] + H_post[b, i] F_out[b]`` with
+    R = H_res^T ("deepseek") or H_res ("row_mix"). n from h_post ``[B, n]``. ``x_next`` (X's
+    shape, must not overlap X) is allocated when None. Returns ``x_next``."""
+    x_next = _new_x_next(x) if x_next is None else x_next
+    _C.mhc_post(arg(x), arg(f_out), arg(h_post), arg(h_res), arg(x_next), res_layout=res_layout,
+                enable_pdl=enable_pdl, stream=stream_of(stream, x))
+    return x_next
+
+
+if torch is not None:
+    @custom_op("mhc_post", fake=lambda x, **_: _new_x_next(x))
+    def _mhc_post_op(x: Tensor, f_out: Tensor, h_post: Tensor, h_res: Tensor, res_layout: str = _POST.res_layout,
+                     enable_pdl: bool = _POST.enable_pdl) -> Tensor:
+        """flashmix.mhc_post as a custom op: a fresh X_next of X's shape."""
+        return mhc_post(x, f_out, h_post, h_res, res_layout=res_layout, enable_pdl=enable_pdl)
+
+
+# ---------------------------------------------------------------------------
+# The stages of mhc_pre: project, activate, pre mix
+# ---------------------------------------------------------------------------
+
+def mhc_project(x, phi, alpha, bias, *, h=None, r=None, eps_norm=_PROJECT.eps_norm, enable_pdl=_PROJECT.enable_pdl,
+                prefetch_weights=_PROJECT.prefetch_weights, workspace=None, kernel=_PROJECT.kernel, stream=None):
+    """mhc_pre's stage 1: h float32 ``[B, N]`` (alpha, 1/r and bias applied, before the
+    activations) and r float32 ``[B]``. Returns (h, r). ``workspace`` and ``kernel`` as in
+    mhc_pre."""
+    n = _streams_from_coefficients(phi.shape[0], "mhc_project", "phi")
+    B = x.shape[0]
+    h = empty(x, (B, phi.shape[0]), "float32") if h is None else h
+    r = empty(x, (B,), "float32") if r is None else r
+    _hidden(x, n, "mhc_project")
+    _C.mhc_project(arg(x), arg(phi), arg(alpha), arg(bias), arg(h), arg(r), eps_norm=eps_norm,
+                   enable_pdl=enable_pdl, prefetch_weights=prefetch_weights, kernel=kernel, workspace=arg(workspace),
+                   stream=stream_of(stream, x))
+    return h, r
+
+
+def mhc_activate(h, *, h_pre=None, h_post=None, h_res=None, eps_pre=_ACTIVATE.eps_pre,
+                 post_mult=_ACTIVATE.post_mult, eps_sinkhorn=_ACTIVATE.eps_sinkhorn,
+                 sinkhorn_iters=_ACTIVATE.sinkhorn_iters, enable_pdl=_ACTIVATE.enable_pdl, stream=None):
+    """mhc_pre's stage 2: the sigmoids and Sinkhorn, h ``[B, N]`` -> MhcActivateOutput(h_pre
+    ``[B, n]``, h_post ``[B, n]``, h_res ``[B, n, n]``), all float32."""
+    n = _streams_from_coefficients(h.shape[1], "mhc_activate", "h")
+    B = h.shape[0]
+    h_pre = empty(h, (B, n), "float32") if h_pre is None else h_pre
+    h_post = empty(h, (B, n), "float32") if h_post is None else h_post
+    h_res = empty(h, (B, n, n), "float32") if h_res is None else h_res
+    _C.mhc_activate(arg(h), arg(h_pre), arg(h_post), arg(h_res), eps_pre=eps_pre, post_mult=post_mult,
+                    eps_sinkhorn=eps_sinkhorn, sinkhorn_iters=sinkhorn_iters, enable_pdl=enable_pdl,
+                    stream=stream_of(stream, h))
+    return MhcActivateOutput(h_pre, h_post, h_res)
+
+
+def mhc_pre_mix(x, h_pre, *, f_pre=None, enable_pdl=_PRE_MIX.enable_pdl, stream=None):
+    """mhc_pre's stage 3: ``F_pre[b, c] = sum_i H_pre[b, i] X[b, i, c]`` (bf16 ``[B, C]``)."""
+    f_pre = _new_mix(x, h_pre.shape[1], "mhc_pre_mix") if f_pre is None else f_pre
+    _C.mhc_pre_mix(arg(x), arg(h_pre), arg(f_pre), enable_pdl=enable_pdl, stream=stream_of(stream, x))
+    return f_pre
+
+
+# ---------------------------------------------------------------------------
+# mhc_head, mhc_expand: the ends of an mHC model
+# ---------------------------------------------------------------------------
+
+def mhc_head(x, phi, alpha, bias, *, out=None, eps_norm=_HEAD.eps_norm, eps_pre=_HEAD.eps_pre,
+             enable_pdl=_HEAD.enable_pdl, workspace=None, kernel=_HEAD.kernel, stream=None):
+    """mhc_head (before the final LM head): the pre mix only, with phi ``[n, n*C]``, alpha
+    ``[1]`` (alpha_pre) and bias ``[n]``. Returns out bf16 ``[B, C]``. ``workspace`` and
+    ``kernel`` as in mhc_pre (the resident kernel does not take mhc_head)."""
+    out = _new_mix(x, phi.shape[0], "mhc_head") if out is None else out
+    _C.mhc_head(arg(x), arg(phi), arg(alpha), arg(bias), arg(out), eps_norm=eps_norm, eps_pre=eps_pre,
+                enable_pdl=enable_pdl, kernel=kernel, workspace=arg(workspace), stream=stream_of(stream, x))
+    return out
+
+
+if torch is not None:
+    @custom_op("mhc_head", fake=lambda x, phi, **_: _new_mix(x, phi.shape[0], "mhc_head"))
+    def _mhc_head_op(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, eps_norm: float = _HEAD.eps_norm,
+                     eps_pre: float = _HEAD.eps_pre, enable_pdl: bool = _HEAD.enable_pdl,
+                     projection_kernel: str = _HEAD.kernel) -> Tensor:
+        """flashmix.mhc_head as a custom op: a fresh bf16 ``[B, C]`` (phi ``[n, n*C]``);
+        ``projection_kernel`` is mhc_head's ``kernel`` (as in the mhc_pre op)."""
+        return mhc_head(x, phi, alpha, bias, eps_norm=eps_norm, eps_pre=eps_pre, enable_pdl=enable_pdl,
+                        kernel=projection_kernel)
+
+
+def _new_expanded(embedding, n):
+    return empty(embedding, (embedding.shape[0], n, embedding.shape[1]), "bfloat16")
+
+
+def mhc_expand(embedding, *, n=None, x=None, enable_pdl=_EXPAND.enable_pdl, stream=None):
+    """mhc_expand: embedding bf16 ``[B, C]`` -> X ``[B, n, C]`` (n copies). Give ``n`` or ``x``."""
+    if x is None:
+        if n is None:
+            raise ValueError("mhc_expand: n: give n (or x)")
+        x = _new_expanded(embedding, n)
+    _C.mhc_expand(arg(embedding), arg(x), enable_pdl=enable_pdl, stream=stream_of(stream, embedding))
+    return x
+
+
+if torch is not None:
+    @custom_op("mhc_expand", fake=lambda embedding, n, **_: _new_expanded(embedding, n))
+    def _mhc_expand_op(embedding: Tensor, n: int, enable_pdl: bool = _EXPAND.enable_pdl) -> Tensor:
+        """flashmix.mhc_expand as a custom op: a fresh X bf16 ``[B, n, C]`` holding n copies of the embedding."""
+        return mhc_expand(embedding, n=n, enable_pdl=enable_pdl)

@@ -1,0 +1,500 @@
+// flashmix._C, mHC (spec §4): mhc_pre and its stages (mhc_project,
+// mhc_activate, mhc_pre_mix), mhc_post, mhc_head, mhc_expand, the
+// projection kernel choice. include/flashmix/mhc.h.
+//
+// Every function takes every argument (no defaults here): the defaults are
+// the library's Args initialisers (MhcParams among them), handed to Python by
+// mhc_defaults() at the end of this file, where python/flashmix/mhc.py reads
+// them.
+//
+// X is bf16 [B, n, C] or [B, n*C]; phi [N, n*C] float32 or bf16; alpha
+// float32 [3]; bias float32 [N]; N = n*n + 2n.
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+
+#include "common.h"
+#include "flashmix/mhc.h"
+
+namespace flashmix::python {
+
+using namespace nb::literals;
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// Enumerations as strings
+// ---------------------------------------------------------------------------
+
+const EnumNames<fm::MhcResLayout>& res_layouts() {
+  static const EnumNames<fm::MhcResLayout> names = {{"deepseek", fm::MhcResLayout::kDeepSeek},
+                                                    {"row_mix", fm::MhcResLayout::kRowMix}};
+  return names;
+}
+
+// MhcPreKernel by the library's own names (to_string: "auto", "resident", ...).
+const EnumNames<fm::MhcPreKernel>& pre_kernels() {
+  static const EnumNames<fm::MhcPreKernel> names = [] {
+    EnumNames<fm::MhcPreKernel> n;
+    for (fm::MhcPreKernel k : {fm::MhcPreKernel::kAuto, fm::MhcPreKernel::kResident, fm::MhcPreKernel::kSplit,
+                               fm::MhcPreKernel::kClusterTile, fm::MhcPreKernel::kPortable})
+      n.emplace_back(fm::to_string(k), k);
+    return n;
+  }();
+  return names;
+}
+
+fm::MhcPreKernel parse_kernel(const std::string& s, const char* op) { return parse_enum(s, pre_kernels(), op, "kernel"); }
+
+// ---------------------------------------------------------------------------
+// Shapes and weights
+// ---------------------------------------------------------------------------
+
+// n from the columns of a per-stream coefficient array [B, n] (H_pre, H_post).
+int streams_from_columns(const In& h, const char* op, const char* arg) {
+  require_ndim(h, 2, op, arg);
+  const int64_t n = dim(h, 1);
+  if (n < 1 || n > fm::kMhcMaxStreams)
+    fail(op, arg, "[B, n]: n must be in [1, ", fm::kMhcMaxStreams, "] (got shape ", shape_str(h), ")");
+  return int(n);
+}
+
+// n from N = n*n + 2n, the rows of phi (or the columns of h).
+int streams_from_coefficients(int64_t N, const char* op, const char* arg) {
+  for (int n = 1; n <= fm::kMhcMaxStreams; ++n)
+    if (fm::mhc_num_coefficients(n) == N) return n;
+  fail(op, arg, "has ", N, " coefficients, not N = n*n + 2n for an n in [1, ", fm::kMhcMaxStreams, "]");
+}
+
+// X: bf16, contiguous, [B, n, C] or [B, n*C]. Returns the shape (n must be known).
+template <typename A>
+fm::MhcShape residual_shape(const A& x, int n, const char* op, const char* arg) {
+  require_dtype(x, kBFloat16, op, arg);
+  require_contiguous(x, op, arg);
+  fm::MhcShape s;
+  s.n = n;
+  if (x.ndim() == 3) {
+    if (dim(x, 1) != n) fail(op, arg, "must have n = ", n, " streams in dimension 1 (got shape ", shape_str(x), ")");
+    s.batch = dim(x, 0);
+    s.hidden = dim(x, 2);
+  } else if (x.ndim() == 2) {
+    if (dim(x, 1) % n != 0)
+      fail(op, arg, "[B, n*C]: ", dim(x, 1), " columns is not a multiple of n = ", n, " (shape ", shape_str(x), ")");
+    s.batch = dim(x, 0);
+    s.hidden = dim(x, 1) / n;
+  } else {
+    fail(op, arg, "must be [B, n, C] or [B, n*C] (got shape ", shape_str(x), ")");
+  }
+  return s;
+}
+
+// phi [N, K] (fp32 or bf16), alpha fp32 [>= n_alpha], bias fp32 [N], all contiguous.
+fm::DType check_weights(const In& phi, const In& alpha, const In& bias, int64_t N, int64_t K, int64_t n_alpha,
+                        const char* op) {
+  fm::DType t = float_dtype(phi, op, "phi");
+  if (t == fm::DType::kFloat16) fail(op, "phi", "must be float32 or bfloat16 (got float16)");
+  require_shape(phi, {N, K}, op, "phi");
+  require_contiguous(phi, op, "phi");
+  require_vector(alpha, kFloat32, n_alpha, op, "alpha");
+  require_dense(bias, kFloat32, {N}, op, "bias");
+  return t;
+}
+
+// x, phi, alpha, bias on one device.
+void add_projection_inputs(Placement& w, const In& x, const In& phi, const In& alpha, const In& bias) {
+  w.add(x, "x");
+  w.add(phi, "phi");
+  w.add(alpha, "alpha");
+  w.add(bias, "bias");
+}
+
+// The projection's inputs, shared by mhc_pre and mhc_project (whose Args
+// name them alike): n from phi's N rows, the shape from x, the weights
+// checked against both; sets shape, phi_dtype and the four pointers and
+// returns N.
+template <typename Args>
+int64_t set_projection_inputs(Args& a, const In& x, const In& phi, const In& alpha, const In& bias, const char* op) {
+  require_ndim(phi, 2, op, "phi");
+  const int64_t N = dim(phi, 0);
+  const int n = streams_from_coefficients(N, op, "phi");
+  a.shape = residual_shape(x, n, op, "x");
+  a.phi_dtype = check_weights(phi, alpha, bias, N, n * a.shape.hidden, 3, op);
+  a.x = ptr(x);
+  a.phi = ptr(phi);
+  a.alpha = static_cast<const float*>(ptr(alpha));
+  a.bias = static_cast<const float*>(ptr(bias));
+  return N;
+}
+
+// The activations' parameters (mhc_pre, mhc_activate); the fields an op does
+// not take keep MhcParams' defaults.
+void set_activation_params(fm::MhcParams& p, float eps_pre, float post_mult, float eps_sinkhorn,
+                           int sinkhorn_iters) {
+  p.eps_pre = eps_pre;
+  p.post_mult = post_mult;
+  p.eps_sinkhorn = eps_sinkhorn;
+  p.sinkhorn_iters = sinkhorn_iters;
+}
+
+// ---------------------------------------------------------------------------
+// mhc_pre and its kernel choice
+// ---------------------------------------------------------------------------
+
+struct PreCall {
+  fm::MhcPreArgs args;
+  Placement where;
+};
+
+PreCall make_pre(const In& x, const In& phi, const In& alpha, const In& bias, const Out& f_pre, const Out& h_post,
+                 const Out& h_res, float eps_norm, float eps_pre, float post_mult, float eps_sinkhorn,
+                 int sinkhorn_iters, const std::string& res_layout, bool enable_pdl, bool prefetch_weights,
+                 const std::string& kernel, const OptOut& workspace, const char* op) {
+  PreCall c{{}, Placement(op)};
+  Placement& w = c.where;
+  add_projection_inputs(w, x, phi, alpha, bias);
+  w.add(f_pre, "f_pre");
+  w.add(h_post, "h_post");
+  w.add(h_res, "h_res");
+  w.add(workspace, "workspace");
+
+  fm::MhcPreArgs& a = c.args;
+  set_projection_inputs(a, x, phi, alpha, bias, op);
+  const int64_t B = a.shape.batch, C = a.shape.hidden, n = a.shape.n;
+  require_dense(f_pre, kBFloat16, {B, C}, op, "f_pre");
+  require_dense(h_post, kFloat32, {B, n}, op, "h_post");
+  require_dense(h_res, kFloat32, {B, n, n}, op, "h_res");
+  a.f_pre = mut(f_pre);
+  a.h_post = static_cast<float*>(mut(h_post));
+  a.h_res = static_cast<float*>(mut(h_res));
+  a.params.eps_norm = eps_norm;
+  set_activation_params(a.params, eps_pre, post_mult, eps_sinkhorn, sinkhorn_iters);
+  a.params.res_layout = parse_enum(res_layout, res_layouts(), op, "res_layout");
+  a.enable_pdl = enable_pdl;
+  a.prefetch_weights = prefetch_weights;
+  a.kernel = parse_kernel(kernel, op);
+  set_workspace(a, workspace, op);
+  return c;
+}
+
+void mhc_pre(const In& x, const In& phi, const In& alpha, const In& bias, const Out& f_pre, const Out& h_post,
+             const Out& h_res, float eps_norm, float eps_pre, float post_mult, float eps_sinkhorn, int sinkhorn_iters,
+             const std::string& res_layout, bool enable_pdl, bool prefetch_weights, const std::string& kernel,
+             const OptOut& workspace, uintptr_t stream) {
+  constexpr const char* op = "mhc_pre";
+  const PreCall c = make_pre(x, phi, alpha, bias, f_pre, h_post, h_res, eps_norm, eps_pre, post_mult, eps_sinkhorn,
+                             sinkhorn_iters, res_layout, enable_pdl, prefetch_weights, kernel, workspace, op);
+  dispatch(
+      c.where, op, [&] { return fm::mhc_pre(c.args, as_stream(stream)); }, [&] { return fm::mhc_pre_cpu(c.args); });
+}
+
+// (kernel name, reason): the projection kernel mhc_pre would run for these
+// arguments on their CUDA device. Launches nothing.
+std::pair<std::string, std::string> mhc_pre_kernel_choice(
+    const In& x, const In& phi, const In& alpha, const In& bias, const Out& f_pre, const Out& h_post,
+    const Out& h_res, float eps_norm, float eps_pre, float post_mult, float eps_sinkhorn, int sinkhorn_iters,
+    const std::string& res_layout, bool enable_pdl, bool prefetch_weights, const std::string& kernel,
+    const OptOut& workspace) {
+  constexpr const char* op = "mhc_pre_kernel_choice";
+  const PreCall c = make_pre(x, phi, alpha, bias, f_pre, h_post, h_res, eps_norm, eps_pre, post_mult, eps_sinkhorn,
+                             sinkhorn_iters, res_layout, enable_pdl, prefetch_weights, kernel, workspace, op);
+  if (!c.where.cuda()) fail(op, "x", "the kernel choice is made for a CUDA device: pass CUDA arrays");
+  fm::MhcPreKernel chosen = fm::MhcPreKernel::kAuto;
+  std::string reason;
+  fm::Status s;
+  {
+    CudaDeviceGuard guard(c.where.device(), op);
+    s = fm::mhc_pre_kernel_choice(c.args, &chosen, &reason);
+  }
+  raise_if_error(s);
+  return {fm::to_string(chosen), reason};
+}
+
+// ---------------------------------------------------------------------------
+// mhc_post
+// ---------------------------------------------------------------------------
+
+void mhc_post(const In& x, const In& f_out, const In& h_post, const In& h_res, const Out& x_next,
+              const std::string& res_layout, bool enable_pdl, uintptr_t stream) {
+  constexpr const char* op = "mhc_post";
+  Placement w(op);
+  w.add(x, "x");
+  w.add(f_out, "f_out");
+  w.add(h_post, "h_post");
+  w.add(h_res, "h_res");
+  w.add(x_next, "x_next");
+
+  const int64_t n = streams_from_columns(h_post, op, "h_post");
+  fm::MhcPostArgs a;
+  a.shape = residual_shape(x, int(n), op, "x");
+  const int64_t B = a.shape.batch, C = a.shape.hidden;
+  require_dense(f_out, kBFloat16, {B, C}, op, "f_out");
+  require_dense(h_post, kFloat32, {B, n}, op, "h_post");
+  require_dense(h_res, kFloat32, {B, n, n}, op, "h_res");
+  require_dtype(x_next, kBFloat16, op, "x_next");
+  require_contiguous(x_next, op, "x_next");
+  if (x_next.size() != x.size()) fail(op, "x_next", "must have x's shape ", shape_str(x), " (got ", shape_str(x_next), ")");
+  if (overlaps(ptr(x), x.nbytes(), mut(x_next), x_next.nbytes())) fail(op, "x_next", "must not overlap x");
+  a.x = ptr(x);
+  a.f_out = ptr(f_out);
+  a.h_post = static_cast<const float*>(ptr(h_post));
+  a.h_res = static_cast<const float*>(ptr(h_res));
+  a.x_next = mut(x_next);
+  a.res_layout = parse_enum(res_layout, res_layouts(), op, "res_layout");
+  a.enable_pdl = enable_pdl;
+  dispatch(
+      w, op, [&] { return fm::mhc_post(a, as_stream(stream)); }, [&] { return fm::mhc_post_cpu(a); });
+}
+
+// ---------------------------------------------------------------------------
+// The stages of mhc_pre: project, activate, pre mix
+// ---------------------------------------------------------------------------
+
+void mhc_project(const In& x, const In& phi, const In& alpha, const In& bias, const Out& h, const Out& r,
+                 float eps_norm, bool enable_pdl, bool prefetch_weights, const std::string& kernel,
+                 const OptOut& workspace, uintptr_t stream) {
+  constexpr const char* op = "mhc_project";
+  Placement w(op);
+  add_projection_inputs(w, x, phi, alpha, bias);
+  w.add(h, "h");
+  w.add(r, "r");
+  w.add(workspace, "workspace");
+  fm::MhcProjectArgs a;
+  const int64_t N = set_projection_inputs(a, x, phi, alpha, bias, op);
+  const int64_t B = a.shape.batch;
+  require_dense(h, kFloat32, {B, N}, op, "h");
+  require_dense(r, kFloat32, {B}, op, "r");
+  a.h = static_cast<float*>(mut(h));
+  a.r = static_cast<float*>(mut(r));
+  a.eps_norm = eps_norm;
+  a.enable_pdl = enable_pdl;
+  a.prefetch_weights = prefetch_weights;
+  a.kernel = parse_kernel(kernel, op);
+  set_workspace(a, workspace, op);
+  dispatch(
+      w, op, [&] { return fm::mhc_project(a, as_stream(stream)); }, [&] { return fm::mhc_project_cpu(a); });
+}
+
+void mhc_activate(const In& h, const Out& h_pre, const Out& h_post, const Out& h_res, float eps_pre, float post_mult,
+                  float eps_sinkhorn, int sinkhorn_iters, bool enable_pdl, uintptr_t stream) {
+  constexpr const char* op = "mhc_activate";
+  Placement w(op);
+  w.add(h, "h");
+  w.add(h_pre, "h_pre");
+  w.add(h_post, "h_post");
+  w.add(h_res, "h_res");
+  require_ndim(h, 2, op, "h");
+  const int64_t B = dim(h, 0), N = dim(h, 1);
+  const int n = streams_from_coefficients(N, op, "h");
+  require_dense(h, kFloat32, {B, N}, op, "h");
+  require_dense(h_pre, kFloat32, {B, n}, op, "h_pre");
+  require_dense(h_post, kFloat32, {B, n}, op, "h_post");
+  require_dense(h_res, kFloat32, {B, n, n}, op, "h_res");
+  fm::MhcActivateArgs a;
+  a.shape.batch = B;
+  a.shape.n = n;
+  a.h = static_cast<const float*>(ptr(h));
+  a.h_pre = static_cast<float*>(mut(h_pre));
+  a.h_post = static_cast<float*>(mut(h_post));
+  a.h_res = static_cast<float*>(mut(h_res));
+  set_activation_params(a.params, eps_pre, post_mult, eps_sinkhorn, sinkhorn_iters);
+  a.enable_pdl = enable_pdl;
+  dispatch(
+      w, op, [&] { return fm::mhc_activate(a, as_stream(stream)); }, [&] { return fm::mhc_activate_cpu(a); });
+}
+
+void mhc_pre_mix(const In& x, const In& h_pre, const Out& f_pre, bool enable_pdl, uintptr_t stream) {
+  constexpr const char* op = "mhc_pre_mix";
+  Placement w(op);
+  w.add(x, "x");
+  w.add(h_pre, "h_pre");
+  w.add(f_pre, "f_pre");
+  const int64_t n = streams_from_columns(h_pre, op, "h_pre");
+  fm::MhcPreMixArgs a;
+  a.shape = residual_shape(x, int(n), op, "x");
+  const int64_t B = a.shape.batch, C = a.shape.hidden;
+  require_dense(h_pre, kFloat32, {B, n}, op, "h_pre");
+  require_dense(f_pre, kBFloat16, {B, C}, op, "f_pre");
+  a.x = ptr(x);
+  a.h_pre = static_cast<const float*>(ptr(h_pre));
+  a.f_pre = mut(f_pre);
+  a.enable_pdl = enable_pdl;
+  dispatch(
+      w, op, [&] { return fm::mhc_pre_mix(a, as_stream(stream)); }, [&] { return fm::mhc_pre_mix_cpu(a); });
+}
+
+// ---------------------------------------------------------------------------
+// mhc_head, mhc_expand: the ends of an mHC model
+// ---------------------------------------------------------------------------
+
+void mhc_head(const In& x, const In& phi, const In& alpha, const In& bias, const Out& out, float eps_norm,
+              float eps_pre, bool enable_pdl, const std::string& kernel, const OptOut& workspace, uintptr_t stream) {
+  constexpr const char* op = "mhc_head";
+  Placement w(op);
+  add_projection_inputs(w, x, phi, alpha, bias);
+  w.add(out, "out");
+  w.add(workspace, "workspace");
+  require_ndim(phi, 2, op, "phi");
+  const int64_t n = dim(phi, 0);
+  if (n < 1 || n > fm::kMhcMaxStreams)
+    fail(op, "phi", "[n, n*C]: n must be in [1, ", fm::kMhcMaxStreams, "] (got shape ", shape_str(phi), ")");
+  fm::MhcHeadArgs a;
+  a.shape = residual_shape(x, int(n), op, "x");
+  const int64_t B = a.shape.batch, C = a.shape.hidden;
+  a.phi_dtype = check_weights(phi, alpha, bias, n, n * C, 1, op);
+  require_dense(out, kBFloat16, {B, C}, op, "out");
+  a.x = ptr(x);
+  a.phi = ptr(phi);
+  a.alpha = static_cast<const float*>(ptr(alpha));
+  a.bias = static_cast<const float*>(ptr(bias));
+  a.out = mut(out);
+  a.eps_norm = eps_norm;
+  a.eps_pre = eps_pre;
+  a.enable_pdl = enable_pdl;
+  a.kernel = parse_kernel(kernel, op);
+  set_workspace(a, workspace, op);
+  dispatch(
+      w, op, [&] { return fm::mhc_head(a, as_stream(stream)); }, [&] { return fm::mhc_head_cpu(a); });
+}
+
+void mhc_expand(const In& embedding, const Out& x, bool enable_pdl, uintptr_t stream) {
+  constexpr const char* op = "mhc_expand";
+  Placement w(op);
+  w.add(embedding, "embedding");
+  w.add(x, "x");
+  require_ndim(x, 3, op, "x");
+  const int64_t n = dim(x, 1);
+  if (n < 1 || n > fm::kMhcMaxStreams)
+    fail(op, "x", "[B, n, C]: n must be in [1, ", fm::kMhcMaxStreams, "] (got shape ", shape_str(x), ")");
+  fm::MhcExpandArgs a;
+  a.shape = residual_shape(x, int(n), op, "x");
+  require_dense(embedding, kBFloat16, {a.shape.batch, a.shape.hidden}, op, "embedding");
+  a.embedding = ptr(embedding);
+  a.x = mut(x);
+  a.enable_pdl = enable_pdl;
+  dispatch(
+      w, op, [&] { return fm::mhc_expand(a, as_stream(stream)); }, [&] { return fm::mhc_expand_cpu(a); });
+}
+
+// ---------------------------------------------------------------------------
+// Defaults: the Args initialisers of include/flashmix/mhc.h, by op and by the
+// Python name of each keyword (python/flashmix/mhc.py's signatures use them).
+// ---------------------------------------------------------------------------
+
+// MhcParams' fields as keywords; with `only_changes`, those that differ from `base`.
+nb::dict params_dict(const fm::MhcParams& p, const fm::MhcParams& base = {}, bool only_changes = false) {
+  nb::dict d;
+  if (!only_changes || p.eps_norm != base.eps_norm) d["eps_norm"] = py_float(p.eps_norm);
+  if (!only_changes || p.eps_pre != base.eps_pre) d["eps_pre"] = py_float(p.eps_pre);
+  if (!only_changes || p.post_mult != base.post_mult) d["post_mult"] = py_float(p.post_mult);
+  if (!only_changes || p.eps_sinkhorn != base.eps_sinkhorn) d["eps_sinkhorn"] = py_float(p.eps_sinkhorn);
+  if (!only_changes || p.sinkhorn_iters != base.sinkhorn_iters) d["sinkhorn_iters"] = p.sinkhorn_iters;
+  if (!only_changes || p.res_layout != base.res_layout) d["res_layout"] = enum_name(p.res_layout, res_layouts());
+  return d;
+}
+
+nb::dict mhc_defaults() {
+  nb::dict d;
+  {
+    const fm::MhcPreArgs a;
+    nb::dict f = params_dict(a.params);
+    f["enable_pdl"] = a.enable_pdl;
+    f["prefetch_weights"] = a.prefetch_weights;
+    f["kernel"] = fm::to_string(a.kernel);
+    d["mhc_pre"] = f;
+  }
+  {
+    const fm::MhcPostArgs a;
+    nb::dict f;
+    f["res_layout"] = enum_name(a.res_layout, res_layouts());
+    f["enable_pdl"] = a.enable_pdl;
+    d["mhc_post"] = f;
+  }
+  {
+    const fm::MhcProjectArgs a;
+    nb::dict f;
+    f["eps_norm"] = py_float(a.eps_norm);
+    f["enable_pdl"] = a.enable_pdl;
+    f["prefetch_weights"] = a.prefetch_weights;
+    f["kernel"] = fm::to_string(a.kernel);
+    d["mhc_project"] = f;
+  }
+  {
+    const fm::MhcActivateArgs a;
+    nb::dict f;
+    f["eps_pre"] = py_float(a.params.eps_pre);
+    f["post_mult"] = py_float(a.params.post_mult);
+    f["eps_sinkhorn"] = py_float(a.params.eps_sinkhorn);
+    f["sinkhorn_iters"] = a.params.sinkhorn_iters;
+    f["enable_pdl"] = a.enable_pdl;
+    d["mhc_activate"] = f;
+  }
+  {
+    const fm::MhcPreMixArgs a;
+    nb::dict f;
+    f["enable_pdl"] = a.enable_pdl;
+    d["mhc_pre_mix"] = f;
+  }
+  {
+    const fm::MhcHeadArgs a;
+    nb::dict f;
+    f["eps_norm"] = py_float(a.eps_norm);
+    f["eps_pre"] = py_float(a.eps_pre);
+    f["enable_pdl"] = a.enable_pdl;
+    f["kernel"] = fm::to_string(a.kernel);
+    d["mhc_head"] = f;
+  }
+  {
+    const fm::MhcExpandArgs a;
+    nb::dict f;
+    f["enable_pdl"] = a.enable_pdl;
+    d["mhc_expand"] = f;
+  }
+  return d;
+}
+
+}  // namespace
+
+void register_mhc(nb::module_& m) {
+  m.attr("MHC_MAX_STREAMS") = fm::kMhcMaxStreams;
+  m.attr("MHC_PRE_KERNELS") = enum_names_tuple(pre_kernels());
+  m.def("mhc_defaults", &mhc_defaults,
+        "The library's defaults of the mHC ops' keywords, {op: {keyword: value}} (the Args initialisers of "
+        "flashmix/mhc.h, MhcParams among them); the flashmix package's signatures read them.");
+  m.def("mhc_seed_params", [] { return params_dict(fm::MhcParams::seed(), fm::MhcParams{}, true); },
+        "MhcParams::seed() as keywords: the fields where it differs from the defaults.");
+  m.def("mhc_num_coefficients", &fm::mhc_num_coefficients, "n"_a, "N = n*n + 2n");
+  m.def(
+      "mhc_workspace_bytes",
+      [](int64_t batch, int n, int64_t hidden) { return fm::mhc_workspace_bytes(fm::MhcShape{batch, n, hidden}); },
+      "batch"_a, "n"_a, "hidden"_a,
+      "Bytes of the optional small-batch workspace of mhc_pre / mhc_project / mhc_head (0: not used for this "
+      "shape). Zero it once; every launch leaves it zeroed.");
+
+  m.def("mhc_pre", &mhc_pre, "x"_a, "phi"_a, "alpha"_a, "bias"_a, "f_pre"_a, "h_post"_a, "h_res"_a, nb::kw_only(),
+        "eps_norm"_a, "eps_pre"_a, "post_mult"_a, "eps_sinkhorn"_a, "sinkhorn_iters"_a, "res_layout"_a,
+        "enable_pdl"_a, "prefetch_weights"_a, "kernel"_a, "workspace"_a.none(), "stream"_a,
+        "spec §4 mhc_pre; n from phi [N, n*C].");
+  m.def("mhc_pre_kernel_choice", &mhc_pre_kernel_choice, "x"_a, "phi"_a, "alpha"_a, "bias"_a, "f_pre"_a, "h_post"_a,
+        "h_res"_a, nb::kw_only(), "eps_norm"_a, "eps_pre"_a, "post_mult"_a, "eps_sinkhorn"_a, "sinkhorn_iters"_a,
+        "res_layout"_a, "enable_pdl"_a, "prefetch_weights"_a, "kernel"_a, "workspace"_a.none(),
+        "(kernel name, reason): the projection kernel mhc_pre would run with these arguments on their CUDA "
+        "device. Launches nothing.");
+  m.def("mhc_post", &mhc_post, "x"_a, "f_out"_a, "h_post"_a, "h_res"_a, "x_next"_a, nb::kw_only(), "res_layout"_a,
+        "enable_pdl"_a, "stream"_a, "spec §4 mhc_post; n from h_post [B, n].");
+  m.def("mhc_project", &mhc_project, "x"_a, "phi"_a, "alpha"_a, "bias"_a, "h"_a, "r"_a, nb::kw_only(), "eps_norm"_a,
+        "enable_pdl"_a, "prefetch_weights"_a, "kernel"_a, "workspace"_a.none(), "stream"_a);
+  m.def("mhc_activate", &mhc_activate, "h"_a, "h_pre"_a, "h_post"_a, "h_res"_a, nb::kw_only(), "eps_pre"_a,
+        "post_mult"_a, "eps_sinkhorn"_a, "sinkhorn_iters"_a, "enable_pdl"_a, "stream"_a);
+  m.def("mhc_pre_mix", &mhc_pre_mix, "x"_a, "h_pre"_a, "f_pre"_a, nb::kw_only(), "enable_pdl"_a, "stream"_a);
+  m.def("mhc_head", &mhc_head, "x"_a, "phi"_a, "alpha"_a, "bias"_a, "out"_a, nb::kw_only(), "eps_norm"_a,
+        "eps_pre"_a, "enable_pdl"_a, "kernel"_a, "workspace"_a.none(), "stream"_a);
+  m.def("mhc_expand", &mhc_expand, "embedding"_a, "x"_a, nb::kw_only(), "enable_pdl"_a, "stream"_a);
+}
+
+}  // namespace flashmix::python

@@ -1,0 +1,13 @@
+// flashmix._C: the nanobind binding of the flashmix C++ API, one file per
+// area (moe.cpp, mhc.cpp) over a shared part (common.h / common.cpp).
+// python/flashmix/ is the package over it; python/README.md describes both.
+#include <nanobind/nanobind.h>
+
+#include "common.h"
+
+NB_MODULE(_C, m) {
+  m.doc() = "flashmix._C: the nanobind binding of the flashmix C++ API (use the flashmix package's functions)";
+  flashmix::python::register_common(m);
+  flashmix::python::register_moe(m);
+  flashmix::python::register_mhc(m);
+}
