@@ -48,7 +48,7 @@ not have (bias), `n/a: <why>`. None of them has a time.
 Usage (on a GPU machine, with the binding built, e.g. by
 `PYTEST=0 scripts/gpu_python_tests.sh BUILD`, and the peers unpacked by
 bench/peers_setup.sh into /tmp/site):
-    PYTHONPATH=/tmp/site:BUILD/python:python python3 bench/peers.py [--json FILE]
+    PYTHONPATH=/tmp/site:BUILD/python:python python3 bench/peers.py [--json FILE_OR_FOLDER]
         [--commit HASH] [--no-compile] [--ops finalize,fc2,mhc]
 scripts/peers_table.py prints the README's table from the JSON records.
 """
@@ -56,6 +56,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -588,7 +589,8 @@ def print_table(records):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", help="write the record here")
+    ap.add_argument("--json", help="write the record to this file, or into this folder as "
+                    "peers-<GPU>-<date>-<time>.json (the name bench/results/ uses)")
     ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD, if a repo)")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--ops", default="finalize,fc2,mhc", help="comma-separated subset of finalize,fc2,mhc")
@@ -622,9 +624,14 @@ def main():
             "copy_gbps": round(run.copy_gbps, 2), "gemm_tflops": round(run.gemm_tflops, 2), "records": run.records}
         if aborted:
             doc["aborted"] = aborted
-        with open(args.json, "w") as f:
+        path = args.json
+        if os.path.isdir(path):  # a folder: the file named as in bench/results/
+            now = datetime.datetime.now(datetime.timezone.utc)
+            path = os.path.join(path, "peers-%s-%s.json" % (re.sub(r"[^A-Za-z0-9]+", "_", doc["gpu"]).strip("_"),
+                                                            now.strftime("%Y%m%d-%H%M%S")))
+        with open(path, "w") as f:
             json.dump(doc, f, indent=1)
-        print("wrote", args.json)
+        print("wrote", path)
     bad = [r for r in run.records if r["check"].startswith("DISAGREES")]
     return 2 if aborted else 1 if bad else 0
 
