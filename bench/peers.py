@@ -2,36 +2,82 @@
 """flashmix against its peers on the issues' headline shapes, in one process on one GPU.
 
 Each op runs as flashmix (through the Python binding) and as what an engine
-would otherwise use:
-  - torch eager: the spec's math (docs/spec.md) written plainly in torch;
-  - torch.compile of the same function (inductor, default mode);
-  - for the FC2 GEMM: torch._grouped_mm (the grouped GEMM torch ships) plus the
-    finalize in torch, torch.bmm with the same rows spread evenly over the
-    experts (cuBLAS batched: a grouped GEMM with perfect balance), and a dense
-    cuBLAS GEMM of equal FLOPs (the ceiling flashmix-bench uses).
+would otherwise run (the peers' loading and their adapters: bench/peers_adapters.py):
+  moe_finalize (spec §2): sgl-kernel's apply_shuffle_mul_sum (the same function:
+    gather by index, router weights, top-k sum; no bias operand); sgl-kernel's
+    moe_sum_reduce (the top-k sum alone, on rows gathered into token order and
+    weighted beforehand, outside the timing: what is left of the finalize in an
+    engine whose GEMM epilogue scatters and weights); torch eager (the spec's math
+    written plainly); torch.compile of it (inductor, default mode).
+  moe_fc2 (spec §3, FC2 GEMM + finalize): flashmix's atomic, deterministic and
+    unfused modes; DeepGEMM's m_grouped_bf16_gemm_nt_contiguous alone (its
+    contiguous layout, every expert's rows padded to the kernel's block, built
+    from the same routing outside the timing; the padded-row fraction is
+    recorded) and followed by sgl's apply_shuffle_mul_sum; torch._grouped_mm
+    alone, followed by the finalize in torch, and by sgl's; cuBLAS bmm with the
+    rows spread evenly (a grouped GEMM with perfect balance); a dense cuBLAS
+    GEMM of equal FLOPs (the ceiling flashmix-bench uses).
+  mhc_pre / mhc_post (spec §4): torch eager, torch.compile; for mhc_pre also
+    DeepGEMM's tf32_hc_prenorm_gemm, the projection and sums of squares only
+    (a part of mhc_pre, timed against flashmix's whole op).
+Every record has `ratio` = its time / flashmix's time on the case (above 1:
+flashmix is faster; FC2: against flashmix atomic, and `ratio_deterministic`
+against flashmix deterministic).
+
 Ceilings are measured in the same run: a 1 GiB device-to-device copy (bytes
 read + written) and an 8192^3 bf16 cuBLAS GEMM. Timing: CUDA events around
-batches of back-to-back calls, median of the batches after warm-up; every
-input is larger than L2.
-Every peer's output is compared with flashmix's (which the C++ tests check
-against the CPU reference); a peer that disagrees is reported as such.
+batches of back-to-back calls, median of the batches after warm-up; inputs
+larger than L2. Decode cases (T or B <= 64) are CUDA-graph replays of 100
+back-to-back calls (no Python launch overhead, as in an engine's decode
+graphs) on the same inputs, which stay in L2 (`_l2_warm` in the case name).
+
+Checks: every output is compared with flashmix's (which the C++ tests check
+against the CPU reference): max |peer - flashmix| / max |flashmix| <= 1e-2
+(TOL_SAME: same inputs and fp32 sums, so only the final bf16 rounding
+differs, 2^-8 = 3.9e-3 of an element), 2e-2 (TOL_BF16_STEP) where the peer
+rounds an intermediate to bf16 (a GEMM's output before the finalize, rows
+weighted beforehand) or sums in another order over K. Router weights are
+drawn bf16-exact (sgl takes them in bf16). GEMM-alone rows are checked
+against a per-expert torch GEMM. A peer that disagrees is reported as such
+and makes the exit status 1.
+
+A peer that is not installed or fails to load is recorded as `missing:
+<reason>`; one that raises on the case, `failed: <error>`; an operand it does
+not have (bias), `n/a: <why>`. None of them has a time.
 
 Usage (on a GPU machine, with the binding built, e.g. by
-scripts/gpu_python_tests.sh with PYTEST=0):
-    PYTHONPATH=<build>/python:python python3 bench/peers.py [--json FILE] [--commit HASH] [--no-compile]
+`PYTEST=0 scripts/gpu_python_tests.sh BUILD`, and the peers unpacked by
+bench/peers_setup.sh into /tmp/site):
+    PYTHONPATH=/tmp/site:BUILD/python:python python3 bench/peers.py [--json FILE_OR_FOLDER]
+        [--commit HASH] [--no-compile] [--ops finalize,fc2,mhc]
+scripts/peers_table.py prints the README's table from the JSON records.
 """
 import argparse
 import datetime
 import json
+import os
+import re
 import statistics
+import subprocess
 import sys
 
 import torch
 
 import flashmix
 
-DEV = "cuda"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers_adapters as adapters  # noqa: E402
+from peers_adapters import Missing  # noqa: E402
 
+DEV = "cuda"
+TOL_SAME = 1e-2
+TOL_BF16_STEP = 2e-2
+GRAPH_CALLS = 100
+
+
+# ===========================================================================
+# Timing and records
+# ===========================================================================
 
 def timed(fn, repeats, warmup=3):
     """Median over `repeats` batches of the time per call, each batch a run of
@@ -58,24 +104,74 @@ def timed(fn, repeats, warmup=3):
     return statistics.median(times)
 
 
+def timed_graph(fn, repeats, calls=GRAPH_CALLS):
+    """Median over `repeats` replays of a CUDA graph of `calls` back-to-back calls, per call."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        e0.record()
+        graph.replay()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3 / calls)
+    del graph
+    return statistics.median(times)
+
+
 def rel_err(a, b):
     a, b = a.float(), b.float()
+    if a.shape != b.shape:
+        return float("inf")
     if not torch.isfinite(a).all():
         return float("inf")
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
+class Aborted(Exception):
+    """The GPU is unusable (a sticky CUDA error after a peer raised): the run stops there."""
+
+
+def settle():
+    """Waits for the GPU after a peer raised; a sticky CUDA error then aborts the run."""
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        raise Aborted("the GPU is unusable after a peer's error (%s); rerun with --ops to skip it" % e) from None
+
+
+def first_line(e):
+    text = str(e).strip().splitlines()
+    return "%s: %s" % (type(e).__name__, text[0][:300] if text else "")
+
+
 class Run:
+    """The records of one run, the same-run ceilings, and each case's flashmix times."""
+
     def __init__(self, args):
         self.args = args
         self.records = []
+        self.refs = {}  # (op, case) -> {"flashmix impl": us}
+        self.timing = None  # how measure() timed the last call, when not plainly
         big = 1 << 30
-        a = torch.empty(big, dtype=torch.uint8, device=DEV)
-        b = torch.empty_like(a)
-        a.random_(0, 255)
-        us = timed(lambda: b.copy_(a), 20)
+        src = torch.empty(big, dtype=torch.uint8, device=DEV)
+        src.random_(0, 255)
+        dst = torch.empty_like(src)
+        us = timed(lambda: dst.copy_(src), 20)
         self.copy_gbps = 2 * big / (us * 1e-6) / 1e9
-        del a, b
+        src = dst = None
         n = 8192
         x = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
         y = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
@@ -84,35 +180,101 @@ class Run:
         print("ceilings: copy %.1f GB/s (a 1 GiB copy, bytes read + written), cuBLAS bf16 GEMM %.1f TFLOP/s" %
               (self.copy_gbps, self.gemm_tflops))
 
-    def record(self, op, case, impl, us, *, bytes_=None, dense_us=None, err=None, tol=None, note=""):
+    def compiled(self, fn):
+        return torch.compile(fn, dynamic=False) if not self.args.no_compile else None
+
+    def record(self, op, case, impl, us, *, status=None, bytes_=None, dense_us=None, err=None, tol=None,
+               note=None, extra=None):
         r = {"op": op, "case": case, "impl": impl, "median_us": None if us is None else round(us, 3)}
-        if us is None:
-            r["check"] = note
-            self.records.append(r)
-            print("%-14s %-34s %-26s %s" % (op, case, impl, note), flush=True)
-            return
-        if bytes_ is not None:
+        refs = self.refs.get((op, case), {})
+        if us is not None and refs:
+            first = next(iter(refs))  # the case's first flashmix timing (FC2: atomic)
+            r["ratio"] = round(us / refs[first], 4)
+            r["ratio_vs"] = first
+            if "flashmix deterministic" in refs and first != "flashmix deterministic":
+                r["ratio_deterministic"] = round(us / refs["flashmix deterministic"], 4)
+        if us is not None and bytes_ is not None:
             r["ceiling"] = "copy"
             r["fraction"] = round(bytes_ / (us * 1e-6) / 1e9 / self.copy_gbps, 4)
-        if dense_us is not None:
+        if us is not None and dense_us is not None:
             r["ceiling"] = "gemm"
             r["dense_us"] = round(dense_us, 3)
             r["ratio_to_dense"] = round(us / dense_us, 4)
         if err is not None:
             r["max_rel_err_vs_flashmix"] = err
+            r["tolerance"] = tol
             r["check"] = "agrees" if err <= tol else "DISAGREES (%.3g > %.3g)" % (err, tol)
         else:
-            r["check"] = note or "reference"
+            r["check"] = status or "reference"
+        if us is not None and getattr(self, "timing", None):
+            r["timing"] = self.timing
+        self.timing = None
+        if note:
+            r["note"] = note
+        if extra:
+            r.update(extra)
         self.records.append(r)
-        frac = ("%.3f of copy" % r["fraction"]) if "fraction" in r else (
-            "%.2f x dense" % r["ratio_to_dense"] if "ratio_to_dense" in r else "")
-        print("%-14s %-34s %-26s %10.2f us  %-16s %s" % (op, case, impl, us, frac, r["check"]), flush=True)
+        if us is None:
+            print("%-13s %-36s %-38s %12s  %s" % (op, case, impl, "-", r["check"]), flush=True)
+        else:
+            ratio = ("%6.2fx" % r["ratio"]) if "ratio" in r else "      "
+            print("%-13s %-36s %-38s %9.2f us %s  %s" % (op, case, impl, us, ratio, r["check"]), flush=True)
+        return r
 
-    def compiled(self, fn):
-        return torch.compile(fn, dynamic=False) if not self.args.no_compile else None
+    def reference(self, op, case, impl, fn, *, graph=False, repeats=30, **kw):
+        """Times flashmix's `impl` (fn already run once; its output is the case's reference unless
+        err, its difference from the reference, is given)."""
+        us = self.measure(fn, repeats, graph)
+        self.refs.setdefault((op, case), {})[impl] = us
+        return self.record(op, case, impl, us, **kw)
+
+    def peer(self, op, case, impl, make, *, check=None, tol=TOL_SAME, graph=False, repeats=10, **kw):
+        """One peer: make() builds its callable (Missing: recorded as missing), which is run once,
+        checked (check() -> max relative error vs flashmix, or None), then timed."""
+        try:
+            fn = make()
+        except Missing as e:
+            return self.record(op, case, impl, None, status="missing: %s" % e, note=kw.get("note"))
+        except Exception as e:  # noqa: BLE001 - a peer that fails on a case is reported, not timed
+            settle()
+            return self.record(op, case, impl, None, status="failed: %s" % first_line(e), note=kw.get("note"))
+        try:
+            fn()
+            torch.cuda.synchronize()
+            err = check() if check is not None else None
+            us = self.measure(fn, repeats, graph)
+        except Missing as e:
+            return self.record(op, case, impl, None, status="n/a: %s" % e, note=kw.get("note"))
+        except Exception as e:  # noqa: BLE001 - a peer that fails on a case is reported, not timed
+            settle()
+            return self.record(op, case, impl, None, status="failed: %s" % first_line(e), note=kw.get("note"))
+        if err is None:
+            kw.setdefault("status", "not checked")
+        return self.record(op, case, impl, us, err=err, tol=tol, **kw)
+
+    def measure(self, fn, repeats, graph):
+        """Times fn; with graph, as CUDA-graph replays, or, when fn cannot be captured, back to back
+        (self.timing says which, for the record)."""
+        if not graph:
+            self.timing = None
+            return timed(fn, repeats)
+        try:
+            us = timed_graph(fn, max(repeats, 20))
+            self.timing = "cuda graph of %d calls" % GRAPH_CALLS
+            return us
+        except RuntimeError as e:
+            settle()
+            self.timing = "back to back: graph capture failed (%s)" % first_line(e)
+            return timed(fn, repeats)
 
 
-# --------------------------------------------------------------------------- finalize (spec §2)
+def mark_not_applicable(run, op, case, impl, why, note=None):
+    run.record(op, case, impl, None, status="n/a: %s" % why, note=note)
+
+
+# ===========================================================================
+# moe_finalize (spec §2)
+# ===========================================================================
 
 def finalize_torch(rows, u2p, experts, scales, bias):
     T, k = experts.shape
@@ -123,29 +285,167 @@ def finalize_torch(rows, u2p, experts, scales, bias):
 
 
 def bench_finalize(run, T, k, H, E, with_bias):
-    case = "T%d_k%d_H%d_bf16%s" % (T, k, H, "_bias" if with_bias else "")
+    decode = T <= 64
+    case = ("decode_T%d_k%d_H%d%s_l2_warm" if decode else "T%d_k%d_H%d_bf16%s") % (
+        T, k, H, "_bias" if with_bias else "")
+    op = "moe_finalize"
     rows = torch.randn(T * k, H, device=DEV, dtype=torch.bfloat16)
     experts = torch.rand(T, E, device=DEV).topk(k, dim=1).indices.int()
     u2p = torch.randperm(T * k, device=DEV).int()
-    scales = torch.rand(T, k, device=DEV)
+    scales = torch.rand(T, k, device=DEV).bfloat16().float()  # bf16-exact: sgl takes them in bf16
     bias = torch.randn(E, H, device=DEV, dtype=torch.bfloat16) if with_bias else None
-    out = torch.empty(T, H, device=DEV, dtype=torch.bfloat16)
     nbytes = (T * k * H + T * H) * 2 + T * k * 12
+    time = dict(graph=decode, bytes_=nbytes)
+
+    out = torch.empty(T, H, device=DEV, dtype=torch.bfloat16)
     fm = lambda: flashmix.finalize_moe_routing(rows, u2p, experts, num_experts_per_node=E, scales=scales,
                                                 bias=bias, out=out)
     fm()
     ref = out.clone()
-    run.record("moe_finalize", case, "flashmix", timed(fm, 30), bytes_=nbytes)
-    eager = lambda: finalize_torch(rows, u2p, experts, scales, bias)
-    run.record("moe_finalize", case, "torch eager", timed(eager, 10), bytes_=nbytes,
-               err=rel_err(eager(), ref), tol=2e-2)
+    run.reference(op, case, "flashmix", fm, **time)
+
+    if with_bias:
+        mark_not_applicable(run, op, case, "sgl apply_shuffle_mul_sum", "no bias operand")
+    else:
+        out_sgl = torch.empty_like(out)
+        run.peer(op, case, "sgl apply_shuffle_mul_sum",
+                 lambda: adapters.sgl_apply_shuffle_mul_sum(rows, u2p, scales, out_sgl),
+                 check=lambda: rel_err(out_sgl, ref), tol=TOL_SAME, repeats=30, **time)
+
+    # moe_sum_reduce: the rows gathered into token order, weighted (and biased) outside the timing.
+    out_sum = torch.empty_like(out)
+
+    def make_sum_reduce():
+        adapters.sgl_ops()  # Missing before the preparation allocates anything
+        g = rows[adapters.token_major(u2p, T, k).long()].view(T, k, H).float()
+        if bias is not None:
+            g = g + bias[experts.long()].float()
+        weighted = (g * scales[..., None]).to(torch.bfloat16).contiguous()
+        return adapters.sgl_moe_sum_reduce(weighted, out_sum)
+    run.peer(op, case, "sgl moe_sum_reduce (pre-gathered)", make_sum_reduce, check=lambda: rel_err(out_sum, ref),
+             tol=TOL_BF16_STEP, repeats=30,
+             note="top-k sum only: rows gathered into token order and weighted (with bias) outside the timing", **time)
+
+    run.peer(op, case, "torch eager", lambda: (lambda: finalize_torch(rows, u2p, experts, scales, bias)),
+             check=lambda: rel_err(finalize_torch(rows, u2p, experts, scales, bias), ref), tol=TOL_SAME, **time)
     comp = run.compiled(finalize_torch)
     if comp is not None:
         f = lambda: comp(rows, u2p, experts, scales, bias)
-        run.record("moe_finalize", case, "torch.compile", timed(f, 20), bytes_=nbytes, err=rel_err(f(), ref), tol=2e-2)
+        run.peer(op, case, "torch.compile", lambda: f, check=lambda: rel_err(f(), ref), tol=TOL_SAME, repeats=20,
+                 **time)
 
 
-# --------------------------------------------------------------------------- mHC (spec §4)
+# ===========================================================================
+# moe_fc2: the FC2 grouped GEMM + finalize (spec §3)
+# ===========================================================================
+
+def expert_rows_torch(A, W2, offs):
+    """The GEMM rows ``A[p] @ W2[e]^T`` per expert (bf16), to check the GEMM-alone peers."""
+    o = offs.tolist()
+    y = torch.empty(o[-1], W2.shape[1], device=A.device, dtype=torch.bfloat16)
+    for e in range(W2.shape[0]):
+        if o[e + 1] > o[e]:
+            y[o[e]:o[e + 1]] = A[o[e]:o[e + 1]] @ W2[e].t()
+    return y
+
+
+def bench_fc2(run, name, T, k, E, I, H):
+    case = "%s_T%d_k%d_E%d_I%d_H%d" % (name, T, k, E, I, H)
+    op = "moe_fc2"
+    P = T * k
+    experts = torch.rand(T, E, device=DEV).topk(k, dim=1).indices.int()  # every slot local, uniform
+    scales = torch.rand(T, k, device=DEV).bfloat16().float()  # bf16-exact: sgl takes them in bf16
+    A = torch.randn(P, I, device=DEV, dtype=torch.bfloat16)
+    W2 = torch.randn(E, H, I, device=DEV, dtype=torch.bfloat16) * (1.0 / I ** 0.5)
+    maps = flashmix.build_moe_routing_maps(experts, num_experts_per_node=E)
+    offs, p2u, u2p = maps.expert_first_token_offset, maps.permuted_row_to_unpermuted_row, \
+        maps.unpermuted_row_to_permuted_row
+    torch.cuda.synchronize()
+    # Dense cuBLAS GEMM of equal FLOPs, timed right here (the clock moves under tensor load).
+    Ad, Wd = torch.randn(P, I, device=DEV, dtype=torch.bfloat16), torch.randn(H, I, device=DEV, dtype=torch.bfloat16)
+    dense = lambda: Ad @ Wd.t()
+    dense_us = timed(dense, 10)
+    time = dict(dense_us=dense_us)
+
+    # flashmix, every mode; deterministic's output is the case's reference.
+    outs, fns = {}, {}
+    for mode in ("deterministic", "atomic", "unfused"):
+        out = torch.empty(T, H, device=DEV, dtype=torch.bfloat16)
+        ws = torch.empty(flashmix.moe_fc2_finalize_workspace_size(T, k, H, I, E, mode), dtype=torch.uint8, device=DEV)
+        fns[mode] = lambda out=out, ws=ws, mode=mode: flashmix.moe_fc2_finalize(
+            A, W2, offs, p2u, k=k, scales=scales, mode=mode, out=out, workspace=ws)
+        fns[mode]()
+        torch.cuda.synchronize()
+        outs[mode] = out.clone()
+    ref = outs["deterministic"]
+    for mode in ("atomic", "deterministic", "unfused"):  # atomic first: the ratios' reference
+        err = None if mode == "deterministic" else rel_err(outs[mode], ref)
+        run.reference(op, case, "flashmix " + mode, fns[mode], repeats=10, err=err, tol=TOL_BF16_STEP, **time)
+    ref_rows = expert_rows_torch(A, W2, offs)
+    offs32 = offs[1:].int()
+
+    # torch._grouped_mm: alone, + the finalize in torch, + sgl's finalize.
+    gm = lambda: torch._grouped_mm(A, W2.transpose(1, 2), offs=offs32)
+    run.peer(op, case, "torch._grouped_mm only", lambda: gm, check=lambda: rel_err(gm(), ref_rows),
+             tol=TOL_BF16_STEP, note="GEMM alone, no finalize; checked against a per-expert torch GEMM", **time)
+    tf = lambda: finalize_torch(gm(), u2p, experts, scales, None)
+    run.peer(op, case, "torch._grouped_mm + torch finalize", lambda: tf, check=lambda: rel_err(tf(), ref),
+             tol=TOL_BF16_STEP, **time)
+    out_gs = torch.empty(T, H, device=DEV, dtype=torch.bfloat16)
+
+    def make_grouped_sgl():
+        finalize = adapters.sgl_shuffle_mul_sum_into(u2p, scales, out_gs)
+        return lambda: finalize(gm())
+    run.peer(op, case, "torch._grouped_mm + sgl finalize", make_grouped_sgl, check=lambda: rel_err(out_gs, ref),
+             tol=TOL_BF16_STEP, **time)
+
+    # DeepGEMM: its contiguous layout built once, outside the timing; alone, then + sgl's finalize.
+    layout = {}
+
+    def make_deep_gemm():
+        if not layout:
+            layout.update(adapters.deep_gemm_layout(A, offs, P))
+            layout["gemm"], layout["d"] = adapters.deep_gemm_m_grouped(layout, W2)
+        return layout["gemm"]
+
+    def layout_facts(r):
+        if layout:
+            r.update(padded_rows=layout["padded_rows"], alignment=layout["alignment"],
+                     padded_fraction=round(layout["padded_fraction"], 4))
+    layout_facts(run.peer(op, case, "DeepGEMM m_grouped_bf16 only", make_deep_gemm,
+                          check=lambda: rel_err(layout["d"][layout["dest"]], ref_rows), tol=TOL_BF16_STEP,
+                          note="GEMM alone (contiguous layout: experts padded to the block), no finalize; "
+                          "checked against a per-expert torch GEMM", **time))
+    out_ds = torch.empty(T, H, device=DEV, dtype=torch.bfloat16)
+
+    def make_deep_gemm_sgl():
+        gemm = make_deep_gemm()
+        # the padded row of each slot: flashmix's map through the layout
+        fin = adapters.sgl_apply_shuffle_mul_sum(layout["d"], layout["dest"][u2p.long()].int(), scales, out_ds)
+        return lambda: (gemm(), fin())
+    layout_facts(run.peer(op, case, "DeepGEMM + sgl finalize", make_deep_gemm_sgl,
+                          check=lambda: rel_err(out_ds, ref), tol=TOL_BF16_STEP, **time))
+    layout.clear()
+
+    # cuBLAS batched with the rows spread evenly: a grouped GEMM with perfect balance (no finalize).
+    Ab = A.view(E, P // E, I)
+    bm = lambda: torch.bmm(Ab, W2.transpose(1, 2))
+    run.peer(op, case, "cuBLAS bmm, even rows", lambda: bm, note="GEMM alone, rows spread evenly, no finalize",
+             **time)
+    dense_end = timed(dense, 10)
+    run.record(op, case, "cuBLAS dense, equal FLOPs", dense_end, dense_us=dense_us, status="ceiling")
+    # The clock drops under sustained tensor load: every dense ratio of the case
+    # is taken against the faster of the two dense timings (never flatters flashmix).
+    best = min(dense_us, dense_end)
+    for r in run.records:
+        if r["case"] == case and r.get("median_us") and "dense_us" in r:
+            r["dense_us"] = round(best, 3)
+            r["ratio_to_dense"] = round(r["median_us"] / best, 4)
+
+
+# ===========================================================================
+# mHC: mhc_pre, mhc_post (spec §4)
+# ===========================================================================
 
 def mhc_pre_torch(x, phi, alpha, bias, n, eps_norm=1e-6, eps_pre=1e-6, post_mult=2.0, eps_s=1e-6, iters=20):
     B = x.shape[0]
@@ -172,132 +472,168 @@ def mhc_post_torch(x, f_out, h_post, h_res):
 
 
 def bench_mhc(run, B, n, C):
-    case = "B%d_n%d_C%d" % (B, n, C)
+    decode = B <= 64
+    case = ("decode_B%d_n%d_C%d" if decode else "B%d_n%d_C%d") % (B, n, C)
+    warm = "_l2_warm" if decode else ""
     N, K = n * n + 2 * n, n * C
-    torch.backends.cuda.matmul.allow_tf32 = False  # the the spec's fp32 projection
+    torch.backends.cuda.matmul.allow_tf32 = False  # the spec's fp32 projection
     x = torch.randn(B, n, C, device=DEV, dtype=torch.bfloat16)
     phi = torch.randn(N, K, device=DEV) * (1.0 / K ** 0.5)
     alpha = torch.tensor([0.8, 1.1, 0.9], device=DEV)
     bias = torch.randn(N, device=DEV) * 0.1
-    fm = lambda: flashmix.mhc_pre(x, phi, alpha, bias)
-    ref = fm()
+
+    op, pcase = "mhc_pre", case + "_phif32" + warm
     pre_bytes = (B * K + B * C) * 2
-    run.record("mhc_pre", case + "_phif32", "flashmix", timed(fm, 30), bytes_=pre_bytes)
+    time = dict(graph=decode, bytes_=pre_bytes)
+    outs = flashmix.mhc_pre(x, phi, alpha, bias)
+    fm = lambda: flashmix.mhc_pre(x, phi, alpha, bias, f_pre=outs.f_pre, h_post=outs.h_post, h_res=outs.h_res)
+    fm()
+    ref = tuple(t.clone() for t in outs)
+    run.reference(op, pcase, "flashmix", fm, **time)
+    errs = lambda o: max(rel_err(o[0], ref[0]), rel_err(o[1], ref[1]), rel_err(o[2], ref[2]))
     eager = lambda: mhc_pre_torch(x, phi, alpha, bias, n)
-    errs = lambda o: max(rel_err(o[0], ref.f_pre), rel_err(o[1], ref.h_post), rel_err(o[2], ref.h_res))
-    run.record("mhc_pre", case + "_phif32", "torch eager", timed(eager, 10), bytes_=pre_bytes,
-               err=errs(eager()), tol=2e-2)
+    run.peer(op, pcase, "torch eager", lambda: eager, check=lambda: errs(eager()), tol=TOL_BF16_STEP, **time)
     comp = run.compiled(mhc_pre_torch)
     if comp is not None:
         f = lambda: comp(x, phi, alpha, bias, n)
-        run.record("mhc_pre", case + "_phif32", "torch.compile", timed(f, 20), bytes_=pre_bytes, err=errs(f()),
-                   tol=2e-2)
+        run.peer(op, pcase, "torch.compile", lambda: f, check=lambda: errs(f()), tol=TOL_BF16_STEP, repeats=20,
+                 **time)
 
+    # DeepGEMM's projection: B rows of K in TF32, as S partial sums over K (S = 16 for small
+    # batches, to spread them over SMs, as TokenSpeed calls it; the plain form when the rows
+    # alone fill the GPU, as sglang calls it).
+    x2d = x.view(B, K)
+    held = {}
+
+    def make_hc_prenorm():
+        for splits in ((None, 1) if B >= 2048 else (16, None)):
+            try:
+                fn, d, sqr = adapters.deep_gemm_hc_prenorm(x2d, phi, splits)
+                fn()
+                torch.cuda.synchronize()
+            except Missing:
+                raise
+            except Exception as e:  # noqa: BLE001 - try the next split count, report the last error
+                held["error"] = e
+                continue
+            held.update(d=d, sqr=sqr, splits=splits)
+            return fn
+        raise held["error"]
+
+    def check_hc_prenorm():
+        xf = x2d.float()
+        return max(rel_err(held["d"].sum(0), xf @ phi.t()), rel_err(held["sqr"].sum(0), (xf * xf).sum(1)))
+    r = run.peer(op, pcase, "DeepGEMM tf32_hc_prenorm_gemm (part)", make_hc_prenorm, check=check_hc_prenorm,
+                 tol=TOL_BF16_STEP, **time,
+                 note="projection + sums of squares only (TF32), a part of mhc_pre; checked against torch in fp32")
+    if "splits" in held:
+        r["splits"] = held["splits"] or 1
+
+    op, case = "mhc_post", case + warm
     f_out = torch.randn(B, C, device=DEV, dtype=torch.bfloat16)
-    h_post, h_res = ref.h_post, ref.h_res
+    h_post, h_res = ref[1], ref[2]
     x_next = torch.empty_like(x)
     post_bytes = (2 * B * K + B * C) * 2
+    time = dict(graph=decode, bytes_=post_bytes)
     fm = lambda: flashmix.mhc_post(x, f_out, h_post, h_res, x_next=x_next)
     fm()
     ref_post = x_next.clone()
-    run.record("mhc_post", case, "flashmix", timed(fm, 30), bytes_=post_bytes)
+    run.reference(op, case, "flashmix", fm, **time)
     eager = lambda: mhc_post_torch(x, f_out, h_post, h_res)
-    run.record("mhc_post", case, "torch eager", timed(eager, 10), bytes_=post_bytes, err=rel_err(eager(), ref_post),
-               tol=2e-2)
+    run.peer(op, case, "torch eager", lambda: eager, check=lambda: rel_err(eager(), ref_post), tol=TOL_SAME, **time)
     comp = run.compiled(mhc_post_torch)
     if comp is not None:
         f = lambda: comp(x, f_out, h_post, h_res)
-        run.record("mhc_post", case, "torch.compile", timed(f, 20), bytes_=post_bytes, err=rel_err(f(), ref_post),
-                   tol=2e-2)
+        run.peer(op, case, "torch.compile", lambda: f, check=lambda: rel_err(f(), ref_post), tol=TOL_SAME,
+                 repeats=20, **time)
 
 
-# --------------------------------------------------------------------------- FC2 + finalize (spec §3)
+# ===========================================================================
+# Main: the cases, the summary table, the JSON record
+# ===========================================================================
 
-def bench_fc2(run, name, T, k, E, I, H):
-    case = "%s_T%d_k%d_E%d_I%d_H%d" % (name, T, k, E, I, H)
-    P = T * k
-    experts = torch.rand(T, E, device=DEV).topk(k, dim=1).indices.int()  # every slot local, uniform
-    scales = torch.rand(T, k, device=DEV)
-    A = torch.randn(P, I, device=DEV, dtype=torch.bfloat16)
-    W2 = torch.randn(E, H, I, device=DEV, dtype=torch.bfloat16) * (1.0 / I ** 0.5)
-    maps = flashmix.build_moe_routing_maps(experts, num_experts_per_node=E)
-    offs, p2u, u2p = maps.expert_first_token_offset, maps.permuted_row_to_unpermuted_row, \
-        maps.unpermuted_row_to_permuted_row
-    torch.cuda.synchronize()
-    out = torch.empty(T, H, device=DEV, dtype=torch.bfloat16)
-    # Dense cuBLAS GEMM of equal FLOPs, timed right here (the clock moves under tensor load).
-    Ad, Wd = torch.randn(P, I, device=DEV, dtype=torch.bfloat16), torch.randn(H, I, device=DEV, dtype=torch.bfloat16)
-    dense = lambda: Ad @ Wd.t()
-    dense_us = timed(dense, 10)
-    workspaces = {}
-    results = {}
-    for mode in ("atomic", "deterministic", "unfused"):
-        ws = torch.empty(flashmix.moe_fc2_finalize_workspace_size(T, k, H, I, E, mode), dtype=torch.uint8, device=DEV)
-        workspaces[mode] = ws
-        fm = lambda: flashmix.moe_fc2_finalize(A, W2, offs, p2u, k=k, scales=scales, mode=mode, out=out, workspace=ws)
-        fm()
-        results[mode] = out.clone()
-        run.record("moe_fc2", case, "flashmix " + mode, timed(fm, 10), dense_us=dense_us)
-    ref = results["deterministic"]
-    offs32 = offs[1:].int()
+FINALIZE_CASES = [  # T, k, H, E, bias
+    (8192, 8, 7168, 256, False),
+    (8192, 8, 7168, 256, True),
+    (8192, 2, 4096, 8, False),
+    (16, 8, 7168, 256, False),
+    (64, 8, 7168, 256, False),
+]
+FC2_CASES = [  # name, T, k, E, I, H
+    ("deepseek_ep", 1024, 8, 32, 2048, 7168),
+    ("mixtral", 4096, 2, 8, 14336, 4096),
+    ("qwen3moe", 4096, 8, 128, 768, 2048),
+]
+MHC_CASES = [(8192, 4, 7168), (16, 4, 7168)]  # B, n, C
+
+
+def git_commit():
     try:
-        gm = lambda: torch._grouped_mm(A, W2.transpose(1, 2), offs=offs32)
-        gm()
-        run.record("moe_fc2", case, "torch._grouped_mm only", timed(gm, 10), dense_us=dense_us,
-                   note="GEMM alone, no finalize")
+        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__)), check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
-        def grouped_then_finalize():
-            y = torch._grouped_mm(A, W2.transpose(1, 2), offs=offs32)
-            return finalize_torch(y, u2p, experts, scales, None)
-        run.record("moe_fc2", case, "torch._grouped_mm + finalize", timed(grouped_then_finalize, 10),
-                   dense_us=dense_us, err=rel_err(grouped_then_finalize(), ref), tol=2e-2)
-    except Exception as e:  # noqa: BLE001 - report what the peer could not do
-        run.record("moe_fc2", case, "torch._grouped_mm", None, note="unavailable: %s" % e)
-    # cuBLAS batched with the rows spread evenly: a grouped GEMM with perfect balance (no finalize).
-    Ab = A.view(E, P // E, I)
-    bm = lambda: torch.bmm(Ab, W2.transpose(1, 2))
-    run.record("moe_fc2", case, "cuBLAS bmm, even rows", timed(bm, 10), dense_us=dense_us,
-               note="GEMM alone, rows spread evenly, no finalize")
-    dense_end = timed(dense, 10)
-    run.record("moe_fc2", case, "cuBLAS dense, equal FLOPs", dense_end, dense_us=dense_us, note="ceiling")
-    # The H200's clock drops under sustained tensor load: every ratio of the case
-    # is taken against the faster of the two dense timings (never flatters flashmix).
-    best = min(dense_us, dense_end)
-    for r in run.records:
-        if r["case"] == case and r.get("median_us") and "dense_us" in r:
-            r["dense_us"] = round(best, 3)
-            r["ratio_to_dense"] = round(r["median_us"] / best, 4)
+
+def print_table(records):
+    print("\n%-13s %-36s %-38s %12s %8s %8s  %s" % ("op", "case", "impl", "median", "ratio", "ceiling", "check"))
+    for r in records:
+        t = "%9.2f us" % r["median_us"] if r["median_us"] is not None else "%12s" % "-"
+        ratio = "%7.2fx" % r["ratio"] if "ratio" in r else "%8s" % ""
+        ceil = ("%.3f cp" % r["fraction"]) if "fraction" in r else (
+            "%.2fx dn" % r["ratio_to_dense"] if "ratio_to_dense" in r else "")
+        print("%-13s %-36s %-38s %12s %8s %8s  %s" % (r["op"], r["case"], r["impl"], t, ratio, ceil, r["check"]))
+    print("ratio: time / flashmix's on the case (FC2: flashmix atomic); above 1 = flashmix faster. "
+          "cp: fraction of the copy rate; dn: x the dense GEMM.")
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    ap.add_argument("--commit", default="unknown")
-    ap.add_argument("--no-compile", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", help="write the record to this file, or into this folder as "
+                    "peers-<GPU>-<date>-<time>.json (the name bench/results/ uses)")
+    ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD, if a repo)")
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    ap.add_argument("--ops", default="finalize,fc2,mhc", help="comma-separated subset of finalize,fc2,mhc")
     args = ap.parse_args()
+    ops = set(args.ops.split(","))
     torch.manual_seed(0)
+    versions = adapters.peer_versions()
+    for name, v in versions.items():
+        print("peer %-11s %s" % (name, v.get("version", "missing: %s" % v.get("missing"))))
     run = Run(args)
-    bench_finalize(run, 8192, 8, 7168, 256, False)
-    bench_finalize(run, 8192, 8, 7168, 256, True)
-    bench_finalize(run, 8192, 2, 4096, 8, False)
-    bench_mhc(run, 8192, 4, 7168)
-    bench_fc2(run, "deepseek_ep", 1024, 8, 32, 2048, 7168)
-    bench_fc2(run, "mixtral", 4096, 2, 8, 14336, 4096)
-    print("\nsummary (FC2 ratios against the faster of the case's two dense timings)")
-    for r in run.records:
-        m = ("%.3f of copy" % r["fraction"]) if "fraction" in r else (
-            "%.2f x dense" % r["ratio_to_dense"] if "ratio_to_dense" in r else "")
-        t = "%10.2f us" % r["median_us"] if r["median_us"] else "%13s" % "-"
-        print("%-13s %-37s %-29s %s  %-13s %s" % (r["op"], r["case"], r["impl"], t, m, r["check"]))
+    aborted = None
+    try:
+        if "finalize" in ops:
+            for T, k, H, E, with_bias in FINALIZE_CASES:
+                bench_finalize(run, T, k, H, E, with_bias)
+        if "mhc" in ops:
+            for B, n, C in MHC_CASES:
+                bench_mhc(run, B, n, C)
+        if "fc2" in ops:
+            for case in FC2_CASES:
+                bench_fc2(run, *case)
+    except Aborted as e:
+        aborted = str(e)
+        print("ABORTED:", aborted)
+    print_table(run.records)
     if args.json:
         doc = {"gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).strftime(
-            "%Y-%m-%dT%H:%M:%SZ"), "commit": args.commit, "torch": torch.__version__,
+            "%Y-%m-%dT%H:%M:%SZ"), "commit": args.commit or git_commit(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "flashmix": getattr(flashmix, "__version__", "unknown"), "peers": versions,
+            "tolerances": {"same": TOL_SAME, "bf16_step": TOL_BF16_STEP}, "graph_calls": GRAPH_CALLS,
             "copy_gbps": round(run.copy_gbps, 2), "gemm_tflops": round(run.gemm_tflops, 2), "records": run.records}
-        with open(args.json, "w") as f:
+        if aborted:
+            doc["aborted"] = aborted
+        path = args.json
+        if os.path.isdir(path):  # a folder: the file named as in bench/results/
+            now = datetime.datetime.now(datetime.timezone.utc)
+            path = os.path.join(path, "peers-%s-%s.json" % (re.sub(r"[^A-Za-z0-9]+", "_", doc["gpu"]).strip("_"),
+                                                            now.strftime("%Y%m%d-%H%M%S")))
+        with open(path, "w") as f:
             json.dump(doc, f, indent=1)
-        print("wrote", args.json)
+        print("wrote", path)
     bad = [r for r in run.records if r["check"].startswith("DISAGREES")]
-    return 1 if bad else 0
+    return 2 if aborted else 1 if bad else 0
 
 
 if __name__ == "__main__":
