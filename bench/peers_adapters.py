@@ -346,7 +346,7 @@ def _selftest():
         offsets = torch.zeros(E + 1, dtype=torch.int64)
         offsets[1:] = torch.cumsum(torch.bincount(slot_expert, minlength=E), 0)
         rows = torch.randn(T * k, H, generator=g)
-        want = (rows[u2p.view(k, T).t()] * scales[..., None]).sum(1)  # SPEC §2 without bias
+        want = (rows[u2p.view(k, T).t()] * scales[..., None]).sum(1)  # spec §2 without bias
         # apply_shuffle_mul_sum as documented
         perm, factors = token_major(u2p, T, k).long(), scales.reshape(-1)
         got = (rows[perm] * factors[:, None]).view(T, k, H).sum(1)
@@ -363,7 +363,7 @@ def _selftest():
         padded[dest] = rows
         got = (padded[dest[perm]] * factors[:, None]).view(T, k, H).sum(1)
         assert torch.allclose(got, want, atol=1e-5), "padded finalize"
-    print("peers_adapters self-check: token-major permutation and contiguous layout agree with SPEC §2")
+    print("peers_adapters self-check: token-major permutation and contiguous layout agree with spec §2")
     print(peer_versions())
 
 

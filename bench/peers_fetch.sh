@@ -8,7 +8,7 @@
 #            and the licence, out of the ~380 MB sglang-kernel wheel (~13 MB packed)
 # bench/peers_setup.sh unpacks them on the GPU machine. Not part of the build or CI.
 # The versions are the newest that load under torch 2.11 (newer builds need
-# torch >= 2.12; /work/shared/peers.md at the time of writing).
+# torch >= 2.12; docs/peers.md).
 # Usage: bench/peers_fetch.sh            (env: SGL_VERSION, DEEPGEMM_VERSION, PYTHON_VERSION)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

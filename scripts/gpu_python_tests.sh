@@ -20,5 +20,5 @@ cmake --build "$build" --target flashmix_python -j "$(nproc)" > "$build.build.lo
 # PYTEST=0: build only (e.g. for bench/peers.py).
 [ "${PYTEST:-1}" = 0 ] && exit 0
 # pytest directly (the C++ test suites, and with them GoogleTest, are not built here).
-PYTHONPATH="$build/python:$root/python" python3 -m pytest -p no:cacheprovider -q -rs \
+PYTHONPATH="$build/python:$root/python${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -p no:cacheprovider -q -rs \
   "$root/tests/python/test_binding_gpu.py" "$root/tests/python/test_binding_cpu.py"

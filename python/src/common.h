@@ -311,6 +311,12 @@ class Placement {
   void add(const std::optional<A>& a, const char* arg) {
     if (a) add(*a, arg);
   }
+  // Several at once: add(a, "a", b, "b", ...).
+  template <typename A, typename B, typename... Rest>
+  void add(const A& a, const char* arg, const B& b, const char* b_arg, const Rest&... rest) {
+    add(a, arg);
+    add(b, b_arg, rest...);
+  }
 
   bool cuda() const { return type_ == kCuda; }
   int device() const { return id_; }

@@ -108,10 +108,7 @@ fm::DType check_weights(const In& phi, const In& alpha, const In& bias, int64_t 
 
 // x, phi, alpha, bias on one device.
 void add_projection_inputs(Placement& w, const In& x, const In& phi, const In& alpha, const In& bias) {
-  w.add(x, "x");
-  w.add(phi, "phi");
-  w.add(alpha, "alpha");
-  w.add(bias, "bias");
+  w.add(x, "x", phi, "phi", alpha, "alpha", bias, "bias");
 }
 
 // The projection's inputs, shared by mhc_pre and mhc_project (whose Args
@@ -158,10 +155,7 @@ PreCall make_pre(const In& x, const In& phi, const In& alpha, const In& bias, co
   PreCall c{{}, Placement(op)};
   Placement& w = c.where;
   add_projection_inputs(w, x, phi, alpha, bias);
-  w.add(f_pre, "f_pre");
-  w.add(h_post, "h_post");
-  w.add(h_res, "h_res");
-  w.add(workspace, "workspace");
+  w.add(f_pre, "f_pre", h_post, "h_post", h_res, "h_res", workspace, "workspace");
 
   fm::MhcPreArgs& a = c.args;
   set_projection_inputs(a, x, phi, alpha, bias, op);
@@ -223,11 +217,7 @@ void mhc_post(const In& x, const In& f_out, const In& h_post, const In& h_res, c
               const std::string& res_layout, bool enable_pdl, uintptr_t stream) {
   constexpr const char* op = "mhc_post";
   Placement w(op);
-  w.add(x, "x");
-  w.add(f_out, "f_out");
-  w.add(h_post, "h_post");
-  w.add(h_res, "h_res");
-  w.add(x_next, "x_next");
+  w.add(x, "x", f_out, "f_out", h_post, "h_post", h_res, "h_res", x_next, "x_next");
 
   const int64_t n = streams_from_columns(h_post, op, "h_post");
   fm::MhcPostArgs a;
@@ -261,9 +251,7 @@ void mhc_project(const In& x, const In& phi, const In& alpha, const In& bias, co
   constexpr const char* op = "mhc_project";
   Placement w(op);
   add_projection_inputs(w, x, phi, alpha, bias);
-  w.add(h, "h");
-  w.add(r, "r");
-  w.add(workspace, "workspace");
+  w.add(h, "h", r, "r", workspace, "workspace");
   fm::MhcProjectArgs a;
   const int64_t N = set_projection_inputs(a, x, phi, alpha, bias, op);
   const int64_t B = a.shape.batch;
@@ -284,10 +272,7 @@ void mhc_activate(const In& h, const Out& h_pre, const Out& h_post, const Out& h
                   float eps_sinkhorn, int sinkhorn_iters, bool enable_pdl, uintptr_t stream) {
   constexpr const char* op = "mhc_activate";
   Placement w(op);
-  w.add(h, "h");
-  w.add(h_pre, "h_pre");
-  w.add(h_post, "h_post");
-  w.add(h_res, "h_res");
+  w.add(h, "h", h_pre, "h_pre", h_post, "h_post", h_res, "h_res");
   require_ndim(h, 2, op, "h");
   const int64_t B = dim(h, 0), N = dim(h, 1);
   const int n = streams_from_coefficients(N, op, "h");
@@ -311,9 +296,7 @@ void mhc_activate(const In& h, const Out& h_pre, const Out& h_post, const Out& h
 void mhc_pre_mix(const In& x, const In& h_pre, const Out& f_pre, bool enable_pdl, uintptr_t stream) {
   constexpr const char* op = "mhc_pre_mix";
   Placement w(op);
-  w.add(x, "x");
-  w.add(h_pre, "h_pre");
-  w.add(f_pre, "f_pre");
+  w.add(x, "x", h_pre, "h_pre", f_pre, "f_pre");
   const int64_t n = streams_from_columns(h_pre, op, "h_pre");
   fm::MhcPreMixArgs a;
   a.shape = residual_shape(x, int(n), op, "x");
@@ -337,8 +320,7 @@ void mhc_head(const In& x, const In& phi, const In& alpha, const In& bias, const
   constexpr const char* op = "mhc_head";
   Placement w(op);
   add_projection_inputs(w, x, phi, alpha, bias);
-  w.add(out, "out");
-  w.add(workspace, "workspace");
+  w.add(out, "out", workspace, "workspace");
   require_ndim(phi, 2, op, "phi");
   const int64_t n = dim(phi, 0);
   if (n < 1 || n > fm::kMhcMaxStreams)
@@ -365,8 +347,7 @@ void mhc_head(const In& x, const In& phi, const In& alpha, const In& bias, const
 void mhc_expand(const In& embedding, const Out& x, bool enable_pdl, uintptr_t stream) {
   constexpr const char* op = "mhc_expand";
   Placement w(op);
-  w.add(embedding, "embedding");
-  w.add(x, "x");
+  w.add(embedding, "embedding", x, "x");
   require_ndim(x, 3, op, "x");
   const int64_t n = dim(x, 1);
   if (n < 1 || n > fm::kMhcMaxStreams)
@@ -399,62 +380,44 @@ nb::dict params_dict(const fm::MhcParams& p, const fm::MhcParams& base = {}, boo
 }
 
 nb::dict mhc_defaults() {
-  nb::dict d;
-  {
-    const fm::MhcPreArgs a;
-    nb::dict f = params_dict(a.params);
-    f["enable_pdl"] = a.enable_pdl;
-    f["prefetch_weights"] = a.prefetch_weights;
+  const fm::MhcPreArgs pre;
+  const fm::MhcPostArgs post;
+  const fm::MhcProjectArgs project;
+  const fm::MhcActivateArgs activate;
+  const fm::MhcPreMixArgs pre_mix;
+  const fm::MhcHeadArgs head;
+  const fm::MhcExpandArgs expand;
+  auto launch = [](nb::dict f, bool enable_pdl) {  // every op
+    f["enable_pdl"] = enable_pdl;
+    return f;
+  };
+  auto projection = [&](nb::dict f, const auto& a) {  // mhc_pre, mhc_project, mhc_head
     f["kernel"] = fm::to_string(a.kernel);
-    d["mhc_pre"] = f;
-  }
-  {
-    const fm::MhcPostArgs a;
-    nb::dict f;
-    f["res_layout"] = enum_name(a.res_layout, res_layouts());
-    f["enable_pdl"] = a.enable_pdl;
-    d["mhc_post"] = f;
-  }
-  {
-    const fm::MhcProjectArgs a;
-    nb::dict f;
-    f["eps_norm"] = py_float(a.eps_norm);
-    f["enable_pdl"] = a.enable_pdl;
-    f["prefetch_weights"] = a.prefetch_weights;
-    f["kernel"] = fm::to_string(a.kernel);
-    d["mhc_project"] = f;
-  }
-  {
-    const fm::MhcActivateArgs a;
-    nb::dict f;
-    f["eps_pre"] = py_float(a.params.eps_pre);
-    f["post_mult"] = py_float(a.params.post_mult);
-    f["eps_sinkhorn"] = py_float(a.params.eps_sinkhorn);
-    f["sinkhorn_iters"] = a.params.sinkhorn_iters;
-    f["enable_pdl"] = a.enable_pdl;
-    d["mhc_activate"] = f;
-  }
-  {
-    const fm::MhcPreMixArgs a;
-    nb::dict f;
-    f["enable_pdl"] = a.enable_pdl;
-    d["mhc_pre_mix"] = f;
-  }
-  {
-    const fm::MhcHeadArgs a;
-    nb::dict f;
-    f["eps_norm"] = py_float(a.eps_norm);
-    f["eps_pre"] = py_float(a.eps_pre);
-    f["enable_pdl"] = a.enable_pdl;
-    f["kernel"] = fm::to_string(a.kernel);
-    d["mhc_head"] = f;
-  }
-  {
-    const fm::MhcExpandArgs a;
-    nb::dict f;
-    f["enable_pdl"] = a.enable_pdl;
-    d["mhc_expand"] = f;
-  }
+    return launch(f, a.enable_pdl);
+  };
+  nb::dict d, f;
+  f = params_dict(pre.params);
+  f["prefetch_weights"] = pre.prefetch_weights;
+  d["mhc_pre"] = projection(f, pre);
+  f = nb::dict();
+  f["res_layout"] = enum_name(post.res_layout, res_layouts());
+  d["mhc_post"] = launch(f, post.enable_pdl);
+  f = nb::dict();
+  f["eps_norm"] = py_float(project.eps_norm);
+  f["prefetch_weights"] = project.prefetch_weights;
+  d["mhc_project"] = projection(f, project);
+  f = nb::dict();
+  f["eps_pre"] = py_float(activate.params.eps_pre);
+  f["post_mult"] = py_float(activate.params.post_mult);
+  f["eps_sinkhorn"] = py_float(activate.params.eps_sinkhorn);
+  f["sinkhorn_iters"] = activate.params.sinkhorn_iters;
+  d["mhc_activate"] = launch(f, activate.enable_pdl);
+  d["mhc_pre_mix"] = launch(nb::dict(), pre_mix.enable_pdl);
+  f = nb::dict();
+  f["eps_norm"] = py_float(head.eps_norm);
+  f["eps_pre"] = py_float(head.eps_pre);
+  d["mhc_head"] = projection(f, head);
+  d["mhc_expand"] = launch(nb::dict(), expand.enable_pdl);
   return d;
 }
 

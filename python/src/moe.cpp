@@ -38,15 +38,9 @@ FinalizeCall make_finalize(const In& rows, const In& u2p, const In& experts, con
   constexpr const char* op = "finalize_moe_routing";
   FinalizeCall c;
   Placement& w = c.where;
-  w.add(out, "out");
-  w.add(rows, "expanded_permuted_rows");
-  w.add(u2p, "unpermuted_row_to_permuted_row");
-  w.add(experts, "token_selected_experts");
-  w.add(scales, "scales");
-  w.add(bias, "bias");
-  w.add(shared_output, "shared_output");
-  w.add(p2u, "permuted_row_to_unpermuted_row");
-  w.add(offsets, "expert_first_token_offset");
+  w.add(out, "out", rows, "expanded_permuted_rows", u2p, "unpermuted_row_to_permuted_row",
+        experts, "token_selected_experts", scales, "scales", bias, "bias", shared_output, "shared_output",
+        p2u, "permuted_row_to_unpermuted_row", offsets, "expert_first_token_offset");
 
   fm::FinalizeMoeRoutingArgs& a = c.args;
   require_dense_rank(experts, kInt32, 2, op, "token_selected_experts");
@@ -166,13 +160,9 @@ void build_moe_routing_maps(const In& experts, const Out& offsets, const Out& p2
                             int single_block_max_slots, uintptr_t stream) {
   constexpr const char* op = "build_moe_routing_maps";
   Placement w(op);
-  w.add(experts, "token_selected_experts");
-  w.add(offsets, "expert_first_token_offset");
-  w.add(p2u, "permuted_row_to_unpermuted_row");
-  w.add(u2p, "unpermuted_row_to_permuted_row");
-  w.add(input, "input");
-  w.add(permuted_input, "permuted_input");
-  w.add(workspace, "workspace");
+  w.add(experts, "token_selected_experts", offsets, "expert_first_token_offset",
+        p2u, "permuted_row_to_unpermuted_row", u2p, "unpermuted_row_to_permuted_row", input, "input",
+        permuted_input, "permuted_input", workspace, "workspace");
 
   require_dense_rank(experts, kInt32, 2, op, "token_selected_experts");
   const int64_t T = dim(experts, 0), k = dim(experts, 1);
@@ -263,14 +253,8 @@ void moe_fc2_finalize(const In& A, const In& W2, const In& offsets, const In& p2
                       uintptr_t stream) {
   constexpr const char* op = "moe_fc2_finalize";
   Placement w(op);
-  w.add(out, "out");
-  w.add(A, "A");
-  w.add(W2, "W2");
-  w.add(offsets, "expert_first_token_offset");
-  w.add(p2u, "permuted_row_to_unpermuted_row");
-  w.add(scales, "scales");
-  w.add(bias, "bias");
-  w.add(workspace, "workspace");
+  w.add(out, "out", A, "A", W2, "W2", offsets, "expert_first_token_offset", p2u, "permuted_row_to_unpermuted_row",
+        scales, "scales", bias, "bias", workspace, "workspace");
 
   require_dense_rank(W2, kBFloat16, 3, op, "W2");
   const int64_t E = dim(W2, 0), H = dim(W2, 1), I = dim(W2, 2);

@@ -89,78 +89,77 @@ cudaError_t prepare_kernel(const void* kernel, bool nonportable_cluster, int* ma
   return cudaSuccess;
 }
 
-cudaError_t blocks_per_sm(const void* kernel, int threads, size_t smem, int* out) {
-  cudaError_t err = cudaSuccess;
-  if (smem > kDefaultDynamicSmem) {  // below it every kernel may launch without the attribute
-    int max_dynamic = 0;
-    err = prepare_kernel(kernel, false, &max_dynamic);
-    if (err != cudaSuccess) return err;
-    if (smem > size_t(max_dynamic)) {
-      *out = 0;
-      return cudaSuccess;
-    }
-  }
+namespace {
+
+// The answer under `key` in `map` (keyed by the current device first), or
+// `query(&value)` stored there. The query runs outside the lock: two threads
+// asking at once may both run it and store the same answer.
+template <typename Map, typename... Key, typename Query>
+cudaError_t cached(Map Cache::*map, const void* kernel, std::tuple<Key...> rest, int* out, Query&& query) {
   int device = 0;
-  err = cudaGetDevice(&device);
+  cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return cleared(err);
   Cache& c = cache();
-  const auto key = std::make_tuple(device, kernel, threads, smem);
+  const auto key = std::tuple_cat(std::make_tuple(device, kernel), rest);
   {
     std::lock_guard<std::mutex> lock(c.mutex);
-    auto it = c.blocks.find(key);
-    if (it != c.blocks.end()) {
+    auto it = (c.*map).find(key);
+    if (it != (c.*map).end()) {
       *out = it->second;
       return cudaSuccess;
     }
   }
-  int n = 0;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem);
+  int value = 0;
+  err = query(&value);
   if (err != cudaSuccess) return cleared(err);
   std::lock_guard<std::mutex> lock(c.mutex);
-  c.blocks.emplace(key, n);
-  *out = n;
+  (c.*map).emplace(key, value);
+  *out = value;
   return cudaSuccess;
 }
 
-cudaError_t active_clusters(const void* kernel, int threads, size_t smem, int cluster, int* out) {
+// Whether `smem` bytes of dynamic shared memory are allowed to `kernel` on
+// the current device (setting its attributes first when above the default).
+cudaError_t smem_allowed(const void* kernel, size_t smem, bool nonportable_cluster, bool* allowed) {
+  *allowed = true;
+  if (smem <= kDefaultDynamicSmem && !nonportable_cluster) return cudaSuccess;
   int max_dynamic = 0;
-  cudaError_t err = prepare_kernel(kernel, cluster > 8, &max_dynamic);
-  if (err != cudaSuccess) return err;
-  if (smem > size_t(max_dynamic)) {
-    *out = 0;
-    return cudaSuccess;
-  }
-  int device = 0;
-  err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return cleared(err);
-  Cache& c = cache();
-  const auto key = std::make_tuple(device, kernel, threads, smem, cluster);
-  {
-    std::lock_guard<std::mutex> lock(c.mutex);
-    auto it = c.clusters.find(key);
-    if (it != c.clusters.end()) {
-      *out = it->second;
-      return cudaSuccess;
-    }
-  }
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = unsigned(cluster);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(unsigned(cluster));
-  config.blockDim = dim3(unsigned(threads));
-  config.dynamicSmemBytes = smem;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  int n = 0;
-  err = cudaOccupancyMaxActiveClusters(&n, kernel, &config);
-  if (err != cudaSuccess) return cleared(err);
-  std::lock_guard<std::mutex> lock(c.mutex);
-  c.clusters.emplace(key, n);
-  *out = n;
-  return cudaSuccess;
+  const cudaError_t err = prepare_kernel(kernel, nonportable_cluster, &max_dynamic);
+  *allowed = err == cudaSuccess && smem <= size_t(max_dynamic);
+  return err;
+}
+
+}  // namespace
+
+cudaError_t blocks_per_sm(const void* kernel, int threads, size_t smem, int* out) {
+  bool allowed = false;
+  if (const cudaError_t err = smem_allowed(kernel, smem, false, &allowed); err != cudaSuccess) return err;
+  *out = 0;
+  if (!allowed) return cudaSuccess;
+  return cached(&Cache::blocks, kernel, std::make_tuple(threads, smem), out, [&](int* n) {
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, kernel, threads, smem);
+  });
+}
+
+cudaError_t active_clusters(const void* kernel, int threads, size_t smem, int cluster, int* out) {
+  bool allowed = false;
+  if (const cudaError_t err = smem_allowed(kernel, smem, cluster > 8, &allowed); err != cudaSuccess) return err;
+  *out = 0;
+  if (!allowed) return cudaSuccess;
+  return cached(&Cache::clusters, kernel, std::make_tuple(threads, smem, cluster), out, [&](int* n) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = unsigned(cluster);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(unsigned(cluster));
+    config.blockDim = dim3(unsigned(threads));
+    config.dynamicSmemBytes = smem;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    return cudaOccupancyMaxActiveClusters(n, kernel, &config);
+  });
 }
 
 }  // namespace flashmix::detail

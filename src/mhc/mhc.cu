@@ -340,16 +340,19 @@ Status launch_project(const ProjectParams& p, int n, DType phi_dtype, MhcPreKern
   return detail::check_launch(op);
 }
 
-ProjectParams base_params(const MhcShape& s, const void* x, const void* phi, const float* alpha,
-                          const float* bias) {
+// What every projection op (pre, project, head) passes the same way.
+template <typename Args>
+ProjectParams base_params(const Args& a) {
   ProjectParams p;
-  p.x = static_cast<const bf16*>(x);
-  p.phi = phi;
-  p.alpha = alpha;
-  p.bias = bias;
-  p.batch = s.batch;
-  p.hidden = int(s.hidden);
-  p.k_len = int(s.hidden * s.n);
+  p.x = static_cast<const bf16*>(a.x);
+  p.phi = a.phi;
+  p.alpha = a.alpha;
+  p.bias = a.bias;
+  p.batch = a.shape.batch;
+  p.hidden = int(a.shape.hidden);
+  p.k_len = int(a.shape.hidden * a.shape.n);
+  p.workspace = a.workspace;
+  p.workspace_bytes = a.workspace_bytes;
   return p;
 }
 
@@ -362,7 +365,7 @@ using namespace mhc_detail;
 namespace {
 
 ProjectParams pre_params(const MhcPreArgs& a) {
-  ProjectParams p = base_params(a.shape, a.x, a.phi, a.alpha, a.bias);
+  ProjectParams p = base_params(a);
   p.f_out = static_cast<bf16*>(a.f_pre);
   p.h_post = a.h_post;
   p.h_res = a.h_res;
@@ -371,9 +374,19 @@ ProjectParams pre_params(const MhcPreArgs& a) {
   p.act = act_params(a.params);
   p.mode = ProjectMode::kPre;
   p.prefetch_weights = a.prefetch_weights && a.enable_pdl;
-  p.workspace = a.workspace;
-  p.workspace_bytes = a.workspace_bytes;
   return p;
+}
+
+// The frame of every GPU entry point: validate, then (leaving no CUDA error
+// set) check the stream and run `body` unless there are no tokens.
+template <typename Args, typename Body>
+Status gpu_entry(const char* op, const Args& a, Status (*validate)(const Args&), cudaStream_t stream, Body&& body) {
+  FM_RETURN_IF_ERROR(validate(a));
+  return detail::without_cuda_error_left(op, [&]() -> Status {
+    FM_RETURN_IF_ERROR(detail::check_stream(stream, op));
+    if (a.shape.batch == 0) return Status::Ok();
+    return body();
+  });
 }
 
 }  // namespace
@@ -395,57 +408,41 @@ Status mhc_pre_kernel_choice(const MhcPreArgs& a, MhcPreKernel* kernel, std::str
 
 Status mhc_pre(const MhcPreArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_pre";
-  FM_RETURN_IF_ERROR(validate_mhc_pre(a));
-  return detail::without_cuda_error_left(kOp, [&]() -> Status {
-    FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
-    if (a.shape.batch == 0) return Status::Ok();
+  return gpu_entry(kOp, a, validate_mhc_pre, stream, [&]() -> Status {
     return launch_project(pre_params(a), a.shape.n, a.phi_dtype, a.kernel, stream, a.enable_pdl, kOp);
   });
 }
 
 Status mhc_project(const MhcProjectArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_project";
-  FM_RETURN_IF_ERROR(validate_mhc_project(a));
-  return detail::without_cuda_error_left(kOp, [&]() -> Status {
-    FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
-    if (a.shape.batch == 0) return Status::Ok();
-    ProjectParams p = base_params(a.shape, a.x, a.phi, a.alpha, a.bias);
+  return gpu_entry(kOp, a, validate_mhc_project, stream, [&]() -> Status {
+    ProjectParams p = base_params(a);
     p.h = a.h;
     p.r = a.r;
     p.num_coef = mhc_num_coefficients(a.shape.n);
     p.eps_norm = a.eps_norm;
     p.mode = ProjectMode::kProject;
     p.prefetch_weights = a.prefetch_weights && a.enable_pdl;
-    p.workspace = a.workspace;
-    p.workspace_bytes = a.workspace_bytes;
     return launch_project(p, a.shape.n, a.phi_dtype, a.kernel, stream, a.enable_pdl, kOp);
   });
 }
 
 Status mhc_head(const MhcHeadArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_head";
-  FM_RETURN_IF_ERROR(validate_mhc_head(a));
-  return detail::without_cuda_error_left(kOp, [&]() -> Status {
-    FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
-    if (a.shape.batch == 0) return Status::Ok();
-    ProjectParams p = base_params(a.shape, a.x, a.phi, a.alpha, a.bias);
+  return gpu_entry(kOp, a, validate_mhc_head, stream, [&]() -> Status {
+    ProjectParams p = base_params(a);
     p.f_out = static_cast<bf16*>(a.out);
     p.num_coef = a.shape.n;
     p.eps_norm = a.eps_norm;
     p.act.eps_pre = a.eps_pre;
     p.mode = ProjectMode::kHead;
-    p.workspace = a.workspace;
-    p.workspace_bytes = a.workspace_bytes;
     return launch_project(p, a.shape.n, a.phi_dtype, a.kernel, stream, a.enable_pdl, kOp);
   });
 }
 
 Status mhc_post(const MhcPostArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_post";
-  FM_RETURN_IF_ERROR(validate_mhc_post(a));
-  return detail::without_cuda_error_left(kOp, [&]() -> Status {
-    FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
-    if (a.shape.batch == 0) return Status::Ok();
+  return gpu_entry(kOp, a, validate_mhc_post, stream, [&]() -> Status {
     const int groups = int(a.shape.hidden / 8);
     const dim3 grid(unsigned((groups + 127) / 128), unsigned(std::min<int64_t>(a.shape.batch, 65535)));
     cudaError_t err = cudaSuccess;
@@ -463,10 +460,7 @@ Status mhc_post(const MhcPostArgs& a, cudaStream_t stream) {
 
 Status mhc_pre_mix(const MhcPreMixArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_pre_mix";
-  FM_RETURN_IF_ERROR(validate_mhc_pre_mix(a));
-  return detail::without_cuda_error_left(kOp, [&]() -> Status {
-    FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
-    if (a.shape.batch == 0) return Status::Ok();
+  return gpu_entry(kOp, a, validate_mhc_pre_mix, stream, [&]() -> Status {
     return launch_per_group(a.shape, kOp, [&](auto kn, dim3 grid, dim3 block, long long total, int groups) {
       return dev::launch(mhc_pre_mix_kernel<decltype(kn)::value>, grid, block, 0, stream, a.enable_pdl,
                          static_cast<const bf16*>(a.x), a.h_pre, static_cast<bf16*>(a.f_pre), total, groups,
@@ -477,10 +471,7 @@ Status mhc_pre_mix(const MhcPreMixArgs& a, cudaStream_t stream) {
 
 Status mhc_expand(const MhcExpandArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_expand";
-  FM_RETURN_IF_ERROR(validate_mhc_expand(a));
-  return detail::without_cuda_error_left(kOp, [&]() -> Status {
-    FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
-    if (a.shape.batch == 0) return Status::Ok();
+  return gpu_entry(kOp, a, validate_mhc_expand, stream, [&]() -> Status {
     return launch_per_group(a.shape, kOp, [&](auto kn, dim3 grid, dim3 block, long long total, int groups) {
       return dev::launch(mhc_expand_kernel<decltype(kn)::value>, grid, block, 0, stream, a.enable_pdl,
                          static_cast<const bf16*>(a.embedding), static_cast<bf16*>(a.x), total, groups,
@@ -491,10 +482,7 @@ Status mhc_expand(const MhcExpandArgs& a, cudaStream_t stream) {
 
 Status mhc_activate(const MhcActivateArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_activate";
-  FM_RETURN_IF_ERROR(validate_mhc_activate(a));
-  return detail::without_cuda_error_left(kOp, [&]() -> Status {
-    FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
-    if (a.shape.batch == 0) return Status::Ok();
+  return gpu_entry(kOp, a, validate_mhc_activate, stream, [&]() -> Status {
     cudaError_t err = cudaSuccess;
     const ActParams p = act_params(a.params);
     dispatch_n(a.shape.n, [&](auto kn) {
