@@ -84,11 +84,13 @@ inline double router_weight_tolerance(double ref, float scale) {
 // the logits, exact in both). Exact ties (equal inputs) are decided: both
 // backends break them by the lowest id. Written from the spec, in double.
 //
-// The GPU's error of a selection value v = s + b is at most about 1e-6·|s|
-// (fast exp: the sigmoid, the softmax; the sqrt-softplus is more accurate;
-// a logit is exact) plus the roundings of the sums, so two values count as
-// close when they differ by at most eps·(|s_a| + |s_b|) + 2^-21·(|v_a| + |v_b|)
-// (group scores: the same over their four terms, plus their own magnitudes).
+// The GPU's error of a selection value v = s + b: the fast exp's relative
+// error (about 1e-6 for logits up to ~10) times the part of s it reaches
+// (se: p for the softmax, s·(1 - s) for the sigmoid, s for the sqrt-softplus,
+// nothing for a logit), plus a few fp32 roundings of s and v. Two values
+// count as close when they differ by at most eps·(se_a + se_b) +
+// 2^-21·(|s_a| + |s_b| + |v_a| + |v_b|); group scores: the same over their
+// four terms, plus 2^-21 of their own magnitudes.
 inline std::vector<char> decided_tokens(const RouterCase& c, const RouterHostData& d, double eps = 1e-5) {
   const double inf = std::numeric_limits<double>::infinity();
   const double ulp = std::ldexp(1.0, -21);
@@ -96,7 +98,7 @@ inline std::vector<char> decided_tokens(const RouterCase& c, const RouterHostDat
   std::vector<char> decided(size_t(c.T), 1);
   // Per expert: the selection value and the magnitude of its error-prone part.
   struct Value {
-    double v, se;
+    double v, se, s;
   };
   std::vector<double> l(static_cast<size_t>(E));
   std::vector<Value> val(static_cast<size_t>(E));
@@ -122,14 +124,14 @@ inline std::vector<char> decided_tokens(const RouterCase& c, const RouterHostDat
       double s = x, se = 0.0;
       switch (c.scoring) {
         case MoeRouterScoring::kSoftmax: s = m == -inf ? 0.0 : std::exp(x - m) / z; se = s; break;
-        case MoeRouterScoring::kSigmoid: s = 1.0 / (1.0 + std::exp(-x)); se = s; break;
+        case MoeRouterScoring::kSigmoid: s = 1.0 / (1.0 + std::exp(-x)); se = s * (1.0 - s); break;
         case MoeRouterScoring::kSqrtSoftplus:
           s = x == -inf ? 0.0 : std::sqrt(std::max(x, 0.0) + std::log1p(std::exp(-std::fabs(x))));
           se = s;
           break;
         case MoeRouterScoring::kSoftmaxAfterTopk: break;
       }
-      val[size_t(e)] = {s + (c.bias ? double(d.bias[size_t(e)]) : 0.0), se};
+      val[size_t(e)] = {s + (c.bias ? double(d.bias[size_t(e)]) : 0.0), se, std::fabs(s)};
     }
     std::vector<Value> cand;
     if (c.grouped()) {
@@ -144,7 +146,7 @@ inline std::vector<char> decided_tokens(const RouterCase& c, const RouterHostDat
         double score = 0, part = 0;
         for (int q = 0; q < n; ++q) {
           score += in[size_t(q)].v;
-          part += eps * in[size_t(q)].se + ulp * std::fabs(in[size_t(q)].v);
+          part += eps * in[size_t(q)].se + ulp * (in[size_t(q)].s + std::fabs(in[size_t(q)].v));
         }
         gs[size_t(g)] = {score, part};
       }
@@ -165,7 +167,8 @@ inline std::vector<char> decided_tokens(const RouterCase& c, const RouterHostDat
       for (int p = 0; p < c.k && p + 1 < int(cand.size()); ++p) {
         const Value& a = cand[size_t(p)];
         const Value& b = cand[size_t(p + 1)];
-        if (close(a.v, b.v, eps * (a.se + b.se) + ulp * (std::fabs(a.v) + std::fabs(b.v)))) decided[size_t(t)] = 0;
+        if (close(a.v, b.v, eps * (a.se + b.se) + ulp * (a.s + b.s + std::fabs(a.v) + std::fabs(b.v))))
+          decided[size_t(t)] = 0;
       }
     }
   }
