@@ -173,13 +173,15 @@ __global__ void __launch_bounds__(kThreads) moe_router_kernel(const Params p) {
   const Team<G> team;
   const int lane = int(threadIdx.x & 31);
   const int64_t t = int64_t(blockIdx.x) * (kThreads / G) + int64_t(threadIdx.x / G);
-  const bool active = t < p.T;
+  // A warp-per-token warp past T leaves below, so there every lane is active
+  // (known at compile time: the exact layouts then have every expert present).
+  const bool active = G == 32 || t < p.T;
   const int Vs = kExact ? V : p.V;  // ids r*Vs .. r*Vs + Vs - 1 live in lane r
   unsigned char* warp_smem = smem + size_t(threadIdx.x >> 5) * size_t(p.warp_smem);
 
   // The logits may come from the kernel before us on the stream.
   dev::grid_dependency_wait();
-  if (!__any_sync(kFull, active)) return;  // a warp with no token (teams of an active warp run along)
+  if (!__any_sync(kFull, t < p.T)) return;  // a warp with no token (teams of an active warp run along)
 
   const T* row = static_cast<const T*>(p.logits) + (active ? t : 0) * p.E;
   float l[V];
