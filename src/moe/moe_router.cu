@@ -429,31 +429,29 @@ __global__ void __launch_bounds__(kThreads) moe_router_kernel(const Params p) {
     }
   }
 
-  // Weights, from the chosen experts' logits (read again: in L1 by now).
-  float lj[kSlots], base[kSlots];
-  bool has[kSlots];
-#pragma unroll
-  for (int s = 0; s < kSlots; ++s) {
-    const int j = s * G + team.r;
-    has[s] = active && j < p.k;
-    lj[s] = has[s] ? sanitize(dev::to_float(__ldg(row + slot[s]))) : kNegInf;
-  }
+  // Weights, from the chosen experts' logits (read again: in L1 by now; the
+  // relative softmaxes read them twice rather than hold kSlots more registers).
+  auto has = [&](int s) { return active && s * G + team.r < p.k; };
+  auto chosen_logit = [&](int s) { return has(s) ? sanitize(dev::to_float(__ldg(row + slot[s]))) : kNegInf; };
+  float base[kSlots];
   if constexpr (S == MoeRouterScoring::kSigmoid || S == MoeRouterScoring::kSqrtSoftplus) {
 #pragma unroll
-    for (int s = 0; s < kSlots; ++s) base[s] = has[s] ? score_of<S>(lj[s]) : 0.0f;
+    for (int s = 0; s < kSlots; ++s) base[s] = has(s) ? score_of<S>(chosen_logit(s)) : 0.0f;
   } else {
     if (kSoftmax && !p.renormalize) {
 #pragma unroll
-      for (int s = 0; s < kSlots; ++s) base[s] = has[s] && m != kNegInf ? __expf(lj[s] - m) * inv_z : 0.0f;
+      for (int s = 0; s < kSlots; ++s)
+        base[s] = has(s) && m != kNegInf ? __expf(chosen_logit(s) - m) * inv_z : 0.0f;
     } else {
       // Softmax over the chosen (renormalised softmax, or softmax after top-k):
       // relative to the largest chosen logit.
       float mr = kNegInf;
 #pragma unroll
-      for (int s = 0; s < kSlots; ++s) mr = fmaxf(mr, lj[s]);
+      for (int s = 0; s < kSlots; ++s) mr = fmaxf(mr, chosen_logit(s));
       mr = team.fmax(mr);
 #pragma unroll
-      for (int s = 0; s < kSlots; ++s) base[s] = has[s] && mr != kNegInf ? __expf(lj[s] - mr) : 0.0f;
+      for (int s = 0; s < kSlots; ++s)
+        base[s] = has(s) && mr != kNegInf ? __expf(chosen_logit(s) - mr) : 0.0f;
     }
   }
   float f = p.scale;
@@ -466,7 +464,7 @@ __global__ void __launch_bounds__(kThreads) moe_router_kernel(const Params p) {
   }
 #pragma unroll
   for (int s = 0; s < kSlots; ++s) {
-    if (has[s]) {
+    if (has(s)) {
       const int64_t o = t * p.k + s * G + team.r;
       p.ids[o] = slot[s];
       p.weights[o] = base[s] * f;
