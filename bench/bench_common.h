@@ -134,6 +134,7 @@ void for_each_case(Context& ctx, const char* op, const std::vector<Case>& cases,
 // The ops' case lists.
 void run_moe_finalize_cases(Context& ctx);
 void run_moe_routing_cases(Context& ctx);
+void run_moe_router_cases(Context& ctx);
 void run_mhc_cases(Context& ctx);
 void run_moe_fc2_cases(Context& ctx);
 

@@ -69,6 +69,7 @@ int main(int argc, char** argv) {
   run_moe_finalize_cases(ctx);
   run_mhc_cases(ctx);
   run_moe_routing_cases(ctx);
+  run_moe_router_cases(ctx);
   run_moe_fc2_cases(ctx);
 
   int failed = 0;

@@ -295,3 +295,6 @@ Status moe_fc2_finalize_cpu(const Fc2FinalizeArgs& args);
 Status validate_moe_fc2_finalize(const Fc2FinalizeArgs& args);
 
 }  // namespace flashmix
+
+// The router (logits -> top-k experts and weights), SPEC §8.
+#include "flashmix/moe_router.h"

@@ -1,0 +1,224 @@
+// flashmix-bench cases for moe_router (SPEC §8).
+//
+// Bytes counted: the logits, read once (T*E*element size); the outputs
+// (8*k*T bytes) are reported beside them but not counted. Fraction = the
+// time to read the logits at the copy bandwidth of the same run / the time.
+// The bound of the target is that read time plus one launch: an empty kernel
+// with the router's grid and block, launched the same way (PDL attribute,
+// CUDA-graph replays), measured in the same run (empty_launch_us).
+//
+// Timing: CUDA-graph replays of many launches, each on its own copy of the
+// logits (copies together over twice the L2), so every launch reads them from
+// memory; `_l2_warm` beside it replays on one copy, which stays in L2, as in
+// a model where the router GEMM has just written the logits.
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "bench_common.h"
+#include "common/router_testing.h"
+#include "common/test_data.h"
+#include "flashmix/moe.h"
+
+namespace flashmix::bench {
+namespace {
+
+using flashmix::testing::RouterCase;
+using flashmix::testing::RouterHostData;
+
+struct BenchCase {
+  std::string name;
+  RouterCase c;
+  double max_ratio = 0;  // target: time / (read at copy bandwidth + one launch); 0: none
+};
+
+__global__ void empty_kernel() {}
+
+// Tokens per 128-thread block of the router's layout for E (moe_router.cu).
+int tokens_per_block(int E) {
+  switch (E) {
+    case 8: return 128;
+    case 64: return 16;
+    case 128: return 8;
+    default: return 4;
+  }
+}
+
+double empty_launch_us(const Context& ctx, unsigned blocks, cudaStream_t stream) {
+  auto launch = [&](int) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(blocks);
+    cfg.blockDim = dim3(128);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    BENCH_CUDA(cudaLaunchKernelEx(&cfg, empty_kernel));
+  };
+  return graph_us_per_launch(launch, 100, stream, ctx.quick ? 5 : 20);
+}
+
+MoeRouterArgs host_args(const BenchCase& b, const RouterHostData& d, std::vector<int32_t>& ids,
+                        std::vector<float>& w) {
+  ids.assign(size_t(b.c.T * b.c.k), 0);
+  w.assign(size_t(b.c.T * b.c.k), 0.0f);
+  MoeRouterArgs a = flashmix::testing::router_args(b.c, d);
+  a.token_selected_experts = ids.data();
+  a.token_final_scales = w.data();
+  return a;
+}
+
+void run_gpu_case(Context& ctx, const BenchCase& b, cudaStream_t stream) {
+  const RouterCase& c = b.c;
+  flashmix::testing::Rng rng(1234);
+  const RouterHostData d = flashmix::testing::random_router_data(rng, c);
+  const size_t logit_bytes = d.logits.bytes.size(), slots = size_t(c.T * c.k);
+  const int copies = int(std::max<size_t>(1, 2 * ctx.l2_bytes / logit_bytes + 1));
+  char* d_logits = nullptr;
+  float *d_bias = nullptr, *d_w = nullptr;
+  int32_t* d_ids = nullptr;
+  BENCH_CUDA(cudaMalloc(&d_logits, logit_bytes * copies));
+  for (int i = 0; i < copies; ++i)
+    BENCH_CUDA(cudaMemcpy(d_logits + logit_bytes * i, d.logits.data(), logit_bytes, cudaMemcpyHostToDevice));
+  if (c.bias) {
+    BENCH_CUDA(cudaMalloc(&d_bias, d.bias.size() * 4));
+    BENCH_CUDA(cudaMemcpy(d_bias, d.bias.data(), d.bias.size() * 4, cudaMemcpyHostToDevice));
+  }
+  BENCH_CUDA(cudaMalloc(&d_ids, slots * 4));
+  BENCH_CUDA(cudaMalloc(&d_w, slots * 4));
+  BENCH_CUDA(cudaDeviceSynchronize());  // pageable copies may land after the call returns
+
+  MoeRouterArgs a = flashmix::testing::router_args(c, d);
+  a.correction_bias = d_bias;
+  a.token_selected_experts = d_ids;
+  a.token_final_scales = d_w;
+  auto launch = [&](int i, int path) {
+    MoeRouterArgs x = a;
+    x.logits = d_logits + logit_bytes * size_t(i % copies);
+    x.tuning.path = path;
+    const Status st = moe_router(x, stream);
+    if (!st.ok()) {
+      std::fprintf(stderr, "flashmix-bench: %s: %s\n", b.name.c_str(), st.message().c_str());
+      std::exit(2);
+    }
+  };
+
+  std::string check = "not checked (--no-verify)";
+  double undecided = 0;
+  if (ctx.verify) {
+    launch(0, 0);
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    std::vector<int32_t> ids(slots), ref_ids;
+    std::vector<float> w(slots), ref_w;
+    BENCH_CUDA(cudaMemcpy(ids.data(), d_ids, slots * 4, cudaMemcpyDeviceToHost));
+    BENCH_CUDA(cudaMemcpy(w.data(), d_w, slots * 4, cudaMemcpyDeviceToHost));
+    const Status st = moe_router_cpu(host_args(b, d, ref_ids, ref_w));
+    if (!st.ok()) {
+      check = "FAILED: reference: " + st.message();
+    } else {
+      const auto cmp = flashmix::testing::compare_router(c, flashmix::testing::decided_tokens(c, d), ids.data(),
+                                                         w.data(), ref_ids.data(), ref_w.data());
+      undecided = double(cmp.undecided);
+      check = cmp.ok() ? "passed" : "FAILED: " + cmp.first_failure;
+    }
+  }
+
+  auto time_with = [&](int path, bool rotate) {
+    const int launches = std::max(copies, 100);
+    return graph_us_per_launch([&](int i) { launch(rotate ? i : 0, path); }, launches, stream, ctx.quick ? 5 : 20);
+  };
+  const double us = time_with(0, true);
+  const double read_us = double(logit_bytes) / (ctx.copy_gbps * 1e9) * 1e6;
+  const unsigned blocks = unsigned((c.T + tokens_per_block(c.E) - 1) / tokens_per_block(c.E));
+  const double empty_us = empty_launch_us(ctx, blocks, stream);
+  const double bound_us = read_us + empty_us;
+
+  Record r;
+  r.op = "moe_router";
+  r.case_name = b.name;
+  r.median_us = us;
+  r.bytes = double(logit_bytes);
+  r.ceiling = "copy";
+  r.fraction = read_us / us;
+  r.check = check;
+  r.extra["read_us"] = read_us;
+  r.extra["empty_launch_us"] = empty_us;
+  r.extra["bound_us"] = bound_us;
+  r.extra["time_over_bound"] = us / bound_us;
+  if (b.max_ratio > 0) r.extra["target_max_time_over_bound"] = b.max_ratio;
+  r.extra["output_bytes"] = double(slots) * 8;
+  r.extra["rotated_copies"] = copies;
+  r.extra["stream_launch_us"] = median_us([&] { launch(0, 0); }, stream, 5, ctx.quick ? 10 : 50);
+  if (ctx.verify) r.extra["undecided_tokens"] = undecided;
+  add_record(ctx, r);
+
+  Record warm = r;
+  warm.case_name = b.name + "_l2_warm";
+  warm.median_us = time_with(0, false);
+  warm.fraction = read_us / warm.median_us;
+  warm.extra.clear();
+  warm.extra["read_us"] = read_us;
+  warm.extra["empty_launch_us"] = empty_us;
+  warm.extra["time_over_bound"] = warm.median_us / bound_us;
+  add_record(ctx, warm);
+
+  if (ctx.sweep)
+    for (int path : {1, 2})
+      std::printf("  sweep %-34s path %d (%s): %9.2f us\n", b.name.c_str(), path,
+                  path == 1 ? "rounds" : "candidates", time_with(path, true));
+
+  cudaFree(d_logits);
+  if (d_bias) cudaFree(d_bias);
+  cudaFree(d_ids);
+  cudaFree(d_w);
+}
+
+void run_cpu_case(Context& ctx, const BenchCase& b) {
+  flashmix::testing::Rng rng(1234);
+  const RouterHostData d = flashmix::testing::random_router_data(rng, b.c);
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+  const MoeRouterArgs a = host_args(b, d, ids, w);
+  record_cpu_run(ctx, "moe_router_cpu", b.name, double(d.logits.bytes.size()), [&] { return moe_router_cpu(a); });
+}
+
+RouterCase make(MoeRouterScoring s, int E, int k, bool renormalize, bool bias, float scale, int n_group = 1,
+                int topk_group = 1, int64_t T = 8192, DType dtype = DType::kBFloat16) {
+  RouterCase c;
+  c.scoring = s;
+  c.dtype = dtype;
+  c.T = T;
+  c.E = E;
+  c.k = k;
+  c.renormalize = renormalize;
+  c.bias = bias;
+  c.n_group = n_group;
+  c.topk_group = topk_group;
+  c.scale = scale;
+  return c;
+}
+
+}  // namespace
+
+void run_moe_router_cases(Context& ctx) {
+  using S = MoeRouterScoring;
+  const std::vector<BenchCase> cases = {
+      // DeepSeek-V3 noaux_tc: sigmoid, e_score_correction_bias, 8 groups of 32, 4 kept, scale 2.5.
+      {"deepseek_v3_T8192_E256_k8", make(S::kSigmoid, 256, 8, true, true, 2.5f, 8, 4), 2.0},
+      {"deepseek_v3_T8192_E256_k8_fp32", make(S::kSigmoid, 256, 8, true, true, 2.5f, 8, 4, 8192, DType::kFloat32)},
+      {"deepseek_v3_T16_E256_k8", make(S::kSigmoid, 256, 8, true, true, 2.5f, 8, 4, 16)},
+      {"mixtral_T8192_E8_k2", make(S::kSoftmax, 8, 2, true, false, 1.0f)},
+      {"qwen3_T8192_E128_k8", make(S::kSoftmax, 128, 8, true, false, 1.0f)},
+      {"gptoss_T8192_E128_k4", make(S::kSoftmaxAfterTopk, 128, 4, false, false, 1.0f)},
+      {"v4_T8192_E256_k6", make(S::kSqrtSoftplus, 256, 6, true, true, 1.5f)},
+  };
+  for_each_case(ctx, "moe_router", cases, run_gpu_case, run_cpu_case, [](BenchCase b) {
+    b.c.T = std::min<int64_t>(b.c.T, 256);
+    return b;
+  });
+}
+
+}  // namespace flashmix::bench

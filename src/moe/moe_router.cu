@@ -1,0 +1,576 @@
+// The MoE router on the GPU (SPEC §8): logits [T, E] -> the k chosen experts
+// of each token (token_selected_experts) and their weights (token_final_scales).
+//
+// Layout. A token is handled by a team of G lanes (G in {1, 8, 16, 32}), lane
+// r of the team holding the V consecutive experts [r*V, r*V + V) in
+// registers; a block of 128 threads handles 128 / G tokens. The exact layouts
+// (E = G*V: 8, 64, 128, 256, 384, 512) load each lane's chunk with 16-byte
+// (or 8-byte) vectors; any other E (or a logits pointer not aligned for
+// them) runs the general layout: G = 32, V = ceil(E / 32), element loads.
+//
+// Per token:
+//   1. the logits are read once (NaN -> -inf, +inf -> FLT_MAX), the scores
+//      s and selection values v = s + b computed in fp32 where they are needed
+//      (a bias, or groups); every expert gets a 32-bit key whose unsigned order
+//      is the order of its selection value (the logit itself without a bias:
+//      the scorings are increasing, and the logits never tie by rounding);
+//   2. groups: each group's top-2 sum (registers and shuffles when a group is
+//      whole lanes, else through shared memory), its rank among the groups,
+//      and the keys outside the topk_group best groups set to 0 ("absent");
+//   3. selection, ties to the lowest id, either
+//      - rounds: k times a team-wide arg-max (max of the lanes' local maxima,
+//        the lowest lane holding it by ballot, which is the lowest id since a
+//        lane holds consecutive ids; the winner drops it and rescans), or
+//      - candidates (G = 32): t0 = the k-th largest lane maximum bounds the
+//        k-th largest key from below, so every key >= t0 is a candidate; the
+//        (typically k to 2k) candidates go to shared memory and each one's
+//        rank is counted in one pass. More than 32 candidates (heavy ties)
+//        fall back to the rounds. Both give the same ids in the same order;
+//   4. weights from the chosen experts' logits (re-read, from L1), summed over
+//      the team in a fixed order, scaled, stored.
+//
+// Roofline: T*E*element bytes of logits read once, 8*k*T bytes written
+// (DeepSeek-V3 T = 8192, E = 256, bf16: 4 MiB read, 0.5 MiB written); a few
+// hundred instructions per token on top, which the memory time hides only in
+// part (docs/moe_router.md).
+#include <cfloat>
+#include <cstdint>
+#include <cstring>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "common/check.h"
+#include "common/launch.cuh"
+#include "common/reduce.cuh"
+#include "common/vec.cuh"
+#include "flashmix/moe.h"
+#include "moe/moe_router_internal.h"
+
+namespace flashmix {
+namespace {
+
+constexpr const char* kOp = "moe_router";
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxK = detail::kRouterMaxK;
+constexpr unsigned kFull = 0xffffffffu;
+// Per warp: 32 candidates (8 bytes) and k slot ids (4 bytes).
+constexpr int kCandidateBytes = 32 * 8 + kMaxK * 4;
+
+struct Params {
+  const void* logits;
+  const float* bias;  // null: no bias
+  int32_t* ids;
+  float* weights;
+  int64_t T;
+  int E;
+  int k;
+  int V;            // experts per lane (the general layout's ceil(E / 32); the template V otherwise)
+  int n_group;
+  int topk_group;
+  int group_size;   // E / n_group
+  int group_lanes;  // > 0: a group is this many whole lanes (registers); 0: through shared memory
+  int warp_smem;    // dynamic shared memory bytes per warp
+  float scale;
+  bool grouped;     // topk_group < n_group
+  bool renormalize;
+  bool bias_vec;    // bias 16-byte aligned (vector loads)
+  bool candidates;  // the candidate path (G = 32)
+};
+
+// A team of G lanes (aligned to G within the warp) working on one token. All
+// 32 lanes of a warp call every function (idle teams run along).
+template <int G>
+struct Team {
+  int r;     // lane within the team
+  int base;  // warp lane of the team's lane 0
+  __device__ Team() {
+    const int lane = int(threadIdx.x & 31);
+    r = lane & (G - 1);
+    base = lane - r;
+  }
+  __device__ uint32_t max(uint32_t x) const {
+    if constexpr (G == 32) {
+      return __reduce_max_sync(kFull, x);
+    } else {
+#pragma unroll
+      for (int o = G / 2; o > 0; o >>= 1) x = ::max(x, __shfl_xor_sync(kFull, x, o));
+      return x;
+    }
+  }
+  __device__ float fmax(float x) const {
+#pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(kFull, x, o));
+    return x;
+  }
+  // Sum in a fixed butterfly order: the same bits on every run.
+  __device__ float sum(float x) const {
+#pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) x += __shfl_xor_sync(kFull, x, o);
+    return x;
+  }
+  // The lowest team lane where p holds (0 if none).
+  __device__ int first(bool p) const {
+    if constexpr (G == 1) {
+      return 0;
+    } else {
+      unsigned b = __ballot_sync(kFull, p);
+      if constexpr (G < 32) b = (b >> base) & ((1u << G) - 1u);
+      return b ? __ffs(int(b)) - 1 : 0;
+    }
+  }
+  template <typename X>
+  __device__ X from(X x, int src) const {
+    if constexpr (G == 1) return x;
+    else return __shfl_sync(kFull, x, src, G);
+  }
+};
+
+// Unsigned order = float order (-0 and +0 must already be one value).
+__device__ __forceinline__ uint32_t order_key(float f) {
+  const uint32_t b = __float_as_uint(f);
+  return b ^ (uint32_t(int32_t(b) >> 31) | 0x80000000u);
+}
+
+// SPEC §8.2: NaN -> -inf, +inf -> FLT_MAX, -0 -> +0.
+__device__ __forceinline__ float sanitize(float x) { return fminf(fmaxf(x, -INFINITY), FLT_MAX) + 0.0f; }
+
+template <MoeRouterScoring S>
+__device__ __forceinline__ float score_of(float l) {
+  if constexpr (S == MoeRouterScoring::kSigmoid) {
+    return __fdividef(1.0f, 1.0f + __expf(-l));  // l = -inf: 1 / inf = 0
+  } else if constexpr (S == MoeRouterScoring::kSqrtSoftplus) {
+    // log1p keeps the relative precision of small e^l; above 20 the
+    // correction is below an ulp of l (PyTorch's softplus threshold).
+    return sqrtf(l > 20.0f ? l : log1pf(expf(l)));
+  } else {
+    return l;
+  }
+}
+
+// One lane's V consecutive logits with the widest vectors V elements allow.
+template <typename T, int V>
+__device__ __forceinline__ void load_chunk(const T* p, float (&x)[V]) {
+  constexpr int kBytes = V * int(sizeof(T));
+  constexpr int kW = kBytes % 16 == 0 ? 16 : kBytes % 8 == 0 ? 8 : kBytes % 4 == 0 ? 4 : 2;
+  using W = typename dev::detail::Word<kW>::type;
+  W w[kBytes / kW];
+#pragma unroll
+  for (int n = 0; n < kBytes / kW; ++n) w[n] = __ldg(reinterpret_cast<const W*>(p) + n);
+  T t[V];
+  memcpy(t, w, kBytes);
+#pragma unroll
+  for (int i = 0; i < V; ++i) x[i] = dev::to_float(t[i]);
+}
+
+template <typename T, int G, int V, bool kExact, MoeRouterScoring S>
+__global__ void __launch_bounds__(kThreads) moe_router_kernel(const Params p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr float kNegInf = -INFINITY;
+  constexpr int kSlots = (kMaxK + G - 1) / G;  // output slots per lane: j = s*G + r
+  constexpr bool kSoftmax = S == MoeRouterScoring::kSoftmax;
+  const Team<G> team;
+  const int lane = int(threadIdx.x & 31);
+  const int64_t t = int64_t(blockIdx.x) * (kThreads / G) + int64_t(threadIdx.x / G);
+  // A warp-per-token warp past T leaves below, so there every lane is active
+  // (known at compile time: the exact layouts then have every expert present).
+  const bool active = G == 32 || t < p.T;
+  const int Vs = kExact ? V : p.V;  // ids r*Vs .. r*Vs + Vs - 1 live in lane r
+  unsigned char* warp_smem = smem + size_t(threadIdx.x >> 5) * size_t(p.warp_smem);
+
+  // The logits may come from the kernel before us on the stream.
+  dev::grid_dependency_wait();
+  if (!__any_sync(kFull, t < p.T)) return;  // a warp with no token (teams of an active warp run along)
+
+  const T* row = static_cast<const T*>(p.logits) + (active ? t : 0) * p.E;
+  float l[V];
+  bool present[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    present[i] = active && (kExact || (i < Vs && team.r * Vs + i < p.E));
+    l[i] = kNegInf;
+  }
+  if (active) {
+    if constexpr (kExact) {
+      load_chunk<T, V>(row + team.r * V, l);
+    } else {
+#pragma unroll
+      for (int i = 0; i < V; ++i)
+        if (present[i]) l[i] = dev::to_float(__ldg(row + team.r * Vs + i));
+    }
+  }
+  dev::allow_dependents_launch();
+#pragma unroll
+  for (int i = 0; i < V; ++i) l[i] = present[i] ? sanitize(l[i]) : kNegInf;
+
+  const bool has_bias = p.bias != nullptr;
+  const bool need_scores = has_bias || p.grouped;
+  // Softmax over the row, where the weights or the selection values need it.
+  float m = kNegInf, inv_z = 0.0f;
+  if (kSoftmax && (need_scores || !p.renormalize)) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) m = fmaxf(m, l[i]);
+    m = team.fmax(m);
+    float z = 0.0f;
+    if (m != kNegInf) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) z += __expf(l[i] - m);  // absent: exp(-inf) = 0
+    }
+    z = team.sum(z);
+    inv_z = m != kNegInf ? 1.0f / z : 0.0f;  // z >= 1 (the largest term is 1)
+  }
+
+  // Keys (0 = absent) and the selection values the groups are ranked by.
+  uint32_t key[V];
+  float gv[V];
+  float b[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) b[i] = 0.0f;
+  if (has_bias && active) {
+    if (kExact && p.bias_vec && V % 4 == 0) {
+#pragma unroll
+      for (int q = 0; q < V / 4; ++q) {
+        const float4 f = __ldg(reinterpret_cast<const float4*>(p.bias + team.r * V) + q);
+        b[4 * q] = f.x;
+        b[4 * q + 1] = f.y;
+        b[4 * q + 2] = f.z;
+        b[4 * q + 3] = f.w;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < V; ++i)
+        if (present[i]) b[i] = __ldg(p.bias + team.r * Vs + i);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    float v = l[i];
+    if (need_scores) {
+      float s;
+      if constexpr (kSoftmax) s = m != kNegInf ? __expf(l[i] - m) * inv_z : 0.0f;
+      else s = score_of<S>(l[i]);
+      v = s + b[i];
+    }
+    gv[i] = v;
+    key[i] = present[i] ? order_key(has_bias ? v : l[i]) : 0u;
+  }
+
+  // Group-limited selection: keep the keys of the topk_group best groups.
+  if (p.grouped) {
+    if (kExact && p.group_lanes > 0) {
+      // A group is L whole lanes: top-2 in registers, then across its lanes.
+      const int L = p.group_lanes;
+      float t1 = kNegInf, t2 = kNegInf;
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const float hi = fmaxf(t1, gv[i]);
+        t2 = fmaxf(t2, fminf(t1, gv[i]));
+        t1 = hi;
+      }
+      for (int o = 1; o < L; o <<= 1) {
+        const float o1 = __shfl_xor_sync(kFull, t1, o), o2 = __shfl_xor_sync(kFull, t2, o);
+        const float hi = fmaxf(t1, o1);
+        t2 = fmaxf(fminf(t1, o1), fmaxf(t2, o2));
+        t1 = hi;
+      }
+      const float gs = p.group_size >= 2 ? t1 + t2 : t1;
+      const int g = team.r / L;
+      int rank = 0;
+      for (int h = 0; h < p.n_group; ++h) {
+        const float o = team.from(gs, h * L);
+        rank += (o > gs) || (o == gs && h < g);
+      }
+      if (rank >= p.topk_group) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) key[i] = 0u;
+      }
+    } else {
+      // Any group size: the values through shared memory.
+      float* tv = reinterpret_cast<float*>(warp_smem + kCandidateBytes) + (lane / G) * (G * V);
+      float* tg = tv + 32 * V;
+      if (active) {
+#pragma unroll
+        for (int i = 0; i < V; ++i)
+          if (present[i]) tv[team.r * Vs + i] = gv[i];
+      }
+      __syncwarp();
+      if (active) {
+        for (int g = team.r; g < p.n_group; g += G) {
+          float t1 = kNegInf, t2 = kNegInf;
+          for (int e = g * p.group_size; e < (g + 1) * p.group_size; ++e) {
+            const float x = tv[e];
+            const float hi = fmaxf(t1, x);
+            t2 = fmaxf(t2, fminf(t1, x));
+            t1 = hi;
+          }
+          tg[g] = p.group_size >= 2 ? t1 + t2 : t1;
+        }
+      }
+      __syncwarp();
+      int* keep = reinterpret_cast<int*>(tv);  // tv is no longer read
+      if (active) {
+        for (int g = team.r; g < p.n_group; g += G) {
+          const float gs = tg[g];
+          int rank = 0;
+          for (int h = 0; h < p.n_group; ++h) rank += (tg[h] > gs) || (tg[h] == gs && h < g);
+          keep[g] = rank < p.topk_group;
+        }
+      }
+      __syncwarp();
+      if (active) {
+        const int e0 = team.r * Vs;
+        int g = e0 / p.group_size, off = e0 - g * p.group_size;
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          if (present[i] && !keep[g]) key[i] = 0u;
+          if (++off == p.group_size) {
+            off = 0;
+            ++g;
+          }
+        }
+      }
+    }
+  }
+
+  // Selection: slot j (j-th largest key, ties by lowest id) in lane j % G, entry j / G.
+  int slot[kSlots];
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) slot[s] = 0;
+  bool done = false;
+  if constexpr (G == 32) {
+    if (p.candidates) {
+      // t0: the k-th largest lane maximum (with multiplicity), a lower bound
+      // of the k-th largest key; 1 when fewer lanes hold keys (then every key).
+      uint32_t lm = 0;
+#pragma unroll
+      for (int i = 0; i < V; ++i) lm = ::max(lm, key[i]);
+      uint32_t mc = lm, t0 = 1;
+      int cnt = 0;
+      while (true) {
+        const uint32_t M = __reduce_max_sync(kFull, mc);
+        if (M == 0u) break;
+        cnt += __popc(__ballot_sync(kFull, mc == M));
+        if (cnt >= p.k) {
+          t0 = M;
+          break;
+        }
+        if (mc == M) mc = 0u;
+      }
+      int c = 0;
+#pragma unroll
+      for (int i = 0; i < V; ++i) c += key[i] >= t0;
+      int incl = c;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(kFull, incl, o);
+        if (lane >= o) incl += y;
+      }
+      const int C = __shfl_sync(kFull, incl, 31);
+      if (C <= 32) {
+        // (key, ~id) as one 64-bit word: its order is the selection order.
+        uint64_t* cand = reinterpret_cast<uint64_t*>(warp_smem);
+        int* slots = reinterpret_cast<int*>(warp_smem + 32 * 8);
+        int pos = incl - c;
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          if (key[i] >= t0) {
+            cand[pos] = (uint64_t(key[i]) << 32) | uint64_t(~uint32_t(lane * Vs + i));
+            ++pos;
+          }
+        }
+        __syncwarp();
+        const uint64_t me = lane < C ? cand[lane] : 0ull;
+        int rank = 0;
+        for (int q = 0; q < C; ++q) rank += cand[q] > me;
+        if (lane < C && rank < p.k) slots[rank] = int(~uint32_t(me));
+        __syncwarp();
+        slot[0] = lane < p.k ? slots[lane] : 0;
+        done = true;
+      }
+    }
+  }
+  if (!done) {
+    // k rounds of a team-wide arg-max over the lanes' local maxima.
+    uint32_t lm = 0u;
+    int li = 0;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      if (key[i] > lm) {
+        lm = key[i];
+        li = i;
+      }
+    }
+    for (int j = 0; j < p.k; ++j) {
+      const uint32_t M = team.max(lm);
+      const int w = team.first(lm == M);  // lowest lane = lowest id among equal maxima
+      const int id = w * Vs + team.from(li, w);
+      if ((j & (G - 1)) == team.r) {
+        const int s = j / G;
+#pragma unroll
+        for (int q = 0; q < kSlots; ++q)
+          if (q == s) slot[q] = id;
+      }
+      if (team.r == w) {
+        uint32_t nm = 0u;
+        int ni = 0;
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          const uint32_t x = i == li ? 0u : key[i];
+          key[i] = x;
+          if (x > nm) {
+            nm = x;
+            ni = i;
+          }
+        }
+        lm = nm;
+        li = ni;
+      }
+    }
+  }
+
+  // Weights, from the chosen experts' logits (read again: in L1 by now; the
+  // relative softmaxes read them twice rather than hold kSlots more registers).
+  auto has = [&](int s) { return active && s * G + team.r < p.k; };
+  auto chosen_logit = [&](int s) { return has(s) ? sanitize(dev::to_float(__ldg(row + slot[s]))) : kNegInf; };
+  float base[kSlots];
+  if constexpr (S == MoeRouterScoring::kSigmoid || S == MoeRouterScoring::kSqrtSoftplus) {
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) base[s] = has(s) ? score_of<S>(chosen_logit(s)) : 0.0f;
+  } else {
+    if (kSoftmax && !p.renormalize) {
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s)
+        base[s] = has(s) && m != kNegInf ? __expf(chosen_logit(s) - m) * inv_z : 0.0f;
+    } else {
+      // Softmax over the chosen (renormalised softmax, or softmax after top-k):
+      // relative to the largest chosen logit.
+      float mr = kNegInf;
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s) mr = fmaxf(mr, chosen_logit(s));
+      mr = team.fmax(mr);
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s)
+        base[s] = has(s) && mr != kNegInf ? __expf(chosen_logit(s) - mr) : 0.0f;
+    }
+  }
+  float f = p.scale;
+  if (S == MoeRouterScoring::kSoftmaxAfterTopk || p.renormalize) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) sum += base[s];
+    sum = team.sum(sum);
+    f = sum > 0.0f ? p.scale / sum : 0.0f;
+  }
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {
+    if (has(s)) {
+      const int64_t o = t * p.k + s * G + team.r;
+      p.ids[o] = slot[s];
+      p.weights[o] = base[s] * f;
+    }
+  }
+}
+
+// ---- host side -------------------------------------------------------------
+
+struct Layout {
+  int G = 32, V = 16;
+  bool exact = false;
+};
+
+// The exact layout for E, if the logits pointer is aligned for its vectors.
+Layout choose_layout(const MoeRouterArgs& a) {
+  Layout g;  // the general layout
+  if (a.tuning.generic_layout) return g;
+  static const Layout kExact[] = {{1, 8, true}, {8, 8, true}, {16, 8, true},
+                                  {32, 8, true}, {32, 12, true}, {32, 16, true}};
+  const int es = int(dtype_size(a.logits_dtype));
+  for (const Layout& x : kExact) {
+    if (x.G * x.V != a.num_experts) continue;
+    const int bytes = x.V * es;
+    const int w = bytes % 16 == 0 ? 16 : bytes % 8 == 0 ? 8 : bytes % 4 == 0 ? 4 : 2;
+    if (reinterpret_cast<uintptr_t>(a.logits) % uintptr_t(w) == 0) return x;
+  }
+  return g;
+}
+
+template <typename T, int G, int V, bool kExact, MoeRouterScoring S>
+cudaError_t launch_kernel(const Params& p, cudaStream_t stream, bool pdl) {
+  const int64_t per_block = kThreads / G;
+  const unsigned blocks = unsigned((p.T + per_block - 1) / per_block);
+  return dev::launch(moe_router_kernel<T, G, V, kExact, S>, dim3(blocks), dim3(kThreads),
+                     size_t(kWarps) * size_t(p.warp_smem), stream, pdl, p);
+}
+
+template <typename T, MoeRouterScoring S>
+cudaError_t launch_layout(const Layout& g, const Params& p, cudaStream_t stream, bool pdl) {
+  if (!g.exact) return launch_kernel<T, 32, 16, false, S>(p, stream, pdl);
+  switch (g.G * 100 + g.V) {
+    case 108: return launch_kernel<T, 1, 8, true, S>(p, stream, pdl);
+    case 808: return launch_kernel<T, 8, 8, true, S>(p, stream, pdl);
+    case 1608: return launch_kernel<T, 16, 8, true, S>(p, stream, pdl);
+    case 3208: return launch_kernel<T, 32, 8, true, S>(p, stream, pdl);
+    case 3212: return launch_kernel<T, 32, 12, true, S>(p, stream, pdl);
+    default: return launch_kernel<T, 32, 16, true, S>(p, stream, pdl);
+  }
+}
+
+template <typename T>
+cudaError_t launch_scoring(const MoeRouterArgs& a, const Layout& g, const Params& p, cudaStream_t stream) {
+  switch (a.scoring) {
+    case MoeRouterScoring::kSoftmax:
+      return launch_layout<T, MoeRouterScoring::kSoftmax>(g, p, stream, a.enable_pdl);
+    case MoeRouterScoring::kSigmoid:
+      return launch_layout<T, MoeRouterScoring::kSigmoid>(g, p, stream, a.enable_pdl);
+    case MoeRouterScoring::kSqrtSoftplus:
+      return launch_layout<T, MoeRouterScoring::kSqrtSoftplus>(g, p, stream, a.enable_pdl);
+    default:
+      return launch_layout<T, MoeRouterScoring::kSoftmaxAfterTopk>(g, p, stream, a.enable_pdl);
+  }
+}
+
+Status run_router(const MoeRouterArgs& a, cudaStream_t stream) {
+  FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
+  if (a.num_tokens == 0) return Status::Ok();
+
+  const Layout g = choose_layout(a);
+  Params p{};
+  p.logits = a.logits;
+  p.bias = a.correction_bias;
+  p.ids = a.token_selected_experts;
+  p.weights = a.token_final_scales;
+  p.T = a.num_tokens;
+  p.E = a.num_experts;
+  p.k = a.k;
+  p.V = g.exact ? g.V : (a.num_experts + 31) / 32;
+  p.n_group = a.n_group;
+  p.topk_group = a.topk_group;
+  p.group_size = a.num_experts / a.n_group;
+  p.grouped = a.topk_group < a.n_group;
+  p.group_lanes = 0;
+  if (p.grouped && g.exact && p.group_size % g.V == 0) {
+    const int L = p.group_size / g.V;
+    if ((L & (L - 1)) == 0 && L <= g.G) p.group_lanes = L;
+  }
+  p.warp_smem = kCandidateBytes + (p.grouped && p.group_lanes == 0 ? 2 * 32 * g.V * 4 : 0);
+  p.scale = a.routed_scaling_factor;
+  p.renormalize = a.renormalize;
+  p.bias_vec = reinterpret_cast<uintptr_t>(a.correction_bias) % 16 == 0;
+  p.candidates = g.G == 32 && a.tuning.path != 1;
+
+  const cudaError_t err = a.logits_dtype == DType::kFloat32
+                              ? launch_scoring<float>(a, g, p, stream)
+                              : launch_scoring<__nv_bfloat16>(a, g, p, stream);
+  FM_RETURN_IF_ERROR(detail::cuda_status(err, kOp, "kernel launch"));
+  return detail::check_launch(kOp);
+}
+
+}  // namespace
+
+Status moe_router(const MoeRouterArgs& a, cudaStream_t stream) {
+  FM_RETURN_IF_ERROR(validate_moe_router(a));
+  return detail::without_cuda_error_left(kOp, [&] { return run_router(a, stream); });
+}
+
+}  // namespace flashmix
