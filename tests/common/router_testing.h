@@ -82,7 +82,9 @@ inline double router_weight_tolerance(double ref, float scale) {
 // the group scores at the topk_group boundary and, with a bias, the selection
 // values of the k chosen and the next candidate (without a bias the keys are
 // the logits, exact in both). Exact ties (equal inputs) are decided: both
-// backends break them by the lowest id. Written from the spec, in double.
+// backends break them by the lowest id. Equal in double but made of other
+// terms (group scores of other pairs, s + b of other s) is not a tie in
+// fp32, so undecided. Written from the spec, in double.
 //
 // The GPU's error of a selection value v = s + b: the fast exp's relative
 // error (about 1e-6 for logits up to ~10) times the part of s it reaches
@@ -137,6 +139,7 @@ inline std::vector<char> decided_tokens(const RouterCase& c, const RouterHostDat
     if (c.grouped()) {
       struct Group {
         double gs, tol_part;  // score; eps·Σse + ulp·Σ|v| of its terms
+        double t0, t1;        // its terms, largest first (a tie of scores made of other terms is no tie in fp32)
       };
       std::vector<Group> gs(size_t(c.n_group));
       for (int g = 0; g < c.n_group; ++g) {
@@ -148,14 +151,16 @@ inline std::vector<char> decided_tokens(const RouterCase& c, const RouterHostDat
           score += in[size_t(q)].v;
           part += eps * in[size_t(q)].se + ulp * (in[size_t(q)].s + std::fabs(in[size_t(q)].v));
         }
-        gs[size_t(g)] = {score, part};
+        gs[size_t(g)] = {score, part, in[0].v, n == 2 ? in[1].v : 0.0};
       }
       std::vector<int> order(size_t(c.n_group));
       std::iota(order.begin(), order.end(), 0);
       std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return gs[size_t(a)].gs > gs[size_t(b)].gs; });
       const Group& in = gs[size_t(order[size_t(c.topk_group - 1)])];
       const Group& out = gs[size_t(order[size_t(c.topk_group)])];
-      if (close(in.gs, out.gs, in.tol_part + out.tol_part + ulp * (std::fabs(in.gs) + std::fabs(out.gs))))
+      const bool same_terms = in.t0 == out.t0 && in.t1 == out.t1;
+      if ((in.gs == out.gs && !same_terms) ||
+          close(in.gs, out.gs, in.tol_part + out.tol_part + ulp * (std::fabs(in.gs) + std::fabs(out.gs))))
         decided[size_t(t)] = 0;
       for (int q = 0; q < c.topk_group; ++q)
         for (int e = order[size_t(q)] * S; e < (order[size_t(q)] + 1) * S; ++e) cand.push_back(val[size_t(e)]);
@@ -167,7 +172,8 @@ inline std::vector<char> decided_tokens(const RouterCase& c, const RouterHostDat
       for (int p = 0; p < c.k && p + 1 < int(cand.size()); ++p) {
         const Value& a = cand[size_t(p)];
         const Value& b = cand[size_t(p + 1)];
-        if (close(a.v, b.v, eps * (a.se + b.se) + ulp * (a.s + b.s + std::fabs(a.v) + std::fabs(b.v))))
+        if ((a.v == b.v && a.s != b.s) ||  // equal sums of other terms: equal in double, not in fp32
+            close(a.v, b.v, eps * (a.se + b.se) + ulp * (a.s + b.s + std::fabs(a.v) + std::fabs(b.v))))
           decided[size_t(t)] = 0;
       }
     }

