@@ -132,4 +132,17 @@ Status without_cuda_error_left(const char* op, Body&& body) {
   return s;
 }
 
+// The frame of a GPU entry point: `validated` is the op's host validation;
+// then, leaving no CUDA error set, the stream is checked and `body` runs
+// unless `no_work` (zero tokens: valid, nothing to launch).
+template <typename Body>
+Status gpu_entry(const char* op, const Status& validated, cudaStream_t stream, bool no_work, Body&& body) {
+  FM_RETURN_IF_ERROR(validated);
+  return without_cuda_error_left(op, [&]() -> Status {
+    FM_RETURN_IF_ERROR(check_stream(stream, op));
+    if (no_work) return Status::Ok();
+    return body();
+  });
+}
+
 }  // namespace flashmix::detail

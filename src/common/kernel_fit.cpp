@@ -37,28 +37,37 @@ cudaError_t query_props(int device, DeviceProps* p) {
   return cleared(err);
 }
 
-}  // namespace
-
-cudaError_t current_device_props(DeviceProps* out) {
+// The answer in `map` under make_key(the current device), or
+// query(device, &value) stored there. The query runs outside the lock: two
+// threads asking at once may both run it and store the same answer.
+template <typename Map, typename MakeKey, typename Query>
+cudaError_t cached(Map Cache::*map, MakeKey&& make_key, typename Map::mapped_type* out, Query&& query) {
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return cleared(err);
   Cache& c = cache();
+  const auto key = make_key(device);
   {
     std::lock_guard<std::mutex> lock(c.mutex);
-    auto it = c.devices.find(device);
-    if (it != c.devices.end()) {
+    auto it = (c.*map).find(key);
+    if (it != (c.*map).end()) {
       *out = it->second;
       return cudaSuccess;
     }
   }
-  DeviceProps p;
-  err = query_props(device, &p);
-  if (err != cudaSuccess) return err;
+  typename Map::mapped_type value{};
+  err = query(device, &value);
+  if (err != cudaSuccess) return cleared(err);
   std::lock_guard<std::mutex> lock(c.mutex);
-  c.devices.emplace(device, p);
-  *out = p;
+  (c.*map).emplace(key, value);
+  *out = value;
   return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t current_device_props(DeviceProps* out) {
+  return cached(&Cache::devices, [](int device) { return device; }, out, query_props);
 }
 
 cudaError_t prepare_kernel(const void* kernel, bool nonportable_cluster, int* max_dynamic_smem) {
@@ -91,33 +100,6 @@ cudaError_t prepare_kernel(const void* kernel, bool nonportable_cluster, int* ma
 
 namespace {
 
-// The answer under `key` in `map` (keyed by the current device first), or
-// `query(&value)` stored there. The query runs outside the lock: two threads
-// asking at once may both run it and store the same answer.
-template <typename Map, typename... Key, typename Query>
-cudaError_t cached(Map Cache::*map, const void* kernel, std::tuple<Key...> rest, int* out, Query&& query) {
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return cleared(err);
-  Cache& c = cache();
-  const auto key = std::tuple_cat(std::make_tuple(device, kernel), rest);
-  {
-    std::lock_guard<std::mutex> lock(c.mutex);
-    auto it = (c.*map).find(key);
-    if (it != (c.*map).end()) {
-      *out = it->second;
-      return cudaSuccess;
-    }
-  }
-  int value = 0;
-  err = query(&value);
-  if (err != cudaSuccess) return cleared(err);
-  std::lock_guard<std::mutex> lock(c.mutex);
-  (c.*map).emplace(key, value);
-  *out = value;
-  return cudaSuccess;
-}
-
 // Whether `smem` bytes of dynamic shared memory are allowed to `kernel` on
 // the current device (setting its attributes first when above the default).
 cudaError_t smem_allowed(const void* kernel, size_t smem, bool nonportable_cluster, bool* allowed) {
@@ -136,9 +118,9 @@ cudaError_t blocks_per_sm(const void* kernel, int threads, size_t smem, int* out
   if (const cudaError_t err = smem_allowed(kernel, smem, false, &allowed); err != cudaSuccess) return err;
   *out = 0;
   if (!allowed) return cudaSuccess;
-  return cached(&Cache::blocks, kernel, std::make_tuple(threads, smem), out, [&](int* n) {
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, kernel, threads, smem);
-  });
+  return cached(
+      &Cache::blocks, [&](int device) { return std::make_tuple(device, kernel, threads, smem); }, out,
+      [&](int, int* n) { return cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, kernel, threads, smem); });
 }
 
 cudaError_t active_clusters(const void* kernel, int threads, size_t smem, int cluster, int* out) {
@@ -146,7 +128,8 @@ cudaError_t active_clusters(const void* kernel, int threads, size_t smem, int cl
   if (const cudaError_t err = smem_allowed(kernel, smem, cluster > 8, &allowed); err != cudaSuccess) return err;
   *out = 0;
   if (!allowed) return cudaSuccess;
-  return cached(&Cache::clusters, kernel, std::make_tuple(threads, smem, cluster), out, [&](int* n) {
+  auto key = [&](int device) { return std::make_tuple(device, kernel, threads, smem, cluster); };
+  return cached(&Cache::clusters, key, out, [&](int, int* n) {
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim.x = unsigned(cluster);

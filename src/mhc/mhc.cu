@@ -377,18 +377,6 @@ ProjectParams pre_params(const MhcPreArgs& a) {
   return p;
 }
 
-// The frame of every GPU entry point: validate, then (leaving no CUDA error
-// set) check the stream and run `body` unless there are no tokens.
-template <typename Args, typename Body>
-Status gpu_entry(const char* op, const Args& a, Status (*validate)(const Args&), cudaStream_t stream, Body&& body) {
-  FM_RETURN_IF_ERROR(validate(a));
-  return detail::without_cuda_error_left(op, [&]() -> Status {
-    FM_RETURN_IF_ERROR(detail::check_stream(stream, op));
-    if (a.shape.batch == 0) return Status::Ok();
-    return body();
-  });
-}
-
 }  // namespace
 
 Status mhc_pre_kernel_choice(const MhcPreArgs& a, MhcPreKernel* kernel, std::string* reason) {
@@ -408,14 +396,14 @@ Status mhc_pre_kernel_choice(const MhcPreArgs& a, MhcPreKernel* kernel, std::str
 
 Status mhc_pre(const MhcPreArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_pre";
-  return gpu_entry(kOp, a, validate_mhc_pre, stream, [&]() -> Status {
+  return detail::gpu_entry(kOp, validate_mhc_pre(a), stream, a.shape.batch == 0, [&]() -> Status {
     return launch_project(pre_params(a), a.shape.n, a.phi_dtype, a.kernel, stream, a.enable_pdl, kOp);
   });
 }
 
 Status mhc_project(const MhcProjectArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_project";
-  return gpu_entry(kOp, a, validate_mhc_project, stream, [&]() -> Status {
+  return detail::gpu_entry(kOp, validate_mhc_project(a), stream, a.shape.batch == 0, [&]() -> Status {
     ProjectParams p = base_params(a);
     p.h = a.h;
     p.r = a.r;
@@ -429,7 +417,7 @@ Status mhc_project(const MhcProjectArgs& a, cudaStream_t stream) {
 
 Status mhc_head(const MhcHeadArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_head";
-  return gpu_entry(kOp, a, validate_mhc_head, stream, [&]() -> Status {
+  return detail::gpu_entry(kOp, validate_mhc_head(a), stream, a.shape.batch == 0, [&]() -> Status {
     ProjectParams p = base_params(a);
     p.f_out = static_cast<bf16*>(a.out);
     p.num_coef = a.shape.n;
@@ -442,7 +430,7 @@ Status mhc_head(const MhcHeadArgs& a, cudaStream_t stream) {
 
 Status mhc_post(const MhcPostArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_post";
-  return gpu_entry(kOp, a, validate_mhc_post, stream, [&]() -> Status {
+  return detail::gpu_entry(kOp, validate_mhc_post(a), stream, a.shape.batch == 0, [&]() -> Status {
     const int groups = int(a.shape.hidden / 8);
     const dim3 grid(unsigned((groups + 127) / 128), unsigned(std::min<int64_t>(a.shape.batch, 65535)));
     cudaError_t err = cudaSuccess;
@@ -460,7 +448,7 @@ Status mhc_post(const MhcPostArgs& a, cudaStream_t stream) {
 
 Status mhc_pre_mix(const MhcPreMixArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_pre_mix";
-  return gpu_entry(kOp, a, validate_mhc_pre_mix, stream, [&]() -> Status {
+  return detail::gpu_entry(kOp, validate_mhc_pre_mix(a), stream, a.shape.batch == 0, [&]() -> Status {
     return launch_per_group(a.shape, kOp, [&](auto kn, dim3 grid, dim3 block, long long total, int groups) {
       return dev::launch(mhc_pre_mix_kernel<decltype(kn)::value>, grid, block, 0, stream, a.enable_pdl,
                          static_cast<const bf16*>(a.x), a.h_pre, static_cast<bf16*>(a.f_pre), total, groups,
@@ -471,7 +459,7 @@ Status mhc_pre_mix(const MhcPreMixArgs& a, cudaStream_t stream) {
 
 Status mhc_expand(const MhcExpandArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_expand";
-  return gpu_entry(kOp, a, validate_mhc_expand, stream, [&]() -> Status {
+  return detail::gpu_entry(kOp, validate_mhc_expand(a), stream, a.shape.batch == 0, [&]() -> Status {
     return launch_per_group(a.shape, kOp, [&](auto kn, dim3 grid, dim3 block, long long total, int groups) {
       return dev::launch(mhc_expand_kernel<decltype(kn)::value>, grid, block, 0, stream, a.enable_pdl,
                          static_cast<const bf16*>(a.embedding), static_cast<bf16*>(a.x), total, groups,
@@ -482,7 +470,7 @@ Status mhc_expand(const MhcExpandArgs& a, cudaStream_t stream) {
 
 Status mhc_activate(const MhcActivateArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_activate";
-  return gpu_entry(kOp, a, validate_mhc_activate, stream, [&]() -> Status {
+  return detail::gpu_entry(kOp, validate_mhc_activate(a), stream, a.shape.batch == 0, [&]() -> Status {
     cudaError_t err = cudaSuccess;
     const ActParams p = act_params(a.params);
     dispatch_n(a.shape.n, [&](auto kn) {

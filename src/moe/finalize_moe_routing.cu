@@ -859,8 +859,6 @@ Status dispatch_out(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaStrea
 }
 
 Status run_finalize(const FinalizeMoeRoutingArgs& a, cudaStream_t stream) {
-  FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
-  if (a.num_tokens == 0) return Status::Ok();
   const ResolvedFinalizeStrides s = resolve_finalize_strides(a);
   FinalizeParams p{};
   p.rows = a.expanded_permuted_rows;
@@ -894,8 +892,8 @@ Status run_finalize(const FinalizeMoeRoutingArgs& a, cudaStream_t stream) {
 }  // namespace
 
 Status finalize_moe_routing(const FinalizeMoeRoutingArgs& a, cudaStream_t stream) {
-  FM_RETURN_IF_ERROR(validate_finalize_moe_routing(a));
-  return detail::without_cuda_error_left(kOp, [&] { return run_finalize(a, stream); });
+  return detail::gpu_entry(kOp, validate_finalize_moe_routing(a), stream, a.num_tokens == 0,
+                           [&] { return run_finalize(a, stream); });
 }
 
 }  // namespace flashmix

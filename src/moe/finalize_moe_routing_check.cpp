@@ -134,9 +134,7 @@ Status validate_finalize_moe_routing(const FinalizeMoeRoutingArgs& a) {
 namespace {
 
 Status check_indices(const FinalizeMoeRoutingArgs& a, cudaStream_t stream) {
-  FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
   const int64_t T = a.num_tokens, k = a.k;
-  if (T == 0) return Status::Ok();
   FM_RETURN_IF_ERROR(detail::cuda_status(cudaStreamSynchronize(stream), kOp, "stream synchronize"));
   std::vector<int32_t> experts(T * k), u2p(T * k);
   FM_RETURN_IF_ERROR(detail::cuda_status(
@@ -182,8 +180,8 @@ Status check_indices(const FinalizeMoeRoutingArgs& a, cudaStream_t stream) {
 }  // namespace
 
 Status debug_check_finalize_moe_routing_indices(const FinalizeMoeRoutingArgs& a, cudaStream_t stream) {
-  FM_RETURN_IF_ERROR(validate_finalize_moe_routing(a));
-  return detail::without_cuda_error_left(kOp, [&] { return check_indices(a, stream); });
+  return detail::gpu_entry(kOp, validate_finalize_moe_routing(a), stream, a.num_tokens == 0,
+                           [&] { return check_indices(a, stream); });
 }
 
 }  // namespace flashmix

@@ -92,8 +92,6 @@ size_t moe_fc2_finalize_workspace_size(const Fc2FinalizeArgs& args) {
 namespace {
 
 Status run_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
-  if (a.num_tokens == 0) return Status::Ok();  // valid on any device and build: nothing to launch
   int major = 0;
   const int sms = current_sm_count(&major);
   FM_REQUIRE_SUPPORTED(major == 9, kOp, "device", "needs an sm_90 (Hopper) GPU (compute capability ", major,
@@ -202,9 +200,9 @@ Status run_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t worksp
 }  // namespace
 
 Status moe_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  FM_RETURN_IF_ERROR(validate_moe_fc2_finalize(a));
-  return detail::without_cuda_error_left(
-      kOp, [&] { return run_fc2_finalize(a, workspace, workspace_bytes, stream); });
+  // Zero tokens: valid on any device and build, nothing to launch.
+  return detail::gpu_entry(kOp, validate_moe_fc2_finalize(a), stream, a.num_tokens == 0,
+                           [&] { return run_fc2_finalize(a, workspace, workspace_bytes, stream); });
 }
 
 }  // namespace flashmix

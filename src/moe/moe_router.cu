@@ -531,9 +531,6 @@ cudaError_t launch_scoring(const MoeRouterArgs& a, const Layout& g, const Params
 }
 
 Status run_router(const MoeRouterArgs& a, cudaStream_t stream) {
-  FM_RETURN_IF_ERROR(detail::check_stream(stream, kOp));
-  if (a.num_tokens == 0) return Status::Ok();
-
   const Layout g = choose_layout(a);
   Params p{};
   p.logits = a.logits;
@@ -569,8 +566,8 @@ Status run_router(const MoeRouterArgs& a, cudaStream_t stream) {
 }  // namespace
 
 Status moe_router(const MoeRouterArgs& a, cudaStream_t stream) {
-  FM_RETURN_IF_ERROR(validate_moe_router(a));
-  return detail::without_cuda_error_left(kOp, [&] { return run_router(a, stream); });
+  return detail::gpu_entry(kOp, validate_moe_router(a), stream, a.num_tokens == 0,
+                           [&] { return run_router(a, stream); });
 }
 
 }  // namespace flashmix
