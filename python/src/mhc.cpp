@@ -111,6 +111,15 @@ void add_projection_inputs(Placement& w, const In& x, const In& phi, const In& a
   w.add(x, "x", phi, "phi", alpha, "alpha", bias, "bias");
 }
 
+// The input pointers of a projection op (checked by the caller).
+template <typename Args>
+void set_projection_pointers(Args& a, const In& x, const In& phi, const In& alpha, const In& bias) {
+  a.x = ptr(x);
+  a.phi = ptr(phi);
+  a.alpha = static_cast<const float*>(ptr(alpha));
+  a.bias = static_cast<const float*>(ptr(bias));
+}
+
 // The projection's inputs, shared by mhc_pre and mhc_project (whose Args
 // name them alike): n from phi's N rows, the shape from x, the weights
 // checked against both; sets shape, phi_dtype and the four pointers and
@@ -122,11 +131,17 @@ int64_t set_projection_inputs(Args& a, const In& x, const In& phi, const In& alp
   const int n = streams_from_coefficients(N, op, "phi");
   a.shape = residual_shape(x, n, op, "x");
   a.phi_dtype = check_weights(phi, alpha, bias, N, n * a.shape.hidden, 3, op);
-  a.x = ptr(x);
-  a.phi = ptr(phi);
-  a.alpha = static_cast<const float*>(ptr(alpha));
-  a.bias = static_cast<const float*>(ptr(bias));
+  set_projection_pointers(a, x, phi, alpha, bias);
   return N;
+}
+
+// The options mhc_pre, mhc_project and mhc_head take the same way.
+template <typename Args>
+void set_projection_options(Args& a, bool enable_pdl, const std::string& kernel, const OptOut& workspace,
+                            const char* op) {
+  a.enable_pdl = enable_pdl;
+  a.kernel = parse_kernel(kernel, op);
+  set_workspace(a, workspace, op);
 }
 
 // The activations' parameters (mhc_pre, mhc_activate); the fields an op does
@@ -169,10 +184,8 @@ PreCall make_pre(const In& x, const In& phi, const In& alpha, const In& bias, co
   a.params.eps_norm = eps_norm;
   set_activation_params(a.params, eps_pre, post_mult, eps_sinkhorn, sinkhorn_iters);
   a.params.res_layout = parse_enum(res_layout, res_layouts(), op, "res_layout");
-  a.enable_pdl = enable_pdl;
   a.prefetch_weights = prefetch_weights;
-  a.kernel = parse_kernel(kernel, op);
-  set_workspace(a, workspace, op);
+  set_projection_options(a, enable_pdl, kernel, workspace, op);
   return c;
 }
 
@@ -260,10 +273,8 @@ void mhc_project(const In& x, const In& phi, const In& alpha, const In& bias, co
   a.h = static_cast<float*>(mut(h));
   a.r = static_cast<float*>(mut(r));
   a.eps_norm = eps_norm;
-  a.enable_pdl = enable_pdl;
   a.prefetch_weights = prefetch_weights;
-  a.kernel = parse_kernel(kernel, op);
-  set_workspace(a, workspace, op);
+  set_projection_options(a, enable_pdl, kernel, workspace, op);
   dispatch(
       w, op, [&] { return fm::mhc_project(a, as_stream(stream)); }, [&] { return fm::mhc_project_cpu(a); });
 }
@@ -330,16 +341,11 @@ void mhc_head(const In& x, const In& phi, const In& alpha, const In& bias, const
   const int64_t B = a.shape.batch, C = a.shape.hidden;
   a.phi_dtype = check_weights(phi, alpha, bias, n, n * C, 1, op);
   require_dense(out, kBFloat16, {B, C}, op, "out");
-  a.x = ptr(x);
-  a.phi = ptr(phi);
-  a.alpha = static_cast<const float*>(ptr(alpha));
-  a.bias = static_cast<const float*>(ptr(bias));
+  set_projection_pointers(a, x, phi, alpha, bias);
   a.out = mut(out);
   a.eps_norm = eps_norm;
   a.eps_pre = eps_pre;
-  a.enable_pdl = enable_pdl;
-  a.kernel = parse_kernel(kernel, op);
-  set_workspace(a, workspace, op);
+  set_projection_options(a, enable_pdl, kernel, workspace, op);
   dispatch(
       w, op, [&] { return fm::mhc_head(a, as_stream(stream)); }, [&] { return fm::mhc_head_cpu(a); });
 }

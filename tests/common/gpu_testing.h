@@ -127,4 +127,12 @@ class DeviceBuffer {
   size_t bytes_ = 0;
 };
 
+// A device buffer of `bytes` filled with `byte`: a pattern no kernel writes
+// by accident, so a missed output shows.
+inline DeviceBuffer poisoned_buffer(size_t bytes, uint8_t byte) {
+  DeviceBuffer b(bytes);
+  if (bytes) EXPECT_EQ(cudaMemset(b.get(), byte, bytes), cudaSuccess);
+  return b;
+}
+
 }  // namespace flashmix::testing

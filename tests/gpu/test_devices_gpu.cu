@@ -107,11 +107,7 @@ DeviceBuffer upload(const HostTensor& t) {
   return b;
 }
 
-DeviceBuffer poisoned(size_t bytes) {
-  DeviceBuffer b(bytes);
-  if (bytes) EXPECT_EQ(cudaMemset(b.get(), 0xff, bytes), cudaSuccess);
-  return b;
-}
+DeviceBuffer poisoned(size_t bytes) { return testing::poisoned_buffer(bytes, 0xff); }  // NaN in every float type
 
 // Records the status and checks that the call left no CUDA error set.
 #define EXPECT_OP_OK(expr)                                                             \
@@ -297,12 +293,7 @@ Outputs run_every_op(const Inputs& in) {
 
 
 float bf16_at(const std::vector<uint8_t>& b, size_t i) {
-  uint16_t h;
-  std::memcpy(&h, b.data() + 2 * i, 2);
-  const uint32_t w = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &w, 4);
-  return f;
+  return float(host::load_as_double(b.data(), DType::kBFloat16, int64_t(i)));
 }
 
 // `got` (bf16) within a tolerance of `ref` (bf16): the atomic modes sum the

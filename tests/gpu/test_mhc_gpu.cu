@@ -38,9 +38,7 @@ struct DeviceProblem {
 };
 
 DeviceBuffer poisoned(size_t bytes) {
-  DeviceBuffer b(bytes);
-  if (bytes) EXPECT_EQ(cudaMemset(b.get(), 0x7f, bytes), cudaSuccess);  // bf16 0x7f7f / fp32 ~3.4e38
-  return b;
+  return flashmix::testing::poisoned_buffer(bytes, 0x7f);  // bf16 0x7f7f / fp32 ~3.4e38
 }
 
 bool bf16_close(uint16_t got, uint16_t ref, double scale, double t) {

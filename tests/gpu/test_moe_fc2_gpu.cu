@@ -170,6 +170,16 @@ struct Problem {
     return h;
   }
 
+  // A rejected call wrote nothing: out is still the NaN poison.
+  void expect_out_untouched() const {
+    const HostTensor got = result();
+    for (int64_t i = 0; i < got.count(); ++i)
+      if (!std::isnan(got.get(i))) {
+        ADD_FAILURE() << "out written at " << i;
+        break;
+      }
+  }
+
   // Sum of |gpu - ref| over the output; expects every element within tolerance
   // and the padding columns untouched (still NaN).
   double check(Fc2Mode mode, const HostTensor& got) const {
@@ -281,12 +291,7 @@ TEST(MoeFc2Gpu, AutomaticChoiceAndPinnedKernelWithoutCutlass) {
     EXPECT_EQ(st.code(), StatusCode::kNotSupported) << st.message();
     EXPECT_NE(st.message().find("tuning.gemm_kernel"), std::string::npos) << st.message();
     CUDA_OK(cudaDeviceSynchronize());
-    const HostTensor got = p.result();
-    for (int64_t i = 0; i < got.count(); ++i)
-      if (!std::isnan(got.get(i))) {
-        ADD_FAILURE() << "out written at " << i;
-        break;
-      }
+    p.expect_out_untouched();
   }
 }
 
@@ -546,10 +551,5 @@ TEST(MoeFc2Gpu, BadInputNamesTheArgumentAndWritesNothing) {
   expect_error(a, p.dws.bytes(), "mode");
   expect_error(p.args, 16, "workspace_bytes");
   CUDA_OK(cudaDeviceSynchronize());
-  const HostTensor got = p.result();
-  for (int64_t i = 0; i < got.count(); ++i)
-    if (!std::isnan(got.get(i))) {
-      ADD_FAILURE() << "out written at " << i;
-      break;
-    }
+  p.expect_out_untouched();
 }
