@@ -137,5 +137,7 @@ void run_moe_routing_cases(Context& ctx);
 void run_moe_router_cases(Context& ctx);
 void run_mhc_cases(Context& ctx);
 void run_moe_fc2_cases(Context& ctx);
+void run_moe_fc1_cases(Context& ctx);
+void run_moe_forward_cases(Context& ctx);
 
 }  // namespace flashmix::bench

@@ -70,7 +70,9 @@ int main(int argc, char** argv) {
   run_mhc_cases(ctx);
   run_moe_routing_cases(ctx);
   run_moe_router_cases(ctx);
+  run_moe_fc1_cases(ctx);
   run_moe_fc2_cases(ctx);
+  run_moe_forward_cases(ctx);
 
   int failed = 0;
   for (const auto& r : ctx.records) failed += r.check.rfind("FAILED", 0) == 0;

@@ -271,7 +271,19 @@ struct Fc2FinalizeArgs {
   Fc2Mode mode = Fc2Mode::kAtomic;
   // kAtomic only: the caller has zeroed `out` (or holds a residual there that
   // the experts' sum is to be added to); the op then skips its own memset.
+  // Not with shared_output, nor with fill = false.
   bool out_already_zeroed = false;
+
+  // Added once, unweighted, to every token the op writes (a shared expert's
+  // output or a residual): bf16 [T, shared_stride], nullptr = none. May not
+  // overlap `out` (kAtomicFp32, kDeterministic, kUnfused add it in fp32 before
+  // the one rounding; kAtomic copies it into `out` before the adds).
+  const void* shared_output = nullptr;
+  int64_t shared_stride = 0;  // 0 means H
+  // true (default): a token with no local row gets 0 (+ shared_output).
+  // false: such tokens are left untouched (expert parallelism: each rank
+  // writes only its tokens); no host sync, P is read on the device.
+  bool fill = true;
 
   Fc2Tuning tuning;
 };
@@ -296,5 +308,85 @@ Status validate_moe_fc2_finalize(const Fc2FinalizeArgs& args);
 
 }  // namespace flashmix
 
-// The router (logits -> top-k experts and weights), SPEC §8.
+// The router (logits -> top-k experts and weights), spec §8.
 #include "flashmix/moe_router.h"
+// FC1 with the gather and the gated activation fused, spec §9.
+#include "flashmix/moe_fc1.h"
+
+// ---------------------------------------------------------------------------
+// The routed-expert layer in one call (spec §10):
+//   [router: logits -> ids, weights] -> routing maps -> FC1 + activation ->
+//   FC2 + fused finalize (+ shared_output)
+// Every stage on `stream`, no host sync, capturable in a CUDA graph; one
+// workspace (moe_forward_workspace_size) holds every intermediate.
+// ---------------------------------------------------------------------------
+namespace flashmix {
+
+struct MoeForwardArgs {
+  int64_t num_tokens = 0;  // T (0 is valid: nothing is launched; with fill, out is not touched either)
+  int64_t hidden = 0;      // H, a multiple of 8
+  int64_t inter = 0;       // I, a multiple of 8
+  int k = 0;               // experts per token, 1..16
+  int num_experts = 0;     // E, all experts (the router's width; ids are in [0, E))
+  int start_expert_id = 0;       // this rank's first expert
+  int num_experts_per_node = 0;  // E_local: this rank holds experts [start, start + E_local)
+
+  const void* X = nullptr;  // bf16 [T, x_stride], token order
+  int64_t x_stride = 0;     // 0 means H
+
+  // Routing, one of:
+  //  (a) router logits [T, E] (fp32 or bf16): the router runs (spec §8) with
+  //      `router` (its logits/ids/weights/T/E/k fields are ignored here);
+  //  (b) token_selected_experts [T, k] int32 + token_final_scales [T, k] fp32
+  //      (the caller's router; scales may be null = all 1).
+  const void* router_logits = nullptr;
+  MoeRouterArgs router;
+  const int32_t* token_selected_experts = nullptr;
+  const float* token_final_scales = nullptr;
+  // With (a), optional copies of what the router chose ([T, k] each; null = not kept).
+  int32_t* selected_experts_out = nullptr;
+  float* final_scales_out = nullptr;
+
+  // FC1: W1 bf16 [E_local, 2I, H]; bias bf16 [E_local, 2I] or null.
+  const void* W1 = nullptr;
+  Fc1WeightLayout w1_layout = Fc1WeightLayout::kGateUp;
+  const void* b1 = nullptr;
+  MoeActivation activation = MoeActivation::kSwiGLU;
+  float activation_limit = 0.f;  // MoeFc1Args::limit
+  float activation_alpha = 0.f;  // MoeFc1Args::alpha
+
+  // FC2: W2 bf16 [E_local, H, I]; bias bf16 [E_local, H] or null (apply_b2
+  // false on all but one tensor-parallel rank).
+  const void* W2 = nullptr;
+  const void* b2 = nullptr;
+  bool apply_b2 = true;
+  Fc2Mode fc2_mode = Fc2Mode::kAtomic;
+  Fc2Tuning fc2_tuning;
+
+  // Added once to every token written (shared expert or residual): bf16
+  // [T, shared_stride] or null; 0 means H.
+  const void* shared_output = nullptr;
+  int64_t shared_stride = 0;
+  // true: a token with no local expert gets 0 (+ shared_output); false: left untouched.
+  bool fill = true;
+
+  void* out = nullptr;  // bf16 [T, out_stride]; columns [0, H) written
+  int64_t out_stride = 0;  // 0 means H
+
+  bool enable_pdl = true;
+};
+
+// Bytes of device workspace moe_forward needs (sizes only; 0 for invalid sizes).
+size_t moe_forward_workspace_size(const MoeForwardArgs& args);
+
+// GPU entry point: asynchronous on `stream`, no host synchronisation, no
+// allocation, capturable. `workspace` 256-byte aligned. sm_90a.
+Status moe_forward(const MoeForwardArgs& args, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+// CPU reference: the CPU references of the stages, chained (FC1's output
+// rounded to bf16 as on the GPU). Host pointers.
+Status moe_forward_cpu(const MoeForwardArgs& args);
+
+Status validate_moe_forward(const MoeForwardArgs& args);
+
+}  // namespace flashmix

@@ -36,12 +36,19 @@ Status moe_fc2_finalize_cpu(const Fc2FinalizeArgs& a) {
     }
   }
   const bool add_to_out = a.mode == Fc2Mode::kAtomic && a.out_already_zeroed;
-  for (int64_t t = 0; t < T; ++t)
+  const auto* shared = static_cast<const uint16_t*>(a.shared_output);
+  const int64_t shared_stride = a.shared_stride ? a.shared_stride : H;
+  std::vector<char> local(static_cast<size_t>(T), 0);  // tokens with a local row
+  for (int64_t p = 0; p < a.expert_first_token_offset[E]; ++p) local[a.permuted_row_to_unpermuted_row[p] % T] = 1;
+  for (int64_t t = 0; t < T; ++t) {
+    if (!a.fill && !local[t]) continue;  // no-fill: left untouched
     for (int64_t n = 0; n < H; ++n) {
       double v = acc[t * H + n];
       if (add_to_out) v += host::bf16_to_float(out[t * out_stride + n]);
+      if (shared) v += host::bf16_to_float(shared[t * shared_stride + n]);
       out[t * out_stride + n] = host::float_to_bf16(float(v));
     }
+  }
   return Status::Ok();
 }
 

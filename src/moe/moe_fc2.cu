@@ -50,15 +50,35 @@ __global__ void fc2_slot_maps(const int32_t* __restrict__ p2u, const int64_t* __
   }
 }
 
-// out[t, n] = bf16(acc32[t, n]), 8 columns per thread (H % 8 == 0).
-__global__ void fc2_cast_rows(const float* __restrict__ acc32, int64_t T, int64_t H, __nv_bfloat16* out,
-                              int64_t out_stride) {
+// Which tokens a pass over rows visits: all T (fill), or the token of each
+// local row p < P (no fill: a token with several local rows is visited once
+// per row, each visit writing the same values).
+struct TokenRows {
+  const int32_t* p2u = nullptr;  // null: every token
+  const int64_t* offsets = nullptr;
+  int E = 0;
+  int64_t T = 0;
+  __device__ int64_t count() const { return p2u ? offsets[E] : T; }
+  __device__ int64_t token(int64_t i) const { return p2u ? p2u[i] % T : i; }
+};
+
+// out[t, n] = bf16(acc32[t, n] (+ shared[t, n])), 8 columns per thread (H % 8 == 0).
+__global__ void fc2_cast_rows(const float* __restrict__ acc32, TokenRows rows, int64_t H, __nv_bfloat16* out,
+                              int64_t out_stride, const __nv_bfloat16* __restrict__ shared, int64_t shared_stride) {
   const int64_t vecs_per_row = H / 8;
-  const int64_t total = T * vecs_per_row;
+  const int64_t total = rows.count() * vecs_per_row;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t = i / vecs_per_row, c = (i % vecs_per_row) * 8;
-    const float4 a = *reinterpret_cast<const float4*>(acc32 + t * H + c);
-    const float4 b = *reinterpret_cast<const float4*>(acc32 + t * H + c + 4);
+    const int64_t t = rows.token(i / vecs_per_row), c = (i % vecs_per_row) * 8;
+    float4 a = *reinterpret_cast<const float4*>(acc32 + t * H + c);
+    float4 b = *reinterpret_cast<const float4*>(acc32 + t * H + c + 4);
+    if (shared) {
+      const uint4 sv = *reinterpret_cast<const uint4*>(shared + t * shared_stride + c);
+      const __nv_bfloat162* s2 = reinterpret_cast<const __nv_bfloat162*>(&sv);
+      const float2 s0 = __bfloat1622float2(s2[0]), s1 = __bfloat1622float2(s2[1]), s2f = __bfloat1622float2(s2[2]),
+                   s3 = __bfloat1622float2(s2[3]);
+      a.x += s0.x, a.y += s0.y, a.z += s1.x, a.w += s1.y;
+      b.x += s2f.x, b.y += s2f.y, b.z += s3.x, b.w += s3.y;
+    }
     __nv_bfloat162 h[4] = {__floats2bfloat162_rn(a.x, a.y), __floats2bfloat162_rn(a.z, a.w),
                            __floats2bfloat162_rn(b.x, b.y), __floats2bfloat162_rn(b.z, b.w)};
     __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out + t * out_stride + c);
@@ -67,6 +87,17 @@ __global__ void fc2_cast_rows(const float* __restrict__ acc32, int64_t T, int64_
     } else {
       for (int q = 0; q < 4; ++q) dst[q] = h[q];
     }
+  }
+}
+
+// kAtomic without fill: out[t] = shared[t] (or 0) for the token of each local
+// row, before the GEMM's adds (tokens without a local row stay untouched).
+__global__ void fc2_seed_local_rows(TokenRows rows, int64_t H, __nv_bfloat16* out, int64_t out_stride,
+                                    const __nv_bfloat16* __restrict__ shared, int64_t shared_stride) {
+  const int64_t total = rows.count() * H;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = rows.token(i / H), c = i % H;
+    out[t * out_stride + c] = shared ? shared[t * shared_stride + c] : __float2bfloat16(0.f);
   }
 }
 
@@ -129,17 +160,37 @@ Status run_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t worksp
   g.swizzle = a.tuning.swizzle;
 
   const size_t slots = size_t(T) * size_t(a.k);
+  const int64_t shared_stride = a.shared_stride ? a.shared_stride : H;
+  const auto* shared = static_cast<const __nv_bfloat16*>(a.shared_output);
+  TokenRows rows;  // the tokens the op writes: all, or (no fill) those of the local rows
+  rows.T = T;
+  if (!a.fill) {
+    rows.p2u = a.permuted_row_to_unpermuted_row;
+    rows.offsets = a.expert_first_token_offset;
+    rows.E = a.num_experts_per_node;
+  }
   switch (a.mode) {
     case Fc2Mode::kAtomic: {
-      if (!a.out_already_zeroed)
+      if (!a.fill) {
+        fc2_seed_local_rows<<<grid_for(T * H, 256, sms), 256, 0, stream>>>(rows, H,
+                                                                          static_cast<__nv_bfloat16*>(a.out),
+                                                                          out_stride, shared, shared_stride);
+        FM_RETURN_IF_ERROR(detail::check_launch(kOp));
+      } else if (shared) {
+        FM_RETURN_IF_ERROR(detail::cuda_status(
+            cudaMemcpy2DAsync(a.out, size_t(out_stride) * 2, shared, size_t(shared_stride) * 2, size_t(H) * 2,
+                              size_t(T), cudaMemcpyDeviceToDevice, stream),
+            kOp, "copying shared_output into out"));
+      } else if (!a.out_already_zeroed) {
         FM_RETURN_IF_ERROR(detail::cuda_status(
             cudaMemset2DAsync(a.out, size_t(out_stride) * 2, 0, size_t(H) * 2, size_t(T), stream), kOp,
             "zeroing out"));
+      }
       g.op = Fc2EpilogueOp::kRedBf16;
       g.dst = a.out;
       g.dst_stride = out_stride;
       g.vec16 = reinterpret_cast<uintptr_t>(a.out) % 16 == 0 && out_stride % 8 == 0;
-      g.add_to_out = a.out_already_zeroed;
+      g.add_to_out = a.out_already_zeroed || shared != nullptr;
       return run_gemm(g, stream);
     }
     case Fc2Mode::kAtomicFp32: {
@@ -152,7 +203,7 @@ Status run_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t worksp
       g.vec16 = true;  // workspace, 256-byte aligned, H % 8 == 0
       FM_RETURN_IF_ERROR(run_gemm(g, stream));
       fc2_cast_rows<<<grid_for(T * H / 8, 256, sms), 256, 0, stream>>>(
-          acc32, T, H, static_cast<__nv_bfloat16*>(a.out), out_stride);
+          acc32, rows, H, static_cast<__nv_bfloat16*>(a.out), out_stride, shared, shared_stride);
       return detail::check_launch(kOp);
     }
     case Fc2Mode::kDeterministic:
@@ -189,7 +240,11 @@ Status run_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t worksp
       f.k = a.k;
       f.start_expert_id = 0;
       f.num_experts_per_node = a.num_experts_per_node;
-      f.fill = true;
+      f.shared_output = a.shared_output;
+      f.shared_stride = shared_stride;
+      f.fill = a.fill;
+      f.permuted_row_to_unpermuted_row = a.permuted_row_to_unpermuted_row;
+      f.expert_first_token_offset = a.expert_first_token_offset;
       f.enable_pdl = false;
       return finalize_moe_routing(f, stream);
     }

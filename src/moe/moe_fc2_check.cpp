@@ -46,6 +46,18 @@ Status validate_fc2(const Fc2FinalizeArgs& a, bool check_buffers) {
              "num_tokens * out_stride overflows");
   FM_REQUIRE(int64_t(a.num_experts_per_node) * a.hidden * a.inter < (int64_t(1) << 60), kOp, "W2",
              "E_local * H * I overflows");
+  FM_REQUIRE(a.shared_stride >= 0, kOp, "shared_stride", "must be >= 0 (0 means hidden; got ", a.shared_stride, ")");
+  const int64_t shared_stride = a.shared_stride ? a.shared_stride : a.hidden;
+  FM_REQUIRE(shared_stride >= a.hidden, kOp, "shared_stride", "smaller than a row: ", shared_stride, " < hidden ",
+             a.hidden);
+  FM_REQUIRE(shared_stride % 8 == 0, kOp, "shared_stride", "must be a multiple of 8 (16-byte rows; got ",
+             shared_stride, ")");
+  FM_REQUIRE(shared_stride <= (int64_t(1) << 60) / (a.num_tokens + 1), kOp, "shared_stride",
+             "num_tokens * shared_stride overflows");
+  FM_REQUIRE(!(a.out_already_zeroed && a.mode == Fc2Mode::kAtomic && a.shared_output != nullptr), kOp,
+             "out_already_zeroed", "cannot be combined with shared_output (give the residual one way)");
+  FM_REQUIRE(!(a.out_already_zeroed && a.mode == Fc2Mode::kAtomic && !a.fill), kOp, "out_already_zeroed",
+             "cannot be combined with fill = false (the op then zeroes only the tokens it writes)");
   if (a.num_tokens == 0 || !check_buffers) return Status::Ok();
   FM_REQUIRE(a.A != nullptr, kOp, "A", "must not be null");
   FM_REQUIRE(a.W2 != nullptr, kOp, "W2", "must not be null");
@@ -64,6 +76,8 @@ Status validate_fc2(const Fc2FinalizeArgs& a, bool check_buffers) {
   FM_REQUIRE(reinterpret_cast<uintptr_t>(a.permuted_row_to_unpermuted_row) % 4 == 0, kOp,
              "permuted_row_to_unpermuted_row", "must be 4-byte aligned (int32)");
   FM_REQUIRE(reinterpret_cast<uintptr_t>(a.scales) % 4 == 0, kOp, "scales", "must be 4-byte aligned (fp32)");
+  FM_REQUIRE(reinterpret_cast<uintptr_t>(a.shared_output) % 16 == 0, kOp, "shared_output",
+             "must be 16-byte aligned (16-byte rows)");
   // `out` (reduced into by the epilogue) overlaps no input.
   const int64_t slots = a.num_tokens * a.k, E = a.num_experts_per_node;
   const detail::Range outs[] = {{"out", a.out, detail::rows_extent_bytes(a.num_tokens, out_stride, a.hidden, 2)}};
@@ -72,7 +86,9 @@ Status validate_fc2(const Fc2FinalizeArgs& a, bool check_buffers) {
                                {"expert_first_token_offset", a.expert_first_token_offset, (E + 1) * 8},
                                {"permuted_row_to_unpermuted_row", a.permuted_row_to_unpermuted_row, slots * 4},
                                {"scales", a.scales, slots * 4},
-                               {"bias", a.apply_bias ? a.bias : nullptr, E * a.hidden * 2}};
+                               {"bias", a.apply_bias ? a.bias : nullptr, E * a.hidden * 2},
+                               {"shared_output", a.shared_output,
+                                detail::rows_extent_bytes(a.num_tokens, shared_stride, a.hidden, 2)}};
   return detail::check_no_overlap(kOp, outs, ins);
 }
 

@@ -13,6 +13,8 @@ constexpr const char* kOp = "build_moe_routing_maps";
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
+}  // namespace
+
 // check_buffers = false: the sizes only, not the buffers (presence,
 // alignment, overlap): the workspace size query needs sizes only, and callers
 // may ask before allocating.
@@ -102,8 +104,6 @@ Status validate_routing(const MoeRoutingArgs& a, bool check_buffers) {
                                {"input", a.input, in_bytes}};
   return detail::check_no_overlap(kOp, outs, ins);
 }
-
-}  // namespace
 
 Status validate_moe_routing_maps(const MoeRoutingArgs& a) { return validate_routing(a, true); }
 

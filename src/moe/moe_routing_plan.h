@@ -54,3 +54,9 @@ inline MoeRoutingPlan plan_moe_routing(const MoeRoutingArgs& a) {
 }
 
 }  // namespace flashmix::detail
+
+namespace flashmix {
+// validate_moe_routing_maps with check_buffers = false checks the sizes only
+// (the workspace size query, and moe_forward before its workspace exists).
+Status validate_routing(const MoeRoutingArgs& a, bool check_buffers);
+}  // namespace flashmix

@@ -51,6 +51,7 @@
 #include "common/sm90_wgmma.cuh"
 #include "common/tma_host.h"
 #include "moe/moe_fc2_internal.h"
+#include "moe/sm90_expert_tiles.cuh"
 #include "moe/sm90_fc2_rows_profile.cuh"
 
 namespace flashmix {
@@ -61,8 +62,6 @@ constexpr const char* kOp = "moe_fc2_finalize";
 
 constexpr int kTileH = 128;      // output columns per tile: 2 consumer warpgroups x wgmma M = 64
 constexpr int kTileK = 64;       // K per stage: one 128-byte swizzled row
-constexpr int kRowQuantum = 16;  // N is a multiple of this
-constexpr int kWgmmaMaxN = 256;  // the most rows one wgmma takes; a tile above it takes two
 constexpr int kWideRows = 272;   // the row limit of the wide kernel (kWgmmaMaxN + one 16-row wgmma)
 constexpr int kWBytes = kTileH * kTileK * 2;  // 16 KB
 // Epilogue staging, per consumer warpgroup (its 64 columns x some rows):
@@ -84,6 +83,9 @@ constexpr int kThreads = 384;
 constexpr int kProducerRegs = 72, kConsumerRegs = 216;
 constexpr int kMaxExpertsOp = kFc2RowsMaxExperts;  // the most experts the 256-row kernel's tables hold
 namespace prof = fc2_rows_prof;  // per-tile cycle stamps: empty hooks unless FLASHMIX_FC2_PROFILE
+// kRowQuantum, kWgmmaMaxN (a tile above it takes two wgmmas), TileInfo and the
+// schedule (sm90_expert_tiles.cuh, shared with FC1).
+using namespace expert_tiles;
 
 // Shared memory layout (from a 1024-byte aligned base): a 4-stage ring of
 // W2 128 x 64 + up to kMaxRows rows x 64, the epilogue staging, the per-tile
@@ -118,65 +120,11 @@ struct RowsCfg {
   static_assert(kSmemBytes <= 232448, "shared memory");
 };
 
-__device__ __forceinline__ int round_rows(int r) { return (r + kRowQuantum - 1) / kRowQuantum * kRowQuantum; }
-
-// Chunks of an expert of R rows: one tile if it fits in kMaxRows, else equal
-// chunks of at most 256. (A tile above 256 rows takes two wgmmas; it is there
-// for the experts just past 256 rows, which would otherwise be two tiles of
-// ~136 rows, fed at ~80 % of the MMA rate. Larger experts keep chunks of at
-// most 256: 4 x 258 rows instead of 5 x 206 lost to the wave quantisation
-// on the Mixtral-like shape.)
-template <int kMaxRows>
-__device__ __forceinline__ int row_chunks(int R) {
-  return R <= 0 ? 0 : R <= kMaxRows ? 1 : (R + kWgmmaMaxN - 1) / kWgmmaMaxN;
-}
-
 struct RowsGemmParams : Fc2EpilogueParamsDevice {
   int E;
   int h_slices, k_blocks;
   bool plain_k1;  // kRedBf16, k == 1, out zeroed by the op: stores instead of reduction adds
 };
-
-struct TileInfo {
-  int e, hs;
-  int p0;    // first permuted row of the chunk
-  int rows;  // rows of the chunk
-  int n;     // rows rounded up to kRowQuantum: the wgmma N
-};
-
-// The wgmma N of an expert's tiles (0 for an empty expert).
-template <int kMaxRows>
-__device__ __forceinline__ int tile_n(int R) {
-  const int chunks = row_chunks<kMaxRows>(R);
-  return chunks == 0 ? 0 : round_rows((R + chunks - 1) / chunks);
-}
-
-// Tile `tile` of the schedule: experts in `order` (largest N first, so the
-// CTAs' last round-robin rounds take the short tiles), each expert's tiles
-// H slice by H slice, the chunks of a slice side by side (they share its W2
-// slice in L2).
-template <int kMaxRows>
-__device__ __forceinline__ TileInfo decode_tile(int tile, const int* tile_start, const int* row_off,
-                                                const uint16_t* order, int E) {
-  int lo = 0, hi = E - 1;  // the last position whose first tile is <= tile (empty experts share it)
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
-  }
-  const int e = order[lo];
-  const int local = tile - tile_start[lo];
-  const int R = row_off[e + 1] - row_off[e];
-  const int chunks = row_chunks<kMaxRows>(R);
-  const int per = (R + chunks - 1) / chunks;
-  const int c = local % chunks;
-  TileInfo t;
-  t.e = e;
-  t.hs = local / chunks;
-  t.p0 = row_off[e] + c * per;
-  t.rows = min(per, R - c * per);
-  t.n = round_rows(per);
-  return t;
-}
 
 struct Shared {
   uint32_t stages;  // shared address of stage 0
@@ -456,51 +404,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("fence.mbarrier_init.release.cluster;\n fence.proxy.async.shared::cta;\n" ::: "memory");
   }
   __syncthreads();
-  if (warp == 0) {
-    // The schedule's expert order: by tile N, largest first (a stable
-    // counting sort over N / 16 = 17..0; the keys present are a bit mask, so
-    // decode-sized batches, all in one or two keys, take one or two passes).
-    // The keys wait in tile_start, which the scan below fills afterwards.
-    uint32_t present = 0;
-    for (int e = lane; e < E; e += 32) {
-      const int key = tile_n<kMaxRows>(row_off[e + 1] - row_off[e]) / kRowQuantum;
-      tile_start[e] = key;
-      present |= 1u << key;
-    }
-#pragma unroll
-    for (int d = 16; d > 0; d >>= 1) present |= __shfl_xor_sync(~0u, present, d);
-    int pos = 0;
-    while (present != 0) {
-      const int key = 31 - __clz(present);
-      present &= ~(1u << key);
-      for (int b0 = 0; b0 < E; b0 += 32) {
-        const int e = b0 + lane;
-        const bool mine = e < E && tile_start[e] == key;  // this lane's own key from above
-        const uint32_t ballot = __ballot_sync(~0u, mine);
-        if (mine) order[pos + __popc(ballot & ((1u << lane) - 1))] = uint16_t(e);
-        pos += __popc(ballot);
-      }
-    }
-    __syncwarp();
-    // Tiles per expert in that order: row_chunks x H slices; exclusive scan.
-    int carry = 0;
-    for (int b0 = 0; b0 < E; b0 += 32) {
-      const int i = b0 + lane;
-      int v = 0;
-      if (i < E) {
-        const int e = order[i];
-        v = row_chunks<kMaxRows>(row_off[e + 1] - row_off[e]) * p.h_slices;
-      }
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int u = __shfl_up_sync(~0u, v, d);
-        if (lane >= d) v += u;
-      }
-      if (i < E) tile_start[i + 1] = carry + v;
-      carry += __shfl_sync(~0u, v, 31);
-    }
-    if (lane == 0) tile_start[0] = 0;
-  }
+  if (warp == 0) build_schedule<kMaxRows>(row_off, E, p.h_slices, tile_start, order);
   __syncthreads();
 
   // Each role's code sits inside its setmaxnreg branch: ptxas ignores the

@@ -1,0 +1,209 @@
+// flashmix-bench cases for moe_fc1 (spec §9): the FC1 grouped GEMM with the
+// gather and SwiGLU fused, against a dense cuBLAS bf16 GEMM of equal FLOPs
+// (2 * P * 2I * H, P = local rows) timed in the same run. Routing maps are
+// built beforehand (not timed). fraction = dense time / our time;
+// ratio_to_dense its inverse (the issue's bounds: target_ratio). A second
+// record per case, .../prepermuted, reads a permuted copy of X instead of
+// gathering (the copy not timed): what the fused gather costs.
+// Verification: a sample of rows and every 4th column against a double
+// reference computed here from the same inputs.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <cuda_bf16.h>
+
+#include "bench_common.h"
+#include "common/host_dtype.h"
+#include "common/test_data.h"
+#include "flashmix/moe.h"
+
+namespace flashmix::bench {
+namespace {
+
+using flashmix::testing::Rng;
+using flashmix::testing::Routing;
+
+struct Fc1Case {
+  std::string name;
+  int64_t T;
+  int k;
+  int total, local;
+  int64_t H, I;
+  bool decode = false;
+  double max_ratio = 0;  // the issue's bound (0: report only)
+};
+
+__global__ void fill_bf16_fc1(__nv_bfloat16* x, int64_t n, uint64_t seed, float scale) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint64_t h = (uint64_t(i) + seed) * 0x9e3779b97f4a7c15ull;
+    h ^= h >> 31;
+    h *= 0xbf58476d1ce4e5b9ull;
+    h ^= h >> 29;
+    x[i] = __float2bfloat16(scale * (float(h >> 40) / float(1 << 24) * 2.0f - 1.0f));
+  }
+}
+
+__global__ void permute_rows(const __nv_bfloat16* x, const int32_t* p2u, int64_t P, int T, int64_t H,
+                             __nv_bfloat16* xp) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < P * H; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t p = i / H, c = i % H;
+    xp[i] = x[int64_t(p2u[p] % T) * H + c];
+  }
+}
+
+double silu_mul(double g, double u) { return g / (1.0 + std::exp(-g)) * u; }
+
+void run_case(Context& ctx, const Fc1Case& c, cudaStream_t stream) {
+  if (!ctx.selected("moe_fc1", c.name)) return;
+  Rng rng(0xfc1000ull + std::hash<std::string>()(c.name));
+  const Routing r = flashmix::testing::random_routing(rng, c.T, c.k, c.total, 0, c.local);
+  const int64_t P = r.P(), cap = std::max<int64_t>(1, c.T * c.k);
+  __nv_bfloat16 *dX, *dXp, *dW1, *dout;
+  int32_t* dp2u;
+  int64_t* doff;
+  const int64_t nX = c.T * c.H, nW = int64_t(c.local) * 2 * c.I * c.H;
+  BENCH_CUDA(cudaMalloc(&dX, nX * 2));
+  BENCH_CUDA(cudaMalloc(&dXp, cap * c.H * 2));
+  BENCH_CUDA(cudaMalloc(&dW1, nW * 2));
+  BENCH_CUDA(cudaMalloc(&dout, cap * c.I * 2));
+  BENCH_CUDA(cudaMalloc(&dp2u, std::max<size_t>(1, r.p2u.size()) * 4));
+  BENCH_CUDA(cudaMalloc(&doff, r.offsets.size() * 8));
+  fill_bf16_fc1<<<1024, 256, 0, stream>>>(dX, nX, 11, 1.0f);
+  fill_bf16_fc1<<<1024, 256, 0, stream>>>(dW1, nW, 12, 0.05f);
+  if (!r.p2u.empty())
+    BENCH_CUDA(cudaMemcpyAsync(dp2u, r.p2u.data(), r.p2u.size() * 4, cudaMemcpyHostToDevice, stream));
+  BENCH_CUDA(cudaMemcpyAsync(doff, r.offsets.data(), r.offsets.size() * 8, cudaMemcpyHostToDevice, stream));
+  if (P > 0) permute_rows<<<1024, 256, 0, stream>>>(dX, dp2u, P, int(c.T), c.H, dXp);
+  BENCH_CUDA(cudaGetLastError());
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+
+  MoeFc1Args a;
+  a.X = dX;
+  a.W1 = dW1;
+  a.expert_first_token_offset = doff;
+  a.permuted_row_to_unpermuted_row = dp2u;
+  a.num_tokens = c.T;
+  a.k = c.k;
+  a.hidden = c.H;
+  a.inter = c.I;
+  a.num_experts_per_node = c.local;
+  a.out = dout;
+
+  // A sample of rows (every 4th column) in double.
+  std::vector<int64_t> rows;
+  for (int64_t p = 0; p < P && rows.size() < 6; p += std::max<int64_t>(1, P / 6)) rows.push_back(p);
+  std::vector<std::vector<double>> ref;
+  double max_ref = 0;
+  if (ctx.verify && P > 0) {
+    std::vector<uint16_t> hX(static_cast<size_t>(nX)), hW(static_cast<size_t>(nW));
+    BENCH_CUDA(cudaMemcpy(hX.data(), dX, nX * 2, cudaMemcpyDeviceToHost));
+    BENCH_CUDA(cudaMemcpy(hW.data(), dW1, nW * 2, cudaMemcpyDeviceToHost));
+    for (int64_t p : rows) {
+      int e = 0;
+      while (r.offsets[e + 1] <= p) ++e;
+      const int64_t t = r.p2u[size_t(p)] % c.T;
+      std::vector<double> row(size_t(c.I), 0.0);
+      for (int64_t i = 0; i < c.I; i += 4) {
+        double g = 0, u = 0;
+        for (int64_t h = 0; h < c.H; ++h) {
+          const double x = host::bf16_to_float(hX[size_t(t * c.H + h)]);
+          g += x * host::bf16_to_float(hW[size_t((e * 2 * c.I + i) * c.H + h)]);
+          u += x * host::bf16_to_float(hW[size_t((e * 2 * c.I + c.I + i) * c.H + h)]);
+        }
+        row[size_t(i)] = silu_mul(g, u);
+        max_ref = std::max(max_ref, std::fabs(row[size_t(i)]));
+      }
+      ref.push_back(std::move(row));
+    }
+  }
+
+  const double flops = 2.0 * double(P) * 2.0 * double(c.I) * double(c.H);
+  const int iters = ctx.quick ? 10 : 30;
+  DenseGemm dense(std::max<int64_t>(P, 1), 2 * c.I, c.H, stream);
+  const double dense_first_us = median_us([&] { dense.run(); }, stream, 5, iters);
+  int touched = 0;
+  for (int e = 0; e < c.local; ++e) touched += r.offsets[e + 1] > r.offsets[e];
+  const double wbytes = double(touched) * 2.0 * c.I * c.H * 2;
+  for (int variant = 0; variant < 2; ++variant) {
+    const bool pre = variant == 1;
+    a.X = pre ? dXp : dX;
+    a.x_permuted = pre;
+    BENCH_CUDA(cudaMemsetAsync(dout, 0xff, cap * c.I * 2, stream));
+    Status st = moe_fc1(a, stream);
+    if (!st.ok()) {
+      std::fprintf(stderr, "flashmix-bench: moe_fc1 %s: %s\n", c.name.c_str(), st.message().c_str());
+      break;
+    }
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    std::string check = "not checked (--no-verify)";
+    if (ctx.verify) {
+      std::vector<uint16_t> got(size_t(cap * c.I));
+      BENCH_CUDA(cudaMemcpy(got.data(), dout, got.size() * 2, cudaMemcpyDeviceToHost));
+      const double rtol = std::ldexp(1.0, -7), atol = std::ldexp(1.0, -10) * max_ref;  // the test's tolerance
+      int64_t bad = 0;
+      double worst = 0;
+      for (size_t ri = 0; ri < rows.size(); ++ri)
+        for (int64_t i = 0; i < c.I; i += 4) {
+          const double g = host::bf16_to_float(got[size_t(rows[ri] * c.I + i)]), rv = ref[ri][size_t(i)];
+          const double err = std::fabs(g - rv);
+          worst = std::max(worst, err);
+          bad += !(err <= rtol * std::fabs(rv) + atol);
+        }
+      check = bad ? "FAILED: " + std::to_string(bad) + " sampled elements (max abs err " + std::to_string(worst) + ")"
+                  : "passed (" + std::to_string(rows.size()) + " sampled rows, every 4th column)";
+    }
+    const double dense_us = std::min(dense_first_us, median_us([&] { dense.run(); }, stream, 5, iters));
+    const double us = c.decode ? graph_us_per_launch([&](int) { (void)moe_fc1(a, stream); }, 20, stream,
+                                                     ctx.quick ? 5 : 20)
+                               : median_us([&] { (void)moe_fc1(a, stream); }, stream, 3, iters);
+    Record rec;
+    rec.op = "moe_fc1";
+    rec.case_name = c.name + (pre ? "/prepermuted" : "");
+    rec.median_us = us;
+    rec.flops = flops;
+    rec.check = check;
+    rec.extra["rows"] = double(P);
+    rec.extra["dense_us"] = dense_us;
+    rec.extra["ratio_to_dense"] = us / dense_us;
+    rec.extra["tflops"] = flops / (us * 1e-6) / 1e12;
+    rec.extra["weight_bytes_fraction_of_copy"] = wbytes / (us * 1e-6) / (ctx.copy_gbps * 1e9);
+    if (c.decode) {  // bound by reading the used experts' W1
+      rec.ceiling = "copy";
+      rec.bytes = wbytes;
+      rec.fraction = wbytes / (us * 1e-6) / (ctx.copy_gbps * 1e9);
+    } else {
+      rec.ceiling = "gemm";
+      rec.fraction = dense_us / us;
+    }
+    if (c.max_ratio > 0 && !pre) rec.extra["target_ratio"] = c.max_ratio;
+    add_record(ctx, rec);
+  }
+  cudaFree(dX);
+  cudaFree(dXp);
+  cudaFree(dW1);
+  cudaFree(dout);
+  cudaFree(dp2u);
+  cudaFree(doff);
+}
+
+}  // namespace
+
+void run_moe_fc1_cases(Context& ctx) {
+  if (!ctx.gpu) return;  // the CPU reference on these shapes would take minutes
+  const std::vector<Fc1Case> cases = {
+      {"mixtral_T4096_k2_E8_I14336_H4096", 4096, 2, 8, 8, 4096, 14336, false, 1.10},
+      {"deepseek_ep_T1024_k8_E32_I2048_H7168", 1024, 8, 32, 32, 7168, 2048, false, 1.25},
+      {"qwen3moe_T4096_k8_E128_I768_H2048", 4096, 8, 128, 128, 2048, 768, false, 1.40},
+      {"decode_deepseek_ep_T16_k8_E32_I2048_H7168", 16, 8, 32, 32, 7168, 2048, true, 0},
+      {"decode_deepseek_ep_T64_k8_E32_I2048_H7168", 64, 8, 32, 32, 7168, 2048, true, 0},
+  };
+  cudaStream_t stream;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (const auto& c : cases) run_case(ctx, c, stream);
+  BENCH_CUDA(cudaStreamDestroy(stream));
+}
+
+}  // namespace flashmix::bench

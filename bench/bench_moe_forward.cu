@@ -1,0 +1,226 @@
+// flashmix-bench cases for moe_forward (spec §10): the whole routed-expert
+// layer (router on bf16 logits -> routing maps -> FC1 + SwiGLU -> FC2 +
+// finalize, kAtomic), against FC1 + FC2 alone on the same routing in the
+// same run (ceiling "fc1+fc2": fraction = (fc1 + fc2) / forward, so 1/fraction
+// is what routing, maps and glue add; the issue's bound: ratio <= 1.10).
+// Decode cases replay a CUDA graph of the layer; their fraction is the
+// weights of the experts actually used (W1 + W2) streamed at copy bandwidth.
+// Check: the layer's output against the staged FC1 + FC2 output on the same
+// routing (those two are checked against double references in their own
+// cases), within the FC2 test's bf16 tolerance.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <cuda_bf16.h>
+
+#include "bench_common.h"
+#include "common/host_dtype.h"
+#include "flashmix/moe.h"
+
+namespace flashmix::bench {
+namespace {
+
+struct ForwardCase {
+  std::string name;
+  int64_t T;
+  int k;
+  int E;
+  int64_t H, I;
+  MoeRouterScoring scoring;
+  float scaling;
+  bool decode;
+  double max_ratio;
+};
+
+__global__ void fill_bf16_fwd(__nv_bfloat16* x, int64_t n, uint64_t seed, float scale) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint64_t h = (uint64_t(i) + seed) * 0x9e3779b97f4a7c15ull;
+    h ^= h >> 31;
+    h *= 0xbf58476d1ce4e5b9ull;
+    h ^= h >> 29;
+    x[i] = __float2bfloat16(scale * (float(h >> 40) / float(1 << 24) * 2.0f - 1.0f));
+  }
+}
+
+template <typename T>
+T* dalloc(size_t count) {
+  T* p = nullptr;
+  BENCH_CUDA(cudaMalloc(&p, std::max<size_t>(1, count) * sizeof(T)));
+  return p;
+}
+
+void run_case(Context& ctx, const ForwardCase& c, cudaStream_t stream) {
+  if (!ctx.selected("moe_forward", c.name)) return;
+  const int64_t slots = c.T * c.k;
+  auto* X = dalloc<__nv_bfloat16>(size_t(c.T * c.H));
+  auto* logits = dalloc<__nv_bfloat16>(size_t(c.T * c.E));
+  auto* W1 = dalloc<__nv_bfloat16>(size_t(c.E) * 2 * c.I * c.H);
+  auto* W2 = dalloc<__nv_bfloat16>(size_t(c.E) * c.H * c.I);
+  auto* out = dalloc<__nv_bfloat16>(size_t(c.T * c.H));
+  auto* out_staged = dalloc<__nv_bfloat16>(size_t(c.T * c.H));
+  auto* act = dalloc<__nv_bfloat16>(size_t(slots * c.I));
+  auto* ids = dalloc<int32_t>(size_t(slots));
+  auto* scales = dalloc<float>(size_t(slots));
+  auto* offsets = dalloc<int64_t>(size_t(c.E + 1));
+  auto* p2u = dalloc<int32_t>(size_t(slots));
+  auto* u2p = dalloc<int32_t>(size_t(slots));
+  fill_bf16_fwd<<<1024, 256, 0, stream>>>(X, c.T * c.H, 21, 1.0f);
+  fill_bf16_fwd<<<1024, 256, 0, stream>>>(logits, c.T * c.E, 22, 4.0f);
+  fill_bf16_fwd<<<1024, 256, 0, stream>>>(W1, int64_t(c.E) * 2 * c.I * c.H, 23, 0.05f);
+  fill_bf16_fwd<<<1024, 256, 0, stream>>>(W2, int64_t(c.E) * c.H * c.I, 24, 0.05f);
+  BENCH_CUDA(cudaGetLastError());
+
+  MoeForwardArgs f;
+  f.num_tokens = c.T;
+  f.hidden = c.H;
+  f.inter = c.I;
+  f.k = c.k;
+  f.num_experts = c.E;
+  f.num_experts_per_node = c.E;
+  f.X = X;
+  f.router_logits = logits;
+  f.router.logits_dtype = DType::kBFloat16;
+  f.router.scoring = c.scoring;
+  f.router.renormalize = true;
+  f.router.routed_scaling_factor = c.scaling;
+  f.selected_experts_out = ids;
+  f.final_scales_out = scales;
+  f.W1 = W1;
+  f.W2 = W2;
+  f.out = out;
+  const size_t ws_bytes = moe_forward_workspace_size(f);
+  void* ws = dalloc<char>(ws_bytes);
+  Status st = moe_forward(f, ws, ws_bytes, stream);
+  if (!st.ok()) {
+    std::fprintf(stderr, "flashmix-bench: moe_forward %s: %s\n", c.name.c_str(), st.message().c_str());
+    return;
+  }
+  // The same routing, staged: maps, FC1, FC2 alone.
+  MoeRoutingArgs m;
+  m.token_selected_experts = ids;
+  m.num_tokens = c.T;
+  m.k = c.k;
+  m.num_experts_per_node = c.E;
+  m.expert_first_token_offset = offsets;
+  m.permuted_row_to_unpermuted_row = p2u;
+  m.unpermuted_row_to_permuted_row = u2p;
+  const size_t mws_bytes = build_moe_routing_maps_workspace_size(m);
+  void* mws = dalloc<char>(mws_bytes);
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  st = build_moe_routing_maps(m, mws, mws_bytes, stream);
+  MoeFc1Args a1;
+  a1.X = X;
+  a1.W1 = W1;
+  a1.expert_first_token_offset = offsets;
+  a1.permuted_row_to_unpermuted_row = p2u;
+  a1.num_tokens = c.T;
+  a1.k = c.k;
+  a1.hidden = c.H;
+  a1.inter = c.I;
+  a1.num_experts_per_node = c.E;
+  a1.out = act;
+  Fc2FinalizeArgs a2;
+  a2.A = act;
+  a2.W2 = W2;
+  a2.expert_first_token_offset = offsets;
+  a2.permuted_row_to_unpermuted_row = p2u;
+  a2.scales = scales;
+  a2.num_tokens = c.T;
+  a2.k = c.k;
+  a2.hidden = c.H;
+  a2.inter = c.I;
+  a2.num_experts_per_node = c.E;
+  a2.out = out_staged;
+  const size_t ws2_bytes = moe_fc2_finalize_workspace_size(a2);
+  void* ws2 = dalloc<char>(ws2_bytes);
+  if (st.ok()) st = moe_fc1(a1, stream);
+  if (st.ok()) st = moe_fc2_finalize(a2, ws2, ws2_bytes, stream);
+  if (!st.ok()) {
+    std::fprintf(stderr, "flashmix-bench: moe_forward %s (staged): %s\n", c.name.c_str(), st.message().c_str());
+    return;
+  }
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  std::vector<int64_t> hoff(size_t(c.E + 1));
+  BENCH_CUDA(cudaMemcpy(hoff.data(), offsets, hoff.size() * 8, cudaMemcpyDeviceToHost));
+  int used = 0;
+  for (int e = 0; e < c.E; ++e) used += hoff[size_t(e + 1)] > hoff[size_t(e)];
+  std::string check = "not checked (--no-verify)";
+  if (ctx.verify) {
+    std::vector<uint16_t> a(size_t(c.T * c.H)), b(a.size());
+    BENCH_CUDA(cudaMemcpy(a.data(), out, a.size() * 2, cudaMemcpyDeviceToHost));
+    BENCH_CUDA(cudaMemcpy(b.data(), out_staged, b.size() * 2, cudaMemcpyDeviceToHost));
+    double max_ref = 0;
+    for (uint16_t v : b) max_ref = std::max(max_ref, std::fabs(double(host::bf16_to_float(v))));
+    const double rtol = std::ldexp(1.0, -7), atol = c.k * std::ldexp(1.0, -8) * max_ref;  // two kAtomic sums
+    int64_t bad = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      const double x = host::bf16_to_float(a[i]), y = host::bf16_to_float(b[i]);
+      bad += !(std::fabs(x - y) <= rtol * std::fabs(y) + 2 * atol);
+    }
+    check = bad ? "FAILED: " + std::to_string(bad) + " elements differ from the staged FC1 + FC2"
+                : "passed (every element against the staged FC1 + FC2)";
+  }
+  const int iters = ctx.quick ? 10 : 30;
+  double fwd_us, fc1_us, fc2_us;
+  if (c.decode) {
+    const int replays = ctx.quick ? 5 : 20;
+    fwd_us = graph_us_per_launch([&](int) { (void)moe_forward(f, ws, ws_bytes, stream); }, 10, stream, replays);
+    fc1_us = graph_us_per_launch([&](int) { (void)moe_fc1(a1, stream); }, 10, stream, replays);
+    fc2_us = graph_us_per_launch([&](int) { (void)moe_fc2_finalize(a2, ws2, ws2_bytes, stream); }, 10, stream,
+                                 replays);
+  } else {
+    fwd_us = median_us([&] { (void)moe_forward(f, ws, ws_bytes, stream); }, stream, 3, iters);
+    fc1_us = median_us([&] { (void)moe_fc1(a1, stream); }, stream, 3, iters);
+    fc2_us = median_us([&] { (void)moe_fc2_finalize(a2, ws2, ws2_bytes, stream); }, stream, 3, iters);
+  }
+  const double wbytes = double(used) * 3.0 * double(c.I) * double(c.H) * 2.0;  // W1 (2I x H) + W2 (H x I)
+  Record rec;
+  rec.op = "moe_forward";
+  rec.case_name = c.name;
+  rec.median_us = fwd_us;
+  rec.check = check;
+  rec.flops = 2.0 * double(hoff.back()) * 3.0 * double(c.I) * double(c.H);
+  rec.extra["fc1_us"] = fc1_us;
+  rec.extra["fc2_us"] = fc2_us;
+  rec.extra["ratio_to_fc1_plus_fc2"] = fwd_us / (fc1_us + fc2_us);
+  rec.extra["weight_bytes_fraction_of_copy"] = wbytes / (fwd_us * 1e-6) / (ctx.copy_gbps * 1e9);
+  rec.extra["experts_used"] = used;
+  rec.labels["router"] = to_string(c.scoring);
+  if (c.decode) {
+    rec.ceiling = "copy";
+    rec.bytes = wbytes;
+    rec.fraction = wbytes / (fwd_us * 1e-6) / (ctx.copy_gbps * 1e9);
+    rec.extra["target_fraction"] = 0.70;
+  } else {
+    rec.ceiling = "fc1+fc2";
+    rec.fraction = (fc1_us + fc2_us) / fwd_us;
+    rec.extra["target_ratio"] = c.max_ratio;
+  }
+  add_record(ctx, rec);
+  for (void* p : {(void*)X, (void*)logits, (void*)W1, (void*)W2, (void*)out, (void*)out_staged, (void*)act,
+                  (void*)ids, (void*)scales, (void*)offsets, (void*)p2u, (void*)u2p, ws, mws, ws2})
+    cudaFree(p);
+}
+
+}  // namespace
+
+void run_moe_forward_cases(Context& ctx) {
+  if (!ctx.gpu) return;
+  const std::vector<ForwardCase> cases = {
+      {"mixtral_T4096_k2_E8_I14336_H4096", 4096, 2, 8, 4096, 14336, MoeRouterScoring::kSoftmax, 1.f, false, 1.10},
+      {"deepseek_ep_T1024_k8_E32_I2048_H7168", 1024, 8, 32, 7168, 2048, MoeRouterScoring::kSigmoid, 2.5f, false,
+       1.10},
+      {"qwen3moe_T4096_k8_E128_I768_H2048", 4096, 8, 128, 2048, 768, MoeRouterScoring::kSoftmax, 1.f, false, 1.10},
+      {"deepseek_ep_T16_k8_E32_I2048_H7168", 16, 8, 32, 7168, 2048, MoeRouterScoring::kSigmoid, 2.5f, true, 0},
+      {"deepseek_ep_T64_k8_E32_I2048_H7168", 64, 8, 32, 7168, 2048, MoeRouterScoring::kSigmoid, 2.5f, true, 0},
+  };
+  cudaStream_t stream;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (const auto& c : cases) run_case(ctx, c, stream);
+  BENCH_CUDA(cudaStreamDestroy(stream));
+}
+
+}  // namespace flashmix::bench

@@ -1,0 +1,86 @@
+// flashmix: MoE FC1 grouped GEMM with the gather and the gated activation
+// fused (spec §9). For every local permuted row p of expert e (slot
+// s = permuted_row_to_unpermuted_row[p], token t = s % T):
+//   g = X[t] . W1[e, gate row i] + bias[e, gate row i]
+//   u = X[t] . W1[e, up row i]   + bias[e, up row i]
+//   out[p, i] = bf16(act(g, u))          for i in [0, I)
+// in fp32, rounded once. `out` is exactly the A that moe_fc2_finalize takes.
+// Included from flashmix/moe.h.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "flashmix/dtype.h"
+#include "flashmix/status.h"
+
+namespace flashmix {
+
+// The gated activation act(g, u), in fp32 (L = the limit, a = alpha):
+enum class MoeActivation : int {
+  // silu(g) * u = g / (1 + exp(-g)) * u  (Mixtral, Qwen3-MoE, DeepSeek-V3).
+  kSwiGLU = 0,
+  // gpt-oss: g' = min(g, L), u' = clamp(u, -L, L), g' * sigmoid(a * g') * (u' + 1);
+  // L = 7, a = 1.702 by default.
+  kSwiGLUOai = 1,
+  // DeepSeek-V4's clamped SwiGLU: silu(min(g, L)) * clamp(u, -L, L); L = 10 by default.
+  kSwiGLUClamped = 2,
+};
+// Clamps keep NaN (as torch.clamp does): a NaN g or u gives a NaN output.
+
+// How each expert's 2I rows of W1 hold the gate and the up projections.
+enum class Fc1WeightLayout : int {
+  kGateUp = 0,       // rows [0, I) gate, rows [I, 2I) up (DeepSeek, Mixtral, Qwen: w1 then w3)
+  kInterleaved = 1,  // row 2i gate i, row 2i + 1 up i (gpt-oss's gate_up_proj)
+};
+
+const char* to_string(MoeActivation activation);     // "swiglu", "swiglu_oai", "swiglu_clamped"
+const char* to_string(Fc1WeightLayout layout);       // "gate_up", "interleaved"
+
+struct MoeFc1Args {
+  // The input, in token order: bf16 [T, x_stride]; row p of the GEMM reads
+  // X[p2u[p] % T] (the gather is fused: no permuted copy is made). With
+  // x_permuted, X is instead the caller's permuted copy [k*T capacity,
+  // x_stride] and row p reads X[p].
+  const void* X = nullptr;
+  int64_t x_stride = 0;  // elements between rows; 0 means hidden; a multiple of 8
+  bool x_permuted = false;
+
+  const void* W1 = nullptr;  // bf16 [E_local, 2I, H], K (= H) contiguous
+  Fc1WeightLayout layout = Fc1WeightLayout::kGateUp;
+  const void* bias = nullptr;  // bf16 [E_local, 2I] in W1's row order, or nullptr
+
+  const int64_t* expert_first_token_offset = nullptr;       // [E_local + 1] (device)
+  const int32_t* permuted_row_to_unpermuted_row = nullptr;  // [P], value j*T + t (device)
+
+  int64_t num_tokens = 0;  // T (0 is valid: nothing is launched)
+  int k = 0;               // 1..16
+  int64_t hidden = 0;      // H, a multiple of 8
+  int64_t inter = 0;       // I, a multiple of 8
+  int num_experts_per_node = 0;  // E_local, 1..1024
+
+  MoeActivation activation = MoeActivation::kSwiGLU;
+  float limit = 0.f;  // kSwiGLUOai / kSwiGLUClamped clamp limit L; 0 = the model's (7 / 10); > 0 otherwise
+  float alpha = 0.f;  // kSwiGLUOai's a; 0 = 1.702
+
+  // Output: bf16 [k*T capacity, I], dense rows; rows [0, P) written, the rest
+  // untouched (P = expert_first_token_offset[E_local], known on the device).
+  void* out = nullptr;
+
+  bool enable_pdl = true;  // programmatic dependent launch with the neighbours on the stream
+};
+
+// GPU entry point: asynchronous on `stream`, no host synchronisation, no
+// allocation, no workspace, safe to capture in a CUDA graph. sm_90a only
+// (TMA + wgmma); other GPUs get kNotSupported. Device pointers.
+Status moe_fc1(const MoeFc1Args& args, cudaStream_t stream);
+
+// CPU reference (double accumulation, the activation in double, one rounding
+// to bf16). Host pointers; same validation.
+Status moe_fc1_cpu(const MoeFc1Args& args);
+
+// Host-side validation shared by both backends (no device access).
+Status validate_moe_fc1(const MoeFc1Args& args);
+
+}  // namespace flashmix

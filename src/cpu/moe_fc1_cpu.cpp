@@ -1,0 +1,89 @@
+// CPU reference for moe_fc1, written from spec §9 (and moe_fc1.h) alone:
+// for each local expert e and permuted row p of e, with t = p2u[p] mod T,
+//   g = X[row] . W1[e, gate row i] (+ bias), u = X[row] . W1[e, up row i] (+ bias)
+//   out[p, i] = bf16(act(g, u))
+// row = p with x_permuted, else t. Dot products and the activation in
+// double, rounded once at the store.
+#include <cmath>
+#include <vector>
+
+#include "common/host_dtype.h"
+#include "flashmix/moe.h"
+
+namespace flashmix {
+
+namespace {
+
+double silu(double x) { return x / (1.0 + std::exp(-x)); }
+
+// min(x, L), keeping NaN (a comparison with NaN is false).
+double clamp_max(double x, double L) { return x > L ? L : x; }
+// clamp(x, -L, L), keeping NaN.
+double clamp_both(double x, double L) { return x < -L ? -L : (x > L ? L : x); }
+
+// act(g, u) in double, the defaults resolved here from the Args' fields
+// (spec §9.3). alpha's default is the float 1.702f, so that passing it
+// explicitly gives the same result as leaving it 0.
+double activate(const MoeFc1Args& a, double g, double u) {
+  switch (a.activation) {
+    case MoeActivation::kSwiGLU:
+      return silu(g) * u;
+    case MoeActivation::kSwiGLUOai: {
+      const double L = a.limit > 0.f ? double(a.limit) : 7.0;
+      const double alpha = a.alpha > 0.f ? double(a.alpha) : double(1.702f);
+      const double gc = clamp_max(g, L), uc = clamp_both(u, L);
+      return gc / (1.0 + std::exp(-alpha * gc)) * (uc + 1.0);
+    }
+    case MoeActivation::kSwiGLUClamped: {
+      const double L = a.limit > 0.f ? double(a.limit) : 10.0;
+      return silu(clamp_max(g, L)) * clamp_both(u, L);
+    }
+  }
+  return std::nan("");  // unreachable: validated
+}
+
+}  // namespace
+
+Status moe_fc1_cpu(const MoeFc1Args& a) {
+  Status st = validate_moe_fc1(a);
+  if (!st.ok()) return st;
+  const int64_t T = a.num_tokens, H = a.hidden, I = a.inter, E = a.num_experts_per_node;
+  if (T == 0) return Status::Ok();
+  const int64_t x_stride = a.x_stride ? a.x_stride : H;
+  const auto* X = static_cast<const uint16_t*>(a.X);
+  const auto* W1 = static_cast<const uint16_t*>(a.W1);
+  const auto* bias = static_cast<const uint16_t*>(a.bias);
+  auto* out = static_cast<uint16_t*>(a.out);
+  const bool interleaved = a.layout == Fc1WeightLayout::kInterleaved;
+  std::vector<double> xrow(static_cast<size_t>(H));
+  for (int64_t e = 0; e < E; ++e) {
+    const uint16_t* We = W1 + e * 2 * I * H;
+    for (int64_t p = a.expert_first_token_offset[e]; p < a.expert_first_token_offset[e + 1]; ++p) {
+      const int64_t s = a.permuted_row_to_unpermuted_row[p];
+      const int64_t t = s % T;
+      const int64_t row = a.x_permuted ? p : t;
+      for (int64_t h = 0; h < H; ++h) xrow[h] = host::bf16_to_float(X[row * x_stride + h]);  // exact
+      for (int64_t i = 0; i < I; ++i) {
+        const int64_t gi = interleaved ? 2 * i : i, ui = interleaved ? 2 * i + 1 : I + i;
+        const uint16_t* wg = We + gi * H;
+        const uint16_t* wu = We + ui * H;
+        double g = 0.0, u = 0.0;
+        for (int64_t h = 0; h < H; ++h) {
+          g += xrow[h] * double(host::bf16_to_float(wg[h]));
+          u += xrow[h] * double(host::bf16_to_float(wu[h]));
+        }
+        if (bias) {
+          g += host::bf16_to_float(bias[e * 2 * I + gi]);
+          u += host::bf16_to_float(bias[e * 2 * I + ui]);
+        }
+        // double -> float -> bf16: two roundings where the spec says one; they
+        // differ only when the double lies within float precision of a bf16
+        // rounding boundary (spec §7, as in the FC2 reference).
+        out[p * I + i] = host::float_to_bf16(float(activate(a, g, u)));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace flashmix

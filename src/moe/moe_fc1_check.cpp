@@ -1,0 +1,117 @@
+// Host-side validation of moe_fc1 (spec §9.5), shared by the GPU and CPU
+// backends. Never reads device memory.
+#include <cmath>
+#include <cstdint>
+
+#include "common/check.h"
+#include "flashmix/moe.h"
+#include "moe/moe_fc1_internal.h"
+
+namespace flashmix {
+
+namespace {
+constexpr const char* kOp = "moe_fc1";
+constexpr int64_t kTwo60 = int64_t(1) << 60;
+
+bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+bool known_activation(MoeActivation a) {
+  switch (a) {
+    case MoeActivation::kSwiGLU:
+    case MoeActivation::kSwiGLUOai:
+    case MoeActivation::kSwiGLUClamped: return true;
+  }
+  return false;
+}
+
+bool known_layout(Fc1WeightLayout l) {
+  switch (l) {
+    case Fc1WeightLayout::kGateUp:
+    case Fc1WeightLayout::kInterleaved: return true;
+  }
+  return false;
+}
+}  // namespace
+
+const char* to_string(MoeActivation activation) {
+  switch (activation) {
+    case MoeActivation::kSwiGLU: return "swiglu";
+    case MoeActivation::kSwiGLUOai: return "swiglu_oai";
+    case MoeActivation::kSwiGLUClamped: return "swiglu_clamped";
+  }
+  return "unknown";
+}
+
+const char* to_string(Fc1WeightLayout layout) {
+  switch (layout) {
+    case Fc1WeightLayout::kGateUp: return "gate_up";
+    case Fc1WeightLayout::kInterleaved: return "interleaved";
+  }
+  return "unknown";
+}
+
+Status validate_moe_fc1(const MoeFc1Args& a) { return validate_fc1(a, true); }
+
+Status validate_fc1(const MoeFc1Args& a, bool check_buffers) {
+  using detail::kInt32Max;
+  FM_REQUIRE(a.num_tokens >= 0, kOp, "num_tokens", "must be >= 0 (got ", a.num_tokens, ")");
+  FM_REQUIRE(a.k >= 1 && a.k <= 16, kOp, "k", "must be in [1, 16] (got ", a.k, ")");
+  FM_REQUIRE(a.num_tokens <= kInt32Max / a.k, kOp, "num_tokens",
+             "num_tokens * k overflows int32: slot indices j*T + t are int32 (T=", a.num_tokens, ", k=", a.k, ")");
+  FM_REQUIRE(a.hidden >= 8 && a.hidden % 8 == 0, kOp, "hidden",
+             "must be a positive multiple of 8 (16-byte rows for TMA; got ", a.hidden, ")");
+  FM_REQUIRE(a.hidden <= kInt32Max, kOp, "hidden", "must fit in 32 bits (got ", a.hidden, ")");
+  FM_REQUIRE(a.inter >= 8 && a.inter % 8 == 0, kOp, "inter",
+             "must be a positive multiple of 8 (16-byte output rows; got ", a.inter, ")");
+  FM_REQUIRE(a.inter <= kInt32Max, kOp, "inter", "must fit in 32 bits (got ", a.inter, ")");
+  FM_REQUIRE(a.num_experts_per_node >= 1 && a.num_experts_per_node <= 1024, kOp, "num_experts_per_node",
+             "must be in [1, 1024] (got ", a.num_experts_per_node, ")");
+  FM_REQUIRE(known_activation(a.activation), kOp, "activation", "unknown MoeActivation value ", int(a.activation));
+  FM_REQUIRE(known_layout(a.layout), kOp, "layout", "unknown Fc1WeightLayout value ", int(a.layout));
+  // Checked for every activation, also kSwiGLU (which ignores them).
+  FM_REQUIRE(std::isfinite(a.limit) && a.limit >= 0.f, kOp, "limit",
+             "must be finite and >= 0 (0 = the activation's default; got ", a.limit, ")");
+  FM_REQUIRE(std::isfinite(a.alpha) && a.alpha >= 0.f, kOp, "alpha",
+             "must be finite and >= 0 (0 = 1.702; got ", a.alpha, ")");
+  FM_REQUIRE(a.x_stride >= 0, kOp, "x_stride", "must be >= 0 (0 means hidden; got ", a.x_stride, ")");
+  const int64_t x_stride = a.x_stride ? a.x_stride : a.hidden;
+  FM_REQUIRE(x_stride >= a.hidden, kOp, "x_stride", "smaller than a row: ", x_stride, " < hidden ", a.hidden);
+  FM_REQUIRE(x_stride % 8 == 0, kOp, "x_stride", "must be a multiple of 8 (16-byte rows for TMA; got ", x_stride,
+             ")");
+  const int64_t slots = a.num_tokens * a.k;  // fits: checked above
+  const int64_t x_rows = a.x_permuted ? slots : a.num_tokens;
+  FM_REQUIRE(x_stride <= kTwo60 / (x_rows + 1), kOp, "x_stride", "X's rows * x_stride overflows (rows=", x_rows,
+             ", x_stride=", x_stride, ")");
+  // E_local * 2I * H < 2^60, without overflowing on the way: E_local * 2I < 2^42.
+  const int64_t E = a.num_experts_per_node;
+  FM_REQUIRE(E * 2 * a.inter <= (kTwo60 - 1) / a.hidden, kOp, "W1", "E_local * 2I * H overflows (E_local=", E,
+             ", I=", a.inter, ", H=", a.hidden, ")");
+  FM_REQUIRE(slots <= (kTwo60 - 1) / a.inter, kOp, "out", "k * T * I overflows (k*T=", slots, ", I=", a.inter,
+             ")");
+  if (a.num_tokens == 0 || !check_buffers) return Status::Ok();
+  FM_REQUIRE(a.X != nullptr, kOp, "X", "must not be null");
+  FM_REQUIRE(a.W1 != nullptr, kOp, "W1", "must not be null");
+  FM_REQUIRE(a.expert_first_token_offset != nullptr, kOp, "expert_first_token_offset", "must not be null");
+  FM_REQUIRE(a.permuted_row_to_unpermuted_row != nullptr, kOp, "permuted_row_to_unpermuted_row",
+             "must not be null");
+  FM_REQUIRE(a.out != nullptr, kOp, "out", "must not be null");
+  FM_REQUIRE(aligned(a.X, 16), kOp, "X", "must be 16-byte aligned (TMA)");
+  FM_REQUIRE(aligned(a.W1, 16), kOp, "W1", "must be 16-byte aligned (TMA)");
+  FM_REQUIRE(aligned(a.out, 16), kOp, "out", "must be 16-byte aligned (16-byte stores)");
+  if (a.bias) FM_REQUIRE(aligned(a.bias, 16), kOp, "bias", "must be 16-byte aligned (16-byte loads)");
+  FM_REQUIRE(aligned(a.expert_first_token_offset, 8), kOp, "expert_first_token_offset",
+             "must be 8-byte aligned (int64)");
+  FM_REQUIRE(aligned(a.permuted_row_to_unpermuted_row, 4), kOp, "permuted_row_to_unpermuted_row",
+             "must be 4-byte aligned (int32)");
+  // `out` overlaps no input. X's extent: the rows the op may read (k*T rows
+  // when permuted, else T), each x_stride apart, the last one H long.
+  const detail::Range outs[] = {{"out", a.out, slots * a.inter * 2}};
+  const detail::Range ins[] = {{"X", a.X, detail::rows_extent_bytes(x_rows, x_stride, a.hidden, 2)},
+                               {"W1", a.W1, E * 2 * a.inter * a.hidden * 2},
+                               {"bias", a.bias, E * 2 * a.inter * 2},
+                               {"expert_first_token_offset", a.expert_first_token_offset, (E + 1) * 8},
+                               {"permuted_row_to_unpermuted_row", a.permuted_row_to_unpermuted_row, slots * 4}};
+  return detail::check_no_overlap(kOp, outs, ins);
+}
+
+}  // namespace flashmix

@@ -1,0 +1,244 @@
+// The routed-expert layer in one call (spec §10): the stages' ops chained on
+// the caller's stream, their intermediates in one workspace.
+//   router (optional)  logits -> ids [T, k], weights [T, k]
+//   routing maps       ids -> expert_first_token_offset, p2u, u2p
+//   moe_fc1            X (gathered through p2u), W1 -> act rows [k*T cap, I]
+//   moe_fc2_finalize   rows, W2 -> out (+ shared_output), the chosen mode
+// Every stage's arguments are built and validated before the first launch,
+// so bad input launches nothing and touches no output. No host sync: P lives
+// on the device (expert_first_token_offset), each kernel reads it there.
+#include <cstdint>
+#include <vector>
+
+#include "common/check.h"
+#include "common/kernel_fit.h"
+#include "flashmix/moe.h"
+#include "moe/moe_fc1_internal.h"
+#include "moe/moe_fc2_internal.h"
+#include "moe/moe_routing_plan.h"
+
+namespace flashmix {
+
+namespace {
+
+constexpr const char* kOp = "moe_forward";
+
+size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
+
+struct Stages {
+  bool run_router = false;
+  MoeRouterArgs router;
+  MoeRoutingArgs maps;
+  MoeFc1Args fc1;
+  Fc2FinalizeArgs fc2;
+};
+
+struct Layout {
+  size_t ids = 0, scales = 0, offsets = 0, p2u = 0, u2p = 0, maps_ws = 0, fc1_out = 0, fc2_ws = 0;
+  size_t maps_ws_bytes = 0, fc2_ws_bytes = 0, total = 0;
+};
+
+// The stages' arguments; workspace regions at `ws` + the layout's offsets
+// (ws null: the size query, pointers into it left null).
+Stages make_stages(const MoeForwardArgs& a, char* ws, const Layout& l) {
+  auto at = [&](size_t off) -> char* { return ws ? ws + off : nullptr; };
+  Stages s;
+  const int64_t T = a.num_tokens;
+  s.run_router = a.router_logits != nullptr;
+  const int32_t* ids = a.token_selected_experts;
+  const float* scales = a.token_final_scales;
+  if (s.run_router) {
+    s.router = a.router;
+    s.router.logits = a.router_logits;
+    s.router.num_tokens = T;
+    s.router.num_experts = a.num_experts;
+    s.router.k = a.k;
+    s.router.token_selected_experts =
+        a.selected_experts_out ? a.selected_experts_out : reinterpret_cast<int32_t*>(at(l.ids));
+    s.router.token_final_scales = a.final_scales_out ? a.final_scales_out : reinterpret_cast<float*>(at(l.scales));
+    s.router.enable_pdl = a.enable_pdl;
+    ids = s.router.token_selected_experts;
+    scales = s.router.token_final_scales;
+  }
+  int64_t* offsets = reinterpret_cast<int64_t*>(at(l.offsets));
+  int32_t* p2u = reinterpret_cast<int32_t*>(at(l.p2u));
+  s.maps.token_selected_experts = ids;
+  s.maps.num_tokens = T;
+  s.maps.k = a.k;
+  s.maps.start_expert_id = a.start_expert_id;
+  s.maps.num_experts_per_node = a.num_experts_per_node;
+  s.maps.expert_first_token_offset = offsets;
+  s.maps.permuted_row_to_unpermuted_row = p2u;
+  s.maps.unpermuted_row_to_permuted_row = reinterpret_cast<int32_t*>(at(l.u2p));
+  s.maps.enable_pdl = a.enable_pdl;
+
+  s.fc1.X = a.X;
+  s.fc1.x_stride = a.x_stride;
+  s.fc1.W1 = a.W1;
+  s.fc1.layout = a.w1_layout;
+  s.fc1.bias = a.b1;
+  s.fc1.expert_first_token_offset = offsets;
+  s.fc1.permuted_row_to_unpermuted_row = p2u;
+  s.fc1.num_tokens = T;
+  s.fc1.k = a.k;
+  s.fc1.hidden = a.hidden;
+  s.fc1.inter = a.inter;
+  s.fc1.num_experts_per_node = a.num_experts_per_node;
+  s.fc1.activation = a.activation;
+  s.fc1.limit = a.activation_limit;
+  s.fc1.alpha = a.activation_alpha;
+  s.fc1.out = at(l.fc1_out);
+  s.fc1.enable_pdl = a.enable_pdl;
+
+  s.fc2.A = at(l.fc1_out);
+  s.fc2.W2 = a.W2;
+  s.fc2.expert_first_token_offset = offsets;
+  s.fc2.permuted_row_to_unpermuted_row = p2u;
+  s.fc2.scales = scales;
+  s.fc2.bias = a.b2;
+  s.fc2.apply_bias = a.apply_b2;
+  s.fc2.num_tokens = T;
+  s.fc2.k = a.k;
+  s.fc2.hidden = a.hidden;
+  s.fc2.inter = a.inter;
+  s.fc2.num_experts_per_node = a.num_experts_per_node;
+  s.fc2.out = a.out;
+  s.fc2.out_stride = a.out_stride;
+  s.fc2.mode = a.fc2_mode;
+  s.fc2.shared_output = a.shared_output;
+  s.fc2.shared_stride = a.shared_stride;
+  s.fc2.fill = a.fill;
+  s.fc2.tuning = a.fc2_tuning;
+  return s;
+}
+
+Layout make_layout(const MoeForwardArgs& a) {
+  Layout l;
+  const Stages s = make_stages(a, nullptr, l);
+  const size_t slots = size_t(a.num_tokens) * size_t(a.k);
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    const size_t at = off;
+    off = align256(off + bytes);
+    return at;
+  };
+  if (a.router_logits) {
+    l.ids = take(a.selected_experts_out ? 0 : slots * 4);
+    l.scales = take(a.final_scales_out ? 0 : slots * 4);
+  }
+  l.offsets = take((size_t(a.num_experts_per_node) + 1) * 8);
+  l.p2u = take(slots * 4);
+  l.u2p = take(slots * 4);
+  l.maps_ws_bytes = build_moe_routing_maps_workspace_size(s.maps);
+  l.maps_ws = take(l.maps_ws_bytes);
+  l.fc1_out = take(slots * size_t(a.inter) * 2);
+  l.fc2_ws_bytes = moe_fc2_finalize_workspace_size(s.fc2);
+  l.fc2_ws = take(l.fc2_ws_bytes);
+  l.total = off;
+  return l;
+}
+
+// Rules of the layer as a whole (the stages check their own arguments).
+Status validate_own(const MoeForwardArgs& a, bool check_buffers) {
+  FM_REQUIRE(a.num_tokens >= 0, kOp, "num_tokens", "must be >= 0 (got ", a.num_tokens, ")");
+  FM_REQUIRE(a.k >= 1 && a.k <= 16, kOp, "k", "must be in [1, 16] (got ", a.k, ")");
+  FM_REQUIRE(a.num_experts_per_node >= 1 && a.num_experts_per_node <= 1024, kOp, "num_experts_per_node",
+             "must be in [1, 1024] (got ", a.num_experts_per_node, ")");
+  FM_REQUIRE(a.start_expert_id >= 0, kOp, "start_expert_id", "must be >= 0 (got ", a.start_expert_id, ")");
+  if (a.router_logits != nullptr || a.token_selected_experts == nullptr) {
+    FM_REQUIRE(a.num_experts >= 1, kOp, "num_experts", "must be >= 1 with router_logits (got ", a.num_experts, ")");
+    FM_REQUIRE(a.k <= a.num_experts, kOp, "k", "must be <= num_experts (", a.num_experts, "; got ", a.k, ")");
+    FM_REQUIRE(int64_t(a.start_expert_id) + a.num_experts_per_node <= a.num_experts, kOp, "num_experts_per_node",
+               "this rank's experts [start_expert_id, start_expert_id + num_experts_per_node) = [",
+               a.start_expert_id, ", ", int64_t(a.start_expert_id) + a.num_experts_per_node,
+               ") must lie within the router's num_experts = ", a.num_experts);
+  }
+  if (a.num_tokens == 0 || !check_buffers) return Status::Ok();
+  FM_REQUIRE((a.router_logits != nullptr) != (a.token_selected_experts != nullptr), kOp, "router_logits",
+             "give exactly one of router_logits and token_selected_experts (got ",
+             a.router_logits ? "both" : "neither", ")");
+  FM_REQUIRE(a.router_logits == nullptr || a.token_final_scales == nullptr, kOp, "token_final_scales",
+             "must be null with router_logits (the router makes the weights)");
+  FM_REQUIRE(a.out != nullptr, kOp, "out", "must not be null");
+  // `out` overlaps none of the inputs FC2 does not see (it checks its own).
+  const int64_t x_stride = a.x_stride ? a.x_stride : a.hidden;
+  const int64_t out_stride = a.out_stride ? a.out_stride : a.hidden;
+  const int64_t E = a.num_experts_per_node, T = a.num_tokens;
+  const size_t logit_bytes = a.router.logits_dtype == DType::kFloat32 ? 4 : 2;
+  const detail::Range outs[] = {{"out", a.out, detail::rows_extent_bytes(T, out_stride, a.hidden, 2)}};
+  const detail::Range ins[] = {{"X", a.X, detail::rows_extent_bytes(T, x_stride, a.hidden, 2)},
+                               {"router_logits", a.router_logits, T * a.num_experts * int64_t(logit_bytes)},
+                               {"token_selected_experts", a.token_selected_experts, T * a.k * 4},
+                               {"W1", a.W1, E * 2 * a.inter * a.hidden * 2},
+                               {"b1", a.b1, E * 2 * a.inter * 2}};
+  return detail::check_no_overlap(kOp, outs, ins);
+}
+
+// A stage's error, named as the layer's: "moe_forward: moe_fc1: W1: ...".
+Status in_layer(const Status& st) {
+  if (st.ok()) return st;
+  return Status(st.code(), detail::concat(kOp, ": ", st.message()));
+}
+
+Status validate_stages(const MoeForwardArgs& a, const Stages& s, bool check_buffers) {
+  FM_RETURN_IF_ERROR(validate_own(a, check_buffers));
+  if (a.num_tokens == 0) return Status::Ok();
+  if (s.run_router && check_buffers) FM_RETURN_IF_ERROR(in_layer(validate_moe_router(s.router)));
+  FM_RETURN_IF_ERROR(in_layer(validate_routing(s.maps, check_buffers)));
+  FM_RETURN_IF_ERROR(in_layer(validate_fc1(s.fc1, check_buffers)));
+  return in_layer(validate_fc2(s.fc2, check_buffers));
+}
+
+}  // namespace
+
+Status validate_moe_forward(const MoeForwardArgs& a) {
+  Layout l;
+  FM_RETURN_IF_ERROR(validate_stages(a, make_stages(a, nullptr, l), false));
+  return validate_own(a, true);
+}
+
+size_t moe_forward_workspace_size(const MoeForwardArgs& a) {
+  Layout l;
+  if (!validate_stages(a, make_stages(a, nullptr, l), false).ok()) return 0;
+  return make_layout(a).total;
+}
+
+Status moe_forward(const MoeForwardArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  Layout l0;
+  FM_RETURN_IF_ERROR(validate_stages(a, make_stages(a, nullptr, l0), false));
+  if (a.num_tokens == 0) return Status::Ok();
+  const Layout l = make_layout(a);
+  FM_REQUIRE(workspace_bytes >= l.total, kOp, "workspace_bytes", "too small: ", workspace_bytes, " < ", l.total,
+             " (ask moe_forward_workspace_size)");
+  FM_REQUIRE(workspace != nullptr, kOp, "workspace", "must not be null");
+  FM_REQUIRE(reinterpret_cast<uintptr_t>(workspace) % 256 == 0, kOp, "workspace", "must be 256-byte aligned");
+  const Stages s = make_stages(a, static_cast<char*>(workspace), l);
+  FM_RETURN_IF_ERROR(validate_stages(a, s, true));  // every stage's buffers, before anything is enqueued
+  detail::DeviceProps dev;
+  FM_RETURN_IF_ERROR(detail::cuda_status(detail::current_device_props(&dev), kOp, "device properties"));
+  FM_REQUIRE_SUPPORTED(dev.cc_major == 9, kOp, "device", "needs an sm_90 (Hopper) GPU (compute capability ",
+                       dev.cc_major, ".x)");
+  if (s.run_router) FM_RETURN_IF_ERROR(in_layer(moe_router(s.router, stream)));
+  FM_RETURN_IF_ERROR(in_layer(
+      build_moe_routing_maps(s.maps, static_cast<char*>(workspace) + l.maps_ws, l.maps_ws_bytes, stream)));
+  FM_RETURN_IF_ERROR(in_layer(moe_fc1(s.fc1, stream)));
+  return in_layer(moe_fc2_finalize(s.fc2, static_cast<char*>(workspace) + l.fc2_ws, l.fc2_ws_bytes, stream));
+}
+
+Status moe_forward_cpu(const MoeForwardArgs& a) {
+  Layout l0;
+  FM_RETURN_IF_ERROR(validate_stages(a, make_stages(a, nullptr, l0), false));
+  FM_RETURN_IF_ERROR(validate_own(a, true));
+  if (a.num_tokens == 0) return Status::Ok();
+  // The intermediates in host memory, laid out as on the GPU.
+  const Layout l = make_layout(a);
+  std::vector<uint64_t> ws((l.total + 7) / 8 + 32);
+  char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(ws.data()) + 255) & ~uintptr_t(255));
+  const Stages s = make_stages(a, base, l);
+  if (s.run_router) FM_RETURN_IF_ERROR(in_layer(moe_router_cpu(s.router)));
+  FM_RETURN_IF_ERROR(in_layer(build_moe_routing_maps_cpu(s.maps)));
+  FM_RETURN_IF_ERROR(in_layer(moe_fc1_cpu(s.fc1)));
+  return in_layer(moe_fc2_finalize_cpu(s.fc2));
+}
+
+}  // namespace flashmix

@@ -1,0 +1,404 @@
+// FC1 grouped GEMM on sm_90a (TMA + wgmma + cp.async, no CUTLASS): spec §9,
+// for every local permuted row p of expert e (t = p2u[p] % T),
+//   out[p, i] = bf16(act(X[t] . W1[e, gate i] + b_g, X[t] . W1[e, up i] + b_u))
+//
+// Tiles and schedule: sm90_expert_tiles.cuh (shared with FC2): a tile is 64
+// output columns i (128 W1 rows: their 64 gate and 64 up rows) x all rows of
+// one expert (up to 256; larger experts in equal chunks), the wgmma N sized
+// per tile. The product is computed transposed, D^T[w1 row, row] = W1[e]
+// (M = 128, K = H contiguous) x X_rows^T (N = rows, K contiguous).
+//
+// Gate and up meet in one thread: the W1 tile lands in shared memory as 8
+// blocks of 16 rows, each 8 gate rows then the 8 matching up rows (one 5-D
+// TMA box: (K 64, row 8, gate/up 2, block 8, expert 1), the strides chosen by
+// the layout, so both W1 layouts give the same tile). wgmma m64's thread
+// holds accumulator rows r and r + 8 of its warp's 16: the gate and the up of
+// one output column i, for the same token columns. The activation runs on the
+// fp32 accumulators (+ bias) and rounds once.
+//
+// The gather: the rows operand is read from X [T, H] in token order through
+// p2u by cp.async (16 bytes a thread, zero-filled past the chunk's rows and
+// past H), written in TMA's 128-byte swizzle, so no permuted copy of X
+// exists. Hopper's TMA has no row gather (one box per 128-byte row would be
+// 256 TMA issues a stage); four loader warps take 4 rows x 128 bytes per
+// instruction instead.
+//
+// CTA: 12 warps, persistent (one CTA per SM). Warps 8-11 load: lane 0 of warp
+// 8 issues W1's TMA box, all 128 threads the rows' cp.asyncs, into a ring of
+// 4 stages (tiles of up to 256 rows) or 6 (up to 128 rows; Fc1Cfg) (a stage completes on its mbarrier: the TMA bytes plus one noinc
+// arrival per loader thread); warps 0-7, two consumer warpgroups, each run
+// wgmma m64nNk16 on 64 of the tile's 128 W1 rows (= 32 output columns), then
+// the epilogue: act through shared memory (64 rows a pass, transposed so a
+// thread stores 16 consecutive bytes of one output row). setmaxnreg moves
+// the loaders' registers to the consumers.
+//
+// Status (H100, bench/results): correct on every tested shape; decode streams
+// the used experts' W1 at ~0.98 of copy bandwidth; the compute-bound shapes
+// run at 2.2-3.0x a dense cuBLAS GEMM of equal FLOPs (the issue's bounds:
+// 1.10-1.40x): the consumers wait on their stages' data (ncu: 36 % of the
+// samples on the full-barrier waits, tensor pipe 28 % busy) with the gather
+// and the cp.async path ruled out as the cause (a pre-permuted X, no proxy
+// fence: same times). docs/moe_fc1.md has the measurements and next steps.
+//
+// Roofline: 2 * P * 2I * H FLOPs; W1 (E * 2I * H bf16) and X's rows read,
+// out (P * I bf16) written. The Mixtral-like case (P = 8192, H = 4096,
+// I = 14336) is 1.9 TFLOP: compute bound; decode (P = 128 over 32 experts) is
+// bound by reading the used experts' W1 at copy bandwidth.
+#include <cuda.h>  // CUtensorMap
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+
+#include "common/check.h"
+#include "common/kernel_fit.h"
+#include "common/launch.cuh"
+#include "common/red.cuh"
+#include "common/sm90.cuh"
+#include "common/sm90_wgmma.cuh"
+#include "common/tma_host.h"
+#include "moe/sm90_expert_tiles.cuh"
+#include "moe/sm90_fc1_gemm.h"
+
+namespace flashmix {
+
+namespace {
+
+using namespace expert_tiles;
+
+constexpr const char* kOp = "moe_fc1";
+
+constexpr int kTileW = 128;           // W1 rows a tile: 64 gate + 64 up
+constexpr int kTileOut = kTileW / 2;  // output columns a tile
+constexpr int kTileK = 64;            // K per stage: one 128-byte swizzled row
+constexpr int kWBytes = kTileW * kTileK * 2;  // 16 KB
+// Epilogue staging per consumer warpgroup: its 32 output columns x 64 rows a
+// pass, 40 bf16 (80 bytes) a row: a warp's scalar stores (4 rows x 8
+// columns) fall in distinct banks.
+constexpr int kEpiRows = 64;
+constexpr int kEpiStride = 40;
+constexpr int kEpiBytes = kEpiRows * kEpiStride * 2;
+constexpr int kSmemLimit = 232448;
+
+// The ring for tiles of up to kMaxRows_ rows: as many stages as fit beside
+// the epilogue staging, the experts' tables and the barriers. 256 rows: 4
+// stages of 48 KB; 128 rows: 6 of 32 KB (more bytes in flight, W1 slices
+// read twice for experts of 129-256 rows, the second time from L2).
+template <int kMaxRows_>
+struct Fc1Cfg {
+  static constexpr int kMaxRows = kMaxRows_;
+  static constexpr int kStageBytes = kWBytes + kMaxRows * kTileK * 2;
+  static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned (128-byte swizzle)");
+  static constexpr int kFixed = 2 * kEpiBytes + 2 * (kFc1MaxExperts + 1) * 4 + kFc1MaxExperts * 2 + 8 + 1024;
+  static constexpr int kStages = (kSmemLimit - kFixed - 16 * 8) / kStageBytes > 8 ? 8
+                                                                                 : (kSmemLimit - kFixed - 16 * 8) / kStageBytes;
+  static constexpr int kOffEpi = kStages * kStageBytes;
+  static constexpr int kOffRowOff = kOffEpi + 2 * kEpiBytes;
+  static constexpr int kOffTileStart = kOffRowOff + (kFc1MaxExperts + 1) * 4;
+  static constexpr int kOffOrder = kOffTileStart + (kFc1MaxExperts + 1) * 4;  // uint16 [E]
+  static constexpr int kOffBars = (kOffOrder + kFc1MaxExperts * 2 + 7) / 8 * 8;
+  static constexpr int kSmemBytes = kOffBars + 2 * kStages * 8 + 1024;  // + alignment slack
+  static_assert(kStages >= 4 && kSmemBytes <= kSmemLimit, "shared memory");
+};
+
+constexpr int kThreads = 384;  // warps 0-7 consumers, 8-11 loaders
+constexpr int kLoaders = 128;
+// setmaxnreg.inc takes registers from what the CTA holds (168 x 384 at
+// launch): (168 - 72) x 128 >= (216 - 168) x 256.
+constexpr int kLoaderRegs = 72, kConsumerRegs = 216;
+
+struct Fc1KernelParams {
+  const __nv_bfloat16* X;
+  int64_t x_stride;
+  const int32_t* p2u;
+  const int64_t* offsets;
+  const __nv_bfloat16* bias;
+  __nv_bfloat16* out;
+  int T, H, I, E;
+  int slices, k_blocks;
+  int act;  // MoeActivation
+  float limit, alpha;
+  bool x_permuted;
+  bool interleaved;  // bias order (the weights' order is in the tensor map)
+};
+
+__device__ __forceinline__ uint32_t bar_at(uint32_t first, int i) { return first + 8 * i; }
+
+// act(g, u) in fp32; the clamps keep NaN (comparisons with NaN are false).
+__device__ __forceinline__ float activate(const Fc1KernelParams& p, float g, float u) {
+  if (p.act == int(MoeActivation::kSwiGLU)) return g / (1.f + __expf(-g)) * u;
+  const float L = p.limit;
+  g = g > L ? L : g;
+  u = u > L ? L : (u < -L ? -L : u);
+  if (p.act == int(MoeActivation::kSwiGLUOai)) return g / (1.f + __expf(-p.alpha * g)) * (u + 1.f);
+  return g / (1.f + __expf(-g)) * u;  // kSwiGLUClamped
+}
+
+// The loader warps: W1's box by TMA (one thread), the tile's rows by cp.async
+// (all 128: thread l takes 16-byte chunk l % 8 of rows l / 8 + 16 i).
+template <class Cfg>
+__device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUtensorMap* map_w, uint32_t stages,
+                                           uint32_t full0, uint32_t empty0, const int* tile_start,
+                                           const int* row_off, const uint16_t* order) {
+  const int l = threadIdx.x - 256;
+  const int r0 = l >> 3, q = l & 7;
+  const uint32_t swz = uint32_t((q ^ (r0 & 7)) << 4);  // 128-byte swizzle: (r0 + 16 i) % 8 == r0 % 8
+  if (l == 0) dev::prefetch_tensor_map(map_w);
+  const int total = tile_start[p.E];
+  int s = 0;
+  uint32_t ph = 0;
+  for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+    const TileInfo t = decode_tile<Cfg::kMaxRows>(tile, tile_start, row_off, order, p.E);
+    int src[Cfg::kMaxRows / 16];  // each of this thread's rows: its X row, -1 past the chunk
+#pragma unroll
+    for (int i = 0; i < Cfg::kMaxRows / 16; ++i) {
+      const int r = r0 + 16 * i;
+      src[i] = -1;
+      if (r < t.rows) src[i] = p.x_permuted ? t.p0 + r : __ldg(p.p2u + t.p0 + r) % p.T;
+    }
+    for (int kb = 0; kb < p.k_blocks; ++kb) {
+      dev::mbar_wait(bar_at(empty0, s), ph ^ 1);
+      const uint32_t full = bar_at(full0, s);
+      const uint32_t st = stages + uint32_t(s) * Cfg::kStageBytes;
+      if (l == 0) {
+        dev::mbar_arrive_expect_tx(full, kWBytes);
+        dev::tma_load_5d(st, map_w, full, kb * kTileK, 0, 0, t.hs * (kTileOut / 8), t.e);
+      }
+      const int kcol = kb * kTileK + 8 * q;
+      const bool k_in = kcol < p.H;
+#pragma unroll
+      for (int i = 0; i < Cfg::kMaxRows / 16; ++i) {
+        const int r = r0 + 16 * i;
+        if (r < t.n) {
+          const bool live = src[i] >= 0 && k_in;
+          const __nv_bfloat16* g = live ? p.X + int64_t(src[i]) * p.x_stride + kcol : p.X;
+          dev::cp_async_16(st + kWBytes + uint32_t(r) * 128 + swz, g, live ? 16 : 0);
+        }
+      }
+      dev::cp_async_mbar_arrive_noinc(full);
+      if (++s == Cfg::kStages) {
+        s = 0;
+        ph ^= 1;
+      }
+    }
+  }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+// A consumer warpgroup's tile: the mainloop over H, then act and the stores.
+template <class Cfg, int N>
+__device__ __forceinline__ void consume_tile(const Fc1KernelParams& p, const TileInfo& t, uint32_t stages,
+                                             uint32_t full0, uint32_t empty0, uint16_t* stg, int wg, int& s,
+                                             uint32_t& ph) {
+  float acc[N / 2];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
+  const int lane = threadIdx.x & 31;
+  const uint32_t a_off = uint32_t(wg) * 64 * 128;  // this warpgroup's 64 W1 rows of the tile
+  int prev = -1;
+  for (int kb = 0; kb < p.k_blocks; ++kb) {
+    dev::mbar_wait(bar_at(full0, s), ph);
+    dev::fence_proxy_async_shared();  // the rows came through the generic proxy (cp.async)
+    const uint32_t st = stages + uint32_t(s) * Cfg::kStageBytes;
+    const uint64_t da = dev::wgmma_desc_k_sw128(st + a_off);
+    const uint64_t db = dev::wgmma_desc_k_sw128(st + kWBytes);
+    dev::fence_operands(acc);
+    dev::wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < kTileK / 16; ++j) dev::Wgmma<N>::mma(acc, da + 2 * j, db + 2 * j, 1);
+    dev::wgmma_commit();
+    dev::fence_operands(acc);
+    dev::wgmma_wait<1>();  // the previous stage's MMAs are done: release it
+    if (prev >= 0) {
+      __syncwarp();
+      if (lane == 0) dev::mbar_arrive(bar_at(empty0, prev));
+    }
+    prev = s;
+    if (++s == Cfg::kStages) {
+      s = 0;
+      ph ^= 1;
+    }
+  }
+  dev::wgmma_wait<0>();
+  dev::fence_operands(acc);
+  __syncwarp();
+  if (lane == 0 && prev >= 0) dev::mbar_arrive(bar_at(empty0, prev));
+
+  // Epilogue. This thread's accumulator rows: gate g_row and up g_row + 8 of
+  // block 4 wg + q, i.e. output column il = 8 (4 wg + q) + lane / 4 of the tile.
+  const int q = (threadIdx.x >> 5) & 3, g = lane >> 2, c4 = lane & 3;
+  const int col = 8 * q + g;  // within the warpgroup's 32
+  const int i = t.hs * kTileOut + 32 * wg + col;
+  float bg = 0.f, bu = 0.f;
+  if (p.bias != nullptr && i < p.I) {
+    const __nv_bfloat16* b = p.bias + int64_t(t.e) * 2 * p.I;
+    bg = __bfloat162float(b[p.interleaved ? 2 * i : i]);
+    bu = __bfloat162float(b[p.interleaved ? 2 * i + 1 : p.I + i]);
+  }
+  const int wt = threadIdx.x & 127;
+  const int out_col = t.hs * kTileOut + 32 * wg + 8 * (wt & 3);
+  constexpr int kPasses = (N + kEpiRows - 1) / kEpiRows;
+#pragma unroll
+  for (int ps = 0; ps < kPasses; ++ps) {
+#pragma unroll
+    for (int jj = 0; jj < kEpiRows / 8; ++jj) {
+      const int j = ps * (kEpiRows / 8) + jj;
+      if (j < N / 8) {
+        const int nl = jj * 8 + 2 * c4;
+        const float v0 = activate(p, acc[4 * j + 0] + bg, acc[4 * j + 2] + bu);
+        const float v1 = activate(p, acc[4 * j + 1] + bg, acc[4 * j + 3] + bu);
+        stg[nl * kEpiStride + col] = __bfloat16_as_ushort(__float2bfloat16_rn(v0));
+        stg[(nl + 1) * kEpiStride + col] = __bfloat16_as_ushort(__float2bfloat16_rn(v1));
+      }
+    }
+    dev::named_bar_sync(1 + wg, 128);
+    // 64 rows x 4 chunks of 16 bytes: two a thread.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int nl = (wt >> 2) + 32 * h, n = ps * kEpiRows + nl;
+      if (n < t.rows && out_col < p.I) {
+        const uint4 v = *reinterpret_cast<const uint4*>(stg + nl * kEpiStride + 8 * (wt & 3));
+        dev::st_global_v4(p.out + int64_t(t.p0 + n) * p.I + out_col, v.x, v.y, v.z, v.w);
+      }
+    }
+    dev::named_bar_sync(1 + wg, 128);
+  }
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(kThreads, 1)
+    fc1_gemm_kernel(const __grid_constant__ Fc1KernelParams p, const __grid_constant__ CUtensorMap map_w) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = dev::smem_u32(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  uint8_t* sm = smem_raw + (base - raw);
+  int* row_off = reinterpret_cast<int*>(sm + Cfg::kOffRowOff);
+  int* tile_start = reinterpret_cast<int*>(sm + Cfg::kOffTileStart);
+  uint16_t* order = reinterpret_cast<uint16_t*>(sm + Cfg::kOffOrder);
+  const uint32_t full0 = base + Cfg::kOffBars, empty0 = full0 + 8 * Cfg::kStages;
+
+  const int tid = threadIdx.x, warp = tid >> 5;
+  if (tid == 0) {
+    for (int i = 0; i < Cfg::kStages; ++i) {
+      dev::mbar_init(bar_at(full0, i), kLoaders + 1);  // each loader's cp.async arrival + the TMA thread's
+      dev::mbar_init(bar_at(empty0, i), 8);            // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n fence.proxy.async.shared::cta;\n" ::: "memory");
+  }
+  dev::grid_dependency_wait();  // the routing maps and X may come from the kernel ahead
+  for (int e = tid; e <= p.E; e += kThreads) row_off[e] = int(p.offsets[e]);
+  __syncthreads();
+  if (warp == 0) build_schedule<Cfg::kMaxRows>(row_off, p.E, p.slices, tile_start, order);
+  __syncthreads();
+
+  // Each role's code sits inside its setmaxnreg branch (ptxas ignores the
+  // instruction when code needing more registers is reachable after it).
+  if (warp >= 8) {
+    dev::setmaxnreg_dec<kLoaderRegs>();
+    load_tiles<Cfg>(p, &map_w, base, full0, empty0, tile_start, row_off, order);
+  } else {
+    dev::setmaxnreg_inc<kConsumerRegs>();
+    const int wg = warp / 4;
+    uint16_t* stg = reinterpret_cast<uint16_t*>(sm + Cfg::kOffEpi + wg * kEpiBytes);
+    const int total = tile_start[p.E];
+    int s = 0;
+    uint32_t ph = 0;
+    for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+      const TileInfo t = decode_tile<Cfg::kMaxRows>(tile, tile_start, row_off, order, p.E);
+      switch (t.n / kRowQuantum) {
+#define FLASHMIX_FC1_CASE(K) \
+  case K:                                                                        \
+    if constexpr (K * kRowQuantum <= Cfg::kMaxRows)                               \
+      consume_tile<Cfg, K * kRowQuantum>(p, t, base, full0, empty0, stg, wg, s, ph); \
+    break;
+        FLASHMIX_FC1_CASE(1)
+        FLASHMIX_FC1_CASE(2)
+        FLASHMIX_FC1_CASE(3)
+        FLASHMIX_FC1_CASE(4)
+        FLASHMIX_FC1_CASE(5)
+        FLASHMIX_FC1_CASE(6)
+        FLASHMIX_FC1_CASE(7)
+        FLASHMIX_FC1_CASE(8)
+        FLASHMIX_FC1_CASE(9)
+        FLASHMIX_FC1_CASE(10)
+        FLASHMIX_FC1_CASE(11)
+        FLASHMIX_FC1_CASE(12)
+        FLASHMIX_FC1_CASE(13)
+        FLASHMIX_FC1_CASE(14)
+        FLASHMIX_FC1_CASE(15)
+        FLASHMIX_FC1_CASE(16)
+#undef FLASHMIX_FC1_CASE
+        default:
+          break;
+      }
+    }
+  }
+}
+
+// W1 as a 5-D tensor (K = H, row in block 8, gate/up 2, block I / 8, expert):
+// a box (64, 8, 2, 8, 1) is 8 blocks of 8 gate rows then their 8 up rows,
+// whichever the layout (only the strides differ). Blocks past I read as zeros.
+bool encode_w1(const Sm90Fc1Params& p, CUtensorMap& w) {
+  const detail::TensorMapEncodeTiled encode = detail::tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t H = cuuint64_t(p.H), I = cuuint64_t(p.I), row = H * 2;  // bytes a W1 row
+  const bool inter = p.layout == Fc1WeightLayout::kInterleaved;
+  const cuuint64_t dims[5] = {H, 8, 2, I / 8, cuuint64_t(p.E)};
+  // Strides (bytes) of dims 1..4: row in block, gate/up, block, expert.
+  const cuuint64_t strides[4] = {inter ? 2 * row : row, inter ? row : I * row, inter ? 16 * row : 8 * row,
+                                 2 * I * row};
+  const cuuint32_t box[5] = {kTileK, 8, 2, kTileOut / 8, 1};
+  const cuuint32_t elem[5] = {1, 1, 1, 1, 1};
+  return encode(&w, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5, const_cast<void*>(p.W1), dims, strides, box, elem,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+}  // namespace
+
+Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
+  CUtensorMap w;
+  FM_REQUIRE_SUPPORTED(encode_w1(p, w), kOp, "W1", "its TMA descriptor could not be encoded");
+  Fc1KernelParams k{};
+  k.X = static_cast<const __nv_bfloat16*>(p.X);
+  k.x_stride = p.x_stride;
+  k.p2u = p.p2u;
+  k.offsets = p.offsets;
+  k.bias = static_cast<const __nv_bfloat16*>(p.bias);
+  k.out = static_cast<__nv_bfloat16*>(p.out);
+  k.T = p.T;
+  k.H = p.H;
+  k.I = p.I;
+  k.E = p.E;
+  k.slices = (p.I + kTileOut - 1) / kTileOut;
+  k.k_blocks = (p.H + kTileK - 1) / kTileK;
+  k.act = int(p.activation);
+  k.limit = p.limit;
+  k.alpha = p.alpha;
+  k.x_permuted = p.x_permuted;
+  k.interleaved = p.layout == Fc1WeightLayout::kInterleaved;
+  // The ring (measured on an H100, bench/results/ab/fc1-rows-*.json): tiles of
+  // up to 128 rows in 6 stages when experts average at most 512 rows (Qwen3-
+  // like 785 -> 688 us, DeepSeek-EP decode 652 -> 595 us: more bytes in
+  // flight), else up to 256 rows in 4 stages (Mixtral-like 5954 -> 5328 us:
+  // W1 slices read once per 256 rows). FLASHMIX_FC1_ROWS=128|256 pins one
+  // (the A/B).
+  static const int pinned = [] {
+    const char* e = std::getenv("FLASHMIX_FC1_ROWS");
+    return e ? std::atoi(e) : 0;
+  }();
+  const bool rows128 = pinned ? pinned == 128 : int64_t(p.T) * p.k <= int64_t(512) * p.E;
+  const auto kernel = rows128 ? fc1_gemm_kernel<Fc1Cfg<128>> : fc1_gemm_kernel<Fc1Cfg<256>>;
+  const int smem = rows128 ? Fc1Cfg<128>::kSmemBytes : Fc1Cfg<256>::kSmemBytes;
+  int max_dynamic = 0;
+  FM_RETURN_IF_ERROR(detail::cuda_status(
+      detail::prepare_kernel(detail::kernel_key(kernel), false, &max_dynamic), kOp, "kernel attributes"));
+  FM_REQUIRE_SUPPORTED(smem <= max_dynamic, kOp, "device", "the FC1 kernel needs ", smem,
+                       " bytes of shared memory per block; this device allows ", max_dynamic);
+  FM_RETURN_IF_ERROR(detail::cuda_status(
+      dev::launch(kernel, dim3(unsigned(p.sm_count)), dim3(kThreads), smem, stream, p.pdl, k, w), kOp,
+      "kernel launch"));
+  return Status::Ok();
+}
+
+}  // namespace flashmix

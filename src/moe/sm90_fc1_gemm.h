@@ -1,0 +1,37 @@
+// Internal to the FC1 op: the sm_90a kernel's entry point (sm90_fc1_gemm.cu).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "flashmix/moe.h"
+
+namespace flashmix {
+
+struct Sm90Fc1Params {
+  const void* X;
+  int64_t x_stride;  // elements
+  bool x_permuted;
+  const void* W1;
+  Fc1WeightLayout layout;
+  const void* bias;  // bf16 [E, 2I] or nullptr
+  const int64_t* offsets;
+  const int32_t* p2u;
+  int T, k, H, I, E;
+  MoeActivation activation;
+  float limit, alpha;  // resolved (the defaults filled in)
+  void* out;
+  int sm_count;
+  bool pdl;
+};
+
+// The most local experts the kernel's shared-memory tables hold.
+constexpr int kFc1MaxExperts = 1024;
+
+// Launches the grouped GEMM on `stream`. Shapes as validated by
+// validate_moe_fc1; kNotSupported when the TMA descriptors cannot be encoded
+// or the device lacks the shared memory.
+Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream);
+
+}  // namespace flashmix
