@@ -1,11 +1,13 @@
 // flashmix-bench cases for moe_forward (spec §10): the whole routed-expert
 // layer (router on bf16 logits -> routing maps -> FC1 + SwiGLU -> FC2 +
 // finalize, kAtomic), against FC1 + FC2 alone on the same routing in the
-// same run (ceiling "fc1+fc2": fraction = (fc1 + fc2) / forward, so 1/fraction
+// same run (FC1 on the input the layer's rule picks: X gathered, or the
+// permuted copy) (ceiling "fc1+fc2": fraction = (fc1 + fc2) / forward, so 1/fraction
 // is what routing, maps and glue add; the issue's bound: ratio <= 1.10).
 // Decode cases replay a CUDA graph of the layer; their fraction is the
 // weights of the experts actually used (W1 + W2) streamed at copy bandwidth.
-// Check: the layer's output against the staged FC1 + FC2 output on the same
+// Each record also times the FC1 input the automatic rule did not pick
+// (gather_us or permuted_copy_us). Check: the layer's output against the staged FC1 + FC2 output on the same
 // routing (those two are checked against double references in their own
 // cases), within the FC2 test's bf16 tolerance.
 #include <algorithm>
@@ -107,12 +109,22 @@ void run_case(Context& ctx, const ForwardCase& c, cudaStream_t stream) {
   m.expert_first_token_offset = offsets;
   m.permuted_row_to_unpermuted_row = p2u;
   m.unpermuted_row_to_permuted_row = u2p;
+  // FC1 alone reads what it reads inside the layer: X (gather) or, where the
+  // rule picks the permuted copy, that copy (made here by the maps, untimed).
+  const bool auto_copy = c.T * c.k >= 64 * c.E;
+  auto* xp = dalloc<__nv_bfloat16>(auto_copy ? size_t(slots * c.H) : 1);
+  if (auto_copy) {
+    m.input = X;
+    m.permuted_input = xp;
+    m.hidden = c.H;
+  }
   const size_t mws_bytes = build_moe_routing_maps_workspace_size(m);
   void* mws = dalloc<char>(mws_bytes);
   BENCH_CUDA(cudaStreamSynchronize(stream));
   st = build_moe_routing_maps(m, mws, mws_bytes, stream);
   MoeFc1Args a1;
-  a1.X = X;
+  a1.X = auto_copy ? xp : X;
+  a1.x_permuted = auto_copy;
   a1.W1 = W1;
   a1.expert_first_token_offset = offsets;
   a1.permuted_row_to_unpermuted_row = p2u;
@@ -176,6 +188,16 @@ void run_case(Context& ctx, const ForwardCase& c, cudaStream_t stream) {
     fc1_us = median_us([&] { (void)moe_fc1(a1, stream); }, stream, 3, iters);
     fc2_us = median_us([&] { (void)moe_fc2_finalize(a2, ws2, ws2_bytes, stream); }, stream, 3, iters);
   }
+  // The other FC1 input (evidence for the automatic choice).
+  MoeForwardArgs g = f;
+  g.fc1_input = auto_copy ? MoeFc1Input::kGather : MoeFc1Input::kPermutedCopy;
+  const size_t gws_bytes = moe_forward_workspace_size(g);
+  void* gws = dalloc<char>(gws_bytes);
+  const double other_us =
+      c.decode ? graph_us_per_launch([&](int) { (void)moe_forward(g, gws, gws_bytes, stream); }, 10, stream,
+                                     ctx.quick ? 5 : 20)
+               : median_us([&] { (void)moe_forward(g, gws, gws_bytes, stream); }, stream, 3, iters);
+  cudaFree(gws);
   const double wbytes = double(used) * 3.0 * double(c.I) * double(c.H) * 2.0;  // W1 (2I x H) + W2 (H x I)
   Record rec;
   rec.op = "moe_forward";
@@ -189,6 +211,8 @@ void run_case(Context& ctx, const ForwardCase& c, cudaStream_t stream) {
   rec.extra["weight_bytes_fraction_of_copy"] = wbytes / (fwd_us * 1e-6) / (ctx.copy_gbps * 1e9);
   rec.extra["experts_used"] = used;
   rec.labels["router"] = to_string(c.scoring);
+  rec.labels["fc1_input"] = auto_copy ? "permuted_copy" : "gather";
+  rec.extra[auto_copy ? "gather_us" : "permuted_copy_us"] = other_us;
   if (c.decode) {
     rec.ceiling = "copy";
     rec.bytes = wbytes;
@@ -201,7 +225,7 @@ void run_case(Context& ctx, const ForwardCase& c, cudaStream_t stream) {
   }
   add_record(ctx, rec);
   for (void* p : {(void*)X, (void*)logits, (void*)W1, (void*)W2, (void*)out, (void*)out_staged, (void*)act,
-                  (void*)ids, (void*)scales, (void*)offsets, (void*)p2u, (void*)u2p, ws, mws, ws2})
+                  (void*)ids, (void*)scales, (void*)xp, (void*)offsets, (void*)p2u, (void*)u2p, ws, mws, ws2})
     cudaFree(p);
 }
 

@@ -322,6 +322,20 @@ Status validate_moe_fc2_finalize(const Fc2FinalizeArgs& args);
 // ---------------------------------------------------------------------------
 namespace flashmix {
 
+// Where FC1's rows come from.
+enum class MoeFc1Input : int {
+  // kPermutedCopy when experts average at least 64 rows (T * k >= 64 *
+  // E_local), else kGather (measured, docs/moe_fc1.md: on the prefill shapes
+  // the copy plus FC1's TMA row boxes beat the in-kernel gather by 1.26-1.50x;
+  // at decode the gather costs nothing and saves the copy).
+  kAuto = 0,
+  kGather = 1,         // FC1 gathers X's rows itself (cp.async): no permuted copy exists
+  kPermutedCopy = 2,   // the routing maps also write X's permuted rows into the workspace
+};
+
+// "auto", "gather", "permuted_copy"; "unknown" for any other value.
+const char* to_string(MoeFc1Input input);
+
 struct MoeForwardArgs {
   int64_t num_tokens = 0;  // T (0 is valid: nothing is launched; with fill, out is not touched either)
   int64_t hidden = 0;      // H, a multiple of 8
@@ -354,6 +368,7 @@ struct MoeForwardArgs {
   MoeActivation activation = MoeActivation::kSwiGLU;
   float activation_limit = 0.f;  // MoeFc1Args::limit
   float activation_alpha = 0.f;  // MoeFc1Args::alpha
+  MoeFc1Input fc1_input = MoeFc1Input::kAuto;
 
   // FC2: W2 bf16 [E_local, H, I]; bias bf16 [E_local, H] or null (apply_b2
   // false on all but one tensor-parallel rank).

@@ -2,8 +2,10 @@
 for DeepSeek's mHC hyper-connections (the math: docs/spec.md; this package:
 python/README.md).
 
-The package is split by area: ``flashmix.moe`` (routing maps, finalize, FC2)
-and ``flashmix.mhc`` (the mHC ops); everything they export is here too.
+The package is split by area: ``flashmix.moe`` (routing maps, finalize, FC2,
+the router, FC1, the whole routed-expert layer ``moe_forward`` and its torch
+module ``MoeLayer``) and ``flashmix.mhc`` (the mHC ops); everything they
+export is here too.
 
 Every function takes torch tensors (CUDA or CPU) or numpy arrays (CPU). The
 arrays decide the backend: all on one CUDA device -> the fused kernels,
@@ -28,12 +30,14 @@ capture, from the graph's pool).
 bfloat16 on the CPU without torch: numpy arrays of ``ml_dtypes.bfloat16``.
 
 torch.compile: when torch is importable, ``torch.ops.flashmix.build_moe_routing_maps``,
-``finalize_moe_routing``, ``moe_fc2_finalize``, ``mhc_expand``, ``mhc_pre``,
+``finalize_moe_routing``, ``moe_fc2_finalize``, ``moe_router``, ``moe_fc1``,
+``moe_forward``, ``mhc_expand``, ``mhc_pre``,
 ``mhc_pre_with_workspace`` (mhc_pre with the small-batch workspace), ``mhc_post``
 and ``mhc_head`` are registered as custom ops with shape
 functions; call those inside compiled code (the functions here call the
 binding directly, which is cheaper in eager mode but a graph break under
-torch.compile).
+torch.compile). ``MoeLayer`` (a ``torch.nn.Module``, only with torch) calls
+``torch.ops.flashmix.moe_forward``.
 """
 import pkgutil
 

@@ -1,6 +1,8 @@
-"""MoE: the routing maps (spec §1), the finalize (spec §2) and the FC2 grouped
-GEMM with the finalize fused (spec §3) of docs/spec.md -- each function with
-its torch custom op and shape function beside it.
+"""MoE: the routing maps (spec §1), the finalize (spec §2), the FC2 grouped
+GEMM with the finalize fused (spec §3), the router (spec §8), FC1 with the
+gather and the gated activation fused (spec §9) and the routed-expert layer in
+one call (spec §10) of docs/spec.md -- each function with its torch custom op
+and shape function beside it -- and MoeLayer, a torch module over the layer.
 
 Keyword defaults are the library's (the Args initialisers of
 include/flashmix/moe.h, read through ``_C.moe_defaults()``); the binding
@@ -14,6 +16,9 @@ __all__ = [
     "build_moe_routing_maps", "build_moe_routing_maps_workspace_size", "RoutingMaps",
     "finalize_moe_routing", "debug_check_finalize_moe_routing_indices",
     "moe_fc2_finalize", "moe_fc2_finalize_workspace_size", "FC2_MODES", "FC2_GEMM_KERNELS",
+    "moe_router", "MoeRouterOutput", "ROUTER_SCORINGS",
+    "moe_fc1", "FC1_ACTIVATIONS", "FC1_WEIGHT_LAYOUTS",
+    "moe_forward", "moe_forward_workspace_size",
 ]
 
 if torch is not None:
@@ -23,6 +28,9 @@ _DEFAULTS = defaults(_C.moe_defaults())
 _ROUTING = _DEFAULTS["build_moe_routing_maps"]
 _FINALIZE = _DEFAULTS["finalize_moe_routing"]
 _FC2 = _DEFAULTS["moe_fc2_finalize"]
+_ROUTER = _DEFAULTS["moe_router"]
+_FC1 = _DEFAULTS["moe_fc1"]
+_FORWARD = _DEFAULTS["moe_forward"]
 
 RoutingMaps = collections.namedtuple(
     "RoutingMaps", ["expert_first_token_offset", "permuted_row_to_unpermuted_row",
@@ -244,14 +252,15 @@ def moe_fc2_finalize_workspace_size(num_tokens, k, hidden, inter, num_experts_pe
                                               -1 if index is None else index)
 
 
-def _new_fc2_out(A, W2, num_tokens):
-    return empty(A, (num_tokens, W2.shape[1]), "bfloat16")
+def _new_fc2_out(A, W2, num_tokens, fill=True):
+    """A fresh bf16 ``[T, H]`` out, zeroed when not filling."""
+    return empty(A, (num_tokens, W2.shape[1]), "bfloat16", zero=not fill)
 
 
 def moe_fc2_finalize(A, W2, expert_first_token_offset, permuted_row_to_unpermuted_row, *, k, num_tokens=None,
-                     scales=None, bias=None, apply_bias=_FC2.apply_bias, mode=_FC2.mode, out=None,
-                     out_already_zeroed=_FC2.out_already_zeroed, workspace=None, gemm_kernel=_FC2.gemm_kernel,
-                     raster=_FC2.raster, swizzle=_FC2.swizzle, stream=None):
+                     scales=None, bias=None, apply_bias=_FC2.apply_bias, shared_output=None, fill=_FC2.fill,
+                     mode=_FC2.mode, out=None, out_already_zeroed=_FC2.out_already_zeroed, workspace=None,
+                     gemm_kernel=_FC2.gemm_kernel, raster=_FC2.raster, swizzle=_FC2.swizzle, stream=None):
     """spec §3: the FC2 grouped GEMM with the finalize fused into its epilogue (sm_90a).
 
     ``out[t, :] = sum over local slots (t, j): scales[t, j] * (A[p] @ W2[e]^T + bias[e])``
@@ -260,12 +269,19 @@ def moe_fc2_finalize(A, W2, expert_first_token_offset, permuted_row_to_unpermute
       A: bf16 ``[k*T capacity, I]`` FC1 activations in permuted order (first P rows used).
       W2: bf16 ``[E_local, H, I]``.
       expert_first_token_offset, permuted_row_to_unpermuted_row: from build_moe_routing_maps.
-      k: experts per token; num_tokens: T (default: ``out.shape[0]``, else ``scales.shape[0]``).
+      k: experts per token; num_tokens: T (default: ``out.shape[0]``, else ``scales.shape[0]``, else
+        ``shared_output.shape[0]``).
       scales: float32 ``[T, k]`` or None; bias: bf16 ``[E_local, H]`` or None; apply_bias=False
         ignores it (all but one tensor-parallel rank).
+      shared_output: bf16 ``[T, >= H]`` (rows may be strided, a stride that is a multiple of 8), added
+        once, unweighted, to every token written (a shared expert's output or a residual), or None.
+        May not overlap ``out``.
+      fill: False = tokens without a local row are left untouched (expert parallelism: each rank
+        writes only its tokens; a fresh ``out`` is then zeroed); True: they get 0 (+ shared_output).
       mode: "atomic", "atomic_fp32", "deterministic" (bitwise reproducible) or "unfused" (FC2_MODES).
       out: bf16 ``[T, H]`` (rows may be strided, even stride); allocated when None.
-      out_already_zeroed: "atomic" only: ``out`` holds zeros (or a residual to add to) already.
+      out_already_zeroed: "atomic" only: ``out`` holds zeros (or a residual to add to) already; not
+        with shared_output, nor with fill=False.
       workspace: uint8 device buffer of moe_fc2_finalize_workspace_size(...) bytes, 256-byte
         aligned; allocated when None.
       gemm_kernel: the GEMM under the epilogue, one of FC2_GEMM_KERNELS: "auto" (the library's
@@ -279,42 +295,404 @@ def moe_fc2_finalize(A, W2, expert_first_token_offset, permuted_row_to_unpermute
         if out_already_zeroed:
             raise ValueError("moe_fc2_finalize: out: out_already_zeroed=True needs the caller's out")
         if num_tokens is None:
-            if scales is None:
-                raise ValueError("moe_fc2_finalize: num_tokens: needed to allocate out (no out, no scales)")
-            num_tokens = scales.shape[0]
-        out = _new_fc2_out(A, W2, num_tokens)
+            if scales is None and shared_output is None:
+                raise ValueError("moe_fc2_finalize: num_tokens: needed to allocate out (no out, scales or "
+                                 "shared_output)")
+            num_tokens = (scales if scales is not None else shared_output).shape[0]
+        out = _new_fc2_out(A, W2, num_tokens, fill)
     device = cuda_device(out)
     if workspace is None and device is not None:
         workspace = new_workspace(out, _C.moe_fc2_finalize_workspace_size(
             out.shape[0], k, W2.shape[1], W2.shape[2], W2.shape[0], mode, device))
     _C.moe_fc2_finalize(
         arg(A), arg(W2), arg(expert_first_token_offset), arg(permuted_row_to_unpermuted_row), arg(out), k=k,
-        scales=arg(scales), bias=arg(bias), apply_bias=apply_bias, mode=mode,
-        out_already_zeroed=out_already_zeroed, workspace=arg(workspace), gemm_kernel=gemm_kernel, raster=raster,
+        scales=arg(scales), bias=arg(bias), apply_bias=apply_bias, shared_output=arg(shared_output), fill=fill,
+        mode=mode, out_already_zeroed=out_already_zeroed, workspace=arg(workspace), gemm_kernel=gemm_kernel, raster=raster,
         swizzle=swizzle, stream=stream_of(stream, out))
     return out
 
 
-def _fc2_tokens(num_tokens, scales):
-    """The torch op's T: ``num_tokens``, or ``scales.shape[0]`` when it is -1."""
+def _fc2_tokens(num_tokens, scales, shared_output=None):
+    """The torch op's T: ``num_tokens``, or when it is -1 ``scales.shape[0]`` (else
+    ``shared_output.shape[0]``)."""
     if num_tokens >= 0:
         return num_tokens
-    if scales is None:
-        raise ValueError("moe_fc2_finalize: num_tokens: needed when scales is None")
-    return scales.shape[0]
+    if scales is None and shared_output is None:
+        raise ValueError("moe_fc2_finalize: num_tokens: needed when scales and shared_output are None")
+    return (scales if scales is not None else shared_output).shape[0]
 
 
 if torch is not None:
-    def _fc2_fake(A, W2, num_tokens, scales, **_):
-        return _new_fc2_out(A, W2, _fc2_tokens(num_tokens, scales))
+    def _fc2_fake(A, W2, num_tokens, scales, shared_output, **_):
+        return _new_fc2_out(A, W2, _fc2_tokens(num_tokens, scales, shared_output))
 
     @custom_op("moe_fc2_finalize", fake=_fc2_fake)
     def _moe_fc2_finalize_op(A: Tensor, W2: Tensor, expert_first_token_offset: Tensor,
                              permuted_row_to_unpermuted_row: Tensor, k: int, num_tokens: int = -1,
                              scales: Optional[Tensor] = None, bias: Optional[Tensor] = None,
-                             apply_bias: bool = _FC2.apply_bias, mode: str = _FC2.mode) -> Tensor:
+                             apply_bias: bool = _FC2.apply_bias, mode: str = _FC2.mode,
+                             shared_output: Optional[Tensor] = None, fill: bool = _FC2.fill) -> Tensor:
         """flashmix.moe_fc2_finalize as a custom op: a fresh bf16 ``out`` ``[T, H]``. T is
-        ``num_tokens``, or ``scales.shape[0]`` when ``num_tokens=-1``."""
+        ``num_tokens``, or ``scales.shape[0]`` (else ``shared_output.shape[0]``) when
+        ``num_tokens=-1``; with ``fill=False`` tokens without a local row are 0."""
         return moe_fc2_finalize(A, W2, expert_first_token_offset, permuted_row_to_unpermuted_row, k=k,
-                                num_tokens=_fc2_tokens(num_tokens, scales), scales=scales, bias=bias,
-                                apply_bias=apply_bias, mode=mode)
+                                num_tokens=_fc2_tokens(num_tokens, scales, shared_output), scales=scales, bias=bias,
+                                apply_bias=apply_bias, shared_output=shared_output, fill=fill, mode=mode)
+
+
+# ---------------------------------------------------------------------------
+# Router (spec §8)
+# ---------------------------------------------------------------------------
+
+#: The ``scoring`` values of moe_router and moe_forward (``MoeRouterScoring``'s to_string names).
+ROUTER_SCORINGS = _C.ROUTER_SCORINGS
+
+MoeRouterOutput = collections.namedtuple("MoeRouterOutput", ["token_selected_experts", "token_final_scales"])
+
+
+def _new_router_outputs(logits, k):
+    """Fresh (token_selected_experts int32 ``[T, k]``, token_final_scales float32 ``[T, k]``)."""
+    T = logits.shape[0]
+    return empty(logits, (T, k), "int32"), empty(logits, (T, k), "float32")
+
+
+def moe_router(logits, k, *, scoring=_ROUTER.scoring, renormalize=_ROUTER.renormalize, correction_bias=None,
+               n_group=_ROUTER.n_group, topk_group=_ROUTER.topk_group,
+               routed_scaling_factor=_ROUTER.routed_scaling_factor, token_selected_experts=None,
+               token_final_scales=None, enable_pdl=_ROUTER.enable_pdl, path=_ROUTER.path,
+               generic_layout=_ROUTER.generic_layout, stream=None):
+    """spec §8: router logits -> the k experts of each token and their weights.
+
+    Args:
+      logits: ``[T, E]`` float32 or bfloat16, dense rows (E in 1..512).
+      k: experts per token, 1..16 and ``<= E``.
+      scoring: "softmax" (Mixtral, Qwen3-MoE), "sigmoid" (DeepSeek-V3), "sqrtsoftplus" (DeepSeek-V4)
+        or "softmax_after_topk" (gpt-oss) (ROUTER_SCORINGS).
+      renormalize: divide the k weights by their sum (ignored by "softmax_after_topk").
+      correction_bias: float32 ``[E]`` added to the scores for the choice only, or None.
+      n_group, topk_group: group-limited choice (DeepSeek-V3: 8, 4); 1, 1 = none.
+      routed_scaling_factor: multiplies every weight.
+      token_selected_experts (int32 ``[T, k]``), token_final_scales (float32 ``[T, k]``): outputs,
+        allocated when None.
+      enable_pdl, path, generic_layout: launch options (GPU; identical results).
+      stream: see the package docstring.
+
+    Returns MoeRouterOutput(token_selected_experts, token_final_scales): ids in descending order of
+    their selection value (ties: the lowest id), weights as spec §8.1.
+    """
+    fresh = _new_router_outputs(logits, k) if token_selected_experts is None or token_final_scales is None else None
+    if token_selected_experts is None:
+        token_selected_experts = fresh[0]
+    elif len(token_selected_experts.shape) == 2 and token_selected_experts.shape[1] != k:
+        raise ValueError(f"moe_router: token_selected_experts: must have k = {k} columns "
+                         f"(got shape {tuple(token_selected_experts.shape)})")
+    if token_final_scales is None:
+        token_final_scales = fresh[1]
+    _C.moe_router(
+        arg(logits), arg(token_selected_experts), arg(token_final_scales), scoring=scoring, renormalize=renormalize,
+        correction_bias=arg(correction_bias), n_group=n_group, topk_group=topk_group,
+        routed_scaling_factor=routed_scaling_factor, enable_pdl=enable_pdl, path=path, generic_layout=generic_layout,
+        stream=stream_of(stream, logits))
+    return MoeRouterOutput(token_selected_experts, token_final_scales)
+
+
+if torch is not None:
+    @custom_op("moe_router", fake=lambda logits, k, **_: _new_router_outputs(logits, k))
+    def _moe_router_op(logits: Tensor, k: int, scoring: str = _ROUTER.scoring,
+                       renormalize: bool = _ROUTER.renormalize, correction_bias: Optional[Tensor] = None,
+                       n_group: int = _ROUTER.n_group, topk_group: int = _ROUTER.topk_group,
+                       routed_scaling_factor: float = _ROUTER.routed_scaling_factor,
+                       enable_pdl: bool = _ROUTER.enable_pdl) -> Tuple[Tensor, Tensor]:
+        """flashmix.moe_router as a custom op: fresh (token_selected_experts int32 ``[T, k]``,
+        token_final_scales float32 ``[T, k]``)."""
+        return tuple(moe_router(logits, k, scoring=scoring, renormalize=renormalize, correction_bias=correction_bias,
+                                n_group=n_group, topk_group=topk_group, routed_scaling_factor=routed_scaling_factor,
+                                enable_pdl=enable_pdl))
+
+
+# ---------------------------------------------------------------------------
+# FC1 with the gather and the gated activation fused (spec §9)
+# ---------------------------------------------------------------------------
+
+#: The ``activation`` values of moe_fc1 and moe_forward (``MoeActivation``'s to_string names).
+FC1_ACTIVATIONS = _C.FC1_ACTIVATIONS
+#: The ``layout`` values of moe_fc1 (``w1_layout`` of moe_forward; ``Fc1WeightLayout``'s names).
+FC1_WEIGHT_LAYOUTS = _C.FC1_WEIGHT_LAYOUTS
+
+
+def _fc1_tokens(x, k, num_tokens, x_permuted):
+    """T: ``num_tokens``, or x's rows (token order), or x's rows over k (x_permuted: k*T rows)."""
+    if num_tokens is not None and num_tokens >= 0:
+        return num_tokens
+    if not x_permuted:
+        return x.shape[0]
+    return x.shape[0] // k if k > 0 else 0  # k < 1: the library names k
+
+
+def _new_fc1_out(x, w1, k, num_tokens):
+    """A fresh bf16 ``[k*T, I]`` (I = w1.shape[1] / 2); rows past P are left as allocated."""
+    return empty(x, (max(k, 0) * num_tokens, w1.shape[1] // 2), "bfloat16")
+
+
+def moe_fc1(x, w1, expert_first_token_offset, permuted_row_to_unpermuted_row, *, k, bias=None, layout=_FC1.layout,
+            activation=_FC1.activation, limit=_FC1.limit, alpha=_FC1.alpha, x_permuted=_FC1.x_permuted,
+            num_tokens=None, out=None, enable_pdl=_FC1.enable_pdl, stream=None):
+    """spec §9: FC1 of every local permuted row, the input gathered through the routing maps and the
+    gated activation applied before the one rounding to bf16.
+
+    ``out[p, i] = bf16(act(x[t] . W1[e, gate row i] + bias, x[t] . W1[e, up row i] + bias))`` for
+    permuted row p of expert e, t = ``permuted_row_to_unpermuted_row[p] % T``.
+
+    Args:
+      x: bf16 ``[T, H]`` in token order (rows may be strided, a stride that is a multiple of 8); with
+        ``x_permuted``, the caller's permuted copy ``[k*T, H]`` (build_moe_routing_maps'
+        permuted_input) and row p reads ``x[p]``.
+      w1: bf16 ``[E_local, 2I, H]``, dense (K-major rows).
+      expert_first_token_offset, permuted_row_to_unpermuted_row: from build_moe_routing_maps.
+      k: experts per token (1..16).
+      bias: bf16 ``[E_local, 2I]`` in w1's row order, or None.
+      layout: "gate_up" (rows ``[0, I)`` gate, ``[I, 2I)`` up: DeepSeek, Mixtral, Qwen) or
+        "interleaved" (row 2i gate, 2i + 1 up: gpt-oss) (FC1_WEIGHT_LAYOUTS).
+      activation: "swiglu" (``silu(g) * u``), "swiglu_oai" (gpt-oss: ``g' sigmoid(alpha g') (u' + 1)``,
+        ``g' = min(g, limit)``, ``u' = clamp(u, -limit, limit)``) or "swiglu_clamped" (DeepSeek-V4:
+        ``silu(min(g, limit)) * clamp(u, -limit, limit)``) (FC1_ACTIVATIONS).
+      limit: the clamp limit; 0 = the activation's (7 for "swiglu_oai", 10 for "swiglu_clamped").
+      alpha: "swiglu_oai"'s alpha; 0 = 1.702.
+      num_tokens: T (default: x's rows, or x's rows / k with ``x_permuted``).
+      out: bf16 ``[>= k*T, I]``, dense; rows ``[0, P)`` are written, the rest left untouched;
+        allocated (``[k*T, I]``, uninitialised) when None.
+      enable_pdl: programmatic dependent launch (GPU).
+      stream: see the package docstring.
+
+    Returns ``out``: exactly the ``A`` that moe_fc2_finalize takes. CPU arrays run the reference.
+    """
+    if out is None:
+        out = _new_fc1_out(x, w1, k, _fc1_tokens(x, k, num_tokens, x_permuted))
+    _C.moe_fc1(
+        arg(x), arg(w1), arg(expert_first_token_offset), arg(permuted_row_to_unpermuted_row), arg(out), k=k,
+        num_tokens=-1 if num_tokens is None else num_tokens, bias=arg(bias), layout=layout, activation=activation,
+        limit=limit, alpha=alpha, x_permuted=x_permuted, enable_pdl=enable_pdl, stream=stream_of(stream, out))
+    return out
+
+
+if torch is not None:
+    def _fc1_fake(x, w1, k, num_tokens, x_permuted, **_):
+        return _new_fc1_out(x, w1, k, _fc1_tokens(x, k, num_tokens, x_permuted))
+
+    @custom_op("moe_fc1", fake=_fc1_fake)
+    def _moe_fc1_op(x: Tensor, w1: Tensor, expert_first_token_offset: Tensor, permuted_row_to_unpermuted_row: Tensor,
+                    k: int, num_tokens: int = -1, bias: Optional[Tensor] = None, layout: str = _FC1.layout,
+                    activation: str = _FC1.activation, limit: float = _FC1.limit, alpha: float = _FC1.alpha,
+                    x_permuted: bool = _FC1.x_permuted, enable_pdl: bool = _FC1.enable_pdl) -> Tensor:
+        """flashmix.moe_fc1 as a custom op: a fresh bf16 ``out`` ``[k*T, I]`` (``num_tokens=-1``: T
+        from x). As in the C++ API only the first P rows (``expert_first_token_offset[-1]``, on the
+        device) are written; the rest is unspecified."""
+        return moe_fc1(x, w1, expert_first_token_offset, permuted_row_to_unpermuted_row, k=k,
+                       num_tokens=None if num_tokens < 0 else num_tokens, bias=bias, layout=layout,
+                       activation=activation, limit=limit, alpha=alpha, x_permuted=x_permuted, enable_pdl=enable_pdl)
+
+
+# ---------------------------------------------------------------------------
+# The routed-expert layer in one call (spec §10)
+# ---------------------------------------------------------------------------
+
+def moe_forward_workspace_size(num_tokens, k, hidden, inter, num_experts_per_node, mode=_FORWARD.mode, *,
+                               with_router=True, num_experts=None, start_expert_id=_FORWARD.start_expert_id):
+    """Bytes of device workspace moe_forward needs: every intermediate (the router's choice, the
+    routing maps, the FC1 rows ``[k*T, I]`` bf16, FC2's workspace). ``with_router``: routing by
+    router_logits (a little more than with the caller's ids, which it also covers);
+    ``num_experts``: the router's E (the sizes do not depend on it)."""
+    return _C.moe_forward_workspace_size(num_tokens, k, hidden, inter, 0 if num_experts is None else num_experts,
+                                         num_experts_per_node, start_expert_id, with_router, mode)
+
+
+def _new_forward_out(x, fill):
+    """A fresh bf16 ``[T, H]`` out (H = x.shape[1]), zeroed when not filling."""
+    return empty(x, (x.shape[0], x.shape[1]), "bfloat16", zero=not fill)
+
+
+def _forward_workspace(x, w2, k, out, num_experts, start_expert_id, router_logits, mode):
+    """A fresh workspace for a CUDA call (None on the CPU, or where the shapes are off: the binding
+    then names the argument)."""
+    if cuda_device(out) is None or len(x.shape) != 2 or len(w2.shape) != 3:
+        return None
+    return new_workspace(out, moe_forward_workspace_size(
+        x.shape[0], k, w2.shape[1], w2.shape[2], w2.shape[0], mode, with_router=router_logits is not None,
+        num_experts=num_experts, start_expert_id=start_expert_id))
+
+
+def moe_forward(x, w1, w2, *, k, router_logits=None, token_selected_experts=None, token_final_scales=None,
+                scoring=_FORWARD.scoring, renormalize=_FORWARD.renormalize, correction_bias=None,
+                n_group=_FORWARD.n_group, topk_group=_FORWARD.topk_group,
+                routed_scaling_factor=_FORWARD.routed_scaling_factor, num_experts=None,
+                start_expert_id=_FORWARD.start_expert_id, b1=None, b2=None, apply_b2=_FORWARD.apply_b2,
+                w1_layout=_FORWARD.w1_layout, activation=_FORWARD.activation, limit=_FORWARD.limit,
+                alpha=_FORWARD.alpha, mode=_FORWARD.mode, shared_output=None, fill=_FORWARD.fill, out=None,
+                workspace=None, selected_experts_out=None, final_scales_out=None, enable_pdl=_FORWARD.enable_pdl,
+                stream=None):
+    """spec §10: the routed-expert layer in one call: [router] -> routing maps -> FC1 + activation ->
+    FC2 + finalize (+ shared_output), every stage on one stream, no host sync.
+
+    Args:
+      x: bf16 ``[T, H]`` in token order (rows may be strided, a stride that is a multiple of 8).
+      w1: bf16 ``[E_local, 2I, H]``; w2: bf16 ``[E_local, H, I]`` (E_local, H, I from w2).
+      k: experts per token (1..16).
+      Routing, one of:
+        router_logits: ``[T, E]`` float32 or bfloat16: the router runs (spec §8) with ``scoring``,
+          ``renormalize``, ``correction_bias`` (float32 ``[E]``), ``n_group``, ``topk_group`` and
+          ``routed_scaling_factor``, as moe_router's; or
+        token_selected_experts (int32 ``[T, k]``, global ids) and token_final_scales (float32
+          ``[T, k]``, or None = every weight 1): the caller's router.
+      num_experts: E (default: ``router_logits.shape[1]``; with the caller's ids, unused).
+      start_expert_id: this rank holds experts ``[start_expert_id, start_expert_id + E_local)``.
+      b1: bf16 ``[E_local, 2I]`` or None; b2: bf16 ``[E_local, H]`` or None (apply_b2=False ignores it:
+        all but one tensor-parallel rank).
+      w1_layout, activation, limit, alpha: FC1's, as moe_fc1's ``layout``, ``activation``, ``limit``,
+        ``alpha``.
+      mode: FC2's, as moe_fc2_finalize's (FC2_MODES).
+      shared_output: bf16 ``[T, >= H]`` added once to every token written (a shared expert's output or
+        a residual), or None.
+      fill: False = tokens without a local expert are left untouched (a fresh ``out`` is zeroed).
+      out: bf16 ``[T, H]`` (rows may be strided); allocated when None.
+      workspace: uint8 device buffer of moe_forward_workspace_size(...) bytes, 256-byte aligned;
+        allocated when None.
+      selected_experts_out (int32 ``[T, k]``), final_scales_out (float32 ``[T, k]``): with
+        router_logits, where to keep the router's choice (None: not kept).
+      enable_pdl: programmatic dependent launch between the stages (GPU).
+      stream: see the package docstring.
+
+    Returns ``out``. CPU arrays run the stages' references, chained (FC1's rows rounded to bf16 as on
+    the GPU).
+    """
+    if out is None:
+        out = _new_forward_out(x, fill)
+    if workspace is None:
+        workspace = _forward_workspace(x, w2, k, out, num_experts, start_expert_id, router_logits, mode)
+    _C.moe_forward(
+        arg(x), arg(w1), arg(w2), arg(out), k=k, num_experts=0 if num_experts is None else num_experts,
+        start_expert_id=start_expert_id, router_logits=arg(router_logits), scoring=scoring, renormalize=renormalize,
+        correction_bias=arg(correction_bias), n_group=n_group, topk_group=topk_group,
+        routed_scaling_factor=routed_scaling_factor, token_selected_experts=arg(token_selected_experts),
+        token_final_scales=arg(token_final_scales), selected_experts_out=arg(selected_experts_out),
+        final_scales_out=arg(final_scales_out), b1=arg(b1), b2=arg(b2), apply_b2=apply_b2, w1_layout=w1_layout,
+        activation=activation, limit=limit, alpha=alpha, mode=mode, shared_output=arg(shared_output), fill=fill,
+        workspace=arg(workspace), enable_pdl=enable_pdl, stream=stream_of(stream, out))
+    return out
+
+
+if torch is not None:
+    @custom_op("moe_forward", fake=lambda x, **_: _new_forward_out(x, True))
+    def _moe_forward_op(x: Tensor, w1: Tensor, w2: Tensor, k: int, router_logits: Optional[Tensor] = None,
+                        token_selected_experts: Optional[Tensor] = None, token_final_scales: Optional[Tensor] = None,
+                        scoring: str = _FORWARD.scoring, renormalize: bool = _FORWARD.renormalize,
+                        correction_bias: Optional[Tensor] = None, n_group: int = _FORWARD.n_group,
+                        topk_group: int = _FORWARD.topk_group,
+                        routed_scaling_factor: float = _FORWARD.routed_scaling_factor, num_experts: int = -1,
+                        start_expert_id: int = _FORWARD.start_expert_id, b1: Optional[Tensor] = None,
+                        b2: Optional[Tensor] = None, apply_b2: bool = _FORWARD.apply_b2,
+                        w1_layout: str = _FORWARD.w1_layout, activation: str = _FORWARD.activation,
+                        limit: float = _FORWARD.limit, alpha: float = _FORWARD.alpha, mode: str = _FORWARD.mode,
+                        shared_output: Optional[Tensor] = None, fill: bool = _FORWARD.fill,
+                        enable_pdl: bool = _FORWARD.enable_pdl) -> Tensor:
+        """flashmix.moe_forward as a custom op: a fresh bf16 ``out`` ``[T, H]`` (``num_experts=-1``:
+        from router_logits; with ``fill=False`` tokens without a local expert are 0). The workspace
+        is allocated per call (from the graph's pool inside a capture)."""
+        return moe_forward(x, w1, w2, k=k, router_logits=router_logits, token_selected_experts=token_selected_experts,
+                           token_final_scales=token_final_scales, scoring=scoring, renormalize=renormalize,
+                           correction_bias=correction_bias, n_group=n_group, topk_group=topk_group,
+                           routed_scaling_factor=routed_scaling_factor,
+                           num_experts=None if num_experts < 0 else num_experts, start_expert_id=start_expert_id,
+                           b1=b1, b2=b2, apply_b2=apply_b2, w1_layout=w1_layout, activation=activation, limit=limit,
+                           alpha=alpha, mode=mode, shared_output=shared_output, fill=fill, enable_pdl=enable_pdl)
+
+
+# ---------------------------------------------------------------------------
+# MoeLayer: a torch module over moe_forward
+# ---------------------------------------------------------------------------
+
+if torch is not None:
+    __all__.append("MoeLayer")
+
+    class MoeLayer(torch.nn.Module):
+        """The routed experts of a MoE block as a torch module (forward only): ``logits = x @ gate.T``
+        in torch (bf16), then ``torch.ops.flashmix.moe_forward`` (router, routing maps, FC1 +
+        activation, FC2 + finalize), so it compiles with torch.compile as one graph.
+
+        Args:
+          num_experts: E, the router's width; k: experts per token; hidden: H; inter: I (per expert).
+          scoring, renormalize, n_group, topk_group, routed_scaling_factor: the router's (moe_router).
+          activation, w1_layout, limit, alpha: FC1's (moe_fc1's activation, layout, limit, alpha).
+          mode: FC2's (FC2_MODES).
+          bias: give the experts biases ``b1`` ``[E_local, 2I]`` and ``b2`` ``[E_local, H]`` (gpt-oss).
+          correction_bias: give the router a float32 ``correction_bias`` ``[E]`` buffer (DeepSeek-V3's
+            e_score_correction_bias), zeros until loaded.
+          num_local_experts, start_expert_id: this rank's experts (expert parallelism; default: all E).
+            A token none of whose experts is here gets 0 (fill).
+          dtype: the weights' dtype: bfloat16 (the kernels'); device: where they live.
+
+        Parameters (``requires_grad=False``: forward only): ``gate`` ``[E, H]``, ``w1``
+        ``[E_local, 2I, H]``, ``w2`` ``[E_local, H, I]``, ``b1`` / ``b2`` (or None). Buffer:
+        ``correction_bias`` (or None). ``forward(x, shared_output=None)``: x bf16 ``[..., H]`` ->
+        bf16 ``[..., H]``; shared_output (bf16, x's shape) is added once to every token.
+        """
+
+        def __init__(self, num_experts, k, hidden, inter, *, scoring=_FORWARD.scoring,
+                     renormalize=_FORWARD.renormalize, activation=_FORWARD.activation, w1_layout=_FORWARD.w1_layout,
+                     n_group=_FORWARD.n_group, topk_group=_FORWARD.topk_group,
+                     routed_scaling_factor=_FORWARD.routed_scaling_factor, mode=_FORWARD.mode, limit=_FORWARD.limit,
+                     alpha=_FORWARD.alpha, bias=False, correction_bias=False, num_local_experts=None,
+                     start_expert_id=_FORWARD.start_expert_id, dtype=None, device=None):
+            super().__init__()
+            dtype = torch.bfloat16 if dtype is None else dtype
+            if dtype != torch.bfloat16:
+                raise ValueError(f"MoeLayer: dtype: must be torch.bfloat16, the kernels' (got {dtype})")
+            E_local = num_experts if num_local_experts is None else num_local_experts
+            self.num_experts, self.k, self.hidden, self.inter = num_experts, k, hidden, inter
+            self.num_local_experts, self.start_expert_id = E_local, start_expert_id
+            self.scoring, self.renormalize, self.n_group, self.topk_group = scoring, renormalize, n_group, topk_group
+            self.routed_scaling_factor = routed_scaling_factor
+            self.activation, self.w1_layout, self.limit, self.alpha = activation, w1_layout, limit, alpha
+            self.mode = mode
+            kw = dict(dtype=dtype, device=device)
+
+            def weight(*shape):
+                return torch.nn.Parameter(torch.empty(*shape, **kw), requires_grad=False)
+
+            self.gate = weight(num_experts, hidden)
+            self.w1 = weight(E_local, 2 * inter, hidden)
+            self.w2 = weight(E_local, hidden, inter)
+            self.b1 = weight(E_local, 2 * inter) if bias else None
+            self.b2 = weight(E_local, hidden) if bias else None
+            self.register_buffer("correction_bias", torch.zeros(num_experts, dtype=torch.float32, device=device)
+                                 if correction_bias else None)
+            self.reset_parameters()
+
+        def reset_parameters(self):
+            """Normal weights of standard deviation 1/sqrt(fan-in), zero biases."""
+            with torch.no_grad():
+                torch.nn.init.normal_(self.gate, std=self.hidden ** -0.5)
+                torch.nn.init.normal_(self.w1, std=self.hidden ** -0.5)
+                torch.nn.init.normal_(self.w2, std=self.inter ** -0.5)
+                for b in (self.b1, self.b2):
+                    if b is not None:
+                        b.zero_()
+
+        def extra_repr(self):
+            return (f"num_experts={self.num_experts}, k={self.k}, hidden={self.hidden}, inter={self.inter}, "
+                    f"experts=[{self.start_expert_id}, {self.start_expert_id + self.num_local_experts}), "
+                    f"scoring={self.scoring!r}, activation={self.activation!r}, w1_layout={self.w1_layout!r}, "
+                    f"mode={self.mode!r}")
+
+        def forward(self, x, shared_output=None):
+            shape = x.shape
+            x2 = x.reshape(-1, self.hidden)
+            logits = x2 @ self.gate.t()
+            shared = None if shared_output is None else shared_output.reshape(-1, self.hidden)
+            out = torch.ops.flashmix.moe_forward(
+                x2, self.w1, self.w2, self.k, router_logits=logits, scoring=self.scoring,
+                renormalize=self.renormalize, correction_bias=self.correction_bias, n_group=self.n_group,
+                topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor,
+                num_experts=self.num_experts, start_expert_id=self.start_expert_id, b1=self.b1, b2=self.b2,
+                w1_layout=self.w1_layout, activation=self.activation, limit=self.limit, alpha=self.alpha,
+                mode=self.mode, shared_output=shared)
+            return out.reshape(shape)

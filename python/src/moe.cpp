@@ -1,5 +1,8 @@
 // flashmix._C, MoE: routing maps (spec §1), finalize (spec §2), the FC2
-// grouped GEMM with the finalize fused (spec §3). include/flashmix/moe.h.
+// grouped GEMM with the finalize fused (spec §3), the router (spec §8), FC1
+// with the gather and the gated activation fused (spec §9), and the whole
+// routed-expert layer in one call (spec §10). include/flashmix/moe.h (with
+// moe_router.h and moe_fc1.h).
 //
 // Every function takes every argument (no defaults here): the defaults are
 // the library's Args initialisers, handed to Python by moe_defaults() at the
@@ -215,15 +218,19 @@ const EnumNames<fm::Fc2Mode>& fc2_modes() {
   return names;
 }
 
+// An enum's values by the library's own names (its to_string), in this order.
+template <typename E>
+EnumNames<E> library_names(std::initializer_list<E> values) {
+  EnumNames<E> n;
+  for (E v : values) n.push_back({fm::to_string(v), v});
+  return n;
+}
+
 // Fc2GemmKernel by the library's own names (to_string: "auto", "rows", ...).
 const EnumNames<fm::Fc2GemmKernel>& fc2_gemm_kernels() {
-  static const EnumNames<fm::Fc2GemmKernel> names = [] {
-    EnumNames<fm::Fc2GemmKernel> n;
-    for (fm::Fc2GemmKernel k : {fm::Fc2GemmKernel::kAuto, fm::Fc2GemmKernel::kRows,
-                                fm::Fc2GemmKernel::kCutlassCooperative, fm::Fc2GemmKernel::kCutlassPingpong})
-      n.push_back({fm::to_string(k), k});
-    return n;
-  }();
+  static const EnumNames<fm::Fc2GemmKernel> names =
+      library_names({fm::Fc2GemmKernel::kAuto, fm::Fc2GemmKernel::kRows, fm::Fc2GemmKernel::kCutlassCooperative,
+                     fm::Fc2GemmKernel::kCutlassPingpong});
   return names;
 }
 
@@ -248,13 +255,13 @@ size_t moe_fc2_finalize_workspace_size(int64_t num_tokens, int k, int64_t hidden
 }
 
 void moe_fc2_finalize(const In& A, const In& W2, const In& offsets, const In& p2u, const Out& out, int k,
-                      const OptIn& scales, const OptIn& bias, bool apply_bias, const std::string& mode,
-                      bool out_already_zeroed, const OptOut& workspace, const std::string& gemm_kernel, int raster, int swizzle,
-                      uintptr_t stream) {
+                      const OptIn& scales, const OptIn& bias, bool apply_bias, const OptIn& shared_output, bool fill,
+                      const std::string& mode, bool out_already_zeroed, const OptOut& workspace,
+                      const std::string& gemm_kernel, int raster, int swizzle, uintptr_t stream) {
   constexpr const char* op = "moe_fc2_finalize";
   Placement w(op);
   w.add(out, "out", A, "A", W2, "W2", offsets, "expert_first_token_offset", p2u, "permuted_row_to_unpermuted_row",
-        scales, "scales", bias, "bias", workspace, "workspace");
+        scales, "scales", bias, "bias", shared_output, "shared_output", workspace, "workspace");
 
   require_dense_rank(W2, kBFloat16, 3, op, "W2");
   const int64_t E = dim(W2, 0), H = dim(W2, 1), I = dim(W2, 2);
@@ -270,6 +277,12 @@ void moe_fc2_finalize(const In& A, const In& W2, const In& offsets, const In& p2
   require_contiguous(p2u, op, "permuted_row_to_unpermuted_row");
   if (scales) require_dense(*scales, kFloat32, {T, k}, op, "scales");
   if (bias) require_dense(*bias, kBFloat16, {E, H}, op, "bias");
+  if (shared_output) {
+    require_dtype(*shared_output, kBFloat16, op, "shared_output");
+    a.shared_stride = row_stride(*shared_output, op, "shared_output");
+    if (dim(*shared_output, 0) != T || dim(*shared_output, 1) < H)
+      fail(op, "shared_output", "must have shape [T = ", T, ", >= H = ", H, "] (got ", shape_str(*shared_output), ")");
+  }
 
   a.A = ptr(A);
   a.W2 = ptr(W2);
@@ -278,6 +291,8 @@ void moe_fc2_finalize(const In& A, const In& W2, const In& offsets, const In& p2
   a.scales = static_cast<const float*>(ptr(scales));
   a.bias = ptr(bias);
   a.apply_bias = apply_bias;
+  a.shared_output = ptr(shared_output);
+  a.fill = fill;
   a.num_tokens = T;
   a.k = k;
   a.hidden = H;
@@ -293,6 +308,278 @@ void moe_fc2_finalize(const In& A, const In& W2, const In& offsets, const In& p2
   dispatch(
       w, op, [&] { return fm::moe_fc2_finalize(a, ws.ptr, ws.bytes, as_stream(stream)); },
       [&] { return fm::moe_fc2_finalize_cpu(a); });
+}
+
+// ---------------------------------------------------------------------------
+// MoE router (spec §8)
+// ---------------------------------------------------------------------------
+
+// MoeRouterScoring by the library's names: "softmax", "sigmoid", "sqrtsoftplus", "softmax_after_topk".
+const EnumNames<fm::MoeRouterScoring>& router_scorings() {
+  static const EnumNames<fm::MoeRouterScoring> names =
+      library_names({fm::MoeRouterScoring::kSoftmax, fm::MoeRouterScoring::kSigmoid,
+                     fm::MoeRouterScoring::kSqrtSoftplus, fm::MoeRouterScoring::kSoftmaxAfterTopk});
+  return names;
+}
+
+// The logits [T, E] (dense rows, fp32 or bf16) into a router's Args.
+void set_router_logits(fm::MoeRouterArgs& r, const In& logits, const char* op, const char* arg) {
+  r.logits_dtype = float_dtype(logits, op, arg);
+  require_ndim(logits, 2, op, arg);
+  require_contiguous(logits, op, arg);
+  if (dim(logits, 1) > INT32_MAX) fail(op, arg, "has too many experts (got shape ", shape_str(logits), ")");
+  r.logits = ptr(logits);
+  r.num_experts = int(dim(logits, 1));
+}
+
+// The scoring options that moe_router and moe_forward share (MoeRouterArgs'
+// fields from `scoring` to `routed_scaling_factor`); E = r.num_experts.
+void set_router_options(fm::MoeRouterArgs& r, const std::string& scoring, bool renormalize,
+                        const OptIn& correction_bias, int n_group, int topk_group, float routed_scaling_factor,
+                        const char* op) {
+  r.scoring = parse_enum(scoring, router_scorings(), op, "scoring");
+  r.renormalize = renormalize;
+  if (correction_bias) require_dense(*correction_bias, kFloat32, {r.num_experts}, op, "correction_bias");
+  r.correction_bias = static_cast<const float*>(ptr(correction_bias));
+  r.n_group = n_group;
+  r.topk_group = topk_group;
+  r.routed_scaling_factor = routed_scaling_factor;
+}
+
+void moe_router(const In& logits, const Out& ids, const Out& scales, const std::string& scoring, bool renormalize,
+                const OptIn& correction_bias, int n_group, int topk_group, float routed_scaling_factor,
+                bool enable_pdl, int path, bool generic_layout, uintptr_t stream) {
+  constexpr const char* op = "moe_router";
+  Placement w(op);
+  w.add(logits, "logits", ids, "token_selected_experts", scales, "token_final_scales", correction_bias,
+        "correction_bias");
+  fm::MoeRouterArgs a;
+  set_router_logits(a, logits, op, "logits");
+  const int64_t T = dim(logits, 0);
+  require_dense_rank(ids, kInt32, 2, op, "token_selected_experts");
+  if (dim(ids, 0) != T)
+    fail(op, "token_selected_experts", "must have T = ", T, " rows, as logits [T, E] (got shape ", shape_str(ids),
+         ")");
+  const int64_t k = dim(ids, 1);
+  require_dense(scales, kFloat32, {T, k}, op, "token_final_scales");
+  set_router_options(a, scoring, renormalize, correction_bias, n_group, topk_group, routed_scaling_factor, op);
+  a.num_tokens = T;
+  a.k = int(k);
+  a.token_selected_experts = static_cast<int32_t*>(mut(ids));
+  a.token_final_scales = static_cast<float*>(mut(scales));
+  a.enable_pdl = enable_pdl;
+  a.tuning.path = path;
+  a.tuning.generic_layout = generic_layout;
+  dispatch(
+      w, op, [&] { return fm::moe_router(a, as_stream(stream)); }, [&] { return fm::moe_router_cpu(a); });
+}
+
+// ---------------------------------------------------------------------------
+// MoE FC1 with the gather and the gated activation fused (spec §9)
+// ---------------------------------------------------------------------------
+
+// MoeActivation and Fc1WeightLayout by the library's names.
+const EnumNames<fm::MoeActivation>& fc1_activations() {
+  static const EnumNames<fm::MoeActivation> names = library_names(
+      {fm::MoeActivation::kSwiGLU, fm::MoeActivation::kSwiGLUOai, fm::MoeActivation::kSwiGLUClamped});
+  return names;
+}
+
+const EnumNames<fm::Fc1WeightLayout>& fc1_weight_layouts() {
+  static const EnumNames<fm::Fc1WeightLayout> names =
+      library_names({fm::Fc1WeightLayout::kGateUp, fm::Fc1WeightLayout::kInterleaved});
+  return names;
+}
+
+// W1 bf16 [E_local, 2I, H], dense: returns I.
+int64_t fc1_inter(const In& W1, const char* op, const char* arg) {
+  require_dense_rank(W1, kBFloat16, 3, op, arg);
+  if (dim(W1, 1) % 2)
+    fail(op, arg, "must be [E_local, 2I, H]: an even number of rows per expert (got shape ", shape_str(W1), ")");
+  return dim(W1, 1) / 2;
+}
+
+void moe_fc1(const In& X, const In& W1, const In& offsets, const In& p2u, const Out& out, int k, int64_t num_tokens,
+             const OptIn& bias, const std::string& layout, const std::string& activation, float limit, float alpha,
+             bool x_permuted, bool enable_pdl, uintptr_t stream) {
+  constexpr const char* op = "moe_fc1";
+  Placement w(op);
+  w.add(out, "out", X, "X", W1, "W1", offsets, "expert_first_token_offset", p2u, "permuted_row_to_unpermuted_row",
+        bias, "bias");
+
+  const int64_t I = fc1_inter(W1, op, "W1");
+  const int64_t E = dim(W1, 0), H = dim(W1, 2);
+  fm::MoeFc1Args a;
+  require_dtype(X, kBFloat16, op, "X");
+  a.x_stride = row_stride(X, op, "X");
+  if (dim(X, 1) != H) fail(op, "X", "must have H = ", H, " columns, as W1 [E, 2I, H] (got shape ", shape_str(X), ")");
+  // T: given, or X's rows (token order) / X's rows over k (permuted: k*T rows).
+  // The sizes that depend on k are checked only for a valid k: the library names a bad one.
+  const bool k_valid = k >= 1 && k <= 16;
+  int64_t T = num_tokens;
+  if (T < 0 && !x_permuted) T = dim(X, 0);
+  if (T < 0) {
+    if (k_valid && dim(X, 0) % k != 0)
+      fail(op, "num_tokens", "needed with x_permuted when X's rows are not k*T (got shape ", shape_str(X),
+           ", k = ", k, ")");
+    T = k_valid ? dim(X, 0) / k : 0;
+  }
+  const int64_t x_rows = x_permuted ? int64_t(k) * T : T;
+  if (k_valid && dim(X, 0) < x_rows)
+    fail(op, "X", "must have at least ", x_permuted ? "k*T = " : "T = ", x_rows, " rows (got shape ", shape_str(X),
+         ")");
+  require_dense_rank(out, kBFloat16, 2, op, "out");
+  if (dim(out, 1) != I || (k_valid && dim(out, 0) < int64_t(k) * T))
+    fail(op, "out", "must have shape [>= k*T = ", int64_t(k) * T, ", I = ", I, "] (got ", shape_str(out), ")");
+  require_vector(offsets, kInt64, E + 1, op, "expert_first_token_offset");
+  require_dtype(p2u, kInt32, op, "permuted_row_to_unpermuted_row");
+  require_contiguous(p2u, op, "permuted_row_to_unpermuted_row");
+  if (bias) require_dense(*bias, kBFloat16, {E, 2 * I}, op, "bias");
+
+  a.X = ptr(X);
+  a.x_permuted = x_permuted;
+  a.W1 = ptr(W1);
+  a.layout = parse_enum(layout, fc1_weight_layouts(), op, "layout");
+  a.bias = ptr(bias);
+  a.expert_first_token_offset = static_cast<const int64_t*>(ptr(offsets));
+  a.permuted_row_to_unpermuted_row = static_cast<const int32_t*>(ptr(p2u));
+  a.num_tokens = T;
+  a.k = k;
+  a.hidden = H;
+  a.inter = I;
+  a.num_experts_per_node = int(E);
+  a.activation = parse_enum(activation, fc1_activations(), op, "activation");
+  a.limit = limit;
+  a.alpha = alpha;
+  a.out = mut(out);
+  a.enable_pdl = enable_pdl;
+  dispatch(
+      w, op, [&] { return fm::moe_fc1(a, as_stream(stream)); }, [&] { return fm::moe_fc1_cpu(a); });
+}
+
+// ---------------------------------------------------------------------------
+// The routed-expert layer in one call (spec §10)
+// ---------------------------------------------------------------------------
+
+size_t moe_forward_workspace_size(int64_t num_tokens, int k, int64_t hidden, int64_t inter, int num_experts,
+                                  int num_experts_per_node, int start_expert_id, bool with_router,
+                                  const std::string& mode) {
+  fm::MoeForwardArgs a;  // placeholders: validated, never dereferenced
+  a.num_tokens = num_tokens;
+  a.hidden = hidden;
+  a.inter = inter;
+  a.k = k;
+  a.start_expert_id = start_expert_id;
+  a.num_experts_per_node = num_experts_per_node;
+  a.X = placeholder<const void>(0);
+  a.W1 = placeholder<const void>(1);
+  a.W2 = placeholder<const void>(2);
+  a.out = placeholder<void>(3);
+  if (with_router) {
+    a.router_logits = placeholder<const void>(4);
+    // The sizes do not depend on E: the smallest that holds this rank's experts.
+    a.num_experts = num_experts > 0 ? num_experts : start_expert_id + num_experts_per_node;
+  } else {
+    a.token_selected_experts = placeholder<const int32_t>(4);
+    a.num_experts = num_experts;
+  }
+  a.fc2_mode = parse_enum(mode, fc2_modes(), "moe_forward", "mode");
+  raise_if_error(fm::validate_moe_forward(a));
+  return fm::moe_forward_workspace_size(a);
+}
+
+// Arrays of the routed-expert layer; E_local, H, I from W2 [E_local, H, I], T
+// from X [T, H].
+void moe_forward(const In& X, const In& W1, const In& W2, const Out& out, int k, int num_experts,
+                 int start_expert_id, const OptIn& router_logits, const std::string& scoring, bool renormalize,
+                 const OptIn& correction_bias, int n_group, int topk_group, float routed_scaling_factor,
+                 const OptIn& token_selected_experts, const OptIn& token_final_scales,
+                 const OptOut& selected_experts_out, const OptOut& final_scales_out, const OptIn& b1,
+                 const OptIn& b2, bool apply_b2, const std::string& w1_layout, const std::string& activation,
+                 float limit, float alpha, const std::string& mode, const OptIn& shared_output, bool fill,
+                 const OptOut& workspace, bool enable_pdl, uintptr_t stream) {
+  constexpr const char* op = "moe_forward";
+  Placement w(op);
+  w.add(out, "out", X, "X", W1, "W1", W2, "W2", router_logits, "router_logits", correction_bias, "correction_bias",
+        token_selected_experts, "token_selected_experts", token_final_scales, "token_final_scales",
+        selected_experts_out, "selected_experts_out", final_scales_out, "final_scales_out", b1, "b1", b2, "b2",
+        shared_output, "shared_output", workspace, "workspace");
+
+  require_dense_rank(W2, kBFloat16, 3, op, "W2");
+  const int64_t E = dim(W2, 0), H = dim(W2, 1), I = dim(W2, 2);
+  require_dense(W1, kBFloat16, {E, 2 * I, H}, op, "W1");  // [E_local, 2I, H] beside W2 [E_local, H, I]
+  fm::MoeForwardArgs a;
+  require_dtype(X, kBFloat16, op, "X");
+  a.x_stride = row_stride(X, op, "X");
+  if (dim(X, 1) != H) fail(op, "X", "must have H = ", H, " columns, as W2 [E, H, I] (got shape ", shape_str(X), ")");
+  const int64_t T = dim(X, 0);
+  require_dtype(out, kBFloat16, op, "out");
+  a.out_stride = row_stride(out, op, "out");
+  if (dim(out, 0) != T || dim(out, 1) != H)
+    fail(op, "out", "must have shape [T = ", T, ", H = ", H, "] (got ", shape_str(out), ")");
+
+  // Routing: the router on the logits, or the caller's choice.
+  if (router_logits) {
+    set_router_logits(a.router, *router_logits, op, "router_logits");
+    if (dim(*router_logits, 0) != T)
+      fail(op, "router_logits", "must have T = ", T, " rows, as X (got shape ", shape_str(*router_logits), ")");
+    if (num_experts > 0 && num_experts != a.router.num_experts)
+      fail(op, "num_experts", "must be router_logits.shape[1] = ", a.router.num_experts, " (got ", num_experts, ")");
+    a.num_experts = a.router.num_experts;
+  } else {
+    if (!token_selected_experts)
+      fail(op, "router_logits", "give router_logits or token_selected_experts (got neither)");
+    a.num_experts = num_experts > 0 ? num_experts : 0;
+    if (correction_bias) fail(op, "correction_bias", "is the router's: only with router_logits");
+    if (selected_experts_out) fail(op, "selected_experts_out", "keeps the router's choice: only with router_logits");
+    if (final_scales_out) fail(op, "final_scales_out", "keeps the router's weights: only with router_logits");
+  }
+  set_router_options(a.router, scoring, renormalize, correction_bias, n_group, topk_group, routed_scaling_factor,
+                     op);
+  if (token_selected_experts) require_dense(*token_selected_experts, kInt32, {T, k}, op, "token_selected_experts");
+  if (token_final_scales) require_dense(*token_final_scales, kFloat32, {T, k}, op, "token_final_scales");
+  if (selected_experts_out) require_dense(*selected_experts_out, kInt32, {T, k}, op, "selected_experts_out");
+  if (final_scales_out) require_dense(*final_scales_out, kFloat32, {T, k}, op, "final_scales_out");
+  if (b1) require_dense(*b1, kBFloat16, {E, 2 * I}, op, "b1");
+  if (b2) require_dense(*b2, kBFloat16, {E, H}, op, "b2");
+  if (shared_output) {
+    require_dtype(*shared_output, kBFloat16, op, "shared_output");
+    a.shared_stride = row_stride(*shared_output, op, "shared_output");
+    if (dim(*shared_output, 0) != T || dim(*shared_output, 1) < H)
+      fail(op, "shared_output", "must have shape [T = ", T, ", >= H = ", H, "] (got ", shape_str(*shared_output),
+           ")");
+  }
+
+  a.num_tokens = T;
+  a.hidden = H;
+  a.inter = I;
+  a.k = k;
+  a.start_expert_id = start_expert_id;
+  a.num_experts_per_node = int(E);
+  a.X = ptr(X);
+  a.router_logits = ptr(router_logits);
+  a.token_selected_experts = static_cast<const int32_t*>(ptr(token_selected_experts));
+  a.token_final_scales = static_cast<const float*>(ptr(token_final_scales));
+  a.selected_experts_out = selected_experts_out ? static_cast<int32_t*>(mut(*selected_experts_out)) : nullptr;
+  a.final_scales_out = final_scales_out ? static_cast<float*>(mut(*final_scales_out)) : nullptr;
+  a.W1 = ptr(W1);
+  a.w1_layout = parse_enum(w1_layout, fc1_weight_layouts(), op, "w1_layout");
+  a.b1 = ptr(b1);
+  a.activation = parse_enum(activation, fc1_activations(), op, "activation");
+  a.activation_limit = limit;
+  a.activation_alpha = alpha;
+  a.W2 = ptr(W2);
+  a.b2 = ptr(b2);
+  a.apply_b2 = apply_b2;
+  a.fc2_mode = parse_enum(mode, fc2_modes(), op, "mode");
+  a.shared_output = ptr(shared_output);
+  a.fill = fill;
+  a.out = mut(out);
+  a.enable_pdl = enable_pdl;
+  const Workspace ws = workspace_of(workspace, op);
+  dispatch(
+      w, op, [&] { return fm::moe_forward(a, ws.ptr, ws.bytes, as_stream(stream)); },
+      [&] { return fm::moe_forward_cpu(a); });
 }
 
 // ---------------------------------------------------------------------------
@@ -326,12 +613,56 @@ nb::dict moe_defaults() {
     const fm::Fc2FinalizeArgs a;
     nb::dict f;
     f["apply_bias"] = a.apply_bias;
+    f["fill"] = a.fill;
     f["mode"] = enum_name(a.mode, fc2_modes());
     f["out_already_zeroed"] = a.out_already_zeroed;
     f["gemm_kernel"] = enum_name(a.tuning.gemm_kernel, fc2_gemm_kernels());
     f["raster"] = a.tuning.raster;
     f["swizzle"] = a.tuning.swizzle;
     d["moe_fc2_finalize"] = f;
+  }
+  {
+    const fm::MoeRouterArgs a;
+    nb::dict f;
+    f["scoring"] = enum_name(a.scoring, router_scorings());
+    f["renormalize"] = a.renormalize;
+    f["n_group"] = a.n_group;
+    f["topk_group"] = a.topk_group;
+    f["routed_scaling_factor"] = py_float(a.routed_scaling_factor);
+    f["enable_pdl"] = a.enable_pdl;
+    f["path"] = a.tuning.path;
+    f["generic_layout"] = a.tuning.generic_layout;
+    d["moe_router"] = f;
+  }
+  {
+    const fm::MoeFc1Args a;
+    nb::dict f;
+    f["layout"] = enum_name(a.layout, fc1_weight_layouts());
+    f["activation"] = enum_name(a.activation, fc1_activations());
+    f["limit"] = py_float(a.limit);
+    f["alpha"] = py_float(a.alpha);
+    f["x_permuted"] = a.x_permuted;
+    f["enable_pdl"] = a.enable_pdl;
+    d["moe_fc1"] = f;
+  }
+  {
+    const fm::MoeForwardArgs a;  // the router's options: its MoeRouterArgs `router`
+    nb::dict f;
+    f["start_expert_id"] = a.start_expert_id;
+    f["scoring"] = enum_name(a.router.scoring, router_scorings());
+    f["renormalize"] = a.router.renormalize;
+    f["n_group"] = a.router.n_group;
+    f["topk_group"] = a.router.topk_group;
+    f["routed_scaling_factor"] = py_float(a.router.routed_scaling_factor);
+    f["w1_layout"] = enum_name(a.w1_layout, fc1_weight_layouts());
+    f["activation"] = enum_name(a.activation, fc1_activations());
+    f["limit"] = py_float(a.activation_limit);
+    f["alpha"] = py_float(a.activation_alpha);
+    f["apply_b2"] = a.apply_b2;
+    f["mode"] = enum_name(a.fc2_mode, fc2_modes());
+    f["fill"] = a.fill;
+    f["enable_pdl"] = a.enable_pdl;
+    d["moe_forward"] = f;
   }
   return d;
 }
@@ -373,8 +704,39 @@ void register_moe(nb::module_& m) {
         "Bytes of device workspace moe_fc2_finalize needs on CUDA device `device` (-1: the current one).");
   m.def("moe_fc2_finalize", &moe_fc2_finalize, "A"_a, "W2"_a, "expert_first_token_offset"_a,
         "permuted_row_to_unpermuted_row"_a, "out"_a, nb::kw_only(), "k"_a, "scales"_a.none(), "bias"_a.none(),
-        "apply_bias"_a, "mode"_a, "out_already_zeroed"_a, "workspace"_a.none(), "gemm_kernel"_a, "raster"_a,
+        "apply_bias"_a, "shared_output"_a.none(), "fill"_a, "mode"_a, "out_already_zeroed"_a, "workspace"_a.none(), "gemm_kernel"_a, "raster"_a,
         "swizzle"_a, "stream"_a, "spec §3 into `out` [T, H]; E, H, I from W2 [E, H, I].");
+
+  // Router
+  m.attr("ROUTER_SCORINGS") = enum_names_tuple(router_scorings());
+  m.def("moe_router", &moe_router, "logits"_a, "token_selected_experts"_a, "token_final_scales"_a, nb::kw_only(),
+        "scoring"_a, "renormalize"_a, "correction_bias"_a.none(), "n_group"_a, "topk_group"_a,
+        "routed_scaling_factor"_a, "enable_pdl"_a, "path"_a, "generic_layout"_a, "stream"_a,
+        "spec §8 into token_selected_experts [T, k] and token_final_scales [T, k]; T, E from logits [T, E], k "
+        "from token_selected_experts.");
+
+  // FC1 + gather + gated activation
+  m.attr("FC1_ACTIVATIONS") = enum_names_tuple(fc1_activations());
+  m.attr("FC1_WEIGHT_LAYOUTS") = enum_names_tuple(fc1_weight_layouts());
+  m.def("moe_fc1", &moe_fc1, "X"_a, "W1"_a, "expert_first_token_offset"_a, "permuted_row_to_unpermuted_row"_a,
+        "out"_a, nb::kw_only(), "k"_a, "num_tokens"_a, "bias"_a.none(), "layout"_a, "activation"_a, "limit"_a,
+        "alpha"_a, "x_permuted"_a, "enable_pdl"_a, "stream"_a,
+        "spec §9 into `out` [>= k*T, I]; E, I, H from W1 [E, 2I, H]; T = num_tokens, or (num_tokens < 0) X's "
+        "rows, over k with x_permuted.");
+
+  // The layer
+  m.def("moe_forward_workspace_size", &moe_forward_workspace_size, "num_tokens"_a, "k"_a, "hidden"_a, "inter"_a,
+        "num_experts"_a, "num_experts_per_node"_a, "start_expert_id"_a, "with_router"_a, "mode"_a,
+        "Bytes of device workspace moe_forward needs (with_router: routing by router_logits; num_experts <= 0: "
+        "any that holds this rank's experts).");
+  m.def("moe_forward", &moe_forward, "X"_a, "W1"_a, "W2"_a, "out"_a, nb::kw_only(), "k"_a, "num_experts"_a,
+        "start_expert_id"_a, "router_logits"_a.none(), "scoring"_a, "renormalize"_a, "correction_bias"_a.none(),
+        "n_group"_a, "topk_group"_a, "routed_scaling_factor"_a, "token_selected_experts"_a.none(),
+        "token_final_scales"_a.none(), "selected_experts_out"_a.none(), "final_scales_out"_a.none(), "b1"_a.none(),
+        "b2"_a.none(), "apply_b2"_a, "w1_layout"_a, "activation"_a, "limit"_a, "alpha"_a, "mode"_a,
+        "shared_output"_a.none(), "fill"_a, "workspace"_a.none(), "enable_pdl"_a, "stream"_a,
+        "spec §10 into `out` [T, H]: router (router_logits) or the caller's ids, routing maps, FC1, FC2 + finalize; "
+        "E_local, H, I from W2 [E_local, H, I], T from X [T, H]; num_experts <= 0: router_logits.shape[1].");
 }
 
 }  // namespace flashmix::python

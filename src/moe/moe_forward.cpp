@@ -33,8 +33,15 @@ struct Stages {
   Fc2FinalizeArgs fc2;
 };
 
+// The input FC1 reads: the caller's X gathered in the kernel, or a permuted
+// copy the routing maps write (the rule: MoeFc1Input::kAuto in moe.h).
+bool use_permuted_copy(const MoeForwardArgs& a) {
+  if (a.fc1_input != MoeFc1Input::kAuto) return a.fc1_input == MoeFc1Input::kPermutedCopy;
+  return a.num_tokens * a.k >= int64_t(64) * a.num_experts_per_node;
+}
+
 struct Layout {
-  size_t ids = 0, scales = 0, offsets = 0, p2u = 0, u2p = 0, maps_ws = 0, fc1_out = 0, fc2_ws = 0;
+  size_t ids = 0, scales = 0, offsets = 0, p2u = 0, u2p = 0, maps_ws = 0, fc1_out = 0, fc2_ws = 0, x_perm = 0;
   size_t maps_ws_bytes = 0, fc2_ws_bytes = 0, total = 0;
 };
 
@@ -71,9 +78,18 @@ Stages make_stages(const MoeForwardArgs& a, char* ws, const Layout& l) {
   s.maps.permuted_row_to_unpermuted_row = p2u;
   s.maps.unpermuted_row_to_permuted_row = reinterpret_cast<int32_t*>(at(l.u2p));
   s.maps.enable_pdl = a.enable_pdl;
+  const bool copy = use_permuted_copy(a);
+  if (copy) {
+    s.maps.input = a.X;
+    s.maps.permuted_input = at(l.x_perm);
+    s.maps.input_dtype = DType::kBFloat16;
+    s.maps.hidden = a.hidden;
+    s.maps.input_stride = a.x_stride;
+  }
 
-  s.fc1.X = a.X;
-  s.fc1.x_stride = a.x_stride;
+  s.fc1.X = copy ? at(l.x_perm) : a.X;
+  s.fc1.x_stride = copy ? 0 : a.x_stride;
+  s.fc1.x_permuted = copy;
   s.fc1.W1 = a.W1;
   s.fc1.layout = a.w1_layout;
   s.fc1.bias = a.b1;
@@ -129,6 +145,7 @@ Layout make_layout(const MoeForwardArgs& a) {
   l.offsets = take((size_t(a.num_experts_per_node) + 1) * 8);
   l.p2u = take(slots * 4);
   l.u2p = take(slots * 4);
+  l.x_perm = take(use_permuted_copy(a) ? slots * size_t(a.hidden) * 2 : 0);
   l.maps_ws_bytes = build_moe_routing_maps_workspace_size(s.maps);
   l.maps_ws = take(l.maps_ws_bytes);
   l.fc1_out = take(slots * size_t(a.inter) * 2);
@@ -145,6 +162,8 @@ Status validate_own(const MoeForwardArgs& a, bool check_buffers) {
   FM_REQUIRE(a.num_experts_per_node >= 1 && a.num_experts_per_node <= 1024, kOp, "num_experts_per_node",
              "must be in [1, 1024] (got ", a.num_experts_per_node, ")");
   FM_REQUIRE(a.start_expert_id >= 0, kOp, "start_expert_id", "must be >= 0 (got ", a.start_expert_id, ")");
+  const int in = int(a.fc1_input);
+  FM_REQUIRE(in >= 0 && in <= 2, kOp, "fc1_input", "unknown MoeFc1Input value ", in);
   if (a.router_logits != nullptr || a.token_selected_experts == nullptr) {
     FM_REQUIRE(a.num_experts >= 1, kOp, "num_experts", "must be >= 1 with router_logits (got ", a.num_experts, ")");
     FM_REQUIRE(a.k <= a.num_experts, kOp, "k", "must be <= num_experts (", a.num_experts, "; got ", a.k, ")");
@@ -190,6 +209,15 @@ Status validate_stages(const MoeForwardArgs& a, const Stages& s, bool check_buff
 }
 
 }  // namespace
+
+const char* to_string(MoeFc1Input input) {
+  switch (input) {
+    case MoeFc1Input::kAuto: return "auto";
+    case MoeFc1Input::kGather: return "gather";
+    case MoeFc1Input::kPermutedCopy: return "permuted_copy";
+  }
+  return "unknown";
+}
 
 Status validate_moe_forward(const MoeForwardArgs& a) {
   Layout l;

@@ -118,7 +118,7 @@ struct Fc1KernelParams {
   int slices, k_blocks;
   int act;  // MoeActivation
   float limit, alpha;
-  bool x_permuted;
+  bool x_permuted;   // X holds the permuted rows: loaded by TMA boxes, not gathered
   bool interleaved;  // bias order (the weights' order is in the tensor map)
 };
 
@@ -135,9 +135,11 @@ __device__ __forceinline__ float activate(const Fc1KernelParams& p, float g, flo
 }
 
 // The loader warps: W1's box by TMA (one thread), the tile's rows by cp.async
-// (all 128: thread l takes 16-byte chunk l % 8 of rows l / 8 + 16 i).
+// (all 128: thread l takes 16-byte chunk l % 8 of rows l / 8 + 16 i) or, from
+// a permuted X (consecutive rows), by TMA boxes of 64 / 16 rows.
 template <class Cfg>
-__device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUtensorMap* map_w, uint32_t stages,
+__device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUtensorMap* map_w,
+                                           const CUtensorMap* map_x64, const CUtensorMap* map_x16, uint32_t stages,
                                            uint32_t full0, uint32_t empty0, const int* tile_start,
                                            const int* row_off, const uint16_t* order) {
   const int l = threadIdx.x - 256;
@@ -154,12 +156,27 @@ __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUten
     for (int i = 0; i < Cfg::kMaxRows / 16; ++i) {
       const int r = r0 + 16 * i;
       src[i] = -1;
-      if (r < t.rows) src[i] = p.x_permuted ? t.p0 + r : __ldg(p.p2u + t.p0 + r) % p.T;
+      if (r < t.rows && !p.x_permuted) src[i] = __ldg(p.p2u + t.p0 + r) % p.T;
     }
     for (int kb = 0; kb < p.k_blocks; ++kb) {
       dev::mbar_wait(bar_at(empty0, s), ph ^ 1);
       const uint32_t full = bar_at(full0, s);
       const uint32_t st = stages + uint32_t(s) * Cfg::kStageBytes;
+      if (p.x_permuted) {
+        if (l == 0) {
+          dev::mbar_arrive_expect_tx(full, kWBytes + uint32_t(t.n) * 128);
+          dev::tma_load_5d(st, map_w, full, kb * kTileK, 0, 0, t.hs * (kTileOut / 8), t.e);
+          int r = 0;
+          for (; r + 64 <= t.n; r += 64) dev::tma_load_2d(st + kWBytes + r * 128, map_x64, full, kb * kTileK, t.p0 + r);
+          for (; r < t.n; r += 16) dev::tma_load_2d(st + kWBytes + r * 128, map_x16, full, kb * kTileK, t.p0 + r);
+        }
+        dev::mbar_arrive(full);  // every loader thread, as the cp.async path's count expects
+        if (++s == Cfg::kStages) {
+          s = 0;
+          ph ^= 1;
+        }
+        continue;
+      }
       if (l == 0) {
         dev::mbar_arrive_expect_tx(full, kWBytes);
         dev::tma_load_5d(st, map_w, full, kb * kTileK, 0, 0, t.hs * (kTileOut / 8), t.e);
@@ -198,7 +215,7 @@ __device__ __forceinline__ void consume_tile(const Fc1KernelParams& p, const Til
   int prev = -1;
   for (int kb = 0; kb < p.k_blocks; ++kb) {
     dev::mbar_wait(bar_at(full0, s), ph);
-    dev::fence_proxy_async_shared();  // the rows came through the generic proxy (cp.async)
+    if (!p.x_permuted) dev::fence_proxy_async_shared();  // the rows came through the generic proxy (cp.async)
     const uint32_t st = stages + uint32_t(s) * Cfg::kStageBytes;
     const uint64_t da = dev::wgmma_desc_k_sw128(st + a_off);
     const uint64_t db = dev::wgmma_desc_k_sw128(st + kWBytes);
@@ -267,7 +284,8 @@ __device__ __forceinline__ void consume_tile(const Fc1KernelParams& p, const Til
 
 template <class Cfg>
 __global__ void __launch_bounds__(kThreads, 1)
-    fc1_gemm_kernel(const __grid_constant__ Fc1KernelParams p, const __grid_constant__ CUtensorMap map_w) {
+    fc1_gemm_kernel(const __grid_constant__ Fc1KernelParams p, const __grid_constant__ CUtensorMap map_w,
+                    const __grid_constant__ CUtensorMap map_x64, const __grid_constant__ CUtensorMap map_x16) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = dev::smem_u32(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
@@ -295,7 +313,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // instruction when code needing more registers is reachable after it).
   if (warp >= 8) {
     dev::setmaxnreg_dec<kLoaderRegs>();
-    load_tiles<Cfg>(p, &map_w, base, full0, empty0, tile_start, row_off, order);
+    load_tiles<Cfg>(p, &map_w, &map_x64, &map_x16, base, full0, empty0, tile_start, row_off, order);
   } else {
     dev::setmaxnreg_inc<kConsumerRegs>();
     const int wg = warp / 4;
@@ -354,11 +372,32 @@ bool encode_w1(const Sm90Fc1Params& p, CUtensorMap& w) {
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// A permuted X as a 2-D tensor (H, k*T) in boxes of 64 columns x 64 or 16
+// rows (rows past k*T and columns past H read as zeros).
+bool encode_x_permuted(const Sm90Fc1Params& p, CUtensorMap& x64, CUtensorMap& x16) {
+  const detail::TensorMapEncodeTiled encode = detail::tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {cuuint64_t(p.H), cuuint64_t(int64_t(p.T) * p.k)};
+  const cuuint64_t strides[1] = {cuuint64_t(p.x_stride) * 2};
+  const cuuint32_t elem[2] = {1, 1};
+  for (int i = 0; i < 2; ++i) {
+    const cuuint32_t box[2] = {kTileK, cuuint32_t(i == 0 ? 64 : 16)};
+    if (encode(i == 0 ? &x64 : &x16, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(p.X), dims, strides, box,
+               elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+      return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   CUtensorMap w;
   FM_REQUIRE_SUPPORTED(encode_w1(p, w), kOp, "W1", "its TMA descriptor could not be encoded");
+  CUtensorMap x64 = w, x16 = w;  // used only with a permuted X
+  if (p.x_permuted)
+    FM_REQUIRE_SUPPORTED(encode_x_permuted(p, x64, x16), kOp, "X", "its TMA descriptors could not be encoded");
   Fc1KernelParams k{};
   k.X = static_cast<const __nv_bfloat16*>(p.X);
   k.x_stride = p.x_stride;
@@ -396,7 +435,7 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   FM_REQUIRE_SUPPORTED(smem <= max_dynamic, kOp, "device", "the FC1 kernel needs ", smem,
                        " bytes of shared memory per block; this device allows ", max_dynamic);
   FM_RETURN_IF_ERROR(detail::cuda_status(
-      dev::launch(kernel, dim3(unsigned(p.sm_count)), dim3(kThreads), smem, stream, p.pdl, k, w), kOp,
+      dev::launch(kernel, dim3(unsigned(p.sm_count)), dim3(kThreads), smem, stream, p.pdl, k, w, x64, x16), kOp,
       "kernel launch"));
   return Status::Ok();
 }

@@ -50,6 +50,7 @@ struct Case {
   bool biases = true;
   Fc2Mode mode = Fc2Mode::kAtomic;
   Fc1WeightLayout layout = Fc1WeightLayout::kGateUp;
+  MoeFc1Input input = MoeFc1Input::kAuto;
 };
 
 struct Layer {
@@ -100,6 +101,7 @@ struct Layer {
     args.router.renormalize = true;
     args.router.logits_dtype = DType::kBFloat16;
     args.w1_layout = c.layout;
+    args.fc1_input = c.input;
     args.fc2_mode = c.mode;
     args.fill = c.fill;
     set_pointers(true);
@@ -182,6 +184,22 @@ TEST(MoeForwardGpu, RouterThenLayerEveryMode) {
     c.mode = m;
     check_case(c);
   }
+}
+
+TEST(MoeForwardGpu, Fc1GathersOrReadsAPermutedCopy) {
+  SKIP_WITHOUT_HOPPER();
+  for (MoeFc1Input in : {MoeFc1Input::kGather, MoeFc1Input::kPermutedCopy})
+    for (Fc2Mode m : {Fc2Mode::kAtomic, Fc2Mode::kDeterministic}) {
+      SCOPED_TRACE(std::string(in == MoeFc1Input::kGather ? "gather " : "permuted copy ") + fc2_mode_name(m));
+      Case c;
+      c.T = 200;
+      c.input = in;
+      c.mode = m;
+      check_case(c);
+      c.E = 48;  // an expert-parallel rank
+      c.start = 32;
+      check_case(c);
+    }
 }
 
 TEST(MoeForwardGpu, GivenIdsAndWeightsInterleavedW1) {

@@ -1,5 +1,6 @@
 """A small numpy reference written from docs/spec.md alone (float64, no flashmix
-code), and the random problems the Python tests share."""
+code), and the random problems the Python tests share: routing maps (§1),
+finalize (§2), FC2 (§3), the router (§8), FC1 (§9), the layer (§10), mHC (§4)."""
 import numpy as np
 
 try:
@@ -132,6 +133,184 @@ def fc2_finalize(A, W2, offsets, p2u, scales, bias, T, k):
                 y = y + f64(bias)[e]
             out[t] += w * y
     return out
+
+
+# ---------------------------------------------------------------------------
+# spec §8: router
+# ---------------------------------------------------------------------------
+
+def _softmax(x):
+    """Softmax of a float64 vector; all -inf: all 0."""
+    m = x.max()
+    if m == -np.inf:
+        return np.zeros_like(x)
+    e = np.exp(x - m)
+    return e / e.sum()
+
+
+def router_scores(l, scoring):
+    """s_e of spec §8.1 from the logits as read (§8.2), float64."""
+    with np.errstate(over="ignore"):
+        if scoring == "softmax":
+            return _softmax(l)
+        if scoring == "sigmoid":
+            return 1.0 / (1.0 + np.exp(-l))
+        if scoring == "sqrtsoftplus":
+            return np.sqrt(np.maximum(l, 0.0) + np.log1p(np.exp(-np.abs(l))))
+        if scoring == "softmax_after_topk":
+            return l.copy()
+    raise ValueError(scoring)
+
+
+def router(logits, k, scoring="softmax", renormalize=False, correction_bias=None, n_group=1, topk_group=1,
+           routed_scaling_factor=1.0):
+    """(token_selected_experts int32 [T, k], token_final_scales float64 [T, k]) of logits [T, E]
+    (spec §8.1, §8.2): NaN read as -inf, +inf as FLT_MAX; the k largest selection values (the
+    logits when there is no bias), ties by the lowest id, within the topk_group best groups."""
+    l_all = f64(logits).copy()
+    l_all[np.isnan(l_all)] = -np.inf
+    l_all[l_all == np.inf] = float(np.finfo(np.float32).max)
+    T, E = l_all.shape
+    bias = None if correction_bias is None else f64(correction_bias)
+    ids = np.zeros((T, k), np.int32)
+    weights = np.zeros((T, k))
+    S = E // n_group
+    for t in range(T):
+        l = l_all[t]
+        s = router_scores(l, scoring)
+        v = s + (0.0 if bias is None else bias)
+        key = l if bias is None else v
+        candidates = list(range(E))
+        if topk_group < n_group:
+            group_score = [np.sort(v[g * S:(g + 1) * S])[::-1][:2].sum() for g in range(n_group)]
+            best = sorted(range(n_group), key=lambda g: (-group_score[g], g))[:topk_group]
+            candidates = [e for g in sorted(best) for e in range(g * S, (g + 1) * S)]
+        chosen = sorted(candidates, key=lambda e: (-key[e], e))[:k]
+        if scoring == "softmax_after_topk":
+            w = _softmax(l[chosen])
+        else:
+            w = s[chosen]
+            if renormalize:
+                total = w.sum()
+                w = w / total if total > 0 else np.zeros_like(w)
+        ids[t] = chosen
+        weights[t] = w * float(np.float32(routed_scaling_factor))
+    return ids, weights
+
+
+def grid_logits(rng, T, E, scale=1 / 16):
+    """Router logits [T, E] on a grid of 1/16, distinct within each row (no ties; exact in bf16 for
+    E <= 512): a random permutation of (i - E/2) / 16."""
+    return np.array([(rng.permutation(E) - E // 2) * scale for _ in range(T)], np.float32).reshape(T, E)
+
+
+# ---------------------------------------------------------------------------
+# spec §9: FC1 with the gather and the gated activation
+# ---------------------------------------------------------------------------
+
+FC1_DEFAULT_LIMIT = {"swiglu_oai": 7.0, "swiglu_clamped": 10.0}
+FC1_DEFAULT_ALPHA = float(np.float32(1.702))  # the float 1.702f
+
+
+def _clamp_max(x, L):
+    """min(x, L), keeping NaN."""
+    return np.where(x > L, L, x)
+
+
+def _clamp_both(x, L):
+    """clamp(x, -L, L), keeping NaN."""
+    return np.where(x < -L, -L, np.where(x > L, L, x))
+
+
+def silu(x):
+    with np.errstate(over="ignore"):
+        return x / (1.0 + np.exp(-x))
+
+
+def fc1_activation(g, u, activation, limit=0.0, alpha=0.0):
+    """act(g, u) of spec §9.3 in float64: L = limit (> 0) or the activation's default, a = alpha
+    (> 0) or 1.702f."""
+    g, u = f64(g), f64(u)
+    if activation == "swiglu":
+        return silu(g) * u
+    L = float(np.float32(limit)) if limit > 0 else FC1_DEFAULT_LIMIT[activation]
+    if activation == "swiglu_oai":
+        a = float(np.float32(alpha)) if alpha > 0 else FC1_DEFAULT_ALPHA
+        gc = _clamp_max(g, L)
+        with np.errstate(over="ignore"):
+            return gc / (1.0 + np.exp(-a * gc)) * (_clamp_both(u, L) + 1.0)
+    if activation == "swiglu_clamped":
+        return silu(_clamp_max(g, L)) * _clamp_both(u, L)
+    raise ValueError(activation)
+
+
+def fc1_rows(layout, inter):
+    """(gate rows, up rows) of W1's 2I rows for each i in [0, I) (spec §9.2)."""
+    i = np.arange(inter)
+    if layout == "gate_up":
+        return i, inter + i
+    if layout == "interleaved":
+        return 2 * i, 2 * i + 1
+    raise ValueError(layout)
+
+
+def to_interleaved(w1_gate_up):
+    """The same logical weights (or biases) in the interleaved layout: [..., 2I, ...] with the
+    gate rows [0, I) and the up rows [I, 2I) -> rows 2i gate i, 2i + 1 up i (axis 1)."""
+    w = np.asarray(w1_gate_up)
+    I = w.shape[1] // 2
+    out = np.empty_like(w)
+    out[:, 0::2], out[:, 1::2] = w[:, :I], w[:, I:]
+    return out
+
+
+def fc1(x, w1, offsets, p2u, T, bias=None, layout="gate_up", activation="swiglu", limit=0.0, alpha=0.0,
+        x_permuted=False):
+    """float64 out [P, I]: row p of expert e = act(x[row] . W1[e, gate i] + b, x[row] . W1[e, up i] + b),
+    row = p with x_permuted, else p2u[p] % T (spec §9.1)."""
+    X, W = f64(x), f64(w1)
+    E, I2, H = W.shape
+    I = I2 // 2
+    gate, up = fc1_rows(layout, I)
+    P = int(offsets[E])
+    out = np.zeros((P, I))
+    for e in range(E):
+        rows = np.arange(int(offsets[e]), int(offsets[e + 1]))
+        if len(rows) == 0:
+            continue
+        xr = X[rows, :H] if x_permuted else X[np.asarray(p2u, np.int64)[rows] % T, :H]
+        g, u = xr @ W[e, gate].T, xr @ W[e, up].T
+        if bias is not None:
+            g, u = g + f64(bias)[e, gate], u + f64(bias)[e, up]
+        out[rows] = fc1_activation(g, u, activation, limit, alpha)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# spec §10: the routed-expert layer (the stages chained)
+# ---------------------------------------------------------------------------
+
+def moe_forward(x, w1, w2, experts, scales, start, e_local, b1=None, b2=None, layout="gate_up",
+                activation="swiglu", limit=0.0, alpha=0.0, shared=None, fill=True, out_before=None):
+    """float64 out [T, H] of the layer for the given routing (experts int32 [T, k], scales [T, k] or
+    None), FC1's rows rounded to bf16 as both backends do; with fill=False, tokens without a local
+    expert keep out_before. Also returns the sum of |terms| per element (for tolerances)."""
+    T, k = experts.shape
+    H = w2.shape[1]
+    offsets, p2u, _ = routing_maps(experts, start, e_local)
+    act = f64(rounded(fc1(x, w1, offsets, p2u, T, b1, layout, activation, limit, alpha), "bfloat16"))
+    sums = fc2_finalize(act, w2, offsets, p2u, scales, b2, T, k)
+    mag = fc2_finalize(np.abs(act), np.abs(f64(w2)), offsets, p2u, None if scales is None else np.abs(scales),
+                       None if b2 is None else np.abs(f64(b2)), T, k)
+    local = ((experts >= start) & (experts < start + e_local)).any(axis=1)
+    out = np.zeros((T, H)) if out_before is None else f64(out_before).copy()
+    for t in range(T):
+        if not local[t] and not fill:
+            continue
+        out[t] = sums[t] + (0.0 if shared is None else f64(shared)[t, :H])
+        if shared is not None:
+            mag[t] += np.abs(f64(shared)[t, :H])
+    return out, mag
 
 
 # ---------------------------------------------------------------------------

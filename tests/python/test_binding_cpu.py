@@ -217,6 +217,421 @@ def test_moe_fc2_finalize_matches_spec(mode, with_bias):
     assert_rounded_close(ignored, want, "bfloat16", None)
 
 
+@needs_bf16
+@pytest.mark.parametrize("mode", flashmix.FC2_MODES)
+def test_moe_fc2_finalize_shared_output_and_fill(mode):
+    # An expert-parallel rank (experts [4, 6) of 8): most tokens have no local row.
+    rng = np.random.default_rng(6)
+    T, k, E, start, E_local, H, I = 24, 2, 8, 4, 2, 16, 24
+    experts = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    maps = flashmix.build_moe_routing_maps(experts, num_experts_per_node=E_local, start_expert_id=start)
+    A = rng.uniform(-1, 1, (k * T, I)).astype(BF16)
+    W2 = (rng.uniform(-1, 1, (E_local, H, I)) / 4).astype(BF16)
+    scales = rng.uniform(0, 1, (T, k)).astype(np.float32)
+    wide = rng.uniform(-1, 1, (T, H + 8)).astype(BF16)
+    shared = wide[:, :H]  # rows strided: 24 elements apart
+    off, p2u = maps.expert_first_token_offset, maps.permuted_row_to_unpermuted_row
+    sums = ref.fc2_finalize(A, W2, off, p2u, scales, None, T, k)
+    local = ((experts >= start) & (experts < start + E_local)).any(axis=1)
+    assert local.any() and (~local).any()
+    for fill in (True, False):
+        out = np.full((T, H), 7.0, BF16)
+        got = flashmix.moe_fc2_finalize(A, W2, off, p2u, k=k, scales=scales, shared_output=shared, fill=fill,
+                                        mode=mode, out=out)
+        assert got is out
+        want = sums + ref.f64(shared)
+        if not fill:
+            want[~local] = 7.0
+        assert_rounded_close(out, want, "bfloat16", np.abs(sums) + np.abs(ref.f64(shared)))
+    # A fresh out: zeroed where nothing is written (fill=False); T from shared_output alone.
+    fresh = flashmix.moe_fc2_finalize(A, W2, off, p2u, k=k, shared_output=shared, fill=False, mode=mode)
+    assert (ref.f64(fresh)[~local] == 0).all()
+    want = ref.fc2_finalize(A, W2, off, p2u, None, None, T, k) + ref.f64(shared)
+    assert_rounded_close(fresh[local], want[local], "bfloat16", None)
+
+
+@needs_bf16
+def test_moe_fc2_finalize_shared_output_bad_input_names_the_argument():
+    A, W2 = np.zeros((4, 8), BF16), np.zeros((2, 8, 8), BF16)
+    off, p2u = np.zeros(3, np.int64), np.zeros(4, np.int32)
+    out = np.zeros((2, 8), BF16)
+    with raises_naming(ValueError, "moe_fc2_finalize", "shared_output"):  # not T rows
+        flashmix.moe_fc2_finalize(A, W2, off, p2u, k=2, out=out, shared_output=np.zeros((3, 8), BF16))
+    with raises_naming(ValueError, "moe_fc2_finalize", "shared_output"):  # not bf16
+        flashmix.moe_fc2_finalize(A, W2, off, p2u, k=2, out=out, shared_output=np.zeros((2, 8), np.float32))
+    with raises_naming(ValueError, "moe_fc2_finalize", "shared_stride"):  # library rule: a multiple of 8
+        flashmix.moe_fc2_finalize(A, W2, off, p2u, k=2, out=out, shared_output=np.zeros((2, 12), BF16)[:, :8])
+    with raises_naming(ValueError, "moe_fc2_finalize", "out_already_zeroed"):  # library rule
+        flashmix.moe_fc2_finalize(A, W2, off, p2u, k=2, out=out, out_already_zeroed=True, fill=False)
+
+
+# ---------------------------------------------------------------------------
+# moe_router (spec §8), CPU reference
+# ---------------------------------------------------------------------------
+
+ROUTER_CASES = {
+    # name: (E, k, options)
+    "softmax": (32, 4, {}),
+    "softmax_renormalize": (8, 2, {"renormalize": True}),  # Mixtral
+    "sigmoid_noaux_tc": (64, 8, {"scoring": "sigmoid", "renormalize": True, "correction_bias": True, "n_group": 8,
+                                 "topk_group": 4, "routed_scaling_factor": 2.5}),  # DeepSeek-V3
+    "sqrtsoftplus": (48, 6, {"scoring": "sqrtsoftplus", "renormalize": True, "correction_bias": True,
+                             "routed_scaling_factor": 1.5}),  # DeepSeek-V4
+    "softmax_after_topk": (32, 4, {"scoring": "softmax_after_topk"}),  # gpt-oss
+    "sigmoid_groups_no_bias": (16, 3, {"scoring": "sigmoid", "n_group": 4, "topk_group": 2}),
+}
+
+
+def router_problem(rng, T, E, options, dtype="float32"):
+    logits = ref.grid_logits(rng, T, E).astype(ref.np_dtype(dtype))
+    kw = dict(options)
+    if kw.get("correction_bias"):
+        kw["correction_bias"] = rng.uniform(-0.5, 0.5, E).astype(np.float32)
+    return logits, kw
+
+
+@pytest.mark.parametrize("logits_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", list(ROUTER_CASES))
+def test_moe_router_matches_spec(case, logits_dtype):
+    if BF16 is None and logits_dtype == "bfloat16":
+        pytest.skip("ml_dtypes is not installed")
+    E, k, options = ROUTER_CASES[case]
+    rng = np.random.default_rng(E * 7 + k)
+    T = 21
+    logits, kw = router_problem(rng, T, E, options, logits_dtype)
+    ids, weights = flashmix.moe_router(logits, k, **kw)
+    assert ids.shape == (T, k) and ids.dtype == np.int32 and weights.dtype == np.float32
+    want_ids, want_w = ref.router(logits, k, **kw)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(weights, want_w, rtol=2.0 ** -23, atol=1e-30)
+    if kw.get("renormalize") or kw.get("scoring") == "softmax_after_topk":
+        np.testing.assert_allclose(weights.sum(axis=1), kw.get("routed_scaling_factor", 1.0), rtol=1e-6)
+
+
+def test_moe_router_special_values_and_given_outputs():
+    # NaN reads as -inf, +inf as the largest float: a row of -inf/NaN gets the k lowest ids, weight 0.
+    logits = np.array([[0.5, np.nan, np.inf, -1.0], [-np.inf, np.nan, -np.inf, -np.inf]], np.float32)
+    ids = np.full((2, 2), -9, np.int32)
+    scales = np.full((2, 2), -9.0, np.float32)
+    out = flashmix.moe_router(logits, 2, renormalize=True, token_selected_experts=ids, token_final_scales=scales)
+    assert out.token_selected_experts is ids and out.token_final_scales is scales
+    np.testing.assert_array_equal(ids, [[2, 0], [0, 1]])
+    np.testing.assert_array_equal(scales, [[1.0, 0.0], [0.0, 0.0]])
+    want_ids, want_w = ref.router(logits, 2, renormalize=True)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(scales, want_w)
+
+
+def test_moe_router_zero_tokens_is_valid():
+    ids, weights = flashmix.moe_router(np.zeros((0, 16), np.float32), 4)
+    assert ids.shape == (0, 4) and weights.shape == (0, 4)
+
+
+@pytest.mark.parametrize("change,arg", [
+    ({"scoring": "softmax_topk"}, "scoring"),
+    ({"k": 0}, "k"),                                                        # library rule
+    ({"k": 17}, "k"),                                                       # library rule
+    ({"n_group": 3}, "n_group"),                                            # library rule: divides E
+    ({"n_group": 4, "topk_group": 5}, "topk_group"),                        # library rule
+    ({"routed_scaling_factor": float("inf")}, "routed_scaling_factor"),     # library rule
+    ({"path": 3}, "tuning.path"),                                           # library rule
+    ({"correction_bias": np.zeros(15, np.float32)}, "correction_bias"),     # not [E]
+    ({"correction_bias": np.zeros(16, np.float64)}, "correction_bias"),     # dtype
+    ({"logits": np.zeros((4, 16), np.int32)}, "logits"),                    # dtype
+    ({"logits": np.zeros((16, 4), np.float32).T}, "logits"),                # not dense
+    ({"logits": np.zeros(16, np.float32)}, "logits"),                       # not [T, E]
+    ({"token_selected_experts": np.zeros((3, 4), np.int32)}, "token_selected_experts"),  # not T rows
+    ({"token_selected_experts": np.zeros((4, 4), np.int64)}, "token_selected_experts"),  # dtype
+    ({"token_final_scales": np.zeros((4, 3), np.float32)}, "token_final_scales"),      # shape
+    ({"token_selected_experts": np.zeros((4, 3), np.int32)}, "token_selected_experts"),  # not k columns
+])
+def test_moe_router_bad_input_raises_value_error_naming_the_argument(change, arg):
+    kw = {"logits": np.zeros((4, 16), np.float32), "k": 4}
+    kw.update(change)
+    logits, k = kw.pop("logits"), kw.pop("k")
+    with raises_naming(ValueError, "moe_router", arg):
+        flashmix.moe_router(logits, k, **kw)
+
+
+def test_moe_router_not_supported_raises_not_implemented_error():
+    with pytest.raises(NotImplementedError, match=r"^moe_router: logits_dtype: "):
+        flashmix.moe_router(np.zeros((4, 16), np.float16), 4)
+    with pytest.raises(NotImplementedError, match=r"^moe_router: num_experts: "):
+        flashmix.moe_router(np.zeros((2, 513), np.float32), 4)
+
+
+# ---------------------------------------------------------------------------
+# moe_fc1 (spec §9), CPU reference
+# ---------------------------------------------------------------------------
+
+def fc1_problem(rng, T=10, k=3, E=8, start=0, E_local=8, H=32, I=16, w_scale=0.5):
+    """Random routing (distinct experts per token), X ~ U(-2, 2), W1 ~ U(-w, w) (clamps fire at
+    limit 2.5), bias ~ U(-0.5, 0.5); W1 and bias in the gate_up layout."""
+    experts = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    return {"experts": experts, "x": rng.uniform(-2, 2, (T, H)).astype(BF16),
+            "w1": rng.uniform(-w_scale, w_scale, (E_local, 2 * I, H)).astype(BF16),
+            "bias": rng.uniform(-0.5, 0.5, (E_local, 2 * I)).astype(BF16), "start": start, "E_local": E_local,
+            "T": T, "k": k, "I": I}
+
+
+def fc1_in_layout(p, layout):
+    """(w1, bias) of problem p in `layout` (the same logical weights)."""
+    if layout == "gate_up":
+        return p["w1"], p["bias"]
+    return ref.to_interleaved(p["w1"]), ref.to_interleaved(p["bias"])
+
+
+FC1_OPTIONS = {"defaults": {}, "limit": {"limit": 2.5}, "limit_alpha": {"limit": 2.5, "alpha": 1.25}}
+
+
+@needs_bf16
+@pytest.mark.parametrize("options", list(FC1_OPTIONS))
+@pytest.mark.parametrize("activation", ["swiglu", "swiglu_oai", "swiglu_clamped"])
+@pytest.mark.parametrize("layout", ["gate_up", "interleaved"])
+def test_moe_fc1_matches_spec(layout, activation, options):
+    rng = np.random.default_rng(len(layout) * 10 + len(activation))
+    p = fc1_problem(rng, start=4, E_local=4, E=12)  # an expert-parallel rank
+    maps = flashmix.build_moe_routing_maps(p["experts"], num_experts_per_node=p["E_local"],
+                                           start_expert_id=p["start"])
+    off, p2u = maps.expert_first_token_offset, maps.permuted_row_to_unpermuted_row
+    P = int(off[-1])
+    w1, bias = fc1_in_layout(p, layout)
+    kw = dict(FC1_OPTIONS[options], layout=layout, activation=activation)
+    out = np.full((p["k"] * p["T"], p["I"]), np.nan, BF16)  # rows past P keep the poison
+    got = flashmix.moe_fc1(p["x"], w1, off, p2u, k=p["k"], bias=bias, out=out, **kw)
+    assert got is out
+    want = ref.fc1(p["x"], w1, off, p2u, p["T"], bias, **kw)
+    assert 0 < P < out.shape[0] and np.isnan(ref.f64(out[P:])).all()
+    assert_rounded_close(out[:P], want, "bfloat16")
+    # The same logical weights in the other layout: bitwise the same (spec §9.2).
+    other = "interleaved" if layout == "gate_up" else "gate_up"
+    w1_o, bias_o = fc1_in_layout(p, other)
+    again = flashmix.moe_fc1(p["x"], w1_o, off, p2u, k=p["k"], bias=bias_o, **dict(kw, layout=other))
+    np.testing.assert_array_equal(again[:P].view(np.uint16), out[:P].view(np.uint16))
+
+
+@needs_bf16
+def test_moe_fc1_gathers_through_the_maps_or_reads_a_permuted_copy():
+    rng = np.random.default_rng(31)
+    p = fc1_problem(rng, T=9, k=2, H=24, I=8)
+    wide = np.zeros((p["T"], 40), BF16)
+    wide[:, :24] = p["x"]
+    x_strided = wide[:, :24]  # row stride 40, a multiple of 8
+    maps = flashmix.build_moe_routing_maps(p["experts"], num_experts_per_node=8, input=p["x"])
+    off, p2u = maps.expert_first_token_offset, maps.permuted_row_to_unpermuted_row
+    plain = flashmix.moe_fc1(p["x"], p["w1"], off, p2u, k=2)
+    strided = flashmix.moe_fc1(x_strided, p["w1"], off, p2u, k=2)
+    permuted = flashmix.moe_fc1(maps.permuted_input, p["w1"], off, p2u, k=2, x_permuted=True)
+    assert plain.shape == (2 * p["T"], 8) and plain.dtype == BF16
+    np.testing.assert_array_equal(strided, plain)
+    np.testing.assert_array_equal(permuted, plain)  # P = k*T: every row written
+    assert_rounded_close(plain, ref.fc1(p["x"], p["w1"], off, p2u, p["T"]), "bfloat16")
+
+
+@needs_bf16
+def test_moe_fc1_keeps_nan_through_the_clamps():
+    rng = np.random.default_rng(32)
+    p = fc1_problem(rng, T=4, k=1, E=2, E_local=2, H=8, I=8)
+    p["x"][1, 3] = np.nan  # token 1: g and u NaN
+    maps = flashmix.build_moe_routing_maps(p["experts"], num_experts_per_node=2)
+    off, p2u = maps.expert_first_token_offset, maps.permuted_row_to_unpermuted_row
+    for activation in ("swiglu", "swiglu_oai", "swiglu_clamped"):
+        out = flashmix.moe_fc1(p["x"], p["w1"], off, p2u, k=1, activation=activation, limit=0.5)
+        nan_rows = np.isnan(ref.f64(out)).all(axis=1)
+        np.testing.assert_array_equal(nan_rows, p2u % 4 == 1)
+
+
+@needs_bf16
+def test_moe_fc1_zero_tokens_is_valid():
+    out = flashmix.moe_fc1(np.zeros((0, 8), BF16), np.zeros((2, 16, 8), BF16), np.zeros(3, np.int64),
+                           np.zeros(0, np.int32), k=2)
+    assert out.shape == (0, 8)
+
+
+@needs_bf16
+@pytest.mark.parametrize("change,arg", [
+    ({"w1": np.zeros((2, 15, 16), BF16)}, "W1"),                # odd 2I
+    ({"w1": np.zeros((2, 16, 16), np.float32)}, "W1"),          # dtype
+    ({"w1": np.zeros((2, 16, 16, 1), BF16)}, "W1"),             # not 3-D
+    ({"x": np.zeros((4, 8), BF16)}, "X"),                       # not H columns
+    ({"x": np.zeros((4, 16), np.float32)}, "X"),                # dtype
+    ({"x": np.zeros((3, 16), BF16), "num_tokens": 4}, "X"),     # fewer than T rows
+    ({"x": np.zeros((7, 16), BF16), "x_permuted": True}, "num_tokens"),  # not k*T rows
+    ({"out": np.zeros((7, 8), BF16)}, "out"),                   # fewer than k*T rows
+    ({"out": np.zeros((8, 16), BF16)}, "out"),                  # not I columns
+    ({"bias": np.zeros((2, 8), BF16)}, "bias"),                 # not [E_local, 2I]
+    ({"off": np.zeros(2, np.int64)}, "expert_first_token_offset"),
+    ({"p2u": np.zeros(8, np.int64)}, "permuted_row_to_unpermuted_row"),
+    ({"activation": "gelu"}, "activation"),
+    ({"layout": "up_gate"}, "layout"),
+    ({"limit": -1.0}, "limit"),                                 # library rule
+    ({"alpha": float("nan")}, "alpha"),                         # library rule
+    ({"k": 17}, "k"),                                           # library rule
+    ({"x": np.zeros((4, 12), BF16), "w1": np.zeros((2, 16, 12), BF16)}, "hidden"),  # library: H % 8
+])
+def test_moe_fc1_bad_input_raises_value_error_naming_the_argument(change, arg):
+    kw = {"x": np.zeros((4, 16), BF16), "w1": np.zeros((2, 16, 16), BF16), "off": np.zeros(3, np.int64),
+          "p2u": np.zeros(8, np.int32), "k": 2, "out": np.full((8, 8), 3.0, BF16)}
+    kw.update(change)
+    x, w1, off, p2u, out = (kw.pop(n) for n in ("x", "w1", "off", "p2u", "out"))
+    before = out.copy()
+    with raises_naming(ValueError, "moe_fc1", arg):
+        flashmix.moe_fc1(x, w1, off, p2u, out=out, **kw)
+    np.testing.assert_array_equal(out.view(np.uint16), before.view(np.uint16))  # nothing written
+
+
+# ---------------------------------------------------------------------------
+# moe_forward (spec §10), CPU reference: the stages chained
+# ---------------------------------------------------------------------------
+
+def forward_problem(rng, T=13, k=3, E=12, start=0, E_local=12, H=16, I=24, biases=True):
+    p = {"T": T, "k": k, "E": E, "start": start, "E_local": E_local,
+         "x": rng.uniform(-1, 1, (T, H)).astype(BF16),
+         "w1": (rng.uniform(-1, 1, (E_local, 2 * I, H)) / 2).astype(BF16),
+         "w2": (rng.uniform(-1, 1, (E_local, H, I)) / 4).astype(BF16),
+         "logits": ref.grid_logits(rng, T, E),
+         "experts": np.array([rng.permutation(E)[:k] for _ in range(T)], np.int32).reshape(T, k),
+         "scales": rng.uniform(0, 1, (T, k)).astype(np.float32),
+         "shared": rng.uniform(-1, 1, (T, H)).astype(BF16)}
+    p["b1"] = rng.uniform(-0.5, 0.5, (E_local, 2 * I)).astype(BF16) if biases else None
+    p["b2"] = rng.uniform(-0.5, 0.5, (E_local, H)).astype(BF16) if biases else None
+    return p
+
+
+def forward_by_stages(p, experts, scales, out, layout="gate_up", activation="swiglu", mode="atomic", shared=None,
+                      fill=True):
+    """The layer from the package's stage functions (CPU): maps -> moe_fc1 -> moe_fc2_finalize."""
+    maps = flashmix.build_moe_routing_maps(experts, num_experts_per_node=p["E_local"], start_expert_id=p["start"])
+    off, p2u = maps.expert_first_token_offset, maps.permuted_row_to_unpermuted_row
+    act = flashmix.moe_fc1(p["x"], p["w1"], off, p2u, k=p["k"], bias=p["b1"], layout=layout, activation=activation)
+    return flashmix.moe_fc2_finalize(act, p["w2"], off, p2u, k=p["k"], scales=scales, bias=p["b2"],
+                                     shared_output=shared, fill=fill, mode=mode, out=out)
+
+
+@needs_bf16
+@pytest.mark.parametrize("fill", [True, False])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("routing", ["router", "ids"])
+@pytest.mark.parametrize("rank", ["all", "ep"])
+def test_moe_forward_matches_the_stages_and_spec(rank, routing, shared, fill):
+    rng = np.random.default_rng(40 + (rank == "ep") * 4 + (routing == "ids") * 2 + shared)
+    start, E_local = (4, 4) if rank == "ep" else (0, 12)
+    p = forward_problem(rng, start=start, E_local=E_local)
+    T, k, H = p["T"], p["k"], p["x"].shape[1]
+    shared_output = p["shared"] if shared else None
+    kw = dict(scoring="sigmoid", renormalize=True, routed_scaling_factor=2.0) if routing == "router" else {}
+    if routing == "router":
+        experts, scales = flashmix.moe_router(p["logits"], k, **kw)
+        src = dict(router_logits=p["logits"], **kw)
+    else:
+        experts, scales = p["experts"], p["scales"]
+        src = dict(token_selected_experts=experts, token_final_scales=scales)
+    out = np.full((T, H), 5.0, BF16)
+    got = flashmix.moe_forward(p["x"], p["w1"], p["w2"], k=k, start_expert_id=start, b1=p["b1"], b2=p["b2"],
+                               shared_output=shared_output, fill=fill, out=out, **src)
+    assert got is out
+    by_stages = forward_by_stages(p, experts, scales, np.full((T, H), 5.0, BF16), shared=shared_output, fill=fill)
+    np.testing.assert_array_equal(out.view(np.uint16), by_stages.view(np.uint16))
+    want, mag = ref.moe_forward(p["x"], p["w1"], p["w2"], experts, scales, start, E_local, p["b1"], p["b2"],
+                                shared=shared_output, fill=fill, out_before=np.full((T, H), 5.0))
+    # FC1's rows may round one unit apart (2^-8 relative), which FC2 carries.
+    tol = ref.ULP["bfloat16"] * np.abs(want) + 2.0 ** -8 * mag + 1e-30
+    assert (np.abs(ref.f64(out) - want) <= tol).all()
+    local = ((experts >= start) & (experts < start + E_local)).any(axis=1)
+    if rank == "ep" and not fill:
+        assert (~local).any() and (ref.f64(out)[~local] == 5.0).all()
+
+
+@needs_bf16
+@pytest.mark.parametrize("mode", flashmix.FC2_MODES)
+@pytest.mark.parametrize("activation,layout", [("swiglu", "gate_up"), ("swiglu_oai", "interleaved"),
+                                               ("swiglu_clamped", "gate_up")])
+def test_moe_forward_modes_activations_and_router_outputs(mode, activation, layout):
+    rng = np.random.default_rng(50)
+    p = forward_problem(rng, T=9, k=2, E=8, E_local=8, biases=False)
+    T, k = p["T"], p["k"]
+    kw = dict(scoring="softmax_after_topk")
+    ids = np.zeros((T, k), np.int32)
+    scales = np.zeros((T, k), np.float32)
+    out = flashmix.moe_forward(p["x"], p["w1"], p["w2"], k=k, router_logits=p["logits"], w1_layout=layout,
+                               activation=activation, mode=mode, selected_experts_out=ids, final_scales_out=scales,
+                               **kw)
+    want_ids, want_scales = flashmix.moe_router(p["logits"], k, **kw)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(scales, want_scales)
+    by_stages = forward_by_stages(p, ids, scales, np.zeros_like(out), layout=layout,
+                                  activation=activation, mode=mode)
+    np.testing.assert_array_equal(out.view(np.uint16), by_stages.view(np.uint16))
+
+
+@needs_bf16
+def test_moe_forward_fresh_out_without_filling_is_zero_for_tokens_without_a_local_expert():
+    rng = np.random.default_rng(51)
+    p = forward_problem(rng, T=20, k=2, E=16, start=8, E_local=2)
+    out = flashmix.moe_forward(p["x"], p["w1"], p["w2"], k=2, token_selected_experts=p["experts"],
+                               start_expert_id=8, fill=False)
+    local = ((p["experts"] >= 8) & (p["experts"] < 10)).any(axis=1)
+    assert (~local).any() and (ref.f64(out)[~local] == 0).all()
+
+
+@needs_bf16
+def test_moe_forward_zero_tokens_and_workspace_size():
+    p = forward_problem(np.random.default_rng(52), T=0)
+    out = flashmix.moe_forward(p["x"], p["w1"], p["w2"], k=3, router_logits=p["logits"])
+    assert out.shape == (0, 16)
+    with_router = flashmix.moe_forward_workspace_size(512, 8, 7168, 2048, 32, "atomic", num_experts=256,
+                                                      start_expert_id=64)
+    given_ids = flashmix.moe_forward_workspace_size(512, 8, 7168, 2048, 32, with_router=False)
+    # at least the FC1 rows (k*T x I bf16) and the router's choice
+    assert with_router > given_ids >= 512 * 8 * 2048 * 2
+    assert with_router - given_ids >= 2 * 512 * 8 * 4
+    with raises_naming(ValueError, "moe_forward", "mode"):
+        flashmix.moe_forward_workspace_size(512, 8, 7168, 2048, 32, "fast")
+    with pytest.raises(ValueError, match=r"^moe_forward: (moe_fc1: )?inter: "):  # library: I % 8
+        flashmix.moe_forward_workspace_size(512, 8, 7168, 100, 32)
+
+
+@needs_bf16
+@pytest.mark.parametrize("change,arg", [
+    ({"router_logits": None}, "router_logits"),                                       # library: neither
+    ({"token_selected_experts": np.zeros((4, 2), np.int32)}, "router_logits"),        # library: both
+    ({"token_final_scales": np.zeros((4, 2), np.float32)}, "token_final_scales"),     # library: with logits
+    ({"router_logits": np.zeros((3, 8), np.float32)}, "router_logits"),               # not T rows
+    ({"router_logits": np.zeros((4, 8), np.int32)}, "router_logits"),                 # dtype
+    ({"num_experts": 6}, "num_experts"),                                              # not logits' E
+    ({"start_expert_id": 7}, "num_experts_per_node"),                                 # library: past E
+    ({"w1": np.zeros((2, 8, 8), BF16)}, "W1"),                                        # not [E_local, 2I, H]
+    ({"w2": np.zeros((2, 8, 8), np.float32)}, "W2"),                                  # dtype
+    ({"x": np.zeros((4, 16), BF16)}, "X"),                                            # not H columns
+    ({"out": np.zeros((4, 16), BF16)}, "out"),                                        # not [T, H]
+    ({"b1": np.zeros((2, 8), BF16)}, "b1"),
+    ({"b2": np.zeros((2, 4), BF16)}, "b2"),
+    ({"shared_output": np.zeros((3, 8), BF16)}, "shared_output"),
+    ({"correction_bias": np.zeros(7, np.float32)}, "correction_bias"),
+    ({"router_logits": None, "token_selected_experts": np.zeros((4, 2), np.int32),
+      "correction_bias": np.zeros(8, np.float32)}, "correction_bias"),                # only with the router
+    ({"router_logits": None, "token_selected_experts": np.zeros((4, 2), np.int32),
+      "selected_experts_out": np.zeros((4, 2), np.int32)}, "selected_experts_out"),   # only with the router
+    ({"token_selected_experts": np.zeros((4, 3), np.int32), "router_logits": None}, "token_selected_experts"),
+    ({"final_scales_out": np.zeros((4, 3), np.float32)}, "final_scales_out"),
+    ({"scoring": "argmax"}, "scoring"),
+    ({"w1_layout": "gate-up"}, "w1_layout"),
+    ({"activation": "relu"}, "activation"),
+    ({"mode": "fast"}, "mode"),
+    ({"k": 0}, "k"),                                                                  # library rule
+    ({"n_group": 3}, "moe_router: n_group"),                                          # the router stage's rule
+])
+def test_moe_forward_bad_input_raises_value_error_naming_the_argument(change, arg):
+    kw = {"x": np.zeros((4, 8), BF16), "w1": np.zeros((2, 16, 8), BF16), "w2": np.zeros((2, 8, 8), BF16),
+          "k": 2, "router_logits": np.zeros((4, 8), np.float32), "out": np.full((4, 8), 3.0, BF16)}
+    kw.update(change)
+    x, w1, w2, out = (kw.pop(n) for n in ("x", "w1", "w2", "out"))
+    before = out.copy()
+    with raises_naming(ValueError, "moe_forward", arg):
+        flashmix.moe_forward(x, w1, w2, out=out, **kw)
+    np.testing.assert_array_equal(out.view(np.uint16), before.view(np.uint16))  # nothing written
+
+
 # ---------------------------------------------------------------------------
 # mHC (spec §4)
 # ---------------------------------------------------------------------------
@@ -415,8 +830,25 @@ def test_defaults_are_the_library_values():
     assert (fin["threads_per_block"], fin["vectors_per_thread"], fin["chunks_per_token"]) == (0, 0, 0)
     fc2 = defaults_of(flashmix.moe_fc2_finalize)
     assert (fc2["mode"], fc2["apply_bias"], fc2["out_already_zeroed"]) == ("atomic", True, False)
-    assert (fc2["gemm_kernel"], fc2["raster"], fc2["swizzle"]) == ("auto", 0, 0)
+    assert (fc2["gemm_kernel"], fc2["raster"], fc2["swizzle"], fc2["fill"]) == ("auto", 0, 0, True)
     assert defaults_of(flashmix.build_moe_routing_maps)["single_block_max_slots"] == 0
+    router = defaults_of(flashmix.moe_router)
+    assert (router["scoring"], router["renormalize"], router["n_group"], router["topk_group"]) == ("softmax", False,
+                                                                                                  1, 1)
+    assert router["routed_scaling_factor"] == 1.0 and (router["path"], router["generic_layout"]) == (0, False)
+    fc1 = defaults_of(flashmix.moe_fc1)
+    assert (fc1["layout"], fc1["activation"], fc1["limit"], fc1["alpha"], fc1["x_permuted"]) == (
+        "gate_up", "swiglu", 0.0, 0.0, False)
+    fwd = defaults_of(flashmix.moe_forward)
+    assert {key: fwd[key] for key in ("scoring", "renormalize", "n_group", "topk_group", "routed_scaling_factor",
+                                      "start_expert_id", "w1_layout", "activation", "limit", "alpha", "mode",
+                                      "fill", "apply_b2")} == {
+        "scoring": "softmax", "renormalize": False, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+        "start_expert_id": 0, "w1_layout": "gate_up", "activation": "swiglu", "limit": 0.0, "alpha": 0.0,
+        "mode": "atomic", "fill": True, "apply_b2": True}
+    assert flashmix.ROUTER_SCORINGS == ("softmax", "sigmoid", "sqrtsoftplus", "softmax_after_topk")
+    assert flashmix.FC1_ACTIVATIONS == ("swiglu", "swiglu_oai", "swiglu_clamped")
+    assert flashmix.FC1_WEIGHT_LAYOUTS == ("gate_up", "interleaved")
 
 
 def test_the_package_restates_none_of_the_library_defaults():
@@ -428,7 +860,7 @@ def test_the_package_restates_none_of_the_library_defaults():
         for keyword, value in table.items():
             assert got[keyword] == value and type(got[keyword]) is type(value), (op, keyword)
     for name in BOUND_OPS + ("mhc_pre_kernel_choice", "build_moe_routing_maps_workspace_size",
-                             "moe_fc2_finalize_workspace_size"):
+                             "moe_fc2_finalize_workspace_size", "moe_forward_workspace_size"):
         signature = getattr(_C, name).__doc__.splitlines()[0]
         assert " = " not in signature, signature
 
@@ -611,9 +1043,35 @@ def test_cuda_arrays_take_the_gpu_path():
     # it); on a GPU, T = 0 is valid and nothing is launched (no workspace needed).
     try:  # the binding takes every argument: the library's defaults
         _C.moe_fc2_finalize(a["A"], a["W2"], a["off"], a["p2u"], a["out"], k=2, scales=None, bias=None,
-                            workspace=None, stream=0, **_C.moe_defaults()["moe_fc2_finalize"])
+                            shared_output=None, workspace=None, stream=0, **_C.moe_defaults()["moe_fc2_finalize"])
     except RuntimeError as e:
         assert str(e).startswith("moe_fc2_finalize: ") and "cuda:0" in str(e), str(e)
+
+
+def test_cuda_arrays_take_the_gpu_path_for_the_router_fc1_and_the_layer():
+    # T = 0 on fake CUDA arrays: without a GPU the device cannot be made current (RuntimeError
+    # naming the op and cuda:0); on a GPU nothing is launched.
+    def gpu_call(op, call):
+        try:
+            call()
+        except RuntimeError as e:
+            assert str(e).startswith(f"{op}: ") and "cuda:0" in str(e), str(e)
+
+    d = _C.moe_defaults()
+    logits, ids, scales = FakeCudaArray((0, 16), "float32"), FakeCudaArray((0, 4), "int32"), FakeCudaArray((0, 4),
+                                                                                                           "float32")
+    gpu_call("moe_router", lambda: _C.moe_router(logits, ids, scales, correction_bias=None, stream=0,
+                                                 **d["moe_router"]))
+    x, w1, w2 = FakeCudaArray((0, 8), "bfloat16"), FakeCudaArray((2, 16, 8), "bfloat16"), FakeCudaArray(
+        (2, 8, 8), "bfloat16")
+    off, p2u, act = FakeCudaArray((3,), "int64"), FakeCudaArray((0,), "int32"), FakeCudaArray((0, 8), "bfloat16")
+    gpu_call("moe_fc1", lambda: _C.moe_fc1(x, w1, off, p2u, act, k=4, num_tokens=-1, bias=None, stream=0,
+                                           **d["moe_fc1"]))
+    out = FakeCudaArray((0, 8), "bfloat16")
+    none = dict.fromkeys(("router_logits", "correction_bias", "token_final_scales", "selected_experts_out",
+                          "final_scales_out", "b1", "b2", "shared_output", "workspace"))
+    gpu_call("moe_forward", lambda: _C.moe_forward(x, w1, w2, out, k=4, num_experts=0, token_selected_experts=ids,
+                                                   stream=0, **none, **d["moe_forward"]))
 
 
 def test_mixed_devices_raise_value_error_naming_the_argument():
@@ -627,7 +1085,7 @@ def test_mixed_devices_raise_value_error_naming_the_argument():
 
 
 BOUND_OPS = ("finalize_moe_routing", "debug_check_finalize_moe_routing_indices", "build_moe_routing_maps",
-             "moe_fc2_finalize", "mhc_pre", "mhc_post", "mhc_project", "mhc_activate", "mhc_pre_mix", "mhc_head",
+             "moe_fc2_finalize", "moe_router", "moe_fc1", "moe_forward", "mhc_pre", "mhc_post", "mhc_project", "mhc_activate", "mhc_pre_mix", "mhc_head",
              "mhc_expand")
 
 
@@ -787,8 +1245,100 @@ def test_torch_compile_of_a_moe_end_and_an_mhc_model_on_cpu_tensors():
     assert torch.equal(torch.compile(mhc_model, fullgraph=True)(*mhc_args), mhc_model(*mhc_args))
 
 
-TORCH_OPS = ("build_moe_routing_maps", "finalize_moe_routing", "moe_fc2_finalize", "mhc_expand", "mhc_pre",
-             "mhc_pre_with_workspace", "mhc_post", "mhc_head")
+def test_torch_custom_ops_for_the_router_fc1_and_the_layer_on_cpu_tensors():
+    torch = torch_or_skip()
+    rng = np.random.default_rng(17)
+    T, k, E, H, I = 11, 2, 8, 16, 24
+    logits = torch.from_numpy(ref.grid_logits(rng, T, E))
+    router_kw = {"scoring": "sigmoid", "renormalize": True, "routed_scaling_factor": 2.0}
+    ids, scales = torch.ops.flashmix.moe_router(logits, k, **router_kw)
+    want_ids, want_scales = ref.router(logits.numpy(), k, **router_kw)
+    assert ids.dtype == torch.int32 and scales.dtype == torch.float32 and ids.shape == (T, k)
+    np.testing.assert_array_equal(ids.numpy(), want_ids)
+    np.testing.assert_allclose(scales.numpy(), want_scales, rtol=2.0 ** -23)
+    torch.library.opcheck(torch.ops.flashmix.moe_router.default, (logits, k), router_kw)
+    bias = torch.rand(E) - 0.5
+    torch.library.opcheck(torch.ops.flashmix.moe_router.default, (logits.bfloat16(), 4),
+                          {"scoring": "sigmoid", "correction_bias": bias, "n_group": 4, "topk_group": 2})
+
+    x = (torch.rand(T, H) * 2 - 1).bfloat16()
+    w1 = ((torch.rand(E, 2 * I, H) * 2 - 1) / 2).bfloat16()
+    w2 = ((torch.rand(E, H, I) * 2 - 1) / 4).bfloat16()
+    b1 = (torch.rand(E, 2 * I) - 0.5).bfloat16()
+    off, p2u, _, _ = torch.ops.flashmix.build_moe_routing_maps(ids, E)  # every expert local: P = k*T
+    act = torch.ops.flashmix.moe_fc1(x, w1, off, p2u, k, bias=b1, activation="swiglu_oai", layout="interleaved")
+    assert act.shape == (k * T, I) and act.dtype == torch.bfloat16
+    want = ref.fc1(x.float().numpy(), w1.float().numpy(), off.numpy(), p2u.numpy(), T, b1.float().numpy(),
+                   layout="interleaved", activation="swiglu_oai")
+    assert_rounded_close(act.float().numpy(), want, "bfloat16")
+    torch.library.opcheck(torch.ops.flashmix.moe_fc1.default, (x, w1, off, p2u, k),
+                          {"bias": b1, "activation": "swiglu_clamped", "limit": 1.5})
+    xp = x[p2u.long() % T]  # the permuted copy: T from its rows over k
+    assert torch.equal(torch.ops.flashmix.moe_fc1(xp, w1, off, p2u, k, x_permuted=True),
+                       torch.ops.flashmix.moe_fc1(x, w1, off, p2u, k))
+
+    # The layer: the router on the logits, or the caller's ids; fill, shared_output.
+    out = torch.ops.flashmix.moe_forward(x, w1, w2, k, router_logits=logits, b1=b1, **router_kw)
+    act = torch.ops.flashmix.moe_fc1(x, w1, off, p2u, k, bias=b1)
+    assert torch.equal(out, torch.ops.flashmix.moe_fc2_finalize(act, w2, off, p2u, k, scales=scales))
+    torch.library.opcheck(torch.ops.flashmix.moe_forward.default, (x, w1, w2, k),
+                          dict(router_logits=logits, b1=b1, mode="deterministic", **router_kw))
+    shared = (torch.rand(T, H) - 0.5).bfloat16()
+    ep = torch.ops.flashmix.moe_forward(x, w1[:2], w2[:2], k, token_selected_experts=ids, token_final_scales=scales,
+                                        start_expert_id=3, shared_output=shared, fill=False)
+    local = ((ids >= 3) & (ids < 5)).any(dim=1)
+    assert (~local).any() and (ep[~local] == 0).all()
+    off2, p2u2, _, _ = torch.ops.flashmix.build_moe_routing_maps(ids, 2, start_expert_id=3)
+    act2 = torch.ops.flashmix.moe_fc1(x, w1[:2], off2, p2u2, k)
+    want = torch.ops.flashmix.moe_fc2_finalize(act2, w2[:2], off2, p2u2, k, scales=scales, shared_output=shared,
+                                               fill=False)
+    assert torch.equal(ep, want)
+    torch.library.opcheck(torch.ops.flashmix.moe_forward.default, (x, w1[:2], w2[:2], k),
+                          {"token_selected_experts": ids, "token_final_scales": scales, "start_expert_id": 3,
+                           "shared_output": shared, "fill": False})
+    torch.library.opcheck(torch.ops.flashmix.moe_fc2_finalize.default, (act2, w2[:2], off2, p2u2, k),
+                          {"scales": scales, "shared_output": shared, "fill": False})
+    with pytest.raises(ValueError, match="^moe_forward: router_logits: "):
+        torch.ops.flashmix.moe_forward(x, w1, w2, k)
+
+
+def test_moe_layer_on_cpu_tensors():
+    torch = torch_or_skip()
+    torch.manual_seed(0)
+    E, k, H, I = 8, 2, 16, 24
+    layer = flashmix.MoeLayer(E, k, H, I, scoring="sigmoid", renormalize=True, n_group=4, topk_group=2,
+                              routed_scaling_factor=2.5, correction_bias=True, bias=True, activation="swiglu_oai",
+                              w1_layout="interleaved", mode="deterministic")
+    with torch.no_grad():
+        layer.correction_bias.uniform_(-0.1, 0.1)
+        layer.b1.uniform_(-0.5, 0.5)
+    assert set(layer.state_dict()) == {"gate", "w1", "w2", "b1", "b2", "correction_bias"}
+    assert not any(p.requires_grad for p in layer.parameters())
+    assert layer.w1.shape == (E, 2 * I, H) and layer.w2.shape == (E, H, I) and layer.gate.shape == (E, H)
+    x = torch.randn(3, 5, H).bfloat16()
+    out = layer(x)
+    assert out.shape == x.shape and out.dtype == torch.bfloat16
+    x2 = x.reshape(-1, H)
+    want = flashmix.moe_forward(x2, layer.w1, layer.w2, k=k, router_logits=x2 @ layer.gate.t(), scoring="sigmoid",
+                                renormalize=True, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                correction_bias=layer.correction_bias, b1=layer.b1, b2=layer.b2,
+                                activation="swiglu_oai", w1_layout="interleaved", mode="deterministic")
+    assert torch.equal(out.reshape(-1, H), want)
+    shared = torch.randn(3, 5, H).bfloat16()
+    with_shared = layer(x, shared_output=shared)
+    # one more rounding than out + shared: within one unit of either
+    err = (with_shared.double() - (out.double() + shared.double())).abs()
+    assert (err <= 2.0 ** -7 * (out.double().abs() + shared.double().abs())).all()
+    compiled = torch.compile(layer, fullgraph=True)
+    assert torch.equal(compiled(x), out)
+    ep = flashmix.MoeLayer(E, k, H, I, num_local_experts=2, start_expert_id=4)
+    assert ep.w1.shape == (2, 2 * I, H) and ep(x).shape == x.shape
+    with pytest.raises(ValueError, match="^MoeLayer: dtype: "):
+        flashmix.MoeLayer(E, k, H, I, dtype=torch.float32)
+
+
+TORCH_OPS = ("build_moe_routing_maps", "finalize_moe_routing", "moe_fc2_finalize", "moe_router", "moe_fc1",
+             "moe_forward", "mhc_expand", "mhc_pre", "mhc_pre_with_workspace", "mhc_post", "mhc_head")
 
 
 def test_torch_op_schemas_take_the_functions_defaults():
@@ -799,7 +1349,8 @@ def test_torch_op_schemas_take_the_functions_defaults():
         want = defaults_of(fn)
         for a in schema.arguments:
             keyword = "kernel" if a.name == "projection_kernel" else a.name  # the ops' name for `kernel`
-            if a.has_default_value() and keyword in want and keyword not in ("hidden", "num_tokens"):  # -1 in ops
+            if a.has_default_value() and keyword in want and keyword not in ("hidden", "num_tokens",
+                                                                              "num_experts"):  # -1 in ops
                 assert a.default_value == want[keyword], (name, a.name, a.default_value, want[keyword])
     pre = {a.name: a.default_value for a in torch.ops.flashmix.mhc_pre.default._schema.arguments}
     assert pre["eps_norm"] == 1e-6 and pre["sinkhorn_iters"] == 20 and pre["projection_kernel"] == "auto", pre

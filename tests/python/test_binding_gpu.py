@@ -192,6 +192,465 @@ def test_moe_fc2_atomic_adds_to_a_caller_zeroed_out():
     assert_within(got, want, 2.0 ** -7 * f64(want).abs() + 5 * 2.0 ** -8 * peak, "out")
 
 
+@pytest.mark.parametrize("mode", flashmix.FC2_MODES)
+def test_moe_fc2_shared_output_and_fill_gpu_match_cpu(mode):
+    # An expert-parallel rank (experts [2, 4) of 8): many tokens have no local row.
+    experts, A, W2, scales, bias = fc2_problem(T=64, k=2, E=8, H=256, I=128, seed=4)
+    start, E_local = 2, 2
+    shared = torch.randn(64, 264).bfloat16()[:, :256]  # rows 264 apart (a multiple of 8)
+    local = ((experts >= start) & (experts < start + E_local)).any(dim=1)
+    assert local.any() and (~local).any()
+
+    def run(device, fill):
+        maps = flashmix.build_moe_routing_maps(experts.to(device), num_experts_per_node=E_local,
+                                               start_expert_id=start)
+        out = torch.full((64, 256), 5.0, device=device).bfloat16()
+        return flashmix.moe_fc2_finalize(A.to(device), W2[:E_local].to(device), maps.expert_first_token_offset,
+                                         maps.permuted_row_to_unpermuted_row, k=2, scales=scales.to(device),
+                                         bias=bias[:E_local].to(device), shared_output=shared.to(device), fill=fill,
+                                         mode=mode, out=out)
+
+    for fill in (True, False):
+        try:
+            got = run(DEV, fill)
+        except NotImplementedError as e:  # not Hopper, or built without CUTLASS
+            pytest.skip(str(e))
+        want = run("cpu", fill)
+        sync()
+        peak = f64(want).abs().max()
+        atol = {"unfused": 2.0 ** -8, "atomic": 4 * 2.0 ** -8}.get(mode, 2.0 ** -10) * peak
+        assert_within(got, want, 2.0 ** -7 * f64(want).abs() + atol, f"out ({mode}, fill={fill})")
+        if not fill:
+            assert (got.cpu()[~local] == 5.0).all()
+
+
+# ---------------------------------------------------------------------------
+# moe_router (spec §8) against a torch reference in float64: ids exactly on the
+# tokens whose choice hinges on no two values closer than 1e-4 (every token when
+# the keys are the logits: no bias, no groups, logits on a 1/16 grid), weights
+# within 2^-14 |ref| + 2^-20 |routed_scaling_factor| (spec §8.5)
+# ---------------------------------------------------------------------------
+
+def torch_router(logits, k, scoring="softmax", renormalize=False, correction_bias=None, n_group=1, topk_group=1,
+                 routed_scaling_factor=1.0):
+    """(ids int64 [T, k], weights float64 [T, k], decided bool [T]) on the CPU, spec §8.1 for finite
+    logits; `decided`: no selection value (or group score) within 1e-4 of the k-th (topk_group-th)."""
+    l = f64(logits)
+    T, E = l.shape
+    if scoring == "softmax":
+        s = l.softmax(dim=1)
+    elif scoring == "sigmoid":
+        s = l.sigmoid()
+    elif scoring == "sqrtsoftplus":
+        s = (l.clamp(min=0) + torch.log1p(torch.exp(-l.abs()))).sqrt()
+    else:
+        s = l.clone()
+    bias = None if correction_bias is None else f64(correction_bias)
+    v = s if bias is None else s + bias
+    key = l.clone() if bias is None else v.clone()
+    decided = torch.ones(T, dtype=torch.bool)
+    if topk_group < n_group:
+        S = E // n_group
+        group_score = v.view(T, n_group, S).topk(min(2, S), dim=2).values.sum(dim=2)
+        ranked = group_score.sort(dim=1, descending=True).values
+        decided &= (ranked[:, topk_group - 1] - ranked[:, topk_group]) > 1e-4
+        best = group_score.topk(topk_group, dim=1).indices
+        keep = torch.zeros(T, n_group, dtype=torch.bool).scatter_(1, best, True).repeat_interleave(S, dim=1)
+        key = key.masked_fill(~keep, -float("inf"))
+    ranked = key.sort(dim=1, descending=True).values
+    if k < E:
+        decided &= (ranked[:, k - 1] - ranked[:, k]) > 1e-4
+    ids = key.topk(k, dim=1).indices  # descending; no exact ties on the grid
+    if scoring == "softmax_after_topk":
+        w = l.gather(1, ids).softmax(dim=1)
+    else:
+        w = s.gather(1, ids)
+        if renormalize:
+            w = w / w.sum(dim=1, keepdim=True)
+    return ids, w * float(np.float32(routed_scaling_factor)), decided
+
+
+ROUTER_GPU_CASES = {
+    # name: (T, E, k, options)
+    "qwen3_softmax": (300, 128, 8, {"renormalize": True}),
+    "mixtral_softmax": (77, 8, 2, {"renormalize": True}),
+    "deepseek_v3": (300, 256, 8, {"scoring": "sigmoid", "renormalize": True, "correction_bias": True,
+                                  "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5}),
+    "deepseek_v4": (200, 384, 6, {"scoring": "sqrtsoftplus", "renormalize": True, "correction_bias": True,
+                                  "routed_scaling_factor": 1.5}),
+    "gpt_oss": (150, 32, 4, {"scoring": "softmax_after_topk"}),
+    "generic_E": (64, 40, 5, {"scoring": "sigmoid"}),  # an E off the exact layouts
+}
+
+
+@pytest.mark.parametrize("logits_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", list(ROUTER_GPU_CASES))
+def test_moe_router_gpu_matches_torch(case, logits_dtype):
+    T, E, k, options = ROUTER_GPU_CASES[case]
+    rng = np.random.default_rng(T + E + k)
+    logits = torch.from_numpy(ref.grid_logits(rng, T, E)).to(TORCH_DTYPE[logits_dtype])  # exact in bf16
+    kw = dict(options)
+    if kw.get("correction_bias"):
+        kw["correction_bias"] = torch.from_numpy(rng.uniform(-0.5, 0.5, E).astype(np.float32))
+    dev_kw = {n: v.to(DEV) if isinstance(v, torch.Tensor) else v for n, v in kw.items()}
+    ids, weights = flashmix.moe_router(logits.to(DEV), k, **dev_kw)
+    cpu_ids, cpu_weights = flashmix.moe_router(logits, k, **kw)
+    sync()
+    want_ids, want_w, decided = torch_router(logits, k, **kw)
+    if "correction_bias" not in kw and "n_group" not in kw:
+        assert decided.all()
+    assert decided.float().mean() > 0.8, f"only {int(decided.sum())} of {T} tokens decided"
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32 and ids.shape == (T, k)
+    assert torch.equal(ids.cpu()[decided].long(), want_ids[decided])
+    assert torch.equal(cpu_ids[decided].long(), want_ids[decided])
+    factor = kw.get("routed_scaling_factor", 1.0)
+    assert_within(weights[decided], want_w[decided], 2.0 ** -14 * want_w[decided].abs() + 2.0 ** -20 * factor,
+                  "weights")
+
+
+def test_moe_router_bad_input_on_cuda_raises_value_error_and_writes_nothing():
+    logits = torch.zeros(4, 16, device=DEV)
+    ids = torch.full((4, 2), -3, dtype=torch.int32, device=DEV)
+    scales = torch.full((4, 2), -3.0, device=DEV)
+    with pytest.raises(ValueError, match=r"^moe_router: correction_bias: "):
+        flashmix.moe_router(logits, 2, correction_bias=torch.zeros(15, device=DEV), token_selected_experts=ids,
+                            token_final_scales=scales)
+    with pytest.raises(ValueError, match=r"^moe_router: topk_group: "):
+        flashmix.moe_router(logits, 2, n_group=4, topk_group=5, token_selected_experts=ids, token_final_scales=scales)
+    sync()
+    assert (ids == -3).all() and (scales == -3.0).all()
+
+
+# ---------------------------------------------------------------------------
+# moe_fc1 (spec §9) against a torch reference in float64:
+#   |gpu - ref| <= 2^-7 |ref| + 2^-10 max|ref|   (rows [0, P); rows past P keep their NaN)
+# ---------------------------------------------------------------------------
+
+FC1_LIMIT = {"swiglu_oai": 7.0, "swiglu_clamped": 10.0}
+
+
+def torch_activation(g, u, activation, limit=0.0, alpha=0.0):
+    """act(g, u) of spec §9.3 (torch.clamp keeps NaN, as the spec asks)."""
+    if activation == "swiglu":
+        return torch.nn.functional.silu(g) * u
+    L = float(np.float32(limit)) if limit > 0 else FC1_LIMIT[activation]
+    if activation == "swiglu_oai":
+        a = float(np.float32(alpha if alpha > 0 else 1.702))
+        gc = torch.clamp(g, max=L)
+        return gc * torch.sigmoid(a * gc) * (torch.clamp(u, -L, L) + 1)
+    return torch.nn.functional.silu(torch.clamp(g, max=L)) * torch.clamp(u, -L, L)
+
+
+def gate_up_rows(layout, inter):
+    i = torch.arange(inter)
+    return (i, inter + i) if layout == "gate_up" else (2 * i, 2 * i + 1)
+
+
+def torch_fc1(x, w1, offsets, p2u, T, bias=None, layout="gate_up", activation="swiglu", limit=0.0, alpha=0.0,
+              x_permuted=False):
+    """float64 [P, I] on the CPU: spec §9.1."""
+    X, W = f64(x), f64(w1)
+    offsets, p2u = offsets.cpu().long(), p2u.cpu().long()
+    E, I = W.shape[0], W.shape[1] // 2
+    gate, up = gate_up_rows(layout, I)
+    out = torch.zeros(int(offsets[-1]), I, dtype=torch.float64)
+    for e in range(E):
+        rows = torch.arange(int(offsets[e]), int(offsets[e + 1]))
+        xe = X[rows] if x_permuted else X[p2u[rows] % T]
+        g, u = xe @ W[e, gate].T, xe @ W[e, up].T
+        if bias is not None:
+            g, u = g + f64(bias)[e, gate], u + f64(bias)[e, up]
+        out[rows] = torch_activation(g, u, activation, limit, alpha)
+    return out
+
+
+def fc1_gpu_problem(T=64, k=4, E=16, start=4, E_local=8, H=264, I=200, seed=3):
+    """Random routing of T tokens over E experts, this rank [start, start + E_local); X ~ U(-1, 1),
+    W1 ~ U(-0.1, 0.1) (|g| up to ~2: the clamps fire at limit 1.5), bias ~ U(-0.5, 0.5)."""
+    rng = np.random.default_rng(seed)
+    experts = torch.from_numpy(np.array([rng.permutation(E)[:k] for _ in range(T)], np.int32).reshape(T, k))
+    x = (torch.rand(T, H) * 2 - 1).bfloat16()
+    w1 = ((torch.rand(E_local, 2 * I, H) * 2 - 1) * 0.1).bfloat16()
+    bias = (torch.rand(E_local, 2 * I) - 0.5).bfloat16()
+    return experts, x, w1, bias
+
+
+def interleave(w):
+    """gate_up rows (gate [0, I), up [I, 2I)) -> interleaved (row 2i gate i, 2i + 1 up i), axis 1."""
+    I = w.shape[1] // 2
+    return torch.stack([w[:, :I], w[:, I:]], dim=2).reshape(w.shape)
+
+
+FC1_ACTIVATION_CASES = [("swiglu", 0.0, 0.0), ("swiglu_oai", 0.0, 0.0), ("swiglu_oai", 1.5, 1.25),
+                        ("swiglu_clamped", 0.0, 0.0), ("swiglu_clamped", 1.5, 0.0)]
+
+
+@pytest.mark.parametrize("activation,limit,alpha", FC1_ACTIVATION_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("layout", ["gate_up", "interleaved"])
+def test_moe_fc1_gpu_matches_torch(layout, activation, limit, alpha):
+    T, k, start, E_local = 64, 4, 4, 8
+    experts, x, w1, bias = fc1_gpu_problem(T, k, start=start, E_local=E_local)
+    if layout == "interleaved":
+        w1, bias = interleave(w1), interleave(bias)
+    maps = flashmix.build_moe_routing_maps(experts.to(DEV), num_experts_per_node=E_local, start_expert_id=start)
+    off, p2u = maps.expert_first_token_offset, maps.permuted_row_to_unpermuted_row
+    out = torch.full((k * T, 200), float("nan"), device=DEV).bfloat16()  # rows past P keep this
+    kw = dict(layout=layout, activation=activation, limit=limit, alpha=alpha)
+    try:
+        got = flashmix.moe_fc1(x.to(DEV), w1.to(DEV), off, p2u, k=k, bias=bias.to(DEV), out=out, **kw)
+    except NotImplementedError as e:  # not Hopper
+        pytest.skip(str(e))
+    cpu = flashmix.moe_fc1(x, w1, off.cpu(), p2u.cpu(), k=k, bias=bias, **kw)
+    sync()
+    assert got is out
+    P = int(off[-1])
+    assert 0 < P < k * T
+    want = torch_fc1(x, w1, off, p2u, T, bias, **kw)
+    tol = 2.0 ** -7 * want.abs() + 2.0 ** -10 * want.abs().max()
+    assert_within(got[:P], want, tol, f"out ({layout}, {activation})")
+    assert_within(got[:P], cpu[:P], 2.0 ** -7 * f64(cpu[:P]).abs() + 2.0 ** -10 * want.abs().max(), "out vs cpu")
+    assert torch.isnan(f64(got[P:])).all()
+
+
+def test_moe_fc1_gpu_strided_and_permuted_x_and_layouts_agree():
+    T, k = 40, 2
+    experts, x, w1, bias = fc1_gpu_problem(T, k, E=8, start=0, E_local=8, H=128, I=64, seed=5)
+    wide = torch.zeros(T, 136).bfloat16()
+    wide[:, :128] = x
+    maps = flashmix.build_moe_routing_maps(experts.to(DEV), num_experts_per_node=8, input=x.to(DEV))
+    off, p2u = maps.expert_first_token_offset, maps.permuted_row_to_unpermuted_row
+    try:
+        plain = flashmix.moe_fc1(x.to(DEV), w1.to(DEV), off, p2u, k=k, bias=bias.to(DEV))
+    except NotImplementedError as e:
+        pytest.skip(str(e))
+    strided = flashmix.moe_fc1(wide.to(DEV)[:, :128], w1.to(DEV), off, p2u, k=k, bias=bias.to(DEV))
+    permuted = flashmix.moe_fc1(maps.permuted_input, w1.to(DEV), off, p2u, k=k, bias=bias.to(DEV), x_permuted=True)
+    inter = flashmix.moe_fc1(x.to(DEV), interleave(w1).to(DEV), off, p2u, k=k, bias=interleave(bias).to(DEV),
+                             layout="interleaved")
+    sync()
+    assert torch.equal(strided, plain) and torch.equal(permuted, plain)
+    assert torch.equal(inter, plain)  # spec §9.2: the layouts give bitwise identical results
+    want = torch_fc1(x, w1, off, p2u, T, bias)
+    assert_within(plain, want, 2.0 ** -7 * want.abs() + 2.0 ** -10 * want.abs().max(), "out")
+
+
+def test_moe_fc1_bad_input_on_cuda_raises_value_error_and_writes_nothing():
+    experts, x, w1, bias = fc1_gpu_problem(8, 2, E=8, start=0, E_local=8, H=64, I=32, seed=6)
+    maps = flashmix.build_moe_routing_maps(experts.to(DEV), num_experts_per_node=8)
+    off, p2u = maps.expert_first_token_offset, maps.permuted_row_to_unpermuted_row
+    out = torch.full((16, 32), 3.0, device=DEV).bfloat16()
+    args = (x.to(DEV), w1.to(DEV), off, p2u)
+    with pytest.raises(ValueError, match=r"^moe_fc1: bias: "):
+        flashmix.moe_fc1(*args, k=2, bias=bias[:, :32].to(DEV), out=out)
+    with pytest.raises(ValueError, match=r"^moe_fc1: activation: "):
+        flashmix.moe_fc1(*args, k=2, activation="geglu", out=out)
+    with pytest.raises(ValueError, match=r"^moe_fc1: limit: "):
+        flashmix.moe_fc1(*args, k=2, activation="swiglu_oai", limit=-1.0, out=out)
+    sync()
+    assert (out == 3.0).all()
+
+
+@gpu_only
+def test_moe_fc1_arrays_on_two_devices_raise_value_error_naming_the_argument():
+    experts, x, w1, bias = fc1_gpu_problem(8, 2, E=8, start=0, E_local=8, H=64, I=32, seed=7)
+    maps = flashmix.build_moe_routing_maps(experts.to(DEV), num_experts_per_node=8)
+    with pytest.raises(ValueError, match=r"^moe_fc1: bias: is on cpu but out is on cuda:"):
+        flashmix.moe_fc1(x.to(DEV), w1.to(DEV), maps.expert_first_token_offset, maps.permuted_row_to_unpermuted_row,
+                         k=2, bias=bias)
+
+
+# ---------------------------------------------------------------------------
+# moe_forward (spec §10) against a torch composition in float64 (router in
+# torch on logits on a 1/16 grid: no ties, so both pick the same experts; FC1's
+# rows rounded to bf16 as on both backends):
+#   |gpu - ref| <= 2^-7 |ref| + (k + 2) 2^-8 max|ref|   (tests/gpu/test_moe_forward_gpu.cu)
+# ---------------------------------------------------------------------------
+
+def torch_forward(x, w1, w2, ids, scales, start, E_local, b1=None, b2=None, layout="gate_up", activation="swiglu",
+                  limit=0.0, alpha=0.0, shared=None, fill=True, out_before=None):
+    """float64 out [T, H] on the CPU: for every local slot (t, j) of expert e,
+    w[t, j] * (W2[e] @ bf16(act(x[t] W1[e]^T + b1[e])) + b2[e]), summed per token, + shared;
+    with fill=False, tokens without a local expert keep out_before."""
+    X, W1, W2 = f64(x), f64(w1), f64(w2)
+    ids = ids.cpu().long()
+    T, k = ids.shape
+    H, I = W2.shape[1], W2.shape[2]
+    w = torch.ones(T, k, dtype=torch.float64) if scales is None else f64(scales)
+    gate, up = gate_up_rows(layout, I)
+    acc = torch.zeros(T, H, dtype=torch.float64)
+    for e in range(E_local):
+        t, j = (ids == start + e).nonzero(as_tuple=True)
+        if len(t) == 0:
+            continue
+        g, u = X[t] @ W1[e, gate].T, X[t] @ W1[e, up].T
+        if b1 is not None:
+            g, u = g + f64(b1)[e, gate], u + f64(b1)[e, up]
+        act = torch_activation(g, u, activation, limit, alpha).float().bfloat16().double()  # FC1's rows: bf16
+        y = act @ W2[e].T + (0.0 if b2 is None else f64(b2)[e])
+        acc.index_add_(0, t, w[t, j][:, None] * y)
+    local = ((ids >= start) & (ids < start + E_local)).any(dim=1)
+    out = torch.zeros(T, H, dtype=torch.float64) if out_before is None else f64(out_before).clone()
+    written = local | fill
+    out[written] = acc[written] + (0.0 if shared is None else f64(shared)[written])
+    return out
+
+
+def forward_gpu_problem(T=96, k=4, E=16, E_local=16, H=136, I=72, seed=8):
+    rng = np.random.default_rng(seed)
+    return {"x": (torch.rand(T, H) * 2 - 1).bfloat16(),
+            "w1": ((torch.rand(E_local, 2 * I, H) * 2 - 1) * 0.1).bfloat16(),
+            "w2": ((torch.rand(E_local, H, I) * 2 - 1) * 0.1).bfloat16(),
+            "b1": (torch.rand(E_local, 2 * I) - 0.5).bfloat16(),
+            "b2": (torch.rand(E_local, H) - 0.5).bfloat16(),
+            "logits": torch.from_numpy(ref.grid_logits(rng, T, E)),
+            "experts": torch.from_numpy(np.array([rng.permutation(E)[:k] for _ in range(T)], np.int32).reshape(T, k)),
+            "scales": torch.rand(T, k), "shared": (torch.rand(T, H) * 2 - 1).bfloat16(), "k": k, "E": E}
+
+
+def forward_tolerance(want, k):
+    return 2.0 ** -7 * want.abs() + (k + 2) * 2.0 ** -8 * want.abs().max()
+
+
+@pytest.mark.parametrize("fill", [True, False])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("routing", ["router", "ids"])
+@pytest.mark.parametrize("T", [48, 256])  # FC1 gathers X's rows / reads a permuted copy (T*k >= 64 E_local)
+def test_moe_forward_gpu_matches_torch_composition(T, routing, shared, fill):
+    start, E_local = 4, 4  # an expert-parallel rank: 4 of 16 experts (about a quarter of the tokens have none)
+    p = forward_gpu_problem(T=T, E_local=E_local, seed=9 + shared + 2 * fill + T)
+    k, H = p["k"], p["x"].shape[1]
+    router_kw = {"scoring": "sigmoid", "renormalize": True, "routed_scaling_factor": 2.5}
+    if routing == "router":
+        ids, scales, decided = torch_router(p["logits"], k, **router_kw)
+        assert decided.all()
+        src = dict(router_logits=p["logits"].bfloat16().to(DEV), **router_kw)  # exact in bf16
+    else:
+        ids, scales = p["experts"], p["scales"]
+        src = dict(token_selected_experts=ids.to(DEV), token_final_scales=scales.to(DEV))
+    before = torch.full((T, H), 5.0).bfloat16()
+    sel = torch.full((T, k), -1, dtype=torch.int32, device=DEV)
+    fin = torch.zeros(T, k, device=DEV)
+    keep = dict(selected_experts_out=sel, final_scales_out=fin) if routing == "router" else {}
+    try:
+        got = flashmix.moe_forward(p["x"].to(DEV), p["w1"].to(DEV), p["w2"].to(DEV), k=k, start_expert_id=start,
+                                   b1=p["b1"].to(DEV), b2=p["b2"].to(DEV), fill=fill, out=before.to(DEV),
+                                   shared_output=p["shared"].to(DEV) if shared else None, **src, **keep)
+    except NotImplementedError as e:  # not Hopper
+        pytest.skip(str(e))
+    sync()
+    want = torch_forward(p["x"], p["w1"], p["w2"], ids, scales, start, E_local, p["b1"], p["b2"],
+                         shared=p["shared"] if shared else None, fill=fill, out_before=before)
+    assert_within(got, want, forward_tolerance(want, k), f"out ({routing}, shared={shared}, fill={fill})")
+    local = ((ids >= start) & (ids < start + E_local)).any(dim=1)
+    assert local.any() and (~local).any()
+    if not fill:
+        assert (got.cpu()[~local] == 5.0).all()
+    if routing == "router":
+        assert torch.equal(sel.cpu().long(), ids)
+        assert_within(fin, scales, 2.0 ** -14 * scales.abs() + 2.0 ** -20 * 2.5, "final_scales_out")
+
+
+@pytest.mark.parametrize("mode", flashmix.FC2_MODES)
+@pytest.mark.parametrize("activation,layout", [("swiglu", "gate_up"), ("swiglu_oai", "interleaved"),
+                                               ("swiglu_clamped", "gate_up")])
+def test_moe_forward_gpu_modes_and_activations(mode, activation, layout):
+    p = forward_gpu_problem(T=80, k=4, E=16, E_local=16, seed=10)
+    k = p["k"]
+    w1, b1 = (interleave(p["w1"]), interleave(p["b1"])) if layout == "interleaved" else (p["w1"], p["b1"])
+    router_kw = {"scoring": "softmax", "renormalize": True}
+    kw = dict(w1_layout=layout, activation=activation, limit=1.0 if activation != "swiglu" else 0.0)
+    args = (p["x"].to(DEV), w1.to(DEV), p["w2"].to(DEV))
+    try:
+        got = flashmix.moe_forward(*args, k=k, router_logits=p["logits"].to(DEV), b1=b1.to(DEV), b2=p["b2"].to(DEV),
+                                   mode=mode, **router_kw, **kw)
+    except NotImplementedError as e:  # not Hopper, or built without CUTLASS
+        pytest.skip(str(e))
+    cpu = flashmix.moe_forward(p["x"], w1, p["w2"], k=k, router_logits=p["logits"], b1=b1, b2=p["b2"], mode=mode,
+                               **router_kw, **kw)
+    sync()
+    ids, scales, _ = torch_router(p["logits"], k, **router_kw)
+    want = torch_forward(p["x"], p["w1"], p["w2"], ids, scales, 0, 16, p["b1"], p["b2"], activation=activation,
+                         limit=kw["limit"])
+    assert_within(got, want, forward_tolerance(want, k), f"out ({mode}, {activation}, {layout})")
+    assert_within(got, cpu, forward_tolerance(f64(cpu), k), "out vs cpu")
+    if mode == "deterministic":
+        again = flashmix.moe_forward(*args, k=k, router_logits=p["logits"].to(DEV), b1=b1.to(DEV),
+                                     b2=p["b2"].to(DEV), mode=mode, **router_kw, **kw)
+        sync()
+        assert torch.equal(got, again)
+
+
+def test_moe_forward_gpu_zero_tokens_and_a_given_workspace():
+    p = forward_gpu_problem(T=32, k=2, E=8, E_local=8, seed=11)
+    args = (p["x"].to(DEV), p["w1"].to(DEV), p["w2"].to(DEV))
+    empty = flashmix.moe_forward(args[0][:0], *args[1:], k=2, router_logits=p["logits"][:0].to(DEV))
+    assert empty.shape == (0, 136)
+    nbytes = flashmix.moe_forward_workspace_size(32, 2, 136, 72, 8, "deterministic", num_experts=8)
+    ws = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
+    try:
+        got = flashmix.moe_forward(*args, k=2, router_logits=p["logits"].to(DEV), mode="deterministic", workspace=ws)
+    except NotImplementedError as e:
+        pytest.skip(str(e))
+    again = flashmix.moe_forward(*args, k=2, router_logits=p["logits"].to(DEV), mode="deterministic")
+    sync()
+    assert torch.equal(got, again)
+    if not DRY_RUN:
+        with pytest.raises(ValueError, match=r"^moe_forward: workspace_bytes: "):
+            flashmix.moe_forward(*args, k=2, router_logits=p["logits"].to(DEV), mode="deterministic",
+                                 workspace=ws[:256])
+
+
+def test_moe_forward_bad_input_on_cuda_raises_value_error_and_writes_nothing():
+    p = forward_gpu_problem(T=16, k=2, E=8, E_local=8, seed=12)
+    args = (p["x"].to(DEV), p["w1"].to(DEV), p["w2"].to(DEV))
+    out = torch.full((16, 136), 3.0, device=DEV).bfloat16()
+    logits = p["logits"].to(DEV)
+    with pytest.raises(ValueError, match=r"^moe_forward: router_logits: "):  # both routing sources
+        flashmix.moe_forward(*args, k=2, router_logits=logits, token_selected_experts=p["experts"].to(DEV), out=out)
+    with pytest.raises(ValueError, match=r"^moe_forward: W1: "):
+        flashmix.moe_forward(args[0], args[1][:, :64], args[2], k=2, router_logits=logits, out=out)
+    with pytest.raises(ValueError, match=r"^moe_forward: num_experts: "):
+        flashmix.moe_forward(*args, k=2, router_logits=logits, num_experts=16, out=out)
+    with pytest.raises(ValueError, match=r"^moe_forward: moe_router: n_group: "):  # the router stage's rule
+        flashmix.moe_forward(*args, k=2, router_logits=logits, n_group=3, out=out)
+    with pytest.raises(ValueError, match=r"^moe_forward: shared_output: "):
+        flashmix.moe_forward(*args, k=2, router_logits=logits, shared_output=args[0][:8], out=out)
+    sync()
+    assert (out == 3.0).all()
+
+
+@gpu_only
+def test_moe_forward_arrays_on_two_devices_raise_value_error_naming_the_argument():
+    p = forward_gpu_problem(T=16, k=2, E=8, E_local=8, seed=13)
+    with pytest.raises(ValueError, match=r"^moe_forward: router_logits: is on cpu but out is on cuda:"):
+        flashmix.moe_forward(p["x"].to(DEV), p["w1"].to(DEV), p["w2"].to(DEV), k=2, router_logits=p["logits"])
+
+
+def test_moe_layer_gpu_matches_moe_forward_and_torch():
+    torch.manual_seed(14)
+    E, k, H, I = 16, 4, 256, 128
+    layer = flashmix.MoeLayer(E, k, H, I, scoring="softmax", renormalize=True, bias=True, mode="deterministic",
+                              device=DEV)
+    with torch.no_grad():
+        layer.b1.uniform_(-0.5, 0.5)
+        layer.b2.uniform_(-0.5, 0.5)
+    x = torch.randn(2, 48, H, device=DEV).bfloat16()
+    try:
+        out = layer(x)
+    except NotImplementedError as e:
+        pytest.skip(str(e))
+    assert out.shape == x.shape and out.dtype == torch.bfloat16 and out.device == x.device
+    x2 = x.reshape(-1, H)
+    logits = x2 @ layer.gate.t()
+    want = flashmix.moe_forward(x2, layer.w1, layer.w2, k=k, router_logits=logits, renormalize=True, b1=layer.b1,
+                                b2=layer.b2, mode="deterministic")
+    ids, scales = flashmix.moe_router(logits, k, renormalize=True)  # the router is tested above
+    sync()
+    assert torch.equal(out.reshape(-1, H), want)
+    ref_out = torch_forward(x2, layer.w1, layer.w2, ids, scales, 0, E, layer.b1, layer.b2)
+    assert_within(out.reshape(-1, H), ref_out, forward_tolerance(ref_out, k), "layer out")
+
+
 # ---------------------------------------------------------------------------
 # mHC (spec §4): bf16 |got - ref| <= 2^-7 |ref| + t * scale + 1e-6 (t = 2e-4 pre, 1e-5 post);
 # fp32 coefficients: absolute 2e-4
@@ -647,3 +1106,103 @@ def test_torch_compile_of_the_moe_end_custom_ops(mode):
     sync()
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+def router_and_layer(x, logits, w1, w2, b1, b2):
+    """The router and the layer as custom ops (the caller's ids path), the deterministic FC2."""
+    ids, scales = torch.ops.flashmix.moe_router(logits, 4, scoring="sigmoid", renormalize=True)
+    out = torch.ops.flashmix.moe_forward(x, w1, w2, 4, token_selected_experts=ids, token_final_scales=scales, b1=b1,
+                                         b2=b2, mode="deterministic")
+    fused = torch.ops.flashmix.moe_forward(x, w1, w2, 4, router_logits=logits, scoring="sigmoid", renormalize=True,
+                                           b1=b1, b2=b2, mode="deterministic", fill=False)
+    return out, fused, ids
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_torch_compile_of_the_router_fc1_and_layer_custom_ops(mode):
+    if mode == "reduce-overhead" and DRY_RUN:
+        pytest.skip("CUDA graphs need a GPU")
+    p = forward_gpu_problem(T=64, k=4, E=16, E_local=16, H=256, I=128, seed=15)
+    args = tuple(p[n].to(DEV) for n in ("x", "logits", "w1", "w2", "b1", "b2"))
+    try:
+        want = router_and_layer(*args)
+    except NotImplementedError as e:  # not Hopper
+        pytest.skip(str(e))
+    compiled = torch.compile(router_and_layer, fullgraph=True, mode=mode)
+    for _ in range(3):  # reduce-overhead records a graph on a later call
+        got = compiled(*args)
+    sync()
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert torch.equal(want[0], want[1])  # every expert local: fill changes nothing
+
+
+def test_torch_opcheck_of_the_router_fc1_and_layer_custom_ops():
+    p = forward_gpu_problem(T=24, k=2, E=8, E_local=8, H=128, I=64, seed=16)
+    x, logits, w1, w2, b1 = (p[n].to(DEV) for n in ("x", "logits", "w1", "w2", "b1"))
+    try:
+        ids, scales = torch.ops.flashmix.moe_router(logits, 2)
+        off, p2u, _, _ = torch.ops.flashmix.build_moe_routing_maps(ids, 8)  # all local: P = k*T rows written
+        torch.ops.flashmix.moe_fc1(x, w1, off, p2u, 2)
+    except NotImplementedError as e:
+        pytest.skip(str(e))
+    torch.library.opcheck(torch.ops.flashmix.moe_router.default, (logits, 2), {"renormalize": True})
+    torch.library.opcheck(torch.ops.flashmix.moe_fc1.default, (x, w1, off, p2u, 2),
+                          {"bias": b1, "activation": "swiglu_oai", "limit": 1.5})
+    torch.library.opcheck(torch.ops.flashmix.moe_forward.default, (x, w1, w2, 2),
+                          {"router_logits": logits, "b1": b1, "mode": "deterministic"})
+    torch.library.opcheck(torch.ops.flashmix.moe_forward.default, (x, w1[:4], w2[:4], 2),
+                          {"token_selected_experts": ids, "token_final_scales": scales, "start_expert_id": 2,
+                           "fill": False, "shared_output": p["shared"].to(DEV), "mode": "deterministic"})
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_torch_compile_of_moe_layer(mode):
+    if mode == "reduce-overhead" and DRY_RUN:
+        pytest.skip("CUDA graphs need a GPU")
+    torch.manual_seed(18)
+    layer = flashmix.MoeLayer(32, 4, 256, 128, scoring="sigmoid", renormalize=True, n_group=4, topk_group=2,
+                              routed_scaling_factor=2.5, correction_bias=True, mode="deterministic", device=DEV)
+    x = torch.randn(64, 256, device=DEV).bfloat16()
+    try:
+        want = layer(x)
+    except NotImplementedError as e:
+        pytest.skip(str(e))
+    compiled = torch.compile(layer, fullgraph=True, mode=mode)
+    for _ in range(3):
+        got = compiled(x)
+    sync()
+    assert torch.equal(got, want)
+
+
+@gpu_only
+def test_cuda_graph_capture_and_replay_of_moe_forward():
+    p = forward_gpu_problem(T=512, k=4, E=16, E_local=16, H=256, I=128, seed=19)
+    static = {n: p[n].to(DEV) for n in ("x", "logits", "w1", "w2", "b1", "b2")}
+    ws = torch.empty(flashmix.moe_forward_workspace_size(512, 4, 256, 128, 16, "deterministic"), dtype=torch.uint8,
+                     device=DEV)
+
+    def step(s, workspace=None):
+        return flashmix.moe_forward(s["x"], s["w1"], s["w2"], k=4, router_logits=s["logits"], b1=s["b1"],
+                                    b2=s["b2"], renormalize=True, mode="deterministic", workspace=workspace)
+
+    try:
+        step(static, ws)
+    except NotImplementedError as e:
+        pytest.skip(str(e))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as torch recommends
+        step(static, ws)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(static, ws)
+    fresh = forward_gpu_problem(T=512, k=4, E=16, E_local=16, H=256, I=128, seed=20)
+    for name in ("x", "logits"):
+        static[name].copy_(fresh[name])
+    graph.replay()
+    torch.cuda.synchronize()
+    want = step({**static, "x": fresh["x"].to(DEV), "logits": fresh["logits"].to(DEV)})
+    torch.cuda.synchronize()
+    assert torch.equal(captured, want)
