@@ -444,6 +444,75 @@ def bench_fc2(run, name, T, k, E, I, H):
 
 
 # ===========================================================================
+# MoE FC1 with the gather and SwiGLU fused (spec §9)
+# ===========================================================================
+
+def bench_fc1(run, name, T, k, E, I, H):
+    """flashmix's FC1 (gathering X itself, and from a permuted copy) against what an engine runs
+    instead: gather X into a permuted copy, a grouped GEMM to [P, 2I], then silu(gate) * up."""
+    case = "%s_T%d_k%d_E%d_I%d_H%d" % (name, T, k, E, I, H)
+    op = "moe_fc1"
+    P = T * k
+    experts = torch.rand(T, E, device=DEV).topk(k, dim=1).indices.int()
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+    W1 = torch.randn(E, 2 * I, H, device=DEV, dtype=torch.bfloat16) * (1.0 / H ** 0.5)
+    maps = flashmix.build_moe_routing_maps(experts, num_experts_per_node=E, input=x)
+    offs, p2u, xp = maps.expert_first_token_offset, maps.permuted_row_to_unpermuted_row, maps.permuted_input
+    torch.cuda.synchronize()
+    Ad, Wd = torch.randn(P, H, device=DEV, dtype=torch.bfloat16), torch.randn(2 * I, H, device=DEV,
+                                                                            dtype=torch.bfloat16)
+    dense = lambda: Ad @ Wd.t()
+    dense_us = timed(dense, 10)
+    time = dict(dense_us=dense_us)
+    out = torch.empty(P, I, device=DEV, dtype=torch.bfloat16)
+    fm = lambda: flashmix.moe_fc1(x, W1, offs, p2u, k=k, out=out)
+    fm()
+    torch.cuda.synchronize()
+    ref = out.clone()
+    run.reference(op, case, "flashmix (gather fused)", fm, repeats=10, **time)
+    out_p = torch.empty(P, I, device=DEV, dtype=torch.bfloat16)
+    fmp = lambda: flashmix.moe_fc1(xp, W1, offs, p2u, k=k, x_permuted=True, num_tokens=T, out=out_p)
+    fmp()
+    torch.cuda.synchronize()
+    run.reference(op, case, "flashmix (permuted copy given)", fmp, repeats=10, err=rel_err(out_p, ref),
+                  tol=TOL_SAME, **time)
+    offs32 = offs[1:].int()
+    tok = (p2u.long() % T)
+
+    def torch_path(gather):
+        def f():
+            a = x[tok] if gather else xp
+            h = torch._grouped_mm(a, W1.transpose(1, 2), offs=offs32)
+            return torch.nn.functional.silu(h[:, :I]) * h[:, I:]
+        return f
+    for gather in (True, False):
+        f = torch_path(gather)
+        run.peer(op, case, "torch %s_grouped_mm + silu*up" % ("gather + " if gather else "(permuted copy) "),
+                 lambda f=f: f, check=lambda f=f: rel_err(f(), ref), tol=TOL_BF16_STEP,
+                 note="gate and up rounded to bf16 before the activation", **time)
+    gm = lambda: torch._grouped_mm(xp, W1.transpose(1, 2), offs=offs32)
+    run.peer(op, case, "torch._grouped_mm only (permuted copy)", lambda: gm, note="GEMM alone, no activation",
+             **time)
+    layout = {}
+
+    def make_deep_gemm():
+        if not layout:
+            layout.update(adapters.deep_gemm_layout(xp, offs, P))
+            layout["gemm"], layout["d"] = adapters.deep_gemm_m_grouped(layout, W1)
+        return layout["gemm"]
+    run.peer(op, case, "DeepGEMM m_grouped_bf16 only (permuted copy)", make_deep_gemm,
+             note="GEMM alone on a contiguous (padded) layout built outside the timing, no activation", **time)
+    layout.clear()
+    dense_end = timed(dense, 10)
+    run.record(op, case, "cuBLAS dense, equal FLOPs", dense_end, dense_us=dense_us, status="ceiling")
+    best = min(dense_us, dense_end)
+    for r in run.records:
+        if r["case"] == case and r.get("median_us") and "dense_us" in r:
+            r["dense_us"] = round(best, 3)
+            r["ratio_to_dense"] = round(r["median_us"] / best, 4)
+
+
+# ===========================================================================
 # mHC: mhc_pre, mhc_post (spec §4)
 # ===========================================================================
 
@@ -593,7 +662,7 @@ def main():
                     "peers-<GPU>-<date>-<time>.json (the name bench/results/ uses)")
     ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD, if a repo)")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
-    ap.add_argument("--ops", default="finalize,fc2,mhc", help="comma-separated subset of finalize,fc2,mhc")
+    ap.add_argument("--ops", default="finalize,fc2,fc1,mhc", help="comma-separated subset of finalize,fc2,fc1,mhc")
     args = ap.parse_args()
     ops = set(args.ops.split(","))
     torch.manual_seed(0)
@@ -612,6 +681,9 @@ def main():
         if "fc2" in ops:
             for case in FC2_CASES:
                 bench_fc2(run, *case)
+        if "fc1" in ops:
+            for case in FC2_CASES:  # the same routings as FC2's cases
+                bench_fc1(run, *case)
     except Aborted as e:
         aborted = str(e)
         print("ABORTED:", aborted)

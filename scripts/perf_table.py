@@ -30,6 +30,12 @@ SUMMARY_CASES = [
     ("moe_fc2", "deepseek_ep_T1024_k8_E32_I2048_H7168/deterministic"),
     ("moe_fc2", "mixtral_T4096_k2_E8_I14336_H4096/atomic"),
     ("moe_fc2", "qwen3moe_T4096_k8_E128_I768_H2048/atomic"),
+    ("moe_fc1", "mixtral_T4096_k2_E8_I14336_H4096"),
+    ("moe_fc1", "deepseek_ep_T1024_k8_E32_I2048_H7168"),
+    ("moe_fc1", "qwen3moe_T4096_k8_E128_I768_H2048"),
+    ("moe_forward", "deepseek_ep_T1024_k8_E32_I2048_H7168"),
+    ("moe_forward", "deepseek_ep_T16_k8_E32_I2048_H7168"),
+    ("moe_router", "deepseek_v3_T8192_E256_k8"),
     ("mhc_pre", "B8192_n4_C7168_phif32"),
     ("mhc_pre", "decode_B16_n4_C7168_graph"),
     ("mhc_post", "B8192_n4_C7168"),
@@ -43,29 +49,34 @@ TARGETS = [
     ("target_max_us", "median_us", "<= %.0f us", lambda got, t: got <= t),
     ("target_max_time_over_bound", "time_over_bound", "<= %.2f x bound", lambda got, t: got <= t),
     ("target_ratio", "ratio_to_dense", "<= %.2f x dense", lambda got, t: got <= t),
+    ("target_ratio", "ratio_to_fc1_plus_fc2", "<= %.2f x FC1 + FC2", lambda got, t: got <= t),
     ("target_max_time_over_floor", "time_over_floor", "<= %.2f x floor", lambda got, t: got <= t),
 ]
 
 
 def target_of(r):
-    return next((fmt % r[key] for key, _, fmt, _ in TARGETS if key in r), "")
+    return next((fmt % r[key] for key, measured, fmt, _ in TARGETS if key in r and measured in r), "")
 
 
 def target_met(r):
     """'yes' / 'no' where the record carries a target, '' otherwise."""
     for key, measured, _, ok in TARGETS:
-        if key in r:
+        if key in r and measured in r:
             return "yes" if ok(r[measured], r[key]) else "**no**"
     return ""
 
 
 def measured_of(r):
+    if r.get("ceiling") == "copy" and "target_fraction" in r or r.get("ceiling") == "copy" and r.get("op") == "moe_fc1":
+        return "%.3f of copy" % r["fraction"]
     if "time_over_bound" in r:
         return "%.2f x bound" % r["time_over_bound"]
     if "time_over_floor" in r:
         return "%.2f x floor" % r["time_over_floor"]
     if "ratio_to_dense" in r:
         return "%.2f x dense" % r["ratio_to_dense"]
+    if "ratio_to_fc1_plus_fc2" in r and r.get("ceiling") != "copy":
+        return "%.2f x FC1 + FC2" % r["ratio_to_fc1_plus_fc2"]
     if r.get("ceiling") in ("copy", "gemm"):
         return "%.3f of %s" % (r["fraction"], r["ceiling"])
     return ""
@@ -88,14 +99,22 @@ def full(path):
 
 
 def summary(paths):
-    records = [json.load(open(p)) for p in paths]
-    names = ["%s (%s)" % (d["gpu"].replace("NVIDIA ", ""), d["date"][:10]) for d in records]
+    """One column per GPU: its records merged in the order given (a later
+    record's case replaces an earlier one's), so single-op records add to a
+    whole-bench record."""
+    groups = {}
+    for p in paths:
+        d = json.load(open(p))
+        groups.setdefault(d["gpu"], []).append(d)
+    names = ["%s (%s)" % (g.replace("NVIDIA ", ""), max(d["date"] for d in ds)[:10]) for g, ds in groups.items()]
     print("| op | case | " + " | ".join(names) + " | target |")
     print("|---|---|" + "---:|" * len(names) + "---|")
     for op, case in SUMMARY_CASES:
         cells, target = [], ""
-        for d in records:
-            r = next((x for x in d["records"] if x["op"] == op and x["case"] == case), None)
+        for ds in groups.values():
+            r = None
+            for d in ds:
+                r = next((x for x in d["records"] if x["op"] == op and x["case"] == case), r)
             if r is None:
                 cells.append("")
                 continue
@@ -103,9 +122,10 @@ def summary(paths):
             cells.append("%.1f us%s" % (r["median_us"], ", " + m if m else ""))
             target = target or target_of(r)
         print("| %s | %s | %s | %s |" % (op, case, " | ".join(cells), target))
-    for d, n in zip(records, names):
-        print()
-        print("%s: %s" % (n, header(d)))
+    for (g, ds), n in zip(groups.items(), names):
+        for d in ds:
+            print()
+            print("%s: %s" % (n, header(d)))
 
 
 def main():

@@ -18,7 +18,7 @@ __all__ = [
     "moe_fc2_finalize", "moe_fc2_finalize_workspace_size", "FC2_MODES", "FC2_GEMM_KERNELS",
     "moe_router", "MoeRouterOutput", "ROUTER_SCORINGS",
     "moe_fc1", "FC1_ACTIVATIONS", "FC1_WEIGHT_LAYOUTS",
-    "moe_forward", "moe_forward_workspace_size",
+    "moe_forward", "moe_forward_workspace_size", "FC1_INPUTS",
 ]
 
 if torch is not None:
@@ -496,14 +496,21 @@ if torch is not None:
 # The routed-expert layer in one call (spec §10)
 # ---------------------------------------------------------------------------
 
+#: The ``fc1_input`` values of moe_forward (``MoeFc1Input``'s to_string names, spec §10.3).
+FC1_INPUTS = _C.FC1_INPUTS
+
+
 def moe_forward_workspace_size(num_tokens, k, hidden, inter, num_experts_per_node, mode=_FORWARD.mode, *,
-                               with_router=True, num_experts=None, start_expert_id=_FORWARD.start_expert_id):
+                               with_router=True, num_experts=None, start_expert_id=_FORWARD.start_expert_id,
+                               fc1_input=_FORWARD.fc1_input):
     """Bytes of device workspace moe_forward needs: every intermediate (the router's choice, the
-    routing maps, the FC1 rows ``[k*T, I]`` bf16, FC2's workspace). ``with_router``: routing by
+    routing maps, the FC1 rows ``[k*T, I]`` bf16, FC2's workspace, and x's permuted copy
+    ``[k*T, H]`` bf16 where ``fc1_input`` resolves to "permuted_copy"). ``with_router``: routing by
     router_logits (a little more than with the caller's ids, which it also covers);
-    ``num_experts``: the router's E (the sizes do not depend on it)."""
+    ``num_experts``: the router's E (the sizes do not depend on it); ``fc1_input``: as moe_forward's
+    (the size depends on it)."""
     return _C.moe_forward_workspace_size(num_tokens, k, hidden, inter, 0 if num_experts is None else num_experts,
-                                         num_experts_per_node, start_expert_id, with_router, mode)
+                                         num_experts_per_node, start_expert_id, with_router, mode, fc1_input)
 
 
 def _new_forward_out(x, fill):
@@ -511,14 +518,14 @@ def _new_forward_out(x, fill):
     return empty(x, (x.shape[0], x.shape[1]), "bfloat16", zero=not fill)
 
 
-def _forward_workspace(x, w2, k, out, num_experts, start_expert_id, router_logits, mode):
+def _forward_workspace(x, w2, k, out, num_experts, start_expert_id, router_logits, mode, fc1_input):
     """A fresh workspace for a CUDA call (None on the CPU, or where the shapes are off: the binding
     then names the argument)."""
     if cuda_device(out) is None or len(x.shape) != 2 or len(w2.shape) != 3:
         return None
     return new_workspace(out, moe_forward_workspace_size(
         x.shape[0], k, w2.shape[1], w2.shape[2], w2.shape[0], mode, with_router=router_logits is not None,
-        num_experts=num_experts, start_expert_id=start_expert_id))
+        num_experts=num_experts, start_expert_id=start_expert_id, fc1_input=fc1_input))
 
 
 def moe_forward(x, w1, w2, *, k, router_logits=None, token_selected_experts=None, token_final_scales=None,
@@ -527,9 +534,9 @@ def moe_forward(x, w1, w2, *, k, router_logits=None, token_selected_experts=None
                 routed_scaling_factor=_FORWARD.routed_scaling_factor, num_experts=None,
                 start_expert_id=_FORWARD.start_expert_id, b1=None, b2=None, apply_b2=_FORWARD.apply_b2,
                 w1_layout=_FORWARD.w1_layout, activation=_FORWARD.activation, limit=_FORWARD.limit,
-                alpha=_FORWARD.alpha, mode=_FORWARD.mode, shared_output=None, fill=_FORWARD.fill, out=None,
-                workspace=None, selected_experts_out=None, final_scales_out=None, enable_pdl=_FORWARD.enable_pdl,
-                stream=None):
+                alpha=_FORWARD.alpha, fc1_input=_FORWARD.fc1_input, mode=_FORWARD.mode, shared_output=None,
+                fill=_FORWARD.fill, out=None, workspace=None, selected_experts_out=None, final_scales_out=None,
+                enable_pdl=_FORWARD.enable_pdl, stream=None):
     """spec §10: the routed-expert layer in one call: [router] -> routing maps -> FC1 + activation ->
     FC2 + finalize (+ shared_output), every stage on one stream, no host sync.
 
@@ -549,6 +556,10 @@ def moe_forward(x, w1, w2, *, k, router_logits=None, token_selected_experts=None
         all but one tensor-parallel rank).
       w1_layout, activation, limit, alpha: FC1's, as moe_fc1's ``layout``, ``activation``, ``limit``,
         ``alpha``.
+      fc1_input: what FC1 reads (spec §10.3, FC1_INPUTS): "gather" (x's rows gathered in the
+        kernel), "permuted_copy" (the routing maps write x's permuted rows ``[k*T, H]`` into the
+        workspace) or "auto" ("permuted_copy" when ``T*k >= 64*E_local``, else "gather"). The
+        result is the same bit for bit; the workspace size depends on it.
       mode: FC2's, as moe_fc2_finalize's (FC2_MODES).
       shared_output: bf16 ``[T, >= H]`` added once to every token written (a shared expert's output or
         a residual), or None.
@@ -567,7 +578,7 @@ def moe_forward(x, w1, w2, *, k, router_logits=None, token_selected_experts=None
     if out is None:
         out = _new_forward_out(x, fill)
     if workspace is None:
-        workspace = _forward_workspace(x, w2, k, out, num_experts, start_expert_id, router_logits, mode)
+        workspace = _forward_workspace(x, w2, k, out, num_experts, start_expert_id, router_logits, mode, fc1_input)
     _C.moe_forward(
         arg(x), arg(w1), arg(w2), arg(out), k=k, num_experts=0 if num_experts is None else num_experts,
         start_expert_id=start_expert_id, router_logits=arg(router_logits), scoring=scoring, renormalize=renormalize,
@@ -575,8 +586,9 @@ def moe_forward(x, w1, w2, *, k, router_logits=None, token_selected_experts=None
         routed_scaling_factor=routed_scaling_factor, token_selected_experts=arg(token_selected_experts),
         token_final_scales=arg(token_final_scales), selected_experts_out=arg(selected_experts_out),
         final_scales_out=arg(final_scales_out), b1=arg(b1), b2=arg(b2), apply_b2=apply_b2, w1_layout=w1_layout,
-        activation=activation, limit=limit, alpha=alpha, mode=mode, shared_output=arg(shared_output), fill=fill,
-        workspace=arg(workspace), enable_pdl=enable_pdl, stream=stream_of(stream, out))
+        activation=activation, limit=limit, alpha=alpha, fc1_input=fc1_input, mode=mode,
+        shared_output=arg(shared_output), fill=fill, workspace=arg(workspace), enable_pdl=enable_pdl,
+        stream=stream_of(stream, out))
     return out
 
 
@@ -591,7 +603,8 @@ if torch is not None:
                         start_expert_id: int = _FORWARD.start_expert_id, b1: Optional[Tensor] = None,
                         b2: Optional[Tensor] = None, apply_b2: bool = _FORWARD.apply_b2,
                         w1_layout: str = _FORWARD.w1_layout, activation: str = _FORWARD.activation,
-                        limit: float = _FORWARD.limit, alpha: float = _FORWARD.alpha, mode: str = _FORWARD.mode,
+                        limit: float = _FORWARD.limit, alpha: float = _FORWARD.alpha,
+                        fc1_input: str = _FORWARD.fc1_input, mode: str = _FORWARD.mode,
                         shared_output: Optional[Tensor] = None, fill: bool = _FORWARD.fill,
                         enable_pdl: bool = _FORWARD.enable_pdl) -> Tensor:
         """flashmix.moe_forward as a custom op: a fresh bf16 ``out`` ``[T, H]`` (``num_experts=-1``:
@@ -603,7 +616,8 @@ if torch is not None:
                            routed_scaling_factor=routed_scaling_factor,
                            num_experts=None if num_experts < 0 else num_experts, start_expert_id=start_expert_id,
                            b1=b1, b2=b2, apply_b2=apply_b2, w1_layout=w1_layout, activation=activation, limit=limit,
-                           alpha=alpha, mode=mode, shared_output=shared_output, fill=fill, enable_pdl=enable_pdl)
+                           alpha=alpha, fc1_input=fc1_input, mode=mode, shared_output=shared_output, fill=fill,
+                           enable_pdl=enable_pdl)
 
 
 # ---------------------------------------------------------------------------
@@ -622,6 +636,7 @@ if torch is not None:
           num_experts: E, the router's width; k: experts per token; hidden: H; inter: I (per expert).
           scoring, renormalize, n_group, topk_group, routed_scaling_factor: the router's (moe_router).
           activation, w1_layout, limit, alpha: FC1's (moe_fc1's activation, layout, limit, alpha).
+          fc1_input: what FC1 reads, as moe_forward's (FC1_INPUTS).
           mode: FC2's (FC2_MODES).
           bias: give the experts biases ``b1`` ``[E_local, 2I]`` and ``b2`` ``[E_local, H]`` (gpt-oss).
           correction_bias: give the router a float32 ``correction_bias`` ``[E]`` buffer (DeepSeek-V3's
@@ -640,8 +655,8 @@ if torch is not None:
                      renormalize=_FORWARD.renormalize, activation=_FORWARD.activation, w1_layout=_FORWARD.w1_layout,
                      n_group=_FORWARD.n_group, topk_group=_FORWARD.topk_group,
                      routed_scaling_factor=_FORWARD.routed_scaling_factor, mode=_FORWARD.mode, limit=_FORWARD.limit,
-                     alpha=_FORWARD.alpha, bias=False, correction_bias=False, num_local_experts=None,
-                     start_expert_id=_FORWARD.start_expert_id, dtype=None, device=None):
+                     alpha=_FORWARD.alpha, fc1_input=_FORWARD.fc1_input, bias=False, correction_bias=False,
+                     num_local_experts=None, start_expert_id=_FORWARD.start_expert_id, dtype=None, device=None):
             super().__init__()
             dtype = torch.bfloat16 if dtype is None else dtype
             if dtype != torch.bfloat16:
@@ -652,7 +667,7 @@ if torch is not None:
             self.scoring, self.renormalize, self.n_group, self.topk_group = scoring, renormalize, n_group, topk_group
             self.routed_scaling_factor = routed_scaling_factor
             self.activation, self.w1_layout, self.limit, self.alpha = activation, w1_layout, limit, alpha
-            self.mode = mode
+            self.fc1_input, self.mode = fc1_input, mode
             kw = dict(dtype=dtype, device=device)
 
             def weight(*shape):
@@ -681,7 +696,7 @@ if torch is not None:
             return (f"num_experts={self.num_experts}, k={self.k}, hidden={self.hidden}, inter={self.inter}, "
                     f"experts=[{self.start_expert_id}, {self.start_expert_id + self.num_local_experts}), "
                     f"scoring={self.scoring!r}, activation={self.activation!r}, w1_layout={self.w1_layout!r}, "
-                    f"mode={self.mode!r}")
+                    f"fc1_input={self.fc1_input!r}, mode={self.mode!r}")
 
         def forward(self, x, shared_output=None):
             shape = x.shape
@@ -694,5 +709,5 @@ if torch is not None:
                 topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor,
                 num_experts=self.num_experts, start_expert_id=self.start_expert_id, b1=self.b1, b2=self.b2,
                 w1_layout=self.w1_layout, activation=self.activation, limit=self.limit, alpha=self.alpha,
-                mode=self.mode, shared_output=shared)
+                fc1_input=self.fc1_input, mode=self.mode, shared_output=shared)
             return out.reshape(shape)

@@ -461,9 +461,16 @@ void moe_fc1(const In& X, const In& W1, const In& offsets, const In& p2u, const 
 // The routed-expert layer in one call (spec §10)
 // ---------------------------------------------------------------------------
 
+// MoeFc1Input by the library's names: "auto", "gather", "permuted_copy".
+const EnumNames<fm::MoeFc1Input>& fc1_inputs() {
+  static const EnumNames<fm::MoeFc1Input> names =
+      library_names({fm::MoeFc1Input::kAuto, fm::MoeFc1Input::kGather, fm::MoeFc1Input::kPermutedCopy});
+  return names;
+}
+
 size_t moe_forward_workspace_size(int64_t num_tokens, int k, int64_t hidden, int64_t inter, int num_experts,
                                   int num_experts_per_node, int start_expert_id, bool with_router,
-                                  const std::string& mode) {
+                                  const std::string& mode, const std::string& fc1_input) {
   fm::MoeForwardArgs a;  // placeholders: validated, never dereferenced
   a.num_tokens = num_tokens;
   a.hidden = hidden;
@@ -484,6 +491,7 @@ size_t moe_forward_workspace_size(int64_t num_tokens, int k, int64_t hidden, int
     a.num_experts = num_experts;
   }
   a.fc2_mode = parse_enum(mode, fc2_modes(), "moe_forward", "mode");
+  a.fc1_input = parse_enum(fc1_input, fc1_inputs(), "moe_forward", "fc1_input");
   raise_if_error(fm::validate_moe_forward(a));
   return fm::moe_forward_workspace_size(a);
 }
@@ -496,8 +504,8 @@ void moe_forward(const In& X, const In& W1, const In& W2, const Out& out, int k,
                  const OptIn& token_selected_experts, const OptIn& token_final_scales,
                  const OptOut& selected_experts_out, const OptOut& final_scales_out, const OptIn& b1,
                  const OptIn& b2, bool apply_b2, const std::string& w1_layout, const std::string& activation,
-                 float limit, float alpha, const std::string& mode, const OptIn& shared_output, bool fill,
-                 const OptOut& workspace, bool enable_pdl, uintptr_t stream) {
+                 float limit, float alpha, const std::string& fc1_input, const std::string& mode,
+                 const OptIn& shared_output, bool fill, const OptOut& workspace, bool enable_pdl, uintptr_t stream) {
   constexpr const char* op = "moe_forward";
   Placement w(op);
   w.add(out, "out", X, "X", W1, "W1", W2, "W2", router_logits, "router_logits", correction_bias, "correction_bias",
@@ -568,6 +576,7 @@ void moe_forward(const In& X, const In& W1, const In& W2, const Out& out, int k,
   a.activation = parse_enum(activation, fc1_activations(), op, "activation");
   a.activation_limit = limit;
   a.activation_alpha = alpha;
+  a.fc1_input = parse_enum(fc1_input, fc1_inputs(), op, "fc1_input");
   a.W2 = ptr(W2);
   a.b2 = ptr(b2);
   a.apply_b2 = apply_b2;
@@ -658,6 +667,7 @@ nb::dict moe_defaults() {
     f["activation"] = enum_name(a.activation, fc1_activations());
     f["limit"] = py_float(a.activation_limit);
     f["alpha"] = py_float(a.activation_alpha);
+    f["fc1_input"] = enum_name(a.fc1_input, fc1_inputs());
     f["apply_b2"] = a.apply_b2;
     f["mode"] = enum_name(a.fc2_mode, fc2_modes());
     f["fill"] = a.fill;
@@ -725,15 +735,17 @@ void register_moe(nb::module_& m) {
         "rows, over k with x_permuted.");
 
   // The layer
+  m.attr("FC1_INPUTS") = enum_names_tuple(fc1_inputs());
   m.def("moe_forward_workspace_size", &moe_forward_workspace_size, "num_tokens"_a, "k"_a, "hidden"_a, "inter"_a,
-        "num_experts"_a, "num_experts_per_node"_a, "start_expert_id"_a, "with_router"_a, "mode"_a,
+        "num_experts"_a, "num_experts_per_node"_a, "start_expert_id"_a, "with_router"_a, "mode"_a, "fc1_input"_a,
         "Bytes of device workspace moe_forward needs (with_router: routing by router_logits; num_experts <= 0: "
-        "any that holds this rank's experts).");
+        "any that holds this rank's experts; fc1_input: the permuted copy of X is held only where it resolves to "
+        "permuted_copy).");
   m.def("moe_forward", &moe_forward, "X"_a, "W1"_a, "W2"_a, "out"_a, nb::kw_only(), "k"_a, "num_experts"_a,
         "start_expert_id"_a, "router_logits"_a.none(), "scoring"_a, "renormalize"_a, "correction_bias"_a.none(),
         "n_group"_a, "topk_group"_a, "routed_scaling_factor"_a, "token_selected_experts"_a.none(),
         "token_final_scales"_a.none(), "selected_experts_out"_a.none(), "final_scales_out"_a.none(), "b1"_a.none(),
-        "b2"_a.none(), "apply_b2"_a, "w1_layout"_a, "activation"_a, "limit"_a, "alpha"_a, "mode"_a,
+        "b2"_a.none(), "apply_b2"_a, "w1_layout"_a, "activation"_a, "limit"_a, "alpha"_a, "fc1_input"_a, "mode"_a,
         "shared_output"_a.none(), "fill"_a, "workspace"_a.none(), "enable_pdl"_a, "stream"_a,
         "spec §10 into `out` [T, H]: router (router_logits) or the caller's ids, routing maps, FC1, FC2 + finalize; "
         "E_local, H, I from W2 [E_local, H, I], T from X [T, H]; num_experts <= 0: router_logits.shape[1].");

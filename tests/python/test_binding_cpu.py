@@ -565,6 +565,45 @@ def test_moe_forward_modes_activations_and_router_outputs(mode, activation, layo
 
 
 @needs_bf16
+@pytest.mark.parametrize("routing", ["router", "ids"])
+@pytest.mark.parametrize("rank", ["all", "ep"])
+def test_moe_forward_fc1_inputs_give_bitwise_identical_outputs(rank, routing):
+    # spec §10.3: FC1 reading x gathered or the permuted copy: the same products in the same order.
+    rng = np.random.default_rng(53 + (rank == "ep") * 2 + (routing == "ids"))
+    start, E_local = (4, 4) if rank == "ep" else (0, 12)
+    p = forward_problem(rng, start=start, E_local=E_local)
+    T, k, H = p["T"], p["k"], p["x"].shape[1]
+    src = (dict(router_logits=p["logits"], scoring="sigmoid", renormalize=True) if routing == "router" else
+           dict(token_selected_experts=p["experts"], token_final_scales=p["scales"]))
+    xs = np.zeros((T, H + 8), BF16)  # strided rows: the copy and the gather both honour x_stride
+    xs[:, :H] = p["x"]
+    outs = {}
+    for fc1_input in ("gather", "permuted_copy", "auto"):
+        out = np.full((T, H), 5.0, BF16)
+        got = flashmix.moe_forward(xs[:, :H], p["w1"], p["w2"], k=k, start_expert_id=start, b1=p["b1"], b2=p["b2"],
+                                   shared_output=p["shared"], fill=False, fc1_input=fc1_input, out=out, **src)
+        assert got is out
+        outs[fc1_input] = out.view(np.uint16)
+    assert flashmix.FC1_INPUTS == ("auto", "gather", "permuted_copy")
+    np.testing.assert_array_equal(outs["gather"], outs["permuted_copy"])
+    np.testing.assert_array_equal(outs["auto"], outs["gather"])
+    assert (outs["gather"] != np.full((T, H), 5.0, BF16).view(np.uint16)).any()
+
+
+@needs_bf16
+def test_moe_forward_unknown_fc1_input_raises_value_error_naming_it():
+    p = forward_problem(np.random.default_rng(57), T=4, k=2, E=8, E_local=8)
+    out = np.full((4, 16), 3.0, BF16)
+    before = out.copy()
+    for name in ("copy", "Gather", "", "permuted-copy"):
+        with raises_naming(ValueError, "moe_forward", "fc1_input"):
+            flashmix.moe_forward(p["x"], p["w1"], p["w2"], k=2, router_logits=p["logits"], fc1_input=name, out=out)
+        with raises_naming(ValueError, "moe_forward", "fc1_input"):
+            flashmix.moe_forward_workspace_size(4, 2, 16, 24, 8, fc1_input=name)
+    np.testing.assert_array_equal(out.view(np.uint16), before.view(np.uint16))  # nothing written
+
+
+@needs_bf16
 def test_moe_forward_fresh_out_without_filling_is_zero_for_tokens_without_a_local_expert():
     rng = np.random.default_rng(51)
     p = forward_problem(rng, T=20, k=2, E=16, start=8, E_local=2)
@@ -585,6 +624,13 @@ def test_moe_forward_zero_tokens_and_workspace_size():
     # at least the FC1 rows (k*T x I bf16) and the router's choice
     assert with_router > given_ids >= 512 * 8 * 2048 * 2
     assert with_router - given_ids >= 2 * 512 * 8 * 4
+    # x's permuted copy [k*T, H] bf16 is held only where fc1_input resolves to it (auto: T*k >= 64*E_local)
+    gather = flashmix.moe_forward_workspace_size(512, 8, 7168, 2048, 32, fc1_input="gather")
+    copy = flashmix.moe_forward_workspace_size(512, 8, 7168, 2048, 32, fc1_input="permuted_copy")
+    assert copy - gather >= 512 * 8 * 7168 * 2
+    assert flashmix.moe_forward_workspace_size(512, 8, 7168, 2048, 32) == copy  # 4096 rows >= 64 * 32
+    assert flashmix.moe_forward_workspace_size(4, 8, 7168, 2048, 32) == flashmix.moe_forward_workspace_size(
+        4, 8, 7168, 2048, 32, fc1_input="gather")
     with raises_naming(ValueError, "moe_forward", "mode"):
         flashmix.moe_forward_workspace_size(512, 8, 7168, 2048, 32, "fast")
     with pytest.raises(ValueError, match=r"^moe_forward: (moe_fc1: )?inter: "):  # library: I % 8
@@ -618,6 +664,7 @@ def test_moe_forward_zero_tokens_and_workspace_size():
     ({"w1_layout": "gate-up"}, "w1_layout"),
     ({"activation": "relu"}, "activation"),
     ({"mode": "fast"}, "mode"),
+    ({"fc1_input": "copy"}, "fc1_input"),
     ({"k": 0}, "k"),                                                                  # library rule
     ({"n_group": 3}, "moe_router: n_group"),                                          # the router stage's rule
 ])
@@ -841,14 +888,15 @@ def test_defaults_are_the_library_values():
         "gate_up", "swiglu", 0.0, 0.0, False)
     fwd = defaults_of(flashmix.moe_forward)
     assert {key: fwd[key] for key in ("scoring", "renormalize", "n_group", "topk_group", "routed_scaling_factor",
-                                      "start_expert_id", "w1_layout", "activation", "limit", "alpha", "mode",
-                                      "fill", "apply_b2")} == {
+                                      "start_expert_id", "w1_layout", "activation", "limit", "alpha", "fc1_input",
+                                      "mode", "fill", "apply_b2")} == {
         "scoring": "softmax", "renormalize": False, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
         "start_expert_id": 0, "w1_layout": "gate_up", "activation": "swiglu", "limit": 0.0, "alpha": 0.0,
-        "mode": "atomic", "fill": True, "apply_b2": True}
+        "fc1_input": "auto", "mode": "atomic", "fill": True, "apply_b2": True}
     assert flashmix.ROUTER_SCORINGS == ("softmax", "sigmoid", "sqrtsoftplus", "softmax_after_topk")
     assert flashmix.FC1_ACTIVATIONS == ("swiglu", "swiglu_oai", "swiglu_clamped")
     assert flashmix.FC1_WEIGHT_LAYOUTS == ("gate_up", "interleaved")
+    assert flashmix.FC1_INPUTS == ("auto", "gather", "permuted_copy")
 
 
 def test_the_package_restates_none_of_the_library_defaults():
@@ -1283,6 +1331,11 @@ def test_torch_custom_ops_for_the_router_fc1_and_the_layer_on_cpu_tensors():
     assert torch.equal(out, torch.ops.flashmix.moe_fc2_finalize(act, w2, off, p2u, k, scales=scales))
     torch.library.opcheck(torch.ops.flashmix.moe_forward.default, (x, w1, w2, k),
                           dict(router_logits=logits, b1=b1, mode="deterministic", **router_kw))
+    for fc1_input in ("gather", "permuted_copy"):
+        assert torch.equal(out, torch.ops.flashmix.moe_forward(x, w1, w2, k, router_logits=logits, b1=b1,
+                                                               fc1_input=fc1_input, **router_kw))
+    torch.library.opcheck(torch.ops.flashmix.moe_forward.default, (x, w1, w2, k),
+                          dict(router_logits=logits, fc1_input="permuted_copy", **router_kw))
     shared = (torch.rand(T, H) - 0.5).bfloat16()
     ep = torch.ops.flashmix.moe_forward(x, w1[:2], w2[:2], k, token_selected_experts=ids, token_final_scales=scales,
                                         start_expert_id=3, shared_output=shared, fill=False)
@@ -1333,6 +1386,10 @@ def test_moe_layer_on_cpu_tensors():
     assert torch.equal(compiled(x), out)
     ep = flashmix.MoeLayer(E, k, H, I, num_local_experts=2, start_expert_id=4)
     assert ep.w1.shape == (2, 2 * I, H) and ep(x).shape == x.shape
+    assert layer.fc1_input == "auto" and "fc1_input='auto'" in repr(layer)
+    for fc1_input in ("gather", "permuted_copy"):
+        layer.fc1_input = fc1_input
+        assert torch.equal(layer(x), out)
     with pytest.raises(ValueError, match="^MoeLayer: dtype: "):
         flashmix.MoeLayer(E, k, H, I, dtype=torch.float32)
 

@@ -550,15 +550,17 @@ def test_moe_forward_gpu_matches_torch_composition(T, routing, shared, fill):
         assert_within(fin, scales, 2.0 ** -14 * scales.abs() + 2.0 ** -20 * 2.5, "final_scales_out")
 
 
+@pytest.mark.parametrize("fc1_input", ["gather", "permuted_copy"])  # "auto" picks gather here (320 < 64 * 16)
 @pytest.mark.parametrize("mode", flashmix.FC2_MODES)
 @pytest.mark.parametrize("activation,layout", [("swiglu", "gate_up"), ("swiglu_oai", "interleaved"),
                                                ("swiglu_clamped", "gate_up")])
-def test_moe_forward_gpu_modes_and_activations(mode, activation, layout):
+def test_moe_forward_gpu_modes_and_activations(mode, activation, layout, fc1_input):
     p = forward_gpu_problem(T=80, k=4, E=16, E_local=16, seed=10)
     k = p["k"]
     w1, b1 = (interleave(p["w1"]), interleave(p["b1"])) if layout == "interleaved" else (p["w1"], p["b1"])
     router_kw = {"scoring": "softmax", "renormalize": True}
-    kw = dict(w1_layout=layout, activation=activation, limit=1.0 if activation != "swiglu" else 0.0)
+    kw = dict(w1_layout=layout, activation=activation, limit=1.0 if activation != "swiglu" else 0.0,
+              fc1_input=fc1_input)
     args = (p["x"].to(DEV), w1.to(DEV), p["w2"].to(DEV))
     try:
         got = flashmix.moe_forward(*args, k=k, router_logits=p["logits"].to(DEV), b1=b1.to(DEV), b2=p["b2"].to(DEV),
@@ -571,13 +573,18 @@ def test_moe_forward_gpu_modes_and_activations(mode, activation, layout):
     ids, scales, _ = torch_router(p["logits"], k, **router_kw)
     want = torch_forward(p["x"], p["w1"], p["w2"], ids, scales, 0, 16, p["b1"], p["b2"], activation=activation,
                          limit=kw["limit"])
-    assert_within(got, want, forward_tolerance(want, k), f"out ({mode}, {activation}, {layout})")
+    assert_within(got, want, forward_tolerance(want, k), f"out ({mode}, {activation}, {layout}, {fc1_input})")
     assert_within(got, cpu, forward_tolerance(f64(cpu), k), "out vs cpu")
     if mode == "deterministic":
         again = flashmix.moe_forward(*args, k=k, router_logits=p["logits"].to(DEV), b1=b1.to(DEV),
                                      b2=p["b2"].to(DEV), mode=mode, **router_kw, **kw)
+        # spec §10.3: the other FC1 input gives the same bits
+        other = dict(kw, fc1_input="permuted_copy" if fc1_input == "gather" else "gather")
+        swapped = flashmix.moe_forward(*args, k=k, router_logits=p["logits"].to(DEV), b1=b1.to(DEV),
+                                       b2=p["b2"].to(DEV), mode=mode, **router_kw, **other)
         sync()
         assert torch.equal(got, again)
+        assert torch.equal(got, swapped)
 
 
 def test_moe_forward_gpu_zero_tokens_and_a_given_workspace():
