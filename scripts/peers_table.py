@@ -11,7 +11,7 @@ file, torch and the peers' versions, and the reasons behind "missing".
 
 Usage: scripts/peers_table.py RECORD.json [RECORD.json ...] [--latest] [--ops OP,...] [--skip REGEX]
                                [--readme README.md]
-  --latest  only the newest record of each GPU
+  --latest  per GPU, each op from the newest record that has it (one column per GPU)
   --ops     only these ops (moe_finalize, moe_fc2, mhc_pre, mhc_post)
   --skip    leave out implementations matching REGEX (default: torch eager, flashmix unfused and
             the dense ceiling, which stay in the JSON)
@@ -86,7 +86,10 @@ def table(docs, keep_ops=None, skip=None):
         print("| %s | %s | %s | %s |" % (shown[0], shown[1], impl,
                                           " | ".join(cell(t.get((op, case, impl))) for t in tables)), file=out)
     print(file=out)
+    notes = []
     for (path, doc), head in zip(docs, heads):
+        notes += [(p, d, head) for p, d in doc.get("sources", [(path, doc)])]
+    for path, doc, head in notes:
         peers = doc.get("peers", {})
         versions = ", ".join("%s %s" % (name, v["version"]) for name, v in peers.items() if "version" in v)
         print("- %s: `%s`, commit %s, torch %s%s." % (head, os.path.relpath(path), doc.get("commit", "?"),
@@ -123,12 +126,22 @@ def main(argv=None):
         with open(path) as f:
             docs.append((path, json.load(f)))
     if args.latest:
-        newest = {}  # gpu -> index of its newest record
-        for i, (_, doc) in enumerate(docs):
-            gpu = doc.get("gpu")
-            if gpu not in newest or doc.get("date", "") > docs[newest[gpu]][1].get("date", ""):
-                newest[gpu] = i
-        docs = [docs[i] for i in sorted(newest.values())]
+        # Per GPU, each op from the newest record that has it (a record may hold some ops only).
+        by_gpu = {}
+        for path, doc in docs:
+            by_gpu.setdefault(doc.get("gpu"), []).append((path, doc))
+        merged = []
+        for gpu, group in by_gpu.items():
+            group.sort(key=lambda pd: pd[1].get("date", ""))
+            newest_for = {}
+            for path, doc in group:
+                for r in doc["records"]:
+                    newest_for[r["op"]] = path
+            used = [(path, doc) for path, doc in group if path in newest_for.values()]
+            records = [r for path, doc in used for r in doc["records"] if newest_for[r["op"]] == path]
+            base = dict(used[-1][1], records=records, sources=[(p, d) for p, d in used])
+            merged.append((used[-1][0], base))
+        docs = merged
     text = table(docs, set(args.ops.split(",")) if args.ops else None, re.compile(args.skip) if args.skip else None)
     if args.readme:
         write_between_marks(args.readme, text)
