@@ -23,6 +23,23 @@ void cuda_check(cudaError_t err, const char* what, const char* file, int line) {
   }
 }
 
+namespace {
+__global__ void fill_bf16_hashed(__nv_bfloat16* x, int64_t n, uint64_t seed, float scale) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint64_t h = (uint64_t(i) + seed) * 0x9e3779b97f4a7c15ull;
+    h ^= h >> 31;
+    h *= 0xbf58476d1ce4e5b9ull;
+    h ^= h >> 29;
+    x[i] = __float2bfloat16(scale * (float(h >> 40) / float(1 << 24) * 2.0f - 1.0f));
+  }
+}
+}  // namespace
+
+void fill_bf16(void* x, int64_t n, uint64_t seed, float scale, cudaStream_t stream) {
+  fill_bf16_hashed<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(x), n, seed, scale);
+  BENCH_CUDA(cudaGetLastError());
+}
+
 static double median_of(std::vector<float> v) {
   std::sort(v.begin(), v.end());
   size_t n = v.size();

@@ -88,6 +88,10 @@ class DenseGemm {
 };
 
 
+// x[i] = scale * u(i) for i < n, u uniform in [-1, 1) from a hash of
+// (i + seed): bf16 inputs of any size, filled on `stream` (no host copy).
+void fill_bf16(void* x, int64_t n, uint64_t seed, float scale, cudaStream_t stream);
+
 // Prints the record as a table row and keeps it.
 void add_record(Context& ctx, Record r);
 void print_header();

@@ -36,16 +36,6 @@ struct Fc1Case {
   double max_ratio = 0;  // the issue's bound (0: report only)
 };
 
-__global__ void fill_bf16_fc1(__nv_bfloat16* x, int64_t n, uint64_t seed, float scale) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    uint64_t h = (uint64_t(i) + seed) * 0x9e3779b97f4a7c15ull;
-    h ^= h >> 31;
-    h *= 0xbf58476d1ce4e5b9ull;
-    h ^= h >> 29;
-    x[i] = __float2bfloat16(scale * (float(h >> 40) / float(1 << 24) * 2.0f - 1.0f));
-  }
-}
-
 __global__ void permute_rows(const __nv_bfloat16* x, const int32_t* p2u, int64_t P, int T, int64_t H,
                              __nv_bfloat16* xp) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < P * H; i += int64_t(gridDim.x) * blockDim.x) {
@@ -71,8 +61,8 @@ void run_case(Context& ctx, const Fc1Case& c, cudaStream_t stream) {
   BENCH_CUDA(cudaMalloc(&dout, cap * c.I * 2));
   BENCH_CUDA(cudaMalloc(&dp2u, std::max<size_t>(1, r.p2u.size()) * 4));
   BENCH_CUDA(cudaMalloc(&doff, r.offsets.size() * 8));
-  fill_bf16_fc1<<<1024, 256, 0, stream>>>(dX, nX, 11, 1.0f);
-  fill_bf16_fc1<<<1024, 256, 0, stream>>>(dW1, nW, 12, 0.05f);
+  fill_bf16(dX, nX, 11, 1.0f, stream);
+  fill_bf16(dW1, nW, 12, 0.05f, stream);
   if (!r.p2u.empty())
     BENCH_CUDA(cudaMemcpyAsync(dp2u, r.p2u.data(), r.p2u.size() * 4, cudaMemcpyHostToDevice, stream));
   BENCH_CUDA(cudaMemcpyAsync(doff, r.offsets.data(), r.offsets.size() * 8, cudaMemcpyHostToDevice, stream));

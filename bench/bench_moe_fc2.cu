@@ -45,16 +45,6 @@ struct Fc2Case {
   bool balanced = false;  // diagnostic: slot (t, j) -> expert (t*k + j) mod local (equal rows per expert)
 };
 
-__global__ void fill_bf16(__nv_bfloat16* x, int64_t n, uint64_t seed, float scale) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    uint64_t h = (uint64_t(i) + seed) * 0x9e3779b97f4a7c15ull;
-    h ^= h >> 31;
-    h *= 0xbf58476d1ce4e5b9ull;
-    h ^= h >> 29;
-    x[i] = __float2bfloat16(scale * (float(h >> 40) / float(1 << 24) * 2.0f - 1.0f));
-  }
-}
-
 struct Fc2BenchTuning {
   Fc2Tuning tuning;
   bool all_modes;  // else atomic and unfused only (the sweep's extra tunings)
@@ -121,9 +111,9 @@ void run_case(Context& ctx, const Fc2Case& c, cudaStream_t stream) {
   BENCH_CUDA(cudaMalloc(&dscales, scales.size() * 4));
   BENCH_CUDA(cudaMalloc(&dp2u, std::max<size_t>(1, r.p2u.size()) * 4));
   BENCH_CUDA(cudaMalloc(&doff, r.offsets.size() * 8));
-  fill_bf16<<<1024, 256, 0, stream>>>(dA, nA, 1, 1.0f);
-  fill_bf16<<<1024, 256, 0, stream>>>(dW2, nW, 2, 0.05f);
-  fill_bf16<<<1024, 256, 0, stream>>>(dbias, int64_t(c.local) * c.H, 3, 1.0f);
+  fill_bf16(dA, nA, 1, 1.0f, stream);
+  fill_bf16(dW2, nW, 2, 0.05f, stream);
+  fill_bf16(dbias, int64_t(c.local) * c.H, 3, 1.0f, stream);
   BENCH_CUDA(cudaMemcpyAsync(dscales, scales.data(), scales.size() * 4, cudaMemcpyHostToDevice, stream));
   if (!r.p2u.empty())
     BENCH_CUDA(cudaMemcpyAsync(dp2u, r.p2u.data(), r.p2u.size() * 4, cudaMemcpyHostToDevice, stream));

@@ -37,16 +37,6 @@ struct ForwardCase {
   double max_ratio;
 };
 
-__global__ void fill_bf16_fwd(__nv_bfloat16* x, int64_t n, uint64_t seed, float scale) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    uint64_t h = (uint64_t(i) + seed) * 0x9e3779b97f4a7c15ull;
-    h ^= h >> 31;
-    h *= 0xbf58476d1ce4e5b9ull;
-    h ^= h >> 29;
-    x[i] = __float2bfloat16(scale * (float(h >> 40) / float(1 << 24) * 2.0f - 1.0f));
-  }
-}
-
 template <typename T>
 T* dalloc(size_t count) {
   T* p = nullptr;
@@ -69,10 +59,10 @@ void run_case(Context& ctx, const ForwardCase& c, cudaStream_t stream) {
   auto* offsets = dalloc<int64_t>(size_t(c.E + 1));
   auto* p2u = dalloc<int32_t>(size_t(slots));
   auto* u2p = dalloc<int32_t>(size_t(slots));
-  fill_bf16_fwd<<<1024, 256, 0, stream>>>(X, c.T * c.H, 21, 1.0f);
-  fill_bf16_fwd<<<1024, 256, 0, stream>>>(logits, c.T * c.E, 22, 4.0f);
-  fill_bf16_fwd<<<1024, 256, 0, stream>>>(W1, int64_t(c.E) * 2 * c.I * c.H, 23, 0.05f);
-  fill_bf16_fwd<<<1024, 256, 0, stream>>>(W2, int64_t(c.E) * c.H * c.I, 24, 0.05f);
+  fill_bf16(X, c.T * c.H, 21, 1.0f, stream);
+  fill_bf16(logits, c.T * c.E, 22, 4.0f, stream);
+  fill_bf16(W1, int64_t(c.E) * 2 * c.I * c.H, 23, 0.05f, stream);
+  fill_bf16(W2, int64_t(c.E) * c.H * c.I, 24, 0.05f, stream);
   BENCH_CUDA(cudaGetLastError());
 
   MoeForwardArgs f;

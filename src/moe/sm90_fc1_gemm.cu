@@ -32,13 +32,14 @@
 // thread stores 16 consecutive bytes of one output row). setmaxnreg moves
 // the loaders' registers to the consumers.
 //
-// Status (H100, bench/results): correct on every tested shape; decode streams
-// the used experts' W1 at ~0.98 of copy bandwidth; the compute-bound shapes
-// run at 2.2-3.0x a dense cuBLAS GEMM of equal FLOPs (the issue's bounds:
-// 1.10-1.40x): the consumers wait on their stages' data (ncu: 36 % of the
-// samples on the full-barrier waits, tensor pipe 28 % busy) with the gather
-// and the cp.async path ruled out as the cause (a pre-permuted X, no proxy
-// fence: same times). docs/moe_fc1.md has the measurements and next steps.
+// Status (H100, bench/results, docs/moe_fc1.md): correct on every tested
+// shape; decode streams the used experts' W1 at ~0.98 of copy bandwidth. The
+// compute-bound shapes run at 2.4-2.8x a dense cuBLAS GEMM of equal FLOPs
+// with the gather and 1.4-2.1x from a permuted X (TMA row boxes; the issue's
+// bounds: 1.10-1.40x). The gather's cp.async row loads are the bound: the
+// consumers wait on their stages (ncu: tensor pipe 28 % busy), and the same
+// rows by TMA boxes, the 5-D weight box replaced, or the proxy fence removed
+// showed it is the cp.async path alone (~10 bytes a clock an SM in flight).
 //
 // Roofline: 2 * P * 2I * H FLOPs; W1 (E * 2I * H bf16) and X's rows read,
 // out (P * I bf16) written. The Mixtral-like case (P = 8192, H = 4096,

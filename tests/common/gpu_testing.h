@@ -16,6 +16,14 @@
     ASSERT_EQ(err_, cudaSuccess) << #x << ": " << cudaGetErrorString(err_);          \
   } while (0)
 
+// Skips the test (reported as skipped, never passed) without an sm_90 GPU;
+// `op` names the op that needs it.
+#define SKIP_WITHOUT_HOPPER_FOR(op)                                                   \
+  do {                                                                               \
+    SKIP_WITHOUT_GPU();                                                              \
+    if (!::flashmix::testing::have_hopper()) GTEST_SKIP() << op " needs an sm_90 GPU"; \
+  } while (0)
+
 #define SKIP_WITHOUT_GPU()                                                          \
   do {                                                                              \
     if (!::flashmix::testing::have_gpu()) GTEST_SKIP() << "no CUDA GPU on this machine"; \
@@ -39,6 +47,10 @@ __device__ inline void launch_dependents_then_wait_ns(long long delay_ns) {
 }
 #endif
 
+// Whether the current device is an sm_90 (Hopper) GPU, which the TMA + wgmma
+// ops need.
+inline bool have_hopper();
+
 inline bool have_gpu() {
   static const bool yes = [] {
     int n = 0;
@@ -47,6 +59,14 @@ inline bool have_gpu() {
     return ok;
   }();
   return yes;
+}
+
+inline bool have_hopper() {
+  if (!have_gpu()) return false;
+  int dev = 0, major = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  return major == 9;
 }
 
 // Runs `issue` on `stream` once directly, or (graph) once to set the

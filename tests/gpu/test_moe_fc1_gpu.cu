@@ -25,19 +25,7 @@ using namespace flashmix::testing;
 
 namespace {
 
-bool have_hopper() {
-  if (!have_gpu()) return false;
-  int dev = 0, major = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  return major == 9;
-}
-
-#define SKIP_WITHOUT_HOPPER()                                                \
-  do {                                                                       \
-    SKIP_WITHOUT_GPU();                                                      \
-    if (!have_hopper()) GTEST_SKIP() << "moe_fc1 needs an sm_90 GPU";        \
-  } while (0)
+#define SKIP_WITHOUT_HOPPER() SKIP_WITHOUT_HOPPER_FOR("moe_fc1")
 
 struct Case {
   int64_t T = 64;

@@ -29,22 +29,10 @@ using namespace flashmix::testing;
 
 namespace {
 
-bool have_hopper() {
-  if (!have_gpu()) return false;
-  int dev = 0, major = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  return major == 9;
-}
-
 // A build without CUTLASS runs every mode on our own kernel; the tests that
 // pin a CUTLASS kernel skip it there (and PinnedCutlassKernelWithoutCutlass
 // checks that pinning it is refused).
-#define SKIP_WITHOUT_HOPPER()                                                        \
-  do {                                                                               \
-    SKIP_WITHOUT_GPU();                                                              \
-    if (!have_hopper()) GTEST_SKIP() << "moe_fc2_finalize needs an sm_90 GPU";        \
-  } while (0)
+#define SKIP_WITHOUT_HOPPER() SKIP_WITHOUT_HOPPER_FOR("moe_fc2_finalize")
 
 // Whether this build has `kernel` (the CUTLASS ones need CUTLASS's headers);
 // says so on stdout when it does not.
