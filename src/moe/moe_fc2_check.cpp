@@ -17,7 +17,7 @@ Status validate_fc2(const Fc2FinalizeArgs& a, bool check_buffers) {
   using detail::kInt32Max;
   FM_REQUIRE(a.num_tokens >= 0, kOp, "num_tokens", "must be >= 0 (got ", a.num_tokens, ")");
   FM_REQUIRE(a.k >= 1 && a.k <= 16, kOp, "k", "must be in [1, 16] (got ", a.k, ")");
-  FM_REQUIRE(a.num_tokens * a.k <= kInt32Max, kOp, "num_tokens",
+  FM_REQUIRE(a.num_tokens <= kInt32Max / a.k, kOp, "num_tokens",
              "num_tokens * k overflows int32: slot indices j*T + t are int32 (T=", a.num_tokens, ", k=", a.k, ")");
   FM_REQUIRE(a.hidden >= 8 && a.hidden % 8 == 0, kOp, "hidden",
              "must be a positive multiple of 8 (16-byte rows for TMA; got ", a.hidden, ")");
@@ -44,8 +44,8 @@ Status validate_fc2(const Fc2FinalizeArgs& a, bool check_buffers) {
   FM_REQUIRE(out_stride % 2 == 0, kOp, "out_stride", "must be even (bf16x2 reduction adds; got ", out_stride, ")");
   FM_REQUIRE(out_stride <= (int64_t(1) << 60) / (a.num_tokens + 1), kOp, "out_stride",
              "num_tokens * out_stride overflows");
-  FM_REQUIRE(int64_t(a.num_experts_per_node) * a.hidden * a.inter < (int64_t(1) << 60), kOp, "W2",
-             "E_local * H * I overflows");
+  FM_REQUIRE(a.hidden * a.inter < ((int64_t(1) << 60) / a.num_experts_per_node), kOp, "W2",
+             "E_local * H * I overflows");  // H * I < 2^62: no overflow in the product
   FM_REQUIRE(a.shared_stride >= 0, kOp, "shared_stride", "must be >= 0 (0 means hidden; got ", a.shared_stride, ")");
   const int64_t shared_stride = a.shared_stride ? a.shared_stride : a.hidden;
   FM_REQUIRE(shared_stride >= a.hidden, kOp, "shared_stride", "smaller than a row: ", shared_stride, " < hidden ",

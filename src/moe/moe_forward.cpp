@@ -164,6 +164,10 @@ Status validate_own(const MoeForwardArgs& a, bool check_buffers) {
   FM_REQUIRE(a.start_expert_id >= 0, kOp, "start_expert_id", "must be >= 0 (got ", a.start_expert_id, ")");
   const int in = int(a.fc1_input);
   FM_REQUIRE(in >= 0 && in <= 2, kOp, "fc1_input", "unknown MoeFc1Input value ", in);
+  if (check_buffers && a.num_tokens > 0)
+    FM_REQUIRE((a.router_logits != nullptr) != (a.token_selected_experts != nullptr), kOp, "router_logits",
+               "give exactly one of router_logits and token_selected_experts (got ",
+               a.router_logits ? "both" : "neither", ")");
   if (a.router_logits != nullptr || a.token_selected_experts == nullptr) {
     FM_REQUIRE(a.num_experts >= 1, kOp, "num_experts", "must be >= 1 with router_logits (got ", a.num_experts, ")");
     FM_REQUIRE(a.k <= a.num_experts, kOp, "k", "must be <= num_experts (", a.num_experts, "; got ", a.k, ")");
@@ -173,9 +177,6 @@ Status validate_own(const MoeForwardArgs& a, bool check_buffers) {
                ") must lie within the router's num_experts = ", a.num_experts);
   }
   if (a.num_tokens == 0 || !check_buffers) return Status::Ok();
-  FM_REQUIRE((a.router_logits != nullptr) != (a.token_selected_experts != nullptr), kOp, "router_logits",
-             "give exactly one of router_logits and token_selected_experts (got ",
-             a.router_logits ? "both" : "neither", ")");
   FM_REQUIRE(a.router_logits == nullptr || a.token_final_scales == nullptr, kOp, "token_final_scales",
              "must be null with router_logits (the router makes the weights)");
   FM_REQUIRE(a.out != nullptr, kOp, "out", "must not be null");
@@ -220,9 +221,14 @@ const char* to_string(MoeFc1Input input) {
 }
 
 Status validate_moe_forward(const MoeForwardArgs& a) {
-  Layout l;
-  FM_RETURN_IF_ERROR(validate_stages(a, make_stages(a, nullptr, l), false));
-  return validate_own(a, true);
+  Layout l0;
+  FM_RETURN_IF_ERROR(validate_stages(a, make_stages(a, nullptr, l0), false));
+  if (a.num_tokens == 0) return validate_own(a, true);
+  // Every stage's buffers too: the workspace regions stand at a placeholder
+  // base (the first page past 0, 256-byte aligned, never a real allocation:
+  // it overlaps no caller buffer), since validation reads no memory.
+  char* const placeholder = reinterpret_cast<char*>(uintptr_t(4096));
+  return validate_stages(a, make_stages(a, placeholder, make_layout(a)), true);
 }
 
 size_t moe_forward_workspace_size(const MoeForwardArgs& a) {
