@@ -324,8 +324,9 @@ namespace flashmix {
 
 // Where FC1's rows come from.
 enum class MoeFc1Input : int {
-  // kPermutedCopy when experts average at least 64 rows (T * k >= 64 *
-  // E_local), else kGather (measured, docs/moe_fc1.md: on the prefill shapes
+  // kPermutedCopy when experts average at least 64 rows (T * k >= 64 * E,
+  // E = num_experts, or E_local where that is larger or num_experts is not
+  // given), else kGather (measured, docs/moe_fc1.md: on the prefill shapes
   // the copy plus FC1's TMA row boxes beat the in-kernel gather by 1.26-1.50x;
   // at decode the gather costs nothing and saves the copy).
   kAuto = 0,

@@ -507,8 +507,9 @@ def moe_forward_workspace_size(num_tokens, k, hidden, inter, num_experts_per_nod
     routing maps, the FC1 rows ``[k*T, I]`` bf16, FC2's workspace, and x's permuted copy
     ``[k*T, H]`` bf16 where ``fc1_input`` resolves to "permuted_copy"). ``with_router``: routing by
     router_logits (a little more than with the caller's ids, which it also covers);
-    ``num_experts``: the router's E (the sizes do not depend on it); ``fc1_input``: as moe_forward's
-    (the size depends on it)."""
+    ``num_experts``: the router's E (``fc1_input="auto"`` estimates the rows an expert as
+    T * k / max(E, E_local), so it can change the size); ``fc1_input``: as moe_forward's (the size
+    depends on it)."""
     return _C.moe_forward_workspace_size(num_tokens, k, hidden, inter, 0 if num_experts is None else num_experts,
                                          num_experts_per_node, start_expert_id, with_router, mode, fc1_input)
 

@@ -35,9 +35,12 @@ struct Stages {
 
 // The input FC1 reads: the caller's X gathered in the kernel, or a permuted
 // copy the routing maps write (the rule: MoeFc1Input::kAuto in moe.h).
+// Rows per local expert are estimated as T * k / E (uniform routing over all E
+// experts: E_local on an expert-parallel rank would overstate them by E / E_local).
 bool use_permuted_copy(const MoeForwardArgs& a) {
   if (a.fc1_input != MoeFc1Input::kAuto) return a.fc1_input == MoeFc1Input::kPermutedCopy;
-  return a.num_tokens * a.k >= int64_t(64) * a.num_experts_per_node;
+  const int64_t experts = a.num_experts > a.num_experts_per_node ? a.num_experts : a.num_experts_per_node;
+  return a.num_tokens * a.k >= int64_t(64) * experts;
 }
 
 struct Layout {
@@ -168,6 +171,8 @@ Status validate_own(const MoeForwardArgs& a, bool check_buffers) {
     FM_REQUIRE((a.router_logits != nullptr) != (a.token_selected_experts != nullptr), kOp, "router_logits",
                "give exactly one of router_logits and token_selected_experts (got ",
                a.router_logits ? "both" : "neither", ")");
+  FM_REQUIRE(a.num_experts >= 0 && a.num_experts <= (1 << 20), kOp, "num_experts", "must be in [0, 2^20] (got ",
+             a.num_experts, ")");
   if (a.router_logits != nullptr || a.token_selected_experts == nullptr) {
     FM_REQUIRE(a.num_experts >= 1, kOp, "num_experts", "must be >= 1 with router_logits (got ", a.num_experts, ")");
     FM_REQUIRE(a.k <= a.num_experts, kOp, "k", "must be <= num_experts (", a.num_experts, "; got ", a.k, ")");
@@ -180,17 +185,51 @@ Status validate_own(const MoeForwardArgs& a, bool check_buffers) {
   FM_REQUIRE(a.router_logits == nullptr || a.token_final_scales == nullptr, kOp, "token_final_scales",
              "must be null with router_logits (the router makes the weights)");
   FM_REQUIRE(a.out != nullptr, kOp, "out", "must not be null");
-  // `out` overlaps none of the inputs FC2 does not see (it checks its own).
+  // X must suit FC1's gather whichever input the rule picks, so a layer valid
+  // at one T is valid at every T.
+  FM_REQUIRE(reinterpret_cast<uintptr_t>(a.X) % 16 == 0, kOp, "X", "must be 16-byte aligned");
+  FM_REQUIRE(a.x_stride % 8 == 0, kOp, "x_stride", "must be a multiple of 8 (16-byte rows; got ", a.x_stride, ")");
+  // `out` and the router's kept outputs overlap none of the inputs the stages
+  // do not check against them (each stage checks its own).
   const int64_t x_stride = a.x_stride ? a.x_stride : a.hidden;
   const int64_t out_stride = a.out_stride ? a.out_stride : a.hidden;
   const int64_t E = a.num_experts_per_node, T = a.num_tokens;
   const size_t logit_bytes = a.router.logits_dtype == DType::kFloat32 ? 4 : 2;
-  const detail::Range outs[] = {{"out", a.out, detail::rows_extent_bytes(T, out_stride, a.hidden, 2)}};
+  const int64_t shared_stride = a.shared_stride ? a.shared_stride : a.hidden;
+  const detail::Range outs[] = {{"out", a.out, detail::rows_extent_bytes(T, out_stride, a.hidden, 2)},
+                                {"selected_experts_out", a.router_logits ? a.selected_experts_out : nullptr,
+                                 T * a.k * 4},
+                                {"final_scales_out", a.router_logits ? a.final_scales_out : nullptr, T * a.k * 4}};
   const detail::Range ins[] = {{"X", a.X, detail::rows_extent_bytes(T, x_stride, a.hidden, 2)},
                                {"router_logits", a.router_logits, T * a.num_experts * int64_t(logit_bytes)},
                                {"token_selected_experts", a.token_selected_experts, T * a.k * 4},
                                {"W1", a.W1, E * 2 * a.inter * a.hidden * 2},
-                               {"b1", a.b1, E * 2 * a.inter * 2}};
+                               {"b1", a.b1, E * 2 * a.inter * 2},
+                               {"shared_output", a.shared_output,
+                                detail::rows_extent_bytes(T, shared_stride, a.hidden, 2)}};
+  return detail::check_no_overlap(kOp, outs, ins);
+}
+
+// The workspace overlaps no caller buffer (the stages check only the regions
+// they use against their own arguments).
+Status check_workspace_alone(const MoeForwardArgs& a, const void* ws, size_t bytes) {
+  const int64_t T = a.num_tokens, E = a.num_experts_per_node, H = a.hidden, I = a.inter;
+  const int64_t x_stride = a.x_stride ? a.x_stride : H, out_stride = a.out_stride ? a.out_stride : H;
+  const int64_t shared_stride = a.shared_stride ? a.shared_stride : H;
+  const size_t logit_bytes = a.router.logits_dtype == DType::kFloat32 ? 4 : 2;
+  const detail::Range outs[] = {{"workspace", ws, int64_t(bytes)}};
+  const detail::Range ins[] = {{"X", a.X, detail::rows_extent_bytes(T, x_stride, H, 2)},
+                               {"router_logits", a.router_logits, T * a.num_experts * int64_t(logit_bytes)},
+                               {"token_selected_experts", a.token_selected_experts, T * a.k * 4},
+                               {"token_final_scales", a.token_final_scales, T * a.k * 4},
+                               {"selected_experts_out", a.selected_experts_out, T * a.k * 4},
+                               {"final_scales_out", a.final_scales_out, T * a.k * 4},
+                               {"W1", a.W1, E * 2 * I * H * 2},
+                               {"b1", a.b1, E * 2 * I * 2},
+                               {"W2", a.W2, E * H * I * 2},
+                               {"b2", a.b2, E * H * 2},
+                               {"shared_output", a.shared_output, detail::rows_extent_bytes(T, shared_stride, H, 2)},
+                               {"out", a.out, detail::rows_extent_bytes(T, out_stride, H, 2)}};
   return detail::check_no_overlap(kOp, outs, ins);
 }
 
@@ -225,9 +264,9 @@ Status validate_moe_forward(const MoeForwardArgs& a) {
   FM_RETURN_IF_ERROR(validate_stages(a, make_stages(a, nullptr, l0), false));
   if (a.num_tokens == 0) return validate_own(a, true);
   // Every stage's buffers too: the workspace regions stand at a placeholder
-  // base (the first page past 0, 256-byte aligned, never a real allocation:
-  // it overlaps no caller buffer), since validation reads no memory.
-  char* const placeholder = reinterpret_cast<char*>(uintptr_t(4096));
+  // base (2^62: above every user-space address of x86-64 and AArch64, so it
+  // overlaps no caller buffer), since validation reads no memory.
+  char* const placeholder = reinterpret_cast<char*>(uintptr_t(1) << 62);
   return validate_stages(a, make_stages(a, placeholder, make_layout(a)), true);
 }
 
@@ -248,6 +287,7 @@ Status moe_forward(const MoeForwardArgs& a, void* workspace, size_t workspace_by
   FM_REQUIRE(reinterpret_cast<uintptr_t>(workspace) % 256 == 0, kOp, "workspace", "must be 256-byte aligned");
   const Stages s = make_stages(a, static_cast<char*>(workspace), l);
   FM_RETURN_IF_ERROR(validate_stages(a, s, true));  // every stage's buffers, before anything is enqueued
+  FM_RETURN_IF_ERROR(check_workspace_alone(a, workspace, l.total));
   detail::DeviceProps dev;
   FM_RETURN_IF_ERROR(detail::cuda_status(detail::current_device_props(&dev), kOp, "device properties"));
   FM_REQUIRE_SUPPORTED(dev.cc_major == 9, kOp, "device", "needs an sm_90 (Hopper) GPU (compute capability ",

@@ -204,16 +204,33 @@ TEST(MoeFc1Gpu, ClampsFireAtDefaultAndChosenLimits) {
     }
 }
 
+// T * k <= 512 * E_local: tiles of up to 128 rows (6-stage ring).
 TEST(MoeFc1Gpu, LargeExpertsAreChunked) {
   SKIP_WITHOUT_HOPPER();
   Case c;
-  c.T = 700;  // ~350 rows an expert: two chunks each; I = 200: four output slices
+  c.T = 700;  // ~350 rows an expert: three chunks of 128 rows each; I = 200: four output slices
   c.k = 2;
   c.total = c.local = 4;
   check_case(c);
-  c.routing = Case::kAllToOne;  // expert 3: a row of every token (3 chunks)
+  c.routing = Case::kAllToOne;  // expert 3: a row of every token (six chunks)
   c.total = c.local = 8;
   check_case(c);
+}
+
+// T * k > 512 * E_local: the other ring (tiles of up to 256 rows, 4 stages,
+// a 4-pass epilogue), gathering and from a permuted X.
+TEST(MoeFc1Gpu, LargeExpertsTake256RowTiles) {
+  SKIP_WITHOUT_HOPPER();
+  for (bool permuted : {false, true}) {
+    SCOPED_TRACE(permuted ? "permuted X" : "gather");
+    Case c;
+    c.T = 2100;  // T * k = 4200 > 512 * 4; ~1050 rows an expert: chunks of up to 256 rows
+    c.k = 2;
+    c.total = c.local = 4;
+    c.x_permuted = permuted;
+    c.layout = permuted ? Fc1WeightLayout::kInterleaved : Fc1WeightLayout::kGateUp;
+    check_case(c);
+  }
 }
 
 TEST(MoeFc1Gpu, EmptyExpertsAndExpertParallelRange) {
@@ -345,7 +362,7 @@ TEST(MoeFc1Gpu, BadInputNamesTheArgumentAndWritesNothing) {
   expect_error(a, "inter");
   a = p.args;
   a.k = 17;
-  expect_error(a, "k");
+  expect_error(a, "k:");
   a = p.args;
   a.activation = static_cast<MoeActivation>(7);
   expect_error(a, "activation");

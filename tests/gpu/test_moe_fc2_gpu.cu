@@ -492,59 +492,62 @@ TEST(MoeFc2Gpu, SharedOutputAndNoFill) {
         if (fill && !with_shared) continue;  // the other tests
         SCOPED_TRACE(std::string(fc2_mode_name(m)) + (fill ? " fill" : " no fill") +
                      (with_shared ? " shared" : ""));
-        Case c;
-        c.total = 48;
-        c.start = 16;
-        c.local = 16;
-        c.k = 2;  // most tokens have no local slot
-        c.out_pad = 8;
-        Problem p(c, m);
-        Rng rng(test_seed() ^ 0x5eedull);
-        HostTensor shared(DType::kBFloat16, c.T * (c.H + 16));
-        shared.fill_random(rng);
-        DeviceBuffer dshared(shared.bytes);
-        // The reference: the host args with shared_output and fill.
-        Fc2FinalizeArgs h = p.args;
-        h.A = p.A.data();
-        h.W2 = p.W2.data();
-        h.expert_first_token_offset = p.routing.offsets.data();
-        h.permuted_row_to_unpermuted_row = p.routing.p2u.data();
-        h.scales = p.scales.data();
-        h.bias = p.bias.data();
-        h.shared_output = with_shared ? shared.data() : nullptr;
-        h.shared_stride = c.H + 16;
-        h.fill = fill;
-        p.ref.poison();
-        h.out = p.ref.data();
-        ASSERT_TRUE(moe_fc2_finalize_cpu(h).ok());
-        p.max_ref = 0;
-        for (int64_t i = 0; i < p.ref.count(); ++i)
-          if (!std::isnan(p.ref.get(i))) p.max_ref = std::max(p.max_ref, std::fabs(p.ref.get(i)));
-        p.args.shared_output = with_shared ? dshared.get() : nullptr;
-        p.args.shared_stride = c.H + 16;
-        p.args.fill = fill;
-        Status st = p.run();
-        ASSERT_TRUE(st.ok()) << st.message();
-        CUDA_OK(cudaDeviceSynchronize());
-        const HostTensor got = p.result();
-        // Untouched tokens: NaN on both sides; the rest within the mode's tolerance.
-        int bad = 0;
-        for (int64_t t = 0; t < c.T; ++t)
-          for (int64_t n = 0; n < c.H; ++n) {
-            const double g = got.get(t * p.out_stride() + n), r = p.ref.get(t * p.out_stride() + n);
-            if (std::isnan(r) != std::isnan(g)) {
-              if (bad++ < 5) ADD_FAILURE() << "t=" << t << " n=" << n << " gpu=" << g << " ref=" << r;
-            }
-          }
-        if (fill) p.check(m, got);
-        else {
-          const double tol_rel = std::ldexp(1.0, -7), tol_abs = c.k * std::ldexp(1.0, -8) * p.max_ref;
+        for (int k : {2, 1}) {  // k = 1: the plain-store path of kAtomic (seeded or with shared_output: adds)
+          SCOPED_TRACE("k=" + std::to_string(k));
+          Case c;
+          c.total = 48;
+          c.start = 16;
+          c.local = 16;
+          c.k = k;  // most tokens have no local slot
+          c.out_pad = 8;
+          Problem p(c, m);
+          Rng rng(test_seed() ^ 0x5eedull);
+          HostTensor shared(DType::kBFloat16, c.T * (c.H + 16));
+          shared.fill_random(rng);
+          DeviceBuffer dshared(shared.bytes);
+          // The reference: the host args with shared_output and fill.
+          Fc2FinalizeArgs h = p.args;
+          h.A = p.A.data();
+          h.W2 = p.W2.data();
+          h.expert_first_token_offset = p.routing.offsets.data();
+          h.permuted_row_to_unpermuted_row = p.routing.p2u.data();
+          h.scales = p.scales.data();
+          h.bias = p.bias.data();
+          h.shared_output = with_shared ? shared.data() : nullptr;
+          h.shared_stride = c.H + 16;
+          h.fill = fill;
+          p.ref.poison();
+          h.out = p.ref.data();
+          ASSERT_TRUE(moe_fc2_finalize_cpu(h).ok());
+          p.max_ref = 0;
+          for (int64_t i = 0; i < p.ref.count(); ++i)
+            if (!std::isnan(p.ref.get(i))) p.max_ref = std::max(p.max_ref, std::fabs(p.ref.get(i)));
+          p.args.shared_output = with_shared ? dshared.get() : nullptr;
+          p.args.shared_stride = c.H + 16;
+          p.args.fill = fill;
+          Status st = p.run();
+          ASSERT_TRUE(st.ok()) << st.message();
+          CUDA_OK(cudaDeviceSynchronize());
+          const HostTensor got = p.result();
+          // Untouched tokens: NaN on both sides; the rest within the mode's tolerance.
+          int bad = 0;
           for (int64_t t = 0; t < c.T; ++t)
             for (int64_t n = 0; n < c.H; ++n) {
               const double g = got.get(t * p.out_stride() + n), r = p.ref.get(t * p.out_stride() + n);
-              if (!std::isnan(r) && !(std::fabs(g - r) <= tol_rel * std::fabs(r) + tol_abs) && bad++ < 5)
-                ADD_FAILURE() << "t=" << t << " n=" << n << " gpu=" << g << " ref=" << r;
+              if (std::isnan(r) != std::isnan(g)) {
+                if (bad++ < 5) ADD_FAILURE() << "t=" << t << " n=" << n << " gpu=" << g << " ref=" << r;
+              }
             }
+          if (fill) p.check(m, got);
+          else {
+            const double tol_rel = std::ldexp(1.0, -7), tol_abs = c.k * std::ldexp(1.0, -8) * p.max_ref;
+            for (int64_t t = 0; t < c.T; ++t)
+              for (int64_t n = 0; n < c.H; ++n) {
+                const double g = got.get(t * p.out_stride() + n), r = p.ref.get(t * p.out_stride() + n);
+                if (!std::isnan(r) && !(std::fabs(g - r) <= tol_rel * std::fabs(r) + tol_abs) && bad++ < 5)
+                  ADD_FAILURE() << "t=" << t << " n=" << n << " gpu=" << g << " ref=" << r;
+              }
+          }
         }
       }
 }

@@ -618,17 +618,22 @@ def test_moe_forward_zero_tokens_and_workspace_size():
     p = forward_problem(np.random.default_rng(52), T=0)
     out = flashmix.moe_forward(p["x"], p["w1"], p["w2"], k=3, router_logits=p["logits"])
     assert out.shape == (0, 16)
+    # (one FC1 input for both: with num_experts = 256 the automatic rule estimates 16 rows an expert)
     with_router = flashmix.moe_forward_workspace_size(512, 8, 7168, 2048, 32, "atomic", num_experts=256,
-                                                      start_expert_id=64)
-    given_ids = flashmix.moe_forward_workspace_size(512, 8, 7168, 2048, 32, with_router=False)
+                                                      start_expert_id=64, fc1_input="gather")
+    given_ids = flashmix.moe_forward_workspace_size(512, 8, 7168, 2048, 32, with_router=False, fc1_input="gather")
     # at least the FC1 rows (k*T x I bf16) and the router's choice
     assert with_router > given_ids >= 512 * 8 * 2048 * 2
     assert with_router - given_ids >= 2 * 512 * 8 * 4
-    # x's permuted copy [k*T, H] bf16 is held only where fc1_input resolves to it (auto: T*k >= 64*E_local)
+    # x's permuted copy [k*T, H] bf16 is held only where fc1_input resolves to it (auto: T*k >= 64*E)
     gather = flashmix.moe_forward_workspace_size(512, 8, 7168, 2048, 32, fc1_input="gather")
     copy = flashmix.moe_forward_workspace_size(512, 8, 7168, 2048, 32, fc1_input="permuted_copy")
     assert copy - gather >= 512 * 8 * 7168 * 2
     assert flashmix.moe_forward_workspace_size(512, 8, 7168, 2048, 32) == copy  # 4096 rows >= 64 * 32
+    # auto estimates rows an expert over all num_experts: 4096 < 64 * 256 picks the gather
+    assert flashmix.moe_forward_workspace_size(512, 8, 7168, 2048, 32, num_experts=256,
+                                               start_expert_id=64) == flashmix.moe_forward_workspace_size(
+        512, 8, 7168, 2048, 32, num_experts=256, start_expert_id=64, fc1_input="gather")
     assert flashmix.moe_forward_workspace_size(4, 8, 7168, 2048, 32) == flashmix.moe_forward_workspace_size(
         4, 8, 7168, 2048, 32, fc1_input="gather")
     with raises_naming(ValueError, "moe_forward", "mode"):
