@@ -101,7 +101,7 @@ void run_case(Context& ctx, const ForwardCase& c, cudaStream_t stream) {
   m.unpermuted_row_to_permuted_row = u2p;
   // FC1 alone reads what it reads inside the layer: X (gather) or, where the
   // rule picks the permuted copy, that copy (made here by the maps, untimed).
-  const bool auto_copy = c.T * c.k >= 64 * c.E;
+  const bool auto_copy = moe_forward_fc1_input(f) == MoeFc1Input::kPermutedCopy;
   auto* xp = dalloc<__nv_bfloat16>(auto_copy ? size_t(slots * c.H) : 1);
   if (auto_copy) {
     m.input = X;

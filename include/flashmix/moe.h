@@ -392,6 +392,10 @@ struct MoeForwardArgs {
   bool enable_pdl = true;
 };
 
+// The FC1 input moe_forward runs for these args: fc1_input when pinned, else
+// the kAuto rule's choice (never kAuto). Sizes only, no device access.
+MoeFc1Input moe_forward_fc1_input(const MoeForwardArgs& args);
+
 // Bytes of device workspace moe_forward needs (sizes only; 0 for invalid sizes).
 size_t moe_forward_workspace_size(const MoeForwardArgs& args);
 

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "common/check.h"
+#include "moe/expert_gemm_check.h"
 #include "flashmix/moe.h"
 #include "moe/moe_fc1_internal.h"
 
@@ -53,19 +54,8 @@ const char* to_string(Fc1WeightLayout layout) {
 Status validate_moe_fc1(const MoeFc1Args& a) { return validate_fc1(a, true); }
 
 Status validate_fc1(const MoeFc1Args& a, bool check_buffers) {
-  using detail::kInt32Max;
-  FM_REQUIRE(a.num_tokens >= 0, kOp, "num_tokens", "must be >= 0 (got ", a.num_tokens, ")");
-  FM_REQUIRE(a.k >= 1 && a.k <= 16, kOp, "k", "must be in [1, 16] (got ", a.k, ")");
-  FM_REQUIRE(a.num_tokens <= kInt32Max / a.k, kOp, "num_tokens",
-             "num_tokens * k overflows int32: slot indices j*T + t are int32 (T=", a.num_tokens, ", k=", a.k, ")");
-  FM_REQUIRE(a.hidden >= 8 && a.hidden % 8 == 0, kOp, "hidden",
-             "must be a positive multiple of 8 (16-byte rows for TMA; got ", a.hidden, ")");
-  FM_REQUIRE(a.hidden <= kInt32Max, kOp, "hidden", "must fit in 32 bits (got ", a.hidden, ")");
-  FM_REQUIRE(a.inter >= 8 && a.inter % 8 == 0, kOp, "inter",
-             "must be a positive multiple of 8 (16-byte output rows; got ", a.inter, ")");
-  FM_REQUIRE(a.inter <= kInt32Max, kOp, "inter", "must fit in 32 bits (got ", a.inter, ")");
-  FM_REQUIRE(a.num_experts_per_node >= 1 && a.num_experts_per_node <= 1024, kOp, "num_experts_per_node",
-             "must be in [1, 1024] (got ", a.num_experts_per_node, ")");
+  FM_RETURN_IF_ERROR(detail::validate_expert_gemm_sizes(kOp, a.num_tokens, a.k, a.hidden, a.inter,
+                                                        a.num_experts_per_node));
   FM_REQUIRE(known_activation(a.activation), kOp, "activation", "unknown MoeActivation value ", int(a.activation));
   FM_REQUIRE(known_layout(a.layout), kOp, "layout", "unknown Fc1WeightLayout value ", int(a.layout));
   // Checked for every activation, also kSwiGLU (which ignores them).

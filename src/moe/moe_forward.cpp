@@ -38,9 +38,7 @@ struct Stages {
 // Rows per local expert are estimated as T * k / E (uniform routing over all E
 // experts: E_local on an expert-parallel rank would overstate them by E / E_local).
 bool use_permuted_copy(const MoeForwardArgs& a) {
-  if (a.fc1_input != MoeFc1Input::kAuto) return a.fc1_input == MoeFc1Input::kPermutedCopy;
-  const int64_t experts = a.num_experts > a.num_experts_per_node ? a.num_experts : a.num_experts_per_node;
-  return a.num_tokens * a.k >= int64_t(64) * experts;
+  return moe_forward_fc1_input(a) == MoeFc1Input::kPermutedCopy;
 }
 
 struct Layout {
@@ -158,6 +156,34 @@ Layout make_layout(const MoeForwardArgs& a) {
   return l;
 }
 
+// Every caller buffer with the bytes the layer may touch (null pointers give
+// empty ranges).
+struct CallerRanges {
+  detail::Range X, router_logits, token_selected_experts, token_final_scales, selected_experts_out,
+      final_scales_out, W1, b1, W2, b2, shared_output, out;
+};
+
+CallerRanges caller_ranges(const MoeForwardArgs& a) {
+  const int64_t T = a.num_tokens, E = a.num_experts_per_node, H = a.hidden, I = a.inter, slots = T * a.k;
+  const int64_t x_stride = a.x_stride ? a.x_stride : H, out_stride = a.out_stride ? a.out_stride : H;
+  const int64_t shared_stride = a.shared_stride ? a.shared_stride : H;
+  const int64_t logit_bytes = a.router.logits_dtype == DType::kFloat32 ? 4 : 2;
+  CallerRanges r;
+  r.X = {"X", a.X, detail::rows_extent_bytes(T, x_stride, H, 2)};
+  r.router_logits = {"router_logits", a.router_logits, T * a.num_experts * logit_bytes};
+  r.token_selected_experts = {"token_selected_experts", a.token_selected_experts, slots * 4};
+  r.token_final_scales = {"token_final_scales", a.token_final_scales, slots * 4};
+  r.selected_experts_out = {"selected_experts_out", a.selected_experts_out, slots * 4};
+  r.final_scales_out = {"final_scales_out", a.final_scales_out, slots * 4};
+  r.W1 = {"W1", a.W1, E * 2 * I * H * 2};
+  r.b1 = {"b1", a.b1, E * 2 * I * 2};
+  r.W2 = {"W2", a.W2, E * H * I * 2};
+  r.b2 = {"b2", a.b2, E * H * 2};
+  r.shared_output = {"shared_output", a.shared_output, detail::rows_extent_bytes(T, shared_stride, H, 2)};
+  r.out = {"out", a.out, detail::rows_extent_bytes(T, out_stride, H, 2)};
+  return r;
+}
+
 // Rules of the layer as a whole (the stages check their own arguments).
 Status validate_own(const MoeForwardArgs& a, bool check_buffers) {
   FM_REQUIRE(a.num_tokens >= 0, kOp, "num_tokens", "must be >= 0 (got ", a.num_tokens, ")");
@@ -191,45 +217,21 @@ Status validate_own(const MoeForwardArgs& a, bool check_buffers) {
   FM_REQUIRE(a.x_stride % 8 == 0, kOp, "x_stride", "must be a multiple of 8 (16-byte rows; got ", a.x_stride, ")");
   // `out` and the router's kept outputs overlap none of the inputs the stages
   // do not check against them (each stage checks its own).
-  const int64_t x_stride = a.x_stride ? a.x_stride : a.hidden;
-  const int64_t out_stride = a.out_stride ? a.out_stride : a.hidden;
-  const int64_t E = a.num_experts_per_node, T = a.num_tokens;
-  const size_t logit_bytes = a.router.logits_dtype == DType::kFloat32 ? 4 : 2;
-  const int64_t shared_stride = a.shared_stride ? a.shared_stride : a.hidden;
-  const detail::Range outs[] = {{"out", a.out, detail::rows_extent_bytes(T, out_stride, a.hidden, 2)},
-                                {"selected_experts_out", a.router_logits ? a.selected_experts_out : nullptr,
-                                 T * a.k * 4},
-                                {"final_scales_out", a.router_logits ? a.final_scales_out : nullptr, T * a.k * 4}};
-  const detail::Range ins[] = {{"X", a.X, detail::rows_extent_bytes(T, x_stride, a.hidden, 2)},
-                               {"router_logits", a.router_logits, T * a.num_experts * int64_t(logit_bytes)},
-                               {"token_selected_experts", a.token_selected_experts, T * a.k * 4},
-                               {"W1", a.W1, E * 2 * a.inter * a.hidden * 2},
-                               {"b1", a.b1, E * 2 * a.inter * 2},
-                               {"shared_output", a.shared_output,
-                                detail::rows_extent_bytes(T, shared_stride, a.hidden, 2)}};
+  const CallerRanges r = caller_ranges(a);
+  const detail::Range outs[] = {r.out, a.router_logits ? r.selected_experts_out : detail::Range{},
+                                a.router_logits ? r.final_scales_out : detail::Range{}};
+  const detail::Range ins[] = {r.X, r.router_logits, r.token_selected_experts, r.W1, r.b1, r.shared_output};
   return detail::check_no_overlap(kOp, outs, ins);
 }
 
 // The workspace overlaps no caller buffer (the stages check only the regions
 // they use against their own arguments).
 Status check_workspace_alone(const MoeForwardArgs& a, const void* ws, size_t bytes) {
-  const int64_t T = a.num_tokens, E = a.num_experts_per_node, H = a.hidden, I = a.inter;
-  const int64_t x_stride = a.x_stride ? a.x_stride : H, out_stride = a.out_stride ? a.out_stride : H;
-  const int64_t shared_stride = a.shared_stride ? a.shared_stride : H;
-  const size_t logit_bytes = a.router.logits_dtype == DType::kFloat32 ? 4 : 2;
+  const CallerRanges r = caller_ranges(a);
   const detail::Range outs[] = {{"workspace", ws, int64_t(bytes)}};
-  const detail::Range ins[] = {{"X", a.X, detail::rows_extent_bytes(T, x_stride, H, 2)},
-                               {"router_logits", a.router_logits, T * a.num_experts * int64_t(logit_bytes)},
-                               {"token_selected_experts", a.token_selected_experts, T * a.k * 4},
-                               {"token_final_scales", a.token_final_scales, T * a.k * 4},
-                               {"selected_experts_out", a.selected_experts_out, T * a.k * 4},
-                               {"final_scales_out", a.final_scales_out, T * a.k * 4},
-                               {"W1", a.W1, E * 2 * I * H * 2},
-                               {"b1", a.b1, E * 2 * I * 2},
-                               {"W2", a.W2, E * H * I * 2},
-                               {"b2", a.b2, E * H * 2},
-                               {"shared_output", a.shared_output, detail::rows_extent_bytes(T, shared_stride, H, 2)},
-                               {"out", a.out, detail::rows_extent_bytes(T, out_stride, H, 2)}};
+  const detail::Range ins[] = {r.X,  r.router_logits, r.token_selected_experts, r.token_final_scales,
+                               r.selected_experts_out, r.final_scales_out, r.W1, r.b1, r.W2, r.b2,
+                               r.shared_output, r.out};
   return detail::check_no_overlap(kOp, outs, ins);
 }
 
@@ -249,6 +251,12 @@ Status validate_stages(const MoeForwardArgs& a, const Stages& s, bool check_buff
 }
 
 }  // namespace
+
+MoeFc1Input moe_forward_fc1_input(const MoeForwardArgs& a) {
+  if (a.fc1_input != MoeFc1Input::kAuto) return a.fc1_input;
+  const int64_t experts = a.num_experts > a.num_experts_per_node ? a.num_experts : a.num_experts_per_node;
+  return a.num_tokens * a.k >= int64_t(64) * experts ? MoeFc1Input::kPermutedCopy : MoeFc1Input::kGather;
+}
 
 const char* to_string(MoeFc1Input input) {
   switch (input) {
