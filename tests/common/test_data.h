@@ -57,7 +57,7 @@ struct Routing {
   int start = 0, local = 0;
   std::vector<int32_t> experts;    // [T, k]
   std::vector<int32_t> u2p;        // [k*T], -1 for non-local slots
-  std::vector<int32_t> p2u;        // [P]
+  std::vector<int32_t> p2u;        // [P], capacity k*T (the ops size it so)
   std::vector<int64_t> offsets;    // [local + 1]
   int64_t P() const { return offsets.empty() ? 0 : offsets.back(); }
 };
@@ -72,6 +72,7 @@ inline Routing build_routing(int64_t T, int k, int start, int local, std::vector
   r.local = local;
   r.experts = std::move(experts);
   r.u2p.assign(size_t(k * T), -1);
+  r.p2u.reserve(size_t(std::max<int64_t>(1, k * T)));  // the ops check a [k*T] range for overlaps
   std::vector<std::vector<int32_t>> per_expert(local);
   for (int j = 0; j < k; ++j)
     for (int64_t t = 0; t < T; ++t) {

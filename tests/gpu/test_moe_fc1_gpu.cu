@@ -103,7 +103,7 @@ struct Problem {
     dX = DeviceBuffer(X.bytes);
     dW1 = DeviceBuffer(W1.bytes);
     dbias = DeviceBuffer(bias.bytes);
-    dp2u = DeviceBuffer(std::max<size_t>(4, routing.p2u.size() * 4));
+    dp2u = DeviceBuffer(std::max<size_t>(4, size_t(routing.T * routing.k) * 4));  // capacity k*T
     if (!routing.p2u.empty()) dp2u.upload(routing.p2u.data(), routing.p2u.size() * 4);
     doff = DeviceBuffer(routing.offsets);
     dout = DeviceBuffer(ref.bytes.size());
