@@ -35,8 +35,17 @@ enum class Fc1WeightLayout : int {
   kInterleaved = 1,  // row 2i gate i, row 2i + 1 up i (gpt-oss's gate_up_proj)
 };
 
+// FP8 inputs (spec §9.7; the formats: §11). X and W1 are both bf16 or both
+// e4m3 (OCP E4M3, torch.float8_e4m3fn), with float32 scales:
+enum class MoeFp8Scaling : int {
+  kNone = 0,    // bf16 X and W1; no scales
+  kBlock = 1,   // a scale per row of X per 128 channels, per 128 x 128 block of each W1[e]
+  kTensor = 2,  // one scale for X, one per expert for W1 (the K sum stays in the FP8 MMA's accumulator)
+};
+
 const char* to_string(MoeActivation activation);     // "swiglu", "swiglu_oai", "swiglu_clamped"
 const char* to_string(Fc1WeightLayout layout);       // "gate_up", "interleaved"
+const char* to_string(MoeFp8Scaling scaling);        // "none", "block", "tensor"
 
 struct MoeFc1Args {
   // The input, in token order: bf16 [T, x_stride]; row p of the GEMM reads
@@ -44,15 +53,25 @@ struct MoeFc1Args {
   // x_permuted, X is instead the caller's permuted copy [k*T capacity,
   // x_stride] and row p reads X[p].
   const void* X = nullptr;
-  int64_t x_stride = 0;  // elements between rows; 0 means hidden; a multiple of 8
+  int64_t x_stride = 0;  // elements between rows; 0 means hidden; 16 bytes a multiple (8 bf16, 16 e4m3)
   bool x_permuted = false;
 
-  const void* W1 = nullptr;  // bf16 [E_local, 2I, H], K (= H) contiguous
+  const void* W1 = nullptr;  // bf16 (or e4m3) [E_local, 2I, H], K (= H) contiguous
   Fc1WeightLayout layout = Fc1WeightLayout::kGateUp;
   const void* bias = nullptr;  // bf16 [E_local, 2I] in W1's row order, or nullptr
 
+  // FP8 (kBlock, kTensor): X and W1 hold e4m3 values; an element's value is
+  // its e4m3 value times its scale (dequantised). kBlock needs H % 128 == 0.
+  MoeFp8Scaling fp8 = MoeFp8Scaling::kNone;
+  // kBlock: [rows of X, H / 128], dense (X's rows: T, or k*T with x_permuted);
+  // kTensor: [1]. Ignored with kNone.
+  const float* x_scales = nullptr;
+  // kBlock: [E_local, ceil(2I / 128), H / 128], block (r / 128, h / 128) of
+  // W1[e]'s rows r (in W1's own row order); kTensor: [E_local].
+  const float* w1_scales = nullptr;
+
   const int64_t* expert_first_token_offset = nullptr;       // [E_local + 1] (device)
-  const int32_t* permuted_row_to_unpermuted_row = nullptr;  // [P], value j*T + t (device)
+  const int32_t* permuted_row_to_unpermuted_row = nullptr;  // [k*T capacity], first P read, value j*T + t (device)
 
   int64_t num_tokens = 0;  // T (0 is valid: nothing is launched)
   int k = 0;               // 1..16

@@ -107,6 +107,11 @@ __device__ __forceinline__ void prefetch_tensor_map(const void* map) {
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, uint32_t src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
+// 4 bytes global -> shared by cp.async (through L1), the first src_bytes of
+// them read and the rest zero-filled.
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
 // Arrives on the mbarrier at `bar` once all of this thread's earlier
 // cp.async copies have landed; the arrival is counted in the barrier's
 // expected count (noinc).

@@ -3,7 +3,9 @@
 //   g = X[row] . W1[e, gate row i] (+ bias), u = X[row] . W1[e, up row i] (+ bias)
 //   out[p, i] = bf16(act(g, u))
 // row = p with x_permuted, else t. Dot products and the activation in
-// double, rounded once at the store.
+// double, rounded once at the store. FP8 (§9.7): X and W1 are e4m3 codes;
+// each element is dequantised (its e4m3 value times its scale, §11) and the
+// dot product of the dequantised values is taken in double.
 #include <cmath>
 #include <vector>
 
@@ -13,6 +15,15 @@
 namespace flashmix {
 
 namespace {
+
+// The value of an OCP E4M3 code (spec §11.1): 1 sign, 4 exponent (bias 7),
+// 3 mantissa bits; S.1111.111 is NaN; no infinities.
+double e4m3_value(uint8_t c) {
+  const int exp = (c >> 3) & 15, mant = c & 7;
+  if (exp == 15 && mant == 7) return std::nan("");
+  const double mag = exp == 0 ? std::ldexp(double(mant), -9) : std::ldexp(1.0 + mant / 8.0, exp - 7);
+  return (c & 0x80) ? -mag : mag;
+}
 
 double silu(double x) { return x / (1.0 + std::exp(-x)); }
 
@@ -50,27 +61,40 @@ Status moe_fc1_cpu(const MoeFc1Args& a) {
   const int64_t T = a.num_tokens, H = a.hidden, I = a.inter, E = a.num_experts_per_node;
   if (T == 0) return Status::Ok();
   const int64_t x_stride = a.x_stride ? a.x_stride : H;
-  const auto* X = static_cast<const uint16_t*>(a.X);
-  const auto* W1 = static_cast<const uint16_t*>(a.W1);
   const auto* bias = static_cast<const uint16_t*>(a.bias);
   auto* out = static_cast<uint16_t*>(a.out);
   const bool interleaved = a.layout == Fc1WeightLayout::kInterleaved;
-  std::vector<double> xrow(static_cast<size_t>(H));
+  const bool fp8 = a.fp8 != MoeFp8Scaling::kNone, block = a.fp8 == MoeFp8Scaling::kBlock;
+  const int64_t kbs = H / 128, w_row_blocks = (2 * I + 127) / 128;
+  // Element h of X's row `row`, and of W1[e]'s row r, dequantised.
+  auto x_at = [&](int64_t row, int64_t h) -> double {
+    if (!fp8) return host::bf16_to_float(static_cast<const uint16_t*>(a.X)[row * x_stride + h]);  // exact
+    const double q = e4m3_value(static_cast<const uint8_t*>(a.X)[row * x_stride + h]);
+    return q * double(block ? a.x_scales[row * kbs + h / 128] : a.x_scales[0]);
+  };
+  auto w_at = [&](int64_t e, int64_t r, int64_t h) -> double {
+    const int64_t at = (e * 2 * I + r) * H + h;
+    if (!fp8) return host::bf16_to_float(static_cast<const uint16_t*>(a.W1)[at]);
+    const double q = e4m3_value(static_cast<const uint8_t*>(a.W1)[at]);
+    return q * double(block ? a.w1_scales[(e * w_row_blocks + r / 128) * kbs + h / 128] : a.w1_scales[e]);
+  };
+  std::vector<double> xrow(static_cast<size_t>(H)), wg(static_cast<size_t>(H)), wu(static_cast<size_t>(H));
   for (int64_t e = 0; e < E; ++e) {
-    const uint16_t* We = W1 + e * 2 * I * H;
-    for (int64_t p = a.expert_first_token_offset[e]; p < a.expert_first_token_offset[e + 1]; ++p) {
-      const int64_t s = a.permuted_row_to_unpermuted_row[p];
-      const int64_t t = s % T;
-      const int64_t row = a.x_permuted ? p : t;
-      for (int64_t h = 0; h < H; ++h) xrow[h] = host::bf16_to_float(X[row * x_stride + h]);  // exact
-      for (int64_t i = 0; i < I; ++i) {
-        const int64_t gi = interleaved ? 2 * i : i, ui = interleaved ? 2 * i + 1 : I + i;
-        const uint16_t* wg = We + gi * H;
-        const uint16_t* wu = We + ui * H;
+    for (int64_t i = 0; i < I; ++i) {
+      const int64_t gi = interleaved ? 2 * i : i, ui = interleaved ? 2 * i + 1 : I + i;
+      for (int64_t h = 0; h < H; ++h) {
+        wg[h] = w_at(e, gi, h);
+        wu[h] = w_at(e, ui, h);
+      }
+      for (int64_t p = a.expert_first_token_offset[e]; p < a.expert_first_token_offset[e + 1]; ++p) {
+        const int64_t s = a.permuted_row_to_unpermuted_row[p];
+        const int64_t t = s % T;
+        const int64_t row = a.x_permuted ? p : t;
         double g = 0.0, u = 0.0;
         for (int64_t h = 0; h < H; ++h) {
-          g += xrow[h] * double(host::bf16_to_float(wg[h]));
-          u += xrow[h] * double(host::bf16_to_float(wu[h]));
+          const double x = x_at(row, h);
+          g += x * wg[h];
+          u += x * wu[h];
         }
         if (bias) {
           g += host::bf16_to_float(bias[e * 2 * I + gi]);

@@ -25,6 +25,15 @@ bool known_activation(MoeActivation a) {
   return false;
 }
 
+bool known_fp8(MoeFp8Scaling f) {
+  switch (f) {
+    case MoeFp8Scaling::kNone:
+    case MoeFp8Scaling::kBlock:
+    case MoeFp8Scaling::kTensor: return true;
+  }
+  return false;
+}
+
 bool known_layout(Fc1WeightLayout l) {
   switch (l) {
     case Fc1WeightLayout::kGateUp:
@@ -51,6 +60,15 @@ const char* to_string(Fc1WeightLayout layout) {
   return "unknown";
 }
 
+const char* to_string(MoeFp8Scaling scaling) {
+  switch (scaling) {
+    case MoeFp8Scaling::kNone: return "none";
+    case MoeFp8Scaling::kBlock: return "block";
+    case MoeFp8Scaling::kTensor: return "tensor";
+  }
+  return "unknown";
+}
+
 Status validate_moe_fc1(const MoeFc1Args& a) { return validate_fc1(a, true); }
 
 Status validate_fc1(const MoeFc1Args& a, bool check_buffers) {
@@ -63,11 +81,17 @@ Status validate_fc1(const MoeFc1Args& a, bool check_buffers) {
              "must be finite and >= 0 (0 = the activation's default; got ", a.limit, ")");
   FM_REQUIRE(std::isfinite(a.alpha) && a.alpha >= 0.f, kOp, "alpha",
              "must be finite and >= 0 (0 = 1.702; got ", a.alpha, ")");
+  FM_REQUIRE(known_fp8(a.fp8), kOp, "fp8", "unknown MoeFp8Scaling value ", int(a.fp8));
+  const bool fp8 = a.fp8 != MoeFp8Scaling::kNone;
+  const int64_t esize = fp8 ? 1 : 2;  // bytes an element of X and W1
+  if (a.fp8 == MoeFp8Scaling::kBlock)
+    FM_REQUIRE(a.hidden % 128 == 0, kOp, "hidden", "must be a multiple of 128 with block scales (one scale per 128 of K; got ",
+               a.hidden, ")");
   FM_REQUIRE(a.x_stride >= 0, kOp, "x_stride", "must be >= 0 (0 means hidden; got ", a.x_stride, ")");
   const int64_t x_stride = a.x_stride ? a.x_stride : a.hidden;
   FM_REQUIRE(x_stride >= a.hidden, kOp, "x_stride", "smaller than a row: ", x_stride, " < hidden ", a.hidden);
-  FM_REQUIRE(x_stride % 8 == 0, kOp, "x_stride", "must be a multiple of 8 (16-byte rows for TMA; got ", x_stride,
-             ")");
+  FM_REQUIRE(x_stride * esize % 16 == 0, kOp, "x_stride", "must be a multiple of ", 16 / esize,
+             " (16-byte rows for TMA; got ", x_stride, ")");
   const int64_t slots = a.num_tokens * a.k;  // fits: checked above
   const int64_t x_rows = a.x_permuted ? slots : a.num_tokens;
   FM_REQUIRE(x_stride <= kTwo60 / (x_rows + 1), kOp, "x_stride", "X's rows * x_stride overflows (rows=", x_rows,
@@ -85,6 +109,12 @@ Status validate_fc1(const MoeFc1Args& a, bool check_buffers) {
   FM_REQUIRE(a.permuted_row_to_unpermuted_row != nullptr, kOp, "permuted_row_to_unpermuted_row",
              "must not be null");
   FM_REQUIRE(a.out != nullptr, kOp, "out", "must not be null");
+  if (fp8) {
+    FM_REQUIRE(a.x_scales != nullptr, kOp, "x_scales", "must not be null with fp8 = ", to_string(a.fp8));
+    FM_REQUIRE(a.w1_scales != nullptr, kOp, "w1_scales", "must not be null with fp8 = ", to_string(a.fp8));
+    FM_REQUIRE(aligned(a.x_scales, 4), kOp, "x_scales", "must be 4-byte aligned (float)");
+    FM_REQUIRE(aligned(a.w1_scales, 4), kOp, "w1_scales", "must be 4-byte aligned (float)");
+  }
   FM_REQUIRE(aligned(a.X, 16), kOp, "X", "must be 16-byte aligned (TMA)");
   FM_REQUIRE(aligned(a.W1, 16), kOp, "W1", "must be 16-byte aligned (TMA)");
   FM_REQUIRE(aligned(a.out, 16), kOp, "out", "must be 16-byte aligned (16-byte stores)");
@@ -96,8 +126,12 @@ Status validate_fc1(const MoeFc1Args& a, bool check_buffers) {
   // `out` overlaps no input. X's extent: the rows the op may read (k*T rows
   // when permuted, else T), each x_stride apart, the last one H long.
   const detail::Range outs[] = {{"out", a.out, slots * a.inter * 2}};
-  const detail::Range ins[] = {{"X", a.X, detail::rows_extent_bytes(x_rows, x_stride, a.hidden, 2)},
-                               {"W1", a.W1, E * 2 * a.inter * a.hidden * 2},
+  const bool block = a.fp8 == MoeFp8Scaling::kBlock;
+  const int64_t kbs = a.hidden / 128, w_row_blocks = (2 * a.inter + 127) / 128;
+  const detail::Range ins[] = {{"X", a.X, detail::rows_extent_bytes(x_rows, x_stride, a.hidden, esize)},
+                               {"W1", a.W1, E * 2 * a.inter * a.hidden * esize},
+                               {"x_scales", fp8 ? a.x_scales : nullptr, block ? x_rows * kbs * 4 : 4},
+                               {"w1_scales", fp8 ? a.w1_scales : nullptr, block ? E * w_row_blocks * kbs * 4 : E * 4},
                                {"bias", a.bias, E * 2 * a.inter * 2},
                                {"expert_first_token_offset", a.expert_first_token_offset, (E + 1) * 8},
                                {"permuted_row_to_unpermuted_row", a.permuted_row_to_unpermuted_row, slots * 4}};

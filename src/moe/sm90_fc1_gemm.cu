@@ -71,8 +71,9 @@ constexpr const char* kOp = "moe_fc1";
 
 constexpr int kTileW = 128;           // W1 rows a tile: 64 gate + 64 up
 constexpr int kTileOut = kTileW / 2;  // output columns a tile
-constexpr int kTileK = 64;            // K per stage: one 128-byte swizzled row
-constexpr int kWBytes = kTileW * kTileK * 2;  // 16 KB
+constexpr int kTileBytes = 128;       // K per stage: one 128-byte swizzled row (64 bf16, 128 e4m3)
+constexpr int kWBytes = kTileW * kTileBytes;  // 16 KB
+constexpr int kScaleK = 128;          // FP8 block scales: K per block (spec §11)
 // Epilogue staging per consumer warpgroup: its 32 output columns x 64 rows a
 // pass, 40 bf16 (80 bytes) a row: a warp's scalar stores (4 rows x 8
 // columns) fall in distinct banks.
@@ -81,25 +82,39 @@ constexpr int kEpiStride = 40;
 constexpr int kEpiBytes = kEpiRows * kEpiStride * 2;
 constexpr int kSmemLimit = 232448;
 
+// What X and W1 hold (MoeFp8Scaling, resolved at the launch into the kernel's
+// template): bf16, or e4m3 with block scales (the K sum promoted into fp32
+// every 128 of K) or per-tensor scales (applied once at the end).
+enum class Fc1In { kBf16, kFp8Block, kFp8Tensor };
+
 // The ring for tiles of up to kMaxRows_ rows: as many stages as fit beside
 // the epilogue staging, the experts' tables and the barriers. 256 rows: 4
 // stages of 48 KB; 128 rows: 6 of 32 KB (more bytes in flight, W1 slices
-// read twice for experts of 129-256 rows, the second time from L2).
-template <int kMaxRows_>
+// read twice for experts of 129-256 rows, the second time from L2). With
+// block scales a stage also holds the rows' X scales of its K block.
+template <int kMaxRows_, Fc1In kIn_ = Fc1In::kBf16>
 struct Fc1Cfg {
   static constexpr int kMaxRows = kMaxRows_;
-  static constexpr int kStageBytes = kWBytes + kMaxRows * kTileK * 2;
+  static constexpr Fc1In kIn = kIn_;
+  static constexpr bool kFp8 = kIn != Fc1In::kBf16;
+  static constexpr int kTileK = kFp8 ? 128 : 64;  // elements of K a stage
+  static constexpr int kStageBytes = kWBytes + kMaxRows * kTileBytes;
+  static constexpr int kScaleBytes = kIn == Fc1In::kFp8Block ? kMaxRows * 4 : 0;  // a stage's X scales
   static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned (128-byte swizzle)");
   static constexpr int kFixed = 2 * kEpiBytes + 2 * (kFc1MaxExperts + 1) * 4 + kFc1MaxExperts * 2 + 8 + 1024;
-  static constexpr int kStages = (kSmemLimit - kFixed - 16 * 8) / kStageBytes > 8 ? 8
-                                                                                 : (kSmemLimit - kFixed - 16 * 8) / kStageBytes;
+  static constexpr int kFit = (kSmemLimit - kFixed - 16 * 8) / (kStageBytes + kScaleBytes);
+  static constexpr int kStages = kFit > 8 ? 8 : kFit;
   static constexpr int kOffEpi = kStages * kStageBytes;
-  static constexpr int kOffRowOff = kOffEpi + 2 * kEpiBytes;
+  static constexpr int kOffScales = kOffEpi + 2 * kEpiBytes;
+  static constexpr int kOffRowOff = kOffScales + kStages * kScaleBytes;
   static constexpr int kOffTileStart = kOffRowOff + (kFc1MaxExperts + 1) * 4;
   static constexpr int kOffOrder = kOffTileStart + (kFc1MaxExperts + 1) * 4;  // uint16 [E]
   static constexpr int kOffBars = (kOffOrder + kFc1MaxExperts * 2 + 7) / 8 * 8;
   static constexpr int kSmemBytes = kOffBars + 2 * kStages * 8 + 1024;  // + alignment slack
   static_assert(kStages >= 4 && kSmemBytes <= kSmemLimit, "shared memory");
+  // Block scales promote a K block's sum into a second fp32 accumulator:
+  // 2 x N / 2 registers a thread, so tiles of at most 128 rows.
+  static_assert(kIn != Fc1In::kFp8Block || kMaxRows <= 128, "block-scaled tiles hold at most 128 rows");
 };
 
 constexpr int kThreads = 384;  // warps 0-7 consumers, 8-11 loaders
@@ -109,18 +124,22 @@ constexpr int kLoaders = 128;
 constexpr int kLoaderRegs = 72, kConsumerRegs = 216;
 
 struct Fc1KernelParams {
-  const __nv_bfloat16* X;
-  int64_t x_stride;
+  const uint8_t* X;     // bf16 or e4m3 rows
+  int64_t x_row_bytes;  // bytes between X's rows
+  int h_bytes;          // bytes of a row's H elements
   const int32_t* p2u;
   const int64_t* offsets;
   const __nv_bfloat16* bias;
+  const float* x_scales;   // FP8: [X rows, H / 128] (block) or [1]
+  const float* w_scales;   // FP8: [E, ceil(2I / 128), H / 128] (block) or [E]
   __nv_bfloat16* out;
   int T, H, I, E;
   int slices, k_blocks;
+  int w_row_blocks;  // ceil(2I / 128)
   int act;  // MoeActivation
   float limit, alpha;
   bool x_permuted;   // X holds the permuted rows: loaded by TMA boxes, not gathered
-  bool interleaved;  // bias order (the weights' order is in the tensor map)
+  bool interleaved;  // bias and scale order (the weights' order is in the tensor map)
 };
 
 __device__ __forceinline__ uint32_t bar_at(uint32_t first, int i) { return first + 8 * i; }
@@ -137,15 +156,19 @@ __device__ __forceinline__ float activate(const Fc1KernelParams& p, float g, flo
 
 // The loader warps: W1's box by TMA (one thread), the tile's rows by cp.async
 // (all 128: thread l takes 16-byte chunk l % 8 of rows l / 8 + 16 i) or, from
-// a permuted X (consecutive rows), by TMA boxes of 64 / 16 rows.
+// a permuted X (consecutive rows), by TMA boxes of 64 / 16 rows. With block
+// scales, the threads of chunk 0 also copy their rows' X scales of the K
+// block (4 bytes each) into the stage's scale slots.
 template <class Cfg>
 __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUtensorMap* map_w,
                                            const CUtensorMap* map_x64, const CUtensorMap* map_x16, uint32_t stages,
-                                           uint32_t full0, uint32_t empty0, const int* tile_start,
+                                           uint32_t scales, uint32_t full0, uint32_t empty0, const int* tile_start,
                                            const int* row_off, const uint16_t* order) {
+  constexpr bool kBlock = Cfg::kIn == Fc1In::kFp8Block;
   const int l = threadIdx.x - 256;
   const int r0 = l >> 3, q = l & 7;
   const uint32_t swz = uint32_t((q ^ (r0 & 7)) << 4);  // 128-byte swizzle: (r0 + 16 i) % 8 == r0 % 8
+  const int s_blocks = p.H / kScaleK;                  // X scales a row (block scales)
   if (l == 0) dev::prefetch_tensor_map(map_w);
   const int total = tile_start[p.E];
   int s = 0;
@@ -157,21 +180,41 @@ __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUten
     for (int i = 0; i < Cfg::kMaxRows / 16; ++i) {
       const int r = r0 + 16 * i;
       src[i] = -1;
-      if (r < t.rows && !p.x_permuted) src[i] = __ldg(p.p2u + t.p0 + r) % p.T;
+      if (r < t.rows) src[i] = p.x_permuted ? t.p0 + r : __ldg(p.p2u + t.p0 + r) % p.T;
     }
     for (int kb = 0; kb < p.k_blocks; ++kb) {
       dev::mbar_wait(bar_at(empty0, s), ph ^ 1);
       const uint32_t full = bar_at(full0, s);
       const uint32_t st = stages + uint32_t(s) * Cfg::kStageBytes;
+      if constexpr (kBlock) {
+        if (q == 0) {
+#pragma unroll
+          for (int i = 0; i < Cfg::kMaxRows / 16; ++i) {
+            const int r = r0 + 16 * i;
+            if (r < t.n) {
+              const bool live = src[i] >= 0;
+              const float* g = live ? p.x_scales + int64_t(src[i]) * s_blocks + kb : p.x_scales;
+              dev::cp_async_4(scales + uint32_t(s * Cfg::kMaxRows + r) * 4, g, live ? 4 : 0);
+            }
+          }
+        }
+      }
       if (p.x_permuted) {
         if (l == 0) {
-          dev::mbar_arrive_expect_tx(full, kWBytes + uint32_t(t.n) * 128);
-          dev::tma_load_5d(st, map_w, full, kb * kTileK, 0, 0, t.hs * (kTileOut / 8), t.e);
+          dev::mbar_arrive_expect_tx(full, kWBytes + uint32_t(t.n) * kTileBytes);
+          dev::tma_load_5d(st, map_w, full, kb * Cfg::kTileK, 0, 0, t.hs * (kTileOut / 8), t.e);
           int r = 0;
-          for (; r + 64 <= t.n; r += 64) dev::tma_load_2d(st + kWBytes + r * 128, map_x64, full, kb * kTileK, t.p0 + r);
-          for (; r < t.n; r += 16) dev::tma_load_2d(st + kWBytes + r * 128, map_x16, full, kb * kTileK, t.p0 + r);
+          for (; r + 64 <= t.n; r += 64)
+            dev::tma_load_2d(st + kWBytes + r * kTileBytes, map_x64, full, kb * Cfg::kTileK, t.p0 + r);
+          for (; r < t.n; r += 16)
+            dev::tma_load_2d(st + kWBytes + r * kTileBytes, map_x16, full, kb * Cfg::kTileK, t.p0 + r);
         }
-        dev::mbar_arrive(full);  // every loader thread, as the cp.async path's count expects
+        // Every loader thread arrives, as the gather's count expects (after
+        // its scale copies, with block scales).
+        if constexpr (kBlock)
+          dev::cp_async_mbar_arrive_noinc(full);
+        else
+          dev::mbar_arrive(full);
         if (++s == Cfg::kStages) {
           s = 0;
           ph ^= 1;
@@ -180,17 +223,17 @@ __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUten
       }
       if (l == 0) {
         dev::mbar_arrive_expect_tx(full, kWBytes);
-        dev::tma_load_5d(st, map_w, full, kb * kTileK, 0, 0, t.hs * (kTileOut / 8), t.e);
+        dev::tma_load_5d(st, map_w, full, kb * Cfg::kTileK, 0, 0, t.hs * (kTileOut / 8), t.e);
       }
-      const int kcol = kb * kTileK + 8 * q;
-      const bool k_in = kcol < p.H;
+      const int kbyte = kb * kTileBytes + 16 * q;
+      const bool k_in = kbyte < p.h_bytes;
 #pragma unroll
       for (int i = 0; i < Cfg::kMaxRows / 16; ++i) {
         const int r = r0 + 16 * i;
         if (r < t.n) {
           const bool live = src[i] >= 0 && k_in;
-          const __nv_bfloat16* g = live ? p.X + int64_t(src[i]) * p.x_stride + kcol : p.X;
-          dev::cp_async_16(st + kWBytes + uint32_t(r) * 128 + swz, g, live ? 16 : 0);
+          const uint8_t* g = live ? p.X + int64_t(src[i]) * p.x_row_bytes + kbyte : p.X;
+          dev::cp_async_16(st + kWBytes + uint32_t(r) * kTileBytes + swz, g, live ? 16 : 0);
         }
       }
       dev::cp_async_mbar_arrive_noinc(full);
@@ -203,27 +246,88 @@ __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUten
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
-// A consumer warpgroup's tile: the mainloop over H, then act and the stores.
+// The K block's MMAs of one stage: 4 steps of 32 bytes of K.
 template <class Cfg, int N>
-__device__ __forceinline__ void consume_tile(const Fc1KernelParams& p, const TileInfo& t, uint32_t stages,
-                                             uint32_t full0, uint32_t empty0, uint16_t* stg, int wg, int& s,
-                                             uint32_t& ph) {
-  float acc[N / 2];
+__device__ __forceinline__ void stage_mmas(float (&acc)[N / 2], uint64_t da, uint64_t db, bool accumulate) {
 #pragma unroll
-  for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
+  for (int j = 0; j < kTileBytes / 32; ++j) {
+    if constexpr (Cfg::kFp8)
+      dev::WgmmaFp8<N>::mma(acc, da + 2 * j, db + 2 * j, accumulate || j > 0);
+    else
+      dev::Wgmma<N>::mma(acc, da + 2 * j, db + 2 * j, accumulate || j > 0);
+  }
+}
+
+// This thread's W1 rows (the gate and the up of output column i; spec §9.2).
+struct GateUpRows {
+  int gate, up;
+};
+__device__ __forceinline__ GateUpRows gate_up_rows(const Fc1KernelParams& p, int i) {
+  return p.interleaved ? GateUpRows{2 * i, 2 * i + 1} : GateUpRows{i, p.I + i};
+}
+
+// A consumer warpgroup's mainloop over H: acc[N / 2] of this thread (rows
+// gate / up of its output column, columns the tile's rows; see the
+// epilogue), in fp32 and, for FP8, dequantised.
+template <class Cfg, int N>
+__device__ __forceinline__ void mainloop(const Fc1KernelParams& p, const TileInfo& t, uint32_t stages,
+                                         const float* scales, uint32_t full0, uint32_t empty0, int wg, int& s,
+                                         uint32_t& ph, float (&acc)[N / 2]) {
   const int lane = threadIdx.x & 31;
-  const uint32_t a_off = uint32_t(wg) * 64 * 128;  // this warpgroup's 64 W1 rows of the tile
+  const uint32_t a_off = uint32_t(wg) * 64 * kTileBytes;  // this warpgroup's 64 W1 rows of the tile
+  if constexpr (Cfg::kIn == Fc1In::kFp8Block) {
+    // Each stage's K block into `part` (fresh), promoted into acc with its
+    // scales: W1's two blocks of this thread's rows times each row's X scale.
+    const int i = t.hs * kTileOut + 32 * wg + 8 * ((threadIdx.x >> 5) & 3) + (lane >> 2);
+    const GateUpRows rows = gate_up_rows(p, i < p.I ? i : 0);
+    const int kbs = p.H / kScaleK;
+    const float* sw = p.w_scales + int64_t(t.e) * p.w_row_blocks * kbs;
+    const float* swg = sw + (rows.gate / kScaleK) * kbs;
+    const float* swu = sw + (rows.up / kScaleK) * kbs;
+    const int c2 = 2 * (lane & 3);
+#pragma unroll
+    for (int k = 0; k < N / 2; ++k) acc[k] = 0.f;
+    float part[N / 2];
+#pragma unroll
+    for (int k = 0; k < N / 2; ++k) part[k] = 0.f;
+    for (int kb = 0; kb < p.k_blocks; ++kb) {
+      const float wg_s = __ldg(swg + kb), wu_s = __ldg(swu + kb);
+      dev::mbar_wait(bar_at(full0, s), ph);
+      if (!p.x_permuted) dev::fence_proxy_async_shared();  // the rows came through the generic proxy (cp.async)
+      const uint32_t st = stages + uint32_t(s) * Cfg::kStageBytes;
+      dev::wgmma_fence();
+      stage_mmas<Cfg, N>(part, dev::wgmma_desc_k_sw128(st + a_off), dev::wgmma_desc_k_sw128(st + kWBytes), false);
+      dev::wgmma_commit();
+      dev::wgmma_wait<0>();
+      dev::fence_operands(part);
+      const float* sx = scales + s * Cfg::kMaxRows;
+#pragma unroll
+      for (int j = 0; j < N / 8; ++j) {
+        const float2 x = *reinterpret_cast<const float2*>(sx + 8 * j + c2);
+        acc[4 * j + 0] = fmaf(part[4 * j + 0], wg_s * x.x, acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(part[4 * j + 1], wg_s * x.y, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(part[4 * j + 2], wu_s * x.x, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(part[4 * j + 3], wu_s * x.y, acc[4 * j + 3]);
+      }
+      __syncwarp();
+      if (lane == 0) dev::mbar_arrive(bar_at(empty0, s));
+      if (++s == Cfg::kStages) {
+        s = 0;
+        ph ^= 1;
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < N / 2; ++k) acc[k] = 0.f;
   int prev = -1;
   for (int kb = 0; kb < p.k_blocks; ++kb) {
     dev::mbar_wait(bar_at(full0, s), ph);
     if (!p.x_permuted) dev::fence_proxy_async_shared();  // the rows came through the generic proxy (cp.async)
     const uint32_t st = stages + uint32_t(s) * Cfg::kStageBytes;
-    const uint64_t da = dev::wgmma_desc_k_sw128(st + a_off);
-    const uint64_t db = dev::wgmma_desc_k_sw128(st + kWBytes);
     dev::fence_operands(acc);
     dev::wgmma_fence();
-#pragma unroll
-    for (int j = 0; j < kTileK / 16; ++j) dev::Wgmma<N>::mma(acc, da + 2 * j, db + 2 * j, 1);
+    stage_mmas<Cfg, N>(acc, dev::wgmma_desc_k_sw128(st + a_off), dev::wgmma_desc_k_sw128(st + kWBytes), true);
     dev::wgmma_commit();
     dev::fence_operands(acc);
     dev::wgmma_wait<1>();  // the previous stage's MMAs are done: release it
@@ -241,17 +345,33 @@ __device__ __forceinline__ void consume_tile(const Fc1KernelParams& p, const Til
   dev::fence_operands(acc);
   __syncwarp();
   if (lane == 0 && prev >= 0) dev::mbar_arrive(bar_at(empty0, prev));
+  if constexpr (Cfg::kIn == Fc1In::kFp8Tensor) {
+    const float scale = __ldg(p.x_scales) * __ldg(p.w_scales + t.e);
+#pragma unroll
+    for (int k = 0; k < N / 2; ++k) acc[k] *= scale;
+  }
+}
+
+// A consumer warpgroup's tile: the mainloop over H, then act and the stores.
+template <class Cfg, int N>
+__device__ __forceinline__ void consume_tile(const Fc1KernelParams& p, const TileInfo& t, uint32_t stages,
+                                             const float* scales, uint32_t full0, uint32_t empty0, uint16_t* stg,
+                                             int wg, int& s, uint32_t& ph) {
+  float acc[N / 2];
+  mainloop<Cfg, N>(p, t, stages, scales, full0, empty0, wg, s, ph, acc);
 
   // Epilogue. This thread's accumulator rows: gate g_row and up g_row + 8 of
   // block 4 wg + q, i.e. output column il = 8 (4 wg + q) + lane / 4 of the tile.
+  const int lane = threadIdx.x & 31;
   const int q = (threadIdx.x >> 5) & 3, g = lane >> 2, c4 = lane & 3;
   const int col = 8 * q + g;  // within the warpgroup's 32
   const int i = t.hs * kTileOut + 32 * wg + col;
   float bg = 0.f, bu = 0.f;
   if (p.bias != nullptr && i < p.I) {
     const __nv_bfloat16* b = p.bias + int64_t(t.e) * 2 * p.I;
-    bg = __bfloat162float(b[p.interleaved ? 2 * i : i]);
-    bu = __bfloat162float(b[p.interleaved ? 2 * i + 1 : p.I + i]);
+    const GateUpRows rows = gate_up_rows(p, i);
+    bg = __bfloat162float(b[rows.gate]);
+    bu = __bfloat162float(b[rows.up]);
   }
   const int wt = threadIdx.x & 127;
   const int out_col = t.hs * kTileOut + 32 * wg + 8 * (wt & 3);
@@ -294,6 +414,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   int* row_off = reinterpret_cast<int*>(sm + Cfg::kOffRowOff);
   int* tile_start = reinterpret_cast<int*>(sm + Cfg::kOffTileStart);
   uint16_t* order = reinterpret_cast<uint16_t*>(sm + Cfg::kOffOrder);
+  const float* scales = reinterpret_cast<const float*>(sm + Cfg::kOffScales);
   const uint32_t full0 = base + Cfg::kOffBars, empty0 = full0 + 8 * Cfg::kStages;
 
   const int tid = threadIdx.x, warp = tid >> 5;
@@ -314,7 +435,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // instruction when code needing more registers is reachable after it).
   if (warp >= 8) {
     dev::setmaxnreg_dec<kLoaderRegs>();
-    load_tiles<Cfg>(p, &map_w, &map_x64, &map_x16, base, full0, empty0, tile_start, row_off, order);
+    load_tiles<Cfg>(p, &map_w, &map_x64, &map_x16, base, base + Cfg::kOffScales, full0, empty0, tile_start,
+                    row_off, order);
   } else {
     dev::setmaxnreg_inc<kConsumerRegs>();
     const int wg = warp / 4;
@@ -328,7 +450,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #define FLASHMIX_FC1_CASE(K) \
   case K:                                                                        \
     if constexpr (K * kRowQuantum <= Cfg::kMaxRows)                               \
-      consume_tile<Cfg, K * kRowQuantum>(p, t, base, full0, empty0, stg, wg, s, ph); \
+      consume_tile<Cfg, K * kRowQuantum>(p, t, base, scales, full0, empty0, stg, wg, s, ph); \
     break;
         FLASHMIX_FC1_CASE(1)
         FLASHMIX_FC1_CASE(2)
@@ -355,40 +477,61 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // W1 as a 5-D tensor (K = H, row in block 8, gate/up 2, block I / 8, expert):
-// a box (64, 8, 2, 8, 1) is 8 blocks of 8 gate rows then their 8 up rows,
-// whichever the layout (only the strides differ). Blocks past I read as zeros.
+// a box (128 bytes of K, 8, 2, 8, 1) is 8 blocks of 8 gate rows then their 8
+// up rows, whichever the layout (only the strides differ). Blocks past I read
+// as zeros. e4m3 travels as bytes.
 bool encode_w1(const Sm90Fc1Params& p, CUtensorMap& w) {
   const detail::TensorMapEncodeTiled encode = detail::tensor_map_encoder();
   if (encode == nullptr) return false;
-  const cuuint64_t H = cuuint64_t(p.H), I = cuuint64_t(p.I), row = H * 2;  // bytes a W1 row
+  const bool fp8 = p.fp8 != MoeFp8Scaling::kNone;
+  const cuuint64_t H = cuuint64_t(p.H), I = cuuint64_t(p.I), row = H * (fp8 ? 1 : 2);  // bytes a W1 row
   const bool inter = p.layout == Fc1WeightLayout::kInterleaved;
   const cuuint64_t dims[5] = {H, 8, 2, I / 8, cuuint64_t(p.E)};
   // Strides (bytes) of dims 1..4: row in block, gate/up, block, expert.
   const cuuint64_t strides[4] = {inter ? 2 * row : row, inter ? row : I * row, inter ? 16 * row : 8 * row,
                                  2 * I * row};
-  const cuuint32_t box[5] = {kTileK, 8, 2, kTileOut / 8, 1};
+  const cuuint32_t box[5] = {cuuint32_t(fp8 ? kTileBytes : kTileBytes / 2), 8, 2, kTileOut / 8, 1};
   const cuuint32_t elem[5] = {1, 1, 1, 1, 1};
-  return encode(&w, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5, const_cast<void*>(p.W1), dims, strides, box, elem,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+  return encode(&w, fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5,
+                const_cast<void*>(p.W1), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// A permuted X as a 2-D tensor (H, k*T) in boxes of 64 columns x 64 or 16
+// A permuted X as a 2-D tensor (H, k*T) in boxes of 128 bytes x 64 or 16
 // rows (rows past k*T and columns past H read as zeros).
 bool encode_x_permuted(const Sm90Fc1Params& p, CUtensorMap& x64, CUtensorMap& x16) {
   const detail::TensorMapEncodeTiled encode = detail::tensor_map_encoder();
   if (encode == nullptr) return false;
+  const bool fp8 = p.fp8 != MoeFp8Scaling::kNone;
   const cuuint64_t dims[2] = {cuuint64_t(p.H), cuuint64_t(int64_t(p.T) * p.k)};
-  const cuuint64_t strides[1] = {cuuint64_t(p.x_stride) * 2};
+  const cuuint64_t strides[1] = {cuuint64_t(p.x_stride) * (fp8 ? 1 : 2)};
   const cuuint32_t elem[2] = {1, 1};
   for (int i = 0; i < 2; ++i) {
-    const cuuint32_t box[2] = {kTileK, cuuint32_t(i == 0 ? 64 : 16)};
-    if (encode(i == 0 ? &x64 : &x16, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(p.X), dims, strides, box,
-               elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+    const cuuint32_t box[2] = {cuuint32_t(fp8 ? kTileBytes : kTileBytes / 2), cuuint32_t(i == 0 ? 64 : 16)};
+    if (encode(i == 0 ? &x64 : &x16, fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
+               const_cast<void*>(p.X), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
       return false;
   }
   return true;
+}
+
+template <class Cfg>
+Status launch(const Sm90Fc1Params& p, const Fc1KernelParams& k, const CUtensorMap& w, const CUtensorMap& x64,
+              const CUtensorMap& x16, cudaStream_t stream) {
+  const auto kernel = fc1_gemm_kernel<Cfg>;
+  int max_dynamic = 0;
+  FM_RETURN_IF_ERROR(detail::cuda_status(
+      detail::prepare_kernel(detail::kernel_key(kernel), false, &max_dynamic), kOp, "kernel attributes"));
+  FM_REQUIRE_SUPPORTED(Cfg::kSmemBytes <= max_dynamic, kOp, "device", "the FC1 kernel needs ", Cfg::kSmemBytes,
+                       " bytes of shared memory per block; this device allows ", max_dynamic);
+  FM_RETURN_IF_ERROR(detail::cuda_status(
+      dev::launch(kernel, dim3(unsigned(p.sm_count)), dim3(kThreads), Cfg::kSmemBytes, stream, p.pdl, k, w, x64,
+                  x16),
+      kOp, "kernel launch"));
+  return Status::Ok();
 }
 
 }  // namespace
@@ -399,19 +542,24 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   CUtensorMap x64 = w, x16 = w;  // used only with a permuted X
   if (p.x_permuted)
     FM_REQUIRE_SUPPORTED(encode_x_permuted(p, x64, x16), kOp, "X", "its TMA descriptors could not be encoded");
+  const int esize = p.fp8 != MoeFp8Scaling::kNone ? 1 : 2;
   Fc1KernelParams k{};
-  k.X = static_cast<const __nv_bfloat16*>(p.X);
-  k.x_stride = p.x_stride;
+  k.X = static_cast<const uint8_t*>(p.X);
+  k.x_row_bytes = p.x_stride * esize;
+  k.h_bytes = p.H * esize;
   k.p2u = p.p2u;
   k.offsets = p.offsets;
   k.bias = static_cast<const __nv_bfloat16*>(p.bias);
+  k.x_scales = p.x_scales;
+  k.w_scales = p.w1_scales;
   k.out = static_cast<__nv_bfloat16*>(p.out);
   k.T = p.T;
   k.H = p.H;
   k.I = p.I;
   k.E = p.E;
   k.slices = (p.I + kTileOut - 1) / kTileOut;
-  k.k_blocks = (p.H + kTileK - 1) / kTileK;
+  k.k_blocks = (k.h_bytes + kTileBytes - 1) / kTileBytes;
+  k.w_row_blocks = (2 * p.I + kScaleK - 1) / kScaleK;
   k.act = int(p.activation);
   k.limit = p.limit;
   k.alpha = p.alpha;
@@ -422,23 +570,22 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   // like 785 -> 688 us, DeepSeek-EP decode 652 -> 595 us: more bytes in
   // flight), else up to 256 rows in 4 stages (Mixtral-like 5954 -> 5328 us:
   // W1 slices read once per 256 rows). FLASHMIX_FC1_ROWS=128|256 pins one
-  // (the A/B).
+  // (the A/B). Block-scaled FP8 holds two accumulators: 128 rows always.
   static const int pinned = [] {
     const char* e = std::getenv("FLASHMIX_FC1_ROWS");
     return e ? std::atoi(e) : 0;
   }();
   const bool rows128 = pinned ? pinned == 128 : int64_t(p.T) * p.k <= int64_t(512) * p.E;
-  const auto kernel = rows128 ? fc1_gemm_kernel<Fc1Cfg<128>> : fc1_gemm_kernel<Fc1Cfg<256>>;
-  const int smem = rows128 ? Fc1Cfg<128>::kSmemBytes : Fc1Cfg<256>::kSmemBytes;
-  int max_dynamic = 0;
-  FM_RETURN_IF_ERROR(detail::cuda_status(
-      detail::prepare_kernel(detail::kernel_key(kernel), false, &max_dynamic), kOp, "kernel attributes"));
-  FM_REQUIRE_SUPPORTED(smem <= max_dynamic, kOp, "device", "the FC1 kernel needs ", smem,
-                       " bytes of shared memory per block; this device allows ", max_dynamic);
-  FM_RETURN_IF_ERROR(detail::cuda_status(
-      dev::launch(kernel, dim3(unsigned(p.sm_count)), dim3(kThreads), smem, stream, p.pdl, k, w, x64, x16), kOp,
-      "kernel launch"));
-  return Status::Ok();
+  switch (p.fp8) {
+    case MoeFp8Scaling::kBlock:
+      return launch<Fc1Cfg<128, Fc1In::kFp8Block>>(p, k, w, x64, x16, stream);
+    case MoeFp8Scaling::kTensor:
+      return rows128 ? launch<Fc1Cfg<128, Fc1In::kFp8Tensor>>(p, k, w, x64, x16, stream)
+                     : launch<Fc1Cfg<256, Fc1In::kFp8Tensor>>(p, k, w, x64, x16, stream);
+    case MoeFp8Scaling::kNone:
+      break;
+  }
+  return rows128 ? launch<Fc1Cfg<128>>(p, k, w, x64, x16, stream) : launch<Fc1Cfg<256>>(p, k, w, x64, x16, stream);
 }
 
 }  // namespace flashmix

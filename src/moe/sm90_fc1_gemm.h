@@ -11,11 +11,14 @@ namespace flashmix {
 
 struct Sm90Fc1Params {
   const void* X;
-  int64_t x_stride;  // elements
+  int64_t x_stride;  // elements (bf16 or e4m3)
   bool x_permuted;
   const void* W1;
   Fc1WeightLayout layout;
   const void* bias;  // bf16 [E, 2I] or nullptr
+  MoeFp8Scaling fp8;       // kNone: X and W1 bf16; else e4m3 with these scales
+  const float* x_scales;   // [X rows, H / 128] (kBlock) or [1] (kTensor)
+  const float* w1_scales;  // [E, ceil(2I / 128), H / 128] (kBlock) or [E] (kTensor)
   const int64_t* offsets;
   const int32_t* p2u;
   int T, k, H, I, E;

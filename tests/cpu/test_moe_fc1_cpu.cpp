@@ -670,3 +670,103 @@ TEST(MoeFc1Validation, GpuEntryPointReportsInsteadOfAborting) {
   EXPECT_FALSE(st.ok());
   EXPECT_NE(st.message().find("moe_fc1: X:"), std::string::npos) << st.message();
 }
+
+// FP8 (spec §9.7, §11): e4m3 codes times their scales. Codes used: 0x38 = 1,
+// 0x40 = 2, 0x3c = 1.5, 0x7e = 448 (the largest), 0x01 = 2^-9 (the smallest
+// subnormal), 0x80 = -0.
+namespace {
+struct Fp8Case {
+  static constexpr int64_t H = 256, I = 8;  // two K blocks; 2I = 16 rows: one W1 row block
+  std::vector<uint8_t> X = std::vector<uint8_t>(2 * H, 0), W1 = std::vector<uint8_t>(2 * I * H, 0);
+  std::vector<float> xs, ws;
+  std::vector<int64_t> offsets{0, 2};
+  std::vector<int32_t> p2u{0, 1};
+  std::vector<uint16_t> out = std::vector<uint16_t>(2 * I, kPoison);
+  MoeFc1Args a;
+  explicit Fp8Case(MoeFp8Scaling f) {
+    X[0] = 0x38;            // token 0: 1 at h = 0 (block 0) ...
+    X[130] = 0x40;          // ... 2 at h = 130 (block 1)
+    X[H + 0] = 0x38;        // token 1: the same codes
+    X[H + 130] = 0x40;
+    X[H + 7] = 0x01;        // and 2^-9 at h = 7, against a zero weight
+    for (int64_t i = 0; i < I; ++i) {
+      W1[i * H + 0] = 0x38;    // gate rows: 1 at h = 0, 1.5 at h = 130
+      W1[i * H + 130] = 0x3c;
+      W1[i * H + 9] = 0x80;    // -0
+      W1[(I + i) * H + 0] = 0x7e;  // up rows: 448 at h = 0
+    }
+    if (f == MoeFp8Scaling::kBlock) {
+      xs = {0.5f, 3.f, 2.f, 0.25f};  // [2 tokens, 2 blocks]
+      ws = {0.125f, 2.f};            // [1 row block, 2 blocks]
+    } else {
+      xs = {0.5f};
+      ws = {2.f};
+    }
+    a.X = X.data();
+    a.W1 = W1.data();
+    a.fp8 = f;
+    a.x_scales = xs.data();
+    a.w1_scales = ws.data();
+    a.expert_first_token_offset = offsets.data();
+    a.permuted_row_to_unpermuted_row = p2u.data();
+    a.num_tokens = 2;
+    a.k = 1;
+    a.hidden = H;
+    a.inter = I;
+    a.num_experts_per_node = 1;
+    a.out = out.data();
+  }
+};
+}  // namespace
+
+TEST(MoeFc1Cpu, Fp8BlockScalesDequantisePerBlock) {
+  Fp8Case c(MoeFp8Scaling::kBlock);
+  ASSERT_TRUE(moe_fc1_cpu(c.a).ok());
+  // token 0: g = (1 * 0.5)(1 * 0.125) + (2 * 3)(1.5 * 2) = 18.0625, u = (1 * 0.5)(448 * 0.125) = 28
+  // token 1: g = (1 * 2)(1 * 0.125) + (2 * 0.25)(1.5 * 2) = 1.75,   u = (1 * 2)(448 * 0.125) = 112
+  const double want[2] = {silu(18.0625) * 28.0, silu(1.75) * 112.0};
+  for (int t = 0; t < 2; ++t)
+    for (int64_t i = 0; i < Fp8Case::I; ++i)
+      expect_bf16(fl(c.out[t * Fp8Case::I + i]), want[t], "token " + std::to_string(t));
+}
+
+TEST(MoeFc1Cpu, Fp8TensorScalesApplyOnce) {
+  Fp8Case c(MoeFp8Scaling::kTensor);
+  ASSERT_TRUE(moe_fc1_cpu(c.a).ok());
+  // g = (1 * 1 + 2 * 1.5) * 0.5 * 2 = 4, u = 448 * 0.5 * 2 = 448 (both tokens)
+  for (int64_t n = 0; n < 2 * Fp8Case::I; ++n) expect_bf16(fl(c.out[n]), silu(4.0) * 448.0, "tensor");
+}
+
+TEST(MoeFc1Names, Fp8ScalingToString) {
+  EXPECT_STREQ(to_string(MoeFp8Scaling::kNone), "none");
+  EXPECT_STREQ(to_string(MoeFp8Scaling::kBlock), "block");
+  EXPECT_STREQ(to_string(MoeFp8Scaling::kTensor), "tensor");
+  EXPECT_STREQ(to_string(static_cast<MoeFp8Scaling>(3)), "unknown");
+}
+
+TEST(MoeFc1Validation, Fp8Rules) {
+  Fp8Case c(MoeFp8Scaling::kBlock);
+  EXPECT_TRUE(validate_moe_fc1(c.a).ok()) << validate_moe_fc1(c.a).message();
+  MoeFc1Args a = c.a;
+  a.fp8 = static_cast<MoeFp8Scaling>(5);
+  expect_invalid(a, "fp8", Rule::kSize);
+  a = c.a;
+  a.hidden = 192;  // block scales: a multiple of 128
+  a.x_stride = 256;
+  expect_invalid(a, "hidden", Rule::kSize);
+  a.fp8 = MoeFp8Scaling::kTensor;  // per tensor: any multiple of 8
+  EXPECT_TRUE(validate_fc1(a, false).ok());
+  a = c.a;
+  a.x_stride = 264;  // e4m3 rows: a multiple of 16 elements
+  expect_invalid(a, "x_stride", Rule::kSize);
+  a = c.a;
+  a.x_scales = nullptr;
+  expect_invalid(a, "x_scales", Rule::kBuffer);
+  a = c.a;
+  a.w1_scales = nullptr;
+  expect_invalid(a, "w1_scales", Rule::kBuffer);
+  a = c.a;
+  a.x_scales = c.xs.data() + 0;
+  a.out = const_cast<float*>(c.ws.data());  // out overlaps w1_scales
+  expect_invalid(a, "out", Rule::kBuffer);
+}

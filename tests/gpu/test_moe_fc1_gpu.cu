@@ -9,6 +9,14 @@
 // in fp32 (__expf), then rounds once to bf16, so a value near a rounding
 // boundary may land one unit in the last place apart:
 //   |gpu - ref| <= 2^-7 |ref| + 2^-10 |.|max
+// FP8 (spec §9.7): the reference takes the dequantised e4m3 values in
+// double; the GPU's FP8 MMA keeps fewer bits than fp32 inside each K block
+// of 128 (all of K with per-tensor scales) before the fp32 promotion:
+//   |gpu - ref| <= 2^-7 |ref| + 2^-8 |.|max
+// X and W1 come from random floats with outlier channels (every 61st channel
+// 100 x larger), quantised as spec §11.3 says.
+#include <cuda_fp8.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -40,14 +48,46 @@ struct Case {
   MoeActivation act = MoeActivation::kSwiGLU;
   float limit = 0.f, alpha = 0.f;
   float w_scale = 0.1f;  // W1 uniform in [-w_scale, w_scale]
+  MoeFp8Scaling fp8 = MoeFp8Scaling::kNone;
   enum Routing { kRandom, kFirstHalfOnly, kAllToOne } routing = kRandom;
 };
+
+// Quantises `rows` rows of `cols` floats (cols % 128 == 0) as spec §11.3:
+// blocks of block_rows x 128, fp32 scales [ceil(rows / block_rows), cols /
+// 128] (one scale for everything with block_rows = 0: per tensor).
+void quantize_e4m3(const std::vector<float>& x, int64_t rows, int64_t cols, int64_t block_rows,
+                   std::vector<uint8_t>& q, std::vector<float>& scales) {
+  const int64_t rb = block_rows ? block_rows : rows, cb = block_rows ? 128 : cols;
+  const int64_t nrb = (rows + rb - 1) / rb, ncb = cols / cb;
+  q.assign(size_t(rows * cols), 0);
+  scales.assign(size_t(std::max<int64_t>(1, nrb * ncb)), 1.f);
+  for (int64_t br = 0; br < nrb; ++br)
+    for (int64_t bc = 0; bc < ncb; ++bc) {
+      float amax = 0.f;
+      for (int64_t r = br * rb; r < std::min(rows, (br + 1) * rb); ++r)
+        for (int64_t h = bc * cb; h < (bc + 1) * cb; ++h) amax = std::max(amax, std::fabs(x[r * cols + h]));
+      const float s = amax == 0.f ? 1.f : amax / 448.f;
+      scales[br * ncb + bc] = s;
+      for (int64_t r = br * rb; r < std::min(rows, (br + 1) * rb); ++r)
+        for (int64_t h = bc * cb; h < (bc + 1) * cb; ++h)
+          q[r * cols + h] = __nv_cvt_float_to_fp8(x[r * cols + h] / s, __NV_SATFINITE, __NV_E4M3);
+    }
+}
+
+std::vector<float> random_with_outliers(Rng& rng, int64_t rows, int64_t cols, float scale) {
+  std::vector<float> v(size_t(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < cols; ++h) v[r * cols + h] = rng.uniform(-scale, scale) * (h % 61 == 7 ? 100.f : 1.f);
+  return v;
+}
 
 struct Problem {
   Case c;
   Routing routing;
   HostTensor X, W1, bias, ref;
-  DeviceBuffer dX, dW1, dbias, dp2u, doff, dout;
+  std::vector<uint8_t> xq, wq;  // FP8: the e4m3 codes of X ([X rows, x_stride]) and W1
+  std::vector<float> xs, ws;    // FP8: their scales
+  DeviceBuffer dX, dW1, dbias, dp2u, doff, dout, dxs, dws;
   MoeFc1Args args;
   double max_ref = 0;
 
@@ -78,11 +118,38 @@ struct Problem {
     bias.fill_random(rng, -0.5f, 0.5f);
     ref = HostTensor(DType::kBFloat16, cap() * c.I);
     ref.poison();
+    const bool fp8 = c.fp8 != MoeFp8Scaling::kNone;
+    if (fp8) {
+      const int64_t blk = c.fp8 == MoeFp8Scaling::kBlock ? 1 : 0;
+      // X: rows of x_stride codes (the padding quantised too, never read).
+      quantize_e4m3(random_with_outliers(rng, x_rows, x_stride(), 1.f), x_rows, x_stride(), blk, xq, xs);
+      if (blk && c.x_pad) {  // scales [rows, H / 128]: drop the padding's block columns
+        const int64_t kbs = c.H / 128, all = x_stride() / 128;
+        std::vector<float> dense(size_t(x_rows * kbs));
+        for (int64_t r = 0; r < x_rows; ++r)
+          for (int64_t b = 0; b < kbs; ++b) dense[r * kbs + b] = xs[r * all + b];
+        xs = dense;
+      }
+      // W1: one expert at a time (blocks of 128 x 128 never cross experts).
+      const int64_t per = 2 * c.I * c.H;
+      const std::vector<float> w = random_with_outliers(rng, int64_t(c.local) * 2 * c.I, c.H, c.w_scale);
+      for (int e = 0; e < c.local; ++e) {
+        std::vector<float> we(w.begin() + e * per, w.begin() + (e + 1) * per);
+        std::vector<uint8_t> qe;
+        std::vector<float> se;
+        quantize_e4m3(we, 2 * c.I, c.H, blk ? 128 : 0, qe, se);
+        wq.insert(wq.end(), qe.begin(), qe.end());
+        ws.insert(ws.end(), se.begin(), se.end());
+      }
+    }
 
-    args.X = X.data();
+    args.X = fp8 ? static_cast<const void*>(xq.data()) : X.data();
     args.x_stride = c.x_pad ? x_stride() : 0;
     args.x_permuted = c.x_permuted;
-    args.W1 = W1.data();
+    args.W1 = fp8 ? static_cast<const void*>(wq.data()) : W1.data();
+    args.fp8 = c.fp8;
+    args.x_scales = fp8 ? xs.data() : nullptr;
+    args.w1_scales = fp8 ? ws.data() : nullptr;
     args.layout = c.layout;
     args.bias = c.bias ? bias.data() : nullptr;
     args.expert_first_token_offset = routing.offsets.data();
@@ -100,8 +167,14 @@ struct Problem {
     EXPECT_TRUE(st.ok()) << st.message();
     for (int64_t i = 0; i < routing.P() * c.I; ++i) max_ref = std::max(max_ref, std::fabs(ref.get(i)));
 
-    dX = DeviceBuffer(X.bytes);
-    dW1 = DeviceBuffer(W1.bytes);
+    dX = fp8 ? DeviceBuffer(xq) : DeviceBuffer(X.bytes);
+    dW1 = fp8 ? DeviceBuffer(wq) : DeviceBuffer(W1.bytes);
+    if (fp8) {
+      dxs = DeviceBuffer(xs);
+      dws = DeviceBuffer(ws);
+      args.x_scales = dxs.as<float>();
+      args.w1_scales = dws.as<float>();
+    }
     dbias = DeviceBuffer(bias.bytes);
     dp2u = DeviceBuffer(std::max<size_t>(4, size_t(routing.T * routing.k) * 4));  // capacity k*T
     if (!routing.p2u.empty()) dp2u.upload(routing.p2u.data(), routing.p2u.size() * 4);
@@ -142,7 +215,8 @@ struct Problem {
   // Every element of rows [0, P) within tolerance (NaN only where the
   // reference is NaN), rows [P, k*T) still the poison.
   void check(const HostTensor& got) const {
-    const double rtol = std::ldexp(1.0, -7), atol = std::ldexp(1.0, -10) * max_ref;
+    const double rtol = std::ldexp(1.0, -7);
+    const double atol = std::ldexp(1.0, c.fp8 != MoeFp8Scaling::kNone ? -8 : -10) * max_ref;
     const int64_t P = routing.P();
     int bad = 0;
     for (int64_t p = 0; p < cap(); ++p)
@@ -154,7 +228,7 @@ struct Problem {
         }
         const bool ok = std::isnan(r) ? std::isnan(g) : std::fabs(g - r) <= rtol * std::fabs(r) + atol;
         if (!ok && bad++ < 5)
-          ADD_FAILURE() << to_string(c.act) << "/" << to_string(c.layout) << " p=" << p << " i=" << i
+          ADD_FAILURE() << to_string(c.act) << "/" << to_string(c.layout) << "/" << to_string(c.fp8) << " p=" << p << " i=" << i
                         << " gpu=" << g << " ref=" << r << " tol=" << rtol * std::fabs(r) + atol;
       }
   }
@@ -336,6 +410,96 @@ TEST(MoeFc1Gpu, GraphCaptureAndReplay) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(s);
+}
+
+// FP8 (spec §9.7): block and per-tensor scales, both layouts, gathered and
+// permuted X, bias, a K of three scale blocks, 2I = 400 rows (the last W1
+// row block partial; with gate_up, up rows start mid-block).
+TEST(MoeFc1Gpu, Fp8EveryScalingLayoutAndInput) {
+  SKIP_WITHOUT_HOPPER();
+  for (MoeFp8Scaling f : {MoeFp8Scaling::kBlock, MoeFp8Scaling::kTensor})
+    for (Fc1WeightLayout l : kLayouts)
+      for (bool permuted : {false, true}) {
+        SCOPED_TRACE(std::string(to_string(f)) + "/" + to_string(l) + (permuted ? "/permuted" : "/gather"));
+        Case c;
+        c.fp8 = f;
+        c.H = 384;
+        c.layout = l;
+        c.x_permuted = permuted;
+        c.bias = !permuted;
+        check_case(c);
+      }
+}
+
+TEST(MoeFc1Gpu, Fp8ActivationsStridesAndOddShapes) {
+  SKIP_WITHOUT_HOPPER();
+  for (MoeFp8Scaling f : {MoeFp8Scaling::kBlock, MoeFp8Scaling::kTensor}) {
+    SCOPED_TRACE(to_string(f));
+    Case c;
+    c.fp8 = f;
+    c.H = 256;
+    c.act = MoeActivation::kSwiGLUOai;
+    c.x_pad = 128;  // x_stride = H + 128
+    check_case(c);
+    c = Case{};
+    c.fp8 = f;
+    c.H = 128;
+    c.T = 1;  // one token, every expert of 8
+    c.k = 8;
+    c.total = c.local = 8;
+    c.I = 64;
+    check_case(c);
+    c = Case{};
+    c.fp8 = f;
+    c.H = 512;
+    c.T = 700;  // ~350 rows an expert: chunks of 128 rows; T * k > 512 E: the 256-row ring for kTensor
+    c.k = 2;
+    c.total = c.local = 2;
+    check_case(c);
+    c = Case{};
+    c.fp8 = f;
+    c.H = 256;
+    c.total = 48;  // an expert-parallel rank with empty experts
+    c.start = 16;
+    c.local = 16;
+    c.routing = Case::kFirstHalfOnly;
+    check_case(c);
+  }
+}
+
+TEST(MoeFc1Gpu, Fp8BadInput) {
+  SKIP_WITHOUT_HOPPER();
+  Case c;
+  c.fp8 = MoeFp8Scaling::kBlock;
+  c.H = 256;
+  Problem p(c);
+  auto expect_error = [&](const MoeFc1Args& a, const char* arg) {
+    Status st = moe_fc1(a, nullptr);
+    EXPECT_FALSE(st.ok());
+    EXPECT_NE(st.message().find(arg), std::string::npos) << st.message();
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  };
+  MoeFc1Args a = p.args;
+  a.x_scales = nullptr;
+  expect_error(a, "x_scales");
+  a = p.args;
+  a.w1_scales = nullptr;
+  expect_error(a, "w1_scales");
+  a = p.args;
+  a.hidden = 192;  // not a multiple of 128
+  a.x_stride = 256;
+  expect_error(a, "hidden");
+  a = p.args;
+  a.x_stride = 264;  // not 16 bytes a multiple of e4m3
+  expect_error(a, "x_stride");
+  a = p.args;
+  a.fp8 = static_cast<MoeFp8Scaling>(9);
+  expect_error(a, "fp8");
+  a = p.args;
+  a.out = const_cast<float*>(p.args.w1_scales);  // overlaps an input
+  expect_error(a, "out");
+  CUDA_OK(cudaDeviceSynchronize());
+  p.expect_out_untouched();
 }
 
 TEST(MoeFc1Gpu, BadInputNamesTheArgumentAndWritesNothing) {
