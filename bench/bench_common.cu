@@ -6,8 +6,10 @@
 #include <fstream>
 #include <sstream>
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 namespace flashmix::bench {
 
@@ -139,6 +141,117 @@ double cublas_gemm_us(int64_t m, int64_t n, int64_t k, cudaStream_t stream, int 
   return median_us([&] { gemm.run(); }, stream, 5, iters);
 }
 
+namespace {
+
+__global__ void fill_e4m3_random(__nv_fp8_e4m3* p, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t x = uint32_t(i) * 2654435761u ^ seed;
+    x ^= x >> 13; x *= 0x5bd1e995u; x ^= x >> 15;
+    p[i] = __nv_fp8_e4m3(float(x & 0xffff) / 32768.0f - 1.0f);  // [-1, 1): finite e4m3
+  }
+}
+
+void lt_check(cublasStatus_t st, const char* what) {
+  if (st != CUBLAS_STATUS_SUCCESS) {
+    std::fprintf(stderr, "flashmix-bench: cuBLASLt %s failed (%d)\n", what, int(st));
+    std::exit(2);
+  }
+}
+
+}  // namespace
+
+double cublaslt_fp8_gemm_us(int64_t m, int64_t n, int64_t k, cudaStream_t stream, int iters) {
+  if (m <= 0 || n <= 0 || k <= 0 || m % 16 || n % 16 || k % 16) {
+    std::fprintf(stderr, "flashmix-bench: cublaslt_fp8_gemm_us: m, n, k must be positive multiples of 16 (%lld, %lld, %lld)\n",
+                 (long long)m, (long long)n, (long long)k);
+    std::exit(2);
+  }
+  // Enough copies of A, B and D that a rotation through them does not live
+  // in L2 (at least twice its size), at most 64.
+  int dev = 0, l2 = 0;
+  BENCH_CUDA(cudaGetDevice(&dev));
+  BENCH_CUDA(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
+  const size_t a_bytes = size_t(m * k), b_bytes = size_t(n * k), d_bytes = size_t(m * n) * 2;
+  const size_t set_bytes = a_bytes + b_bytes + d_bytes;
+  const int copies = int(std::min<size_t>(64, std::max<size_t>(1, (2 * size_t(l2) + set_bytes - 1) / set_bytes)));
+  std::vector<void*> a(copies), b(copies), d(copies);
+  for (int i = 0; i < copies; ++i) {
+    BENCH_CUDA(cudaMalloc(&a[i], a_bytes));
+    BENCH_CUDA(cudaMalloc(&b[i], b_bytes));
+    BENCH_CUDA(cudaMalloc(&d[i], d_bytes));
+    fill_e4m3_random<<<1024, 256, 0, stream>>>(static_cast<__nv_fp8_e4m3*>(a[i]), m * k, 1u + 2u * i);
+    fill_e4m3_random<<<1024, 256, 0, stream>>>(static_cast<__nv_fp8_e4m3*>(b[i]), n * k, 2u + 2u * i);
+    BENCH_CUDA(cudaGetLastError());
+  }
+  float* scale = nullptr;  // per-tensor scales of A and B, both 1
+  const float one = 1.0f;
+  BENCH_CUDA(cudaMalloc(&scale, sizeof(float)));
+  BENCH_CUDA(cudaMemcpy(scale, &one, sizeof(float), cudaMemcpyHostToDevice));
+  const size_t ws_bytes = size_t(32) << 20;
+  void* ws = nullptr;
+  BENCH_CUDA(cudaMalloc(&ws, ws_bytes));
+  BENCH_CUDA(cudaDeviceSynchronize());
+
+  // Row-major D[m, n] = A[m, k] B[n, k]^T with both operands K-major (the
+  // layout torch._scaled_mm takes) is, in cuBLAS's column-major terms,
+  // D^T [n x m] = op(B) A with B seen as [k x n] (ld k) transposed and A as
+  // [k x m] (ld k) not: "TN", the layout Hopper's FP8 GEMMs run.
+  cublasLtHandle_t lt;
+  lt_check(cublasLtCreate(&lt), "create");
+  cublasLtMatmulDesc_t op;
+  lt_check(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
+  const cublasOperation_t transa = CUBLAS_OP_T, transb = CUBLAS_OP_N;
+  const int8_t fast_accum = 1;
+  lt_check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &transa, sizeof(transa)), "transa");
+  lt_check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &transb, sizeof(transb)), "transb");
+  lt_check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale, sizeof(scale)), "a scale");
+  lt_check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale, sizeof(scale)), "b scale");
+  lt_check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast_accum, sizeof(fast_accum)),
+           "fast accum");
+  cublasLtMatrixLayout_t la, lb, lc;
+  lt_check(cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, uint64_t(k), uint64_t(n), int64_t(k)), "layout A");
+  lt_check(cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, uint64_t(k), uint64_t(m), int64_t(k)), "layout B");
+  lt_check(cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, uint64_t(n), uint64_t(m), int64_t(n)), "layout C/D");
+  cublasLtMatmulPreference_t pref;
+  lt_check(cublasLtMatmulPreferenceCreate(&pref), "preference");
+  const uint64_t ws_limit = ws_bytes;
+  lt_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_limit,
+                                                sizeof(ws_limit)),
+           "workspace preference");
+  cublasLtMatmulHeuristicResult_t heuristic = {};
+  int found = 0;
+  lt_check(cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, lc, lc, pref, 1, &heuristic, &found), "heuristic");
+  if (found < 1) {
+    std::fprintf(stderr, "flashmix-bench: cuBLASLt has no FP8 GEMM algorithm for %lld x %lld x %lld\n", (long long)m,
+                 (long long)n, (long long)k);
+    std::exit(2);
+  }
+  const float alpha = 1.0f, beta = 0.0f;
+  int next = 0;
+  auto run = [&] {
+    const int i = next++ % copies;
+    lt_check(cublasLtMatmul(lt, op, &alpha, b[i], la, a[i], lb, &beta, d[i], lc, d[i], lc, &heuristic.algo, ws,
+                            ws_bytes, stream),
+             "matmul");
+  };
+  const double us = median_us(run, stream, std::max(5, copies), iters);
+
+  cublasLtMatmulPreferenceDestroy(pref);
+  cublasLtMatrixLayoutDestroy(la);
+  cublasLtMatrixLayoutDestroy(lb);
+  cublasLtMatrixLayoutDestroy(lc);
+  cublasLtMatmulDescDestroy(op);
+  cublasLtDestroy(lt);
+  for (int i = 0; i < copies; ++i) {
+    cudaFree(a[i]);
+    cudaFree(b[i]);
+    cudaFree(d[i]);
+  }
+  cudaFree(scale);
+  cudaFree(ws);
+  return us;
+}
+
 void print_header() {
   std::printf("%-22s %-34s %11s %10s %9s %-8s %s\n", "op", "case", "median_us", "GB/s|TF/s",
               "fraction", "ceiling", "check");
@@ -172,7 +285,8 @@ bool write_json(const Context& ctx, const std::string& path) {
   f.precision(6);
   f << "{\n  \"gpu\": \"" << json_escape(ctx.gpu_name) << "\",\n  \"date\": \"" << ctx.date
     << "\",\n  \"commit\": \"" << ctx.commit << "\",\n  \"copy_gbps\": " << ctx.copy_gbps
-    << ",\n  \"gemm_tflops\": " << ctx.gemm_tflops << ",\n  \"records\": [\n";
+    << ",\n  \"gemm_tflops\": " << ctx.gemm_tflops << ",\n  \"gemm_fp8_tflops\": " << ctx.gemm_fp8_tflops
+    << ",\n  \"records\": [\n";
   for (size_t i = 0; i < ctx.records.size(); ++i) {
     const Record& r = ctx.records[i];
     f << "    {\"op\": \"" << r.op << "\", \"case\": \"" << json_escape(r.case_name)

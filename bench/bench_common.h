@@ -3,7 +3,8 @@
 //
 // Ceilings are measured in the same run: device-to-device copy bandwidth
 // (bytes read + written by a >= 1 GiB cudaMemcpyAsync) for memory-bound ops,
-// and a dense cuBLAS bf16 GEMM for GEMMs.
+// and a dense cuBLAS bf16 GEMM for GEMMs (a dense cuBLASLt FP8 GEMM for the
+// FP8 ones).
 #pragma once
 
 #include <chrono>
@@ -41,6 +42,7 @@ struct Context {
   std::string commit;
   double copy_gbps = 0;    // ceiling for memory-bound ops
   double gemm_tflops = 0;  // ceiling for GEMMs (dense bf16 8192^3)
+  double gemm_fp8_tflops = 0;  // ceiling for FP8 GEMMs (dense e4m3 8192^3, cuBLASLt: cublaslt_fp8_gemm_us)
   bool verify = true;
   bool quick = false;      // fewer repetitions
   bool sweep = false;      // also time the launch-shape tunings of each op
@@ -70,6 +72,13 @@ double graph_us_per_launch(const std::function<void(int)>& fn, int launches, cud
 double measure_copy_gbps(cudaStream_t stream, int iters);
 // Time of one dense bf16 GEMM m x n x k (cuBLAS, fp32 accumulate), in microseconds.
 double cublas_gemm_us(int64_t m, int64_t n, int64_t k, cudaStream_t stream, int iters);
+// Time of one dense FP8 GEMM m x n x k through cuBLASLt, in microseconds: the
+// `gemm_fp8` ceiling, what torch._scaled_mm runs -- e4m3 x e4m3 -> bf16,
+// per-tensor scales (A and B scale pointers, value 1), fast accumulation,
+// both operands K-major ("TN"), the heuristic's first algorithm, 32 MiB of
+// workspace. Inputs rotated over copies (together at least twice L2), median
+// of CUDA-event timings after a warm-up. m, n, k: multiples of 16.
+double cublaslt_fp8_gemm_us(int64_t m, int64_t n, int64_t k, cudaStream_t stream, int iters);
 
 // A dense cuBLAS bf16 GEMM C[m,n] = A[m,k] B[n,k]^T on random inputs, to be
 // launched many times (run()).
@@ -143,5 +152,6 @@ void run_mhc_cases(Context& ctx);
 void run_moe_fc2_cases(Context& ctx);
 void run_moe_fc1_cases(Context& ctx);
 void run_moe_forward_cases(Context& ctx);
+void run_quantize_fp8_cases(Context& ctx);
 
 }  // namespace flashmix::bench

@@ -57,10 +57,13 @@ int main(int argc, char** argv) {
     ctx.copy_gbps = measure_copy_gbps(stream, ctx.quick ? 10 : 30);
     double gemm_us = cublas_gemm_us(8192, 8192, 8192, stream, ctx.quick ? 10 : 30);
     ctx.gemm_tflops = 2.0 * 8192.0 * 8192.0 * 8192.0 / (gemm_us * 1e-6) / 1e12;
+    double fp8_us = cublaslt_fp8_gemm_us(8192, 8192, 8192, stream, ctx.quick ? 10 : 30);
+    ctx.gemm_fp8_tflops = 2.0 * 8192.0 * 8192.0 * 8192.0 / (fp8_us * 1e-6) / 1e12;
     std::printf("flashmix-bench on %s (%d SMs, L2 %zu MiB), commit %s, %s\n", prop.name, ctx.num_sms,
                 ctx.l2_bytes >> 20, ctx.commit.c_str(), ctx.date.c_str());
-    std::printf("ceilings: device-to-device copy %.1f GB/s (read + write); cuBLAS bf16 GEMM 8192^3 %.1f TFLOP/s\n",
-                ctx.copy_gbps, ctx.gemm_tflops);
+    std::printf("ceilings: device-to-device copy %.1f GB/s (read + write); cuBLAS bf16 GEMM 8192^3 %.1f TFLOP/s; "
+                "cuBLASLt FP8 GEMM 8192^3 (e4m3, per-tensor scales, fast accumulation) %.1f TFLOP/s\n",
+                ctx.copy_gbps, ctx.gemm_tflops, ctx.gemm_fp8_tflops);
   } else {
     std::printf("flashmix-bench: no GPU found: running the CPU reference backend on small shapes "
                 "(CPU timings; no ceilings, nothing to check against)\n");
@@ -73,6 +76,7 @@ int main(int argc, char** argv) {
   run_moe_fc1_cases(ctx);
   run_moe_fc2_cases(ctx);
   run_moe_forward_cases(ctx);
+  run_quantize_fp8_cases(ctx);
 
   int failed = 0;
   for (const auto& r : ctx.records) failed += r.check.rfind("FAILED", 0) == 0;

@@ -4,8 +4,8 @@ python/README.md).
 
 The package is split by area: ``flashmix.moe`` (routing maps, finalize, FC2,
 the router, FC1, the whole routed-expert layer ``moe_forward`` and its torch
-module ``MoeLayer``) and ``flashmix.mhc`` (the mHC ops); everything they
-export is here too.
+module ``MoeLayer``), ``flashmix.mhc`` (the mHC ops) and ``flashmix.fp8``
+(``quantize_fp8``); everything they export is here too.
 
 Every function takes torch tensors (CUDA or CPU) or numpy arrays (CPU). The
 arrays decide the backend: all on one CUDA device -> the fused kernels,
@@ -31,7 +31,7 @@ bfloat16 on the CPU without torch: numpy arrays of ``ml_dtypes.bfloat16``.
 
 torch.compile: when torch is importable, ``torch.ops.flashmix.build_moe_routing_maps``,
 ``finalize_moe_routing``, ``moe_fc2_finalize``, ``moe_router``, ``moe_fc1``,
-``moe_forward``, ``mhc_expand``, ``mhc_pre``,
+``moe_forward``, ``quantize_fp8``, ``mhc_expand``, ``mhc_pre``,
 ``mhc_pre_with_workspace`` (mhc_pre with the small-batch workspace), ``mhc_post``
 and ``mhc_head`` are registered as custom ops with shape
 functions; call those inside compiled code (the functions here call the
@@ -47,7 +47,8 @@ import pkgutil
 __path__ = pkgutil.extend_path(__path__, __name__)
 
 from . import _common  # noqa: E402  (torch first, when it is there; then flashmix._C)
-from . import mhc, moe  # noqa: E402
+from . import fp8, mhc, moe  # noqa: E402
+from .fp8 import *  # noqa: E402,F401,F403
 from .mhc import *  # noqa: E402,F401,F403
 from .moe import *  # noqa: E402,F401,F403
 
@@ -56,4 +57,4 @@ __version__ = _common._C.__version__
 #: Whether torch was importable, so that the torch.ops.flashmix custom ops are registered.
 torch_ops_registered = _common.torch is not None
 
-__all__ = moe.__all__ + mhc.__all__ + ["torch_ops_registered"]
+__all__ = moe.__all__ + mhc.__all__ + fp8.__all__ + ["torch_ops_registered"]

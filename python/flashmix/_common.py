@@ -1,4 +1,4 @@
-"""What the areas of the package (moe.py, mhc.py) share: loading torch and the
+"""What the areas of the package (moe.py, mhc.py, fp8.py) share: loading torch and the
 compiled module, arrays (torch tensors or numpy arrays), streams, devices,
 workspaces, and the library's defaults."""
 import types

@@ -1,4 +1,4 @@
-// flashmix._C: what every area of the binding shares (moe.cpp, mhc.cpp).
+// flashmix._C: what every area of the binding shares (moe.cpp, mhc.cpp, fp8.cpp).
 //
 // Arrays arrive as DLPack tensors (nb::ndarray), so torch tensors and numpy
 // arrays both work and nothing here depends on torch. The arrays decide the
@@ -53,6 +53,7 @@ using OptOut = std::optional<Out>;
 void register_common(nb::module_& m);
 void register_moe(nb::module_& m);
 void register_mhc(nb::module_& m);
+void register_fp8(nb::module_& m);
 
 // ---------------------------------------------------------------------------
 // Errors

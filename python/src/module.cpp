@@ -1,5 +1,5 @@
 // flashmix._C: the nanobind binding of the flashmix C++ API, one file per
-// area (moe.cpp, mhc.cpp) over a shared part (common.h / common.cpp).
+// area (moe.cpp, mhc.cpp, fp8.cpp) over a shared part (common.h / common.cpp).
 // python/flashmix/ is the package over it; python/README.md describes both.
 #include <nanobind/nanobind.h>
 
@@ -10,4 +10,5 @@ NB_MODULE(_C, m) {
   flashmix::python::register_common(m);
   flashmix::python::register_moe(m);
   flashmix::python::register_mhc(m);
+  flashmix::python::register_fp8(m);
 }

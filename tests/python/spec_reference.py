@@ -379,3 +379,66 @@ def post_problem(rng, B, n, C):
     h_post = rng.uniform(0, 2, (B, n)).astype(np.float32)
     h_res = ((1 + 0.5 * rng.uniform(-1, 1, (B, n, n))) / n).astype(np.float32)
     return x, f_out, h_post, h_res
+
+
+# ---------------------------------------------------------------------------
+# spec §11.3 / §12: quantize_fp8 (fp32 arithmetic as the spec states it; the
+# e4m3 rounding by ml_dtypes)
+# ---------------------------------------------------------------------------
+
+def quantize_fp8(x, block_rows, scale_format):
+    """(q uint8 of x's shape, scales [(batch,) row blocks, cols // 128] float32 or uint8 (ue8m0)) for
+    bf16 x [rows, cols] or [batch, rows, cols]."""
+    xf = np.asarray(x).astype(np.float32)
+    rows, cols = xf.shape[-2:]
+    xb = xf.reshape((-1, rows, cols))
+    nrb, ncb = -(-rows // block_rows), cols // 128
+    ue8m0 = scale_format == "ue8m0"
+    q = np.empty(xb.shape, np.uint8)
+    scales = np.empty((xb.shape[0], nrb, ncb), np.uint8 if ue8m0 else np.float32)
+    e4m3 = ml_dtypes.float8_e4m3fn
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore", under="ignore"):
+        for b in range(xb.shape[0]):
+            for i in range(nrb):
+                for j in range(ncb):
+                    rs, cs = slice(i * block_rows, (i + 1) * block_rows), slice(j * 128, (j + 1) * 128)
+                    blk = xb[b, rs, cs]
+                    if np.isnan(blk).any():  # NaN scale, every element the NaN byte
+                        scales[b, i, j] = 255 if ue8m0 else np.nan
+                        q[b, rs, cs] = 0x7F
+                        continue
+                    amax = np.float32(np.abs(blk).max())
+                    r = np.float32(amax / np.float32(448))
+                    if amax == 0:
+                        s = np.float32(1)
+                        scales[b, i, j] = 127 if ue8m0 else s
+                    elif ue8m0:
+                        if np.isinf(r):
+                            e = 128
+                        else:
+                            m, e = np.frexp(r)  # r = m 2^e, 0.5 <= m < 1
+                            e = int(e) - 1 if m == 0.5 else int(e)
+                        e = min(127, max(-127, e))
+                        scales[b, i, j] = e + 127
+                        s = np.float32(np.ldexp(np.float32(1), e))
+                    else:
+                        s = r
+                        scales[b, i, j] = s
+                    v = (blk / s).astype(np.float32)
+                    qq = np.clip(v, -448, 448).astype(e4m3).view(np.uint8)  # clip keeps NaN; ml_dtypes rounds to even
+                    qq[np.isnan(v)] = 0x7F
+                    q[b, rs, cs] = qq
+    return q.reshape(xf.shape), scales.reshape(xf.shape[:-2] + (nrb, ncb))
+
+
+def fp8_input(rng, shape):
+    """bf16 of `shape` like an activation / weight: U(-1, 1) times a per-row power of two in
+    [2^-12, 2^12], a few outlier columns 100 x larger, a zero 128-column block here and there."""
+    rows, cols = shape[-2:]
+    x = rng.uniform(-1, 1, shape) * np.exp2(rng.integers(-12, 13, shape[:-1] + (1,)))
+    x[..., rng.choice(cols, max(1, cols // 50), replace=False)] *= 100
+    flat = x.reshape(-1, cols)
+    for r in range(0, flat.shape[0], 7):
+        c0 = 128 * int(rng.integers(0, cols // 128))
+        flat[r, c0:c0 + 128] = 0
+    return x.astype(BF16)

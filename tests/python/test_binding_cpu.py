@@ -907,7 +907,7 @@ def test_defaults_are_the_library_values():
 def test_the_package_restates_none_of_the_library_defaults():
     # Every keyword the binding reports a library default for has that default in the package's
     # function, and the binding itself has no defaults (its signatures are all required keywords).
-    tables = {**_C.moe_defaults(), **_C.mhc_defaults()}
+    tables = {**_C.moe_defaults(), **_C.mhc_defaults(), **_C.fp8_defaults()}
     for op, table in tables.items():
         got = defaults_of(getattr(flashmix, op))
         for keyword, value in table.items():
@@ -1139,7 +1139,7 @@ def test_mixed_devices_raise_value_error_naming_the_argument():
 
 BOUND_OPS = ("finalize_moe_routing", "debug_check_finalize_moe_routing_indices", "build_moe_routing_maps",
              "moe_fc2_finalize", "moe_router", "moe_fc1", "moe_forward", "mhc_pre", "mhc_post", "mhc_project", "mhc_activate", "mhc_pre_mix", "mhc_head",
-             "mhc_expand")
+             "mhc_expand", "quantize_fp8")
 
 
 def test_every_op_takes_a_stream():
@@ -1453,3 +1453,139 @@ def test_an_array_not_aligned_to_its_element_raises_value_error_naming_it():
     with raises_naming(ValueError, "finalize_moe_routing", "expanded_permuted_rows"):
         flashmix.finalize_moe_routing(rows, np.arange(2, dtype=np.int32), np.zeros((2, 1), np.int32),
                                       num_experts_per_node=1)
+
+
+# ---------------------------------------------------------------------------
+# quantize_fp8 (spec §12): bitwise against the numpy reference
+# ---------------------------------------------------------------------------
+
+needs_fp8_reference = pytest.mark.skipif(ref.ml_dtypes is None, reason="ml_dtypes is not installed")
+
+
+def fp8_bits(a):
+    """The bytes of a float32 / uint8 array as unsigned integers (NaN compares by its bits)."""
+    a = np.ascontiguousarray(a)
+    return a.view(np.uint32) if a.dtype == np.float32 else a.view(np.uint8)
+
+
+@needs_fp8_reference
+@pytest.mark.parametrize("block", [(1, 128), (128, 128)])
+@pytest.mark.parametrize("scale_format", ["float32", "ue8m0"])
+@pytest.mark.parametrize("shape", [(1, 128), (7, 384), (130, 256), (3, 45, 128), (2, 129, 256)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_quantize_fp8_matches_spec(block, scale_format, shape):
+    rng = np.random.default_rng(sum(shape) * 10 + block[0])
+    x = ref.fp8_input(rng, shape)
+    q, scales = flashmix.quantize_fp8(x, block=block, scale_format=scale_format)
+    want_q, want_s = ref.quantize_fp8(x, block[0], scale_format)
+    assert q.dtype == np.uint8 and q.shape == shape
+    assert scales.dtype == (np.uint8 if scale_format == "ue8m0" else np.float32) and scales.shape == want_s.shape
+    np.testing.assert_array_equal(q, want_q)
+    np.testing.assert_array_equal(fp8_bits(scales), fp8_bits(want_s))
+
+
+@needs_fp8_reference
+def test_quantize_fp8_special_values_match_spec():
+    x = np.zeros((4, 512), np.float32)
+    x[0, :128] = np.linspace(-3, 3, 128)
+    x[0, 7] = np.nan                    # a NaN block
+    x[1, 128:256] = np.linspace(-1, 1, 128)
+    x[1, 130] = -np.inf                 # an infinite element
+    x[2, 256:384] = 1e-39               # bf16 subnormals
+    x[3, 384] = 3e38                    # one huge value
+    x = x.astype(ref.BF16)
+    for block in [(1, 128), (128, 128)]:
+        for fmt in ["float32", "ue8m0"]:
+            q, s = flashmix.quantize_fp8(x, block=block, scale_format=fmt)
+            want_q, want_s = ref.quantize_fp8(x, block[0], fmt)
+            np.testing.assert_array_equal(q, want_q)
+            np.testing.assert_array_equal(fp8_bits(s), fp8_bits(want_s))
+    q, s = flashmix.quantize_fp8(x)
+    assert np.isnan(s[0, 0]) and (q[0, :128] == 0x7F).all()
+    assert s[1, 1] == np.inf and q[1, 130] == 0x7F
+    assert s[0, 1] == 1.0  # a zero block
+
+
+@needs_fp8_reference
+def test_quantize_fp8_writes_strided_outputs_and_leaves_their_padding():
+    rng = np.random.default_rng(3)
+    big = ref.fp8_input(rng, (2, 40, 272))
+    x = big[:, :33, :256]  # row stride 272, matrix stride 40 * 272
+    q_big = np.full((2, 35, 300), 0xA5, np.uint8)
+    q = q_big[:, :33, :256]
+    q_ret, s = flashmix.quantize_fp8(x, block=(128, 128), out=q, scale_format="ue8m0")
+    assert q_ret is q
+    want_q, want_s = ref.quantize_fp8(np.ascontiguousarray(x), 128, "ue8m0")
+    np.testing.assert_array_equal(q, want_q)
+    np.testing.assert_array_equal(s, want_s)
+    assert (q_big[:, :33, 256:] == 0xA5).all() and (q_big[:, 33:, :] == 0xA5).all()
+    # an ml_dtypes float8_e4m3fn output and given scales are written in place
+    q8 = np.zeros((33, 256), ref.ml_dtypes.float8_e4m3fn)
+    s8 = np.zeros((33, 2), np.float32)
+    flashmix.quantize_fp8(x[0], out=q8, scales=s8)
+    want_q, want_s = ref.quantize_fp8(np.ascontiguousarray(x[0]), 1, "float32")
+    np.testing.assert_array_equal(q8.view(np.uint8), want_q)
+    np.testing.assert_array_equal(s8, want_s)
+
+
+def test_quantize_fp8_zero_rows_is_valid():
+    x = np.zeros((0, 256), ref.BF16) if ref.BF16 is not None else None
+    if x is None:
+        pytest.skip("ml_dtypes is not installed")
+    q, s = flashmix.quantize_fp8(x, block=(128, 128))
+    assert q.shape == (0, 256) and s.shape == (0, 2)
+
+
+@pytest.mark.parametrize("change, arg", [
+    ({"block": (2, 128)}, "block"),
+    ({"block": "1x64"}, "block"),
+    ({"scale_format": "e8m0"}, "scale_format"),
+    ({"x": np.zeros((4, 256), np.float32)}, "x"),
+    ({"x": "cols100"}, "x"),
+    ({"x": "four_dims"}, "x"),
+    ({"out": np.zeros((4, 128), np.uint8)}, "out"),
+    ({"out": np.zeros((4, 256), np.int8)}, "out"),
+    ({"scales": np.zeros((4, 3), np.float32)}, "scales"),
+    ({"scales": np.zeros((4, 2), np.uint8)}, "scales"),
+    ({"scales": np.zeros((4, 4), np.float32)[:, ::2]}, "scales"),
+])
+def test_quantize_fp8_bad_input_raises_value_error_naming_the_argument(change, arg):
+    if ref.BF16 is None:
+        pytest.skip("ml_dtypes is not installed")
+    kw = {"x": np.ones((4, 256), ref.BF16)}
+    kw.update(change)
+    if isinstance(kw["x"], str):
+        kw["x"] = {"cols100": np.ones((4, 100), ref.BF16), "four_dims": np.ones((1, 2, 4, 128), ref.BF16)}[kw["x"]]
+    x = kw.pop("x")
+    with raises_naming(ValueError, "quantize_fp8", arg):
+        flashmix.quantize_fp8(x, **kw)
+
+
+def test_quantize_fp8_defaults_and_names_are_the_library_values():
+    d = defaults_of(flashmix.quantize_fp8)
+    assert (d["block"], d["scale_format"], d["enable_pdl"]) == ("1x128", "float32", True)
+    assert flashmix.FP8_SCALE_FORMATS == ("float32", "ue8m0")
+    assert flashmix.FP8_BLOCKS == ("1x128", "128x128")
+    for name, value in _C.fp8_defaults()["quantize_fp8"].items():
+        assert d[name] == value and type(d[name]) is type(value), name
+    assert " = " not in _C.quantize_fp8.__doc__.splitlines()[0]
+    assert "stream: int" in _C.quantize_fp8.__doc__
+
+
+def test_torch_custom_op_quantize_fp8_on_cpu_tensors():
+    torch = torch_or_skip()
+    rng = np.random.default_rng(21)
+    x_np = ref.fp8_input(rng, (3, 130, 256))
+    x = torch.from_numpy(x_np.view(np.uint16)).view(torch.bfloat16)
+    for block in ["1x128", "128x128"]:
+        for fmt in ["float32", "ue8m0"]:
+            q, s = torch.ops.flashmix.quantize_fp8(x, block, fmt)
+            assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape
+            want_q, want_s = ref.quantize_fp8(x_np, 128 if block == "128x128" else 1, fmt)
+            np.testing.assert_array_equal(q.view(torch.uint8).numpy(), want_q)
+            got_s = s.view(torch.uint8).numpy() if fmt == "ue8m0" else s.numpy()
+            np.testing.assert_array_equal(fp8_bits(got_s), fp8_bits(want_s))
+    q, s = flashmix.quantize_fp8(x, block=(128, 128))
+    compiled = torch.compile(lambda t: torch.ops.flashmix.quantize_fp8(t, "128x128"), fullgraph=True)
+    q2, s2 = compiled(x)
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)

@@ -1,0 +1,126 @@
+"""FP8: quantize_fp8 (spec §12 of docs/spec.md; the formats: spec §11) -- the
+function with its torch custom op and shape function beside it.
+
+e4m3 arrays are ``torch.float8_e4m3fn`` tensors, or uint8 arrays of its bytes
+(numpy has no FP8 type; ``ml_dtypes.float8_e4m3fn`` arrays are taken too).
+ue8m0 scales are ``torch.float8_e8m0fnu`` tensors where torch has that type,
+else uint8 (the byte b means 2^(b - 127); 255 is NaN).
+
+Keyword defaults are the library's (the Args initialisers of
+include/flashmix/fp8.h, read through ``_C.fp8_defaults()``); the binding
+(python/src/fp8.cpp) takes every argument explicitly.
+"""
+from ._common import _C, arg, defaults, empty, is_tensor, stream_of, torch
+
+__all__ = ["quantize_fp8", "FP8_SCALE_FORMATS", "FP8_BLOCKS"]
+
+if torch is not None:
+    from ._torch_ops import Tensor, Tuple, custom_op
+
+_QUANTIZE = defaults(_C.fp8_defaults())["quantize_fp8"]
+
+#: The ``scale_format`` values: "float32" (the scale itself) and "ue8m0" (a power of two, one byte).
+FP8_SCALE_FORMATS = _C.FP8_SCALE_FORMATS
+#: The blocks a scale covers, by name ("1x128", "128x128"); ``block`` also takes them as (rows, cols).
+FP8_BLOCKS = _C.FP8_BLOCKS
+
+
+def _block_name(block):
+    """"1x128" / "128x128" for (1, 128) / (128, 128) or those names; ValueError otherwise."""
+    if isinstance(block, str):
+        name = block
+    else:
+        try:
+            name = "x".join(str(int(v)) for v in block) if len(block) == 2 else None
+        except (TypeError, ValueError):
+            name = None
+    if name not in FP8_BLOCKS:
+        raise ValueError(f"quantize_fp8: block: must be (1, 128) or (128, 128) (got {block!r})")
+    return name
+
+
+def _block_rows(block_name):
+    return 128 if block_name == "128x128" else 1
+
+
+def _scale_shape(shape, block_name):
+    """[(batch,) ceil(rows / block rows), cols // 128] for x of `shape`."""
+    rows, cols = shape[-2], shape[-1]
+    br = _block_rows(block_name)
+    return tuple(shape[:-2]) + ((rows + br - 1) // br, cols // 128)
+
+
+def _e4m3_dtype(x):
+    return torch.float8_e4m3fn if is_tensor(x) else "uint8"
+
+
+def _scale_dtype(x, scale_format):
+    if scale_format != "ue8m0":
+        return "float32"
+    if is_tensor(x) and hasattr(torch, "float8_e8m0fnu"):
+        return torch.float8_e8m0fnu
+    return "uint8"
+
+
+def _as_bytes(a):
+    """A one-byte FP8 array (torch float8 types, ml_dtypes' float8 types) as uint8, the same memory;
+    anything else unchanged (the binding checks its dtype)."""
+    if a is None:
+        return None
+    if is_tensor(a):
+        one_byte_float = a.element_size() == 1 and a.dtype not in (torch.uint8, torch.int8, torch.bool)
+        return a.view(torch.uint8) if one_byte_float else a
+    dtype = getattr(a, "dtype", None)
+    if dtype is not None and getattr(dtype, "itemsize", 0) == 1 and getattr(dtype, "kind", "") == "V":
+        return a.view("uint8")  # ml_dtypes.float8_* (numpy kind 'V')
+    return a
+
+
+def _new_outputs(x, block_name, scale_format):
+    return (empty(x, tuple(x.shape), _e4m3_dtype(x)),
+            empty(x, _scale_shape(tuple(x.shape), block_name), _scale_dtype(x, scale_format)))
+
+
+def quantize_fp8(x, *, block=_QUANTIZE.block, scale_format=_QUANTIZE.scale_format, out=None, scales=None,
+                 enable_pdl=_QUANTIZE.enable_pdl, stream=None):
+    """spec §12: bf16 -> e4m3 with one scale per block (spec §11.3):
+    ``amax = max |x|``, ``s = amax / 448`` (``"float32"``) or the smallest power of two >= it
+    (``"ue8m0"``), ``s = 1`` for a zero block, ``q = e4m3(x / s)`` (fp32 division, round to nearest
+    even, saturating at +-448).
+
+    Args:
+      x: bfloat16 ``[rows, cols]`` or ``[batch, rows, cols]`` (e.g. weights ``[E, N, K]``); cols a
+        multiple of 128; rows (and matrices) may be strided, columns contiguous.
+      block: ``(1, 128)`` or ``"1x128"`` (activations: a scale per row per 128 columns), or
+        ``(128, 128)`` or ``"128x128"`` (weights: per 128 x 128 tile of each matrix; the last row
+        block may be partial).
+      scale_format: ``"float32"`` or ``"ue8m0"``.
+      out: e4m3 output of x's shape (``torch.float8_e4m3fn``, or uint8), rows may be strided;
+        allocated when None.
+      scales: dense ``[(batch,) ceil(rows / block rows), cols / 128]`` of float32 (``"float32"``) or
+        of ``torch.float8_e8m0fnu`` / uint8 (``"ue8m0"``); allocated when None.
+      enable_pdl: programmatic dependent launch (GPU).
+      stream: see the package docstring.
+
+    Returns ``(out, scales)``. A block holding a NaN gets a NaN scale and NaN (0x7f) elements.
+    """
+    name = _block_name(block)
+    if out is None or scales is None:
+        fresh_q, fresh_s = _new_outputs(x, name, scale_format)
+        out = fresh_q if out is None else out
+        scales = fresh_s if scales is None else scales
+    _C.quantize_fp8(arg(x), arg(_as_bytes(out)), arg(_as_bytes(scales)), block=name, scale_format=scale_format,
+                    enable_pdl=enable_pdl, stream=stream_of(stream, x))
+    return out, scales
+
+
+if torch is not None:
+    def _quantize_fp8_fake(x, block, scale_format, **_):
+        return _new_outputs(x, _block_name(block), scale_format)
+
+    @custom_op("quantize_fp8", fake=_quantize_fp8_fake)
+    def _quantize_fp8_op(x: Tensor, block: str = _QUANTIZE.block, scale_format: str = _QUANTIZE.scale_format,
+                         enable_pdl: bool = _QUANTIZE.enable_pdl) -> Tuple[Tensor, Tensor]:
+        """flashmix.quantize_fp8 as a custom op: fresh ``(q float8_e4m3fn, scales)`` (scales float32, or
+        float8_e8m0fnu / uint8 for ``"ue8m0"``); ``block`` is ``"1x128"`` or ``"128x128"``."""
+        return quantize_fp8(x, block=block, scale_format=scale_format, enable_pdl=enable_pdl)

@@ -1,0 +1,315 @@
+// quantize_fp8 (spec §12): bf16 -> e4m3 with one scale per 1 x 128 or
+// 128 x 128 block (spec §11.3):
+//   amax = max |x|;  s = amax / 448 (kFloat32) | 2^ceil(log2(amax / 448)) (kUE8M0);  s = 1 if amax = 0
+//   q = e4m3_satfinite(x / s), fp32 division, round to nearest even
+//
+// Roofline: memory bound. It must read the bf16 input once (2 bytes an
+// element) and write the e4m3 output once (1 byte) plus a scale per 128
+// (1x128: 4 / 128 bytes an element with fp32 scales): 3.03 bytes an
+// element. At T=8192, H=7168 that is 178 MB: 53 us at 3.35 TB/s. Measured
+// numbers and the design: docs/quantize_fp8.md.
+//
+// Work decomposition. A thread owns 8 consecutive columns (one 16-byte load
+// of bf16, one 8-byte store of e4m3); 16 threads cover a block's 128
+// columns. The block's amax is taken on the bf16 bits: with the sign bit
+// cleared, magnitudes order as integers and every NaN lies above +inf, so an
+// integer max finds both (redux.sync across the 16 or 32 lanes, shared
+// memory across the warps of a 128 x 128 block).
+//  - 1 x 128: a half-warp per block, two blocks per half-warp in flight.
+//  - 128 x 128: a CTA of 256 threads per block; thread t covers rows
+//    t/16 + 16 i (i < 8), all eight loads in flight before the reduction.
+// Rows or pointers off the 16-byte grid take narrower accesses (the same
+// code with 8, 4 or 2 bytes of bf16 per access), never an error.
+//
+// Bitwise equal to quantize_fp8_cpu: the scale and x / s are IEEE fp32
+// divisions (__fdiv_rn) and cvt.rn.satfinite.e4m3x2.f32 rounds once from
+// fp32 (CUDA's software conversion does the same below sm_89). NaN blocks
+// and NaN quotients (inf / inf) are written as the NaN byte 0x7f explicitly,
+// so no NaN's sign depends on the hardware.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "common/check.h"
+#include "common/launch.cuh"
+#include "flashmix/fp8.h"
+#include "fp8/quantize_fp8_internal.h"
+
+namespace flashmix {
+namespace {
+
+constexpr const char* kOp = "quantize_fp8";
+constexpr int kThreads = 256;
+constexpr int kColsPerThread = 8;
+constexpr int kLanesPerBlock = int(kFp8BlockCols) / kColsPerThread;  // 16
+constexpr int k1x128InFlight = 2;  // 1x128 blocks a half-warp loads before it reduces any
+constexpr int kTileRowsPerPass = kThreads / kLanesPerBlock;          // 16
+constexpr int kTilePasses = 128 / kTileRowsPerPass;                  // 8
+constexpr uint32_t kAbsMask = 0x7fff7fffu;  // two bf16 magnitudes
+constexpr uint32_t kBf16Inf = 0x7f80u;      // amax bits above this: a NaN in the block
+constexpr uint8_t kE4m3NaN = 0x7f;
+
+struct QuantizeParams {
+  const uint16_t* x;  // bf16 bits
+  uint8_t* q;
+  void* scales;
+  int64_t x_stride, x_batch_stride, q_stride, q_batch_stride;
+  uint32_t rows;        // per matrix
+  uint32_t row_blocks;  // per matrix (128x128)
+  uint32_t col_blocks;
+  uint32_t num_blocks;  // scales written: batch * (rows | row_blocks) * col_blocks
+};
+
+// Eight consecutive bf16 (as four words), loaded and stored with accesses of
+// W elements (8: 16 bytes of bf16 and 8 of e4m3).
+struct Chunk {
+  uint32_t w[4];
+};
+
+template <int W>
+__device__ __forceinline__ Chunk load_chunk(const uint16_t* p) {
+  Chunk c;
+  if constexpr (W == 8) {
+    const uint4 v = __ldcs(reinterpret_cast<const uint4*>(p));
+    c.w[0] = v.x; c.w[1] = v.y; c.w[2] = v.z; c.w[3] = v.w;
+  } else if constexpr (W == 4) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const uint2 v = __ldcs(reinterpret_cast<const uint2*>(p) + i);
+      c.w[2 * i] = v.x; c.w[2 * i + 1] = v.y;
+    }
+  } else if constexpr (W == 2) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) c.w[i] = __ldcs(reinterpret_cast<const uint32_t*>(p) + i);
+  } else {
+    static_assert(W == 1, "W is 8, 4, 2 or 1");
+#pragma unroll
+    for (int i = 0; i < 4; ++i) c.w[i] = uint32_t(__ldcs(p + 2 * i)) | (uint32_t(__ldcs(p + 2 * i + 1)) << 16);
+  }
+  return c;
+}
+
+// Eight e4m3 bytes (two words, first element in the low byte).
+template <int W>
+__device__ __forceinline__ void store_q(uint8_t* p, uint32_t lo, uint32_t hi) {
+  if constexpr (W == 8) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
+  } else if constexpr (W == 4) {
+    reinterpret_cast<uint32_t*>(p)[0] = lo;
+    reinterpret_cast<uint32_t*>(p)[1] = hi;
+  } else if constexpr (W == 2) {
+    uint16_t* d = reinterpret_cast<uint16_t*>(p);
+    d[0] = uint16_t(lo); d[1] = uint16_t(lo >> 16); d[2] = uint16_t(hi); d[3] = uint16_t(hi >> 16);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      p[i] = uint8_t(lo >> (8 * i));
+      p[4 + i] = uint8_t(hi >> (8 * i));
+    }
+  }
+}
+
+// The largest bf16 magnitude of a chunk, as bits (0..0x7fff).
+__device__ __forceinline__ uint32_t chunk_amax_bits(const Chunk& c) {
+  uint32_t m = __vmaxu2(__vmaxu2(c.w[0] & kAbsMask, c.w[1] & kAbsMask), __vmaxu2(c.w[2] & kAbsMask, c.w[3] & kAbsMask));
+  return max(m & 0xffffu, m >> 16);
+}
+
+// A block's scale, from its amax bits (not NaN): the divisor s and what is
+// stored (the float's bits, or the ue8m0 byte).
+struct Scale {
+  float s;
+  uint32_t stored;
+};
+
+template <ScaleFormat F>
+__device__ __forceinline__ Scale block_scale(uint32_t amax_bits) {
+  if (amax_bits == 0) return {1.0f, F == ScaleFormat::kUE8M0 ? 127u : __float_as_uint(1.0f)};
+  const float r = __fdiv_rn(__uint_as_float(amax_bits << 16), 448.0f);
+  if constexpr (F == ScaleFormat::kFloat32) {
+    return {r, __float_as_uint(r)};
+  } else {
+    // The exponent of the smallest power of two >= r: r's own exponent, one
+    // more unless r is a power of two; for a subnormal r = m 2^-149,
+    // -149 + ceil(log2 m). +inf counts as 2^128. Clamped to [-127, 127].
+    const uint32_t bits = __float_as_uint(r);
+    const int biased = int(bits >> 23), mant = int(bits & 0x7fffff);
+    int e;
+    if (biased == 0xff) e = 128;
+    else if (biased == 0) e = -149 + (32 - __clz(mant - 1));
+    else e = biased - 127 + (mant != 0);
+    e = min(127, max(-127, e));
+    const uint32_t b = uint32_t(e + 127);
+    // 2^(b - 127): a normal float's exponent field, or 2^-127 (subnormal) for b = 0.
+    return {__uint_as_float(b ? b << 23 : 0x00400000u), b};
+  }
+}
+
+__device__ __forceinline__ void store_scale(void* scales, uint32_t index, uint32_t stored, bool ue8m0) {
+  if (ue8m0) static_cast<uint8_t*>(scales)[index] = uint8_t(stored);
+  else static_cast<uint32_t*>(scales)[index] = stored;
+}
+
+// Two e4m3 of x0 / s and x1 / s (bf16 bits in a word, x0 low), x0 in the low byte.
+__device__ __forceinline__ uint32_t quantize_pair(uint32_t bf16x2, float s) {
+  const float v0 = __fdiv_rn(__uint_as_float(bf16x2 << 16), s);
+  const float v1 = __fdiv_rn(__uint_as_float(bf16x2 & 0xffff0000u), s);
+  uint32_t p = __nv_cvt_float2_to_fp8x2(make_float2(v0, v1), __NV_SATFINITE, __NV_E4M3);
+  // inf / inf: the NaN byte with no sign (the CPU's NaN would carry one).
+  if (v0 != v0) p = (p & 0xff00u) | kE4m3NaN;
+  if (v1 != v1) p = (p & 0x00ffu) | (uint32_t(kE4m3NaN) << 8);
+  return p;
+}
+
+// The chunk's eight e4m3 bytes (all NaN for a NaN block).
+__device__ __forceinline__ void quantize_chunk(const Chunk& c, float s, bool nan_block, uint32_t& lo, uint32_t& hi) {
+  if (nan_block) {
+    lo = hi = 0x7f7f7f7fu;
+    return;
+  }
+  lo = quantize_pair(c.w[0], s) | (quantize_pair(c.w[1], s) << 16);
+  hi = quantize_pair(c.w[2], s) | (quantize_pair(c.w[3], s) << 16);
+}
+
+// 1 x 128: block g is (row g / col_blocks, column block g % col_blocks) over
+// the batch's rows; its scale index is g.
+template <int W, ScaleFormat F>
+__global__ void __launch_bounds__(kThreads) quantize_fp8_1x128_kernel(const QuantizeParams p) {
+  dev::grid_dependency_wait();
+  dev::allow_dependents_launch();
+  const uint32_t lane = threadIdx.x % kLanesPerBlock;
+  const unsigned half_warp = 0xffffu << (threadIdx.x & 16);
+  const uint64_t groups_per_grid = uint64_t(gridDim.x) * (kThreads / kLanesPerBlock);
+  for (uint64_t g0 = uint64_t(blockIdx.x) * (kThreads / kLanesPerBlock) + threadIdx.x / kLanesPerBlock;
+       g0 < p.num_blocks; g0 += k1x128InFlight * groups_per_grid) {
+    Chunk c[k1x128InFlight];
+    uint32_t g[k1x128InFlight];
+    int64_t q_offset[k1x128InFlight];
+#pragma unroll
+    for (int i = 0; i < k1x128InFlight; ++i) {
+      const uint64_t gi = g0 + i * groups_per_grid;
+      g[i] = gi < p.num_blocks ? uint32_t(gi) : ~0u;  // ~0u: none (uniform over the half-warp)
+      if (g[i] == ~0u) continue;
+      const uint32_t row = g[i] / p.col_blocks, cb = g[i] - row * p.col_blocks;
+      const uint32_t b = row / p.rows, r = row - b * p.rows;
+      const int64_t col = int64_t(cb) * kFp8BlockCols + lane * kColsPerThread;
+      c[i] = load_chunk<W>(p.x + b * p.x_batch_stride + r * p.x_stride + col);
+      q_offset[i] = b * p.q_batch_stride + r * p.q_stride + col;
+    }
+#pragma unroll
+    for (int i = 0; i < k1x128InFlight; ++i) {
+      if (g[i] == ~0u) continue;
+      const uint32_t amax = __reduce_max_sync(half_warp, chunk_amax_bits(c[i]));
+      const bool nan_block = amax > kBf16Inf;
+      const Scale s = nan_block ? Scale{0.0f, F == ScaleFormat::kUE8M0 ? 255u : 0x7fc00000u} : block_scale<F>(amax);
+      if (lane == 0) store_scale(p.scales, g[i], s.stored, F == ScaleFormat::kUE8M0);
+      uint32_t lo, hi;
+      quantize_chunk(c[i], s.s, nan_block, lo, hi);
+      store_q<W>(p.q + q_offset[i], lo, hi);
+    }
+  }
+}
+
+// 128 x 128: CTA g is block (matrix b, row block rb, column block cb) with
+// g = (b * row_blocks + rb) * col_blocks + cb, its scale index.
+template <int W, ScaleFormat F>
+__global__ void __launch_bounds__(kThreads) quantize_fp8_128x128_kernel(const QuantizeParams p) {
+  __shared__ uint32_t warp_amax[kThreads / 32];
+  dev::grid_dependency_wait();
+  dev::allow_dependents_launch();
+  const uint32_t g = blockIdx.x;
+  const uint32_t t = g / p.col_blocks, cb = g - t * p.col_blocks;
+  const uint32_t b = t / p.row_blocks, rb = t - b * p.row_blocks;
+  const uint32_t r0 = rb * 128u, rows_here = min(128u, p.rows - r0);
+  const uint32_t lane = threadIdx.x % kLanesPerBlock, r_first = threadIdx.x / kLanesPerBlock;
+  const int64_t col = int64_t(cb) * kFp8BlockCols + lane * kColsPerThread;
+  const uint16_t* x = p.x + b * p.x_batch_stride + int64_t(r0) * p.x_stride + col;
+
+  Chunk c[kTilePasses];
+  uint32_t amax = 0;
+#pragma unroll
+  for (int i = 0; i < kTilePasses; ++i) {
+    const uint32_t r = r_first + i * kTileRowsPerPass;
+    if (r < rows_here) c[i] = load_chunk<W>(x + int64_t(r) * p.x_stride);
+  }
+#pragma unroll
+  for (int i = 0; i < kTilePasses; ++i)
+    if (r_first + i * kTileRowsPerPass < rows_here) amax = max(amax, chunk_amax_bits(c[i]));
+  amax = __reduce_max_sync(0xffffffffu, amax);
+  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) amax = max(amax, warp_amax[w]);
+
+  const bool nan_block = amax > kBf16Inf;
+  const Scale s = nan_block ? Scale{0.0f, F == ScaleFormat::kUE8M0 ? 255u : 0x7fc00000u} : block_scale<F>(amax);
+  if (threadIdx.x == 0) store_scale(p.scales, g, s.stored, F == ScaleFormat::kUE8M0);
+  uint8_t* q = p.q + b * p.q_batch_stride + int64_t(r0) * p.q_stride + col;
+#pragma unroll
+  for (int i = 0; i < kTilePasses; ++i) {
+    const uint32_t r = r_first + i * kTileRowsPerPass;
+    if (r >= rows_here) continue;
+    uint32_t lo, hi;
+    quantize_chunk(c[i], s.s, nan_block, lo, hi);
+    store_q<W>(q + int64_t(r) * p.q_stride, lo, hi);
+  }
+}
+
+template <int W, ScaleFormat F>
+Status launch(const QuantizeParams& p, const QuantizeFp8Args& a, cudaStream_t stream) {
+  cudaError_t err;
+  if (a.block == Fp8Block::k128x128) {
+    err = dev::launch(quantize_fp8_128x128_kernel<W, F>, dim3(p.num_blocks), dim3(kThreads), 0, stream,
+                      a.enable_pdl, p);
+  } else {
+    constexpr uint32_t kBlocksPerCta = (kThreads / kLanesPerBlock) * k1x128InFlight;
+    const uint32_t grid = (p.num_blocks + kBlocksPerCta - 1) / kBlocksPerCta;
+    err = dev::launch(quantize_fp8_1x128_kernel<W, F>, dim3(grid), dim3(kThreads), 0, stream, a.enable_pdl, p);
+  }
+  FM_RETURN_IF_ERROR(detail::cuda_status(err, kOp, "kernel launch"));
+  return detail::check_launch(kOp);
+}
+
+template <int W>
+Status dispatch_format(const QuantizeParams& p, const QuantizeFp8Args& a, cudaStream_t stream) {
+  if (a.scale_format == ScaleFormat::kUE8M0) return launch<W, ScaleFormat::kUE8M0>(p, a, stream);
+  return launch<W, ScaleFormat::kFloat32>(p, a, stream);
+}
+
+Status run_quantize(const QuantizeFp8Args& a, cudaStream_t stream) {
+  const QuantizeFp8Layout l = quantize_fp8_layout(a);
+  QuantizeParams p{};
+  p.x = static_cast<const uint16_t*>(a.x);
+  p.q = static_cast<uint8_t*>(a.q);
+  p.scales = a.scales;
+  p.x_stride = l.x_stride;
+  p.q_stride = l.q_stride;
+  // A single matrix never steps by its batch stride.
+  p.x_batch_stride = a.batch > 1 ? l.x_batch_stride : 0;
+  p.q_batch_stride = a.batch > 1 ? l.q_batch_stride : 0;
+  p.rows = uint32_t(a.rows);
+  p.row_blocks = uint32_t(l.row_blocks);
+  p.col_blocks = uint32_t(l.col_blocks);
+  p.num_blocks = uint32_t(a.batch * (a.block == Fp8Block::k128x128 ? l.row_blocks : a.rows) * l.col_blocks);
+  // The widest access (elements) that every row start allows: columns
+  // start at multiples of 8 elements, so only the pointers and strides matter.
+  auto fits = [&](int64_t w) {
+    return reinterpret_cast<uintptr_t>(p.x) % uintptr_t(2 * w) == 0 && p.x_stride % w == 0 &&
+           p.x_batch_stride % w == 0 && reinterpret_cast<uintptr_t>(p.q) % uintptr_t(w) == 0 &&
+           p.q_stride % w == 0 && p.q_batch_stride % w == 0;
+  };
+  if (fits(8)) return dispatch_format<8>(p, a, stream);
+  if (fits(4)) return dispatch_format<4>(p, a, stream);
+  if (fits(2)) return dispatch_format<2>(p, a, stream);
+  return dispatch_format<1>(p, a, stream);
+}
+
+}  // namespace
+
+Status quantize_fp8(const QuantizeFp8Args& a, cudaStream_t stream) {
+  return detail::gpu_entry(kOp, validate_quantize_fp8(a), stream, a.batch == 0 || a.rows == 0,
+                           [&] { return run_quantize(a, stream); });
+}
+
+}  // namespace flashmix
