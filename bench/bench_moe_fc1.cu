@@ -7,13 +7,18 @@
 // gathering (the copy not timed): what the fused gather costs.
 // Verification: a sample of rows and every 4th column against a double
 // reference computed here from the same inputs.
+// FP8 (op moe_fc1_fp8, spec §9.7): e4m3 X and W1 with block scales (1 x 128,
+// 128 x 128), against a dense cuBLASLt FP8 GEMM of equal FLOPs (per-tensor
+// scales, fast accumulation: ceiling gemm_fp8) timed in the same run.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include "bench_common.h"
 #include "common/host_dtype.h"
@@ -34,45 +39,100 @@ struct Fc1Case {
   int64_t H, I;
   bool decode = false;
   double max_ratio = 0;  // the issue's bound (0: report only)
+  MoeFp8Scaling fp8 = MoeFp8Scaling::kNone;
 };
 
-__global__ void permute_rows(const __nv_bfloat16* x, const int32_t* p2u, int64_t P, int T, int64_t H,
-                             __nv_bfloat16* xp) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < P * H; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t p = i / H, c = i % H;
-    xp[i] = x[int64_t(p2u[p] % T) * H + c];
+// xp[p] = x[p2u[p] % T] for rows of `row` elements of type Elem.
+template <class Elem>
+__global__ void permute_rows(const Elem* x, const int32_t* p2u, int64_t P, int T, int64_t row, Elem* xp) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < P * row;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t p = i / row, c = i % row;
+    xp[i] = x[int64_t(p2u[p] % T) * row + c];
   }
+}
+
+// e4m3 codes of scale * u, u uniform in [-1, 1) from a hash of (seed, i).
+__global__ void fill_e4m3(uint8_t* x, int64_t n, uint32_t seed, float scale) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 0x9e3779b1u ^ seed * 0x85ebca6bu ^ uint32_t(i >> 32) * 0xc2b2ae35u;
+    h ^= h >> 16;
+    h *= 0x7feb352du;
+    h ^= h >> 15;
+    const float u = float(h >> 8) * (2.0f / 16777216.0f) - 1.0f;
+    x[i] = __nv_cvt_float_to_fp8(scale * u, __NV_SATFINITE, __NV_E4M3);
+  }
+}
+
+double e4m3_value(uint8_t c) {
+  const int exp = (c >> 3) & 15, mant = c & 7;
+  const double mag = exp == 0 ? std::ldexp(double(mant), -9) : std::ldexp(1.0 + mant / 8.0, exp - 7);
+  return (c & 0x80) ? -mag : mag;
 }
 
 double silu_mul(double g, double u) { return g / (1.0 + std::exp(-g)) * u; }
 
 void run_case(Context& ctx, const Fc1Case& c, cudaStream_t stream) {
-  if (!ctx.selected("moe_fc1", c.name)) return;
+  const bool fp8 = c.fp8 != MoeFp8Scaling::kNone;
+  const char* op = fp8 ? "moe_fc1_fp8" : "moe_fc1";
+  if (!ctx.selected(op, c.name)) return;
   Rng rng(0xfc1000ull + std::hash<std::string>()(c.name));
   const Routing r = flashmix::testing::random_routing(rng, c.T, c.k, c.total, 0, c.local);
   const int64_t P = r.P(), cap = std::max<int64_t>(1, c.T * c.k);
-  __nv_bfloat16 *dX, *dXp, *dW1, *dout;
+  const int64_t es = fp8 ? 1 : 2;  // bytes an element of X and W1
+  void *dX, *dXp, *dW1, *dout;
+  float *dxs = nullptr, *dxsp = nullptr, *dws = nullptr;
   int32_t* dp2u;
   int64_t* doff;
   const int64_t nX = c.T * c.H, nW = int64_t(c.local) * 2 * c.I * c.H;
-  BENCH_CUDA(cudaMalloc(&dX, nX * 2));
-  BENCH_CUDA(cudaMalloc(&dXp, cap * c.H * 2));
-  BENCH_CUDA(cudaMalloc(&dW1, nW * 2));
+  const int64_t kbs = c.H / 128, wrb = (2 * c.I + 127) / 128;  // FP8 block scales: K blocks, W1 row blocks
+  BENCH_CUDA(cudaMalloc(&dX, nX * es));
+  BENCH_CUDA(cudaMalloc(&dXp, cap * c.H * es));
+  BENCH_CUDA(cudaMalloc(&dW1, nW * es));
   BENCH_CUDA(cudaMalloc(&dout, cap * c.I * 2));
-  BENCH_CUDA(cudaMalloc(&dp2u, std::max<size_t>(1, r.p2u.size()) * 4));
+  BENCH_CUDA(cudaMalloc(&dp2u, std::max<size_t>(1, size_t(cap)) * 4));
   BENCH_CUDA(cudaMalloc(&doff, r.offsets.size() * 8));
-  fill_bf16(dX, nX, 11, 1.0f, stream);
-  fill_bf16(dW1, nW, 12, 0.05f, stream);
+  std::vector<float> hxs, hws;  // FP8 block scales (host copies for the reference)
+  if (fp8) {
+    fill_e4m3<<<1024, 256, 0, stream>>>(static_cast<uint8_t*>(dX), nX, 11, 448.f);
+    fill_e4m3<<<1024, 256, 0, stream>>>(static_cast<uint8_t*>(dW1), nW, 12, 448.f);
+    BENCH_CUDA(cudaGetLastError());
+    hxs.resize(size_t(c.T * kbs));
+    hws.resize(size_t(c.local * wrb * kbs));
+    for (auto& v : hxs) v = rng.uniform(0.5f, 1.5f) / 448.f;
+    for (auto& v : hws) v = rng.uniform(0.5f, 1.5f) * 0.05f / 448.f;
+    if (c.fp8 == MoeFp8Scaling::kTensor) {  // one value each: x_scales[0], w1_scales[e] read the same
+      std::fill(hxs.begin(), hxs.end(), hxs[0]);
+      std::fill(hws.begin(), hws.end(), hws[0]);
+    }
+    BENCH_CUDA(cudaMalloc(&dxs, hxs.size() * 4));
+    BENCH_CUDA(cudaMalloc(&dxsp, size_t(cap * kbs) * 4));
+    BENCH_CUDA(cudaMalloc(&dws, hws.size() * 4));
+    BENCH_CUDA(cudaMemcpyAsync(dxs, hxs.data(), hxs.size() * 4, cudaMemcpyHostToDevice, stream));
+    BENCH_CUDA(cudaMemcpyAsync(dws, hws.data(), hws.size() * 4, cudaMemcpyHostToDevice, stream));
+  } else {
+    fill_bf16(static_cast<__nv_bfloat16*>(dX), nX, 11, 1.0f, stream);
+    fill_bf16(static_cast<__nv_bfloat16*>(dW1), nW, 12, 0.05f, stream);
+  }
   if (!r.p2u.empty())
     BENCH_CUDA(cudaMemcpyAsync(dp2u, r.p2u.data(), r.p2u.size() * 4, cudaMemcpyHostToDevice, stream));
   BENCH_CUDA(cudaMemcpyAsync(doff, r.offsets.data(), r.offsets.size() * 8, cudaMemcpyHostToDevice, stream));
-  if (P > 0) permute_rows<<<1024, 256, 0, stream>>>(dX, dp2u, P, int(c.T), c.H, dXp);
+  if (P > 0 && fp8) {
+    permute_rows<<<1024, 256, 0, stream>>>(static_cast<const uint8_t*>(dX), dp2u, P, int(c.T), c.H,
+                                           static_cast<uint8_t*>(dXp));
+    permute_rows<<<1024, 256, 0, stream>>>(dxs, dp2u, P, int(c.T), kbs, dxsp);
+  } else if (P > 0) {
+    permute_rows<<<1024, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(dX), dp2u, P, int(c.T), c.H,
+                                           static_cast<__nv_bfloat16*>(dXp));
+  }
   BENCH_CUDA(cudaGetLastError());
   BENCH_CUDA(cudaStreamSynchronize(stream));
 
   MoeFc1Args a;
   a.X = dX;
   a.W1 = dW1;
+  a.fp8 = c.fp8;
+  a.w1_scales = dws;
   a.expert_first_token_offset = doff;
   a.permuted_row_to_unpermuted_row = dp2u;
   a.num_tokens = c.T;
@@ -88,9 +148,18 @@ void run_case(Context& ctx, const Fc1Case& c, cudaStream_t stream) {
   std::vector<std::vector<double>> ref;
   double max_ref = 0;
   if (ctx.verify && P > 0) {
-    std::vector<uint16_t> hX(static_cast<size_t>(nX)), hW(static_cast<size_t>(nW));
-    BENCH_CUDA(cudaMemcpy(hX.data(), dX, nX * 2, cudaMemcpyDeviceToHost));
-    BENCH_CUDA(cudaMemcpy(hW.data(), dW1, nW * 2, cudaMemcpyDeviceToHost));
+    std::vector<uint8_t> hX(static_cast<size_t>(nX * es)), hW(static_cast<size_t>(nW * es));
+    BENCH_CUDA(cudaMemcpy(hX.data(), dX, hX.size(), cudaMemcpyDeviceToHost));
+    BENCH_CUDA(cudaMemcpy(hW.data(), dW1, hW.size(), cudaMemcpyDeviceToHost));
+    auto x_at = [&](int64_t t, int64_t h) {
+      if (!fp8) return double(host::bf16_to_float(reinterpret_cast<const uint16_t*>(hX.data())[t * c.H + h]));
+      return e4m3_value(hX[size_t(t * c.H + h)]) * hxs[size_t(t * kbs + h / 128)];
+    };
+    auto w_at = [&](int e, int64_t row, int64_t h) {
+      const int64_t at = (e * 2 * c.I + row) * c.H + h;
+      if (!fp8) return double(host::bf16_to_float(reinterpret_cast<const uint16_t*>(hW.data())[at]));
+      return e4m3_value(hW[size_t(at)]) * hws[size_t((e * wrb + row / 128) * kbs + h / 128)];
+    };
     for (int64_t p : rows) {
       int e = 0;
       while (r.offsets[e + 1] <= p) ++e;
@@ -99,9 +168,9 @@ void run_case(Context& ctx, const Fc1Case& c, cudaStream_t stream) {
       for (int64_t i = 0; i < c.I; i += 4) {
         double g = 0, u = 0;
         for (int64_t h = 0; h < c.H; ++h) {
-          const double x = host::bf16_to_float(hX[size_t(t * c.H + h)]);
-          g += x * host::bf16_to_float(hW[size_t((e * 2 * c.I + i) * c.H + h)]);
-          u += x * host::bf16_to_float(hW[size_t((e * 2 * c.I + c.I + i) * c.H + h)]);
+          const double x = x_at(t, h);
+          g += x * w_at(e, i, h);
+          u += x * w_at(e, c.I + i, h);
         }
         row[size_t(i)] = silu_mul(g, u);
         max_ref = std::max(max_ref, std::fabs(row[size_t(i)]));
@@ -112,19 +181,25 @@ void run_case(Context& ctx, const Fc1Case& c, cudaStream_t stream) {
 
   const double flops = 2.0 * double(P) * 2.0 * double(c.I) * double(c.H);
   const int iters = ctx.quick ? 10 : 30;
-  DenseGemm dense(std::max<int64_t>(P, 1), 2 * c.I, c.H, stream);
-  const double dense_first_us = median_us([&] { dense.run(); }, stream, 5, iters);
+  std::unique_ptr<DenseGemm> dense;
+  if (!fp8) dense = std::make_unique<DenseGemm>(std::max<int64_t>(P, 1), 2 * c.I, c.H, stream);
+  auto dense_time = [&] {
+    if (fp8) return cublaslt_fp8_gemm_us((std::max<int64_t>(P, 1) + 15) / 16 * 16, 2 * c.I, c.H, stream, iters);
+    return median_us([&] { dense->run(); }, stream, 5, iters);
+  };
+  const double dense_first_us = dense_time();
   int touched = 0;
   for (int e = 0; e < c.local; ++e) touched += r.offsets[e + 1] > r.offsets[e];
-  const double wbytes = double(touched) * 2.0 * c.I * c.H * 2;
+  const double wbytes = double(touched) * 2.0 * c.I * c.H * es;
   for (int variant = 0; variant < 2; ++variant) {
     const bool pre = variant == 1;
     a.X = pre ? dXp : dX;
+    a.x_scales = pre ? dxsp : dxs;
     a.x_permuted = pre;
     BENCH_CUDA(cudaMemsetAsync(dout, 0xff, cap * c.I * 2, stream));
     Status st = moe_fc1(a, stream);
     if (!st.ok()) {
-      std::fprintf(stderr, "flashmix-bench: moe_fc1 %s: %s\n", c.name.c_str(), st.message().c_str());
+      std::fprintf(stderr, "flashmix-bench: %s %s: %s\n", op, c.name.c_str(), st.message().c_str());
       break;
     }
     BENCH_CUDA(cudaStreamSynchronize(stream));
@@ -132,7 +207,7 @@ void run_case(Context& ctx, const Fc1Case& c, cudaStream_t stream) {
     if (ctx.verify) {
       std::vector<uint16_t> got(size_t(cap * c.I));
       BENCH_CUDA(cudaMemcpy(got.data(), dout, got.size() * 2, cudaMemcpyDeviceToHost));
-      const double rtol = std::ldexp(1.0, -7), atol = std::ldexp(1.0, -10) * max_ref;  // the test's tolerance
+      const double rtol = std::ldexp(1.0, -7), atol = std::ldexp(1.0, fp8 ? -8 : -10) * max_ref;  // the tests'
       int64_t bad = 0;
       double worst = 0;
       for (size_t ri = 0; ri < rows.size(); ++ri)
@@ -145,12 +220,12 @@ void run_case(Context& ctx, const Fc1Case& c, cudaStream_t stream) {
       check = bad ? "FAILED: " + std::to_string(bad) + " sampled elements (max abs err " + std::to_string(worst) + ")"
                   : "passed (" + std::to_string(rows.size()) + " sampled rows, every 4th column)";
     }
-    const double dense_us = std::min(dense_first_us, median_us([&] { dense.run(); }, stream, 5, iters));
+    const double dense_us = std::min(dense_first_us, dense_time());
     const double us = c.decode ? graph_us_per_launch([&](int) { (void)moe_fc1(a, stream); }, 20, stream,
                                                      ctx.quick ? 5 : 20)
                                : median_us([&] { (void)moe_fc1(a, stream); }, stream, 3, iters);
     Record rec;
-    rec.op = "moe_fc1";
+    rec.op = op;
     rec.case_name = c.name + (pre ? "/prepermuted" : "");
     rec.median_us = us;
     rec.flops = flops;
@@ -165,7 +240,7 @@ void run_case(Context& ctx, const Fc1Case& c, cudaStream_t stream) {
       rec.bytes = wbytes;
       rec.fraction = wbytes / (us * 1e-6) / (ctx.copy_gbps * 1e9);
     } else {
-      rec.ceiling = "gemm";
+      rec.ceiling = fp8 ? "gemm_fp8" : "gemm";
       rec.fraction = dense_us / us;
     }
     if (c.max_ratio > 0 && !pre) rec.extra["target_ratio"] = c.max_ratio;
@@ -177,6 +252,9 @@ void run_case(Context& ctx, const Fc1Case& c, cudaStream_t stream) {
   cudaFree(dout);
   cudaFree(dp2u);
   cudaFree(doff);
+  cudaFree(dxs);
+  cudaFree(dxsp);
+  cudaFree(dws);
 }
 
 }  // namespace
@@ -189,6 +267,14 @@ void run_moe_fc1_cases(Context& ctx) {
       {"qwen3moe_T4096_k8_E128_I768_H2048", 4096, 8, 128, 128, 2048, 768, false, 1.40},
       {"decode_deepseek_ep_T16_k8_E32_I2048_H7168", 16, 8, 32, 32, 7168, 2048, true, 0},
       {"decode_deepseek_ep_T64_k8_E32_I2048_H7168", 64, 8, 32, 32, 7168, 2048, true, 0},
+      // FP8, block scales (issue 25's bounds, against the dense FP8 GEMM).
+      {"mixtral_T4096_k2_E8_I14336_H4096", 4096, 2, 8, 8, 4096, 14336, false, 1.05, MoeFp8Scaling::kBlock},
+      {"deepseek_ep_T1024_k8_E32_I2048_H7168", 1024, 8, 32, 32, 7168, 2048, false, 1.30, MoeFp8Scaling::kBlock},
+      {"qwen3moe_T4096_k8_E128_I768_H2048", 4096, 8, 128, 128, 2048, 768, false, 1.40, MoeFp8Scaling::kBlock},
+      {"decode_deepseek_ep_T16_k8_E32_I2048_H7168", 16, 8, 32, 32, 7168, 2048, true, 0, MoeFp8Scaling::kBlock},
+      // Per-tensor scales (report only): the same MMAs without the promotion.
+      {"mixtral_T4096_k2_E8_I14336_H4096/tensor", 4096, 2, 8, 8, 4096, 14336, false, 0, MoeFp8Scaling::kTensor},
+      {"qwen3moe_T4096_k8_E128_I768_H2048/tensor", 4096, 8, 128, 128, 2048, 768, false, 0, MoeFp8Scaling::kTensor},
   };
   cudaStream_t stream;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
