@@ -201,7 +201,7 @@ struct Barriers {
       Mbar(sink_empty[b]).init(32);
     }
     for (int s = 0; s < kStages; ++s) {
-      Mbar(coef_full[s]).init(32);
+      Mbar(coef_full[s]).init(32);  // every producer lane's cp.async.mbarrier.arrive.noinc
       Mbar(xform_full[s]).init(kFinishWarps * 32);
     }
     Mbar(phi_full).init(1);           // the producer's expect_tx
@@ -547,38 +547,35 @@ struct ResidentCta {
   }
 
   // Tile t's post coefficients into post_coef[stage] (the producer warp, every
-  // lane; R already in the orientation of res_layout: row i makes stream i),
-  // and its F_out rows toward L2 for post_tile's loads. Rows past B stay
-  // unused (their ring lines are the TMA's zeros and are not made).
+  // lane; R already in the orientation of res_layout: row i makes stream i)
+  // by 4-byte cp.async, which holds no registers and does not stall the
+  // producer (values through registers spilled at 56), completing on
+  // coef_full; and the tile's F_out rows toward L2 for post_tile's loads.
+  // Rows past B are not brought (post_tile does not make them: their ring
+  // lines keep the TMA's zeros).
   __device__ __forceinline__ void load_post_coefs(int t) {
     const PipeState<kStages> x = PipeState<kStages>::at(t);
     const long long r0 = row0(t);
     const PostInput& po = p.post;
-    float* cf = sm.post_coef + x.index * kRows * Dims<kN>::kPostCoef;
-    constexpr int kVals = kRows * Dims<kN>::kPostCoef, kPer = (kVals + 31) / 32;
-    float v[kPer];
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-      const int e = lane + 32 * k, row = e / Dims<kN>::kPostCoef, m = e - row * Dims<kN>::kPostCoef;
+    constexpr int kPc = Dims<kN>::kPostCoef, kVals = kRows * kPc;
+    const uint32_t cf = smem_u32(sm.post_coef + x.index * kVals);
+#pragma unroll 1
+    for (int e = lane; e < kVals; e += 32) {
+      const int row = e / kPc, m = e - row * kPc;
       const long long b = r0 + row;
-      v[k] = 0.f;
-      if (e < kVals && b < p.batch) {
-        if (m < kN * kN) {
-          const int i = m / kN, j = m - i * kN;
-          v[k] = __ldg(po.h_res + b * kN * kN + (po.transpose ? j * kN + i : i * kN + j));
-        } else {
-          v[k] = __ldg(po.h_post + b * kN + (m - kN * kN));
-        }
+      if (b < p.batch) {
+        const int i = m / kN, j = m - i * kN;  // m < n*n: R[i][j]; else H_post[m - n*n]
+        const float* src = m < kN * kN ? po.h_res + b * kN * kN + (po.transpose ? j * kN + i : i * kN + j)
+                                       : po.h_post + b * kN + (m - kN * kN);
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(cf + 4u * uint32_t(e)), "l"(src) : "memory");
       }
     }
-#pragma unroll
-    for (int k = 0; k < kPer; ++k)
-      if (lane + 32 * k < kVals) cf[lane + 32 * k] = v[k];
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(Mbar(bar.coef_full[x.index]).addr)
+                 : "memory");
     if (lane < kRows && r0 + lane < p.batch)
       asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(po.f_out + (r0 + lane) * hidden + c0),
                    "r"(slice * 2)
                    : "memory");
-    Mbar(bar.coef_full[x.index]).arrive();
   }
 
   // Tile j's ring stage from X_L to X_next, in place (the finish warps, ft:
@@ -612,20 +609,28 @@ struct ResidentCta {
       // float4 loads): held in registers across the boxes they spilled at 56.
       const float* crow = cf + row * Dims<kN>::kPostCoef;
       static_assert(kN == 4, "a row of R, and H_post, as one float4 each");
-      __nv_bfloat16* orow = po.x_next + b * kN * (long long)hidden + c0 + 2 * lane;
+      // Per stream, box 0's addresses; box ch adds an immediate (kChunkBytes
+      // in the ring, 64 columns in x_next): 28 addresses kept live spilled.
+      uint32_t xo[kN];
+      unsigned int* op[kN];
+#pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        xo[i] = x_word_offset(row, i, 0, lane);
+        op[i] = reinterpret_cast<unsigned int*>(po.x_next + (b * kN + i) * (long long)hidden + c0 + 2 * lane);
+      }
 #pragma unroll
       for (int ch = 0; ch < kMaxChunks; ++ch) {
         if (ch < chunks) {
           uint32_t xw[kN];
 #pragma unroll
-          for (int i = 0; i < kN; ++i) xw[i] = *reinterpret_cast<const uint32_t*>(xs + x_word_offset(row, i, ch, lane));
+          for (int i = 0; i < kN; ++i) xw[i] = *reinterpret_cast<const uint32_t*>(xs + xo[i] + ch * kChunkBytes);
 #pragma unroll
           for (int i = 0; i < kN; ++i) {
             const float4 r4 = *reinterpret_cast<const float4*>(crow + i * kN);
             const float rr[kN] = {r4.x, r4.y, r4.z, r4.w};
             const uint32_t o = post_mix_pair<kN>(xw, f[ch], rr, crow[kN * kN + i]);
-            *reinterpret_cast<uint32_t*>(xs + x_word_offset(row, i, ch, lane)) = o;
-            __stcs(reinterpret_cast<unsigned int*>(orow + (long long)i * hidden + ch * 64), o);
+            *reinterpret_cast<uint32_t*>(xs + xo[i] + ch * kChunkBytes) = o;
+            __stcs(op[i] + ch * 32, o);
           }
         }
       }
