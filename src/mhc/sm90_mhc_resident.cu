@@ -586,6 +586,15 @@ struct ResidentCta {
   __device__ __forceinline__ void post_tile(int j, int ft) {
     const PipeState<kStages> x = PipeState<kStages>::at(j);
     const int chunks = slice / 64;
+    // F_out's lines of a row toward L1 (lane ch: box ch's 128 bytes), a row
+    // ahead of its loads and the first before the waits below: one row's
+    // latency overlaps the previous row's work. A prefetch holds no register
+    // (F words held a row ahead spilled at 56).
+    auto prefetch_f = [&](long long b) {
+      if (lane < chunks && b < p.batch)
+        asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p.post.f_out + b * hidden + c0 + lane * 64));
+    };
+    prefetch_f(row0(j) + (ft >> 5));
     if (j < kStages) {  // per-box barriers in the first tiles (Barriers::full)
       for (int ch = 0; ch < chunks; ++ch) Mbar(bar.full[x.index][ch]).wait(x.phase);
     } else {
@@ -600,6 +609,7 @@ struct ResidentCta {
 #pragma unroll 1
     for (int row = ft >> 5; row < rows; row += kFinishWarps) {
       const long long b = r0 + row;
+      prefetch_f(row + kFinishWarps < rows ? b + kFinishWarps : p.batch);
       const __nv_bfloat16* frow = po.f_out + b * hidden + c0 + 2 * lane;
       uint32_t f[kMaxChunks];
 #pragma unroll
