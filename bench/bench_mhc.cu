@@ -4,6 +4,9 @@
 //   mhc_pre:  X read once + F_pre written once (phi, alpha, bias and the
 //             fp32 coefficients are < 1% and not counted) -- the issue's floor.
 //   mhc_post: X + F_out read once, X_next written once.
+//   mhc_post_pre: X + F_out read once, X_next + F_pre written once (the
+//             one-pass floor of the boundary; the issue's bound is
+//             time <= 1.15 x floor at the same run's copy bandwidth).
 // "fraction" = (bytes / copy bandwidth) / time, the copy bandwidth measured in
 // the same run; for mhc_pre the issue's bound is time <= 1.25 x floor, i.e.
 // fraction >= 0.8. Decode (B = 16) is timed as CUDA-graph replays over
@@ -236,6 +239,18 @@ MhcPostArgs post_args(const HostData& h, const DevSet& d) {
   return a;
 }
 
+// The boundary op on a set: this layer's post (H_post_in, H_res_in, F_out,
+// deepseek layout) and the next pre (the set's phi, alpha, bias).
+MhcPostPreArgs post_pre_args(const HostData& h, const DevSet& d) {
+  MhcPostPreArgs a;
+  a.shape = {h.B, h.n, h.C};
+  a.x = d.x; a.f_out = d.f_out; a.h_post = d.h_post_in; a.h_res = d.h_res_in;
+  a.res_layout = MhcResLayout::kDeepSeek;
+  a.phi = d.phi; a.phi_dtype = DType::kFloat32; a.alpha = d.alpha; a.bias = d.bias;
+  a.x_next = d.x_next; a.f_pre = d.f_pre; a.h_post_next = d.h_post; a.h_res_next = d.h_res;
+  return a;
+}
+
 void run_baseline_pre(cublasHandle_t handle, const HostData& h, const DevSet& d, cudaStream_t stream) {
   const int n = h.n, N = mhc_num_coefficients(n);
   const int K = int(h.n * h.C), B = int(h.B);
@@ -320,6 +335,51 @@ std::string check_post(const HostData& h, const DevSet& d, const std::vector<int
       const double g = host::bf16_to_float(got[b * K + e]), r = host::bf16_to_float(ref[e]);
       if (!(std::fabs(g - r) <= std::ldexp(std::fabs(r), -7) + 1e-3)) return "FAILED: X_next row " + std::to_string(b);
     }
+  }
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "passed (%zu of %lld rows vs CPU reference)", rows.size(), (long long)h.B);
+  return buf;
+}
+
+// mhc_post_pre on `rows`: X_next against the CPU post (deepseek layout),
+// then F_pre, H_post, H_res against the CPU pre of the X_next the GPU stored.
+std::string check_post_pre(const HostData& h, const DevSet& d, const std::vector<int64_t>& rows) {
+  const int n = h.n;
+  const int64_t C = h.C, K = n * C;
+  auto xn = download(d.x_next, size_t(h.B * K));
+  auto f = download(d.f_pre, size_t(h.B * C));
+  auto post = download(d.h_post, size_t(h.B * n));
+  auto res = download(d.h_res, size_t(h.B * n * n));
+  for (int64_t b : rows) {
+    std::vector<uint16_t> rx(K), rf(C);
+    std::vector<float> rp(n), rr(n * n);
+    MhcPostArgs q;
+    q.shape = {1, n, C};
+    q.x = h.x.data() + b * K; q.f_out = h.f_out.data() + b * C; q.h_post = h.h_post.data() + b * n;
+    q.h_res = h.h_res.data() + b * n * n; q.x_next = rx.data(); q.res_layout = MhcResLayout::kDeepSeek;
+    Status s = mhc_post_cpu(q);
+    if (!s.ok()) return "FAILED: reference: " + s.message();
+    for (int64_t e = 0; e < K; ++e) {
+      const double g = host::bf16_to_float(xn[b * K + e]), r = host::bf16_to_float(rx[e]);
+      if (!(std::fabs(g - r) <= std::ldexp(std::fabs(r), -7) + 1e-3)) return "FAILED: X_next row " + std::to_string(b);
+    }
+    MhcPreArgs a;
+    a.shape = {1, n, C};
+    a.x = xn.data() + b * K; a.alpha = h.alpha.data(); a.bias = h.bias.data(); a.phi = h.phi.data();
+    a.f_pre = rf.data(); a.h_post = rp.data(); a.h_res = rr.data();
+    s = mhc_pre_cpu(a);
+    if (!s.ok()) return "FAILED: reference: " + s.message();
+    for (int64_t c = 0; c < C; ++c) {
+      double scale = 0;
+      for (int i = 0; i < n; ++i) scale += std::fabs(host::bf16_to_float(xn[b * K + i * C + c]));
+      const double g = host::bf16_to_float(f[b * C + c]), r = host::bf16_to_float(rf[c]);
+      if (!(std::fabs(g - r) <= std::ldexp(std::fabs(r), -7) + 2e-4 * scale + 1e-6))
+        return "FAILED: F_pre[" + std::to_string(b) + "," + std::to_string(c) + "]";
+    }
+    for (int i = 0; i < n; ++i)
+      if (!(std::fabs(post[b * n + i] - rp[i]) <= 2e-4)) return "FAILED: H_post row " + std::to_string(b);
+    for (int e = 0; e < n * n; ++e)
+      if (!(std::fabs(res[b * n * n + e] - rr[e]) <= 2e-4)) return "FAILED: H_res row " + std::to_string(b);
   }
   char buf[96];
   std::snprintf(buf, sizeof buf, "passed (%zu of %lld rows vs CPU reference)", rows.size(), (long long)h.B);
@@ -620,6 +680,92 @@ void run_mhc_cases(Context& ctx) {
     add_record(ctx, q);
     for (auto& d : ds) free_dev(d);
   }
+  // ---- the layer boundary: mhc_post_pre, B = 8192 and decode ----
+  if (ctx.selected("mhc_post_pre", "B8192_n4_C7168")) {
+    HostData h = make_host(8192, 4, 7168, 20261127);
+    DevSet d = make_dev(h);
+    const double x_bytes = 2.0 * h.B * h.n * h.C, f_bytes = 2.0 * h.B * h.C;
+    const double bytes = 2 * x_bytes + 2 * f_bytes;  // X, F_out in; X_next, F_pre out
+    const double bound_us = bytes / (ctx.copy_gbps * 1e9) * 1e6;
+    const MhcPostPreArgs a = post_pre_args(h, d);
+    Status st = mhc_post_pre(a, stream);
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    const std::string check =
+        !st.ok() ? "FAILED: " + st.message() : ctx.verify ? check_post_pre(h, d, sample_rows(h.B)) : "not verified";
+    const double us = median_us([&] { (void)mhc_post_pre(a, stream); }, stream, 3, iters);
+    // The same boundary as two ops (mhc_post into a scratch X_next, then mhc_pre on it).
+    uint16_t* x_mid = alloc<uint16_t>(size_t(h.B * h.n * h.C));
+    MhcPostArgs q;
+    q.shape = a.shape;
+    q.x = d.x; q.f_out = d.f_out; q.h_post = d.h_post_in; q.h_res = d.h_res_in; q.x_next = x_mid;
+    MhcPreArgs pa = pre_args(h, d);
+    pa.x = x_mid;
+    const double post_us = median_us([&] { (void)mhc_post(q, stream); }, stream, 3, iters);
+    const double pre_us = median_us([&] { (void)mhc_pre(pa, stream); }, stream, 3, iters);
+    const double two_us = median_us([&] { (void)mhc_post(q, stream); (void)mhc_pre(pa, stream); }, stream, 3, iters);
+    BENCH_CUDA(cudaFree(x_mid));
+    Record r;
+    r.op = "mhc_post_pre";
+    r.case_name = "B8192_n4_C7168";
+    r.median_us = us;
+    r.ceiling = "copy";
+    r.bytes = bytes;
+    r.fraction = bound_us / us;
+    r.check = check;
+    r.extra["bound_us"] = bound_us;
+    r.extra["time_over_bound"] = us / bound_us;
+    r.extra["target_max_time_over_bound"] = 1.15;
+    r.extra["post_us"] = post_us;
+    r.extra["pre_us"] = pre_us;
+    r.extra["post_then_pre_us"] = two_us;
+    r.extra["speedup_over_post_then_pre"] = two_us / us;
+    add_record(ctx, r);
+    free_dev(d);
+  }
+  if (ctx.selected("mhc_post_pre", "decode_B16_n4_C7168_graph")) {
+    const int sets = 40;  // 40 x (2 x 0.9 MB X + 3.4 MB phi) is well beyond L2
+    std::vector<HostData> hs;
+    std::vector<DevSet> ds;
+    for (int i = 0; i < sets; ++i) {
+      hs.push_back(make_host(16, 4, 7168, 3000 + i));
+      ds.push_back(make_dev(hs.back()));
+    }
+    const std::string check = verify_rotated_sets(
+        ctx, stream, sets, 16, [&](int i) { return mhc_post_pre(post_pre_args(hs[i], ds[i]), stream); },
+        [&](int i) { return check_post_pre(hs[i], ds[i], sample_rows(16)); });
+    const int launches = 2 * sets;
+    const double us = graph_us_per_launch(
+        [&](int i) { (void)mhc_post_pre(post_pre_args(hs[i % sets], ds[i % sets]), stream); }, launches, stream, iters);
+    // The two ops, each set's post writing the X its pre reads.
+    const double two_us = graph_us_per_launch(
+        [&](int i) {
+          const HostData& h = hs[i % sets];
+          const DevSet& d = ds[i % sets];
+          MhcPostArgs q;
+          q.shape = {h.B, h.n, h.C};
+          q.x = d.x; q.f_out = d.f_out; q.h_post = d.h_post_in; q.h_res = d.h_res_in; q.x_next = d.x_next;
+          (void)mhc_post(q, stream);
+          MhcPreArgs pa = pre_args(h, d);
+          pa.x = d.x_next;
+          (void)mhc_pre(pa, stream);
+        },
+        launches, stream, iters);
+    Record r;
+    r.op = "mhc_post_pre";
+    r.case_name = "decode_B16_n4_C7168_graph";
+    r.median_us = us;
+    r.ceiling = "time_bound";
+    r.bytes = 2.0 * (2 * 16 * 4 * 7168 + 2 * 16 * 7168);
+    r.fraction = 6.0 / us;
+    r.check = check;
+    r.extra["target_max_us"] = 6.0;
+    r.extra["post_then_pre_us"] = two_us;
+    r.extra["speedup_over_post_then_pre"] = two_us / us;
+    r.extra["rotated_sets"] = sets;
+    add_record(ctx, r);
+    for (auto& d : ds) free_dev(d);
+  }
+
   // ---- small batches of shapes without the resident kernel (n != 4, or C
   // not a multiple of 1024): the cluster-tile kernel, and the split kernel
   // that a workspace selects. Sets rotated: together larger than L2.

@@ -182,6 +182,41 @@ struct MhcHeadArgs {
   MhcPreKernel kernel = MhcPreKernel::kAuto;  // which projection kernel (see MhcPreKernel)
 };
 
+// mhc_post_pre: a layer boundary in one operation, this layer's mhc_post
+// followed by the next sublayer's mhc_pre:
+//   X_next = R * X + H_post * F_out                       (mhc_post, res_layout)
+//   (F_pre, H_post_next, H_res_next) = mhc_pre(X_next)    (phi, alpha, bias, params of the next pre)
+// X is read once and X_next written once; the next pre's projection, sum of
+// squares and mix use X_next as it is made on chip (bf16-rounded, exactly
+// the values stored), never read back. Bitwise equal to mhc_post then
+// mhc_pre pinned to the same projection kernel (spec §4.7). Kernels: kResident
+// (n = 4, C a multiple of 1024 up to 7168) and kClusterTile (the rest of
+// sm_90); kAuto picks them in that order; kSplit and kPortable are not
+// available for this op (kNotSupported).
+struct MhcPostPreArgs {
+  MhcShape shape;
+  // This layer's post (inputs).
+  const void* x = nullptr;        // bf16 [B, n*C], X_L
+  const void* f_out = nullptr;    // bf16 [B, C], the sublayer's output
+  const float* h_post = nullptr;  // fp32 [B, n]
+  const float* h_res = nullptr;   // fp32 [B, n, n]
+  MhcResLayout res_layout = MhcResLayout::kDeepSeek;  // of this post (as MhcPostArgs::res_layout)
+  // The next pre's weights.
+  const void* phi = nullptr;      // [N, n*C], 16-byte aligned
+  DType phi_dtype = DType::kFloat32;
+  const float* alpha = nullptr;   // [3] device
+  const float* bias = nullptr;    // [N] device
+  // Outputs.
+  void* x_next = nullptr;         // bf16 [B, n*C], X_{L+1}
+  void* f_pre = nullptr;          // bf16 [B, C]
+  float* h_post_next = nullptr;   // fp32 [B, n]
+  float* h_res_next = nullptr;    // fp32 [B, n, n] (row-major, untransposed, as mhc_pre)
+  MhcParams params;               // of the next pre (params.res_layout validated, not read, as in mhc_pre)
+  bool enable_pdl = true;
+  bool prefetch_weights = false;  // as in MhcPreArgs: phi, alpha, bias only (never X, F_out, H_post, H_res)
+  MhcPreKernel kernel = MhcPreKernel::kAuto;  // kAuto, kResident or kClusterTile
+};
+
 // mhc_expand: embedding [B, C] -> X [B, n, C] with n copies.
 struct MhcExpandArgs {
   MhcShape shape;
@@ -227,6 +262,9 @@ Status mhc_activate(const MhcActivateArgs& args, cudaStream_t stream);
 Status mhc_pre_mix(const MhcPreMixArgs& args, cudaStream_t stream);
 Status mhc_head(const MhcHeadArgs& args, cudaStream_t stream);
 Status mhc_expand(const MhcExpandArgs& args, cudaStream_t stream);
+Status mhc_post_pre(const MhcPostPreArgs& args, cudaStream_t stream);
+// The projection kernel mhc_post_pre would run for `args` here, and why (host only).
+Status mhc_post_pre_kernel_choice(const MhcPostPreArgs& args, MhcPreKernel* kernel, std::string* reason);
 
 // CPU reference backend (host pointers).
 Status mhc_pre_cpu(const MhcPreArgs& args);
@@ -236,6 +274,7 @@ Status mhc_activate_cpu(const MhcActivateArgs& args);
 Status mhc_pre_mix_cpu(const MhcPreMixArgs& args);
 Status mhc_head_cpu(const MhcHeadArgs& args);
 Status mhc_expand_cpu(const MhcExpandArgs& args);
+Status mhc_post_pre_cpu(const MhcPostPreArgs& args);
 
 // Host-side validation shared by both backends (no device access).
 Status validate_mhc_pre(const MhcPreArgs& args);
@@ -245,5 +284,6 @@ Status validate_mhc_activate(const MhcActivateArgs& args);
 Status validate_mhc_pre_mix(const MhcPreMixArgs& args);
 Status validate_mhc_head(const MhcHeadArgs& args);
 Status validate_mhc_expand(const MhcExpandArgs& args);
+Status validate_mhc_post_pre(const MhcPostPreArgs& args);
 
 }  // namespace flashmix

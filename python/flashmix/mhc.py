@@ -16,9 +16,10 @@ import collections
 from ._common import _C, arg, defaults, empty, stream_of, torch
 
 __all__ = [
-    "mhc_pre", "mhc_pre_kernel_choice", "mhc_post", "mhc_project", "mhc_activate", "mhc_pre_mix", "mhc_head",
+    "mhc_pre", "mhc_pre_kernel_choice", "mhc_post", "mhc_post_pre", "mhc_project", "mhc_activate", "mhc_pre_mix", "mhc_head",
     "mhc_expand", "mhc_workspace_bytes", "mhc_num_coefficients",
     "MHC_MAX_STREAMS", "MHC_SEED_PARAMS", "MHC_PRE_KERNELS", "MhcPreOutput", "MhcActivateOutput",
+    "MhcPostPreOutput",
 ]
 
 if torch is not None:
@@ -32,6 +33,7 @@ _ACTIVATE = _DEFAULTS["mhc_activate"]
 _PRE_MIX = _DEFAULTS["mhc_pre_mix"]
 _HEAD = _DEFAULTS["mhc_head"]
 _EXPAND = _DEFAULTS["mhc_expand"]
+_POST_PRE = _DEFAULTS["mhc_post_pre"]
 
 MHC_MAX_STREAMS = _C.MHC_MAX_STREAMS
 #: The ``kernel`` values of mhc_pre, mhc_project and mhc_head (``MhcPreKernel``; docs/spec.md §4.6).
@@ -43,6 +45,7 @@ mhc_workspace_bytes = _C.mhc_workspace_bytes
 
 MhcPreOutput = collections.namedtuple("MhcPreOutput", ["f_pre", "h_post", "h_res"])
 MhcActivateOutput = collections.namedtuple("MhcActivateOutput", ["h_pre", "h_post", "h_res"])
+MhcPostPreOutput = collections.namedtuple("MhcPostPreOutput", ["x_next", "f_pre", "h_post", "h_res"])
 
 
 def _streams_from_coefficients(N, op, name):
@@ -187,6 +190,53 @@ if torch is not None:
                      enable_pdl: bool = _POST.enable_pdl) -> Tensor:
         """flashmix.mhc_post as a custom op: a fresh X_next of X's shape."""
         return mhc_post(x, f_out, h_post, h_res, res_layout=res_layout, enable_pdl=enable_pdl)
+
+
+# ---------------------------------------------------------------------------
+# mhc_post_pre: the layer boundary
+# ---------------------------------------------------------------------------
+
+def _post_pre_outputs(x, phi, x_next=None, f_pre=None, h_post_next=None, h_res_next=None):
+    f_pre, h_post_next, h_res_next = _pre_outputs(x, phi, "mhc_post_pre", f_pre, h_post_next, h_res_next)
+    return (_new_x_next(x) if x_next is None else x_next), f_pre, h_post_next, h_res_next
+
+
+def mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, *, x_next=None, f_pre=None, h_post_next=None,
+                 h_res_next=None, res_layout=_POST_PRE.res_layout, eps_norm=_POST_PRE.eps_norm,
+                 eps_pre=_POST_PRE.eps_pre, post_mult=_POST_PRE.post_mult, eps_sinkhorn=_POST_PRE.eps_sinkhorn,
+                 sinkhorn_iters=_POST_PRE.sinkhorn_iters, enable_pdl=_POST_PRE.enable_pdl,
+                 prefetch_weights=_POST_PRE.prefetch_weights, kernel=_POST_PRE.kernel, stream=None):
+    """spec §4.7 mhc_post_pre: a layer boundary in one op, this layer's mhc_post (x, f_out,
+    h_post, h_res; ``res_layout``) followed by the next sublayer's mhc_pre (phi, alpha, bias and
+    the activation parameters). X is read once and X_next written once; the pre uses X_next as
+    it is made. Returns MhcPostPreOutput(x_next bf16 of x's shape, f_pre bf16 ``[B, C]``, h_post
+    float32 ``[B, n]``, h_res float32 ``[B, n, n]``); outputs not passed are allocated and must
+    not overlap any input (double-buffer the coefficients). Bitwise equal to mhc_post then
+    mhc_pre pinned to the same kernel. ``kernel``: "auto", "resident" or "cluster_tile"
+    (the others raise NotImplementedError); CPU arrays run the reference."""
+    x_next, f_pre, h_post_next, h_res_next = _post_pre_outputs(x, phi, x_next, f_pre, h_post_next, h_res_next)
+    _C.mhc_post_pre(arg(x), arg(f_out), arg(h_post), arg(h_res), arg(phi), arg(alpha), arg(bias), arg(x_next),
+                    arg(f_pre), arg(h_post_next), arg(h_res_next), res_layout=res_layout, eps_norm=eps_norm,
+                    eps_pre=eps_pre, post_mult=post_mult, eps_sinkhorn=eps_sinkhorn, sinkhorn_iters=sinkhorn_iters,
+                    enable_pdl=enable_pdl, prefetch_weights=prefetch_weights, kernel=kernel,
+                    stream=stream_of(stream, x))
+    return MhcPostPreOutput(x_next, f_pre, h_post_next, h_res_next)
+
+
+if torch is not None:
+    @custom_op("mhc_post_pre", fake=lambda x, phi, **_: _post_pre_outputs(x, phi))
+    def _mhc_post_pre_op(x: Tensor, f_out: Tensor, h_post: Tensor, h_res: Tensor, phi: Tensor, alpha: Tensor,
+                         bias: Tensor, res_layout: str = _POST_PRE.res_layout, eps_norm: float = _POST_PRE.eps_norm,
+                         eps_pre: float = _POST_PRE.eps_pre, post_mult: float = _POST_PRE.post_mult,
+                         eps_sinkhorn: float = _POST_PRE.eps_sinkhorn, sinkhorn_iters: int = _POST_PRE.sinkhorn_iters,
+                         enable_pdl: bool = _POST_PRE.enable_pdl, prefetch_weights: bool = _POST_PRE.prefetch_weights,
+                         projection_kernel: str = _POST_PRE.kernel) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """flashmix.mhc_post_pre as a custom op: fresh (x_next, f_pre, h_post, h_res);
+        ``projection_kernel`` is its ``kernel`` (as in the mhc_pre op)."""
+        return tuple(mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, res_layout=res_layout,
+                                  eps_norm=eps_norm, eps_pre=eps_pre, post_mult=post_mult,
+                                  eps_sinkhorn=eps_sinkhorn, sinkhorn_iters=sinkhorn_iters, enable_pdl=enable_pdl,
+                                  prefetch_weights=prefetch_weights, kernel=projection_kernel))
 
 
 # ---------------------------------------------------------------------------

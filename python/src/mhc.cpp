@@ -255,6 +255,57 @@ void mhc_post(const In& x, const In& f_out, const In& h_post, const In& h_res, c
 }
 
 // ---------------------------------------------------------------------------
+// mhc_post_pre: the layer boundary (this post, the next pre) in one op
+// ---------------------------------------------------------------------------
+
+void mhc_post_pre(const In& x, const In& f_out, const In& h_post, const In& h_res, const In& phi, const In& alpha,
+                  const In& bias, const Out& x_next, const Out& f_pre, const Out& h_post_next,
+                  const Out& h_res_next, const std::string& res_layout, float eps_norm, float eps_pre,
+                  float post_mult, float eps_sinkhorn, int sinkhorn_iters, bool enable_pdl, bool prefetch_weights,
+                  const std::string& kernel, uintptr_t stream) {
+  constexpr const char* op = "mhc_post_pre";
+  Placement w(op);
+  w.add(x, "x", f_out, "f_out", h_post, "h_post", h_res, "h_res");
+  add_projection_inputs(w, x, phi, alpha, bias);
+  w.add(x_next, "x_next", f_pre, "f_pre", h_post_next, "h_post_next", h_res_next, "h_res_next");
+  fm::MhcPostPreArgs a;
+  require_ndim(phi, 2, op, "phi");
+  const int64_t N = dim(phi, 0);
+  const int n = streams_from_coefficients(N, op, "phi");
+  a.shape = residual_shape(x, n, op, "x");
+  const int64_t B = a.shape.batch, C = a.shape.hidden;
+  a.phi_dtype = check_weights(phi, alpha, bias, N, n * C, 3, op);
+  require_dense(f_out, kBFloat16, {B, C}, op, "f_out");
+  require_dense(h_post, kFloat32, {B, n}, op, "h_post");
+  require_dense(h_res, kFloat32, {B, n, n}, op, "h_res");
+  require_dtype(x_next, kBFloat16, op, "x_next");
+  require_contiguous(x_next, op, "x_next");
+  if (x_next.size() != x.size()) fail(op, "x_next", "must have x's shape ", shape_str(x), " (got ", shape_str(x_next), ")");
+  require_dense(f_pre, kBFloat16, {B, C}, op, "f_pre");
+  require_dense(h_post_next, kFloat32, {B, n}, op, "h_post_next");
+  require_dense(h_res_next, kFloat32, {B, n, n}, op, "h_res_next");
+  a.x = ptr(x);
+  a.f_out = ptr(f_out);
+  a.h_post = static_cast<const float*>(ptr(h_post));
+  a.h_res = static_cast<const float*>(ptr(h_res));
+  a.phi = ptr(phi);
+  a.alpha = static_cast<const float*>(ptr(alpha));
+  a.bias = static_cast<const float*>(ptr(bias));
+  a.x_next = mut(x_next);
+  a.f_pre = mut(f_pre);
+  a.h_post_next = static_cast<float*>(mut(h_post_next));
+  a.h_res_next = static_cast<float*>(mut(h_res_next));
+  a.res_layout = parse_enum(res_layout, res_layouts(), op, "res_layout");
+  a.params.eps_norm = eps_norm;
+  set_activation_params(a.params, eps_pre, post_mult, eps_sinkhorn, sinkhorn_iters);
+  a.enable_pdl = enable_pdl;
+  a.prefetch_weights = prefetch_weights;
+  a.kernel = parse_kernel(kernel, op);
+  dispatch(
+      w, op, [&] { return fm::mhc_post_pre(a, as_stream(stream)); }, [&] { return fm::mhc_post_pre_cpu(a); });
+}
+
+// ---------------------------------------------------------------------------
 // The stages of mhc_pre: project, activate, pre mix
 // ---------------------------------------------------------------------------
 
@@ -424,6 +475,12 @@ nb::dict mhc_defaults() {
   f["eps_pre"] = py_float(head.eps_pre);
   d["mhc_head"] = projection(f, head);
   d["mhc_expand"] = launch(nb::dict(), expand.enable_pdl);
+  const fm::MhcPostPreArgs post_pre;
+  f = params_dict(post_pre.params);
+  f["res_layout"] = enum_name(post_pre.res_layout, res_layouts());  // the post's (the pre's is not read)
+  f["prefetch_weights"] = post_pre.prefetch_weights;
+  f["kernel"] = fm::to_string(post_pre.kernel);
+  d["mhc_post_pre"] = launch(f, post_pre.enable_pdl);
   return d;
 }
 
@@ -463,6 +520,11 @@ void register_mhc(nb::module_& m) {
   m.def("mhc_pre_mix", &mhc_pre_mix, "x"_a, "h_pre"_a, "f_pre"_a, nb::kw_only(), "enable_pdl"_a, "stream"_a);
   m.def("mhc_head", &mhc_head, "x"_a, "phi"_a, "alpha"_a, "bias"_a, "out"_a, nb::kw_only(), "eps_norm"_a,
         "eps_pre"_a, "enable_pdl"_a, "kernel"_a, "workspace"_a.none(), "stream"_a);
+  m.def("mhc_post_pre", &mhc_post_pre, "x"_a, "f_out"_a, "h_post"_a, "h_res"_a, "phi"_a, "alpha"_a, "bias"_a,
+        "x_next"_a, "f_pre"_a, "h_post_next"_a, "h_res_next"_a, nb::kw_only(), "res_layout"_a, "eps_norm"_a,
+        "eps_pre"_a, "post_mult"_a, "eps_sinkhorn"_a, "sinkhorn_iters"_a, "enable_pdl"_a, "prefetch_weights"_a,
+        "kernel"_a, "stream"_a,
+        "spec §4.7 mhc_post_pre: this layer's post then the next pre in one op; n from phi [N, n*C].");
   m.def("mhc_expand", &mhc_expand, "embedding"_a, "x"_a, nb::kw_only(), "enable_pdl"_a, "stream"_a);
 }
 

@@ -188,4 +188,37 @@ Status mhc_expand_cpu(const MhcExpandArgs& a) {
   return Status::Ok();
 }
 
+// The boundary (spec §4.7): the post, each X_next element rounded to bf16 at
+// its store, then the next pre computed from those stored values.
+Status mhc_post_pre_cpu(const MhcPostPreArgs& a) {
+  FM_RETURN_IF_ERROR(validate_mhc_post_pre(a));
+  const int n = a.shape.n, num_coef = mhc_num_coefficients(n);
+  const int64_t C = a.shape.hidden, k_len = n * C;
+  const bool transpose = a.res_layout == MhcResLayout::kDeepSeek;
+  std::vector<double> h(num_coef), pre(n), post(n), res(n * n);
+  for (int64_t b = 0; b < a.shape.batch; ++b) {
+    const float* hres = a.h_res + b * n * n;
+    for (int i = 0; i < n; ++i)
+      for (int64_t c = 0; c < C; ++c) {
+        double acc = double(a.h_post[b * n + i]) * bf16_at(a.f_out, b * C + c);
+        for (int j = 0; j < n; ++j) {
+          const double rij = transpose ? hres[j * n + i] : hres[i * n + j];
+          acc += rij * bf16_at(a.x, (b * n + j) * C + c);
+        }
+        store_bf16(a.x_next, (b * n + i) * C + c, acc);
+      }
+    project_row(a.x_next, a.phi, a.phi_dtype, a.alpha, a.bias, b, k_len, num_coef, a.params.eps_norm,
+                [n](int m) { return alpha_index(m, n); }, h.data());
+    activate_row(h.data(), n, a.params, pre.data(), post.data(), res.data());
+    for (int64_t c = 0; c < C; ++c) {
+      double acc = 0;
+      for (int i = 0; i < n; ++i) acc += pre[i] * bf16_at(a.x_next, b * k_len + i * C + c);
+      store_bf16(a.f_pre, b * C + c, acc);
+    }
+    for (int i = 0; i < n; ++i) a.h_post_next[b * n + i] = float(post[i]);
+    for (int e = 0; e < n * n; ++e) a.h_res_next[b * n * n + e] = float(res[e]);
+  }
+  return Status::Ok();
+}
+
 }  // namespace flashmix

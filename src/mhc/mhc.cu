@@ -268,7 +268,8 @@ Status launch_per_group(const MhcShape& s, const char* op, Launch&& launch) {
 
 // The portable projection kernel: any GPU, any shape; one CTA per token.
 cudaError_t portable_project(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
-                             bool dry_run, const char** /*why_not*/) {
+                             bool dry_run, const char** why_not) {
+  if (p.has_post()) return not_supported(why_not, "portable: no fused post (mhc_post_pre)");
   if (dry_run) return cudaSuccess;
   cudaError_t err = cudaSuccess;
   dispatch_n(n, [&](auto kn) {
@@ -398,6 +399,60 @@ Status mhc_pre(const MhcPreArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_pre";
   return detail::gpu_entry(kOp, validate_mhc_pre(a), stream, a.shape.batch == 0, [&]() -> Status {
     return launch_project(pre_params(a), a.shape.n, a.phi_dtype, a.kernel, stream, a.enable_pdl, kOp);
+  });
+}
+
+namespace {
+
+ProjectParams post_pre_params(const MhcPostPreArgs& a) {
+  ProjectParams p;
+  p.x = static_cast<const bf16*>(a.x);  // X_L: the kernels make X_next from it
+  p.phi = a.phi;
+  p.alpha = a.alpha;
+  p.bias = a.bias;
+  p.batch = a.shape.batch;
+  p.hidden = int(a.shape.hidden);
+  p.k_len = int(a.shape.hidden * a.shape.n);
+  p.f_out = static_cast<bf16*>(a.f_pre);
+  p.h_post = a.h_post_next;
+  p.h_res = a.h_res_next;
+  p.num_coef = mhc_num_coefficients(a.shape.n);
+  p.eps_norm = a.params.eps_norm;
+  p.act = act_params(a.params);
+  p.mode = ProjectMode::kPre;
+  p.prefetch_weights = a.prefetch_weights && a.enable_pdl;
+  p.post.f_out = static_cast<const bf16*>(a.f_out);
+  p.post.h_post = a.h_post;
+  p.post.h_res = a.h_res;
+  p.post.x_next = static_cast<bf16*>(a.x_next);
+  p.post.transpose = a.res_layout == MhcResLayout::kDeepSeek;
+  return p;
+}
+
+}  // namespace
+
+Status mhc_post_pre_kernel_choice(const MhcPostPreArgs& a, MhcPreKernel* kernel, std::string* reason) {
+  constexpr const char* kOp = "mhc_post_pre_kernel_choice";
+  FM_REQUIRE(kernel != nullptr, kOp, "kernel", "must not be null");
+  FM_RETURN_IF_ERROR(validate_mhc_post_pre(a));
+  return detail::without_cuda_error_left(kOp, [&]() -> Status {
+    const ProjectCandidate* c = nullptr;
+    std::string why;
+    FM_RETURN_IF_ERROR(choose_project_kernel(post_pre_params(a), a.shape.n, a.phi_dtype == DType::kFloat32, a.kernel,
+                                             kOp, &c, &why));
+    *kernel = c->kernel;
+    if (reason != nullptr) *reason = why;
+    return Status::Ok();
+  });
+}
+
+// The layer boundary: mhc_post fused in front of the next mhc_pre's
+// projection kernel (resident or cluster tile), which makes X_next on chip
+// from X_L and F_out instead of reading it.
+Status mhc_post_pre(const MhcPostPreArgs& a, cudaStream_t stream) {
+  constexpr const char* kOp = "mhc_post_pre";
+  return detail::gpu_entry(kOp, validate_mhc_post_pre(a), stream, a.shape.batch == 0, [&]() -> Status {
+    return launch_project(post_pre_params(a), a.shape.n, a.phi_dtype, a.kernel, stream, a.enable_pdl, kOp);
   });
 }
 

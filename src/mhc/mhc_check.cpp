@@ -247,4 +247,40 @@ Status validate_mhc_expand(const MhcExpandArgs& a) {
   return check_no_overlap(kOp, outs, ins);
 }
 
+Status validate_mhc_post_pre(const MhcPostPreArgs& a) {
+  constexpr const char* kOp = "mhc_post_pre";
+  FM_RETURN_IF_ERROR(check_shape(a.shape, kOp, true));
+  FM_REQUIRE(a.res_layout == MhcResLayout::kDeepSeek || a.res_layout == MhcResLayout::kRowMix, kOp,
+             "res_layout", "unknown layout value ", int(a.res_layout));
+  FM_RETURN_IF_ERROR(check_params(a.params, kOp));
+  FM_RETURN_IF_ERROR(check_phi_dtype(a.phi_dtype, kOp));
+  FM_RETURN_IF_ERROR(check_kernel(a.kernel, kOp));
+  if (a.shape.batch == 0) return Status::Ok();  // nothing is read or written
+  FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
+  FM_RETURN_IF_ERROR(check_ptr(a.f_out, kOp, "f_out", 16));
+  FM_RETURN_IF_ERROR(check_ptr(a.h_post, kOp, "h_post", 4));
+  FM_RETURN_IF_ERROR(check_ptr(a.h_res, kOp, "h_res", 4));
+  FM_RETURN_IF_ERROR(check_ptr(a.phi, kOp, "phi", 16));
+  FM_RETURN_IF_ERROR(check_ptr(a.alpha, kOp, "alpha", 4));
+  FM_RETURN_IF_ERROR(check_ptr(a.bias, kOp, "bias", 4));
+  FM_RETURN_IF_ERROR(check_ptr(a.x_next, kOp, "x_next", 16));
+  FM_RETURN_IF_ERROR(check_ptr(a.f_pre, kOp, "f_pre", 16));
+  FM_RETURN_IF_ERROR(check_ptr(a.h_post_next, kOp, "h_post_next", 4));
+  FM_RETURN_IF_ERROR(check_ptr(a.h_res_next, kOp, "h_res_next", 4));
+  const MhcShape& s = a.shape;
+  const int64_t N = mhc_num_coefficients(s.n), K = int64_t(s.n) * s.hidden;
+  const Range outs[] = {{"x_next", a.x_next, s.batch * K * 2},
+                        {"f_pre", a.f_pre, s.batch * s.hidden * 2},
+                        {"h_post_next", a.h_post_next, s.batch * s.n * 4},
+                        {"h_res_next", a.h_res_next, s.batch * s.n * s.n * 4}};
+  const Range ins[] = {{"x", a.x, s.batch * K * 2},
+                       {"f_out", a.f_out, s.batch * s.hidden * 2},
+                       {"h_post", a.h_post, s.batch * s.n * 4},
+                       {"h_res", a.h_res, s.batch * s.n * s.n * 4},
+                       {"phi", a.phi, N * K * int64_t(dtype_size(a.phi_dtype))},
+                       {"alpha", a.alpha, 3 * 4},
+                       {"bias", a.bias, N * 4}};
+  return check_no_overlap(kOp, outs, ins);
+}
+
 }  // namespace flashmix

@@ -163,6 +163,34 @@ enum class ProjectMode : int {
   kHead = 2,     // the pre mix only, with N = n (mhc_head)
 };
 
+// mhc_post_pre: the previous layer's post fused in front of the projection.
+// The projection kernel's X (ProjectParams::x) is then X_L, and what it
+// projects and mixes is X_next = R X_L + H_post F_out, made on chip with the
+// arithmetic of mhc_post (post_mix_pair below), stored once to x_next.
+struct PostInput {
+  const __nv_bfloat16* f_out = nullptr;  // [B, C]
+  const float* h_post = nullptr;         // [B, n]
+  const float* h_res = nullptr;          // [B, n, n]
+  __nv_bfloat16* x_next = nullptr;       // [B, n*C]; null: no post (plain mhc_pre / project / head)
+  bool transpose = true;                 // res_layout kDeepSeek: R = H_res^T
+};
+
+// Two columns of X_next[i] from the n streams' bf16 pairs `x` (one 32-bit
+// word each: low half the even column) and F_out's pair `f`, with
+// R[i][j] = r[j] and H_post[i] = post: bitwise what mhc_post_kernel stores
+// (post * f first, then one fmaf per stream in order j = 0..n-1, rounded once).
+template <int kN>
+__device__ __forceinline__ uint32_t post_mix_pair(const uint32_t* x, uint32_t f, const float* r, float post) {
+  float lo = post * __uint_as_float(f << 16), hi = post * __uint_as_float(f & 0xffff0000u);
+#pragma unroll
+  for (int j = 0; j < kN; ++j) {
+    lo = fmaf(r[j], __uint_as_float(x[j] << 16), lo);
+    hi = fmaf(r[j], __uint_as_float(x[j] & 0xffff0000u), hi);
+  }
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
 // Arguments of a projection kernel (fused or fallback).
 struct ProjectParams {
   const __nv_bfloat16* x = nullptr;
@@ -189,6 +217,9 @@ struct ProjectParams {
   // mhc_workspace_bytes(shape) bytes, zero when idle.
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  // mhc_post_pre (kPre only): post.x_next non-null.
+  PostInput post;
+  bool has_post() const { return post.x_next != nullptr; }
 };
 
 // The projection kernels' launchers (mhc_pre, mhc_project, mhc_head), one

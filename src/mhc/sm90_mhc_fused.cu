@@ -110,7 +110,11 @@ __device__ __forceinline__ void load_phi_step(PhiFrag<kN, kF32>& f, const PhiRow
   }
 }
 
-template <int kN, bool kF32>
+// kPost (mhc_post_pre): the tile's slice is not copied from X but made from
+// X_L and F_out by the post (its arithmetic, post_mix_pair), stored to
+// shared memory and once to x_next; all n streams of a column are in this
+// CTA's slice, so the post needs nothing from the peers.
+template <int kN, bool kF32, bool kPost>
 __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectParams p, FusedLayout L) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kMt = coef_tiles<kN>();
@@ -158,7 +162,50 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
     gtab[q] = gc;
   }
   __syncthreads();  // barrier inits and the table visible to all
-  {
+  if constexpr (kPost) {
+    const int groups = cw / 8;
+    const PostInput& po = p.post;
+    for (int it = tid; it < L.rows * groups; it += kThreads) {
+      const int r = it / groups, col = (it - r * groups) * 8;
+      const long long b = row0 + r;
+      if (b >= p.batch) break;  // rows ascend; the padding below zeroes the rest
+      uint4 xv[kN];
+#pragma unroll
+      for (int j = 0; j < kN; ++j)
+        xv[j] = __ldg(reinterpret_cast<const uint4*>(p.x + b * p.k_len + (long long)j * hidden + c0 + col));
+      const uint4 fv = __ldg(reinterpret_cast<const uint4*>(po.f_out + b * hidden + c0 + col));
+      const uint32_t fw[4] = {fv.x, fv.y, fv.z, fv.w};
+#pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        float rr[kN];
+#pragma unroll
+        for (int j = 0; j < kN; ++j)
+          rr[j] = __ldg(po.h_res + b * kN * kN + (po.transpose ? j * kN + i : i * kN + j));
+        const float post = __ldg(po.h_post + b * kN + i);
+        uint32_t o[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          uint32_t xw[kN];
+#pragma unroll
+          for (int j = 0; j < kN; ++j) xw[j] = (&xv[j].x)[e];
+          o[e] = post_mix_pair<kN>(xw, fw[e], rr, post);
+        }
+        const uint4 ov = make_uint4(o[0], o[1], o[2], o[3]);
+        *reinterpret_cast<uint4*>(xs + r * L.pitch + i * cw + col) = ov;
+        __stcs(reinterpret_cast<uint4*>(po.x_next + (b * kN + i) * (long long)hidden + c0 + col), ov);
+      }
+    }
+    const int np_all = L.steps * 4;
+    for (int r = 0; r < L.rows; ++r) {
+      const bool row_ok = row0 + r < p.batch;
+      for (int pc = tid; pc < np_all; pc += kThreads)
+        if (!row_ok || gtab[pc] < 0) *reinterpret_cast<uint4*>(xs + r * L.pitch + pc * 8) = make_uint4(0, 0, 0, 0);
+    }
+    // Every chunk is complete for this thread (the chunk barriers count each thread once).
+#pragma unroll
+    for (int q = 0; q < kChunks; ++q) dev::mbar_arrive(smem_u32(&xbar[q]));
+    __syncthreads();
+  } else {
     constexpr int kPiecesPerStep = 4;  // 16-byte pieces per row per 32-wide step
 #pragma unroll 1
     for (int q = 0; q < kChunks; ++q) {
@@ -451,9 +498,9 @@ bool choose_layout(long long batch, int hidden, int num_coef, int smem_optin, Ch
   return false;
 }
 
-template <int kN, bool kF32>
+template <int kN, bool kF32, bool kPost>
 cudaError_t launch_fused(const ProjectParams& p, cudaStream_t stream, bool pdl, bool dry_run, const char** why_not) {
-  auto kernel = sm90_mhc_fused_kernel<kN, kF32>;
+  auto kernel = sm90_mhc_fused_kernel<kN, kF32, kPost>;
   int dynamic_max = 0;
   if (detail::prepare_kernel(detail::kernel_key(kernel), false, &dynamic_max) != cudaSuccess)
     return not_supported(why_not, "cluster tile: the kernel's attributes could not be set on this device");
@@ -485,8 +532,12 @@ cudaError_t sm90_mhc_project_fused(const ProjectParams& p, int n, bool phi_is_f3
   cudaError_t err = cudaErrorNotSupported;
   dispatch_n(n, [&](auto kn) {
     constexpr int kN = decltype(kn)::value;
-    err = phi_is_f32 ? launch_fused<kN, true>(p, stream, pdl, dry_run, why_not)
-                     : launch_fused<kN, false>(p, stream, pdl, dry_run, why_not);
+    if (p.has_post())
+      err = phi_is_f32 ? launch_fused<kN, true, true>(p, stream, pdl, dry_run, why_not)
+                       : launch_fused<kN, false, true>(p, stream, pdl, dry_run, why_not);
+    else
+      err = phi_is_f32 ? launch_fused<kN, true, false>(p, stream, pdl, dry_run, why_not)
+                       : launch_fused<kN, false, false>(p, stream, pdl, dry_run, why_not);
   });
   return err;
 }

@@ -71,7 +71,7 @@ struct ResidentLayout {
   int slice = 0;        // columns per CTA (C / 16, a multiple of 64)
   int stage_bytes = 0;  // slice / 64 boxes of box_bytes<kN>()
   int off_scratch = 0, off_recv_common = 0, off_recv_full = 0, off_tot = 0, off_hpre = 0, off_hsink = 0,
-      total = 0;
+      off_post_coef = 0, total = 0;
 };
 
 // Sizes that follow from n.
@@ -84,6 +84,7 @@ struct Dims {
   static constexpr int kFull = kCoef - kN;        // post and res coefficients: the tile's owner only
   static constexpr int kQ = kRows / 4;            // float4s per value
   static constexpr int kChunkBytes = box_bytes<kN>();
+  static constexpr int kPostCoef = kN * kN + kN;  // mhc_post_pre: R (row i = output stream i) and H_post of a token
 };
 
 // ---------------------------------------------------------------------------
@@ -175,6 +176,11 @@ struct Barriers {
   uint64_t sink_full[2], sink_empty[2];
   uint64_t phi_full;  // phi's slice landed in the (still empty) ring
   uint64_t phi_free;  // every projection warp has its fragments: the ring is X's
+  // mhc_post_pre only: per ring stage, the tile's post coefficients are in
+  // shared memory (every producer lane arrives), and the stage holds X_next
+  // (every finish thread arrives after its part of the post).
+  uint64_t coef_full[kStages];
+  uint64_t xform_full[kStages];
 
   // By one thread, before the cluster barrier that publishes them.
   __device__ __forceinline__ void init() {
@@ -193,6 +199,10 @@ struct Barriers {
       Mbar(hpre_free[b]).init(kProjWarps);
       Mbar(sink_full[b]).init(kFinishWarps * 32);
       Mbar(sink_empty[b]).init(32);
+    }
+    for (int s = 0; s < kStages; ++s) {
+      Mbar(coef_full[s]).init(32);  // every producer lane's cp.async.mbarrier.arrive.noinc
+      Mbar(xform_full[s]).init(kFinishWarps * 32);
     }
     Mbar(phi_full).init(1);           // the producer's expect_tx
     Mbar(phi_free).init(kProjWarps);  // every projection warp has its fragments
@@ -347,6 +357,7 @@ struct ResidentSmem {
   float* tot;         // [kV][kRows]: the tile's sums over the cluster
   float* hpre;        // [2][kRows][kN]: H_pre, per tile parity
   float* hsink;       // [2][kRows][kCoef]: h of the owned tiles, for the Sinkhorn warp
+  float* post_coef;   // mhc_post_pre: [kStages][kRows][kPostCoef], per ring stage
   float* coef_alpha;  // [kCoef]: alpha_of(m), loaded once
   float* coef_bias;   // [kCoef]: bias[m]
 
@@ -359,6 +370,7 @@ struct ResidentSmem {
         tot(reinterpret_cast<float*>(smem + L.off_tot)),
         hpre(reinterpret_cast<float*>(smem + L.off_hpre)),
         hsink(reinterpret_cast<float*>(smem + L.off_hsink)),
+        post_coef(reinterpret_cast<float*>(smem + L.off_post_coef)),
         coef_alpha(coef),
         coef_bias(coef + kCoef) {}
 };
@@ -384,7 +396,16 @@ struct ResidentSmem {
 // Each role is called only from its branch of the kernel, after that
 // branch's setmaxnreg: ptxas ignores a setmaxnreg.inc when code that needs
 // more registers is reachable after a dec.
-template <int kN, bool kF32>
+//
+// kPost (mhc_post_pre): the ring is filled with X_L (the same TMA boxes);
+// the producer also brings the tile's post coefficients into shared memory
+// (post_coef, coef_full) and prefetches its F_out rows into L2; the finish
+// warps turn the stage into X_next in place, one tile ahead (post_tile:
+// mhc_post's arithmetic, each word stored once to x_next) and release it on
+// xform_full, which the projection warps wait for instead of the TMA. The
+// rest of the kernel is unchanged, so the projection, the exchange, Sinkhorn
+// and the mix see bitwise the values mhc_pre would read from X_next.
+template <int kN, bool kF32, bool kPost>
 struct ResidentCta {
   static constexpr int kCoef = Dims<kN>::kCoef, kKt = Dims<kN>::kKt, kV = Dims<kN>::kV,
                        kCommon = Dims<kN>::kCommon, kFull = Dims<kN>::kFull, kQ = Dims<kN>::kQ,
@@ -515,6 +536,118 @@ struct ResidentCta {
       group += group_step;
       if (group >= groups) group -= groups, ++row;
     }
+  }
+
+  // ---- The post (kPost) ----
+  // Byte offset in a ring stage of 32-bit word w (columns 2w, 2w + 1) of
+  // 64-column box ch, (token row, stream i): the TMA's swizzle (x_offset).
+  __device__ __forceinline__ static uint32_t x_word_offset(int row, int i, int ch, int w) {
+    const int line = i * kRows + row;
+    return uint32_t(ch * kChunkBytes + line * 128 + (((w >> 2) ^ (row & 7)) << 4) + (w & 3) * 4);
+  }
+
+  // Tile t's post coefficients into post_coef[stage] (the producer warp, every
+  // lane; R already in the orientation of res_layout: row i makes stream i)
+  // by 4-byte cp.async, which holds no registers and does not stall the
+  // producer (values through registers spilled at 56), completing on
+  // coef_full; and the tile's F_out rows toward L2 for post_tile's loads.
+  // Rows past B are not brought (post_tile does not make them: their ring
+  // lines keep the TMA's zeros).
+  __device__ __forceinline__ void load_post_coefs(int t) {
+    const PipeState<kStages> x = PipeState<kStages>::at(t);
+    const long long r0 = row0(t);
+    const PostInput& po = p.post;
+    constexpr int kPc = Dims<kN>::kPostCoef, kVals = kRows * kPc;
+    const uint32_t cf = smem_u32(sm.post_coef + x.index * kVals);
+#pragma unroll 1
+    for (int e = lane; e < kVals; e += 32) {
+      const int row = e / kPc, m = e - row * kPc;
+      const long long b = r0 + row;
+      if (b < p.batch) {
+        const int i = m / kN, j = m - i * kN;  // m < n*n: R[i][j]; else H_post[m - n*n]
+        const float* src = m < kN * kN ? po.h_res + b * kN * kN + (po.transpose ? j * kN + i : i * kN + j)
+                                       : po.h_post + b * kN + (m - kN * kN);
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(cf + 4u * uint32_t(e)), "l"(src) : "memory");
+      }
+    }
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(Mbar(bar.coef_full[x.index]).addr)
+                 : "memory");
+    if (lane < kRows && r0 + lane < p.batch)
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(po.f_out + (r0 + lane) * hidden + c0),
+                   "r"(slice * 2)
+                   : "memory");
+  }
+
+  // Tile j's ring stage from X_L to X_next, in place (the finish warps, ft:
+  // 0 .. 95): warp w takes tokens w, w + 3, ...; lane l word l of each
+  // 64-column box of every stream: the n words of X_L and F_out's word in,
+  // the n words of X_next out, to the ring and once to x_next (a warp
+  // stores 128 contiguous bytes).
+  __device__ __forceinline__ void post_tile(int j, int ft) {
+    const PipeState<kStages> x = PipeState<kStages>::at(j);
+    const int chunks = slice / 64;
+    // F_out's lines of a row toward L1 (lane ch: box ch's 128 bytes), a row
+    // ahead of its loads and the first before the waits below: one row's
+    // latency overlaps the previous row's work. A prefetch holds no register
+    // (F words held a row ahead spilled at 56).
+    auto prefetch_f = [&](long long b) {
+      if (lane < chunks && b < p.batch)
+        asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p.post.f_out + b * hidden + c0 + lane * 64));
+    };
+    prefetch_f(row0(j) + (ft >> 5));
+    if (j < kStages) {  // per-box barriers in the first tiles (Barriers::full)
+      for (int ch = 0; ch < chunks; ++ch) Mbar(bar.full[x.index][ch]).wait(x.phase);
+    } else {
+      Mbar(bar.full[x.index][0]).wait(x.phase);
+    }
+    Mbar(bar.coef_full[x.index]).wait(x.phase);
+    const long long r0 = row0(j);
+    const int rows = int(min(static_cast<long long>(kRows), p.batch - r0));
+    unsigned char* xs = sm.ring_ptr + x.index * L.stage_bytes;
+    const float* cf = sm.post_coef + x.index * kRows * Dims<kN>::kPostCoef;
+    const PostInput& po = p.post;
+#pragma unroll 1
+    for (int row = ft >> 5; row < rows; row += kFinishWarps) {
+      const long long b = r0 + row;
+      prefetch_f(row + kFinishWarps < rows ? b + kFinishWarps : p.batch);
+      const __nv_bfloat16* frow = po.f_out + b * hidden + c0 + 2 * lane;
+      uint32_t f[kMaxChunks];
+#pragma unroll
+      for (int ch = 0; ch < kMaxChunks; ++ch)
+        f[ch] = ch < chunks ? __ldg(reinterpret_cast<const unsigned int*>(frow + ch * 64)) : 0u;
+      // The token's coefficients come from shared memory per use (broadcast
+      // float4 loads): held in registers across the boxes they spilled at 56.
+      const float* crow = cf + row * Dims<kN>::kPostCoef;
+      static_assert(kN == 4, "a row of R, and H_post, as one float4 each");
+      // Per stream, box 0's addresses; box ch adds an immediate (kChunkBytes
+      // in the ring, 64 columns in x_next): 28 addresses kept live spilled.
+      uint32_t xo[kN];
+      unsigned int* op[kN];
+#pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        xo[i] = x_word_offset(row, i, 0, lane);
+        op[i] = reinterpret_cast<unsigned int*>(po.x_next + (b * kN + i) * (long long)hidden + c0 + 2 * lane);
+      }
+#pragma unroll
+      for (int ch = 0; ch < kMaxChunks; ++ch) {
+        if (ch < chunks) {
+          uint32_t xw[kN];
+#pragma unroll
+          for (int i = 0; i < kN; ++i) xw[i] = *reinterpret_cast<const uint32_t*>(xs + xo[i] + ch * kChunkBytes);
+#pragma unroll
+          for (int i = 0; i < kN; ++i) {
+            const float4 r4 = *reinterpret_cast<const float4*>(crow + i * kN);
+            const float rr[kN] = {r4.x, r4.y, r4.z, r4.w};
+            const uint32_t o = post_mix_pair<kN>(xw, f[ch], rr, crow[kN * kN + i]);
+            *reinterpret_cast<uint32_t*>(xs + xo[i] + ch * kChunkBytes) = o;
+            __stcs(op[i] + ch * 32, o);
+          }
+        }
+      }
+    }
+    // These generic-proxy writes come before the TMA's refill of the stage.
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    Mbar(bar.xform_full[x.index]).arrive();
   }
 
   // =========================================================================
@@ -715,8 +848,12 @@ struct ResidentCta {
       // The first kStages tiles (issued at the start, X cold) are waited
       // for box by box; later ones, issued a tile or more ahead, on one
       // barrier (a wait per box on every tile was slower).
-      const bool per_box = j < kStages;
-      if (!per_box) Mbar(bar.full[x.index][0]).wait(x.phase);
+      const bool per_box = !kPost && j < kStages;
+      if constexpr (kPost) {
+        Mbar(bar.xform_full[x.index]).wait(x.phase);  // the stage holds X_next
+      } else {
+        if (!per_box) Mbar(bar.full[x.index][0]).wait(x.phase);
+      }
       stamp(3, tid == 0 && j == 0);
       clock.mark(0);
       float acc[kKt][4];
@@ -828,10 +965,17 @@ struct ResidentCta {
     }
     dev::grid_dependency_wait();  // before any output (prefetch_weights; a no-op otherwise)
     named_bar_sync(kBarFinish, kFinishWarps * 32);
+    if constexpr (kPost) {
+      if (my_tiles > 0) post_tile(0, ft);
+    }
     PhaseClock clock;
     int owned = 0;  // tiles this CTA owned so far
 #pragma unroll 1
     for (int j = 0; j < my_tiles; ++j) {
+      // The post of the next tile first: the projection warps wait for it.
+      if constexpr (kPost) {
+        if (j + 1 < my_tiles) post_tile(j + 1, ft);
+      }
       const long long row0_j = row0(j);
       const bool owner = rank == j % kClusterSize;  // H_post/H_res (or h, r) of this tile
       const PipeState<2> buf = PipeState<2>::at(j);
@@ -920,6 +1064,9 @@ struct ResidentCta {
       Mbar(bar.phi_free).wait(0u);
       for (int j = 0; j < min(my_tiles, kStages); ++j) load_tile(j);
     }
+    if constexpr (kPost) {
+      for (int j = 0; j < min(my_tiles, kStages); ++j) load_post_coefs(j);
+    }
     PhaseClock clock;
     int owned = 0;  // tiles this CTA owned so far
 #pragma unroll 1
@@ -933,6 +1080,9 @@ struct ResidentCta {
       }
       clock.mark(0);
       __syncwarp();
+      if constexpr (kPost) {
+        if (t < my_tiles) load_post_coefs(t);  // after lane 0's wait: the stage's coefficients are free too
+      }
       // Sinkhorn of tile o = t - kStages when this CTA owns it: its h was
       // stashed about when the projection warps released its stage.
       const int o = t - kStages;
@@ -952,14 +1102,14 @@ struct ResidentCta {
   }
 };
 
-template <int kN, bool kF32>
+template <int kN, bool kF32, bool kPost>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_mhc_resident_kernel(ProjectParams p, ResidentLayout L, const __grid_constant__ CUtensorMap x_map) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ Barriers bars;
   __shared__ float coef[2 * Dims<kN>::kCoef];  // alpha_of(m), then bias[m]
-  ResidentCta<kN, kF32> cta(p, L, &x_map, smem, bars, coef);
+  ResidentCta<kN, kF32, kPost> cta(p, L, &x_map, smem, bars, coef);
 
   stamp(0, threadIdx.x == 0);
   if (threadIdx.x == 0) bars.init();
@@ -1012,7 +1162,7 @@ bool encode_x_map(const ProjectParams& p, int n, CUtensorMap& map) {
 }
 
 template <int kN>
-ResidentLayout resident_layout(int hidden) {
+ResidentLayout resident_layout(int hidden, bool post) {
   constexpr int kV = kN * kN + 2 * kN + 1;
   ResidentLayout L;
   L.slice = hidden / kClusterSize;
@@ -1030,19 +1180,21 @@ ResidentLayout resident_layout(int hidden) {
   off += 2 * kRows * kN * 4;
   L.off_hsink = off;
   off += 2 * kRows * (kV - 1) * 4;
+  L.off_post_coef = off;  // 16-byte aligned: every term above is
+  if (post) off += kStages * kRows * Dims<kN>::kPostCoef * 4;
   L.total = off;
   return L;
 }
 
-template <int kN, bool kF32>
+template <int kN, bool kF32, bool kPost>
 cudaError_t launch_resident(const ProjectParams& p, cudaStream_t stream, bool pdl, bool dry_run,
                             const char** why_not) {
   if (p.hidden % (kClusterSize * 64) != 0)  // whole 64-column TMA boxes per CTA
     return not_supported(why_not, "resident: C must be a multiple of 1024");
-  const ResidentLayout L = resident_layout<kN>(p.hidden);
+  const ResidentLayout L = resident_layout<kN>(p.hidden, kPost);
   if (L.slice / 64 > kMaxChunks)  // a barrier per box, 2 k16 steps per warp and box
     return not_supported(why_not, "resident: C above 7168 (phi's slice would not fit in registers)");
-  auto kernel = sm90_mhc_resident_kernel<kN, kF32>;
+  auto kernel = sm90_mhc_resident_kernel<kN, kF32, kPost>;
   int clusters = 0;
   if (detail::active_clusters(detail::kernel_key(kernel), kThreads, size_t(L.total), kClusterSize, &clusters) !=
           cudaSuccess ||
@@ -1065,12 +1217,16 @@ cudaError_t sm90_mhc_project_resident(const ProjectParams& p, int n, bool phi_is
                                       bool dry_run, const char** why_not) {
   if (n != 4) return not_supported(why_not, "resident: n must be 4");
   if (p.mode == ProjectMode::kHead) return not_supported(why_not, "resident: not for mhc_head");
+  if (p.has_post() && p.mode != ProjectMode::kPre) return not_supported(why_not, "resident: a fused post only before a pre");
   detail::DeviceProps dev;
   if (detail::current_device_props(&dev) != cudaSuccess) return not_supported(why_not, "no usable CUDA device");
   if (dev.cc_major != 9 || dev.cc_minor != 0)  // built for sm_90a only
     return not_supported(why_not, "resident: needs an sm_90 GPU");
-  return phi_is_f32 ? launch_resident<4, true>(p, stream, pdl, dry_run, why_not)
-                    : launch_resident<4, false>(p, stream, pdl, dry_run, why_not);
+  if (p.has_post())
+    return phi_is_f32 ? launch_resident<4, true, true>(p, stream, pdl, dry_run, why_not)
+                      : launch_resident<4, false, true>(p, stream, pdl, dry_run, why_not);
+  return phi_is_f32 ? launch_resident<4, true, false>(p, stream, pdl, dry_run, why_not)
+                    : launch_resident<4, false, false>(p, stream, pdl, dry_run, why_not);
 }
 
 }  // namespace flashmix::mhc_detail

@@ -162,6 +162,78 @@ TEST(MhcCpu, HeadEqualsPreMixOfPre) {
   EXPECT_EQ(out, o.f_pre);
 }
 
+// The boundary op is, by definition, mhc_post then mhc_pre on the stored
+// (bf16) X_next: the CPU references agree bitwise, every n, both layouts.
+TEST(MhcCpu, PostPreEqualsPostThenPre) {
+  for (int n : {1, 2, 3, 4, 5, 8}) {
+    for (MhcResLayout layout : {MhcResLayout::kDeepSeek, MhcResLayout::kRowMix}) {
+      Problem p = make_problem(3, n, 24, seed_for("post_pre") + n);
+      std::vector<uint16_t> xn_ref(p.x.size(), 0x7fc1);
+      MhcPostArgs pa;
+      pa.shape = {p.B, n, p.C};
+      pa.x = p.x.data(); pa.f_out = p.f_out.data(); pa.h_post = p.h_post.data(); pa.h_res = p.h_res.data();
+      pa.x_next = xn_ref.data(); pa.res_layout = layout;
+      ASSERT_TRUE(mhc_post_cpu(pa).ok());
+      Problem q = p;
+      q.x = xn_ref;
+      MhcParams params;
+      params.sinkhorn_iters = 7;
+      PreOut ref = run_pre_cpu(q, params);
+
+      std::vector<uint16_t> xn(p.x.size(), 0x7fc1), f(size_t(p.B * p.C), 0x7fc1);
+      std::vector<float> hp(size_t(p.B * n), NAN), hr(size_t(p.B * n * n), NAN);
+      MhcPostPreArgs a;
+      a.shape = {p.B, n, p.C};
+      a.x = p.x.data(); a.f_out = p.f_out.data(); a.h_post = p.h_post.data(); a.h_res = p.h_res.data();
+      a.res_layout = layout;
+      a.phi = p.phi_f32.data(); a.alpha = p.alpha.data(); a.bias = p.bias.data();
+      a.x_next = xn.data(); a.f_pre = f.data(); a.h_post_next = hp.data(); a.h_res_next = hr.data();
+      a.params = params;
+      Status s = mhc_post_pre_cpu(a);
+      ASSERT_TRUE(s.ok()) << s.message();
+      EXPECT_EQ(xn, xn_ref) << "n " << n;
+      EXPECT_EQ(f, ref.f_pre) << "n " << n;
+      EXPECT_EQ(0, std::memcmp(hp.data(), ref.h_post.data(), hp.size() * 4)) << "n " << n;
+      EXPECT_EQ(0, std::memcmp(hr.data(), ref.h_res.data(), hr.size() * 4)) << "n " << n;
+    }
+  }
+}
+
+// One element of the boundary by hand: X_next from the post formula, F_pre
+// from H_pre computed here (projection, r, sigmoid) on the rounded X_next.
+TEST(MhcCpu, PostPreOneTokenByHand) {
+  const int n = 2;
+  Problem p = make_problem(1, n, 8, seed_for("post_pre_hand"));
+  const int64_t C = p.C, K = p.K();
+  std::vector<uint16_t> xn(p.x.size()), f(static_cast<size_t>(C));
+  std::vector<float> hp(n), hr(n * n);
+  MhcPostPreArgs a;
+  a.shape = {1, n, C};
+  a.x = p.x.data(); a.f_out = p.f_out.data(); a.h_post = p.h_post.data(); a.h_res = p.h_res.data();
+  a.res_layout = MhcResLayout::kRowMix;
+  a.phi = p.phi_f32.data(); a.alpha = p.alpha.data(); a.bias = p.bias.data();
+  a.x_next = xn.data(); a.f_pre = f.data(); a.h_post_next = hp.data(); a.h_res_next = hr.data();
+  ASSERT_TRUE(mhc_post_pre_cpu(a).ok());
+  std::vector<double> x1(static_cast<size_t>(K));
+  for (int i = 0; i < n; ++i)
+    for (int64_t c = 0; c < C; ++c) {
+      double acc = double(p.h_post[i]) * f32(p.f_out[c]);
+      for (int j = 0; j < n; ++j) acc += double(p.h_res[i * n + j]) * f32(p.x[j * C + c]);
+      ASSERT_EQ(xn[i * C + c], bf16(float(acc)));
+      x1[i * C + c] = f32(bf16(float(acc)));
+    }
+  double ss = 0;
+  for (double v : x1) ss += v * v;
+  const double r = std::sqrt(ss / double(K) + 1e-6);
+  double pre[2];
+  for (int i = 0; i < n; ++i) {
+    double dot = 0;
+    for (int64_t k = 0; k < K; ++k) dot += x1[k] * double(p.phi_f32[i * K + k]);
+    pre[i] = 1.0 / (1.0 + std::exp(-(double(p.alpha[0]) * dot / r + double(p.bias[i])))) + 1e-6;
+  }
+  for (int64_t c = 0; c < C; ++c) EXPECT_EQ(f[c], bf16(float(pre[0] * x1[c] + pre[1] * x1[C + c])));
+}
+
 TEST(MhcCpu, ExpandCopiesEachToken) {
   const int n = 3;
   Problem p = make_problem(2, n, 16, seed_for("expand"));
@@ -470,6 +542,74 @@ TEST(MhcValidation, WorkspaceSizeAndRules) {
   a.workspace = const_cast<float*>(f.p.alpha.data());  // overlaps an input
   expect_error(mhc_pre_cpu(a), StatusCode::kInvalidArgument, "workspace");
   f.expect_untouched();
+}
+
+TEST(MhcValidation, PostPreNamesItsArguments) {
+  Problem p = make_problem(2, 4, 16, seed_for("post_pre_validation"));
+  std::vector<uint16_t> xn(p.x.size(), 0x7fc1), f(size_t(p.B * p.C), 0x7fc1);
+  std::vector<float> hp(size_t(p.B * 4), 1234.f), hr(size_t(p.B * 16), 1234.f);
+  auto base = [&] {
+    MhcPostPreArgs a;
+    a.shape = {p.B, 4, p.C};
+    a.x = p.x.data(); a.f_out = p.f_out.data(); a.h_post = p.h_post.data(); a.h_res = p.h_res.data();
+    a.phi = p.phi_f32.data(); a.alpha = p.alpha.data(); a.bias = p.bias.data();
+    a.x_next = xn.data(); a.f_pre = f.data(); a.h_post_next = hp.data(); a.h_res_next = hr.data();
+    return a;
+  };
+  EXPECT_TRUE(validate_mhc_post_pre(base()).ok());
+  const char* nulls[] = {"x", "f_out", "h_post", "h_res", "phi", "alpha", "bias", "x_next", "f_pre", "h_post_next",
+                         "h_res_next"};
+  for (int which = 0; which < 11; ++which) {
+    MhcPostPreArgs a = base();
+    switch (which) {
+      case 0: a.x = nullptr; break;
+      case 1: a.f_out = nullptr; break;
+      case 2: a.h_post = nullptr; break;
+      case 3: a.h_res = nullptr; break;
+      case 4: a.phi = nullptr; break;
+      case 5: a.alpha = nullptr; break;
+      case 6: a.bias = nullptr; break;
+      case 7: a.x_next = nullptr; break;
+      case 8: a.f_pre = nullptr; break;
+      case 9: a.h_post_next = nullptr; break;
+      default: a.h_res_next = nullptr; break;
+    }
+    expect_error(mhc_post_pre_cpu(a), StatusCode::kInvalidArgument, nulls[which]);
+  }
+  MhcPostPreArgs a = base();
+  a.x_next = const_cast<uint16_t*>(p.x.data());  // in place is not allowed
+  expect_error(mhc_post_pre_cpu(a), StatusCode::kInvalidArgument, "x_next");
+  a = base();
+  a.h_res_next = const_cast<float*>(p.h_res.data());  // the coefficients must be double-buffered
+  expect_error(mhc_post_pre_cpu(a), StatusCode::kInvalidArgument, "h_res_next");
+  a = base();
+  a.f_pre = xn.data() + 8;  // overlaps another output
+  expect_error(mhc_post_pre_cpu(a), StatusCode::kInvalidArgument, "f_pre");
+  a = base();
+  a.f_out = p.f_out.data() + 1;  // 2-byte aligned only
+  expect_error(mhc_post_pre_cpu(a), StatusCode::kInvalidArgument, "f_out");
+  a = base();
+  a.res_layout = static_cast<MhcResLayout>(9);
+  expect_error(mhc_post_pre_cpu(a), StatusCode::kInvalidArgument, "res_layout");
+  a = base();
+  a.params.sinkhorn_iters = 0;
+  expect_error(mhc_post_pre_cpu(a), StatusCode::kInvalidArgument, "params.sinkhorn_iters");
+  a = base();
+  a.phi_dtype = DType::kFloat16;
+  expect_error(mhc_post_pre_cpu(a), StatusCode::kNotSupported, "phi_dtype");
+  a = base();
+  a.kernel = static_cast<MhcPreKernel>(17);
+  expect_error(mhc_post_pre_cpu(a), StatusCode::kInvalidArgument, "kernel");
+  a = base();
+  a.shape.hidden = 20;
+  expect_error(mhc_post_pre_cpu(a), StatusCode::kInvalidArgument, "hidden");
+  for (auto v : xn) ASSERT_EQ(v, 0x7fc1);
+  for (auto v : f) ASSERT_EQ(v, 0x7fc1);
+  for (auto v : hp) ASSERT_EQ(v, 1234.f);
+  for (auto v : hr) ASSERT_EQ(v, 1234.f);
+  MhcPostPreArgs z;  // B = 0: valid without buffers
+  z.shape = {0, 4, 7168};
+  EXPECT_TRUE(mhc_post_pre_cpu(z).ok());
 }
 
 TEST(MhcValidation, ZeroTokensIsValidWithoutBuffers) {

@@ -533,6 +533,255 @@ TEST(MhcDeterminismGpu, RepeatedRunsAndGraphReplayAreBitwiseIdentical) {
   }
 }
 
+// ---------------------------------------------------------------------------
+// mhc_post_pre (spec §4.7): the layer boundary in one operation.
+
+struct PostPreCase {
+  int n;
+  int64_t C, B;
+  MhcResLayout layout;
+  DType phi_dtype = DType::kFloat32;
+  MhcPreKernel kernel = MhcPreKernel::kAuto;
+  bool graph = false;
+};
+
+std::string post_pre_case_name(const ::testing::TestParamInfo<PostPreCase>& info) {
+  const PostPreCase& c = info.param;
+  return "n" + std::to_string(c.n) + "_C" + std::to_string(c.C) + "_B" + std::to_string(c.B) +
+         (c.layout == MhcResLayout::kDeepSeek ? "_deepseek" : "_rowmix") +
+         (c.phi_dtype == DType::kFloat32 ? "_phif32" : "_phibf16") +
+         (c.kernel == MhcPreKernel::kClusterTile ? "_clustertiles" : "") + (c.graph ? "_graph" : "");
+}
+
+class MhcPostPreGpu : public ::testing::TestWithParam<PostPreCase> {};
+
+// Against mhc_post then mhc_pre (same inputs, the pre pinned to the kernel
+// the boundary op runs): X_next, F_pre, H_post and H_res bitwise equal,
+// every element. Against the CPU reference: X_next with mhc_post's
+// tolerance; F_pre, H_post, H_res with mhc_pre's, the reference's pre taking
+// the X_next the GPU stored (so a one-ulp rounding difference of X_next does
+// not count twice). Outputs are poisoned first; direct launch or graph replays.
+TEST_P(MhcPostPreGpu, BitwiseEqualsPostThenPreAndMatchesReference) {
+  SKIP_WITHOUT_GPU();
+  const PostPreCase c = GetParam();
+  const int n = c.n;
+  Problem p = make_problem(c.B, n, c.C, seed_for(post_pre_case_name({c, 0})));
+  SCOPED_TRACE("seed " + std::to_string(p.seed));
+  DeviceProblem d(p);
+  const int64_t xb = c.B * p.K() * 2, fb = c.B * c.C * 2, pb = c.B * n * 4, rb = c.B * n * n * 4;
+  DeviceBuffer x_next = poisoned(xb), f_pre = poisoned(fb), h_post = poisoned(pb), h_res = poisoned(rb);
+  MhcPostPreArgs a;
+  a.shape = {c.B, n, c.C};
+  a.x = d.x.get(); a.f_out = d.f_out.get(); a.h_post = d.h_post.as<float>(); a.h_res = d.h_res.as<float>();
+  a.res_layout = c.layout;
+  a.phi_dtype = c.phi_dtype;
+  a.phi = c.phi_dtype == DType::kFloat32 ? d.phi_f32.get() : d.phi_bf16.get();
+  a.alpha = d.alpha.as<float>(); a.bias = d.bias.as<float>();
+  a.x_next = x_next.get(); a.f_pre = f_pre.get(); a.h_post_next = h_post.as<float>(); a.h_res_next = h_res.as<float>();
+  a.params.sinkhorn_iters = 20;
+  a.kernel = c.kernel;
+  MhcPreKernel ran = MhcPreKernel::kAuto;
+  if (c.B > 0) {
+    std::string why;
+    Status s = mhc_post_pre_kernel_choice(a, &ran, &why);
+    ASSERT_TRUE(s.ok()) << s.message();
+    if (c.kernel != MhcPreKernel::kAuto) EXPECT_EQ(ran, c.kernel);
+    if (n == 4 && c.C % 1024 == 0 && c.C <= 7168 && c.kernel == MhcPreKernel::kAuto)
+      EXPECT_EQ(ran, MhcPreKernel::kResident) << why;
+  }
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  run_direct_or_graph(
+      stream, c.graph,
+      [&] {
+        Status s = mhc_post_pre(a, stream);
+        EXPECT_TRUE(s.ok()) << s.message();
+      },
+      [&] {
+        EXPECT_EQ(cudaMemsetAsync(x_next.get(), 0x7f, xb, stream), cudaSuccess);
+        EXPECT_EQ(cudaMemsetAsync(f_pre.get(), 0x7f, fb, stream), cudaSuccess);
+        EXPECT_EQ(cudaMemsetAsync(h_post.get(), 0x7f, pb, stream), cudaSuccess);
+        EXPECT_EQ(cudaMemsetAsync(h_res.get(), 0x7f, rb, stream), cudaSuccess);
+      });
+  CUDA_OK(cudaStreamDestroy(stream));
+  CUDA_OK(cudaGetLastError());
+  if (c.B == 0) {
+    return;  // nothing to compare; ZeroTokens tests check that nothing is touched
+  }
+  // The same boundary as two ops.
+  DeviceBuffer x2 = poisoned(xb), f2 = poisoned(fb), hp2 = poisoned(pb), hr2 = poisoned(rb);
+  MhcPostArgs post;
+  post.shape = a.shape;
+  post.x = a.x; post.f_out = a.f_out; post.h_post = a.h_post; post.h_res = a.h_res; post.res_layout = c.layout;
+  post.x_next = x2.get();
+  ASSERT_TRUE(mhc_post(post, nullptr).ok());
+  MhcPreArgs pre;
+  pre.shape = a.shape;
+  pre.x = x2.get(); pre.phi = a.phi; pre.phi_dtype = a.phi_dtype; pre.alpha = a.alpha; pre.bias = a.bias;
+  pre.f_pre = f2.get(); pre.h_post = hp2.as<float>(); pre.h_res = hr2.as<float>(); pre.params = a.params;
+  pre.kernel = ran;
+  {
+    Status s = mhc_pre(pre, nullptr);
+    ASSERT_TRUE(s.ok()) << s.message();
+  }
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto got_x = x_next.to_host<uint16_t>(), got_f = f_pre.to_host<uint16_t>();
+  const auto got_p = h_post.to_host<float>(), got_r = h_res.to_host<float>();
+  const auto two_x = x2.to_host<uint16_t>(), two_f = f2.to_host<uint16_t>();
+  const auto two_p = hp2.to_host<float>(), two_r = hr2.to_host<float>();
+  auto first_diff = [](const auto& u, const auto& v) {
+    for (size_t i = 0; i < u.size(); ++i)
+      if (std::memcmp(&u[i], &v[i], sizeof(u[i])) != 0) return int64_t(i);
+    return int64_t(-1);
+  };
+  EXPECT_EQ(first_diff(got_x, two_x), -1) << "X_next differs from mhc_post's";
+  EXPECT_EQ(first_diff(got_f, two_f), -1) << "F_pre differs from mhc_post + mhc_pre";
+  EXPECT_EQ(first_diff(got_p, two_p), -1) << "H_post differs from mhc_post + mhc_pre";
+  EXPECT_EQ(first_diff(got_r, two_r), -1) << "H_res differs from mhc_post + mhc_pre";
+
+  // Against the reference, row by row (all rows up to 64, else a spread).
+  std::vector<int64_t> rows;
+  if (c.B <= 64) {
+    for (int64_t b = 0; b < c.B; ++b) rows.push_back(b);
+  } else {
+    for (int64_t b = 0; b < 32; ++b) rows.push_back(b);
+    for (int64_t b = c.B - 32; b < c.B; ++b) rows.push_back(b);
+    for (int64_t b = 32; b < c.B - 32; b += 97) rows.push_back(b);
+  }
+  const bool tr = c.layout == MhcResLayout::kDeepSeek;
+  int64_t bad = 0;
+  for (int64_t b : rows) {
+    std::vector<uint16_t> ref_x(size_t(p.K())), ref_f(size_t(c.C));
+    std::vector<float> ref_p(n), ref_r(n * n);
+    MhcPostArgs rp = post;
+    rp.shape.batch = 1;
+    rp.x = p.x.data() + b * p.K(); rp.f_out = p.f_out.data() + b * c.C;
+    rp.h_post = p.h_post.data() + b * n; rp.h_res = p.h_res.data() + b * n * n; rp.x_next = ref_x.data();
+    ASSERT_TRUE(mhc_post_cpu(rp).ok());
+    for (int i = 0; i < n; ++i)
+      for (int64_t col = 0; col < c.C; ++col) {
+        double scale = std::fabs(p.h_post[b * n + i] * f32(p.f_out[b * c.C + col]));
+        for (int j = 0; j < n; ++j)
+          scale += std::fabs((tr ? p.h_res[b * n * n + j * n + i] : p.h_res[b * n * n + i * n + j]) *
+                             f32(p.x[(b * n + j) * c.C + col]));
+        const int64_t e = i * c.C + col;
+        if (!bf16_close(got_x[b * p.K() + e], ref_x[e], scale, 1e-5) && bad++ < 10)
+          ADD_FAILURE() << "X_next[" << b << "," << i << "," << col << "] = " << f32(got_x[b * p.K() + e])
+                        << ", reference " << f32(ref_x[e]);
+      }
+    MhcPreArgs rq = pre;
+    rq.shape.batch = 1;
+    rq.x = got_x.data() + b * p.K();
+    rq.phi = c.phi_dtype == DType::kFloat32 ? static_cast<const void*>(p.phi_f32.data()) : p.phi_bf16.data();
+    rq.alpha = p.alpha.data(); rq.bias = p.bias.data();
+    rq.f_pre = ref_f.data(); rq.h_post = ref_p.data(); rq.h_res = ref_r.data();
+    ASSERT_TRUE(mhc_pre_cpu(rq).ok());
+    for (int64_t col = 0; col < c.C; ++col) {
+      double scale = 0;
+      for (int i = 0; i < n; ++i) scale += std::fabs(f32(got_x[b * p.K() + i * c.C + col]));
+      if (!bf16_close(got_f[b * c.C + col], ref_f[col], scale, 2e-4) && bad++ < 10)
+        ADD_FAILURE() << "F_pre[" << b << "," << col << "] = " << f32(got_f[b * c.C + col]) << ", reference "
+                      << f32(ref_f[col]);
+    }
+    for (int i = 0; i < n; ++i)
+      if (!(std::fabs(got_p[b * n + i] - ref_p[i]) <= kCoefAbsTol) && bad++ < 10)
+        ADD_FAILURE() << "H_post[" << b << "," << i << "] = " << got_p[b * n + i] << ", reference " << ref_p[i];
+    for (int e = 0; e < n * n; ++e)
+      if (!(std::fabs(got_r[b * n * n + e] - ref_r[e]) <= kCoefAbsTol) && bad++ < 10)
+        ADD_FAILURE() << "H_res[" << b << "," << e << "] = " << got_r[b * n * n + e] << ", reference " << ref_r[e];
+  }
+  EXPECT_EQ(bad, 0);
+  // Every element written (the poison is gone) and finite.
+  for (size_t i = 0; i < got_x.size(); ++i) ASSERT_TRUE(std::isfinite(f32(got_x[i]))) << "X_next element " << i;
+  for (size_t i = 0; i < got_f.size(); ++i) ASSERT_TRUE(std::isfinite(f32(got_f[i]))) << "F_pre element " << i;
+  for (size_t i = 0; i < got_p.size(); ++i) ASSERT_LT(std::fabs(got_p[i]), 3.f) << "H_post element " << i;
+  for (size_t i = 0; i < got_r.size(); ++i) ASSERT_LT(std::fabs(got_r[i]), 2.f) << "H_res element " << i;
+}
+
+std::vector<PostPreCase> post_pre_cases() {
+  using L = MhcResLayout;
+  std::vector<PostPreCase> v;
+  for (int n = 1; n <= 8; ++n)
+    for (int64_t C : {1000, 2048, 7168})
+      for (int64_t B : {0, 1, 7})
+        for (L l : {L::kDeepSeek, L::kRowMix}) v.push_back({n, C, B, l});
+  // The resident kernel (n = 4): decode, odd and partial tiles, many tiles per
+  // cluster, phi bf16, the smallest C it takes; graph replays.
+  v.push_back({4, 7168, 16, L::kDeepSeek, DType::kFloat32, MhcPreKernel::kAuto, true});
+  v.push_back({4, 7168, 33, L::kRowMix});
+  v.push_back({4, 7168, 333, L::kDeepSeek, DType::kFloat32, MhcPreKernel::kAuto, true});
+  v.push_back({4, 7168, 8192, L::kDeepSeek});
+  v.push_back({4, 4096, 5001, L::kRowMix});
+  v.push_back({4, 7168, 300, L::kDeepSeek, DType::kBFloat16});
+  v.push_back({4, 1024, 45, L::kDeepSeek});
+  // The cluster-tile kernel: pinned at n = 4, and the other shapes at many tiles.
+  v.push_back({4, 7168, 101, L::kDeepSeek, DType::kFloat32, MhcPreKernel::kClusterTile});
+  v.push_back({4, 4096, 77, L::kRowMix, DType::kBFloat16, MhcPreKernel::kClusterTile, true});
+  v.push_back({6, 1000, 4099, L::kDeepSeek});
+  v.push_back({8, 7168, 257, L::kRowMix, DType::kFloat32, MhcPreKernel::kAuto, true});
+  v.push_back({3, 8, 5, L::kDeepSeek});  // smallest C: most CTAs of the cluster hold nothing
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, MhcPostPreGpu, ::testing::ValuesIn(post_pre_cases()), post_pre_case_name);
+
+// No kernel of this op for the shape (no fused post on the split and
+// portable kernels): kNotSupported, nothing written, no CUDA error left.
+TEST(MhcPostPrePathGpu, NotSupportedLaunchesNothing) {
+  SKIP_WITHOUT_GPU();
+  Problem p = make_problem(3, 4, 1024, seed_for("post_pre_not_supported"));
+  DeviceProblem d(p);
+  DeviceBuffer x_next = poisoned(3 * p.K() * 2), f_pre = poisoned(3 * 1024 * 2), h_post = poisoned(3 * 4 * 4),
+               h_res = poisoned(3 * 16 * 4);
+  MhcPostPreArgs a;
+  a.shape = {3, 4, 1024};
+  a.x = d.x.get(); a.f_out = d.f_out.get(); a.h_post = d.h_post.as<float>(); a.h_res = d.h_res.as<float>();
+  a.phi = d.phi_f32.get(); a.alpha = d.alpha.as<float>(); a.bias = d.bias.as<float>();
+  a.x_next = x_next.get(); a.f_pre = f_pre.get(); a.h_post_next = h_post.as<float>(); a.h_res_next = h_res.as<float>();
+  for (MhcPreKernel k : {MhcPreKernel::kSplit, MhcPreKernel::kPortable}) {
+    a.kernel = k;
+    Status s = mhc_post_pre(a, nullptr);
+    EXPECT_EQ(s.code(), StatusCode::kNotSupported) << s.message();
+    EXPECT_NE(s.message().find("kernel"), std::string::npos) << s.message();
+  }
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  for (auto v : x_next.to_host<uint16_t>()) ASSERT_EQ(v, 0x7f7f);
+  for (auto v : f_pre.to_host<uint16_t>()) ASSERT_EQ(v, 0x7f7f);
+  for (auto v : h_res.to_host<uint32_t>()) ASSERT_EQ(v, 0x7f7f7f7fu);
+}
+
+// B = 0: kOk with no buffers, nothing launched; a bad argument is named and
+// nothing is written on the GPU path either.
+TEST(MhcPostPrePathGpu, ZeroTokensAndBadArguments) {
+  SKIP_WITHOUT_GPU();
+  MhcPostPreArgs z;
+  z.shape = {0, 4, 7168};
+  EXPECT_TRUE(mhc_post_pre(z, nullptr).ok());
+  Problem p = make_problem(2, 4, 64, seed_for("post_pre_bad"));
+  DeviceProblem d(p);
+  DeviceBuffer x_next = poisoned(2 * p.K() * 2), f_pre = poisoned(2 * 64 * 2), h_post = poisoned(2 * 4 * 4),
+               h_res = poisoned(2 * 16 * 4);
+  MhcPostPreArgs a;
+  a.shape = {2, 4, 64};
+  a.x = d.x.get(); a.f_out = d.f_out.get(); a.h_post = d.h_post.as<float>(); a.h_res = d.h_res.as<float>();
+  a.phi = d.phi_f32.get(); a.alpha = d.alpha.as<float>(); a.bias = d.bias.as<float>();
+  a.x_next = x_next.get(); a.f_pre = f_pre.get(); a.h_post_next = h_post.as<float>(); a.h_res_next = h_res.as<float>();
+  MhcPostPreArgs b = a;
+  b.x_next = const_cast<void*>(a.x);
+  Status s = mhc_post_pre(b, nullptr);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find(": x_next: "), std::string::npos) << s.message();
+  b = a;
+  b.h_res = nullptr;
+  s = mhc_post_pre(b, nullptr);
+  EXPECT_NE(s.message().find(": h_res: "), std::string::npos) << s.message();
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  for (auto v : x_next.to_host<uint16_t>()) ASSERT_EQ(v, 0x7f7f);
+  for (auto v : f_pre.to_host<uint16_t>()) ASSERT_EQ(v, 0x7f7f);
+}
+
 // A stand-in for the kernel ahead of mhc_pre in a layer (attention, the
 // previous mhc_post): it lets its dependents launch at once, then takes
 // `delay_ns` before it writes X (a copy of src). A dependent that read X

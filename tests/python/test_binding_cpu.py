@@ -772,6 +772,49 @@ def test_mhc_post_matches_spec(n, C, res_layout):
 
 
 @needs_bf16
+@pytest.mark.parametrize("res_layout", ["deepseek", "row_mix"])
+@pytest.mark.parametrize("n,C", [(1, 16), (3, 8), (4, 64), (8, 24)])
+def test_mhc_post_pre_is_post_then_pre(n, C, res_layout):
+    rng = np.random.default_rng(n * 7 + C)
+    B = 5
+    x, f_out, h_post, h_res = ref.post_problem(rng, B, n, C)
+    _, phi, alpha, bias = ref.mhc_problem(rng, B, n, C)
+    kw = MHC_PARAMS["custom"]
+    out = flashmix.mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, res_layout=res_layout, **kw)
+    assert isinstance(out, flashmix.MhcPostPreOutput)
+    assert out.x_next.shape == x.shape and out.x_next.dtype == BF16
+    assert out.f_pre.shape == (B, C) and out.h_post.shape == (B, n) and out.h_res.shape == (B, n, n)
+    # The definition: mhc_post, then mhc_pre on the stored X_next (the CPU references agree bitwise).
+    x_next = flashmix.mhc_post(x, f_out, h_post, h_res, res_layout=res_layout)
+    np.testing.assert_array_equal(out.x_next, x_next)
+    for u, v in zip(out[1:], flashmix.mhc_pre(x_next, phi, alpha, bias, **kw)):
+        np.testing.assert_array_equal(u, v)
+    # And the spec written out in numpy: X_next one rounding from the post, the pre from the stored X_next.
+    assert_rounded_close(out.x_next, ref.mhc_post(x, f_out, h_post, h_res, res_layout), "bfloat16")
+    want_f, want_post, want_res = ref.mhc_pre(out.x_next, phi, alpha, bias, n, **kw)
+    assert_rounded_close(out.f_pre, want_f, "bfloat16")
+    np.testing.assert_allclose(out.h_post, want_post, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(out.h_res, want_res, rtol=1e-5, atol=1e-7)
+
+
+@needs_bf16
+def test_mhc_post_pre_rejects_outputs_overlapping_inputs():
+    rng = np.random.default_rng(17)
+    x, f_out, h_post, h_res = ref.post_problem(rng, 3, 4, 16)
+    _, phi, alpha, bias = ref.mhc_problem(rng, 3, 4, 16)
+    with raises_naming(ValueError, "mhc_post_pre", "x_next"):
+        flashmix.mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, x_next=x)
+    with raises_naming(ValueError, "mhc_post_pre", "h_res_next"):
+        flashmix.mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, h_res_next=h_res)
+    with raises_naming(ValueError, "mhc_post_pre", "res_layout"):
+        flashmix.mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, res_layout="transposed")
+    with raises_naming(ValueError, "mhc_post_pre", "f_out"):
+        flashmix.mhc_post_pre(x, f_out[:2], h_post, h_res, phi, alpha, bias)
+    out = flashmix.mhc_post_pre(x[:0], f_out[:0], h_post[:0], h_res[:0], phi, alpha, bias)  # B = 0
+    assert out.x_next.shape == (0, 4, 16) and out.f_pre.shape == (0, 16)
+
+
+@needs_bf16
 def test_mhc_stages_compose_to_mhc_pre():
     rng = np.random.default_rng(8)
     n, C = 4, 32
@@ -1139,7 +1182,7 @@ def test_mixed_devices_raise_value_error_naming_the_argument():
 
 BOUND_OPS = ("finalize_moe_routing", "debug_check_finalize_moe_routing_indices", "build_moe_routing_maps",
              "moe_fc2_finalize", "moe_router", "moe_fc1", "moe_forward", "mhc_pre", "mhc_post", "mhc_project", "mhc_activate", "mhc_pre_mix", "mhc_head",
-             "mhc_expand", "quantize_fp8")
+             "mhc_expand", "mhc_post_pre", "quantize_fp8")
 
 
 def test_every_op_takes_a_stream():
@@ -1198,6 +1241,28 @@ def test_torch_custom_ops_on_cpu_tensors():
     assert torch.equal(got, out)
     torch.library.opcheck(torch.ops.flashmix.finalize_moe_routing.default, (t["rows"], t["u2p"], t["experts"], 4),
                           {"start_expert_id": 2, "scales": t["scales"], "prefetch_indices": True})
+
+
+def test_torch_custom_op_mhc_post_pre_on_cpu_tensors():
+    torch = torch_or_skip()
+    n, C, B = 4, 32, 5
+    x = torch.randn(B, n, C).bfloat16()
+    f_out = torch.randn(B, C).bfloat16()
+    h_post, h_res = torch.rand(B, n) * 2, (torch.rand(B, n, n) + 0.5) / n
+    phi, alpha, bias = torch.randn(24, n * C) * 0.1, torch.rand(3) + 0.5, torch.randn(24)
+    torch.library.opcheck(torch.ops.flashmix.mhc_post_pre.default, (x, f_out, h_post, h_res, phi, alpha, bias))
+    got = torch.ops.flashmix.mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, res_layout="row_mix")
+    x_next = torch.ops.flashmix.mhc_post(x, f_out, h_post, h_res, res_layout="row_mix")
+    assert torch.equal(got[0], x_next)
+    assert all(torch.equal(g, w) for g, w in zip(got[1:], torch.ops.flashmix.mhc_pre(x_next, phi, alpha, bias)))
+
+    def two_layers(x, f_out, h_post, h_res, phi, alpha, bias):  # a boundary, a sublayer, a boundary
+        x1, f_pre, hp, hr = torch.ops.flashmix.mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias)
+        return torch.ops.flashmix.mhc_post_pre(x1, (f_pre.float() * 0.5).bfloat16(), hp, hr, phi, alpha, bias)
+
+    compiled = torch.compile(two_layers, fullgraph=True)
+    args = (x, f_out, h_post, h_res, phi, alpha, bias)
+    assert all(torch.equal(g, w) for g, w in zip(compiled(*args), two_layers(*args)))
 
 
 def test_torch_compile_of_the_custom_ops_on_cpu_tensors():
@@ -1400,7 +1465,8 @@ def test_moe_layer_on_cpu_tensors():
 
 
 TORCH_OPS = ("build_moe_routing_maps", "finalize_moe_routing", "moe_fc2_finalize", "moe_router", "moe_fc1",
-             "moe_forward", "mhc_expand", "mhc_pre", "mhc_pre_with_workspace", "mhc_post", "mhc_head")
+             "moe_forward", "mhc_expand", "mhc_pre", "mhc_pre_with_workspace", "mhc_post", "mhc_head",
+             "mhc_post_pre")
 
 
 def test_torch_op_schemas_take_the_functions_defaults():
