@@ -33,6 +33,11 @@ SUMMARY_CASES = [
     ("moe_fc1", "mixtral_T4096_k2_E8_I14336_H4096"),
     ("moe_fc1", "deepseek_ep_T1024_k8_E32_I2048_H7168"),
     ("moe_fc1", "qwen3moe_T4096_k8_E128_I768_H2048"),
+    ("moe_fc1_fp8", "mixtral_T4096_k2_E8_I14336_H4096"),
+    ("moe_fc1_fp8", "deepseek_ep_T1024_k8_E32_I2048_H7168"),
+    ("moe_fc1_fp8", "qwen3moe_T4096_k8_E128_I768_H2048"),
+    ("quantize_fp8", "act_T8192_H7168/float32"),
+    ("quantize_fp8", "weight_E32_N4096_K7168/float32"),
     ("moe_forward", "deepseek_ep_T1024_k8_E32_I2048_H7168"),
     ("moe_forward", "deepseek_ep_T16_k8_E32_I2048_H7168"),
     ("moe_router", "deepseek_v3_T8192_E256_k8"),
@@ -48,7 +53,7 @@ TARGETS = [
     ("target_fraction", "fraction", ">= %.2f of copy", lambda got, t: got >= t),
     ("target_max_us", "median_us", "<= %.0f us", lambda got, t: got <= t),
     ("target_max_time_over_bound", "time_over_bound", "<= %.2f x bound", lambda got, t: got <= t),
-    ("target_ratio", "ratio_to_dense", "<= %.2f x dense", lambda got, t: got <= t),
+    ("target_ratio", "ratio_to_dense", "<= %.2f x dense", lambda got, t: got <= t),  # FP8 cases: dense FP8
     ("target_ratio", "ratio_to_fc1_plus_fc2", "<= %.2f x FC1 + FC2", lambda got, t: got <= t),
     ("target_max_time_over_floor", "time_over_floor", "<= %.2f x floor", lambda got, t: got <= t),
 ]
@@ -67,14 +72,14 @@ def target_met(r):
 
 
 def measured_of(r):
-    if r.get("ceiling") == "copy" and "target_fraction" in r or r.get("ceiling") == "copy" and r.get("op") == "moe_fc1":
+    if r.get("ceiling") == "copy" and "target_fraction" in r or r.get("ceiling") == "copy" and r.get("op", "").startswith("moe_fc1"):
         return "%.3f of copy" % r["fraction"]
     if "time_over_bound" in r:
         return "%.2f x bound" % r["time_over_bound"]
     if "time_over_floor" in r:
         return "%.2f x floor" % r["time_over_floor"]
     if "ratio_to_dense" in r:
-        return "%.2f x dense" % r["ratio_to_dense"]
+        return "%.2f x dense%s" % (r["ratio_to_dense"], " FP8" if r.get("ceiling") == "gemm_fp8" else "")
     if "ratio_to_fc1_plus_fc2" in r and r.get("ceiling") != "copy":
         return "%.2f x FC1 + FC2" % r["ratio_to_fc1_plus_fc2"]
     if r.get("ceiling") in ("copy", "gemm"):
@@ -83,8 +88,9 @@ def measured_of(r):
 
 
 def header(data):
-    return ("Measured on %s, %s, commit %s; copy ceiling %.0f GB/s, dense bf16 GEMM %.0f TFLOP/s (same run)."
-            % (data["gpu"], data["date"], data["commit"], data["copy_gbps"], data["gemm_tflops"]))
+    fp8 = (", dense FP8 GEMM %.0f TFLOP/s" % data["gemm_fp8_tflops"]) if data.get("gemm_fp8_tflops") else ""
+    return ("Measured on %s, %s, commit %s; copy ceiling %.0f GB/s, dense bf16 GEMM %.0f TFLOP/s%s (same run)."
+            % (data["gpu"], data["date"], data["commit"], data["copy_gbps"], data["gemm_tflops"], fp8))
 
 
 def full(path):
