@@ -87,6 +87,14 @@ constexpr int kThreads = 384;
 // launch): (168 - 72) x 128 >= (216 - 168) x 256.
 constexpr int kProducerRegs = 72, kConsumerRegs = 216;
 constexpr int kMaxExpertsOp = kFc2RowsMaxExperts;  // the most experts the 256-row kernel's tables hold
+// FP8 block scales: the two consumer warpgroups take turns issuing a K
+// block's MMAs (named barriers 3: warpgroup 0's turn, 4: warpgroup 1's), so
+// one's promotion (wait for its MMAs, then the fp32 FMAs) runs while the
+// other's MMAs keep the tensor cores busy; barriers 1, 2: the epilogues.
+constexpr int kTurnBar0 = 3, kTurnBar1 = 4;
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 namespace prof = fc2_rows_prof;  // per-tile cycle stamps: empty hooks unless FLASHMIX_FC2_PROFILE
 // kRowQuantum, kWgmmaMaxN (a tile above it takes two wgmmas), TileInfo and the
 // schedule (sm90_expert_tiles.cuh, shared with FC1).
@@ -259,6 +267,10 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
     // Each stage's K block into `part` (fresh), promoted into acc times the
     // tile's W2 block scale and each row's A scale (acc[4j + 0 / 2]: row
     // 8j + 2 (lane % 4), acc[4j + 1 / 3]: the next row; spec §11.4).
+    // The warpgroups' turns alternate over every K block of the CTA's tiles
+    // (both run the same sequence): warpgroup 0 waits for its turn, issues,
+    // passes the turn to 1, which passes it back (its first pass is made
+    // before the consumers' tile loop, its last is taken after it).
     const float* sw = p.w_scales + (int64_t(t.e) * p.h_blocks + t.hs) * p.i_blocks;
     const int c2 = 2 * (lane & 3);
     float part[N / 2];
@@ -272,10 +284,12 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
       const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
       const uint64_t da = dev::wgmma_desc_k_sw128(st + a_off), db = dev::wgmma_desc_k_sw128(st + kWBytes);
       dev::fence_operands(part);
+      dev::named_bar_sync(wg == 0 ? kTurnBar0 : kTurnBar1, 256);
       dev::wgmma_fence();
 #pragma unroll
       for (int j = 0; j < kTileBytes / 32; ++j) dev::WgmmaFp8<N>::mma(part, da + 2 * j, db + 2 * j, j > 0);
       dev::wgmma_commit();
+      named_bar_arrive(wg == 0 ? kTurnBar1 : kTurnBar0, 256);
       dev::wgmma_wait<0>();
       dev::fence_operands(part);
       const float* sx = sh.a_sc + s * kMaxRows;
@@ -620,6 +634,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool bf16_out = p.op == int(Fc2EpilogueOp::kRedBf16) || p.op == int(Fc2EpilogueOp::kRowsBf16);
     int s = 0, it = 0;
     uint32_t ph = 0;
+    if (Cfg::kBlock && wg == 1) named_bar_arrive(kTurnBar0, 256);  // warpgroup 0 issues first
     for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++it) {
       log.stamp_clock(it, 0);
       // The tile, from the table warp (up to two tiles ahead; its row table
@@ -660,6 +675,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       log.stamp_clock(it, 4);
     }
+    if (Cfg::kBlock && wg == 0) dev::named_bar_sync(kTurnBar0, 256);  // warpgroup 1's last pass
     log.finish(it, wg);
   }
 }
