@@ -329,10 +329,15 @@ __global__ void fill_e4m3_codes(uint8_t* x, int64_t n, uint32_t seed, float scal
 
 // FP8 with block scales (issue 25): atomic and deterministic on the rows
 // kernel, the dense FP8 GEMM of equal FLOPs as the ceiling.
-void run_fp8_case(Context& ctx, const Fc2Case& c, double max_ratio_atomic, cudaStream_t stream) {
+// scaling kTensor (report only): the same data, x_scales[0] and w2_scales[e]
+// read as the per-tensor scales; cases <shape>/tensor/<mode>.
+void run_fp8_case(Context& ctx, const Fc2Case& c, double max_ratio_atomic, MoeFp8Scaling scaling,
+                  cudaStream_t stream) {
   const Fc2Mode modes[] = {Fc2Mode::kAtomic, Fc2Mode::kDeterministic};
+  const bool tensor = scaling == MoeFp8Scaling::kTensor;
+  const std::string prefix = c.name + (tensor ? "/tensor/" : "/");
   bool any = false;
-  for (Fc2Mode m : modes) any |= ctx.selected("moe_fc2_fp8", c.name + "/" + fc2_mode_name(m));
+  for (Fc2Mode m : modes) any |= ctx.selected("moe_fc2_fp8", prefix + fc2_mode_name(m));
   if (!any) return;
   Rng rng(0xfc2f8ull + std::hash<std::string>()(c.name));
   const Routing r = flashmix::testing::random_routing(rng, c.T, c.k, c.total, 0, c.local);
@@ -342,6 +347,10 @@ void run_fp8_case(Context& ctx, const Fc2Case& c, double max_ratio_atomic, cudaS
   for (auto& s : scales) s = rng.uniform(0.05f, 1.0f);
   for (auto& v : has) v = rng.uniform(0.5f, 1.5f) / 448.f;
   for (auto& v : hws) v = rng.uniform(0.5f, 1.5f) * 0.05f / 448.f;
+  if (tensor) {  // one value each: a_scales[0] and w2_scales[e] read the same
+    std::fill(has.begin(), has.end(), has[0]);
+    std::fill(hws.begin(), hws.end(), hws[0]);
+  }
   uint8_t *dA, *dW2;
   __nv_bfloat16 *dbias, *dout;
   float *dscales, *das, *dws2;
@@ -371,7 +380,7 @@ void run_fp8_case(Context& ctx, const Fc2Case& c, double max_ratio_atomic, cudaS
   Fc2FinalizeArgs a;
   a.A = dA;
   a.W2 = dW2;
-  a.fp8 = MoeFp8Scaling::kBlock;
+  a.fp8 = scaling;
   a.a_scales = das;
   a.w2_scales = dws2;
   a.expert_first_token_offset = doff;
@@ -435,7 +444,7 @@ void run_fp8_case(Context& ctx, const Fc2Case& c, double max_ratio_atomic, cudaS
   const double dense_first_us = dense_time();
   double atomic_us = 0;
   for (Fc2Mode m : modes) {
-    if (!ctx.selected("moe_fc2_fp8", c.name + "/" + fc2_mode_name(m))) continue;
+    if (!ctx.selected("moe_fc2_fp8", prefix + fc2_mode_name(m))) continue;
     a.mode = m;
     Fc2GemmChoice choice;
     const Status chosen = choose_fc2_gemm_kernel(a, &choice);
@@ -472,7 +481,7 @@ void run_fp8_case(Context& ctx, const Fc2Case& c, double max_ratio_atomic, cudaS
     if (m == Fc2Mode::kAtomic) atomic_us = us;
     Record rec;
     rec.op = "moe_fc2_fp8";
-    rec.case_name = c.name + "/" + fc2_mode_name(m);
+    rec.case_name = prefix + fc2_mode_name(m);
     rec.median_us = us;
     rec.ceiling = "gemm_fp8";
     rec.flops = flops;
@@ -487,10 +496,10 @@ void run_fp8_case(Context& ctx, const Fc2Case& c, double max_ratio_atomic, cudaS
       rec.labels["gemm_kernel_why"] = choice.why;
     }
     rec.labels["fp8"] = to_string(a.fp8);
-    if (m == Fc2Mode::kAtomic && max_ratio_atomic > 0) rec.extra["target_ratio"] = max_ratio_atomic;
+    if (m == Fc2Mode::kAtomic && max_ratio_atomic > 0 && !tensor) rec.extra["target_ratio"] = max_ratio_atomic;
     if (m == Fc2Mode::kDeterministic && atomic_us > 0) {
       rec.extra["ratio_to_atomic"] = us / atomic_us;
-      rec.extra["target_ratio_to_atomic"] = 1.10;
+      if (!tensor) rec.extra["target_ratio_to_atomic"] = 1.10;
     }
     add_record(ctx, rec);
   }
@@ -535,7 +544,9 @@ void run_moe_fc2_cases(Context& ctx) {
       {{"deepseek_ep_T1024_k8_E32_I2048_H7168", 1024, 8, 32, 32, 7168, 2048}, 1.30},
       {{"qwen3moe_T4096_k8_E128_I768_H2048", 4096, 8, 128, 128, 2048, 768}, 1.40},
   };
-  for (const auto& [c, bound] : fp8_cases) run_fp8_case(ctx, c, bound, stream);
+  for (const auto& [c, bound] : fp8_cases) run_fp8_case(ctx, c, bound, MoeFp8Scaling::kBlock, stream);
+  // Per-tensor scales, for reference (no bound).
+  for (const auto& [c, bound] : fp8_cases) run_fp8_case(ctx, c, 0, MoeFp8Scaling::kTensor, stream);
   BENCH_CUDA(cudaStreamDestroy(stream));
 }
 

@@ -35,8 +35,9 @@
 // writes plus the wgmmas' operand reads), not the MMA rate.
 // FP8 (spec §3.5, Fc2In below): e4m3 A and W2 in the same 128-byte stages
 // (128 of K a stage, TMA as bytes), m64nNk32 e4m3 wgmmas; block scales
-// promote each K block of 128 into the fp32 accumulator (tiles of at most 128
-// rows), per-tensor scales multiply it once. The epilogue is the same.
+// promote each K block of 128 into the fp32 accumulator (a tile above 128
+// rows in two halves, the warpgroups taking turns), per-tensor scales
+// multiply it once. The epilogue is the same.
 // Current figure (H200, flashmix-bench against a dense cuBLAS GEMM of equal
 // FLOPs): DeepSeek EP atomic ~1.31-1.38x dense, Mixtral-like ~1.17-1.22x,
 // Qwen3-MoE-like ~1.57x. Design, profiles and measurements:
@@ -47,6 +48,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "common/check.h"
 #include "common/kernel_fit.h"
@@ -118,8 +120,9 @@ using namespace expert_tiles;
 // (applied once at the end). The stages are the same bytes either way (128
 // bytes of K a row); with block scales each stage also holds its rows' A
 // scales of the K block, copied by the producer warp's 32 lanes (cp.async,
-// counted on the stage's full barrier), and tiles hold at most 128 rows (two
-// accumulators of N / 2 registers a thread).
+// counted on the stage's full barrier), and the K block's MMAs go into a
+// second accumulator `part` of at most 128 rows (64 registers a thread), so
+// a tile of up to 256 rows is promoted in two halves.
 enum class Fc2In { kBf16, kFp8Block, kFp8Tensor };
 
 template <int kMaxRows_, Fc2In kIn_ = Fc2In::kBf16>
@@ -129,11 +132,16 @@ struct RowsCfg {
   static constexpr bool kBlock = kIn == Fc2In::kFp8Block;
   static constexpr int kStages = 4;
   static constexpr int kMaxRows = kMaxRows_;
-  static_assert(!kBlock || kMaxRows <= 128, "block-scaled tiles hold at most 128 rows");
+  // Block scales: a tile of more than 128 rows runs each K block as two halves
+  // (rows 0..127, then the rest) through one 64-register `part`.
+  static_assert(!kBlock || kMaxRows <= kWgmmaMaxN, "block-scaled tiles hold at most 256 rows");
   static_assert(!kFp8 || kMaxRows <= kWgmmaMaxN, "FP8 tiles take one wgmma (no register-A FP8 path)");
   static constexpr int kTileK = kFp8 ? 128 : 64;  // elements of K a stage
   static constexpr int kFullArrivals = kBlock ? 1 + 32 : 1;  // the TMA lane (+ each producer lane's scale copies)
-  static constexpr int kMaxExperts = kMaxRows > kWgmmaMaxN ? prof::wide_max_experts(256) : kMaxExpertsOp;
+  // The experts' tables fit beside the largest stages (272 rows; 256 with
+  // block scales' A scales) for up to 256 experts.
+  static constexpr int kMaxExperts =
+      kMaxRows > kWgmmaMaxN || (kBlock && kMaxRows > 128) ? prof::wide_max_experts(256) : kMaxExpertsOp;
   static constexpr int kRBytes = kMaxRows * kTileBytes;
   static constexpr int kStageBytes = kWBytes + kRBytes;
   static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned (128-byte swizzle)");
@@ -246,6 +254,34 @@ __device__ __forceinline__ void drain_pass(const RowsGemmParams& p, const TileIn
     if (row[i] >= 0) store(row[i], col, val[i]);
 }
 
+// FP8 block scales: one turn of a K block, rows kR0..kR0 + NH - 1 of the
+// tile's N: its 4 k32 MMAs into part (fresh), then part promoted into those
+// rows' accumulators times the W2 block scale and each row's A scale.
+template <int NH, int kR0, int N>
+__device__ __forceinline__ void block_half(float (&acc)[N / 2], float (&part)[NH / 2], uint64_t da, uint64_t db,
+                                           const float* sx, float w_s, int wg, int lane) {
+  dev::fence_operands(part);
+  dev::named_bar_sync(wg == 0 ? kTurnBar0 : kTurnBar1, 256);
+  dev::wgmma_fence();
+#pragma unroll
+  for (int j = 0; j < kTileBytes / 32; ++j) dev::WgmmaFp8<NH>::mma(part, da + 2 * j, db + 2 * j, j > 0);
+  dev::wgmma_commit();
+  named_bar_arrive(wg == 0 ? kTurnBar1 : kTurnBar0, 256);
+  dev::wgmma_wait<0>();
+  dev::fence_operands(part);
+  const int c2 = kR0 + 2 * (lane & 3);
+#pragma unroll
+  for (int j = 0; j < NH / 8; ++j) {
+    const float2 x = *reinterpret_cast<const float2*>(sx + 8 * j + c2);
+    const float s0 = w_s * x.x, s1 = w_s * x.y;
+    float* a = acc + kR0 / 2 + 4 * j;
+    a[0] = fmaf(part[4 * j + 0], s0, a[0]);
+    a[1] = fmaf(part[4 * j + 1], s1, a[1]);
+    a[2] = fmaf(part[4 * j + 2], s0, a[2]);
+    a[3] = fmaf(part[4 * j + 3], s1, a[3]);
+  }
+}
+
 // A consumer warpgroup's whole tile: mainloop over K, then the epilogue.
 // N <= 256: one wgmma m64nNk16 per k16 step, both operands from shared
 // memory. N > 256: two per step (rows 0..255 and 256..N-1) on one A fragment
@@ -266,16 +302,17 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
   if constexpr (Cfg::kBlock) {
     // Each stage's K block into `part` (fresh), promoted into acc times the
     // tile's W2 block scale and each row's A scale (acc[4j + 0 / 2]: row
-    // 8j + 2 (lane % 4), acc[4j + 1 / 3]: the next row; spec §11.4).
-    // The warpgroups' turns alternate over every K block of the CTA's tiles
-    // (both run the same sequence): warpgroup 0 waits for its turn, issues,
-    // passes the turn to 1, which passes it back (its first pass is made
-    // before the consumers' tile loop, its last is taken after it).
+    // 8j + 2 (lane % 4), acc[4j + 1 / 3]: the next row; spec §11.4). Above
+    // 128 rows, in two halves (a turn each), part holding 128 rows at most.
+    // The warpgroups' turns alternate over every half K block of the CTA's
+    // tiles (both run the same sequence): warpgroup 0 waits for its turn,
+    // issues, passes the turn to 1, which passes it back (its first pass is
+    // made before the consumers' tile loop, its last is taken after it).
     const float* sw = p.w_scales + (int64_t(t.e) * p.h_blocks + t.hs) * p.i_blocks;
-    const int c2 = 2 * (lane & 3);
-    float part[N / 2];
+    constexpr int kN0 = N > 128 ? 128 : N;  // rows of the first half (all of them at most 128)
+    float part[kN0 / 2];
 #pragma unroll
-    for (int i = 0; i < N / 2; ++i) part[i] = 0.f;
+    for (int i = 0; i < kN0 / 2; ++i) part[i] = 0.f;
     for (int kb = 0; kb < p.k_blocks; ++kb) {
       const float w_s = __ldg(sw + kb);
       clk.before_stage_wait();
@@ -283,25 +320,11 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
       clk.after_stage_wait(log, it, kb);
       const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
       const uint64_t da = dev::wgmma_desc_k_sw128(st + a_off), db = dev::wgmma_desc_k_sw128(st + kWBytes);
-      dev::fence_operands(part);
-      dev::named_bar_sync(wg == 0 ? kTurnBar0 : kTurnBar1, 256);
-      dev::wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < kTileBytes / 32; ++j) dev::WgmmaFp8<N>::mma(part, da + 2 * j, db + 2 * j, j > 0);
-      dev::wgmma_commit();
-      named_bar_arrive(wg == 0 ? kTurnBar1 : kTurnBar0, 256);
-      dev::wgmma_wait<0>();
-      dev::fence_operands(part);
       const float* sx = sh.a_sc + s * kMaxRows;
-#pragma unroll
-      for (int j = 0; j < N / 8; ++j) {
-        const float2 x = *reinterpret_cast<const float2*>(sx + 8 * j + c2);
-        const float s0 = w_s * x.x, s1 = w_s * x.y;
-        acc[4 * j + 0] = fmaf(part[4 * j + 0], s0, acc[4 * j + 0]);
-        acc[4 * j + 1] = fmaf(part[4 * j + 1], s1, acc[4 * j + 1]);
-        acc[4 * j + 2] = fmaf(part[4 * j + 2], s0, acc[4 * j + 2]);
-        acc[4 * j + 3] = fmaf(part[4 * j + 3], s1, acc[4 * j + 3]);
-      }
+      block_half<kN0, 0, N>(acc, part, da, db, sx, w_s, wg, lane);
+      if constexpr (N > 128)  // rows 128.. start 128 x 128 bytes further in B
+        block_half<N - 128, 128, N>(acc, *reinterpret_cast<float(*)[(N - 128) / 2]>(part), da,
+                                    db + (128 * kTileBytes >> 4), sx, w_s, wg, lane);
       __syncwarp();
       if (lane == 0) dev::mbar_arrive(bar_at(sh.empty, s));
       if (++s == Cfg::kStages) {
@@ -748,7 +771,18 @@ Status sm90_fc2_run_rows(const Sm90Fc2GemmParams& p, cudaStream_t stream) {
 
   // FP8: block scales in tiles of up to 128 rows (two accumulators), per
   // tensor up to 256 (one wgmma a k32 step).
-  if (p.fp8 == MoeFp8Scaling::kBlock) return launch_fp8<RowsCfg<128, Fc2In::kFp8Block>>(p, k, w, a, stream);
+  // Block scales: tiles of up to 256 rows (two promotion halves above 128;
+  // their tables hold up to 256 experts) or 128 (more experts);
+  // FLASHMIX_FC2_FP8_BLOCK_ROWS=128|256 pins one where it can (the A/B).
+  using Block256 = RowsCfg<kWgmmaMaxN, Fc2In::kFp8Block>;
+  static const int block_rows = [] {
+    const char* e = std::getenv("FLASHMIX_FC2_FP8_BLOCK_ROWS");
+    return e ? std::atoi(e) : 256;
+  }();
+  if (p.fp8 == MoeFp8Scaling::kBlock)
+    return block_rows != 128 && p.E <= Block256::kMaxExperts
+               ? launch_fp8<Block256>(p, k, w, a, stream)
+               : launch_fp8<RowsCfg<128, Fc2In::kFp8Block>>(p, k, w, a, stream);
   if (p.fp8 == MoeFp8Scaling::kTensor)
     return launch_fp8<RowsCfg<kWgmmaMaxN, Fc2In::kFp8Tensor>>(p, k, w, a, stream);
 

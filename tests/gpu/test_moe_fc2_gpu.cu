@@ -706,8 +706,8 @@ TEST(MoeFc2Gpu, Fp8EveryScalingAndMode) {
   }
 }
 
-// Tile shapes: experts of ~175 rows (block scales: two chunks of at most
-// 128; per tensor: one tile), an expert with a row of every token (300 rows:
+// Tile shapes: experts of ~175 rows (one tile: block scales promote it in
+// two halves (FLASHMIX_FC2_FP8_BLOCK_ROWS=128: two chunks of at most 128)), an expert with a row of every token (300 rows:
 // 3 / 2 chunks), one token, k = 1 (plain stores), an expert-parallel rank
 // with empty experts, many experts, strided out.
 TEST(MoeFc2Gpu, Fp8ShapesAndRoutings) {
@@ -750,6 +750,15 @@ TEST(MoeFc2Gpu, Fp8ShapesAndRoutings) {
     h.k = 8;
     h.total = h.local = 300;  // more than 256 experts
     cases.push_back({"300 experts", h});
+    // One expert of 256 rows (block scales: two promotion halves of 128) and
+    // of 129 (N = 144: halves of 128 and 16).
+    for (int64_t rows : {256, 129}) {
+      Case one = c;
+      one.T = rows;
+      one.k = 1;
+      one.total = one.local = 1;
+      cases.push_back({"one expert of " + std::to_string(rows) + " rows", one});
+    }
     for (const auto& [name, cs] : cases) {
       SCOPED_TRACE(std::string(to_string(f)) + ": " + name);
       check_all_modes(cs);
