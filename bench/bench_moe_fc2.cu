@@ -10,6 +10,10 @@
 // --fc2-gemm-kernel pins kernels against each other in the same process
 // (records case/mode@kernel), e.g. atomic_fp32 on rows vs CUTLASS:
 //   flashmix-bench --filter atomic_fp32 --fc2-gemm-kernel auto,rows,cutlass_pingpong,cutlass_cooperative
+// FP8 (op moe_fc2_fp8, spec §3.5): e4m3 A and W2 with block scales (1 x 128,
+// 128 x 128), atomic and deterministic, against a dense cuBLASLt FP8 GEMM of
+// equal FLOPs (per-tensor scales, fast accumulation: ceiling gemm_fp8) timed
+// in the same run; deterministic also against its own atomic (ratio_to_atomic).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -19,9 +23,11 @@
 #include <vector>
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include "bench_common.h"
 #include "common/host_dtype.h"
+#include "common/host_fp8.h"
 #include "common/test_data.h"
 #include "flashmix/moe.h"
 #include "moe/moe_fc2_dispatch.h"
@@ -309,6 +315,206 @@ void run_case(Context& ctx, const Fc2Case& c, cudaStream_t stream) {
   cudaFree(doff);
 }
 
+// e4m3 codes of scale * u, u uniform in [-1, 1) from a hash of (seed, i).
+__global__ void fill_e4m3_codes(uint8_t* x, int64_t n, uint32_t seed, float scale) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 0x9e3779b1u ^ seed * 0x85ebca6bu ^ uint32_t(i >> 32) * 0xc2b2ae35u;
+    h ^= h >> 16;
+    h *= 0x7feb352du;
+    h ^= h >> 15;
+    const float u = float(h >> 8) * (2.0f / 16777216.0f) - 1.0f;
+    x[i] = __nv_cvt_float_to_fp8(scale * u, __NV_SATFINITE, __NV_E4M3);
+  }
+}
+
+// FP8 with block scales (issue 25): atomic and deterministic on the rows
+// kernel, the dense FP8 GEMM of equal FLOPs as the ceiling.
+// scaling kTensor (report only): the same data, x_scales[0] and w2_scales[e]
+// read as the per-tensor scales; cases <shape>/tensor/<mode>.
+void run_fp8_case(Context& ctx, const Fc2Case& c, double max_ratio_atomic, MoeFp8Scaling scaling,
+                  cudaStream_t stream) {
+  const Fc2Mode modes[] = {Fc2Mode::kAtomic, Fc2Mode::kDeterministic};
+  const bool tensor = scaling == MoeFp8Scaling::kTensor;
+  const std::string prefix = c.name + (tensor ? "/tensor/" : "/");
+  bool any = false;
+  for (Fc2Mode m : modes) any |= ctx.selected("moe_fc2_fp8", prefix + fc2_mode_name(m));
+  if (!any) return;
+  Rng rng(0xfc2f8ull + std::hash<std::string>()(c.name));
+  const Routing r = flashmix::testing::random_routing(rng, c.T, c.k, c.total, 0, c.local);
+  const int64_t P = r.P(), cap = std::max<int64_t>(1, c.T * c.k);
+  const int64_t kbs = c.I / 128, hb = (c.H + 127) / 128;
+  std::vector<float> scales(size_t(c.T * c.k)), has(size_t(cap * kbs)), hws(size_t(c.local * hb * kbs));
+  for (auto& s : scales) s = rng.uniform(0.05f, 1.0f);
+  for (auto& v : has) v = rng.uniform(0.5f, 1.5f) / 448.f;
+  for (auto& v : hws) v = rng.uniform(0.5f, 1.5f) * 0.05f / 448.f;
+  if (tensor) {  // one value each: a_scales[0] and w2_scales[e] read the same
+    std::fill(has.begin(), has.end(), has[0]);
+    std::fill(hws.begin(), hws.end(), hws[0]);
+  }
+  uint8_t *dA, *dW2;
+  __nv_bfloat16 *dbias, *dout;
+  float *dscales, *das, *dws2;
+  int32_t* dp2u;
+  int64_t* doff;
+  const int64_t nA = cap * c.I, nW = int64_t(c.local) * c.H * c.I;
+  BENCH_CUDA(cudaMalloc(&dA, nA));
+  BENCH_CUDA(cudaMalloc(&dW2, nW));
+  BENCH_CUDA(cudaMalloc(&dbias, int64_t(c.local) * c.H * 2));
+  BENCH_CUDA(cudaMalloc(&dout, c.T * c.H * 2));
+  BENCH_CUDA(cudaMalloc(&dscales, scales.size() * 4));
+  BENCH_CUDA(cudaMalloc(&das, has.size() * 4));
+  BENCH_CUDA(cudaMalloc(&dws2, hws.size() * 4));
+  BENCH_CUDA(cudaMalloc(&dp2u, size_t(cap) * 4));
+  BENCH_CUDA(cudaMalloc(&doff, r.offsets.size() * 8));
+  fill_e4m3_codes<<<1024, 256, 0, stream>>>(dA, nA, 21, 448.f);
+  fill_e4m3_codes<<<1024, 256, 0, stream>>>(dW2, nW, 22, 448.f);
+  BENCH_CUDA(cudaGetLastError());
+  fill_bf16(dbias, int64_t(c.local) * c.H, 3, 1.0f, stream);
+  BENCH_CUDA(cudaMemcpyAsync(dscales, scales.data(), scales.size() * 4, cudaMemcpyHostToDevice, stream));
+  BENCH_CUDA(cudaMemcpyAsync(das, has.data(), has.size() * 4, cudaMemcpyHostToDevice, stream));
+  BENCH_CUDA(cudaMemcpyAsync(dws2, hws.data(), hws.size() * 4, cudaMemcpyHostToDevice, stream));
+  if (!r.p2u.empty())
+    BENCH_CUDA(cudaMemcpyAsync(dp2u, r.p2u.data(), r.p2u.size() * 4, cudaMemcpyHostToDevice, stream));
+  BENCH_CUDA(cudaMemcpyAsync(doff, r.offsets.data(), r.offsets.size() * 8, cudaMemcpyHostToDevice, stream));
+
+  Fc2FinalizeArgs a;
+  a.A = dA;
+  a.W2 = dW2;
+  a.fp8 = scaling;
+  a.a_scales = das;
+  a.w2_scales = dws2;
+  a.expert_first_token_offset = doff;
+  a.permuted_row_to_unpermuted_row = dp2u;
+  a.scales = dscales;
+  a.bias = dbias;
+  a.num_tokens = c.T;
+  a.k = c.k;
+  a.hidden = c.H;
+  a.inter = c.I;
+  a.num_experts_per_node = c.local;
+  a.out = dout;
+  size_t ws_bytes = 0;
+  for (Fc2Mode m : modes) {
+    a.mode = m;
+    ws_bytes = std::max(ws_bytes, moe_fc2_finalize_workspace_size(a));
+  }
+  void* dws;
+  BENCH_CUDA(cudaMalloc(&dws, std::max<size_t>(ws_bytes, 256)));
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+
+  // Reference for a sample of tokens (every 4th column), in double from the
+  // dequantised values (e4m3 decoded by host_fp8.h).
+  std::vector<int64_t> tokens;
+  for (int64_t t = 0; t < c.T && tokens.size() < 6; t += std::max<int64_t>(1, c.T / 6)) tokens.push_back(t);
+  std::vector<std::vector<double>> ref;
+  double max_ref = 0;
+  if (ctx.verify) {
+    std::vector<uint8_t> hA(static_cast<size_t>(nA)), hW(static_cast<size_t>(nW));
+    std::vector<uint16_t> hbias(static_cast<size_t>(c.local * c.H));
+    BENCH_CUDA(cudaMemcpy(hA.data(), dA, nA, cudaMemcpyDeviceToHost));
+    BENCH_CUDA(cudaMemcpy(hW.data(), dW2, nW, cudaMemcpyDeviceToHost));
+    BENCH_CUDA(cudaMemcpy(hbias.data(), dbias, hbias.size() * 2, cudaMemcpyDeviceToHost));
+    for (int64_t t : tokens) {
+      std::vector<double> row(static_cast<size_t>(c.H), 0.0);
+      for (int j = 0; j < c.k; ++j) {
+        const int32_t p = r.u2p[size_t(j * c.T + t)];
+        if (p < 0) continue;
+        int e = 0;
+        while (r.offsets[e + 1] <= p) ++e;
+        const double w = scales[size_t(t * c.k + j)];
+        for (int64_t n = 0; n < c.H; n += 4) {
+          double dot = 0;
+          for (int64_t i = 0; i < c.I; ++i)
+            dot += double(host::e4m3_to_float(hA[size_t(p * c.I + i)])) * has[size_t(p * kbs + i / 128)] *
+                   double(host::e4m3_to_float(hW[size_t((e * c.H + n) * c.I + i)])) *
+                   hws[size_t((e * hb + n / 128) * kbs + i / 128)];
+          row[size_t(n)] += w * (dot + host::bf16_to_float(hbias[size_t(e * c.H + n)]));
+        }
+      }
+      for (int64_t n = 0; n < c.H; n += 4) max_ref = std::max(max_ref, std::fabs(row[size_t(n)]));
+      ref.push_back(std::move(row));
+    }
+  }
+
+  const double flops = 2.0 * double(P) * double(c.H) * double(c.I);
+  const int iters = ctx.quick ? 10 : 30;
+  auto dense_time = [&] {
+    return cublaslt_fp8_gemm_us((std::max<int64_t>(P, 1) + 15) / 16 * 16, c.H, c.I, stream, iters);
+  };
+  const double dense_first_us = dense_time();
+  double atomic_us = 0;
+  for (Fc2Mode m : modes) {
+    if (!ctx.selected("moe_fc2_fp8", prefix + fc2_mode_name(m))) continue;
+    a.mode = m;
+    Fc2GemmChoice choice;
+    const Status chosen = choose_fc2_gemm_kernel(a, &choice);
+    BENCH_CUDA(cudaMemsetAsync(dout, 0xff, c.T * c.H * 2, stream));
+    Status st = moe_fc2_finalize(a, dws, ws_bytes, stream);
+    if (!st.ok()) {
+      std::fprintf(stderr, "flashmix-bench: moe_fc2_fp8 %s/%s: %s\n", c.name.c_str(), fc2_mode_name(m),
+                   st.message().c_str());
+      continue;
+    }
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    std::string check = "not checked (--no-verify)";
+    if (ctx.verify) {
+      std::vector<uint16_t> got(static_cast<size_t>(c.T * c.H));
+      BENCH_CUDA(cudaMemcpy(got.data(), dout, got.size() * 2, cudaMemcpyDeviceToHost));
+      // The test's tolerances (tests/gpu/test_moe_fc2_gpu.cu): the mode's, plus 2^-8 |.|max for the FP8 MMA.
+      const double rtol = std::ldexp(1.0, -7);
+      const double atol = ((m == Fc2Mode::kAtomic ? c.k * std::ldexp(1.0, -8) : std::ldexp(1.0, -10)) +
+                           std::ldexp(1.0, -8)) * max_ref;
+      int64_t bad = 0;
+      double worst = 0;
+      for (size_t ti = 0; ti < tokens.size(); ++ti)
+        for (int64_t n = 0; n < c.H; n += 4) {
+          const double g = host::bf16_to_float(got[size_t(tokens[ti] * c.H + n)]), rv = ref[ti][size_t(n)];
+          const double err = std::fabs(g - rv);
+          worst = std::max(worst, err);
+          bad += !(err <= rtol * std::fabs(rv) + atol);
+        }
+      check = bad ? "FAILED: " + std::to_string(bad) + " sampled elements (max abs err " + std::to_string(worst) + ")"
+                  : "passed (" + std::to_string(tokens.size()) + " sampled tokens, every 4th column)";
+    }
+    const double dense_us = std::min(dense_first_us, dense_time());
+    const double us = median_us([&] { (void)moe_fc2_finalize(a, dws, ws_bytes, stream); }, stream, 3, iters);
+    if (m == Fc2Mode::kAtomic) atomic_us = us;
+    Record rec;
+    rec.op = "moe_fc2_fp8";
+    rec.case_name = prefix + fc2_mode_name(m);
+    rec.median_us = us;
+    rec.ceiling = "gemm_fp8";
+    rec.flops = flops;
+    rec.fraction = dense_us / us;
+    rec.check = check;
+    rec.extra["dense_us"] = dense_us;
+    rec.extra["ratio_to_dense"] = us / dense_us;
+    rec.extra["tflops"] = flops / (us * 1e-6) / 1e12;
+    rec.extra["rows"] = double(P);
+    if (chosen.ok()) {
+      rec.labels["gemm_kernel"] = to_string(choice.kernel);
+      rec.labels["gemm_kernel_why"] = choice.why;
+    }
+    rec.labels["fp8"] = to_string(a.fp8);
+    if (m == Fc2Mode::kAtomic && max_ratio_atomic > 0 && !tensor) rec.extra["target_ratio"] = max_ratio_atomic;
+    if (m == Fc2Mode::kDeterministic && atomic_us > 0) {
+      rec.extra["ratio_to_atomic"] = us / atomic_us;
+      if (!tensor) rec.extra["target_ratio_to_atomic"] = 1.10;
+    }
+    add_record(ctx, rec);
+  }
+  cudaFree(dws);
+  cudaFree(dA);
+  cudaFree(dW2);
+  cudaFree(dbias);
+  cudaFree(dout);
+  cudaFree(dscales);
+  cudaFree(das);
+  cudaFree(dws2);
+  cudaFree(dp2u);
+  cudaFree(doff);
+}
+
 }  // namespace
 
 void run_moe_fc2_cases(Context& ctx) {
@@ -332,6 +538,15 @@ void run_moe_fc2_cases(Context& ctx) {
   cudaStream_t stream;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   for (const auto& c : cases) run_case(ctx, c, stream);
+  // FP8, block scales (issue 25's bounds against the dense FP8 GEMM; deterministic <= 1.10 x its atomic).
+  const std::pair<Fc2Case, double> fp8_cases[] = {
+      {{"mixtral_T4096_k2_E8_I14336_H4096", 4096, 2, 8, 8, 4096, 14336}, 1.05},
+      {{"deepseek_ep_T1024_k8_E32_I2048_H7168", 1024, 8, 32, 32, 7168, 2048}, 1.30},
+      {{"qwen3moe_T4096_k8_E128_I768_H2048", 4096, 8, 128, 128, 2048, 768}, 1.40},
+  };
+  for (const auto& [c, bound] : fp8_cases) run_fp8_case(ctx, c, bound, MoeFp8Scaling::kBlock, stream);
+  // Per-tensor scales, for reference (no bound).
+  for (const auto& [c, bound] : fp8_cases) run_fp8_case(ctx, c, 0, MoeFp8Scaling::kTensor, stream);
   BENCH_CUDA(cudaStreamDestroy(stream));
 }
 

@@ -13,6 +13,8 @@
 
 #include "flashmix/dtype.h"
 #include "flashmix/status.h"
+// MoeFp8Scaling (FC1's FP8 modes, shared by Fc2FinalizeArgs).
+#include "flashmix/moe_fc1.h"
 
 namespace flashmix {
 
@@ -251,8 +253,19 @@ struct Fc2Tuning {
 };
 
 struct Fc2FinalizeArgs {
-  const void* A = nullptr;   // bf16 [k*T capacity, I], permuted rows (first P used)
-  const void* W2 = nullptr;  // bf16 [E_local, H, I], each expert's H x I row-major (K-contiguous)
+  const void* A = nullptr;   // bf16 (or e4m3) [k*T capacity, I], permuted rows (first P used)
+  const void* W2 = nullptr;  // bf16 (or e4m3) [E_local, H, I], each expert's H x I row-major (K-contiguous)
+  // FP8 (spec §3.5; the formats: §11): with kBlock or kTensor, A and W2 hold
+  // e4m3 codes and an element's value is its e4m3 value times its scale
+  // (dequantised). kBlock needs I % 128 == 0, kTensor I % 16 == 0. Runs on
+  // the kRows kernel only (the CUTLASS kernels take bf16).
+  MoeFp8Scaling fp8 = MoeFp8Scaling::kNone;
+  // kBlock: [k*T capacity rows, I / 128] (row p's scales of its 128-channel
+  // blocks; the first P rows read); kTensor: [1]. Ignored with kNone.
+  const float* a_scales = nullptr;
+  // kBlock: [E_local, ceil(H / 128), I / 128], block (h / 128, i / 128) of
+  // W2[e]; kTensor: [E_local]. Ignored with kNone.
+  const float* w2_scales = nullptr;
   const int64_t* expert_first_token_offset = nullptr;       // [E_local + 1] (device)
   const int32_t* permuted_row_to_unpermuted_row = nullptr;  // [P], value j*T + t (device)
   const float* scales = nullptr;  // [T, k] router weights; nullptr = all 1

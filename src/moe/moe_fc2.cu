@@ -146,6 +146,9 @@ Status run_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t worksp
   g.p2u = a.permuted_row_to_unpermuted_row;
   g.scales = a.scales;
   g.bias = a.apply_bias ? a.bias : nullptr;
+  g.fp8 = a.fp8;
+  g.a_scales = a.a_scales;
+  g.w2_scales = a.w2_scales;
   g.T = int(T);
   g.k = a.k;
   g.H = int(H);

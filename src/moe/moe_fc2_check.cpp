@@ -19,6 +19,16 @@ Status validate_fc2(const Fc2FinalizeArgs& a, bool check_buffers) {
                                                         a.num_experts_per_node));
   const int m = int(a.mode);
   FM_REQUIRE(m >= 0 && m <= 3, kOp, "mode", "unknown mode value ", m);
+  const int f = int(a.fp8);
+  FM_REQUIRE(f >= int(MoeFp8Scaling::kNone) && f <= int(MoeFp8Scaling::kTensor), kOp, "fp8",
+             "unknown MoeFp8Scaling value ", f);
+  const bool fp8 = a.fp8 != MoeFp8Scaling::kNone, block = a.fp8 == MoeFp8Scaling::kBlock;
+  if (block)
+    FM_REQUIRE(a.inter % 128 == 0, kOp, "inter",
+               "must be a multiple of 128 with block scales (one scale per 128 of K; got ", a.inter, ")");
+  else if (fp8)
+    FM_REQUIRE(a.inter % 16 == 0, kOp, "inter",
+               "must be a multiple of 16 with e4m3 A and W2 (16-byte rows for TMA; got ", a.inter, ")");
   const int gk = int(a.tuning.gemm_kernel);
   FM_REQUIRE(gk >= int(Fc2GemmKernel::kAuto) && gk <= int(Fc2GemmKernel::kCutlassPingpong), kOp,
              "tuning.gemm_kernel", "unknown Fc2GemmKernel value ", gk);
@@ -55,6 +65,13 @@ Status validate_fc2(const Fc2FinalizeArgs& a, bool check_buffers) {
   FM_REQUIRE(a.permuted_row_to_unpermuted_row != nullptr, kOp, "permuted_row_to_unpermuted_row",
              "must not be null");
   FM_REQUIRE(a.out != nullptr, kOp, "out", "must not be null");
+  if (fp8) {
+    FM_REQUIRE(a.a_scales != nullptr, kOp, "a_scales", "must not be null with fp8 = ", to_string(a.fp8));
+    FM_REQUIRE(a.w2_scales != nullptr, kOp, "w2_scales", "must not be null with fp8 = ", to_string(a.fp8));
+    FM_REQUIRE(reinterpret_cast<uintptr_t>(a.a_scales) % 4 == 0, kOp, "a_scales", "must be 4-byte aligned (float)");
+    FM_REQUIRE(reinterpret_cast<uintptr_t>(a.w2_scales) % 4 == 0, kOp, "w2_scales",
+               "must be 4-byte aligned (float)");
+  }
   FM_REQUIRE(reinterpret_cast<uintptr_t>(a.A) % 16 == 0, kOp, "A", "must be 16-byte aligned (TMA)");
   FM_REQUIRE(reinterpret_cast<uintptr_t>(a.W2) % 16 == 0, kOp, "W2", "must be 16-byte aligned (TMA)");
   FM_REQUIRE(reinterpret_cast<uintptr_t>(a.out) % 4 == 0, kOp, "out",
@@ -71,8 +88,12 @@ Status validate_fc2(const Fc2FinalizeArgs& a, bool check_buffers) {
   // `out` (reduced into by the epilogue) overlaps no input.
   const int64_t slots = a.num_tokens * a.k, E = a.num_experts_per_node;
   const detail::Range outs[] = {{"out", a.out, detail::rows_extent_bytes(a.num_tokens, out_stride, a.hidden, 2)}};
-  const detail::Range ins[] = {{"A", a.A, slots * a.inter * 2},
-                               {"W2", a.W2, E * a.hidden * a.inter * 2},
+  const int64_t esize = fp8 ? 1 : 2;  // bytes an element of A and W2
+  const int64_t kbs = a.inter / 128, h_blocks = (a.hidden + 127) / 128;
+  const detail::Range ins[] = {{"A", a.A, slots * a.inter * esize},
+                               {"W2", a.W2, E * a.hidden * a.inter * esize},
+                               {"a_scales", fp8 ? a.a_scales : nullptr, block ? slots * kbs * 4 : 4},
+                               {"w2_scales", fp8 ? a.w2_scales : nullptr, block ? E * h_blocks * kbs * 4 : E * 4},
                                {"expert_first_token_offset", a.expert_first_token_offset, (E + 1) * 8},
                                {"permuted_row_to_unpermuted_row", a.permuted_row_to_unpermuted_row, slots * 4},
                                {"scales", a.scales, slots * 4},

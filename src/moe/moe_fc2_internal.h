@@ -35,6 +35,9 @@ struct Sm90Fc2GemmParams {
   const int32_t* p2u;
   const float* scales;
   const void* bias;  // nullptr when not applied
+  MoeFp8Scaling fp8;      // kNone: A and W2 bf16; else e4m3 with these scales (kRows only)
+  const float* a_scales;  // [k*T capacity, I / 128] (kBlock) or [1] (kTensor)
+  const float* w2_scales; // [E, ceil(H / 128), I / 128] (kBlock) or [E] (kTensor)
   int T, k, H, I, E;
   Fc2EpilogueOp op;
   void* dst;             // out (kRedBf16), acc32 (kRedFp32), rows (kRows*)

@@ -33,6 +33,11 @@
 // reaches on an H200 (W2, 0.94 GB read once, is ~200 us of HBM bandwidth).
 // Below N = 256 a tile's mainloop is bound by shared-memory bandwidth (TMA's
 // writes plus the wgmmas' operand reads), not the MMA rate.
+// FP8 (spec §3.5, Fc2In below): e4m3 A and W2 in the same 128-byte stages
+// (128 of K a stage, TMA as bytes), m64nNk32 e4m3 wgmmas; block scales
+// promote each K block of 128 into the fp32 accumulator (a tile above 128
+// rows in two halves, the warpgroups taking turns), per-tensor scales
+// multiply it once. The epilogue is the same.
 // Current figure (H200, flashmix-bench against a dense cuBLAS GEMM of equal
 // FLOPs): DeepSeek EP atomic ~1.31-1.38x dense, Mixtral-like ~1.17-1.22x,
 // Qwen3-MoE-like ~1.57x. Design, profiles and measurements:
@@ -43,6 +48,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "common/check.h"
 #include "common/kernel_fit.h"
@@ -61,9 +67,10 @@ namespace {
 constexpr const char* kOp = "moe_fc2_finalize";
 
 constexpr int kTileH = 128;      // output columns per tile: 2 consumer warpgroups x wgmma M = 64
-constexpr int kTileK = 64;       // K per stage: one 128-byte swizzled row
+constexpr int kTileBytes = 128;  // K per stage: one 128-byte swizzled row (64 bf16, 128 e4m3)
 constexpr int kWideRows = 272;   // the row limit of the wide kernel (kWgmmaMaxN + one 16-row wgmma)
-constexpr int kWBytes = kTileH * kTileK * 2;  // 16 KB
+constexpr int kWBytes = kTileH * kTileBytes;  // 16 KB
+constexpr int kScaleK = 128;     // FP8 block scales: K per block (spec §11)
 // Epilogue staging, per consumer warpgroup (its 64 columns x some rows):
 // fp32 outputs 32 rows a pass, 68 floats a row (2 x 68 = 8 mod 32 banks: the
 // scalar writes are conflict-free); bf16 outputs 64 rows a pass, 72 bf16 a
@@ -82,6 +89,14 @@ constexpr int kThreads = 384;
 // launch): (168 - 72) x 128 >= (216 - 168) x 256.
 constexpr int kProducerRegs = 72, kConsumerRegs = 216;
 constexpr int kMaxExpertsOp = kFc2RowsMaxExperts;  // the most experts the 256-row kernel's tables hold
+// FP8 block scales: the two consumer warpgroups take turns issuing a K
+// block's MMAs (named barriers 3: warpgroup 0's turn, 4: warpgroup 1's), so
+// one's promotion (wait for its MMAs, then the fp32 FMAs) runs while the
+// other's MMAs keep the tensor cores busy; barriers 1, 2: the epilogues.
+constexpr int kTurnBar0 = 3, kTurnBar1 = 4;
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 namespace prof = fc2_rows_prof;  // per-tile cycle stamps: empty hooks unless FLASHMIX_FC2_PROFILE
 // kRowQuantum, kWgmmaMaxN (a tile above it takes two wgmmas), TileInfo and the
 // schedule (sm90_expert_tiles.cuh, shared with FC1).
@@ -96,16 +111,44 @@ using namespace expert_tiles;
 // tables fit beside the larger stages (up to 256 experts, 128 in the
 // profiling build), else 256. Larger tiles would need larger stages than 4
 // fit (fewer, larger stages were slower: docs/fc2_grouped_gemm.md).
-template <int kMaxRows_>
+//
+// What A and W2 hold (MoeFp8Scaling, resolved at the launch into the
+// kernel's template): bf16, or e4m3 with block scales (each K block of 128
+// summed by the FP8 MMA into a fresh accumulator, then promoted into the fp32
+// one times its scales: the tile's 128 H columns are one W2 scale block, so
+// one W2 scale a K block, times each row's A scale) or per-tensor scales
+// (applied once at the end). The stages are the same bytes either way (128
+// bytes of K a row); with block scales each stage also holds its rows' A
+// scales of the K block, copied by the producer warp's 32 lanes (cp.async,
+// counted on the stage's full barrier), and the K block's MMAs go into a
+// second accumulator `part` of at most 128 rows (64 registers a thread), so
+// a tile of up to 256 rows is promoted in two halves.
+enum class Fc2In { kBf16, kFp8Block, kFp8Tensor };
+
+template <int kMaxRows_, Fc2In kIn_ = Fc2In::kBf16>
 struct RowsCfg {
+  static constexpr Fc2In kIn = kIn_;
+  static constexpr bool kFp8 = kIn != Fc2In::kBf16;
+  static constexpr bool kBlock = kIn == Fc2In::kFp8Block;
   static constexpr int kStages = 4;
   static constexpr int kMaxRows = kMaxRows_;
-  static constexpr int kMaxExperts = kMaxRows > kWgmmaMaxN ? prof::wide_max_experts(256) : kMaxExpertsOp;
-  static constexpr int kRBytes = kMaxRows * kTileK * 2;
+  // Block scales: a tile of more than 128 rows runs each K block as two halves
+  // (rows 0..127, then the rest) through one 64-register `part`.
+  static_assert(!kBlock || kMaxRows <= kWgmmaMaxN, "block-scaled tiles hold at most 256 rows");
+  static_assert(!kFp8 || kMaxRows <= kWgmmaMaxN, "FP8 tiles take one wgmma (no register-A FP8 path)");
+  static constexpr int kTileK = kFp8 ? 128 : 64;  // elements of K a stage
+  static constexpr int kFullArrivals = kBlock ? 1 + 32 : 1;  // the TMA lane (+ each producer lane's scale copies)
+  // The experts' tables fit beside the largest stages (272 rows; 256 with
+  // block scales' A scales) for up to 256 experts.
+  static constexpr int kMaxExperts =
+      kMaxRows > kWgmmaMaxN || (kBlock && kMaxRows > 128) ? prof::wide_max_experts(256) : kMaxExpertsOp;
+  static constexpr int kRBytes = kMaxRows * kTileBytes;
   static constexpr int kStageBytes = kWBytes + kRBytes;
   static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned (128-byte swizzle)");
+  static constexpr int kScaleBytes = kBlock ? kMaxRows * 4 : 0;  // a stage's A scales
   static constexpr int kOffEpi = kStages * kStageBytes;
-  static constexpr int kOffTabRow = kOffEpi + 2 * kEpiBytes;
+  static constexpr int kOffScales = kOffEpi + 2 * kEpiBytes;
+  static constexpr int kOffTabRow = kOffScales + kStages * kScaleBytes;
   static constexpr int kOffTabW = kOffTabRow + 2 * kMaxRows * 4;
   static constexpr int kOffTabBias = kOffTabW + 2 * kMaxRows * 4;
   static constexpr int kOffRowOff = kOffTabBias + 2 * kTileH * 4;
@@ -121,6 +164,9 @@ struct RowsCfg {
 };
 
 struct RowsGemmParams : Fc2EpilogueParamsDevice {
+  const float* a_scales;  // FP8: [capacity, I / 128] (block) or [1]
+  const float* w_scales;  // FP8: [E, ceil(H / 128), I / 128] (block) or [E]
+  int i_blocks, h_blocks;  // FP8 block scales: I / 128, ceil(H / 128)
   int E;
   int h_slices, k_blocks;
   bool plain_k1;  // kRedBf16, k == 1, out zeroed by the op: stores instead of reduction adds
@@ -128,6 +174,8 @@ struct RowsGemmParams : Fc2EpilogueParamsDevice {
 
 struct Shared {
   uint32_t stages;  // shared address of stage 0
+  uint32_t a_sc_addr;  // FP8 block scales: shared address of stage 0's A scales
+  const float* a_sc;   // the same, as a pointer
   float* epi;
   int* tab_row;
   float* tab_w;
@@ -206,78 +254,153 @@ __device__ __forceinline__ void drain_pass(const RowsGemmParams& p, const TileIn
     if (row[i] >= 0) store(row[i], col, val[i]);
 }
 
+// FP8 block scales: one turn of a K block, rows kR0..kR0 + NH - 1 of the
+// tile's N: its 4 k32 MMAs into part (fresh), then part promoted into those
+// rows' accumulators times the W2 block scale and each row's A scale.
+template <int NH, int kR0, int N>
+__device__ __forceinline__ void block_half(float (&acc)[N / 2], float (&part)[NH / 2], uint64_t da, uint64_t db,
+                                           const float* sx, float w_s, int wg, int lane) {
+  dev::fence_operands(part);
+  dev::named_bar_sync(wg == 0 ? kTurnBar0 : kTurnBar1, 256);
+  dev::wgmma_fence();
+#pragma unroll
+  for (int j = 0; j < kTileBytes / 32; ++j) dev::WgmmaFp8<NH>::mma(part, da + 2 * j, db + 2 * j, j > 0);
+  dev::wgmma_commit();
+  named_bar_arrive(wg == 0 ? kTurnBar1 : kTurnBar0, 256);
+  dev::wgmma_wait<0>();
+  dev::fence_operands(part);
+  const int c2 = kR0 + 2 * (lane & 3);
+#pragma unroll
+  for (int j = 0; j < NH / 8; ++j) {
+    const float2 x = *reinterpret_cast<const float2*>(sx + 8 * j + c2);
+    const float s0 = w_s * x.x, s1 = w_s * x.y;
+    float* a = acc + kR0 / 2 + 4 * j;
+    a[0] = fmaf(part[4 * j + 0], s0, a[0]);
+    a[1] = fmaf(part[4 * j + 1], s1, a[1]);
+    a[2] = fmaf(part[4 * j + 2], s0, a[2]);
+    a[3] = fmaf(part[4 * j + 3], s1, a[3]);
+  }
+}
+
 // A consumer warpgroup's whole tile: mainloop over K, then the epilogue.
 // N <= 256: one wgmma m64nNk16 per k16 step, both operands from shared
 // memory. N > 256: two per step (rows 0..255 and 256..N-1) on one A fragment
 // that the warp loads by ldmatrix, so W2's tile is read from shared memory
 // once, not once per wgmma (with both from shared memory the tile ran at the
 // shared-memory bandwidth model's rate; docs/fc2_grouped_gemm.md).
-template <int kMaxRows, int N, bool kBf16Out>
+// FP8: m64nNk32 e4m3 wgmmas (N <= 256), see Fc2In.
+template <class Cfg, int N, bool kBf16Out>
 __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shared& sh, const TileInfo& t, int wg,
                                              int& s, uint32_t& ph, int it, const prof::ConsumerLog& log) {
-  using Cfg = RowsCfg<kMaxRows>;
+  constexpr int kMaxRows = Cfg::kMaxRows;
   float acc[N / 2];
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
   const int lane = threadIdx.x & 31;
   const uint32_t a_off = uint32_t(wg) * 64 * 128;  // this warpgroup's 64 H rows of the W2 tile
-  // N > 256: the row this lane addresses for ldmatrix.x4 (matrices: rows 0-7 /
-  // 8-15 of the warp's 16, k 0-7 / 8-15 of the step) and its 16-byte chunk.
-  const int lm_row = ((threadIdx.x >> 5) & 3) * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-  const uint32_t lm_off = a_off + uint32_t(lm_row) * 128;
-  const int lm_hi = lane >> 4, lm_x = lm_row & 7;  // 128-byte swizzle: chunk q sits at q ^ (row % 8)
-  int prev = -1;
   prof::TileClock clk;
-  // N > 256: a commit group per k16 step, two steps' A fragments alternating
-  // (a step's registers are rewritten two steps later, after the wait for its
-  // group), so the accumulators and fragments fit with the epilogue's registers.
-  uint32_t fa[2][4];
-  for (int kb = 0; kb < p.k_blocks; ++kb) {
-    clk.before_stage_wait();
-    dev::mbar_wait(bar_at(sh.full, s), ph);
-    clk.after_stage_wait(log, it, kb);
-    const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
-    const uint64_t db = dev::wgmma_desc_k_sw128(st + kWBytes);
-    if constexpr (N <= kWgmmaMaxN) {
-      const uint64_t da = dev::wgmma_desc_k_sw128(st + a_off);
-      dev::fence_operands(acc);
-      dev::wgmma_fence();
+  if constexpr (Cfg::kBlock) {
+    // Each stage's K block into `part` (fresh), promoted into acc times the
+    // tile's W2 block scale and each row's A scale (acc[4j + 0 / 2]: row
+    // 8j + 2 (lane % 4), acc[4j + 1 / 3]: the next row; spec §11.4). Above
+    // 128 rows, in two halves (a turn each), part holding 128 rows at most.
+    // The warpgroups' turns alternate over every half K block of the CTA's
+    // tiles (both run the same sequence): warpgroup 0 waits for its turn,
+    // issues, passes the turn to 1, which passes it back (its first pass is
+    // made before the consumers' tile loop, its last is taken after it).
+    const float* sw = p.w_scales + (int64_t(t.e) * p.h_blocks + t.hs) * p.i_blocks;
+    constexpr int kN0 = N > 128 ? 128 : N;  // rows of the first half (all of them at most 128)
+    float part[kN0 / 2];
 #pragma unroll
-      for (int j = 0; j < kTileK / 16; ++j) dev::Wgmma<N>::mma(acc, da + 2 * j, db + 2 * j, 1);
-      dev::wgmma_commit();
-      dev::fence_operands(acc);
-      dev::wgmma_wait<1>();  // the previous stage's MMAs are done: release it
-    } else {
-#pragma unroll
-      for (int j = 0; j < kTileK / 16; ++j) {
-        uint32_t(&f)[4] = fa[j & 1];
-        dev::ldmatrix_x4(f, st + lm_off + uint32_t(((2 * j + lm_hi) ^ lm_x) << 4));
-        dev::fence_operands(acc);
-        dev::wgmma_fence();
-        dev::WgmmaRS<kWgmmaMaxN>::mma(*reinterpret_cast<float(*)[kWgmmaMaxN / 2]>(acc), f, db + 2 * j, 1);
-        // B's rows 256.. start 256 x 128 bytes further.
-        dev::WgmmaRS<N - kWgmmaMaxN>::mma(*reinterpret_cast<float(*)[(N - kWgmmaMaxN) / 2]>(acc + kWgmmaMaxN / 2),
-                                          f, db + 2 * j + (kWgmmaMaxN * 128 >> 4), 1);
-        dev::wgmma_commit();
-        dev::fence_operands(acc);
-        dev::wgmma_wait<1>();  // at j = 0: the previous stage's last group is done
+    for (int i = 0; i < kN0 / 2; ++i) part[i] = 0.f;
+    for (int kb = 0; kb < p.k_blocks; ++kb) {
+      const float w_s = __ldg(sw + kb);
+      clk.before_stage_wait();
+      dev::mbar_wait(bar_at(sh.full, s), ph);
+      clk.after_stage_wait(log, it, kb);
+      const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
+      const uint64_t da = dev::wgmma_desc_k_sw128(st + a_off), db = dev::wgmma_desc_k_sw128(st + kWBytes);
+      const float* sx = sh.a_sc + s * kMaxRows;
+      block_half<kN0, 0, N>(acc, part, da, db, sx, w_s, wg, lane);
+      if constexpr (N > 128)  // rows 128.. start 128 x 128 bytes further in B
+        block_half<N - 128, 128, N>(acc, *reinterpret_cast<float(*)[(N - 128) / 2]>(part), da,
+                                    db + (128 * kTileBytes >> 4), sx, w_s, wg, lane);
+      __syncwarp();
+      if (lane == 0) dev::mbar_arrive(bar_at(sh.empty, s));
+      if (++s == Cfg::kStages) {
+        s = 0;
+        ph ^= 1;
       }
     }
-    if (prev >= 0) {
-      __syncwarp();
-      if (lane == 0) dev::mbar_arrive(bar_at(sh.empty, prev));
+    clk.mainloop_done(log, it);
+  } else {
+    // N > 256: the row this lane addresses for ldmatrix.x4 (matrices: rows 0-7 /
+    // 8-15 of the warp's 16, k 0-7 / 8-15 of the step) and its 16-byte chunk.
+    const int lm_row = ((threadIdx.x >> 5) & 3) * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+    const uint32_t lm_off = a_off + uint32_t(lm_row) * 128;
+    const int lm_hi = lane >> 4, lm_x = lm_row & 7;  // 128-byte swizzle: chunk q sits at q ^ (row % 8)
+    int prev = -1;
+    // N > 256: a commit group per k16 step, two steps' A fragments alternating
+    // (a step's registers are rewritten two steps later, after the wait for its
+    // group), so the accumulators and fragments fit with the epilogue's registers.
+    uint32_t fa[2][4];
+    for (int kb = 0; kb < p.k_blocks; ++kb) {
+      clk.before_stage_wait();
+      dev::mbar_wait(bar_at(sh.full, s), ph);
+      clk.after_stage_wait(log, it, kb);
+      const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
+      const uint64_t db = dev::wgmma_desc_k_sw128(st + kWBytes);
+      if constexpr (N <= kWgmmaMaxN) {
+        const uint64_t da = dev::wgmma_desc_k_sw128(st + a_off);
+        dev::fence_operands(acc);
+        dev::wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < kTileBytes / 32; ++j) {  // 32 bytes of K a wgmma (k16 bf16, k32 e4m3)
+          if constexpr (Cfg::kFp8)
+            dev::WgmmaFp8<N>::mma(acc, da + 2 * j, db + 2 * j, 1);
+          else
+            dev::Wgmma<N>::mma(acc, da + 2 * j, db + 2 * j, 1);
+        }
+        dev::wgmma_commit();
+        dev::fence_operands(acc);
+        dev::wgmma_wait<1>();  // the previous stage's MMAs are done: release it
+      } else {
+#pragma unroll
+        for (int j = 0; j < kTileBytes / 32; ++j) {
+          uint32_t(&f)[4] = fa[j & 1];
+          dev::ldmatrix_x4(f, st + lm_off + uint32_t(((2 * j + lm_hi) ^ lm_x) << 4));
+          dev::fence_operands(acc);
+          dev::wgmma_fence();
+          dev::WgmmaRS<kWgmmaMaxN>::mma(*reinterpret_cast<float(*)[kWgmmaMaxN / 2]>(acc), f, db + 2 * j, 1);
+          // B's rows 256.. start 256 x 128 bytes further.
+          dev::WgmmaRS<N - kWgmmaMaxN>::mma(*reinterpret_cast<float(*)[(N - kWgmmaMaxN) / 2]>(acc + kWgmmaMaxN / 2),
+                                            f, db + 2 * j + (kWgmmaMaxN * 128 >> 4), 1);
+          dev::wgmma_commit();
+          dev::fence_operands(acc);
+          dev::wgmma_wait<1>();  // at j = 0: the previous stage's last group is done
+        }
+      }
+      if (prev >= 0) {
+        __syncwarp();
+        if (lane == 0) dev::mbar_arrive(bar_at(sh.empty, prev));
+      }
+      prev = s;
+      if (++s == Cfg::kStages) {
+        s = 0;
+        ph ^= 1;
+      }
     }
-    prev = s;
-    if (++s == Cfg::kStages) {
-      s = 0;
-      ph ^= 1;
+    dev::wgmma_wait<0>();
+    dev::fence_operands(acc);
+    clk.mainloop_done(log, it);
+    __syncwarp();
+    if (lane == 0) dev::mbar_arrive(bar_at(sh.empty, prev));
+    if constexpr (Cfg::kIn == Fc2In::kFp8Tensor) {
+      const float scale = __ldg(p.a_scales) * __ldg(p.w_scales + t.e);
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) acc[i] *= scale;
     }
   }
-  dev::wgmma_wait<0>();
-  dev::fence_operands(acc);
-  clk.mainloop_done(log, it);
-  __syncwarp();
-  if (lane == 0) dev::mbar_arrive(bar_at(sh.empty, prev));
 
   // Epilogue.
   const int b = it & 1;
@@ -361,7 +484,7 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
   dev::mbar_arrive(bar_at(sh.tab_empty, b));
 }
 
-template <int kMaxRows>
+template <class Cfg>
 __global__ void __launch_bounds__(kThreads, 1)
     fc2_rows_gemm_kernel(const __grid_constant__ RowsGemmParams p, const __grid_constant__ CUtensorMap map_w,
                          const __grid_constant__ CUtensorMap map_a128, const __grid_constant__ CUtensorMap map_a64,
@@ -372,8 +495,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* sm = smem_raw + (base - raw);
   Shared sh;
   sh.stages = base;
-  using Cfg = RowsCfg<kMaxRows>;
+  constexpr int kMaxRows = Cfg::kMaxRows;
   constexpr int kStages = Cfg::kStages;
+  sh.a_sc_addr = base + Cfg::kOffScales;
+  sh.a_sc = reinterpret_cast<const float*>(sm + Cfg::kOffScales);
   sh.epi = reinterpret_cast<float*>(sm + Cfg::kOffEpi);
   sh.tab_row = reinterpret_cast<int*>(sm + Cfg::kOffTabRow);
   sh.tab_w = reinterpret_cast<float*>(sm + Cfg::kOffTabW);
@@ -393,7 +518,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int e = tid; e <= E; e += kThreads) row_off[e] = int(p.offsets[e]);
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
-      dev::mbar_init(bar_at(sh.full, i), 1);
+      dev::mbar_init(bar_at(sh.full, i), Cfg::kFullArrivals);
       dev::mbar_init(bar_at(sh.empty, i), 8);  // one arrival per consumer warp
     }
     for (int i = 0; i < 2; ++i) {
@@ -413,37 +538,57 @@ __global__ void __launch_bounds__(kThreads, 1)
     dev::setmaxnreg_dec<kProducerRegs>();
     const int total = tile_start[E];  // read after setmaxnreg: a value live across it is spilled
     if (warp == 8) {
-      // TMA producer.
-      if (lane == 0) {
-        dev::prefetch_tensor_map(&map_w);
-        dev::prefetch_tensor_map(&map_a128);
+      // TMA producer: lane 0 (with FP8 block scales the whole warp: each
+      // lane also copies rows lane + 32 i's A scales of the K block).
+      if (Cfg::kBlock || lane == 0) {
+        if (lane == 0) {
+          dev::prefetch_tensor_map(&map_w);
+          dev::prefetch_tensor_map(&map_a128);
+        }
         int s = 0;
         uint32_t ph = 0;
         prof::ProducerLog plog;
         for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
           const TileInfo t = decode_tile<kMaxRows>(tile, tile_start, row_off, order, E);
           for (int kb = 0; kb < p.k_blocks; ++kb) {
-            plog.before_stage_wait(kb);
+            if (lane == 0) plog.before_stage_wait(kb);
             dev::mbar_wait(bar_at(sh.empty, s), ph ^ 1);
             const uint32_t full = bar_at(sh.full, s);
-            dev::mbar_arrive_expect_tx(full, kWBytes + uint32_t(t.n) * kTileK * 2);
-            const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
-            dev::tma_load_3d(st, &map_w, full, kb * kTileK, t.hs * kTileH, t.e);
-            const uint32_t rows_dst = st + kWBytes;
-            const CUtensorMap* row_maps[4] = {&map_a128, &map_a64, &map_a32, &map_a16};  // boxes of 128 >> i rows
-            int r = 0;
+            if (lane == 0) {
+              dev::mbar_arrive_expect_tx(full, kWBytes + uint32_t(t.n) * kTileBytes);
+              const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
+              dev::tma_load_3d(st, &map_w, full, kb * Cfg::kTileK, t.hs * kTileH, t.e);
+              const uint32_t rows_dst = st + kWBytes;
+              const CUtensorMap* row_maps[4] = {&map_a128, &map_a64, &map_a32, &map_a16};  // boxes of 128 >> i rows
+              int r = 0;
 #pragma unroll
-            for (int i = 0; i < 4; ++i)
-              for (; r + (128 >> i) <= t.n; r += 128 >> i)
-                dev::tma_load_2d(rows_dst + r * 128, row_maps[i], full, kb * kTileK, t.p0 + r);
-            plog.after_issue(kb, p.k_blocks);
+              for (int i = 0; i < 4; ++i)
+                for (; r + (128 >> i) <= t.n; r += 128 >> i)
+                  dev::tma_load_2d(rows_dst + r * kTileBytes, row_maps[i], full, kb * Cfg::kTileK, t.p0 + r);
+              plog.after_issue(kb, p.k_blocks);
+            }
+            if constexpr (Cfg::kBlock) {
+              // Rows past the chunk's (up to its N) get 0.
+              const uint32_t sc = sh.a_sc_addr + uint32_t(s * kMaxRows) * 4;
+#pragma unroll
+              for (int i = 0; i < kMaxRows / 32; ++i) {
+                const int r = lane + 32 * i;
+                if (r < t.n) {
+                  const bool live = r < t.rows;
+                  const float* g = live ? p.a_scales + int64_t(t.p0 + r) * p.i_blocks + kb : p.a_scales;
+                  dev::cp_async_4(sc + uint32_t(r) * 4, g, live ? 4 : 0);
+                }
+              }
+              dev::cp_async_mbar_arrive_noinc(full);
+            }
             if (++s == kStages) {
               s = 0;
               ph ^= 1;
             }
           }
-          plog.next_tile();
+          if (lane == 0) plog.next_tile();
         }
+        if constexpr (Cfg::kBlock) asm volatile("cp.async.wait_all;\n" ::: "memory");
       }
     } else if (warp == 9) {
       // Per-tile tables, two tiles ahead of the consumers.
@@ -512,6 +657,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool bf16_out = p.op == int(Fc2EpilogueOp::kRedBf16) || p.op == int(Fc2EpilogueOp::kRowsBf16);
     int s = 0, it = 0;
     uint32_t ph = 0;
+    if (Cfg::kBlock && wg == 1) named_bar_arrive(kTurnBar0, 256);  // warpgroup 0 issues first
     for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++it) {
       log.stamp_clock(it, 0);
       // The tile, from the table warp (up to two tiles ahead; its row table
@@ -524,9 +670,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   case K:                                                                             \
     if constexpr (K * kRowQuantum <= kMaxRows) {                                      \
       if (bf16_out)                                                                   \
-        consume_tile<kMaxRows, K * kRowQuantum, true>(p, sh, t, wg, s, ph, it, log);  \
+        consume_tile<Cfg, K * kRowQuantum, true>(p, sh, t, wg, s, ph, it, log);       \
       else                                                                            \
-        consume_tile<kMaxRows, K * kRowQuantum, false>(p, sh, t, wg, s, ph, it, log); \
+        consume_tile<Cfg, K * kRowQuantum, false>(p, sh, t, wg, s, ph, it, log);      \
     }                                                                                 \
     break;
         FLASHMIX_FC2_ROWS_CASE(1)
@@ -552,6 +698,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       log.stamp_clock(it, 4);
     }
+    if (Cfg::kBlock && wg == 0) dev::named_bar_sync(kTurnBar0, 256);  // warpgroup 1's last pass
     log.finish(it, wg);
   }
 }
@@ -562,26 +709,45 @@ bool encode_maps(const Sm90Fc2GemmParams& p, CUtensorMap& w, CUtensorMap (&a)[4]
   const detail::TensorMapEncodeTiled encode = detail::tensor_map_encoder();
   if (encode == nullptr) return false;
   const cuuint32_t elem[3] = {1, 1, 1};
+  // e4m3 travels as bytes: boxes of 128 bytes of K either way.
+  const bool fp8 = p.fp8 != MoeFp8Scaling::kNone;
+  const cuuint64_t es = fp8 ? 1 : 2;
+  const CUtensorMapDataType dtype = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const cuuint32_t box_k = cuuint32_t(kTileBytes / es);
   {
     const cuuint64_t dims[3] = {cuuint64_t(p.I), cuuint64_t(p.H), cuuint64_t(p.E)};
-    const cuuint64_t strides[2] = {cuuint64_t(p.I) * 2, cuuint64_t(p.H) * p.I * 2};
-    const cuuint32_t box[3] = {kTileK, kTileH, 1};
-    if (encode(&w, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(p.W2), dims, strides, box, elem,
+    const cuuint64_t strides[2] = {cuuint64_t(p.I) * es, cuuint64_t(p.H) * p.I * es};
+    const cuuint32_t box[3] = {box_k, kTileH, 1};
+    if (encode(&w, dtype, 3, const_cast<void*>(p.W2), dims, strides, box, elem,
                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
       return false;
   }
   const cuuint64_t dims[2] = {cuuint64_t(p.I), cuuint64_t(std::max<int64_t>(1, int64_t(p.T) * p.k))};
-  const cuuint64_t strides[1] = {cuuint64_t(p.I) * 2};
+  const cuuint64_t strides[1] = {cuuint64_t(p.I) * es};
   const cuuint32_t rows[4] = {128, 64, 32, 16};
   for (int i = 0; i < 4; ++i) {
-    const cuuint32_t box[2] = {kTileK, rows[i]};
-    if (encode(&a[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(p.A), dims, strides, box, elem,
+    const cuuint32_t box[2] = {box_k, rows[i]};
+    if (encode(&a[i], dtype, 2, const_cast<void*>(p.A), dims, strides, box, elem,
                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
       return false;
   }
   return true;
+}
+
+template <class Cfg>
+Status launch_fp8(const Sm90Fc2GemmParams& p, const RowsGemmParams& k, const CUtensorMap& w,
+                  const CUtensorMap (&a)[4], cudaStream_t stream) {
+  const auto kernel = fc2_rows_gemm_kernel<Cfg>;
+  int max_dynamic = 0;
+  FM_RETURN_IF_ERROR(detail::cuda_status(detail::prepare_kernel(detail::kernel_key(kernel), false, &max_dynamic),
+                                         kOp, "kernel attributes"));
+  FM_REQUIRE_SUPPORTED(Cfg::kSmemBytes <= max_dynamic, kOp, "device", "the rows kernel needs ", Cfg::kSmemBytes,
+                       " bytes of shared memory per block; this device allows ", max_dynamic);
+  kernel<<<p.sm_count, kThreads, Cfg::kSmemBytes, stream>>>(k, w, a[0], a[1], a[2], a[3]);
+  prof::after_launch(stream, p.sm_count);
+  return detail::check_launch(kOp);
 }
 
 }  // namespace
@@ -591,16 +757,38 @@ Status sm90_fc2_run_rows(const Sm90Fc2GemmParams& p, cudaStream_t stream) {
   // the kernel is chosen (moe_fc2_dispatch.cpp).
   CUtensorMap w, a[4];
   FM_REQUIRE_SUPPORTED(encode_maps(p, w, a), kOp, "A", "TMA descriptors could not be encoded");
+  const int es = p.fp8 != MoeFp8Scaling::kNone ? 1 : 2;  // bytes an element of A and W2
   RowsGemmParams k{};
   static_cast<Fc2EpilogueParamsDevice&>(k) = fc2_epilogue_params(p);
+  k.a_scales = p.a_scales;
+  k.w_scales = p.w2_scales;
+  k.i_blocks = p.I / kScaleK;
+  k.h_blocks = (p.H + kScaleK - 1) / kScaleK;
   k.E = p.E;
   k.h_slices = (p.H + kTileH - 1) / kTileH;
-  k.k_blocks = (p.I + kTileK - 1) / kTileK;
+  k.k_blocks = (p.I * es + kTileBytes - 1) / kTileBytes;
   k.plain_k1 = p.op == Fc2EpilogueOp::kRedBf16 && p.k == 1 && !p.add_to_out;
+
+  // FP8: block scales in tiles of up to 128 rows (two accumulators), per
+  // tensor up to 256 (one wgmma a k32 step).
+  // Block scales: tiles of up to 256 rows (two promotion halves above 128;
+  // their tables hold up to 256 experts) or 128 (more experts);
+  // FLASHMIX_FC2_FP8_BLOCK_ROWS=128|256 pins one where it can (the A/B).
+  using Block256 = RowsCfg<kWgmmaMaxN, Fc2In::kFp8Block>;
+  static const int block_rows = [] {
+    const char* e = std::getenv("FLASHMIX_FC2_FP8_BLOCK_ROWS");
+    return e ? std::atoi(e) : 256;
+  }();
+  if (p.fp8 == MoeFp8Scaling::kBlock)
+    return block_rows != 128 && p.E <= Block256::kMaxExperts
+               ? launch_fp8<Block256>(p, k, w, a, stream)
+               : launch_fp8<RowsCfg<128, Fc2In::kFp8Block>>(p, k, w, a, stream);
+  if (p.fp8 == MoeFp8Scaling::kTensor)
+    return launch_fp8<RowsCfg<kWgmmaMaxN, Fc2In::kFp8Tensor>>(p, k, w, a, stream);
 
   // Tiles of up to 272 rows where the experts' tables fit beside their stages.
   const bool wide = p.E <= RowsCfg<kWideRows>::kMaxExperts;
-  const auto kernel = wide ? fc2_rows_gemm_kernel<kWideRows> : fc2_rows_gemm_kernel<kWgmmaMaxN>;
+  const auto kernel = wide ? fc2_rows_gemm_kernel<RowsCfg<kWideRows>> : fc2_rows_gemm_kernel<RowsCfg<kWgmmaMaxN>>;
   const int smem = wide ? RowsCfg<kWideRows>::kSmemBytes : RowsCfg<kWgmmaMaxN>::kSmemBytes;
   int max_dynamic = 0;
   FM_RETURN_IF_ERROR(detail::cuda_status(detail::prepare_kernel(detail::kernel_key(kernel), false, &max_dynamic),

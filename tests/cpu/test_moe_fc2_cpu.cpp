@@ -116,7 +116,8 @@ void expect_invalid(const Fc2FinalizeArgs& a, const std::string& arg) {
   EXPECT_FALSE(st.ok()) << arg;
   EXPECT_NE(st.message().find("moe_fc2_finalize: " + arg + ":"), std::string::npos) << st.message();
   const bool buffer = arg == "A" || arg == "W2" || arg == "out" || arg == "bias" || arg == "scales" ||
-                      arg == "expert_first_token_offset" || arg == "permuted_row_to_unpermuted_row";
+                      arg == "expert_first_token_offset" || arg == "permuted_row_to_unpermuted_row" ||
+                      arg == "a_scales" || arg == "w2_scales";
   if (buffer)
     EXPECT_GT(moe_fc2_finalize_workspace_size(a), 0u) << arg;
   else
@@ -321,6 +322,147 @@ TEST(MoeFc2GemmKernel, PinnedKernelIsTakenOrRefused) {
       EXPECT_EQ(st.code(), StatusCode::kNotSupported);
       EXPECT_NE(st.message().find("tuning.gemm_kernel"), std::string::npos) << st.message();
       EXPECT_NE(st.message().find("CUTLASS"), std::string::npos) << st.message();
+    }
+  }
+}
+
+// FP8 (spec §3.5): T = 2 tokens, k = 1, one expert, H = 136 (two W2 row
+// blocks, the second partial), I = 256 (two K blocks). Row p of A has
+// 1.0 at i = 0 and 2.0 at i = 128 (e4m3 0x38, 0x40), every row of W2 has
+// 1.0 at i = 0 and 1.5 at i = 128 (0x38, 0x3c); everything else is 0.
+namespace {
+struct Fp8Tiny {
+  static constexpr int64_t H = 136, I = 256;
+  std::vector<uint8_t> A, W2;
+  std::vector<float> as, ws, router{1.f, 1.f};
+  std::vector<uint16_t> bias, out;
+  std::vector<int64_t> offsets{0, 2};
+  std::vector<int32_t> p2u{0, 1};  // row p: token p, j = 0
+  Fc2FinalizeArgs args;
+  explicit Fp8Tiny(MoeFp8Scaling f) : A(2 * I, 0), W2(H * I, 0), bias(H, bf(0.f)), out(2 * H, 0xffff) {
+    for (int p = 0; p < 2; ++p) {
+      A[p * I + 0] = 0x38;    // 1.0
+      A[p * I + 128] = 0x40;  // 2.0
+    }
+    for (int64_t n = 0; n < H; ++n) {
+      W2[n * I + 0] = 0x38;    // 1.0
+      W2[n * I + 128] = 0x3c;  // 1.5
+    }
+    if (f == MoeFp8Scaling::kBlock) {
+      as = {0.5f, 3.f, 2.f, 0.25f};  // [row][K block]
+      ws = {1.f, 2.f, 4.f, 0.5f};    // [H block][K block]
+    } else {
+      as = {0.5f};
+      ws = {2.f};
+    }
+    args.A = A.data();
+    args.W2 = W2.data();
+    args.fp8 = f;
+    args.a_scales = as.data();
+    args.w2_scales = ws.data();
+    args.expert_first_token_offset = offsets.data();
+    args.permuted_row_to_unpermuted_row = p2u.data();
+    args.scales = router.data();
+    args.bias = bias.data();
+    args.num_tokens = 2;
+    args.k = 1;
+    args.hidden = H;
+    args.inter = I;
+    args.num_experts_per_node = 1;
+    args.out = out.data();
+  }
+};
+}  // namespace
+
+TEST(MoeFc2Cpu, Fp8BlockScalesDequantisePerBlock) {
+  Fp8Tiny c(MoeFp8Scaling::kBlock);
+  ASSERT_TRUE(moe_fc2_finalize_cpu(c.args).ok());
+  // out[t, n] = (1 * as[t][0]) (1 * ws[n / 128][0]) + (2 * as[t][1]) (1.5 * ws[n / 128][1]):
+  //   t0, n < 128: 0.5 * 1 + 6 * 3 = 18.5;     t0, n >= 128: 0.5 * 4 + 6 * 0.75 = 6.5
+  //   t1, n < 128: 2 * 1 + 0.5 * 3 = 3.5;      t1, n >= 128: 2 * 4 + 0.5 * 0.75 = 8.375
+  for (int64_t n = 0; n < Fp8Tiny::H; ++n) {
+    EXPECT_EQ(fl(c.out[n]), n < 128 ? 18.5f : 6.5f) << n;
+    EXPECT_EQ(fl(c.out[Fp8Tiny::H + n]), n < 128 ? 3.5f : 8.375f) << n;
+  }
+}
+
+TEST(MoeFc2Cpu, Fp8TensorScalesApplyOnceBeforeBiasAndWeight) {
+  Fp8Tiny c(MoeFp8Scaling::kTensor);
+  c.router[1] = 0.5f;  // args.scales points at router
+  for (auto& b : c.bias) b = bf(1.f);
+  ASSERT_TRUE(moe_fc2_finalize_cpu(c.args).ok());
+  // dot = (1 * 1 + 2 * 1.5) * 0.5 * 2 = 4; out = w (dot + bias): t0 5, t1 2.5
+  for (int64_t n = 0; n < Fp8Tiny::H; ++n) {
+    EXPECT_EQ(fl(c.out[n]), 5.f) << n;
+    EXPECT_EQ(fl(c.out[Fp8Tiny::H + n]), 2.5f) << n;
+  }
+}
+
+TEST(MoeFc2Validation, Fp8Rules) {
+  Fp8Tiny c(MoeFp8Scaling::kBlock);
+  EXPECT_TRUE(validate_moe_fc2_finalize(c.args).ok()) << validate_moe_fc2_finalize(c.args).message();
+  Fc2FinalizeArgs a = c.args;
+  a.fp8 = static_cast<MoeFp8Scaling>(5);
+  expect_invalid(a, "fp8");
+  a = c.args;
+  a.inter = 136;  // block scales: a multiple of 128
+  expect_invalid(a, "inter");
+  a.fp8 = MoeFp8Scaling::kTensor;  // per tensor: a multiple of 16 (16-byte e4m3 rows)
+  expect_invalid(a, "inter");
+  a.inter = 144;
+  EXPECT_TRUE(validate_moe_fc2_finalize(a).ok()) << validate_moe_fc2_finalize(a).message();
+  a.inter = 120;
+  expect_invalid(a, "inter");
+  a = c.args;
+  a.a_scales = nullptr;
+  expect_invalid(a, "a_scales");
+  a = c.args;
+  a.w2_scales = nullptr;
+  expect_invalid(a, "w2_scales");
+  a = c.args;
+  a.a_scales = reinterpret_cast<const float*>(reinterpret_cast<const char*>(c.as.data()) + 2);
+  expect_invalid(a, "a_scales");
+  a = c.args;
+  a.w2_scales = reinterpret_cast<const float*>(reinterpret_cast<const char*>(c.ws.data()) + 1);
+  expect_invalid(a, "w2_scales");
+  // out overlapping a scale tensor (the scales count as inputs).
+  for (const float* sc : {c.as.data(), c.ws.data()}) {
+    a = c.args;
+    a.out = const_cast<float*>(sc);
+    Status st = validate_moe_fc2_finalize(a);
+    EXPECT_NE(st.message().find("moe_fc2_finalize: out: must not overlap "), std::string::npos) << st.message();
+  }
+  // kNone ignores the scale pointers (null or not).
+  a = c.args;
+  a.fp8 = MoeFp8Scaling::kNone;
+  a.a_scales = a.w2_scales = nullptr;
+  a.inter = 8;
+  EXPECT_TRUE(validate_fc2(a, false).ok());
+}
+
+// FP8 runs on kRows whatever the mode; a pinned CUTLASS kernel is refused
+// naming tuning.gemm_kernel.
+TEST(MoeFc2GemmKernel, Fp8RunsOnRowsOnly) {
+  for (MoeFp8Scaling f : {MoeFp8Scaling::kBlock, MoeFp8Scaling::kTensor}) {
+    Fp8Tiny c(f);
+    for (Fc2Mode m : {Fc2Mode::kAtomic, Fc2Mode::kAtomicFp32, Fc2Mode::kDeterministic, Fc2Mode::kUnfused}) {
+      Fc2FinalizeArgs a = c.args;
+      a.num_tokens = 1024;  // 256 rows a expert: atomic_fp32 would take CUTLASS pingpong in bf16
+      a.k = 8;
+      a.num_experts_per_node = 32;
+      a.mode = m;
+      Fc2GemmChoice choice;
+      ASSERT_TRUE(choose_fc2_gemm_kernel(a, &choice).ok());
+      EXPECT_EQ(choice.kernel, Fc2GemmKernel::kRows) << choice.why;
+      for (Fc2GemmKernel k : {Fc2GemmKernel::kCutlassCooperative, Fc2GemmKernel::kCutlassPingpong}) {
+        a.tuning.gemm_kernel = k;
+        const Status st = choose_fc2_gemm_kernel(a, &choice);
+        EXPECT_EQ(st.code(), StatusCode::kNotSupported);
+        EXPECT_NE(st.message().find("tuning.gemm_kernel"), std::string::npos) << st.message();
+      }
+      a.tuning.gemm_kernel = Fc2GemmKernel::kRows;
+      ASSERT_TRUE(choose_fc2_gemm_kernel(a, &choice).ok());
+      EXPECT_EQ(choice.kernel, Fc2GemmKernel::kRows);
     }
   }
 }

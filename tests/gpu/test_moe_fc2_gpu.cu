@@ -10,6 +10,13 @@
 //       |gpu - ref| <= 2^-7 |ref| + 2^-8 |.|max
 //   atomic (bf16): each of the k adds rounds a partial sum to bf16:
 //       |gpu - ref| <= 2^-7 |ref| + k 2^-8 |.|max
+// FP8 (spec §3.5): the reference takes the dequantised e4m3 values in
+// double; the GPU's FP8 MMA keeps fewer bits than fp32 inside each K block
+// of 128 (all of K with per-tensor scales) before the fp32 promotion, which
+// adds 2^-8 |.|max (as FC1, spec §9.7) to the mode's own term above. A and W2
+// come from random floats with outlier channels (every 61st channel 100 x
+// larger), a zero block and a block of one huge value, quantised as spec
+// §11.3 says.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -19,6 +26,7 @@
 
 #include "common/gpu_testing.h"
 #include "common/host_dtype.h"
+#include "common/host_fp8.h"
 #include "common/test_data.h"
 #include "flashmix/moe.h"
 #include "moe/moe_fc2_dispatch.h"
@@ -53,15 +61,47 @@ struct Case {
   int total = 16, start = 0, local = 16;
   int64_t out_pad = 0;
   bool scales = true, bias = true, apply_bias = true;
+  MoeFp8Scaling fp8 = MoeFp8Scaling::kNone;
   enum Routing { kRandom, kFirstHalfOnly, kAllToOne } routing = kRandom;
 };
+
+// Quantises `rows` rows of `cols` floats (cols % 128 == 0 with blocks) as
+// spec §11.3: blocks of block_rows x 128, fp32 scales [ceil(rows /
+// block_rows), cols / 128]; block_rows = 0: one scale for all (per tensor).
+void quantize_e4m3(const std::vector<float>& x, int64_t rows, int64_t cols, int64_t block_rows,
+                   std::vector<uint8_t>& q, std::vector<float>& scales) {
+  const int64_t rb = block_rows ? block_rows : std::max<int64_t>(1, rows), cb = block_rows ? 128 : cols;
+  const int64_t nrb = (rows + rb - 1) / rb, ncb = cols / cb;
+  q.assign(size_t(rows * cols), 0);
+  scales.assign(size_t(std::max<int64_t>(1, nrb * ncb)), 1.f);
+  for (int64_t br = 0; br < nrb; ++br)
+    for (int64_t bc = 0; bc < ncb; ++bc) {
+      float amax = 0.f;
+      for (int64_t r = br * rb; r < std::min(rows, (br + 1) * rb); ++r)
+        for (int64_t i = bc * cb; i < (bc + 1) * cb; ++i) amax = std::max(amax, std::fabs(x[r * cols + i]));
+      const float sc = amax == 0.f ? 1.f : amax / 448.f;
+      scales[br * ncb + bc] = sc;
+      for (int64_t r = br * rb; r < std::min(rows, (br + 1) * rb); ++r)
+        for (int64_t i = bc * cb; i < (bc + 1) * cb; ++i) q[r * cols + i] = host::float_to_e4m3(x[r * cols + i] / sc);
+    }
+}
+
+// Uniform in [-scale, scale], every 61st channel 100 x larger.
+std::vector<float> random_with_outliers(Rng& rng, int64_t rows, int64_t cols, float scale) {
+  std::vector<float> v(size_t(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < cols; ++i) v[r * cols + i] = rng.uniform(-scale, scale) * (i % 61 == 7 ? 100.f : 1.f);
+  return v;
+}
 
 struct Problem {
   Case c;
   Routing routing;
   HostTensor A, W2, bias, ref;
   std::vector<float> scales;
-  DeviceBuffer dA, dW2, dbias, dscales, dp2u, doff, dout, dws;
+  std::vector<uint8_t> aq, wq;  // FP8: the e4m3 codes of A ([k*T capacity, I]) and W2
+  std::vector<float> as, w2s;   // FP8: their scales
+  DeviceBuffer dA, dW2, dbias, dscales, dp2u, doff, dout, dws, das, dw2s;
   Fc2FinalizeArgs args;
   double max_ref = 0;
 
@@ -93,9 +133,33 @@ struct Problem {
     for (auto& s : scales) s = rng.uniform(0.0f, 1.0f);
     ref = HostTensor(DType::kBFloat16, std::max<int64_t>(1, c.T) * out_stride());
     ref.poison();
+    const bool fp8 = c.fp8 != MoeFp8Scaling::kNone;
+    if (fp8) {
+      const bool blk = c.fp8 == MoeFp8Scaling::kBlock;
+      std::vector<float> a = random_with_outliers(rng, cap, c.I, 1.f);
+      if (c.I >= 256)  // a zero block (scale 1, codes 0) in every 7th row
+        for (int64_t r = 3; r < cap; r += 7) std::fill(a.begin() + r * c.I + 128, a.begin() + r * c.I + 256, 0.f);
+      quantize_e4m3(a, cap, c.I, blk ? 1 : 0, aq, as);
+      // W2 one expert at a time (blocks of 128 x 128 never cross experts);
+      // expert 0's first element 1000 x its neighbours: a block of one huge value.
+      const int64_t per = c.H * c.I;
+      std::vector<float> w = random_with_outliers(rng, int64_t(c.local) * c.H, c.I, 0.1f);
+      w[0] = 100.f;
+      for (int e = 0; e < c.local; ++e) {
+        std::vector<float> we(w.begin() + e * per, w.begin() + (e + 1) * per);
+        std::vector<uint8_t> qe;
+        std::vector<float> se;
+        quantize_e4m3(we, c.H, c.I, blk ? 128 : 0, qe, se);
+        wq.insert(wq.end(), qe.begin(), qe.end());
+        w2s.insert(w2s.end(), se.begin(), se.end());
+      }
+    }
 
-    args.A = A.data();
-    args.W2 = W2.data();
+    args.A = fp8 ? static_cast<const void*>(aq.data()) : A.data();
+    args.W2 = fp8 ? static_cast<const void*>(wq.data()) : W2.data();
+    args.fp8 = c.fp8;
+    args.a_scales = fp8 ? as.data() : nullptr;
+    args.w2_scales = fp8 ? w2s.data() : nullptr;
     args.expert_first_token_offset = routing.offsets.data();
     args.permuted_row_to_unpermuted_row = routing.p2u.data();
     args.scales = c.scales ? scales.data() : nullptr;
@@ -118,14 +182,22 @@ struct Problem {
       if (!parse_fc2_gemm_kernel(env, comma ? size_t(comma - env) : std::strlen(env), &args.tuning.gemm_kernel))
         ADD_FAILURE() << "FLASHMIX_TEST_FC2_KERNEL=" << env << ": not a kernel name";
       if (comma) args.tuning.raster = std::atoi(comma + 1);
+      // FP8 runs on rows only (a pinned CUTLASS kernel is refused: Fp8BadInput...).
+      if (fp8 && args.tuning.gemm_kernel != Fc2GemmKernel::kAuto) args.tuning.gemm_kernel = Fc2GemmKernel::kRows;
     }
     Status st = moe_fc2_finalize_cpu(args);
     EXPECT_TRUE(st.ok()) << st.message();
     for (int64_t t = 0; t < c.T; ++t)
       for (int64_t n = 0; n < c.H; ++n) max_ref = std::max(max_ref, std::fabs(ref.get(t * out_stride() + n)));
 
-    dA = DeviceBuffer(A.bytes);
-    dW2 = DeviceBuffer(W2.bytes);
+    dA = fp8 ? DeviceBuffer(aq) : DeviceBuffer(A.bytes);
+    dW2 = fp8 ? DeviceBuffer(wq) : DeviceBuffer(W2.bytes);
+    if (fp8) {
+      das = DeviceBuffer(as);
+      dw2s = DeviceBuffer(w2s);
+      args.a_scales = das.as<float>();
+      args.w2_scales = dw2s.as<float>();
+    }
     dbias = DeviceBuffer(bias.bytes);
     dscales = DeviceBuffer(scales);
     dp2u = DeviceBuffer(std::max<size_t>(4, size_t(routing.T * routing.k) * 4));  // capacity k*T
@@ -175,6 +247,7 @@ struct Problem {
     double atol = std::ldexp(1.0, -10) * max_ref;
     if (mode == Fc2Mode::kUnfused) atol = std::ldexp(1.0, -8) * max_ref;
     if (mode == Fc2Mode::kAtomic) atol = c.k * std::ldexp(1.0, -8) * max_ref;
+    if (c.fp8 != MoeFp8Scaling::kNone) atol += std::ldexp(1.0, -8) * max_ref;  // the FP8 MMA
     double sum_err = 0;
     int bad = 0;
     for (int64_t t = 0; t < c.T; ++t) {
@@ -187,7 +260,8 @@ struct Problem {
         const double err = std::fabs(g - r);
         sum_err += err;
         if (!(err <= rtol * std::fabs(r) + atol) && bad++ < 5)
-          ADD_FAILURE() << fc2_mode_name(mode) << " t=" << t << " n=" << n << " gpu=" << g << " ref=" << r
+          ADD_FAILURE() << fc2_mode_name(mode) << "/" << to_string(c.fp8) << " t=" << t << " n=" << n
+                        << " gpu=" << g << " ref=" << r
                         << " tol=" << rtol * std::fabs(r) + atol;
       }
     }
@@ -608,6 +682,207 @@ TEST(MoeFc2Gpu, BadInputNamesTheArgumentAndWritesNothing) {
   a.mode = static_cast<Fc2Mode>(9);
   expect_error(a, p.dws.bytes(), "mode");
   expect_error(p.args, 16, "workspace_bytes");
+  CUDA_OK(cudaDeviceSynchronize());
+  p.expect_out_untouched();
+}
+
+// ---------------------------------------------------------------------------
+// FP8 A and W2 (spec §3.5): on our kernel (kRows) whatever the mode.
+
+namespace {
+const MoeFp8Scaling kFp8Scalings[] = {MoeFp8Scaling::kBlock, MoeFp8Scaling::kTensor};
+}  // namespace
+
+// Every mode, both scalings: I = 384 (three K blocks, a zero block in every
+// 7th row of A), H = 264 (the last W2 row block of 8 rows), bias, weights.
+TEST(MoeFc2Gpu, Fp8EveryScalingAndMode) {
+  SKIP_WITHOUT_HOPPER();
+  for (MoeFp8Scaling f : kFp8Scalings) {
+    SCOPED_TRACE(to_string(f));
+    Case c;
+    c.fp8 = f;
+    c.I = 384;
+    check_all_modes(c);
+  }
+}
+
+// Tile shapes: experts of ~175 rows (one tile: block scales promote it in
+// two halves (FLASHMIX_FC2_FP8_BLOCK_ROWS=128: two chunks of at most 128)), an expert with a row of every token (300 rows:
+// 3 / 2 chunks), one token, k = 1 (plain stores), an expert-parallel rank
+// with empty experts, many experts, strided out.
+TEST(MoeFc2Gpu, Fp8ShapesAndRoutings) {
+  SKIP_WITHOUT_HOPPER();
+  for (MoeFp8Scaling f : kFp8Scalings) {
+    std::vector<std::pair<std::string, Case>> cases;
+    Case c;
+    c.fp8 = f;
+    c.I = 256;
+    Case a = c;
+    a.T = 700;
+    a.k = 2;
+    a.total = a.local = 8;
+    a.H = 512;
+    a.out_pad = 8;
+    cases.push_back({"175 rows an expert", a});
+    Case b = c;
+    b.T = 300;
+    b.k = 3;
+    b.routing = Case::kAllToOne;
+    cases.push_back({"all to one", b});
+    Case d = c;
+    d.T = 1;
+    d.k = 8;
+    cases.push_back({"one token", d});
+    Case e = c;
+    e.k = 1;
+    e.total = 8;
+    e.start = 2;
+    e.local = 4;
+    cases.push_back({"k = 1", e});
+    Case g = c;
+    g.total = 48;
+    g.start = 16;
+    g.local = 16;
+    g.routing = Case::kFirstHalfOnly;
+    cases.push_back({"EP rank, empty experts", g});
+    Case h = c;
+    h.T = 400;
+    h.k = 8;
+    h.total = h.local = 300;  // more than 256 experts
+    cases.push_back({"300 experts", h});
+    // One expert of 256 rows (block scales: two promotion halves of 128) and
+    // of 129 (N = 144: halves of 128 and 16).
+    for (int64_t rows : {256, 129}) {
+      Case one = c;
+      one.T = rows;
+      one.k = 1;
+      one.total = one.local = 1;
+      cases.push_back({"one expert of " + std::to_string(rows) + " rows", one});
+    }
+    for (const auto& [name, cs] : cases) {
+      SCOPED_TRACE(std::string(to_string(f)) + ": " + name);
+      check_all_modes(cs);
+    }
+  }
+}
+
+// Per-tensor scales take any I % 16 == 0: I = 144 (a last stage of 16 bytes
+// of K), H = 104 (below one 128-column slice).
+TEST(MoeFc2Gpu, Fp8TensorPartialKStage) {
+  SKIP_WITHOUT_HOPPER();
+  Case c;
+  c.fp8 = MoeFp8Scaling::kTensor;
+  c.I = 144;
+  c.H = 104;
+  check_all_modes(c);
+}
+
+TEST(MoeFc2Gpu, Fp8ZeroTokensLaunchesNothing) {
+  SKIP_WITHOUT_HOPPER();
+  for (MoeFp8Scaling f : kFp8Scalings) {
+    Case c;
+    c.fp8 = f;
+    c.I = 256;
+    c.T = 0;
+    for (Fc2Mode m : kModes) {
+      Problem p(c, m);
+      Status st = p.run();
+      EXPECT_TRUE(st.ok()) << st.message();
+    }
+  }
+  CUDA_OK(cudaDeviceSynchronize());
+}
+
+TEST(MoeFc2Gpu, Fp8DeterministicIsBitwiseReproducible) {
+  SKIP_WITHOUT_HOPPER();
+  for (MoeFp8Scaling f : kFp8Scalings) {
+    SCOPED_TRACE(to_string(f));
+    Case c;
+    c.fp8 = f;
+    c.T = 512;
+    c.k = 8;
+    c.total = c.local = 32;
+    c.I = 256;
+    Problem p(c, Fc2Mode::kDeterministic);
+    ASSERT_TRUE(p.run().ok());
+    CUDA_OK(cudaDeviceSynchronize());
+    const HostTensor first = p.result();
+    p.check(Fc2Mode::kDeterministic, first);
+    for (int rep = 0; rep < 3; ++rep) {
+      p.poison_out();
+      ASSERT_TRUE(p.run().ok());
+      CUDA_OK(cudaDeviceSynchronize());
+      ASSERT_TRUE(p.result().bytes == first.bytes) << "run " << rep + 1 << " differs";
+    }
+  }
+}
+
+TEST(MoeFc2Gpu, Fp8GraphCaptureAndReplay) {
+  SKIP_WITHOUT_HOPPER();
+  for (MoeFp8Scaling f : kFp8Scalings)
+    for (Fc2Mode m : {Fc2Mode::kAtomic, Fc2Mode::kDeterministic}) {
+      SCOPED_TRACE(std::string(to_string(f)) + "/" + fc2_mode_name(m));
+      Case c;
+      c.fp8 = f;
+      c.I = 256;
+      c.T = 128;
+      Problem p(c, m);
+      cudaStream_t s;
+      CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+      cudaGraph_t graph;
+      CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+      Status st = p.run(s);
+      CUDA_OK(cudaStreamEndCapture(s, &graph));
+      ASSERT_TRUE(st.ok()) << st.message();
+      cudaGraphExec_t exec;
+      CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+      for (int rep = 0; rep < 2; ++rep) {
+        p.poison_out();
+        CUDA_OK(cudaGraphLaunch(exec, s));
+        CUDA_OK(cudaStreamSynchronize(s));
+        p.check(m, p.result());
+      }
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      cudaStreamDestroy(s);
+    }
+}
+
+TEST(MoeFc2Gpu, Fp8BadInputNamesTheArgumentAndWritesNothing) {
+  SKIP_WITHOUT_HOPPER();
+  Case c;
+  c.fp8 = MoeFp8Scaling::kBlock;
+  c.I = 256;
+  Problem p(c, Fc2Mode::kAtomic);
+  auto expect_error = [&](const Fc2FinalizeArgs& a, const char* arg, StatusCode code) {
+    Status st = moe_fc2_finalize(a, p.dws.get(), p.dws.bytes(), nullptr);
+    EXPECT_EQ(st.code(), code) << st.message();
+    EXPECT_NE(st.message().find(arg), std::string::npos) << st.message();
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  };
+  Fc2FinalizeArgs a = p.args;
+  a.a_scales = nullptr;
+  expect_error(a, "a_scales", StatusCode::kInvalidArgument);
+  a = p.args;
+  a.w2_scales = nullptr;
+  expect_error(a, "w2_scales", StatusCode::kInvalidArgument);
+  a = p.args;
+  a.a_scales = reinterpret_cast<const float*>(reinterpret_cast<const char*>(p.args.a_scales) + 2);
+  expect_error(a, "a_scales", StatusCode::kInvalidArgument);
+  a = p.args;
+  a.inter = 136;  // block scales: a multiple of 128
+  expect_error(a, "inter", StatusCode::kInvalidArgument);
+  a = p.args;
+  a.fp8 = static_cast<MoeFp8Scaling>(9);
+  expect_error(a, "fp8", StatusCode::kInvalidArgument);
+  a = p.args;
+  a.out = const_cast<float*>(p.args.w2_scales);  // overlaps an input
+  expect_error(a, "out", StatusCode::kInvalidArgument);
+  for (Fc2GemmKernel k : {Fc2GemmKernel::kCutlassCooperative, Fc2GemmKernel::kCutlassPingpong}) {
+    a = p.args;
+    a.tuning.gemm_kernel = k;  // bf16 only
+    expect_error(a, "tuning.gemm_kernel", StatusCode::kNotSupported);
+  }
   CUDA_OK(cudaDeviceSynchronize());
   p.expect_out_untouched();
 }
