@@ -79,9 +79,17 @@ inline double router_weight_tolerance(double ref, float scale) {
 
 // Per token: true when the reference's choice does not hinge on two values
 // that lie within the GPU's fp32 error of each other without being equal:
-// the group scores at the topk_group boundary and, with a bias, the selection
-// values of the k chosen and the next candidate (without a bias the keys are
-// the logits, exact in both). Exact ties (equal inputs) are decided: both
+// a group score among the topk_group best against one outside them and, with
+// a bias, the selection value of each of the k chosen against every value
+// after it (a later chosen one: the order of the ids; an unchosen one: the
+// set). Every such pair counts, not only the two neighbours at the boundary:
+// an exact tie there (decided by the lowest id on both backends) can hide a
+// third value made of other terms within rounding of it, which the GPU may
+// round above the tie (seen on an H100: sqrt-softplus, bias {0, 0.25},
+// groups 2 of 4, the group scores s(a) + 0.25 + s(b) of two groups with
+// equal terms tied, and a third group's s(a) + (s(b) + 0.25) a rounding
+// below them in double but above them in fp32). Without a bias the keys are
+// the logits, exact in both. Exact ties (equal inputs) are decided: both
 // backends break them by the lowest id. Equal in double but made of other
 // terms (group scores of other pairs, s + b of other s) is not a tie in
 // fp32, so undecided. Written from the spec, in double.
@@ -156,25 +164,45 @@ inline std::vector<char> decided_tokens(const RouterCase& c, const RouterHostDat
       std::vector<int> order(size_t(c.n_group));
       std::iota(order.begin(), order.end(), 0);
       std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return gs[size_t(a)].gs > gs[size_t(b)].gs; });
-      const Group& in = gs[size_t(order[size_t(c.topk_group - 1)])];
-      const Group& out = gs[size_t(order[size_t(c.topk_group)])];
-      const bool same_terms = in.t0 == out.t0 && in.t1 == out.t1;
-      if ((in.gs == out.gs && !same_terms) ||
-          close(in.gs, out.gs, in.tol_part + out.tol_part + ulp * (std::fabs(in.gs) + std::fabs(out.gs))))
-        decided[size_t(t)] = 0;
+      // Every kept group against every dropped one.
+      for (int p = 0; p < c.topk_group && decided[size_t(t)]; ++p)
+        for (int q = c.topk_group; q < c.n_group; ++q) {
+          const Group& in = gs[size_t(order[size_t(p)])];
+          const Group& out = gs[size_t(order[size_t(q)])];
+          const bool same_terms = in.t0 == out.t0 && in.t1 == out.t1;
+          if ((in.gs == out.gs && !same_terms) ||
+              close(in.gs, out.gs, in.tol_part + out.tol_part + ulp * (std::fabs(in.gs) + std::fabs(out.gs)))) {
+            decided[size_t(t)] = 0;
+            break;
+          }
+        }
       for (int q = 0; q < c.topk_group; ++q)
         for (int e = order[size_t(q)] * S; e < (order[size_t(q)] + 1) * S; ++e) cand.push_back(val[size_t(e)]);
     } else {
       cand = val;
     }
-    if (c.bias) {
+    if (c.bias && decided[size_t(t)]) {
       std::stable_sort(cand.begin(), cand.end(), by_value);
-      for (int p = 0; p < c.k && p + 1 < int(cand.size()); ++p) {
+      // Bounds of the other value's part of the tolerance, to stop each scan
+      // once the values are further apart than any tolerance.
+      double max_se = 0, max_mag = 0;
+      for (const Value& x : cand) {
+        max_se = std::max(max_se, x.se);
+        max_mag = std::max(max_mag, x.s + std::fabs(x.v));
+      }
+      const int n = int(cand.size());
+      for (int p = 0; p < c.k && p + 1 < n && decided[size_t(t)]; ++p) {
         const Value& a = cand[size_t(p)];
-        const Value& b = cand[size_t(p + 1)];
-        if ((a.v == b.v && a.s != b.s) ||  // equal sums of other terms: equal in double, not in fp32
-            close(a.v, b.v, eps * (a.se + b.se) + ulp * (a.s + b.s + std::fabs(a.v) + std::fabs(b.v))))
-          decided[size_t(t)] = 0;
+        const double reach = eps * (a.se + max_se) + ulp * (a.s + std::fabs(a.v) + max_mag);
+        for (int q = p + 1; q < n; ++q) {
+          const Value& b = cand[size_t(q)];
+          if (a.v - b.v > reach) break;  // sorted: every later value is further away
+          if ((a.v == b.v && a.s != b.s) ||  // equal sums of other terms: equal in double, not in fp32
+              close(a.v, b.v, eps * (a.se + b.se) + ulp * (a.s + b.s + std::fabs(a.v) + std::fabs(b.v)))) {
+            decided[size_t(t)] = 0;
+            break;
+          }
+        }
       }
     }
   }

@@ -553,6 +553,68 @@ TEST(MoeRouterCpuComparison, NearTiesAreUndecidedExactTiesAndLogitKeysAreNot) {
   EXPECT_FALSE(r.ok());
 }
 
+// An exact tie at the boundary must not hide a third value within rounding of
+// it: every pair across the boundary counts, not only the two neighbours.
+TEST(MoeRouterCpuComparison, AnExactTieDoesNotHideANearTieBeyondIt) {
+  // Groups: the H100 failure of ExactTiesBreakByTheLowestId (sqrt-softplus,
+  // bf16, E = 8, k = 1, groups 2 of 4), rebuilt. With x = -1.9 and y = 0.1 on
+  // the bf16 grid, group 0 is {x + 0.25, y}, group 1 the same two values
+  // (an exact tie with group 0), group 3 {x, y + 0.25}: the same sum
+  // s(x) + s(y) + 0.25, rounded otherwise. In double group 3 lies one ulp
+  // above groups 0 and 1, so the reference keeps groups 3 and 0 and picks
+  // expert 7 (y + 0.25); an fp32 score a rounding higher (CUDA's expf and
+  // log1pf are not correctly rounded) puts group 3 below the tie, and the GPU
+  // keeps groups 0 and 1 and picks expert 1.
+  RouterCase c;
+  c.scoring = MoeRouterScoring::kSqrtSoftplus;
+  c.dtype = DType::kBFloat16;
+  c.T = 2;
+  c.E = 8;
+  c.k = 1;
+  c.bias = true;
+  c.renormalize = true;
+  c.n_group = 4;
+  c.topk_group = 2;
+  RouterHostData d;
+  d.logits = HostTensor(c.dtype, 16);
+  const double x = -1.9, y = 0.1;
+  const double rows[2][8] = {{x, y, x, y, x, x, x, y},   // group 3 ~ groups 0 = 1 (other terms)
+                             {x, y, x, y, x, x, y, x}};  // group 3 = groups 0 = 1 (the same terms): exact
+  for (int t = 0; t < 2; ++t)
+    for (int e = 0; e < 8; ++e) d.logits.set(t * 8 + e, rows[t][e]);
+  d.bias = {0.25f, 0, 0.25f, 0, 0, 0, 0, 0.25f};
+  std::vector<int32_t> ids(2);
+  std::vector<float> w(2);
+  MoeRouterArgs a = router_args(c, d);
+  a.token_selected_experts = ids.data();
+  a.token_final_scales = w.data();
+  ASSERT_TRUE(moe_router_cpu(a).ok());
+  EXPECT_EQ(ids[0], 7);  // group 3, one double ulp above the tie, is kept
+  EXPECT_EQ(ids[1], 1);  // the exact three-way tie: groups 0 and 1
+  EXPECT_EQ(decided_tokens(c, d), (std::vector<char>{0, 1}));
+
+  // Selection (no groups, k = 1): experts 1 and 2 tie exactly at the top and
+  // expert 0 lies an fp32 ulp of its logit below them, which the GPU's fast
+  // exp may round onto (or above) the tie: then it would pick 0.
+  RouterCase s;
+  s.scoring = MoeRouterScoring::kSigmoid;
+  s.dtype = DType::kFloat32;
+  s.T = 2;
+  s.E = 4;
+  s.k = 1;
+  s.bias = true;
+  RouterHostData e;
+  e.logits = HostTensor(s.dtype, 8);
+  const float below = std::nextafter(1.0f, 0.0f);
+  const float sel[2][4] = {{below, 1, 1, 0}, {0.5f, 1, 1, 0}};  // near-tie past the exact one; a clear gap
+  for (int t = 0; t < 2; ++t)
+    for (int i = 0; i < 4; ++i) e.logits.set(t * 4 + i, sel[t][i]);
+  e.bias = {0, 0, 0, 0};
+  EXPECT_EQ(decided_tokens(s, e), (std::vector<char>{0, 1}));
+  s.k = 2;  // the chosen pair is an exact tie either way; the set hinges on expert 0 vs 2
+  EXPECT_EQ(decided_tokens(s, e), (std::vector<char>{0, 1}));
+}
+
 TEST(MoeRouterCpuComparison, WeightToleranceIsRelativePlusAScaledFloor) {
   EXPECT_DOUBLE_EQ(router_weight_tolerance(1.0, 1.0f), std::ldexp(1.0, -14) + std::ldexp(1.0, -20));
   EXPECT_DOUBLE_EQ(router_weight_tolerance(0.0, 2.5f), 2.5 * std::ldexp(1.0, -20));

@@ -308,7 +308,12 @@ TEST(MoeRouterGpu, PathsAgreeBitwiseAndLayoutsMatchTheReference) {
 
 // Deliberate exact ties (logits and biases on a coarse grid, whole rows
 // equal): ids must equal the reference's, lowest id first among equals. The
-// candidate path overflows (more than 32 candidates) and falls back.
+// candidate path overflows (more than 32 candidates) and falls back. The
+// grid also makes sums equal only in exact arithmetic (groups {a + 0.25, b}
+// and {a, b + 0.25}): near-ties, not ties (SPEC §8.5), which decided_tokens
+// skips wherever the choice hinges on one, also past an exact tie at the
+// boundary (E = 8, groups 2 of 4: 1 to 2% of the tokens on average, at
+// most 38 of 500 over 10 seeds on the CPU; next to none elsewhere).
 TEST(MoeRouterGpu, ExactTiesBreakByTheLowestId) {
   SKIP_WITHOUT_GPU();
   Rng rng(test_seed());
