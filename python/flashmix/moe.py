@@ -11,13 +11,14 @@ include/flashmix/moe.h, read through ``_C.moe_defaults()``); the binding
 import collections
 
 from ._common import _C, arg, cuda_device, defaults, dtype_name, empty, new_workspace, stream_of, torch
+from .fp8 import _as_bytes
 
 __all__ = [
     "build_moe_routing_maps", "build_moe_routing_maps_workspace_size", "RoutingMaps",
     "finalize_moe_routing", "debug_check_finalize_moe_routing_indices",
     "moe_fc2_finalize", "moe_fc2_finalize_workspace_size", "FC2_MODES", "FC2_GEMM_KERNELS",
     "moe_router", "MoeRouterOutput", "ROUTER_SCORINGS",
-    "moe_fc1", "FC1_ACTIVATIONS", "FC1_WEIGHT_LAYOUTS",
+    "moe_fc1", "FC1_ACTIVATIONS", "FC1_WEIGHT_LAYOUTS", "FP8_SCALINGS",
     "moe_forward", "moe_forward_workspace_size", "FC1_INPUTS",
 ]
 
@@ -259,8 +260,9 @@ def _new_fc2_out(A, W2, num_tokens, fill=True):
 
 def moe_fc2_finalize(A, W2, expert_first_token_offset, permuted_row_to_unpermuted_row, *, k, num_tokens=None,
                      scales=None, bias=None, apply_bias=_FC2.apply_bias, shared_output=None, fill=_FC2.fill,
-                     mode=_FC2.mode, out=None, out_already_zeroed=_FC2.out_already_zeroed, workspace=None,
-                     gemm_kernel=_FC2.gemm_kernel, raster=_FC2.raster, swizzle=_FC2.swizzle, stream=None):
+                     mode=_FC2.mode, out=None, out_already_zeroed=_FC2.out_already_zeroed, fp8=_FC2.fp8,
+                     a_scales=None, w2_scales=None, workspace=None, gemm_kernel=_FC2.gemm_kernel, raster=_FC2.raster,
+                     swizzle=_FC2.swizzle, stream=None):
     """spec §3: the FC2 grouped GEMM with the finalize fused into its epilogue (sm_90a).
 
     ``out[t, :] = sum over local slots (t, j): scales[t, j] * (A[p] @ W2[e]^T + bias[e])``
@@ -288,6 +290,10 @@ def moe_fc2_finalize(A, W2, expert_first_token_offset, permuted_row_to_unpermute
         choice), or pinned: "rows" (flashmix's own), "cutlass_cooperative" or "cutlass_pingpong"
         (builds with CUTLASS only: NotImplementedError otherwise).
       raster, swizzle: tuning of the CUTLASS kernels (zeros: chosen by shape).
+      fp8: "none" (bf16 A and W2), "block" or "tensor" (FP8_SCALINGS; spec §3.5, §11): A and W2 hold
+        e4m3 values (``torch.float8_e4m3fn`` or uint8 bytes) and a_scales / w2_scales their float32
+        scales: "block" ``[rows of A, I/128]`` and ``[E_local, ceil(H/128), I/128]``, "tensor" ``[1]``
+        and ``[E_local]``. FP8 runs on the "rows" kernel.
 
     Returns ``out``. CPU arrays run the reference (any mode).
     """
@@ -305,10 +311,11 @@ def moe_fc2_finalize(A, W2, expert_first_token_offset, permuted_row_to_unpermute
         workspace = new_workspace(out, _C.moe_fc2_finalize_workspace_size(
             out.shape[0], k, W2.shape[1], W2.shape[2], W2.shape[0], mode, device))
     _C.moe_fc2_finalize(
-        arg(A), arg(W2), arg(expert_first_token_offset), arg(permuted_row_to_unpermuted_row), arg(out), k=k,
-        scales=arg(scales), bias=arg(bias), apply_bias=apply_bias, shared_output=arg(shared_output), fill=fill,
-        mode=mode, out_already_zeroed=out_already_zeroed, workspace=arg(workspace), gemm_kernel=gemm_kernel, raster=raster,
-        swizzle=swizzle, stream=stream_of(stream, out))
+        arg(_as_bytes(A)), arg(_as_bytes(W2)), arg(expert_first_token_offset), arg(permuted_row_to_unpermuted_row),
+        arg(out), k=k, scales=arg(scales), bias=arg(bias), apply_bias=apply_bias, shared_output=arg(shared_output),
+        fill=fill, mode=mode, out_already_zeroed=out_already_zeroed, fp8=fp8, a_scales=arg(a_scales),
+        w2_scales=arg(w2_scales), workspace=arg(workspace), gemm_kernel=gemm_kernel, raster=raster, swizzle=swizzle,
+        stream=stream_of(stream, out))
     return out
 
 
@@ -331,13 +338,15 @@ if torch is not None:
                              permuted_row_to_unpermuted_row: Tensor, k: int, num_tokens: int = -1,
                              scales: Optional[Tensor] = None, bias: Optional[Tensor] = None,
                              apply_bias: bool = _FC2.apply_bias, mode: str = _FC2.mode,
-                             shared_output: Optional[Tensor] = None, fill: bool = _FC2.fill) -> Tensor:
+                             shared_output: Optional[Tensor] = None, fill: bool = _FC2.fill, fp8: str = _FC2.fp8,
+                             a_scales: Optional[Tensor] = None, w2_scales: Optional[Tensor] = None) -> Tensor:
         """flashmix.moe_fc2_finalize as a custom op: a fresh bf16 ``out`` ``[T, H]``. T is
         ``num_tokens``, or ``scales.shape[0]`` (else ``shared_output.shape[0]``) when
         ``num_tokens=-1``; with ``fill=False`` tokens without a local row are 0."""
         return moe_fc2_finalize(A, W2, expert_first_token_offset, permuted_row_to_unpermuted_row, k=k,
                                 num_tokens=_fc2_tokens(num_tokens, scales, shared_output), scales=scales, bias=bias,
-                                apply_bias=apply_bias, shared_output=shared_output, fill=fill, mode=mode)
+                                apply_bias=apply_bias, shared_output=shared_output, fill=fill, mode=mode, fp8=fp8,
+                                a_scales=a_scales, w2_scales=w2_scales)
 
 
 # ---------------------------------------------------------------------------
@@ -418,6 +427,8 @@ if torch is not None:
 FC1_ACTIVATIONS = _C.FC1_ACTIVATIONS
 #: The ``layout`` values of moe_fc1 (``w1_layout`` of moe_forward; ``Fc1WeightLayout``'s names).
 FC1_WEIGHT_LAYOUTS = _C.FC1_WEIGHT_LAYOUTS
+#: The ``fp8`` values of moe_fc1 and moe_fc2_finalize (``MoeFp8Scaling``'s to_string names).
+FP8_SCALINGS = _C.FP8_SCALINGS
 
 
 def _fc1_tokens(x, k, num_tokens, x_permuted):
@@ -436,7 +447,8 @@ def _new_fc1_out(x, w1, k, num_tokens):
 
 def moe_fc1(x, w1, expert_first_token_offset, permuted_row_to_unpermuted_row, *, k, bias=None, layout=_FC1.layout,
             activation=_FC1.activation, limit=_FC1.limit, alpha=_FC1.alpha, x_permuted=_FC1.x_permuted,
-            num_tokens=None, out=None, enable_pdl=_FC1.enable_pdl, stream=None):
+            fp8=_FC1.fp8, x_scales=None, w1_scales=None, num_tokens=None, out=None, enable_pdl=_FC1.enable_pdl,
+            stream=None):
     """spec §9: FC1 of every local permuted row, the input gathered through the routing maps and the
     gated activation applied before the one rounding to bf16.
 
@@ -458,6 +470,10 @@ def moe_fc1(x, w1, expert_first_token_offset, permuted_row_to_unpermuted_row, *,
         ``silu(min(g, limit)) * clamp(u, -limit, limit)``) (FC1_ACTIVATIONS).
       limit: the clamp limit; 0 = the activation's (7 for "swiglu_oai", 10 for "swiglu_clamped").
       alpha: "swiglu_oai"'s alpha; 0 = 1.702.
+      fp8: "none" (bf16 x and w1), "block" or "tensor" (FP8_SCALINGS; spec §9.7, §11): x and w1 hold
+        e4m3 values (``torch.float8_e4m3fn`` or uint8 bytes) and x_scales / w1_scales their float32
+        scales: "block" ``[rows of x, H/128]`` and ``[E_local, ceil(2I/128), H/128]`` (H a multiple
+        of 128), "tensor" ``[1]`` and ``[E_local]``.
       num_tokens: T (default: x's rows, or x's rows / k with ``x_permuted``).
       out: bf16 ``[>= k*T, I]``, dense; rows ``[0, P)`` are written, the rest left untouched;
         allocated (``[k*T, I]``, uninitialised) when None.
@@ -469,9 +485,10 @@ def moe_fc1(x, w1, expert_first_token_offset, permuted_row_to_unpermuted_row, *,
     if out is None:
         out = _new_fc1_out(x, w1, k, _fc1_tokens(x, k, num_tokens, x_permuted))
     _C.moe_fc1(
-        arg(x), arg(w1), arg(expert_first_token_offset), arg(permuted_row_to_unpermuted_row), arg(out), k=k,
-        num_tokens=-1 if num_tokens is None else num_tokens, bias=arg(bias), layout=layout, activation=activation,
-        limit=limit, alpha=alpha, x_permuted=x_permuted, enable_pdl=enable_pdl, stream=stream_of(stream, out))
+        arg(_as_bytes(x)), arg(_as_bytes(w1)), arg(expert_first_token_offset), arg(permuted_row_to_unpermuted_row),
+        arg(out), k=k, num_tokens=-1 if num_tokens is None else num_tokens, bias=arg(bias), layout=layout,
+        activation=activation, limit=limit, alpha=alpha, x_permuted=x_permuted, fp8=fp8, x_scales=arg(x_scales),
+        w1_scales=arg(w1_scales), enable_pdl=enable_pdl, stream=stream_of(stream, out))
     return out
 
 
@@ -483,13 +500,15 @@ if torch is not None:
     def _moe_fc1_op(x: Tensor, w1: Tensor, expert_first_token_offset: Tensor, permuted_row_to_unpermuted_row: Tensor,
                     k: int, num_tokens: int = -1, bias: Optional[Tensor] = None, layout: str = _FC1.layout,
                     activation: str = _FC1.activation, limit: float = _FC1.limit, alpha: float = _FC1.alpha,
-                    x_permuted: bool = _FC1.x_permuted, enable_pdl: bool = _FC1.enable_pdl) -> Tensor:
+                    x_permuted: bool = _FC1.x_permuted, enable_pdl: bool = _FC1.enable_pdl, fp8: str = _FC1.fp8,
+                    x_scales: Optional[Tensor] = None, w1_scales: Optional[Tensor] = None) -> Tensor:
         """flashmix.moe_fc1 as a custom op: a fresh bf16 ``out`` ``[k*T, I]`` (``num_tokens=-1``: T
         from x). As in the C++ API only the first P rows (``expert_first_token_offset[-1]``, on the
         device) are written; the rest is unspecified."""
         return moe_fc1(x, w1, expert_first_token_offset, permuted_row_to_unpermuted_row, k=k,
                        num_tokens=None if num_tokens < 0 else num_tokens, bias=bias, layout=layout,
-                       activation=activation, limit=limit, alpha=alpha, x_permuted=x_permuted, enable_pdl=enable_pdl)
+                       activation=activation, limit=limit, alpha=alpha, x_permuted=x_permuted, enable_pdl=enable_pdl,
+                       fp8=fp8, x_scales=x_scales, w1_scales=w1_scales)
 
 
 # ---------------------------------------------------------------------------

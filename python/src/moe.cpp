@@ -254,18 +254,51 @@ size_t moe_fc2_finalize_workspace_size(int64_t num_tokens, int k, int64_t hidden
   return fm::moe_fc2_finalize_workspace_size(a);
 }
 
+const EnumNames<fm::MoeFp8Scaling>& fp8_scalings() {
+  static const EnumNames<fm::MoeFp8Scaling> names =
+      library_names({fm::MoeFp8Scaling::kNone, fm::MoeFp8Scaling::kBlock, fm::MoeFp8Scaling::kTensor});
+  return names;
+}
+
+// The element type of X / W1 / A / W2 under an FP8 scaling: bf16, or e4m3 bytes
+// (the Python side hands float8_e4m3fn over as uint8).
+nb::dlpack::dtype fp8_elem(fm::MoeFp8Scaling f) { return f == fm::MoeFp8Scaling::kNone ? kBFloat16 : kUInt8; }
+
+// The two scale tensors of an FP8 GEMM (spec §11.2): activations `xs` [rows, K/128]
+// (kBlock) or [1] (kTensor), weights `ws` [E, ceil(N/128), K/128] or [E]; none with kNone.
+void require_fp8_scales(fm::MoeFp8Scaling f, const OptIn& xs, const OptIn& ws, int64_t rows, int64_t E, int64_t N,
+                        int64_t K, const char* op, const char* xs_arg, const char* ws_arg) {
+  if (f == fm::MoeFp8Scaling::kNone) {
+    if (xs || ws) fail(op, xs ? xs_arg : ws_arg, "given with fp8 = \"none\" (bf16 operands have no scales)");
+    return;
+  }
+  if (!xs) fail(op, xs_arg, "required with fp8 = \"", fm::to_string(f), "\"");
+  if (!ws) fail(op, ws_arg, "required with fp8 = \"", fm::to_string(f), "\"");
+  if (f == fm::MoeFp8Scaling::kBlock) {
+    if (K % 128) fail(op, "fp8", "\"block\" needs K a multiple of 128 (got ", K, ")");
+    require_dense(*xs, kFloat32, {rows, K / 128}, op, xs_arg);
+    require_dense(*ws, kFloat32, {E, (N + 127) / 128, K / 128}, op, ws_arg);
+  } else {
+    require_dense(*xs, kFloat32, {1}, op, xs_arg);
+    require_dense(*ws, kFloat32, {E}, op, ws_arg);
+  }
+}
+
 void moe_fc2_finalize(const In& A, const In& W2, const In& offsets, const In& p2u, const Out& out, int k,
                       const OptIn& scales, const OptIn& bias, bool apply_bias, const OptIn& shared_output, bool fill,
-                      const std::string& mode, bool out_already_zeroed, const OptOut& workspace,
+                      const std::string& mode, bool out_already_zeroed, const std::string& fp8,
+                      const OptIn& a_scales, const OptIn& w2_scales, const OptOut& workspace,
                       const std::string& gemm_kernel, int raster, int swizzle, uintptr_t stream) {
   constexpr const char* op = "moe_fc2_finalize";
   Placement w(op);
   w.add(out, "out", A, "A", W2, "W2", offsets, "expert_first_token_offset", p2u, "permuted_row_to_unpermuted_row",
-        scales, "scales", bias, "bias", shared_output, "shared_output", workspace, "workspace");
+        scales, "scales", bias, "bias", shared_output, "shared_output", a_scales, "a_scales", w2_scales, "w2_scales",
+        workspace, "workspace");
 
-  require_dense_rank(W2, kBFloat16, 3, op, "W2");
+  const fm::MoeFp8Scaling f = parse_enum(fp8, fp8_scalings(), op, "fp8");
+  require_dense_rank(W2, fp8_elem(f), 3, op, "W2");
   const int64_t E = dim(W2, 0), H = dim(W2, 1), I = dim(W2, 2);
-  require_dense_rank(A, kBFloat16, 2, op, "A");
+  require_dense_rank(A, fp8_elem(f), 2, op, "A");
   if (dim(A, 1) != I) fail(op, "A", "must have I = ", I, " columns, as W2 [E, H, I] (got shape ", shape_str(A), ")");
   require_dtype(out, kBFloat16, op, "out");
   fm::Fc2FinalizeArgs a;
@@ -277,6 +310,10 @@ void moe_fc2_finalize(const In& A, const In& W2, const In& offsets, const In& p2
   require_contiguous(p2u, op, "permuted_row_to_unpermuted_row");
   if (scales) require_dense(*scales, kFloat32, {T, k}, op, "scales");
   if (bias) require_dense(*bias, kBFloat16, {E, H}, op, "bias");
+  require_fp8_scales(f, a_scales, w2_scales, dim(A, 0), E, H, I, op, "a_scales", "w2_scales");
+  a.fp8 = f;
+  a.a_scales = static_cast<const float*>(ptr(a_scales));
+  a.w2_scales = static_cast<const float*>(ptr(w2_scales));
   if (shared_output) {
     require_dtype(*shared_output, kBFloat16, op, "shared_output");
     a.shared_stride = row_stride(*shared_output, op, "shared_output");
@@ -391,9 +428,9 @@ const EnumNames<fm::Fc1WeightLayout>& fc1_weight_layouts() {
   return names;
 }
 
-// W1 bf16 [E_local, 2I, H], dense: returns I.
-int64_t fc1_inter(const In& W1, const char* op, const char* arg) {
-  require_dense_rank(W1, kBFloat16, 3, op, arg);
+// W1 bf16 (or e4m3 bytes) [E_local, 2I, H], dense: returns I.
+int64_t fc1_inter(const In& W1, nb::dlpack::dtype elem, const char* op, const char* arg) {
+  require_dense_rank(W1, elem, 3, op, arg);
   if (dim(W1, 1) % 2)
     fail(op, arg, "must be [E_local, 2I, H]: an even number of rows per expert (got shape ", shape_str(W1), ")");
   return dim(W1, 1) / 2;
@@ -401,16 +438,18 @@ int64_t fc1_inter(const In& W1, const char* op, const char* arg) {
 
 void moe_fc1(const In& X, const In& W1, const In& offsets, const In& p2u, const Out& out, int k, int64_t num_tokens,
              const OptIn& bias, const std::string& layout, const std::string& activation, float limit, float alpha,
-             bool x_permuted, bool enable_pdl, uintptr_t stream) {
+             bool x_permuted, const std::string& fp8, const OptIn& x_scales, const OptIn& w1_scales, bool enable_pdl,
+             uintptr_t stream) {
   constexpr const char* op = "moe_fc1";
   Placement w(op);
   w.add(out, "out", X, "X", W1, "W1", offsets, "expert_first_token_offset", p2u, "permuted_row_to_unpermuted_row",
-        bias, "bias");
+        bias, "bias", x_scales, "x_scales", w1_scales, "w1_scales");
 
-  const int64_t I = fc1_inter(W1, op, "W1");
-  const int64_t E = dim(W1, 0), H = dim(W1, 2);
   fm::MoeFc1Args a;
-  require_dtype(X, kBFloat16, op, "X");
+  a.fp8 = parse_enum(fp8, fp8_scalings(), op, "fp8");
+  const int64_t I = fc1_inter(W1, fp8_elem(a.fp8), op, "W1");
+  const int64_t E = dim(W1, 0), H = dim(W1, 2);
+  require_dtype(X, fp8_elem(a.fp8), op, "X");
   a.x_stride = row_stride(X, op, "X");
   if (dim(X, 1) != H) fail(op, "X", "must have H = ", H, " columns, as W1 [E, 2I, H] (got shape ", shape_str(X), ")");
   // T: given, or X's rows (token order) / X's rows over k (permuted: k*T rows).
@@ -435,6 +474,9 @@ void moe_fc1(const In& X, const In& W1, const In& offsets, const In& p2u, const 
   require_dtype(p2u, kInt32, op, "permuted_row_to_unpermuted_row");
   require_contiguous(p2u, op, "permuted_row_to_unpermuted_row");
   if (bias) require_dense(*bias, kBFloat16, {E, 2 * I}, op, "bias");
+  if (k_valid) require_fp8_scales(a.fp8, x_scales, w1_scales, x_rows, E, 2 * I, H, op, "x_scales", "w1_scales");
+  a.x_scales = static_cast<const float*>(ptr(x_scales));
+  a.w1_scales = static_cast<const float*>(ptr(w1_scales));
 
   a.X = ptr(X);
   a.x_permuted = x_permuted;
@@ -625,6 +667,7 @@ nb::dict moe_defaults() {
     f["fill"] = a.fill;
     f["mode"] = enum_name(a.mode, fc2_modes());
     f["out_already_zeroed"] = a.out_already_zeroed;
+    f["fp8"] = enum_name(a.fp8, fp8_scalings());
     f["gemm_kernel"] = enum_name(a.tuning.gemm_kernel, fc2_gemm_kernels());
     f["raster"] = a.tuning.raster;
     f["swizzle"] = a.tuning.swizzle;
@@ -648,6 +691,7 @@ nb::dict moe_defaults() {
     nb::dict f;
     f["layout"] = enum_name(a.layout, fc1_weight_layouts());
     f["activation"] = enum_name(a.activation, fc1_activations());
+    f["fp8"] = enum_name(a.fp8, fp8_scalings());
     f["limit"] = py_float(a.limit);
     f["alpha"] = py_float(a.alpha);
     f["x_permuted"] = a.x_permuted;
@@ -714,8 +758,11 @@ void register_moe(nb::module_& m) {
         "Bytes of device workspace moe_fc2_finalize needs on CUDA device `device` (-1: the current one).");
   m.def("moe_fc2_finalize", &moe_fc2_finalize, "A"_a, "W2"_a, "expert_first_token_offset"_a,
         "permuted_row_to_unpermuted_row"_a, "out"_a, nb::kw_only(), "k"_a, "scales"_a.none(), "bias"_a.none(),
-        "apply_bias"_a, "shared_output"_a.none(), "fill"_a, "mode"_a, "out_already_zeroed"_a, "workspace"_a.none(), "gemm_kernel"_a, "raster"_a,
-        "swizzle"_a, "stream"_a, "spec §3 into `out` [T, H]; E, H, I from W2 [E, H, I].");
+        "apply_bias"_a, "shared_output"_a.none(), "fill"_a, "mode"_a, "out_already_zeroed"_a, "fp8"_a,
+        "a_scales"_a.none(), "w2_scales"_a.none(), "workspace"_a.none(), "gemm_kernel"_a, "raster"_a, "swizzle"_a,
+        "stream"_a,
+        "spec §3 into `out` [T, H]; E, H, I from W2 [E, H, I]; fp8 (spec §3.5): A and W2 as e4m3 bytes (uint8) "
+        "with fp32 scales.");
 
   // Router
   m.attr("ROUTER_SCORINGS") = enum_names_tuple(router_scorings());
@@ -730,9 +777,10 @@ void register_moe(nb::module_& m) {
   m.attr("FC1_WEIGHT_LAYOUTS") = enum_names_tuple(fc1_weight_layouts());
   m.def("moe_fc1", &moe_fc1, "X"_a, "W1"_a, "expert_first_token_offset"_a, "permuted_row_to_unpermuted_row"_a,
         "out"_a, nb::kw_only(), "k"_a, "num_tokens"_a, "bias"_a.none(), "layout"_a, "activation"_a, "limit"_a,
-        "alpha"_a, "x_permuted"_a, "enable_pdl"_a, "stream"_a,
+        "alpha"_a, "x_permuted"_a, "fp8"_a, "x_scales"_a.none(), "w1_scales"_a.none(), "enable_pdl"_a, "stream"_a,
         "spec §9 into `out` [>= k*T, I]; E, I, H from W1 [E, 2I, H]; T = num_tokens, or (num_tokens < 0) X's "
-        "rows, over k with x_permuted.");
+        "rows, over k with x_permuted; fp8 (spec §9.7): X and W1 as e4m3 bytes (uint8) with fp32 scales.");
+  m.attr("FP8_SCALINGS") = enum_names_tuple(fp8_scalings());
 
   // The layer
   m.attr("FC1_INPUTS") = enum_names_tuple(fc1_inputs());

@@ -1139,7 +1139,8 @@ def test_cuda_arrays_take_the_gpu_path():
     # it); on a GPU, T = 0 is valid and nothing is launched (no workspace needed).
     try:  # the binding takes every argument: the library's defaults
         _C.moe_fc2_finalize(a["A"], a["W2"], a["off"], a["p2u"], a["out"], k=2, scales=None, bias=None,
-                            shared_output=None, workspace=None, stream=0, **_C.moe_defaults()["moe_fc2_finalize"])
+                            shared_output=None, a_scales=None, w2_scales=None, workspace=None, stream=0,
+                            **_C.moe_defaults()["moe_fc2_finalize"])
     except RuntimeError as e:
         assert str(e).startswith("moe_fc2_finalize: ") and "cuda:0" in str(e), str(e)
 
@@ -1161,8 +1162,8 @@ def test_cuda_arrays_take_the_gpu_path_for_the_router_fc1_and_the_layer():
     x, w1, w2 = FakeCudaArray((0, 8), "bfloat16"), FakeCudaArray((2, 16, 8), "bfloat16"), FakeCudaArray(
         (2, 8, 8), "bfloat16")
     off, p2u, act = FakeCudaArray((3,), "int64"), FakeCudaArray((0,), "int32"), FakeCudaArray((0, 8), "bfloat16")
-    gpu_call("moe_fc1", lambda: _C.moe_fc1(x, w1, off, p2u, act, k=4, num_tokens=-1, bias=None, stream=0,
-                                           **d["moe_fc1"]))
+    gpu_call("moe_fc1", lambda: _C.moe_fc1(x, w1, off, p2u, act, k=4, num_tokens=-1, bias=None, x_scales=None,
+                                           w1_scales=None, stream=0, **d["moe_fc1"]))
     out = FakeCudaArray((0, 8), "bfloat16")
     none = dict.fromkeys(("router_logits", "correction_bias", "token_final_scales", "selected_experts_out",
                           "final_scales_out", "b1", "b2", "shared_output", "workspace"))
@@ -1655,3 +1656,69 @@ def test_torch_custom_op_quantize_fp8_on_cpu_tensors():
     compiled = torch.compile(lambda t: torch.ops.flashmix.quantize_fp8(t, "128x128"), fullgraph=True)
     q2, s2 = compiled(x)
     assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
+
+
+def _dequantise(q, scales, block_rows):
+    """float64 of e4m3 bytes q [(batch,) rows, cols] times their block scales (spec §11.2);
+    block_rows 0: one scale per matrix (per tensor)."""
+    v = np.asarray(q).view(ref.ml_dtypes.float8_e4m3fn).astype(np.float64)
+    s = np.asarray(scales, np.float64)
+    if block_rows == 0:
+        return v * s.reshape(s.shape + (1, 1))[..., :, :] if v.ndim == 3 else v * s.reshape(())
+    rows = v.shape[-2]
+    full = np.repeat(np.repeat(s, block_rows, axis=-2)[..., :rows, :], 128, axis=-1)
+    return v * full
+
+
+@needs_bf16
+@pytest.mark.parametrize("scaling", ["block", "tensor"])
+def test_moe_fc1_and_fc2_fp8_are_the_dequantised_math(scaling):
+    # spec §9.7 / §3.5: e4m3 X, W1 (A, W2) with their scales give FC1 (FC2) of the dequantised values.
+    rng = np.random.default_rng(25)
+    T, k, E, H, I = 9, 2, 4, 256, 128
+    experts = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+    maps = flashmix.build_moe_routing_maps(experts, num_experts_per_node=E)
+    off, p2u = maps.expert_first_token_offset, maps.permuted_row_to_unpermuted_row
+    P = int(off[-1])
+    x = ref.fp8_input(rng, (T, H))
+    w1 = (rng.uniform(-1, 1, (E, 2 * I, H)) * 0.05).astype(BF16)
+    if scaling == "block":
+        xq, xs = ref.quantize_fp8(x, 1, "float32")
+        wq, ws = ref.quantize_fp8(w1, 128, "float32")
+        x_deq, w_deq = _dequantise(xq, xs, 1), _dequantise(wq, ws, 128)
+    else:  # one scale for x, one per expert (the per-tensor scales are any positive floats)
+        xs = np.array([np.abs(ref.f64(x)).max() / 448], np.float32)
+        ws = (np.abs(ref.f64(w1)).max(axis=(1, 2)) / 448).astype(np.float32)
+        xq = np.clip(ref.f64(x) / xs[0], -448, 448).astype(ref.ml_dtypes.float8_e4m3fn).view(np.uint8)
+        wq = np.clip(ref.f64(w1) / ws[:, None, None], -448, 448).astype(ref.ml_dtypes.float8_e4m3fn).view(np.uint8)
+        x_deq = xq.view(ref.ml_dtypes.float8_e4m3fn).astype(np.float64) * float(xs[0])
+        w_deq = wq.view(ref.ml_dtypes.float8_e4m3fn).astype(np.float64) * ws[:, None, None].astype(np.float64)
+    a = flashmix.moe_fc1(xq.view(ref.ml_dtypes.float8_e4m3fn), wq, off, p2u, k=k, fp8=scaling, x_scales=xs,
+                         w1_scales=ws)
+    want = ref.fc1(x_deq, w_deq, off, p2u, T)
+    assert_rounded_close(a[:P], want, "bfloat16")
+    # FC2 on FC1's output, quantised 1 x 128 (block) or per tensor, with FP8 W2.
+    w2 = (rng.uniform(-1, 1, (E, H, I)) * 0.05).astype(BF16)
+    scales = rng.uniform(0, 1, (T, k)).astype(np.float32)
+    if scaling == "block":
+        aq, as_ = ref.quantize_fp8(a, 1, "float32")
+        w2q, w2s = ref.quantize_fp8(w2, 128, "float32")
+        a_deq, w2_deq = _dequantise(aq, as_, 1), _dequantise(w2q, w2s, 128)
+    else:
+        as_ = np.array([np.abs(ref.f64(a[:P])).max() / 448], np.float32)
+        w2s = (np.abs(ref.f64(w2)).max(axis=(1, 2)) / 448).astype(np.float32)
+        aq = np.clip(ref.f64(a) / as_[0], -448, 448).astype(ref.ml_dtypes.float8_e4m3fn).view(np.uint8)
+        w2q = np.clip(ref.f64(w2) / w2s[:, None, None], -448, 448).astype(ref.ml_dtypes.float8_e4m3fn).view(np.uint8)
+        a_deq = aq.view(ref.ml_dtypes.float8_e4m3fn).astype(np.float64) * float(as_[0])
+        w2_deq = w2q.view(ref.ml_dtypes.float8_e4m3fn).astype(np.float64) * w2s[:, None, None].astype(np.float64)
+    out = flashmix.moe_fc2_finalize(aq, w2q, off, p2u, k=k, scales=scales, fp8=scaling, a_scales=as_,
+                                    w2_scales=w2s)
+    want2 = ref.fc2_finalize(a_deq, w2_deq, off, p2u, scales, None, T, k)
+    assert_rounded_close(out, want2, "bfloat16", magnitude=np.abs(want2) + 1e-3 * np.abs(want2).max())
+    # bf16 operands with scales, or FP8 without: named errors.
+    with raises_naming(ValueError, "moe_fc1", "x_scales"):
+        flashmix.moe_fc1(x, w1, off, p2u, k=k, x_scales=xs, w1_scales=ws)
+    with raises_naming(ValueError, "moe_fc1", "x_scales"):
+        flashmix.moe_fc1(xq, wq, off, p2u, k=k, fp8=scaling)
+    with raises_naming(ValueError, "moe_fc2_finalize", "W2"):  # bf16 W2 under fp8
+        flashmix.moe_fc2_finalize(aq, w2, off, p2u, k=k, scales=scales, fp8=scaling, a_scales=as_, w2_scales=w2s)
