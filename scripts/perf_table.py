@@ -36,6 +36,9 @@ SUMMARY_CASES = [
     ("moe_fc1_fp8", "mixtral_T4096_k2_E8_I14336_H4096"),
     ("moe_fc1_fp8", "deepseek_ep_T1024_k8_E32_I2048_H7168"),
     ("moe_fc1_fp8", "qwen3moe_T4096_k8_E128_I768_H2048"),
+    ("moe_fc2_fp8", "mixtral_T4096_k2_E8_I14336_H4096/atomic"),
+    ("moe_fc2_fp8", "deepseek_ep_T1024_k8_E32_I2048_H7168/atomic"),
+    ("moe_fc2_fp8", "qwen3moe_T4096_k8_E128_I768_H2048/atomic"),
     ("quantize_fp8", "act_T8192_H7168/float32"),
     ("quantize_fp8", "weight_E32_N4096_K7168/float32"),
     ("moe_forward", "deepseek_ep_T1024_k8_E32_I2048_H7168"),
@@ -44,6 +47,8 @@ SUMMARY_CASES = [
     ("mhc_pre", "B8192_n4_C7168_phif32"),
     ("mhc_pre", "decode_B16_n4_C7168_graph"),
     ("mhc_post", "B8192_n4_C7168"),
+    ("mhc_post_pre", "B8192_n4_C7168"),
+    ("mhc_post_pre", "decode_B16_n4_C7168_graph"),
 ]
 
 
