@@ -42,6 +42,23 @@ void fill_bf16(void* x, int64_t n, uint64_t seed, float scale, cudaStream_t stre
   BENCH_CUDA(cudaGetLastError());
 }
 
+// e4m3 codes of scale * u, u uniform in [-1, 1) from a hash of (seed, i).
+__global__ void fill_e4m3_hashed(uint8_t* x, int64_t n, uint32_t seed, float scale) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 0x9e3779b1u ^ seed * 0x85ebca6bu ^ uint32_t(i >> 32) * 0xc2b2ae35u;
+    h ^= h >> 16;
+    h *= 0x7feb352du;
+    h ^= h >> 15;
+    const float u = float(h >> 8) * (2.0f / 16777216.0f) - 1.0f;
+    x[i] = __nv_cvt_float_to_fp8(scale * u, __NV_SATFINITE, __NV_E4M3);
+  }
+}
+
+void fill_e4m3(void* x, int64_t n, uint32_t seed, float scale, cudaStream_t stream) {
+  fill_e4m3_hashed<<<1024, 256, 0, stream>>>(static_cast<uint8_t*>(x), n, seed, scale);
+  BENCH_CUDA(cudaGetLastError());
+}
+
 static double median_of(std::vector<float> v) {
   std::sort(v.begin(), v.end());
   size_t n = v.size();
@@ -143,14 +160,6 @@ double cublas_gemm_us(int64_t m, int64_t n, int64_t k, cudaStream_t stream, int 
 
 namespace {
 
-__global__ void fill_e4m3_random(__nv_fp8_e4m3* p, int64_t n, uint32_t seed) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t x = uint32_t(i) * 2654435761u ^ seed;
-    x ^= x >> 13; x *= 0x5bd1e995u; x ^= x >> 15;
-    p[i] = __nv_fp8_e4m3(float(x & 0xffff) / 32768.0f - 1.0f);  // [-1, 1): finite e4m3
-  }
-}
-
 void lt_check(cublasStatus_t st, const char* what) {
   if (st != CUBLAS_STATUS_SUCCESS) {
     std::fprintf(stderr, "flashmix-bench: cuBLASLt %s failed (%d)\n", what, int(st));
@@ -179,8 +188,8 @@ double cublaslt_fp8_gemm_us(int64_t m, int64_t n, int64_t k, cudaStream_t stream
     BENCH_CUDA(cudaMalloc(&a[i], a_bytes));
     BENCH_CUDA(cudaMalloc(&b[i], b_bytes));
     BENCH_CUDA(cudaMalloc(&d[i], d_bytes));
-    fill_e4m3_random<<<1024, 256, 0, stream>>>(static_cast<__nv_fp8_e4m3*>(a[i]), m * k, 1u + 2u * i);
-    fill_e4m3_random<<<1024, 256, 0, stream>>>(static_cast<__nv_fp8_e4m3*>(b[i]), n * k, 2u + 2u * i);
+    fill_e4m3(a[i], m * k, 1u + 2u * i, 1.f, stream);  // [-1, 1): finite e4m3
+    fill_e4m3(b[i], n * k, 2u + 2u * i, 1.f, stream);
     BENCH_CUDA(cudaGetLastError());
   }
   float* scale = nullptr;  // per-tensor scales of A and B, both 1

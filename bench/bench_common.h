@@ -100,6 +100,8 @@ class DenseGemm {
 // x[i] = scale * u(i) for i < n, u uniform in [-1, 1) from a hash of
 // (i + seed): bf16 inputs of any size, filled on `stream` (no host copy).
 void fill_bf16(void* x, int64_t n, uint64_t seed, float scale, cudaStream_t stream);
+// The e4m3 codes (bytes) of scale * u, u as above (a hash of (i, seed)).
+void fill_e4m3(void* x, int64_t n, uint32_t seed, float scale, cudaStream_t stream);
 
 // Prints the record as a table row and keeps it.
 void add_record(Context& ctx, Record r);

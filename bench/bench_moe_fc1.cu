@@ -18,10 +18,10 @@
 #include <vector>
 
 #include <cuda_bf16.h>
-#include <cuda_fp8.h>
 
 #include "bench_common.h"
 #include "common/host_dtype.h"
+#include "common/host_fp8.h"
 #include "common/test_data.h"
 #include "flashmix/moe.h"
 
@@ -52,24 +52,6 @@ __global__ void permute_rows(const Elem* x, const int32_t* p2u, int64_t P, int T
   }
 }
 
-// e4m3 codes of scale * u, u uniform in [-1, 1) from a hash of (seed, i).
-__global__ void fill_e4m3(uint8_t* x, int64_t n, uint32_t seed, float scale) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 0x9e3779b1u ^ seed * 0x85ebca6bu ^ uint32_t(i >> 32) * 0xc2b2ae35u;
-    h ^= h >> 16;
-    h *= 0x7feb352du;
-    h ^= h >> 15;
-    const float u = float(h >> 8) * (2.0f / 16777216.0f) - 1.0f;
-    x[i] = __nv_cvt_float_to_fp8(scale * u, __NV_SATFINITE, __NV_E4M3);
-  }
-}
-
-double e4m3_value(uint8_t c) {
-  const int exp = (c >> 3) & 15, mant = c & 7;
-  const double mag = exp == 0 ? std::ldexp(double(mant), -9) : std::ldexp(1.0 + mant / 8.0, exp - 7);
-  return (c & 0x80) ? -mag : mag;
-}
-
 double silu_mul(double g, double u) { return g / (1.0 + std::exp(-g)) * u; }
 
 void run_case(Context& ctx, const Fc1Case& c, cudaStream_t stream) {
@@ -94,9 +76,8 @@ void run_case(Context& ctx, const Fc1Case& c, cudaStream_t stream) {
   BENCH_CUDA(cudaMalloc(&doff, r.offsets.size() * 8));
   std::vector<float> hxs, hws;  // FP8 block scales (host copies for the reference)
   if (fp8) {
-    fill_e4m3<<<1024, 256, 0, stream>>>(static_cast<uint8_t*>(dX), nX, 11, 448.f);
-    fill_e4m3<<<1024, 256, 0, stream>>>(static_cast<uint8_t*>(dW1), nW, 12, 448.f);
-    BENCH_CUDA(cudaGetLastError());
+    fill_e4m3(dX, nX, 11, 448.f, stream);
+    fill_e4m3(dW1, nW, 12, 448.f, stream);
     hxs.resize(size_t(c.T * kbs));
     hws.resize(size_t(c.local * wrb * kbs));
     for (auto& v : hxs) v = rng.uniform(0.5f, 1.5f) / 448.f;
@@ -153,12 +134,12 @@ void run_case(Context& ctx, const Fc1Case& c, cudaStream_t stream) {
     BENCH_CUDA(cudaMemcpy(hW.data(), dW1, hW.size(), cudaMemcpyDeviceToHost));
     auto x_at = [&](int64_t t, int64_t h) {
       if (!fp8) return double(host::bf16_to_float(reinterpret_cast<const uint16_t*>(hX.data())[t * c.H + h]));
-      return e4m3_value(hX[size_t(t * c.H + h)]) * hxs[size_t(t * kbs + h / 128)];
+      return double(host::e4m3_to_float(hX[size_t(t * c.H + h)])) * hxs[size_t(t * kbs + h / 128)];
     };
     auto w_at = [&](int e, int64_t row, int64_t h) {
       const int64_t at = (e * 2 * c.I + row) * c.H + h;
       if (!fp8) return double(host::bf16_to_float(reinterpret_cast<const uint16_t*>(hW.data())[at]));
-      return e4m3_value(hW[size_t(at)]) * hws[size_t((e * wrb + row / 128) * kbs + h / 128)];
+      return double(host::e4m3_to_float(hW[size_t(at)])) * hws[size_t((e * wrb + row / 128) * kbs + h / 128)];
     };
     for (int64_t p : rows) {
       int e = 0;

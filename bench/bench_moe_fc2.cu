@@ -315,18 +315,6 @@ void run_case(Context& ctx, const Fc2Case& c, cudaStream_t stream) {
   cudaFree(doff);
 }
 
-// e4m3 codes of scale * u, u uniform in [-1, 1) from a hash of (seed, i).
-__global__ void fill_e4m3_codes(uint8_t* x, int64_t n, uint32_t seed, float scale) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 0x9e3779b1u ^ seed * 0x85ebca6bu ^ uint32_t(i >> 32) * 0xc2b2ae35u;
-    h ^= h >> 16;
-    h *= 0x7feb352du;
-    h ^= h >> 15;
-    const float u = float(h >> 8) * (2.0f / 16777216.0f) - 1.0f;
-    x[i] = __nv_cvt_float_to_fp8(scale * u, __NV_SATFINITE, __NV_E4M3);
-  }
-}
-
 // FP8 with block scales (issue 25): atomic and deterministic on the rows
 // kernel, the dense FP8 GEMM of equal FLOPs as the ceiling.
 // scaling kTensor (report only): the same data, x_scales[0] and w2_scales[e]
@@ -366,8 +354,8 @@ void run_fp8_case(Context& ctx, const Fc2Case& c, double max_ratio_atomic, MoeFp
   BENCH_CUDA(cudaMalloc(&dws2, hws.size() * 4));
   BENCH_CUDA(cudaMalloc(&dp2u, size_t(cap) * 4));
   BENCH_CUDA(cudaMalloc(&doff, r.offsets.size() * 8));
-  fill_e4m3_codes<<<1024, 256, 0, stream>>>(dA, nA, 21, 448.f);
-  fill_e4m3_codes<<<1024, 256, 0, stream>>>(dW2, nW, 22, 448.f);
+  fill_e4m3(dA, nA, 21, 448.f, stream);
+  fill_e4m3(dW2, nW, 22, 448.f, stream);
   BENCH_CUDA(cudaGetLastError());
   fill_bf16(dbias, int64_t(c.local) * c.H, 3, 1.0f, stream);
   BENCH_CUDA(cudaMemcpyAsync(dscales, scales.data(), scales.size() * 4, cudaMemcpyHostToDevice, stream));

@@ -5,25 +5,18 @@
 // row = p with x_permuted, else t. Dot products and the activation in
 // double, rounded once at the store. FP8 (§9.7): X and W1 are e4m3 codes;
 // each element is dequantised (its e4m3 value times its scale, §11) and the
-// dot product of the dequantised values is taken in double.
+// dot product of the dequantised values is taken in double (e4m3 decoded by
+// host_fp8.h, which shares no code with the kernels).
 #include <cmath>
 #include <vector>
 
 #include "common/host_dtype.h"
+#include "common/host_fp8.h"
 #include "flashmix/moe.h"
 
 namespace flashmix {
 
 namespace {
-
-// The value of an OCP E4M3 code (spec §11.1): 1 sign, 4 exponent (bias 7),
-// 3 mantissa bits; S.1111.111 is NaN; no infinities.
-double e4m3_value(uint8_t c) {
-  const int exp = (c >> 3) & 15, mant = c & 7;
-  if (exp == 15 && mant == 7) return std::nan("");
-  const double mag = exp == 0 ? std::ldexp(double(mant), -9) : std::ldexp(1.0 + mant / 8.0, exp - 7);
-  return (c & 0x80) ? -mag : mag;
-}
 
 double silu(double x) { return x / (1.0 + std::exp(-x)); }
 
@@ -69,13 +62,13 @@ Status moe_fc1_cpu(const MoeFc1Args& a) {
   // Element h of X's row `row`, and of W1[e]'s row r, dequantised.
   auto x_at = [&](int64_t row, int64_t h) -> double {
     if (!fp8) return host::bf16_to_float(static_cast<const uint16_t*>(a.X)[row * x_stride + h]);  // exact
-    const double q = e4m3_value(static_cast<const uint8_t*>(a.X)[row * x_stride + h]);
+    const double q = host::e4m3_to_float(static_cast<const uint8_t*>(a.X)[row * x_stride + h]);
     return q * double(block ? a.x_scales[row * kbs + h / 128] : a.x_scales[0]);
   };
   auto w_at = [&](int64_t e, int64_t r, int64_t h) -> double {
     const int64_t at = (e * 2 * I + r) * H + h;
     if (!fp8) return host::bf16_to_float(static_cast<const uint16_t*>(a.W1)[at]);
-    const double q = e4m3_value(static_cast<const uint8_t*>(a.W1)[at]);
+    const double q = host::e4m3_to_float(static_cast<const uint8_t*>(a.W1)[at]);
     return q * double(block ? a.w1_scales[(e * w_row_blocks + r / 128) * kbs + h / 128] : a.w1_scales[e]);
   };
   std::vector<double> xrow(static_cast<size_t>(H)), wg(static_cast<size_t>(H)), wu(static_cast<size_t>(H));

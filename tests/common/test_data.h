@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <numeric>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "common/host_dtype.h"
+#include "common/host_fp8.h"
 #include "flashmix/dtype.h"
 #include "flashmix/moe.h"
 
@@ -49,6 +51,37 @@ struct HostTensor {
   // A byte pattern no kernel writes by accident: NaN in every float type.
   void poison() { std::fill(bytes.begin(), bytes.end(), uint8_t(0xff)); }
 };
+
+// FP8 test data (spec §11). Quantises `rows` rows of `cols` floats (cols %
+// 128 == 0 with blocks) as spec §11.3: blocks of block_rows x 128, fp32
+// scales [ceil(rows / block_rows), cols / 128]; block_rows = 0: one scale
+// for all (per tensor). The e4m3 rounding is host_fp8.h's.
+inline void quantize_e4m3(const std::vector<float>& x, int64_t rows, int64_t cols, int64_t block_rows,
+                          std::vector<uint8_t>& q, std::vector<float>& scales) {
+  const int64_t rb = block_rows ? block_rows : std::max<int64_t>(1, rows), cb = block_rows ? 128 : cols;
+  const int64_t nrb = (rows + rb - 1) / rb, ncb = cols / cb;
+  q.assign(size_t(rows * cols), 0);
+  scales.assign(size_t(std::max<int64_t>(1, nrb * ncb)), 1.f);
+  for (int64_t br = 0; br < nrb; ++br)
+    for (int64_t bc = 0; bc < ncb; ++bc) {
+      float amax = 0.f;
+      for (int64_t r = br * rb; r < std::min(rows, (br + 1) * rb); ++r)
+        for (int64_t i = bc * cb; i < (bc + 1) * cb; ++i) amax = std::max(amax, std::fabs(x[r * cols + i]));
+      const float sc = amax == 0.f ? 1.f : amax / 448.f;
+      scales[br * ncb + bc] = sc;
+      for (int64_t r = br * rb; r < std::min(rows, (br + 1) * rb); ++r)
+        for (int64_t i = bc * cb; i < (bc + 1) * cb; ++i) q[r * cols + i] = host::float_to_e4m3(x[r * cols + i] / sc);
+    }
+}
+
+// Uniform in [-scale, scale]; with `outliers`, every 61st channel 100 x larger.
+inline std::vector<float> random_with_outliers(Rng& rng, int64_t rows, int64_t cols, float scale, bool outliers) {
+  std::vector<float> v(size_t(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < cols; ++i)
+      v[r * cols + i] = rng.uniform(-scale, scale) * (outliers && i % 61 == 7 ? 100.f : 1.f);
+  return v;
+}
 
 // A top-k routing and its maps (spec §1), built on the host.
 struct Routing {

@@ -65,35 +65,6 @@ struct Case {
   enum Routing { kRandom, kFirstHalfOnly, kAllToOne } routing = kRandom;
 };
 
-// Quantises `rows` rows of `cols` floats (cols % 128 == 0 with blocks) as
-// spec §11.3: blocks of block_rows x 128, fp32 scales [ceil(rows /
-// block_rows), cols / 128]; block_rows = 0: one scale for all (per tensor).
-void quantize_e4m3(const std::vector<float>& x, int64_t rows, int64_t cols, int64_t block_rows,
-                   std::vector<uint8_t>& q, std::vector<float>& scales) {
-  const int64_t rb = block_rows ? block_rows : std::max<int64_t>(1, rows), cb = block_rows ? 128 : cols;
-  const int64_t nrb = (rows + rb - 1) / rb, ncb = cols / cb;
-  q.assign(size_t(rows * cols), 0);
-  scales.assign(size_t(std::max<int64_t>(1, nrb * ncb)), 1.f);
-  for (int64_t br = 0; br < nrb; ++br)
-    for (int64_t bc = 0; bc < ncb; ++bc) {
-      float amax = 0.f;
-      for (int64_t r = br * rb; r < std::min(rows, (br + 1) * rb); ++r)
-        for (int64_t i = bc * cb; i < (bc + 1) * cb; ++i) amax = std::max(amax, std::fabs(x[r * cols + i]));
-      const float sc = amax == 0.f ? 1.f : amax / 448.f;
-      scales[br * ncb + bc] = sc;
-      for (int64_t r = br * rb; r < std::min(rows, (br + 1) * rb); ++r)
-        for (int64_t i = bc * cb; i < (bc + 1) * cb; ++i) q[r * cols + i] = host::float_to_e4m3(x[r * cols + i] / sc);
-    }
-}
-
-// Uniform in [-scale, scale], every 61st channel 100 x larger.
-std::vector<float> random_with_outliers(Rng& rng, int64_t rows, int64_t cols, float scale) {
-  std::vector<float> v(size_t(rows * cols));
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < cols; ++i) v[r * cols + i] = rng.uniform(-scale, scale) * (i % 61 == 7 ? 100.f : 1.f);
-  return v;
-}
-
 struct Problem {
   Case c;
   Routing routing;
@@ -136,14 +107,14 @@ struct Problem {
     const bool fp8 = c.fp8 != MoeFp8Scaling::kNone;
     if (fp8) {
       const bool blk = c.fp8 == MoeFp8Scaling::kBlock;
-      std::vector<float> a = random_with_outliers(rng, cap, c.I, 1.f);
+      std::vector<float> a = random_with_outliers(rng, cap, c.I, 1.f, true);
       if (c.I >= 256)  // a zero block (scale 1, codes 0) in every 7th row
         for (int64_t r = 3; r < cap; r += 7) std::fill(a.begin() + r * c.I + 128, a.begin() + r * c.I + 256, 0.f);
       quantize_e4m3(a, cap, c.I, blk ? 1 : 0, aq, as);
       // W2 one expert at a time (blocks of 128 x 128 never cross experts);
       // expert 0's first element 1000 x its neighbours: a block of one huge value.
       const int64_t per = c.H * c.I;
-      std::vector<float> w = random_with_outliers(rng, int64_t(c.local) * c.H, c.I, 0.1f);
+      std::vector<float> w = random_with_outliers(rng, int64_t(c.local) * c.H, c.I, 0.1f, true);
       w[0] = 100.f;
       for (int e = 0; e < c.local; ++e) {
         std::vector<float> we(w.begin() + e * per, w.begin() + (e + 1) * per);
