@@ -17,9 +17,11 @@
 #include <vector>
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include "bench_common.h"
 #include "common/host_dtype.h"
+#include "flashmix/fp8.h"
 #include "flashmix/moe.h"
 
 namespace flashmix::bench {
@@ -219,6 +221,137 @@ void run_case(Context& ctx, const ForwardCase& c, cudaStream_t stream) {
     cudaFree(p);
 }
 
+// moe_forward_fp8 (spec §10.4): the layer with e4m3 W1 / W2 and 128 x 128
+// fp32 block scales (quantize_fp8 of the bf16 weights), against the bf16
+// layer on the same routing, in the same run: ratio_to_bf16_forward = FP8 /
+// bf16 time (issue 25's target: <= 0.60). Check: the FP8 output against the
+// bf16 layer's on the dequantised weights, relative Frobenius error (recorded
+// as rel_error_vs_bf16) <= 2^-3 (quantising X and FC1's output: about 4%
+// expected, tests/gpu/test_moe_forward_gpu.cu).
+__global__ void dequantise_kernel(__nv_bfloat16* w, const uint8_t* q, const float* sc, int64_t n, int64_t rows,
+                                  int64_t cols) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const int64_t k = i % cols, r = (i / cols) % rows, e = i / (cols * rows);
+  const int64_t rb = (rows + 127) / 128, cb = cols / 128;
+  __nv_fp8_e4m3 v;
+  v.__x = q[i];
+  w[i] = __float2bfloat16(float(v) * sc[(e * rb + r / 128) * cb + k / 128]);
+}
+
+void run_fp8_case(Context& ctx, const ForwardCase& c, cudaStream_t stream) {
+  if (!ctx.selected("moe_forward_fp8", c.name)) return;
+  const int64_t E = c.E;
+  auto* X = dalloc<__nv_bfloat16>(size_t(c.T * c.H));
+  auto* logits = dalloc<__nv_bfloat16>(size_t(c.T * c.E));
+  auto* W1 = dalloc<__nv_bfloat16>(size_t(E) * 2 * c.I * c.H);
+  auto* W2 = dalloc<__nv_bfloat16>(size_t(E) * c.H * c.I);
+  auto* W1q = dalloc<uint8_t>(size_t(E) * 2 * c.I * c.H);
+  auto* W2q = dalloc<uint8_t>(size_t(E) * c.H * c.I);
+  auto* W1s = dalloc<float>(size_t(E) * ((2 * c.I + 127) / 128) * (c.H / 128));
+  auto* W2s = dalloc<float>(size_t(E) * ((c.H + 127) / 128) * (c.I / 128));
+  auto* out8 = dalloc<__nv_bfloat16>(size_t(c.T * c.H));
+  auto* out16 = dalloc<__nv_bfloat16>(size_t(c.T * c.H));
+  fill_bf16(X, c.T * c.H, 21, 1.0f, stream);
+  fill_bf16(logits, c.T * c.E, 22, 4.0f, stream);
+  fill_bf16(W1, E * 2 * c.I * c.H, 23, 0.05f, stream);
+  fill_bf16(W2, E * c.H * c.I, 24, 0.05f, stream);
+  BENCH_CUDA(cudaGetLastError());
+  auto quantise = [&](const void* w, void* q, float* sc, int64_t rows, int64_t cols) {
+    QuantizeFp8Args qa;
+    qa.x = w;
+    qa.q = q;
+    qa.scales = sc;
+    qa.batch = E;
+    qa.rows = rows;
+    qa.cols = cols;
+    qa.block = Fp8Block::k128x128;
+    return quantize_fp8(qa, stream);
+  };
+  Status st = quantise(W1, W1q, W1s, 2 * c.I, c.H);
+  if (st.ok()) st = quantise(W2, W2q, W2s, c.H, c.I);
+  // The bf16 layer runs on the dequantised weights: bf16(e4m3 * scale).
+  auto dequantise = [&](__nv_bfloat16* w, const uint8_t* q, const float* sc, int64_t rows, int64_t cols) {
+    const int64_t n = E * rows * cols;
+    dequantise_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(w, q, sc, n, rows, cols);
+  };
+  if (st.ok()) {
+    dequantise(W1, W1q, W1s, 2 * c.I, c.H);
+    dequantise(W2, W2q, W2s, c.H, c.I);
+    BENCH_CUDA(cudaGetLastError());
+  }
+  MoeForwardArgs f;
+  f.num_tokens = c.T;
+  f.hidden = c.H;
+  f.inter = c.I;
+  f.k = c.k;
+  f.num_experts = c.E;
+  f.num_experts_per_node = c.E;
+  f.X = X;
+  f.router_logits = logits;
+  f.router.logits_dtype = DType::kBFloat16;
+  f.router.scoring = c.scoring;
+  f.router.renormalize = true;
+  f.router.routed_scaling_factor = c.scaling;
+  f.W1 = W1;
+  f.W2 = W2;
+  f.out = out16;
+  MoeForwardArgs f8 = f;
+  f8.fp8 = MoeFp8Scaling::kBlock;
+  f8.W1 = W1q;
+  f8.W2 = W2q;
+  f8.w1_scales = W1s;
+  f8.w2_scales = W2s;
+  f8.out = out8;
+  const size_t ws16_bytes = moe_forward_workspace_size(f), ws8_bytes = moe_forward_workspace_size(f8);
+  void* ws16 = dalloc<char>(ws16_bytes);
+  void* ws8 = dalloc<char>(ws8_bytes);
+  if (st.ok()) st = moe_forward(f, ws16, ws16_bytes, stream);
+  if (st.ok()) st = moe_forward(f8, ws8, ws8_bytes, stream);
+  if (!st.ok()) {
+    std::fprintf(stderr, "flashmix-bench: moe_forward_fp8 %s: %s\n", c.name.c_str(), st.message().c_str());
+    return;
+  }
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  std::string check = "not checked (--no-verify)";
+  double rel = -1;
+  if (ctx.verify) {
+    std::vector<uint16_t> a(size_t(c.T * c.H)), b(a.size());
+    BENCH_CUDA(cudaMemcpy(a.data(), out8, a.size() * 2, cudaMemcpyDeviceToHost));
+    BENCH_CUDA(cudaMemcpy(b.data(), out16, b.size() * 2, cudaMemcpyDeviceToHost));
+    double num = 0, den = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      const double x = host::bf16_to_float(a[i]), y = host::bf16_to_float(b[i]);
+      num += (x - y) * (x - y);
+      den += y * y;
+    }
+    rel = den > 0 ? std::sqrt(num / den) : (num > 0 ? 1.0 : 0.0);
+    check = rel <= std::ldexp(1.0, -3) && std::isfinite(rel)
+                ? "passed (relative Frobenius error vs the bf16 layer on the dequantised weights <= 2^-3)"
+                : "FAILED: relative Frobenius error vs the bf16 layer " + std::to_string(rel);
+  }
+  const int iters = ctx.quick ? 10 : 30;
+  const double bf16_us = median_us([&] { (void)moe_forward(f, ws16, ws16_bytes, stream); }, stream, 3, iters);
+  const double fp8_us = median_us([&] { (void)moe_forward(f8, ws8, ws8_bytes, stream); }, stream, 3, iters);
+  Record rec;
+  rec.op = "moe_forward_fp8";
+  rec.case_name = c.name;
+  rec.median_us = fp8_us;
+  rec.check = check;
+  rec.ceiling = "bf16_forward";
+  rec.fraction = bf16_us / fp8_us;
+  rec.extra["bf16_forward_us"] = bf16_us;
+  rec.extra["ratio_to_bf16_forward"] = fp8_us / bf16_us;
+  rec.extra["target_ratio_to_bf16_forward"] = 0.60;
+  if (rel >= 0) rec.extra["rel_error_vs_bf16"] = rel;
+  rec.labels["scaling"] = "block";
+  rec.labels["fc1_input"] = to_string(moe_forward_fc1_input(f8));
+  add_record(ctx, rec);
+  for (void* p : {(void*)X, (void*)logits, (void*)W1, (void*)W2, (void*)W1q, (void*)W2q, (void*)W1s, (void*)W2s,
+                  (void*)out8, (void*)out16, ws16, ws8})
+    cudaFree(p);
+}
+
 }  // namespace
 
 void run_moe_forward_cases(Context& ctx) {
@@ -234,6 +367,8 @@ void run_moe_forward_cases(Context& ctx) {
   cudaStream_t stream;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   for (const auto& c : cases) run_case(ctx, c, stream);
+  for (const auto& c : cases)
+    if (c.name == "deepseek_ep_T1024_k8_E32_I2048_H7168") run_fp8_case(ctx, c, stream);
   BENCH_CUDA(cudaStreamDestroy(stream));
 }
 

@@ -375,7 +375,7 @@ struct MoeForwardArgs {
   int32_t* selected_experts_out = nullptr;
   float* final_scales_out = nullptr;
 
-  // FC1: W1 bf16 [E_local, 2I, H]; bias bf16 [E_local, 2I] or null.
+  // FC1: W1 bf16 (e4m3 with fp8) [E_local, 2I, H]; bias bf16 [E_local, 2I] or null.
   const void* W1 = nullptr;
   Fc1WeightLayout w1_layout = Fc1WeightLayout::kGateUp;
   const void* b1 = nullptr;
@@ -384,7 +384,22 @@ struct MoeForwardArgs {
   float activation_alpha = 0.f;  // MoeFc1Args::alpha
   MoeFc1Input fc1_input = MoeFc1Input::kAuto;
 
-  // FC2: W2 bf16 [E_local, H, I]; bias bf16 [E_local, H] or null (apply_b2
+  // FP8 weights (spec §10.4; the formats: §11). kNone (default): W1 and W2 are
+  // bf16. kBlock: W1 and W2 hold e4m3 codes (torch.float8_e4m3fn) with fp32
+  // scales per 128 x 128 block; X stays bf16 and the layer quantises it, and
+  // FC1's output, 1 x 128 with fp32 scales (quantize_fp8) in its workspace,
+  // then runs FC1 and FC2 on e4m3. Needs H % 128 == 0 and I % 128 == 0.
+  // kTensor: kNotSupported (a per-tensor activation scale needs a global amax
+  // pass that the layer does not have yet).
+  MoeFp8Scaling fp8 = MoeFp8Scaling::kNone;
+  // kBlock: [E_local, 2I / 128, H / 128], block (r / 128, h / 128) of W1[e]'s
+  // rows r in W1's own row order (MoeFc1Args::w1_scales). Ignored with kNone.
+  const float* w1_scales = nullptr;
+  // kBlock: [E_local, ceil(H / 128), I / 128], block (h / 128, i / 128) of
+  // W2[e] (Fc2FinalizeArgs::w2_scales). Ignored with kNone.
+  const float* w2_scales = nullptr;
+
+  // FC2: W2 bf16 (e4m3 with fp8) [E_local, H, I]; bias bf16 [E_local, H] or null (apply_b2
   // false on all but one tensor-parallel rank).
   const void* W2 = nullptr;
   const void* b2 = nullptr;
@@ -417,7 +432,8 @@ size_t moe_forward_workspace_size(const MoeForwardArgs& args);
 Status moe_forward(const MoeForwardArgs& args, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // CPU reference: the CPU references of the stages, chained (FC1's output
-// rounded to bf16 as on the GPU). Host pointers.
+// rounded to bf16 as on the GPU; with fp8, quantize_fp8_cpu of X and of FC1's
+// first P output rows, as on the GPU). Host pointers.
 Status moe_forward_cpu(const MoeForwardArgs& args);
 
 Status validate_moe_forward(const MoeForwardArgs& args);

@@ -59,6 +59,8 @@ struct QuantizeParams {
   uint32_t row_blocks;  // per matrix (128x128)
   uint32_t col_blocks;
   uint32_t num_blocks;  // scales written: batch * (rows | row_blocks) * col_blocks
+  // 1 x 128, batch 1: when not null, only the first min(*device_rows, rows) rows (read on the device).
+  const int64_t* device_rows;
 };
 
 // Eight consecutive bf16 (as four words), loaded and stored with accesses of
@@ -181,15 +183,21 @@ __global__ void __launch_bounds__(kThreads) quantize_fp8_1x128_kernel(const Quan
   const uint32_t lane = threadIdx.x % kLanesPerBlock;
   const unsigned half_warp = 0xffffu << (threadIdx.x & 16);
   const uint64_t groups_per_grid = uint64_t(gridDim.x) * (kThreads / kLanesPerBlock);
+  uint32_t num_blocks = p.num_blocks;
+  if (p.device_rows != nullptr) {  // read after the wait: the kernel that wrote it has finished
+    const int64_t live = *p.device_rows;
+    const uint32_t rows = live <= 0 ? 0u : live >= int64_t(p.rows) ? p.rows : uint32_t(live);
+    num_blocks = rows * p.col_blocks;
+  }
   for (uint64_t g0 = uint64_t(blockIdx.x) * (kThreads / kLanesPerBlock) + threadIdx.x / kLanesPerBlock;
-       g0 < p.num_blocks; g0 += k1x128InFlight * groups_per_grid) {
+       g0 < num_blocks; g0 += k1x128InFlight * groups_per_grid) {
     Chunk c[k1x128InFlight];
     uint32_t g[k1x128InFlight];
     int64_t q_offset[k1x128InFlight];
 #pragma unroll
     for (int i = 0; i < k1x128InFlight; ++i) {
       const uint64_t gi = g0 + i * groups_per_grid;
-      g[i] = gi < p.num_blocks ? uint32_t(gi) : ~0u;  // ~0u: none (uniform over the half-warp)
+      g[i] = gi < num_blocks ? uint32_t(gi) : ~0u;  // ~0u: none (uniform over the half-warp)
       if (g[i] == ~0u) continue;
       const uint32_t row = g[i] / p.col_blocks, cb = g[i] - row * p.col_blocks;
       const uint32_t b = row / p.rows, r = row - b * p.rows;
@@ -277,7 +285,7 @@ Status dispatch_format(const QuantizeParams& p, const QuantizeFp8Args& a, cudaSt
   return launch<W, ScaleFormat::kFloat32>(p, a, stream);
 }
 
-Status run_quantize(const QuantizeFp8Args& a, cudaStream_t stream) {
+Status run_quantize(const QuantizeFp8Args& a, const int64_t* device_rows, cudaStream_t stream) {
   const QuantizeFp8Layout l = quantize_fp8_layout(a);
   QuantizeParams p{};
   p.x = static_cast<const uint16_t*>(a.x);
@@ -292,6 +300,7 @@ Status run_quantize(const QuantizeFp8Args& a, cudaStream_t stream) {
   p.row_blocks = uint32_t(l.row_blocks);
   p.col_blocks = uint32_t(l.col_blocks);
   p.num_blocks = uint32_t(a.batch * (a.block == Fp8Block::k128x128 ? l.row_blocks : a.rows) * l.col_blocks);
+  p.device_rows = device_rows;
   // The widest access (elements) that every row start allows: columns
   // start at multiples of 8 elements, so only the pointers and strides matter.
   auto fits = [&](int64_t w) {
@@ -309,7 +318,15 @@ Status run_quantize(const QuantizeFp8Args& a, cudaStream_t stream) {
 
 Status quantize_fp8(const QuantizeFp8Args& a, cudaStream_t stream) {
   return detail::gpu_entry(kOp, validate_quantize_fp8(a), stream, a.batch == 0 || a.rows == 0,
-                           [&] { return run_quantize(a, stream); });
+                           [&] { return run_quantize(a, nullptr, stream); });
+}
+
+Status quantize_fp8_device_rows(const QuantizeFp8Args& a, const int64_t* device_rows, cudaStream_t stream) {
+  FM_REQUIRE(a.block == Fp8Block::k1x128 && a.batch <= 1, kOp, "block",
+             "a device row count needs 1 x 128 blocks and batch <= 1");
+  FM_REQUIRE(device_rows != nullptr, kOp, "device_rows", "must not be null");
+  return detail::gpu_entry(kOp, validate_quantize_fp8(a), stream, a.batch == 0 || a.rows == 0,
+                           [&] { return run_quantize(a, device_rows, stream); });
 }
 
 }  // namespace flashmix

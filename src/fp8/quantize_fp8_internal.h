@@ -20,6 +20,15 @@ struct QuantizeFp8Layout {
 };
 QuantizeFp8Layout quantize_fp8_layout(const QuantizeFp8Args& a);
 
+// quantize_fp8 of the first min(*device_rows, rows) rows only, the count read
+// on the device (after the kernel ahead on the stream, PDL-safe): for buffers
+// whose live row count only the device knows (moe_forward's FP8 mode: the
+// first P of k*T capacity rows, P = expert_first_token_offset[E_local]).
+// Rows past the count are neither read nor written, nor are their scales.
+// 1 x 128 blocks and batch == 1 only (kInvalidArgument otherwise). Same
+// validation as quantize_fp8 for the full `rows`.
+Status quantize_fp8_device_rows(const QuantizeFp8Args& args, const int64_t* device_rows, cudaStream_t stream);
+
 // Bytes of one scale.
 inline int64_t scale_bytes(ScaleFormat f) { return f == ScaleFormat::kUE8M0 ? 1 : 4; }
 

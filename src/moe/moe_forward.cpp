@@ -4,6 +4,9 @@
 //   routing maps       ids -> expert_first_token_offset, p2u, u2p
 //   moe_fc1            X (gathered through p2u), W1 -> act rows [k*T cap, I]
 //   moe_fc2_finalize   rows, W2 -> out (+ shared_output), the chosen mode
+// With fp8 = kBlock (spec §10.4) two quantize_fp8 passes (1 x 128, fp32
+// scales) join them: X (token order, or the permuted copy's first P rows)
+// before FC1, FC1's first P output rows before FC2; FC1 and FC2 run on e4m3.
 // Every stage's arguments are built and validated before the first launch,
 // so bad input launches nothing and touches no output. No host sync: P lives
 // on the device (expert_first_token_offset), each kernel reads it there.
@@ -12,9 +15,12 @@
 
 #include "common/check.h"
 #include "common/kernel_fit.h"
+#include "flashmix/fp8.h"
 #include "flashmix/moe.h"
+#include "fp8/quantize_fp8_internal.h"
 #include "moe/moe_fc1_internal.h"
 #include "moe/moe_fc2_internal.h"
+#include "moe/moe_forward_internal.h"
 #include "moe/moe_routing_plan.h"
 
 namespace flashmix {
@@ -31,6 +37,10 @@ struct Stages {
   MoeRoutingArgs maps;
   MoeFc1Args fc1;
   Fc2FinalizeArgs fc2;
+  // fp8: X (or its permuted copy) -> e4m3 for FC1; FC1's output -> e4m3 for FC2.
+  bool fp8 = false;
+  bool quant_x_device_rows = false;  // the permuted copy: only its first P rows (P on the device)
+  QuantizeFp8Args quant_x, quant_act;
 };
 
 // The input FC1 reads: the caller's X gathered in the kernel, or a permuted
@@ -41,14 +51,11 @@ bool use_permuted_copy(const MoeForwardArgs& a) {
   return moe_forward_fc1_input(a) == MoeFc1Input::kPermutedCopy;
 }
 
-struct Layout {
-  size_t ids = 0, scales = 0, offsets = 0, p2u = 0, u2p = 0, maps_ws = 0, fc1_out = 0, fc2_ws = 0, x_perm = 0;
-  size_t maps_ws_bytes = 0, fc2_ws_bytes = 0, total = 0;
-};
+bool is_fp8(const MoeForwardArgs& a) { return a.fp8 != MoeFp8Scaling::kNone; }
 
 // The stages' arguments; workspace regions at `ws` + the layout's offsets
 // (ws null: the size query, pointers into it left null).
-Stages make_stages(const MoeForwardArgs& a, char* ws, const Layout& l) {
+Stages make_stages(const MoeForwardArgs& a, char* ws, const MoeForwardLayout& l) {
   auto at = [&](size_t off) -> char* { return ws ? ws + off : nullptr; };
   Stages s;
   const int64_t T = a.num_tokens;
@@ -80,6 +87,7 @@ Stages make_stages(const MoeForwardArgs& a, char* ws, const Layout& l) {
   s.maps.unpermuted_row_to_permuted_row = reinterpret_cast<int32_t*>(at(l.u2p));
   s.maps.enable_pdl = a.enable_pdl;
   const bool copy = use_permuted_copy(a);
+  const bool fp8 = is_fp8(a);
   if (copy) {
     s.maps.input = a.X;
     s.maps.permuted_input = at(l.x_perm);
@@ -91,6 +99,35 @@ Stages make_stages(const MoeForwardArgs& a, char* ws, const Layout& l) {
   s.fc1.X = copy ? at(l.x_perm) : a.X;
   s.fc1.x_stride = copy ? 0 : a.x_stride;
   s.fc1.x_permuted = copy;
+  if (fp8) {
+    // X -> e4m3 rows [T or k*T capacity, H] + fp32 scales [rows, H / 128];
+    // of the permuted copy only the first P rows are read and written.
+    s.fp8 = true;
+    s.quant_x_device_rows = copy;
+    s.quant_x.x = s.fc1.X;
+    s.quant_x.x_stride = s.fc1.x_stride;
+    s.quant_x.q = at(l.x_q);
+    s.quant_x.scales = at(l.x_scales);
+    s.quant_x.rows = copy ? T * a.k : T;
+    s.quant_x.cols = a.hidden;
+    s.quant_x.block = Fp8Block::k1x128;
+    s.quant_x.scale_format = ScaleFormat::kFloat32;
+    s.quant_x.enable_pdl = a.enable_pdl;
+    s.fc1.X = at(l.x_q);
+    s.fc1.x_stride = 0;
+    s.fc1.fp8 = a.fp8;
+    s.fc1.x_scales = reinterpret_cast<const float*>(at(l.x_scales));
+    s.fc1.w1_scales = a.w1_scales;
+    // FC1's output [k*T capacity, I] -> e4m3, its first P rows (FC2 reads no others).
+    s.quant_act.x = at(l.fc1_out);
+    s.quant_act.q = at(l.act_q);
+    s.quant_act.scales = at(l.act_scales);
+    s.quant_act.rows = T * a.k;
+    s.quant_act.cols = a.inter;
+    s.quant_act.block = Fp8Block::k1x128;
+    s.quant_act.scale_format = ScaleFormat::kFloat32;
+    s.quant_act.enable_pdl = a.enable_pdl;
+  }
   s.fc1.W1 = a.W1;
   s.fc1.layout = a.w1_layout;
   s.fc1.bias = a.b1;
@@ -107,8 +144,13 @@ Stages make_stages(const MoeForwardArgs& a, char* ws, const Layout& l) {
   s.fc1.out = at(l.fc1_out);
   s.fc1.enable_pdl = a.enable_pdl;
 
-  s.fc2.A = at(l.fc1_out);
+  s.fc2.A = fp8 ? at(l.act_q) : at(l.fc1_out);
   s.fc2.W2 = a.W2;
+  if (fp8) {
+    s.fc2.fp8 = a.fp8;
+    s.fc2.a_scales = reinterpret_cast<const float*>(at(l.act_scales));
+    s.fc2.w2_scales = a.w2_scales;
+  }
   s.fc2.expert_first_token_offset = offsets;
   s.fc2.permuted_row_to_unpermuted_row = p2u;
   s.fc2.scales = scales;
@@ -129,8 +171,10 @@ Stages make_stages(const MoeForwardArgs& a, char* ws, const Layout& l) {
   return s;
 }
 
-Layout make_layout(const MoeForwardArgs& a) {
-  Layout l;
+}  // namespace
+
+MoeForwardLayout moe_forward_layout(const MoeForwardArgs& a) {
+  MoeForwardLayout l;
   const Stages s = make_stages(a, nullptr, l);
   const size_t slots = size_t(a.num_tokens) * size_t(a.k);
   size_t off = 0;
@@ -150,17 +194,26 @@ Layout make_layout(const MoeForwardArgs& a) {
   l.maps_ws_bytes = build_moe_routing_maps_workspace_size(s.maps);
   l.maps_ws = take(l.maps_ws_bytes);
   l.fc1_out = take(slots * size_t(a.inter) * 2);
+  if (is_fp8(a)) {
+    const size_t x_rows = use_permuted_copy(a) ? slots : size_t(a.num_tokens);
+    l.x_q = take(x_rows * size_t(a.hidden));
+    l.x_scales = take(x_rows * size_t(a.hidden / 128) * 4);
+    l.act_q = take(slots * size_t(a.inter));
+    l.act_scales = take(slots * size_t(a.inter / 128) * 4);
+  }
   l.fc2_ws_bytes = moe_fc2_finalize_workspace_size(s.fc2);
   l.fc2_ws = take(l.fc2_ws_bytes);
   l.total = off;
   return l;
 }
 
+namespace {
+
 // Every caller buffer with the bytes the layer may touch (null pointers give
 // empty ranges).
 struct CallerRanges {
   detail::Range X, router_logits, token_selected_experts, token_final_scales, selected_experts_out,
-      final_scales_out, W1, b1, W2, b2, shared_output, out;
+      final_scales_out, W1, b1, W2, b2, shared_output, out, w1_scales, w2_scales;
 };
 
 CallerRanges caller_ranges(const MoeForwardArgs& a) {
@@ -175,9 +228,13 @@ CallerRanges caller_ranges(const MoeForwardArgs& a) {
   r.token_final_scales = {"token_final_scales", a.token_final_scales, slots * 4};
   r.selected_experts_out = {"selected_experts_out", a.selected_experts_out, slots * 4};
   r.final_scales_out = {"final_scales_out", a.final_scales_out, slots * 4};
-  r.W1 = {"W1", a.W1, E * 2 * I * H * 2};
+  const bool fp8 = is_fp8(a);
+  const int64_t wsize = fp8 ? 1 : 2;  // bytes an element of W1 and W2
+  r.W1 = {"W1", a.W1, E * 2 * I * H * wsize};
   r.b1 = {"b1", a.b1, E * 2 * I * 2};
-  r.W2 = {"W2", a.W2, E * H * I * 2};
+  r.W2 = {"W2", a.W2, E * H * I * wsize};
+  r.w1_scales = {"w1_scales", fp8 ? a.w1_scales : nullptr, E * ((2 * I + 127) / 128) * (H / 128) * 4};
+  r.w2_scales = {"w2_scales", fp8 ? a.w2_scales : nullptr, E * ((H + 127) / 128) * (I / 128) * 4};
   r.b2 = {"b2", a.b2, E * H * 2};
   r.shared_output = {"shared_output", a.shared_output, detail::rows_extent_bytes(T, shared_stride, H, 2)};
   r.out = {"out", a.out, detail::rows_extent_bytes(T, out_stride, H, 2)};
@@ -193,6 +250,18 @@ Status validate_own(const MoeForwardArgs& a, bool check_buffers) {
   FM_REQUIRE(a.start_expert_id >= 0, kOp, "start_expert_id", "must be >= 0 (got ", a.start_expert_id, ")");
   const int in = int(a.fc1_input);
   FM_REQUIRE(in >= 0 && in <= 2, kOp, "fc1_input", "unknown MoeFc1Input value ", in);
+  const int f = int(a.fp8);
+  FM_REQUIRE(f >= int(MoeFp8Scaling::kNone) && f <= int(MoeFp8Scaling::kTensor), kOp, "fp8",
+             "unknown MoeFp8Scaling value ", f);
+  FM_REQUIRE_SUPPORTED(a.fp8 != MoeFp8Scaling::kTensor, kOp, "fp8",
+                       "tensor scaling is not supported by moe_forward (a per-tensor scale of X and of FC1's "
+                       "output needs a global amax pass); use block");
+  if (is_fp8(a)) {
+    FM_REQUIRE(a.hidden % 128 == 0, kOp, "hidden",
+               "must be a multiple of 128 with fp8 = block (X is quantised 1 x 128; got ", a.hidden, ")");
+    FM_REQUIRE(a.inter % 128 == 0, kOp, "inter",
+               "must be a multiple of 128 with fp8 = block (FC1's output is quantised 1 x 128; got ", a.inter, ")");
+  }
   if (check_buffers && a.num_tokens > 0)
     FM_REQUIRE((a.router_logits != nullptr) != (a.token_selected_experts != nullptr), kOp, "router_logits",
                "give exactly one of router_logits and token_selected_experts (got ",
@@ -220,7 +289,8 @@ Status validate_own(const MoeForwardArgs& a, bool check_buffers) {
   const CallerRanges r = caller_ranges(a);
   const detail::Range outs[] = {r.out, a.router_logits ? r.selected_experts_out : detail::Range{},
                                 a.router_logits ? r.final_scales_out : detail::Range{}};
-  const detail::Range ins[] = {r.X, r.router_logits, r.token_selected_experts, r.W1, r.b1, r.shared_output};
+  const detail::Range ins[] = {r.X, r.router_logits, r.token_selected_experts, r.W1, r.b1, r.shared_output,
+                               r.w1_scales, r.w2_scales};
   return detail::check_no_overlap(kOp, outs, ins);
 }
 
@@ -231,7 +301,7 @@ Status check_workspace_alone(const MoeForwardArgs& a, const void* ws, size_t byt
   const detail::Range outs[] = {{"workspace", ws, int64_t(bytes)}};
   const detail::Range ins[] = {r.X,  r.router_logits, r.token_selected_experts, r.token_final_scales,
                                r.selected_experts_out, r.final_scales_out, r.W1, r.b1, r.W2, r.b2,
-                               r.shared_output, r.out};
+                               r.shared_output, r.out, r.w1_scales, r.w2_scales};
   return detail::check_no_overlap(kOp, outs, ins);
 }
 
@@ -246,6 +316,10 @@ Status validate_stages(const MoeForwardArgs& a, const Stages& s, bool check_buff
   if (a.num_tokens == 0) return Status::Ok();
   if (s.run_router && check_buffers) FM_RETURN_IF_ERROR(in_layer(validate_moe_router(s.router)));
   FM_RETURN_IF_ERROR(in_layer(validate_routing(s.maps, check_buffers)));
+  if (s.fp8 && check_buffers) {
+    FM_RETURN_IF_ERROR(in_layer(validate_quantize_fp8(s.quant_x)));
+    FM_RETURN_IF_ERROR(in_layer(validate_quantize_fp8(s.quant_act)));
+  }
   FM_RETURN_IF_ERROR(in_layer(validate_fc1(s.fc1, check_buffers)));
   return in_layer(validate_fc2(s.fc2, check_buffers));
 }
@@ -268,27 +342,27 @@ const char* to_string(MoeFc1Input input) {
 }
 
 Status validate_moe_forward(const MoeForwardArgs& a) {
-  Layout l0;
+  MoeForwardLayout l0;
   FM_RETURN_IF_ERROR(validate_stages(a, make_stages(a, nullptr, l0), false));
   if (a.num_tokens == 0) return validate_own(a, true);
   // Every stage's buffers too: the workspace regions stand at a placeholder
   // base (2^62: above every user-space address of x86-64 and AArch64, so it
   // overlaps no caller buffer), since validation reads no memory.
   char* const placeholder = reinterpret_cast<char*>(uintptr_t(1) << 62);
-  return validate_stages(a, make_stages(a, placeholder, make_layout(a)), true);
+  return validate_stages(a, make_stages(a, placeholder, moe_forward_layout(a)), true);
 }
 
 size_t moe_forward_workspace_size(const MoeForwardArgs& a) {
-  Layout l;
+  MoeForwardLayout l;
   if (!validate_stages(a, make_stages(a, nullptr, l), false).ok()) return 0;
-  return make_layout(a).total;
+  return moe_forward_layout(a).total;
 }
 
 Status moe_forward(const MoeForwardArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  Layout l0;
+  MoeForwardLayout l0;
   FM_RETURN_IF_ERROR(validate_stages(a, make_stages(a, nullptr, l0), false));
   if (a.num_tokens == 0) return Status::Ok();
-  const Layout l = make_layout(a);
+  const MoeForwardLayout l = moe_forward_layout(a);
   FM_REQUIRE(workspace_bytes >= l.total, kOp, "workspace_bytes", "too small: ", workspace_bytes, " < ", l.total,
              " (ask moe_forward_workspace_size)");
   FM_REQUIRE(workspace != nullptr, kOp, "workspace", "must not be null");
@@ -303,23 +377,41 @@ Status moe_forward(const MoeForwardArgs& a, void* workspace, size_t workspace_by
   if (s.run_router) FM_RETURN_IF_ERROR(in_layer(moe_router(s.router, stream)));
   FM_RETURN_IF_ERROR(in_layer(
       build_moe_routing_maps(s.maps, static_cast<char*>(workspace) + l.maps_ws, l.maps_ws_bytes, stream)));
+  const int64_t* live_rows = s.maps.expert_first_token_offset + a.num_experts_per_node;  // P, on the device
+  if (s.fp8)
+    FM_RETURN_IF_ERROR(in_layer(s.quant_x_device_rows ? quantize_fp8_device_rows(s.quant_x, live_rows, stream)
+                                                      : quantize_fp8(s.quant_x, stream)));
   FM_RETURN_IF_ERROR(in_layer(moe_fc1(s.fc1, stream)));
+  if (s.fp8) FM_RETURN_IF_ERROR(in_layer(quantize_fp8_device_rows(s.quant_act, live_rows, stream)));
   return in_layer(moe_fc2_finalize(s.fc2, static_cast<char*>(workspace) + l.fc2_ws, l.fc2_ws_bytes, stream));
 }
 
 Status moe_forward_cpu(const MoeForwardArgs& a) {
-  Layout l0;
+  MoeForwardLayout l0;
   FM_RETURN_IF_ERROR(validate_stages(a, make_stages(a, nullptr, l0), false));
   FM_RETURN_IF_ERROR(validate_own(a, true));
   if (a.num_tokens == 0) return Status::Ok();
   // The intermediates in host memory, laid out as on the GPU.
-  const Layout l = make_layout(a);
+  const MoeForwardLayout l = moe_forward_layout(a);
   std::vector<uint64_t> ws((l.total + 7) / 8 + 32);
   char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(ws.data()) + 255) & ~uintptr_t(255));
   const Stages s = make_stages(a, base, l);
   if (s.run_router) FM_RETURN_IF_ERROR(in_layer(moe_router_cpu(s.router)));
   FM_RETURN_IF_ERROR(in_layer(build_moe_routing_maps_cpu(s.maps)));
+  // The GPU's quantize passes cover the first P rows of the k*T capacity
+  // buffers (token order: all T rows of X); so do these.
+  const int64_t P = s.maps.expert_first_token_offset[a.num_experts_per_node];
+  if (s.fp8) {
+    QuantizeFp8Args qx = s.quant_x;
+    if (s.quant_x_device_rows) qx.rows = P;
+    FM_RETURN_IF_ERROR(in_layer(quantize_fp8_cpu(qx)));
+  }
   FM_RETURN_IF_ERROR(in_layer(moe_fc1_cpu(s.fc1)));
+  if (s.fp8) {
+    QuantizeFp8Args qa = s.quant_act;
+    qa.rows = P;
+    FM_RETURN_IF_ERROR(in_layer(quantize_fp8_cpu(qa)));
+  }
   return in_layer(moe_fc2_finalize_cpu(s.fc2));
 }
 

@@ -117,3 +117,108 @@ TEST(MoeForwardCpu, ZeroTokensIsValidAndWritesNothing) {
   EXPECT_TRUE(moe_forward_cpu(a).ok());
   EXPECT_TRUE(moe_forward(a, nullptr, 0, nullptr).ok());
 }
+
+// --- FP8 weights (spec §10.4) ------------------------------------------------
+
+namespace {
+
+// A small valid FP8 layer: H and I multiples of 128, e4m3 weights, fp32 block scales.
+struct Fp8Layer {
+  static constexpr int64_t T = 4, H = 256, I = 128;
+  static constexpr int k = 2, E = 4;
+  std::vector<uint16_t> x = std::vector<uint16_t>(T * H), out = std::vector<uint16_t>(T * H);
+  std::vector<uint8_t> w1 = std::vector<uint8_t>(E * 2 * I * H), w2 = std::vector<uint8_t>(E * H * I);
+  std::vector<float> w1s = std::vector<float>(E * (2 * I / 128) * (H / 128), 1.f),
+                     w2s = std::vector<float>(E * (H / 128) * (I / 128), 1.f);
+  std::vector<float> logits = std::vector<float>(T * E);
+  MoeForwardArgs a;
+  Fp8Layer() {
+    a.num_tokens = T;
+    a.hidden = H;
+    a.inter = I;
+    a.k = k;
+    a.num_experts = E;
+    a.num_experts_per_node = E;
+    a.X = x.data();
+    a.router_logits = logits.data();
+    a.router.logits_dtype = DType::kFloat32;
+    a.W1 = w1.data();
+    a.W2 = w2.data();
+    a.fp8 = MoeFp8Scaling::kBlock;
+    a.w1_scales = w1s.data();
+    a.w2_scales = w2s.data();
+    a.out = out.data();
+  }
+};
+
+}  // namespace
+
+TEST(MoeForwardCpu, Fp8ValidArgsAreValid) {
+  Fp8Layer l;
+  EXPECT_TRUE(validate_moe_forward(l.a).ok()) << validate_moe_forward(l.a).message();
+}
+
+// The workspace grows by exactly the FP8 buffers: X's e4m3 rows and scales
+// (T rows gathered, k*T with the permuted copy) and FC1's output's e4m3 rows
+// and scales (k*T), each region 256-byte aligned.
+TEST(MoeForwardCpu, Fp8WorkspaceHoldsTheQuantisedBuffers) {
+  auto up = [](size_t b) { return (b + 255) & ~size_t(255); };
+  constexpr int64_t T = Fp8Layer::T, k = Fp8Layer::k, H = Fp8Layer::H, I = Fp8Layer::I;
+  for (MoeFc1Input in : {MoeFc1Input::kGather, MoeFc1Input::kPermutedCopy}) {
+    Fp8Layer l;
+    MoeForwardArgs a = l.a;
+    a.fc1_input = in;
+    const size_t fp8 = moe_forward_workspace_size(a);
+    a.fp8 = MoeFp8Scaling::kNone;
+    const size_t bf16 = moe_forward_workspace_size(a);
+    const size_t x_rows = in == MoeFc1Input::kGather ? T : T * k;
+    const size_t extra = up(x_rows * H) + up(x_rows * (H / 128) * 4) + up(T * k * I) + up(T * k * (I / 128) * 4);
+    EXPECT_EQ(fp8, bf16 + extra) << to_string(in);
+  }
+}
+
+TEST(MoeForwardCpu, Fp8RulesNameTheirArgument) {
+  Fp8Layer l;
+  MoeForwardArgs a = l.a;
+  a.fp8 = static_cast<MoeFp8Scaling>(9);
+  expect_names(validate_moe_forward(a), "moe_forward: fp8: unknown");
+  EXPECT_EQ(moe_forward_workspace_size(a), 0u);
+  a = l.a;
+  a.fp8 = MoeFp8Scaling::kTensor;
+  Status st = validate_moe_forward(a);
+  EXPECT_EQ(st.code(), StatusCode::kNotSupported);
+  expect_names(st, "moe_forward: fp8: tensor scaling is not supported");
+  a = l.a;
+  a.inter = 136;  // a multiple of 8 but not of 128
+  expect_names(validate_moe_forward(a), "moe_forward: inter: must be a multiple of 128");
+  a = l.a;
+  a.hidden = 264;
+  expect_names(validate_moe_forward(a), "moe_forward: hidden: must be a multiple of 128");
+  a = l.a;
+  a.w1_scales = nullptr;
+  expect_names(validate_moe_forward(a), "moe_forward: moe_fc1: w1_scales:");
+  a = l.a;
+  a.w2_scales = nullptr;
+  expect_names(validate_moe_forward(a), "moe_forward: moe_fc2_finalize: w2_scales:");
+  a = l.a;
+  a.w2_scales = reinterpret_cast<const float*>(l.out.data());  // w2_scales inside out
+  expect_names(validate_moe_forward(a), "w2_scales");
+  // Nothing launched on bad input, even without a GPU: the host checks come first.
+  a = l.a;
+  a.w1_scales = nullptr;
+  const size_t bytes = moe_forward_workspace_size(l.a);
+  std::vector<uint64_t> ws(bytes / 8 + 64);  // never touched: validation reads no memory
+  void* base = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(ws.data()) + 255) & ~uintptr_t(255));
+  expect_names(moe_forward(a, base, bytes, nullptr), "moe_forward: moe_fc1: w1_scales:");
+  expect_names(moe_forward_cpu(a), "w1_scales");
+}
+
+// The CPU reference runs the FP8 chain end to end on host buffers (all-zero
+// weights: every output is exactly 0, written over a poisoned out).
+TEST(MoeForwardCpu, Fp8CpuReferenceRuns) {
+  Fp8Layer l;
+  for (auto& v : l.x) v = 0x3f80;  // 1.0
+  for (auto& v : l.out) v = 0x7fc0;  // NaN
+  ASSERT_TRUE(moe_forward_cpu(l.a).ok()) << moe_forward_cpu(l.a).message();
+  for (uint16_t v : l.out) ASSERT_EQ(v, 0);
+}
