@@ -43,6 +43,7 @@ SUMMARY_CASES = [
     ("quantize_fp8", "weight_E32_N4096_K7168/float32"),
     ("moe_forward", "deepseek_ep_T1024_k8_E32_I2048_H7168"),
     ("moe_forward", "deepseek_ep_T16_k8_E32_I2048_H7168"),
+    ("moe_forward_fp8", "deepseek_ep_T1024_k8_E32_I2048_H7168"),
     ("moe_router", "deepseek_v3_T8192_E256_k8"),
     ("mhc_pre", "B8192_n4_C7168_phif32"),
     ("mhc_pre", "decode_B16_n4_C7168_graph"),
@@ -61,6 +62,7 @@ TARGETS = [
     ("target_ratio", "ratio_to_dense", "<= %.2f x dense", lambda got, t: got <= t),  # FP8 cases: dense FP8
     ("target_ratio", "ratio_to_fc1_plus_fc2", "<= %.2f x FC1 + FC2", lambda got, t: got <= t),
     ("target_max_time_over_floor", "time_over_floor", "<= %.2f x floor", lambda got, t: got <= t),
+    ("target_ratio_to_bf16_forward", "ratio_to_bf16_forward", "<= %.2f x bf16 layer", lambda got, t: got <= t),
 ]
 
 
@@ -83,6 +85,8 @@ def measured_of(r):
         return "%.2f x bound" % r["time_over_bound"]
     if "time_over_floor" in r:
         return "%.2f x floor" % r["time_over_floor"]
+    if "ratio_to_bf16_forward" in r:
+        return "%.2f x bf16 layer" % r["ratio_to_bf16_forward"]
     if "ratio_to_dense" in r:
         return "%.2f x dense%s" % (r["ratio_to_dense"], " FP8" if r.get("ceiling") == "gemm_fp8" else "")
     if "ratio_to_fc1_plus_fc2" in r and r.get("ceiling") != "copy":
