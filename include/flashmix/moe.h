@@ -267,7 +267,7 @@ struct Fc2FinalizeArgs {
   // W2[e]; kTensor: [E_local]. Ignored with kNone.
   const float* w2_scales = nullptr;
   const int64_t* expert_first_token_offset = nullptr;       // [E_local + 1] (device)
-  const int32_t* permuted_row_to_unpermuted_row = nullptr;  // [P], value j*T + t (device)
+  const int32_t* permuted_row_to_unpermuted_row = nullptr;  // [k*T capacity], first P read, value j*T + t (device)
   const float* scales = nullptr;  // [T, k] router weights; nullptr = all 1
   const void* bias = nullptr;     // bf16 [E_local, H] or nullptr; added before scaling
   bool apply_bias = true;         // false on all but one tensor-parallel rank: bias ignored
