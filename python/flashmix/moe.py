@@ -11,7 +11,7 @@ include/flashmix/moe.h, read through ``_C.moe_defaults()``); the binding
 import collections
 
 from ._common import _C, arg, cuda_device, defaults, dtype_name, empty, new_workspace, stream_of, torch
-from .fp8 import _as_bytes
+from .fp8 import _as_bytes, quantize_fp8
 
 __all__ = [
     "build_moe_routing_maps", "build_moe_routing_maps_workspace_size", "RoutingMaps",
@@ -521,16 +521,16 @@ FC1_INPUTS = _C.FC1_INPUTS
 
 def moe_forward_workspace_size(num_tokens, k, hidden, inter, num_experts_per_node, mode=_FORWARD.mode, *,
                                with_router=True, num_experts=None, start_expert_id=_FORWARD.start_expert_id,
-                               fc1_input=_FORWARD.fc1_input):
+                               fc1_input=_FORWARD.fc1_input, fp8=_FORWARD.fp8):
     """Bytes of device workspace moe_forward needs: every intermediate (the router's choice, the
     routing maps, the FC1 rows ``[k*T, I]`` bf16, FC2's workspace, and x's permuted copy
     ``[k*T, H]`` bf16 where ``fc1_input`` resolves to "permuted_copy"). ``with_router``: routing by
     router_logits (a little more than with the caller's ids, which it also covers);
     ``num_experts``: the router's E (``fc1_input="auto"`` estimates the rows an expert as
     T * k / max(E, E_local), so it can change the size); ``fc1_input``: as moe_forward's (the size
-    depends on it)."""
+    depends on it); ``fp8``: as moe_forward's (FP8 weights add x's and FC1's e4m3 rows and scales)."""
     return _C.moe_forward_workspace_size(num_tokens, k, hidden, inter, 0 if num_experts is None else num_experts,
-                                         num_experts_per_node, start_expert_id, with_router, mode, fc1_input)
+                                         num_experts_per_node, start_expert_id, with_router, mode, fc1_input, fp8)
 
 
 def _new_forward_out(x, fill):
@@ -538,14 +538,14 @@ def _new_forward_out(x, fill):
     return empty(x, (x.shape[0], x.shape[1]), "bfloat16", zero=not fill)
 
 
-def _forward_workspace(x, w2, k, out, num_experts, start_expert_id, router_logits, mode, fc1_input):
+def _forward_workspace(x, w2, k, out, num_experts, start_expert_id, router_logits, mode, fc1_input, fp8):
     """A fresh workspace for a CUDA call (None on the CPU, or where the shapes are off: the binding
     then names the argument)."""
     if cuda_device(out) is None or len(x.shape) != 2 or len(w2.shape) != 3:
         return None
     return new_workspace(out, moe_forward_workspace_size(
         x.shape[0], k, w2.shape[1], w2.shape[2], w2.shape[0], mode, with_router=router_logits is not None,
-        num_experts=num_experts, start_expert_id=start_expert_id, fc1_input=fc1_input))
+        num_experts=num_experts, start_expert_id=start_expert_id, fc1_input=fc1_input, fp8=fp8))
 
 
 def moe_forward(x, w1, w2, *, k, router_logits=None, token_selected_experts=None, token_final_scales=None,
@@ -556,7 +556,7 @@ def moe_forward(x, w1, w2, *, k, router_logits=None, token_selected_experts=None
                 w1_layout=_FORWARD.w1_layout, activation=_FORWARD.activation, limit=_FORWARD.limit,
                 alpha=_FORWARD.alpha, fc1_input=_FORWARD.fc1_input, mode=_FORWARD.mode, shared_output=None,
                 fill=_FORWARD.fill, out=None, workspace=None, selected_experts_out=None, final_scales_out=None,
-                enable_pdl=_FORWARD.enable_pdl, stream=None):
+                fp8=_FORWARD.fp8, w1_scales=None, w2_scales=None, enable_pdl=_FORWARD.enable_pdl, stream=None):
     """spec §10: the routed-expert layer in one call: [router] -> routing maps -> FC1 + activation ->
     FC2 + finalize (+ shared_output), every stage on one stream, no host sync.
 
@@ -581,6 +581,11 @@ def moe_forward(x, w1, w2, *, k, router_logits=None, token_selected_experts=None
         workspace) or "auto" ("permuted_copy" when ``T*k >= 64*E_local``, else "gather"). The
         result is the same bit for bit; the workspace size depends on it.
       mode: FC2's, as moe_fc2_finalize's (FC2_MODES).
+      fp8: "none" (bf16 weights) or "block" (spec §10.4, FP8_SCALINGS): w1 and w2 hold e4m3 values
+        (``torch.float8_e4m3fn`` or uint8 bytes) with float32 scales per 128 x 128 block, w1_scales
+        ``[E_local, ceil(2I/128), H/128]`` and w2_scales ``[E_local, ceil(H/128), I/128]``
+        (``quantize_fp8(w, block="128x128")`` makes both); x stays bf16 and the layer quantises it
+        and FC1's output 1 x 128 in its workspace. H and I multiples of 128.
       shared_output: bf16 ``[T, >= H]`` added once to every token written (a shared expert's output or
         a residual), or None.
       fill: False = tokens without a local expert are left untouched (a fresh ``out`` is zeroed).
@@ -598,16 +603,18 @@ def moe_forward(x, w1, w2, *, k, router_logits=None, token_selected_experts=None
     if out is None:
         out = _new_forward_out(x, fill)
     if workspace is None:
-        workspace = _forward_workspace(x, w2, k, out, num_experts, start_expert_id, router_logits, mode, fc1_input)
+        workspace = _forward_workspace(x, w2, k, out, num_experts, start_expert_id, router_logits, mode, fc1_input,
+                                       fp8)
     _C.moe_forward(
-        arg(x), arg(w1), arg(w2), arg(out), k=k, num_experts=0 if num_experts is None else num_experts,
+        arg(x), arg(_as_bytes(w1)), arg(_as_bytes(w2)), arg(out), k=k, num_experts=0 if num_experts is None else num_experts,
         start_expert_id=start_expert_id, router_logits=arg(router_logits), scoring=scoring, renormalize=renormalize,
         correction_bias=arg(correction_bias), n_group=n_group, topk_group=topk_group,
         routed_scaling_factor=routed_scaling_factor, token_selected_experts=arg(token_selected_experts),
         token_final_scales=arg(token_final_scales), selected_experts_out=arg(selected_experts_out),
         final_scales_out=arg(final_scales_out), b1=arg(b1), b2=arg(b2), apply_b2=apply_b2, w1_layout=w1_layout,
-        activation=activation, limit=limit, alpha=alpha, fc1_input=fc1_input, mode=mode,
-        shared_output=arg(shared_output), fill=fill, workspace=arg(workspace), enable_pdl=enable_pdl,
+        activation=activation, limit=limit, alpha=alpha, fc1_input=fc1_input, mode=mode, fp8=fp8,
+        w1_scales=arg(w1_scales), w2_scales=arg(w2_scales), shared_output=arg(shared_output), fill=fill,
+        workspace=arg(workspace), enable_pdl=enable_pdl,
         stream=stream_of(stream, out))
     return out
 
@@ -626,7 +633,8 @@ if torch is not None:
                         limit: float = _FORWARD.limit, alpha: float = _FORWARD.alpha,
                         fc1_input: str = _FORWARD.fc1_input, mode: str = _FORWARD.mode,
                         shared_output: Optional[Tensor] = None, fill: bool = _FORWARD.fill,
-                        enable_pdl: bool = _FORWARD.enable_pdl) -> Tensor:
+                        enable_pdl: bool = _FORWARD.enable_pdl, fp8: str = _FORWARD.fp8,
+                        w1_scales: Optional[Tensor] = None, w2_scales: Optional[Tensor] = None) -> Tensor:
         """flashmix.moe_forward as a custom op: a fresh bf16 ``out`` ``[T, H]`` (``num_experts=-1``:
         from router_logits; with ``fill=False`` tokens without a local expert are 0). The workspace
         is allocated per call (from the graph's pool inside a capture)."""
@@ -637,7 +645,7 @@ if torch is not None:
                            num_experts=None if num_experts < 0 else num_experts, start_expert_id=start_expert_id,
                            b1=b1, b2=b2, apply_b2=apply_b2, w1_layout=w1_layout, activation=activation, limit=limit,
                            alpha=alpha, fc1_input=fc1_input, mode=mode, shared_output=shared_output, fill=fill,
-                           enable_pdl=enable_pdl)
+                           enable_pdl=enable_pdl, fp8=fp8, w1_scales=w1_scales, w2_scales=w2_scales)
 
 
 # ---------------------------------------------------------------------------
@@ -664,10 +672,14 @@ if torch is not None:
           num_local_experts, start_expert_id: this rank's experts (expert parallelism; default: all E).
             A token none of whose experts is here gets 0 (fill).
           dtype: the weights' dtype: bfloat16 (the kernels'); device: where they live.
+          fp8: "none", or "block": the experts' weights held as e4m3 with 128 x 128 block scales
+            (spec §10.4); ``load_expert_weights`` quantises bf16 weights once or takes e4m3 weights
+            with their scales as given.
 
         Parameters (``requires_grad=False``: forward only): ``gate`` ``[E, H]``, ``w1``
-        ``[E_local, 2I, H]``, ``w2`` ``[E_local, H, I]``, ``b1`` / ``b2`` (or None). Buffer:
-        ``correction_bias`` (or None). ``forward(x, shared_output=None)``: x bf16 ``[..., H]`` ->
+        ``[E_local, 2I, H]``, ``w2`` ``[E_local, H, I]`` (``float8_e4m3fn`` with fp8), ``b1`` / ``b2``
+        (or None). Buffers: ``correction_bias`` (or None); with fp8 ``w1_scales``
+        ``[E_local, ceil(2I/128), H/128]`` and ``w2_scales`` ``[E_local, ceil(H/128), I/128]``. ``forward(x, shared_output=None)``: x bf16 ``[..., H]`` ->
         bf16 ``[..., H]``; shared_output (bf16, x's shape) is added once to every token.
         """
 
@@ -676,8 +688,12 @@ if torch is not None:
                      n_group=_FORWARD.n_group, topk_group=_FORWARD.topk_group,
                      routed_scaling_factor=_FORWARD.routed_scaling_factor, mode=_FORWARD.mode, limit=_FORWARD.limit,
                      alpha=_FORWARD.alpha, fc1_input=_FORWARD.fc1_input, bias=False, correction_bias=False,
-                     num_local_experts=None, start_expert_id=_FORWARD.start_expert_id, dtype=None, device=None):
+                     num_local_experts=None, start_expert_id=_FORWARD.start_expert_id, dtype=None, device=None,
+                     fp8=_FORWARD.fp8):
             super().__init__()
+            if fp8 not in ("none", "block"):
+                raise ValueError(f"MoeLayer: fp8: must be 'none' or 'block' (got {fp8!r})")
+            self.fp8 = fp8
             dtype = torch.bfloat16 if dtype is None else dtype
             if dtype != torch.bfloat16:
                 raise ValueError(f"MoeLayer: dtype: must be torch.bfloat16, the kernels' (got {dtype})")
@@ -694,8 +710,18 @@ if torch is not None:
                 return torch.nn.Parameter(torch.empty(*shape, **kw), requires_grad=False)
 
             self.gate = weight(num_experts, hidden)
-            self.w1 = weight(E_local, 2 * inter, hidden)
-            self.w2 = weight(E_local, hidden, inter)
+            if fp8 == "block":
+                e4m3 = dict(dtype=torch.float8_e4m3fn, device=device)
+                self.w1 = torch.nn.Parameter(torch.empty(E_local, 2 * inter, hidden, **e4m3), requires_grad=False)
+                self.w2 = torch.nn.Parameter(torch.empty(E_local, hidden, inter, **e4m3), requires_grad=False)
+                blocks = lambda n: -(-n // 128)  # noqa: E731
+                f32 = dict(dtype=torch.float32, device=device)
+                self.register_buffer("w1_scales", torch.ones(E_local, blocks(2 * inter), blocks(hidden), **f32))
+                self.register_buffer("w2_scales", torch.ones(E_local, blocks(hidden), blocks(inter), **f32))
+            else:
+                self.w1 = weight(E_local, 2 * inter, hidden)
+                self.w2 = weight(E_local, hidden, inter)
+                self.w1_scales = self.w2_scales = None
             self.b1 = weight(E_local, 2 * inter) if bias else None
             self.b2 = weight(E_local, hidden) if bias else None
             self.register_buffer("correction_bias", torch.zeros(num_experts, dtype=torch.float32, device=device)
@@ -703,20 +729,50 @@ if torch is not None:
             self.reset_parameters()
 
         def reset_parameters(self):
-            """Normal weights of standard deviation 1/sqrt(fan-in), zero biases."""
+            """Normal weights of standard deviation 1/sqrt(fan-in) (with fp8: drawn in bf16, then
+            quantised), zero biases."""
             with torch.no_grad():
                 torch.nn.init.normal_(self.gate, std=self.hidden ** -0.5)
-                torch.nn.init.normal_(self.w1, std=self.hidden ** -0.5)
-                torch.nn.init.normal_(self.w2, std=self.inter ** -0.5)
+                if self.fp8 == "none":
+                    torch.nn.init.normal_(self.w1, std=self.hidden ** -0.5)
+                    torch.nn.init.normal_(self.w2, std=self.inter ** -0.5)
+                else:
+                    kw = dict(dtype=torch.bfloat16, device=self.w1.device)
+                    self.load_expert_weights(torch.randn(self.w1.shape, **kw) * self.hidden ** -0.5,
+                                             torch.randn(self.w2.shape, **kw) * self.inter ** -0.5)
                 for b in (self.b1, self.b2):
                     if b is not None:
                         b.zero_()
+
+        def load_expert_weights(self, w1, w2, w1_scales=None, w2_scales=None):
+            """Sets the experts' weights: bf16 ``w1`` ``[E_local, 2I, H]`` and ``w2`` ``[E_local, H, I]``
+            (quantised once to e4m3 with 128 x 128 block scales when the layer is fp8), or, for an fp8
+            layer, e4m3 weights with their float32 block scales, taken as given (e.g. DeepSeek's
+            checkpoints)."""
+            with torch.no_grad():
+                if self.fp8 == "none":
+                    if w1_scales is not None or w2_scales is not None:
+                        raise ValueError("MoeLayer.load_expert_weights: w1_scales: a bf16 layer takes no scales")
+                    self.w1.copy_(w1)
+                    self.w2.copy_(w2)
+                    return
+                if (w1_scales is None) != (w2_scales is None):
+                    raise ValueError("MoeLayer.load_expert_weights: w1_scales: give both weights' scales or neither")
+                if w1_scales is None:  # bf16 weights: quantised here, once
+                    q1, s1 = quantize_fp8(w1.to(self.w1.device, torch.bfloat16).contiguous(), block="128x128")
+                    q2, s2 = quantize_fp8(w2.to(self.w2.device, torch.bfloat16).contiguous(), block="128x128")
+                else:
+                    q1, s1, q2, s2 = w1, w1_scales, w2, w2_scales
+                self.w1.copy_(q1.view(torch.float8_e4m3fn) if q1.dtype == torch.uint8 else q1)
+                self.w2.copy_(q2.view(torch.float8_e4m3fn) if q2.dtype == torch.uint8 else q2)
+                self.w1_scales.copy_(s1)
+                self.w2_scales.copy_(s2)
 
         def extra_repr(self):
             return (f"num_experts={self.num_experts}, k={self.k}, hidden={self.hidden}, inter={self.inter}, "
                     f"experts=[{self.start_expert_id}, {self.start_expert_id + self.num_local_experts}), "
                     f"scoring={self.scoring!r}, activation={self.activation!r}, w1_layout={self.w1_layout!r}, "
-                    f"fc1_input={self.fc1_input!r}, mode={self.mode!r}")
+                    f"fc1_input={self.fc1_input!r}, mode={self.mode!r}, fp8={self.fp8!r}")
 
         def forward(self, x, shared_output=None):
             shape = x.shape
@@ -729,5 +785,6 @@ if torch is not None:
                 topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor,
                 num_experts=self.num_experts, start_expert_id=self.start_expert_id, b1=self.b1, b2=self.b2,
                 w1_layout=self.w1_layout, activation=self.activation, limit=self.limit, alpha=self.alpha,
-                fc1_input=self.fc1_input, mode=self.mode, shared_output=shared)
+                fc1_input=self.fc1_input, mode=self.mode, shared_output=shared, fp8=self.fp8,
+                w1_scales=self.w1_scales, w2_scales=self.w2_scales)
             return out.reshape(shape)

@@ -512,8 +512,13 @@ const EnumNames<fm::MoeFc1Input>& fc1_inputs() {
 
 size_t moe_forward_workspace_size(int64_t num_tokens, int k, int64_t hidden, int64_t inter, int num_experts,
                                   int num_experts_per_node, int start_expert_id, bool with_router,
-                                  const std::string& mode, const std::string& fc1_input) {
+                                  const std::string& mode, const std::string& fc1_input, const std::string& fp8) {
   fm::MoeForwardArgs a;  // placeholders: validated, never dereferenced
+  a.fp8 = parse_enum(fp8, fp8_scalings(), "moe_forward", "fp8");
+  if (a.fp8 != fm::MoeFp8Scaling::kNone) {
+    a.w1_scales = placeholder<const float>(5);
+    a.w2_scales = placeholder<const float>(6);
+  }
   a.num_tokens = num_tokens;
   a.hidden = hidden;
   a.inter = inter;
@@ -547,18 +552,37 @@ void moe_forward(const In& X, const In& W1, const In& W2, const Out& out, int k,
                  const OptOut& selected_experts_out, const OptOut& final_scales_out, const OptIn& b1,
                  const OptIn& b2, bool apply_b2, const std::string& w1_layout, const std::string& activation,
                  float limit, float alpha, const std::string& fc1_input, const std::string& mode,
-                 const OptIn& shared_output, bool fill, const OptOut& workspace, bool enable_pdl, uintptr_t stream) {
+                 const std::string& fp8, const OptIn& w1_scales, const OptIn& w2_scales, const OptIn& shared_output,
+                 bool fill, const OptOut& workspace, bool enable_pdl, uintptr_t stream) {
   constexpr const char* op = "moe_forward";
   Placement w(op);
   w.add(out, "out", X, "X", W1, "W1", W2, "W2", router_logits, "router_logits", correction_bias, "correction_bias",
         token_selected_experts, "token_selected_experts", token_final_scales, "token_final_scales",
         selected_experts_out, "selected_experts_out", final_scales_out, "final_scales_out", b1, "b1", b2, "b2",
-        shared_output, "shared_output", workspace, "workspace");
+        w1_scales, "w1_scales", w2_scales, "w2_scales", shared_output, "shared_output", workspace, "workspace");
 
-  require_dense_rank(W2, kBFloat16, 3, op, "W2");
-  const int64_t E = dim(W2, 0), H = dim(W2, 1), I = dim(W2, 2);
-  require_dense(W1, kBFloat16, {E, 2 * I, H}, op, "W1");  // [E_local, 2I, H] beside W2 [E_local, H, I]
   fm::MoeForwardArgs a;
+  a.fp8 = parse_enum(fp8, fp8_scalings(), op, "fp8");
+  require_dense_rank(W2, fp8_elem(a.fp8), 3, op, "W2");
+  const int64_t E = dim(W2, 0), H = dim(W2, 1), I = dim(W2, 2);
+  require_dense(W1, fp8_elem(a.fp8), {E, 2 * I, H}, op, "W1");  // [E_local, 2I, H] beside W2 [E_local, H, I]
+  // The weights' scales (spec §10.4): kBlock 128 x 128 blocks; kTensor one per expert.
+  if (a.fp8 == fm::MoeFp8Scaling::kNone) {
+    if (w1_scales || w2_scales)
+      fail(op, w1_scales ? "w1_scales" : "w2_scales", "given with fp8 = \"none\" (bf16 weights have no scales)");
+  } else {
+    if (!w1_scales) fail(op, "w1_scales", "required with fp8 = \"", fm::to_string(a.fp8), "\"");
+    if (!w2_scales) fail(op, "w2_scales", "required with fp8 = \"", fm::to_string(a.fp8), "\"");
+    if (a.fp8 == fm::MoeFp8Scaling::kBlock) {
+      require_dense(*w1_scales, kFloat32, {E, (2 * I + 127) / 128, (H + 127) / 128}, op, "w1_scales");
+      require_dense(*w2_scales, kFloat32, {E, (H + 127) / 128, (I + 127) / 128}, op, "w2_scales");
+    } else {
+      require_dense(*w1_scales, kFloat32, {E}, op, "w1_scales");
+      require_dense(*w2_scales, kFloat32, {E}, op, "w2_scales");
+    }
+  }
+  a.w1_scales = static_cast<const float*>(ptr(w1_scales));
+  a.w2_scales = static_cast<const float*>(ptr(w2_scales));
   require_dtype(X, kBFloat16, op, "X");
   a.x_stride = row_stride(X, op, "X");
   if (dim(X, 1) != H) fail(op, "X", "must have H = ", H, " columns, as W2 [E, H, I] (got shape ", shape_str(X), ")");
@@ -714,6 +738,7 @@ nb::dict moe_defaults() {
     f["fc1_input"] = enum_name(a.fc1_input, fc1_inputs());
     f["apply_b2"] = a.apply_b2;
     f["mode"] = enum_name(a.fc2_mode, fc2_modes());
+    f["fp8"] = enum_name(a.fp8, fp8_scalings());
     f["fill"] = a.fill;
     f["enable_pdl"] = a.enable_pdl;
     d["moe_forward"] = f;
@@ -786,7 +811,7 @@ void register_moe(nb::module_& m) {
   m.attr("FC1_INPUTS") = enum_names_tuple(fc1_inputs());
   m.def("moe_forward_workspace_size", &moe_forward_workspace_size, "num_tokens"_a, "k"_a, "hidden"_a, "inter"_a,
         "num_experts"_a, "num_experts_per_node"_a, "start_expert_id"_a, "with_router"_a, "mode"_a, "fc1_input"_a,
-        "Bytes of device workspace moe_forward needs (with_router: routing by router_logits; num_experts <= 0: "
+        "fp8"_a, "Bytes of device workspace moe_forward needs (with_router: routing by router_logits; num_experts <= 0: "
         "any that holds this rank's experts; fc1_input: the permuted copy of X is held only where it resolves to "
         "permuted_copy).");
   m.def("moe_forward", &moe_forward, "X"_a, "W1"_a, "W2"_a, "out"_a, nb::kw_only(), "k"_a, "num_experts"_a,
@@ -794,7 +819,7 @@ void register_moe(nb::module_& m) {
         "n_group"_a, "topk_group"_a, "routed_scaling_factor"_a, "token_selected_experts"_a.none(),
         "token_final_scales"_a.none(), "selected_experts_out"_a.none(), "final_scales_out"_a.none(), "b1"_a.none(),
         "b2"_a.none(), "apply_b2"_a, "w1_layout"_a, "activation"_a, "limit"_a, "alpha"_a, "fc1_input"_a, "mode"_a,
-        "shared_output"_a.none(), "fill"_a, "workspace"_a.none(), "enable_pdl"_a, "stream"_a,
+        "fp8"_a, "w1_scales"_a.none(), "w2_scales"_a.none(), "shared_output"_a.none(), "fill"_a, "workspace"_a.none(), "enable_pdl"_a, "stream"_a,
         "spec §10 into `out` [T, H]: router (router_logits) or the caller's ids, routing maps, FC1, FC2 + finalize; "
         "E_local, H, I from W2 [E_local, H, I], T from X [T, H]; num_experts <= 0: router_logits.shape[1].");
 }

@@ -1166,7 +1166,7 @@ def test_cuda_arrays_take_the_gpu_path_for_the_router_fc1_and_the_layer():
                                            w1_scales=None, stream=0, **d["moe_fc1"]))
     out = FakeCudaArray((0, 8), "bfloat16")
     none = dict.fromkeys(("router_logits", "correction_bias", "token_final_scales", "selected_experts_out",
-                          "final_scales_out", "b1", "b2", "shared_output", "workspace"))
+                          "final_scales_out", "b1", "b2", "shared_output", "workspace", "w1_scales", "w2_scales"))
     gpu_call("moe_forward", lambda: _C.moe_forward(x, w1, w2, out, k=4, num_experts=0, token_selected_experts=ids,
                                                    stream=0, **none, **d["moe_forward"]))
 
@@ -1722,3 +1722,69 @@ def test_moe_fc1_and_fc2_fp8_are_the_dequantised_math(scaling):
         flashmix.moe_fc1(xq, wq, off, p2u, k=k, fp8=scaling)
     with raises_naming(ValueError, "moe_fc2_finalize", "W2"):  # bf16 W2 under fp8
         flashmix.moe_fc2_finalize(aq, w2, off, p2u, k=k, scales=scales, fp8=scaling, a_scales=as_, w2_scales=w2s)
+
+
+@needs_bf16
+def test_moe_forward_fp8_weights_follow_the_staged_fp8_ops():
+    # spec §10.4: FP8 weights (128 x 128 block scales): x and FC1's output quantised 1 x 128, FC1 and
+    # FC2 on e4m3 -- the same as running those stages one by one through the bindings (CPU: the
+    # references, so bit for bit).
+    rng = np.random.default_rng(104)
+    T, k, E, H, I = 7, 2, 4, 256, 128
+    experts = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+    scales = rng.uniform(0, 1, (T, k)).astype(np.float32)
+    x = ref.fp8_input(rng, (T, H))
+    w1 = (rng.uniform(-1, 1, (E, 2 * I, H)) * 0.05).astype(BF16)
+    w2 = (rng.uniform(-1, 1, (E, H, I)) * 0.05).astype(BF16)
+    w1q, w1s = flashmix.quantize_fp8(w1, block="128x128")
+    w2q, w2s = flashmix.quantize_fp8(w2, block="128x128")
+    got = flashmix.moe_forward(x, w1q, w2q, k=k, token_selected_experts=experts, token_final_scales=scales,
+                               num_experts=E, fc1_input="gather", fp8="block", w1_scales=w1s, w2_scales=w2s)
+    maps = flashmix.build_moe_routing_maps(experts, num_experts_per_node=E)
+    off, p2u = maps.expert_first_token_offset, maps.permuted_row_to_unpermuted_row
+    P = int(off[-1])
+    xq, xs = flashmix.quantize_fp8(x)
+    a = flashmix.moe_fc1(xq, w1q, off, p2u, k=k, fp8="block", x_scales=xs, w1_scales=w1s)
+    aq, as_ = np.zeros((k * T, I), np.uint8), np.zeros((k * T, I // 128), np.float32)
+    aq[:P], as_[:P] = flashmix.quantize_fp8(a[:P])
+    want = flashmix.moe_fc2_finalize(aq, w2q, off, p2u, k=k, scales=scales, fp8="block", a_scales=as_,
+                                     w2_scales=w2s)
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    assert flashmix.moe_forward_workspace_size(T, k, H, I, E, fp8="block") > flashmix.moe_forward_workspace_size(
+        T, k, H, I, E)
+    with raises_naming(ValueError, "moe_forward", "w1_scales"):
+        flashmix.moe_forward(x, w1q, w2q, k=k, token_selected_experts=experts, num_experts=E, fp8="block")
+    with raises_naming(ValueError, "moe_forward", "W2"):  # bf16 weights under fp8
+        flashmix.moe_forward(x, w1, w2, k=k, token_selected_experts=experts, num_experts=E, fp8="block",
+                             w1_scales=w1s, w2_scales=w2s)
+
+
+def test_moe_layer_fp8_quantises_bf16_weights_once_or_takes_them_as_given():
+    torch = torch_or_skip()
+    torch.manual_seed(3)
+    layer = flashmix.MoeLayer(8, 2, 256, 128, fp8="block")
+    assert layer.w1.dtype == torch.float8_e4m3fn and layer.w1_scales.shape == (8, 2, 2)
+    assert layer.w2.dtype == torch.float8_e4m3fn and layer.w2_scales.shape == (8, 2, 1)
+    w1 = (torch.randn(8, 256, 256) * 0.06).to(torch.bfloat16)
+    w2 = (torch.randn(8, 256, 128) * 0.09).to(torch.bfloat16)
+    layer.load_expert_weights(w1, w2)
+    x = (torch.randn(5, 256)).to(torch.bfloat16)
+    got = layer(x)
+    # The same layer in bf16 on the dequantised weights: FP8's error is a few per cent.
+    dense = flashmix.MoeLayer(8, 2, 256, 128)
+    with torch.no_grad():
+        dense.gate.copy_(layer.gate)
+        deq = lambda q, s: (q.float() * s.repeat_interleave(128, 1)[:, :q.shape[1]]  # noqa: E731
+                            .repeat_interleave(128, 2)[:, :, :q.shape[2]]).to(torch.bfloat16)
+        dense.load_expert_weights(deq(layer.w1, layer.w1_scales), deq(layer.w2, layer.w2_scales))
+    want = dense(x)
+    err = (got.float() - want.float()).norm() / want.float().norm()
+    assert 0 < err < 0.125, err
+    # e4m3 weights with their scales, taken as given: the same output bit for bit.
+    again = flashmix.MoeLayer(8, 2, 256, 128, fp8="block")
+    with torch.no_grad():
+        again.gate.copy_(layer.gate)
+    again.load_expert_weights(layer.w1.clone(), layer.w2.clone(), layer.w1_scales.clone(), layer.w2_scales.clone())
+    assert torch.equal(again(x).view(torch.int16), got.view(torch.int16))
+    with pytest.raises(ValueError, match="fp8"):
+        flashmix.MoeLayer(8, 2, 256, 128, fp8="tensor")
