@@ -658,6 +658,30 @@ def test_moe_layer_gpu_matches_moe_forward_and_torch():
     assert_within(out.reshape(-1, H), ref_out, forward_tolerance(ref_out, k), "layer out")
 
 
+def test_moe_layer_fp8_gpu_matches_the_cpu_reference():
+    # MoeLayer(fp8="block") on the GPU against the same module run on CPU tensors (the staged
+    # references: quantize_fp8_cpu of x and of FC1's output, FC1 / FC2 on the dequantised math):
+    # FP8 tolerance, relative Frobenius error 2^-5 (two FP8 GEMMs chained; the per-element bound
+    # lives in the C++ tests).
+    torch.manual_seed(15)
+    E, k, H, I = 8, 2, 256, 128
+    layer = flashmix.MoeLayer(E, k, H, I, fp8="block", device=DEV)
+    x = torch.randn(40, H, device=DEV).bfloat16()
+    try:
+        out = layer(x)
+    except NotImplementedError as e:
+        pytest.skip(str(e))
+    sync()
+    assert layer.w1.dtype == torch.float8_e4m3fn and out.dtype == torch.bfloat16
+    cpu = flashmix.MoeLayer(E, k, H, I, fp8="block")
+    with torch.no_grad():
+        cpu.gate.copy_(layer.gate.cpu())
+    cpu.load_expert_weights(layer.w1.cpu(), layer.w2.cpu(), layer.w1_scales.cpu(), layer.w2_scales.cpu())
+    want = cpu(x.cpu())
+    err = (out.cpu().float() - want.float()).norm() / want.float().norm()
+    assert err < 2 ** -5, float(err)
+
+
 # ---------------------------------------------------------------------------
 # mHC (spec §4): bf16 |got - ref| <= 2^-7 |ref| + t * scale + 1e-6 (t = 2e-4 pre, 1e-5 post);
 # fp32 coefficients: absolute 2e-4
