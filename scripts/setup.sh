@@ -23,4 +23,5 @@ if ! command -v nvcc >/dev/null 2>&1; then
 fi
 command -v nvcc >/dev/null 2>&1 || { echo "setup: nvcc (CUDA toolkit) not found; install CUDA 13 first" >&2; exit 1; }
 "$(dirname "${BASH_SOURCE[0]}")/setup_cutlass.sh" >/dev/null || echo "setup: no CUTLASS headers (scripts/setup_cutlass.sh failed): moe_fc2_finalize is built without its CUTLASS kernels (its own kernel serves every mode)" >&2
+"$(dirname "${BASH_SOURCE[0]}")/setup_nccl.sh" >/dev/null || echo "setup: no NCCL (scripts/setup_nccl.sh failed): flashmix is built without its expert-parallel component flashmix_ep" >&2
 echo "setup: $(cmake --version | head -1); $(nvcc --version | tail -1)"

@@ -14,6 +14,10 @@ stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/$name" "$root/.carry"
 cp "$build/tests/flashmix_gpu_tests" "$build/bench/flashmix-bench" "$stage/$name/"
+# flashmix_ep's (built with NCCL): their tests and benchmark, one process per GPU.
+for f in "$build/tests/flashmix_ep_gpu_tests" "$build/bench/flashmix-bench-ep"; do
+  [ -x "$f" ] && cp "$f" "$stage/$name/"
+done
 nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
 "$nvcc" -O3 -gencode=arch=compute_90a,code=sm_90a -o "$stage/$name/copy_rates" "$root/bench/probes/copy_rates.cu"
 strip --strip-debug "$stage/$name"/* 2>/dev/null || true

@@ -16,6 +16,7 @@ enum class StatusCode {
   kInvalidArgument,  // a null pointer, a bad size, a stride too small, ...
   kNotSupported,     // a valid request this build cannot serve (dtype, n, k)
   kCudaError,        // the CUDA runtime reported an error (launch, stream)
+  kCommError,        // the communication library (NCCL, flashmix_ep) reported an error
 };
 
 class Status {

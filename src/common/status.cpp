@@ -9,6 +9,7 @@ const char* to_string(StatusCode code) {
     case StatusCode::kInvalidArgument: return "invalid argument";
     case StatusCode::kNotSupported: return "not supported";
     case StatusCode::kCudaError: return "CUDA error";
+    case StatusCode::kCommError: return "communication error";
   }
   return "unknown status";
 }

@@ -1,0 +1,331 @@
+// flashmix_ep's entry points (spec §13): host checks, the NCCL transport, and
+// the ops chained on the caller's stream.
+//
+// Every rank must make the same NCCL calls in the same order, so everything
+// that can refuse a call (argument checks, the size of the workspace, the
+// experts' own validation) is checked before the first launch or NCCL call:
+// a bad argument returns on every rank that sees it without entering NCCL
+// (the caller sees the error; ranks that passed their checks would wait in
+// NCCL for it, which no library can prevent).
+#include <cstdint>
+#include <vector>
+
+#include "common/check.h"
+#include "common/kernel_fit.h"
+#include "ep/ep_internal.h"
+#include "flashmix/ep.h"
+
+namespace flashmix {
+namespace ep {
+namespace {
+
+Status nccl_status(ncclResult_t r, const char* op, const char* what) {
+  if (r == ncclSuccess) return Status::Ok();
+  return Status(StatusCode::kCommError, detail::concat(op, ": ", what, ": ", ncclGetErrorString(r)));
+}
+
+#define EP_NCCL(expr, op, what) FM_RETURN_IF_ERROR(nccl_status((expr), op, what))
+#define EP_CUDA(expr, op, what) FM_RETURN_IF_ERROR(detail::cuda_status((expr), op, what))
+
+Status check_workspace(const char* op, const Layout& l, const void* ws, size_t bytes) {
+  FM_REQUIRE(bytes >= l.total, op, "workspace_bytes", "too small: ", bytes, " < ", l.total,
+             " (ask ep_workspace_size)");
+  FM_REQUIRE(ws != nullptr, op, "workspace", "must not be null");
+  FM_REQUIRE(reinterpret_cast<uintptr_t>(ws) % 256 == 0, op, "workspace", "must be 256-byte aligned");
+  return Status::Ok();
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Rows of the caller's [T, stride] bf16 matrix: 16-byte aligned, stride a
+// multiple of 8 and >= H.
+Status check_rows(const char* op, const char* name, const void* p, int64_t stride, int64_t H, bool required) {
+  if (p == nullptr) {
+    FM_REQUIRE(!required, op, name, "must not be null");
+    return Status::Ok();
+  }
+  FM_REQUIRE(aligned16(p), op, name, "must be 16-byte aligned");
+  FM_REQUIRE(stride >= H && stride % 8 == 0, op, name, "stride must be >= hidden (", H,
+             ") and a multiple of 8 (got ", stride, ")");
+  return Status::Ok();
+}
+
+int64_t or_hidden(int64_t stride, int64_t H) { return stride == 0 ? H : stride; }
+
+Status check_dispatch(const EpDispatchArgs& a, ncclComm_t comm) {
+  constexpr const char* op = kDispatchOp;
+  FM_RETURN_IF_ERROR(check_shape(op, a.shape, comm));
+  FM_REQUIRE(a.num_tokens >= 0 && a.num_tokens <= a.shape.max_tokens_per_rank, op, "num_tokens",
+             "must be in [0, shape.max_tokens_per_rank = ", a.shape.max_tokens_per_rank, "] (got ", a.num_tokens,
+             ")");
+  if (a.num_tokens == 0) return Status::Ok();
+  FM_RETURN_IF_ERROR(check_rows(op, "X", a.X, or_hidden(a.x_stride, a.shape.hidden), a.shape.hidden, true));
+  FM_REQUIRE(a.topk_ids != nullptr, op, "topk_ids", "must not be null");
+  FM_REQUIRE(a.topk_weights != nullptr, op, "topk_weights", "must not be null");
+  return Status::Ok();
+}
+
+Status check_combine(const EpCombineArgs& a, ncclComm_t comm) {
+  constexpr const char* op = kCombineOp;
+  FM_RETURN_IF_ERROR(check_shape(op, a.shape, comm));
+  FM_REQUIRE(a.num_tokens >= 0 && a.num_tokens <= a.shape.max_tokens_per_rank, op, "num_tokens",
+             "must be in [0, shape.max_tokens_per_rank = ", a.shape.max_tokens_per_rank, "] (got ", a.num_tokens,
+             ")");
+  if (a.num_tokens == 0) return Status::Ok();
+  const int64_t H = a.shape.hidden;
+  FM_RETURN_IF_ERROR(check_rows(op, "out", a.out, or_hidden(a.out_stride, H), H, true));
+  FM_RETURN_IF_ERROR(check_rows(op, "shared_output", a.shared_output, or_hidden(a.shared_stride, H), H, false));
+  const int64_t out_bytes = detail::rows_extent_bytes(a.num_tokens, or_hidden(a.out_stride, H), H, 2);
+  const detail::Range outs[] = {{"out", a.out, out_bytes}};
+  const detail::Range ins[] = {
+      {"shared_output", a.shared_output,
+       detail::rows_extent_bytes(a.num_tokens, or_hidden(a.shared_stride, H), H, 2)}};
+  return detail::check_no_overlap(op, outs, ins);
+}
+
+// Counts on the host for kExact: what this rank sends to each rank and what
+// it receives from each (both cut at C). One stream sync.
+struct HostCounts {
+  std::vector<int32_t> sent, received;
+};
+
+Status read_counts(const EpShape& s, const Layout& l, const char* ws, HostCounts* h, cudaStream_t stream,
+                   const char* op) {
+  const int W = s.world;
+  std::vector<int32_t> headers(size_t(W), 0);
+  h->sent.assign(size_t(W), 0);
+  EP_CUDA(cudaMemcpyAsync(h->sent.data(), ws + l.plan_counts, size_t(W) * 4, cudaMemcpyDeviceToHost, stream), op,
+          "copying the counts");
+  for (int d = 0; d < W; ++d)
+    EP_CUDA(cudaMemcpyAsync(&headers[size_t(d)], ws + l.recv_meta + size_t(d) * l.meta_stride, 4,
+                            cudaMemcpyDeviceToHost, stream),
+            op, "copying the counts");
+  EP_CUDA(cudaStreamSynchronize(stream), op, "synchronising for the counts (kExact)");
+  h->received.resize(size_t(W));
+  for (int d = 0; d < W; ++d) {
+    h->sent[size_t(d)] = int32_t(std::min<int64_t>(h->sent[size_t(d)], l.C));
+    h->received[size_t(d)] = int32_t(std::min<int64_t>(headers[size_t(d)], l.C));
+  }
+  return Status::Ok();
+}
+
+// The headers of the meta slabs only (kExact's count exchange).
+Status exchange_headers(const EpShape& s, const Layout& l, char* ws, ncclComm_t comm, cudaStream_t stream,
+                        const char* op) {
+  EP_NCCL(ncclGroupStart(), op, "ncclGroupStart");
+  for (int p = 0; p < s.world; ++p) {
+    if (p == s.rank) continue;
+    EP_NCCL(ncclSend(ws + l.send_meta + size_t(peer_slot(p, s.rank)) * l.meta_stride, kMetaHeaderBytes, ncclUint8,
+                     p, comm, stream),
+            op, "ncclSend");
+    EP_NCCL(ncclRecv(ws + l.recv_meta + size_t(p) * l.meta_stride, kMetaHeaderBytes, ncclUint8, p, comm, stream),
+            op, "ncclRecv");
+  }
+  return nccl_status(ncclGroupEnd(), op, "ncclGroupEnd");
+}
+
+// Dispatch's transport: meta slab + row slab to each peer. counts null: C
+// rows each way (kCapacity); else the exact rows.
+Status exchange_dispatch(const EpShape& s, const Layout& l, char* ws, const HostCounts* counts, ncclComm_t comm,
+                         cudaStream_t stream, const char* op) {
+  const size_t row_bytes = size_t(s.hidden) * 2, meta_row = meta_row_bytes(s.k);
+  EP_NCCL(ncclGroupStart(), op, "ncclGroupStart");
+  for (int p = 0; p < s.world; ++p) {
+    if (p == s.rank) continue;
+    const size_t slot = size_t(peer_slot(p, s.rank));
+    const size_t n_send = counts ? size_t(counts->sent[size_t(p)]) : size_t(l.C);
+    const size_t n_recv = counts ? size_t(counts->received[size_t(p)]) : size_t(l.C);
+    // kExact sent the headers already; kCapacity sends them with the rows' meta.
+    const size_t skip = counts ? kMetaHeaderBytes : 0;
+    EP_NCCL(ncclSend(ws + l.send_meta + slot * l.meta_stride + skip, kMetaHeaderBytes - skip + n_send * meta_row,
+                     ncclUint8, p, comm, stream),
+            op, "ncclSend");
+    EP_NCCL(ncclRecv(ws + l.recv_meta + size_t(p) * l.meta_stride + skip, kMetaHeaderBytes - skip + n_recv * meta_row,
+                     ncclUint8, p, comm, stream),
+            op, "ncclRecv");
+    EP_NCCL(ncclSend(ws + l.send_rows + slot * l.rows_stride, n_send * row_bytes, ncclUint8, p, comm, stream), op,
+            "ncclSend");
+    EP_NCCL(ncclRecv(ws + l.recv_x + size_t(p) * l.rows_stride, n_recv * row_bytes, ncclUint8, p, comm, stream), op,
+            "ncclRecv");
+  }
+  return nccl_status(ncclGroupEnd(), op, "ncclGroupEnd");
+}
+
+// Combine's transport: the expert_out rows of slab p back to rank p; the
+// rows this rank's tokens got on p into comb slab p.
+Status exchange_combine(const EpShape& s, const Layout& l, char* ws, const HostCounts* counts, ncclComm_t comm,
+                        cudaStream_t stream, const char* op) {
+  const size_t row_bytes = size_t(s.hidden) * 2;
+  EP_NCCL(ncclGroupStart(), op, "ncclGroupStart");
+  for (int p = 0; p < s.world; ++p) {
+    if (p == s.rank) continue;
+    const size_t n_send = counts ? size_t(counts->received[size_t(p)]) : size_t(l.C);
+    const size_t n_recv = counts ? size_t(counts->sent[size_t(p)]) : size_t(l.C);
+    EP_NCCL(ncclSend(ws + l.expert_out + size_t(p) * l.rows_stride, n_send * row_bytes, ncclUint8, p, comm, stream),
+            op, "ncclSend");
+    EP_NCCL(ncclRecv(ws + l.comb_rows + size_t(peer_slot(p, s.rank)) * l.rows_stride, n_recv * row_bytes, ncclUint8,
+                     p, comm, stream),
+            op, "ncclRecv");
+  }
+  return nccl_status(ncclGroupEnd(), op, "ncclGroupEnd");
+}
+
+Status dispatch_body(const EpDispatchArgs& a, ncclComm_t comm, char* ws, const Layout& l, cudaStream_t stream) {
+  constexpr const char* op = kDispatchOp;
+  const EpShape& s = a.shape;
+  if (a.dropped != nullptr) EP_CUDA(cudaMemsetAsync(a.dropped, 0, sizeof(int32_t), stream), op, "zeroing dropped");
+  EP_CUDA(launch_plan(s, l, ws, a.num_tokens, a.topk_ids, a.dropped, stream), op, "plan kernel launch");
+  EP_CUDA(launch_pack(s, l, ws, a.num_tokens, a.X, or_hidden(a.x_stride, s.hidden), a.topk_ids, a.topk_weights,
+                      stream),
+          op, "pack kernel launch");
+  if (s.sizing == EpSizing::kExact) {
+    FM_RETURN_IF_ERROR(exchange_headers(s, l, ws, comm, stream, op));
+    HostCounts counts;
+    FM_RETURN_IF_ERROR(read_counts(s, l, ws, &counts, stream, op));
+    FM_RETURN_IF_ERROR(exchange_dispatch(s, l, ws, &counts, comm, stream, op));
+  } else {
+    FM_RETURN_IF_ERROR(exchange_dispatch(s, l, ws, nullptr, comm, stream, op));
+  }
+  EP_CUDA(launch_unpack(s, l, ws, stream), op, "unpack kernel launch");
+  return Status::Ok();
+}
+
+Status combine_body(const EpCombineArgs& a, ncclComm_t comm, char* ws, const Layout& l, cudaStream_t stream) {
+  constexpr const char* op = kCombineOp;
+  const EpShape& s = a.shape;
+  if (s.sizing == EpSizing::kExact) {
+    HostCounts counts;
+    FM_RETURN_IF_ERROR(read_counts(s, l, ws, &counts, stream, op));
+    FM_RETURN_IF_ERROR(exchange_combine(s, l, ws, &counts, comm, stream, op));
+  } else {
+    FM_RETURN_IF_ERROR(exchange_combine(s, l, ws, nullptr, comm, stream, op));
+  }
+  const int64_t H = s.hidden;
+  EP_CUDA(launch_combine_reduce(s, l, ws, a.num_tokens, a.shared_output, or_hidden(a.shared_stride, H), a.out,
+                                or_hidden(a.out_stride, H), stream),
+          op, "combine kernel launch");
+  return Status::Ok();
+}
+
+// moe_forward over the received rows: this rank's experts, one output row per
+// received row (its local slots summed), rows past the counts skipped.
+MoeForwardArgs local_experts(const EpMoeForwardArgs& a, const EpRecvView& v) {
+  const EpShape& s = a.shape;
+  MoeForwardArgs m = a.moe;
+  m.num_tokens = v.rows;
+  m.hidden = s.hidden;
+  m.k = s.k;
+  m.num_experts = s.num_experts;
+  m.num_experts_per_node = s.num_experts / s.world;
+  m.start_expert_id = s.rank * m.num_experts_per_node;
+  m.X = v.x;
+  m.x_stride = s.hidden;
+  m.router_logits = nullptr;
+  m.token_selected_experts = v.ids;
+  m.token_final_scales = v.weights;
+  m.selected_experts_out = nullptr;
+  m.final_scales_out = nullptr;
+  m.shared_output = nullptr;
+  m.shared_stride = 0;
+  m.fill = false;  // every real row has a local slot; the padding rows are never read back
+  m.out = v.expert_out;
+  m.out_stride = s.hidden;
+  return m;
+}
+
+}  // namespace
+}  // namespace ep
+
+Status ep_dispatch(const EpDispatchArgs& a, ncclComm_t comm, void* workspace, size_t workspace_bytes,
+                   cudaStream_t stream) {
+  using namespace ep;
+  FM_REQUIRE(comm != nullptr, kDispatchOp, "comm", "must not be null");
+  FM_RETURN_IF_ERROR(check_dispatch(a, comm));
+  const Layout l = layout(a.shape);
+  FM_RETURN_IF_ERROR(check_workspace(kDispatchOp, l, workspace, workspace_bytes));
+  return detail::without_cuda_error_left(kDispatchOp, [&]() -> Status {
+    FM_RETURN_IF_ERROR(detail::check_stream(stream, kDispatchOp));
+    return dispatch_body(a, comm, static_cast<char*>(workspace), l, stream);
+  });
+}
+
+Status ep_combine(const EpCombineArgs& a, ncclComm_t comm, void* workspace, size_t workspace_bytes,
+                  cudaStream_t stream) {
+  using namespace ep;
+  FM_REQUIRE(comm != nullptr, kCombineOp, "comm", "must not be null");
+  FM_RETURN_IF_ERROR(check_combine(a, comm));
+  const Layout l = layout(a.shape);
+  FM_RETURN_IF_ERROR(check_workspace(kCombineOp, l, workspace, workspace_bytes));
+  const detail::Range outs[] = {{"out", a.out,
+                                 detail::rows_extent_bytes(a.num_tokens, or_hidden(a.out_stride, a.shape.hidden),
+                                                           a.shape.hidden, 2)}};
+  const detail::Range ins[] = {{"workspace", workspace, int64_t(l.total)}};
+  FM_RETURN_IF_ERROR(detail::check_no_overlap(kCombineOp, outs, ins));
+  return detail::without_cuda_error_left(kCombineOp, [&]() -> Status {
+    FM_RETURN_IF_ERROR(detail::check_stream(stream, kCombineOp));
+    return combine_body(a, comm, static_cast<char*>(workspace), l, stream);
+  });
+}
+
+size_t ep_moe_forward_workspace_size(const EpMoeForwardArgs& a) {
+  using namespace ep;
+  if (!check_shape(kForwardOp, a.shape, nullptr).ok()) return 0;
+  const Layout l = layout(a.shape);
+  // The experts' workspace follows ours; its size does not depend on where it is.
+  char* const placeholder = reinterpret_cast<char*>(uintptr_t(1) << 62);
+  const size_t moe = moe_forward_workspace_size(local_experts(a, ep_recv_view(a.shape, placeholder)));
+  if (moe == 0) return 0;
+  return l.total + moe;
+}
+
+Status ep_moe_forward(const EpMoeForwardArgs& a, ncclComm_t comm, void* workspace, size_t workspace_bytes,
+                      cudaStream_t stream) {
+  using namespace ep;
+  constexpr const char* op = kForwardOp;
+  FM_REQUIRE(comm != nullptr, op, "comm", "must not be null");
+  EpDispatchArgs d;
+  d.shape = a.shape;
+  d.num_tokens = a.num_tokens;
+  d.X = a.X;
+  d.x_stride = a.x_stride;
+  d.topk_ids = a.topk_ids;
+  d.topk_weights = a.topk_weights;
+  d.dropped = a.dropped;
+  EpCombineArgs c;
+  c.shape = a.shape;
+  c.num_tokens = a.num_tokens;
+  c.shared_output = a.shared_output;
+  c.shared_stride = a.shared_stride;
+  c.out = a.out;
+  c.out_stride = a.out_stride;
+  FM_RETURN_IF_ERROR(check_dispatch(d, comm));
+  FM_RETURN_IF_ERROR(check_combine(c, comm));
+  const Layout l = layout(a.shape);
+  FM_REQUIRE(workspace != nullptr, op, "workspace", "must not be null");
+  FM_REQUIRE(reinterpret_cast<uintptr_t>(workspace) % 256 == 0, op, "workspace", "must be 256-byte aligned");
+  const EpRecvView v = ep_recv_view(a.shape, workspace);
+  const MoeForwardArgs m = local_experts(a, v);
+  {
+    const Status st = validate_moe_forward(m);
+    if (!st.ok()) return Status(st.code(), detail::concat(op, ": the local experts: ", st.message()));
+  }
+  const size_t moe_bytes = moe_forward_workspace_size(m);
+  FM_REQUIRE(workspace_bytes >= l.total + moe_bytes, op, "workspace_bytes", "too small: ", workspace_bytes, " < ",
+             l.total + moe_bytes, " (ask ep_moe_forward_workspace_size)");
+  detail::DeviceProps dev;
+  FM_RETURN_IF_ERROR(detail::cuda_status(detail::current_device_props(&dev), op, "device properties"));
+  FM_REQUIRE_SUPPORTED(dev.cc_major == 9, op, "device", "needs an sm_90 (Hopper) GPU (compute capability ",
+                       dev.cc_major, ".x)");
+  char* ws = static_cast<char*>(workspace);
+  return detail::without_cuda_error_left(op, [&]() -> Status {
+    FM_RETURN_IF_ERROR(detail::check_stream(stream, op));
+    FM_RETURN_IF_ERROR(dispatch_body(d, comm, ws, l, stream));
+    {
+      const Status st = moe_forward(m, ws + l.total, moe_bytes, stream);
+      if (!st.ok()) return Status(st.code(), detail::concat(op, ": the local experts: ", st.message()));
+    }
+    return combine_body(c, comm, ws, l, stream);
+  });
+}
+
+}  // namespace flashmix

@@ -1,0 +1,88 @@
+// flashmix_ep's insides (spec §13): the workspace layout every rank derives
+// from the same EpShape, and the four kernels of the all-to-all way. The
+// kernels move bytes between this rank's buffers only; ep.cpp adds the NCCL
+// transport between them, and the one-GPU loopback test plays the transport
+// with copies.
+//
+//   dispatch: plan (rows per destination) -> pack (rows + meta into the send
+//             slabs; this rank's own rows straight into its receive slab)
+//             -> transport -> unpack (meta -> ids / weights / counts)
+//   combine:  transport (expert_out slabs back to their owners)
+//             -> reduce (each token's rows summed in rank order)
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "flashmix/ep.h"
+
+namespace flashmix::ep {
+
+constexpr const char* kDispatchOp = "ep_dispatch";
+constexpr const char* kCombineOp = "ep_combine";
+constexpr const char* kForwardOp = "ep_moe_forward";
+
+// A meta slab: a 16-byte header (int32 count of rows the source meant to
+// send, before the capacity cut) then C rows of k int32 ids + k fp32 weights.
+constexpr size_t kMetaHeaderBytes = 16;
+inline size_t meta_row_bytes(int k) { return size_t(k) * 8; }
+
+inline size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
+
+#if defined(__CUDACC__)
+#define FLASHMIX_EP_HOST_DEVICE __host__ __device__
+#else
+#define FLASHMIX_EP_HOST_DEVICE
+#endif
+
+// The slab of peer d among this rank's W - 1 peers (send and combine buffers
+// hold no slab for the rank itself).
+FLASHMIX_EP_HOST_DEVICE inline int peer_slot(int d, int rank) { return d < rank ? d : d - 1; }
+
+struct Layout {
+  int64_t C = 0;            // recv_capacity
+  int64_t T_max = 0;        // max_tokens_per_rank
+  size_t meta_stride = 0;   // bytes between meta slabs
+  size_t rows_stride = 0;   // bytes between row slabs (C * H * 2, 256-aligned)
+  // Byte offsets into the workspace.
+  size_t plan_row = 0;      // int32 [W, T_max]: row of token t in d's slab, or -1
+  size_t plan_counts = 0;   // int32 [W]: rows for d before the cut
+  size_t send_meta = 0;     // (W-1) meta slabs
+  size_t send_rows = 0;     // (W-1) row slabs
+  size_t recv_meta = 0;     // W meta slabs
+  size_t recv_x = 0;        // bf16 [W*C, H]
+  size_t recv_ids = 0;      // int32 [W*C, k]
+  size_t recv_weights = 0;  // fp32 [W*C, k]
+  size_t recv_counts = 0;   // int32 [W]
+  size_t expert_out = 0;    // bf16 [W*C, H]
+  size_t comb_rows = 0;     // (W-1) row slabs: expert_out rows back from each peer
+  size_t total = 0;
+};
+
+// Valid only for a shape that passed check_shape.
+Layout layout(const EpShape& s);
+
+// Host checks shared by every entry point (spec §13.6). `comm` may be null
+// (the size queries and the loopback); when given, its rank and size must
+// match the shape.
+Status check_shape(const char* op, const EpShape& s, ncclComm_t comm);
+
+// The kernels. ws is the workspace base; each returns the launch error.
+// plan: zeroes nothing it does not own; writes plan_row, plan_counts, every
+// meta header; adds this rank's cut pairs to *dropped (when not null; the
+// caller zeroed it on the stream).
+cudaError_t launch_plan(const EpShape& s, const Layout& l, char* ws, int64_t T, const int32_t* ids,
+                        int32_t* dropped, cudaStream_t stream);
+cudaError_t launch_pack(const EpShape& s, const Layout& l, char* ws, int64_t T, const void* X, int64_t x_stride,
+                        const int32_t* ids, const float* weights, cudaStream_t stream);
+cudaError_t launch_unpack(const EpShape& s, const Layout& l, char* ws, cudaStream_t stream);
+cudaError_t launch_combine_reduce(const EpShape& s, const Layout& l, const char* ws, int64_t T,
+                                  const void* shared, int64_t shared_stride, void* out, int64_t out_stride,
+                                  cudaStream_t stream);
+
+// Way 1 (ep_finalize_reduce): the summed fp32 partial -> out_dtype. n % 4 == 0.
+cudaError_t launch_convert_from_f32(const float* in, void* out, DType out_dtype, int64_t n, cudaStream_t stream);
+
+}  // namespace flashmix::ep

@@ -1,0 +1,279 @@
+// The all-to-all way's kernels (spec §13.3): plan, pack, unpack, combine
+// reduce. Rows move as 16-byte words (H % 8 == 0, strides % 8 == 0, 16-byte
+// aligned bases: checked on the host).
+#include <algorithm>
+#include <cstdint>
+
+#include <cub/block/block_scan.cuh>
+#include <cuda_bf16.h>
+
+#include "common/vec.cuh"
+#include "ep/ep_internal.h"
+
+namespace flashmix::ep {
+
+namespace {
+
+constexpr int kPlanThreads = 512;
+constexpr int kPlanItems = 4;  // consecutive tokens per thread per pass
+constexpr int kRowThreads = 128;
+
+struct Geometry {
+  int rank, world, k;
+  int e_local;
+  int64_t C, T_max, H;
+  size_t meta_stride, rows_stride;
+};
+
+Geometry geometry(const EpShape& s, const Layout& l) {
+  return Geometry{s.rank, s.world, s.k, s.num_experts / s.world, l.C, l.T_max, s.hidden, l.meta_stride,
+                  l.rows_stride};
+}
+
+// The meta slab that holds what this rank sends to d: its own receive slab
+// for d == rank, else the send slab of peer d.
+__device__ __forceinline__ char* meta_slab_for(const Geometry& g, char* send_meta, char* recv_meta, int d) {
+  return d == g.rank ? recv_meta + size_t(g.rank) * g.meta_stride
+                     : send_meta + size_t(peer_slot(d, g.rank)) * g.meta_stride;
+}
+
+// One block per destination d: token t goes to d when one of its k ids is in
+// d's range; its row in d's slab is the number of earlier tokens that go to d
+// (a stable, deterministic order).
+__global__ void __launch_bounds__(kPlanThreads) plan_kernel(Geometry g, int64_t T, const int32_t* __restrict__ ids,
+                                                            int32_t* __restrict__ plan_row,
+                                                            int32_t* __restrict__ plan_counts, char* send_meta,
+                                                            char* recv_meta, int32_t* dropped) {
+  using Scan = cub::BlockScan<int, kPlanThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  const int d = blockIdx.x;
+  const int lo = d * g.e_local, hi = lo + g.e_local;
+  int64_t carry = 0;
+  for (int64_t base = 0; base < T; base += int64_t(kPlanThreads) * kPlanItems) {
+    const int64_t t0 = base + int64_t(threadIdx.x) * kPlanItems;
+    int flag[kPlanItems];
+    int mine = 0;
+#pragma unroll
+    for (int i = 0; i < kPlanItems; ++i) {
+      const int64_t t = t0 + i;
+      flag[i] = 0;
+      if (t < T) {
+        for (int j = 0; j < g.k; ++j) {
+          const int e = ids[t * g.k + j];
+          flag[i] |= (e >= lo && e < hi);
+        }
+      }
+      mine += flag[i];
+    }
+    int before = 0, pass_total = 0;
+    Scan(scan_storage).ExclusiveSum(mine, before, pass_total);
+    int64_t row = carry + before;
+#pragma unroll
+    for (int i = 0; i < kPlanItems; ++i) {
+      const int64_t t = t0 + i;
+      if (t < T) plan_row[int64_t(d) * g.T_max + t] = flag[i] ? int32_t(row) : -1;
+      row += flag[i];
+    }
+    carry += pass_total;
+    __syncthreads();  // scan_storage is reused by the next pass
+  }
+  if (threadIdx.x == 0) {
+    plan_counts[d] = int32_t(carry);
+    *reinterpret_cast<int32_t*>(meta_slab_for(g, send_meta, recv_meta, d)) = int32_t(carry);
+    if (dropped != nullptr && carry > g.C) atomicAdd(dropped, int32_t(carry - g.C));
+  }
+}
+
+// One block per token: its k ids and weights, then its row, to every
+// destination it goes to (read once, written once per destination).
+__global__ void __launch_bounds__(kRowThreads) pack_kernel(Geometry g, const int32_t* __restrict__ plan_row,
+                                                           const uint4* __restrict__ X, int64_t x_stride_vec,
+                                                           const int32_t* __restrict__ ids,
+                                                           const float* __restrict__ weights, char* send_meta,
+                                                           char* recv_meta, char* send_rows, char* recv_x) {
+  extern __shared__ uint4* dst_rows[];  // [W]: destination row pointers, in rank order
+  __shared__ int num_dst;
+  const int64_t t = blockIdx.x;
+  const int64_t nvec = g.H / 8;
+  if (threadIdx.x == 0) {
+    int n = 0;
+    for (int d = 0; d < g.world; ++d) {
+      const int32_t row = plan_row[int64_t(d) * g.T_max + t];
+      if (row < 0 || row >= g.C) continue;  // not sent, or past the capacity (counted by the plan)
+      char* meta = meta_slab_for(g, send_meta, recv_meta, d) + kMetaHeaderBytes + size_t(row) * g.k * 8;
+      for (int j = 0; j < g.k; ++j) {
+        reinterpret_cast<int32_t*>(meta)[j] = ids[t * g.k + j];
+        reinterpret_cast<float*>(meta)[g.k + j] = weights[t * g.k + j];
+      }
+      char* slab = d == g.rank ? recv_x + size_t(g.rank) * g.rows_stride
+                               : send_rows + size_t(peer_slot(d, g.rank)) * g.rows_stride;
+      dst_rows[n++] = reinterpret_cast<uint4*>(slab) + int64_t(row) * nvec;
+    }
+    num_dst = n;
+  }
+  __syncthreads();
+  const int n = num_dst;
+  const uint4* src = X + t * x_stride_vec;
+  for (int64_t c = threadIdx.x; c < nvec; c += kRowThreads) {
+    const uint4 v = src[c];
+    for (int i = 0; i < n; ++i) dst_rows[i][c] = v;
+  }
+}
+
+// One thread per received row: ids and weights out of the meta slabs; rows
+// past what arrived get id -1 (so the experts skip them) and weight 0.
+__global__ void unpack_kernel(Geometry g, const char* __restrict__ recv_meta, int32_t* __restrict__ recv_ids,
+                              float* __restrict__ recv_weights, int32_t* __restrict__ recv_counts) {
+  const int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= g.world * g.C) return;
+  const int s = int(r / g.C);
+  const int64_t i = r - int64_t(s) * g.C;
+  const char* slab = recv_meta + size_t(s) * g.meta_stride;
+  const int64_t sent = *reinterpret_cast<const int32_t*>(slab);
+  const int64_t count = sent < g.C ? sent : g.C;
+  if (i == 0) recv_counts[s] = int32_t(count);
+  int32_t* out_ids = recv_ids + r * g.k;
+  float* out_w = recv_weights + r * g.k;
+  if (i < count) {
+    const char* meta = slab + kMetaHeaderBytes + size_t(i) * g.k * 8;
+    for (int j = 0; j < g.k; ++j) {
+      out_ids[j] = reinterpret_cast<const int32_t*>(meta)[j];
+      out_w[j] = reinterpret_cast<const float*>(meta)[g.k + j];
+    }
+  } else {
+    for (int j = 0; j < g.k; ++j) {
+      out_ids[j] = -1;
+      out_w[j] = 0.f;
+    }
+  }
+}
+
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const uint4& v) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    acc[2 * i] += f.x;
+    acc[2 * i + 1] += f.y;
+  }
+}
+
+// One block per token: the rows the token's ranks sent back, summed in rank
+// order in fp32, + shared_output, one rounding. A token cut by the capacity
+// gets NaN.
+__global__ void __launch_bounds__(kRowThreads) combine_kernel(Geometry g, const int32_t* __restrict__ plan_row,
+                                                              const char* expert_out, const char* comb_rows,
+                                                              const uint4* __restrict__ shared,
+                                                              int64_t shared_stride_vec, uint4* __restrict__ out,
+                                                              int64_t out_stride_vec) {
+  extern __shared__ const uint4* src_rows[];  // [W]
+  __shared__ int num_src;
+  __shared__ int cut;
+  const int64_t t = blockIdx.x;
+  const int64_t nvec = g.H / 8;
+  if (threadIdx.x == 0) {
+    int n = 0, c = 0;
+    for (int d = 0; d < g.world; ++d) {
+      const int32_t row = plan_row[int64_t(d) * g.T_max + t];
+      if (row < 0) continue;
+      if (row >= g.C) {
+        c = 1;
+        continue;
+      }
+      const char* slab = d == g.rank ? expert_out + size_t(g.rank) * g.rows_stride
+                                     : comb_rows + size_t(peer_slot(d, g.rank)) * g.rows_stride;
+      src_rows[n++] = reinterpret_cast<const uint4*>(slab) + int64_t(row) * nvec;
+    }
+    num_src = n;
+    cut = c;
+  }
+  __syncthreads();
+  const int n = num_src;
+  const float nan_or_zero = cut ? __int_as_float(0x7fc00000) : 0.f;
+  for (int64_t c = threadIdx.x; c < nvec; c += kRowThreads) {
+    float acc[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = nan_or_zero;
+    for (int i = 0; i < n; ++i) add_bf16x8(acc, src_rows[i][c]);
+    if (shared != nullptr) add_bf16x8(acc, shared[t * shared_stride_vec + c]);
+    uint4 o;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+    out[t * out_stride_vec + c] = o;
+  }
+}
+
+// n fp32 values -> out_dtype, one rounding each (the fp32 partial's sum).
+template <typename Out>
+__global__ void convert_kernel(const float4* __restrict__ in, Out* __restrict__ out, int64_t n4) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
+    const float4 v = in[i];
+    out[4 * i + 0] = dev::from_float<Out>(v.x);
+    out[4 * i + 1] = dev::from_float<Out>(v.y);
+    out[4 * i + 2] = dev::from_float<Out>(v.z);
+    out[4 * i + 3] = dev::from_float<Out>(v.w);
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_convert_from_f32(const float* in, void* out, DType out_dtype, int64_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  const int64_t n4 = n / 4;  // n is a multiple of 8 (rows of H % 8 == 0)
+  const unsigned blocks = unsigned(std::min<int64_t>((n4 + 255) / 256, 4096));
+  const float4* in4 = reinterpret_cast<const float4*>(in);
+  switch (out_dtype) {
+    case DType::kBFloat16:
+      convert_kernel<<<blocks, 256, 0, stream>>>(in4, static_cast<__nv_bfloat16*>(out), n4);
+      break;
+    case DType::kFloat16:
+      convert_kernel<<<blocks, 256, 0, stream>>>(in4, static_cast<__half*>(out), n4);
+      break;
+    case DType::kFloat32:
+      return cudaMemcpyAsync(out, in, size_t(n) * 4, cudaMemcpyDeviceToDevice, stream);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_plan(const EpShape& s, const Layout& l, char* ws, int64_t T, const int32_t* ids,
+                        int32_t* dropped, cudaStream_t stream) {
+  const Geometry g = geometry(s, l);
+  plan_kernel<<<s.world, kPlanThreads, 0, stream>>>(
+      g, T, ids, reinterpret_cast<int32_t*>(ws + l.plan_row), reinterpret_cast<int32_t*>(ws + l.plan_counts),
+      ws + l.send_meta, ws + l.recv_meta, dropped);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_pack(const EpShape& s, const Layout& l, char* ws, int64_t T, const void* X, int64_t x_stride,
+                        const int32_t* ids, const float* weights, cudaStream_t stream) {
+  if (T == 0) return cudaSuccess;
+  const Geometry g = geometry(s, l);
+  pack_kernel<<<unsigned(T), kRowThreads, sizeof(void*) * s.world, stream>>>(
+      g, reinterpret_cast<const int32_t*>(ws + l.plan_row), static_cast<const uint4*>(X), x_stride / 8, ids,
+      weights, ws + l.send_meta, ws + l.recv_meta, ws + l.send_rows, ws + l.recv_x);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_unpack(const EpShape& s, const Layout& l, char* ws, cudaStream_t stream) {
+  const Geometry g = geometry(s, l);
+  const int64_t rows = int64_t(s.world) * l.C;
+  constexpr int kThreads = 256;
+  unpack_kernel<<<unsigned((rows + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      g, ws + l.recv_meta, reinterpret_cast<int32_t*>(ws + l.recv_ids), reinterpret_cast<float*>(ws + l.recv_weights),
+      reinterpret_cast<int32_t*>(ws + l.recv_counts));
+  return cudaGetLastError();
+}
+
+cudaError_t launch_combine_reduce(const EpShape& s, const Layout& l, const char* ws, int64_t T,
+                                  const void* shared, int64_t shared_stride, void* out, int64_t out_stride,
+                                  cudaStream_t stream) {
+  if (T == 0) return cudaSuccess;
+  const Geometry g = geometry(s, l);
+  combine_kernel<<<unsigned(T), kRowThreads, sizeof(void*) * s.world, stream>>>(
+      g, reinterpret_cast<const int32_t*>(ws + l.plan_row), ws + l.expert_out, ws + l.comb_rows,
+      static_cast<const uint4*>(shared), shared_stride / 8, static_cast<uint4*>(out), out_stride / 8);
+  return cudaGetLastError();
+}
+
+}  // namespace flashmix::ep

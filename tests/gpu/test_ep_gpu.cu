@@ -1,0 +1,651 @@
+// flashmix_ep on GPUs (spec §13): one process per GPU (tests/common/ep_ranks.h),
+// NCCL between them. Runs with world = 2 where two GPUs are present (and the
+// one-rank cases on one GPU); skipped otherwise.
+//
+// References, each rank computing them on its own GPU from the same seeded
+// problem (every rank can rebuild every rank's tokens and all E experts):
+//  - ranked: moe_forward (or finalize) of each rank's expert range over this
+//    rank's tokens, the filled bf16 partials summed on the host in fp32 in
+//    rank order and rounded once -- what the spec says the EP ops compute, so
+//    the deterministic FC2 mode must match it bit for bit (FC2 pinned to the
+//    rows kernel on both sides, so both sum in the same order);
+//  - full: the single-GPU moe_forward over all E experts. The EP result
+//    rounds each rank's partial to bf16 before the sum, so it may differ by
+//    a unit of each partial: |ep - full| <= 2^-7 |full| + 2^-7 max|full|.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "common/ep_ranks.h"
+#include "common/gpu_testing.h"
+#include "common/host_dtype.h"
+#include "common/test_data.h"
+#include "flashmix/ep.h"
+#include "flashmix/moe.h"
+
+using namespace flashmix;
+using namespace flashmix::testing;
+
+namespace {
+
+constexpr int kTimeoutS = 300;
+
+// CUDA_OK for the per-rank bodies, which return their exit code.
+#define CK(x)                                                                  \
+  do {                                                                         \
+    const cudaError_t ck_err_ = (x);                                           \
+    if (ck_err_ != cudaSuccess) {                                              \
+      ADD_FAILURE() << #x << ": " << cudaGetErrorString(ck_err_);              \
+      return 1;                                                                \
+    }                                                                          \
+  } while (0)
+
+enum class Skew { kUniform, kToRank0, kMostlyRank0 };
+
+struct EpCase {
+  int world = 2;
+  std::vector<int64_t> T;  // tokens per rank
+  int k = 3, E = 8;
+  int64_t H = 264, I = 136;
+  Skew skew = Skew::kUniform;
+  EpSizing sizing = EpSizing::kCapacity;
+  int64_t recv_capacity = 0;
+  bool shared = true;
+  bool graph = false;
+};
+
+int64_t max_tokens(const EpCase& c) { return std::max<int64_t>(1, *std::max_element(c.T.begin(), c.T.end())); }
+
+// Rank q's tokens: X, ids, weights, shared.
+struct Tokens {
+  HostTensor X, shared;
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+};
+
+Tokens make_tokens(const EpCase& c, int q, uint64_t salt) {
+  Rng rng(test_seed() ^ (0xe9ull << 32) ^ (uint64_t(q) * 7919) ^ salt);
+  Tokens tk;
+  const int64_t T = c.T[size_t(q)];
+  tk.X = HostTensor(DType::kBFloat16, std::max<int64_t>(1, T) * c.H);
+  tk.X.fill_random(rng);
+  tk.shared = HostTensor(DType::kBFloat16, std::max<int64_t>(1, T) * c.H);
+  tk.shared.fill_random(rng);
+  const int e_local = c.E / c.world;
+  std::vector<int32_t> pick(static_cast<size_t>(c.E));
+  for (int64_t t = 0; t < T; ++t) {
+    // k distinct experts; kToRank0 draws from rank 0's range only, kMostlyRank0 there 3 times in 4.
+    const bool rank0 = c.skew == Skew::kToRank0 || (c.skew == Skew::kMostlyRank0 && rng.integer(0, 3) != 0);
+    const int pool = rank0 && e_local >= c.k ? e_local : c.E;
+    for (int e = 0; e < c.E; ++e) pick[size_t(e)] = e;
+    for (int j = 0; j < c.k; ++j) std::swap(pick[size_t(j)], pick[size_t(j + rng.integer(0, pool - 1 - j))]);
+    for (int j = 0; j < c.k; ++j) tk.ids.push_back(pick[size_t(j)]);
+  }
+  tk.w.resize(tk.ids.size());
+  for (auto& x : tk.w) x = rng.uniform(0.1f, 1.0f);
+  return tk;
+}
+
+struct Experts {
+  HostTensor W1, b1, W2, b2;  // all E experts
+  DeviceBuffer dW1, db1, dW2, db2;
+};
+
+void make_experts(const EpCase& c, Experts& ex) {
+  Rng rng(test_seed() ^ 0x5eedea11ull);
+  ex.W1 = HostTensor(DType::kBFloat16, int64_t(c.E) * 2 * c.I * c.H);
+  ex.W1.fill_random(rng, -0.15f, 0.15f);
+  ex.b1 = HostTensor(DType::kBFloat16, int64_t(c.E) * 2 * c.I);
+  ex.b1.fill_random(rng, -0.2f, 0.2f);
+  ex.W2 = HostTensor(DType::kBFloat16, int64_t(c.E) * c.H * c.I);
+  ex.W2.fill_random(rng, -0.15f, 0.15f);
+  ex.b2 = HostTensor(DType::kBFloat16, int64_t(c.E) * c.H);
+  ex.b2.fill_random(rng, -0.2f, 0.2f);
+  ex.dW1 = DeviceBuffer(ex.W1.bytes.size());
+  ex.dW1.upload(ex.W1.data(), ex.W1.bytes.size());
+  ex.db1 = DeviceBuffer(ex.b1.bytes.size());
+  ex.db1.upload(ex.b1.data(), ex.b1.bytes.size());
+  ex.dW2 = DeviceBuffer(ex.W2.bytes.size());
+  ex.dW2.upload(ex.W2.data(), ex.W2.bytes.size());
+  ex.db2 = DeviceBuffer(ex.b2.bytes.size());
+  ex.db2.upload(ex.b2.data(), ex.b2.bytes.size());
+}
+
+// The layer's settings, over experts [start, start + local) of `ex`.
+MoeForwardArgs layer_args(const EpCase& c, const Experts& ex, int start, int local) {
+  MoeForwardArgs m;
+  m.hidden = c.H;
+  m.inter = c.I;
+  m.k = c.k;
+  m.num_experts = c.E;
+  m.start_expert_id = start;
+  m.num_experts_per_node = local;
+  m.W1 = static_cast<const char*>(ex.dW1.get()) + size_t(start) * 2 * c.I * c.H * 2;
+  m.b1 = static_cast<const char*>(ex.db1.get()) + size_t(start) * 2 * c.I * 2;
+  m.W2 = static_cast<const char*>(ex.dW2.get()) + size_t(start) * c.H * c.I * 2;
+  m.b2 = static_cast<const char*>(ex.db2.get()) + size_t(start) * c.H * 2;
+  m.fc2_mode = Fc2Mode::kDeterministic;
+  m.fc2_tuning.gemm_kernel = Fc2GemmKernel::kRows;
+  return m;
+}
+
+struct DeviceTokens {
+  DeviceBuffer X, ids, w, shared;
+  explicit DeviceTokens(const Tokens& tk)
+      : X(tk.X.bytes.size()), ids(std::max<size_t>(4, tk.ids.size() * 4)), w(std::max<size_t>(4, tk.w.size() * 4)),
+        shared(tk.shared.bytes.size()) {
+    X.upload(tk.X.data(), tk.X.bytes.size());
+    if (!tk.ids.empty()) ids.upload(tk.ids.data(), tk.ids.size() * 4);
+    if (!tk.w.empty()) w.upload(tk.w.data(), tk.w.size() * 4);
+    shared.upload(tk.shared.data(), tk.shared.bytes.size());
+  }
+};
+
+// moe_forward of experts [start, start + local) over T tokens: a filled bf16 partial [T, H].
+std::vector<uint16_t> partial(const EpCase& c, const Experts& ex, DeviceTokens& dt, int64_t T, int start, int local,
+                              bool with_shared, cudaStream_t stream) {
+  std::vector<uint16_t> out(static_cast<size_t>(T * c.H));
+  if (T == 0) return out;
+  MoeForwardArgs m = layer_args(c, ex, start, local);
+  m.num_tokens = T;
+  m.X = dt.X.get();
+  m.token_selected_experts = dt.ids.as<int32_t>();
+  m.token_final_scales = dt.w.as<float>();
+  m.shared_output = with_shared ? dt.shared.get() : nullptr;
+  DeviceBuffer dout(out.size() * 2), ws(std::max<size_t>(256, moe_forward_workspace_size(m)));
+  m.out = dout.get();
+  const Status st = moe_forward(m, ws.get(), ws.bytes(), stream);
+  EXPECT_TRUE(st.ok()) << st.message();
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  dout.download(out.data(), out.size() * 2);
+  return out;
+}
+
+// Host sum in fp32, in order, of bf16 rows (+ an optional bf16 term last), rounded once.
+uint16_t sum_bf16(const std::vector<float>& terms) {
+  float acc = 0.f;
+  for (float x : terms) acc += x;
+  return host::float_to_bf16(acc);
+}
+
+// Compares `got` [T, H] with `want` bitwise and with `full` by the tolerance;
+// rows listed in `cut` must be all NaN instead.
+void expect_rows(const char* what, int rank, int64_t T, int64_t H, const std::vector<uint16_t>& got,
+                 const std::vector<uint16_t>& want, const std::vector<uint16_t>* full, const std::vector<bool>& cut) {
+  double max_full = 0;
+  if (full)
+    for (uint16_t v : *full) max_full = std::max(max_full, double(std::fabs(host::bf16_to_float(v))));
+  int bad = 0;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      const size_t i = size_t(t * H + h);
+      const float g = host::bf16_to_float(got[i]);
+      if (!cut.empty() && cut[size_t(t)]) {
+        if (!std::isnan(g) && bad++ < 5) ADD_FAILURE() << what << " rank " << rank << " token " << t << " col " << h
+                                                       << ": cut by the capacity, wants NaN, got " << g;
+        continue;
+      }
+      if (got[i] != want[i] && bad++ < 5)
+        ADD_FAILURE() << what << " rank " << rank << " token " << t << " col " << h << ": got " << g << ", ranked ref "
+                      << host::bf16_to_float(want[i]);
+      if (full) {
+        const double f = host::bf16_to_float((*full)[i]);
+        const double tol = std::ldexp(std::fabs(f), -7) + std::ldexp(max_full, -7);
+        if (!(std::fabs(g - f) <= tol) && bad++ < 5)
+          ADD_FAILURE() << what << " rank " << rank << " token " << t << " col " << h << ": got " << g
+                        << ", single-GPU ref " << f << " (tolerance " << tol << ")";
+      }
+    }
+  EXPECT_EQ(bad, 0) << what << " rank " << rank << ": " << bad << " mismatches";
+}
+
+EpShape shape_of(const EpCase& c, int rank) {
+  EpShape s;
+  s.rank = rank;
+  s.world = c.world;
+  s.hidden = c.H;
+  s.k = c.k;
+  s.num_experts = c.E;
+  s.max_tokens_per_rank = max_tokens(c);
+  s.recv_capacity = c.recv_capacity;
+  s.sizing = c.sizing;
+  return s;
+}
+
+// The all-to-all way on this rank: ep_dispatch's receive view against the
+// CPU plan, then ep_moe_forward against both references.
+int all_to_all_rank(const EpCase& c, int rank, ncclComm_t comm) {
+  cudaStream_t stream;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Experts ex;
+  make_experts(c, ex);
+  const EpShape shape = shape_of(c, rank);
+  const int64_t C = ep_recv_capacity(shape), H = c.H, T = c.T[size_t(rank)];
+  const int e_local = c.E / c.world;
+  std::vector<Tokens> all;
+  for (int q = 0; q < c.world; ++q) all.push_back(make_tokens(c, q, 0));
+  DeviceTokens dt(all[size_t(rank)]);
+
+  // 1. Dispatch alone: what arrived, from every source.
+  DeviceBuffer ws(ep_workspace_size(shape)), dropped(4);
+  {
+    HostTensor poison(DType::kBFloat16, int64_t(c.world) * C * H);
+    poison.poison();
+    const EpRecvView v0 = ep_recv_view(shape, ws.get());
+    CK(cudaMemcpy(v0.x, poison.data(), poison.bytes.size(), cudaMemcpyHostToDevice));
+  }
+  EpDispatchArgs d;
+  d.shape = shape;
+  d.num_tokens = T;
+  d.X = dt.X.get();
+  d.topk_ids = dt.ids.as<int32_t>();
+  d.topk_weights = dt.w.as<float>();
+  d.dropped = dropped.as<int32_t>();
+  Status st = ep_dispatch(d, comm, ws.get(), ws.bytes(), stream);
+  EXPECT_TRUE(st.ok()) << st.message();
+  CK(cudaStreamSynchronize(stream));
+  const EpRecvView v = ep_recv_view(shape, ws.get());
+  std::vector<uint16_t> rx(static_cast<size_t>(v.rows * H));
+  std::vector<int32_t> rids(static_cast<size_t>(v.rows * c.k)), rcounts(size_t(c.world));
+  std::vector<float> rw(static_cast<size_t>(v.rows * c.k));
+  CK(cudaMemcpy(rx.data(), v.x, rx.size() * 2, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(rids.data(), v.ids, rids.size() * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(rw.data(), v.weights, rw.size() * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(rcounts.data(), v.counts, rcounts.size() * 4, cudaMemcpyDeviceToHost));
+  int32_t got_dropped = -1;
+  dropped.download(&got_dropped, 4);
+  int bad = 0;
+  for (int s = 0; s < c.world; ++s) {
+    const Tokens& src = all[size_t(s)];
+    const int64_t Ts = c.T[size_t(s)];
+    const EpPlanCpu plan = ep_plan_cpu(shape_of(c, s), Ts, src.ids.data());
+    if (s == rank) EXPECT_EQ(got_dropped, plan.dropped) << "rank " << rank << ": dropped";
+    EXPECT_EQ(rcounts[size_t(s)], std::min<int64_t>(plan.counts[size_t(rank)], C)) << "rank " << rank << " from " << s;
+    std::vector<bool> seen(size_t(C), false);
+    for (int64_t t = 0; t < Ts; ++t) {
+      const int32_t row = plan.row[size_t(rank) * size_t(Ts) + size_t(t)];
+      if (row < 0 || row >= C) continue;
+      seen[size_t(row)] = true;
+      const int64_t r = s * C + row;
+      for (int64_t h = 0; h < H; ++h)
+        if (rx[size_t(r * H + h)] != reinterpret_cast<const uint16_t*>(src.X.data())[t * H + h] && bad++ < 5)
+          ADD_FAILURE() << "rank " << rank << ": row " << r << " (token " << t << " of rank " << s << ") col " << h;
+      for (int j = 0; j < c.k; ++j)
+        if ((rids[size_t(r * c.k + j)] != src.ids[size_t(t * c.k + j)] ||
+             rw[size_t(r * c.k + j)] != src.w[size_t(t * c.k + j)]) &&
+            bad++ < 5)
+          ADD_FAILURE() << "rank " << rank << ": meta of row " << r << " slot " << j;
+    }
+    for (int64_t row = 0; row < C; ++row)
+      if (!seen[size_t(row)])
+        for (int j = 0; j < c.k; ++j)
+          if (rids[size_t((s * C + row) * c.k + j)] != -1 && bad++ < 5)
+            ADD_FAILURE() << "rank " << rank << ": padding row " << s * C + row << " has id "
+                          << rids[size_t((s * C + row) * c.k + j)] << ", wants -1";
+  }
+  EXPECT_EQ(bad, 0);
+
+  // 2. The whole layer.
+  EpMoeForwardArgs f;
+  f.shape = shape;
+  f.num_tokens = T;
+  f.X = dt.X.get();
+  f.topk_ids = dt.ids.as<int32_t>();
+  f.topk_weights = dt.w.as<float>();
+  f.moe = layer_args(c, ex, rank * e_local, e_local);
+  f.shared_output = c.shared ? dt.shared.get() : nullptr;
+  f.dropped = dropped.as<int32_t>();
+  DeviceBuffer out(size_t(std::max<int64_t>(1, T) * H * 2)), fws(ep_moe_forward_workspace_size(f));
+  EXPECT_GT(fws.bytes(), 0u);
+  f.out = out.get();
+  auto reference = [&](const Tokens& tk, DeviceTokens& dtk, std::vector<uint16_t>& ranked,
+                       std::vector<uint16_t>& full, std::vector<bool>& cut) {
+    std::vector<std::vector<uint16_t>> parts;
+    for (int q = 0; q < c.world; ++q) parts.push_back(partial(c, ex, dtk, T, q * e_local, e_local, false, stream));
+    full = partial(c, ex, dtk, T, 0, c.E, c.shared, stream);
+    const EpPlanCpu plan = ep_plan_cpu(shape, T, tk.ids.data());
+    ranked.assign(size_t(T * H), 0);
+    cut.assign(size_t(T), false);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int q = 0; q < c.world; ++q) cut[size_t(t)] = cut[size_t(t)] || plan.row[size_t(q * T + t)] >= C;
+      for (int64_t h = 0; h < H; ++h) {
+        std::vector<float> terms;
+        for (int q = 0; q < c.world; ++q)
+          if (plan.row[size_t(q * T + t)] >= 0) terms.push_back(host::bf16_to_float(parts[size_t(q)][size_t(t * H + h)]));
+        if (c.shared) terms.push_back(float(tk.shared.get(t * H + h)));
+        ranked[size_t(t * H + h)] = sum_bf16(terms);
+      }
+    }
+  };
+  std::vector<uint16_t> ranked, full, got(size_t(T * H));
+  std::vector<bool> cut;
+  reference(all[size_t(rank)], dt, ranked, full, cut);
+  CK(cudaMemset(out.get(), 0xff, out.bytes()));
+  if (!c.graph) {
+    st = ep_moe_forward(f, comm, fws.get(), fws.bytes(), stream);
+    EXPECT_TRUE(st.ok()) << st.message();
+    CK(cudaStreamSynchronize(stream));
+    if (T > 0) out.download(got.data(), got.size() * 2);
+    expect_rows("ep_moe_forward", rank, T, H, got, ranked, &full, cut);
+  } else {
+    // Captured once, replayed on new token values written into the same buffers.
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    st = ep_moe_forward(f, comm, fws.get(), fws.bytes(), stream);
+    EXPECT_TRUE(st.ok()) << st.message();
+    CK(cudaStreamEndCapture(stream, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int replay = 0; replay < 2; ++replay) {
+      if (replay == 1) {
+        std::vector<Tokens> again;
+        for (int q = 0; q < c.world; ++q) again.push_back(make_tokens(c, q, 0xabcdef));
+        all = std::move(again);
+        const Tokens& tk = all[size_t(rank)];
+        dt.X.upload(tk.X.data(), tk.X.bytes.size());
+        if (!tk.ids.empty()) dt.ids.upload(tk.ids.data(), tk.ids.size() * 4);
+        if (!tk.w.empty()) dt.w.upload(tk.w.data(), tk.w.size() * 4);
+        dt.shared.upload(tk.shared.data(), tk.shared.bytes.size());
+        reference(tk, dt, ranked, full, cut);
+        CK(cudaMemset(out.get(), 0xff, out.bytes()));
+      }
+      CK(cudaGraphLaunch(exec, stream));
+      CK(cudaStreamSynchronize(stream));
+      if (T > 0) out.download(got.data(), got.size() * 2);
+      expect_rows(replay ? "graph replay on new inputs" : "graph replay", rank, T, H, got, ranked, &full, cut);
+    }
+    CK(cudaGraphExecDestroy(exec));
+    CK(cudaGraphDestroy(graph));
+  }
+  CK(cudaStreamDestroy(stream));
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  return ::testing::Test::HasFailure() ? 1 : 0;
+}
+
+// Way 1: all ranks hold the same tokens; moe_forward of the rank's experts,
+// then NCCL's sum (all_reduce or reduce_scatter).
+int replicated_rank(const EpCase& c, EpReduce reduce, int rank, ncclComm_t comm) {
+  cudaStream_t stream;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Experts ex;
+  make_experts(c, ex);
+  const int W = c.world, e_local = c.E / W;
+  const int64_t T = c.T[0], H = c.H;
+  const Tokens tk = make_tokens(c, 0, 0x77);  // the same on every rank
+  DeviceTokens dt(tk);
+  EpReplicatedArgs a;
+  a.moe = layer_args(c, ex, rank * e_local, e_local);
+  a.moe.num_tokens = T;
+  a.moe.X = dt.X.get();
+  a.moe.token_selected_experts = dt.ids.as<int32_t>();
+  a.moe.token_final_scales = dt.w.as<float>();
+  a.moe.shared_output = c.shared ? dt.shared.get() : nullptr;
+  a.reduce = reduce;
+  const int64_t rows = reduce == EpReduce::kAllReduce ? T : T / W, first = reduce == EpReduce::kAllReduce ? 0 : rank * rows;
+  DeviceBuffer out(size_t(std::max<int64_t>(1, rows) * H * 2)), ws(std::max<size_t>(256, ep_moe_forward_replicated_workspace_size(a, W)));
+  a.out = out.get();
+  CK(cudaMemset(out.get(), 0xff, out.bytes()));
+  const Status st = ep_moe_forward_replicated(a, comm, ws.get(), ws.bytes(), stream);
+  EXPECT_TRUE(st.ok()) << st.message();
+  CK(cudaStreamSynchronize(stream));
+  std::vector<uint16_t> got(static_cast<size_t>(rows * H));
+  if (rows > 0) out.download(got.data(), got.size() * 2);
+  std::vector<std::vector<uint16_t>> parts;
+  for (int q = 0; q < W; ++q) parts.push_back(partial(c, ex, dt, T, q * e_local, e_local, c.shared && q == 0, stream));
+  const std::vector<uint16_t> full_all = partial(c, ex, dt, T, 0, c.E, c.shared, stream);
+  std::vector<uint16_t> ranked(static_cast<size_t>(rows * H)), full(size_t(rows * H));
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      // NCCL sums bf16 pairwise with a rounding per add: for two ranks one
+      // rounding of the exact sum, as here; more ranks: the tolerance only.
+      std::vector<float> terms;
+      for (int q = 0; q < W; ++q) terms.push_back(host::bf16_to_float(parts[size_t(q)][size_t((first + t) * H + h)]));
+      ranked[size_t(t * H + h)] = sum_bf16(terms);
+      full[size_t(t * H + h)] = full_all[size_t((first + t) * H + h)];
+    }
+  if (W <= 2)
+    expect_rows(reduce == EpReduce::kAllReduce ? "replicated all_reduce" : "replicated reduce_scatter", rank, rows, H,
+                got, ranked, &full, {});
+  else
+    expect_rows("replicated", rank, rows, H, got, got, &full, {});
+  CK(cudaStreamDestroy(stream));
+  return ::testing::Test::HasFailure() ? 1 : 0;
+}
+
+// Rank q's expert outputs [k*T, H] (permuted rows) and maps for its range.
+struct RankRows {
+  HostTensor rows;
+  DeviceBuffer drows, u2p, p2u, offsets, maps_ws;
+};
+
+// Way 1 with the finalize seed's op: finalize_moe_routing of the rank's
+// experts' rows (fp32 or bf16 partial), NCCL's sum, one rounding.
+int finalize_reduce_rank(const EpCase& c, EpReduce reduce, DType partial_dtype, int rank, ncclComm_t comm) {
+  cudaStream_t stream;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const int W = c.world, e_local = c.E / W;
+  const int64_t T = c.T[0], H = c.H, k = c.k;
+  const Tokens tk = make_tokens(c, 0, 0x99);
+  DeviceTokens dt(tk);
+  std::vector<RankRows> rr(static_cast<size_t>(W));
+  for (int q = 0; q < W; ++q) {
+    Rng rng(test_seed() ^ 0x123400ull ^ uint64_t(q));
+    rr[size_t(q)].rows = HostTensor(DType::kBFloat16, std::max<int64_t>(1, k * T) * H);
+    rr[size_t(q)].rows.fill_random(rng);
+    rr[size_t(q)].drows = DeviceBuffer(rr[size_t(q)].rows.bytes.size());
+    rr[size_t(q)].drows.upload(rr[size_t(q)].rows.data(), rr[size_t(q)].rows.bytes.size());
+    rr[size_t(q)].u2p = DeviceBuffer(size_t(std::max<int64_t>(1, k * T)) * 4);
+    rr[size_t(q)].p2u = DeviceBuffer(size_t(std::max<int64_t>(1, k * T)) * 4);
+    rr[size_t(q)].offsets = DeviceBuffer(size_t(e_local + 1) * 8);
+    MoeRoutingArgs m;
+    m.token_selected_experts = dt.ids.as<int32_t>();
+    m.num_tokens = T;
+    m.k = c.k;
+    m.start_expert_id = q * e_local;
+    m.num_experts_per_node = e_local;
+    m.expert_first_token_offset = rr[size_t(q)].offsets.as<int64_t>();
+    m.permuted_row_to_unpermuted_row = rr[size_t(q)].p2u.as<int32_t>();
+    m.unpermuted_row_to_permuted_row = rr[size_t(q)].u2p.as<int32_t>();
+    rr[size_t(q)].maps_ws = DeviceBuffer(std::max<size_t>(256, build_moe_routing_maps_workspace_size(m)));
+    const Status st = build_moe_routing_maps(m, rr[size_t(q)].maps_ws.get(), rr[size_t(q)].maps_ws.bytes(), stream);
+    EXPECT_TRUE(st.ok()) << st.message();
+  }
+  auto finalize_of = [&](int q, DType out_dtype, void* out_ptr) {
+    FinalizeMoeRoutingArgs f;
+    f.expanded_permuted_rows = rr[size_t(q)].drows.get();
+    f.num_rows = std::max<int64_t>(1, k * T);
+    f.unpermuted_row_to_permuted_row = rr[size_t(q)].u2p.as<int32_t>();
+    f.token_selected_experts = dt.ids.as<int32_t>();
+    f.scales = dt.w.as<float>();
+    f.num_tokens = T;
+    f.hidden = H;
+    f.k = c.k;
+    f.start_expert_id = q * e_local;
+    f.num_experts_per_node = e_local;
+    f.out = out_ptr;
+    f.out_dtype = out_dtype;
+    return f;
+  };
+  EpFinalizeReduceArgs a;
+  a.finalize = finalize_of(rank, partial_dtype, nullptr);
+  a.reduce = reduce;
+  a.partial_dtype = partial_dtype;
+  a.out_dtype = DType::kBFloat16;
+  const int64_t rows = reduce == EpReduce::kAllReduce ? T : T / W, first = reduce == EpReduce::kAllReduce ? 0 : rank * rows;
+  DeviceBuffer out(size_t(std::max<int64_t>(1, rows) * H * 2)), ws(std::max<size_t>(256, ep_finalize_reduce_workspace_size(a, W)));
+  a.out = out.get();
+  CK(cudaMemset(out.get(), 0xff, out.bytes()));
+  Status st = ep_finalize_reduce(a, comm, ws.get(), ws.bytes(), stream);
+  EXPECT_TRUE(st.ok()) << st.message();
+  CK(cudaStreamSynchronize(stream));
+  std::vector<uint16_t> got(static_cast<size_t>(rows * H)), ranked(size_t(rows * H));
+  if (rows > 0) out.download(got.data(), got.size() * 2);
+  // The partials of every range on this GPU, summed on the host.
+  std::vector<std::vector<float>> parts(size_t(W), std::vector<float>(size_t(T * H)));
+  for (int q = 0; q < W; ++q) {
+    DeviceBuffer p(size_t(std::max<int64_t>(1, T * H)) * 4);
+    st = finalize_moe_routing(finalize_of(q, DType::kFloat32, p.get()), stream);
+    EXPECT_TRUE(st.ok()) << st.message();
+    CK(cudaStreamSynchronize(stream));
+    if (T > 0) p.download(parts[size_t(q)].data(), size_t(T * H) * 4);
+    if (partial_dtype == DType::kBFloat16)
+      for (float& x : parts[size_t(q)]) x = host::bf16_to_float(host::float_to_bf16(x));
+  }
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      float acc = 0.f;
+      for (int q = 0; q < W; ++q) acc += parts[size_t(q)][size_t((first + t) * H + h)];
+      if (partial_dtype == DType::kBFloat16) acc = host::bf16_to_float(host::float_to_bf16(acc));
+      ranked[size_t(t * H + h)] = host::float_to_bf16(acc);
+    }
+  expect_rows("finalize_reduce", rank, rows, H, got, ranked, nullptr, {});
+  CK(cudaStreamDestroy(stream));
+  return ::testing::Test::HasFailure() ? 1 : 0;
+}
+
+int world_or_skip(int want) {
+  const int n = gpu_count_in_child();
+  return n >= want ? want : 0;
+}
+
+void run_case(const EpCase& c, const std::function<int(int, int, ncclComm_t)>& body) {
+  const RanksResult r = run_ranks(c.world, kTimeoutS, body);
+  EXPECT_TRUE(r.ok()) << r.describe();
+}
+
+#define SKIP_WITHOUT_GPUS(n)                                                               \
+  do {                                                                                     \
+    if (world_or_skip(n) == 0) GTEST_SKIP() << "needs " << n << " GPUs (one process each)"; \
+  } while (0)
+
+EpCase base_case() {
+  EpCase c;
+  c.world = 2;
+  c.T = {37, 64};
+  return c;
+}
+
+}  // namespace
+
+TEST(EpGpu, AllToAllCapacity) {
+  SKIP_WITHOUT_GPUS(2);
+  EpCase c = base_case();
+  run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+}
+
+TEST(EpGpu, AllToAllExact) {
+  SKIP_WITHOUT_GPUS(2);
+  EpCase c = base_case();
+  c.sizing = EpSizing::kExact;
+  c.skew = Skew::kMostlyRank0;
+  run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+}
+
+TEST(EpGpu, AllToAllSkewedRankOneReceivesNothing) {
+  SKIP_WITHOUT_GPUS(2);
+  for (EpSizing sizing : {EpSizing::kCapacity, EpSizing::kExact}) {
+    EpCase c = base_case();
+    c.skew = Skew::kToRank0;
+    c.sizing = sizing;
+    c.k = 2;
+    run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+  }
+}
+
+TEST(EpGpu, AllToAllZeroTokensOnOneRank) {
+  SKIP_WITHOUT_GPUS(2);
+  for (EpSizing sizing : {EpSizing::kCapacity, EpSizing::kExact}) {
+    EpCase c = base_case();
+    c.T = {0, 45};
+    c.sizing = sizing;
+    run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+  }
+}
+
+TEST(EpGpu, AllToAllOneTokenWideExperts) {
+  SKIP_WITHOUT_GPUS(2);
+  EpCase c = base_case();
+  c.T = {1, 1};
+  c.k = 8;
+  c.E = 16;
+  c.H = 512;
+  c.I = 256;
+  run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+}
+
+TEST(EpGpu, AllToAllCapacityOverflowIsReported) {
+  SKIP_WITHOUT_GPUS(2);
+  for (EpSizing sizing : {EpSizing::kCapacity, EpSizing::kExact}) {
+    EpCase c = base_case();
+    c.skew = Skew::kMostlyRank0;
+    c.recv_capacity = 20;  // rank 0's experts get more than 20 rows from each source
+    c.sizing = sizing;
+    run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+  }
+}
+
+TEST(EpGpu, AllToAllGraphCapture) {
+  SKIP_WITHOUT_GPUS(2);
+  EpCase c = base_case();
+  c.graph = true;
+  run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+}
+
+TEST(EpGpu, AllToAllOneRank) {
+  SKIP_WITHOUT_GPUS(1);
+  EpCase c = base_case();
+  c.world = 1;
+  c.T = {53};
+  run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+}
+
+TEST(EpGpu, ReplicatedAllReduceAndReduceScatter) {
+  SKIP_WITHOUT_GPUS(2);
+  for (EpReduce reduce : {EpReduce::kAllReduce, EpReduce::kReduceScatter}) {
+    EpCase c = base_case();
+    c.T = {48};
+    run_case(c, [&](int r, int, ncclComm_t comm) { return replicated_rank(c, reduce, r, comm); });
+  }
+}
+
+TEST(EpGpu, FinalizeReduce) {
+  SKIP_WITHOUT_GPUS(2);
+  for (DType p : {DType::kFloat32, DType::kBFloat16})
+    for (EpReduce reduce : {EpReduce::kAllReduce, EpReduce::kReduceScatter}) {
+      EpCase c = base_case();
+      c.T = {50};
+      c.k = 4;
+      run_case(c, [&](int r, int, ncclComm_t comm) { return finalize_reduce_rank(c, reduce, p, r, comm); });
+    }
+}
+
+TEST(EpGpu, BadArgumentsLaunchNothing) {
+  SKIP_WITHOUT_GPUS(1);
+  EpCase c = base_case();
+  c.world = 1;
+  c.T = {8};
+  run_case(c, [&](int rank, int, ncclComm_t comm) {
+    EpShape s = shape_of(c, rank);
+    DeviceBuffer ws(ep_workspace_size(s));
+    EpDispatchArgs d;
+    d.shape = s;
+    d.num_tokens = 9;  // past max_tokens_per_rank
+    Status st = ep_dispatch(d, comm, ws.get(), ws.bytes(), nullptr);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("num_tokens"), std::string::npos) << st.message();
+    d.num_tokens = 0;
+    d.shape.rank = 1;
+    d.shape.world = 2;  // the communicator has one rank
+    st = ep_dispatch(d, comm, ws.get(), ws.bytes(), nullptr);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("comm"), std::string::npos) << st.message();
+    d.shape = s;
+    st = ep_dispatch(d, comm, ws.get(), ws.bytes() - 256, nullptr);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("workspace_bytes"), std::string::npos) << st.message();
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+    return ::testing::Test::HasFailure() ? 1 : 0;
+  });
+}
