@@ -1,4 +1,4 @@
-// flashmix-bench-ep: expert parallelism on NCCL (spec §13), one process per
+// flashmix-bench-ep: expert parallelism on NCCL (spec §14), one process per
 // GPU (tests/common/ep_ranks.h); rank 0 prints and writes the records. The
 // ceilings are NCCL's own collectives on the same bytes, in the same run:
 //

@@ -2,7 +2,7 @@
 # Installs NCCL's headers and library from the PyPI package nvidia-nccl-cu13
 # (the same NCCL PyTorch's CUDA 13 wheels depend on) into a project-local
 # prefix, for flashmix's optional expert-parallel component (flashmix_ep,
-# spec §13). --no-deps: the package has none we need.
+# spec §14). --no-deps: the package has none we need.
 #
 #   scripts/setup_nccl.sh [PREFIX]        (default: <repo>/.deps/nccl)
 #

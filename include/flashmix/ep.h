@@ -1,4 +1,4 @@
-// flashmix_ep: the routed-expert layer across GPUs on NCCL (spec §13).
+// flashmix_ep: the routed-expert layer across GPUs on NCCL (spec §14).
 //
 // Expert placement: with W ranks and E experts (E % W == 0), rank r holds
 // experts [r * E/W, (r + 1) * E/W). Two ways to run the layer:
@@ -49,7 +49,7 @@ enum class EpReduce {
 // E_local = num_experts / W); its `fill` is ignored (the partial is always
 // filled), shared_output is added on rank 0 only (once in the sum), and its
 // out / out_stride are ignored: the result goes to `out` below. The partial
-// is bf16 (what moe_forward writes), summed by NCCL in bf16 (spec §13.2).
+// is bf16 (what moe_forward writes), summed by NCCL in bf16 (spec §14.2).
 struct EpReplicatedArgs {
   MoeForwardArgs moe;
   EpReduce reduce = EpReduce::kAllReduce;
@@ -63,7 +63,7 @@ Status ep_moe_forward_replicated(const EpReplicatedArgs& args, ncclComm_t comm, 
 // rank's expert range into a filled partial, then NCCL's sum. `finalize` is
 // the single-GPU finalize's arguments; its fill, out, out_dtype and
 // shared_output fields are ignored (shared_output here is added on rank 0).
-// partial_dtype kFloat32 (the default, spec §13.2): the partial and the
+// partial_dtype kFloat32 (the default, spec §14.2): the partial and the
 // NCCL sum are fp32 and one rounding to `out_dtype` ends it; kBFloat16: the
 // partial is rounded to bf16 and NCCL sums bf16 (half the bytes).
 struct EpFinalizeReduceArgs {
@@ -98,7 +98,7 @@ struct EpShape {
   // Rows a rank receives from one source, C. 0 means max_tokens_per_rank,
   // which never overflows (a token goes at most once to each rank). Less
   // saves memory and bytes; a source with more rows for one destination
-  // overflows (spec §13.4): the rows past C are not sent, the owner's output
+  // overflows (spec §14.4): the rows past C are not sent, the owner's output
   // rows of those tokens are NaN and `dropped` counts them.
   int64_t recv_capacity = 0;
   EpSizing sizing = EpSizing::kCapacity;
@@ -175,7 +175,7 @@ Status ep_moe_forward(const EpMoeForwardArgs& args, ncclComm_t comm, void* works
                       cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
-// CPU reference (spec §13.5): every rank of the all-to-all way simulated in
+// CPU reference (spec §14.5): every rank of the all-to-all way simulated in
 // one process, written from the spec. `plan` is what dispatch decides for one
 // rank's tokens: for destination d and token t, the row in d's slab from this
 // rank, or -1 (not sent); counts[d] before the capacity cut.

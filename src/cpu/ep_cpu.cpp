@@ -1,4 +1,4 @@
-// CPU reference of the all-to-all way's plan (spec §13.3), written from the
+// CPU reference of the all-to-all way's plan (spec §14.3), written from the
 // spec: token t goes to rank d when one of its k ids lies in d's expert range
 // [d * E/W, (d + 1) * E/W); its row in d's slab is the number of earlier
 // tokens that go to d; rows at or past the capacity C are cut.

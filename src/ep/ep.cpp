@@ -1,4 +1,4 @@
-// flashmix_ep's entry points (spec §13): host checks, the NCCL transport, and
+// flashmix_ep's entry points (spec §14): host checks, the NCCL transport, and
 // the ops chained on the caller's stream.
 //
 // Every rank must make the same NCCL calls in the same order, so everything

@@ -1,5 +1,5 @@
 // flashmix_ep's host side without a transport: the shape's rules, the
-// workspace layout every rank derives from it (spec §13.3), and the size
+// workspace layout every rank derives from it (spec §14.3), and the size
 // queries.
 #include <cstdint>
 

@@ -1,4 +1,4 @@
-// flashmix_ep's insides (spec §13): the workspace layout every rank derives
+// flashmix_ep's insides (spec §14): the workspace layout every rank derives
 // from the same EpShape, and the four kernels of the all-to-all way. The
 // kernels move bytes between this rank's buffers only; ep.cpp adds the NCCL
 // transport between them, and the one-GPU loopback test plays the transport
@@ -64,7 +64,7 @@ struct Layout {
 // Valid only for a shape that passed check_shape.
 Layout layout(const EpShape& s);
 
-// Host checks shared by every entry point (spec §13.6). `comm` may be null
+// Host checks shared by every entry point (spec §14.6). `comm` may be null
 // (the size queries and the loopback); when given, its rank and size must
 // match the shape.
 Status check_shape(const char* op, const EpShape& s, ncclComm_t comm);

@@ -1,4 +1,4 @@
-// The all-to-all way's kernels (spec §13.3): plan, pack, unpack, combine
+// The all-to-all way's kernels (spec §14.3): plan, pack, unpack, combine
 // reduce. Rows move as 16-byte words (H % 8 == 0, strides % 8 == 0, 16-byte
 // aligned bases: checked on the host).
 #include <algorithm>

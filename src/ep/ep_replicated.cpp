@@ -1,4 +1,4 @@
-// Expert parallelism's first way (spec §13.2): every rank has all T tokens,
+// Expert parallelism's first way (spec §14.2): every rank has all T tokens,
 // computes the filled partial of its own experts, and NCCL sums the partials
 // (all_reduce: every rank gets [T, H]; reduce_scatter: rank r gets rows
 // [r*T/W, (r+1)*T/W)). The shared output is added on rank 0 only, so it is
@@ -35,14 +35,15 @@ Status comm_place(const char* op, ncclComm_t comm, int* rank, int* world) {
   return Status::Ok();
 }
 
-Status check_reduce(const char* op, EpReduce reduce, int64_t T, int world, const void* out) {
+// out == nullptr is allowed for the size queries (check_out false).
+Status check_reduce(const char* op, EpReduce reduce, int64_t T, int world, const void* out, bool check_out = true) {
   const int r = int(reduce);
   FM_REQUIRE(r == int(EpReduce::kAllReduce) || r == int(EpReduce::kReduceScatter), op, "reduce",
              "unknown EpReduce value ", r);
   if (reduce == EpReduce::kReduceScatter)
     FM_REQUIRE(T % world == 0, op, "num_tokens", "must be a multiple of world = ", world,
                " for reduce_scatter (rank r keeps rows [r*T/W, (r+1)*T/W); got ", T, ")");
-  if (T > 0) FM_REQUIRE(out != nullptr, op, "out", "must not be null");
+  if (T > 0 && check_out) FM_REQUIRE(out != nullptr, op, "out", "must not be null");
   return Status::Ok();
 }
 
@@ -79,7 +80,7 @@ size_t replicated_partial_bytes(const EpReplicatedArgs& a) {
 }  // namespace
 
 size_t ep_moe_forward_replicated_workspace_size(const EpReplicatedArgs& a, int world) {
-  if (world < 1 || !check_reduce(kReplicatedOp, a.reduce, a.moe.num_tokens, world, a.out).ok()) return 0;
+  if (world < 1 || !check_reduce(kReplicatedOp, a.reduce, a.moe.num_tokens, world, a.out, false).ok()) return 0;
   const size_t moe = moe_forward_workspace_size(rank_layer(a, 0, a.out));
   return replicated_partial_bytes(a) + moe;
 }
@@ -158,8 +159,8 @@ FinalizeReduceLayout finalize_layout(const EpFinalizeReduceArgs& a, int world) {
   return l;
 }
 
-Status check_finalize_reduce(const char* op, const EpFinalizeReduceArgs& a, int world) {
-  FM_RETURN_IF_ERROR(check_reduce(op, a.reduce, a.finalize.num_tokens, world, a.out));
+Status check_finalize_reduce(const char* op, const EpFinalizeReduceArgs& a, int world, bool check_out) {
+  FM_RETURN_IF_ERROR(check_reduce(op, a.reduce, a.finalize.num_tokens, world, a.out, check_out));
   FM_REQUIRE(a.partial_dtype == DType::kFloat32 || a.partial_dtype == DType::kBFloat16, op, "partial_dtype",
              "must be float32 or bfloat16 (got ", to_string(a.partial_dtype), ")");
   FM_REQUIRE(a.partial_dtype == DType::kFloat32 || a.out_dtype == DType::kBFloat16, op, "out_dtype",
@@ -172,7 +173,7 @@ Status check_finalize_reduce(const char* op, const EpFinalizeReduceArgs& a, int 
 }  // namespace
 
 size_t ep_finalize_reduce_workspace_size(const EpFinalizeReduceArgs& a, int world) {
-  if (world < 1 || !check_finalize_reduce(kFinalizeOp, a, world).ok()) return 0;
+  if (world < 1 || !check_finalize_reduce(kFinalizeOp, a, world, false).ok()) return 0;
   return finalize_layout(a, world).total;
 }
 
@@ -181,7 +182,7 @@ Status ep_finalize_reduce(const EpFinalizeReduceArgs& a, ncclComm_t comm, void* 
   constexpr const char* op = kFinalizeOp;
   int rank = 0, world = 0;
   FM_RETURN_IF_ERROR(comm_place(op, comm, &rank, &world));
-  FM_RETURN_IF_ERROR(check_finalize_reduce(op, a, world));
+  FM_RETURN_IF_ERROR(check_finalize_reduce(op, a, world, true));
   const int64_t T = a.finalize.num_tokens, H = a.finalize.hidden;
   if (T == 0) return Status::Ok();
   const FinalizeReduceLayout l = finalize_layout(a, world);

@@ -1,4 +1,4 @@
-// flashmix_ep without a transport (spec §13): the plan's reference on hand-made
+// flashmix_ep without a transport (spec §14): the plan's reference on hand-made
 // routings, the workspace layout every rank derives, the shape's rules, and
 // the all-to-all way simulated for every rank in one process (plan, the
 // slabs each rank would receive, moe_forward_cpu of each rank's experts on

@@ -1,4 +1,4 @@
-// flashmix_ep on GPUs (spec §13): one process per GPU (tests/common/ep_ranks.h),
+// flashmix_ep on GPUs (spec §14): one process per GPU (tests/common/ep_ranks.h),
 // NCCL between them. Runs with world = 2 where two GPUs are present (and the
 // one-rank cases on one GPU); skipped otherwise.
 //
@@ -511,6 +511,8 @@ int world_or_skip(int want) {
 }
 
 void run_case(const EpCase& c, const std::function<int(int, int, ncclComm_t)>& body) {
+  // Every rank draws the same problem: one seed for all of them.
+  setenv("FLASHMIX_TEST_SEED", std::to_string(test_seed()).c_str(), 1);
   const RanksResult r = run_ranks(c.world, kTimeoutS, body);
   EXPECT_TRUE(r.ok()) << r.describe();
 }
