@@ -1,0 +1,219 @@
+// mxfp4_to_fp8_block and mxfp4_to_bf16 (spec §13): MXFP4 weights (e2m1
+// codes, the even element in a byte's low nibble; one ue8m0 scale per 32
+// along K) converted for the FP8 layer or dequantised to bf16.
+//   fp8 block:  E = e_max(128 x 128 block) - 6;  scale 2^E;  q = e4m3(e2m1 * 2^(e - E))
+//   bf16:       out = bf16(e2m1 * 2^e)
+// (e = the sub-block's scale exponent; NaN scales give NaN elements and stay
+// out of e_max.)
+//
+// Roofline: memory bound. fp8 block: reads 0.5 + 1/32 bytes an element,
+// writes 1 (+ 4 bytes a 128 x 128 block): 1.53 bytes an element, 201 MB for
+// 32 experts of V4-Flash's FC1 (2I = 4096, H = 4096): 60 us at 3.35 TB/s.
+// bf16: 2.53 bytes an element. Measured: flashmix-bench op mxfp4_to_fp8_block.
+//
+// Bitwise equal to the CPU reference: e2m1 * 2^d is built exactly as fp32
+// bits (d clamped at -30, far below where e4m3 rounds every value to zero)
+// and cvt.rn.satfinite.e4m3x2.f32 rounds it once; the bf16 path multiplies
+// two exact fp32 values (exact, or +-inf past the range) and rounds once.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "common/check.h"
+#include "common/launch.cuh"
+#include "flashmix/mxfp4.h"
+#include "mxfp4/mxfp4_internal.h"
+
+namespace flashmix {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMinShift = -30;  // below this every e2m1 value is < 2^-25: e4m3 rounds it to +-0 either way
+constexpr uint32_t kE4m3NaNx4 = 0x7f7f7f7fu;
+
+// fp32 bits of e2m1(code) * 2^d (code in the low 4 bits; -30 <= d <= 6):
+// magnitude 0.5 is 2^-1; 1, 1.5, 2, 3, 4, 6 are (1 + m/2) 2^(x - 1) for the
+// exponent field x = code >> 1 & 3 and mantissa bit m. Always a normal float
+// (or +-0), so no rounding.
+__device__ __forceinline__ uint32_t e2m1_shifted_bits(uint32_t code, int d) {
+  const uint32_t sign = (code & 8u) << 28, mag = code & 7u;
+  if (mag == 0) return sign;
+  if (mag == 1) return sign | (uint32_t(126 + d) << 23);
+  return sign | (uint32_t(126 + int(mag >> 1) + d) << 23) | ((mag & 1u) << 22);
+}
+
+// Eight consecutive elements (a word of packed bytes, element i at bits 4i)
+// times 2^d as e4m3 bytes, element 0 in the low byte of lo.
+__device__ __forceinline__ void e2m1x8_to_e4m3(uint32_t packed, int d, uint32_t& lo, uint32_t& hi) {
+  uint32_t pairs[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float v0 = __uint_as_float(e2m1_shifted_bits(packed >> (8 * i), d));
+    const float v1 = __uint_as_float(e2m1_shifted_bits(packed >> (8 * i + 4), d));
+    pairs[i] = __nv_cvt_float2_to_fp8x2(make_float2(v0, v1), __NV_SATFINITE, __NV_E4M3);
+  }
+  lo = pairs[0] | (pairs[1] << 16);
+  hi = pairs[2] | (pairs[3] << 16);
+}
+
+// 2^e as a float, e in [-149, 127] (subnormal below -126).
+__device__ __forceinline__ float exp2_float(int e) {
+  return __uint_as_float(e >= -126 ? uint32_t(e + 127) << 23 : 1u << (e + 149));
+}
+
+struct Fp8BlockParams {
+  const uint8_t* w;  // packed [batch * rows, cols / 2]
+  const uint8_t* w_scales;
+  uint8_t* q;
+  float* q_scales;
+  uint32_t rows, row_blocks, col_blocks;
+  int64_t cols;
+};
+
+// One CTA per 128 x 128 block g = (b * row_blocks + rb) * col_blocks + cb.
+// Thread t owns row t / 2 of the block and its 64 columns (t % 2): two
+// 32-element sub-blocks, 32 packed bytes in (two 16-byte loads), 64 e4m3
+// bytes out (four 16-byte stores). The block's largest finite scale byte
+// is reduced over the CTA before anything is converted.
+__global__ void __launch_bounds__(kThreads) mxfp4_to_fp8_block_kernel(const Fp8BlockParams p) {
+  __shared__ uint32_t warp_max[kThreads / 32];
+  dev::grid_dependency_wait();
+  dev::allow_dependents_launch();
+  const uint32_t g = blockIdx.x;
+  const uint32_t t = g / p.col_blocks, cb = g - t * p.col_blocks;
+  const uint32_t b = t / p.row_blocks, rb = t - b * p.row_blocks;
+  const uint32_t r_in_block = threadIdx.x / 2, half = threadIdx.x % 2;
+  const uint32_t r = rb * 128u + r_in_block;
+  const bool live = r < p.rows;
+  const int64_t row = int64_t(b) * p.rows + r;
+  const int64_t col0 = int64_t(cb) * 128 + half * 64;  // first element of this thread
+
+  uint4 packed[2];
+  uint32_t scale[2] = {kUe8m0NaN, kUe8m0NaN};
+  uint32_t top = 0;  // largest finite scale byte + 1 (0: none)
+  if (live) {
+    const uint4* src = reinterpret_cast<const uint4*>(p.w + row * (p.cols / 2) + col0 / 2);
+    packed[0] = __ldcs(src);
+    packed[1] = __ldcs(src + 1);
+    const uint8_t* s = p.w_scales + row * (p.cols / kMxfp4GroupCols) + col0 / kMxfp4GroupCols;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      scale[j] = __ldcs(s + j);
+      if (scale[j] != kUe8m0NaN) top = max(top, scale[j] + 1);
+    }
+  }
+  top = __reduce_max_sync(0xffffffffu, top);
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = top;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) top = max(top, warp_max[w]);
+
+  const int block_exp = top == 0 ? 0 : int(top) - 1 - 127 - kMxfp4Fp8TopShift;  // in [-133, 121]
+  if (threadIdx.x == 0) p.q_scales[g] = exp2_float(block_exp);
+  if (!live) return;
+  uint4* dst = reinterpret_cast<uint4*>(p.q + row * p.cols + col0);
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    uint4 o[2];
+    if (scale[j] == kUe8m0NaN) {
+      o[0] = o[1] = make_uint4(kE4m3NaNx4, kE4m3NaNx4, kE4m3NaNx4, kE4m3NaNx4);
+    } else {
+      const int d = max(int(scale[j]) - 127 - block_exp, kMinShift);
+      e2m1x8_to_e4m3(packed[j].x, d, o[0].x, o[0].y);
+      e2m1x8_to_e4m3(packed[j].y, d, o[0].z, o[0].w);
+      e2m1x8_to_e4m3(packed[j].z, d, o[1].x, o[1].y);
+      e2m1x8_to_e4m3(packed[j].w, d, o[1].z, o[1].w);
+    }
+    dst[2 * j] = o[0];
+    dst[2 * j + 1] = o[1];
+  }
+}
+
+// Eight elements of a packed word times 2^e (a float) as bf16, element 0 in
+// the low half of out[0].
+__device__ __forceinline__ void e2m1x8_to_bf16(uint32_t packed, float scale, uint32_t (&out)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float v0 = __uint_as_float(e2m1_shifted_bits(packed >> (8 * i), 0)) * scale;
+    const float v1 = __uint_as_float(e2m1_shifted_bits(packed >> (8 * i + 4), 0)) * scale;
+    const __nv_bfloat162 h = __floats2bfloat162_rn(v0, v1);  // v0 in the low half
+    out[i] = *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+
+struct Bf16Params {
+  const uint8_t* w;
+  const uint8_t* w_scales;
+  uint16_t* out;
+  int64_t groups;  // 32-element sub-blocks in all: batch * rows * cols / 32
+};
+
+// A thread per 32-element sub-block (grid-stride): 16 packed bytes and one
+// scale byte in, 64 bytes of bf16 out. Sub-blocks are contiguous in every
+// array, so consecutive threads read and write consecutive memory.
+__global__ void __launch_bounds__(kThreads) mxfp4_to_bf16_kernel(const Bf16Params p) {
+  dev::grid_dependency_wait();
+  dev::allow_dependents_launch();
+  for (int64_t g = blockIdx.x * int64_t(kThreads) + threadIdx.x; g < p.groups; g += int64_t(gridDim.x) * kThreads) {
+    const uint4 packed = __ldcs(reinterpret_cast<const uint4*>(p.w) + g);
+    const uint32_t s = __ldcs(p.w_scales + g);
+    uint4* dst = reinterpret_cast<uint4*>(p.out) + 4 * g;
+    if (s == kUe8m0NaN) {
+      const uint4 nan = make_uint4(0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) dst[i] = nan;
+      continue;
+    }
+    const float scale = exp2_float(int(s) - 127);
+    const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      uint32_t o[4];
+      e2m1x8_to_bf16(words[i], scale, o);
+      dst[i] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  }
+}
+
+}  // namespace
+
+Status mxfp4_to_fp8_block(const Mxfp4ToFp8BlockArgs& a, cudaStream_t stream) {
+  constexpr const char* kOp = "mxfp4_to_fp8_block";
+  return detail::gpu_entry(kOp, validate_mxfp4_to_fp8_block(a), stream, a.batch == 0 || a.rows == 0, [&]() -> Status {
+    Fp8BlockParams p{};
+    p.w = static_cast<const uint8_t*>(a.w);
+    p.w_scales = static_cast<const uint8_t*>(a.w_scales);
+    p.q = static_cast<uint8_t*>(a.q);
+    p.q_scales = a.q_scales;
+    p.rows = uint32_t(a.rows);
+    p.row_blocks = uint32_t((a.rows + kMxfp4Fp8BlockDim - 1) / kMxfp4Fp8BlockDim);
+    p.col_blocks = uint32_t(a.cols / kMxfp4Fp8BlockDim);
+    p.cols = a.cols;
+    const uint32_t blocks = uint32_t(a.batch) * p.row_blocks * p.col_blocks;
+    FM_RETURN_IF_ERROR(detail::cuda_status(
+        dev::launch(mxfp4_to_fp8_block_kernel, dim3(blocks), dim3(kThreads), 0, stream, a.enable_pdl, p), kOp,
+        "kernel launch"));
+    return detail::check_launch(kOp);
+  });
+}
+
+Status mxfp4_to_bf16(const Mxfp4ToBf16Args& a, cudaStream_t stream) {
+  constexpr const char* kOp = "mxfp4_to_bf16";
+  return detail::gpu_entry(kOp, validate_mxfp4_to_bf16(a), stream, a.batch == 0 || a.rows == 0, [&]() -> Status {
+    Bf16Params p{};
+    p.w = static_cast<const uint8_t*>(a.w);
+    p.w_scales = static_cast<const uint8_t*>(a.w_scales);
+    p.out = static_cast<uint16_t*>(a.out);
+    p.groups = a.batch * a.rows * (a.cols / kMxfp4GroupCols);
+    constexpr int64_t kMaxGrid = int64_t(1) << 20;  // grid-stride beyond
+    const int64_t grid = std::min((p.groups + kThreads - 1) / kThreads, kMaxGrid);
+    FM_RETURN_IF_ERROR(detail::cuda_status(
+        dev::launch(mxfp4_to_bf16_kernel, dim3(uint32_t(grid)), dim3(kThreads), 0, stream, a.enable_pdl, p), kOp,
+        "kernel launch"));
+    return detail::check_launch(kOp);
+  });
+}
+
+}  // namespace flashmix
