@@ -54,9 +54,9 @@ Status mxfp4_to_fp8_block_cpu(const Mxfp4ToFp8BlockArgs& a) {
               out = 0x7f;
               continue;
             }
-            // d = e - E_block <= 6. Below -30 every e2m1 value lies far under
-            // half of e4m3's smallest subnormal: clamp so 2^d stays a normal float.
-            const int d = std::max(int(s) - 127 - block_exp, -30);
+            // d = e - E_block <= 6; far below, every e2m1 value rounds to +-0
+            // in e4m3 however small: clamp so 2^d stays a normal float.
+            const int d = std::max(int(s) - 127 - block_exp, kMxfp4MinShift);
             out = host::float_to_e4m3(std::ldexp(host::e2m1_to_float(host::e2m1_code_at(row, k)), d));
           }
         }

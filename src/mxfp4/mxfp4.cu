@@ -24,44 +24,14 @@
 #include "common/check.h"
 #include "common/launch.cuh"
 #include "flashmix/mxfp4.h"
+#include "mxfp4/mxfp4_convert.cuh"
 #include "mxfp4/mxfp4_internal.h"
 
 namespace flashmix {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kMinShift = -30;  // below this every e2m1 value is < 2^-25: e4m3 rounds it to +-0 either way
 constexpr uint32_t kE4m3NaNx4 = 0x7f7f7f7fu;
-
-// fp32 bits of e2m1(code) * 2^d (code in the low 4 bits; -30 <= d <= 6):
-// magnitude 0.5 is 2^-1; 1, 1.5, 2, 3, 4, 6 are (1 + m/2) 2^(x - 1) for the
-// exponent field x = code >> 1 & 3 and mantissa bit m. Always a normal float
-// (or +-0), so no rounding.
-__device__ __forceinline__ uint32_t e2m1_shifted_bits(uint32_t code, int d) {
-  const uint32_t sign = (code & 8u) << 28, mag = code & 7u;
-  if (mag == 0) return sign;
-  if (mag == 1) return sign | (uint32_t(126 + d) << 23);
-  return sign | (uint32_t(126 + int(mag >> 1) + d) << 23) | ((mag & 1u) << 22);
-}
-
-// Eight consecutive elements (a word of packed bytes, element i at bits 4i)
-// times 2^d as e4m3 bytes, element 0 in the low byte of lo.
-__device__ __forceinline__ void e2m1x8_to_e4m3(uint32_t packed, int d, uint32_t& lo, uint32_t& hi) {
-  uint32_t pairs[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float v0 = __uint_as_float(e2m1_shifted_bits(packed >> (8 * i), d));
-    const float v1 = __uint_as_float(e2m1_shifted_bits(packed >> (8 * i + 4), d));
-    pairs[i] = __nv_cvt_float2_to_fp8x2(make_float2(v0, v1), __NV_SATFINITE, __NV_E4M3);
-  }
-  lo = pairs[0] | (pairs[1] << 16);
-  hi = pairs[2] | (pairs[3] << 16);
-}
-
-// 2^e as a float, e in [-149, 127] (subnormal below -126).
-__device__ __forceinline__ float exp2_float(int e) {
-  return __uint_as_float(e >= -126 ? uint32_t(e + 127) << 23 : 1u << (e + 149));
-}
 
 struct Fp8BlockParams {
   const uint8_t* w;  // packed [batch * rows, cols / 2]
@@ -120,7 +90,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_to_fp8_block_kernel(const Fp8B
     if (scale[j] == kUe8m0NaN) {
       o[0] = o[1] = make_uint4(kE4m3NaNx4, kE4m3NaNx4, kE4m3NaNx4, kE4m3NaNx4);
     } else {
-      const int d = max(int(scale[j]) - 127 - block_exp, kMinShift);
+      const int d = max(int(scale[j]) - 127 - block_exp, kMxfp4MinShift);
       e2m1x8_to_e4m3(packed[j].x, d, o[0].x, o[0].y);
       e2m1x8_to_e4m3(packed[j].y, d, o[0].z, o[0].w);
       e2m1x8_to_e4m3(packed[j].z, d, o[1].x, o[1].y);
@@ -128,18 +98,6 @@ __global__ void __launch_bounds__(kThreads) mxfp4_to_fp8_block_kernel(const Fp8B
     }
     dst[2 * j] = o[0];
     dst[2 * j + 1] = o[1];
-  }
-}
-
-// Eight elements of a packed word times 2^e (a float) as bf16, element 0 in
-// the low half of out[0].
-__device__ __forceinline__ void e2m1x8_to_bf16(uint32_t packed, float scale, uint32_t (&out)[4]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float v0 = __uint_as_float(e2m1_shifted_bits(packed >> (8 * i), 0)) * scale;
-    const float v1 = __uint_as_float(e2m1_shifted_bits(packed >> (8 * i + 4), 0)) * scale;
-    const __nv_bfloat162 h = __floats2bfloat162_rn(v0, v1);  // v0 in the low half
-    out[i] = *reinterpret_cast<const uint32_t*>(&h);
   }
 }
 

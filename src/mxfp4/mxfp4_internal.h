@@ -11,5 +11,8 @@ constexpr int64_t kMxfp4Fp8BlockDim = 128;  // rows and columns of an FP8 weight
 // The largest shift of a group's top sub-block: 6 * 2^6 = 384 <= 448 (spec §13.2).
 constexpr int kMxfp4Fp8TopShift = 6;
 constexpr uint8_t kUe8m0NaN = 255;
+// Shifts below this give e2m1 * 2^d < 2^-25, which e4m3 rounds to +-0 like
+// any smaller shift: clamping there keeps 2^d a normal float.
+constexpr int kMxfp4MinShift = -30;
 
 }  // namespace flashmix
