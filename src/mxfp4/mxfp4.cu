@@ -23,6 +23,7 @@
 
 #include "common/check.h"
 #include "common/launch.cuh"
+#include "common/reduce.cuh"
 #include "flashmix/mxfp4.h"
 #include "mxfp4/mxfp4_convert.cuh"
 #include "mxfp4/mxfp4_internal.h"
@@ -48,7 +49,7 @@ struct Fp8BlockParams {
 // bytes out (four 16-byte stores). The block's largest finite scale byte
 // is reduced over the CTA before anything is converted.
 __global__ void __launch_bounds__(kThreads) mxfp4_to_fp8_block_kernel(const Fp8BlockParams p) {
-  __shared__ uint32_t warp_max[kThreads / 32];
+  __shared__ unsigned warp_max[kThreads / 32];
   dev::grid_dependency_wait();
   dev::allow_dependents_launch();
   const uint32_t g = blockIdx.x;
@@ -62,7 +63,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_to_fp8_block_kernel(const Fp8B
 
   uint4 packed[2];
   uint32_t scale[2] = {kUe8m0NaN, kUe8m0NaN};
-  uint32_t top = 0;  // largest finite scale byte + 1 (0: none)
+  unsigned top = 0;  // largest finite scale byte + 1 (0: none)
   if (live) {
     const uint4* src = reinterpret_cast<const uint4*>(p.w + row * (p.cols / 2) + col0 / 2);
     packed[0] = __ldcs(src);
@@ -74,11 +75,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_to_fp8_block_kernel(const Fp8B
       if (scale[j] != kUe8m0NaN) top = max(top, scale[j] + 1);
     }
   }
-  top = __reduce_max_sync(0xffffffffu, top);
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = top;
-  __syncthreads();
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w) top = max(top, warp_max[w]);
+  top = dev::block_max(top, warp_max);
 
   const int block_exp = top == 0 ? 0 : int(top) - 1 - 127 - kMxfp4Fp8TopShift;  // in [-133, 121]
   if (threadIdx.x == 0) p.q_scales[g] = exp2_float(block_exp);
