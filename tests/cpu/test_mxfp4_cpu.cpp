@@ -2,8 +2,8 @@
 // mxfp4_to_bf16 and mxfp4_to_fp8_block against values worked from the spec
 // (every code in every nibble position, every scale byte, spreads 0..20 with
 // the inexact ones found and bounded, NaN scales, partial row blocks and
-// batches), their validation, and the DeepSeek-V4 expert loader on a small
-// synthetic checkpoint. The GPU tests hold the kernels to these references
+// batches), their validation, the DeepSeek-V4 expert loader on a small
+// synthetic checkpoint, and converted experts through the FP8 and bf16 layers. The GPU tests hold the kernels to these references
 // byte for byte.
 #include <algorithm>
 #include <cmath>
@@ -19,6 +19,7 @@
 #include "common/host_mxfp4.h"
 #include "common/mxfp4_testing.h"
 #include "common/test_data.h"
+#include "flashmix/moe.h"
 #include "flashmix/mxfp4.h"
 
 using namespace flashmix;
@@ -597,4 +598,70 @@ TEST(StackDeepSeekV4Experts, BadInputNamesTheArgument) {
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << b.argument;
     EXPECT_NE(st.message().find(std::string(": ") + b.argument + ": "), std::string::npos) << st.message();
   }
+}
+
+// ---------------------------------------------------------------------------
+// The CPU twin of the GPU end-to-end test (test_mxfp4_gpu.cu,
+// Fp8LayerOnConvertedWeightsAgainstBf16Layer): MXFP4 experts converted
+// both ways by the references, then moe_forward_cpu with FP8 blocks against
+// moe_forward_cpu in bf16. The weights are the same values; what differs is
+// the FP8 layer's quantisation of X and of FC1's rows (spec §10.4): about 4%
+// relative, held to 2^-3.
+// ---------------------------------------------------------------------------
+
+TEST(Mxfp4Cpu, Fp8LayerOnConvertedWeightsAgainstBf16Layer) {
+  Rng rng(test_seed() ^ 0x4f4ull);
+  const int64_t T = 16, H = 256, I = 128;
+  const int k = 6, E = 16, start = 4, local = 8;
+  const Mxfp4Data w1 = random_mxfp4(rng, local, 2 * I, H), w2 = random_mxfp4(rng, local, H, I);
+  Fp8Run f1(w1, local, 2 * I, H), f2(w2, local, H, I);
+  Bf16Run h1(w1, local, 2 * I, H), h2(w2, local, H, I);
+  ASSERT_TRUE(f1.status.ok() && f2.status.ok() && h1.status.ok() && h2.status.ok());
+  HostTensor X(DType::kBFloat16, T * H);
+  X.fill_random(rng);
+  const Routing r = random_routing(rng, T, k, E, start, local);
+  std::vector<float> weights(size_t(T * k));
+  for (float& v : weights) v = rng.uniform(0.1f, 1.0f);
+  std::vector<uint16_t> out8(size_t(T * H), 0xffff), out16(size_t(T * H), 0xffff);
+
+  MoeForwardArgs a;
+  a.num_tokens = T;
+  a.hidden = H;
+  a.inter = I;
+  a.k = k;
+  a.num_experts = E;
+  a.start_expert_id = start;
+  a.num_experts_per_node = local;
+  a.X = X.data();
+  a.token_selected_experts = r.experts.data();
+  a.token_final_scales = weights.data();
+  a.activation = MoeActivation::kSwiGLUClamped;
+  a.fc2_mode = Fc2Mode::kDeterministic;
+  MoeForwardArgs a8 = a, a16 = a;
+  a8.fp8 = MoeFp8Scaling::kBlock;
+  a8.W1 = f1.q.data();
+  a8.w1_scales = f1.scales.data();
+  a8.W2 = f2.q.data();
+  a8.w2_scales = f2.scales.data();
+  a8.out = out8.data();
+  a16.W1 = h1.out.data();
+  a16.W2 = h2.out.data();
+  a16.out = out16.data();
+  Status st = moe_forward_cpu(a8);
+  ASSERT_TRUE(st.ok()) << st.message();
+  st = moe_forward_cpu(a16);
+  ASSERT_TRUE(st.ok()) << st.message();
+  double num = 0, den = 0;
+  for (size_t i = 0; i < out8.size(); ++i) {
+    const double x8 = bf16_to_float(out8[i]), x16 = bf16_to_float(out16[i]);
+    ASSERT_FALSE(std::isnan(x8) || std::isnan(x16)) << i;
+    num += (x8 - x16) * (x8 - x16);
+    den += x16 * x16;
+  }
+  ASSERT_GT(den, 0.0);
+  const double rel = std::sqrt(num / den);
+  std::printf("[ mxfp4    ] CPU: FP8 layer on mxfp4_to_fp8_block weights vs bf16 layer on mxfp4_to_bf16 weights: "
+              "rel. Frobenius error %.4f\n", rel);
+  EXPECT_LE(rel, std::ldexp(1.0, -3));
+  EXPECT_GT(rel, 0.0);  // the FP8 layer really quantised X and FC1's rows
 }
