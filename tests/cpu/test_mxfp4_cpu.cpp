@@ -3,8 +3,8 @@
 // (every code in every nibble position, every scale byte, spreads 0..20 with
 // the inexact ones found and bounded, NaN scales, partial row blocks and
 // batches), their validation, the DeepSeek-V4 expert loader on a small
-// synthetic checkpoint, and converted experts through the FP8 and bf16 layers. The GPU tests hold the kernels to these references
-// byte for byte.
+// synthetic checkpoint, and converted experts through the FP8 and bf16
+// layers. The GPU tests hold the kernels to these references byte for byte.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
