@@ -4,7 +4,8 @@
 // DeepSeek-V4's routed experts are stored this way.
 //
 // mxfp4_to_fp8_block: MXFP4 [batch, N, K] -> e4m3 [batch, N, K] with one fp32
-//   scale per 128 x 128 block (the FP8 layer's weight format, spec §11.2):
+//   scale per 128 x 128 block (the FP8 layer's weight format, spec §11.2) or
+//   per row per 128 columns (1 x 128: what the W4A8 GEMMs will fold in):
 //   the block's sub-block scales fold into the codes, scale 2^(e_max - 6),
 //   q = e4m3(e2m1 * 2^(e - e_max + 6)); exact wherever e_max - e <= 14 (§13.2).
 // mxfp4_to_bf16: MXFP4 [batch, N, K] -> bf16 [batch, N, K], the dequantised
@@ -18,6 +19,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "flashmix/fp8.h"
 #include "flashmix/moe_fc1.h"
 #include "flashmix/status.h"
 
@@ -27,11 +29,14 @@ struct Mxfp4ToFp8BlockArgs {
   const void* w = nullptr;         // packed e2m1 [batch, rows, cols / 2] bytes, dense; 16-byte aligned
   const void* w_scales = nullptr;  // ue8m0 [batch, rows, cols / 32] bytes, dense
   void* q = nullptr;               // e4m3 [batch, rows, cols], dense; 16-byte aligned
-  float* q_scales = nullptr;       // fp32 [batch, ceil(rows / 128), cols / 128], dense
+  float* q_scales = nullptr;       // fp32 [batch, ceil(rows / block rows), cols / 128], dense
 
   int64_t batch = 1;  // matrices (experts); 0 is valid (nothing launched)
   int64_t rows = 0;   // N per matrix; 0 is valid (nothing launched)
   int64_t cols = 0;   // K: a positive multiple of 128
+  // The group that shares a scale (spec §13.2): k128x128 (default) for the
+  // FP8 layer's weights; k1x128, one row's four sub-blocks (the W4A8 GEMMs' rule).
+  Fp8Block block = Fp8Block::k128x128;
 
   bool enable_pdl = true;  // programmatic dependent launch with the neighbours on the stream
 };

@@ -1,8 +1,8 @@
 // CPU references for mxfp4_to_fp8_block and mxfp4_to_bf16, written from
 // spec §13 alone:
 //   W[n, k]  = e2m1(code) * 2^(S - 127)                 (NaN where S = 255)
-//   fp8 block (128 x 128): e_max = the largest finite scale exponent of the
-//     block's rows' sub-blocks; block scale 2^(e_max - 6) (1 if none is finite);
+//   fp8 block (128 x 128, or 1 x 128): e_max = the largest finite scale exponent
+//     of the block's rows' sub-blocks; block scale 2^(e_max - 6) (1 if none is finite);
 //     q = e4m3(e2m1(code) * 2^(e - e_max + 6)), 0x7f for a NaN sub-block
 //   bf16: bf16(W[n, k]) (0x7fc0 for a NaN sub-block)
 // Every product is exact in fp32 (or overflows to inf in the bf16 case, or
@@ -23,7 +23,8 @@ Status mxfp4_to_fp8_block_cpu(const Mxfp4ToFp8BlockArgs& a) {
   Status st = validate_mxfp4_to_fp8_block(a);
   if (!st.ok()) return st;
   if (a.batch == 0 || a.rows == 0) return Status::Ok();
-  const int64_t K = a.cols, row_blocks = (a.rows + 127) / 128, col_blocks = K / 128;
+  const int64_t K = a.cols, block_rows = fp8_block_rows(a.block), col_blocks = K / 128;
+  const int64_t row_blocks = (a.rows + block_rows - 1) / block_rows;
   const int64_t groups = K / kMxfp4GroupCols;
   const uint8_t* w = static_cast<const uint8_t*>(a.w);
   const uint8_t* ws = static_cast<const uint8_t*>(a.w_scales);
@@ -31,7 +32,7 @@ Status mxfp4_to_fp8_block_cpu(const Mxfp4ToFp8BlockArgs& a) {
   for (int64_t b = 0; b < a.batch; ++b)
     for (int64_t rb = 0; rb < row_blocks; ++rb)
       for (int64_t cb = 0; cb < col_blocks; ++cb) {
-        const int64_t r0 = rb * 128, r1 = std::min(a.rows, r0 + 128);
+        const int64_t r0 = rb * block_rows, r1 = std::min(a.rows, r0 + block_rows);
         const int64_t g0 = cb * (128 / kMxfp4GroupCols), g1 = g0 + 128 / kMxfp4GroupCols;
         auto scale_byte = [&](int64_t r, int64_t g) { return ws[(b * a.rows + r) * groups + g]; };
         int e_max = 0;

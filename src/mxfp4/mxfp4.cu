@@ -1,7 +1,7 @@
 // mxfp4_to_fp8_block and mxfp4_to_bf16 (spec §13): MXFP4 weights (e2m1
 // codes, the even element in a byte's low nibble; one ue8m0 scale per 32
 // along K) converted for the FP8 layer or dequantised to bf16.
-//   fp8 block:  E = e_max(128 x 128 block) - 6;  scale 2^E;  q = e4m3(e2m1 * 2^(e - E))
+//   fp8 block:  E = e_max(128 x 128 block, or 1 x 128) - 6;  scale 2^E;  q = e4m3(e2m1 * 2^(e - E))
 //   bf16:       out = bf16(e2m1 * 2^e)
 // (e = the sub-block's scale exponent; NaN scales give NaN elements and stay
 // out of e_max.)
@@ -43,13 +43,14 @@ struct Fp8BlockParams {
   int64_t cols;
 };
 
-// One CTA per 128 x 128 block g = (b * row_blocks + rb) * col_blocks + cb.
-// Thread t owns row t / 2 of the block and its 64 columns (t % 2): two
+// One CTA per 128 x 128 tile g = (b * row_blocks + rb) * col_blocks + cb.
+// Thread t owns row t / 2 of the tile and its 64 columns (t % 2): two
 // 32-element sub-blocks, 32 packed bytes in (two 16-byte loads), 64 e4m3
-// bytes out (four 16-byte stores). The block's largest finite scale byte
-// is reduced over the CTA before anything is converted.
+// bytes out (four 16-byte stores). The group's largest finite scale byte is
+// reduced before anything is converted: over the CTA (128 x 128), or over
+// the thread pair that holds the row (kRowGroups: 1 x 128).
+template <bool kRowGroups>
 __global__ void __launch_bounds__(kThreads) mxfp4_to_fp8_block_kernel(const Fp8BlockParams p) {
-  __shared__ unsigned warp_max[kThreads / 32];
   dev::grid_dependency_wait();
   dev::allow_dependents_launch();
   const uint32_t g = blockIdx.x;
@@ -75,10 +76,19 @@ __global__ void __launch_bounds__(kThreads) mxfp4_to_fp8_block_kernel(const Fp8B
       if (scale[j] != kUe8m0NaN) top = max(top, scale[j] + 1);
     }
   }
-  top = dev::block_max(top, warp_max);
+  if constexpr (kRowGroups) {
+    top = max(top, __shfl_xor_sync(0xffffffffu, top, 1));
+  } else {
+    __shared__ unsigned warp_max[kThreads / 32];
+    top = dev::block_max(top, warp_max);
+  }
 
   const int block_exp = top == 0 ? 0 : int(top) - 1 - 127 - kMxfp4Fp8TopShift;  // in [-133, 121]
-  if (threadIdx.x == 0) p.q_scales[g] = exp2_float(block_exp);
+  if constexpr (kRowGroups) {
+    if (live && half == 0) p.q_scales[row * p.col_blocks + cb] = exp2_float(block_exp);  // [batch * rows, K / 128]
+  } else if (threadIdx.x == 0) {
+    p.q_scales[g] = exp2_float(block_exp);
+  }
   if (!live) return;
   uint4* dst = reinterpret_cast<uint4*>(p.q + row * p.cols + col0);
 #pragma unroll
@@ -146,10 +156,10 @@ Status mxfp4_to_fp8_block(const Mxfp4ToFp8BlockArgs& a, cudaStream_t stream) {
     p.row_blocks = uint32_t((a.rows + kMxfp4Fp8BlockDim - 1) / kMxfp4Fp8BlockDim);
     p.col_blocks = uint32_t(a.cols / kMxfp4Fp8BlockDim);
     p.cols = a.cols;
-    const uint32_t blocks = uint32_t(a.batch) * p.row_blocks * p.col_blocks;
+    const uint32_t tiles = uint32_t(a.batch) * p.row_blocks * p.col_blocks;
+    auto* kernel = a.block == Fp8Block::k1x128 ? mxfp4_to_fp8_block_kernel<true> : mxfp4_to_fp8_block_kernel<false>;
     FM_RETURN_IF_ERROR(detail::cuda_status(
-        dev::launch(mxfp4_to_fp8_block_kernel, dim3(blocks), dim3(kThreads), 0, stream, a.enable_pdl, p), kOp,
-        "kernel launch"));
+        dev::launch(kernel, dim3(tiles), dim3(kThreads), 0, stream, a.enable_pdl, p), kOp, "kernel launch"));
     return detail::check_launch(kOp);
   });
 }

@@ -38,7 +38,10 @@ Status validate_inputs(const char* op, const void* w, const void* w_scales) {
 Status validate_mxfp4_to_fp8_block(const Mxfp4ToFp8BlockArgs& a) {
   constexpr const char* kOp = "mxfp4_to_fp8_block";
   FM_RETURN_IF_ERROR(validate_sizes(kOp, a.batch, a.rows, a.cols, kMxfp4Fp8BlockDim));
-  const int64_t row_blocks = (a.rows + kMxfp4Fp8BlockDim - 1) / kMxfp4Fp8BlockDim;
+  FM_REQUIRE(a.block == Fp8Block::k128x128 || a.block == Fp8Block::k1x128, kOp, "block", "unknown Fp8Block value ",
+             int(a.block));
+  const int64_t block_rows = fp8_block_rows(a.block);
+  const int64_t row_blocks = (a.rows + block_rows - 1) / block_rows;
   const int64_t col_blocks = a.cols / kMxfp4Fp8BlockDim;
   FM_REQUIRE(a.batch * row_blocks == 0 || col_blocks <= detail::kInt32Max / (a.batch * row_blocks), kOp, "rows",
              "the 128 x 128 blocks (batch * ceil(rows / 128) * cols / 128) must fit in int32 (batch ", a.batch,

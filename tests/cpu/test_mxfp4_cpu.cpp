@@ -440,6 +440,7 @@ TEST(Mxfp4CpuErrors, Fp8BlockNamesTheArgument) {
   expect_rejected(a, v, c, "q_scales", [](A& x) { x.q_scales = reinterpret_cast<float*>(reinterpret_cast<char*>(x.q_scales) + 2); });
   expect_rejected(a, v, c, "q", [](A& x) { x.q = const_cast<void*>(x.w); });
   expect_rejected(a, v, c, "q_scales", [](A& x) { x.q_scales = reinterpret_cast<float*>(static_cast<uint8_t*>(x.q) + 64); });
+  expect_rejected(a, v, c, "block", [](A& x) { x.block = Fp8Block(2); });
 }
 
 TEST(Mxfp4CpuErrors, Bf16NamesTheArgument) {
@@ -664,4 +665,77 @@ TEST(Mxfp4Cpu, Fp8LayerOnConvertedWeightsAgainstBf16Layer) {
               "rel. Frobenius error %.4f\n", rel);
   EXPECT_LE(rel, std::ldexp(1.0, -3));
   EXPECT_GT(rel, 0.0);  // the FP8 layer really quantised X and FC1's rows
+}
+
+// ---------------------------------------------------------------------------
+// 1 x 128 groups (spec §13.3, `block`): one row's four sub-blocks share a scale
+// ---------------------------------------------------------------------------
+
+// Each row's scale is 2^(its own e_max - 6), stored [rows, K / 128]: rows far
+// below the others, which 128 x 128 blocks round, stay exact.
+TEST(Mxfp4ToFp8BlockCpu, RowGroupsTakeEachRowsOwnMax) {
+  Rng rng(test_seed());
+  const int64_t E = 2, N = 130, K = 256;
+  Mxfp4Options o;
+  o.deep_row_every = 4;  // rows 15..22 binades under the others
+  const Mxfp4Data d = random_mxfp4(rng, E, N, K, o);
+  Fp8Run tiles(d, E, N, K);
+  ASSERT_TRUE(tiles.status.ok());
+  std::vector<uint8_t> q(size_t(E * N * K), kPoison);
+  std::vector<float> scales(size_t(E * N * (K / 128)), -1.0f);
+  Mxfp4ToFp8BlockArgs a;
+  a.w = d.w.data();
+  a.w_scales = d.scales.data();
+  a.q = q.data();
+  a.q_scales = scales.data();
+  a.batch = E;
+  a.rows = N;
+  a.cols = K;
+  a.block = Fp8Block::k1x128;
+  ASSERT_TRUE(mxfp4_to_fp8_block_cpu(a).ok());
+  int64_t inexact_in_tiles = 0;
+  for (int64_t r = 0; r < E * N; ++r)
+    for (int64_t cb = 0; cb < K / 128; ++cb) {
+      int top = 0;
+      for (int64_t g = cb * 4; g < cb * 4 + 4; ++g) top = std::max(top, int(d.scales[size_t(r * (K / 32) + g)]));
+      const float s = scales[size_t(r * (K / 128) + cb)];
+      EXPECT_EQ(s, std::ldexp(1.0f, top - 133)) << "row " << r << " block " << cb;
+      for (int64_t k = cb * 128; k < cb * 128 + 128; ++k) {
+        const double want = dequant(d, K, r, k);
+        EXPECT_EQ(double(e4m3_to_float(q[size_t(r * K + k)])) * s, want) << r << ", " << k;  // row spread <= 2: exact
+        if (tiles.value(N, K, r, k) != want) ++inexact_in_tiles;
+      }
+    }
+  EXPECT_GT(inexact_in_tiles, 0);  // the same weights in 128 x 128 tiles do lose the deep rows' small codes
+}
+
+// Within a row the spread rule is §13.2's: sub-blocks 0, 14, 15 and 20
+// binades under the row's top.
+TEST(Mxfp4ToFp8BlockCpu, RowGroupsFollowTheSpreadRuleWithinARow) {
+  Mxfp4Data d;
+  for (int g = 0; g < 4; ++g) {
+    const std::vector<uint8_t> row = every_code_in_both_nibbles();
+    d.w.insert(d.w.end(), row.begin(), row.end());
+  }
+  d.scales = {150, 136, 135, 130};
+  std::vector<uint8_t> q(128);
+  float s = 0;
+  Mxfp4ToFp8BlockArgs a;
+  a.w = d.w.data();
+  a.w_scales = d.scales.data();
+  a.q = q.data();
+  a.q_scales = &s;
+  a.rows = 1;
+  a.cols = 128;
+  a.block = Fp8Block::k1x128;
+  ASSERT_TRUE(mxfp4_to_fp8_block_cpu(a).ok());
+  EXPECT_EQ(s, std::ldexp(1.0f, 150 - 133));
+  const double at15[8] = {0, 0, 1, 2, 2, 3, 4, 6};  // §13.2's row for spread 15, by code & 7
+  for (int64_t k = 0; k < 128; ++k) {
+    const int mag = int((k % 32) / 2) & 7;
+    const double got = double(e4m3_to_float(q[size_t(k)])) * s, want = dequant(d, 128, 0, k);
+    if (k < 64) EXPECT_EQ(got, want) << k;  // spreads 0 and 14: exact
+    else if (k < 96) EXPECT_EQ(std::fabs(got), at15[mag] * std::ldexp(1.0, 135 - 127)) << k;
+    else EXPECT_EQ(got, 0.0) << k;  // spread 20: everything flushes (sign kept)
+  }
 }

@@ -1,9 +1,10 @@
 // mxfp4_to_fp8_block and mxfp4_to_bf16 on the GPU against their CPU
 // references (spec §13), byte for byte: every byte of the output buffers,
 // with poisoned slack after each that must stay poisoned, on fresh random
-// weights (rows far below their block's top, NaN scales), odd batches and
-// row counts, partial row blocks, every scale byte and code, zero work, PDL
-// off, CUDA graphs, and bad input (named, nothing written). End to end:
+// weights (rows far below their block's top, NaN scales), both scale groups
+// (128 x 128 and 1 x 128), odd batches and row counts, partial row blocks,
+// every scale byte and code, zero work, PDL off, CUDA graphs, and bad input
+// (named, nothing written). End to end:
 // MXFP4 expert weights -> mxfp4_to_fp8_block -> the FP8 moe_forward (kBlock)
 // against the bf16 moe_forward on mxfp4_to_bf16 of the same weights.
 #include <algorithm>
@@ -31,11 +32,12 @@ constexpr size_t kSlack = 64;  // poisoned bytes after each output, checked too
 struct Case {
   int64_t batch = 1, rows = 33, cols = 256;
   Mxfp4Options data;
+  Fp8Block block = Fp8Block::k128x128;
   bool enable_pdl = true;
 };
 
 std::string describe(const Case& c) {
-  return "batch=" + std::to_string(c.batch) + " rows=" + std::to_string(c.rows) + " cols=" + std::to_string(c.cols) +
+  return std::string(to_string(c.block)) + " batch=" + std::to_string(c.batch) + " rows=" + std::to_string(c.rows) + " cols=" + std::to_string(c.cols) +
          " deep_row_every=" + std::to_string(c.data.deep_row_every) + " nan_every=" + std::to_string(c.data.nan_every);
 }
 
@@ -64,7 +66,8 @@ struct Problem {
     Rng rng(test_seed() ^ uint64_t(c.batch * 7919 + c.rows * 131 + c.cols));
     data = given.w.empty() ? random_mxfp4(rng, c.batch, c.rows, c.cols, c.data) : std::move(given);
     const int64_t elems = c.batch * c.rows * c.cols;
-    const int64_t blocks = c.cols % 128 == 0 ? c.batch * ((c.rows + 127) / 128) * (c.cols / 128) : 0;
+    const int64_t br = fp8_block_rows(c.block);
+    const int64_t blocks = c.cols % 128 == 0 ? c.batch * ((c.rows + br - 1) / br) * (c.cols / 128) : 0;
     q_bytes = size_t(elems) + kSlack;
     qs_bytes = size_t(blocks * 4) + kSlack;
     out_bytes = size_t(elems * 2) + kSlack;
@@ -72,7 +75,7 @@ struct Problem {
     qs_ref.assign(qs_bytes, kPoison);
     out_ref.assign(out_bytes, kPoison);
 
-    fp8.batch = c.batch, fp8.rows = c.rows, fp8.cols = c.cols, fp8.enable_pdl = c.enable_pdl;
+    fp8.batch = c.batch, fp8.rows = c.rows, fp8.cols = c.cols, fp8.enable_pdl = c.enable_pdl, fp8.block = c.block;
     bf16.batch = c.batch, bf16.rows = c.rows, bf16.cols = c.cols, bf16.enable_pdl = c.enable_pdl;
     if (blocks > 0) {
       Mxfp4ToFp8BlockArgs h = fp8;
@@ -134,33 +137,40 @@ void check_case(const Case& c) {
 
 }  // namespace
 
+constexpr Fp8Block kBlocks[] = {Fp8Block::k128x128, Fp8Block::k1x128};
+
 TEST(Mxfp4Gpu, MatchesTheReferenceBitwise) {
   SKIP_WITHOUT_GPU();
-  for (int64_t batch : {1, 3})
-    for (int64_t rows : {1, 7, 128, 129, 300})
-      for (int64_t cols : {128, 640}) {
-        Case c;
-        c.batch = batch;
-        c.rows = rows;
-        c.cols = cols;
-        check_case(c);
-      }
+  for (Fp8Block blk : kBlocks)
+    for (int64_t batch : {1, 3})
+      for (int64_t rows : {1, 7, 128, 129, 300})
+        for (int64_t cols : {128, 640}) {
+          Case c;
+          c.block = blk;
+          c.batch = batch;
+          c.rows = rows;
+          c.cols = cols;
+          check_case(c);
+        }
 }
 
 // Rows 15..22 binades under their block's top (the inexact spreads of spec
-// §13.2) and NaN scales: the rounding and the NaN bytes match the reference.
+// §13.2 with 128 x 128 groups), sub-blocks up to 8 binades under their row's
+// top, and NaN scales: the rounding and the NaN bytes match the reference.
 TEST(Mxfp4Gpu, DeepRowsAndNaNScalesMatchTheReference) {
   SKIP_WITHOUT_GPU();
-  for (int64_t rows : {5, 257}) {
-    Case c;
-    c.batch = 2;
-    c.rows = rows;
-    c.cols = 512;
-    c.data.deep_row_every = 3;
-    c.data.nan_every = 17;
-    c.data.group_wobble = 8;
-    check_case(c);
-  }
+  for (Fp8Block blk : kBlocks)
+    for (int64_t rows : {5, 257}) {
+      Case c;
+      c.block = blk;
+      c.batch = 2;
+      c.rows = rows;
+      c.cols = 512;
+      c.data.deep_row_every = 3;
+      c.data.nan_every = 17;
+      c.data.group_wobble = 8;
+      check_case(c);
+    }
 }
 
 // bf16 takes any multiple of 32 along K (the fp8 path is skipped where K % 128 != 0).
@@ -180,18 +190,22 @@ TEST(Mxfp4Gpu, Bf16TakesAnyMultipleOf32) {
 // scales) and the largest spreads.
 TEST(Mxfp4Gpu, EveryScaleByteAndCode) {
   SKIP_WITHOUT_GPU();
-  Case c;
-  c.rows = 256;
-  c.cols = 128;
-  Mxfp4Data d;
-  for (int64_t r = 0; r < c.rows; ++r)
-    for (int g = 0; g < 4; ++g) {
-      for (int j = 0; j < 16; ++j) d.w.push_back(uint8_t(((j + r) & 15) | (((j + g) & 15) << 4)));
-      d.scales.push_back(uint8_t((r * 4 + g) % 256));  // 255 (NaN) included
-    }
-  Problem p(c, d);
-  p.run();
-  p.expect_matches();
+  for (Fp8Block blk : kBlocks) {
+    Case c;
+    c.block = blk;
+    c.rows = 256;
+    c.cols = 128;
+    Mxfp4Data d;
+    for (int64_t r = 0; r < c.rows; ++r)
+      for (int g = 0; g < 4; ++g) {
+        for (int j = 0; j < 16; ++j) d.w.push_back(uint8_t(((j + r) & 15) | (((j + g) & 15) << 4)));
+        d.scales.push_back(uint8_t((r * 4 + g * 61) % 256));  // 255 (NaN) included; rows spread up to 183
+      }
+    SCOPED_TRACE(describe(c));
+    Problem p(c, d);
+    p.run();
+    p.expect_matches();
+  }
 }
 
 TEST(Mxfp4Gpu, ZeroBatchOrRowsLaunchNothing) {
@@ -282,6 +296,7 @@ TEST(Mxfp4GpuErrors, BadInputNamesTheArgumentAndWritesNothing) {
       {"w", [](Mxfp4ToFp8BlockArgs& a) { a.w = static_cast<const char*>(a.w) + 8; }},
       {"q", [](Mxfp4ToFp8BlockArgs& a) { a.q = static_cast<char*>(a.q) + 1; }},
       {"q", [](Mxfp4ToFp8BlockArgs& a) { a.q = const_cast<void*>(a.w); }},
+      {"block", [](Mxfp4ToFp8BlockArgs& a) { a.block = Fp8Block(4); }},
   };
   for (const BadFp8& b : bad_fp8) {
     Mxfp4ToFp8BlockArgs a = p.fp8;
