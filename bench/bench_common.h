@@ -155,5 +155,6 @@ void run_moe_fc2_cases(Context& ctx);
 void run_moe_fc1_cases(Context& ctx);
 void run_moe_forward_cases(Context& ctx);
 void run_quantize_fp8_cases(Context& ctx);
+void run_mxfp4_cases(Context& ctx);
 
 }  // namespace flashmix::bench

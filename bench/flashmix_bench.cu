@@ -77,6 +77,7 @@ int main(int argc, char** argv) {
   run_moe_fc2_cases(ctx);
   run_moe_forward_cases(ctx);
   run_quantize_fp8_cases(ctx);
+  run_mxfp4_cases(ctx);
 
   int failed = 0;
   for (const auto& r : ctx.records) failed += r.check.rfind("FAILED", 0) == 0;

@@ -36,4 +36,18 @@ __device__ __forceinline__ T block_sum(T x, T* scratch) {
   return total;
 }
 
+// Max over all threads of the block; every thread gets the result.
+// `scratch` holds at least blockDim.x / 32 elements; blockDim.x is a multiple
+// of 32; every thread of the block calls it.
+template <typename T>
+__device__ __forceinline__ T block_max(T x, T* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  x = warp_max(x);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  for (int w = 0; w < warps; ++w) x = max(x, scratch[w]);
+  return x;
+}
+
 }  // namespace flashmix::dev

@@ -1,0 +1,45 @@
+// MXFP4 test data shared by the CPU and GPU tests (spec §13): random packed
+// e2m1 bytes with ue8m0 scales shaped like a checkpoint's (a per-row level
+// plus a small per-sub-block wobble), with optional rows far below their
+// block's top (spreads past e4m3's exact range) and NaN scales.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "common/test_data.h"
+
+namespace flashmix::testing {
+
+struct Mxfp4Data {
+  std::vector<uint8_t> w;       // packed [batch, rows, cols / 2]
+  std::vector<uint8_t> scales;  // ue8m0 [batch, rows, cols / 32]
+};
+
+struct Mxfp4Options {
+  int base = 120;          // scale byte around which the rows sit (2^-7)
+  int row_wobble = 3;      // each row's level: base + [-row_wobble, row_wobble]
+  int group_wobble = 2;    // each sub-block: its row's level - [0, group_wobble]
+  int deep_row_every = 0;  // > 0: every such row sits 15..22 binades lower (inexact spreads)
+  int nan_every = 0;       // > 0: about one sub-block in this many has the NaN scale 255
+};
+
+inline Mxfp4Data random_mxfp4(Rng& rng, int64_t batch, int64_t rows, int64_t cols, const Mxfp4Options& o = {}) {
+  Mxfp4Data d;
+  d.w.resize(size_t(batch * rows * cols / 2));
+  d.scales.resize(size_t(batch * rows * cols / 32));
+  for (uint8_t& b : d.w) b = uint8_t(rng.integer(0, 255));
+  for (int64_t r = 0; r < batch * rows; ++r) {
+    int level = o.base + int(rng.integer(-o.row_wobble, o.row_wobble));
+    if (o.deep_row_every > 0 && r % o.deep_row_every == o.deep_row_every - 1) level -= int(rng.integer(15, 22));
+    for (int64_t g = 0; g < cols / 32; ++g) {
+      int s = std::clamp(level - int(rng.integer(0, o.group_wobble)), 0, 254);
+      if (o.nan_every > 0 && rng.integer(0, o.nan_every - 1) == 0) s = 255;
+      d.scales[size_t(r * (cols / 32) + g)] = uint8_t(s);
+    }
+  }
+  return d;
+}
+
+}  // namespace flashmix::testing
