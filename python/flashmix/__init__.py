@@ -4,8 +4,8 @@ python/README.md).
 
 The package is split by area: ``flashmix.moe`` (routing maps, finalize, FC2,
 the router, FC1, the whole routed-expert layer ``moe_forward`` and its torch
-module ``MoeLayer``), ``flashmix.mhc`` (the mHC ops) and ``flashmix.fp8``
-(``quantize_fp8``); everything they export is here too.
+module ``MoeLayer``), ``flashmix.mhc`` (the mHC ops), ``flashmix.fp8``
+(``quantize_fp8``) and ``flashmix.ep`` (expert parallelism on NCCL, when built); everything they export is here too.
 
 Every function takes torch tensors (CUDA or CPU) or numpy arrays (CPU). The
 arrays decide the backend: all on one CUDA device -> the fused kernels,
@@ -47,7 +47,8 @@ import pkgutil
 __path__ = pkgutil.extend_path(__path__, __name__)
 
 from . import _common  # noqa: E402  (torch first, when it is there; then flashmix._C)
-from . import fp8, mhc, moe  # noqa: E402
+from . import ep, fp8, mhc, moe  # noqa: E402
+from .ep import *  # noqa: E402,F401,F403
 from .fp8 import *  # noqa: E402,F401,F403
 from .mhc import *  # noqa: E402,F401,F403
 from .moe import *  # noqa: E402,F401,F403
@@ -57,4 +58,4 @@ __version__ = _common._C.__version__
 #: Whether torch was importable, so that the torch.ops.flashmix custom ops are registered.
 torch_ops_registered = _common.torch is not None
 
-__all__ = moe.__all__ + mhc.__all__ + fp8.__all__ + ["torch_ops_registered"]
+__all__ = moe.__all__ + mhc.__all__ + fp8.__all__ + ep.__all__ + ["torch_ops_registered"]

@@ -39,6 +39,10 @@
 #include "flashmix/dtype.h"
 #include "flashmix/status.h"
 
+namespace flashmix {
+struct MoeForwardArgs;
+}
+
 namespace flashmix::python {
 
 namespace nb = nanobind;
@@ -54,6 +58,15 @@ void register_common(nb::module_& m);
 void register_moe(nb::module_& m);
 void register_mhc(nb::module_& m);
 void register_fp8(nb::module_& m);
+void register_ep(nb::module_& m);  // ep.cpp: built with flashmix_ep (NCCL); else ep_available() is False
+
+// The experts' part of a moe_forward call (moe.cpp): weights, biases, FC1's
+// layout and activation, FC2's mode, FP8 weights and scales, with E_local, H
+// and I taken from W2 [E_local, H, I]; also what ep.cpp's layers use.
+void set_layer_experts(fm::MoeForwardArgs& a, const In& W1, const In& W2, const OptIn& b1, const OptIn& b2,
+                       bool apply_b2, const std::string& w1_layout, const std::string& activation, float limit,
+                       float alpha, const std::string& mode, const std::string& fp8, const OptIn& w1_scales,
+                       const OptIn& w2_scales, const char* op);
 
 // ---------------------------------------------------------------------------
 // Errors

@@ -11,4 +11,9 @@ NB_MODULE(_C, m) {
   flashmix::python::register_moe(m);
   flashmix::python::register_mhc(m);
   flashmix::python::register_fp8(m);
+#ifdef FLASHMIX_WITH_EP
+  flashmix::python::register_ep(m);
+#else
+  m.def("ep_available", [] { return false; }, "False: this build has no flashmix_ep (built without NCCL).");
+#endif
 }

@@ -545,23 +545,15 @@ size_t moe_forward_workspace_size(int64_t num_tokens, int k, int64_t hidden, int
 
 // Arrays of the routed-expert layer; E_local, H, I from W2 [E_local, H, I], T
 // from X [T, H].
-void moe_forward(const In& X, const In& W1, const In& W2, const Out& out, int k, int num_experts,
-                 int start_expert_id, const OptIn& router_logits, const std::string& scoring, bool renormalize,
-                 const OptIn& correction_bias, int n_group, int topk_group, float routed_scaling_factor,
-                 const OptIn& token_selected_experts, const OptIn& token_final_scales,
-                 const OptOut& selected_experts_out, const OptOut& final_scales_out, const OptIn& b1,
-                 const OptIn& b2, bool apply_b2, const std::string& w1_layout, const std::string& activation,
-                 float limit, float alpha, const std::string& fc1_input, const std::string& mode,
-                 const std::string& fp8, const OptIn& w1_scales, const OptIn& w2_scales, const OptIn& shared_output,
-                 bool fill, const OptOut& workspace, bool enable_pdl, uintptr_t stream) {
-  constexpr const char* op = "moe_forward";
-  Placement w(op);
-  w.add(out, "out", X, "X", W1, "W1", W2, "W2", router_logits, "router_logits", correction_bias, "correction_bias",
-        token_selected_experts, "token_selected_experts", token_final_scales, "token_final_scales",
-        selected_experts_out, "selected_experts_out", final_scales_out, "final_scales_out", b1, "b1", b2, "b2",
-        w1_scales, "w1_scales", w2_scales, "w2_scales", shared_output, "shared_output", workspace, "workspace");
+}  // namespace
 
-  fm::MoeForwardArgs a;
+// The experts' part of MoeForwardArgs (common.h): E_local, H, I from W2
+// [E_local, H, I]; W1 [E_local, 2I, H] beside it; biases; FC1's layout and
+// activation; FC2's mode; FP8 weights with their scales (spec §10.4).
+void set_layer_experts(fm::MoeForwardArgs& a, const In& W1, const In& W2, const OptIn& b1, const OptIn& b2,
+                       bool apply_b2, const std::string& w1_layout, const std::string& activation, float limit,
+                       float alpha, const std::string& mode, const std::string& fp8, const OptIn& w1_scales,
+                       const OptIn& w2_scales, const char* op) {
   a.fp8 = parse_enum(fp8, fp8_scalings(), op, "fp8");
   require_dense_rank(W2, fp8_elem(a.fp8), 3, op, "W2");
   const int64_t E = dim(W2, 0), H = dim(W2, 1), I = dim(W2, 2);
@@ -581,8 +573,47 @@ void moe_forward(const In& X, const In& W1, const In& W2, const Out& out, int k,
       require_dense(*w2_scales, kFloat32, {E}, op, "w2_scales");
     }
   }
+  if (b1) require_dense(*b1, kBFloat16, {E, 2 * I}, op, "b1");
+  if (b2) require_dense(*b2, kBFloat16, {E, H}, op, "b2");
+  a.hidden = H;
+  a.inter = I;
+  a.num_experts_per_node = int(E);
   a.w1_scales = static_cast<const float*>(ptr(w1_scales));
   a.w2_scales = static_cast<const float*>(ptr(w2_scales));
+  a.W1 = ptr(W1);
+  a.w1_layout = parse_enum(w1_layout, fc1_weight_layouts(), op, "w1_layout");
+  a.b1 = ptr(b1);
+  a.activation = parse_enum(activation, fc1_activations(), op, "activation");
+  a.activation_limit = limit;
+  a.activation_alpha = alpha;
+  a.W2 = ptr(W2);
+  a.b2 = ptr(b2);
+  a.apply_b2 = apply_b2;
+  a.fc2_mode = parse_enum(mode, fc2_modes(), op, "mode");
+}
+
+namespace {
+
+void moe_forward(const In& X, const In& W1, const In& W2, const Out& out, int k, int num_experts,
+                 int start_expert_id, const OptIn& router_logits, const std::string& scoring, bool renormalize,
+                 const OptIn& correction_bias, int n_group, int topk_group, float routed_scaling_factor,
+                 const OptIn& token_selected_experts, const OptIn& token_final_scales,
+                 const OptOut& selected_experts_out, const OptOut& final_scales_out, const OptIn& b1,
+                 const OptIn& b2, bool apply_b2, const std::string& w1_layout, const std::string& activation,
+                 float limit, float alpha, const std::string& fc1_input, const std::string& mode,
+                 const std::string& fp8, const OptIn& w1_scales, const OptIn& w2_scales, const OptIn& shared_output,
+                 bool fill, const OptOut& workspace, bool enable_pdl, uintptr_t stream) {
+  constexpr const char* op = "moe_forward";
+  Placement w(op);
+  w.add(out, "out", X, "X", W1, "W1", W2, "W2", router_logits, "router_logits", correction_bias, "correction_bias",
+        token_selected_experts, "token_selected_experts", token_final_scales, "token_final_scales",
+        selected_experts_out, "selected_experts_out", final_scales_out, "final_scales_out", b1, "b1", b2, "b2",
+        w1_scales, "w1_scales", w2_scales, "w2_scales", shared_output, "shared_output", workspace, "workspace");
+
+  fm::MoeForwardArgs a;
+  set_layer_experts(a, W1, W2, b1, b2, apply_b2, w1_layout, activation, limit, alpha, mode, fp8, w1_scales, w2_scales,
+                    op);
+  const int64_t H = a.hidden;
   require_dtype(X, kBFloat16, op, "X");
   a.x_stride = row_stride(X, op, "X");
   if (dim(X, 1) != H) fail(op, "X", "must have H = ", H, " columns, as W2 [E, H, I] (got shape ", shape_str(X), ")");
@@ -614,8 +645,6 @@ void moe_forward(const In& X, const In& W1, const In& W2, const Out& out, int k,
   if (token_final_scales) require_dense(*token_final_scales, kFloat32, {T, k}, op, "token_final_scales");
   if (selected_experts_out) require_dense(*selected_experts_out, kInt32, {T, k}, op, "selected_experts_out");
   if (final_scales_out) require_dense(*final_scales_out, kFloat32, {T, k}, op, "final_scales_out");
-  if (b1) require_dense(*b1, kBFloat16, {E, 2 * I}, op, "b1");
-  if (b2) require_dense(*b2, kBFloat16, {E, H}, op, "b2");
   if (shared_output) {
     require_dtype(*shared_output, kBFloat16, op, "shared_output");
     a.shared_stride = row_stride(*shared_output, op, "shared_output");
@@ -625,28 +654,15 @@ void moe_forward(const In& X, const In& W1, const In& W2, const Out& out, int k,
   }
 
   a.num_tokens = T;
-  a.hidden = H;
-  a.inter = I;
   a.k = k;
   a.start_expert_id = start_expert_id;
-  a.num_experts_per_node = int(E);
   a.X = ptr(X);
   a.router_logits = ptr(router_logits);
   a.token_selected_experts = static_cast<const int32_t*>(ptr(token_selected_experts));
   a.token_final_scales = static_cast<const float*>(ptr(token_final_scales));
   a.selected_experts_out = selected_experts_out ? static_cast<int32_t*>(mut(*selected_experts_out)) : nullptr;
   a.final_scales_out = final_scales_out ? static_cast<float*>(mut(*final_scales_out)) : nullptr;
-  a.W1 = ptr(W1);
-  a.w1_layout = parse_enum(w1_layout, fc1_weight_layouts(), op, "w1_layout");
-  a.b1 = ptr(b1);
-  a.activation = parse_enum(activation, fc1_activations(), op, "activation");
-  a.activation_limit = limit;
-  a.activation_alpha = alpha;
   a.fc1_input = parse_enum(fc1_input, fc1_inputs(), op, "fc1_input");
-  a.W2 = ptr(W2);
-  a.b2 = ptr(b2);
-  a.apply_b2 = apply_b2;
-  a.fc2_mode = parse_enum(mode, fc2_modes(), op, "mode");
   a.shared_output = ptr(shared_output);
   a.fill = fill;
   a.out = mut(out);

@@ -595,6 +595,21 @@ TEST(EpGpu, AllToAllGraphCapture) {
   run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
 }
 
+// Slabs of 8 MiB and more move in two chunks with the second half packed and
+// the first half's tokens summed on a side stream (src/ep/ep.cpp): direct
+// and captured in a graph.
+TEST(EpGpu, AllToAllTwoChunks) {
+  SKIP_WITHOUT_GPUS(2);
+  for (bool graph : {false, true}) {
+    EpCase c = base_case();
+    c.T = {1024, 901};
+    c.H = 4096;
+    c.I = 128;
+    c.graph = graph;
+    run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+  }
+}
+
 TEST(EpGpu, AllToAllOneRank) {
   SKIP_WITHOUT_GPUS(1);
   EpCase c = base_case();

@@ -1,0 +1,118 @@
+"""Expert parallelism across GPUs on NCCL (spec §14 of docs/spec.md): the
+routed-expert layer over the ranks of an NCCL communicator, one GPU each.
+
+Rank r of W holds experts ``[r*E/W, (r+1)*E/W)`` (``w1``/``w2`` are its
+``E/W`` experts, as ``moe_forward`` takes them). Two ways:
+
+- ``ep_moe_forward``: every rank owns its own tokens. Each token's row goes
+  once to each rank that holds one of its experts, that rank's experts run on
+  what it received, and the owner sums the rows that come back, in rank order.
+  ``sizing="capacity"`` (default) moves fixed-size messages and never
+  synchronises (CUDA-graph safe); ``"exact"`` exchanges the counts first and
+  synchronises the stream twice.
+- ``ep_moe_forward_replicated``: every rank holds the same tokens; each
+  computes its experts' partial and NCCL sums them ("all_reduce", or
+  "reduce_scatter": rank r keeps rows ``[r*T/W, (r+1)*T/W)``).
+
+The communicator: ``nccl_communicator(group)`` builds one from a
+``torch.distributed`` process group (rank 0's unique id is broadcast through
+the group), or ``NcclComm.wrap(handle)`` takes the caller's ``ncclComm_t``.
+Available when the build has flashmix_ep (``ep_available()``).
+"""
+from ._common import _C, arg, cuda_device, defaults, empty, new_workspace, stream_of, torch
+from .fp8 import _as_bytes
+
+__all__ = ["ep_available", "nccl_communicator", "NcclComm", "ep_moe_forward", "ep_moe_forward_replicated",
+           "EP_SIZINGS", "EP_REDUCES"]
+
+_FORWARD = defaults(_C.moe_defaults())["moe_forward"]
+
+
+def ep_available():
+    """Whether this build has expert parallelism (flashmix_ep, built with NCCL)."""
+    return _C.ep_available()
+
+
+if ep_available():
+    NcclComm = _C.NcclComm
+    #: ``sizing`` values of ep_moe_forward: "capacity" (graph-safe) and "exact" (synchronises).
+    EP_SIZINGS = _C.EP_SIZINGS
+    #: ``reduce`` values of ep_moe_forward_replicated.
+    EP_REDUCES = _C.EP_REDUCES
+else:  # pragma: no cover - depends on the build
+    NcclComm = None
+    EP_SIZINGS = ()
+    EP_REDUCES = ()
+
+
+def _require():
+    if not ep_available():
+        raise NotImplementedError("flashmix: this build has no expert parallelism (flashmix_ep needs NCCL at build "
+                                  "time: scripts/setup_nccl.sh)")
+
+
+def nccl_communicator(group=None, device=None):
+    """An ``NcclComm`` over the ranks of a ``torch.distributed`` process group (default: the world):
+    rank 0 of the group makes the NCCL unique id and broadcasts it through the group; every rank joins
+    on ``device`` (default: the current CUDA device). Collective: every rank of the group calls it."""
+    _require()
+    import torch.distributed as dist
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    box = [_C.nccl_unique_id() if rank == 0 else None]
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast_object_list(box, src=src, group=group)
+    if device is None:
+        device = torch.cuda.current_device()
+    return _C.NcclComm(box[0], world, rank, int(device))
+
+
+def ep_moe_forward(comm, x, w1, w2, topk_ids, topk_weights, *, num_experts, max_tokens_per_rank,
+                   recv_capacity=0, sizing="capacity", b1=None, b2=None, w1_layout=_FORWARD.w1_layout,
+                   activation=_FORWARD.activation, limit=_FORWARD.limit, alpha=_FORWARD.alpha, mode=_FORWARD.mode,
+                   fp8=_FORWARD.fp8, w1_scales=None, w2_scales=None, shared_output=None, out=None, dropped=None,
+                   workspace=None, stream=None):
+    """spec §14.3: this rank's tokens ``x`` (bf16 ``[T, H]``, T <= max_tokens_per_rank on every rank) with
+    their ids / weights (int32 / float32 ``[T, k]``, global ids) through dispatch, this rank's experts
+    (``w1``, ``w2`` and the FC1/FC2 settings as moe_forward's) and combine into ``out`` (bf16 ``[T, H]``).
+    ``recv_capacity``: rows kept per source rank (0 = max_tokens_per_rank, never overflows); with less,
+    tokens past it get NaN rows and ``dropped`` (int32 ``[1]``) counts them. Returns ``out``."""
+    _require()
+    if out is None:
+        out = empty(x, (x.shape[0], x.shape[1]), "bfloat16")
+    if workspace is None:
+        workspace = new_workspace(out, _C.ep_moe_forward_workspace_size(
+            comm, arg(_as_bytes(w1)), arg(_as_bytes(w2)), k=topk_ids.shape[1], num_experts=num_experts,
+            max_tokens_per_rank=max_tokens_per_rank, recv_capacity=recv_capacity, sizing=sizing, mode=mode, fp8=fp8,
+            w1_scales=arg(w1_scales), w2_scales=arg(w2_scales)))
+    _C.ep_moe_forward(comm, arg(x), arg(_as_bytes(w1)), arg(_as_bytes(w2)), arg(topk_ids), arg(topk_weights), arg(out),
+                      num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank, recv_capacity=recv_capacity,
+                      sizing=sizing, b1=arg(b1), b2=arg(b2), w1_layout=w1_layout, activation=activation, limit=limit,
+                      alpha=alpha, mode=mode, fp8=fp8, w1_scales=arg(w1_scales), w2_scales=arg(w2_scales),
+                      shared_output=arg(shared_output), dropped=arg(dropped), workspace=arg(workspace),
+                      stream=stream_of(stream, x))
+    return out
+
+
+def ep_moe_forward_replicated(comm, x, w1, w2, topk_ids, topk_weights, *, num_experts, reduce="all_reduce", b1=None,
+                              b2=None, w1_layout=_FORWARD.w1_layout, activation=_FORWARD.activation,
+                              limit=_FORWARD.limit, alpha=_FORWARD.alpha, mode=_FORWARD.mode, fp8=_FORWARD.fp8,
+                              w1_scales=None, w2_scales=None, shared_output=None, out=None, workspace=None,
+                              stream=None):
+    """spec §14.2: the same ``x`` [T, H] and routing on every rank; this rank's experts' partial, summed
+    across the ranks by NCCL into ``out``: ``[T, H]`` ("all_reduce") or rank r's rows
+    ``[r*T/W, (r+1)*T/W)`` ("reduce_scatter", T % W == 0). shared_output is added once. Returns ``out``."""
+    _require()
+    if out is None:
+        rows = x.shape[0] if reduce == "all_reduce" else x.shape[0] // comm.world
+        out = empty(x, (rows, x.shape[1]), "bfloat16")
+    if workspace is None:
+        workspace = new_workspace(out, _C.ep_moe_forward_replicated_workspace_size(
+            comm, arg(_as_bytes(w1)), arg(_as_bytes(w2)), num_tokens=x.shape[0], k=topk_ids.shape[1],
+            num_experts=num_experts, reduce=reduce, mode=mode, fp8=fp8, w1_scales=arg(w1_scales),
+            w2_scales=arg(w2_scales)))
+    _C.ep_moe_forward_replicated(
+        comm, arg(x), arg(_as_bytes(w1)), arg(_as_bytes(w2)), arg(topk_ids), arg(topk_weights), arg(out),
+        num_experts=num_experts, reduce=reduce, b1=arg(b1), b2=arg(b2), w1_layout=w1_layout, activation=activation,
+        limit=limit, alpha=alpha, mode=mode, fp8=fp8, w1_scales=arg(w1_scales), w2_scales=arg(w2_scales),
+        shared_output=arg(shared_output), workspace=arg(workspace), stream=stream_of(stream, x))
+    return out
