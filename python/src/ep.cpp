@@ -5,6 +5,7 @@
 #include <memory>
 #include <string>
 
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
 #include "common.h"

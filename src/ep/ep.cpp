@@ -203,83 +203,21 @@ Status exchange_combine(const EpShape& s, const Layout& l, char* ws, const Spans
   return nccl_status(ncclGroupEnd(), op, "ncclGroupEnd");
 }
 
-// A second stream for work that overlaps a transfer on the caller's stream,
-// forked from and joined back into it (so the call stays ordered on the
-// caller's stream and capturable). One per device and host thread.
-struct SideStream {
-  cudaStream_t stream = nullptr;
-  cudaEvent_t fork = nullptr, join = nullptr;
-};
-
-Status side_stream(SideStream** out, const char* op) {
-  thread_local std::vector<SideStream> per_device;
-  int device = 0;
-  EP_CUDA(cudaGetDevice(&device), op, "cudaGetDevice");
-  if (per_device.size() <= size_t(device)) per_device.resize(size_t(device) + 1);
-  SideStream& s = per_device[size_t(device)];
-  if (s.stream == nullptr) {
-    EP_CUDA(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking), op, "creating the side stream");
-    EP_CUDA(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming), op, "creating an event");
-    EP_CUDA(cudaEventCreateWithFlags(&s.join, cudaEventDisableTiming), op, "creating an event");
-  }
-  *out = &s;
-  return Status::Ok();
-}
-
-Status fork(SideStream* side, cudaStream_t main, const char* op) {
-  EP_CUDA(cudaEventRecord(side->fork, main), op, "cudaEventRecord");
-  EP_CUDA(cudaStreamWaitEvent(side->stream, side->fork, 0), op, "cudaStreamWaitEvent");
-  return Status::Ok();
-}
-
-Status join(SideStream* side, cudaStream_t main, const char* op) {
-  EP_CUDA(cudaEventRecord(side->join, side->stream), op, "cudaEventRecord");
-  EP_CUDA(cudaStreamWaitEvent(main, side->join, 0), op, "cudaStreamWaitEvent");
-  return Status::Ok();
-}
-
-// kCapacity moves a large slab in two chunks, rows [0, C/2) then [C/2, C),
-// so packing the second half (dispatch) and summing the tokens of the first
-// (combine) overlap a transfer. Below this many bytes a slab goes whole (the
-// second NCCL call would cost more than it hides).
-constexpr size_t kChunkedSlabBytes = size_t(8) << 20;
-
-bool two_chunks(const EpShape& s, const Layout& l) {
-  return s.sizing == EpSizing::kCapacity && s.world > 1 && l.C >= 2 && l.rows_stride >= kChunkedSlabBytes;
-}
-
 Status dispatch_body(const EpDispatchArgs& a, ncclComm_t comm, char* ws, const Layout& l, cudaStream_t stream) {
   constexpr const char* op = kDispatchOp;
   const EpShape& s = a.shape;
-  const int64_t x_stride = or_hidden(a.x_stride, s.hidden);
-  const int32_t C = int32_t(l.C), half = C / 2;
-  auto pack = [&](RowWindow w, cudaStream_t st) {
-    return detail::cuda_status(launch_pack(s, l, ws, w, a.num_tokens, a.X, x_stride, a.topk_ids, a.topk_weights, st),
-                               op, "pack kernel launch");
-  };
   if (a.dropped != nullptr) EP_CUDA(cudaMemsetAsync(a.dropped, 0, sizeof(int32_t), stream), op, "zeroing dropped");
   EP_CUDA(launch_plan(s, l, ws, a.num_tokens, a.topk_ids, a.dropped, stream), op, "plan kernel launch");
-  if (two_chunks(s, l)) {
-    // The first half of the peers' rows, sent while the side stream packs
-    // the second half and this rank's own rows.
-    FM_RETURN_IF_ERROR(pack(RowWindow{0, half, false}, stream));
-    SideStream* side = nullptr;
-    FM_RETURN_IF_ERROR(side_stream(&side, op));
-    FM_RETURN_IF_ERROR(fork(side, stream, op));
-    FM_RETURN_IF_ERROR(pack(RowWindow{half, C, true}, side->stream));
-    FM_RETURN_IF_ERROR(exchange_dispatch(s, l, ws, fixed_spans(s, 0, size_t(half)), true, comm, stream, op));
-    FM_RETURN_IF_ERROR(join(side, stream, op));
-    FM_RETURN_IF_ERROR(exchange_dispatch(s, l, ws, fixed_spans(s, size_t(half), size_t(C)), false, comm, stream, op));
+  EP_CUDA(launch_pack(s, l, ws, a.num_tokens, a.X, or_hidden(a.x_stride, s.hidden), a.topk_ids, a.topk_weights,
+                      stream),
+          op, "pack kernel launch");
+  if (s.sizing == EpSizing::kExact) {
+    FM_RETURN_IF_ERROR(exchange_headers(s, l, ws, comm, stream, op));
+    HostCounts counts;
+    FM_RETURN_IF_ERROR(read_counts(s, l, ws, &counts, stream, op));
+    FM_RETURN_IF_ERROR(exchange_dispatch(s, l, ws, exact_spans(counts, false), false, comm, stream, op));
   } else {
-    FM_RETURN_IF_ERROR(pack(RowWindow{0, C, true}, stream));
-    if (s.sizing == EpSizing::kExact) {
-      FM_RETURN_IF_ERROR(exchange_headers(s, l, ws, comm, stream, op));
-      HostCounts counts;
-      FM_RETURN_IF_ERROR(read_counts(s, l, ws, &counts, stream, op));
-      FM_RETURN_IF_ERROR(exchange_dispatch(s, l, ws, exact_spans(counts, false), false, comm, stream, op));
-    } else {
-      FM_RETURN_IF_ERROR(exchange_dispatch(s, l, ws, fixed_spans(s, 0, size_t(C)), true, comm, stream, op));
-    }
+    FM_RETURN_IF_ERROR(exchange_dispatch(s, l, ws, fixed_spans(s, 0, size_t(l.C)), true, comm, stream, op));
   }
   EP_CUDA(launch_unpack(s, l, ws, stream), op, "unpack kernel launch");
   return Status::Ok();
@@ -288,33 +226,18 @@ Status dispatch_body(const EpDispatchArgs& a, ncclComm_t comm, char* ws, const L
 Status combine_body(const EpCombineArgs& a, ncclComm_t comm, char* ws, const Layout& l, cudaStream_t stream) {
   constexpr const char* op = kCombineOp;
   const EpShape& s = a.shape;
-  const int64_t H = s.hidden, C = l.C, half = C / 2;
-  auto reduce = [&](TokenPass pass, cudaStream_t st) {
-    return detail::cuda_status(launch_combine_reduce(s, l, ws, pass, half, a.num_tokens, a.shared_output,
-                                                     or_hidden(a.shared_stride, H), a.out, or_hidden(a.out_stride, H),
-                                                     st),
-                               op, "combine kernel launch");
-  };
-  if (two_chunks(s, l)) {
-    // The tokens whose rows came back in the first chunk are summed on the
-    // side stream while the second chunk moves.
-    FM_RETURN_IF_ERROR(exchange_combine(s, l, ws, fixed_spans(s, 0, size_t(half)), comm, stream, op));
-    SideStream* side = nullptr;
-    FM_RETURN_IF_ERROR(side_stream(&side, op));
-    FM_RETURN_IF_ERROR(fork(side, stream, op));
-    FM_RETURN_IF_ERROR(reduce(TokenPass::kEarly, side->stream));
-    FM_RETURN_IF_ERROR(exchange_combine(s, l, ws, fixed_spans(s, size_t(half), size_t(C)), comm, stream, op));
-    FM_RETURN_IF_ERROR(join(side, stream, op));
-    return reduce(TokenPass::kLate, stream);
-  }
   if (s.sizing == EpSizing::kExact) {
     HostCounts counts;
     FM_RETURN_IF_ERROR(read_counts(s, l, ws, &counts, stream, op));
     FM_RETURN_IF_ERROR(exchange_combine(s, l, ws, exact_spans(counts, true), comm, stream, op));
   } else {
-    FM_RETURN_IF_ERROR(exchange_combine(s, l, ws, fixed_spans(s, 0, size_t(C)), comm, stream, op));
+    FM_RETURN_IF_ERROR(exchange_combine(s, l, ws, fixed_spans(s, 0, size_t(l.C)), comm, stream, op));
   }
-  return reduce(TokenPass::kAll, stream);
+  const int64_t H = s.hidden;
+  EP_CUDA(launch_combine_reduce(s, l, ws, a.num_tokens, a.shared_output, or_hidden(a.shared_stride, H), a.out,
+                                or_hidden(a.out_stride, H), stream),
+          op, "combine kernel launch");
+  return Status::Ok();
 }
 
 // moe_forward over the received rows: this rank's experts, one output row per

@@ -75,22 +75,12 @@ Status check_shape(const char* op, const EpShape& s, ncclComm_t comm);
 // caller zeroed it on the stream).
 cudaError_t launch_plan(const EpShape& s, const Layout& l, char* ws, int64_t T, const int32_t* ids,
                         int32_t* dropped, cudaStream_t stream);
-// pack writes the peers' rows in [lo, hi) of their slabs, and this rank's
-// own rows when `self` (a large dispatch packs in two passes, the second
-// overlapping the first chunk's transfer).
-struct RowWindow {
-  int32_t lo, hi;
-  bool self;
-};
-cudaError_t launch_pack(const EpShape& s, const Layout& l, char* ws, RowWindow w, int64_t T, const void* X,
-                        int64_t x_stride, const int32_t* ids, const float* weights, cudaStream_t stream);
+cudaError_t launch_pack(const EpShape& s, const Layout& l, char* ws, int64_t T, const void* X, int64_t x_stride,
+                        const int32_t* ids, const float* weights, cudaStream_t stream);
 cudaError_t launch_unpack(const EpShape& s, const Layout& l, char* ws, cudaStream_t stream);
-// Which tokens a combine pass sums: all, or (a large combine in two chunks)
-// those whose peer rows all lie below `split` (kEarly) or the rest (kLate).
-enum class TokenPass { kAll, kEarly, kLate };
-cudaError_t launch_combine_reduce(const EpShape& s, const Layout& l, const char* ws, TokenPass pass, int64_t split,
-                                  int64_t T, const void* shared, int64_t shared_stride, void* out,
-                                  int64_t out_stride, cudaStream_t stream);
+cudaError_t launch_combine_reduce(const EpShape& s, const Layout& l, const char* ws, int64_t T,
+                                  const void* shared, int64_t shared_stride, void* out, int64_t out_stride,
+                                  cudaStream_t stream);
 
 // Way 1 (ep_finalize_reduce): the summed fp32 partial -> out_dtype. n % 4 == 0.
 cudaError_t launch_convert_from_f32(const float* in, void* out, DType out_dtype, int64_t n, cudaStream_t stream);

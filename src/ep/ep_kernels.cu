@@ -85,9 +85,8 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(Geometry g, int64_t 
 }
 
 // One block per token: its k ids and weights, then its row, to every
-// destination it goes to (read once, written once per destination). Only
-// the peers' rows in [w.lo, w.hi), and this rank's own rows when w.self.
-__global__ void __launch_bounds__(kRowThreads) pack_kernel(Geometry g, RowWindow w, const int32_t* __restrict__ plan_row,
+// destination it goes to (read once, written once per destination).
+__global__ void __launch_bounds__(kRowThreads) pack_kernel(Geometry g, const int32_t* __restrict__ plan_row,
                                                            const uint4* __restrict__ X, int64_t x_stride_vec,
                                                            const int32_t* __restrict__ ids,
                                                            const float* __restrict__ weights, char* send_meta,
@@ -101,7 +100,6 @@ __global__ void __launch_bounds__(kRowThreads) pack_kernel(Geometry g, RowWindow
     for (int d = 0; d < g.world; ++d) {
       const int32_t row = plan_row[int64_t(d) * g.T_max + t];
       if (row < 0 || row >= g.C) continue;  // not sent, or past the capacity (counted by the plan)
-      if (d == g.rank ? !w.self : (row < w.lo || row >= w.hi)) continue;  // another pass's
       char* meta = meta_slab_for(g, send_meta, recv_meta, d) + kMetaHeaderBytes + size_t(row) * g.k * 8;
       for (int j = 0; j < g.k; ++j) {
         reinterpret_cast<int32_t*>(meta)[j] = ids[t * g.k + j];
@@ -162,10 +160,8 @@ __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const uint4& v) {
 
 // One block per token: the rows the token's ranks sent back, summed in rank
 // order in fp32, + shared_output, one rounding. A token cut by the capacity
-// gets NaN. Pass kEarly takes the tokens whose peer rows all lie below
-// `split` (they arrived with the first chunk), kLate the others, kAll all.
-__global__ void __launch_bounds__(kRowThreads) combine_kernel(Geometry g, TokenPass pass, int32_t split,
-                                                              const int32_t* __restrict__ plan_row,
+// gets NaN.
+__global__ void __launch_bounds__(kRowThreads) combine_kernel(Geometry g, const int32_t* __restrict__ plan_row,
                                                               const char* expert_out, const char* comb_rows,
                                                               const uint4* __restrict__ shared,
                                                               int64_t shared_stride_vec, uint4* __restrict__ out,
@@ -175,13 +171,11 @@ __global__ void __launch_bounds__(kRowThreads) combine_kernel(Geometry g, TokenP
   __shared__ int cut;
   const int64_t t = blockIdx.x;
   const int64_t nvec = g.H / 8;
-  __shared__ int skip;
   if (threadIdx.x == 0) {
-    int n = 0, c = 0, late = 0;
+    int n = 0, c = 0;
     for (int d = 0; d < g.world; ++d) {
       const int32_t row = plan_row[int64_t(d) * g.T_max + t];
       if (row < 0) continue;
-      late |= d != g.rank && row >= split;
       if (row >= g.C) {
         c = 1;
         continue;
@@ -192,10 +186,8 @@ __global__ void __launch_bounds__(kRowThreads) combine_kernel(Geometry g, TokenP
     }
     num_src = n;
     cut = c;
-    skip = pass == TokenPass::kAll ? 0 : (pass == TokenPass::kLate) != bool(late);
   }
   __syncthreads();
-  if (skip) return;
   const int n = num_src;
   const float nan_or_zero = cut ? __int_as_float(0x7fc00000) : 0.f;
   for (int64_t c = threadIdx.x; c < nvec; c += kRowThreads) {
@@ -253,12 +245,12 @@ cudaError_t launch_plan(const EpShape& s, const Layout& l, char* ws, int64_t T, 
   return cudaGetLastError();
 }
 
-cudaError_t launch_pack(const EpShape& s, const Layout& l, char* ws, RowWindow w, int64_t T, const void* X,
-                        int64_t x_stride, const int32_t* ids, const float* weights, cudaStream_t stream) {
+cudaError_t launch_pack(const EpShape& s, const Layout& l, char* ws, int64_t T, const void* X, int64_t x_stride,
+                        const int32_t* ids, const float* weights, cudaStream_t stream) {
   if (T == 0) return cudaSuccess;
   const Geometry g = geometry(s, l);
   pack_kernel<<<unsigned(T), kRowThreads, sizeof(void*) * s.world, stream>>>(
-      g, w, reinterpret_cast<const int32_t*>(ws + l.plan_row), static_cast<const uint4*>(X), x_stride / 8, ids,
+      g, reinterpret_cast<const int32_t*>(ws + l.plan_row), static_cast<const uint4*>(X), x_stride / 8, ids,
       weights, ws + l.send_meta, ws + l.recv_meta, ws + l.send_rows, ws + l.recv_x);
   return cudaGetLastError();
 }
@@ -273,13 +265,13 @@ cudaError_t launch_unpack(const EpShape& s, const Layout& l, char* ws, cudaStrea
   return cudaGetLastError();
 }
 
-cudaError_t launch_combine_reduce(const EpShape& s, const Layout& l, const char* ws, TokenPass pass,
-                                  int64_t split, int64_t T, const void* shared, int64_t shared_stride, void* out,
-                                  int64_t out_stride, cudaStream_t stream) {
+cudaError_t launch_combine_reduce(const EpShape& s, const Layout& l, const char* ws, int64_t T,
+                                  const void* shared, int64_t shared_stride, void* out, int64_t out_stride,
+                                  cudaStream_t stream) {
   if (T == 0) return cudaSuccess;
   const Geometry g = geometry(s, l);
   combine_kernel<<<unsigned(T), kRowThreads, sizeof(void*) * s.world, stream>>>(
-      g, pass, int32_t(split), reinterpret_cast<const int32_t*>(ws + l.plan_row), ws + l.expert_out, ws + l.comb_rows,
+      g, reinterpret_cast<const int32_t*>(ws + l.plan_row), ws + l.expert_out, ws + l.comb_rows,
       static_cast<const uint4*>(shared), shared_stride / 8, static_cast<uint4*>(out), out_stride / 8);
   return cudaGetLastError();
 }

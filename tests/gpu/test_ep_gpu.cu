@@ -595,10 +595,8 @@ TEST(EpGpu, AllToAllGraphCapture) {
   run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
 }
 
-// Slabs of 8 MiB and more move in two chunks with the second half packed and
-// the first half's tokens summed on a side stream (src/ep/ep.cpp): direct
-// and captured in a graph.
-TEST(EpGpu, AllToAllTwoChunks) {
+// A large problem (rows of 8 KiB, slabs of 8 MiB): direct and captured in a graph.
+TEST(EpGpu, AllToAllLargeRows) {
   SKIP_WITHOUT_GPUS(2);
   for (bool graph : {false, true}) {
     EpCase c = base_case();
