@@ -114,7 +114,18 @@ __global__ void __launch_bounds__(kRowThreads) pack_kernel(Geometry g, const int
   __syncthreads();
   const int n = num_dst;
   const uint4* src = X + t * x_stride_vec;
-  for (int64_t c = threadIdx.x; c < nvec; c += kRowThreads) {
+  // kUnroll loads in flight per thread before their stores.
+  constexpr int kUnroll = 4;
+  int64_t c = threadIdx.x;
+  for (; c + (kUnroll - 1) * kRowThreads < nvec; c += kUnroll * kRowThreads) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = src[c + u * kRowThreads];
+    for (int i = 0; i < n; ++i)
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) dst_rows[i][c + u * kRowThreads] = v[u];
+  }
+  for (; c < nvec; c += kRowThreads) {
     const uint4 v = src[c];
     for (int i = 0; i < n; ++i) dst_rows[i][c] = v;
   }
@@ -190,17 +201,34 @@ __global__ void __launch_bounds__(kRowThreads) combine_kernel(Geometry g, const 
   __syncthreads();
   const int n = num_src;
   const float nan_or_zero = cut ? __int_as_float(0x7fc00000) : 0.f;
-  for (int64_t c = threadIdx.x; c < nvec; c += kRowThreads) {
-    float acc[8];
+  // Two column vectors per step: their rows' loads in flight together; each
+  // vector's sum still runs over the ranks in order.
+  for (int64_t c0 = threadIdx.x; c0 < nvec; c0 += 2 * kRowThreads) {
+    const int64_t c1 = c0 + kRowThreads;
+    const bool two = c1 < nvec;
+    float acc0[8], acc1[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] = nan_or_zero;
-    for (int i = 0; i < n; ++i) add_bf16x8(acc, src_rows[i][c]);
-    if (shared != nullptr) add_bf16x8(acc, shared[t * shared_stride_vec + c]);
-    uint4 o;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+    for (int i = 0; i < 8; ++i) acc0[i] = acc1[i] = nan_or_zero;
+    for (int i = 0; i < n; ++i) {
+      const uint4 a = src_rows[i][c0];
+      const uint4 b = two ? src_rows[i][c1] : uint4{};
+      add_bf16x8(acc0, a);
+      add_bf16x8(acc1, b);
+    }
+    if (shared != nullptr) {
+      add_bf16x8(acc0, shared[t * shared_stride_vec + c0]);
+      if (two) add_bf16x8(acc1, shared[t * shared_stride_vec + c1]);
+    }
+    uint4 o0, o1;
+    __nv_bfloat162* h0 = reinterpret_cast<__nv_bfloat162*>(&o0);
+    __nv_bfloat162* h1 = reinterpret_cast<__nv_bfloat162*>(&o1);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-    out[t * out_stride_vec + c] = o;
+    for (int i = 0; i < 4; ++i) {
+      h0[i] = __floats2bfloat162_rn(acc0[2 * i], acc0[2 * i + 1]);
+      h1[i] = __floats2bfloat162_rn(acc1[2 * i], acc1[2 * i + 1]);
+    }
+    out[t * out_stride_vec + c0] = o0;
+    if (two) out[t * out_stride_vec + c1] = o1;
   }
 }
 

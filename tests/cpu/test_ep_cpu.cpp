@@ -214,3 +214,49 @@ TEST(EpSimulatedCpu, AllToAllEqualsTheSingleGpuLayer) {
       }
   }
 }
+
+// The replicated way's partial dtype (spec §14.2), measured: the same slot
+// outputs summed per rank, then across W ranks, as an fp32 partial (one
+// rounding at the end) or a bf16 partial (each rank's partial rounded, and
+// NCCL's bf16 sum rounding after every add, as its ring does), against the
+// exact sum. Prints the errors (docs/ep.md quotes them) and holds the fp32
+// partial to one bf16 rounding and below the bf16 partial's error.
+TEST(EpPartialDtypeCpu, Fp32PartialKeepsOneRounding) {
+  const int64_t T = 512, H = 256;
+  const int k = 8, E = 64;
+  Rng rng(test_seed() ^ 0x9a27ull);
+  const Routing r = random_routing(rng, T, k, E, 0, E);
+  std::vector<float> rows(size_t(T * k * H)), w(size_t(T * k));
+  for (float& x : rows) x = host::bf16_to_float(host::float_to_bf16(rng.uniform(-1.f, 1.f)));
+  for (float& x : w) x = rng.uniform(0.1f, 1.f);
+  for (int W : {2, 8}) {
+    double err32 = 0, err16 = 0, ref_max = 0, sq32 = 0, sq16 = 0;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        double exact = 0;
+        std::vector<float> part(size_t(W), 0.f);
+        for (int j = 0; j < k; ++j) {
+          const int e = r.experts[size_t(t * k + j)];
+          const float v = w[size_t(t * k + j)] * rows[size_t((t * k + j) * H + h)];
+          exact += double(w[size_t(t * k + j)]) * rows[size_t((t * k + j) * H + h)];
+          part[size_t(e / (E / W))] += v;
+        }
+        float s32 = 0.f, s16 = 0.f;
+        for (int d = 0; d < W; ++d) {
+          s32 += part[size_t(d)];
+          s16 = host::bf16_to_float(host::float_to_bf16(s16 + host::bf16_to_float(host::float_to_bf16(part[size_t(d)]))));
+        }
+        const double g32 = host::bf16_to_float(host::float_to_bf16(s32)), g16 = s16;
+        err32 = std::max(err32, std::fabs(g32 - exact));
+        err16 = std::max(err16, std::fabs(g16 - exact));
+        sq32 += (g32 - exact) * (g32 - exact);
+        sq16 += (g16 - exact) * (g16 - exact);
+        ref_max = std::max(ref_max, std::fabs(exact));
+      }
+    const double n = double(T * H);
+    std::printf("[ ep partial ] W = %d: max |err| / max|ref|: fp32 partial %.3g, bf16 partial %.3g; rms: %.3g vs %.3g\n",
+                W, err32 / ref_max, err16 / ref_max, std::sqrt(sq32 / n) / ref_max, std::sqrt(sq16 / n) / ref_max);
+    EXPECT_LE(err32, std::ldexp(ref_max, -8));  // one bf16 rounding (plus fp32 noise)
+    EXPECT_LT(std::sqrt(sq32 / n), std::sqrt(sq16 / n));
+  }
+}
