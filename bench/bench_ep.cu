@@ -104,8 +104,8 @@ struct Shape {
 
 int iters(const Context& ctx) { return ctx.quick ? 10 : 30; }
 
-void bench_dispatch_combine(Context& ctx, const Shape& sh, EpSizing sizing, const std::string& name, int rank,
-                            int world, ncclComm_t comm, cudaStream_t stream) {
+void bench_dispatch_combine(Context& ctx, const Shape& sh, EpSizing sizing, bool fp8_rows, const std::string& name,
+                            int rank, int world, ncclComm_t comm, cudaStream_t stream) {
   EpShape s;
   s.rank = rank;
   s.world = world;
@@ -114,6 +114,7 @@ void bench_dispatch_combine(Context& ctx, const Shape& sh, EpSizing sizing, cons
   s.num_experts = sh.E;
   s.max_tokens_per_rank = sh.T;
   s.sizing = sizing;
+  s.fp8_rows = fp8_rows;
   std::vector<int32_t> ids;
   std::vector<float> w;
   random_topk(sh.T, sh.k, sh.E, 1000 + rank, ids, w);
@@ -147,13 +148,15 @@ void bench_dispatch_combine(Context& ctx, const Shape& sh, EpSizing sizing, cons
   int64_t rows_sent = 0;
   for (int p = 0; p < world; ++p)
     if (p != rank) rows_sent += sizing == EpSizing::kCapacity ? C : counts[size_t(p)];
-  const double bytes = 2.0 * double(rows_sent) * double(sh.H) * 2;  // dispatch + combine, this rank's sends
-  // NCCL's all-to-all of C rows per peer, twice (dispatch and combine sizes).
-  const size_t slab = size_t(C * sh.H * 2);
+  // Dispatch rows (bf16, or e4m3 + their scales) and combine rows (bf16): this rank's sends.
+  const double in_row = fp8_rows ? double(sh.H) + double(sh.H / 128) * 4 : double(sh.H) * 2;
+  const double bytes = double(rows_sent) * (in_row + double(sh.H) * 2);
+  // NCCL's all-to-all of C rows per peer at the dispatch's and the combine's row size.
+  const size_t slab_in = size_t(double(C) * in_row), slab = size_t(C * sh.H * 2);
   Buf a(slab * world), b(slab * world);
   const double t_nccl = median_us(
       [&] {
-        nccl_a2a(a.as<char>(), b.as<char>(), slab, rank, world, comm, stream);
+        nccl_a2a(a.as<char>(), b.as<char>(), slab_in, rank, world, comm, stream);
         nccl_a2a(b.as<char>(), a.as<char>(), slab, rank, world, comm, stream);
       },
       stream, 3, iters(ctx));
@@ -168,8 +171,9 @@ void bench_dispatch_combine(Context& ctx, const Shape& sh, EpSizing sizing, cons
   r.check = "not checked here (tests/gpu/test_ep_gpu.cu)";
   r.extra["nccl_a2a_us"] = t_nccl;
   r.extra["busbw_gbps"] = bytes / (t * 1e-6) / 1e9;
-  r.extra["nccl_busbw_gbps"] = 2.0 * double(slab) * (world - 1) / (t_nccl * 1e-6) / 1e9;
+  r.extra["nccl_busbw_gbps"] = double(slab_in + slab) * (world - 1) / (t_nccl * 1e-6) / 1e9;
   r.labels["sizing"] = sizing == EpSizing::kCapacity ? "capacity" : "exact";
+  r.labels["rows"] = fp8_rows ? "fp8" : "bf16";
   add_record(ctx, std::move(r));
 }
 
@@ -438,12 +442,16 @@ int rank_main(Context ctx, const std::string& json_path, int rank, int world, nc
   const Shape deepseek{4096, 8, 256, 2048, 7168};
   auto want = [&](const char* op, const std::string& name) { return ctx.selected(op, name); };
   std::string n = "deepseek_T4096_k8_E256_H7168" + ep;
-  if (want("ep_dispatch_combine", n)) bench_dispatch_combine(ctx, deepseek, EpSizing::kCapacity, n, rank, world, comm, stream);
+  if (want("ep_dispatch_combine", n))
+    bench_dispatch_combine(ctx, deepseek, EpSizing::kCapacity, false, n, rank, world, comm, stream);
   if (want("ep_dispatch_combine", n + "_exact"))
-    bench_dispatch_combine(ctx, deepseek, EpSizing::kExact, n + "_exact", rank, world, comm, stream);
+    bench_dispatch_combine(ctx, deepseek, EpSizing::kExact, false, n + "_exact", rank, world, comm, stream);
+  if (want("ep_dispatch_combine", n + "_fp8"))
+    bench_dispatch_combine(ctx, deepseek, EpSizing::kCapacity, true, n + "_fp8", rank, world, comm, stream);
   const Shape decode{16, 8, 256, 2048, 7168};
   n = "deepseek_T16_k8_E256_H7168" + ep;
-  if (want("ep_dispatch_combine", n)) bench_dispatch_combine(ctx, decode, EpSizing::kCapacity, n, rank, world, comm, stream);
+  if (want("ep_dispatch_combine", n))
+    bench_dispatch_combine(ctx, decode, EpSizing::kCapacity, false, n, rank, world, comm, stream);
   n = "deepseek_T4096_k8_E256_I2048_H7168" + ep;
   if (want("ep_moe_forward", n)) bench_moe_forward(ctx, deepseek, n, rank, world, comm, stream);
   n = "T4096_H7168" + ep;

@@ -102,6 +102,12 @@ struct EpShape {
   // rows of those tokens are NaN and `dropped` counts them.
   int64_t recv_capacity = 0;
   EpSizing sizing = EpSizing::kCapacity;
+  // FP8 dispatch (spec §14.3): rows are quantised 1 x 128 (quantize_fp8: e4m3
+  // + fp32 scales) before they are sent, half the bytes of bf16; the receive
+  // view's x is then e4m3 with x_scales beside it, and the experts run the
+  // FP8 layer (ep_moe_forward: moe.fp8 = kBlock). H % 128 == 0. Combine
+  // sends bf16 rows back either way.
+  bool fp8_rows = false;
 };
 
 int64_t ep_recv_capacity(const EpShape& shape);  // C
@@ -116,7 +122,8 @@ size_t ep_workspace_size(const EpShape& shape);  // dispatch + combine (not the 
 // slots (moe_forward with this rank's expert range does exactly this).
 struct EpRecvView {
   int64_t rows = 0;             // W * C
-  void* x = nullptr;            // bf16 [W*C, H]
+  void* x = nullptr;            // bf16 [W*C, H] (fp8_rows: e4m3 codes, one byte each)
+  float* x_scales = nullptr;    // fp8_rows: fp32 [W*C, H / 128]; else null
   int32_t* ids = nullptr;       // [W*C, k]
   float* weights = nullptr;     // [W*C, k]
   int32_t* counts = nullptr;    // [W] (device): rows received from each rank, <= C

@@ -398,6 +398,12 @@ struct MoeForwardArgs {
   // kBlock: [E_local, ceil(H / 128), I / 128], block (h / 128, i / 128) of
   // W2[e] (Fc2FinalizeArgs::w2_scales). Ignored with kNone.
   const float* w2_scales = nullptr;
+  // kBlock only: X already quantised. Non-null: X holds e4m3 codes [T,
+  // x_stride] (one byte each) and these are their fp32 scales [T, H / 128]
+  // (1 x 128 blocks, spec §11); the layer does not quantise X and FC1 gathers
+  // its rows (fc1_input kAuto resolves to kGather; kPermutedCopy is
+  // kNotSupported). What expert parallelism's FP8 dispatch hands over.
+  const float* x_scales = nullptr;
 
   // FC2: W2 bf16 (e4m3 with fp8) [E_local, H, I]; bias bf16 [E_local, H] or null (apply_b2
   // false on all but one tensor-parallel rank).

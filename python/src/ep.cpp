@@ -85,7 +85,7 @@ const EnumNames<fm::EpReduce>& ep_reduces() {
 }
 
 fm::EpShape ep_shape(const NcclComm& comm, int64_t hidden, int k, int num_experts, int64_t max_tokens_per_rank,
-                     int64_t recv_capacity, const std::string& sizing) {
+                     int64_t recv_capacity, const std::string& sizing, bool fp8_rows) {
   fm::EpShape s;
   s.rank = comm.rank();
   s.world = comm.world();
@@ -95,12 +95,14 @@ fm::EpShape ep_shape(const NcclComm& comm, int64_t hidden, int k, int num_expert
   s.max_tokens_per_rank = max_tokens_per_rank;
   s.recv_capacity = recv_capacity;
   s.sizing = parse_enum(sizing, ep_sizings(), "ep_moe_forward", "sizing");
+  s.fp8_rows = fp8_rows;
   return s;
 }
 
 // ep_moe_forward's arguments from the arrays (sizes only when `X` is absent).
 fm::EpMoeForwardArgs ep_forward_args(const NcclComm& comm, const In& W1, const In& W2, int k, int num_experts,
                                      int64_t max_tokens_per_rank, int64_t recv_capacity, const std::string& sizing,
+                                     bool fp8_rows,
                                      const OptIn& b1, const OptIn& b2, const std::string& w1_layout,
                                      const std::string& activation, float limit, float alpha, const std::string& mode,
                                      const std::string& fp8, const OptIn& w1_scales, const OptIn& w2_scales,
@@ -108,16 +110,16 @@ fm::EpMoeForwardArgs ep_forward_args(const NcclComm& comm, const In& W1, const I
   fm::EpMoeForwardArgs a;
   set_layer_experts(a.moe, W1, W2, b1, b2, true, w1_layout, activation, limit, alpha, mode, fp8, w1_scales, w2_scales,
                     op);
-  a.shape = ep_shape(comm, a.moe.hidden, k, num_experts, max_tokens_per_rank, recv_capacity, sizing);
+  a.shape = ep_shape(comm, a.moe.hidden, k, num_experts, max_tokens_per_rank, recv_capacity, sizing, fp8_rows);
   return a;
 }
 
 size_t ep_moe_forward_workspace_size(const NcclComm& comm, const In& W1, const In& W2, int k, int num_experts,
                                      int64_t max_tokens_per_rank, int64_t recv_capacity, const std::string& sizing,
-                                     const std::string& mode, const std::string& fp8, const OptIn& w1_scales,
+                                     bool fp8_rows, const std::string& mode, const std::string& fp8, const OptIn& w1_scales,
                                      const OptIn& w2_scales) {
   const fm::EpMoeForwardArgs a =
-      ep_forward_args(comm, W1, W2, k, num_experts, max_tokens_per_rank, recv_capacity, sizing, std::nullopt,
+      ep_forward_args(comm, W1, W2, k, num_experts, max_tokens_per_rank, recv_capacity, sizing, fp8_rows, std::nullopt,
                       std::nullopt, "gate_up", "swiglu", 0.f, 0.f, mode, fp8, w1_scales, w2_scales,
                       "ep_moe_forward_workspace_size");
   return fm::ep_moe_forward_workspace_size(a);
@@ -125,7 +127,7 @@ size_t ep_moe_forward_workspace_size(const NcclComm& comm, const In& W1, const I
 
 void ep_moe_forward(const NcclComm& comm, const In& X, const In& W1, const In& W2, const In& topk_ids,
                     const In& topk_weights, const Out& out, int num_experts, int64_t max_tokens_per_rank,
-                    int64_t recv_capacity, const std::string& sizing, const OptIn& b1, const OptIn& b2,
+                    int64_t recv_capacity, const std::string& sizing, bool fp8_rows, const OptIn& b1, const OptIn& b2,
                     const std::string& w1_layout, const std::string& activation, float limit, float alpha,
                     const std::string& mode, const std::string& fp8, const OptIn& w1_scales, const OptIn& w2_scales,
                     const OptIn& shared_output, const OptOut& dropped, const OptOut& workspace, uintptr_t stream) {
@@ -138,7 +140,7 @@ void ep_moe_forward(const NcclComm& comm, const In& X, const In& W1, const In& W
   require_ndim(topk_ids, 2, op, "topk_ids");
   const int k = int(dim(topk_ids, 1));
   fm::EpMoeForwardArgs a = ep_forward_args(comm, W1, W2, k, num_experts, max_tokens_per_rank, recv_capacity, sizing,
-                                           b1, b2, w1_layout, activation, limit, alpha, mode, fp8, w1_scales,
+                                           fp8_rows, b1, b2, w1_layout, activation, limit, alpha, mode, fp8, w1_scales,
                                            w2_scales, op);
   const int64_t H = a.moe.hidden;
   require_dtype(X, kBFloat16, op, "X");
@@ -264,10 +266,10 @@ void register_ep(nb::module_& m) {
       .def_prop_ro("handle", &NcclComm::handle)
       .def("destroy", &NcclComm::destroy);
   m.def("ep_moe_forward_workspace_size", &ep_moe_forward_workspace_size, "comm"_a, "W1"_a, "W2"_a, nb::kw_only(),
-        "k"_a, "num_experts"_a, "max_tokens_per_rank"_a, "recv_capacity"_a, "sizing"_a, "mode"_a, "fp8"_a,
+        "k"_a, "num_experts"_a, "max_tokens_per_rank"_a, "recv_capacity"_a, "sizing"_a, "fp8_rows"_a, "mode"_a, "fp8"_a,
         "w1_scales"_a.none(), "w2_scales"_a.none(), "Bytes of workspace ep_moe_forward needs (spec §14.4).");
   m.def("ep_moe_forward", &ep_moe_forward, "comm"_a, "X"_a, "W1"_a, "W2"_a, "topk_ids"_a, "topk_weights"_a, "out"_a,
-        nb::kw_only(), "num_experts"_a, "max_tokens_per_rank"_a, "recv_capacity"_a, "sizing"_a, "b1"_a.none(),
+        nb::kw_only(), "num_experts"_a, "max_tokens_per_rank"_a, "recv_capacity"_a, "sizing"_a, "fp8_rows"_a, "b1"_a.none(),
         "b2"_a.none(), "w1_layout"_a, "activation"_a, "limit"_a, "alpha"_a, "mode"_a, "fp8"_a, "w1_scales"_a.none(),
         "w2_scales"_a.none(), "shared_output"_a.none(), "dropped"_a.none(), "workspace"_a.none(), "stream"_a,
         "spec §14.3: dispatch, this rank's experts, combine into `out` [T, H].");

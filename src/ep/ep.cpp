@@ -14,6 +14,7 @@
 #include "common/kernel_fit.h"
 #include "ep/ep_internal.h"
 #include "flashmix/ep.h"
+#include "flashmix/fp8.h"
 
 namespace flashmix {
 namespace ep {
@@ -52,6 +53,21 @@ Status check_rows(const char* op, const char* name, const void* p, int64_t strid
 
 int64_t or_hidden(int64_t stride, int64_t H) { return stride == 0 ? H : stride; }
 
+// fp8_rows: this rank's X -> e4m3 [T, H] + fp32 scales [T, H / 128] in the
+// workspace (quantize_fp8, 1 x 128; spec §11), what the pack sends.
+QuantizeFp8Args quantise_rows(const EpDispatchArgs& a, const Layout& l, char* ws) {
+  QuantizeFp8Args q;
+  q.x = a.X;
+  q.x_stride = a.x_stride;
+  q.q = ws ? ws + l.x_q : nullptr;
+  q.scales = ws ? ws + l.x_q_scales : nullptr;
+  q.rows = a.num_tokens;
+  q.cols = a.shape.hidden;
+  q.block = Fp8Block::k1x128;
+  q.scale_format = ScaleFormat::kFloat32;
+  return q;
+}
+
 Status check_dispatch(const EpDispatchArgs& a, ncclComm_t comm) {
   constexpr const char* op = kDispatchOp;
   FM_RETURN_IF_ERROR(check_shape(op, a.shape, comm));
@@ -62,6 +78,12 @@ Status check_dispatch(const EpDispatchArgs& a, ncclComm_t comm) {
   FM_RETURN_IF_ERROR(check_rows(op, "X", a.X, or_hidden(a.x_stride, a.shape.hidden), a.shape.hidden, true));
   FM_REQUIRE(a.topk_ids != nullptr, op, "topk_ids", "must not be null");
   FM_REQUIRE(a.topk_weights != nullptr, op, "topk_weights", "must not be null");
+  if (a.shape.fp8_rows) {
+    // The quantiser's own rules on X, at a placeholder workspace (2^62: no caller buffer is there).
+    char* const placeholder = reinterpret_cast<char*>(uintptr_t(1) << 62);
+    const Status st = validate_quantize_fp8(quantise_rows(a, layout(a.shape), placeholder));
+    if (!st.ok()) return Status(st.code(), detail::concat(op, ": ", st.message()));
+  }
   return Status::Ok();
 }
 
@@ -159,7 +181,7 @@ Spans exact_spans(const HostCounts& c, bool combine) {
 // meta slab's header with spans that start at row 0 when `header`.
 Status exchange_dispatch(const EpShape& s, const Layout& l, char* ws, const Spans& x, bool header, ncclComm_t comm,
                          cudaStream_t stream, const char* op) {
-  const size_t row_bytes = size_t(s.hidden) * 2, meta_row = meta_row_bytes(s.k);
+  const size_t row_bytes = in_row_bytes(s), meta_row = meta_row_bytes(s);
   auto meta_begin = [&](const Span& r) { return kMetaHeaderBytes + r.lo * meta_row - (header && r.lo == 0 ? kMetaHeaderBytes : 0); };
   auto meta_end = [&](const Span& r) { return kMetaHeaderBytes + r.hi * meta_row; };
   EP_NCCL(ncclGroupStart(), op, "ncclGroupStart");
@@ -169,8 +191,8 @@ Status exchange_dispatch(const EpShape& s, const Layout& l, char* ws, const Span
     const Span& in = x.recv[size_t(p)];
     char* send_meta = ws + l.send_meta + size_t(peer_slot(p, s.rank)) * l.meta_stride;
     char* recv_meta = ws + l.recv_meta + size_t(p) * l.meta_stride;
-    char* send_rows = ws + l.send_rows + size_t(peer_slot(p, s.rank)) * l.rows_stride;
-    char* recv_rows = ws + l.recv_x + size_t(p) * l.rows_stride;
+    char* send_rows = ws + l.send_rows + size_t(peer_slot(p, s.rank)) * l.in_stride;
+    char* recv_rows = ws + l.recv_x + size_t(p) * l.in_stride;
     EP_NCCL(ncclSend(send_meta + meta_begin(out), meta_end(out) - meta_begin(out), ncclUint8, p, comm, stream), op,
             "ncclSend");
     EP_NCCL(ncclRecv(recv_meta + meta_begin(in), meta_end(in) - meta_begin(in), ncclUint8, p, comm, stream), op,
@@ -208,9 +230,19 @@ Status dispatch_body(const EpDispatchArgs& a, ncclComm_t comm, char* ws, const L
   const EpShape& s = a.shape;
   if (a.dropped != nullptr) EP_CUDA(cudaMemsetAsync(a.dropped, 0, sizeof(int32_t), stream), op, "zeroing dropped");
   EP_CUDA(launch_plan(s, l, ws, a.num_tokens, a.topk_ids, a.dropped, stream), op, "plan kernel launch");
-  EP_CUDA(launch_pack(s, l, ws, a.num_tokens, a.X, or_hidden(a.x_stride, s.hidden), a.topk_ids, a.topk_weights,
-                      stream),
-          op, "pack kernel launch");
+  if (s.fp8_rows) {
+    if (a.num_tokens > 0) {
+      const Status st = quantize_fp8(quantise_rows(a, l, ws), stream);
+      if (!st.ok()) return Status(st.code(), detail::concat(op, ": ", st.message()));
+    }
+    EP_CUDA(launch_pack(s, l, ws, a.num_tokens, ws + l.x_q, s.hidden, reinterpret_cast<const float*>(ws + l.x_q_scales),
+                        a.topk_ids, a.topk_weights, stream),
+            op, "pack kernel launch");
+  } else {
+    EP_CUDA(launch_pack(s, l, ws, a.num_tokens, a.X, or_hidden(a.x_stride, s.hidden) * 2, nullptr, a.topk_ids,
+                        a.topk_weights, stream),
+            op, "pack kernel launch");
+  }
   if (s.sizing == EpSizing::kExact) {
     FM_RETURN_IF_ERROR(exchange_headers(s, l, ws, comm, stream, op));
     HostCounts counts;
@@ -253,6 +285,7 @@ MoeForwardArgs local_experts(const EpMoeForwardArgs& a, const EpRecvView& v) {
   m.start_expert_id = s.rank * m.num_experts_per_node;
   m.X = v.x;
   m.x_stride = s.hidden;
+  m.x_scales = v.x_scales;  // fp8_rows: X arrived quantised (null otherwise)
   m.router_logits = nullptr;
   m.token_selected_experts = v.ids;
   m.token_final_scales = v.weights;
@@ -336,6 +369,8 @@ Status ep_moe_forward(const EpMoeForwardArgs& a, ncclComm_t comm, void* workspac
   const Layout l = layout(a.shape);
   FM_REQUIRE(workspace != nullptr, op, "workspace", "must not be null");
   FM_REQUIRE(reinterpret_cast<uintptr_t>(workspace) % 256 == 0, op, "workspace", "must be 256-byte aligned");
+  FM_REQUIRE(!a.shape.fp8_rows || a.moe.fp8 == MoeFp8Scaling::kBlock, op, "shape.fp8_rows",
+             "FP8 rows go to the FP8 layer: needs moe.fp8 = block");
   const EpRecvView v = ep_recv_view(a.shape, workspace);
   const MoeForwardArgs m = local_experts(a, v);
   {

@@ -29,6 +29,9 @@ Status check_shape(const char* op, const EpShape& s, ncclComm_t comm) {
                  int64_t(s.world) * C * s.k <= detail::kInt32Max,
              op, "shape", "world * max_tokens_per_rank and world * recv_capacity * k must fit int32 (got W = ",
              s.world, ", T_max = ", s.max_tokens_per_rank, ", C = ", C, ", k = ", s.k, ")");
+  if (s.fp8_rows)
+    FM_REQUIRE(s.hidden % 128 == 0, op, "shape.hidden",
+               "must be a multiple of 128 with fp8_rows (rows are quantised 1 x 128; got ", s.hidden, ")");
   const int sz = int(s.sizing);
   FM_REQUIRE(sz == int(EpSizing::kCapacity) || sz == int(EpSizing::kExact), op, "shape.sizing",
              "unknown EpSizing value ", sz);
@@ -47,20 +50,25 @@ Layout layout(const EpShape& s) {
   const int W = s.world;
   l.C = ep_recv_capacity(s);
   l.T_max = s.max_tokens_per_rank;
-  l.meta_stride = align256(kMetaHeaderBytes + size_t(l.C) * meta_row_bytes(s.k));
-  l.rows_stride = size_t(l.C) * size_t(s.hidden) * 2;  // slabs back to back: [W*C, H] is one matrix
+  l.meta_stride = align256(kMetaHeaderBytes + size_t(l.C) * meta_row_bytes(s));
+  l.in_stride = size_t(l.C) * in_row_bytes(s);         // slabs back to back: [W*C, H] is one matrix
+  l.rows_stride = size_t(l.C) * size_t(s.hidden) * 2;  // the same for the experts' bf16 output
   size_t at = 0;
   auto region = [&](size_t bytes) {
     const size_t off = at;
     at = align256(at + bytes);
     return off;
   };
+  const size_t scales = size_t(scale_cols(s)) * 4;  // bytes of a row's scales (0 without fp8_rows)
+  l.x_q = region(s.fp8_rows ? size_t(l.T_max) * size_t(s.hidden) : 0);
+  l.x_q_scales = region(size_t(l.T_max) * scales);
   l.plan_row = region(size_t(W) * size_t(l.T_max) * 4);
   l.plan_counts = region(size_t(W) * 4);
   l.send_meta = region(size_t(W - 1) * l.meta_stride);
-  l.send_rows = region(size_t(W - 1) * l.rows_stride);
+  l.send_rows = region(size_t(W - 1) * l.in_stride);
   l.recv_meta = region(size_t(W) * l.meta_stride);
-  l.recv_x = region(size_t(W) * l.rows_stride);
+  l.recv_x = region(size_t(W) * l.in_stride);
+  l.recv_x_scales = region(size_t(W) * size_t(l.C) * scales);
   l.recv_ids = region(size_t(W) * size_t(l.C) * s.k * 4);
   l.recv_weights = region(size_t(W) * size_t(l.C) * s.k * 4);
   l.recv_counts = region(size_t(W) * 4);
@@ -88,6 +96,7 @@ EpRecvView ep_recv_view(const EpShape& s, void* workspace) {
   char* ws = static_cast<char*>(workspace);
   v.rows = int64_t(s.world) * l.C;
   v.x = ws + l.recv_x;
+  v.x_scales = s.fp8_rows ? reinterpret_cast<float*>(ws + l.recv_x_scales) : nullptr;
   v.ids = reinterpret_cast<int32_t*>(ws + l.recv_ids);
   v.weights = reinterpret_cast<float*>(ws + l.recv_weights);
   v.counts = reinterpret_cast<int32_t*>(ws + l.recv_counts);

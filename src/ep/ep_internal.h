@@ -25,9 +25,13 @@ constexpr const char* kCombineOp = "ep_combine";
 constexpr const char* kForwardOp = "ep_moe_forward";
 
 // A meta slab: a 16-byte header (int32 count of rows the source meant to
-// send, before the capacity cut) then C rows of k int32 ids + k fp32 weights.
+// send, before the capacity cut) then C rows of k int32 ids + k fp32 weights
+// (+ with fp8_rows the row's H / 128 fp32 scales).
 constexpr size_t kMetaHeaderBytes = 16;
-inline size_t meta_row_bytes(int k) { return size_t(k) * 8; }
+inline int64_t scale_cols(const EpShape& s) { return s.fp8_rows ? s.hidden / 128 : 0; }
+inline size_t meta_row_bytes(const EpShape& s) { return size_t(s.k) * 8 + size_t(scale_cols(s)) * 4; }
+// Bytes of a dispatched row: bf16, or e4m3 with fp8_rows.
+inline size_t in_row_bytes(const EpShape& s) { return size_t(s.hidden) * (s.fp8_rows ? 1 : 2); }
 
 inline size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
 
@@ -45,14 +49,18 @@ struct Layout {
   int64_t C = 0;            // recv_capacity
   int64_t T_max = 0;        // max_tokens_per_rank
   size_t meta_stride = 0;   // bytes between meta slabs
-  size_t rows_stride = 0;   // bytes between row slabs (C * H * 2, 256-aligned)
+  size_t in_stride = 0;     // bytes between dispatched row slabs (C rows of in_row_bytes, back to back)
+  size_t rows_stride = 0;   // bytes between bf16 row slabs of the experts' output (C * H * 2, back to back)
   // Byte offsets into the workspace.
+  size_t x_q = 0;           // fp8_rows: e4m3 [T_max, H], this rank's X quantised
+  size_t x_q_scales = 0;    // fp8_rows: fp32 [T_max, H / 128]
   size_t plan_row = 0;      // int32 [W, T_max]: row of token t in d's slab, or -1
   size_t plan_counts = 0;   // int32 [W]: rows for d before the cut
   size_t send_meta = 0;     // (W-1) meta slabs
   size_t send_rows = 0;     // (W-1) row slabs
   size_t recv_meta = 0;     // W meta slabs
-  size_t recv_x = 0;        // bf16 [W*C, H]
+  size_t recv_x = 0;        // [W*C, H] bf16 (fp8_rows: e4m3)
+  size_t recv_x_scales = 0; // fp8_rows: fp32 [W*C, H / 128]
   size_t recv_ids = 0;      // int32 [W*C, k]
   size_t recv_weights = 0;  // fp32 [W*C, k]
   size_t recv_counts = 0;   // int32 [W]
@@ -75,8 +83,9 @@ Status check_shape(const char* op, const EpShape& s, ncclComm_t comm);
 // caller zeroed it on the stream).
 cudaError_t launch_plan(const EpShape& s, const Layout& l, char* ws, int64_t T, const int32_t* ids,
                         int32_t* dropped, cudaStream_t stream);
-cudaError_t launch_pack(const EpShape& s, const Layout& l, char* ws, int64_t T, const void* X, int64_t x_stride,
-                        const int32_t* ids, const float* weights, cudaStream_t stream);
+// X: [T, x_stride] of in_row_bytes rows (bf16, or fp8_rows' e4m3 with x_scales [T, H / 128]).
+cudaError_t launch_pack(const EpShape& s, const Layout& l, char* ws, int64_t T, const void* X, int64_t x_stride_bytes,
+                        const float* x_scales, const int32_t* ids, const float* weights, cudaStream_t stream);
 cudaError_t launch_unpack(const EpShape& s, const Layout& l, char* ws, cudaStream_t stream);
 cudaError_t launch_combine_reduce(const EpShape& s, const Layout& l, const char* ws, int64_t T,
                                   const void* shared, int64_t shared_stride, void* out, int64_t out_stride,

@@ -22,12 +22,17 @@ struct Geometry {
   int rank, world, k;
   int e_local;
   int64_t C, T_max, H;
-  size_t meta_stride, rows_stride;
+  int scale_cols;      // fp8_rows: H / 128 scales per row (in the meta rows); else 0
+  int64_t in_row_vec;  // 16-byte words of a dispatched row
+  size_t meta_stride, meta_row, in_stride, rows_stride;
 };
 
 Geometry geometry(const EpShape& s, const Layout& l) {
-  return Geometry{s.rank, s.world, s.k, s.num_experts / s.world, l.C, l.T_max, s.hidden, l.meta_stride,
-                  l.rows_stride};
+  return Geometry{s.rank,        s.world,      s.k,
+                  s.num_experts / s.world,     l.C,
+                  l.T_max,       s.hidden,     int(scale_cols(s)),
+                  int64_t(in_row_bytes(s) / 16), l.meta_stride, meta_row_bytes(s),
+                  l.in_stride,   l.rows_stride};
 }
 
 // The meta slab that holds what this rank sends to d: its own receive slab
@@ -88,25 +93,28 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(Geometry g, int64_t 
 // destination it goes to (read once, written once per destination).
 __global__ void __launch_bounds__(kRowThreads) pack_kernel(Geometry g, const int32_t* __restrict__ plan_row,
                                                            const uint4* __restrict__ X, int64_t x_stride_vec,
+                                                           const float* __restrict__ x_scales,
                                                            const int32_t* __restrict__ ids,
                                                            const float* __restrict__ weights, char* send_meta,
                                                            char* recv_meta, char* send_rows, char* recv_x) {
   extern __shared__ uint4* dst_rows[];  // [W]: destination row pointers, in rank order
   __shared__ int num_dst;
   const int64_t t = blockIdx.x;
-  const int64_t nvec = g.H / 8;
+  const int64_t nvec = g.in_row_vec;
   if (threadIdx.x == 0) {
     int n = 0;
     for (int d = 0; d < g.world; ++d) {
       const int32_t row = plan_row[int64_t(d) * g.T_max + t];
       if (row < 0 || row >= g.C) continue;  // not sent, or past the capacity (counted by the plan)
-      char* meta = meta_slab_for(g, send_meta, recv_meta, d) + kMetaHeaderBytes + size_t(row) * g.k * 8;
+      char* meta = meta_slab_for(g, send_meta, recv_meta, d) + kMetaHeaderBytes + size_t(row) * g.meta_row;
       for (int j = 0; j < g.k; ++j) {
         reinterpret_cast<int32_t*>(meta)[j] = ids[t * g.k + j];
         reinterpret_cast<float*>(meta)[g.k + j] = weights[t * g.k + j];
       }
-      char* slab = d == g.rank ? recv_x + size_t(g.rank) * g.rows_stride
-                               : send_rows + size_t(peer_slot(d, g.rank)) * g.rows_stride;
+      for (int c = 0; c < g.scale_cols; ++c)
+        reinterpret_cast<float*>(meta)[2 * g.k + c] = x_scales[t * g.scale_cols + c];
+      char* slab = d == g.rank ? recv_x + size_t(g.rank) * g.in_stride
+                               : send_rows + size_t(peer_slot(d, g.rank)) * g.in_stride;
       dst_rows[n++] = reinterpret_cast<uint4*>(slab) + int64_t(row) * nvec;
     }
     num_dst = n;
@@ -134,7 +142,8 @@ __global__ void __launch_bounds__(kRowThreads) pack_kernel(Geometry g, const int
 // One thread per received row: ids and weights out of the meta slabs; rows
 // past what arrived get id -1 (so the experts skip them) and weight 0.
 __global__ void unpack_kernel(Geometry g, const char* __restrict__ recv_meta, int32_t* __restrict__ recv_ids,
-                              float* __restrict__ recv_weights, int32_t* __restrict__ recv_counts) {
+                              float* __restrict__ recv_weights, int32_t* __restrict__ recv_counts,
+                              float* __restrict__ recv_x_scales) {
   const int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r >= g.world * g.C) return;
   const int s = int(r / g.C);
@@ -146,11 +155,13 @@ __global__ void unpack_kernel(Geometry g, const char* __restrict__ recv_meta, in
   int32_t* out_ids = recv_ids + r * g.k;
   float* out_w = recv_weights + r * g.k;
   if (i < count) {
-    const char* meta = slab + kMetaHeaderBytes + size_t(i) * g.k * 8;
+    const char* meta = slab + kMetaHeaderBytes + size_t(i) * g.meta_row;
     for (int j = 0; j < g.k; ++j) {
       out_ids[j] = reinterpret_cast<const int32_t*>(meta)[j];
       out_w[j] = reinterpret_cast<const float*>(meta)[g.k + j];
     }
+    for (int c = 0; c < g.scale_cols; ++c)
+      recv_x_scales[r * g.scale_cols + c] = reinterpret_cast<const float*>(meta)[2 * g.k + c];
   } else {
     for (int j = 0; j < g.k; ++j) {
       out_ids[j] = -1;
@@ -273,13 +284,13 @@ cudaError_t launch_plan(const EpShape& s, const Layout& l, char* ws, int64_t T, 
   return cudaGetLastError();
 }
 
-cudaError_t launch_pack(const EpShape& s, const Layout& l, char* ws, int64_t T, const void* X, int64_t x_stride,
-                        const int32_t* ids, const float* weights, cudaStream_t stream) {
+cudaError_t launch_pack(const EpShape& s, const Layout& l, char* ws, int64_t T, const void* X, int64_t x_stride_bytes,
+                        const float* x_scales, const int32_t* ids, const float* weights, cudaStream_t stream) {
   if (T == 0) return cudaSuccess;
   const Geometry g = geometry(s, l);
   pack_kernel<<<unsigned(T), kRowThreads, sizeof(void*) * s.world, stream>>>(
-      g, reinterpret_cast<const int32_t*>(ws + l.plan_row), static_cast<const uint4*>(X), x_stride / 8, ids,
-      weights, ws + l.send_meta, ws + l.recv_meta, ws + l.send_rows, ws + l.recv_x);
+      g, reinterpret_cast<const int32_t*>(ws + l.plan_row), static_cast<const uint4*>(X), x_stride_bytes / 16,
+      x_scales, ids, weights, ws + l.send_meta, ws + l.recv_meta, ws + l.send_rows, ws + l.recv_x);
   return cudaGetLastError();
 }
 
@@ -289,7 +300,7 @@ cudaError_t launch_unpack(const EpShape& s, const Layout& l, char* ws, cudaStrea
   constexpr int kThreads = 256;
   unpack_kernel<<<unsigned((rows + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
       g, ws + l.recv_meta, reinterpret_cast<int32_t*>(ws + l.recv_ids), reinterpret_cast<float*>(ws + l.recv_weights),
-      reinterpret_cast<int32_t*>(ws + l.recv_counts));
+      reinterpret_cast<int32_t*>(ws + l.recv_counts), reinterpret_cast<float*>(ws + l.recv_x_scales));
   return cudaGetLastError();
 }
 

@@ -40,6 +40,7 @@ struct Stages {
   // fp8: X (or its permuted copy) -> e4m3 for FC1; FC1's output -> e4m3 for FC2.
   bool fp8 = false;
   bool quant_x_device_rows = false;  // the permuted copy: only its first P rows (P on the device)
+  bool quantise_x = false;           // X is quantised here (fp8 and not x_prequantised)
   QuantizeFp8Args quant_x, quant_act;
 };
 
@@ -52,6 +53,9 @@ bool use_permuted_copy(const MoeForwardArgs& a) {
 }
 
 bool is_fp8(const MoeForwardArgs& a) { return a.fp8 != MoeFp8Scaling::kNone; }
+
+// X arrives as e4m3 with its scales (MoeForwardArgs::x_scales): not quantised here.
+bool x_prequantised(const MoeForwardArgs& a) { return is_fp8(a) && a.x_scales != nullptr; }
 
 // The stages' arguments; workspace regions at `ws` + the layout's offsets
 // (ws null: the size query, pointers into it left null).
@@ -103,6 +107,7 @@ Stages make_stages(const MoeForwardArgs& a, char* ws, const MoeForwardLayout& l)
     // X -> e4m3 rows [T or k*T capacity, H] + fp32 scales [rows, H / 128];
     // of the permuted copy only the first P rows are read and written.
     s.fp8 = true;
+    s.quantise_x = !x_prequantised(a);
     s.quant_x_device_rows = copy;
     s.quant_x.x = s.fc1.X;
     s.quant_x.x_stride = s.fc1.x_stride;
@@ -113,10 +118,10 @@ Stages make_stages(const MoeForwardArgs& a, char* ws, const MoeForwardLayout& l)
     s.quant_x.block = Fp8Block::k1x128;
     s.quant_x.scale_format = ScaleFormat::kFloat32;
     s.quant_x.enable_pdl = a.enable_pdl;
-    s.fc1.X = at(l.x_q);
-    s.fc1.x_stride = 0;
+    s.fc1.X = s.quantise_x ? at(l.x_q) : a.X;
+    s.fc1.x_stride = s.quantise_x ? 0 : a.x_stride;
     s.fc1.fp8 = a.fp8;
-    s.fc1.x_scales = reinterpret_cast<const float*>(at(l.x_scales));
+    s.fc1.x_scales = s.quantise_x ? reinterpret_cast<const float*>(at(l.x_scales)) : a.x_scales;
     s.fc1.w1_scales = a.w1_scales;
     // FC1's output [k*T capacity, I] -> e4m3, its first P rows (FC2 reads no others).
     s.quant_act.x = at(l.fc1_out);
@@ -195,7 +200,7 @@ MoeForwardLayout moe_forward_layout(const MoeForwardArgs& a) {
   l.maps_ws = take(l.maps_ws_bytes);
   l.fc1_out = take(slots * size_t(a.inter) * 2);
   if (is_fp8(a)) {
-    const size_t x_rows = use_permuted_copy(a) ? slots : size_t(a.num_tokens);
+    const size_t x_rows = x_prequantised(a) ? 0 : use_permuted_copy(a) ? slots : size_t(a.num_tokens);
     l.x_q = take(x_rows * size_t(a.hidden));
     l.x_scales = take(x_rows * size_t(a.hidden / 128) * 4);
     l.act_q = take(slots * size_t(a.inter));
@@ -213,7 +218,7 @@ namespace {
 // empty ranges).
 struct CallerRanges {
   detail::Range X, router_logits, token_selected_experts, token_final_scales, selected_experts_out,
-      final_scales_out, W1, b1, W2, b2, shared_output, out, w1_scales, w2_scales;
+      final_scales_out, W1, b1, W2, b2, shared_output, out, w1_scales, w2_scales, x_scales;
 };
 
 CallerRanges caller_ranges(const MoeForwardArgs& a) {
@@ -222,7 +227,8 @@ CallerRanges caller_ranges(const MoeForwardArgs& a) {
   const int64_t shared_stride = a.shared_stride ? a.shared_stride : H;
   const int64_t logit_bytes = a.router.logits_dtype == DType::kFloat32 ? 4 : 2;
   CallerRanges r;
-  r.X = {"X", a.X, detail::rows_extent_bytes(T, x_stride, H, 2)};
+  r.X = {"X", a.X, detail::rows_extent_bytes(T, x_stride, H, x_prequantised(a) ? 1 : 2)};
+  r.x_scales = {"x_scales", x_prequantised(a) ? a.x_scales : nullptr, T * (H / 128) * 4};
   r.router_logits = {"router_logits", a.router_logits, T * a.num_experts * logit_bytes};
   r.token_selected_experts = {"token_selected_experts", a.token_selected_experts, slots * 4};
   r.token_final_scales = {"token_final_scales", a.token_final_scales, slots * 4};
@@ -256,6 +262,13 @@ Status validate_own(const MoeForwardArgs& a, bool check_buffers) {
   FM_REQUIRE_SUPPORTED(a.fp8 != MoeFp8Scaling::kTensor, kOp, "fp8",
                        "tensor scaling is not supported by moe_forward (a per-tensor scale of X and of FC1's "
                        "output needs a global amax pass); use block");
+  if (a.x_scales != nullptr) {
+    FM_REQUIRE(a.fp8 == MoeFp8Scaling::kBlock, kOp, "x_scales",
+               "is for an X already quantised 1 x 128: only with fp8 = block");
+    FM_REQUIRE_SUPPORTED(a.fc1_input != MoeFc1Input::kPermutedCopy, kOp, "fc1_input",
+                         "permuted_copy with an X already quantised (x_scales): FC1 gathers its rows; use auto or "
+                         "gather");
+  }
   if (is_fp8(a)) {
     FM_REQUIRE(a.hidden % 128 == 0, kOp, "hidden",
                "must be a multiple of 128 with fp8 = block (X is quantised 1 x 128; got ", a.hidden, ")");
@@ -290,7 +303,7 @@ Status validate_own(const MoeForwardArgs& a, bool check_buffers) {
   const detail::Range outs[] = {r.out, a.router_logits ? r.selected_experts_out : detail::Range{},
                                 a.router_logits ? r.final_scales_out : detail::Range{}};
   const detail::Range ins[] = {r.X, r.router_logits, r.token_selected_experts, r.W1, r.b1, r.shared_output,
-                               r.w1_scales, r.w2_scales};
+                               r.w1_scales, r.w2_scales, r.x_scales};
   return detail::check_no_overlap(kOp, outs, ins);
 }
 
@@ -301,7 +314,7 @@ Status check_workspace_alone(const MoeForwardArgs& a, const void* ws, size_t byt
   const detail::Range outs[] = {{"workspace", ws, int64_t(bytes)}};
   const detail::Range ins[] = {r.X,  r.router_logits, r.token_selected_experts, r.token_final_scales,
                                r.selected_experts_out, r.final_scales_out, r.W1, r.b1, r.W2, r.b2,
-                               r.shared_output, r.out, r.w1_scales, r.w2_scales};
+                               r.shared_output, r.out, r.w1_scales, r.w2_scales, r.x_scales};
   return detail::check_no_overlap(kOp, outs, ins);
 }
 
@@ -317,7 +330,7 @@ Status validate_stages(const MoeForwardArgs& a, const Stages& s, bool check_buff
   if (s.run_router && check_buffers) FM_RETURN_IF_ERROR(in_layer(validate_moe_router(s.router)));
   FM_RETURN_IF_ERROR(in_layer(validate_routing(s.maps, check_buffers)));
   if (s.fp8 && check_buffers) {
-    FM_RETURN_IF_ERROR(in_layer(validate_quantize_fp8(s.quant_x)));
+    if (s.quantise_x) FM_RETURN_IF_ERROR(in_layer(validate_quantize_fp8(s.quant_x)));
     FM_RETURN_IF_ERROR(in_layer(validate_quantize_fp8(s.quant_act)));
   }
   FM_RETURN_IF_ERROR(in_layer(validate_fc1(s.fc1, check_buffers)));
@@ -328,6 +341,7 @@ Status validate_stages(const MoeForwardArgs& a, const Stages& s, bool check_buff
 
 MoeFc1Input moe_forward_fc1_input(const MoeForwardArgs& a) {
   if (a.fc1_input != MoeFc1Input::kAuto) return a.fc1_input;
+  if (x_prequantised(a)) return MoeFc1Input::kGather;
   const int64_t experts = a.num_experts > a.num_experts_per_node ? a.num_experts : a.num_experts_per_node;
   return a.num_tokens * a.k >= int64_t(64) * experts ? MoeFc1Input::kPermutedCopy : MoeFc1Input::kGather;
 }
@@ -378,7 +392,7 @@ Status moe_forward(const MoeForwardArgs& a, void* workspace, size_t workspace_by
   FM_RETURN_IF_ERROR(in_layer(
       build_moe_routing_maps(s.maps, static_cast<char*>(workspace) + l.maps_ws, l.maps_ws_bytes, stream)));
   const int64_t* live_rows = s.maps.expert_first_token_offset + a.num_experts_per_node;  // P, on the device
-  if (s.fp8)
+  if (s.quantise_x)
     FM_RETURN_IF_ERROR(in_layer(s.quant_x_device_rows ? quantize_fp8_device_rows(s.quant_x, live_rows, stream)
                                                       : quantize_fp8(s.quant_x, stream)));
   FM_RETURN_IF_ERROR(in_layer(moe_fc1(s.fc1, stream)));
@@ -401,7 +415,7 @@ Status moe_forward_cpu(const MoeForwardArgs& a) {
   // The GPU's quantize passes cover the first P rows of the k*T capacity
   // buffers (token order: all T rows of X); so do these.
   const int64_t P = s.maps.expert_first_token_offset[a.num_experts_per_node];
-  if (s.fp8) {
+  if (s.quantise_x) {
     QuantizeFp8Args qx = s.quant_x;
     if (s.quant_x_device_rows) qx.rows = P;
     FM_RETURN_IF_ERROR(in_layer(quantize_fp8_cpu(qx)));

@@ -63,19 +63,25 @@ TEST(EpPlanCpu, ZeroTokens) {
 
 TEST(EpLayoutCpu, RegionsAreDisjointAlignedAndTheReceiveSlabsAdjacent) {
   for (int world : {1, 2, 3, 8})
-    for (int64_t cap : {int64_t(0), int64_t(5)}) {
+    for (int64_t cap : {int64_t(0), int64_t(5)})
+      for (bool fp8 : {false, true}) {
       EpShape s = shape(world, 8 * world, 3, 13, cap);
-      s.hidden = 72;
+      s.hidden = fp8 ? 256 : 72;
+      s.fp8_rows = fp8;
+      const size_t H = size_t(s.hidden), in_row = fp8 ? H : 2 * H, scales = fp8 ? H / 128 * 4 : 0;
       ASSERT_TRUE(ep::check_shape("t", s, nullptr).ok());
       const ep::Layout l = ep::layout(s);
       const int64_t C = cap ? cap : 13;
       EXPECT_EQ(l.C, C);
-      EXPECT_EQ(l.rows_stride, size_t(C * 72 * 2));
+      EXPECT_EQ(l.rows_stride, size_t(C) * H * 2);
+      EXPECT_EQ(l.in_stride, size_t(C) * in_row);
       struct R { size_t off, bytes; };
       const std::vector<R> regions = {
+          {l.x_q, fp8 ? 13 * H : 0},                     {l.x_q_scales, 13 * scales},
           {l.plan_row, size_t(world) * 13 * 4},          {l.plan_counts, size_t(world) * 4},
-          {l.send_meta, size_t(world - 1) * l.meta_stride}, {l.send_rows, size_t(world - 1) * l.rows_stride},
-          {l.recv_meta, size_t(world) * l.meta_stride},  {l.recv_x, size_t(world) * l.rows_stride},
+          {l.send_meta, size_t(world - 1) * l.meta_stride}, {l.send_rows, size_t(world - 1) * l.in_stride},
+          {l.recv_meta, size_t(world) * l.meta_stride},  {l.recv_x, size_t(world) * l.in_stride},
+          {l.recv_x_scales, size_t(world * C) * scales},
           {l.recv_ids, size_t(world * C * 3 * 4)},       {l.recv_weights, size_t(world * C * 3 * 4)},
           {l.recv_counts, size_t(world) * 4},            {l.expert_out, size_t(world) * l.rows_stride},
           {l.comb_rows, size_t(world - 1) * l.rows_stride}};
@@ -85,7 +91,7 @@ TEST(EpLayoutCpu, RegionsAreDisjointAlignedAndTheReceiveSlabsAdjacent) {
         for (size_t j = 0; j < i; ++j)
           EXPECT_TRUE(regions[j].off + regions[j].bytes <= regions[i].off) << "regions " << j << ", " << i;
       }
-      EXPECT_GE(l.meta_stride, ep::kMetaHeaderBytes + size_t(C) * 3 * 8);
+      EXPECT_GE(l.meta_stride, ep::kMetaHeaderBytes + size_t(C) * (3 * 8 + scales));
       EXPECT_EQ(ep_workspace_size(s), l.total);
       alignas(256) static char base[1];
       const EpRecvView v = ep_recv_view(s, base);
@@ -93,6 +99,7 @@ TEST(EpLayoutCpu, RegionsAreDisjointAlignedAndTheReceiveSlabsAdjacent) {
       EXPECT_EQ(static_cast<char*>(v.x), base + l.recv_x);
       EXPECT_EQ(reinterpret_cast<char*>(v.ids), base + l.recv_ids);
       EXPECT_EQ(static_cast<char*>(v.expert_out), base + l.expert_out);
+      EXPECT_EQ(reinterpret_cast<char*>(v.x_scales), fp8 ? base + l.recv_x_scales : nullptr);
     }
 }
 
@@ -121,6 +128,8 @@ TEST(EpShapeCpu, BadShapesAreNamed) {
   bad.back().s.sizing = EpSizing(7);
   bad.push_back({s, "shape"});
   bad.back().s.max_tokens_per_rank = int64_t(1) << 31;
+  bad.push_back({s, "shape.hidden"});  // fp8_rows: rows are quantised 1 x 128
+  bad.back().s.fp8_rows = true;
   for (const Bad& b : bad) {
     const Status st = ep::check_shape("ep_dispatch", b.s, nullptr);
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << b.names;

@@ -6,6 +6,9 @@
 
 #include <gtest/gtest.h>
 
+#include "common/host_dtype.h"
+#include "common/test_data.h"
+#include "flashmix/fp8.h"
 #include "flashmix/moe.h"
 
 using namespace flashmix;
@@ -221,4 +224,54 @@ TEST(MoeForwardCpu, Fp8CpuReferenceRuns) {
   for (auto& v : l.out) v = 0x7fc0;  // NaN
   ASSERT_TRUE(moe_forward_cpu(l.a).ok()) << moe_forward_cpu(l.a).message();
   for (uint16_t v : l.out) ASSERT_EQ(v, 0);
+}
+
+// X already quantised (MoeForwardArgs::x_scales, what the EP FP8 dispatch
+// hands over): the same layer as the bf16 X it came from, bit for bit, since
+// the layer quantises X 1 x 128 the same way (quantize_fp8); no X buffers in
+// the workspace; FC1 gathers (auto resolves to gather, permuted copy is not
+// supported); x_scales only with fp8 = block.
+TEST(MoeForwardCpu, Fp8PrequantisedXEqualsTheLayerOnBf16X) {
+  Fp8Layer l;
+  constexpr int64_t T = Fp8Layer::T, H = Fp8Layer::H, k = Fp8Layer::k;
+  flashmix::testing::Rng rng(flashmix::testing::test_seed() ^ 0x9e11ull);
+  for (auto& v : l.x) v = host::float_to_bf16(rng.uniform(-2.f, 2.f));
+  for (auto& v : l.logits) v = rng.uniform(-1.f, 1.f);
+  for (auto& v : l.w1) v = uint8_t(rng.integer(0, 255)) & 0xf7;  // no NaN codes (0x7f / 0xff)
+  for (auto& v : l.w2) v = uint8_t(rng.integer(0, 255)) & 0xf7;
+  for (auto& v : l.w1s) v = rng.uniform(0.001f, 0.01f);
+  for (auto& v : l.w2s) v = rng.uniform(0.001f, 0.01f);
+  ASSERT_TRUE(moe_forward_cpu(l.a).ok()) << moe_forward_cpu(l.a).message();
+  const std::vector<uint16_t> want = l.out;
+
+  std::vector<uint8_t> xq(size_t(T * H));
+  std::vector<float> xs(size_t(T * (H / 128)));
+  QuantizeFp8Args q;
+  q.x = l.x.data();
+  q.q = xq.data();
+  q.scales = xs.data();
+  q.rows = T;
+  q.cols = H;
+  q.block = Fp8Block::k1x128;
+  ASSERT_TRUE(quantize_fp8_cpu(q).ok());
+  MoeForwardArgs a = l.a;
+  a.X = xq.data();
+  a.x_scales = xs.data();
+  for (auto& v : l.out) v = 0x7fc0;
+  ASSERT_TRUE(moe_forward_cpu(a).ok()) << moe_forward_cpu(a).message();
+  EXPECT_EQ(l.out, want);
+
+  EXPECT_EQ(moe_forward_fc1_input(a), MoeFc1Input::kGather);
+  MoeForwardArgs b = l.a;
+  b.fc1_input = MoeFc1Input::kGather;
+  const size_t x_bufs = ((T * H + 255) & ~size_t(255)) + ((T * (H / 128) * 4 + 255) & ~size_t(255));
+  EXPECT_EQ(moe_forward_workspace_size(a) + x_bufs, moe_forward_workspace_size(b));
+  a.fc1_input = MoeFc1Input::kPermutedCopy;
+  EXPECT_EQ(validate_moe_forward(a).code(), StatusCode::kNotSupported);
+  expect_names(validate_moe_forward(a), "moe_forward: fc1_input:");
+  a = l.a;
+  a.x_scales = xs.data();
+  a.fp8 = MoeFp8Scaling::kNone;
+  expect_names(validate_moe_forward(a), "moe_forward: x_scales:");
+  (void)k;
 }

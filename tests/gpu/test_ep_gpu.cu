@@ -54,6 +54,7 @@ struct EpCase {
   int64_t recv_capacity = 0;
   bool shared = true;
   bool graph = false;
+  bool fp8 = false;  // FP8 experts (128 x 128 block weights) and FP8 dispatch (EpShape::fp8_rows)
 };
 
 int64_t max_tokens(const EpCase& c) { return std::max<int64_t>(1, *std::max_element(c.T.begin(), c.T.end())); }
@@ -91,7 +92,27 @@ Tokens make_tokens(const EpCase& c, int q, uint64_t salt) {
 struct Experts {
   HostTensor W1, b1, W2, b2;  // all E experts
   DeviceBuffer dW1, db1, dW2, db2;
+  // fp8: W1 / W2 as e4m3 with fp32 scales per 128 x 128 block, expert by expert.
+  DeviceBuffer dW1q, dW1s, dW2q, dW2s;
 };
+
+// Every expert's rows x cols matrix of `w` quantised with 128 x 128 blocks,
+// the experts' codes and scales back to back, uploaded.
+void upload_fp8(const HostTensor& w, int E, int64_t rows, int64_t cols, DeviceBuffer& q, DeviceBuffer& sc) {
+  std::vector<uint8_t> all_q;
+  std::vector<float> all_s;
+  for (int e = 0; e < E; ++e) {
+    std::vector<float> x(static_cast<size_t>(rows * cols));
+    for (int64_t i = 0; i < rows * cols; ++i) x[size_t(i)] = float(w.get(e * rows * cols + i));
+    std::vector<uint8_t> qe;
+    std::vector<float> se;
+    quantize_e4m3(x, rows, cols, 128, qe, se);
+    all_q.insert(all_q.end(), qe.begin(), qe.end());
+    all_s.insert(all_s.end(), se.begin(), se.end());
+  }
+  q = DeviceBuffer(all_q);
+  sc = DeviceBuffer(all_s);
+}
 
 void make_experts(const EpCase& c, Experts& ex) {
   Rng rng(test_seed() ^ 0x5eedea11ull);
@@ -111,6 +132,10 @@ void make_experts(const EpCase& c, Experts& ex) {
   ex.dW2.upload(ex.W2.data(), ex.W2.bytes.size());
   ex.db2 = DeviceBuffer(ex.b2.bytes.size());
   ex.db2.upload(ex.b2.data(), ex.b2.bytes.size());
+  if (c.fp8) {
+    upload_fp8(ex.W1, c.E, 2 * c.I, c.H, ex.dW1q, ex.dW1s);
+    upload_fp8(ex.W2, c.E, c.H, c.I, ex.dW2q, ex.dW2s);
+  }
 }
 
 // The layer's settings, over experts [start, start + local) of `ex`.
@@ -128,6 +153,14 @@ MoeForwardArgs layer_args(const EpCase& c, const Experts& ex, int start, int loc
   m.b2 = static_cast<const char*>(ex.db2.get()) + size_t(start) * c.H * 2;
   m.fc2_mode = Fc2Mode::kDeterministic;
   m.fc2_tuning.gemm_kernel = Fc2GemmKernel::kRows;
+  if (c.fp8) {
+    const int64_t s1 = (2 * c.I / 128) * (c.H / 128), s2 = (c.H / 128) * (c.I / 128);
+    m.fp8 = MoeFp8Scaling::kBlock;
+    m.W1 = static_cast<const char*>(ex.dW1q.get()) + size_t(start) * 2 * c.I * c.H;
+    m.W2 = static_cast<const char*>(ex.dW2q.get()) + size_t(start) * c.H * c.I;
+    m.w1_scales = ex.dW1s.as<float>() + start * s1;
+    m.w2_scales = ex.dW2s.as<float>() + start * s2;
+  }
   return m;
 }
 
@@ -211,6 +244,7 @@ EpShape shape_of(const EpCase& c, int rank) {
   s.max_tokens_per_rank = max_tokens(c);
   s.recv_capacity = c.recv_capacity;
   s.sizing = c.sizing;
+  s.fp8_rows = c.fp8;
   return s;
 }
 
@@ -231,7 +265,7 @@ int all_to_all_rank(const EpCase& c, int rank, ncclComm_t comm) {
   // 1. Dispatch alone: what arrived, from every source.
   DeviceBuffer ws(ep_workspace_size(shape)), dropped(4);
   {
-    HostTensor poison(DType::kBFloat16, int64_t(c.world) * C * H);
+    HostTensor poison(DType::kBFloat16, int64_t(c.world) * C * H / (c.fp8 ? 2 : 1));
     poison.poison();
     const EpRecvView v0 = ep_recv_view(shape, ws.get());
     CK(cudaMemcpy(v0.x, poison.data(), poison.bytes.size(), cudaMemcpyHostToDevice));
@@ -247,10 +281,11 @@ int all_to_all_rank(const EpCase& c, int rank, ncclComm_t comm) {
   EXPECT_TRUE(st.ok()) << st.message();
   CK(cudaStreamSynchronize(stream));
   const EpRecvView v = ep_recv_view(shape, ws.get());
-  std::vector<uint16_t> rx(static_cast<size_t>(v.rows * H));
+  // fp8: the rows are e4m3 codes, checked through the layer below.
+  std::vector<uint16_t> rx(c.fp8 ? 0 : static_cast<size_t>(v.rows * H));
   std::vector<int32_t> rids(static_cast<size_t>(v.rows * c.k)), rcounts(size_t(c.world));
   std::vector<float> rw(static_cast<size_t>(v.rows * c.k));
-  CK(cudaMemcpy(rx.data(), v.x, rx.size() * 2, cudaMemcpyDeviceToHost));
+  if (!c.fp8) CK(cudaMemcpy(rx.data(), v.x, rx.size() * 2, cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(rids.data(), v.ids, rids.size() * 4, cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(rw.data(), v.weights, rw.size() * 4, cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(rcounts.data(), v.counts, rcounts.size() * 4, cudaMemcpyDeviceToHost));
@@ -269,7 +304,7 @@ int all_to_all_rank(const EpCase& c, int rank, ncclComm_t comm) {
       if (row < 0 || row >= C) continue;
       seen[size_t(row)] = true;
       const int64_t r = s * C + row;
-      for (int64_t h = 0; h < H; ++h)
+      for (int64_t h = 0; h < (c.fp8 ? 0 : H); ++h)
         if (rx[size_t(r * H + h)] != reinterpret_cast<const uint16_t*>(src.X.data())[t * H + h] && bad++ < 5)
           ADD_FAILURE() << "rank " << rank << ": row " << r << " (token " << t << " of rank " << s << ") col " << h;
       for (int j = 0; j < c.k; ++j)
@@ -606,6 +641,32 @@ TEST(EpGpu, AllToAllLargeRows) {
     c.graph = graph;
     run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
   }
+}
+
+// FP8 dispatch: rows quantised 1 x 128 before they are sent, the FP8 layer on
+// what arrived; bitwise equal to the ranked FP8 reference (the layer quantises
+// X the same way itself).
+TEST(EpGpu, AllToAllFp8Rows) {
+  SKIP_WITHOUT_GPUS(2);
+  for (EpSizing sizing : {EpSizing::kCapacity, EpSizing::kExact}) {
+    EpCase c = base_case();
+    c.H = 256;
+    c.I = 128;
+    c.fp8 = true;
+    c.sizing = sizing;
+    run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+  }
+}
+
+TEST(EpGpu, AllToAllOneRankFp8Rows) {
+  SKIP_WITHOUT_GPUS(1);
+  EpCase c = base_case();
+  c.world = 1;
+  c.T = {53};
+  c.H = 256;
+  c.I = 128;
+  c.fp8 = true;
+  run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
 }
 
 TEST(EpGpu, AllToAllOneRank) {
