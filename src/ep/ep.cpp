@@ -68,12 +68,17 @@ QuantizeFp8Args quantise_rows(const EpDispatchArgs& a, const Layout& l, char* ws
   return q;
 }
 
+// The shape, and this rank's T within its bound.
+Status check_shape_and_tokens(const char* op, const EpShape& shape, int64_t T, ncclComm_t comm) {
+  FM_RETURN_IF_ERROR(check_shape(op, shape, comm));
+  FM_REQUIRE(T >= 0 && T <= shape.max_tokens_per_rank, op, "num_tokens", "must be in [0, shape.max_tokens_per_rank = ",
+             shape.max_tokens_per_rank, "] (got ", T, ")");
+  return Status::Ok();
+}
+
 Status check_dispatch(const EpDispatchArgs& a, ncclComm_t comm) {
   constexpr const char* op = kDispatchOp;
-  FM_RETURN_IF_ERROR(check_shape(op, a.shape, comm));
-  FM_REQUIRE(a.num_tokens >= 0 && a.num_tokens <= a.shape.max_tokens_per_rank, op, "num_tokens",
-             "must be in [0, shape.max_tokens_per_rank = ", a.shape.max_tokens_per_rank, "] (got ", a.num_tokens,
-             ")");
+  FM_RETURN_IF_ERROR(check_shape_and_tokens(op, a.shape, a.num_tokens, comm));
   if (a.num_tokens == 0) return Status::Ok();
   FM_RETURN_IF_ERROR(check_rows(op, "X", a.X, or_hidden(a.x_stride, a.shape.hidden), a.shape.hidden, true));
   FM_REQUIRE(a.topk_ids != nullptr, op, "topk_ids", "must not be null");
@@ -89,10 +94,7 @@ Status check_dispatch(const EpDispatchArgs& a, ncclComm_t comm) {
 
 Status check_combine(const EpCombineArgs& a, ncclComm_t comm) {
   constexpr const char* op = kCombineOp;
-  FM_RETURN_IF_ERROR(check_shape(op, a.shape, comm));
-  FM_REQUIRE(a.num_tokens >= 0 && a.num_tokens <= a.shape.max_tokens_per_rank, op, "num_tokens",
-             "must be in [0, shape.max_tokens_per_rank = ", a.shape.max_tokens_per_rank, "] (got ", a.num_tokens,
-             ")");
+  FM_RETURN_IF_ERROR(check_shape_and_tokens(op, a.shape, a.num_tokens, comm));
   if (a.num_tokens == 0) return Status::Ok();
   const int64_t H = a.shape.hidden;
   FM_RETURN_IF_ERROR(check_rows(op, "out", a.out, or_hidden(a.out_stride, H), H, true));
