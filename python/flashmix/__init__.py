@@ -47,15 +47,16 @@ import pkgutil
 __path__ = pkgutil.extend_path(__path__, __name__)
 
 from . import _common  # noqa: E402  (torch first, when it is there; then flashmix._C)
-from . import ep, fp8, mhc, moe  # noqa: E402
+from . import ep, fp8, mhc, moe, mxfp4  # noqa: E402
 from .ep import *  # noqa: E402,F401,F403
 from .fp8 import *  # noqa: E402,F401,F403
 from .mhc import *  # noqa: E402,F401,F403
 from .moe import *  # noqa: E402,F401,F403
+from .mxfp4 import *  # noqa: E402,F401,F403
 
 __version__ = _common._C.__version__
 
 #: Whether torch was importable, so that the torch.ops.flashmix custom ops are registered.
 torch_ops_registered = _common.torch is not None
 
-__all__ = moe.__all__ + mhc.__all__ + fp8.__all__ + ep.__all__ + ["torch_ops_registered"]
+__all__ = moe.__all__ + mhc.__all__ + fp8.__all__ + ep.__all__ + mxfp4.__all__ + ["torch_ops_registered"]

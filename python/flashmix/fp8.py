@@ -1,4 +1,5 @@
-"""FP8: quantize_fp8 (spec §12 of docs/spec.md; the formats: spec §11) -- the
+"""FP8: quantize_fp8 (spec §12 of docs/spec.md; the formats: spec §11) and the MXFP4
+conversions mxfp4_to_fp8_block / mxfp4_to_bf16 (spec §13) -- the
 function with its torch custom op and shape function beside it.
 
 e4m3 arrays are ``torch.float8_e4m3fn`` tensors, or uint8 arrays of its bytes
@@ -12,12 +13,13 @@ include/flashmix/fp8.h, read through ``_C.fp8_defaults()``); the binding
 """
 from ._common import _C, arg, defaults, empty, is_tensor, stream_of, torch
 
-__all__ = ["quantize_fp8", "FP8_SCALE_FORMATS", "FP8_BLOCKS"]
+__all__ = ["quantize_fp8", "mxfp4_to_fp8_block", "mxfp4_to_bf16", "FP8_SCALE_FORMATS", "FP8_BLOCKS"]
 
 if torch is not None:
     from ._torch_ops import Tensor, Tuple, custom_op
 
 _QUANTIZE = defaults(_C.fp8_defaults())["quantize_fp8"]
+_MXFP4 = defaults(_C.fp8_defaults())["mxfp4_to_fp8_block"]
 
 #: The ``scale_format`` values: "float32" (the scale itself) and "ue8m0" (a power of two, one byte).
 FP8_SCALE_FORMATS = _C.FP8_SCALE_FORMATS
@@ -124,3 +126,47 @@ if torch is not None:
         """flashmix.quantize_fp8 as a custom op: fresh ``(q float8_e4m3fn, scales)`` (scales float32, or
         float8_e8m0fnu / uint8 for ``"ue8m0"``); ``block`` is ``"1x128"`` or ``"128x128"``."""
         return quantize_fp8(x, block=block, scale_format=scale_format, enable_pdl=enable_pdl)
+
+
+# --- MXFP4 weights (spec §13): the conversions onto FP8 (and bf16) ---------------------------------
+
+def _one_byte(a, name, op):
+    """The loader's one-byte view (torch float4_e2m1fn_x2 / float8_e8m0fnu / uint8, numpy uint8)."""
+    from .mxfp4 import _as_bytes as one_byte
+    return one_byte(a, name, op)
+def _mxfp4_inputs(w, w_scales, op):
+    """(w, w_scales) as uint8 arrays, and (leading dims, rows, cols) of the unpacked matrices."""
+    wb, sb = _one_byte(w, "w", op), _one_byte(w_scales, "w_scales", op)
+    if len(wb.shape) not in (2, 3):
+        raise ValueError(f"{op}: w: must be [rows, cols / 2] or [batch, rows, cols / 2] (got {tuple(wb.shape)})")
+    return wb, sb, tuple(int(d) for d in wb.shape[:-2]), int(wb.shape[-2]), 2 * int(wb.shape[-1])
+
+
+def mxfp4_to_fp8_block(w, w_scales, *, block=_MXFP4.block, out=None, scales=None, enable_pdl=_MXFP4.enable_pdl,
+                       stream=None):
+    """spec §13.3: MXFP4 weights (packed e2m1 ``[(E,) N, K/2]`` with ue8m0 scales ``[(E,) N, K/32]``; torch
+    ``float4_e2m1fn_x2`` / ``float8_e8m0fnu`` or uint8) into e4m3 ``[(E,) N, K]`` (``torch.float8_e4m3fn``,
+    or uint8 for numpy) and float32 scales ``[(E,) ceil(N / rows), K / 128]`` for ``block`` "128x128" (the
+    FP8 layer's weights: ``MoeLayer(fp8="block")``, ``moe_forward(fp8="block")``) or "1x128". The scales of
+    a 128-wide block fold into the e4m3 values, exactly where spec §13.2 says. Returns ``(out, scales)``."""
+    op = "mxfp4_to_fp8_block"
+    wb, sb, lead, rows, cols = _mxfp4_inputs(w, w_scales, op)
+    block_rows = 128 if block == "128x128" else 1
+    if out is None:
+        out = empty(wb, lead + (rows, cols), _e4m3_dtype(wb))
+    if scales is None:
+        scales = empty(wb, lead + ((rows + block_rows - 1) // block_rows, cols // 128), "float32")
+    _C.mxfp4_to_fp8_block(arg(wb), arg(sb), arg(_as_bytes(out)), arg(scales), block=block, enable_pdl=enable_pdl,
+                          stream=stream_of(stream, wb))
+    return out, scales
+
+
+def mxfp4_to_bf16(w, w_scales, *, out=None, enable_pdl=_MXFP4.enable_pdl, stream=None):
+    """spec §13.4: MXFP4 weights (as ``mxfp4_to_fp8_block`` takes them) into bf16 ``[(E,) N, K]`` (W4A16,
+    and references). Returns ``out``."""
+    op = "mxfp4_to_bf16"
+    wb, sb, lead, rows, cols = _mxfp4_inputs(w, w_scales, op)
+    if out is None:
+        out = empty(wb, lead + (rows, cols), "bfloat16")
+    _C.mxfp4_to_bf16(arg(wb), arg(sb), arg(out), enable_pdl=enable_pdl, stream=stream_of(stream, wb))
+    return out

@@ -768,6 +768,20 @@ if torch is not None:
                 self.w1_scales.copy_(s1)
                 self.w2_scales.copy_(s2)
 
+        def load_mxfp4_experts(self, w1, w1_scales, w2, w2_scales):
+            """Sets an fp8 layer's experts from MXFP4 weights (DeepSeek-V4; spec §13): packed e2m1 ``w1``
+            ``[E_local, 2I, H/2]`` and ``w2`` ``[E_local, H, I/2]`` with their ue8m0 scales ``[E_local, 2I,
+            H/32]`` and ``[E_local, H, I/32]`` (``flashmix.stack_deepseek_v4_experts`` makes them from the
+            checkpoint), converted once to e4m3 with 128 x 128 block scales (``mxfp4_to_fp8_block``)."""
+            if self.fp8 != "block":
+                raise ValueError("MoeLayer.load_mxfp4_experts: the layer must be fp8=\"block\" (MXFP4 experts run "
+                                 "on the FP8 layer)")
+            from .fp8 import mxfp4_to_fp8_block
+            with torch.no_grad():
+                q1, s1 = mxfp4_to_fp8_block(w1.to(self.w1.device), w1_scales.to(self.w1.device), block="128x128")
+                q2, s2 = mxfp4_to_fp8_block(w2.to(self.w2.device), w2_scales.to(self.w2.device), block="128x128")
+                self.load_expert_weights(q1, q2, w1_scales=s1, w2_scales=s2)
+
         def extra_repr(self):
             return (f"num_experts={self.num_experts}, k={self.k}, hidden={self.hidden}, inter={self.inter}, "
                     f"experts=[{self.start_expert_id}, {self.start_expert_id + self.num_local_experts}), "

@@ -18,10 +18,11 @@ copied unchanged: the low nibble of a byte is the even element, a scale
 byte b means 2^(b - 127). The conversions themselves (``mxfp4_to_fp8_block``,
 ``mxfp4_to_bf16``) are C++ (include/flashmix/mxfp4.h).
 
-This module is plain Python over numpy arrays or torch tensors (CPU or
+The loader is plain Python over numpy arrays or torch tensors (CPU or
 CUDA; the stacks are made on the inputs' device), with no binding: it
 imports without ``flashmix._C``. The C++ twin is
-``flashmix::stack_deepseek_v4_experts``.
+``flashmix::stack_deepseek_v4_experts``. The conversions
+(``mxfp4_to_fp8_block``, ``mxfp4_to_bf16``) are in ``flashmix.fp8``.
 """
 
 __all__ = ["deepseek_v4_expert_keys", "stack_deepseek_v4_experts", "load_deepseek_v4_experts"]
@@ -44,7 +45,7 @@ def _is_torch(a):
     return type(a).__module__.startswith("torch")
 
 
-def _as_bytes(a, name):
+def _as_bytes(a, name, op="stack_deepseek_v4_experts"):
     """The same memory as uint8: torch float4_e2m1fn_x2 / float8_e8m0fnu / int8 / uint8 tensors, numpy
     uint8 / int8 arrays or ml_dtypes' one-byte floats. Anything else: ValueError naming the tensor."""
     if _is_torch(a):
@@ -55,12 +56,12 @@ def _as_bytes(a, name):
             if hasattr(torch, name_):
                 one_byte.add(getattr(torch, name_))
         if a.dtype not in one_byte:
-            raise ValueError(f"stack_deepseek_v4_experts: {name}: dtype must be float4_e2m1fn_x2, "
+            raise ValueError(f"{op}: {name}: dtype must be float4_e2m1fn_x2, "
                              f"float8_e8m0fnu, int8 or uint8 (got {a.dtype})")
         return a.view(torch.uint8) if a.dtype != torch.uint8 else a
     dtype = getattr(a, "dtype", None)
     if dtype is None or getattr(dtype, "itemsize", 0) != 1 or getattr(dtype, "kind", "") not in "uiV":
-        raise ValueError(f"stack_deepseek_v4_experts: {name}: must be a one-byte array (got {dtype})")
+        raise ValueError(f"{op}: {name}: must be a one-byte array (got {dtype})")
     return a.view("uint8")
 
 
@@ -136,3 +137,4 @@ def load_deepseek_v4_experts(get_tensor, layer, experts, layout="gate_up", prefi
         keys = deepseek_v4_expert_keys(layer, e, prefix)
         picked.append({p: get_tensor(k) for p, k in keys.items()})
     return stack_deepseek_v4_experts(picked, layout)
+

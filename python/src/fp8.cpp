@@ -14,6 +14,7 @@
 
 #include "common.h"
 #include "flashmix/fp8.h"
+#include "flashmix/mxfp4.h"
 
 namespace flashmix::python {
 
@@ -97,6 +98,78 @@ void quantize_fp8(const In& x, const Out& q, const Out& scales, const std::strin
       w, op, [&] { return fm::quantize_fp8(a, as_stream(stream)); }, [&] { return fm::quantize_fp8_cpu(a); });
 }
 
+// MXFP4 (spec §13): packed e2m1 w [batch, rows, cols / 2] (uint8) with ue8m0
+// scales [batch, rows, cols / 32] (uint8), dense; a 2-D array is one matrix.
+struct Mxfp4Shape {
+  int64_t batch = 1, rows = 0, cols = 0;
+};
+
+template <typename A>
+Mxfp4Shape mxfp4_shape(const char* op, const A& w, const A& w_scales) {
+  require_dtype(w, kUInt8, op, "w");
+  require_dtype(w_scales, kUInt8, op, "w_scales");
+  if (w.ndim() != 2 && w.ndim() != 3)
+    fail(op, "w", "must be [rows, cols / 2] or [batch, rows, cols / 2] (got shape ", shape_str(w), ")");
+  Mxfp4Shape m;
+  m.batch = w.ndim() == 3 ? dim(w, 0) : 1;
+  m.rows = dim(w, w.ndim() - 2);
+  m.cols = 2 * dim(w, w.ndim() - 1);
+  require_dense_rank(w, kUInt8, w.ndim(), op, "w");
+  if (m.cols % 32 != 0)
+    fail(op, "w", "cols = 2 * w.shape[-1] must be a multiple of 32 (one ue8m0 scale per 32; got ", m.cols, ")");
+  if (w.ndim() == 3) require_dense(w_scales, kUInt8, {m.batch, m.rows, m.cols / 32}, op, "w_scales");
+  else require_dense(w_scales, kUInt8, {m.rows, m.cols / 32}, op, "w_scales");
+  return m;
+}
+
+void mxfp4_to_fp8_block(const In& w, const In& w_scales, const Out& q, const Out& q_scales,
+                        const std::string& block, bool enable_pdl, uintptr_t stream) {
+  constexpr const char* op = "mxfp4_to_fp8_block";
+  Placement where(op);
+  where.add(w, "w", w_scales, "w_scales", q, "out", q_scales, "scales");
+  const Mxfp4Shape m = mxfp4_shape(op, w, w_scales);
+  fm::Mxfp4ToFp8BlockArgs a;
+  a.block = parse_enum(block, fp8_blocks(), op, "block");
+  const int64_t br = fm::fp8_block_rows(a.block), row_blocks = (m.rows + br - 1) / br;
+  if (w.ndim() == 3) {
+    require_dense(q, kUInt8, {m.batch, m.rows, m.cols}, op, "out");
+    require_dense(q_scales, kFloat32, {m.batch, row_blocks, m.cols / 128}, op, "scales");
+  } else {
+    require_dense(q, kUInt8, {m.rows, m.cols}, op, "out");
+    require_dense(q_scales, kFloat32, {row_blocks, m.cols / 128}, op, "scales");
+  }
+  a.w = ptr(w);
+  a.w_scales = ptr(w_scales);
+  a.q = mut(q);
+  a.q_scales = static_cast<float*>(mut(q_scales));
+  a.batch = m.batch;
+  a.rows = m.rows;
+  a.cols = m.cols;
+  a.enable_pdl = enable_pdl;
+  dispatch(
+      where, op, [&] { return fm::mxfp4_to_fp8_block(a, as_stream(stream)); },
+      [&] { return fm::mxfp4_to_fp8_block_cpu(a); });
+}
+
+void mxfp4_to_bf16(const In& w, const In& w_scales, const Out& out, bool enable_pdl, uintptr_t stream) {
+  constexpr const char* op = "mxfp4_to_bf16";
+  Placement where(op);
+  where.add(w, "w", w_scales, "w_scales", out, "out");
+  const Mxfp4Shape m = mxfp4_shape(op, w, w_scales);
+  if (w.ndim() == 3) require_dense(out, kBFloat16, {m.batch, m.rows, m.cols}, op, "out");
+  else require_dense(out, kBFloat16, {m.rows, m.cols}, op, "out");
+  fm::Mxfp4ToBf16Args a;
+  a.w = ptr(w);
+  a.w_scales = ptr(w_scales);
+  a.out = mut(out);
+  a.batch = m.batch;
+  a.rows = m.rows;
+  a.cols = m.cols;
+  a.enable_pdl = enable_pdl;
+  dispatch(
+      where, op, [&] { return fm::mxfp4_to_bf16(a, as_stream(stream)); }, [&] { return fm::mxfp4_to_bf16_cpu(a); });
+}
+
 nb::dict fp8_defaults() {
   nb::dict d;
   const fm::QuantizeFp8Args a;
@@ -105,6 +178,13 @@ nb::dict fp8_defaults() {
   f["scale_format"] = enum_name(a.scale_format, scale_formats());
   f["enable_pdl"] = a.enable_pdl;
   d["quantize_fp8"] = f;
+  {
+    const fm::Mxfp4ToFp8BlockArgs m;
+    nb::dict g;
+    g["block"] = enum_name(m.block, fp8_blocks());
+    g["enable_pdl"] = m.enable_pdl;
+    d["mxfp4_to_fp8_block"] = g;
+  }
   return d;
 }
 
@@ -120,6 +200,13 @@ void register_fp8(nb::module_& m) {
         "enable_pdl"_a, "stream"_a,
         "spec §12: bf16 x [rows, cols] or [batch, rows, cols] into e4m3 `out` (uint8, x's shape) and `scales` "
         "[(batch,) ceil(rows / block rows), cols / 128] (float32, or uint8 for ue8m0).");
+  m.def("mxfp4_to_fp8_block", &mxfp4_to_fp8_block, "w"_a, "w_scales"_a, "out"_a, "scales"_a, nb::kw_only(),
+        "block"_a, "enable_pdl"_a, "stream"_a,
+        "spec §13.3: MXFP4 w (packed e2m1, uint8 [(batch,) rows, cols / 2]) with ue8m0 w_scales (uint8 "
+        "[(batch,) rows, cols / 32]) into e4m3 `out` (uint8 [(batch,) rows, cols]) and float32 `scales` "
+        "[(batch,) ceil(rows / block rows), cols / 128].");
+  m.def("mxfp4_to_bf16", &mxfp4_to_bf16, "w"_a, "w_scales"_a, "out"_a, nb::kw_only(), "enable_pdl"_a, "stream"_a,
+        "spec §13.4: MXFP4 w with its ue8m0 scales into bf16 `out` [(batch,) rows, cols].");
 }
 
 }  // namespace flashmix::python

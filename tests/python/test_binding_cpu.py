@@ -1788,3 +1788,52 @@ def test_moe_layer_fp8_quantises_bf16_weights_once_or_takes_them_as_given():
     assert torch.equal(again(x).view(torch.int16), got.view(torch.int16))
     with pytest.raises(ValueError, match="fp8"):
         flashmix.MoeLayer(8, 2, 256, 128, fp8="tensor")
+
+
+# --- MXFP4 conversions (spec §13) --------------------------------------------
+
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float64)
+
+
+def _mxfp4_reference(w, s):
+    """spec §13.1 written out: the low nibble is the even element, a scale byte b is 2^(b - 127)."""
+    lo, hi = E2M1[w & 0xF], E2M1[w >> 4]
+    vals = np.stack([lo, hi], axis=-1).reshape(*w.shape[:-1], 2 * w.shape[-1])
+    return vals * np.repeat(np.exp2(s.astype(np.float64) - 127), 32, axis=-1)
+
+
+def test_mxfp4_to_bf16_and_to_fp8_block_are_the_spec_values():
+    rng = np.random.default_rng(11)
+    w = rng.integers(0, 256, (3, 130, 128), dtype=np.uint8)
+    s = rng.integers(113, 128, (3, 130, 8), dtype=np.uint8)  # spreads <= 14 in a 128 block: exact in e4m3
+    want = _mxfp4_reference(w, s)
+    got = flashmix.mxfp4_to_bf16(w, s)
+    assert got.shape == (3, 130, 256) and got.dtype.name == "bfloat16"
+    np.testing.assert_array_equal(got.astype(np.float64), want)  # every value exact in bf16 here
+    import ml_dtypes
+    for block, rows in (("128x128", 128), ("1x128", 1)):
+        q, sc = flashmix.mxfp4_to_fp8_block(w, s, block=block)
+        assert q.shape == (3, 130, 256) and sc.shape == (3, (130 + rows - 1) // rows, 2)
+        scale = np.repeat(np.repeat(sc, rows, axis=1)[:, :130], 128, axis=2)
+        np.testing.assert_array_equal(q.view(ml_dtypes.float8_e4m3fn).astype(np.float64) * scale, want)
+    with pytest.raises(ValueError, match="mxfp4_to_fp8_block: w_scales"):
+        flashmix.mxfp4_to_fp8_block(w, s[:, :, :4])
+    with pytest.raises(ValueError, match="mxfp4_to_bf16: w"):
+        flashmix.mxfp4_to_bf16(w.astype(np.int32), s)
+
+
+def test_moe_layer_loads_mxfp4_experts_through_the_fp8_layer():
+    torch = torch_or_skip()
+    g = torch.Generator().manual_seed(5)
+    w1 = torch.randint(0, 256, (8, 256, 128), dtype=torch.uint8, generator=g)
+    s1 = torch.randint(118, 126, (8, 256, 8), dtype=torch.uint8, generator=g)
+    w2 = torch.randint(0, 256, (8, 256, 64), dtype=torch.uint8, generator=g)
+    s2 = torch.randint(118, 126, (8, 256, 4), dtype=torch.uint8, generator=g)
+    layer = flashmix.MoeLayer(8, 2, 256, 128, fp8="block")
+    layer.load_mxfp4_experts(w1, s1, w2, s2)
+    q1, c1 = flashmix.mxfp4_to_fp8_block(w1, s1)
+    q2, c2 = flashmix.mxfp4_to_fp8_block(w2, s2)
+    assert torch.equal(layer.w1.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(layer.w1_scales, c1)
+    assert torch.equal(layer.w2.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(layer.w2_scales, c2)
+    with pytest.raises(ValueError, match="fp8"):
+        flashmix.MoeLayer(8, 2, 256, 128).load_mxfp4_experts(w1, s1, w2, s2)
