@@ -92,6 +92,17 @@ Status check_dispatch(const EpDispatchArgs& a, ncclComm_t comm) {
   return Status::Ok();
 }
 
+// The workspace (which dispatch writes) and `dropped` share no byte with the
+// caller's inputs or with each other.
+Status check_dispatch_inputs_apart(const EpDispatchArgs& a, const void* ws, size_t ws_bytes) {
+  const int64_t T = a.num_tokens, H = a.shape.hidden, k = a.shape.k;
+  const detail::Range outs[] = {{"workspace", ws, int64_t(ws_bytes)}, {"dropped", a.dropped, a.dropped ? 4 : 0}};
+  const detail::Range ins[] = {{"X", a.X, detail::rows_extent_bytes(T, or_hidden(a.x_stride, H), H, 2)},
+                               {"topk_ids", a.topk_ids, T * k * 4},
+                               {"topk_weights", a.topk_weights, T * k * 4}};
+  return detail::check_no_overlap(kDispatchOp, outs, ins);
+}
+
 Status check_combine(const EpCombineArgs& a, ncclComm_t comm) {
   constexpr const char* op = kCombineOp;
   FM_RETURN_IF_ERROR(check_shape_and_tokens(op, a.shape, a.num_tokens, comm));
@@ -311,6 +322,7 @@ Status ep_dispatch(const EpDispatchArgs& a, ncclComm_t comm, void* workspace, si
   FM_RETURN_IF_ERROR(check_dispatch(a, comm));
   const Layout l = layout(a.shape);
   FM_RETURN_IF_ERROR(check_workspace(kDispatchOp, l, workspace, workspace_bytes));
+  FM_RETURN_IF_ERROR(check_dispatch_inputs_apart(a, workspace, l.total));
   return detail::without_cuda_error_left(kDispatchOp, [&]() -> Status {
     FM_RETURN_IF_ERROR(detail::check_stream(stream, kDispatchOp));
     return dispatch_body(a, comm, static_cast<char*>(workspace), l, stream);
@@ -382,6 +394,16 @@ Status ep_moe_forward(const EpMoeForwardArgs& a, ncclComm_t comm, void* workspac
   const size_t moe_bytes = moe_forward_workspace_size(m);
   FM_REQUIRE(workspace_bytes >= l.total + moe_bytes, op, "workspace_bytes", "too small: ", workspace_bytes, " < ",
              l.total + moe_bytes, " (ask ep_moe_forward_workspace_size)");
+  {
+    const Status st = check_dispatch_inputs_apart(d, workspace, l.total + moe_bytes);
+    if (!st.ok()) return Status(st.code(), detail::concat(op, ": ", st.message()));
+  }
+  const detail::Range outs[] = {{"out", a.out, detail::rows_extent_bytes(a.num_tokens, or_hidden(a.out_stride,
+                                a.shape.hidden), a.shape.hidden, 2)}};
+  const detail::Range ins[] = {{"workspace", workspace, int64_t(l.total + moe_bytes)},
+                               {"X", a.X, detail::rows_extent_bytes(a.num_tokens, or_hidden(a.x_stride, a.shape.hidden),
+                                                                     a.shape.hidden, 2)}};
+  FM_RETURN_IF_ERROR(detail::check_no_overlap(op, outs, ins));
   detail::DeviceProps dev;
   FM_RETURN_IF_ERROR(detail::cuda_status(detail::current_device_props(&dev), op, "device properties"));
   FM_REQUIRE_SUPPORTED(dev.cc_major == 9, op, "device", "needs an sm_90 (Hopper) GPU (compute capability ",
