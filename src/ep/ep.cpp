@@ -28,14 +28,6 @@ Status nccl_status(ncclResult_t r, const char* op, const char* what) {
 #define EP_NCCL(expr, op, what) FM_RETURN_IF_ERROR(nccl_status((expr), op, what))
 #define EP_CUDA(expr, op, what) FM_RETURN_IF_ERROR(detail::cuda_status((expr), op, what))
 
-Status check_workspace(const char* op, const Layout& l, const void* ws, size_t bytes) {
-  FM_REQUIRE(bytes >= l.total, op, "workspace_bytes", "too small: ", bytes, " < ", l.total,
-             " (ask ep_workspace_size)");
-  FM_REQUIRE(ws != nullptr, op, "workspace", "must not be null");
-  FM_REQUIRE(reinterpret_cast<uintptr_t>(ws) % 256 == 0, op, "workspace", "must be 256-byte aligned");
-  return Status::Ok();
-}
-
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // Rows of the caller's [T, stride] bf16 matrix: 16-byte aligned, stride a
@@ -321,7 +313,7 @@ Status ep_dispatch(const EpDispatchArgs& a, ncclComm_t comm, void* workspace, si
   FM_REQUIRE(comm != nullptr, kDispatchOp, "comm", "must not be null");
   FM_RETURN_IF_ERROR(check_dispatch(a, comm));
   const Layout l = layout(a.shape);
-  FM_RETURN_IF_ERROR(check_workspace(kDispatchOp, l, workspace, workspace_bytes));
+  FM_RETURN_IF_ERROR(check_workspace(kDispatchOp, workspace, workspace_bytes, l.total, "ep_workspace_size"));
   FM_RETURN_IF_ERROR(check_dispatch_inputs_apart(a, workspace, l.total));
   return detail::without_cuda_error_left(kDispatchOp, [&]() -> Status {
     FM_RETURN_IF_ERROR(detail::check_stream(stream, kDispatchOp));
@@ -335,7 +327,7 @@ Status ep_combine(const EpCombineArgs& a, ncclComm_t comm, void* workspace, size
   FM_REQUIRE(comm != nullptr, kCombineOp, "comm", "must not be null");
   FM_RETURN_IF_ERROR(check_combine(a, comm));
   const Layout l = layout(a.shape);
-  FM_RETURN_IF_ERROR(check_workspace(kCombineOp, l, workspace, workspace_bytes));
+  FM_RETURN_IF_ERROR(check_workspace(kCombineOp, workspace, workspace_bytes, l.total, "ep_workspace_size"));
   const detail::Range outs[] = {{"out", a.out,
                                  detail::rows_extent_bytes(a.num_tokens, or_hidden(a.out_stride, a.shape.hidden),
                                                            a.shape.hidden, 2)}};
@@ -381,8 +373,9 @@ Status ep_moe_forward(const EpMoeForwardArgs& a, ncclComm_t comm, void* workspac
   FM_RETURN_IF_ERROR(check_dispatch(d, comm));
   FM_RETURN_IF_ERROR(check_combine(c, comm));
   const Layout l = layout(a.shape);
-  FM_REQUIRE(workspace != nullptr, op, "workspace", "must not be null");
-  FM_REQUIRE(reinterpret_cast<uintptr_t>(workspace) % 256 == 0, op, "workspace", "must be 256-byte aligned");
+  // 0 when the local experts' arguments are bad: validate_moe_forward below names the argument.
+  const size_t needed = ep_moe_forward_workspace_size(a);
+  FM_RETURN_IF_ERROR(check_workspace(op, workspace, workspace_bytes, needed, "ep_moe_forward_workspace_size"));
   FM_REQUIRE(!a.shape.fp8_rows || a.moe.fp8 == MoeFp8Scaling::kBlock, op, "shape.fp8_rows",
              "FP8 rows go to the FP8 layer: needs moe.fp8 = block");
   const EpRecvView v = ep_recv_view(a.shape, workspace);
@@ -391,9 +384,7 @@ Status ep_moe_forward(const EpMoeForwardArgs& a, ncclComm_t comm, void* workspac
     const Status st = validate_moe_forward(m);
     if (!st.ok()) return Status(st.code(), detail::concat(op, ": the local experts: ", st.message()));
   }
-  const size_t moe_bytes = moe_forward_workspace_size(m);
-  FM_REQUIRE(workspace_bytes >= l.total + moe_bytes, op, "workspace_bytes", "too small: ", workspace_bytes, " < ",
-             l.total + moe_bytes, " (ask ep_moe_forward_workspace_size)");
+  const size_t moe_bytes = needed - l.total;
   {
     const Status st = check_dispatch_inputs_apart(d, workspace, l.total + moe_bytes);
     if (!st.ok()) return Status(st.code(), detail::concat(op, ": ", st.message()));

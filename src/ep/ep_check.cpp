@@ -45,6 +45,13 @@ Status check_shape(const char* op, const EpShape& s, ncclComm_t comm) {
   return Status::Ok();
 }
 
+Status check_workspace(const char* op, const void* ws, size_t bytes, size_t needed, const char* size_query) {
+  FM_REQUIRE(bytes >= needed, op, "workspace_bytes", "too small: ", bytes, " < ", needed, " (ask ", size_query, ")");
+  FM_REQUIRE(ws != nullptr, op, "workspace", "must not be null");
+  FM_REQUIRE(reinterpret_cast<uintptr_t>(ws) % 256 == 0, op, "workspace", "must be 256-byte aligned");
+  return Status::Ok();
+}
+
 Layout layout(const EpShape& s) {
   Layout l;
   const int W = s.world;

@@ -72,6 +72,10 @@ struct Layout {
 // Valid only for a shape that passed check_shape.
 Layout layout(const EpShape& s);
 
+// The caller's workspace: at least `needed` bytes (what `size_query` answers),
+// not null, 256-byte aligned. Every entry point's check.
+Status check_workspace(const char* op, const void* ws, size_t bytes, size_t needed, const char* size_query);
+
 // Host checks shared by every entry point (spec §14.6). `comm` may be null
 // (the size queries and the loopback); when given, its rank and size must
 // match the shape.

@@ -28,11 +28,21 @@ struct Geometry {
 };
 
 Geometry geometry(const EpShape& s, const Layout& l) {
-  return Geometry{s.rank,        s.world,      s.k,
-                  s.num_experts / s.world,     l.C,
-                  l.T_max,       s.hidden,     int(scale_cols(s)),
-                  int64_t(in_row_bytes(s) / 16), l.meta_stride, meta_row_bytes(s),
-                  l.in_stride,   l.rows_stride};
+  Geometry g;
+  g.rank = s.rank;
+  g.world = s.world;
+  g.k = s.k;
+  g.e_local = s.num_experts / s.world;
+  g.C = l.C;
+  g.T_max = l.T_max;
+  g.H = s.hidden;
+  g.scale_cols = int(scale_cols(s));
+  g.in_row_vec = int64_t(in_row_bytes(s) / 16);
+  g.meta_stride = l.meta_stride;
+  g.meta_row = meta_row_bytes(s);
+  g.in_stride = l.in_stride;
+  g.rows_stride = l.rows_stride;
+  return g;
 }
 
 // The meta slab that holds what this rank sends to d: its own receive slab

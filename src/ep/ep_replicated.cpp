@@ -16,8 +16,6 @@ namespace {
 constexpr const char* kReplicatedOp = "ep_moe_forward_replicated";
 constexpr const char* kFinalizeOp = "ep_finalize_reduce";
 
-size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
-
 ncclDataType_t nccl_type(DType t) {
   switch (t) {
     case DType::kFloat32: return ncclFloat32;
@@ -74,7 +72,7 @@ MoeForwardArgs rank_layer(const EpReplicatedArgs& a, int rank, void* partial) {
 }
 
 size_t replicated_partial_bytes(const EpReplicatedArgs& a) {
-  return a.reduce == EpReduce::kReduceScatter ? align256(size_t(a.moe.num_tokens) * size_t(a.moe.hidden) * 2) : 0;
+  return a.reduce == EpReduce::kReduceScatter ? ep::align256(size_t(a.moe.num_tokens) * size_t(a.moe.hidden) * 2) : 0;
 }
 
 }  // namespace
@@ -101,8 +99,10 @@ Status ep_moe_forward_replicated(const EpReplicatedArgs& a, ncclComm_t comm, voi
              a.moe.start_expert_id, ")");
   if (T == 0) return Status::Ok();  // T is the same on every rank: no rank calls NCCL
   const size_t partial_bytes = replicated_partial_bytes(a);
-  FM_REQUIRE(workspace != nullptr || workspace_bytes == 0, op, "workspace", "must not be null");
-  FM_REQUIRE(reinterpret_cast<uintptr_t>(workspace) % 256 == 0, op, "workspace", "must be 256-byte aligned");
+  // 0 when the layer's arguments are bad: validate_moe_forward below names the argument.
+  FM_RETURN_IF_ERROR(ep::check_workspace(op, workspace, workspace_bytes,
+                                         ep_moe_forward_replicated_workspace_size(a, world),
+                                         "ep_moe_forward_replicated_workspace_size"));
   char* ws = static_cast<char*>(workspace);
   void* partial = a.reduce == EpReduce::kAllReduce ? a.out : static_cast<void*>(ws);
   const MoeForwardArgs m = rank_layer(a, rank, partial);
@@ -111,8 +111,6 @@ Status ep_moe_forward_replicated(const EpReplicatedArgs& a, ncclComm_t comm, voi
     if (!st.ok()) return Status(st.code(), detail::concat(op, ": ", st.message()));
   }
   const size_t moe_bytes = moe_forward_workspace_size(m);
-  FM_REQUIRE(workspace_bytes >= partial_bytes + moe_bytes, op, "workspace_bytes", "too small: ", workspace_bytes,
-             " < ", partial_bytes + moe_bytes, " (ask ep_moe_forward_replicated_workspace_size)");
   if (a.reduce == EpReduce::kReduceScatter) {
     const detail::Range outs[] = {{"out", a.out, (T / world) * H * 2}};
     const detail::Range ins[] = {{"workspace", workspace, int64_t(workspace_bytes)}};
@@ -153,9 +151,9 @@ FinalizeReduceLayout finalize_layout(const EpFinalizeReduceArgs& a, int world) {
   const size_t T = size_t(a.finalize.num_tokens), H = size_t(a.finalize.hidden);
   l.convert = a.partial_dtype != a.out_dtype;
   l.partial = 0;
-  l.summed = align256(T * H * dtype_size(a.partial_dtype));
+  l.summed = ep::align256(T * H * dtype_size(a.partial_dtype));
   const size_t rows = a.reduce == EpReduce::kAllReduce ? T : T / size_t(world);
-  l.total = l.summed + (l.convert ? align256(rows * H * 4) : 0);
+  l.total = l.summed + (l.convert ? ep::align256(rows * H * 4) : 0);
   return l;
 }
 
@@ -186,10 +184,8 @@ Status ep_finalize_reduce(const EpFinalizeReduceArgs& a, ncclComm_t comm, void* 
   const int64_t T = a.finalize.num_tokens, H = a.finalize.hidden;
   if (T == 0) return Status::Ok();
   const FinalizeReduceLayout l = finalize_layout(a, world);
-  FM_REQUIRE(workspace_bytes >= l.total, op, "workspace_bytes", "too small: ", workspace_bytes, " < ", l.total,
-             " (ask ep_finalize_reduce_workspace_size)");
-  FM_REQUIRE(workspace != nullptr, op, "workspace", "must not be null");
-  FM_REQUIRE(reinterpret_cast<uintptr_t>(workspace) % 256 == 0, op, "workspace", "must be 256-byte aligned");
+  FM_RETURN_IF_ERROR(
+      ep::check_workspace(op, workspace, workspace_bytes, l.total, "ep_finalize_reduce_workspace_size"));
   char* ws = static_cast<char*>(workspace);
   const FinalizeMoeRoutingArgs f = rank_finalize(a, rank, ws + l.partial);
   {
