@@ -22,7 +22,6 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -31,6 +30,7 @@
 #include "bench_common.h"
 #include "common/ep_ranks.h"
 #include "common/host_dtype.h"
+#include "common/test_data.h"
 #include "flashmix/ep.h"
 #include "flashmix/moe.h"
 #include "flashmix_git_commit.h"
@@ -67,22 +67,12 @@ struct Buf {
   T* as() const { return static_cast<T*>(p); }
 };
 
-// k distinct experts of E per token, uniform; weights in [0.1, 1).
+// k distinct experts of E per token, uniform (test_data.h's random_routing); weights in [0.1, 1).
 void random_topk(int64_t T, int k, int E, uint64_t seed, std::vector<int32_t>& ids, std::vector<float>& w) {
-  std::mt19937_64 g(seed);
-  std::vector<int32_t> pick(static_cast<size_t>(E));
-  ids.resize(size_t(T * k));
-  w.resize(size_t(T * k));
-  for (int64_t t = 0; t < T; ++t) {
-    for (int e = 0; e < E; ++e) pick[size_t(e)] = e;
-    for (int j = 0; j < k; ++j) {
-      std::uniform_int_distribution<int> u(j, E - 1);
-      std::swap(pick[size_t(j)], pick[size_t(u(g))]);
-      ids[size_t(t * k + j)] = pick[size_t(j)];
-    }
-  }
-  std::uniform_real_distribution<float> uw(0.1f, 1.f);
-  for (float& x : w) x = uw(g);
+  flashmix::testing::Rng rng(seed);
+  ids = flashmix::testing::random_routing(rng, T, k, E, 0, E).experts;
+  w.resize(ids.size());
+  for (float& x : w) x = rng.uniform(0.1f, 1.f);
 }
 
 // NCCL's all-to-all of `bytes` per peer (grouped send/recv, self skipped).
