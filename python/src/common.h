@@ -221,6 +221,19 @@ int64_t row_stride(const A& a, const char* op, const char* arg) {
   return a.stride(0);
 }
 
+// An optional shared output [T, >= H] of dtype `dt` (rows may be strided):
+// its row stride, or 0 when there is none.
+template <typename A>
+int64_t shared_output_stride(const std::optional<A>& shared, nb::dlpack::dtype dt, int64_t T, int64_t H,
+                             const char* op) {
+  if (!shared) return 0;
+  require_dtype(*shared, dt, op, "shared_output");
+  const int64_t stride = row_stride(*shared, op, "shared_output");
+  if (dim(*shared, 0) != T || dim(*shared, 1) < H)
+    fail(op, "shared_output", "must have shape [T = ", T, ", >= H = ", H, "] (got ", shape_str(*shared), ")");
+  return stride;
+}
+
 template <typename A>
 void require_shape(const A& a, std::initializer_list<int64_t> shape, const char* op, const char* arg) {
   bool ok = a.ndim() == shape.size();

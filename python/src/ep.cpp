@@ -151,12 +151,7 @@ void ep_moe_forward(const NcclComm& comm, const In& X, const In& W1, const In& W
   require_dtype(out, kBFloat16, op, "out");
   if (dim(out, 0) != T || dim(out, 1) != H)
     fail(op, "out", "must have shape [T = ", T, ", H = ", H, "] (got ", shape_str(out), ")");
-  if (shared_output) {
-    require_dtype(*shared_output, kBFloat16, op, "shared_output");
-    if (dim(*shared_output, 0) != T || dim(*shared_output, 1) < H)
-      fail(op, "shared_output", "must have shape [T = ", T, ", >= H = ", H, "] (got ", shape_str(*shared_output), ")");
-    a.shared_stride = row_stride(*shared_output, op, "shared_output");
-  }
+  a.shared_stride = shared_output_stride(shared_output, kBFloat16, T, H, op);
   if (dropped) require_dense(*dropped, kInt32, {1}, op, "dropped");
   a.num_tokens = T;
   a.X = ptr(X);
@@ -223,12 +218,7 @@ void ep_moe_forward_replicated(const NcclComm& comm, const In& X, const In& W1, 
   require_dense(topk_weights, kFloat32, {T, k}, op, "topk_weights");
   const int64_t rows = a.reduce == fm::EpReduce::kAllReduce ? T : (W > 0 ? T / W : T);
   require_dense(out, kBFloat16, {rows, H}, op, "out");
-  if (shared_output) {
-    require_dtype(*shared_output, kBFloat16, op, "shared_output");
-    if (dim(*shared_output, 0) != T || dim(*shared_output, 1) < H)
-      fail(op, "shared_output", "must have shape [T = ", T, ", >= H = ", H, "] (got ", shape_str(*shared_output), ")");
-    a.moe.shared_stride = row_stride(*shared_output, op, "shared_output");
-  }
+  a.moe.shared_stride = shared_output_stride(shared_output, kBFloat16, T, H, op);
   a.moe.num_tokens = T;
   a.moe.X = ptr(X);
   a.moe.x_stride = row_stride(X, op, "X");

@@ -73,12 +73,7 @@ FinalizeCall make_finalize(const In& rows, const In& u2p, const In& experts, con
       fail(op, "bias", "must have shape [num_experts_per_node = ", num_experts_per_node, ", >= ", H, "] (got ",
            shape_str(*bias), ")");
   }
-  if (shared_output) {
-    require_dtype(*shared_output, to_dlpack(a.out_dtype), op, "shared_output");  // read as out_dtype
-    a.shared_stride = row_stride(*shared_output, op, "shared_output");
-    if (dim(*shared_output, 0) != T || dim(*shared_output, 1) < H)
-      fail(op, "shared_output", "must have shape [T = ", T, ", >= ", H, "] (got ", shape_str(*shared_output), ")");
-  }
+  a.shared_stride = shared_output_stride(shared_output, to_dlpack(a.out_dtype), T, H, op);  // read as out_dtype
   // Zero tokens: nothing is read (docs/spec.md), whatever the maps hold.
   if (p2u) require_vector(*p2u, kInt32, fill || T == 0 ? 0 : a.num_rows, op, "permuted_row_to_unpermuted_row");
   if (offsets)
@@ -314,12 +309,7 @@ void moe_fc2_finalize(const In& A, const In& W2, const In& offsets, const In& p2
   a.fp8 = f;
   a.a_scales = static_cast<const float*>(ptr(a_scales));
   a.w2_scales = static_cast<const float*>(ptr(w2_scales));
-  if (shared_output) {
-    require_dtype(*shared_output, kBFloat16, op, "shared_output");
-    a.shared_stride = row_stride(*shared_output, op, "shared_output");
-    if (dim(*shared_output, 0) != T || dim(*shared_output, 1) < H)
-      fail(op, "shared_output", "must have shape [T = ", T, ", >= H = ", H, "] (got ", shape_str(*shared_output), ")");
-  }
+  a.shared_stride = shared_output_stride(shared_output, kBFloat16, T, H, op);
 
   a.A = ptr(A);
   a.W2 = ptr(W2);
@@ -645,13 +635,7 @@ void moe_forward(const In& X, const In& W1, const In& W2, const Out& out, int k,
   if (token_final_scales) require_dense(*token_final_scales, kFloat32, {T, k}, op, "token_final_scales");
   if (selected_experts_out) require_dense(*selected_experts_out, kInt32, {T, k}, op, "selected_experts_out");
   if (final_scales_out) require_dense(*final_scales_out, kFloat32, {T, k}, op, "final_scales_out");
-  if (shared_output) {
-    require_dtype(*shared_output, kBFloat16, op, "shared_output");
-    a.shared_stride = row_stride(*shared_output, op, "shared_output");
-    if (dim(*shared_output, 0) != T || dim(*shared_output, 1) < H)
-      fail(op, "shared_output", "must have shape [T = ", T, ", >= H = ", H, "] (got ", shape_str(*shared_output),
-           ")");
-  }
+  a.shared_stride = shared_output_stride(shared_output, kBFloat16, T, H, op);
 
   a.num_tokens = T;
   a.k = k;
