@@ -46,6 +46,25 @@ T* dalloc(size_t count) {
   return p;
 }
 
+// The case's layer over all its experts, routed by the router on `logits`
+// (weights and out left for the caller).
+MoeForwardArgs routed_layer(const ForwardCase& c, const void* X, const void* logits) {
+  MoeForwardArgs f;
+  f.num_tokens = c.T;
+  f.hidden = c.H;
+  f.inter = c.I;
+  f.k = c.k;
+  f.num_experts = c.E;
+  f.num_experts_per_node = c.E;
+  f.X = X;
+  f.router_logits = logits;
+  f.router.logits_dtype = DType::kBFloat16;
+  f.router.scoring = c.scoring;
+  f.router.renormalize = true;
+  f.router.routed_scaling_factor = c.scaling;
+  return f;
+}
+
 void run_case(Context& ctx, const ForwardCase& c, cudaStream_t stream) {
   if (!ctx.selected("moe_forward", c.name)) return;
   const int64_t slots = c.T * c.k;
@@ -67,19 +86,7 @@ void run_case(Context& ctx, const ForwardCase& c, cudaStream_t stream) {
   fill_bf16(W2, int64_t(c.E) * c.H * c.I, 24, 0.05f, stream);
   BENCH_CUDA(cudaGetLastError());
 
-  MoeForwardArgs f;
-  f.num_tokens = c.T;
-  f.hidden = c.H;
-  f.inter = c.I;
-  f.k = c.k;
-  f.num_experts = c.E;
-  f.num_experts_per_node = c.E;
-  f.X = X;
-  f.router_logits = logits;
-  f.router.logits_dtype = DType::kBFloat16;
-  f.router.scoring = c.scoring;
-  f.router.renormalize = true;
-  f.router.routed_scaling_factor = c.scaling;
+  MoeForwardArgs f = routed_layer(c, X, logits);
   f.selected_experts_out = ids;
   f.final_scales_out = scales;
   f.W1 = W1;
@@ -280,19 +287,7 @@ void run_fp8_case(Context& ctx, const ForwardCase& c, cudaStream_t stream) {
     dequantise(W2, W2q, W2s, c.H, c.I);
     BENCH_CUDA(cudaGetLastError());
   }
-  MoeForwardArgs f;
-  f.num_tokens = c.T;
-  f.hidden = c.H;
-  f.inter = c.I;
-  f.k = c.k;
-  f.num_experts = c.E;
-  f.num_experts_per_node = c.E;
-  f.X = X;
-  f.router_logits = logits;
-  f.router.logits_dtype = DType::kBFloat16;
-  f.router.scoring = c.scoring;
-  f.router.renormalize = true;
-  f.router.routed_scaling_factor = c.scaling;
+  MoeForwardArgs f = routed_layer(c, X, logits);
   f.W1 = W1;
   f.W2 = W2;
   f.out = out16;
