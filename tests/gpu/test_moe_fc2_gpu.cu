@@ -597,31 +597,41 @@ TEST(MoeFc2Gpu, SharedOutputAndNoFill) {
       }
 }
 
+namespace {
+
+// The op captured once in a CUDA graph, then replayed twice over poisoned
+// outputs, each replay checked against the reference.
+void capture_and_replay(const Case& c, Fc2Mode m) {
+  Problem p(c, m);
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  Status st = p.run(s);
+  CUDA_OK(cudaStreamEndCapture(s, &graph));
+  ASSERT_TRUE(st.ok()) << st.message();
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int rep = 0; rep < 2; ++rep) {
+    p.poison_out();
+    CUDA_OK(cudaGraphLaunch(exec, s));
+    CUDA_OK(cudaStreamSynchronize(s));
+    p.check(m, p.result());
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+}
+
+}  // namespace
+
 TEST(MoeFc2Gpu, GraphCaptureAndReplay) {
   SKIP_WITHOUT_HOPPER();
   for (Fc2Mode m : kModes) {
     SCOPED_TRACE(fc2_mode_name(m));
     Case c;
     c.T = 128;
-    Problem p(c, m);
-    cudaStream_t s;
-    CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    cudaGraph_t graph;
-    CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-    Status st = p.run(s);
-    CUDA_OK(cudaStreamEndCapture(s, &graph));
-    ASSERT_TRUE(st.ok()) << st.message();
-    cudaGraphExec_t exec;
-    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int rep = 0; rep < 2; ++rep) {
-      p.poison_out();
-      CUDA_OK(cudaGraphLaunch(exec, s));
-      CUDA_OK(cudaStreamSynchronize(s));
-      p.check(m, p.result());
-    }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    cudaStreamDestroy(s);
+    capture_and_replay(c, m);
   }
 }
 
@@ -797,25 +807,7 @@ TEST(MoeFc2Gpu, Fp8GraphCaptureAndReplay) {
       c.fp8 = f;
       c.I = 256;
       c.T = 128;
-      Problem p(c, m);
-      cudaStream_t s;
-      CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-      cudaGraph_t graph;
-      CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-      Status st = p.run(s);
-      CUDA_OK(cudaStreamEndCapture(s, &graph));
-      ASSERT_TRUE(st.ok()) << st.message();
-      cudaGraphExec_t exec;
-      CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-      for (int rep = 0; rep < 2; ++rep) {
-        p.poison_out();
-        CUDA_OK(cudaGraphLaunch(exec, s));
-        CUDA_OK(cudaStreamSynchronize(s));
-        p.check(m, p.result());
-      }
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
-      cudaStreamDestroy(s);
+      capture_and_replay(c, m);
     }
 }
 
