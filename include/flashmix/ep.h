@@ -61,8 +61,9 @@ Status ep_moe_forward_replicated(const EpReplicatedArgs& args, ncclComm_t comm, 
 
 // The finalize seed's expert parallelism: finalize_moe_routing over this
 // rank's expert range into a filled partial, then NCCL's sum. `finalize` is
-// the single-GPU finalize's arguments; its fill, out, out_dtype and
-// shared_output fields are ignored (shared_output here is added on rank 0).
+// the single-GPU finalize's arguments with the rank's expert range; its fill,
+// out, out_dtype and out_stride are replaced, and its shared_output (of
+// partial_dtype) is added on rank 0 only (once in the sum).
 // partial_dtype kFloat32 (the default, spec §14.2): the partial and the
 // NCCL sum are fp32 and one rounding to `out_dtype` ends it; kBFloat16: the
 // partial is rounded to bf16 and NCCL sums bf16 (half the bytes).
@@ -70,7 +71,6 @@ struct EpFinalizeReduceArgs {
   FinalizeMoeRoutingArgs finalize;
   EpReduce reduce = EpReduce::kReduceScatter;
   DType partial_dtype = DType::kFloat32;
-  const void* shared_output = nullptr;  // [T, H] of out_dtype (rank 0 adds it), or null
   void* out = nullptr;                  // contiguous [T, H] or [T/W, H] of out_dtype
   DType out_dtype = DType::kBFloat16;
 };
