@@ -55,18 +55,24 @@ SUMMARY_CASES = [
     ("ep_dispatch_combine", "deepseek_T16_k8_E256_H7168_ep2"),
     ("ep_moe_forward", "deepseek_T4096_k8_E256_I2048_H7168_ep2"),
     ("ep_reduce", "T4096_H7168_ep2"),
+    ("ep_dispatch_combine", "deepseek_T4096_k8_E256_H7168_ep4"),
+    ("ep_moe_forward", "deepseek_T4096_k8_E256_I2048_H7168_ep4"),
+    ("ep_reduce", "T4096_H7168_ep4"),
 ]
 
 # flashmix-bench-ep's records (bench/bench_ep.cu) carry no target keys: issue
 # 26's targets by (op, case), as (measured key, format, met(got, target), target).
-EP_TARGETS = {
-    ("ep_dispatch_combine", "deepseek_T4096_k8_E256_H7168_ep2"):
-        ("fraction", ">= %.2f of NCCL all_to_all", lambda got, t: got >= t, 0.80),
-    ("ep_moe_forward", "deepseek_T4096_k8_E256_I2048_H7168_ep2"):
-        ("ratio_to_reference", "<= %.2f x reference", lambda got, t: got <= t, 0.75),
-    ("ep_reduce", "T4096_H7168_ep2"):
-        ("ratio", "<= %.2f x reduce_scatter + finalize", lambda got, t: got <= t, 1.10),
-}
+# The EP issues' bars, the same at every EP size (_ep2, _ep4, _ep8).
+EP_TARGETS = {}
+for _ep in ("_ep2", "_ep4", "_ep8"):
+    EP_TARGETS.update({
+        ("ep_dispatch_combine", "deepseek_T4096_k8_E256_H7168" + _ep):
+            ("fraction", ">= %.2f of NCCL all_to_all", lambda got, t: got >= t, 0.80),
+        ("ep_moe_forward", "deepseek_T4096_k8_E256_I2048_H7168" + _ep):
+            ("ratio_to_reference", "<= %.2f x reference", lambda got, t: got <= t, 0.75),
+        ("ep_reduce", "T4096_H7168" + _ep):
+            ("ratio", "<= %.2f x reduce_scatter + finalize", lambda got, t: got <= t, 1.10),
+    })
 
 
 # Each kind of target a record may carry: (its key, the measured key it bounds,
@@ -125,9 +131,10 @@ def measured_of(r):
 
 
 def header(data):
+    bf16 = (", dense bf16 GEMM %.0f TFLOP/s" % data["gemm_tflops"]) if data.get("gemm_tflops") else ""
     fp8 = (", dense FP8 GEMM %.0f TFLOP/s" % data["gemm_fp8_tflops"]) if data.get("gemm_fp8_tflops") else ""
-    return ("Measured on %s, %s, commit %s; copy ceiling %.0f GB/s, dense bf16 GEMM %.0f TFLOP/s%s (same run)."
-            % (data["gpu"], data["date"], data["commit"], data["copy_gbps"], data["gemm_tflops"], fp8))
+    return ("Measured on %s, %s, commit %s; copy ceiling %.0f GB/s%s%s (same run)."
+            % (data["gpu"], data["date"], data["commit"], data["copy_gbps"], bf16, fp8))
 
 
 def full(path):

@@ -253,6 +253,12 @@ __global__ void __launch_bounds__(kRowThreads) combine_kernel(Geometry g, const 
   }
 }
 
+// The dynamic shared memory of pack's dst_rows[] / combine's src_rows[] (one
+// pointer a rank), rounded up to whole groups of 4: ptxas reads these arrays
+// with 16-byte LDS.128s, which at an odd world take the last pointer with the
+// 8 bytes after it (compute-sanitizer caught combine's at world 1).
+size_t row_pointers_smem_bytes(int world) { return sizeof(void*) * size_t((world + 3) / 4 * 4); }
+
 // n fp32 values -> out_dtype, one rounding each (the fp32 partial's sum).
 template <typename Out>
 __global__ void convert_kernel(const float4* __restrict__ in, Out* __restrict__ out, int64_t n4) {
@@ -298,7 +304,7 @@ cudaError_t launch_pack(const EpShape& s, const Layout& l, char* ws, int64_t T, 
                         const float* x_scales, const int32_t* ids, const float* weights, cudaStream_t stream) {
   if (T == 0) return cudaSuccess;
   const Geometry g = geometry(s, l);
-  pack_kernel<<<unsigned(T), kRowThreads, sizeof(void*) * s.world, stream>>>(
+  pack_kernel<<<unsigned(T), kRowThreads, row_pointers_smem_bytes(s.world), stream>>>(
       g, reinterpret_cast<const int32_t*>(ws + l.plan_row), static_cast<const uint4*>(X), x_stride_bytes / 16,
       x_scales, ids, weights, ws + l.send_meta, ws + l.recv_meta, ws + l.send_rows, ws + l.recv_x);
   return cudaGetLastError();
@@ -319,7 +325,7 @@ cudaError_t launch_combine_reduce(const EpShape& s, const Layout& l, const char*
                                   cudaStream_t stream) {
   if (T == 0) return cudaSuccess;
   const Geometry g = geometry(s, l);
-  combine_kernel<<<unsigned(T), kRowThreads, sizeof(void*) * s.world, stream>>>(
+  combine_kernel<<<unsigned(T), kRowThreads, row_pointers_smem_bytes(s.world), stream>>>(
       g, reinterpret_cast<const int32_t*>(ws + l.plan_row), ws + l.expert_out, ws + l.comb_rows,
       static_cast<const uint4*>(shared), shared_stride / 8, static_cast<uint4*>(out), out_stride / 8);
   return cudaGetLastError();
