@@ -576,16 +576,21 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   k.x_permuted = p.x_permuted;
   k.interleaved = p.layout == Fc1WeightLayout::kInterleaved;
   // The ring (measured on an H100, bench/results/ab/fc1-rows-*.json): tiles of
-  // up to 128 rows in 6 stages when experts average at most 512 rows (Qwen3-
-  // like 785 -> 688 us, DeepSeek-EP decode 652 -> 595 us: more bytes in
-  // flight), else up to 256 rows in 4 stages (Mixtral-like 5954 -> 5328 us:
-  // W1 slices read once per 256 rows). FLASHMIX_FC1_ROWS=128|256 pins one
-  // (the A/B). Block-scaled FP8 holds two accumulators: 128 rows always.
+  // up to 128 rows in 6 stages, or up to 256 rows in 4 (W1 slices read once
+  // per 256 rows). Gathering, 128 while experts average at most 512 rows
+  // (Qwen3-like 785 -> 688 us, DeepSeek-EP decode 652 -> 595 us: more bytes
+  // in flight for the cp.async rows; Mixtral-like 5954 -> 5328 us with 256).
+  // From a permuted X (TMA boxes), 256 once experts average more than 128
+  // rows (DeepSeek-EP 1301 -> 1044 us, Qwen3 and Mixtral unchanged; decode
+  // keeps 128: 584 vs 600 us; bench/results/ab/fc1-permuted-rows-*.json).
+  // FLASHMIX_FC1_ROWS=128|256 pins one (the A/B). Block-scaled FP8 holds two
+  // accumulators: 128 rows always.
   static const int pinned = [] {
     const char* e = std::getenv("FLASHMIX_FC1_ROWS");
     return e ? std::atoi(e) : 0;
   }();
-  const bool rows128 = pinned ? pinned == 128 : int64_t(p.T) * p.k <= int64_t(512) * p.E;
+  const int64_t slots = int64_t(p.T) * p.k;
+  const bool rows128 = pinned ? pinned == 128 : slots <= int64_t(p.x_permuted ? 128 : 512) * p.E;
   switch (p.fp8) {
     case MoeFp8Scaling::kBlock:
       return launch<Fc1Cfg<128, Fc1In::kFp8Block>>(p, k, w, x64, x16, stream);

@@ -329,6 +329,32 @@ TEST(MoeFc1Gpu, StridedAndPermutedInput) {
   check_case(c);
 }
 
+// A permuted X (TMA boxes of 64 and 16 rows) over slice counts of 1, 3, 4
+// and 6 (I not a multiple of 64), in 128-row tiles (~112 rows an expert) and
+// 256-row tiles (experts past 128 rows on average), and an EP range.
+TEST(MoeFc1Gpu, PermutedInputSlicesAndTileSizes) {
+  SKIP_WITHOUT_HOPPER();
+  for (int64_t I : {8, 136, 200, 328}) {
+    SCOPED_TRACE("I = " + std::to_string(I));
+    Case c;
+    c.x_permuted = true;
+    c.I = I;
+    c.T = 300;
+    c.k = 3;
+    c.total = c.local = 8;
+    check_case(c);
+    c.T = 700;  // ~260 rows an expert: two chunks of 256-row tiles
+    check_case(c);
+  }
+  Case c;
+  c.x_permuted = true;
+  c.total = 48;
+  c.start = 16;
+  c.local = 16;
+  c.I = 72;
+  check_case(c);
+}
+
 TEST(MoeFc1Gpu, ZeroTokensLaunchesNothing) {
   SKIP_WITHOUT_HOPPER();
   MoeFc1Args a;
