@@ -580,9 +580,12 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   // per 256 rows). Gathering, 128 while experts average at most 512 rows
   // (Qwen3-like 785 -> 688 us, DeepSeek-EP decode 652 -> 595 us: more bytes
   // in flight for the cp.async rows; Mixtral-like 5954 -> 5328 us with 256).
-  // From a permuted X (TMA boxes), 256 once experts average more than 128
-  // rows (DeepSeek-EP 1301 -> 1044 us, Qwen3 and Mixtral unchanged; decode
-  // keeps 128: 584 vs 600 us; bench/results/ab/fc1-permuted-rows-*.json).
+  // bf16 from a permuted X (TMA boxes), 256 once experts average more than
+  // 128 rows (DeepSeek-EP 1301 -> 1044 us, Qwen3 and Mixtral unchanged;
+  // decode keeps 128: 584 vs 600 us; bench/results/ab/fc1-permuted-rows-*.json);
+  // FP8 per-tensor keeps the 512 rule (not measured at 128-512 rows). "Rows
+  // an expert" is T k / E_local: every slot over the local experts, which
+  // overstates it under expert parallelism (most slots are not local).
   // FLASHMIX_FC1_ROWS=128|256 pins one (the A/B). Block-scaled FP8 holds two
   // accumulators: 128 rows always.
   static const int pinned = [] {
@@ -590,7 +593,8 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
     return e ? std::atoi(e) : 0;
   }();
   const int64_t slots = int64_t(p.T) * p.k;
-  const bool rows128 = pinned ? pinned == 128 : slots <= int64_t(p.x_permuted ? 128 : 512) * p.E;
+  const bool permuted_bf16 = p.x_permuted && p.fp8 == MoeFp8Scaling::kNone;
+  const bool rows128 = pinned ? pinned == 128 : slots <= int64_t(permuted_bf16 ? 128 : 512) * p.E;
   switch (p.fp8) {
     case MoeFp8Scaling::kBlock:
       return launch<Fc1Cfg<128, Fc1In::kFp8Block>>(p, k, w, x64, x16, stream);

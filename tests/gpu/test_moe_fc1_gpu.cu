@@ -343,7 +343,7 @@ TEST(MoeFc1Gpu, PermutedInputSlicesAndTileSizes) {
     c.k = 3;
     c.total = c.local = 8;
     check_case(c);
-    c.T = 700;  // ~260 rows an expert: two chunks of 256-row tiles
+    c.T = 700;  // ~260 rows an expert: 256-row tiles (one up to 256 rows, or two chunks of ~136)
     check_case(c);
   }
   Case c;
