@@ -770,10 +770,13 @@ TEST_P(EpGpuWorld, AllToAllOnlyRankZeroReceives) {
 
 TEST_P(EpGpuWorld, AllToAllCapacityOverflowIsReported) {
   SKIP_WITHOUT_GPUS(GetParam());
-  EpCase c = world_case();
-  c.skew = Skew::kMostlyRank0;
-  c.recv_capacity = 20;  // the 64-token rank sends rank 0 about 48 rows
-  run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+  for (EpSizing sizing : {EpSizing::kCapacity, EpSizing::kExact}) {
+    EpCase c = world_case();
+    c.skew = Skew::kMostlyRank0;
+    c.recv_capacity = 20;  // the 64-token rank sends rank 0 ~50-60 rows
+    c.sizing = sizing;
+    run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+  }
 }
 
 TEST_P(EpGpuWorld, AllToAllGraphCapture) {
@@ -785,11 +788,14 @@ TEST_P(EpGpuWorld, AllToAllGraphCapture) {
 
 TEST_P(EpGpuWorld, AllToAllFp8Rows) {
   SKIP_WITHOUT_GPUS(GetParam());
-  EpCase c = world_case();
-  c.H = 256;
-  c.I = 128;
-  c.fp8 = true;
-  run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+  for (EpSizing sizing : {EpSizing::kCapacity, EpSizing::kExact}) {
+    EpCase c = world_case();
+    c.H = 256;
+    c.I = 128;
+    c.fp8 = true;
+    c.sizing = sizing;
+    run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+  }
 }
 
 TEST_P(EpGpuWorld, ReplicatedAllReduceAndReduceScatter) {
