@@ -559,6 +559,11 @@ void run_case(const EpCase& c, const std::function<int(int, int, ncclComm_t)>& b
   EXPECT_TRUE(r.ok()) << r.describe();
 }
 
+// The all-to-all way's checks (all_to_all_rank) on every rank of c.
+void run_all_to_all(const EpCase& c) {
+  run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+}
+
 #define SKIP_WITHOUT_GPUS(n)                                                               \
   do {                                                                                     \
     if (world_or_skip(n) == 0) GTEST_SKIP() << "needs " << n << " GPUs (one process each)"; \
@@ -576,7 +581,7 @@ EpCase base_case() {
 TEST(EpGpu, AllToAllCapacity) {
   SKIP_WITHOUT_GPUS(2);
   EpCase c = base_case();
-  run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+  run_all_to_all(c);
 }
 
 TEST(EpGpu, AllToAllExact) {
@@ -584,7 +589,7 @@ TEST(EpGpu, AllToAllExact) {
   EpCase c = base_case();
   c.sizing = EpSizing::kExact;
   c.skew = Skew::kMostlyRank0;
-  run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+  run_all_to_all(c);
 }
 
 TEST(EpGpu, AllToAllSkewedRankOneReceivesNothing) {
@@ -594,7 +599,7 @@ TEST(EpGpu, AllToAllSkewedRankOneReceivesNothing) {
     c.skew = Skew::kToRank0;
     c.sizing = sizing;
     c.k = 2;
-    run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+    run_all_to_all(c);
   }
 }
 
@@ -604,7 +609,7 @@ TEST(EpGpu, AllToAllZeroTokensOnOneRank) {
     EpCase c = base_case();
     c.T = {0, 45};
     c.sizing = sizing;
-    run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+    run_all_to_all(c);
   }
 }
 
@@ -616,7 +621,7 @@ TEST(EpGpu, AllToAllOneTokenWideExperts) {
   c.E = 16;
   c.H = 512;
   c.I = 256;
-  run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+  run_all_to_all(c);
 }
 
 TEST(EpGpu, AllToAllCapacityOverflowIsReported) {
@@ -626,7 +631,7 @@ TEST(EpGpu, AllToAllCapacityOverflowIsReported) {
     c.skew = Skew::kMostlyRank0;
     c.recv_capacity = 20;  // rank 0's experts get more than 20 rows from each source
     c.sizing = sizing;
-    run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+    run_all_to_all(c);
   }
 }
 
@@ -634,7 +639,7 @@ TEST(EpGpu, AllToAllGraphCapture) {
   SKIP_WITHOUT_GPUS(2);
   EpCase c = base_case();
   c.graph = true;
-  run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+  run_all_to_all(c);
 }
 
 // A large problem (rows of 8 KiB, slabs of 8 MiB): direct and captured in a graph.
@@ -646,7 +651,7 @@ TEST(EpGpu, AllToAllLargeRows) {
     c.H = 4096;
     c.I = 128;
     c.graph = graph;
-    run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+    run_all_to_all(c);
   }
 }
 
@@ -661,7 +666,7 @@ TEST(EpGpu, AllToAllFp8Rows) {
     c.I = 128;
     c.fp8 = true;
     c.sizing = sizing;
-    run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+    run_all_to_all(c);
   }
 }
 
@@ -673,7 +678,7 @@ TEST(EpGpu, AllToAllOneRankFp8Rows) {
   c.H = 256;
   c.I = 128;
   c.fp8 = true;
-  run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+  run_all_to_all(c);
 }
 
 TEST(EpGpu, AllToAllOneRank) {
@@ -681,7 +686,7 @@ TEST(EpGpu, AllToAllOneRank) {
   EpCase c = base_case();
   c.world = 1;
   c.T = {53};
-  run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+  run_all_to_all(c);
 }
 
 TEST(EpGpu, ReplicatedAllReduceAndReduceScatter) {
@@ -752,7 +757,7 @@ TEST_P(EpGpuWorld, AllToAll) {
   for (EpSizing sizing : {EpSizing::kCapacity, EpSizing::kExact}) {
     EpCase c = world_case();
     c.sizing = sizing;
-    run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+    run_all_to_all(c);
   }
 }
 
@@ -764,7 +769,7 @@ TEST_P(EpGpuWorld, AllToAllOnlyRankZeroReceives) {
     c.skew = Skew::kToRank0;
     c.k = 2;
     c.sizing = sizing;
-    run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+    run_all_to_all(c);
   }
 }
 
@@ -775,7 +780,7 @@ TEST_P(EpGpuWorld, AllToAllCapacityOverflowIsReported) {
     c.skew = Skew::kMostlyRank0;
     c.recv_capacity = 20;  // the 64-token rank sends rank 0 ~50-60 rows
     c.sizing = sizing;
-    run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+    run_all_to_all(c);
   }
 }
 
@@ -783,7 +788,7 @@ TEST_P(EpGpuWorld, AllToAllGraphCapture) {
   SKIP_WITHOUT_GPUS(GetParam());
   EpCase c = world_case();
   c.graph = true;
-  run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+  run_all_to_all(c);
 }
 
 TEST_P(EpGpuWorld, AllToAllFp8Rows) {
@@ -794,7 +799,7 @@ TEST_P(EpGpuWorld, AllToAllFp8Rows) {
     c.I = 128;
     c.fp8 = true;
     c.sizing = sizing;
-    run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+    run_all_to_all(c);
   }
 }
 
