@@ -23,6 +23,7 @@
 #include "common/host_dtype.h"
 #include "flashmix/fp8.h"
 #include "flashmix/moe.h"
+#include "flashmix/mxfp4.h"
 
 namespace flashmix::bench {
 namespace {
@@ -347,6 +348,220 @@ void run_fp8_case(Context& ctx, const ForwardCase& c, cudaStream_t stream) {
     cudaFree(p);
 }
 
+// moe_forward_mxfp4 (issue 28, spec §13.7): the layer with MXFP4 W1 / W2
+// (random packed codes, ue8m0 scales 2^-9..2^-5) on the W4A8 path, one rank
+// of expert parallelism (E_local of num_experts, the router over all of
+// them), beside the FP8 layer on the same weights converted by
+// mxfp4_to_fp8_block (128 x 128, exact at these spreads) recorded as
+// moe_forward_fp8 with the same case name, and the bf16 layer on
+// mxfp4_to_bf16 of them (the dequantised weights, exact). Decode cases replay
+// graphs; their fraction is the used experts' packed bytes (+ scales) at copy
+// bandwidth (target >= 0.75) and speedup_vs_fp8 = FP8 time / MXFP4 time
+// (target >= 1.6); prefill: ratio_to_fp8 = MXFP4 / FP8 time (target <=
+// 1.15). Check: relative Frobenius error of the MXFP4 and of the FP8 layer
+// against the bf16 layer (both quantise X and FC1's output: ~4 %), <= 2^-3.
+__global__ void fill_mx_kernel(uint8_t* x, int64_t n, uint32_t seed, int scale_lo, int scale_span) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  uint32_t h = uint32_t(i) * 0x9e3779b9u ^ seed;
+  h ^= h >> 16;
+  h *= 0x85ebca6bu;
+  h ^= h >> 13;
+  h *= 0xc2b2ae35u;
+  h ^= h >> 16;
+  x[i] = scale_span > 0 ? uint8_t(scale_lo + int(h % uint32_t(scale_span))) : uint8_t(h);
+}
+
+struct Mx4Case {
+  std::string name;
+  int64_t T;
+  int k, E, E_local;
+  int64_t H, I;
+  bool decode;
+};
+
+void run_mxfp4_case(Context& ctx, const Mx4Case& c, cudaStream_t stream) {
+  if (!ctx.selected("moe_forward_mxfp4", c.name) && !ctx.selected("moe_forward_fp8", c.name)) return;
+  const int64_t El = c.E_local, H = c.H, I = c.I, slots = c.T * c.k;
+  const int64_t w1n = El * 2 * I * H, w2n = El * H * I;
+  auto* X = dalloc<__nv_bfloat16>(size_t(c.T * H));
+  auto* logits = dalloc<__nv_bfloat16>(size_t(c.T * c.E));
+  auto* W1p = dalloc<uint8_t>(size_t(w1n / 2));
+  auto* W2p = dalloc<uint8_t>(size_t(w2n / 2));
+  auto* W1m = dalloc<uint8_t>(size_t(w1n / 32));
+  auto* W2m = dalloc<uint8_t>(size_t(w2n / 32));
+  auto* W1q = dalloc<uint8_t>(size_t(w1n));
+  auto* W2q = dalloc<uint8_t>(size_t(w2n));
+  auto* W1s = dalloc<float>(size_t(El * ((2 * I + 127) / 128) * (H / 128)));
+  auto* W2s = dalloc<float>(size_t(El * ((H + 127) / 128) * (I / 128)));
+  auto* W1b = dalloc<__nv_bfloat16>(size_t(w1n));
+  auto* W2b = dalloc<__nv_bfloat16>(size_t(w2n));
+  auto* ids = dalloc<int32_t>(size_t(slots));
+  __nv_bfloat16* outs[3] = {dalloc<__nv_bfloat16>(size_t(c.T * H)), dalloc<__nv_bfloat16>(size_t(c.T * H)),
+                            dalloc<__nv_bfloat16>(size_t(c.T * H))};
+  fill_bf16(X, c.T * H, 31, 1.0f, stream);
+  fill_bf16(logits, c.T * c.E, 32, 4.0f, stream);
+  auto fill = [&](uint8_t* x, int64_t n, uint32_t seed, int lo, int span) {
+    fill_mx_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(x, n, seed, lo, span);
+  };
+  fill(W1p, w1n / 2, 33, 0, 0);
+  fill(W2p, w2n / 2, 34, 0, 0);
+  fill(W1m, w1n / 32, 35, 118, 5);  // scales 2^-9 .. 2^-5: |W| up to 6 / 32
+  fill(W2m, w2n / 32, 36, 118, 5);
+  BENCH_CUDA(cudaGetLastError());
+  auto to_fp8 = [&](const void* w, const void* m, void* q, float* sc, int64_t rows, int64_t cols) {
+    Mxfp4ToFp8BlockArgs a;
+    a.w = w;
+    a.w_scales = m;
+    a.q = q;
+    a.q_scales = sc;
+    a.batch = El;
+    a.rows = rows;
+    a.cols = cols;
+    return mxfp4_to_fp8_block(a, stream);
+  };
+  auto to_bf16 = [&](const void* w, const void* m, void* out, int64_t rows, int64_t cols) {
+    Mxfp4ToBf16Args a;
+    a.w = w;
+    a.w_scales = m;
+    a.out = out;
+    a.batch = El;
+    a.rows = rows;
+    a.cols = cols;
+    return mxfp4_to_bf16(a, stream);
+  };
+  Status st = to_fp8(W1p, W1m, W1q, W1s, 2 * I, H);
+  if (st.ok()) st = to_fp8(W2p, W2m, W2q, W2s, H, I);
+  if (st.ok()) st = to_bf16(W1p, W1m, W1b, 2 * I, H);
+  if (st.ok()) st = to_bf16(W2p, W2m, W2b, H, I);
+  MoeForwardArgs f16;
+  f16.num_tokens = c.T;
+  f16.hidden = H;
+  f16.inter = I;
+  f16.k = c.k;
+  f16.num_experts = c.E;
+  f16.num_experts_per_node = c.E_local;  // rank 0 of E / E_local
+  f16.X = X;
+  f16.router_logits = logits;
+  f16.router.logits_dtype = DType::kBFloat16;
+  f16.router.scoring = MoeRouterScoring::kSqrtSoftplus;
+  f16.router.renormalize = true;
+  f16.router.routed_scaling_factor = 1.5f;
+  f16.activation = MoeActivation::kSwiGLUClamped;
+  f16.selected_experts_out = ids;
+  f16.W1 = W1b;
+  f16.W2 = W2b;
+  f16.out = outs[0];
+  MoeForwardArgs f8 = f16;
+  f8.selected_experts_out = nullptr;
+  f8.fp8 = MoeFp8Scaling::kBlock;
+  f8.W1 = W1q;
+  f8.W2 = W2q;
+  f8.w1_scales = W1s;
+  f8.w2_scales = W2s;
+  f8.out = outs[1];
+  MoeForwardArgs f4 = f8;
+  f4.weights = MoeWeightFormat::kMxfp4;
+  f4.W1 = W1p;
+  f4.W2 = W2p;
+  f4.w1_scales = f4.w2_scales = nullptr;
+  f4.w1_mx_scales = W1m;
+  f4.w2_mx_scales = W2m;
+  f4.out = outs[2];
+  const MoeForwardArgs* layers[3] = {&f16, &f8, &f4};
+  size_t ws_bytes[3];
+  void* ws[3];
+  for (int i = 0; i < 3; ++i) {
+    ws_bytes[i] = moe_forward_workspace_size(*layers[i]);
+    ws[i] = dalloc<char>(ws_bytes[i]);
+    if (st.ok()) st = moe_forward(*layers[i], ws[i], ws_bytes[i], stream);
+  }
+  if (!st.ok()) {
+    std::fprintf(stderr, "flashmix-bench: moe_forward_mxfp4 %s: %s\n", c.name.c_str(), st.message().c_str());
+    return;
+  }
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  std::vector<int32_t> hids(static_cast<size_t>(slots));
+  BENCH_CUDA(cudaMemcpy(hids.data(), ids, hids.size() * 4, cudaMemcpyDeviceToHost));
+  std::vector<char> seen(static_cast<size_t>(c.E_local), 0);
+  for (int32_t e : hids)
+    if (e >= 0 && e < c.E_local) seen[size_t(e)] = 1;
+  int used = 0;
+  for (char v : seen) used += v;
+  double rel[2] = {-1, -1};
+  std::string check = "not checked (--no-verify)";
+  if (ctx.verify) {
+    std::vector<uint16_t> ref(size_t(c.T * H)), got(ref.size());
+    BENCH_CUDA(cudaMemcpy(ref.data(), outs[0], ref.size() * 2, cudaMemcpyDeviceToHost));
+    for (int i = 0; i < 2; ++i) {
+      BENCH_CUDA(cudaMemcpy(got.data(), outs[1 + i], got.size() * 2, cudaMemcpyDeviceToHost));
+      double num = 0, den = 0;
+      for (size_t j = 0; j < ref.size(); ++j) {
+        const double x = host::bf16_to_float(got[j]), y = host::bf16_to_float(ref[j]);
+        num += (x - y) * (x - y);
+        den += y * y;
+      }
+      rel[i] = den > 0 ? std::sqrt(num / den) : (num > 0 ? 1.0 : 0.0);
+    }
+    const bool ok = std::isfinite(rel[0]) && std::isfinite(rel[1]) && rel[0] <= 0.125 && rel[1] <= 0.125;
+    check = ok ? "passed (relative Frobenius error vs the bf16 layer on the dequantised weights <= 2^-3)"
+               : "FAILED: relative Frobenius error vs the bf16 layer: fp8 " + std::to_string(rel[0]) + ", mxfp4 " +
+                     std::to_string(rel[1]);
+  }
+  double us[3];
+  const int iters = ctx.quick ? 10 : 30;
+  for (int i = 0; i < 3; ++i) {
+    const MoeForwardArgs& f = *layers[i];
+    if (c.decode)
+      us[i] = graph_us_per_launch([&](int) { (void)moe_forward(f, ws[i], ws_bytes[i], stream); }, 10, stream,
+                                  ctx.quick ? 5 : 20);
+    else
+      us[i] = median_us([&] { (void)moe_forward(f, ws[i], ws_bytes[i], stream); }, stream, 3, iters);
+  }
+  // The used experts' weight bytes: MXFP4 (packed + scales) and FP8 (+ block scales).
+  const double per_expert = 3.0 * double(I) * double(H);
+  const double mx_bytes = used * per_expert * (0.5 + 1.0 / 32), fp8_bytes = used * per_expert;
+  const double copy = ctx.copy_gbps * 1e9;
+  for (int i = 1; i < 3; ++i) {
+    Record rec;
+    rec.op = i == 2 ? "moe_forward_mxfp4" : "moe_forward_fp8";
+    rec.case_name = c.name;
+    rec.median_us = us[i];
+    rec.check = check;
+    rec.extra["bf16_forward_us"] = us[0];
+    rec.extra["fp8_forward_us"] = us[1];
+    rec.extra["experts_used"] = used;
+    if (rel[i - 1] >= 0) rec.extra["rel_error_vs_bf16"] = rel[i - 1];
+    rec.labels["weights"] = i == 2 ? "mxfp4 (w4a8)" : "fp8 block (mxfp4_to_fp8_block)";
+    rec.labels["router"] = to_string(f16.router.scoring);
+    rec.labels["ep"] = std::to_string(c.E_local) + " of " + std::to_string(c.E) + " experts";
+    const double bytes = i == 2 ? mx_bytes : fp8_bytes;
+    if (c.decode) {
+      rec.ceiling = "copy";
+      rec.bytes = bytes;
+      rec.fraction = bytes / (us[i] * 1e-6) / copy;
+    } else {
+      rec.ceiling = "bf16_forward";
+      rec.fraction = us[0] / us[i];
+    }
+    if (i == 2) {
+      rec.extra["speedup_vs_fp8"] = us[1] / us[2];
+      rec.extra["ratio_to_fp8"] = us[2] / us[1];
+      if (c.decode) {
+        rec.extra["target_fraction"] = 0.75;
+        rec.extra["target_speedup_vs_fp8"] = 1.6;
+      } else {
+        rec.extra["target_ratio_to_fp8"] = 1.15;
+      }
+    }
+    add_record(ctx, rec);
+  }
+  for (void* p : {(void*)X, (void*)logits, (void*)W1p, (void*)W2p, (void*)W1m, (void*)W2m, (void*)W1q, (void*)W2q,
+                  (void*)W1s, (void*)W2s, (void*)W1b, (void*)W2b, (void*)ids, (void*)outs[0], (void*)outs[1],
+                  (void*)outs[2], ws[0], ws[1], ws[2]})
+    cudaFree(p);
+}
+
 }  // namespace
 
 void run_moe_forward_cases(Context& ctx) {
@@ -364,6 +579,13 @@ void run_moe_forward_cases(Context& ctx) {
   for (const auto& c : cases) run_case(ctx, c, stream);
   for (const auto& c : cases)
     if (c.name == "deepseek_ep_T1024_k8_E32_I2048_H7168") run_fp8_case(ctx, c, stream);
+  // DeepSeek-V4-Flash's experts (H 4096, I 2048, 256 experts, top 6) on rank 0 of EP 8 (issue 28).
+  const std::vector<Mx4Case> mx_cases = {
+      {"v4flash_ep8_T16", 16, 6, 256, 32, 4096, 2048, true},
+      {"v4flash_ep8_T64", 64, 6, 256, 32, 4096, 2048, true},
+      {"v4flash_ep8_T4096", 4096, 6, 256, 32, 4096, 2048, false},
+  };
+  for (const auto& c : mx_cases) run_mxfp4_case(ctx, c, stream);
   BENCH_CUDA(cudaStreamDestroy(stream));
 }
 

@@ -266,6 +266,12 @@ struct Fc2FinalizeArgs {
   // kBlock: [E_local, ceil(H / 128), I / 128], block (h / 128, i / 128) of
   // W2[e]; kTensor: [E_local]. Ignored with kNone.
   const float* w2_scales = nullptr;
+  // kMxfp4 (MoeWeightFormat, spec §13.7): W2 is packed e2m1 [E_local, H, I /
+  // 2] bytes (16-byte aligned) and w2_mx_scales its ue8m0 scales [E_local, H,
+  // I / 32] (4-byte aligned); w2_scales is ignored. fp8 = kBlock (A e4m3, 1 x
+  // 128 scales): W4A8; kNone (A bf16): W4A16. Needs I % 128 == 0; kRows kernel.
+  MoeWeightFormat weights = MoeWeightFormat::kDense;
+  const void* w2_mx_scales = nullptr;
   const int64_t* expert_first_token_offset = nullptr;       // [E_local + 1] (device)
   const int32_t* permuted_row_to_unpermuted_row = nullptr;  // [k*T capacity], first P read, value j*T + t (device)
   const float* scales = nullptr;  // [T, k] router weights; nullptr = all 1
@@ -404,6 +410,16 @@ struct MoeForwardArgs {
   // its rows (fc1_input kAuto resolves to kGather; kPermutedCopy is
   // kNotSupported). What expert parallelism's FP8 dispatch hands over.
   const float* x_scales = nullptr;
+  // MXFP4 weights (spec §13.7): W1 packed e2m1 [E_local, 2I, H / 2] + ue8m0
+  // w1_mx_scales [E_local, 2I, H / 32]; W2 packed [E_local, H, I / 2] + ue8m0
+  // w2_mx_scales [E_local, H, I / 32] (stack_deepseek_v4_experts builds
+  // them). With fp8 = kBlock: W4A8, the FP8 layer's pipeline (X and FC1's
+  // output quantised 1 x 128) with the weights converted in FC1 and FC2;
+  // with kNone: W4A16 (bf16 activations). w1_scales / w2_scales are ignored.
+  // Needs H % 128 == 0 and I % 128 == 0.
+  MoeWeightFormat weights = MoeWeightFormat::kDense;
+  const void* w1_mx_scales = nullptr;
+  const void* w2_mx_scales = nullptr;
 
   // FC2: W2 bf16 (e4m3 with fp8) [E_local, H, I]; bias bf16 [E_local, H] or null (apply_b2
   // false on all but one tensor-parallel rank).

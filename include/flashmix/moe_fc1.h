@@ -43,7 +43,21 @@ enum class MoeFp8Scaling : int {
   kTensor = 2,  // one scale for X, one per expert for W1 (the K sum stays in the FP8 MMA's accumulator)
 };
 
+// How the expert weights (W1 here, W2 in Fc2FinalizeArgs) are stored.
+enum class MoeWeightFormat : int {
+  kDense = 0,  // bf16, or e4m3 with `fp8`'s scales
+  // MXFP4 (spec §13.1): packed e2m1 codes [E_local, N, K / 2] bytes (two a
+  // byte, the even element in the low nibble) + ue8m0 scales [E_local, N, K
+  // / 32] bytes (`w1_mx_scales`, `w2_mx_scales`); needs K % 128 == 0. The
+  // activations choose the tensor cores (spec §13.7): fp8 = kBlock is W4A8
+  // (X e4m3 with 1 x 128 scales; the weights converted to e4m3 in the kernel,
+  // a row's four scales of each K block of 128 folded into one), fp8 = kNone
+  // is W4A16 (X bf16; the weights converted to bf16). kTensor is invalid.
+  kMxfp4 = 1,
+};
+
 const char* to_string(MoeActivation activation);     // "swiglu", "swiglu_oai", "swiglu_clamped"
+const char* to_string(MoeWeightFormat format);       // "dense", "mxfp4"
 const char* to_string(Fc1WeightLayout layout);       // "gate_up", "interleaved"
 const char* to_string(MoeFp8Scaling scaling);        // "none", "block", "tensor"
 
@@ -69,6 +83,12 @@ struct MoeFc1Args {
   // kBlock: [E_local, ceil(2I / 128), H / 128], block (r / 128, h / 128) of
   // W1[e]'s rows r (in W1's own row order); kTensor: [E_local].
   const float* w1_scales = nullptr;
+
+  // kMxfp4: W1 is packed e2m1 [E_local, 2I, H / 2] bytes (16-byte aligned)
+  // and w1_mx_scales its ue8m0 scales [E_local, 2I, H / 32] (4-byte aligned),
+  // rows in W1's own order; w1_scales is ignored. Needs H % 128 == 0.
+  MoeWeightFormat weights = MoeWeightFormat::kDense;
+  const void* w1_mx_scales = nullptr;
 
   const int64_t* expert_first_token_offset = nullptr;       // [E_local + 1] (device)
   const int32_t* permuted_row_to_unpermuted_row = nullptr;  // [k*T capacity], first P read, value j*T + t (device)

@@ -6,12 +6,15 @@
 // double, rounded once at the store. FP8 (§9.7): X and W1 are e4m3 codes;
 // each element is dequantised (its e4m3 value times its scale, §11) and the
 // dot product of the dequantised values is taken in double (e4m3 decoded by
-// host_fp8.h, which shares no code with the kernels).
+// host_fp8.h, which shares no code with the kernels). MXFP4 weights (§13.7):
+// each W1 element is the value the W4A8 / W4A16 GEMM multiplies
+// (host_mxfp4.h), X as its own dtype says.
 #include <cmath>
 #include <vector>
 
 #include "common/host_dtype.h"
 #include "common/host_fp8.h"
+#include "common/host_mxfp4.h"
 #include "flashmix/moe.h"
 
 namespace flashmix {
@@ -65,8 +68,14 @@ Status moe_fc1_cpu(const MoeFc1Args& a) {
     const double q = host::e4m3_to_float(static_cast<const uint8_t*>(a.X)[row * x_stride + h]);
     return q * double(block ? a.x_scales[row * kbs + h / 128] : a.x_scales[0]);
   };
+  const bool mx = a.weights == MoeWeightFormat::kMxfp4;
   auto w_at = [&](int64_t e, int64_t r, int64_t h) -> double {
     const int64_t at = (e * 2 * I + r) * H + h;
+    if (mx) {  // spec §13.7: W4A8's folded value, or W4A16's bf16 of the dequantised one
+      const uint8_t* packed = static_cast<const uint8_t*>(a.W1) + (e * 2 * I + r) * (H / 2);
+      const uint8_t* sc = static_cast<const uint8_t*>(a.w1_mx_scales) + (e * 2 * I + r) * (H / 32);
+      return fp8 ? host::mxfp4_w4a8_value(packed, sc, h) : host::mxfp4_w4a16_value(packed, sc, h);
+    }
     if (!fp8) return host::bf16_to_float(static_cast<const uint16_t*>(a.W1)[at]);
     const double q = host::e4m3_to_float(static_cast<const uint8_t*>(a.W1)[at]);
     return q * double(block ? a.w1_scales[(e * w_row_blocks + r / 128) * kbs + h / 128] : a.w1_scales[e]);

@@ -3,11 +3,13 @@
 // accumulated in double and rounded once to bf16. FP8 (§3.5): A and W2 are
 // e4m3 codes; each element is dequantised (its e4m3 value times its scale,
 // §11; host_fp8.h's decoder, shared with no kernel) and the dot product of
-// the dequantised values is taken in double.
+// the dequantised values is taken in double. MXFP4 weights (§13.7): each W2
+// element is the value the W4A8 / W4A16 GEMM multiplies (host_mxfp4.h).
 #include <vector>
 
 #include "common/host_dtype.h"
 #include "common/host_fp8.h"
+#include "common/host_mxfp4.h"
 #include "flashmix/moe.h"
 
 namespace flashmix {
@@ -26,8 +28,14 @@ Status moe_fc2_finalize_cpu(const Fc2FinalizeArgs& a) {
     const double q = host::e4m3_to_float(static_cast<const uint8_t*>(a.A)[p * I + i]);
     return q * double(block ? a.a_scales[p * kbs + i / 128] : a.a_scales[0]);
   };
+  const bool mx = a.weights == MoeWeightFormat::kMxfp4;
   auto w_at = [&](int64_t e, int64_t n, int64_t i) -> double {
     const int64_t at = (e * H + n) * I + i;
+    if (mx) {  // spec §13.7: W4A8's folded value, or W4A16's bf16 of the dequantised one
+      const uint8_t* packed = static_cast<const uint8_t*>(a.W2) + (e * H + n) * (I / 2);
+      const uint8_t* sc = static_cast<const uint8_t*>(a.w2_mx_scales) + (e * H + n) * (I / 32);
+      return fp8 ? host::mxfp4_w4a8_value(packed, sc, i) : host::mxfp4_w4a16_value(packed, sc, i);
+    }
     if (!fp8) return host::bf16_to_float(static_cast<const uint16_t*>(a.W2)[at]);
     const double q = host::e4m3_to_float(static_cast<const uint8_t*>(a.W2)[at]);
     return q * double(block ? a.w2_scales[(e * h_blocks + n / 128) * kbs + i / 128] : a.w2_scales[e]);

@@ -29,6 +29,8 @@ Status run_fc1(const MoeFc1Args& a, cudaStream_t stream) {
   p.fp8 = a.fp8;
   p.x_scales = a.x_scales;
   p.w1_scales = a.w1_scales;
+  p.weights = a.weights;
+  p.w1_mx_scales = static_cast<const uint8_t*>(a.w1_mx_scales);
   p.offsets = a.expert_first_token_offset;
   p.p2u = a.permuted_row_to_unpermuted_row;
   p.T = int(a.num_tokens);

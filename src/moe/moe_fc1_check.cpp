@@ -34,6 +34,14 @@ bool known_fp8(MoeFp8Scaling f) {
   return false;
 }
 
+bool known_format(MoeWeightFormat f) {
+  switch (f) {
+    case MoeWeightFormat::kDense:
+    case MoeWeightFormat::kMxfp4: return true;
+  }
+  return false;
+}
+
 bool known_layout(Fc1WeightLayout l) {
   switch (l) {
     case Fc1WeightLayout::kGateUp:
@@ -60,6 +68,14 @@ const char* to_string(Fc1WeightLayout layout) {
   return "unknown";
 }
 
+const char* to_string(MoeWeightFormat format) {
+  switch (format) {
+    case MoeWeightFormat::kDense: return "dense";
+    case MoeWeightFormat::kMxfp4: return "mxfp4";
+  }
+  return "unknown";
+}
+
 const char* to_string(MoeFp8Scaling scaling) {
   switch (scaling) {
     case MoeFp8Scaling::kNone: return "none";
@@ -82,8 +98,17 @@ Status validate_fc1(const MoeFc1Args& a, bool check_buffers) {
   FM_REQUIRE(std::isfinite(a.alpha) && a.alpha >= 0.f, kOp, "alpha",
              "must be finite and >= 0 (0 = 1.702; got ", a.alpha, ")");
   FM_REQUIRE(known_fp8(a.fp8), kOp, "fp8", "unknown MoeFp8Scaling value ", int(a.fp8));
+  FM_REQUIRE(known_format(a.weights), kOp, "weights", "unknown MoeWeightFormat value ", int(a.weights));
   const bool fp8 = a.fp8 != MoeFp8Scaling::kNone;
-  const int64_t esize = fp8 ? 1 : 2;  // bytes an element of X and W1
+  const bool mx = a.weights == MoeWeightFormat::kMxfp4;
+  const int64_t esize = fp8 ? 1 : 2;  // bytes an element of X (and of a dense W1)
+  if (mx) {
+    FM_REQUIRE(a.fp8 != MoeFp8Scaling::kTensor, kOp, "fp8",
+               "weights = mxfp4 takes fp8 = block (W4A8) or none (W4A16), not tensor");
+    FM_REQUIRE(a.hidden % 128 == 0, kOp, "hidden",
+               "must be a multiple of 128 with weights = mxfp4 (a ue8m0 scale per 32 of K, folded per 128; got ",
+               a.hidden, ")");
+  }
   if (a.fp8 == MoeFp8Scaling::kBlock)
     FM_REQUIRE(a.hidden % 128 == 0, kOp, "hidden", "must be a multiple of 128 with block scales (one scale per 128 of K; got ",
                a.hidden, ")");
@@ -111,9 +136,16 @@ Status validate_fc1(const MoeFc1Args& a, bool check_buffers) {
   FM_REQUIRE(a.out != nullptr, kOp, "out", "must not be null");
   if (fp8) {
     FM_REQUIRE(a.x_scales != nullptr, kOp, "x_scales", "must not be null with fp8 = ", to_string(a.fp8));
-    FM_REQUIRE(a.w1_scales != nullptr, kOp, "w1_scales", "must not be null with fp8 = ", to_string(a.fp8));
     FM_REQUIRE(aligned(a.x_scales, 4), kOp, "x_scales", "must be 4-byte aligned (float)");
+  }
+  if (fp8 && !mx) {
+    FM_REQUIRE(a.w1_scales != nullptr, kOp, "w1_scales", "must not be null with fp8 = ", to_string(a.fp8));
     FM_REQUIRE(aligned(a.w1_scales, 4), kOp, "w1_scales", "must be 4-byte aligned (float)");
+  }
+  if (mx) {
+    FM_REQUIRE(a.w1_mx_scales != nullptr, kOp, "w1_mx_scales", "must not be null with weights = mxfp4");
+    FM_REQUIRE(aligned(a.w1_mx_scales, 4), kOp, "w1_mx_scales",
+               "must be 4-byte aligned (a row's four scales of a K block are read as one word)");
   }
   FM_REQUIRE(aligned(a.X, 16), kOp, "X", "must be 16-byte aligned (TMA)");
   FM_REQUIRE(aligned(a.W1, 16), kOp, "W1", "must be 16-byte aligned (TMA)");
@@ -128,10 +160,13 @@ Status validate_fc1(const MoeFc1Args& a, bool check_buffers) {
   const detail::Range outs[] = {{"out", a.out, slots * a.inter * 2}};
   const bool block = a.fp8 == MoeFp8Scaling::kBlock;
   const int64_t kbs = a.hidden / 128, w_row_blocks = (2 * a.inter + 127) / 128;
+  const int64_t w_elems = E * 2 * a.inter * a.hidden;
   const detail::Range ins[] = {{"X", a.X, detail::rows_extent_bytes(x_rows, x_stride, a.hidden, esize)},
-                               {"W1", a.W1, E * 2 * a.inter * a.hidden * esize},
+                               {"W1", a.W1, mx ? w_elems / 2 : w_elems * esize},
                                {"x_scales", fp8 ? a.x_scales : nullptr, block ? x_rows * kbs * 4 : 4},
-                               {"w1_scales", fp8 ? a.w1_scales : nullptr, block ? E * w_row_blocks * kbs * 4 : E * 4},
+                               {"w1_scales", fp8 && !mx ? a.w1_scales : nullptr,
+                                block ? E * w_row_blocks * kbs * 4 : E * 4},
+                               {"w1_mx_scales", mx ? a.w1_mx_scales : nullptr, w_elems / 32},
                                {"bias", a.bias, E * 2 * a.inter * 2},
                                {"expert_first_token_offset", a.expert_first_token_offset, (E + 1) * 8},
                                {"permuted_row_to_unpermuted_row", a.permuted_row_to_unpermuted_row, slots * 4}};

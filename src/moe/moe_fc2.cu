@@ -149,6 +149,8 @@ Status run_fc2_finalize(const Fc2FinalizeArgs& a, void* workspace, size_t worksp
   g.fp8 = a.fp8;
   g.a_scales = a.a_scales;
   g.w2_scales = a.w2_scales;
+  g.weights = a.weights;
+  g.w2_mx_scales = static_cast<const uint8_t*>(a.w2_mx_scales);
   g.T = int(T);
   g.k = a.k;
   g.H = int(H);

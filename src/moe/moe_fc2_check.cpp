@@ -23,6 +23,17 @@ Status validate_fc2(const Fc2FinalizeArgs& a, bool check_buffers) {
   FM_REQUIRE(f >= int(MoeFp8Scaling::kNone) && f <= int(MoeFp8Scaling::kTensor), kOp, "fp8",
              "unknown MoeFp8Scaling value ", f);
   const bool fp8 = a.fp8 != MoeFp8Scaling::kNone, block = a.fp8 == MoeFp8Scaling::kBlock;
+  const int wf = int(a.weights);
+  FM_REQUIRE(wf >= int(MoeWeightFormat::kDense) && wf <= int(MoeWeightFormat::kMxfp4), kOp, "weights",
+             "unknown MoeWeightFormat value ", wf);
+  const bool mx = a.weights == MoeWeightFormat::kMxfp4;
+  if (mx) {
+    FM_REQUIRE(a.fp8 != MoeFp8Scaling::kTensor, kOp, "fp8",
+               "weights = mxfp4 takes fp8 = block (W4A8) or none (W4A16), not tensor");
+    FM_REQUIRE(a.inter % 128 == 0, kOp, "inter",
+               "must be a multiple of 128 with weights = mxfp4 (a ue8m0 scale per 32 of K, folded per 128; got ",
+               a.inter, ")");
+  }
   if (block)
     FM_REQUIRE(a.inter % 128 == 0, kOp, "inter",
                "must be a multiple of 128 with block scales (one scale per 128 of K; got ", a.inter, ")");
@@ -67,10 +78,17 @@ Status validate_fc2(const Fc2FinalizeArgs& a, bool check_buffers) {
   FM_REQUIRE(a.out != nullptr, kOp, "out", "must not be null");
   if (fp8) {
     FM_REQUIRE(a.a_scales != nullptr, kOp, "a_scales", "must not be null with fp8 = ", to_string(a.fp8));
-    FM_REQUIRE(a.w2_scales != nullptr, kOp, "w2_scales", "must not be null with fp8 = ", to_string(a.fp8));
     FM_REQUIRE(reinterpret_cast<uintptr_t>(a.a_scales) % 4 == 0, kOp, "a_scales", "must be 4-byte aligned (float)");
+  }
+  if (fp8 && !mx) {
+    FM_REQUIRE(a.w2_scales != nullptr, kOp, "w2_scales", "must not be null with fp8 = ", to_string(a.fp8));
     FM_REQUIRE(reinterpret_cast<uintptr_t>(a.w2_scales) % 4 == 0, kOp, "w2_scales",
                "must be 4-byte aligned (float)");
+  }
+  if (mx) {
+    FM_REQUIRE(a.w2_mx_scales != nullptr, kOp, "w2_mx_scales", "must not be null with weights = mxfp4");
+    FM_REQUIRE(reinterpret_cast<uintptr_t>(a.w2_mx_scales) % 4 == 0, kOp, "w2_mx_scales",
+               "must be 4-byte aligned (a row's four scales of a K block are read as one word)");
   }
   FM_REQUIRE(reinterpret_cast<uintptr_t>(a.A) % 16 == 0, kOp, "A", "must be 16-byte aligned (TMA)");
   FM_REQUIRE(reinterpret_cast<uintptr_t>(a.W2) % 16 == 0, kOp, "W2", "must be 16-byte aligned (TMA)");
@@ -90,10 +108,13 @@ Status validate_fc2(const Fc2FinalizeArgs& a, bool check_buffers) {
   const detail::Range outs[] = {{"out", a.out, detail::rows_extent_bytes(a.num_tokens, out_stride, a.hidden, 2)}};
   const int64_t esize = fp8 ? 1 : 2;  // bytes an element of A and W2
   const int64_t kbs = a.inter / 128, h_blocks = (a.hidden + 127) / 128;
+  const int64_t w_elems = E * a.hidden * a.inter;
   const detail::Range ins[] = {{"A", a.A, slots * a.inter * esize},
-                               {"W2", a.W2, E * a.hidden * a.inter * esize},
+                               {"W2", a.W2, mx ? w_elems / 2 : w_elems * esize},
                                {"a_scales", fp8 ? a.a_scales : nullptr, block ? slots * kbs * 4 : 4},
-                               {"w2_scales", fp8 ? a.w2_scales : nullptr, block ? E * h_blocks * kbs * 4 : E * 4},
+                               {"w2_scales", fp8 && !mx ? a.w2_scales : nullptr,
+                                block ? E * h_blocks * kbs * 4 : E * 4},
+                               {"w2_mx_scales", mx ? a.w2_mx_scales : nullptr, w_elems / 32},
                                {"expert_first_token_offset", a.expert_first_token_offset, (E + 1) * 8},
                                {"permuted_row_to_unpermuted_row", a.permuted_row_to_unpermuted_row, slots * 4},
                                {"scales", a.scales, slots * 4},

@@ -42,6 +42,7 @@ const char* cutlass_unavailable(const Fc2FinalizeArgs& a) {
   if (!sm90_fc2_built_with_cutlass())
     return "built without CUTLASS (set FLASHMIX_CUTLASS_DIR or run scripts/setup_cutlass.sh)";
   if (a.fp8 != MoeFp8Scaling::kNone) return "the CUTLASS kernels take bf16 A and W2 only (FP8 runs on rows)";
+  if (a.weights != MoeWeightFormat::kDense) return "the CUTLASS kernels take dense bf16 W2 only (MXFP4 runs on rows)";
   return nullptr;
 }
 
@@ -81,7 +82,7 @@ const char* fc2_gemm_kernel_unavailable(Fc2GemmKernel kernel, const Fc2FinalizeA
 //    kFc2Fp32CutlassMinRows and kFc2Fp32CutlassMaxRows rows a expert, kRows
 //    outside (long experts: no padded tiles; decode: one short wave).
 //  - without CUTLASS in the build: kRows for every mode.
-//  - FP8 (fp8 != kNone): kRows for every mode (CUTLASS's kernels are bf16).
+//  - FP8 (fp8 != kNone) or MXFP4 W2: kRows for every mode (CUTLASS's kernels are bf16).
 constexpr int64_t kFc2Fp32CutlassMinRows = 16, kFc2Fp32CutlassMaxRows = 1024;
 
 Status choose_fc2_gemm_kernel(const Fc2FinalizeArgs& a, Fc2GemmChoice* choice) {
@@ -97,7 +98,9 @@ Status choose_fc2_gemm_kernel(const Fc2FinalizeArgs& a, Fc2GemmChoice* choice) {
   const bool fp32_on_cutlass = rows_per_expert > kFc2Fp32CutlassMinRows && rows_per_expert < kFc2Fp32CutlassMaxRows;
   Fc2GemmChoice order[2];
   int n = 0;
-  if (a.fp8 != MoeFp8Scaling::kNone) {
+  if (a.weights != MoeWeightFormat::kDense) {
+    order[n++] = {Fc2GemmKernel::kRows, "auto: MXFP4 W2: rows (the CUTLASS kernels take dense bf16 only)"};
+  } else if (a.fp8 != MoeFp8Scaling::kNone) {
     order[n++] = {Fc2GemmKernel::kRows, "auto: FP8 A and W2: rows (the CUTLASS kernels take bf16 only)"};
   } else if (a.mode == Fc2Mode::kAtomicFp32 && fp32_on_cutlass) {
     order[n++] = {Fc2GemmKernel::kCutlassPingpong,

@@ -38,6 +38,8 @@ struct Sm90Fc2GemmParams {
   MoeFp8Scaling fp8;      // kNone: A and W2 bf16; else e4m3 with these scales (kRows only)
   const float* a_scales;  // [k*T capacity, I / 128] (kBlock) or [1] (kTensor)
   const float* w2_scales; // [E, ceil(H / 128), I / 128] (kBlock) or [E] (kTensor)
+  MoeWeightFormat weights;      // kMxfp4: W2 packed e2m1 [E, H, I / 2] + ue8m0 w2_mx_scales [E, H, I / 32]
+  const uint8_t* w2_mx_scales;
   int T, k, H, I, E;
   Fc2EpilogueOp op;
   void* dst;             // out (kRedBf16), acc32 (kRedFp32), rows (kRows*)

@@ -134,6 +134,8 @@ Stages make_stages(const MoeForwardArgs& a, char* ws, const MoeForwardLayout& l)
     s.quant_act.enable_pdl = a.enable_pdl;
   }
   s.fc1.W1 = a.W1;
+  s.fc1.weights = a.weights;
+  s.fc1.w1_mx_scales = a.w1_mx_scales;
   s.fc1.layout = a.w1_layout;
   s.fc1.bias = a.b1;
   s.fc1.expert_first_token_offset = offsets;
@@ -151,6 +153,8 @@ Stages make_stages(const MoeForwardArgs& a, char* ws, const MoeForwardLayout& l)
 
   s.fc2.A = fp8 ? at(l.act_q) : at(l.fc1_out);
   s.fc2.W2 = a.W2;
+  s.fc2.weights = a.weights;
+  s.fc2.w2_mx_scales = a.w2_mx_scales;
   if (fp8) {
     s.fc2.fp8 = a.fp8;
     s.fc2.a_scales = reinterpret_cast<const float*>(at(l.act_scales));
@@ -218,7 +222,8 @@ namespace {
 // empty ranges).
 struct CallerRanges {
   detail::Range X, router_logits, token_selected_experts, token_final_scales, selected_experts_out,
-      final_scales_out, W1, b1, W2, b2, shared_output, out, w1_scales, w2_scales, x_scales;
+      final_scales_out, W1, b1, W2, b2, shared_output, out, w1_scales, w2_scales, x_scales, w1_mx_scales,
+      w2_mx_scales;
 };
 
 CallerRanges caller_ranges(const MoeForwardArgs& a) {
@@ -235,12 +240,16 @@ CallerRanges caller_ranges(const MoeForwardArgs& a) {
   r.selected_experts_out = {"selected_experts_out", a.selected_experts_out, slots * 4};
   r.final_scales_out = {"final_scales_out", a.final_scales_out, slots * 4};
   const bool fp8 = is_fp8(a);
-  const int64_t wsize = fp8 ? 1 : 2;  // bytes an element of W1 and W2
-  r.W1 = {"W1", a.W1, E * 2 * I * H * wsize};
+  const bool mx = a.weights == MoeWeightFormat::kMxfp4;
+  const int64_t w1_elems = E * 2 * I * H, w2_elems = E * H * I;
+  const int64_t wsize = fp8 ? 1 : 2;  // bytes an element of a dense W1 and W2
+  r.W1 = {"W1", a.W1, mx ? w1_elems / 2 : w1_elems * wsize};
   r.b1 = {"b1", a.b1, E * 2 * I * 2};
-  r.W2 = {"W2", a.W2, E * H * I * wsize};
-  r.w1_scales = {"w1_scales", fp8 ? a.w1_scales : nullptr, E * ((2 * I + 127) / 128) * (H / 128) * 4};
-  r.w2_scales = {"w2_scales", fp8 ? a.w2_scales : nullptr, E * ((H + 127) / 128) * (I / 128) * 4};
+  r.W2 = {"W2", a.W2, mx ? w2_elems / 2 : w2_elems * wsize};
+  r.w1_scales = {"w1_scales", fp8 && !mx ? a.w1_scales : nullptr, E * ((2 * I + 127) / 128) * (H / 128) * 4};
+  r.w2_scales = {"w2_scales", fp8 && !mx ? a.w2_scales : nullptr, E * ((H + 127) / 128) * (I / 128) * 4};
+  r.w1_mx_scales = {"w1_mx_scales", mx ? a.w1_mx_scales : nullptr, w1_elems / 32};
+  r.w2_mx_scales = {"w2_mx_scales", mx ? a.w2_mx_scales : nullptr, w2_elems / 32};
   r.b2 = {"b2", a.b2, E * H * 2};
   r.shared_output = {"shared_output", a.shared_output, detail::rows_extent_bytes(T, shared_stride, H, 2)};
   r.out = {"out", a.out, detail::rows_extent_bytes(T, out_stride, H, 2)};
@@ -268,6 +277,15 @@ Status validate_own(const MoeForwardArgs& a, bool check_buffers) {
     FM_REQUIRE_SUPPORTED(a.fc1_input != MoeFc1Input::kPermutedCopy, kOp, "fc1_input",
                          "permuted_copy with an X already quantised (x_scales): FC1 gathers its rows; use auto or "
                          "gather");
+  }
+  const int wf = int(a.weights);
+  FM_REQUIRE(wf >= int(MoeWeightFormat::kDense) && wf <= int(MoeWeightFormat::kMxfp4), kOp, "weights",
+             "unknown MoeWeightFormat value ", wf);
+  if (a.weights == MoeWeightFormat::kMxfp4) {
+    FM_REQUIRE(a.hidden % 128 == 0, kOp, "hidden",
+               "must be a multiple of 128 with weights = mxfp4 (got ", a.hidden, ")");
+    FM_REQUIRE(a.inter % 128 == 0, kOp, "inter",
+               "must be a multiple of 128 with weights = mxfp4 (got ", a.inter, ")");
   }
   if (is_fp8(a)) {
     FM_REQUIRE(a.hidden % 128 == 0, kOp, "hidden",
@@ -303,7 +321,7 @@ Status validate_own(const MoeForwardArgs& a, bool check_buffers) {
   const detail::Range outs[] = {r.out, a.router_logits ? r.selected_experts_out : detail::Range{},
                                 a.router_logits ? r.final_scales_out : detail::Range{}};
   const detail::Range ins[] = {r.X, r.router_logits, r.token_selected_experts, r.W1, r.b1, r.shared_output,
-                               r.w1_scales, r.w2_scales, r.x_scales};
+                               r.w1_scales, r.w2_scales, r.x_scales, r.w1_mx_scales, r.w2_mx_scales};
   return detail::check_no_overlap(kOp, outs, ins);
 }
 
@@ -314,7 +332,8 @@ Status check_workspace_alone(const MoeForwardArgs& a, const void* ws, size_t byt
   const detail::Range outs[] = {{"workspace", ws, int64_t(bytes)}};
   const detail::Range ins[] = {r.X,  r.router_logits, r.token_selected_experts, r.token_final_scales,
                                r.selected_experts_out, r.final_scales_out, r.W1, r.b1, r.W2, r.b2,
-                               r.shared_output, r.out, r.w1_scales, r.w2_scales, r.x_scales};
+                               r.shared_output, r.out, r.w1_scales, r.w2_scales, r.x_scales,
+                               r.w1_mx_scales, r.w2_mx_scales};
   return detail::check_no_overlap(kOp, outs, ins);
 }
 

@@ -70,6 +70,7 @@
 #include "common/tma_host.h"
 #include "moe/sm90_expert_tiles.cuh"
 #include "moe/sm90_fc1_gemm.h"
+#include "moe/sm90_mx_mainloop.cuh"
 
 namespace flashmix {
 
@@ -82,7 +83,6 @@ constexpr const char* kOp = "moe_fc1";
 constexpr int kTileW = 128;           // W1 rows a tile: 64 gate + 64 up
 constexpr int kTileOut = kTileW / 2;  // output columns a tile
 constexpr int kTileBytes = 128;       // K per stage: one 128-byte swizzled row (64 bf16, 128 e4m3)
-constexpr int kWBytes = kTileW * kTileBytes;  // 16 KB
 constexpr int kScaleK = 128;          // FP8 block scales: K per block (spec §11)
 // Epilogue staging per consumer warpgroup: its 32 output columns x 64 rows a
 // pass, 40 bf16 (80 bytes) a row: a warp's scalar stores (4 rows x 8
@@ -92,29 +92,52 @@ constexpr int kEpiStride = 40;
 constexpr int kEpiBytes = kEpiRows * kEpiStride * 2;
 constexpr int kSmemLimit = 232448;
 
-// What X and W1 hold (MoeFp8Scaling, resolved at the launch into the kernel's
-// template): bf16, or e4m3 with block scales (the K sum promoted into fp32
-// every 128 of K) or per-tensor scales (applied once at the end).
-enum class Fc1In { kBf16, kFp8Block, kFp8Tensor };
+// What X and W1 hold (MoeFp8Scaling and MoeWeightFormat, resolved at the
+// launch into the kernel's template): bf16, or e4m3 with block scales (the K
+// sum promoted into fp32 every 128 of K) or per-tensor scales (applied once
+// at the end); or MXFP4 W1 (packed e2m1 + ue8m0 scales, spec §13.7) that the
+// consumers convert in shared memory, with e4m3 X and block scales (W4A8:
+// promoted every 128 of K with each W1 row's group scale) or bf16 X (W4A16).
+enum class Fc1In { kBf16, kFp8Block, kFp8Tensor, kMxfp4Fp8, kMxfp4Bf16 };
 
 // The ring for tiles of up to kMaxRows_ rows: as many stages as fit beside
 // the epilogue staging, the experts' tables and the barriers. 256 rows: 4
 // stages of 48 KB; 128 rows: 6 of 32 KB (more bytes in flight, W1 slices
 // read twice for experts of 129-256 rows, the second time from L2). With
 // block scales a stage also holds the rows' X scales of its K block.
+//
+// MXFP4 W1: a stage holds the tile's packed rows as TMA writes them (128
+// rows x 64 bytes for W4A8's 128 of K, x 32 bytes for W4A16's 64, no
+// swizzle); each consumer warpgroup converts its 64 rows one stage ahead into
+// one of its two converted tiles (64 rows x 128 bytes, 128-byte swizzle: the
+// layout the wgmma reads), so the conversion overlaps the previous stage's
+// MMAs.
 template <int kMaxRows_, Fc1In kIn_ = Fc1In::kBf16>
 struct Fc1Cfg {
   static constexpr int kMaxRows = kMaxRows_;
   static constexpr Fc1In kIn = kIn_;
-  static constexpr bool kFp8 = kIn != Fc1In::kBf16;
+  static constexpr bool kMx = kIn == Fc1In::kMxfp4Fp8 || kIn == Fc1In::kMxfp4Bf16;
+  static constexpr bool kFp8 = kIn == Fc1In::kFp8Block || kIn == Fc1In::kFp8Tensor || kIn == Fc1In::kMxfp4Fp8;
+  // X scales per row and K block, promoted every stage.
+  static constexpr bool kXBlock = kIn == Fc1In::kFp8Block || kIn == Fc1In::kMxfp4Fp8;
   static constexpr int kTileK = kFp8 ? 128 : 64;  // elements of K a stage
-  static constexpr int kStageBytes = kWBytes + kMaxRows * kTileBytes;
-  static constexpr int kScaleBytes = kIn == Fc1In::kFp8Block ? kMaxRows * 4 : 0;  // a stage's X scales
+  static constexpr int kWRowBytes = kMx ? kTileK / 2 : kTileBytes;  // bytes of a W1 row a stage
+  static constexpr int kWCoordK = kMx ? kWRowBytes : kTileK;         // W1's TMA coordinate step a stage
+  static constexpr int kWStage = kTileW * kWRowBytes;
+  static constexpr int kStageBytes = kWStage + kMaxRows * kTileBytes;
+  static constexpr int kScaleBytes = kXBlock ? kMaxRows * 4 : 0;  // a stage's X scales
+  static constexpr int kCvtTile = mx_mainloop::kCvtTile;          // a warpgroup's converted 64 rows
+  static constexpr int kCvtBytes = kMx ? 2 * 2 * kCvtTile : 0;    // two per consumer warpgroup
   static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned (128-byte swizzle)");
-  static constexpr int kFixed = 2 * kEpiBytes + 2 * (kFc1MaxExperts + 1) * 4 + kFc1MaxExperts * 2 + 8 + 1024;
+  static constexpr int kFixed =
+      2 * kEpiBytes + kCvtBytes + 2 * (kFc1MaxExperts + 1) * 4 + kFc1MaxExperts * 2 + 8 + 1024;
   static constexpr int kFit = (kSmemLimit - kFixed - 16 * 8) / (kStageBytes + kScaleBytes);
-  static constexpr int kStages = kFit > 8 ? 8 : kFit;
-  static constexpr int kOffEpi = kStages * kStageBytes;
+  // MXFP4's stages are small (8 or 4 KB of weights): up to 16 of them, so
+  // decode keeps enough weight bytes in flight (tiles of 32 rows: 14 stages).
+  static constexpr int kMaxStages = kMx ? 16 : 8;
+  static constexpr int kStages = kFit > kMaxStages ? kMaxStages : kFit;
+  static constexpr int kOffCvt = kStages * kStageBytes;
+  static constexpr int kOffEpi = kOffCvt + kCvtBytes;
   static constexpr int kOffScales = kOffEpi + 2 * kEpiBytes;
   static constexpr int kOffRowOff = kOffScales + kStages * kScaleBytes;
   static constexpr int kOffTileStart = kOffRowOff + (kFc1MaxExperts + 1) * 4;
@@ -124,7 +147,7 @@ struct Fc1Cfg {
   static_assert(kStages >= 4 && kSmemBytes <= kSmemLimit, "shared memory");
   // Block scales promote a K block's sum into a second fp32 accumulator:
   // 2 x N / 2 registers a thread, so tiles of at most 128 rows.
-  static_assert(kIn != Fc1In::kFp8Block || kMaxRows <= 128, "block-scaled tiles hold at most 128 rows");
+  static_assert(!kXBlock || kMaxRows <= 128, "block-scaled tiles hold at most 128 rows");
 };
 
 constexpr int kThreads = 384;  // warps 0-7 consumers, 8-11 loaders
@@ -142,6 +165,7 @@ struct Fc1KernelParams {
   const __nv_bfloat16* bias;
   const float* x_scales;   // FP8: [X rows, H / 128] (block) or [1]
   const float* w_scales;   // FP8: [E, ceil(2I / 128), H / 128] (block) or [E]
+  const uint8_t* w_mx_scales;  // MXFP4: ue8m0 [E, 2I, H / 32]
   __nv_bfloat16* out;
   int T, H, I, E;
   int slices, k_blocks;
@@ -174,7 +198,7 @@ __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUten
                                            const CUtensorMap* map_x64, const CUtensorMap* map_x16, uint32_t stages,
                                            uint32_t scales, uint32_t full0, uint32_t empty0, const int* tile_start,
                                            const int* row_off, const uint16_t* order) {
-  constexpr bool kBlock = Cfg::kIn == Fc1In::kFp8Block;
+  constexpr bool kBlock = Cfg::kXBlock;
   const int l = threadIdx.x - 256;
   const int r0 = l >> 3, q = l & 7;
   const uint32_t swz = uint32_t((q ^ (r0 & 7)) << 4);  // 128-byte swizzle: (r0 + 16 i) % 8 == r0 % 8
@@ -211,13 +235,13 @@ __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUten
       }
       if (p.x_permuted) {
         if (l == 0) {
-          dev::mbar_arrive_expect_tx(full, kWBytes + uint32_t(t.n) * kTileBytes);
-          dev::tma_load_5d(st, map_w, full, kb * Cfg::kTileK, 0, 0, t.hs * (kTileOut / 8), t.e);
+          dev::mbar_arrive_expect_tx(full, Cfg::kWStage + uint32_t(t.n) * kTileBytes);
+          dev::tma_load_5d(st, map_w, full, kb * Cfg::kWCoordK, 0, 0, t.hs * (kTileOut / 8), t.e);
           int r = 0;
           for (; r + 64 <= t.n; r += 64)
-            dev::tma_load_2d(st + kWBytes + r * kTileBytes, map_x64, full, kb * Cfg::kTileK, t.p0 + r);
+            dev::tma_load_2d(st + Cfg::kWStage + r * kTileBytes, map_x64, full, kb * Cfg::kTileK, t.p0 + r);
           for (; r < t.n; r += 16)
-            dev::tma_load_2d(st + kWBytes + r * kTileBytes, map_x16, full, kb * Cfg::kTileK, t.p0 + r);
+            dev::tma_load_2d(st + Cfg::kWStage + r * kTileBytes, map_x16, full, kb * Cfg::kTileK, t.p0 + r);
         }
         // Every loader thread arrives, as the gather's count expects (after
         // its scale copies, with block scales).
@@ -232,8 +256,8 @@ __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUten
         continue;
       }
       if (l == 0) {
-        dev::mbar_arrive_expect_tx(full, kWBytes);
-        dev::tma_load_5d(st, map_w, full, kb * Cfg::kTileK, 0, 0, t.hs * (kTileOut / 8), t.e);
+        dev::mbar_arrive_expect_tx(full, Cfg::kWStage);
+        dev::tma_load_5d(st, map_w, full, kb * Cfg::kWCoordK, 0, 0, t.hs * (kTileOut / 8), t.e);
       }
       const int kbyte = kb * kTileBytes + 16 * q;
       const bool k_in = kbyte < p.h_bytes;
@@ -243,7 +267,7 @@ __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUten
         if (r < t.n) {
           const bool live = src[i] >= 0 && k_in;
           const uint8_t* g = live ? p.X + int64_t(src[i]) * p.x_row_bytes + kbyte : p.X;
-          dev::cp_async_16(st + kWBytes + uint32_t(r) * kTileBytes + swz, g, live ? 16 : 0);
+          dev::cp_async_16(st + Cfg::kWStage + uint32_t(r) * kTileBytes + swz, g, live ? 16 : 0);
         }
       }
       dev::cp_async_mbar_arrive_noinc(full);
@@ -276,11 +300,47 @@ __device__ __forceinline__ GateUpRows gate_up_rows(const Fc1KernelParams& p, int
   return p.interleaved ? GateUpRows{2 * i, 2 * i + 1} : GateUpRows{i, p.I + i};
 }
 
+// ---------------------------------------------------------------------------
+// MXFP4 W1 (Fc1In::kMxfp4Fp8 / kMxfp4Bf16; spec §13.7, docs/mxfp4.md §4).
+
+// The W1 row of tile row j (0..127) of slice hs: the tile is 8 blocks of 16
+// rows, each 8 gate rows then their 8 up rows (the 5-D box's order); -1 past I.
+__device__ __forceinline__ int tile_w1_row(const Fc1KernelParams& p, int hs, int j) {
+  const int i = hs * kTileOut + 8 * (j >> 4) + (j & 7);
+  if (i >= p.I) return -1;
+  const GateUpRows rows = gate_up_rows(p, i);
+  return (j & 8) ? rows.up : rows.gate;
+}
+
+// A consumer warpgroup's mainloop over H with MXFP4 W1 (sm90_mx_mainloop.cuh):
+// the converter's row is tile row 64 wg + (thread % 128) / 2, the
+// promotion's the gate and the up row of this thread's output column.
+template <class Cfg, int N>
+__device__ __forceinline__ void mainloop_mx(const Fc1KernelParams& p, const TileInfo& t, uint32_t stages,
+                                            const float* scales, uint32_t full0, uint32_t empty0, int wg, int& s,
+                                            uint32_t& ph, float (&acc)[N / 2]) {
+  namespace mx = mx_mainloop;
+  const mx::Ring ring{stages, Cfg::kStageBytes, Cfg::kWStage, Cfg::kStages,
+                      stages + uint32_t(Cfg::kOffCvt + wg * 2 * Cfg::kCvtTile), full0, empty0, scales,
+                      Cfg::kMaxRows, 1 + wg};
+  const int crow = tile_w1_row(p, t.hs, 64 * wg + ((threadIdx.x & 127) >> 1));
+  const int i = t.hs * kTileOut + 32 * wg + 8 * ((threadIdx.x >> 5) & 3) + ((threadIdx.x & 31) >> 2);
+  const GateUpRows prow = gate_up_rows(p, i < p.I ? i : 0);
+  const int64_t e_row0 = int64_t(t.e) * 2 * p.I;
+  mx::Rows rows{};
+  rows.convert = crow >= 0 ? mx::scale_row(p.w_mx_scales, e_row0 + crow, p.H) : nullptr;
+  if (Cfg::kFp8 && i < p.I) {
+    rows.lo = mx::scale_row(p.w_mx_scales, e_row0 + prow.gate, p.H);
+    rows.hi = mx::scale_row(p.w_mx_scales, e_row0 + prow.up, p.H);
+  }
+  mx::mainloop<Cfg::kFp8, N>(ring, rows, p.k_blocks, wg, s, ph, acc);
+}
+
 // A consumer warpgroup's mainloop over H: acc[N / 2] of this thread (rows
 // gate / up of its output column, columns the tile's rows; see the
 // epilogue), in fp32 and, for FP8, dequantised.
 template <class Cfg, int N>
-__device__ __forceinline__ void mainloop(const Fc1KernelParams& p, const TileInfo& t, uint32_t stages,
+__device__ __forceinline__ void mainloop_dense(const Fc1KernelParams& p, const TileInfo& t, uint32_t stages,
                                          const float* scales, uint32_t full0, uint32_t empty0, int wg, int& s,
                                          uint32_t& ph, float (&acc)[N / 2]) {
   const int lane = threadIdx.x & 31;
@@ -306,7 +366,7 @@ __device__ __forceinline__ void mainloop(const Fc1KernelParams& p, const TileInf
       if (!p.x_permuted) dev::fence_proxy_async_shared();  // the rows came through the generic proxy (cp.async)
       const uint32_t st = stages + uint32_t(s) * Cfg::kStageBytes;
       dev::wgmma_fence();
-      stage_mmas<Cfg, N>(part, dev::wgmma_desc_k_sw128(st + a_off), dev::wgmma_desc_k_sw128(st + kWBytes), false);
+      stage_mmas<Cfg, N>(part, dev::wgmma_desc_k_sw128(st + a_off), dev::wgmma_desc_k_sw128(st + Cfg::kWStage), false);
       dev::wgmma_commit();
       dev::wgmma_wait<0>();
       dev::fence_operands(part);
@@ -337,7 +397,7 @@ __device__ __forceinline__ void mainloop(const Fc1KernelParams& p, const TileInf
     const uint32_t st = stages + uint32_t(s) * Cfg::kStageBytes;
     dev::fence_operands(acc);
     dev::wgmma_fence();
-    stage_mmas<Cfg, N>(acc, dev::wgmma_desc_k_sw128(st + a_off), dev::wgmma_desc_k_sw128(st + kWBytes), true);
+    stage_mmas<Cfg, N>(acc, dev::wgmma_desc_k_sw128(st + a_off), dev::wgmma_desc_k_sw128(st + Cfg::kWStage), true);
     dev::wgmma_commit();
     dev::fence_operands(acc);
     dev::wgmma_wait<1>();  // the previous stage's MMAs are done: release it
@@ -360,6 +420,17 @@ __device__ __forceinline__ void mainloop(const Fc1KernelParams& p, const TileInf
 #pragma unroll
     for (int k = 0; k < N / 2; ++k) acc[k] *= scale;
   }
+}
+
+// A consumer warpgroup's mainloop over H, dense or MXFP4 W1.
+template <class Cfg, int N>
+__device__ __forceinline__ void mainloop(const Fc1KernelParams& p, const TileInfo& t, uint32_t stages,
+                                         const float* scales, uint32_t full0, uint32_t empty0, int wg, int& s,
+                                         uint32_t& ph, float (&acc)[N / 2]) {
+  if constexpr (Cfg::kMx)
+    mainloop_mx<Cfg, N>(p, t, stages, scales, full0, empty0, wg, s, ph, acc);
+  else
+    mainloop_dense<Cfg, N>(p, t, stages, scales, full0, empty0, wg, s, ph, acc);
 }
 
 // A consumer warpgroup's tile: the mainloop over H, then act and the stores.
@@ -490,21 +561,27 @@ __global__ void __launch_bounds__(kThreads, 1)
 // a box (128 bytes of K, 8, 2, 8, 1) is 8 blocks of 8 gate rows then their 8
 // up rows, whichever the layout (only the strides differ). Blocks past I read
 // as zeros. e4m3 travels as bytes.
+// MXFP4 W1 travels as its packed bytes (H / 2 a row), in boxes of 64 (W4A8:
+// 128 of K) or 32 bytes (W4A16: 64 of K) a row, unswizzled.
 bool encode_w1(const Sm90Fc1Params& p, CUtensorMap& w) {
   const detail::TensorMapEncodeTiled encode = detail::tensor_map_encoder();
   if (encode == nullptr) return false;
   const bool fp8 = p.fp8 != MoeFp8Scaling::kNone;
-  const cuuint64_t H = cuuint64_t(p.H), I = cuuint64_t(p.I), row = H * (fp8 ? 1 : 2);  // bytes a W1 row
+  const bool mx = p.weights == MoeWeightFormat::kMxfp4;
+  const bool bytes = fp8 || mx;  // the map's elements are bytes
+  const cuuint64_t H = cuuint64_t(p.H), I = cuuint64_t(p.I);
+  const cuuint64_t row = mx ? H / 2 : H * (fp8 ? 1 : 2);  // bytes a W1 row
   const bool inter = p.layout == Fc1WeightLayout::kInterleaved;
-  const cuuint64_t dims[5] = {H, 8, 2, I / 8, cuuint64_t(p.E)};
+  const cuuint64_t dims[5] = {mx ? H / 2 : H, 8, 2, I / 8, cuuint64_t(p.E)};
   // Strides (bytes) of dims 1..4: row in block, gate/up, block, expert.
   const cuuint64_t strides[4] = {inter ? 2 * row : row, inter ? row : I * row, inter ? 16 * row : 8 * row,
                                  2 * I * row};
-  const cuuint32_t box[5] = {cuuint32_t(fp8 ? kTileBytes : kTileBytes / 2), 8, 2, kTileOut / 8, 1};
+  const cuuint32_t inner = mx ? (fp8 ? 64 : 32) : (fp8 ? kTileBytes : kTileBytes / 2);
+  const cuuint32_t box[5] = {inner, 8, 2, kTileOut / 8, 1};
   const cuuint32_t elem[5] = {1, 1, 1, 1, 1};
-  return encode(&w, fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5,
+  return encode(&w, bytes ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5,
                 const_cast<void*>(p.W1), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                mx ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
@@ -562,6 +639,7 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   k.bias = static_cast<const __nv_bfloat16*>(p.bias);
   k.x_scales = p.x_scales;
   k.w_scales = p.w1_scales;
+  k.w_mx_scales = p.w1_mx_scales;
   k.out = static_cast<__nv_bfloat16*>(p.out);
   k.T = p.T;
   k.H = p.H;
@@ -595,6 +673,20 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   const int64_t slots = int64_t(p.T) * p.k;
   const bool permuted_bf16 = p.x_permuted && p.fp8 == MoeFp8Scaling::kNone;
   const bool rows128 = pinned ? pinned == 128 : slots <= int64_t(permuted_bf16 ? 128 : 512) * p.E;
+  if (p.weights == MoeWeightFormat::kMxfp4) {
+    // Decode (experts averaging at most 32 rows): tiles of 32 rows, whose
+    // small stages let 14 (W4A8) or 16 (W4A16) of them keep the weights'
+    // bytes in flight (with 128-row stages, 7 x 8 KB streamed the used
+    // experts' packed bytes at ~0.3 of copy on an H100). Else W4A8 in 128-row
+    // tiles (two accumulators), W4A16 as bf16.
+    const bool rows32 = pinned ? pinned == 32 : slots <= int64_t(32) * p.E;
+    if (p.fp8 == MoeFp8Scaling::kBlock)
+      return rows32 ? launch<Fc1Cfg<32, Fc1In::kMxfp4Fp8>>(p, k, w, x64, x16, stream)
+                    : launch<Fc1Cfg<128, Fc1In::kMxfp4Fp8>>(p, k, w, x64, x16, stream);
+    if (rows32) return launch<Fc1Cfg<32, Fc1In::kMxfp4Bf16>>(p, k, w, x64, x16, stream);
+    return rows128 ? launch<Fc1Cfg<128, Fc1In::kMxfp4Bf16>>(p, k, w, x64, x16, stream)
+                   : launch<Fc1Cfg<256, Fc1In::kMxfp4Bf16>>(p, k, w, x64, x16, stream);
+  }
   switch (p.fp8) {
     case MoeFp8Scaling::kBlock:
       return launch<Fc1Cfg<128, Fc1In::kFp8Block>>(p, k, w, x64, x16, stream);

@@ -19,6 +19,8 @@ struct Sm90Fc1Params {
   MoeFp8Scaling fp8;       // kNone: X and W1 bf16; else e4m3 with these scales
   const float* x_scales;   // [X rows, H / 128] (kBlock) or [1] (kTensor)
   const float* w1_scales;  // [E, ceil(2I / 128), H / 128] (kBlock) or [E] (kTensor)
+  MoeWeightFormat weights;       // kMxfp4: W1 packed e2m1 [E, 2I, H / 2] + ue8m0 w1_mx_scales [E, 2I, H / 32]
+  const uint8_t* w1_mx_scales;
   const int64_t* offsets;
   const int32_t* p2u;
   int T, k, H, I, E;

@@ -59,6 +59,7 @@
 #include "moe/moe_fc2_internal.h"
 #include "moe/sm90_expert_tiles.cuh"
 #include "moe/sm90_fc2_rows_profile.cuh"
+#include "moe/sm90_mx_mainloop.cuh"
 
 namespace flashmix {
 
@@ -69,7 +70,6 @@ constexpr const char* kOp = "moe_fc2_finalize";
 constexpr int kTileH = 128;      // output columns per tile: 2 consumer warpgroups x wgmma M = 64
 constexpr int kTileBytes = 128;  // K per stage: one 128-byte swizzled row (64 bf16, 128 e4m3)
 constexpr int kWideRows = 272;   // the row limit of the wide kernel (kWgmmaMaxN + one 16-row wgmma)
-constexpr int kWBytes = kTileH * kTileBytes;  // 16 KB
 constexpr int kScaleK = 128;     // FP8 block scales: K per block (spec §11)
 // Epilogue staging, per consumer warpgroup (its 64 columns x some rows):
 // fp32 outputs 32 rows a pass, 68 floats a row (2 x 68 = 8 mod 32 banks: the
@@ -123,30 +123,46 @@ using namespace expert_tiles;
 // counted on the stage's full barrier), and the K block's MMAs go into a
 // second accumulator `part` of at most 128 rows (64 registers a thread), so
 // a tile of up to 256 rows is promoted in two halves.
-enum class Fc2In { kBf16, kFp8Block, kFp8Tensor };
+// MXFP4 W2 (kMxfp4Fp8: e4m3 A with block scales, W4A8; kMxfp4Bf16: bf16 A,
+// W4A16; spec §13.7): the stages hold W2's packed bytes (64 or 32 a row, no
+// swizzle) and each consumer warpgroup converts its 64 H rows one stage ahead
+// (sm90_mx_mainloop.cuh, shared with FC1); W4A8 promotes each K block with
+// each H row's group scale times each row's A scale.
+enum class Fc2In { kBf16, kFp8Block, kFp8Tensor, kMxfp4Fp8, kMxfp4Bf16 };
 
 template <int kMaxRows_, Fc2In kIn_ = Fc2In::kBf16>
 struct RowsCfg {
   static constexpr Fc2In kIn = kIn_;
-  static constexpr bool kFp8 = kIn != Fc2In::kBf16;
-  static constexpr bool kBlock = kIn == Fc2In::kFp8Block;
-  static constexpr int kStages = 4;
+  static constexpr bool kMx = kIn == Fc2In::kMxfp4Fp8 || kIn == Fc2In::kMxfp4Bf16;
+  static constexpr bool kFp8 = kIn == Fc2In::kFp8Block || kIn == Fc2In::kFp8Tensor || kIn == Fc2In::kMxfp4Fp8;
+  static constexpr bool kBlock = kIn == Fc2In::kFp8Block;  // the warpgroups' promotion turns
+  static constexpr bool kXBlock = kBlock || kIn == Fc2In::kMxfp4Fp8;  // A scales a row and K block
   static constexpr int kMaxRows = kMaxRows_;
+  // MXFP4's stages hold 8 or 4 KB of weights: more of them (12 / 16 in
+  // 32-row tiles for decode, 6 in 128-row tiles) keep the bytes in flight.
+  static constexpr int kStages = !kMx ? 4 : kMaxRows <= 32 ? (kFp8 ? 12 : 16) : kMaxRows <= 128 ? 6 : 4;
   // Block scales: a tile of more than 128 rows runs each K block as two halves
   // (rows 0..127, then the rest) through one 64-register `part`.
   static_assert(!kBlock || kMaxRows <= kWgmmaMaxN, "block-scaled tiles hold at most 256 rows");
   static_assert(!kFp8 || kMaxRows <= kWgmmaMaxN, "FP8 tiles take one wgmma (no register-A FP8 path)");
-  static constexpr int kTileK = kFp8 ? 128 : 64;  // elements of K a stage
-  static constexpr int kFullArrivals = kBlock ? 1 + 32 : 1;  // the TMA lane (+ each producer lane's scale copies)
+  static_assert(!kMx || kMaxRows <= (kFp8 ? 128 : kWgmmaMaxN), "MXFP4 tiles: 128 rows (W4A8: two accumulators), 256");
+  static constexpr int kFullArrivals = kXBlock ? 1 + 32 : 1;  // the TMA lane (+ each producer lane's scale copies)
   // The experts' tables fit beside the largest stages (272 rows; 256 with
   // block scales' A scales) for up to 256 experts.
   static constexpr int kMaxExperts =
       kMaxRows > kWgmmaMaxN || (kBlock && kMaxRows > 128) ? prof::wide_max_experts(256) : kMaxExpertsOp;
   static constexpr int kRBytes = kMaxRows * kTileBytes;
-  static constexpr int kStageBytes = kWBytes + kRBytes;
+  static constexpr int kTileK = kFp8 ? 128 : 64;  // elements of K a stage
+  static constexpr int kWRowBytes = kMx ? kTileK / 2 : kTileBytes;  // bytes of a W2 row a stage
+  static constexpr int kWCoordK = kMx ? kWRowBytes : kTileK;         // W2's TMA coordinate step a stage
+  static constexpr int kWStage = kTileH * kWRowBytes;
+  static constexpr int kStageBytes = kWStage + kRBytes;
   static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned (128-byte swizzle)");
-  static constexpr int kScaleBytes = kBlock ? kMaxRows * 4 : 0;  // a stage's A scales
-  static constexpr int kOffEpi = kStages * kStageBytes;
+  static constexpr int kScaleBytes = kXBlock ? kMaxRows * 4 : 0;  // a stage's A scales
+  static constexpr int kCvtTile = mx_mainloop::kCvtTile;
+  static constexpr int kCvtBytes = kMx ? 2 * 2 * kCvtTile : 0;  // two converted tiles per consumer warpgroup
+  static constexpr int kOffCvt = kStages * kStageBytes;
+  static constexpr int kOffEpi = kOffCvt + kCvtBytes;
   static constexpr int kOffScales = kOffEpi + 2 * kEpiBytes;
   static constexpr int kOffTabRow = kOffScales + kStages * kScaleBytes;
   static constexpr int kOffTabW = kOffTabRow + 2 * kMaxRows * 4;
@@ -166,7 +182,9 @@ struct RowsCfg {
 struct RowsGemmParams : Fc2EpilogueParamsDevice {
   const float* a_scales;  // FP8: [capacity, I / 128] (block) or [1]
   const float* w_scales;  // FP8: [E, ceil(H / 128), I / 128] (block) or [E]
+  const uint8_t* w_mx_scales;  // MXFP4: ue8m0 [E, H, I / 32]
   int i_blocks, h_blocks;  // FP8 block scales: I / 128, ceil(H / 128)
+  int I;                   // K (MXFP4: the scale rows' length is I / 32)
   int E;
   int h_slices, k_blocks;
   bool plain_k1;  // kRedBf16, k == 1, out zeroed by the op: stores instead of reduction adds
@@ -299,7 +317,28 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
   const int lane = threadIdx.x & 31;
   const uint32_t a_off = uint32_t(wg) * 64 * 128;  // this warpgroup's 64 H rows of the W2 tile
   prof::TileClock clk;
-  if constexpr (Cfg::kBlock) {
+  if constexpr (Cfg::kMx) {
+    // The converter's row: H row 128 hs + 64 wg + (thread % 128) / 2; the
+    // promotion's: this thread's two accumulator rows (columns hl, hl + 8 of
+    // the epilogue).
+    namespace mx = mx_mainloop;
+    const mx::Ring ring{sh.stages, Cfg::kStageBytes, Cfg::kWStage, Cfg::kStages,
+                        sh.stages + uint32_t(Cfg::kOffCvt + wg * 2 * Cfg::kCvtTile), sh.full, sh.empty, sh.a_sc,
+                        kMaxRows, 1 + wg};
+    const int h0 = t.hs * kTileH + wg * 64;
+    const int hc = h0 + ((threadIdx.x & 127) >> 1);
+    const int hp = h0 + 16 * ((threadIdx.x >> 5) & 3) + (lane >> 2);
+    const int64_t e_row0 = int64_t(t.e) * p.H;
+    mx::Rows rows{};
+    rows.convert = hc < p.H ? mx::scale_row(p.w_mx_scales, e_row0 + hc, p.I) : nullptr;
+    if (Cfg::kFp8) {
+      rows.lo = hp < p.H ? mx::scale_row(p.w_mx_scales, e_row0 + hp, p.I) : nullptr;
+      rows.hi = hp + 8 < p.H ? mx::scale_row(p.w_mx_scales, e_row0 + hp + 8, p.I) : nullptr;
+    }
+    clk.before_stage_wait();
+    mx::mainloop<Cfg::kFp8, N>(ring, rows, p.k_blocks, wg, s, ph, acc);
+    clk.mainloop_done(log, it);
+  } else if constexpr (Cfg::kBlock) {
     // Each stage's K block into `part` (fresh), promoted into acc times the
     // tile's W2 block scale and each row's A scale (acc[4j + 0 / 2]: row
     // 8j + 2 (lane % 4), acc[4j + 1 / 3]: the next row; spec §11.4). Above
@@ -319,7 +358,7 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
       dev::mbar_wait(bar_at(sh.full, s), ph);
       clk.after_stage_wait(log, it, kb);
       const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
-      const uint64_t da = dev::wgmma_desc_k_sw128(st + a_off), db = dev::wgmma_desc_k_sw128(st + kWBytes);
+      const uint64_t da = dev::wgmma_desc_k_sw128(st + a_off), db = dev::wgmma_desc_k_sw128(st + Cfg::kWStage);
       const float* sx = sh.a_sc + s * kMaxRows;
       block_half<kN0, 0, N>(acc, part, da, db, sx, w_s, wg, lane);
       if constexpr (N > 128)  // rows 128.. start 128 x 128 bytes further in B
@@ -349,7 +388,7 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
       dev::mbar_wait(bar_at(sh.full, s), ph);
       clk.after_stage_wait(log, it, kb);
       const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
-      const uint64_t db = dev::wgmma_desc_k_sw128(st + kWBytes);
+      const uint64_t db = dev::wgmma_desc_k_sw128(st + Cfg::kWStage);
       if constexpr (N <= kWgmmaMaxN) {
         const uint64_t da = dev::wgmma_desc_k_sw128(st + a_off);
         dev::fence_operands(acc);
@@ -540,7 +579,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (warp == 8) {
       // TMA producer: lane 0 (with FP8 block scales the whole warp: each
       // lane also copies rows lane + 32 i's A scales of the K block).
-      if (Cfg::kBlock || lane == 0) {
+      if (Cfg::kXBlock || lane == 0) {
         if (lane == 0) {
           dev::prefetch_tensor_map(&map_w);
           dev::prefetch_tensor_map(&map_a128);
@@ -555,10 +594,10 @@ __global__ void __launch_bounds__(kThreads, 1)
             dev::mbar_wait(bar_at(sh.empty, s), ph ^ 1);
             const uint32_t full = bar_at(sh.full, s);
             if (lane == 0) {
-              dev::mbar_arrive_expect_tx(full, kWBytes + uint32_t(t.n) * kTileBytes);
+              dev::mbar_arrive_expect_tx(full, Cfg::kWStage + uint32_t(t.n) * kTileBytes);
               const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
-              dev::tma_load_3d(st, &map_w, full, kb * Cfg::kTileK, t.hs * kTileH, t.e);
-              const uint32_t rows_dst = st + kWBytes;
+              dev::tma_load_3d(st, &map_w, full, kb * Cfg::kWCoordK, t.hs * kTileH, t.e);
+              const uint32_t rows_dst = st + Cfg::kWStage;
               const CUtensorMap* row_maps[4] = {&map_a128, &map_a64, &map_a32, &map_a16};  // boxes of 128 >> i rows
               int r = 0;
 #pragma unroll
@@ -567,7 +606,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                   dev::tma_load_2d(rows_dst + r * kTileBytes, row_maps[i], full, kb * Cfg::kTileK, t.p0 + r);
               plog.after_issue(kb, p.k_blocks);
             }
-            if constexpr (Cfg::kBlock) {
+            if constexpr (Cfg::kXBlock) {
               // Rows past the chunk's (up to its N) get 0.
               const uint32_t sc = sh.a_sc_addr + uint32_t(s * kMaxRows) * 4;
 #pragma unroll
@@ -588,7 +627,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
           if (lane == 0) plog.next_tile();
         }
-        if constexpr (Cfg::kBlock) asm volatile("cp.async.wait_all;\n" ::: "memory");
+        if constexpr (Cfg::kXBlock) asm volatile("cp.async.wait_all;\n" ::: "memory");
       }
     } else if (warp == 9) {
       // Per-tile tables, two tiles ahead of the consumers.
@@ -714,7 +753,17 @@ bool encode_maps(const Sm90Fc2GemmParams& p, CUtensorMap& w, CUtensorMap (&a)[4]
   const cuuint64_t es = fp8 ? 1 : 2;
   const CUtensorMapDataType dtype = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   const cuuint32_t box_k = cuuint32_t(kTileBytes / es);
-  {
+  if (p.weights == MoeWeightFormat::kMxfp4) {
+    // Packed bytes (I / 2 a row), boxes of 64 (W4A8) or 32 (W4A16) bytes x 128 rows, unswizzled.
+    const cuuint64_t row = cuuint64_t(p.I) / 2;
+    const cuuint64_t dims[3] = {row, cuuint64_t(p.H), cuuint64_t(p.E)};
+    const cuuint64_t strides[2] = {row, cuuint64_t(p.H) * row};
+    const cuuint32_t box[3] = {fp8 ? 64u : 32u, kTileH, 1};
+    if (encode(&w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(p.W2), dims, strides, box, elem,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+      return false;
+  } else {
     const cuuint64_t dims[3] = {cuuint64_t(p.I), cuuint64_t(p.H), cuuint64_t(p.E)};
     const cuuint64_t strides[2] = {cuuint64_t(p.I) * es, cuuint64_t(p.H) * p.I * es};
     const cuuint32_t box[3] = {box_k, kTileH, 1};
@@ -762,7 +811,9 @@ Status sm90_fc2_run_rows(const Sm90Fc2GemmParams& p, cudaStream_t stream) {
   static_cast<Fc2EpilogueParamsDevice&>(k) = fc2_epilogue_params(p);
   k.a_scales = p.a_scales;
   k.w_scales = p.w2_scales;
+  k.w_mx_scales = p.w2_mx_scales;
   k.i_blocks = p.I / kScaleK;
+  k.I = p.I;
   k.h_blocks = (p.H + kScaleK - 1) / kScaleK;
   k.E = p.E;
   k.h_slices = (p.H + kTileH - 1) / kTileH;
@@ -779,6 +830,18 @@ Status sm90_fc2_run_rows(const Sm90Fc2GemmParams& p, cudaStream_t stream) {
     const char* e = std::getenv("FLASHMIX_FC2_FP8_BLOCK_ROWS");
     return e ? std::atoi(e) : 256;
   }();
+  if (p.weights == MoeWeightFormat::kMxfp4) {
+    // Decode (experts averaging at most 32 rows): 32-row tiles with a deep
+    // ring of small stages (see RowsCfg); else 128 (W4A8) or 256 rows.
+    using Mx16 = RowsCfg<kWgmmaMaxN, Fc2In::kMxfp4Bf16>;
+    const bool rows32 = int64_t(p.T) * p.k <= int64_t(32) * p.E;
+    if (p.fp8 == MoeFp8Scaling::kBlock)
+      return rows32 ? launch_fp8<RowsCfg<32, Fc2In::kMxfp4Fp8>>(p, k, w, a, stream)
+                    : launch_fp8<RowsCfg<128, Fc2In::kMxfp4Fp8>>(p, k, w, a, stream);
+    if (rows32) return launch_fp8<RowsCfg<32, Fc2In::kMxfp4Bf16>>(p, k, w, a, stream);
+    return p.E <= Mx16::kMaxExperts ? launch_fp8<Mx16>(p, k, w, a, stream)
+                                    : launch_fp8<RowsCfg<128, Fc2In::kMxfp4Bf16>>(p, k, w, a, stream);
+  }
   if (p.fp8 == MoeFp8Scaling::kBlock)
     return block_rows != 128 && p.E <= Block256::kMaxExperts
                ? launch_fp8<Block256>(p, k, w, a, stream)

@@ -83,4 +83,90 @@ __host__ __device__ __forceinline__ void e2m1x8_to_bf16(uint32_t packed, float s
   }
 }
 
+
+// ---------------------------------------------------------------------------
+// The W4A8 GEMMs' conversion (spec §13.2 with 1 x 128 groups: one W row's
+// four sub-blocks of a K block of 128; docs/mxfp4.md §4).
+
+// The group exponent E_G = e_max - 6 of one row's K block from its four
+// scale bytes (byte i of the little-endian word = sub-block i); 0 when all
+// four are NaN (255).
+__host__ __device__ __forceinline__ int mx_group_exp(uint32_t scale_word) {
+  int top = -1;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int s = int((scale_word >> (8 * i)) & 0xffu);
+    if (s != kUe8m0NaN && s > top) top = s;
+  }
+  return top < 0 ? 0 : top - 127 - kMxfp4Fp8TopShift;
+}
+
+// The fast path's range: every e2m1 value times 2^d is a normal e4m3 (or
+// +-0) for -5 <= d <= 6 (0.5 * 2^-5 = 2^-6, e4m3's smallest normal), i.e. a
+// sub-block at most 11 binades below its group's largest.
+constexpr int kMxfp4FastMinShift = -5;
+
+__host__ __device__ __forceinline__ uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+#ifdef __CUDA_ARCH__
+  return __byte_perm(x, y, s);
+#else
+  // PTX prmt (default mode): result byte i = byte (s >> 4i) & 7 of {y, x}
+  // (x bytes 0-3, y 4-7); selector bit 3 (sign replication) is never set here.
+  const uint64_t v = (uint64_t(y) << 32) | x;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= uint32_t((v >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
+  return r;
+#endif
+}
+
+// The e4m3 byte of every e2m1 magnitude code 0..7 shifted by d (the fast
+// path's table, d in [-5, 6]): (mag << 2) + 0x30 is e2m1's value as e4m3
+// for mag >= 2 (exponent field + 6, mantissa bit moved up), 0.5 is 0x30, 0
+// is 0; a shift adds d to every nonzero byte's exponent field. No byte
+// borrows or carries: 0x30 - 5 * 8 >= 0x08, 0x4c + 6 * 8 = 0x7c.
+struct E4m3Table {
+  uint32_t lo, hi;  // codes 0-3, 4-7
+};
+__host__ __device__ __forceinline__ E4m3Table e4m3_table(int d) {
+  const uint32_t step = uint32_t(d * 8);
+  return {0x3c383000u + step * 0x01010100u, 0x4c484440u + step * 0x01010101u};
+}
+
+// Eight codes of a packed word through the table (element 0 in lo's low
+// byte), signs from each nibble's bit 3: bitwise e2m1x8_to_e4m3(packed, d)
+// for d in [-5, 6] (then every value is exact in e4m3). Per four elements:
+// one prmt looks up the magnitudes, a second takes each byte from them or
+// from them | 0x80 by the element's sign.
+__host__ __device__ __forceinline__ void e2m1x8_to_e4m3_table(uint32_t packed, const E4m3Table& t, uint32_t& lo,
+                                                             uint32_t& hi) {
+  const uint32_t m_lo = byte_perm(t.lo, t.hi, packed & 0x7777u);
+  lo = byte_perm(m_lo, m_lo | 0x80808080u, ((packed >> 1) & 0x4444u) | 0x3210u);
+  const uint32_t up = packed >> 16;
+  const uint32_t m_hi = byte_perm(t.lo, t.hi, up & 0x7777u);
+  hi = byte_perm(m_hi, m_hi | 0x80808080u, ((up >> 1) & 0x4444u) | 0x3210u);
+}
+
+// One 32-element sub-block (16 packed bytes, scale byte s) of a group with
+// exponent E_G as 32 e4m3 bytes (out[0]: elements 0-15): NaN for s = 255,
+// the table for a shift in the fast range, else e2m1x8_to_e4m3 (subnormal
+// or rounded results, §13.2). Bitwise the reference's q.
+__host__ __device__ __forceinline__ void mx_subblock_to_e4m3(const uint32_t (&packed)[4], int s, int group_exp,
+                                                            uint32_t (&out)[8]) {
+  if (s == kUe8m0NaN) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = 0x7f7f7f7fu;
+    return;
+  }
+  const int d = s - 127 - group_exp;  // <= 6
+  if (d >= kMxfp4FastMinShift) {
+    const E4m3Table t = e4m3_table(d);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) e2m1x8_to_e4m3_table(packed[i], t, out[2 * i], out[2 * i + 1]);
+  } else {
+    const int dc = d > kMxfp4MinShift ? d : kMxfp4MinShift;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) e2m1x8_to_e4m3(packed[i], dc, out[2 * i], out[2 * i + 1]);
+  }
+}
+
 }  // namespace flashmix

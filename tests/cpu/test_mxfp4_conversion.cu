@@ -5,6 +5,7 @@
 // scale byte to bf16. On the GPU the same code rounds with
 // cvt.rn.satfinite.e4m3x2.f32 / cvt.rn.bf16x2.f32, which the GPU tests check
 // through the ops, byte for byte.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -14,9 +15,11 @@
 #include "common/host_dtype.h"
 #include "common/host_fp8.h"
 #include "common/host_mxfp4.h"
+#include "common/test_data.h"
 #include "mxfp4/mxfp4_convert.cuh"
 
 using namespace flashmix;
+using namespace flashmix::testing;
 
 namespace {
 
@@ -87,4 +90,70 @@ TEST(Mxfp4Conversion, Bf16OfEveryCodePositionAndScaleByteMatchesTheHostEncoder) 
 
 TEST(Mxfp4Conversion, Exp2FloatCoversTheBlockScales) {
   for (int e = -149; e <= 127; ++e) EXPECT_EQ(exp2_float(e), std::ldexp(1.0f, e)) << e;
+}
+
+// The W4A8 GEMMs' table path (spec §13.7): bitwise e2m1x8_to_e4m3 for every
+// shift it takes (-5..6) on every code at every position and random words.
+TEST(Mxfp4Conversion, TablePathMatchesTheCvtPathBitwise) {
+  Rng rng(test_seed());
+  for (int d = kMxfp4FastMinShift; d <= 6; ++d) {
+    const E4m3Table t = e4m3_table(d);
+    auto same = [&](uint32_t w) {
+      uint32_t lo, hi, lo2, hi2;
+      e2m1x8_to_e4m3(w, d, lo, hi);
+      e2m1x8_to_e4m3_table(w, t, lo2, hi2);
+      ASSERT_EQ(lo, lo2) << std::hex << "word " << w << std::dec << " d " << d;
+      ASSERT_EQ(hi, hi2) << std::hex << "word " << w << std::dec << " d " << d;
+    };
+    for (uint32_t c = 0; c < 16; ++c)
+      for (int at = 0; at < 8; ++at) same(word_with(c, at));
+    for (int i = 0; i < 20000; ++i) same(uint32_t(rng.integer(0, 0xffffffffll)));
+  }
+}
+
+// The group exponent: the largest finite scale byte - 127 - 6; NaN bytes left
+// out; 0 when all four are NaN.
+TEST(Mxfp4Conversion, GroupExponentOfAWord) {
+  EXPECT_EQ(mx_group_exp(0x7f7f7f7fu), 127 - 127 - 6);
+  EXPECT_EQ(mx_group_exp(0x10207f05u), 127 - 133);
+  EXPECT_EQ(mx_group_exp(0xff00ff01u), 1 - 133);
+  EXPECT_EQ(mx_group_exp(0xffffffffu), 0);
+  EXPECT_EQ(mx_group_exp(0xfe000000u), 254 - 133);
+}
+
+// The kernels' sub-block conversion times 2^E_G is the reference's W4A8
+// value (host_mxfp4.h, written from the spec) for every element, on rows
+// whose four scales spread 0..22 binades (fast path, subnormal path, the
+// rounding past 14) and NaN scales.
+TEST(Mxfp4Conversion, SubBlockConversionIsTheReferenceW4A8Value) {
+  Rng rng(test_seed() ^ 0x4a8);
+  int64_t checked = 0;
+  for (int row = 0; row < 4000; ++row) {
+    uint8_t packed[64], sc[4];
+    for (uint8_t& b : packed) b = uint8_t(rng.integer(0, 255));
+    const int top = int(rng.integer(20, 254)), spread = int(rng.integer(0, 22));
+    for (uint8_t& s : sc) s = uint8_t(std::max(0, top - int(rng.integer(0, spread))));
+    if (row % 17 == 0) sc[rng.integer(0, 3)] = 255;
+    uint32_t word;
+    std::memcpy(&word, sc, 4);
+    const int ge = mx_group_exp(word);
+    for (int sub = 0; sub < 4; ++sub) {
+      uint32_t w[4], o[8];
+      std::memcpy(w, packed + 16 * sub, 16);
+      mx_subblock_to_e4m3(w, sc[sub], ge, o);
+      for (int i = 0; i < 32; ++i) {
+        const uint8_t q = uint8_t(o[i / 4] >> (8 * (i % 4)));
+        const double got = double(host::e4m3_to_float(q)) * std::ldexp(1.0, ge);
+        const double want = host::mxfp4_w4a8_value(packed, sc, 32 * sub + i);
+        if (std::isnan(want)) {
+          ASSERT_TRUE(std::isnan(got)) << "row " << row << " element " << 32 * sub + i;
+        } else {
+          ASSERT_EQ(got, want) << "row " << row << " element " << 32 * sub + i << " spread " << spread;
+          ASSERT_EQ(std::signbit(got), std::signbit(want));
+        }
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 4000 * 128);
 }

@@ -24,6 +24,7 @@
 
 #include "common/gpu_testing.h"
 #include "common/host_dtype.h"
+#include "common/mxfp4_testing.h"
 #include "common/test_data.h"
 #include "flashmix/moe.h"
 
@@ -49,6 +50,9 @@ struct Case {
   float w_scale = 0.1f;  // W1 uniform in [-w_scale, w_scale]
   MoeFp8Scaling fp8 = MoeFp8Scaling::kNone;
   bool outliers = true;  // FP8: every 61st channel of X and W1 100 x larger
+  // MXFP4 W1 (spec §13.7): W4A8 with fp8 = kBlock, W4A16 with kNone.
+  bool mx = false;
+  Mxfp4Options mxo;
   enum Routing { kRandom, kFirstHalfOnly, kAllToOne } routing = kRandom;
 };
 
@@ -58,6 +62,7 @@ struct Problem {
   HostTensor X, W1, bias, ref;
   std::vector<uint8_t> xq, wq;  // FP8: the e4m3 codes of X ([X rows, x_stride]) and W1
   std::vector<float> xs, ws;    // FP8: their scales
+  Mxfp4Data mxw;                // MXFP4: W1 packed [E, 2I, H / 2] and its scales
   DeviceBuffer dX, dW1, dbias, dp2u, doff, dout, dxs, dws;
   MoeFc1Args args;
   double max_ref = 0;
@@ -101,6 +106,11 @@ struct Problem {
           for (int64_t b = 0; b < kbs; ++b) dense[r * kbs + b] = xs[r * all + b];
         xs = dense;
       }
+    }
+    if (c.mx) {
+      mxw = random_mxfp4(rng, c.local, 2 * c.I, c.H, c.mxo);
+    } else if (fp8) {
+      const int64_t blk = c.fp8 == MoeFp8Scaling::kBlock ? 1 : 0;
       // W1: one expert at a time (blocks of 128 x 128 never cross experts).
       const int64_t per = 2 * c.I * c.H;
       const std::vector<float> w = random_with_outliers(rng, int64_t(c.local) * 2 * c.I, c.H, c.w_scale, c.outliers);
@@ -117,10 +127,12 @@ struct Problem {
     args.X = fp8 ? static_cast<const void*>(xq.data()) : X.data();
     args.x_stride = c.x_pad ? x_stride() : 0;
     args.x_permuted = c.x_permuted;
-    args.W1 = fp8 ? static_cast<const void*>(wq.data()) : W1.data();
+    args.W1 = c.mx ? static_cast<const void*>(mxw.w.data()) : fp8 ? static_cast<const void*>(wq.data()) : W1.data();
     args.fp8 = c.fp8;
     args.x_scales = fp8 ? xs.data() : nullptr;
-    args.w1_scales = fp8 ? ws.data() : nullptr;
+    args.w1_scales = fp8 && !c.mx ? ws.data() : nullptr;
+    args.weights = c.mx ? MoeWeightFormat::kMxfp4 : MoeWeightFormat::kDense;
+    args.w1_mx_scales = c.mx ? mxw.scales.data() : nullptr;
     args.layout = c.layout;
     args.bias = c.bias ? bias.data() : nullptr;
     args.expert_first_token_offset = routing.offsets.data();
@@ -139,11 +151,16 @@ struct Problem {
     for (int64_t i = 0; i < routing.P() * c.I; ++i) max_ref = std::max(max_ref, std::fabs(ref.get(i)));
 
     dX = fp8 ? DeviceBuffer(xq) : DeviceBuffer(X.bytes);
-    dW1 = fp8 ? DeviceBuffer(wq) : DeviceBuffer(W1.bytes);
+    dW1 = c.mx ? DeviceBuffer(mxw.w) : fp8 ? DeviceBuffer(wq) : DeviceBuffer(W1.bytes);
     if (fp8) {
       dxs = DeviceBuffer(xs);
-      dws = DeviceBuffer(ws);
       args.x_scales = dxs.as<float>();
+    }
+    if (c.mx) {
+      dws = DeviceBuffer(mxw.scales);
+      args.w1_mx_scales = dws.get();
+    } else if (fp8) {
+      dws = DeviceBuffer(ws);
       args.w1_scales = dws.as<float>();
     }
     dbias = DeviceBuffer(bias.bytes);
@@ -467,6 +484,146 @@ TEST(MoeFc1Gpu, Fp8ActivationsStridesAndOddShapes) {
     c.routing = Case::kFirstHalfOnly;
     check_case(c);
   }
+}
+
+// MXFP4 W1 (spec §13.7): W4A8 (e4m3 X, 1 x 128 scales) and W4A16 (bf16 X),
+// both layouts, gathered and permuted X, K of three blocks, I = 200 (the
+// last slice partial: its rows past I are TMA's zero fill).
+TEST(MoeFc1Gpu, Mxfp4EveryPathLayoutAndInput) {
+  SKIP_WITHOUT_HOPPER();
+  for (MoeFp8Scaling f : {MoeFp8Scaling::kBlock, MoeFp8Scaling::kNone})
+    for (Fc1WeightLayout l : kLayouts)
+      for (bool permuted : {false, true}) {
+        SCOPED_TRACE(std::string(f == MoeFp8Scaling::kBlock ? "w4a8/" : "w4a16/") + to_string(l) +
+                     (permuted ? "/permuted" : "/gather"));
+        Case c;
+        c.mx = true;
+        c.fp8 = f;
+        c.H = 384;
+        c.layout = l;
+        c.x_permuted = permuted;
+        c.bias = !permuted;
+        check_case(c);
+      }
+}
+
+// Scales that spread within a row's K block: up to 18 binades (the
+// conversion's slow path: subnormal e4m3 and, past 14, the rounding of spec
+// §13.2, which the reference applies too), rows 15-22 binades below their
+// neighbours, NaN scales (their outputs NaN); the activations clamped; one
+// token; many rows (256-row W4A16 tiles, chunks); an expert-parallel range.
+TEST(MoeFc1Gpu, Mxfp4SpreadsNaNsAndOddShapes) {
+  SKIP_WITHOUT_HOPPER();
+  for (MoeFp8Scaling f : {MoeFp8Scaling::kBlock, MoeFp8Scaling::kNone}) {
+    SCOPED_TRACE(f == MoeFp8Scaling::kBlock ? "w4a8" : "w4a16");
+    Case c;
+    c.mx = true;
+    c.fp8 = f;
+    c.H = 512;
+    c.mxo.group_wobble = 18;
+    c.mxo.deep_row_every = 7;
+    c.mxo.nan_every = 300;
+    c.act = MoeActivation::kSwiGLUClamped;
+    check_case(c);
+    c = Case{};
+    c.mx = true;
+    c.fp8 = f;
+    c.H = 128;
+    c.T = 1;
+    c.k = 8;
+    c.total = c.local = 8;
+    c.I = 64;
+    c.act = MoeActivation::kSwiGLUOai;
+    check_case(c);
+    c = Case{};
+    c.mx = true;
+    c.fp8 = f;
+    c.H = 256;
+    c.T = 700;  // ~350 rows an expert
+    c.k = 2;
+    c.total = c.local = 2;
+    check_case(c);
+    c = Case{};
+    c.mx = true;
+    c.fp8 = f;
+    c.H = 256;
+    c.total = 48;
+    c.start = 16;
+    c.local = 16;
+    c.routing = Case::kFirstHalfOnly;
+    check_case(c);
+    c = Case{};
+    c.mx = true;
+    c.fp8 = f;
+    c.H = 256;
+    c.T = 100;  // one expert of 100 rows while experts average 12.5: 32-row tiles, in chunks
+    c.k = 2;
+    c.routing = Case::kAllToOne;
+    check_case(c);
+  }
+}
+
+// Bitwise repeatable, and a captured graph replays it.
+TEST(MoeFc1Gpu, Mxfp4RepeatableAndCapturable) {
+  SKIP_WITHOUT_HOPPER();
+  for (MoeFp8Scaling f : {MoeFp8Scaling::kBlock, MoeFp8Scaling::kNone}) {
+    Case c;
+    c.mx = true;
+    c.fp8 = f;
+    c.H = 256;
+    Problem p(c);
+    ASSERT_TRUE(p.run().ok());
+    CUDA_OK(cudaDeviceSynchronize());
+    const HostTensor first = p.result();
+    p.check(first);
+    p.poison_out();
+    cudaStream_t s;
+    CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    cudaGraph_t graph;
+    CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    ASSERT_TRUE(p.run(s).ok());
+    CUDA_OK(cudaStreamEndCapture(s, &graph));
+    cudaGraphExec_t exec;
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    CUDA_OK(cudaGraphLaunch(exec, s));
+    CUDA_OK(cudaStreamSynchronize(s));
+    const HostTensor second = p.result();
+    EXPECT_EQ(first.bytes, second.bytes);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(s);
+  }
+}
+
+TEST(MoeFc1Gpu, Mxfp4BadInput) {
+  SKIP_WITHOUT_HOPPER();
+  Case c;
+  c.mx = true;
+  c.fp8 = MoeFp8Scaling::kBlock;
+  c.H = 256;
+  Problem p(c);
+  auto expect_error = [&](MoeFc1Args a, const char* what) {
+    const Status st = moe_fc1(a, nullptr);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << what;
+    EXPECT_NE(st.message().find(what), std::string::npos) << st.message();
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  };
+  MoeFc1Args a = p.args;
+  a.w1_mx_scales = nullptr;
+  expect_error(a, "w1_mx_scales");
+  a = p.args;
+  a.fp8 = MoeFp8Scaling::kTensor;
+  expect_error(a, "fp8");
+  a = p.args;
+  a.hidden = 160;  // a multiple of 32, not of 128
+  expect_error(a, "hidden");
+  a = p.args;
+  a.weights = static_cast<MoeWeightFormat>(7);
+  expect_error(a, "weights");
+  a = p.args;
+  a.w1_mx_scales = static_cast<const uint8_t*>(p.args.w1_mx_scales) + 1;
+  expect_error(a, "w1_mx_scales");
+  p.expect_out_untouched();
 }
 
 TEST(MoeFc1Gpu, Fp8BadInput) {

@@ -27,6 +27,7 @@
 #include "common/gpu_testing.h"
 #include "common/host_dtype.h"
 #include "common/host_fp8.h"
+#include "common/mxfp4_testing.h"
 #include "common/test_data.h"
 #include "flashmix/moe.h"
 #include "moe/moe_fc2_dispatch.h"
@@ -62,6 +63,9 @@ struct Case {
   int64_t out_pad = 0;
   bool scales = true, bias = true, apply_bias = true;
   MoeFp8Scaling fp8 = MoeFp8Scaling::kNone;
+  // MXFP4 W2 (spec §13.7): W4A8 with fp8 = kBlock, W4A16 with kNone.
+  bool mx = false;
+  Mxfp4Options mxo;
   enum Routing { kRandom, kFirstHalfOnly, kAllToOne } routing = kRandom;
 };
 
@@ -72,6 +76,7 @@ struct Problem {
   std::vector<float> scales;
   std::vector<uint8_t> aq, wq;  // FP8: the e4m3 codes of A ([k*T capacity, I]) and W2
   std::vector<float> as, w2s;   // FP8: their scales
+  Mxfp4Data mxw;                // MXFP4: W2 packed [E, H, I / 2] and its scales
   DeviceBuffer dA, dW2, dbias, dscales, dp2u, doff, dout, dws, das, dw2s;
   Fc2FinalizeArgs args;
   double max_ref = 0;
@@ -111,6 +116,11 @@ struct Problem {
       if (c.I >= 256)  // a zero block (scale 1, codes 0) in every 7th row
         for (int64_t r = 3; r < cap; r += 7) std::fill(a.begin() + r * c.I + 128, a.begin() + r * c.I + 256, 0.f);
       quantize_e4m3(a, cap, c.I, blk ? 1 : 0, aq, as);
+    }
+    if (c.mx) {
+      mxw = random_mxfp4(rng, c.local, c.H, c.I, c.mxo);
+    } else if (fp8) {
+      const bool blk = c.fp8 == MoeFp8Scaling::kBlock;
       // W2 one expert at a time (blocks of 128 x 128 never cross experts);
       // expert 0's first element 1000 x its neighbours: a block of one huge value.
       const int64_t per = c.H * c.I;
@@ -127,10 +137,12 @@ struct Problem {
     }
 
     args.A = fp8 ? static_cast<const void*>(aq.data()) : A.data();
-    args.W2 = fp8 ? static_cast<const void*>(wq.data()) : W2.data();
+    args.W2 = c.mx ? static_cast<const void*>(mxw.w.data()) : fp8 ? static_cast<const void*>(wq.data()) : W2.data();
     args.fp8 = c.fp8;
     args.a_scales = fp8 ? as.data() : nullptr;
-    args.w2_scales = fp8 ? w2s.data() : nullptr;
+    args.w2_scales = fp8 && !c.mx ? w2s.data() : nullptr;
+    args.weights = c.mx ? MoeWeightFormat::kMxfp4 : MoeWeightFormat::kDense;
+    args.w2_mx_scales = c.mx ? mxw.scales.data() : nullptr;
     args.expert_first_token_offset = routing.offsets.data();
     args.permuted_row_to_unpermuted_row = routing.p2u.data();
     args.scales = c.scales ? scales.data() : nullptr;
@@ -154,7 +166,8 @@ struct Problem {
         ADD_FAILURE() << "FLASHMIX_TEST_FC2_KERNEL=" << env << ": not a kernel name";
       if (comma) args.tuning.raster = std::atoi(comma + 1);
       // FP8 runs on rows only (a pinned CUTLASS kernel is refused: Fp8BadInput...).
-      if (fp8 && args.tuning.gemm_kernel != Fc2GemmKernel::kAuto) args.tuning.gemm_kernel = Fc2GemmKernel::kRows;
+      if ((fp8 || c.mx) && args.tuning.gemm_kernel != Fc2GemmKernel::kAuto)
+        args.tuning.gemm_kernel = Fc2GemmKernel::kRows;
     }
     Status st = moe_fc2_finalize_cpu(args);
     EXPECT_TRUE(st.ok()) << st.message();
@@ -162,11 +175,16 @@ struct Problem {
       for (int64_t n = 0; n < c.H; ++n) max_ref = std::max(max_ref, std::fabs(ref.get(t * out_stride() + n)));
 
     dA = fp8 ? DeviceBuffer(aq) : DeviceBuffer(A.bytes);
-    dW2 = fp8 ? DeviceBuffer(wq) : DeviceBuffer(W2.bytes);
+    dW2 = c.mx ? DeviceBuffer(mxw.w) : fp8 ? DeviceBuffer(wq) : DeviceBuffer(W2.bytes);
     if (fp8) {
       das = DeviceBuffer(as);
-      dw2s = DeviceBuffer(w2s);
       args.a_scales = das.as<float>();
+    }
+    if (c.mx) {
+      dw2s = DeviceBuffer(mxw.scales);
+      args.w2_mx_scales = dw2s.get();
+    } else if (fp8) {
+      dw2s = DeviceBuffer(w2s);
       args.w2_scales = dw2s.as<float>();
     }
     dbias = DeviceBuffer(bias.bytes);
@@ -847,5 +865,132 @@ TEST(MoeFc2Gpu, Fp8BadInputNamesTheArgumentAndWritesNothing) {
     expect_error(a, "tuning.gemm_kernel", StatusCode::kNotSupported);
   }
   CUDA_OK(cudaDeviceSynchronize());
+  p.expect_out_untouched();
+}
+
+// MXFP4 W2 (spec §13.7): W4A8 (e4m3 A, 1 x 128 scales) and W4A16 (bf16 A)
+// in every mode, K of three blocks, H = 264 (the last 128-row slice partial).
+TEST(MoeFc2Gpu, Mxfp4EveryPathAndMode) {
+  SKIP_WITHOUT_HOPPER();
+  for (MoeFp8Scaling f : {MoeFp8Scaling::kBlock, MoeFp8Scaling::kNone}) {
+    SCOPED_TRACE(f == MoeFp8Scaling::kBlock ? "w4a8" : "w4a16");
+    Case c;
+    c.mx = true;
+    c.fp8 = f;
+    c.I = 384;
+    check_all_modes(c);
+  }
+}
+
+// Scale spreads up to 18 binades within a row's K block (the slow path and
+// spec §13.2's rounding, which the reference applies too) and deep rows;
+// one token; many rows (chunks, 256-row W4A16 tiles); an EP range with
+// empty experts; more than 256 experts.
+TEST(MoeFc2Gpu, Mxfp4SpreadsAndShapes) {
+  SKIP_WITHOUT_HOPPER();
+  for (MoeFp8Scaling f : {MoeFp8Scaling::kBlock, MoeFp8Scaling::kNone}) {
+    std::vector<std::pair<std::string, Case>> cases;
+    Case c;
+    c.mx = true;
+    c.fp8 = f;
+    c.I = 256;
+    Case s = c;
+    s.mxo.group_wobble = 18;
+    s.mxo.deep_row_every = 5;
+    cases.push_back({"spreads", s});
+    Case a = c;
+    a.T = 700;
+    a.k = 2;
+    a.total = a.local = 4;
+    a.H = 512;
+    cases.push_back({"350 rows an expert", a});
+    Case d = c;
+    d.T = 1;
+    d.k = 8;
+    cases.push_back({"one token", d});
+    Case g = c;
+    g.total = 48;
+    g.start = 16;
+    g.local = 16;
+    g.routing = Case::kFirstHalfOnly;
+    cases.push_back({"EP rank, empty experts", g});
+    Case h = c;
+    h.T = 400;
+    h.k = 8;
+    h.total = h.local = 300;
+    cases.push_back({"300 experts", h});
+    Case o = c;
+    o.T = 100;  // one expert of 100 rows while experts average 12.5: 32-row tiles, in chunks
+    o.k = 2;
+    o.routing = Case::kAllToOne;
+    cases.push_back({"all to one", o});
+    for (const auto& [name, cs] : cases) {
+      SCOPED_TRACE(std::string(f == MoeFp8Scaling::kBlock ? "w4a8: " : "w4a16: ") + name);
+      for (Fc2Mode m : {Fc2Mode::kAtomic, Fc2Mode::kDeterministic}) {
+        SCOPED_TRACE(fc2_mode_name(m));
+        Problem p(cs, m);
+        Status st = p.run();
+        ASSERT_TRUE(st.ok()) << st.message();
+        CUDA_OK(cudaDeviceSynchronize());
+        p.check(m, p.result());
+      }
+    }
+  }
+}
+
+TEST(MoeFc2Gpu, Mxfp4DeterministicRepeatableAndCapturable) {
+  SKIP_WITHOUT_HOPPER();
+  for (MoeFp8Scaling f : {MoeFp8Scaling::kBlock, MoeFp8Scaling::kNone}) {
+    SCOPED_TRACE(f == MoeFp8Scaling::kBlock ? "w4a8" : "w4a16");
+    Case c;
+    c.mx = true;
+    c.fp8 = f;
+    c.T = 256;
+    c.k = 8;
+    c.total = c.local = 32;
+    c.I = 256;
+    Problem p(c, Fc2Mode::kDeterministic);
+    ASSERT_TRUE(p.run().ok());
+    CUDA_OK(cudaDeviceSynchronize());
+    const HostTensor first = p.result();
+    p.check(Fc2Mode::kDeterministic, first);
+    for (int rep = 0; rep < 2; ++rep) {
+      p.poison_out();
+      ASSERT_TRUE(p.run().ok());
+      CUDA_OK(cudaDeviceSynchronize());
+      ASSERT_TRUE(p.result().bytes == first.bytes) << "run " << rep + 1 << " differs";
+    }
+    capture_and_replay(c, Fc2Mode::kAtomic);
+  }
+}
+
+TEST(MoeFc2Gpu, Mxfp4BadInput) {
+  SKIP_WITHOUT_HOPPER();
+  Case c;
+  c.mx = true;
+  c.fp8 = MoeFp8Scaling::kBlock;
+  c.I = 256;
+  Problem p(c, Fc2Mode::kAtomic);
+  auto expect_error = [&](const Fc2FinalizeArgs& a, const char* arg, StatusCode code) {
+    const Status st = moe_fc2_finalize(a, p.dws.get(), p.dws.bytes(), nullptr);
+    EXPECT_EQ(st.code(), code) << arg << ": " << st.message();
+    EXPECT_NE(st.message().find(arg), std::string::npos) << st.message();
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  };
+  Fc2FinalizeArgs a = p.args;
+  a.w2_mx_scales = nullptr;
+  expect_error(a, "w2_mx_scales", StatusCode::kInvalidArgument);
+  a = p.args;
+  a.fp8 = MoeFp8Scaling::kTensor;
+  expect_error(a, "fp8", StatusCode::kInvalidArgument);
+  a = p.args;
+  a.inter = 160;
+  expect_error(a, "inter", StatusCode::kInvalidArgument);
+  a = p.args;
+  a.tuning.gemm_kernel = Fc2GemmKernel::kCutlassPingpong;
+  expect_error(a, "gemm_kernel", StatusCode::kNotSupported);
+  a = p.args;
+  a.out = const_cast<void*>(p.args.w2_mx_scales);  // overlaps an input
+  expect_error(a, "w2_mx_scales", StatusCode::kInvalidArgument);
   p.expect_out_untouched();
 }

@@ -20,6 +20,7 @@
 #include "common/gpu_testing.h"
 #include "common/host_dtype.h"
 #include "common/host_fp8.h"
+#include "common/mxfp4_testing.h"
 #include "common/test_data.h"
 #include "flashmix/fp8.h"
 #include "flashmix/moe.h"
@@ -345,12 +346,13 @@ struct Fp8Case {
   bool fill = true;
   Fc2Mode mode = Fc2Mode::kAtomic;
   MoeFc1Input input = MoeFc1Input::kAuto;
+  bool mx = false;  // MXFP4 W1 and W2 (W4A8, spec §13.7) instead of FP8 block weights
 };
 
 std::string fp8_case_name(const Fp8Case& c) {
   return "T=" + std::to_string(c.T) + " k=" + std::to_string(c.k) + " E=" + std::to_string(c.E) + " [" +
          std::to_string(c.start) + ", +" + std::to_string(c.local) + ") " + fc2_mode_name(c.mode) + " " +
-         to_string(c.input) + (c.fill ? " fill" : " no fill") + (c.shared ? " shared" : "");
+         to_string(c.input) + (c.fill ? " fill" : " no fill") + (c.shared ? " shared" : "") + (c.mx ? " mxfp4" : "");
 }
 
 // Random bf16 weights [E, rows, cols] quantised 128 x 128 (fp32 scales) on the host.
@@ -395,6 +397,7 @@ struct Fp8Layer {
   HostTensor X, logits, b1, b2, shared, ref;
   std::vector<uint8_t> W1q, W2q;
   std::vector<float> W1s, W2s, scales;
+  Mxfp4Data mx1, mx2;  // mx: W1 and W2 packed with their ue8m0 scales
   std::vector<int32_t> ids;
   DeviceBuffer dX, dlogits, dW1, dW1s, dW2, dW2s, db1, db2, dshared, dids, dscales, dout, dws;
   MoeForwardArgs args;
@@ -411,8 +414,15 @@ struct Fp8Layer {
       std::shuffle(grid.begin(), grid.end(), rng.gen());
       for (int e = 0; e < c.E; ++e) logits.set(t * c.E + e, grid[size_t(e)] / 16.0);
     }
-    quantised_weights(rng, c.local, 2 * c.I, c.H, W1q, W1s);
-    quantised_weights(rng, c.local, c.H, c.I, W2q, W2s);
+    if (c.mx) {
+      Mxfp4Options o;
+      o.base = 123;  // |W| up to 6 / 16
+      mx1 = random_mxfp4(rng, c.local, 2 * c.I, c.H, o);
+      mx2 = random_mxfp4(rng, c.local, c.H, c.I, o);
+    } else {
+      quantised_weights(rng, c.local, 2 * c.I, c.H, W1q, W1s);
+      quantised_weights(rng, c.local, c.H, c.I, W2q, W2s);
+    }
     b1 = HostTensor(DType::kBFloat16, int64_t(c.local) * 2 * c.I);
     b1.fill_random(rng, -0.2f, 0.2f);
     b2 = HostTensor(DType::kBFloat16, int64_t(c.local) * c.H);
@@ -448,10 +458,10 @@ struct Fp8Layer {
 
     dX = DeviceBuffer(X.bytes);
     dlogits = DeviceBuffer(logits.bytes);
-    dW1 = DeviceBuffer(W1q);
-    dW1s = DeviceBuffer(W1s);
-    dW2 = DeviceBuffer(W2q);
-    dW2s = DeviceBuffer(W2s);
+    dW1 = c.mx ? DeviceBuffer(mx1.w) : DeviceBuffer(W1q);
+    dW1s = c.mx ? DeviceBuffer(mx1.scales) : DeviceBuffer(W1s);
+    dW2 = c.mx ? DeviceBuffer(mx2.w) : DeviceBuffer(W2q);
+    dW2s = c.mx ? DeviceBuffer(mx2.scales) : DeviceBuffer(W2s);
     db1 = DeviceBuffer(b1.bytes);
     db2 = DeviceBuffer(b2.bytes);
     dshared = DeviceBuffer(shared.bytes);
@@ -474,10 +484,18 @@ struct Fp8Layer {
     args.router_logits = c.router ? pick(logits, dlogits) : nullptr;
     args.token_selected_experts = c.router ? nullptr : host ? ids.data() : dids.as<int32_t>();
     args.token_final_scales = c.router ? nullptr : host ? scales.data() : dscales.as<float>();
-    args.W1 = host ? static_cast<const void*>(W1q.data()) : dW1.get();
-    args.w1_scales = host ? W1s.data() : dW1s.as<float>();
-    args.W2 = host ? static_cast<const void*>(W2q.data()) : dW2.get();
-    args.w2_scales = host ? W2s.data() : dW2s.as<float>();
+    if (c.mx) {
+      args.weights = MoeWeightFormat::kMxfp4;
+      args.W1 = host ? static_cast<const void*>(mx1.w.data()) : dW1.get();
+      args.w1_mx_scales = host ? static_cast<const void*>(mx1.scales.data()) : dW1s.get();
+      args.W2 = host ? static_cast<const void*>(mx2.w.data()) : dW2.get();
+      args.w2_mx_scales = host ? static_cast<const void*>(mx2.scales.data()) : dW2s.get();
+    } else {
+      args.W1 = host ? static_cast<const void*>(W1q.data()) : dW1.get();
+      args.w1_scales = host ? W1s.data() : dW1s.as<float>();
+      args.W2 = host ? static_cast<const void*>(W2q.data()) : dW2.get();
+      args.w2_scales = host ? W2s.data() : dW2s.as<float>();
+    }
     args.b1 = pick(b1, db1);
     args.b2 = pick(b2, db2);
     args.shared_output = c.shared ? pick(shared, dshared) : nullptr;
@@ -567,11 +585,13 @@ struct Fp8Layer {
     MoeFc1Args f1;
     f1.X = at(l.x_q);
     f1.x_permuted = copy;
-    f1.W1 = W1q.data();
+    f1.W1 = c.mx ? static_cast<const void*>(mx1.w.data()) : W1q.data();
     f1.bias = b1.data();
     f1.fp8 = MoeFp8Scaling::kBlock;
     f1.x_scales = reinterpret_cast<const float*>(at(l.x_scales));
-    f1.w1_scales = W1s.data();
+    f1.w1_scales = c.mx ? nullptr : W1s.data();
+    f1.weights = args.weights;
+    f1.w1_mx_scales = c.mx ? mx1.scales.data() : nullptr;
     f1.expert_first_token_offset = offsets.data();
     f1.permuted_row_to_unpermuted_row = p2u.data();
     f1.num_tokens = c.T;
@@ -616,10 +636,12 @@ struct Fp8Layer {
     out_ref.poison();
     Fc2FinalizeArgs f2;
     f2.A = at(l.act_q);
-    f2.W2 = W2q.data();
+    f2.W2 = c.mx ? static_cast<const void*>(mx2.w.data()) : W2q.data();
     f2.fp8 = MoeFp8Scaling::kBlock;
     f2.a_scales = reinterpret_cast<const float*>(at(l.act_scales));
-    f2.w2_scales = W2s.data();
+    f2.w2_scales = c.mx ? nullptr : W2s.data();
+    f2.weights = args.weights;
+    f2.w2_mx_scales = c.mx ? mx2.scales.data() : nullptr;
     f2.expert_first_token_offset = offsets.data();
     f2.permuted_row_to_unpermuted_row = p2u.data();
     f2.scales = w.data();
@@ -675,6 +697,30 @@ TEST(MoeForwardGpu, Fp8StagesAndEndToEndBothInputs) {
       c.start = 16;
       check_fp8_case(c);
     }
+}
+
+// MXFP4 weights on the FP8 layer's pipeline (W4A8, spec §13.7): each stage
+// against its reference on what the GPU handed it, and end to end; both FC1
+// inputs, an expert-parallel rank, every mode with and without fill.
+TEST(MoeForwardGpu, Mxfp4StagesAndEndToEnd) {
+  SKIP_WITHOUT_HOPPER();
+  for (MoeFc1Input in : {MoeFc1Input::kGather, MoeFc1Input::kPermutedCopy})
+    for (Fc2Mode m : kModes) {
+      Fp8Case c;
+      c.mx = true;
+      c.input = in;
+      c.mode = m;
+      check_fp8_case(c);
+      c.E = 48;
+      c.start = 16;
+      c.fill = false;
+      c.shared = true;
+      check_fp8_case(c);
+    }
+  Fp8Case one;
+  one.mx = true;
+  one.T = 1;
+  check_fp8_case(one);
 }
 
 TEST(MoeForwardGpu, Fp8EveryModeNoFillSharedGivenIds) {
