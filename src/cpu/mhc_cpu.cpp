@@ -160,7 +160,7 @@ Status mhc_pre_cpu(const MhcPreArgs& a) {
   const int n = a.shape.n, num_coef = mhc_num_coefficients(n);
   const int64_t C = a.shape.hidden, k_len = n * C;
   std::vector<double> h(num_coef), pre(n), post(n), res(n * n);
-  std::vector<uint16_t> f(size_t(C));
+  std::vector<uint16_t> f(static_cast<size_t>(C));
   for (int64_t b = 0; b < a.shape.batch; ++b) {
     project_row(a.x, a.phi, a.phi_dtype, a.alpha, a.bias, b, k_len, num_coef, a.params.eps_norm,
                 [n](int m) { return alpha_index(m, n); }, h.data());
@@ -235,7 +235,7 @@ Status mhc_post_pre_cpu(const MhcPostPreArgs& a) {
   const int64_t C = a.shape.hidden, k_len = n * C;
   const bool transpose = a.res_layout == MhcResLayout::kDeepSeek;
   std::vector<double> h(num_coef), pre(n), post(n), res(n * n);
-  std::vector<uint16_t> f(size_t(C));
+  std::vector<uint16_t> f(static_cast<size_t>(C));
   for (int64_t b = 0; b < a.shape.batch; ++b) {
     const float* hres = a.h_res + b * n * n;
     for (int i = 0; i < n; ++i)
