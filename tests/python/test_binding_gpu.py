@@ -767,7 +767,7 @@ def test_mhc_post_pre_norm_fp8_gpu(B, n, C, scale_format):
     inv = 1.0 / torch.sqrt((v * v).mean(dim=1, keepdim=True) + float(np.float32(1e-6)))
     want = (v * inv * f64(w)).float().bfloat16()
     scale = f64(x1).view(B, n, C).abs().sum(dim=1) * inv * f64(w).abs()
-    assert_within(got.f_pre, want, 2.0 ** -6 * f64(want).abs() + 2e-4 * scale + 1e-6, "f_pre")
+    assert_within(got.f_pre, want, 2.0 ** -5 * f64(want).abs() + 2e-4 * scale + 1e-6, "f_pre")
 
 
 def test_mhc_stages_and_head_and_expand_gpu_match_cpu():
