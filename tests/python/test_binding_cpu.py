@@ -854,6 +854,30 @@ def test_mhc_post_pre_norm_and_fp8_match_spec(n, C, weight_dtype):
 
 
 @needs_bf16
+def test_mhc_pre_epilogue_equals_the_boundary_one():
+    """mhc_pre with the epilogue on the X_next mhc_post_pre stored: the same bytes (spec §4.8)."""
+    rng = np.random.default_rng(23)
+    B, n, C = 3, 4, 256
+    x, f_out, h_post, h_res = ref.post_problem(rng, B, n, C)
+    _, phi, alpha, bias = ref.mhc_problem(rng, B, n, C)
+    w = rng.uniform(0.5, 1.5, C).astype(np.float32)
+    kw = dict(norm_weight=w, norm_eps=1e-5, fp8=True, f_pre_scale_format="ue8m0")
+    b = flashmix.mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, **kw)
+    p = flashmix.mhc_pre(b.x_next, phi, alpha, bias, **kw)
+    assert isinstance(p, flashmix.MhcPreFp8Output)
+    for u, v in zip(p, (b.f_pre, b.h_post, b.h_res, b.f_pre_fp8, b.f_pre_scales)):
+        np.testing.assert_array_equal(u, v)
+    only = flashmix.mhc_pre(b.x_next, phi, alpha, bias, bf16_f_pre=False, **kw)
+    assert only.f_pre is None
+    np.testing.assert_array_equal(only.f_pre_fp8, b.f_pre_fp8)
+    normed = flashmix.mhc_pre(b.x_next, phi, alpha, bias, norm_weight=w, norm_eps=1e-5)
+    assert isinstance(normed, flashmix.MhcPreOutput)
+    np.testing.assert_array_equal(normed.f_pre, b.f_pre)
+    with raises_naming(ValueError, "mhc_pre", "f_pre_scales"):  # [B, C/128] float32 for "float32"
+        flashmix.mhc_pre(b.x_next, phi, alpha, bias, f_pre_fp8=b.f_pre_fp8, f_pre_scales=np.zeros((B, 1), np.float32))
+
+
+@needs_bf16
 def test_mhc_post_pre_epilogue_rejects_bad_arguments():
     rng = np.random.default_rng(19)
     x, f_out, h_post, h_res = ref.post_problem(rng, 3, 4, 64)

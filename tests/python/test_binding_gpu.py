@@ -760,6 +760,11 @@ def test_mhc_post_pre_norm_fp8_gpu(B, n, C, scale_format):
     assert torch.equal(only[1].view(torch.uint8), q.view(torch.uint8)) and torch.equal(only[0], got.x_next)
     if B == 0:
         return
+    # mhc_pre with the same epilogue on the stored X_next: the cluster-tile kernel, the same bytes.
+    assert flashmix.mhc_pre_kernel_choice(got.x_next, phi, alpha, bias, norm_weight=w)[0] == "cluster_tile"
+    pre = flashmix.mhc_pre(got.x_next, phi, alpha, bias, norm_weight=w, fp8=True, f_pre_scale_format=scale_format)
+    sync()
+    assert torch.equal(pre.f_pre, got.f_pre) and torch.equal(pre.f_pre_fp8.view(torch.uint8), q.view(torch.uint8))
     # The reference on the X_next the GPU stored: the CPU's mhc_pre, then the norm (spec §4.8) in double.
     x1 = got.x_next.cpu()
     plain = flashmix.mhc_pre(x1, phi.cpu(), alpha.cpu(), bias.cpu())
