@@ -117,8 +117,9 @@ __device__ __forceinline__ void load_phi_step(PhiFrag<kN, kF32>& f, const PhiRow
 }
 
 // 8 columns of the norm's weight, as floats.
+template <bool kWeightF32>
 __device__ __forceinline__ void load_weight8(const PreEpilogue& e, int c, float* w) {
-  if (e.norm_f32) {
+  if constexpr (kWeightF32) {
     const float* wp = static_cast<const float*>(e.norm_weight) + c;
     const float4 a = __ldg(reinterpret_cast<const float4*>(wp)), b = __ldg(reinterpret_cast<const float4*>(wp + 4));
     w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
@@ -154,6 +155,10 @@ __device__ __forceinline__ void load_weight8(const PreEpilogue& e, int c, float*
 // order), and the block's amax is bitwise the one quantize_fp8 takes over
 // the same bf16 values. Scale and e4m3 conversion are quantize_fp8's
 // (fp8_dev); the CTA holding a block's first column stores its scale.
+//
+// The weight's dtype and the scale format are template parameters (the
+// caller dispatches once); the plain kernel never enters this function.
+template <bool kWeightF32, ScaleFormat kScales>
 __device__ __noinline__ void f_pre_epilogue(const ProjectParams& p, const FusedLayout& L, bf16* xs, float* ep,
                                             int rank, long long row0, int c0, int cw) {
   cg::cluster_group cluster = cg::this_cluster();
@@ -198,7 +203,7 @@ __device__ __noinline__ void f_pre_epilogue(const ProjectParams& p, const FusedL
       const uint4 raw = *px;
       const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
       float w[8];
-      load_weight8(e, c0 + col, w);
+      load_weight8<kWeightF32>(e, c0 + col, w);
       const float s = inv[r];
       uint4 o;
       __nv_bfloat162* ov = reinterpret_cast<__nv_bfloat162*>(&o);
@@ -254,7 +259,7 @@ __device__ __noinline__ void f_pre_epilogue(const ProjectParams& p, const FusedL
       }
     }
     const bool nan_block = m > kBf16Inf;
-    const Scale s = e.ue8m0 ? block_scale_or_nan<ScaleFormat::kUE8M0>(m) : block_scale_or_nan<ScaleFormat::kFloat32>(m);
+    const Scale s = block_scale_or_nan<kScales>(m);
     const int col = gb * 128 + hl * 8 - c0;
     if (col >= 0 && col < cw) {
       uint32_t lo, hi;
@@ -263,7 +268,7 @@ __device__ __noinline__ void f_pre_epilogue(const ProjectParams& p, const FusedL
     }
     if (hl == 0 && gb * 128 >= c0) {  // this CTA holds the block's first column
       const long long si = b * (hidden / 128) + gb;
-      if (e.ue8m0) static_cast<uint8_t*>(e.scales)[si] = uint8_t(s.stored);
+      if constexpr (kScales == ScaleFormat::kUE8M0) static_cast<uint8_t*>(e.scales)[si] = uint8_t(s.stored);
       else static_cast<uint32_t*>(e.scales)[si] = s.stored;
     }
   }
@@ -615,7 +620,14 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
   // 7. F_pre's epilogue: the norm and the FP8 copy (cluster exchanges).
   if (epi) {
     __syncthreads();  // the tile's F_pre is in xs (the Sinkhorn warp joins here too)
-    f_pre_epilogue(p, L, xs, reinterpret_cast<float*>(smem + L.off_epi), rank, row0, c0, cw);
+    float* ep = reinterpret_cast<float*>(smem + L.off_epi);
+    if (p.epi.norm_f32) {
+      if (p.epi.ue8m0) f_pre_epilogue<true, ScaleFormat::kUE8M0>(p, L, xs, ep, rank, row0, c0, cw);
+      else f_pre_epilogue<true, ScaleFormat::kFloat32>(p, L, xs, ep, rank, row0, c0, cw);
+    } else {
+      if (p.epi.ue8m0) f_pre_epilogue<false, ScaleFormat::kUE8M0>(p, L, xs, ep, rank, row0, c0, cw);
+      else f_pre_epilogue<false, ScaleFormat::kFloat32>(p, L, xs, ep, rank, row0, c0, cw);
+    }
   }
   cluster_wait();  // no CTA leaves while a peer may still read its partials
 #endif
