@@ -79,10 +79,11 @@ struct MhcShape {
 // The projection kernel of mhc_pre, mhc_project and mhc_head. kAuto (the
 // default) picks the first of these that takes the shape on the current
 // device, in this order (docs/spec.md §4 states each one's conditions):
-//   kResident     sm_90, n = 4, C a multiple of 1024 up to 7168; not mhc_head
-//   kSplit        a workspace and 1 <= B <= kMhcSplitMaxBatch
+//   kResident     sm_90, n = 4, C a multiple of 1024 up to 7168; not mhc_head; no F_pre epilogue
+//   kSplit        a workspace and 1 <= B <= kMhcSplitMaxBatch; no F_pre epilogue
 //   kClusterTile  sm_90, a tile of 8-24 tokens of the shape fits in shared memory
-//   kPortable     any GPU, any shape
+//   kPortable     any GPU, any shape; no F_pre epilogue
+// (F_pre epilogue: the norm / FP8 fields of MhcPreArgs and MhcPostPreArgs, spec §4.8.)
 // Any other value pins that kernel: where it cannot take the shape the call
 // fails with kNotSupported and says why, launching nothing. Results agree
 // within the stated tolerance between kernels; each one is bitwise
@@ -201,9 +202,10 @@ struct MhcHeadArgs {
 // squares and mix use X_next as it is made on chip (bf16-rounded, exactly
 // the values stored), never read back. Bitwise equal to mhc_post then
 // mhc_pre pinned to the same projection kernel (spec §4.7). Kernels: kResident
-// (n = 4, C a multiple of 1024 up to 7168) and kClusterTile (the rest of
-// sm_90); kAuto picks them in that order; kSplit and kPortable are not
-// available for this op (kNotSupported).
+// (n = 4, C a multiple of 1024 up to 7168, no F_pre epilogue) and
+// kClusterTile (the rest of sm_90, and every call with the epilogue); kAuto
+// picks them in that order; kSplit and kPortable are not available for this
+// op (kNotSupported).
 struct MhcPostPreArgs {
   MhcShape shape;
   // This layer's post (inputs).
