@@ -7,6 +7,10 @@
 //   mhc_post_pre: X + F_out read once, X_next + F_pre written once (the
 //             one-pass floor of the boundary; the issue's bound is
 //             time <= 1.15 x floor at the same run's copy bandwidth).
+//             _norm_fp8: F_pre's epilogue (spec §4.8) with the FP8 copy only
+//             (f_pre null): X + F_out read once, X_next, the e4m3 F_pre and
+//             its fp32 1 x 128 scales written once (the norm's weight, 2C
+//             bytes once per launch, not counted).
 // "fraction" = (bytes / copy bandwidth) / time, the copy bandwidth measured in
 // the same run; for mhc_pre the issue's bound is time <= 1.25 x floor, i.e.
 // fraction >= 0.8. Decode (B = 16) is timed as CUDA-graph replays over
@@ -31,6 +35,8 @@
 
 #include "bench_common.h"
 #include "common/host_dtype.h"
+#include "common/host_fp8.h"
+#include "flashmix/fp8.h"
 #include "flashmix/mhc.h"
 #include "mhc/mhc_device.cuh"
 
@@ -279,6 +285,60 @@ void run_baseline_post(const HostData& h, const DevSet& d, cudaStream_t stream) 
       reinterpret_cast<const bf16*>(d.x), reinterpret_cast<const bf16*>(d.f_out), d.h_post_in, d.h_res_in,
       reinterpret_cast<bf16*>(d.x_next), int(h.B), h.n, int(h.C));
   BENCH_CUDA(cudaGetLastError());
+}
+
+// mhc_post_pre with the norm and the FP8 copy only (f_pre null) on `rows`:
+// X_next against the CPU post; the dequantised FP8 copy against the CPU's
+// normed F_pre (mhc_pre_cpu with the norm on the X_next the GPU stored),
+// within half an e4m3 step plus mhc_pre's F_pre tolerance through 1/rms and
+// the weight. Bitwise agreement with quantize_fp8 is the GPU tests' job.
+std::string check_post_pre_norm_fp8(const HostData& h, const DevSet& d, const uint8_t* q_dev, const float* s_dev,
+                                    const std::vector<uint16_t>& w, float eps, const std::vector<int64_t>& rows) {
+  const int n = h.n;
+  const int64_t C = h.C, K = n * C, kb = C / 128;
+  auto xn = download(d.x_next, size_t(h.B * K));
+  auto q = download(q_dev, size_t(h.B * C));
+  auto sc = download(s_dev, size_t(h.B * kb));
+  for (int64_t b : rows) {
+    std::vector<uint16_t> rx(K), plain(C), normed(C);
+    std::vector<float> rp(n), rr(n * n);
+    MhcPostArgs pq;
+    pq.shape = {1, n, C};
+    pq.x = h.x.data() + b * K; pq.f_out = h.f_out.data() + b * C; pq.h_post = h.h_post.data() + b * n;
+    pq.h_res = h.h_res.data() + b * n * n; pq.x_next = rx.data(); pq.res_layout = MhcResLayout::kDeepSeek;
+    Status s = mhc_post_cpu(pq);
+    if (!s.ok()) return "FAILED: reference: " + s.message();
+    for (int64_t e = 0; e < K; ++e) {
+      const double g = host::bf16_to_float(xn[b * K + e]), r = host::bf16_to_float(rx[e]);
+      if (!(std::fabs(g - r) <= std::ldexp(std::fabs(r), -7) + 1e-3)) return "FAILED: X_next row " + std::to_string(b);
+    }
+    MhcPreArgs a;
+    a.shape = {1, n, C};
+    a.x = xn.data() + b * K; a.alpha = h.alpha.data(); a.bias = h.bias.data(); a.phi = h.phi.data();
+    a.f_pre = plain.data(); a.h_post = rp.data(); a.h_res = rr.data();
+    s = mhc_pre_cpu(a);
+    if (!s.ok()) return "FAILED: reference: " + s.message();
+    a.f_pre = normed.data();
+    a.norm_weight = w.data(); a.norm_weight_dtype = DType::kBFloat16; a.norm_eps = eps;
+    s = mhc_pre_cpu(a);
+    if (!s.ok()) return "FAILED: reference: " + s.message();
+    double ss = 0;
+    for (int64_t c = 0; c < C; ++c) ss += double(host::bf16_to_float(plain[c])) * host::bf16_to_float(plain[c]);
+    const double inv = 1.0 / std::sqrt(ss / double(C) + double(eps));
+    for (int64_t c = 0; c < C; ++c) {
+      const double sb = sc[b * kb + c / 128];
+      const double g = double(host::e4m3_to_float(q[b * C + c])) * sb, r = host::bf16_to_float(normed[c]);
+      double scale = 0;
+      for (int i = 0; i < n; ++i) scale += std::fabs(host::bf16_to_float(xn[b * K + i * C + c]));
+      const double tol = std::ldexp(std::fabs(r), -4) + std::ldexp(sb, -6) + std::ldexp(std::fabs(r), -5) +
+                         2e-4 * scale * inv * std::fabs(host::bf16_to_float(w[c])) + 1e-6;
+      if (!(std::fabs(g - r) <= tol))
+        return "FAILED: FP8 F_pre[" + std::to_string(b) + "," + std::to_string(c) + "]";
+    }
+  }
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "passed (%zu of %lld rows vs CPU reference)", rows.size(), (long long)h.B);
+  return buf;
 }
 
 // Checks the GPU outputs of mhc_pre on `rows` against the CPU reference.
@@ -720,6 +780,69 @@ void run_mhc_cases(Context& ctx) {
     r.extra["post_then_pre_us"] = two_us;
     r.extra["speedup_over_post_then_pre"] = two_us / us;
     add_record(ctx, r);
+    free_dev(d);
+  }
+  // The boundary for an FP8 sublayer: F_pre's input RMSNorm and its e4m3
+  // copy with fp32 1 x 128 scales, f_pre null (spec §4.8). Runs on the
+  // cluster-tile kernel (the resident kernel has no epilogue).
+  if (ctx.selected("mhc_post_pre", "B8192_n4_C7168_norm_fp8")) {
+    HostData h = make_host(8192, 4, 7168, 20261128);
+    DevSet d = make_dev(h);
+    std::vector<uint16_t> w(size_t(h.C));
+    for (int64_t c = 0; c < h.C; ++c) w[c] = host::float_to_bf16(float(0.5 + 0.001 * double(c % 997)));
+    const float eps = 1e-6f;
+    uint16_t* dw = upload(w);
+    uint8_t* q = alloc<uint8_t>(size_t(h.B * h.C));
+    float* sc = alloc<float>(size_t(h.B * (h.C / 128)));
+    const double x_bytes = 2.0 * h.B * h.n * h.C, f_bytes = 2.0 * h.B * h.C;
+    const double out_bytes = 1.0 * h.B * h.C + 4.0 * h.B * (h.C / 128);
+    const double bytes = 2 * x_bytes + f_bytes + out_bytes;  // X, F_out in; X_next, e4m3 F_pre, scales out
+    const double bound_us = bytes / (ctx.copy_gbps * 1e9) * 1e6;
+    MhcPostPreArgs a = post_pre_args(h, d);
+    a.f_pre = nullptr;
+    a.norm_weight = dw; a.norm_weight_dtype = DType::kBFloat16; a.norm_eps = eps;
+    a.f_pre_fp8 = q; a.f_pre_scales = sc; a.f_pre_scale_format = ScaleFormat::kFloat32;
+    MhcPreKernel kernel = MhcPreKernel::kAuto;
+    std::string why;
+    Status st = mhc_post_pre_kernel_choice(a, &kernel, &why);
+    if (st.ok()) st = mhc_post_pre(a, stream);
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    const std::string check = !st.ok() ? "FAILED: " + st.message()
+                              : ctx.verify ? check_post_pre_norm_fp8(h, d, q, sc, w, eps, sample_rows(h.B))
+                                           : "not verified";
+    const double us = median_us([&] { (void)mhc_post_pre(a, stream); }, stream, 3, iters);
+    // The same without the epilogue (bf16 F_pre, the automatic kernel), and
+    // the plain boundary followed by the separate quantize_fp8 of its F_pre
+    // (no norm: what the epilogue's FP8 copy replaces).
+    const MhcPostPreArgs plain = post_pre_args(h, d);
+    const double plain_us = median_us([&] { (void)mhc_post_pre(plain, stream); }, stream, 3, iters);
+    QuantizeFp8Args qa;
+    qa.x = d.f_pre; qa.q = q; qa.scales = sc; qa.rows = h.B; qa.cols = h.C;
+    const double two_us = median_us(
+        [&] {
+          (void)mhc_post_pre(plain, stream);
+          (void)quantize_fp8(qa, stream);
+        },
+        stream, 3, iters);
+    Record r;
+    r.op = "mhc_post_pre";
+    r.case_name = "B8192_n4_C7168_norm_fp8";
+    r.median_us = us;
+    r.ceiling = "copy";
+    r.bytes = bytes;
+    r.fraction = bound_us / us;
+    r.check = check;
+    r.extra["bound_us"] = bound_us;
+    r.extra["time_over_bound"] = us / bound_us;
+    r.extra["target_max_time_over_bound"] = 1.15;
+    r.labels["kernel"] = to_string(kernel);
+    r.extra["plain_post_pre_us"] = plain_us;
+    r.extra["post_pre_then_quantize_fp8_us"] = two_us;
+    r.extra["speedup_over_post_pre_then_quantize"] = two_us / us;
+    add_record(ctx, r);
+    BENCH_CUDA(cudaFree(dw));
+    BENCH_CUDA(cudaFree(q));
+    BENCH_CUDA(cudaFree(sc));
     free_dev(d);
   }
   if (ctx.selected("mhc_post_pre", "decode_B16_n4_C7168_graph")) {

@@ -34,6 +34,7 @@
 #include <cuda_runtime_api.h>
 
 #include "flashmix/dtype.h"
+#include "flashmix/fp8.h"
 #include "flashmix/status.h"
 
 namespace flashmix {
@@ -78,10 +79,11 @@ struct MhcShape {
 // The projection kernel of mhc_pre, mhc_project and mhc_head. kAuto (the
 // default) picks the first of these that takes the shape on the current
 // device, in this order (docs/spec.md §4 states each one's conditions):
-//   kResident     sm_90, n = 4, C a multiple of 1024 up to 7168; not mhc_head
-//   kSplit        a workspace and 1 <= B <= kMhcSplitMaxBatch
+//   kResident     sm_90, n = 4, C a multiple of 1024 up to 7168; not mhc_head; no F_pre epilogue
+//   kSplit        a workspace and 1 <= B <= kMhcSplitMaxBatch; no F_pre epilogue
 //   kClusterTile  sm_90, a tile of 8-24 tokens of the shape fits in shared memory
-//   kPortable     any GPU, any shape
+//   kPortable     any GPU, any shape; no F_pre epilogue
+// (F_pre epilogue: the norm / FP8 fields of MhcPreArgs and MhcPostPreArgs, spec §4.8.)
 // Any other value pins that kernel: where it cannot take the shape the call
 // fails with kNotSupported and says why, launching nothing. Results agree
 // within the stated tolerance between kernels; each one is bitwise
@@ -111,6 +113,16 @@ struct MhcPreArgs {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   MhcPreKernel kernel = MhcPreKernel::kAuto;  // which projection kernel (see MhcPreKernel)
+  // F_pre's epilogue (spec §4.8; defaults: off): the next sublayer's input
+  // RMSNorm and an FP8 copy, as in MhcPostPreArgs. Only the cluster-tile
+  // kernel runs them (kAuto picks it; kResident / kSplit / kPortable pinned:
+  // kNotSupported).
+  const void* norm_weight = nullptr;
+  DType norm_weight_dtype = DType::kBFloat16;
+  float norm_eps = 1e-6f;
+  void* f_pre_fp8 = nullptr;
+  void* f_pre_scales = nullptr;
+  ScaleFormat f_pre_scale_format = ScaleFormat::kFloat32;
 };
 
 // mhc_post: X_next = R * X + H_post * F_out in one pass.
@@ -190,9 +202,10 @@ struct MhcHeadArgs {
 // squares and mix use X_next as it is made on chip (bf16-rounded, exactly
 // the values stored), never read back. Bitwise equal to mhc_post then
 // mhc_pre pinned to the same projection kernel (spec §4.7). Kernels: kResident
-// (n = 4, C a multiple of 1024 up to 7168) and kClusterTile (the rest of
-// sm_90); kAuto picks them in that order; kSplit and kPortable are not
-// available for this op (kNotSupported).
+// (n = 4, C a multiple of 1024 up to 7168, no F_pre epilogue) and
+// kClusterTile (the rest of sm_90, and every call with the epilogue); kAuto
+// picks them in that order; kSplit and kPortable are not available for this
+// op (kNotSupported).
 struct MhcPostPreArgs {
   MhcShape shape;
   // This layer's post (inputs).
@@ -215,6 +228,22 @@ struct MhcPostPreArgs {
   bool enable_pdl = true;
   bool prefetch_weights = false;  // as in MhcPreArgs: phi, alpha, bias only (never X, F_out, H_post, H_res)
   MhcPreKernel kernel = MhcPreKernel::kAuto;  // kAuto, kResident or kClusterTile
+
+  // F_pre's epilogue (spec §4.8), for the next sublayer's input; every field
+  // off by default (then F_pre is exactly as above). Let v = F_pre rounded to
+  // bf16 as stored. With norm_weight (the sublayer's input RMSNorm):
+  //   f_pre[b, c] = bf16( v[b, c] * rsqrt(mean_c v[b, :]^2 + norm_eps) * norm_weight[c] )
+  // in fp32, one rounding; otherwise f_pre = v. With f_pre_fp8: that bf16
+  // f_pre quantised to e4m3 with 1 x 128 blocks, bitwise quantize_fp8's
+  // (spec §11, §12), C a multiple of 128. f_pre may then be null (only the
+  // FP8 copy is written). Only the cluster-tile kernel runs the epilogue
+  // (kAuto picks it; kResident pinned: kNotSupported).
+  const void* norm_weight = nullptr;           // [C], bf16 or fp32, 16-byte aligned; null: no norm
+  DType norm_weight_dtype = DType::kBFloat16;  // kBFloat16 or kFloat32
+  float norm_eps = 1e-6f;                      // finite, >= 0
+  void* f_pre_fp8 = nullptr;                   // e4m3 [B, C], 16-byte aligned; null: no FP8 output
+  void* f_pre_scales = nullptr;                // [B, C/128] float or uint8 (with f_pre_fp8)
+  ScaleFormat f_pre_scale_format = ScaleFormat::kFloat32;
 };
 
 // mhc_expand: embedding [B, C] -> X [B, n, C] with n copies.

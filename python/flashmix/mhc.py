@@ -19,11 +19,11 @@ __all__ = [
     "mhc_pre", "mhc_pre_kernel_choice", "mhc_post", "mhc_post_pre", "mhc_project", "mhc_activate", "mhc_pre_mix", "mhc_head",
     "mhc_expand", "mhc_workspace_bytes", "mhc_num_coefficients",
     "MHC_MAX_STREAMS", "MHC_SEED_PARAMS", "MHC_PRE_KERNELS", "MhcPreOutput", "MhcActivateOutput",
-    "MhcPostPreOutput",
+    "MhcPostPreOutput", "MhcPostPreFp8Output", "MhcPreFp8Output",
 ]
 
 if torch is not None:
-    from ._torch_ops import Tensor, Tuple, custom_op
+    from ._torch_ops import Optional, Tensor, Tuple, custom_op
 
 _DEFAULTS = defaults(_C.mhc_defaults())
 _PRE = _DEFAULTS["mhc_pre"]
@@ -44,8 +44,13 @@ mhc_num_coefficients = _C.mhc_num_coefficients
 mhc_workspace_bytes = _C.mhc_workspace_bytes
 
 MhcPreOutput = collections.namedtuple("MhcPreOutput", ["f_pre", "h_post", "h_res"])
+#: mhc_pre with ``fp8=True`` (spec §4.8): f_pre is None with ``bf16_f_pre=False``.
+MhcPreFp8Output = collections.namedtuple("MhcPreFp8Output", ["f_pre", "h_post", "h_res", "f_pre_fp8", "f_pre_scales"])
 MhcActivateOutput = collections.namedtuple("MhcActivateOutput", ["h_pre", "h_post", "h_res"])
 MhcPostPreOutput = collections.namedtuple("MhcPostPreOutput", ["x_next", "f_pre", "h_post", "h_res"])
+#: mhc_post_pre with ``fp8=True`` (spec §4.8): f_pre is None with ``bf16_f_pre=False``.
+MhcPostPreFp8Output = collections.namedtuple(
+    "MhcPostPreFp8Output", ["x_next", "f_pre", "h_post", "h_res", "f_pre_fp8", "f_pre_scales"])
 
 
 def _streams_from_coefficients(N, op, name):
@@ -70,24 +75,62 @@ def _new_mix(x, n, op):
     return empty(x, (x.shape[0], _hidden(x, n, op)), "bfloat16")
 
 
+def _coef_outputs(x, phi, op, h_post=None, h_res=None):
+    """h_post fp32 ``[B, n]`` and h_res fp32 ``[B, n, n]`` (n from phi): those given, fresh ones
+    for the others."""
+    n = _streams_from_coefficients(phi.shape[0], op, "phi")
+    B = x.shape[0]
+    return (empty(x, (B, n), "float32") if h_post is None else h_post,
+            empty(x, (B, n, n), "float32") if h_res is None else h_res)
+
+
 def _pre_outputs(x, phi, op, f_pre=None, h_post=None, h_res=None):
     """mhc_pre's outputs (f_pre bf16 ``[B, C]``, h_post fp32 ``[B, n]``, h_res fp32 ``[B, n, n]``;
     n from phi): those given, fresh ones for the others."""
     n = _streams_from_coefficients(phi.shape[0], op, "phi")
-    B = x.shape[0]
-    return (_new_mix(x, n, op) if f_pre is None else f_pre,
-            empty(x, (B, n), "float32") if h_post is None else h_post,
-            empty(x, (B, n, n), "float32") if h_res is None else h_res)
+    return (_new_mix(x, n, op) if f_pre is None else f_pre, *_coef_outputs(x, phi, op, h_post, h_res))
 
 
 # ---------------------------------------------------------------------------
 # mhc_pre and its projection kernel
 # ---------------------------------------------------------------------------
 
+def _epilogue(x, phi, op, fp8, f_pre_scale_format, f_pre, f_pre_fp8, f_pre_scales, bf16_f_pre):
+    """F_pre's epilogue outputs (spec §4.8): (fp8 on?, f_pre or None, f_pre_fp8, f_pre_scales),
+    those given, fresh ones for the others."""
+    fp8 = bool(fp8) or f_pre_fp8 is not None or f_pre_scales is not None
+    n = _streams_from_coefficients(phi.shape[0], op, "phi")
+    if fp8 and not bf16_f_pre:
+        f_pre = None
+    elif f_pre is None:
+        f_pre = _new_mix(x, n, op)
+    if fp8:
+        f_pre_fp8, f_pre_scales = _fp8_outputs(x, phi, f_pre_scale_format, f_pre_fp8, f_pre_scales, op)
+    return fp8, f_pre, f_pre_fp8, f_pre_scales
+
+
+def _fp8_outputs(x, phi, scale_format, f_pre_fp8=None, f_pre_scales=None, op="mhc_post_pre"):
+    """The FP8 copy of F_pre (e4m3 ``[B, C]``) and its 1 x 128 scales ``[B, C/128]``: those given,
+    fresh ones for the others."""
+    from .fp8 import _e4m3_dtype, _scale_dtype
+    n = _streams_from_coefficients(phi.shape[0], op, "phi")
+    B, C = x.shape[0], _hidden(x, n, op)
+    return (empty(x, (B, C), _e4m3_dtype(x)) if f_pre_fp8 is None else f_pre_fp8,
+            empty(x, (B, C // 128), _scale_dtype(x, scale_format)) if f_pre_scales is None else f_pre_scales)
+
+
+def _epilogue_args(norm_weight, norm_eps, f_pre_fp8, f_pre_scales, f_pre_scale_format):
+    from .fp8 import _as_bytes
+    return dict(norm_weight=arg(norm_weight), norm_eps=norm_eps, f_pre_fp8=arg(_as_bytes(f_pre_fp8)),
+                f_pre_scales=arg(_as_bytes(f_pre_scales)), f_pre_scale_format=f_pre_scale_format)
+
+
 def mhc_pre(x, phi, alpha, bias, *, f_pre=None, h_post=None, h_res=None, eps_norm=_PRE.eps_norm,
             eps_pre=_PRE.eps_pre, post_mult=_PRE.post_mult, eps_sinkhorn=_PRE.eps_sinkhorn,
             sinkhorn_iters=_PRE.sinkhorn_iters, res_layout=_PRE.res_layout, enable_pdl=_PRE.enable_pdl,
-            prefetch_weights=_PRE.prefetch_weights, workspace=None, kernel=_PRE.kernel, stream=None):
+            prefetch_weights=_PRE.prefetch_weights, workspace=None, kernel=_PRE.kernel, norm_weight=None,
+            norm_eps=_PRE.norm_eps, fp8=False, f_pre_scale_format=_PRE.f_pre_scale_format, f_pre_fp8=None,
+            f_pre_scales=None, bf16_f_pre=True, stream=None):
     """spec §4 mhc_pre: X -> (F_pre, H_post, H_res) in one pass over X.
 
     n comes from phi (N = n*n + 2n rows). Returns MhcPreOutput(f_pre bf16 ``[B, C]``,
@@ -103,12 +146,22 @@ def mhc_pre(x, phi, alpha, bias, *, f_pre=None, h_post=None, h_res=None, eps_nor
     ``kernel``: the projection kernel, one of MHC_PRE_KERNELS: "auto" (the first that takes the
     shape: docs/spec.md §4.6) or a pinned one, which runs or raises NotImplementedError saying
     why (nothing launched). CPU arrays run the one reference whatever ``kernel`` names.
+    ``norm_weight``, ``norm_eps``, ``fp8``, ``f_pre_scale_format``, ``f_pre_fp8``,
+    ``f_pre_scales``, ``bf16_f_pre``: F_pre's epilogue (spec §4.8), as in mhc_post_pre (the
+    cluster-tile kernel runs it); with ``fp8`` returns MhcPreFp8Output(f_pre, h_post, h_res,
+    f_pre_fp8, f_pre_scales).
     """
-    f_pre, h_post, h_res = _pre_outputs(x, phi, "mhc_pre", f_pre, h_post, h_res)
+    fp8, f_pre, f_pre_fp8, f_pre_scales = _epilogue(x, phi, "mhc_pre", fp8, f_pre_scale_format, f_pre, f_pre_fp8,
+                                                    f_pre_scales, bf16_f_pre)
+    h_post, h_res = _coef_outputs(x, phi, "mhc_pre", h_post, h_res)
     _C.mhc_pre(arg(x), arg(phi), arg(alpha), arg(bias), arg(f_pre), arg(h_post), arg(h_res),
                eps_norm=eps_norm, eps_pre=eps_pre, post_mult=post_mult, eps_sinkhorn=eps_sinkhorn,
                sinkhorn_iters=sinkhorn_iters, res_layout=res_layout, enable_pdl=enable_pdl,
-               prefetch_weights=prefetch_weights, kernel=kernel, workspace=arg(workspace), stream=stream_of(stream, x))
+               prefetch_weights=prefetch_weights, kernel=kernel, workspace=arg(workspace),
+               **_epilogue_args(norm_weight, norm_eps, f_pre_fp8, f_pre_scales, f_pre_scale_format),
+               stream=stream_of(stream, x))
+    if fp8:
+        return MhcPreFp8Output(f_pre, h_post, h_res, f_pre_fp8, f_pre_scales)
     return MhcPreOutput(f_pre, h_post, h_res)
 
 
@@ -116,19 +169,24 @@ def mhc_pre_kernel_choice(x, phi, alpha, bias, *, f_pre=None, h_post=None, h_res
                           eps_pre=_PRE.eps_pre, post_mult=_PRE.post_mult, eps_sinkhorn=_PRE.eps_sinkhorn,
                           sinkhorn_iters=_PRE.sinkhorn_iters, res_layout=_PRE.res_layout,
                           enable_pdl=_PRE.enable_pdl, prefetch_weights=_PRE.prefetch_weights, workspace=None,
-                          kernel=_PRE.kernel, stream=None):
+                          kernel=_PRE.kernel, norm_weight=None, norm_eps=_PRE.norm_eps, fp8=False,
+                          f_pre_scale_format=_PRE.f_pre_scale_format, f_pre_fp8=None, f_pre_scales=None,
+                          bf16_f_pre=True, stream=None):
     """``(kernel, reason)``: the projection kernel mhc_pre would run with these arguments (CUDA
     arrays) on their device, one of MHC_PRE_KERNELS other than "auto", and why. Launches nothing
     and reads no array. It takes mhc_pre's arguments (outputs not passed are allocated, as there;
     ``stream`` is not used). A pinned ``kernel`` that cannot take the call raises
     NotImplementedError saying why; CPU arrays raise ValueError."""
     del stream  # the choice does not depend on the stream
-    f_pre, h_post, h_res = _pre_outputs(x, phi, "mhc_pre_kernel_choice", f_pre, h_post, h_res)
+    _, f_pre, f_pre_fp8, f_pre_scales = _epilogue(x, phi, "mhc_pre_kernel_choice", fp8, f_pre_scale_format, f_pre,
+                                                  f_pre_fp8, f_pre_scales, bf16_f_pre)
+    h_post, h_res = _coef_outputs(x, phi, "mhc_pre_kernel_choice", h_post, h_res)
     return tuple(_C.mhc_pre_kernel_choice(
         arg(x), arg(phi), arg(alpha), arg(bias), arg(f_pre), arg(h_post), arg(h_res), eps_norm=eps_norm,
         eps_pre=eps_pre, post_mult=post_mult, eps_sinkhorn=eps_sinkhorn, sinkhorn_iters=sinkhorn_iters,
         res_layout=res_layout, enable_pdl=enable_pdl, prefetch_weights=prefetch_weights, kernel=kernel,
-        workspace=arg(workspace)))
+        workspace=arg(workspace), **_epilogue_args(norm_weight, norm_eps, f_pre_fp8, f_pre_scales,
+                                                   f_pre_scale_format)))
 
 
 if torch is not None:
@@ -196,16 +254,23 @@ if torch is not None:
 # mhc_post_pre: the layer boundary
 # ---------------------------------------------------------------------------
 
-def _post_pre_outputs(x, phi, x_next=None, f_pre=None, h_post_next=None, h_res_next=None):
-    f_pre, h_post_next, h_res_next = _pre_outputs(x, phi, "mhc_post_pre", f_pre, h_post_next, h_res_next)
-    return (_new_x_next(x) if x_next is None else x_next), f_pre, h_post_next, h_res_next
+def _post_pre_outputs(x, phi, x_next=None, f_pre=None, h_post_next=None, h_res_next=None, bf16_f_pre=True):
+    """mhc_post_pre's outputs: those given, fresh ones for the others (f_pre None when not
+    bf16_f_pre)."""
+    n = _streams_from_coefficients(phi.shape[0], "mhc_post_pre", "phi")
+    if bf16_f_pre and f_pre is None:
+        f_pre = _new_mix(x, n, "mhc_post_pre")
+    return ((_new_x_next(x) if x_next is None else x_next), f_pre if bf16_f_pre else None,
+            *_coef_outputs(x, phi, "mhc_post_pre", h_post_next, h_res_next))
 
 
 def mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, *, x_next=None, f_pre=None, h_post_next=None,
                  h_res_next=None, res_layout=_POST_PRE.res_layout, eps_norm=_POST_PRE.eps_norm,
                  eps_pre=_POST_PRE.eps_pre, post_mult=_POST_PRE.post_mult, eps_sinkhorn=_POST_PRE.eps_sinkhorn,
                  sinkhorn_iters=_POST_PRE.sinkhorn_iters, enable_pdl=_POST_PRE.enable_pdl,
-                 prefetch_weights=_POST_PRE.prefetch_weights, kernel=_POST_PRE.kernel, stream=None):
+                 prefetch_weights=_POST_PRE.prefetch_weights, kernel=_POST_PRE.kernel, norm_weight=None,
+                 norm_eps=_POST_PRE.norm_eps, fp8=False, f_pre_scale_format=_POST_PRE.f_pre_scale_format,
+                 f_pre_fp8=None, f_pre_scales=None, bf16_f_pre=True, stream=None):
     """spec §4.7 mhc_post_pre: a layer boundary in one op, this layer's mhc_post (x, f_out,
     h_post, h_res; ``res_layout``) followed by the next sublayer's mhc_pre (phi, alpha, bias and
     the activation parameters). X is read once and X_next written once; the pre uses X_next as
@@ -213,13 +278,28 @@ def mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, *, x_next=None, f_pr
     float32 ``[B, n]``, h_res float32 ``[B, n, n]``); outputs not passed are allocated and must
     not overlap any input (double-buffer the coefficients). Bitwise equal to mhc_post then
     mhc_pre pinned to the same kernel. ``kernel``: "auto", "resident" or "cluster_tile"
-    (the others raise NotImplementedError); CPU arrays run the reference."""
-    x_next, f_pre, h_post_next, h_res_next = _post_pre_outputs(x, phi, x_next, f_pre, h_post_next, h_res_next)
+    (the others raise NotImplementedError); CPU arrays run the reference.
+
+    F_pre's epilogue (spec §4.8; the cluster-tile kernel runs it):
+      norm_weight: bf16 or float32 ``[C]``: f_pre is then the next sublayer's input RMSNorm of
+        F_pre (F_pre rounded to bf16, normed in fp32 with ``norm_eps``, rounded once).
+      fp8: also an e4m3 copy of f_pre with 1 x 128 scales (``f_pre_scale_format`` "float32" or
+        "ue8m0"), bitwise flashmix.quantize_fp8 of the bf16 f_pre; C a multiple of 128.
+        ``f_pre_fp8`` (float8_e4m3fn / uint8 ``[B, C]``) and ``f_pre_scales`` (``[B, C/128]``) are
+        allocated when None. ``bf16_f_pre=False``: the bf16 f_pre is not written (returned as
+        None). Returns MhcPostPreFp8Output(x_next, f_pre, h_post, h_res, f_pre_fp8, f_pre_scales)."""
+    fp8, f_pre, f_pre_fp8, f_pre_scales = _epilogue(x, phi, "mhc_post_pre", fp8, f_pre_scale_format, f_pre,
+                                                    f_pre_fp8, f_pre_scales, bf16_f_pre)
+    x_next, _, h_post_next, h_res_next = _post_pre_outputs(x, phi, x_next, None, h_post_next, h_res_next,
+                                                           bf16_f_pre=False)
     _C.mhc_post_pre(arg(x), arg(f_out), arg(h_post), arg(h_res), arg(phi), arg(alpha), arg(bias), arg(x_next),
                     arg(f_pre), arg(h_post_next), arg(h_res_next), res_layout=res_layout, eps_norm=eps_norm,
                     eps_pre=eps_pre, post_mult=post_mult, eps_sinkhorn=eps_sinkhorn, sinkhorn_iters=sinkhorn_iters,
                     enable_pdl=enable_pdl, prefetch_weights=prefetch_weights, kernel=kernel,
+                    **_epilogue_args(norm_weight, norm_eps, f_pre_fp8, f_pre_scales, f_pre_scale_format),
                     stream=stream_of(stream, x))
+    if fp8:
+        return MhcPostPreFp8Output(x_next, f_pre, h_post_next, h_res_next, f_pre_fp8, f_pre_scales)
     return MhcPostPreOutput(x_next, f_pre, h_post_next, h_res_next)
 
 
@@ -237,6 +317,47 @@ if torch is not None:
                                   eps_norm=eps_norm, eps_pre=eps_pre, post_mult=post_mult,
                                   eps_sinkhorn=eps_sinkhorn, sinkhorn_iters=sinkhorn_iters, enable_pdl=enable_pdl,
                                   prefetch_weights=prefetch_weights, kernel=projection_kernel))
+
+    @custom_op("mhc_post_pre_norm", fake=lambda x, phi, **_: _post_pre_outputs(x, phi))
+    def _mhc_post_pre_norm_op(x: Tensor, f_out: Tensor, h_post: Tensor, h_res: Tensor, phi: Tensor, alpha: Tensor,
+                              bias: Tensor, norm_weight: Tensor, norm_eps: float = _POST_PRE.norm_eps,
+                              res_layout: str = _POST_PRE.res_layout, eps_norm: float = _POST_PRE.eps_norm,
+                              eps_pre: float = _POST_PRE.eps_pre, post_mult: float = _POST_PRE.post_mult,
+                              eps_sinkhorn: float = _POST_PRE.eps_sinkhorn,
+                              sinkhorn_iters: int = _POST_PRE.sinkhorn_iters, enable_pdl: bool = _POST_PRE.enable_pdl,
+                              prefetch_weights: bool = _POST_PRE.prefetch_weights,
+                              projection_kernel: str = _POST_PRE.kernel) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """flashmix.mhc_post_pre with the next sublayer's input RMSNorm (spec §4.8) as a custom op:
+        fresh (x_next, normed f_pre bf16, h_post, h_res)."""
+        return tuple(mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, res_layout=res_layout,
+                                  eps_norm=eps_norm, eps_pre=eps_pre, post_mult=post_mult,
+                                  eps_sinkhorn=eps_sinkhorn, sinkhorn_iters=sinkhorn_iters, enable_pdl=enable_pdl,
+                                  prefetch_weights=prefetch_weights, kernel=projection_kernel,
+                                  norm_weight=norm_weight, norm_eps=norm_eps))
+
+    def _post_pre_fp8_fake(x, phi, f_pre_scale_format, **_):
+        x_next, _, h_post_next, h_res_next = _post_pre_outputs(x, phi, bf16_f_pre=False)
+        return (x_next, *_fp8_outputs(x, phi, f_pre_scale_format), h_post_next, h_res_next)
+
+    @custom_op("mhc_post_pre_fp8", fake=_post_pre_fp8_fake)
+    def _mhc_post_pre_fp8_op(x: Tensor, f_out: Tensor, h_post: Tensor, h_res: Tensor, phi: Tensor, alpha: Tensor,
+                             bias: Tensor, norm_weight: Optional[Tensor] = None, norm_eps: float = _POST_PRE.norm_eps,
+                             f_pre_scale_format: str = _POST_PRE.f_pre_scale_format,
+                             res_layout: str = _POST_PRE.res_layout, eps_norm: float = _POST_PRE.eps_norm,
+                             eps_pre: float = _POST_PRE.eps_pre, post_mult: float = _POST_PRE.post_mult,
+                             eps_sinkhorn: float = _POST_PRE.eps_sinkhorn,
+                             sinkhorn_iters: int = _POST_PRE.sinkhorn_iters, enable_pdl: bool = _POST_PRE.enable_pdl,
+                             prefetch_weights: bool = _POST_PRE.prefetch_weights,
+                             projection_kernel: str = _POST_PRE.kernel) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """flashmix.mhc_post_pre for an FP8 sublayer (spec §4.8) as a custom op: fresh (x_next,
+        f_pre e4m3 ``[B, C]``, its 1 x 128 scales ``[B, C/128]``, h_post, h_res); the (optionally
+        normed) F_pre is not written in bf16."""
+        o = mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, res_layout=res_layout, eps_norm=eps_norm,
+                         eps_pre=eps_pre, post_mult=post_mult, eps_sinkhorn=eps_sinkhorn,
+                         sinkhorn_iters=sinkhorn_iters, enable_pdl=enable_pdl, prefetch_weights=prefetch_weights,
+                         kernel=projection_kernel, norm_weight=norm_weight, norm_eps=norm_eps, fp8=True,
+                         f_pre_scale_format=f_pre_scale_format, bf16_f_pre=False)
+        return o.x_next, o.f_pre_fp8, o.f_pre_scales, o.h_post, o.h_res
 
 
 # ---------------------------------------------------------------------------

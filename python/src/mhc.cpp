@@ -154,6 +154,35 @@ void set_activation_params(fm::MhcParams& p, float eps_pre, float post_mult, flo
   p.sinkhorn_iters = sinkhorn_iters;
 }
 
+// F_pre's epilogue (spec §4.8), mhc_pre and mhc_post_pre alike: norm_weight
+// bf16 or float32 [C] (None: no norm); f_pre_fp8 uint8 [B, C] (float8_e4m3fn
+// bytes) with f_pre_scales [B, C/128] float32 or uint8 (ue8m0), both or
+// neither. The shape must be set.
+template <typename Args>
+void set_epilogue(Args& a, const OptIn& norm_weight, float norm_eps, const OptOut& f_pre_fp8,
+                  const OptOut& f_pre_scales, const std::string& f_pre_scale_format, const char* op) {
+  const int64_t B = a.shape.batch, C = a.shape.hidden;
+  if (!fm::parse_scale_format(f_pre_scale_format.c_str(), &a.f_pre_scale_format))
+    fail(op, "f_pre_scale_format", "must be \"float32\" or \"ue8m0\" (got \"", f_pre_scale_format, "\")");
+  if (norm_weight) {
+    const bool f32 = norm_weight->dtype() == kFloat32;
+    require_dense(*norm_weight, f32 ? kFloat32 : kBFloat16, {C}, op, "norm_weight");
+    a.norm_weight = ptr(*norm_weight);
+    a.norm_weight_dtype = f32 ? fm::DType::kFloat32 : fm::DType::kBFloat16;
+  }
+  a.norm_eps = norm_eps;
+  if (bool(f_pre_fp8) != bool(f_pre_scales))
+    fail(op, f_pre_fp8 ? "f_pre_scales" : "f_pre_fp8", "f_pre_fp8 and f_pre_scales come together");
+  if (f_pre_fp8) {
+    if (C % 128 != 0) fail(op, "hidden", "must be a multiple of 128 with f_pre_fp8 (got C = ", C, ")");
+    require_dense(*f_pre_fp8, kUInt8, {B, C}, op, "f_pre_fp8");
+    require_dense(*f_pre_scales, a.f_pre_scale_format == fm::ScaleFormat::kUE8M0 ? kUInt8 : kFloat32, {B, C / 128},
+                  op, "f_pre_scales");
+    a.f_pre_fp8 = mut(*f_pre_fp8);
+    a.f_pre_scales = mut(*f_pre_scales);
+  }
+}
+
 // ---------------------------------------------------------------------------
 // mhc_pre and its kernel choice
 // ---------------------------------------------------------------------------
@@ -163,22 +192,26 @@ struct PreCall {
   Placement where;
 };
 
-PreCall make_pre(const In& x, const In& phi, const In& alpha, const In& bias, const Out& f_pre, const Out& h_post,
+PreCall make_pre(const In& x, const In& phi, const In& alpha, const In& bias, const OptOut& f_pre, const Out& h_post,
                  const Out& h_res, float eps_norm, float eps_pre, float post_mult, float eps_sinkhorn,
                  int sinkhorn_iters, const std::string& res_layout, bool enable_pdl, bool prefetch_weights,
-                 const std::string& kernel, const OptOut& workspace, const char* op) {
+                 const std::string& kernel, const OptOut& workspace, const OptIn& norm_weight, float norm_eps,
+                 const OptOut& f_pre_fp8, const OptOut& f_pre_scales, const std::string& f_pre_scale_format,
+                 const char* op) {
   PreCall c{{}, Placement(op)};
   Placement& w = c.where;
   add_projection_inputs(w, x, phi, alpha, bias);
   w.add(f_pre, "f_pre", h_post, "h_post", h_res, "h_res", workspace, "workspace");
+  w.add(norm_weight, "norm_weight", f_pre_fp8, "f_pre_fp8", f_pre_scales, "f_pre_scales");
 
   fm::MhcPreArgs& a = c.args;
   set_projection_inputs(a, x, phi, alpha, bias, op);
   const int64_t B = a.shape.batch, C = a.shape.hidden, n = a.shape.n;
-  require_dense(f_pre, kBFloat16, {B, C}, op, "f_pre");
+  if (f_pre) require_dense(*f_pre, kBFloat16, {B, C}, op, "f_pre");
   require_dense(h_post, kFloat32, {B, n}, op, "h_post");
   require_dense(h_res, kFloat32, {B, n, n}, op, "h_res");
-  a.f_pre = mut(f_pre);
+  set_epilogue(a, norm_weight, norm_eps, f_pre_fp8, f_pre_scales, f_pre_scale_format, op);
+  a.f_pre = f_pre ? mut(*f_pre) : nullptr;
   a.h_post = static_cast<float*>(mut(h_post));
   a.h_res = static_cast<float*>(mut(h_res));
   a.params.eps_norm = eps_norm;
@@ -189,13 +222,15 @@ PreCall make_pre(const In& x, const In& phi, const In& alpha, const In& bias, co
   return c;
 }
 
-void mhc_pre(const In& x, const In& phi, const In& alpha, const In& bias, const Out& f_pre, const Out& h_post,
+void mhc_pre(const In& x, const In& phi, const In& alpha, const In& bias, const OptOut& f_pre, const Out& h_post,
              const Out& h_res, float eps_norm, float eps_pre, float post_mult, float eps_sinkhorn, int sinkhorn_iters,
              const std::string& res_layout, bool enable_pdl, bool prefetch_weights, const std::string& kernel,
-             const OptOut& workspace, uintptr_t stream) {
+             const OptOut& workspace, const OptIn& norm_weight, float norm_eps, const OptOut& f_pre_fp8,
+             const OptOut& f_pre_scales, const std::string& f_pre_scale_format, uintptr_t stream) {
   constexpr const char* op = "mhc_pre";
   const PreCall c = make_pre(x, phi, alpha, bias, f_pre, h_post, h_res, eps_norm, eps_pre, post_mult, eps_sinkhorn,
-                             sinkhorn_iters, res_layout, enable_pdl, prefetch_weights, kernel, workspace, op);
+                             sinkhorn_iters, res_layout, enable_pdl, prefetch_weights, kernel, workspace, norm_weight,
+                             norm_eps, f_pre_fp8, f_pre_scales, f_pre_scale_format, op);
   dispatch(
       c.where, op, [&] { return fm::mhc_pre(c.args, as_stream(stream)); }, [&] { return fm::mhc_pre_cpu(c.args); });
 }
@@ -203,13 +238,15 @@ void mhc_pre(const In& x, const In& phi, const In& alpha, const In& bias, const 
 // (kernel name, reason): the projection kernel mhc_pre would run for these
 // arguments on their CUDA device. Launches nothing.
 std::pair<std::string, std::string> mhc_pre_kernel_choice(
-    const In& x, const In& phi, const In& alpha, const In& bias, const Out& f_pre, const Out& h_post,
+    const In& x, const In& phi, const In& alpha, const In& bias, const OptOut& f_pre, const Out& h_post,
     const Out& h_res, float eps_norm, float eps_pre, float post_mult, float eps_sinkhorn, int sinkhorn_iters,
     const std::string& res_layout, bool enable_pdl, bool prefetch_weights, const std::string& kernel,
-    const OptOut& workspace) {
+    const OptOut& workspace, const OptIn& norm_weight, float norm_eps, const OptOut& f_pre_fp8,
+    const OptOut& f_pre_scales, const std::string& f_pre_scale_format) {
   constexpr const char* op = "mhc_pre_kernel_choice";
   const PreCall c = make_pre(x, phi, alpha, bias, f_pre, h_post, h_res, eps_norm, eps_pre, post_mult, eps_sinkhorn,
-                             sinkhorn_iters, res_layout, enable_pdl, prefetch_weights, kernel, workspace, op);
+                             sinkhorn_iters, res_layout, enable_pdl, prefetch_weights, kernel, workspace, norm_weight,
+                             norm_eps, f_pre_fp8, f_pre_scales, f_pre_scale_format, op);
   if (!c.where.cuda()) fail(op, "x", "the kernel choice is made for a CUDA device: pass CUDA arrays");
   fm::MhcPreKernel chosen = fm::MhcPreKernel::kAuto;
   std::string reason;
@@ -258,16 +295,19 @@ void mhc_post(const In& x, const In& f_out, const In& h_post, const In& h_res, c
 // mhc_post_pre: the layer boundary (this post, the next pre) in one op
 // ---------------------------------------------------------------------------
 
+// F_pre's epilogue (spec §4.8): set_epilogue; f_pre may be None with f_pre_fp8.
 void mhc_post_pre(const In& x, const In& f_out, const In& h_post, const In& h_res, const In& phi, const In& alpha,
-                  const In& bias, const Out& x_next, const Out& f_pre, const Out& h_post_next,
+                  const In& bias, const Out& x_next, const OptOut& f_pre, const Out& h_post_next,
                   const Out& h_res_next, const std::string& res_layout, float eps_norm, float eps_pre,
                   float post_mult, float eps_sinkhorn, int sinkhorn_iters, bool enable_pdl, bool prefetch_weights,
-                  const std::string& kernel, uintptr_t stream) {
+                  const std::string& kernel, const OptIn& norm_weight, float norm_eps, const OptOut& f_pre_fp8,
+                  const OptOut& f_pre_scales, const std::string& f_pre_scale_format, uintptr_t stream) {
   constexpr const char* op = "mhc_post_pre";
   Placement w(op);
   w.add(x, "x", f_out, "f_out", h_post, "h_post", h_res, "h_res");
   add_projection_inputs(w, x, phi, alpha, bias);
   w.add(x_next, "x_next", f_pre, "f_pre", h_post_next, "h_post_next", h_res_next, "h_res_next");
+  w.add(norm_weight, "norm_weight", f_pre_fp8, "f_pre_fp8", f_pre_scales, "f_pre_scales");
   fm::MhcPostPreArgs a;
   require_ndim(phi, 2, op, "phi");
   const int64_t N = dim(phi, 0);
@@ -281,9 +321,10 @@ void mhc_post_pre(const In& x, const In& f_out, const In& h_post, const In& h_re
   require_dtype(x_next, kBFloat16, op, "x_next");
   require_contiguous(x_next, op, "x_next");
   if (x_next.size() != x.size()) fail(op, "x_next", "must have x's shape ", shape_str(x), " (got ", shape_str(x_next), ")");
-  require_dense(f_pre, kBFloat16, {B, C}, op, "f_pre");
+  if (f_pre) require_dense(*f_pre, kBFloat16, {B, C}, op, "f_pre");
   require_dense(h_post_next, kFloat32, {B, n}, op, "h_post_next");
   require_dense(h_res_next, kFloat32, {B, n, n}, op, "h_res_next");
+  set_epilogue(a, norm_weight, norm_eps, f_pre_fp8, f_pre_scales, f_pre_scale_format, op);
   a.x = ptr(x);
   a.f_out = ptr(f_out);
   a.h_post = static_cast<const float*>(ptr(h_post));
@@ -292,7 +333,7 @@ void mhc_post_pre(const In& x, const In& f_out, const In& h_post, const In& h_re
   a.alpha = static_cast<const float*>(ptr(alpha));
   a.bias = static_cast<const float*>(ptr(bias));
   a.x_next = mut(x_next);
-  a.f_pre = mut(f_pre);
+  a.f_pre = f_pre ? mut(*f_pre) : nullptr;
   a.h_post_next = static_cast<float*>(mut(h_post_next));
   a.h_res_next = static_cast<float*>(mut(h_res_next));
   a.res_layout = parse_enum(res_layout, res_layouts(), op, "res_layout");
@@ -455,6 +496,8 @@ nb::dict mhc_defaults() {
   nb::dict d, f;
   f = params_dict(pre.params);
   f["prefetch_weights"] = pre.prefetch_weights;
+  f["norm_eps"] = py_float(pre.norm_eps);
+  f["f_pre_scale_format"] = fm::to_string(pre.f_pre_scale_format);
   d["mhc_pre"] = projection(f, pre);
   f = nb::dict();
   f["res_layout"] = enum_name(post.res_layout, res_layouts());
@@ -480,6 +523,8 @@ nb::dict mhc_defaults() {
   f["res_layout"] = enum_name(post_pre.res_layout, res_layouts());  // the post's (the pre's is not read)
   f["prefetch_weights"] = post_pre.prefetch_weights;
   f["kernel"] = fm::to_string(post_pre.kernel);
+  f["norm_eps"] = py_float(post_pre.norm_eps);
+  f["f_pre_scale_format"] = fm::to_string(post_pre.f_pre_scale_format);
   d["mhc_post_pre"] = launch(f, post_pre.enable_pdl);
   return d;
 }
@@ -502,13 +547,15 @@ void register_mhc(nb::module_& m) {
       "Bytes of the optional small-batch workspace of mhc_pre / mhc_project / mhc_head (0: not used for this "
       "shape). Zero it once; every launch leaves it zeroed.");
 
-  m.def("mhc_pre", &mhc_pre, "x"_a, "phi"_a, "alpha"_a, "bias"_a, "f_pre"_a, "h_post"_a, "h_res"_a, nb::kw_only(),
-        "eps_norm"_a, "eps_pre"_a, "post_mult"_a, "eps_sinkhorn"_a, "sinkhorn_iters"_a, "res_layout"_a,
-        "enable_pdl"_a, "prefetch_weights"_a, "kernel"_a, "workspace"_a.none(), "stream"_a,
-        "spec §4 mhc_pre; n from phi [N, n*C].");
-  m.def("mhc_pre_kernel_choice", &mhc_pre_kernel_choice, "x"_a, "phi"_a, "alpha"_a, "bias"_a, "f_pre"_a, "h_post"_a,
-        "h_res"_a, nb::kw_only(), "eps_norm"_a, "eps_pre"_a, "post_mult"_a, "eps_sinkhorn"_a, "sinkhorn_iters"_a,
-        "res_layout"_a, "enable_pdl"_a, "prefetch_weights"_a, "kernel"_a, "workspace"_a.none(),
+  m.def("mhc_pre", &mhc_pre, "x"_a, "phi"_a, "alpha"_a, "bias"_a, "f_pre"_a.none(), "h_post"_a, "h_res"_a,
+        nb::kw_only(), "eps_norm"_a, "eps_pre"_a, "post_mult"_a, "eps_sinkhorn"_a, "sinkhorn_iters"_a, "res_layout"_a,
+        "enable_pdl"_a, "prefetch_weights"_a, "kernel"_a, "workspace"_a.none(), "norm_weight"_a.none(), "norm_eps"_a,
+        "f_pre_fp8"_a.none(), "f_pre_scales"_a.none(), "f_pre_scale_format"_a, "stream"_a,
+        "spec §4 mhc_pre; n from phi [N, n*C]. §4.8: F_pre's input RMSNorm and FP8 copy.");
+  m.def("mhc_pre_kernel_choice", &mhc_pre_kernel_choice, "x"_a, "phi"_a, "alpha"_a, "bias"_a, "f_pre"_a.none(),
+        "h_post"_a, "h_res"_a, nb::kw_only(), "eps_norm"_a, "eps_pre"_a, "post_mult"_a, "eps_sinkhorn"_a,
+        "sinkhorn_iters"_a, "res_layout"_a, "enable_pdl"_a, "prefetch_weights"_a, "kernel"_a, "workspace"_a.none(),
+        "norm_weight"_a.none(), "norm_eps"_a, "f_pre_fp8"_a.none(), "f_pre_scales"_a.none(), "f_pre_scale_format"_a,
         "(kernel name, reason): the projection kernel mhc_pre would run with these arguments on their CUDA "
         "device. Launches nothing.");
   m.def("mhc_post", &mhc_post, "x"_a, "f_out"_a, "h_post"_a, "h_res"_a, "x_next"_a, nb::kw_only(), "res_layout"_a,
@@ -521,10 +568,12 @@ void register_mhc(nb::module_& m) {
   m.def("mhc_head", &mhc_head, "x"_a, "phi"_a, "alpha"_a, "bias"_a, "out"_a, nb::kw_only(), "eps_norm"_a,
         "eps_pre"_a, "enable_pdl"_a, "kernel"_a, "workspace"_a.none(), "stream"_a);
   m.def("mhc_post_pre", &mhc_post_pre, "x"_a, "f_out"_a, "h_post"_a, "h_res"_a, "phi"_a, "alpha"_a, "bias"_a,
-        "x_next"_a, "f_pre"_a, "h_post_next"_a, "h_res_next"_a, nb::kw_only(), "res_layout"_a, "eps_norm"_a,
+        "x_next"_a, "f_pre"_a.none(), "h_post_next"_a, "h_res_next"_a, nb::kw_only(), "res_layout"_a, "eps_norm"_a,
         "eps_pre"_a, "post_mult"_a, "eps_sinkhorn"_a, "sinkhorn_iters"_a, "enable_pdl"_a, "prefetch_weights"_a,
-        "kernel"_a, "stream"_a,
-        "spec §4.7 mhc_post_pre: this layer's post then the next pre in one op; n from phi [N, n*C].");
+        "kernel"_a, "norm_weight"_a.none(), "norm_eps"_a, "f_pre_fp8"_a.none(), "f_pre_scales"_a.none(),
+        "f_pre_scale_format"_a, "stream"_a,
+        "spec §4.7 mhc_post_pre: this layer's post then the next pre in one op; n from phi [N, n*C]. "
+        "§4.8: F_pre's input RMSNorm (norm_weight) and FP8 copy (f_pre_fp8, f_pre_scales).");
   m.def("mhc_expand", &mhc_expand, "embedding"_a, "x"_a, nb::kw_only(), "enable_pdl"_a, "stream"_a);
 }
 

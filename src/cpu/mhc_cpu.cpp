@@ -6,6 +6,7 @@
 
 #include "common/check.h"
 #include "common/host_dtype.h"
+#include "flashmix/fp8.h"
 #include "flashmix/mhc.h"
 
 namespace flashmix {
@@ -76,6 +77,41 @@ void activate_row(const double* h, int n, const MhcParams& p, double* pre, doubl
 
 int alpha_index(int m, int n) { return m < n ? 0 : (m < 2 * n ? 1 : 2); }
 
+// F_pre's epilogue for token b (spec §4.8), from the row v of F_pre values
+// already rounded to bf16 (as they would be stored): the optional RMSNorm
+// (double sums, one rounding to bf16), the bf16 row into f_pre (when given),
+// and its FP8 copy by quantize_fp8_cpu (1 x 128 blocks, the definition).
+template <typename Args>
+Status f_pre_epilogue_row(const Args& a, int64_t b, std::vector<uint16_t>& v) {
+  const int64_t C = a.shape.hidden;
+  if (a.norm_weight != nullptr) {
+    double ss = 0;
+    for (int64_t c = 0; c < C; ++c) {
+      const double f = host::bf16_to_float(v[c]);
+      ss += f * f;
+    }
+    const double inv = 1.0 / std::sqrt(ss / double(C) + double(a.norm_eps));
+    for (int64_t c = 0; c < C; ++c)
+      v[c] = host::float_to_bf16(
+          float(double(host::bf16_to_float(v[c])) * inv * host::load_as_double(a.norm_weight, a.norm_weight_dtype, c)));
+  }
+  if (a.f_pre != nullptr)
+    for (int64_t c = 0; c < C; ++c) static_cast<uint16_t*>(a.f_pre)[b * C + c] = v[c];
+  if (a.f_pre_fp8 != nullptr) {
+    QuantizeFp8Args q;
+    q.x = v.data();
+    q.q = static_cast<uint8_t*>(a.f_pre_fp8) + b * C;
+    q.scales = static_cast<uint8_t*>(a.f_pre_scales) +
+               b * (C / 128) * (a.f_pre_scale_format == ScaleFormat::kUE8M0 ? 1 : 4);
+    q.rows = 1;
+    q.cols = C;
+    q.block = Fp8Block::k1x128;
+    q.scale_format = a.f_pre_scale_format;
+    FM_RETURN_IF_ERROR(quantize_fp8_cpu(q));
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status mhc_project_cpu(const MhcProjectArgs& a) {
@@ -124,6 +160,7 @@ Status mhc_pre_cpu(const MhcPreArgs& a) {
   const int n = a.shape.n, num_coef = mhc_num_coefficients(n);
   const int64_t C = a.shape.hidden, k_len = n * C;
   std::vector<double> h(num_coef), pre(n), post(n), res(n * n);
+  std::vector<uint16_t> f(static_cast<size_t>(C));
   for (int64_t b = 0; b < a.shape.batch; ++b) {
     project_row(a.x, a.phi, a.phi_dtype, a.alpha, a.bias, b, k_len, num_coef, a.params.eps_norm,
                 [n](int m) { return alpha_index(m, n); }, h.data());
@@ -131,8 +168,9 @@ Status mhc_pre_cpu(const MhcPreArgs& a) {
     for (int64_t c = 0; c < C; ++c) {  // H_pre stays in double: one rounding, at the store
       double acc = 0;
       for (int i = 0; i < n; ++i) acc += pre[i] * bf16_at(a.x, b * k_len + i * C + c);
-      store_bf16(a.f_pre, b * C + c, acc);
+      store_bf16(f.data(), c, acc);
     }
+    FM_RETURN_IF_ERROR(f_pre_epilogue_row(a, b, f));
     for (int i = 0; i < n; ++i) a.h_post[b * n + i] = float(post[i]);
     for (int e = 0; e < n * n; ++e) a.h_res[b * n * n + e] = float(res[e]);
   }
@@ -189,13 +227,15 @@ Status mhc_expand_cpu(const MhcExpandArgs& a) {
 }
 
 // The boundary (spec §4.7): the post, each X_next element rounded to bf16 at
-// its store, then the next pre computed from those stored values.
+// its store, then the next pre computed from those stored values, then F_pre's
+// epilogue (§4.8) on the bf16 F_pre.
 Status mhc_post_pre_cpu(const MhcPostPreArgs& a) {
   FM_RETURN_IF_ERROR(validate_mhc_post_pre(a));
   const int n = a.shape.n, num_coef = mhc_num_coefficients(n);
   const int64_t C = a.shape.hidden, k_len = n * C;
   const bool transpose = a.res_layout == MhcResLayout::kDeepSeek;
   std::vector<double> h(num_coef), pre(n), post(n), res(n * n);
+  std::vector<uint16_t> f(static_cast<size_t>(C));
   for (int64_t b = 0; b < a.shape.batch; ++b) {
     const float* hres = a.h_res + b * n * n;
     for (int i = 0; i < n; ++i)
@@ -213,8 +253,9 @@ Status mhc_post_pre_cpu(const MhcPostPreArgs& a) {
     for (int64_t c = 0; c < C; ++c) {
       double acc = 0;
       for (int i = 0; i < n; ++i) acc += pre[i] * bf16_at(a.x_next, b * k_len + i * C + c);
-      store_bf16(a.f_pre, b * C + c, acc);
+      store_bf16(f.data(), c, acc);
     }
+    FM_RETURN_IF_ERROR(f_pre_epilogue_row(a, b, f));
     for (int i = 0; i < n; ++i) a.h_post_next[b * n + i] = float(post[i]);
     for (int e = 0; e < n * n; ++e) a.h_res_next[b * n * n + e] = float(res[e]);
   }

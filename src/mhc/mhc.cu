@@ -270,6 +270,7 @@ Status launch_per_group(const MhcShape& s, const char* op, Launch&& launch) {
 cudaError_t portable_project(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
                              bool dry_run, const char** why_not) {
   if (p.has_post()) return not_supported(why_not, "portable: no fused post (mhc_post_pre)");
+  if (p.has_epilogue()) return not_supported(why_not, "portable: no F_pre norm / FP8 epilogue");
   if (dry_run) return cudaSuccess;
   cudaError_t err = cudaSuccess;
   dispatch_n(n, [&](auto kn) {
@@ -365,6 +366,19 @@ using namespace mhc_detail;
 
 namespace {
 
+// F_pre's epilogue fields (mhc_pre, mhc_post_pre), spec §4.8.
+template <typename Args>
+PreEpilogue epilogue_params(const Args& a) {
+  PreEpilogue e;
+  e.norm_weight = a.norm_weight;
+  e.norm_f32 = a.norm_weight_dtype == DType::kFloat32;
+  e.norm_eps = a.norm_eps;
+  e.q = static_cast<uint8_t*>(a.f_pre_fp8);
+  e.scales = a.f_pre_scales;
+  e.ue8m0 = a.f_pre_scale_format == ScaleFormat::kUE8M0;
+  return e;
+}
+
 ProjectParams pre_params(const MhcPreArgs& a) {
   ProjectParams p = base_params(a);
   p.f_out = static_cast<bf16*>(a.f_pre);
@@ -375,6 +389,7 @@ ProjectParams pre_params(const MhcPreArgs& a) {
   p.act = act_params(a.params);
   p.mode = ProjectMode::kPre;
   p.prefetch_weights = a.prefetch_weights && a.enable_pdl;
+  p.epi = epilogue_params(a);
   return p;
 }
 
@@ -426,6 +441,7 @@ ProjectParams post_pre_params(const MhcPostPreArgs& a) {
   p.post.h_res = a.h_res;
   p.post.x_next = static_cast<bf16*>(a.x_next);
   p.post.transpose = a.res_layout == MhcResLayout::kDeepSeek;
+  p.epi = epilogue_params(a);
   return p;
 }
 

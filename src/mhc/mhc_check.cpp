@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "common/check.h"
+#include "fp8/quantize_fp8_internal.h"
 #include "flashmix/mhc.h"
 #include "mhc/mhc_split_layout.h"
 
@@ -84,6 +85,65 @@ Status check_workspace(const MhcShape& s, const void* ws, size_t bytes, const ch
   return Status::Ok();
 }
 
+// F_pre's epilogue (spec §4.8): the norm's weight and eps, the FP8 copy's
+// buffers and format, and f_pre (null only with the FP8 copy). Value rules
+// at any B, pointer rules only with work.
+template <typename Args>
+Status check_epilogue(const Args& a, const char* op) {
+  if (a.norm_weight != nullptr) {
+    FM_REQUIRE(dtype_is_valid(a.norm_weight_dtype), op, "norm_weight_dtype", "unsupported dtype value ",
+               int(a.norm_weight_dtype));
+    FM_REQUIRE_SUPPORTED(a.norm_weight_dtype == DType::kFloat32 || a.norm_weight_dtype == DType::kBFloat16, op,
+                         "norm_weight_dtype", "must be float32 or bfloat16");
+  }
+  FM_REQUIRE(std::isfinite(a.norm_eps) && a.norm_eps >= 0, op, "norm_eps", "must be finite and >= 0");
+  FM_REQUIRE(a.f_pre_scale_format == ScaleFormat::kFloat32 || a.f_pre_scale_format == ScaleFormat::kUE8M0, op,
+             "f_pre_scale_format", "unknown ScaleFormat value ", int(a.f_pre_scale_format));
+  const bool fp8 = a.f_pre_fp8 != nullptr || a.f_pre_scales != nullptr;
+  if (fp8)
+    FM_REQUIRE(a.shape.hidden % 128 == 0, op, "hidden", "must be a multiple of 128 with f_pre_fp8 (1 x 128 blocks; got ",
+               a.shape.hidden, ")");
+  return Status::Ok();
+}
+
+// Its pointers (with work): in the place of f_pre's check among the outputs.
+template <typename Args>
+Status check_epilogue_pointers(const Args& a, const char* op) {
+  const bool fp8 = a.f_pre_fp8 != nullptr || a.f_pre_scales != nullptr;
+  if (a.norm_weight != nullptr) FM_RETURN_IF_ERROR(check_ptr(a.norm_weight, op, "norm_weight", 16));
+  if (fp8) {
+    FM_REQUIRE(a.f_pre_fp8 != nullptr, op, "f_pre_fp8", "null pointer (f_pre_scales is set)");
+    FM_REQUIRE(a.f_pre_scales != nullptr, op, "f_pre_scales", "null pointer (f_pre_fp8 is set)");
+    FM_RETURN_IF_ERROR(check_ptr(a.f_pre_fp8, op, "f_pre_fp8", 16));
+    FM_RETURN_IF_ERROR(check_ptr(a.f_pre_scales, op, "f_pre_scales", int(scale_bytes(a.f_pre_scale_format))));
+  } else {
+    FM_REQUIRE(a.f_pre != nullptr, op, "f_pre", "null pointer (it may be null only with f_pre_fp8)");
+  }
+  if (a.f_pre != nullptr) FM_RETURN_IF_ERROR(check_ptr(a.f_pre, op, "f_pre", 16));
+  return Status::Ok();
+}
+
+// The epilogue's buffers as overlap ranges (empty when absent): outputs f_pre
+// (bf16), f_pre_fp8, f_pre_scales; input norm_weight.
+template <typename Args>
+Range f_pre_range(const Args& a) {
+  return {"f_pre", a.f_pre, a.f_pre ? a.shape.batch * a.shape.hidden * 2 : 0};
+}
+template <typename Args>
+Range fp8_range(const Args& a) {
+  return {"f_pre_fp8", a.f_pre_fp8, a.f_pre_fp8 ? a.shape.batch * a.shape.hidden : 0};
+}
+template <typename Args>
+Range scales_range(const Args& a) {
+  return {"f_pre_scales", a.f_pre_scales,
+          a.f_pre_scales ? a.shape.batch * (a.shape.hidden / 128) * scale_bytes(a.f_pre_scale_format) : 0};
+}
+template <typename Args>
+Range norm_weight_range(const Args& a) {
+  return {"norm_weight", a.norm_weight,
+          a.norm_weight ? a.shape.hidden * int64_t(dtype_size(a.norm_weight_dtype)) : 0};
+}
+
 // The workspace as an output range for the overlap check (empty when absent).
 Range workspace_range(const void* ws, size_t bytes) { return {"workspace", ws, ws ? int64_t(bytes) : 0}; }
 
@@ -114,25 +174,29 @@ Status validate_mhc_pre(const MhcPreArgs& a) {
   FM_RETURN_IF_ERROR(check_params(a.params, kOp));
   FM_RETURN_IF_ERROR(check_phi_dtype(a.phi_dtype, kOp));
   FM_RETURN_IF_ERROR(check_kernel(a.kernel, kOp));
+  FM_RETURN_IF_ERROR(check_epilogue(a, kOp));
   if (a.shape.batch == 0) return Status::Ok();  // nothing is read or written
   FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.phi, kOp, "phi", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.alpha, kOp, "alpha", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.bias, kOp, "bias", 4));
-  FM_RETURN_IF_ERROR(check_ptr(a.f_pre, kOp, "f_pre", 16));
+  FM_RETURN_IF_ERROR(check_epilogue_pointers(a, kOp));
   FM_RETURN_IF_ERROR(check_ptr(a.h_post, kOp, "h_post", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.h_res, kOp, "h_res", 4));
   FM_RETURN_IF_ERROR(check_workspace(a.shape, a.workspace, a.workspace_bytes, kOp));
   const MhcShape& s = a.shape;
   const int64_t N = mhc_num_coefficients(s.n), K = int64_t(s.n) * s.hidden;
-  const Range outs[] = {{"f_pre", a.f_pre, s.batch * s.hidden * 2},
+  const Range outs[] = {f_pre_range(a),
                         {"h_post", a.h_post, s.batch * s.n * 4},
                         {"h_res", a.h_res, s.batch * s.n * s.n * 4},
-                        workspace_range(a.workspace, a.workspace_bytes)};
+                        workspace_range(a.workspace, a.workspace_bytes),
+                        fp8_range(a),
+                        scales_range(a)};
   const Range ins[] = {{"x", a.x, s.batch * K * 2},
                        {"phi", a.phi, N * K * int64_t(dtype_size(a.phi_dtype))},
                        {"alpha", a.alpha, 3 * 4},
-                       {"bias", a.bias, N * 4}};
+                       {"bias", a.bias, N * 4},
+                       norm_weight_range(a)};
   return check_no_overlap(kOp, outs, ins);
 }
 
@@ -255,6 +319,7 @@ Status validate_mhc_post_pre(const MhcPostPreArgs& a) {
   FM_RETURN_IF_ERROR(check_params(a.params, kOp));
   FM_RETURN_IF_ERROR(check_phi_dtype(a.phi_dtype, kOp));
   FM_RETURN_IF_ERROR(check_kernel(a.kernel, kOp));
+  FM_RETURN_IF_ERROR(check_epilogue(a, kOp));
   if (a.shape.batch == 0) return Status::Ok();  // nothing is read or written
   FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.f_out, kOp, "f_out", 16));
@@ -264,22 +329,25 @@ Status validate_mhc_post_pre(const MhcPostPreArgs& a) {
   FM_RETURN_IF_ERROR(check_ptr(a.alpha, kOp, "alpha", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.bias, kOp, "bias", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.x_next, kOp, "x_next", 16));
-  FM_RETURN_IF_ERROR(check_ptr(a.f_pre, kOp, "f_pre", 16));
+  FM_RETURN_IF_ERROR(check_epilogue_pointers(a, kOp));
   FM_RETURN_IF_ERROR(check_ptr(a.h_post_next, kOp, "h_post_next", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.h_res_next, kOp, "h_res_next", 4));
   const MhcShape& s = a.shape;
   const int64_t N = mhc_num_coefficients(s.n), K = int64_t(s.n) * s.hidden;
   const Range outs[] = {{"x_next", a.x_next, s.batch * K * 2},
-                        {"f_pre", a.f_pre, s.batch * s.hidden * 2},
+                        f_pre_range(a),
                         {"h_post_next", a.h_post_next, s.batch * s.n * 4},
-                        {"h_res_next", a.h_res_next, s.batch * s.n * s.n * 4}};
+                        {"h_res_next", a.h_res_next, s.batch * s.n * s.n * 4},
+                        fp8_range(a),
+                        scales_range(a)};
   const Range ins[] = {{"x", a.x, s.batch * K * 2},
                        {"f_out", a.f_out, s.batch * s.hidden * 2},
                        {"h_post", a.h_post, s.batch * s.n * 4},
                        {"h_res", a.h_res, s.batch * s.n * s.n * 4},
                        {"phi", a.phi, N * K * int64_t(dtype_size(a.phi_dtype))},
                        {"alpha", a.alpha, 3 * 4},
-                       {"bias", a.bias, N * 4}};
+                       {"bias", a.bias, N * 4},
+                       norm_weight_range(a)};
   return check_no_overlap(kOp, outs, ins);
 }
 

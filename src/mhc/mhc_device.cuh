@@ -191,6 +191,20 @@ __device__ __forceinline__ uint32_t post_mix_pair(const uint32_t* x, uint32_t f,
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// F_pre's epilogue (spec §4.8; mhc_pre and mhc_post_pre, kPre only): the
+// next sublayer's input RMSNorm and an FP8 copy (1 x 128 blocks, bitwise
+// quantize_fp8's). ProjectParams::f_out may then be null (FP8 copy only).
+// Only the cluster-tile kernel (sm90_mhc_fused.cu) runs it.
+struct PreEpilogue {
+  const void* norm_weight = nullptr;  // [C] bf16 or fp32; null: no norm
+  bool norm_f32 = false;
+  float norm_eps = 0;
+  uint8_t* q = nullptr;               // e4m3 [B, C]; null: no FP8 copy
+  void* scales = nullptr;             // [B, C/128] float or uint8
+  bool ue8m0 = false;
+  __host__ __device__ bool any() const { return norm_weight != nullptr || q != nullptr; }
+};
+
 // Arguments of a projection kernel (fused or fallback).
 struct ProjectParams {
   const __nv_bfloat16* x = nullptr;
@@ -220,6 +234,8 @@ struct ProjectParams {
   // mhc_post_pre (kPre only): post.x_next non-null.
   PostInput post;
   bool has_post() const { return post.x_next != nullptr; }
+  PreEpilogue epi;
+  __host__ __device__ bool has_epilogue() const { return epi.any(); }
 };
 
 // The projection kernels' launchers (mhc_pre, mhc_project, mhc_head), one

@@ -33,7 +33,9 @@
 #include "common/kernel_fit.h"
 #include "common/launch.cuh"
 #include "common/sm90.cuh"
+#include "common/reduce.cuh"
 #include "common/vec.cuh"
+#include "fp8/quantize_fp8_device.cuh"
 #include "mhc/mhc_device.cuh"
 
 namespace flashmix::mhc_detail {
@@ -61,6 +63,10 @@ struct FusedLayout {
   int steps = 0;        // 32-wide k steps in the (padded) slice
   int chunk_steps = 0;  // steps per cp.async group, a multiple of kWarps
   int off_scratch = 0, off_xchg = 0, off_total = 0, off_hpre = 0, off_gtab = 0, off_h = 0;  // byte offsets
+  // F_pre's epilogue (spec §4.8; 0 when off): [rows] partial sums of
+  // squares, [rows] 1/rms, [rows][epi_blocks] partial amax bits.
+  int off_epi = 0;
+  int epi_blocks = 0;  // 1 x 128 blocks a slice can touch: slice / 128 + 2
 };
 
 template <int kN>
@@ -108,6 +114,165 @@ __device__ __forceinline__ void load_phi_step(PhiFrag<kN, kF32>& f, const PhiRow
       }
     }
   }
+}
+
+// 8 columns of the norm's weight, as floats.
+template <bool kWeightF32>
+__device__ __forceinline__ void load_weight8(const PreEpilogue& e, int c, float* w) {
+  if constexpr (kWeightF32) {
+    const float* wp = static_cast<const float*>(e.norm_weight) + c;
+    const float4 a = __ldg(reinterpret_cast<const float4*>(wp)), b = __ldg(reinterpret_cast<const float4*>(wp + 4));
+    w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+  } else {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(static_cast<const bf16*>(e.norm_weight) + c));
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 f = __bfloat1622float2(h[k]);
+      w[2 * k] = f.x;
+      w[2 * k + 1] = f.y;
+    }
+  }
+}
+
+// F_pre's epilogue (spec §4.8) for the tile, by every thread of every CTA of
+// the cluster. On entry the pre mix has left this CTA's bf16 F_pre in xs over
+// stream 0's columns (token r, column c0 + col at xs[r * pitch + col],
+// col < cw), and each CTA has one cluster arrive pending (step 4's); on exit
+// one is pending again (the kernel's last cluster_wait completes it).
+//
+// Norm: each CTA sums the squares of its columns per token (a warp per
+// token, a fixed shuffle tree), the 8 partials are exchanged through
+// distributed shared memory and summed in rank order, so every CTA holds
+// bitwise the same 1/rms; each element is then v * (1/rms) * w rounded once
+// to bf16, back in place, and stored to f_pre.
+//
+// FP8: a 1 x 128 block may straddle two or more CTAs' slices (C / 8 need not
+// be a multiple of 128). Each CTA takes the amax of the part of every block
+// it touches (bf16 magnitude bits, a half-warp per block as quantize_fp8
+// does); only its first and last touched blocks can cross into a peer, so
+// those two partials are what the peers read back (a max: exact, in any
+// order), and the block's amax is bitwise the one quantize_fp8 takes over
+// the same bf16 values. Scale and e4m3 conversion are quantize_fp8's
+// (fp8_dev); the CTA holding a block's first column stores its scale.
+//
+// The weight's dtype and the scale format are template parameters (the
+// caller dispatches once); the plain kernel never enters this function.
+template <bool kWeightF32, ScaleFormat kScales>
+__device__ __noinline__ void f_pre_epilogue(const ProjectParams& p, const FusedLayout& L, bf16* xs, float* ep,
+                                            int rank, long long row0, int c0, int cw) {
+  cg::cluster_group cluster = cg::this_cluster();
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int rows = L.rows, groups = cw / 8, hidden = p.hidden;
+  const PreEpilogue& e = p.epi;
+  float* ss_part = ep;                                            // [rows]
+  float* inv = ep + rows;                                         // [rows]
+  uint32_t* amax = reinterpret_cast<uint32_t*>(ep + 2 * rows);    // [rows][epi_blocks]
+  if (e.norm_weight != nullptr) {
+    for (int r = warp; r < rows; r += kWarps) {
+      float sum = 0.f;
+      if (row0 + r < p.batch)
+        for (int g = lane; g < groups; g += 32) {
+          const uint4 raw = *reinterpret_cast<const uint4*>(xs + r * L.pitch + g * 8);
+          const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const float2 f = __bfloat1622float2(v[k]);
+            sum = fmaf(f.x, f.x, sum);
+            sum = fmaf(f.y, f.y, sum);
+          }
+        }
+      sum = dev::warp_sum(sum);
+      if (lane == 0) ss_part[r] = sum;
+    }
+    cluster_wait();     // the pending phase (every CTA has read the projection partials)
+    cluster_arrive();   // this CTA's sums are written ...
+    cluster_wait();     // ... and every peer's
+    if (tid < rows) {
+      float sum = 0.f;
+#pragma unroll
+      for (int rk = 0; rk < kClusterSize; ++rk) sum += cluster.map_shared_rank(ss_part, rk)[tid];
+      inv[tid] = 1.0f / sqrtf(sum / float(hidden) + e.norm_eps);
+    }
+    cluster_arrive();   // done reading the peers' sums
+    __syncthreads();
+    for (int it = tid; it < rows * groups; it += kThreads) {
+      const int r = it / groups, col = (it - r * groups) * 8;
+      if (row0 + r >= p.batch) continue;
+      uint4* px = reinterpret_cast<uint4*>(xs + r * L.pitch + col);
+      const uint4 raw = *px;
+      const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
+      float w[8];
+      load_weight8<kWeightF32>(e, c0 + col, w);
+      const float s = inv[r];
+      uint4 o;
+      __nv_bfloat162* ov = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float2 f = __bfloat1622float2(v[k]);
+        ov[k] = __floats2bfloat162_rn((f.x * s) * w[2 * k], (f.y * s) * w[2 * k + 1]);
+      }
+      *px = o;  // only this thread reads or writes these columns of the row
+      if (p.f_out != nullptr) *reinterpret_cast<uint4*>(p.f_out + (row0 + r) * hidden + c0 + col) = o;
+    }
+    __syncthreads();
+  }
+  if (e.q == nullptr) return;
+  using namespace fp8_dev;
+  const int fb = c0 / 128;                                   // first block this CTA touches
+  const int nb = cw > 0 ? (c0 + cw - 1) / 128 - fb + 1 : 0;  // blocks it touches
+  const int hw = tid / 16, hl = tid % 16;                    // a half-warp per (token, block)
+  const unsigned half = 0xffffu << (tid & 16);
+  auto load = [&](int r, int col) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(xs + r * L.pitch + col);
+    Chunk c;
+    c.w[0] = raw.x; c.w[1] = raw.y; c.w[2] = raw.z; c.w[3] = raw.w;
+    return c;
+  };
+  for (int it = hw; it < rows * nb; it += kThreads / 16) {  // uniform over the half-warp
+    const int r = it / nb, j = it - r * nb;
+    const int col = (fb + j) * 128 + hl * 8 - c0;  // this lane's 8 columns, from c0
+    uint32_t m = 0;
+    if (row0 + r < p.batch && col >= 0 && col < cw) m = chunk_amax_bits(load(r, col));
+    m = __reduce_max_sync(half, m);
+    if (hl == 0) amax[r * L.epi_blocks + j] = m;
+  }
+  cluster_wait();     // the pending phase
+  cluster_arrive();   // this CTA's partial amaxes are written ...
+  cluster_wait();     // ... and every peer's
+  for (int it = hw; it < rows * nb; it += kThreads / 16) {
+    const int r = it / nb, j = it - r * nb;
+    const long long b = row0 + r;
+    if (b >= p.batch) continue;
+    const int gb = fb + j;
+    uint32_t m = amax[r * L.epi_blocks + j];
+    if (j == 0 || j == nb - 1) {  // may cross into a peer's slice: its first or last block
+#pragma unroll 1
+      for (int rk = 0; rk < kClusterSize; ++rk) {
+        const int pc0 = rk * L.slice, pcw = max(0, min(hidden - pc0, L.slice));
+        if (rk == rank || pcw == 0) continue;
+        const int pfb = pc0 / 128, plb = (pc0 + pcw - 1) / 128;
+        if (pfb != gb && plb != gb) continue;
+        const uint32_t* pa = cluster.map_shared_rank(amax, rk) + r * L.epi_blocks;
+        if (pfb == gb) m = max(m, pa[0]);
+        if (plb == gb) m = max(m, pa[plb - pfb]);
+      }
+    }
+    const bool nan_block = m > kBf16Inf;
+    const Scale s = block_scale_or_nan<kScales>(m);
+    const int col = gb * 128 + hl * 8 - c0;
+    if (col >= 0 && col < cw) {
+      uint32_t lo, hi;
+      quantize_chunk(load(r, col), s.s, nan_block, lo, hi);
+      *reinterpret_cast<uint2*>(e.q + b * hidden + c0 + col) = make_uint2(lo, hi);
+    }
+    if (hl == 0 && gb * 128 >= c0) {  // this CTA holds the block's first column
+      const long long si = b * (hidden / 128) + gb;
+      if constexpr (kScales == ScaleFormat::kUE8M0) static_cast<uint8_t*>(e.scales)[si] = uint8_t(s.stored);
+      else static_cast<uint32_t*>(e.scales)[si] = s.stored;
+    }
+  }
+  cluster_arrive();   // done reading the peers' partials
 }
 
 // kPost (mhc_post_pre): the tile's slice is not copied from X but made from
@@ -419,7 +584,12 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
     }
   }
 
-  // 6. Pre mix of this CTA's slice, out of shared memory.
+  // 6. Pre mix of this CTA's slice, out of shared memory. With F_pre's
+  // epilogue the bf16 F_pre also goes back into xs over stream 0's columns
+  // (only the thread that mixes those 8 columns of the row reads them), and
+  // to f_pre here only when no norm follows.
+  const bool epi = p.mode == ProjectMode::kPre && p.has_epilogue();  // uniform
+  const bool store_mix = !epi || (p.epi.norm_weight == nullptr && p.f_out != nullptr);
   if (p.mode != ProjectMode::kProject && !sinkhorn_warp) {
     const int groups = cw / 8;
     const int mix_threads = p.mode == ProjectMode::kPre && rank == 0 ? kThreads - 32 : kThreads;
@@ -443,7 +613,20 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
       __nv_bfloat162* ov = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
       for (int e = 0; e < 4; ++e) ov[e] = __floats2bfloat162_rn(out[2 * e], out[2 * e + 1]);
-      *reinterpret_cast<uint4*>(p.f_out + (row0 + row) * hidden + c0 + col) = o;
+      if (epi) *reinterpret_cast<uint4*>(xs + row * L.pitch + col) = o;
+      if (store_mix) *reinterpret_cast<uint4*>(p.f_out + (row0 + row) * hidden + c0 + col) = o;
+    }
+  }
+  // 7. F_pre's epilogue: the norm and the FP8 copy (cluster exchanges).
+  if (epi) {
+    __syncthreads();  // the tile's F_pre is in xs (the Sinkhorn warp joins here too)
+    float* ep = reinterpret_cast<float*>(smem + L.off_epi);
+    if (p.epi.norm_f32) {
+      if (p.epi.ue8m0) f_pre_epilogue<true, ScaleFormat::kUE8M0>(p, L, xs, ep, rank, row0, c0, cw);
+      else f_pre_epilogue<true, ScaleFormat::kFloat32>(p, L, xs, ep, rank, row0, c0, cw);
+    } else {
+      if (p.epi.ue8m0) f_pre_epilogue<false, ScaleFormat::kUE8M0>(p, L, xs, ep, rank, row0, c0, cw);
+      else f_pre_epilogue<false, ScaleFormat::kFloat32>(p, L, xs, ep, rank, row0, c0, cw);
     }
   }
   cluster_wait();  // no CTA leaves while a peer may still read its partials
@@ -456,7 +639,7 @@ struct Choice {
 };
 
 template <int kN>
-bool choose_layout(long long batch, int hidden, int num_coef, int smem_optin, Choice& out) {
+bool choose_layout(long long batch, int hidden, int num_coef, bool epilogue, int smem_optin, Choice& out) {
   constexpr int kMpad = coef_tiles<kN>() * 16;
   FusedLayout L;
   const int groups = hidden / 8;
@@ -487,6 +670,11 @@ bool choose_layout(long long batch, int hidden, int num_coef, int smem_optin, Ch
     off += size_t(L.steps) * 4 * 4;
     L.off_h = int(off);
     off += size_t(rows) * (kN * kN + 2 * kN) * 4;
+    if (epilogue) {  // the tile's rows do not change any token's arithmetic: results stay bitwise the same
+      L.epi_blocks = L.slice / 128 + 2;
+      L.off_epi = int(off);
+      off += size_t(rows) * (2 + L.epi_blocks) * 4;
+    }
     if (off <= size_t(smem_optin)) {
       L.rows = rows;
       L.row_tiles = rt;
@@ -505,7 +693,8 @@ cudaError_t launch_fused(const ProjectParams& p, cudaStream_t stream, bool pdl, 
   if (detail::prepare_kernel(detail::kernel_key(kernel), false, &dynamic_max) != cudaSuccess)
     return not_supported(why_not, "cluster tile: the kernel's attributes could not be set on this device");
   Choice c;
-  if (!choose_layout<kN>(p.batch, p.hidden, p.num_coef, dynamic_max, c))
+  if (!choose_layout<kN>(p.batch, p.hidden, p.num_coef, p.mode == ProjectMode::kPre && p.has_epilogue(), dynamic_max,
+                         c))
     return not_supported(why_not, "cluster tile: no tile of 8-24 tokens fits in shared memory at this C");
   const long long tiles = (p.batch + c.layout.rows - 1) / c.layout.rows;
   if (tiles * kClusterSize > 0x7fffffffLL) return not_supported(why_not, "cluster tile: too many tiles for one grid");

@@ -1218,6 +1218,8 @@ cudaError_t sm90_mhc_project_resident(const ProjectParams& p, int n, bool phi_is
   if (n != 4) return not_supported(why_not, "resident: n must be 4");
   if (p.mode == ProjectMode::kHead) return not_supported(why_not, "resident: not for mhc_head");
   if (p.has_post() && p.mode != ProjectMode::kPre) return not_supported(why_not, "resident: a fused post only before a pre");
+  if (p.has_epilogue())
+    return not_supported(why_not, "resident: no F_pre norm / FP8 epilogue (the cluster-tile kernel runs them)");
   detail::DeviceProps dev;
   if (detail::current_device_props(&dev) != cudaSuccess) return not_supported(why_not, "no usable CUDA device");
   if (dev.cc_major != 9 || dev.cc_minor != 0)  // built for sm_90a only

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include "cpu/test_mhc_common.h"
+#include "flashmix/fp8.h"
 #include "flashmix/mhc.h"
 
 namespace flashmix {
@@ -232,6 +233,150 @@ TEST(MhcCpu, PostPreOneTokenByHand) {
     pre[i] = 1.0 / (1.0 + std::exp(-(double(p.alpha[0]) * dot / r + double(p.bias[i])))) + 1e-6;
   }
   for (int64_t c = 0; c < C; ++c) EXPECT_EQ(f[c], bf16(float(pre[0] * x1[c] + pre[1] * x1[C + c])));
+}
+
+// ---------------------------------------------------------------------------
+// F_pre's epilogue (spec §4.8): the input RMSNorm and the FP8 copy.
+
+// The buffers of one mhc_post_pre call, poisoned.
+struct PostPreBufs {
+  std::vector<uint16_t> xn, f;
+  std::vector<float> hp, hr;
+  std::vector<uint8_t> q, scales;
+  PostPreBufs(const Problem& p)
+      : xn(p.x.size(), 0x7fc1), f(size_t(p.B * p.C), 0x7fc1), hp(size_t(p.B * p.n), NAN),
+        hr(size_t(p.B * p.n * p.n), NAN), q(size_t(p.B * p.C), 0xa5), scales(size_t(p.B * (p.C / 128) * 4), 0xa5) {}
+};
+
+MhcPostPreArgs post_pre_args(const Problem& p, PostPreBufs& o, MhcResLayout layout = MhcResLayout::kDeepSeek) {
+  MhcPostPreArgs a;
+  a.shape = {p.B, p.n, p.C};
+  a.x = p.x.data(); a.f_out = p.f_out.data(); a.h_post = p.h_post.data(); a.h_res = p.h_res.data();
+  a.res_layout = layout;
+  a.phi = p.phi_f32.data(); a.alpha = p.alpha.data(); a.bias = p.bias.data();
+  a.x_next = o.xn.data(); a.f_pre = o.f.data(); a.h_post_next = o.hp.data(); a.h_res_next = o.hr.data();
+  a.params.sinkhorn_iters = 9;
+  return a;
+}
+
+// A norm weight of C values around 1 (some negative), as bf16 bits and as
+// fp32 holding the same values or its own finer ones.
+struct NormWeight {
+  std::vector<uint16_t> bf;
+  std::vector<float> f32v;
+  NormWeight(int64_t C, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::uniform_real_distribution<float> u(-0.5f, 1.5f);
+    for (int64_t c = 0; c < C; ++c) {
+      float w = u(rng);
+      if (std::fabs(w) < 1e-2f) w = 0.25f;
+      bf.push_back(bf16(w));
+      f32v.push_back(w);
+    }
+  }
+};
+
+// The norm by its formula, from the plain call's bf16 F_pre: the same
+// x_next, H_post, H_res (bitwise), and f_pre = bf16(v / sqrt(mean v^2 + eps) * w)
+// computed here in double; every n, both layouts, both weight dtypes.
+TEST(MhcCpu, PostPreNormIsRmsNormOfTheStoredFpre) {
+  for (int n : {1, 3, 4, 8}) {
+    for (MhcResLayout layout : {MhcResLayout::kDeepSeek, MhcResLayout::kRowMix}) {
+      for (DType wd : {DType::kBFloat16, DType::kFloat32}) {
+        Problem p = make_problem(3, n, 40, seed_for("post_pre_norm") + n);
+        SCOPED_TRACE("seed " + std::to_string(p.seed) + " n " + std::to_string(n));
+        NormWeight w(p.C, p.seed + 1);
+        PostPreBufs plain(p), normed(p);
+        MhcPostPreArgs a = post_pre_args(p, plain, layout);
+        ASSERT_TRUE(mhc_post_pre_cpu(a).ok());
+        MhcPostPreArgs b = post_pre_args(p, normed, layout);
+        b.norm_weight = wd == DType::kFloat32 ? static_cast<const void*>(w.f32v.data()) : w.bf.data();
+        b.norm_weight_dtype = wd;
+        b.norm_eps = 1e-5f;
+        Status s = mhc_post_pre_cpu(b);
+        ASSERT_TRUE(s.ok()) << s.message();
+        EXPECT_EQ(normed.xn, plain.xn);
+        EXPECT_EQ(0, std::memcmp(normed.hp.data(), plain.hp.data(), plain.hp.size() * 4));
+        EXPECT_EQ(0, std::memcmp(normed.hr.data(), plain.hr.data(), plain.hr.size() * 4));
+        for (int64_t t = 0; t < p.B; ++t) {
+          double ss = 0;
+          for (int64_t c = 0; c < p.C; ++c) ss += double(f32(plain.f[t * p.C + c])) * f32(plain.f[t * p.C + c]);
+          const double inv = 1.0 / std::sqrt(ss / double(p.C) + double(1e-5f));
+          for (int64_t c = 0; c < p.C; ++c) {
+            const double wc = wd == DType::kFloat32 ? double(w.f32v[c]) : double(f32(w.bf[c]));
+            ASSERT_EQ(normed.f[t * p.C + c], bf16(float(double(f32(plain.f[t * p.C + c])) * inv * wc)))
+                << "token " << t << " column " << c;
+          }
+        }
+      }
+    }
+  }
+}
+
+// The FP8 copy is quantize_fp8 (1 x 128) of the bf16 f_pre, bit for bit:
+// with and without the norm, both scale formats, with f_pre written too or
+// null (the FP8 copy only); the bf16 f_pre is the same as without FP8.
+TEST(MhcCpu, PostPreFp8IsQuantizeFp8OfTheBf16Output) {
+  for (int n : {1, 4, 6}) {
+    for (bool norm : {false, true}) {
+      for (ScaleFormat sf : {ScaleFormat::kFloat32, ScaleFormat::kUE8M0}) {
+        Problem p = make_problem(3, n, 384, seed_for("post_pre_fp8") + n);
+        SCOPED_TRACE("seed " + std::to_string(p.seed) + " n " + std::to_string(n) + (norm ? " norm" : ""));
+        NormWeight w(p.C, p.seed + 2);
+        PostPreBufs bf(p), both(p), only(p);
+        MhcPostPreArgs a = post_pre_args(p, bf);
+        if (norm) a.norm_weight = w.bf.data();
+        ASSERT_TRUE(mhc_post_pre_cpu(a).ok());
+        QuantizeFp8Args qa;
+        std::vector<uint8_t> q_ref(size_t(p.B * p.C)), s_ref(size_t(p.B * (p.C / 128) * 4));
+        qa.x = bf.f.data(); qa.q = q_ref.data(); qa.scales = s_ref.data();
+        qa.rows = p.B; qa.cols = p.C; qa.scale_format = sf;
+        ASSERT_TRUE(quantize_fp8_cpu(qa).ok());
+        const size_t sbytes = size_t(p.B * (p.C / 128)) * (sf == ScaleFormat::kUE8M0 ? 1 : 4);
+        for (PostPreBufs* o : {&both, &only}) {
+          MhcPostPreArgs b = post_pre_args(p, *o);
+          if (norm) b.norm_weight = w.bf.data();
+          b.f_pre_fp8 = o->q.data(); b.f_pre_scales = o->scales.data(); b.f_pre_scale_format = sf;
+          if (o == &only) b.f_pre = nullptr;
+          Status s = mhc_post_pre_cpu(b);
+          ASSERT_TRUE(s.ok()) << s.message();
+          EXPECT_EQ(o->q, q_ref);
+          EXPECT_EQ(0, std::memcmp(o->scales.data(), s_ref.data(), sbytes));
+          for (size_t i = sbytes; i < o->scales.size(); ++i) ASSERT_EQ(o->scales[i], 0xa5) << "past the scales";
+          EXPECT_EQ(o->xn, bf.xn);
+          if (o == &both) EXPECT_EQ(o->f, bf.f);
+          else for (auto v : o->f) ASSERT_EQ(v, 0x7fc1) << "f_pre is null: nothing written there";
+        }
+      }
+    }
+  }
+}
+
+// mhc_pre's epilogue is the same: mhc_pre on the X_next that mhc_post_pre
+// stored, with the same norm and FP8 copy, gives the same bytes.
+TEST(MhcCpu, PreEpilogueEqualsPostPreEpilogue) {
+  const int n = 4;
+  Problem p = make_problem(2, n, 256, seed_for("pre_epilogue"));
+  NormWeight w(p.C, p.seed + 3);
+  PostPreBufs o(p);
+  MhcPostPreArgs a = post_pre_args(p, o);
+  a.norm_weight = w.f32v.data(); a.norm_weight_dtype = DType::kFloat32; a.norm_eps = 1e-6f;
+  a.f_pre_fp8 = o.q.data(); a.f_pre_scales = o.scales.data(); a.f_pre_scale_format = ScaleFormat::kUE8M0;
+  ASSERT_TRUE(mhc_post_pre_cpu(a).ok());
+  std::vector<uint16_t> f(o.f.size(), 0x7fc1);
+  std::vector<float> hp(o.hp.size()), hr(o.hr.size());
+  std::vector<uint8_t> q(o.q.size(), 0xa5), sc(o.scales.size(), 0xa5);
+  MhcPreArgs b;
+  b.shape = a.shape;
+  b.x = o.xn.data(); b.phi = a.phi; b.alpha = a.alpha; b.bias = a.bias; b.params = a.params;
+  b.f_pre = f.data(); b.h_post = hp.data(); b.h_res = hr.data();
+  b.norm_weight = a.norm_weight; b.norm_weight_dtype = a.norm_weight_dtype; b.norm_eps = a.norm_eps;
+  b.f_pre_fp8 = q.data(); b.f_pre_scales = sc.data(); b.f_pre_scale_format = a.f_pre_scale_format;
+  Status s = mhc_pre_cpu(b);
+  ASSERT_TRUE(s.ok()) << s.message();
+  EXPECT_EQ(f, o.f);
+  EXPECT_EQ(q, o.q);
+  EXPECT_EQ(sc, o.scales);
 }
 
 TEST(MhcCpu, ExpandCopiesEachToken) {
@@ -610,6 +755,92 @@ TEST(MhcValidation, PostPreNamesItsArguments) {
   MhcPostPreArgs z;  // B = 0: valid without buffers
   z.shape = {0, 4, 7168};
   EXPECT_TRUE(mhc_post_pre_cpu(z).ok());
+}
+
+// The epilogue's rules (spec §5.4), on mhc_post_pre and mhc_pre: each one
+// named, nothing written.
+TEST(MhcValidation, EpilogueNamesItsArguments) {
+  Problem p = make_problem(2, 4, 256, seed_for("epilogue_validation"));
+  NormWeight w(p.C, 5);
+  PostPreBufs o(p);
+  auto base = [&] {
+    MhcPostPreArgs a = post_pre_args(p, o);
+    a.norm_weight = w.bf.data();
+    a.f_pre_fp8 = o.q.data(); a.f_pre_scales = o.scales.data();
+    return a;
+  };
+  EXPECT_TRUE(validate_mhc_post_pre(base()).ok());
+  struct Bad {
+    const char* arg;
+    StatusCode code;
+    std::function<void(MhcPostPreArgs&)> edit;
+  };
+  const Bad bad[] = {
+      {"norm_weight_dtype", StatusCode::kNotSupported, [](MhcPostPreArgs& a) { a.norm_weight_dtype = DType::kFloat16; }},
+      {"norm_weight_dtype", StatusCode::kInvalidArgument,
+       [](MhcPostPreArgs& a) { a.norm_weight_dtype = static_cast<DType>(99); }},
+      {"norm_eps", StatusCode::kInvalidArgument, [](MhcPostPreArgs& a) { a.norm_eps = -1e-6f; }},
+      {"norm_eps", StatusCode::kInvalidArgument, [](MhcPostPreArgs& a) { a.norm_eps = NAN; }},
+      {"f_pre_scale_format", StatusCode::kInvalidArgument,
+       [](MhcPostPreArgs& a) { a.f_pre_scale_format = static_cast<ScaleFormat>(5); }},
+      {"hidden", StatusCode::kInvalidArgument, [](MhcPostPreArgs& a) { a.shape.hidden = 200; }},
+      {"f_pre_scales", StatusCode::kInvalidArgument, [](MhcPostPreArgs& a) { a.f_pre_scales = nullptr; }},
+      {"f_pre_fp8", StatusCode::kInvalidArgument, [](MhcPostPreArgs& a) { a.f_pre_fp8 = nullptr; }},
+      {"f_pre", StatusCode::kInvalidArgument,
+       [](MhcPostPreArgs& a) { a.f_pre = nullptr; a.f_pre_fp8 = nullptr; a.f_pre_scales = nullptr; }},
+      {"norm_weight", StatusCode::kInvalidArgument,
+       [](MhcPostPreArgs& a) { a.norm_weight = static_cast<const uint16_t*>(a.norm_weight) + 1; }},
+      {"f_pre_fp8", StatusCode::kInvalidArgument,
+       [](MhcPostPreArgs& a) { a.f_pre_fp8 = static_cast<uint8_t*>(a.f_pre_fp8) + 8; }},
+      {"f_pre_scales", StatusCode::kInvalidArgument,
+       [](MhcPostPreArgs& a) { a.f_pre_scales = static_cast<uint8_t*>(a.f_pre_scales) + 2; }},
+      {"f_pre_fp8", StatusCode::kInvalidArgument, [](MhcPostPreArgs& a) { a.f_pre_fp8 = a.x_next; }},
+      {"f_pre_scales", StatusCode::kInvalidArgument, [](MhcPostPreArgs& a) { a.f_pre_scales = a.f_pre; }},
+      {"f_pre_fp8", StatusCode::kInvalidArgument, [](MhcPostPreArgs& a) { a.f_pre_fp8 = const_cast<void*>(a.norm_weight); }},
+      {"f_pre", StatusCode::kInvalidArgument, [](MhcPostPreArgs& a) { a.norm_weight = a.f_pre; }},
+  };
+  for (const Bad& b : bad) {
+    MhcPostPreArgs a = base();
+    b.edit(a);
+    SCOPED_TRACE(b.arg);
+    expect_error(mhc_post_pre_cpu(a), b.code, b.arg);
+  }
+  for (auto v : o.xn) ASSERT_EQ(v, 0x7fc1);
+  for (auto v : o.f) ASSERT_EQ(v, 0x7fc1);
+  for (auto v : o.q) ASSERT_EQ(v, 0xa5);
+  for (auto v : o.scales) ASSERT_EQ(v, 0xa5);
+  // ue8m0 scales need only 1-byte alignment.
+  MhcPostPreArgs a = base();
+  a.f_pre_scale_format = ScaleFormat::kUE8M0;
+  a.f_pre_scales = o.scales.data() + 1;
+  EXPECT_TRUE(validate_mhc_post_pre(a).ok());
+  // B = 0: the value rules still hold, no buffers needed.
+  MhcPostPreArgs z;
+  z.shape = {0, 4, 200};
+  z.f_pre_fp8 = o.q.data();
+  expect_error(validate_mhc_post_pre(z), StatusCode::kInvalidArgument, "hidden");
+  z.shape.hidden = 256;
+  z.f_pre_fp8 = nullptr;
+  z.norm_eps = 0.0f;
+  EXPECT_TRUE(mhc_post_pre_cpu(z).ok());
+  // mhc_pre: the same rules, its own names.
+  std::vector<float> hp(o.hp.size()), hr(o.hr.size());
+  MhcPreArgs q;
+  q.shape = {p.B, 4, p.C};
+  q.x = p.x.data(); q.phi = p.phi_f32.data(); q.alpha = p.alpha.data(); q.bias = p.bias.data();
+  q.f_pre = nullptr; q.h_post = hp.data(); q.h_res = hr.data();
+  q.f_pre_fp8 = o.q.data(); q.f_pre_scales = o.scales.data();
+  EXPECT_TRUE(validate_mhc_pre(q).ok());
+  q.f_pre_scales = nullptr;
+  expect_error(mhc_pre_cpu(q), StatusCode::kInvalidArgument, "f_pre_scales");
+  q.f_pre_scales = o.scales.data();
+  q.norm_weight = w.bf.data();
+  q.norm_eps = INFINITY;
+  expect_error(mhc_pre_cpu(q), StatusCode::kInvalidArgument, "norm_eps");
+  q.norm_eps = 1e-6f;
+  q.f_pre_scales = const_cast<uint16_t*>(p.x.data());
+  expect_error(mhc_pre_cpu(q), StatusCode::kInvalidArgument, "f_pre_scales");
+  for (auto v : o.q) ASSERT_EQ(v, 0xa5);
 }
 
 TEST(MhcValidation, ZeroTokensIsValidWithoutBuffers) {

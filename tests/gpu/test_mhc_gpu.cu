@@ -20,6 +20,7 @@
 
 #include "common/gpu_testing.h"
 #include "cpu/test_mhc_common.h"
+#include "flashmix/fp8.h"
 #include "flashmix/mhc.h"
 #include "mhc/mhc_device.cuh"
 
@@ -780,6 +781,324 @@ TEST(MhcPostPrePathGpu, ZeroTokensAndBadArguments) {
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   for (auto v : x_next.to_host<uint16_t>()) ASSERT_EQ(v, 0x7f7f);
   for (auto v : f_pre.to_host<uint16_t>()) ASSERT_EQ(v, 0x7f7f);
+}
+
+// ---------------------------------------------------------------------------
+// F_pre's epilogue (spec §4.8): the next sublayer's input RMSNorm and the FP8
+// copy, on mhc_post_pre (and mhc_pre). Only the cluster-tile kernel runs it.
+
+struct EpilogueCase {
+  int n;
+  int64_t C, B;
+  MhcResLayout layout;
+  bool norm;
+  DType weight_dtype;  // of the norm's weight
+  bool fp8;
+  ScaleFormat scale_format;
+  bool graph = false;
+};
+
+std::string epilogue_case_name(const ::testing::TestParamInfo<EpilogueCase>& info) {
+  const EpilogueCase& c = info.param;
+  std::string s = "n" + std::to_string(c.n) + "_C" + std::to_string(c.C) + "_B" + std::to_string(c.B) +
+                  (c.layout == MhcResLayout::kDeepSeek ? "_deepseek" : "_rowmix");
+  if (c.norm) s += c.weight_dtype == DType::kFloat32 ? "_normf32" : "_normbf16";
+  if (c.fp8) s += c.scale_format == ScaleFormat::kUE8M0 ? "_fp8ue8m0" : "_fp8f32";
+  return s + (c.graph ? "_graph" : "");
+}
+
+class MhcPostPreEpilogueGpu : public ::testing::TestWithParam<EpilogueCase> {};
+
+// One call with the epilogue (f_pre and the FP8 copy both written), against:
+//  - the same boundary without it, pinned to the cluster-tile kernel (the
+//    kernel the epilogue runs on): X_next, H_post, H_res bitwise equal; without
+//    the norm F_pre bitwise equal too;
+//  - the norm: against the RMSNorm (double, here) of that plain call's bf16
+//    F_pre, within one bf16 rounding; and against the CPU reference of the
+//    whole op (mhc_pre_cpu with the norm on the stored X_next) within
+//    mhc_pre's tolerance carried through 1/rms and the weight;
+//  - the FP8 copy: bitwise quantize_fp8 (1 x 128, the same format) of this
+//    call's bf16 f_pre, run on the GPU; a second call with f_pre null writes
+//    the same FP8 bytes and scales and leaves f_pre's buffer alone;
+//  - mhc_pre with the same epilogue on the stored X_next: bitwise the same.
+// Outputs poisoned first; direct launch or graph replays.
+TEST_P(MhcPostPreEpilogueGpu, MatchesPlainCallQuantizeFp8AndReference) {
+  SKIP_WITHOUT_GPU();
+  const EpilogueCase c = GetParam();
+  const int n = c.n;
+  Problem p = make_problem(c.B, n, c.C, seed_for(epilogue_case_name({c, 0})));
+  SCOPED_TRACE("seed " + std::to_string(p.seed));
+  DeviceProblem d(p);
+  std::mt19937_64 rng(p.seed + 7);
+  std::uniform_real_distribution<float> u(-0.5f, 1.5f);
+  std::vector<float> w32(size_t(c.C));
+  std::vector<uint16_t> w16(size_t(c.C));
+  for (int64_t col = 0; col < c.C; ++col) {
+    float v = u(rng);
+    if (std::fabs(v) < 1e-2f) v = 0.3f;
+    w32[col] = v;
+    w16[col] = bf16(v);
+  }
+  const DeviceBuffer dw32(w32), dw16(w16);
+  const float eps = 1e-5f;
+  const int64_t sb = c.scale_format == ScaleFormat::kUE8M0 ? 1 : 4;
+  const int64_t xb = c.B * p.K() * 2, fb = c.B * c.C * 2, pb = c.B * n * 4, rb = c.B * n * n * 4;
+  const int64_t qb = c.fp8 ? c.B * c.C : 0, scb = c.fp8 ? c.B * (c.C / 128) * sb : 0;
+  DeviceBuffer x_next = poisoned(xb), f_pre = poisoned(fb), h_post = poisoned(pb), h_res = poisoned(rb);
+  DeviceBuffer q = poisoned(qb), scales = poisoned(scb);
+  MhcPostPreArgs a;
+  a.shape = {c.B, n, c.C};
+  a.x = d.x.get(); a.f_out = d.f_out.get(); a.h_post = d.h_post.as<float>(); a.h_res = d.h_res.as<float>();
+  a.res_layout = c.layout;
+  a.phi = d.phi_f32.get(); a.alpha = d.alpha.as<float>(); a.bias = d.bias.as<float>();
+  a.x_next = x_next.get(); a.f_pre = f_pre.get(); a.h_post_next = h_post.as<float>(); a.h_res_next = h_res.as<float>();
+  if (c.norm) {
+    a.norm_weight = c.weight_dtype == DType::kFloat32 ? dw32.get() : dw16.get();
+    a.norm_weight_dtype = c.weight_dtype;
+    a.norm_eps = eps;
+  }
+  if (c.fp8) {
+    a.f_pre_fp8 = q.get(); a.f_pre_scales = scales.get(); a.f_pre_scale_format = c.scale_format;
+  }
+  if (c.B > 0) {
+    MhcPreKernel ran = MhcPreKernel::kAuto;
+    std::string why;
+    Status s = mhc_post_pre_kernel_choice(a, &ran, &why);
+    ASSERT_TRUE(s.ok()) << s.message();
+    EXPECT_EQ(ran, MhcPreKernel::kClusterTile) << why;
+    if (n == 4 && c.C % 1024 == 0 && c.C <= 7168)  // the resident kernel's shape: passed over, saying why
+      EXPECT_NE(why.find("resident: no F_pre norm / FP8 epilogue"), std::string::npos) << why;
+    MhcPostPreArgs r = a;
+    r.kernel = MhcPreKernel::kResident;
+    s = mhc_post_pre_kernel_choice(r, &ran, &why);
+    EXPECT_EQ(s.code(), StatusCode::kNotSupported) << s.message();
+  }
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  run_direct_or_graph(
+      stream, c.graph,
+      [&] {
+        Status s = mhc_post_pre(a, stream);
+        EXPECT_TRUE(s.ok()) << s.message();
+      },
+      [&] {
+        for (const DeviceBuffer* b : {&x_next, &f_pre, &h_post, &h_res, &q, &scales})
+          if (b->bytes()) EXPECT_EQ(cudaMemsetAsync(b->get(), 0x7f, b->bytes(), stream), cudaSuccess);
+      });
+  CUDA_OK(cudaGetLastError());
+  if (c.B == 0) {
+    CUDA_OK(cudaStreamDestroy(stream));
+    return;  // kOk, nothing launched (MhcPostPrePathGpu.ZeroTokensAndBadArguments checks nothing is touched)
+  }
+  // The plain boundary on the same kernel.
+  DeviceBuffer x2 = poisoned(xb), f2 = poisoned(fb), hp2 = poisoned(pb), hr2 = poisoned(rb);
+  MhcPostPreArgs plain = a;
+  plain.norm_weight = nullptr; plain.f_pre_fp8 = nullptr; plain.f_pre_scales = nullptr;
+  plain.x_next = x2.get(); plain.f_pre = f2.get(); plain.h_post_next = hp2.as<float>(); plain.h_res_next = hr2.as<float>();
+  plain.kernel = MhcPreKernel::kClusterTile;
+  {
+    Status s = mhc_post_pre(plain, stream);
+    ASSERT_TRUE(s.ok()) << s.message();
+  }
+  // quantize_fp8 of this call's bf16 f_pre, on the GPU.
+  DeviceBuffer q_ref = poisoned(qb), s_ref = poisoned(scb);
+  if (c.fp8) {
+    QuantizeFp8Args qa;
+    qa.x = f_pre.get(); qa.q = q_ref.get(); qa.scales = s_ref.get();
+    qa.rows = c.B; qa.cols = c.C; qa.block = Fp8Block::k1x128; qa.scale_format = c.scale_format;
+    Status s = quantize_fp8(qa, stream);
+    ASSERT_TRUE(s.ok()) << s.message();
+  }
+  // The FP8 copy alone (f_pre null).
+  DeviceBuffer x3 = poisoned(xb), f3 = poisoned(fb), hp3 = poisoned(pb), hr3 = poisoned(rb);
+  DeviceBuffer q3 = poisoned(qb), s3 = poisoned(scb);
+  if (c.fp8) {
+    MhcPostPreArgs only = a;
+    only.x_next = x3.get(); only.f_pre = nullptr; only.h_post_next = hp3.as<float>(); only.h_res_next = hr3.as<float>();
+    only.f_pre_fp8 = q3.get(); only.f_pre_scales = s3.get();
+    Status s = mhc_post_pre(only, stream);
+    ASSERT_TRUE(s.ok()) << s.message();
+  }
+  // mhc_pre with the same epilogue on the stored X_next (kAuto: the cluster-tile kernel takes it).
+  DeviceBuffer f4 = poisoned(fb), hp4 = poisoned(pb), hr4 = poisoned(rb), q4 = poisoned(qb), s4 = poisoned(scb);
+  {
+    MhcPreArgs pre;
+    pre.shape = a.shape;
+    pre.x = x_next.get(); pre.phi = a.phi; pre.phi_dtype = a.phi_dtype; pre.alpha = a.alpha; pre.bias = a.bias;
+    pre.params = a.params;
+    pre.f_pre = f4.get(); pre.h_post = hp4.as<float>(); pre.h_res = hr4.as<float>();
+    pre.norm_weight = a.norm_weight; pre.norm_weight_dtype = a.norm_weight_dtype; pre.norm_eps = a.norm_eps;
+    if (c.fp8) {
+      pre.f_pre_fp8 = q4.get(); pre.f_pre_scales = s4.get(); pre.f_pre_scale_format = c.scale_format;
+    }
+    Status s = mhc_pre(pre, stream);
+    ASSERT_TRUE(s.ok()) << s.message();
+  }
+  CUDA_OK(cudaStreamSynchronize(stream));
+  CUDA_OK(cudaStreamDestroy(stream));
+  CUDA_OK(cudaGetLastError());
+
+  auto first_diff = [](const auto& u, const auto& v) {
+    if (u.size() != v.size()) return int64_t(-2);
+    for (size_t i = 0; i < u.size(); ++i)
+      if (std::memcmp(&u[i], &v[i], sizeof(u[i])) != 0) return int64_t(i);
+    return int64_t(-1);
+  };
+  const auto got_x = x_next.to_host<uint16_t>(), got_f = f_pre.to_host<uint16_t>();
+  const auto got_p = h_post.to_host<float>(), got_r = h_res.to_host<float>();
+  const auto two_x = x2.to_host<uint16_t>(), plain_f = f2.to_host<uint16_t>();
+  EXPECT_EQ(first_diff(got_x, two_x), -1) << "X_next differs from the plain call's";
+  EXPECT_EQ(first_diff(got_p, hp2.to_host<float>()), -1) << "H_post differs from the plain call's";
+  EXPECT_EQ(first_diff(got_r, hr2.to_host<float>()), -1) << "H_res differs from the plain call's";
+  if (!c.norm) EXPECT_EQ(first_diff(got_f, plain_f), -1) << "F_pre differs from the plain call's";
+  EXPECT_EQ(first_diff(f4.to_host<uint16_t>(), got_f), -1) << "mhc_pre's epilogue differs from mhc_post_pre's";
+  EXPECT_EQ(first_diff(hp4.to_host<float>(), got_p), -1) << "mhc_pre's H_post differs";
+  if (c.fp8) {
+    const auto got_q = q.to_host<uint8_t>(), got_s = scales.to_host<uint8_t>();
+    EXPECT_EQ(first_diff(got_q, q_ref.to_host<uint8_t>()), -1) << "FP8 copy differs from quantize_fp8 of f_pre";
+    EXPECT_EQ(first_diff(got_s, s_ref.to_host<uint8_t>()), -1) << "scales differ from quantize_fp8's";
+    EXPECT_EQ(first_diff(q3.to_host<uint8_t>(), got_q), -1) << "FP8 copy with f_pre null differs";
+    EXPECT_EQ(first_diff(s3.to_host<uint8_t>(), got_s), -1) << "scales with f_pre null differ";
+    EXPECT_EQ(first_diff(x3.to_host<uint16_t>(), got_x), -1) << "X_next with f_pre null differs";
+    EXPECT_EQ(first_diff(q4.to_host<uint8_t>(), got_q), -1) << "mhc_pre's FP8 copy differs";
+    EXPECT_EQ(first_diff(s4.to_host<uint8_t>(), got_s), -1) << "mhc_pre's scales differ";
+    for (auto v : got_q) ASSERT_NE(v, 0x7f) << "a NaN byte (or an unwritten one) in the FP8 copy";
+    if (c.scale_format == ScaleFormat::kFloat32)
+      for (float v : scales.to_host<float>()) ASSERT_TRUE(std::isfinite(v) && v > 0) << "scale " << v;
+  }
+  for (size_t i = 0; i < got_f.size(); ++i) ASSERT_TRUE(std::isfinite(f32(got_f[i]))) << "f_pre element " << i;
+  if (!c.norm) return;
+
+  // The norm, every element: against the RMSNorm of the plain call's bf16
+  // F_pre (one bf16 rounding apart), and against the CPU reference.
+  int64_t bad = 0;
+  for (int64_t b = 0; b < c.B; ++b) {
+    double ss = 0;
+    for (int64_t col = 0; col < c.C; ++col) ss += double(f32(plain_f[b * c.C + col])) * f32(plain_f[b * c.C + col]);
+    const double inv = 1.0 / std::sqrt(ss / double(c.C) + double(eps));
+    for (int64_t col = 0; col < c.C; ++col) {
+      const double wc = c.weight_dtype == DType::kFloat32 ? double(w32[col]) : double(f32(w16[col]));
+      const uint16_t ref = bf16(float(double(f32(plain_f[b * c.C + col])) * inv * wc));
+      if (!bf16_close(got_f[b * c.C + col], ref, 0, 0) && bad++ < 10)
+        ADD_FAILURE() << "normed F_pre[" << b << "," << col << "] = " << f32(got_f[b * c.C + col])
+                      << ", RMSNorm of the plain F_pre " << f32(ref);
+    }
+    // The reference of the op: mhc_pre_cpu on the stored X_next, plain and normed.
+    std::vector<uint16_t> ref_plain(size_t(c.C)), ref_norm(size_t(c.C));
+    std::vector<float> rp(n), rr(n * n);
+    MhcPreArgs rq;
+    rq.shape = {1, n, c.C};
+    rq.x = got_x.data() + b * p.K();
+    rq.phi = p.phi_f32.data(); rq.alpha = p.alpha.data(); rq.bias = p.bias.data(); rq.params = a.params;
+    rq.f_pre = ref_plain.data(); rq.h_post = rp.data(); rq.h_res = rr.data();
+    ASSERT_TRUE(mhc_pre_cpu(rq).ok());
+    rq.f_pre = ref_norm.data();
+    rq.norm_weight = c.weight_dtype == DType::kFloat32 ? static_cast<const void*>(w32.data()) : w16.data();
+    rq.norm_weight_dtype = c.weight_dtype;
+    rq.norm_eps = eps;
+    ASSERT_TRUE(mhc_pre_cpu(rq).ok());
+    double rss = 0;
+    for (int64_t col = 0; col < c.C; ++col) rss += double(f32(ref_plain[col])) * f32(ref_plain[col]);
+    const double rinv = 1.0 / std::sqrt(rss / double(c.C) + double(eps));
+    for (int64_t col = 0; col < c.C; ++col) {
+      double scale = 0;
+      for (int i = 0; i < n; ++i) scale += std::fabs(f32(got_x[b * p.K() + i * c.C + col]));
+      const double wc = c.weight_dtype == DType::kFloat32 ? double(w32[col]) : double(f32(w16[col]));
+      // spec §0.11: mhc_pre's F_pre tolerance (one bf16 ulp + 2e-4 of the
+      // mix's terms) through 1/rms and |w|, the norm's own rounding on each
+      // side, and the rms's share of the coefficient error: 2^-5 relative.
+      const double g = f32(got_f[b * c.C + col]), r = f32(ref_norm[col]);
+      const double tol = std::ldexp(std::fabs(r), -5) + 2e-4 * scale * rinv * std::fabs(wc) + 1e-6;
+      if (!(std::fabs(g - r) <= tol) && bad++ < 10)
+        ADD_FAILURE() << "normed F_pre[" << b << "," << col << "] = " << g << ", reference " << r;
+    }
+  }
+  EXPECT_EQ(bad, 0);
+}
+
+std::vector<EpilogueCase> epilogue_cases() {
+  using L = MhcResLayout;
+  const DType kB = DType::kBFloat16, kF = DType::kFloat32;
+  const ScaleFormat kS = ScaleFormat::kFloat32, kU = ScaleFormat::kUE8M0;
+  std::vector<EpilogueCase> v;
+  // Every n, odd and partial tiles, B = 0; C = 1280: slices of 160 columns,
+  // so most 1 x 128 blocks straddle two CTAs.
+  for (int n = 1; n <= 8; ++n)
+    for (int64_t B : {0, 1, 3, 17}) {
+      v.push_back({n, 1280, B, L::kDeepSeek, true, kB, true, kS});
+      v.push_back({n, 1280, B, L::kRowMix, true, kF, true, kU});
+    }
+  // One option at a time; both layouts.
+  for (L l : {L::kDeepSeek, L::kRowMix}) {
+    v.push_back({4, 2048, 5, l, true, kB, false, kS});
+    v.push_back({4, 2048, 5, l, false, kB, true, kS});
+    v.push_back({4, 2048, 5, l, false, kB, true, kU});
+  }
+  // C = 128: one block across all 8 CTAs (16 columns each); C = 384: 48 each.
+  v.push_back({3, 128, 9, L::kDeepSeek, true, kF, true, kS});
+  v.push_back({2, 384, 33, L::kRowMix, true, kB, true, kU});
+  v.push_back({5, 384, 7, L::kDeepSeek, false, kB, true, kS});
+  // The norm alone at a C that is not a multiple of 128 (no FP8 there).
+  v.push_back({4, 1000, 11, L::kDeepSeek, true, kB, false, kS});
+  v.push_back({7, 8, 3, L::kRowMix, true, kF, false, kS});
+  // The resident kernel's shapes (n = 4): the cluster-tile kernel runs them; many tiles.
+  v.push_back({4, 7168, 16, L::kDeepSeek, true, kB, true, kS, true});
+  v.push_back({4, 7168, 301, L::kDeepSeek, true, kB, true, kU});
+  v.push_back({4, 4096, 1027, L::kRowMix, true, kF, true, kS, true});
+  v.push_back({8, 7168, 65, L::kDeepSeek, true, kB, true, kS, true});
+  v.push_back({6, 2560, 100, L::kRowMix, false, kB, true, kU, true});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, MhcPostPreEpilogueGpu, ::testing::ValuesIn(epilogue_cases()), epilogue_case_name);
+
+// The epilogue on a pinned kernel that cannot run it (kResident, kSplit,
+// kPortable): kNotSupported naming the kernel, nothing written, no CUDA
+// error left; bad epilogue arguments are named on the GPU path too.
+TEST(MhcPostPrePathGpu, EpilogueNotSupportedAndBadArgumentsLaunchNothing) {
+  SKIP_WITHOUT_GPU();
+  const int64_t B = 3, C = 1024;
+  Problem p = make_problem(B, 4, C, seed_for("epilogue_not_supported"));
+  DeviceProblem d(p);
+  std::vector<uint16_t> w(size_t(C), bf16(1.0f));
+  const DeviceBuffer dw(w);
+  DeviceBuffer x_next = poisoned(B * p.K() * 2), f_pre = poisoned(B * C * 2), h_post = poisoned(B * 4 * 4),
+               h_res = poisoned(B * 16 * 4), q = poisoned(B * C), sc = poisoned(B * (C / 128) * 4);
+  MhcPostPreArgs a;
+  a.shape = {B, 4, C};
+  a.x = d.x.get(); a.f_out = d.f_out.get(); a.h_post = d.h_post.as<float>(); a.h_res = d.h_res.as<float>();
+  a.phi = d.phi_f32.get(); a.alpha = d.alpha.as<float>(); a.bias = d.bias.as<float>();
+  a.x_next = x_next.get(); a.f_pre = f_pre.get(); a.h_post_next = h_post.as<float>(); a.h_res_next = h_res.as<float>();
+  a.norm_weight = dw.get();
+  a.f_pre_fp8 = q.get(); a.f_pre_scales = sc.get();
+  for (MhcPreKernel k : {MhcPreKernel::kResident, MhcPreKernel::kSplit, MhcPreKernel::kPortable}) {
+    a.kernel = k;
+    Status s = mhc_post_pre(a, nullptr);
+    EXPECT_EQ(s.code(), StatusCode::kNotSupported) << s.message();
+    EXPECT_NE(s.message().find("kernel"), std::string::npos) << s.message();
+  }
+  a.kernel = MhcPreKernel::kAuto;
+  MhcPostPreArgs b = a;
+  b.f_pre_scales = nullptr;
+  EXPECT_EQ(mhc_post_pre(b, nullptr).code(), StatusCode::kInvalidArgument);
+  b = a;
+  b.f_pre_fp8 = x_next.get();
+  Status s = mhc_post_pre(b, nullptr);
+  EXPECT_NE(s.message().find(": f_pre_fp8: "), std::string::npos) << s.message();
+  b = a;
+  b.shape.hidden = 1000;  // FP8 needs C a multiple of 128
+  s = mhc_post_pre(b, nullptr);
+  EXPECT_NE(s.message().find(": hidden: "), std::string::npos) << s.message();
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  for (auto v : x_next.to_host<uint16_t>()) ASSERT_EQ(v, 0x7f7f);
+  for (auto v : f_pre.to_host<uint16_t>()) ASSERT_EQ(v, 0x7f7f);
+  for (auto v : q.to_host<uint8_t>()) ASSERT_EQ(v, 0x7f);
+  for (auto v : sc.to_host<uint8_t>()) ASSERT_EQ(v, 0x7f);
+  MhcPostPreArgs z;  // B = 0 with the options: kOk, nothing launched
+  z.shape = {0, 4, 7168};
+  z.norm_weight = dw.get();
+  EXPECT_TRUE(mhc_post_pre(z, nullptr).ok());
 }
 
 // A stand-in for the kernel ahead of mhc_pre in a layer (attention, the

@@ -815,6 +815,85 @@ def test_mhc_post_pre_rejects_outputs_overlapping_inputs():
 
 
 @needs_bf16
+@pytest.mark.parametrize("weight_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("n,C", [(1, 128), (4, 256), (6, 384)])
+def test_mhc_post_pre_norm_and_fp8_match_spec(n, C, weight_dtype):
+    """spec §4.8: f_pre = bf16(v / sqrt(mean v^2 + eps) * w) from the bf16 F_pre v of the plain
+    call, and the FP8 copy = quantize_fp8 (1 x 128) of that bf16 f_pre, bit for bit; the other
+    outputs unchanged; with bf16_f_pre=False only the FP8 copy."""
+    rng = np.random.default_rng(n * 13 + C)
+    B = 3
+    x, f_out, h_post, h_res = ref.post_problem(rng, B, n, C)
+    _, phi, alpha, bias = ref.mhc_problem(rng, B, n, C)
+    w = rng.uniform(0.25, 1.5, C).astype(np.float32)
+    if weight_dtype == "bfloat16":
+        w = w.astype(BF16)
+    plain = flashmix.mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias)
+    normed = flashmix.mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, norm_weight=w, norm_eps=1e-5)
+    assert isinstance(normed, flashmix.MhcPostPreOutput)
+    for u, v in ((normed.x_next, plain.x_next), (normed.h_post, plain.h_post), (normed.h_res, plain.h_res)):
+        np.testing.assert_array_equal(u, v)
+    v = plain.f_pre.astype(np.float64)
+    inv = 1.0 / np.sqrt((v * v).mean(axis=1, keepdims=True) + np.float64(np.float32(1e-5)))
+    want = (v * inv * w.astype(np.float64)).astype(np.float32).astype(BF16)
+    np.testing.assert_array_equal(normed.f_pre, want)
+    for scale_format in ("float32", "ue8m0"):
+        out = flashmix.mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, norm_weight=w, norm_eps=1e-5,
+                                    fp8=True, f_pre_scale_format=scale_format)
+        assert isinstance(out, flashmix.MhcPostPreFp8Output)
+        np.testing.assert_array_equal(out.f_pre, want)
+        q, s = flashmix.quantize_fp8(out.f_pre, scale_format=scale_format)
+        assert out.f_pre_fp8.shape == (B, C) and out.f_pre_scales.shape == (B, C // 128)
+        np.testing.assert_array_equal(out.f_pre_fp8, q)
+        np.testing.assert_array_equal(out.f_pre_scales, s)
+        only = flashmix.mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, norm_weight=w, norm_eps=1e-5,
+                                     fp8=True, f_pre_scale_format=scale_format, bf16_f_pre=False)
+        assert only.f_pre is None
+        np.testing.assert_array_equal(only.f_pre_fp8, q)
+        np.testing.assert_array_equal(only.f_pre_scales, s)
+
+
+@needs_bf16
+def test_mhc_pre_epilogue_equals_the_boundary_one():
+    """mhc_pre with the epilogue on the X_next mhc_post_pre stored: the same bytes (spec §4.8)."""
+    rng = np.random.default_rng(23)
+    B, n, C = 3, 4, 256
+    x, f_out, h_post, h_res = ref.post_problem(rng, B, n, C)
+    _, phi, alpha, bias = ref.mhc_problem(rng, B, n, C)
+    w = rng.uniform(0.5, 1.5, C).astype(np.float32)
+    kw = dict(norm_weight=w, norm_eps=1e-5, fp8=True, f_pre_scale_format="ue8m0")
+    b = flashmix.mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, **kw)
+    p = flashmix.mhc_pre(b.x_next, phi, alpha, bias, **kw)
+    assert isinstance(p, flashmix.MhcPreFp8Output)
+    for u, v in zip(p, (b.f_pre, b.h_post, b.h_res, b.f_pre_fp8, b.f_pre_scales)):
+        np.testing.assert_array_equal(u, v)
+    only = flashmix.mhc_pre(b.x_next, phi, alpha, bias, bf16_f_pre=False, **kw)
+    assert only.f_pre is None
+    np.testing.assert_array_equal(only.f_pre_fp8, b.f_pre_fp8)
+    normed = flashmix.mhc_pre(b.x_next, phi, alpha, bias, norm_weight=w, norm_eps=1e-5)
+    assert isinstance(normed, flashmix.MhcPreOutput)
+    np.testing.assert_array_equal(normed.f_pre, b.f_pre)
+    with raises_naming(ValueError, "mhc_pre", "f_pre_scales"):  # [B, C/128] float32 for "float32"
+        flashmix.mhc_pre(b.x_next, phi, alpha, bias, f_pre_fp8=b.f_pre_fp8, f_pre_scales=np.zeros((B, 1), np.float32))
+
+
+@needs_bf16
+def test_mhc_post_pre_epilogue_rejects_bad_arguments():
+    rng = np.random.default_rng(19)
+    x, f_out, h_post, h_res = ref.post_problem(rng, 3, 4, 64)
+    _, phi, alpha, bias = ref.mhc_problem(rng, 3, 4, 64)
+    with raises_naming(ValueError, "mhc_post_pre", "hidden"):  # FP8 needs C a multiple of 128
+        flashmix.mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, fp8=True)
+    with raises_naming(ValueError, "mhc_post_pre", "norm_weight"):
+        flashmix.mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, norm_weight=np.ones(32, np.float32))
+    with raises_naming(ValueError, "mhc_post_pre", "norm_eps"):
+        flashmix.mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, norm_weight=np.ones(64, np.float32),
+                              norm_eps=-1.0)
+    with raises_naming(ValueError, "mhc_post_pre", "f_pre_scale_format"):
+        flashmix.mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, f_pre_scale_format="e5m2")
+
+
+@needs_bf16
 def test_mhc_stages_compose_to_mhc_pre():
     rng = np.random.default_rng(8)
     n, C = 4, 32
@@ -1266,6 +1345,27 @@ def test_torch_custom_op_mhc_post_pre_on_cpu_tensors():
     assert all(torch.equal(g, w) for g, w in zip(compiled(*args), two_layers(*args)))
 
 
+def test_torch_custom_ops_mhc_post_pre_norm_and_fp8_on_cpu_tensors():
+    torch = torch_or_skip()
+    n, C, B = 4, 256, 5
+    x = torch.randn(B, n, C).bfloat16()
+    f_out = torch.randn(B, C).bfloat16()
+    h_post, h_res = torch.rand(B, n) * 2, (torch.rand(B, n, n) + 0.5) / n
+    phi, alpha, bias = torch.randn(24, n * C) * 0.05, torch.rand(3) + 0.5, torch.randn(24)
+    w = (torch.rand(C) + 0.5).bfloat16()
+    args = (x, f_out, h_post, h_res, phi, alpha, bias)
+    torch.library.opcheck(torch.ops.flashmix.mhc_post_pre_norm.default, args + (w,))
+    torch.library.opcheck(torch.ops.flashmix.mhc_post_pre_fp8.default, args, {"norm_weight": w})
+    got = torch.ops.flashmix.mhc_post_pre_norm(*args, w)
+    want = flashmix.mhc_post_pre(*args, norm_weight=w)
+    assert all(torch.equal(g, v) for g, v in zip(got, want))
+    x1, q, s, hp, hr = torch.ops.flashmix.mhc_post_pre_fp8(*args, norm_weight=w)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (B, C) and s.shape == (B, C // 128)
+    q_ref, s_ref = flashmix.quantize_fp8(want.f_pre)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    assert torch.equal(x1, want.x_next) and torch.equal(hp, want.h_post) and torch.equal(hr, want.h_res)
+
+
 def test_torch_compile_of_the_custom_ops_on_cpu_tensors():
     torch = torch_or_skip()
 
@@ -1467,14 +1567,15 @@ def test_moe_layer_on_cpu_tensors():
 
 TORCH_OPS = ("build_moe_routing_maps", "finalize_moe_routing", "moe_fc2_finalize", "moe_router", "moe_fc1",
              "moe_forward", "mhc_expand", "mhc_pre", "mhc_pre_with_workspace", "mhc_post", "mhc_head",
-             "mhc_post_pre")
+             "mhc_post_pre", "mhc_post_pre_norm", "mhc_post_pre_fp8")
 
 
 def test_torch_op_schemas_take_the_functions_defaults():
     torch = torch_or_skip()
     for name in TORCH_OPS:
         schema = getattr(torch.ops.flashmix, name).default._schema
-        fn = getattr(flashmix, "mhc_pre" if name == "mhc_pre_with_workspace" else name)
+        fn = getattr(flashmix, {"mhc_pre_with_workspace": "mhc_pre", "mhc_post_pre_norm": "mhc_post_pre",
+                                "mhc_post_pre_fp8": "mhc_post_pre"}.get(name, name))
         want = defaults_of(fn)
         for a in schema.arguments:
             keyword = "kernel" if a.name == "projection_kernel" else a.name  # the ops' name for `kernel`

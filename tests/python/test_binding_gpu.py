@@ -740,6 +740,41 @@ def test_mhc_post_gpu_matches_cpu(B, n, C, res_layout):
     assert_within(got, want, 2.0 ** -7 * f64(want).abs() + 1e-5 * scale + 1e-6, "x_next")
 
 
+@pytest.mark.parametrize("scale_format", ["float32", "ue8m0"])
+@pytest.mark.parametrize("B,n,C", [(16, 4, 7168), (17, 3, 1280), (0, 4, 256)])
+def test_mhc_post_pre_norm_fp8_gpu(B, n, C, scale_format):
+    """spec §4.8 through torch: the FP8 copy is quantize_fp8 of the call's bf16 f_pre (bitwise, on
+    the device); the normed f_pre is within the spec's tolerance of the CPU reference."""
+    rng = np.random.default_rng(B + n + C)
+    x, f_out, h_post, h_res = (tensor(a) for a in ref.post_problem(rng, B, n, C))
+    _, phi, alpha, bias = mhc_inputs(B, n, C, "float32", seed=B + C)
+    w = (torch.rand(C, generator=torch.Generator().manual_seed(C)) + 0.5).bfloat16().to(DEV)
+    got = flashmix.mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, norm_weight=w, fp8=True,
+                                f_pre_scale_format=scale_format)
+    q, s = flashmix.quantize_fp8(got.f_pre, scale_format=scale_format)
+    only = torch.ops.flashmix.mhc_post_pre_fp8(x, f_out, h_post, h_res, phi, alpha, bias, norm_weight=w,
+                                               f_pre_scale_format=scale_format)
+    sync()
+    assert torch.equal(got.f_pre_fp8.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(got.f_pre_scales.view(torch.uint8), s.view(torch.uint8))
+    assert torch.equal(only[1].view(torch.uint8), q.view(torch.uint8)) and torch.equal(only[0], got.x_next)
+    if B == 0:
+        return
+    # mhc_pre with the same epilogue on the stored X_next: the cluster-tile kernel, the same bytes.
+    assert flashmix.mhc_pre_kernel_choice(got.x_next, phi, alpha, bias, norm_weight=w)[0] == "cluster_tile"
+    pre = flashmix.mhc_pre(got.x_next, phi, alpha, bias, norm_weight=w, fp8=True, f_pre_scale_format=scale_format)
+    sync()
+    assert torch.equal(pre.f_pre, got.f_pre) and torch.equal(pre.f_pre_fp8.view(torch.uint8), q.view(torch.uint8))
+    # The reference on the X_next the GPU stored: the CPU's mhc_pre, then the norm (spec §4.8) in double.
+    x1 = got.x_next.cpu()
+    plain = flashmix.mhc_pre(x1, phi.cpu(), alpha.cpu(), bias.cpu())
+    v = f64(plain.f_pre)
+    inv = 1.0 / torch.sqrt((v * v).mean(dim=1, keepdim=True) + float(np.float32(1e-6)))
+    want = (v * inv * f64(w)).float().bfloat16()
+    scale = f64(x1).view(B, n, C).abs().sum(dim=1) * inv * f64(w).abs()
+    assert_within(got.f_pre, want, 2.0 ** -5 * f64(want).abs() + 2e-4 * scale + 1e-6, "f_pre")
+
+
 def test_mhc_stages_and_head_and_expand_gpu_match_cpu():
     x, phi, alpha, bias = mhc_inputs(12, 4, 256, "float32", seed=5)
     cpu = [a.cpu() for a in (x, phi, alpha, bias)]

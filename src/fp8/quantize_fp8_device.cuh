@@ -1,0 +1,93 @@
+// The device arithmetic of quantize_fp8's blocks (spec §11.3, §12.1), shared
+// by every kernel that must match it bit for bit (quantize_fp8 itself, the
+// FP8 copy of F_pre in mhc_pre / mhc_post_pre): a block's amax on the bf16
+// bits, its scale, the e4m3 conversion of a chunk of eight bf16.
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "flashmix/fp8.h"
+
+namespace flashmix::fp8_dev {
+
+constexpr uint32_t kAbsMask = 0x7fff7fffu;  // two bf16 magnitudes
+constexpr uint32_t kBf16Inf = 0x7f80u;      // amax bits above this: a NaN in the block
+constexpr uint8_t kE4m3NaN = 0x7f;
+
+// Eight consecutive bf16 (as four words, the first element in the low half of w[0]).
+struct Chunk {
+  uint32_t w[4];
+};
+
+// The largest bf16 magnitude of a chunk, as bits (0..0x7fff).
+__device__ __forceinline__ uint32_t chunk_amax_bits(const Chunk& c) {
+  uint32_t m = __vmaxu2(__vmaxu2(c.w[0] & kAbsMask, c.w[1] & kAbsMask), __vmaxu2(c.w[2] & kAbsMask, c.w[3] & kAbsMask));
+  return max(m & 0xffffu, m >> 16);
+}
+
+// A block's scale, from its amax bits (not NaN): the divisor s and what is
+// stored (the float's bits, or the ue8m0 byte).
+struct Scale {
+  float s;
+  uint32_t stored;
+};
+
+template <ScaleFormat F>
+__device__ __forceinline__ Scale block_scale(uint32_t amax_bits) {
+  if (amax_bits == 0) return {1.0f, F == ScaleFormat::kUE8M0 ? 127u : __float_as_uint(1.0f)};
+  const float r = __fdiv_rn(__uint_as_float(amax_bits << 16), 448.0f);
+  if constexpr (F == ScaleFormat::kFloat32) {
+    return {r, __float_as_uint(r)};
+  } else {
+    // The exponent of the smallest power of two >= r: r's own exponent, one
+    // more unless r is a power of two; for a subnormal r = m 2^-149,
+    // -149 + ceil(log2 m). +inf counts as 2^128. Clamped to [-127, 127].
+    const uint32_t bits = __float_as_uint(r);
+    const int biased = int(bits >> 23), mant = int(bits & 0x7fffff);
+    int e;
+    if (biased == 0xff) e = 128;
+    else if (biased == 0) e = -149 + (32 - __clz(mant - 1));
+    else e = biased - 127 + (mant != 0);
+    e = min(127, max(-127, e));
+    const uint32_t b = uint32_t(e + 127);
+    // 2^(b - 127): a normal float's exponent field, or 2^-127 (subnormal) for b = 0.
+    return {__uint_as_float(b ? b << 23 : 0x00400000u), b};
+  }
+}
+
+__device__ __forceinline__ void store_scale(void* scales, uint32_t index, uint32_t stored, bool ue8m0) {
+  if (ue8m0) static_cast<uint8_t*>(scales)[index] = uint8_t(stored);
+  else static_cast<uint32_t*>(scales)[index] = stored;
+}
+
+// Two e4m3 of x0 / s and x1 / s (bf16 bits in a word, x0 low), x0 in the low byte.
+__device__ __forceinline__ uint32_t quantize_pair(uint32_t bf16x2, float s) {
+  const float v0 = __fdiv_rn(__uint_as_float(bf16x2 << 16), s);
+  const float v1 = __fdiv_rn(__uint_as_float(bf16x2 & 0xffff0000u), s);
+  uint32_t p = __nv_cvt_float2_to_fp8x2(make_float2(v0, v1), __NV_SATFINITE, __NV_E4M3);
+  // inf / inf: the NaN byte with no sign (the CPU's NaN would carry one).
+  if (v0 != v0) p = (p & 0xff00u) | kE4m3NaN;
+  if (v1 != v1) p = (p & 0x00ffu) | (uint32_t(kE4m3NaN) << 8);
+  return p;
+}
+
+// The scale of a block from its amax bits, NaN blocks included (scale NaN:
+// the float bits 0x7fc00000 or the ue8m0 byte 255; s is then unused).
+template <ScaleFormat F>
+__device__ __forceinline__ Scale block_scale_or_nan(uint32_t amax_bits) {
+  return amax_bits > kBf16Inf ? Scale{0.0f, F == ScaleFormat::kUE8M0 ? 255u : 0x7fc00000u} : block_scale<F>(amax_bits);
+}
+
+// The chunk's eight e4m3 bytes (all NaN for a NaN block).
+__device__ __forceinline__ void quantize_chunk(const Chunk& c, float s, bool nan_block, uint32_t& lo, uint32_t& hi) {
+  if (nan_block) {
+    lo = hi = 0x7f7f7f7fu;
+    return;
+  }
+  lo = quantize_pair(c.w[0], s) | (quantize_pair(c.w[1], s) << 16);
+  hi = quantize_pair(c.w[2], s) | (quantize_pair(c.w[3], s) << 16);
+}
+
+}  // namespace flashmix::fp8_dev
