@@ -69,14 +69,15 @@ def nccl_communicator(group=None, device=None):
 def ep_moe_forward(comm, x, w1, w2, topk_ids, topk_weights, *, num_experts, max_tokens_per_rank,
                    recv_capacity=0, sizing="capacity", fp8_rows=False, b1=None, b2=None, w1_layout=_FORWARD.w1_layout,
                    activation=_FORWARD.activation, limit=_FORWARD.limit, alpha=_FORWARD.alpha, mode=_FORWARD.mode,
-                   fp8=_FORWARD.fp8, w1_scales=None, w2_scales=None, shared_output=None, out=None, dropped=None,
-                   workspace=None, stream=None):
+                   fp8=_FORWARD.fp8, w1_scales=None, w2_scales=None, weights=_FORWARD.weights, w1_mx_scales=None,
+                   w2_mx_scales=None, shared_output=None, out=None, dropped=None, workspace=None, stream=None):
     """spec §14.3: this rank's tokens ``x`` (bf16 ``[T, H]``, T <= max_tokens_per_rank on every rank) with
     their ids / weights (int32 / float32 ``[T, k]``, global ids) through dispatch, this rank's experts
     (``w1``, ``w2`` and the FC1/FC2 settings as moe_forward's) and combine into ``out`` (bf16 ``[T, H]``).
     ``recv_capacity``: rows kept per source rank (0 = max_tokens_per_rank, never overflows); with less,
     tokens past it get NaN rows and ``dropped`` (int32 ``[1]``) counts them. ``fp8_rows``: the rows are
-    quantised 1 x 128 before they are sent (half the bytes; needs ``fp8="block"`` experts). Returns ``out``."""
+    quantised 1 x 128 before they are sent (half the bytes; needs ``fp8="block"`` experts). ``weights``,
+    ``w1_mx_scales``, ``w2_mx_scales``: MXFP4 experts as moe_forward's (spec §13.7). Returns ``out``."""
     _require()
     if out is None:
         out = empty(x, (x.shape[0], x.shape[1]), "bfloat16")
@@ -84,12 +85,14 @@ def ep_moe_forward(comm, x, w1, w2, topk_ids, topk_weights, *, num_experts, max_
         workspace = new_workspace(out, _C.ep_moe_forward_workspace_size(
             comm, arg(_as_bytes(w1)), arg(_as_bytes(w2)), k=topk_ids.shape[1], num_experts=num_experts,
             max_tokens_per_rank=max_tokens_per_rank, recv_capacity=recv_capacity, sizing=sizing, fp8_rows=fp8_rows,
-            mode=mode, fp8=fp8,
-            w1_scales=arg(w1_scales), w2_scales=arg(w2_scales)))
+            mode=mode, fp8=fp8, w1_scales=arg(w1_scales), w2_scales=arg(w2_scales), weights=weights,
+            w1_mx_scales=arg(_as_bytes(w1_mx_scales)), w2_mx_scales=arg(_as_bytes(w2_mx_scales))))
     _C.ep_moe_forward(comm, arg(x), arg(_as_bytes(w1)), arg(_as_bytes(w2)), arg(topk_ids), arg(topk_weights), arg(out),
                       num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank, recv_capacity=recv_capacity,
                       sizing=sizing, fp8_rows=fp8_rows, b1=arg(b1), b2=arg(b2), w1_layout=w1_layout, activation=activation, limit=limit,
                       alpha=alpha, mode=mode, fp8=fp8, w1_scales=arg(w1_scales), w2_scales=arg(w2_scales),
+                      weights=weights, w1_mx_scales=arg(_as_bytes(w1_mx_scales)),
+                      w2_mx_scales=arg(_as_bytes(w2_mx_scales)),
                       shared_output=arg(shared_output), dropped=arg(dropped), workspace=arg(workspace),
                       stream=stream_of(stream, x))
     return out
@@ -98,11 +101,12 @@ def ep_moe_forward(comm, x, w1, w2, topk_ids, topk_weights, *, num_experts, max_
 def ep_moe_forward_replicated(comm, x, w1, w2, topk_ids, topk_weights, *, num_experts, reduce="all_reduce", b1=None,
                               b2=None, w1_layout=_FORWARD.w1_layout, activation=_FORWARD.activation,
                               limit=_FORWARD.limit, alpha=_FORWARD.alpha, mode=_FORWARD.mode, fp8=_FORWARD.fp8,
-                              w1_scales=None, w2_scales=None, shared_output=None, out=None, workspace=None,
-                              stream=None):
+                              w1_scales=None, w2_scales=None, weights=_FORWARD.weights, w1_mx_scales=None,
+                              w2_mx_scales=None, shared_output=None, out=None, workspace=None, stream=None):
     """spec §14.2: the same ``x`` [T, H] and routing on every rank; this rank's experts' partial, summed
     across the ranks by NCCL into ``out``: ``[T, H]`` ("all_reduce") or rank r's rows
-    ``[r*T/W, (r+1)*T/W)`` ("reduce_scatter", T % W == 0). shared_output is added once. Returns ``out``."""
+    ``[r*T/W, (r+1)*T/W)`` ("reduce_scatter", T % W == 0). shared_output is added once. MXFP4 experts
+    (``weights="mxfp4"``, ``w1_mx_scales``, ``w2_mx_scales``) as moe_forward's. Returns ``out``."""
     _require()
     if out is None:
         rows = x.shape[0] if reduce == "all_reduce" else x.shape[0] // comm.world
@@ -111,10 +115,12 @@ def ep_moe_forward_replicated(comm, x, w1, w2, topk_ids, topk_weights, *, num_ex
         workspace = new_workspace(out, _C.ep_moe_forward_replicated_workspace_size(
             comm, arg(_as_bytes(w1)), arg(_as_bytes(w2)), num_tokens=x.shape[0], k=topk_ids.shape[1],
             num_experts=num_experts, reduce=reduce, mode=mode, fp8=fp8, w1_scales=arg(w1_scales),
-            w2_scales=arg(w2_scales)))
+            w2_scales=arg(w2_scales), weights=weights, w1_mx_scales=arg(_as_bytes(w1_mx_scales)),
+            w2_mx_scales=arg(_as_bytes(w2_mx_scales))))
     _C.ep_moe_forward_replicated(
         comm, arg(x), arg(_as_bytes(w1)), arg(_as_bytes(w2)), arg(topk_ids), arg(topk_weights), arg(out),
         num_experts=num_experts, reduce=reduce, b1=arg(b1), b2=arg(b2), w1_layout=w1_layout, activation=activation,
         limit=limit, alpha=alpha, mode=mode, fp8=fp8, w1_scales=arg(w1_scales), w2_scales=arg(w2_scales),
+        weights=weights, w1_mx_scales=arg(_as_bytes(w1_mx_scales)), w2_mx_scales=arg(_as_bytes(w2_mx_scales)),
         shared_output=arg(shared_output), workspace=arg(workspace), stream=stream_of(stream, x))
     return out

@@ -18,7 +18,7 @@ __all__ = [
     "finalize_moe_routing", "debug_check_finalize_moe_routing_indices",
     "moe_fc2_finalize", "moe_fc2_finalize_workspace_size", "FC2_MODES", "FC2_GEMM_KERNELS",
     "moe_router", "MoeRouterOutput", "ROUTER_SCORINGS",
-    "moe_fc1", "FC1_ACTIVATIONS", "FC1_WEIGHT_LAYOUTS", "FP8_SCALINGS",
+    "moe_fc1", "FC1_ACTIVATIONS", "FC1_WEIGHT_LAYOUTS", "FP8_SCALINGS", "MOE_WEIGHT_FORMATS",
     "moe_forward", "moe_forward_workspace_size", "FC1_INPUTS",
 ]
 
@@ -253,6 +253,11 @@ def moe_fc2_finalize_workspace_size(num_tokens, k, hidden, inter, num_experts_pe
                                               -1 if index is None else index)
 
 
+def _inter_of_w2(W2, weights):
+    """I of a W2 ``[E_local, H, I]``, or of packed MXFP4 bytes ``[E_local, H, I/2]``."""
+    return W2.shape[2] * (2 if weights == "mxfp4" else 1)
+
+
 def _new_fc2_out(A, W2, num_tokens, fill=True):
     """A fresh bf16 ``[T, H]`` out, zeroed when not filling."""
     return empty(A, (num_tokens, W2.shape[1]), "bfloat16", zero=not fill)
@@ -261,8 +266,8 @@ def _new_fc2_out(A, W2, num_tokens, fill=True):
 def moe_fc2_finalize(A, W2, expert_first_token_offset, permuted_row_to_unpermuted_row, *, k, num_tokens=None,
                      scales=None, bias=None, apply_bias=_FC2.apply_bias, shared_output=None, fill=_FC2.fill,
                      mode=_FC2.mode, out=None, out_already_zeroed=_FC2.out_already_zeroed, fp8=_FC2.fp8,
-                     a_scales=None, w2_scales=None, workspace=None, gemm_kernel=_FC2.gemm_kernel, raster=_FC2.raster,
-                     swizzle=_FC2.swizzle, stream=None):
+                     a_scales=None, w2_scales=None, weights=_FC2.weights, w2_mx_scales=None, workspace=None,
+                     gemm_kernel=_FC2.gemm_kernel, raster=_FC2.raster, swizzle=_FC2.swizzle, stream=None):
     """spec §3: the FC2 grouped GEMM with the finalize fused into its epilogue (sm_90a).
 
     ``out[t, :] = sum over local slots (t, j): scales[t, j] * (A[p] @ W2[e]^T + bias[e])``
@@ -294,6 +299,11 @@ def moe_fc2_finalize(A, W2, expert_first_token_offset, permuted_row_to_unpermute
         e4m3 values (``torch.float8_e4m3fn`` or uint8 bytes) and a_scales / w2_scales their float32
         scales: "block" ``[rows of A, I/128]`` and ``[E_local, ceil(H/128), I/128]``, "tensor" ``[1]``
         and ``[E_local]``. FP8 runs on the "rows" kernel.
+      weights: "dense" (W2 bf16, or e4m3 with ``fp8``) or "mxfp4" (MOE_WEIGHT_FORMATS; spec §13.7): W2
+        is packed e2m1 ``[E_local, H, I/2]`` (``torch.float4_e2m1fn_x2`` or uint8) and w2_mx_scales its
+        ue8m0 scales ``[E_local, H, I/32]`` (``torch.float8_e8m0fnu`` or uint8), I a multiple of 128;
+        ``fp8`` then picks A: "block" (W4A8: e4m3 A with a_scales ``[rows of A, I/128]``) or "none"
+        (W4A16: bf16 A); no w2_scales. Runs on the "rows" kernel.
 
     Returns ``out``. CPU arrays run the reference (any mode).
     """
@@ -309,13 +319,13 @@ def moe_fc2_finalize(A, W2, expert_first_token_offset, permuted_row_to_unpermute
     device = cuda_device(out)
     if workspace is None and device is not None:
         workspace = new_workspace(out, _C.moe_fc2_finalize_workspace_size(
-            out.shape[0], k, W2.shape[1], W2.shape[2], W2.shape[0], mode, device))
+            out.shape[0], k, W2.shape[1], _inter_of_w2(W2, weights), W2.shape[0], mode, device))
     _C.moe_fc2_finalize(
         arg(_as_bytes(A)), arg(_as_bytes(W2)), arg(expert_first_token_offset), arg(permuted_row_to_unpermuted_row),
         arg(out), k=k, scales=arg(scales), bias=arg(bias), apply_bias=apply_bias, shared_output=arg(shared_output),
         fill=fill, mode=mode, out_already_zeroed=out_already_zeroed, fp8=fp8, a_scales=arg(a_scales),
-        w2_scales=arg(w2_scales), workspace=arg(workspace), gemm_kernel=gemm_kernel, raster=raster, swizzle=swizzle,
-        stream=stream_of(stream, out))
+        w2_scales=arg(w2_scales), weights=weights, w2_mx_scales=arg(_as_bytes(w2_mx_scales)), workspace=arg(workspace),
+        gemm_kernel=gemm_kernel, raster=raster, swizzle=swizzle, stream=stream_of(stream, out))
     return out
 
 
@@ -339,14 +349,15 @@ if torch is not None:
                              scales: Optional[Tensor] = None, bias: Optional[Tensor] = None,
                              apply_bias: bool = _FC2.apply_bias, mode: str = _FC2.mode,
                              shared_output: Optional[Tensor] = None, fill: bool = _FC2.fill, fp8: str = _FC2.fp8,
-                             a_scales: Optional[Tensor] = None, w2_scales: Optional[Tensor] = None) -> Tensor:
+                             a_scales: Optional[Tensor] = None, w2_scales: Optional[Tensor] = None,
+                             weights: str = _FC2.weights, w2_mx_scales: Optional[Tensor] = None) -> Tensor:
         """flashmix.moe_fc2_finalize as a custom op: a fresh bf16 ``out`` ``[T, H]``. T is
         ``num_tokens``, or ``scales.shape[0]`` (else ``shared_output.shape[0]``) when
         ``num_tokens=-1``; with ``fill=False`` tokens without a local row are 0."""
         return moe_fc2_finalize(A, W2, expert_first_token_offset, permuted_row_to_unpermuted_row, k=k,
                                 num_tokens=_fc2_tokens(num_tokens, scales, shared_output), scales=scales, bias=bias,
                                 apply_bias=apply_bias, shared_output=shared_output, fill=fill, mode=mode, fp8=fp8,
-                                a_scales=a_scales, w2_scales=w2_scales)
+                                a_scales=a_scales, w2_scales=w2_scales, weights=weights, w2_mx_scales=w2_mx_scales)
 
 
 # ---------------------------------------------------------------------------
@@ -429,6 +440,9 @@ FC1_ACTIVATIONS = _C.FC1_ACTIVATIONS
 FC1_WEIGHT_LAYOUTS = _C.FC1_WEIGHT_LAYOUTS
 #: The ``fp8`` values of moe_fc1 and moe_fc2_finalize (``MoeFp8Scaling``'s to_string names).
 FP8_SCALINGS = _C.FP8_SCALINGS
+#: The ``weights`` values of moe_fc1, moe_fc2_finalize, moe_forward and MoeLayer (``MoeWeightFormat``'s
+#: to_string names): "dense" (bf16, or e4m3 with ``fp8``) and "mxfp4" (spec §13.7).
+MOE_WEIGHT_FORMATS = _C.MOE_WEIGHT_FORMATS
 
 
 def _fc1_tokens(x, k, num_tokens, x_permuted):
@@ -447,8 +461,8 @@ def _new_fc1_out(x, w1, k, num_tokens):
 
 def moe_fc1(x, w1, expert_first_token_offset, permuted_row_to_unpermuted_row, *, k, bias=None, layout=_FC1.layout,
             activation=_FC1.activation, limit=_FC1.limit, alpha=_FC1.alpha, x_permuted=_FC1.x_permuted,
-            fp8=_FC1.fp8, x_scales=None, w1_scales=None, num_tokens=None, out=None, enable_pdl=_FC1.enable_pdl,
-            stream=None):
+            fp8=_FC1.fp8, x_scales=None, w1_scales=None, weights=_FC1.weights, w1_mx_scales=None, num_tokens=None,
+            out=None, enable_pdl=_FC1.enable_pdl, stream=None):
     """spec §9: FC1 of every local permuted row, the input gathered through the routing maps and the
     gated activation applied before the one rounding to bf16.
 
@@ -474,6 +488,11 @@ def moe_fc1(x, w1, expert_first_token_offset, permuted_row_to_unpermuted_row, *,
         e4m3 values (``torch.float8_e4m3fn`` or uint8 bytes) and x_scales / w1_scales their float32
         scales: "block" ``[rows of x, H/128]`` and ``[E_local, ceil(2I/128), H/128]`` (H a multiple
         of 128), "tensor" ``[1]`` and ``[E_local]``.
+      weights: "dense" (w1 bf16, or e4m3 with ``fp8``) or "mxfp4" (MOE_WEIGHT_FORMATS; spec §13.7): w1 is
+        packed e2m1 ``[E_local, 2I, H/2]`` (``torch.float4_e2m1fn_x2`` or uint8) and w1_mx_scales its ue8m0
+        scales ``[E_local, 2I, H/32]`` (``torch.float8_e8m0fnu`` or uint8), rows in ``layout``'s order, H a
+        multiple of 128; ``fp8`` then picks x: "block" (W4A8: e4m3 x with x_scales ``[rows of x, H/128]``)
+        or "none" (W4A16: bf16 x); no w1_scales.
       num_tokens: T (default: x's rows, or x's rows / k with ``x_permuted``).
       out: bf16 ``[>= k*T, I]``, dense; rows ``[0, P)`` are written, the rest left untouched;
         allocated (``[k*T, I]``, uninitialised) when None.
@@ -488,7 +507,8 @@ def moe_fc1(x, w1, expert_first_token_offset, permuted_row_to_unpermuted_row, *,
         arg(_as_bytes(x)), arg(_as_bytes(w1)), arg(expert_first_token_offset), arg(permuted_row_to_unpermuted_row),
         arg(out), k=k, num_tokens=-1 if num_tokens is None else num_tokens, bias=arg(bias), layout=layout,
         activation=activation, limit=limit, alpha=alpha, x_permuted=x_permuted, fp8=fp8, x_scales=arg(x_scales),
-        w1_scales=arg(w1_scales), enable_pdl=enable_pdl, stream=stream_of(stream, out))
+        w1_scales=arg(w1_scales), weights=weights, w1_mx_scales=arg(_as_bytes(w1_mx_scales)), enable_pdl=enable_pdl,
+        stream=stream_of(stream, out))
     return out
 
 
@@ -501,14 +521,15 @@ if torch is not None:
                     k: int, num_tokens: int = -1, bias: Optional[Tensor] = None, layout: str = _FC1.layout,
                     activation: str = _FC1.activation, limit: float = _FC1.limit, alpha: float = _FC1.alpha,
                     x_permuted: bool = _FC1.x_permuted, enable_pdl: bool = _FC1.enable_pdl, fp8: str = _FC1.fp8,
-                    x_scales: Optional[Tensor] = None, w1_scales: Optional[Tensor] = None) -> Tensor:
+                    x_scales: Optional[Tensor] = None, w1_scales: Optional[Tensor] = None,
+                    weights: str = _FC1.weights, w1_mx_scales: Optional[Tensor] = None) -> Tensor:
         """flashmix.moe_fc1 as a custom op: a fresh bf16 ``out`` ``[k*T, I]`` (``num_tokens=-1``: T
         from x). As in the C++ API only the first P rows (``expert_first_token_offset[-1]``, on the
         device) are written; the rest is unspecified."""
         return moe_fc1(x, w1, expert_first_token_offset, permuted_row_to_unpermuted_row, k=k,
                        num_tokens=None if num_tokens < 0 else num_tokens, bias=bias, layout=layout,
                        activation=activation, limit=limit, alpha=alpha, x_permuted=x_permuted, enable_pdl=enable_pdl,
-                       fp8=fp8, x_scales=x_scales, w1_scales=w1_scales)
+                       fp8=fp8, x_scales=x_scales, w1_scales=w1_scales, weights=weights, w1_mx_scales=w1_mx_scales)
 
 
 # ---------------------------------------------------------------------------
@@ -521,16 +542,18 @@ FC1_INPUTS = _C.FC1_INPUTS
 
 def moe_forward_workspace_size(num_tokens, k, hidden, inter, num_experts_per_node, mode=_FORWARD.mode, *,
                                with_router=True, num_experts=None, start_expert_id=_FORWARD.start_expert_id,
-                               fc1_input=_FORWARD.fc1_input, fp8=_FORWARD.fp8):
+                               fc1_input=_FORWARD.fc1_input, fp8=_FORWARD.fp8, weights=_FORWARD.weights):
     """Bytes of device workspace moe_forward needs: every intermediate (the router's choice, the
     routing maps, the FC1 rows ``[k*T, I]`` bf16, FC2's workspace, and x's permuted copy
     ``[k*T, H]`` bf16 where ``fc1_input`` resolves to "permuted_copy"). ``with_router``: routing by
     router_logits (a little more than with the caller's ids, which it also covers);
     ``num_experts``: the router's E (``fc1_input="auto"`` estimates the rows an expert as
     T * k / max(E, E_local), so it can change the size); ``fc1_input``: as moe_forward's (the size
-    depends on it); ``fp8``: as moe_forward's (FP8 weights add x's and FC1's e4m3 rows and scales)."""
+    depends on it); ``fp8``: as moe_forward's (FP8 activations add x's and FC1's e4m3 rows and
+    scales); ``weights``: as moe_forward's (``inter`` is I itself, not the packed width)."""
     return _C.moe_forward_workspace_size(num_tokens, k, hidden, inter, 0 if num_experts is None else num_experts,
-                                         num_experts_per_node, start_expert_id, with_router, mode, fc1_input, fp8)
+                                         num_experts_per_node, start_expert_id, with_router, mode, fc1_input, fp8,
+                                         weights)
 
 
 def _new_forward_out(x, fill):
@@ -538,14 +561,16 @@ def _new_forward_out(x, fill):
     return empty(x, (x.shape[0], x.shape[1]), "bfloat16", zero=not fill)
 
 
-def _forward_workspace(x, w2, k, out, num_experts, start_expert_id, router_logits, mode, fc1_input, fp8):
+def _forward_workspace(x, w2, k, out, num_experts, start_expert_id, router_logits, mode, fc1_input, fp8,
+                       weights=_FORWARD.weights):
     """A fresh workspace for a CUDA call (None on the CPU, or where the shapes are off: the binding
     then names the argument)."""
     if cuda_device(out) is None or len(x.shape) != 2 or len(w2.shape) != 3:
         return None
     return new_workspace(out, moe_forward_workspace_size(
-        x.shape[0], k, w2.shape[1], w2.shape[2], w2.shape[0], mode, with_router=router_logits is not None,
-        num_experts=num_experts, start_expert_id=start_expert_id, fc1_input=fc1_input, fp8=fp8))
+        x.shape[0], k, w2.shape[1], _inter_of_w2(w2, weights), w2.shape[0], mode,
+        with_router=router_logits is not None, num_experts=num_experts, start_expert_id=start_expert_id,
+        fc1_input=fc1_input, fp8=fp8, weights=weights))
 
 
 def moe_forward(x, w1, w2, *, k, router_logits=None, token_selected_experts=None, token_final_scales=None,
@@ -556,7 +581,8 @@ def moe_forward(x, w1, w2, *, k, router_logits=None, token_selected_experts=None
                 w1_layout=_FORWARD.w1_layout, activation=_FORWARD.activation, limit=_FORWARD.limit,
                 alpha=_FORWARD.alpha, fc1_input=_FORWARD.fc1_input, mode=_FORWARD.mode, shared_output=None,
                 fill=_FORWARD.fill, out=None, workspace=None, selected_experts_out=None, final_scales_out=None,
-                fp8=_FORWARD.fp8, w1_scales=None, w2_scales=None, enable_pdl=_FORWARD.enable_pdl, stream=None):
+                fp8=_FORWARD.fp8, w1_scales=None, w2_scales=None, weights=_FORWARD.weights, w1_mx_scales=None,
+                w2_mx_scales=None, enable_pdl=_FORWARD.enable_pdl, stream=None):
     """spec §10: the routed-expert layer in one call: [router] -> routing maps -> FC1 + activation ->
     FC2 + finalize (+ shared_output), every stage on one stream, no host sync.
 
@@ -586,6 +612,14 @@ def moe_forward(x, w1, w2, *, k, router_logits=None, token_selected_experts=None
         ``[E_local, ceil(2I/128), H/128]`` and w2_scales ``[E_local, ceil(H/128), I/128]``
         (``quantize_fp8(w, block="128x128")`` makes both); x stays bf16 and the layer quantises it
         and FC1's output 1 x 128 in its workspace. H and I multiples of 128.
+      weights: "dense" (w1, w2 bf16, or e4m3 with fp8 "block") or "mxfp4" (MOE_WEIGHT_FORMATS; spec
+        §13.7): w1 packed e2m1 ``[E_local, 2I, H/2]`` and w2 ``[E_local, H, I/2]``
+        (``torch.float4_e2m1fn_x2`` or uint8; E_local, H from w2, I = 2 * w2.shape[2]) with their ue8m0
+        scales w1_mx_scales ``[E_local, 2I, H/32]`` and w2_mx_scales ``[E_local, H, I/32]``
+        (``torch.float8_e8m0fnu`` or uint8; ``flashmix.stack_deepseek_v4_experts`` makes all four from
+        DeepSeek-V4's checkpoint), H and I multiples of 128, converted in the kernels. ``fp8`` picks the
+        activations: "block" (W4A8: x and FC1's output quantised 1 x 128, as the FP8 layer) or "none"
+        (W4A16: bf16, as the bf16 layer); no w1_scales / w2_scales.
       shared_output: bf16 ``[T, >= H]`` added once to every token written (a shared expert's output or
         a residual), or None.
       fill: False = tokens without a local expert are left untouched (a fresh ``out`` is zeroed).
@@ -604,7 +638,7 @@ def moe_forward(x, w1, w2, *, k, router_logits=None, token_selected_experts=None
         out = _new_forward_out(x, fill)
     if workspace is None:
         workspace = _forward_workspace(x, w2, k, out, num_experts, start_expert_id, router_logits, mode, fc1_input,
-                                       fp8)
+                                       fp8, weights)
     _C.moe_forward(
         arg(x), arg(_as_bytes(w1)), arg(_as_bytes(w2)), arg(out), k=k, num_experts=0 if num_experts is None else num_experts,
         start_expert_id=start_expert_id, router_logits=arg(router_logits), scoring=scoring, renormalize=renormalize,
@@ -613,8 +647,9 @@ def moe_forward(x, w1, w2, *, k, router_logits=None, token_selected_experts=None
         token_final_scales=arg(token_final_scales), selected_experts_out=arg(selected_experts_out),
         final_scales_out=arg(final_scales_out), b1=arg(b1), b2=arg(b2), apply_b2=apply_b2, w1_layout=w1_layout,
         activation=activation, limit=limit, alpha=alpha, fc1_input=fc1_input, mode=mode, fp8=fp8,
-        w1_scales=arg(w1_scales), w2_scales=arg(w2_scales), shared_output=arg(shared_output), fill=fill,
-        workspace=arg(workspace), enable_pdl=enable_pdl,
+        w1_scales=arg(w1_scales), w2_scales=arg(w2_scales), weights=weights,
+        w1_mx_scales=arg(_as_bytes(w1_mx_scales)), w2_mx_scales=arg(_as_bytes(w2_mx_scales)),
+        shared_output=arg(shared_output), fill=fill, workspace=arg(workspace), enable_pdl=enable_pdl,
         stream=stream_of(stream, out))
     return out
 
@@ -634,7 +669,9 @@ if torch is not None:
                         fc1_input: str = _FORWARD.fc1_input, mode: str = _FORWARD.mode,
                         shared_output: Optional[Tensor] = None, fill: bool = _FORWARD.fill,
                         enable_pdl: bool = _FORWARD.enable_pdl, fp8: str = _FORWARD.fp8,
-                        w1_scales: Optional[Tensor] = None, w2_scales: Optional[Tensor] = None) -> Tensor:
+                        w1_scales: Optional[Tensor] = None, w2_scales: Optional[Tensor] = None,
+                        weights: str = _FORWARD.weights, w1_mx_scales: Optional[Tensor] = None,
+                        w2_mx_scales: Optional[Tensor] = None) -> Tensor:
         """flashmix.moe_forward as a custom op: a fresh bf16 ``out`` ``[T, H]`` (``num_experts=-1``:
         from router_logits; with ``fill=False`` tokens without a local expert are 0). The workspace
         is allocated per call (from the graph's pool inside a capture)."""
@@ -645,7 +682,8 @@ if torch is not None:
                            num_experts=None if num_experts < 0 else num_experts, start_expert_id=start_expert_id,
                            b1=b1, b2=b2, apply_b2=apply_b2, w1_layout=w1_layout, activation=activation, limit=limit,
                            alpha=alpha, fc1_input=fc1_input, mode=mode, shared_output=shared_output, fill=fill,
-                           enable_pdl=enable_pdl, fp8=fp8, w1_scales=w1_scales, w2_scales=w2_scales)
+                           enable_pdl=enable_pdl, fp8=fp8, w1_scales=w1_scales, w2_scales=w2_scales, weights=weights,
+                           w1_mx_scales=w1_mx_scales, w2_mx_scales=w2_mx_scales)
 
 
 # ---------------------------------------------------------------------------
@@ -654,6 +692,22 @@ if torch is not None:
 
 if torch is not None:
     __all__.append("MoeLayer")
+
+    # The root mean square of an e2m1 code drawn uniformly (spec §13.1's 8 magnitudes, either sign):
+    # MoeLayer's random MXFP4 weights take the scale that brings it to 1/sqrt(fan-in).
+    _E2M1_RMS = (sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8) ** 0.5
+
+    def _mxfp4_bytes(a, name, want, device):
+        """An MXFP4 tensor (packed ``float4_e2m1fn_x2`` / ue8m0 ``float8_e8m0fnu`` / uint8 / int8 torch
+        tensor, or a one-byte numpy array) as uint8 on ``device``, its shape checked against ``want``."""
+        from .mxfp4 import _as_bytes as one_byte
+        op = "MoeLayer.load_mxfp4_experts"
+        b = one_byte(a, name, op)
+        if not isinstance(b, torch.Tensor):
+            b = torch.from_numpy(b)
+        if tuple(b.shape) != tuple(want):
+            raise ValueError(f"{op}: {name}: must have shape {tuple(want)} (got {tuple(b.shape)})")
+        return b.to(device)
 
     class MoeLayer(torch.nn.Module):
         """The routed experts of a MoE block as a torch module (forward only): ``logits = x @ gate.T``
@@ -672,15 +726,25 @@ if torch is not None:
           num_local_experts, start_expert_id: this rank's experts (expert parallelism; default: all E).
             A token none of whose experts is here gets 0 (fill).
           dtype: the weights' dtype: bfloat16 (the kernels'); device: where they live.
-          fp8: "none", or "block": the experts' weights held as e4m3 with 128 x 128 block scales
-            (spec §10.4); ``load_expert_weights`` quantises bf16 weights once or takes e4m3 weights
-            with their scales as given.
+          weights: "dense" (default) or "mxfp4" (MOE_WEIGHT_FORMATS): the experts' weights held as
+            MXFP4 (spec §13.7: packed e2m1 bytes with ue8m0 scales per 32 of K, converted in the
+            kernels; DeepSeek-V4's checkpoint format), H and I multiples of 128;
+            ``load_mxfp4_experts`` takes them as they are stored.
+          fp8: the activations (and, with dense weights, the weights): "none", or "block" (spec
+            §10.4: x and FC1's output quantised 1 x 128 in the layer; dense weights held as e4m3 with
+            128 x 128 block scales). None (default): "none" with dense weights, "block" with MXFP4
+            weights (W4A8, the FP8 layer's activations); ``weights="mxfp4", fp8="none"`` is W4A16
+            (bf16 activations). ``load_expert_weights`` quantises bf16 weights once or takes e4m3
+            weights with their scales as given.
 
         Parameters (``requires_grad=False``: forward only): ``gate`` ``[E, H]``, ``w1``
-        ``[E_local, 2I, H]``, ``w2`` ``[E_local, H, I]`` (``float8_e4m3fn`` with fp8), ``b1`` / ``b2``
-        (or None). Buffers: ``correction_bias`` (or None); with fp8 ``w1_scales``
-        ``[E_local, ceil(2I/128), H/128]`` and ``w2_scales`` ``[E_local, ceil(H/128), I/128]``. ``forward(x, shared_output=None)``: x bf16 ``[..., H]`` ->
-        bf16 ``[..., H]``; shared_output (bf16, x's shape) is added once to every token.
+        ``[E_local, 2I, H]``, ``w2`` ``[E_local, H, I]`` (``float8_e4m3fn`` with fp8; with MXFP4 uint8
+        packed bytes ``[E_local, 2I, H/2]`` and ``[E_local, H, I/2]``), ``b1`` / ``b2`` (or None).
+        Buffers: ``correction_bias`` (or None); with fp8 and dense weights ``w1_scales``
+        ``[E_local, ceil(2I/128), H/128]`` and ``w2_scales`` ``[E_local, ceil(H/128), I/128]``; with
+        MXFP4 uint8 ue8m0 ``w1_mx_scales`` ``[E_local, 2I, H/32]`` and ``w2_mx_scales``
+        ``[E_local, H, I/32]``. ``forward(x, shared_output=None)``: x bf16 ``[..., H]`` -> bf16
+        ``[..., H]``; shared_output (bf16, x's shape) is added once to every token.
         """
 
         def __init__(self, num_experts, k, hidden, inter, *, scoring=_FORWARD.scoring,
@@ -689,11 +753,19 @@ if torch is not None:
                      routed_scaling_factor=_FORWARD.routed_scaling_factor, mode=_FORWARD.mode, limit=_FORWARD.limit,
                      alpha=_FORWARD.alpha, fc1_input=_FORWARD.fc1_input, bias=False, correction_bias=False,
                      num_local_experts=None, start_expert_id=_FORWARD.start_expert_id, dtype=None, device=None,
-                     fp8=_FORWARD.fp8):
+                     fp8=None, weights=_FORWARD.weights):
             super().__init__()
+            if weights not in MOE_WEIGHT_FORMATS:
+                raise ValueError(f"MoeLayer: weights: must be one of {MOE_WEIGHT_FORMATS} (got {weights!r})")
+            mx = weights == "mxfp4"
+            if fp8 is None:
+                fp8 = "block" if mx else _FORWARD.fp8
             if fp8 not in ("none", "block"):
                 raise ValueError(f"MoeLayer: fp8: must be 'none' or 'block' (got {fp8!r})")
-            self.fp8 = fp8
+            if mx and (hidden % 128 or inter % 128):
+                raise ValueError(f"MoeLayer: {'hidden' if hidden % 128 else 'inter'}: must be a multiple of 128 "
+                                 f"with weights='mxfp4' (got hidden={hidden}, inter={inter})")
+            self.fp8, self.weights = fp8, weights
             dtype = torch.bfloat16 if dtype is None else dtype
             if dtype != torch.bfloat16:
                 raise ValueError(f"MoeLayer: dtype: must be torch.bfloat16, the kernels' (got {dtype})")
@@ -710,7 +782,14 @@ if torch is not None:
                 return torch.nn.Parameter(torch.empty(*shape, **kw), requires_grad=False)
 
             self.gate = weight(num_experts, hidden)
-            if fp8 == "block":
+            if mx:
+                u8 = dict(dtype=torch.uint8, device=device)
+                self.w1 = torch.nn.Parameter(torch.empty(E_local, 2 * inter, hidden // 2, **u8), requires_grad=False)
+                self.w2 = torch.nn.Parameter(torch.empty(E_local, hidden, inter // 2, **u8), requires_grad=False)
+                self.register_buffer("w1_mx_scales", torch.empty(E_local, 2 * inter, hidden // 32, **u8))
+                self.register_buffer("w2_mx_scales", torch.empty(E_local, hidden, inter // 32, **u8))
+                self.w1_scales = self.w2_scales = None
+            elif fp8 == "block":
                 e4m3 = dict(dtype=torch.float8_e4m3fn, device=device)
                 self.w1 = torch.nn.Parameter(torch.empty(E_local, 2 * inter, hidden, **e4m3), requires_grad=False)
                 self.w2 = torch.nn.Parameter(torch.empty(E_local, hidden, inter, **e4m3), requires_grad=False)
@@ -718,10 +797,11 @@ if torch is not None:
                 f32 = dict(dtype=torch.float32, device=device)
                 self.register_buffer("w1_scales", torch.ones(E_local, blocks(2 * inter), blocks(hidden), **f32))
                 self.register_buffer("w2_scales", torch.ones(E_local, blocks(hidden), blocks(inter), **f32))
+                self.w1_mx_scales = self.w2_mx_scales = None
             else:
                 self.w1 = weight(E_local, 2 * inter, hidden)
                 self.w2 = weight(E_local, hidden, inter)
-                self.w1_scales = self.w2_scales = None
+                self.w1_scales = self.w2_scales = self.w1_mx_scales = self.w2_mx_scales = None
             self.b1 = weight(E_local, 2 * inter) if bias else None
             self.b2 = weight(E_local, hidden) if bias else None
             self.register_buffer("correction_bias", torch.zeros(num_experts, dtype=torch.float32, device=device)
@@ -730,10 +810,17 @@ if torch is not None:
 
         def reset_parameters(self):
             """Normal weights of standard deviation 1/sqrt(fan-in) (with fp8: drawn in bf16, then
-            quantised), zero biases."""
+            quantised; MXFP4: uniformly drawn e2m1 codes with one scale that gives them that root mean
+            square), zero biases."""
             with torch.no_grad():
                 torch.nn.init.normal_(self.gate, std=self.hidden ** -0.5)
-                if self.fp8 == "none":
+                if self.weights == "mxfp4":
+                    import math
+                    for w, s, fan_in in ((self.w1, self.w1_mx_scales, self.hidden),
+                                         (self.w2, self.w2_mx_scales, self.inter)):
+                        w.copy_(torch.randint(0, 256, w.shape, dtype=torch.uint8, device=w.device))
+                        s.fill_(127 + round(math.log2(fan_in ** -0.5 / _E2M1_RMS)))
+                elif self.fp8 == "none":
                     torch.nn.init.normal_(self.w1, std=self.hidden ** -0.5)
                     torch.nn.init.normal_(self.w2, std=self.inter ** -0.5)
                 else:
@@ -748,7 +835,10 @@ if torch is not None:
             """Sets the experts' weights: bf16 ``w1`` ``[E_local, 2I, H]`` and ``w2`` ``[E_local, H, I]``
             (quantised once to e4m3 with 128 x 128 block scales when the layer is fp8), or, for an fp8
             layer, e4m3 weights with their float32 block scales, taken as given (e.g. DeepSeek's
-            checkpoints)."""
+            checkpoints). An MXFP4 layer takes its weights through ``load_mxfp4_experts``."""
+            if self.weights == "mxfp4":
+                raise ValueError("MoeLayer.load_expert_weights: w1: an MXFP4 layer (weights='mxfp4') takes its "
+                                 "experts through load_mxfp4_experts")
             with torch.no_grad():
                 if self.fp8 == "none":
                     if w1_scales is not None or w2_scales is not None:
@@ -769,24 +859,43 @@ if torch is not None:
                 self.w2_scales.copy_(s2)
 
         def load_mxfp4_experts(self, w1, w1_scales, w2, w2_scales):
-            """Sets an fp8 layer's experts from MXFP4 weights (DeepSeek-V4; spec §13): packed e2m1 ``w1``
+            """Sets the experts from MXFP4 weights (DeepSeek-V4; spec §13): packed e2m1 ``w1``
             ``[E_local, 2I, H/2]`` and ``w2`` ``[E_local, H, I/2]`` with their ue8m0 scales ``[E_local, 2I,
-            H/32]`` and ``[E_local, H, I/32]`` (``flashmix.stack_deepseek_v4_experts`` makes them from the
-            checkpoint), converted once to e4m3 with 128 x 128 block scales (``mxfp4_to_fp8_block``)."""
-            if self.fp8 != "block":
-                raise ValueError("MoeLayer.load_mxfp4_experts: the layer must be fp8=\"block\" (MXFP4 experts run "
-                                 "on the FP8 layer)")
-            from .fp8 import mxfp4_to_fp8_block
+            H/32]`` and ``[E_local, H, I/32]`` (torch ``float4_e2m1fn_x2`` / ``float8_e8m0fnu`` / uint8
+            tensors, or uint8 numpy arrays; ``flashmix.stack_deepseek_v4_experts`` makes them from the
+            checkpoint).
+
+            What the layer keeps follows its ``weights`` and ``fp8``: an MXFP4 layer
+            (``weights="mxfp4"``) keeps the bytes as given and converts them in its kernels (W4A8 or
+            W4A16); a dense layer converts them here, once: ``fp8="block"`` to e4m3 with 128 x 128 block
+            scales (``mxfp4_to_fp8_block``: exact unless a block's scales spread more than 14 binades,
+            spec §13.2), ``fp8="none"`` to bf16 (``mxfp4_to_bf16``, the dequantised values)."""
+            E, H, I = self.num_local_experts, self.hidden, self.inter
+            if self.weights == "mxfp4":
+                with torch.no_grad():
+                    for name, a, dst in (("w1", w1, self.w1), ("w1_scales", w1_scales, self.w1_mx_scales),
+                                         ("w2", w2, self.w2), ("w2_scales", w2_scales, self.w2_mx_scales)):
+                        dst.copy_(_mxfp4_bytes(a, name, dst.shape, dst.device))
+                return
+            from .fp8 import mxfp4_to_bf16, mxfp4_to_fp8_block
+            dev = self.w1.device
+            b1 = _mxfp4_bytes(w1, "w1", (E, 2 * I, H // 2), dev)
+            c1 = _mxfp4_bytes(w1_scales, "w1_scales", (E, 2 * I, H // 32), dev)
+            b2 = _mxfp4_bytes(w2, "w2", (E, H, I // 2), dev)
+            c2 = _mxfp4_bytes(w2_scales, "w2_scales", (E, H, I // 32), dev)
             with torch.no_grad():
-                q1, s1 = mxfp4_to_fp8_block(w1.to(self.w1.device), w1_scales.to(self.w1.device), block="128x128")
-                q2, s2 = mxfp4_to_fp8_block(w2.to(self.w2.device), w2_scales.to(self.w2.device), block="128x128")
-                self.load_expert_weights(q1, q2, w1_scales=s1, w2_scales=s2)
+                if self.fp8 == "block":
+                    q1, s1 = mxfp4_to_fp8_block(b1, c1, block="128x128")
+                    q2, s2 = mxfp4_to_fp8_block(b2, c2, block="128x128")
+                    self.load_expert_weights(q1, q2, w1_scales=s1, w2_scales=s2)
+                else:
+                    self.load_expert_weights(mxfp4_to_bf16(b1, c1), mxfp4_to_bf16(b2, c2))
 
         def extra_repr(self):
             return (f"num_experts={self.num_experts}, k={self.k}, hidden={self.hidden}, inter={self.inter}, "
                     f"experts=[{self.start_expert_id}, {self.start_expert_id + self.num_local_experts}), "
                     f"scoring={self.scoring!r}, activation={self.activation!r}, w1_layout={self.w1_layout!r}, "
-                    f"fc1_input={self.fc1_input!r}, mode={self.mode!r}, fp8={self.fp8!r}")
+                    f"fc1_input={self.fc1_input!r}, mode={self.mode!r}, fp8={self.fp8!r}, weights={self.weights!r}")
 
         def forward(self, x, shared_output=None):
             shape = x.shape
@@ -800,5 +909,6 @@ if torch is not None:
                 num_experts=self.num_experts, start_expert_id=self.start_expert_id, b1=self.b1, b2=self.b2,
                 w1_layout=self.w1_layout, activation=self.activation, limit=self.limit, alpha=self.alpha,
                 fc1_input=self.fc1_input, mode=self.mode, shared_output=shared, fp8=self.fp8,
-                w1_scales=self.w1_scales, w2_scales=self.w2_scales)
+                w1_scales=self.w1_scales, w2_scales=self.w2_scales, weights=self.weights,
+                w1_mx_scales=self.w1_mx_scales, w2_mx_scales=self.w2_mx_scales)
             return out.reshape(shape)

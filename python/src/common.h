@@ -61,12 +61,15 @@ void register_fp8(nb::module_& m);
 void register_ep(nb::module_& m);  // ep.cpp: built with flashmix_ep (NCCL); else ep_available() is False
 
 // The experts' part of a moe_forward call (moe.cpp): weights, biases, FC1's
-// layout and activation, FC2's mode, FP8 weights and scales, with E_local, H
-// and I taken from W2 [E_local, H, I]; also what ep.cpp's layers use.
+// layout and activation, FC2's mode, FP8 weights and scales, MXFP4 weights
+// (`weights` "dense" or "mxfp4") and their ue8m0 scales, with E_local, H and I
+// taken from W2 [E_local, H, I] (packed MXFP4: [E_local, H, I / 2]); also what
+// ep.cpp's layers use.
 void set_layer_experts(fm::MoeForwardArgs& a, const In& W1, const In& W2, const OptIn& b1, const OptIn& b2,
                        bool apply_b2, const std::string& w1_layout, const std::string& activation, float limit,
                        float alpha, const std::string& mode, const std::string& fp8, const OptIn& w1_scales,
-                       const OptIn& w2_scales, const char* op);
+                       const OptIn& w2_scales, const std::string& weights, const OptIn& w1_mx_scales,
+                       const OptIn& w2_mx_scales, const char* op);
 
 // ---------------------------------------------------------------------------
 // Errors

@@ -106,10 +106,11 @@ fm::EpMoeForwardArgs ep_forward_args(const NcclComm& comm, const In& W1, const I
                                      const OptIn& b1, const OptIn& b2, const std::string& w1_layout,
                                      const std::string& activation, float limit, float alpha, const std::string& mode,
                                      const std::string& fp8, const OptIn& w1_scales, const OptIn& w2_scales,
-                                     const char* op) {
+                                     const std::string& weights, const OptIn& w1_mx_scales,
+                                     const OptIn& w2_mx_scales, const char* op) {
   fm::EpMoeForwardArgs a;
   set_layer_experts(a.moe, W1, W2, b1, b2, true, w1_layout, activation, limit, alpha, mode, fp8, w1_scales, w2_scales,
-                    op);
+                    weights, w1_mx_scales, w2_mx_scales, op);
   a.shape = ep_shape(comm, a.moe.hidden, k, num_experts, max_tokens_per_rank, recv_capacity, sizing, fp8_rows);
   return a;
 }
@@ -117,11 +118,12 @@ fm::EpMoeForwardArgs ep_forward_args(const NcclComm& comm, const In& W1, const I
 size_t ep_moe_forward_workspace_size(const NcclComm& comm, const In& W1, const In& W2, int k, int num_experts,
                                      int64_t max_tokens_per_rank, int64_t recv_capacity, const std::string& sizing,
                                      bool fp8_rows, const std::string& mode, const std::string& fp8, const OptIn& w1_scales,
-                                     const OptIn& w2_scales) {
+                                     const OptIn& w2_scales, const std::string& weights, const OptIn& w1_mx_scales,
+                                     const OptIn& w2_mx_scales) {
   const fm::EpMoeForwardArgs a =
       ep_forward_args(comm, W1, W2, k, num_experts, max_tokens_per_rank, recv_capacity, sizing, fp8_rows, std::nullopt,
-                      std::nullopt, "gate_up", "swiglu", 0.f, 0.f, mode, fp8, w1_scales, w2_scales,
-                      "ep_moe_forward_workspace_size");
+                      std::nullopt, "gate_up", "swiglu", 0.f, 0.f, mode, fp8, w1_scales, w2_scales, weights,
+                      w1_mx_scales, w2_mx_scales, "ep_moe_forward_workspace_size");
   return fm::ep_moe_forward_workspace_size(a);
 }
 
@@ -130,18 +132,19 @@ void ep_moe_forward(const NcclComm& comm, const In& X, const In& W1, const In& W
                     int64_t recv_capacity, const std::string& sizing, bool fp8_rows, const OptIn& b1, const OptIn& b2,
                     const std::string& w1_layout, const std::string& activation, float limit, float alpha,
                     const std::string& mode, const std::string& fp8, const OptIn& w1_scales, const OptIn& w2_scales,
+                    const std::string& weights, const OptIn& w1_mx_scales, const OptIn& w2_mx_scales,
                     const OptIn& shared_output, const OptOut& dropped, const OptOut& workspace, uintptr_t stream) {
   constexpr const char* op = "ep_moe_forward";
   Placement w(op);
   w.add(out, "out", X, "X", W1, "W1", W2, "W2", topk_ids, "topk_ids", topk_weights, "topk_weights", b1, "b1", b2,
-        "b2", w1_scales, "w1_scales", w2_scales, "w2_scales", shared_output, "shared_output", dropped, "dropped",
-        workspace, "workspace");
+        "b2", w1_scales, "w1_scales", w2_scales, "w2_scales", w1_mx_scales, "w1_mx_scales", w2_mx_scales,
+        "w2_mx_scales", shared_output, "shared_output", dropped, "dropped", workspace, "workspace");
   if (!w.cuda()) fail(op, "X", "expert parallelism runs on CUDA tensors only");
   require_ndim(topk_ids, 2, op, "topk_ids");
   const int k = int(dim(topk_ids, 1));
   fm::EpMoeForwardArgs a = ep_forward_args(comm, W1, W2, k, num_experts, max_tokens_per_rank, recv_capacity, sizing,
                                            fp8_rows, b1, b2, w1_layout, activation, limit, alpha, mode, fp8, w1_scales,
-                                           w2_scales, op);
+                                           w2_scales, weights, w1_mx_scales, w2_mx_scales, op);
   const int64_t H = a.moe.hidden;
   require_dtype(X, kBFloat16, op, "X");
   if (dim(X, 1) != H) fail(op, "X", "must have H = ", H, " columns, as W2 (got shape ", shape_str(X), ")");
@@ -173,10 +176,11 @@ fm::EpReplicatedArgs replicated_args(const NcclComm& comm, const In& W1, const I
                                      const std::string& reduce, const OptIn& b1, const OptIn& b2,
                                      const std::string& w1_layout, const std::string& activation, float limit,
                                      float alpha, const std::string& mode, const std::string& fp8,
-                                     const OptIn& w1_scales, const OptIn& w2_scales, const char* op) {
+                                     const OptIn& w1_scales, const OptIn& w2_scales, const std::string& weights,
+                                     const OptIn& w1_mx_scales, const OptIn& w2_mx_scales, const char* op) {
   fm::EpReplicatedArgs a;
   set_layer_experts(a.moe, W1, W2, b1, b2, true, w1_layout, activation, limit, alpha, mode, fp8, w1_scales, w2_scales,
-                    op);
+                    weights, w1_mx_scales, w2_mx_scales, op);
   a.reduce = parse_enum(reduce, ep_reduces(), op, "reduce");
   a.moe.k = k;
   a.moe.num_experts = num_experts;
@@ -187,10 +191,12 @@ fm::EpReplicatedArgs replicated_args(const NcclComm& comm, const In& W1, const I
 size_t ep_moe_forward_replicated_workspace_size(const NcclComm& comm, const In& W1, const In& W2, int64_t num_tokens,
                                                 int k, int num_experts, const std::string& reduce,
                                                 const std::string& mode, const std::string& fp8,
-                                                const OptIn& w1_scales, const OptIn& w2_scales) {
+                                                const OptIn& w1_scales, const OptIn& w2_scales,
+                                                const std::string& weights, const OptIn& w1_mx_scales,
+                                                const OptIn& w2_mx_scales) {
   fm::EpReplicatedArgs a = replicated_args(comm, W1, W2, k, num_experts, reduce, std::nullopt, std::nullopt,
-                                           "gate_up", "swiglu", 0.f, 0.f, mode, fp8, w1_scales, w2_scales,
-                                           "ep_moe_forward_replicated_workspace_size");
+                                           "gate_up", "swiglu", 0.f, 0.f, mode, fp8, w1_scales, w2_scales, weights,
+                                           w1_mx_scales, w2_mx_scales, "ep_moe_forward_replicated_workspace_size");
   a.moe.num_tokens = num_tokens;
   return fm::ep_moe_forward_replicated_workspace_size(a, comm.world());
 }
@@ -200,16 +206,19 @@ void ep_moe_forward_replicated(const NcclComm& comm, const In& X, const In& W1, 
                                const OptIn& b1, const OptIn& b2, const std::string& w1_layout,
                                const std::string& activation, float limit, float alpha, const std::string& mode,
                                const std::string& fp8, const OptIn& w1_scales, const OptIn& w2_scales,
+                               const std::string& weights, const OptIn& w1_mx_scales, const OptIn& w2_mx_scales,
                                const OptIn& shared_output, const OptOut& workspace, uintptr_t stream) {
   constexpr const char* op = "ep_moe_forward_replicated";
   Placement w(op);
   w.add(out, "out", X, "X", W1, "W1", W2, "W2", topk_ids, "topk_ids", topk_weights, "topk_weights", b1, "b1", b2,
-        "b2", w1_scales, "w1_scales", w2_scales, "w2_scales", shared_output, "shared_output", workspace, "workspace");
+        "b2", w1_scales, "w1_scales", w2_scales, "w2_scales", w1_mx_scales, "w1_mx_scales", w2_mx_scales,
+        "w2_mx_scales", shared_output, "shared_output", workspace, "workspace");
   if (!w.cuda()) fail(op, "X", "expert parallelism runs on CUDA tensors only");
   require_ndim(topk_ids, 2, op, "topk_ids");
   const int k = int(dim(topk_ids, 1));
   fm::EpReplicatedArgs a = replicated_args(comm, W1, W2, k, num_experts, reduce, b1, b2, w1_layout, activation, limit,
-                                           alpha, mode, fp8, w1_scales, w2_scales, op);
+                                           alpha, mode, fp8, w1_scales, w2_scales, weights, w1_mx_scales,
+                                           w2_mx_scales, op);
   const int64_t H = a.moe.hidden;
   require_dtype(X, kBFloat16, op, "X");
   if (dim(X, 1) != H) fail(op, "X", "must have H = ", H, " columns, as W2 (got shape ", shape_str(X), ")");
@@ -257,19 +266,23 @@ void register_ep(nb::module_& m) {
       .def("destroy", &NcclComm::destroy);
   m.def("ep_moe_forward_workspace_size", &ep_moe_forward_workspace_size, "comm"_a, "W1"_a, "W2"_a, nb::kw_only(),
         "k"_a, "num_experts"_a, "max_tokens_per_rank"_a, "recv_capacity"_a, "sizing"_a, "fp8_rows"_a, "mode"_a, "fp8"_a,
-        "w1_scales"_a.none(), "w2_scales"_a.none(), "Bytes of workspace ep_moe_forward needs (spec §14.4).");
+        "w1_scales"_a.none(), "w2_scales"_a.none(), "weights"_a, "w1_mx_scales"_a.none(), "w2_mx_scales"_a.none(),
+        "Bytes of workspace ep_moe_forward needs (spec §14.4).");
   m.def("ep_moe_forward", &ep_moe_forward, "comm"_a, "X"_a, "W1"_a, "W2"_a, "topk_ids"_a, "topk_weights"_a, "out"_a,
         nb::kw_only(), "num_experts"_a, "max_tokens_per_rank"_a, "recv_capacity"_a, "sizing"_a, "fp8_rows"_a, "b1"_a.none(),
         "b2"_a.none(), "w1_layout"_a, "activation"_a, "limit"_a, "alpha"_a, "mode"_a, "fp8"_a, "w1_scales"_a.none(),
-        "w2_scales"_a.none(), "shared_output"_a.none(), "dropped"_a.none(), "workspace"_a.none(), "stream"_a,
+        "w2_scales"_a.none(), "weights"_a, "w1_mx_scales"_a.none(), "w2_mx_scales"_a.none(), "shared_output"_a.none(),
+        "dropped"_a.none(), "workspace"_a.none(), "stream"_a,
         "spec §14.3: dispatch, this rank's experts, combine into `out` [T, H].");
   m.def("ep_moe_forward_replicated_workspace_size", &ep_moe_forward_replicated_workspace_size, "comm"_a, "W1"_a, "W2"_a,
         nb::kw_only(), "num_tokens"_a, "k"_a, "num_experts"_a, "reduce"_a, "mode"_a, "fp8"_a, "w1_scales"_a.none(),
-        "w2_scales"_a.none(), "Bytes of workspace ep_moe_forward_replicated needs.");
+        "w2_scales"_a.none(), "weights"_a, "w1_mx_scales"_a.none(), "w2_mx_scales"_a.none(),
+        "Bytes of workspace ep_moe_forward_replicated needs.");
   m.def("ep_moe_forward_replicated", &ep_moe_forward_replicated, "comm"_a, "X"_a, "W1"_a, "W2"_a, "topk_ids"_a,
         "topk_weights"_a, "out"_a, nb::kw_only(), "num_experts"_a, "reduce"_a, "b1"_a.none(), "b2"_a.none(),
         "w1_layout"_a, "activation"_a, "limit"_a, "alpha"_a, "mode"_a, "fp8"_a, "w1_scales"_a.none(),
-        "w2_scales"_a.none(), "shared_output"_a.none(), "workspace"_a.none(), "stream"_a,
+        "w2_scales"_a.none(), "weights"_a, "w1_mx_scales"_a.none(), "w2_mx_scales"_a.none(), "shared_output"_a.none(),
+        "workspace"_a.none(), "stream"_a,
         "spec §14.2: this rank's experts over the replicated tokens, summed across ranks into `out`.");
 }
 

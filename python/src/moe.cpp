@@ -279,22 +279,119 @@ void require_fp8_scales(fm::MoeFp8Scaling f, const OptIn& xs, const OptIn& ws, i
   }
 }
 
+// MoeWeightFormat by the library's names: "dense", "mxfp4".
+const EnumNames<fm::MoeWeightFormat>& weight_formats() {
+  static const EnumNames<fm::MoeWeightFormat> names =
+      library_names({fm::MoeWeightFormat::kDense, fm::MoeWeightFormat::kMxfp4});
+  return names;
+}
+
+// The FP8 scaling of the activations and the weight format of a call: with
+// MXFP4 weights fp8 picks the activations, "block" (W4A8) or "none" (W4A16).
+fm::MoeWeightFormat parse_weights(const std::string& weights, fm::MoeFp8Scaling f, const char* op) {
+  const fm::MoeWeightFormat w = parse_enum(weights, weight_formats(), op, "weights");
+  if (w == fm::MoeWeightFormat::kMxfp4 && f == fm::MoeFp8Scaling::kTensor)
+    fail(op, "fp8", "weights = \"mxfp4\" takes fp8 = \"block\" (W4A8: e4m3 activations) or \"none\" (W4A16: bf16 "
+         "activations), not \"tensor\"");
+  return w;
+}
+
+// An MXFP4 weight stack (spec §13.1): packed e2m1 bytes [E, N, K / 2] beside
+// ue8m0 scale bytes [E, N, K / 32]; K (the GEMM's) a multiple of 128.
+struct MxShape {
+  int64_t E = 0, N = 0, K = 0;
+};
+
+// The packed bytes `w` [E, N, K / 2] (uint8, dense): E, N and K = 2 * w.shape[2],
+// named `k_name` in the error when K is not a multiple of 128.
+MxShape mxfp4_weight(const In& w, const char* op, const char* arg, const char* k_name) {
+  if (!(w.dtype() == kUInt8))
+    fail(op, arg, "must be packed e2m1 bytes with weights = \"mxfp4\": uint8 (or torch.float4_e2m1fn_x2, viewed "
+         "as uint8) (got ", dtype_name(w.dtype()), ")");
+  require_ndim(w, 3, op, arg);
+  require_contiguous(w, op, arg);
+  const MxShape m{dim(w, 0), dim(w, 1), 2 * dim(w, 2)};
+  if (m.K % 128)
+    fail(op, arg, "weights = \"mxfp4\" needs ", k_name, " = 2 * ", arg, ".shape[2] a multiple of 128 (got shape ",
+         shape_str(w), ", ", k_name, " = ", m.K, ")");
+  return m;
+}
+
+// The packed bytes `w` with the shape [E, N, K / 2] another array implies
+// (`what` says which).
+void require_mxfp4_shape(const In& w, const MxShape& m, const char* op, const char* arg, const char* what) {
+  mxfp4_weight(w, op, arg, "K");
+  if (dim(w, 0) != m.E || dim(w, 1) != m.N || dim(w, 2) != m.K / 2)
+    fail(op, arg, "must be packed MXFP4 [", m.E, ", ", m.N, ", ", m.K / 2, "] (", what, ") (got ", shape_str(w), ")");
+}
+
+// The ue8m0 scales `s` of the packed weight `w_arg` [E, N, K / 2]: required,
+// uint8 (or float8_e8m0fnu, viewed as uint8) [E, N, K / 32], dense.
+void require_mx_scales(const OptIn& s, const MxShape& m, const char* op, const char* arg, const char* w_arg) {
+  if (!s) fail(op, arg, "required with weights = \"mxfp4\" (the ue8m0 scales of ", w_arg, ")");
+  if (!(s->dtype() == kUInt8))
+    fail(op, arg, "must be ue8m0 scale bytes: uint8 (or torch.float8_e8m0fnu, viewed as uint8) (got ",
+         dtype_name(s->dtype()), ")");
+  if (s->ndim() != 3 || dim(*s, 0) != m.E || dim(*s, 1) != m.N || dim(*s, 2) != m.K / 32)
+    fail(op, arg, "must have shape [", m.E, ", ", m.N, ", ", m.K / 32, "], one scale per 32 of K beside ", w_arg,
+         " [", m.E, ", ", m.N, ", ", m.K / 2, "] (got ", shape_str(*s), ")");
+  require_contiguous(*s, op, arg);
+}
+
+// Scales of the other weight format: dense weights take no ue8m0 scales, MXFP4
+// weights no fp32 block scales.
+void forbid_other_scales(fm::MoeWeightFormat w, const OptIn& dense_scales, const char* dense_arg,
+                         const OptIn& mx_scales, const char* mx_arg, const char* op) {
+  if (w == fm::MoeWeightFormat::kMxfp4) {
+    if (dense_scales)
+      fail(op, dense_arg, "given with weights = \"mxfp4\" (MXFP4 weights carry their scales in ", mx_arg, ")");
+  } else if (mx_scales) {
+    fail(op, mx_arg, "given with weights = \"dense\" (ue8m0 scales belong to MXFP4 weights: pass weights = "
+         "\"mxfp4\")");
+  }
+}
+
+// The activations' scales of an FP8 GEMM alone (MXFP4 weights carry theirs):
+// kBlock [rows, K / 128] fp32; none with kNone.
+void require_act_scales(fm::MoeFp8Scaling f, const OptIn& xs, int64_t rows, int64_t K, const char* op,
+                        const char* arg) {
+  if (f == fm::MoeFp8Scaling::kNone) {
+    if (xs) fail(op, arg, "given with fp8 = \"none\" (bf16 operands have no scales)");
+    return;
+  }
+  if (!xs) fail(op, arg, "required with fp8 = \"", fm::to_string(f), "\"");
+  require_dense(*xs, kFloat32, {rows, K / 128}, op, arg);
+}
+
 void moe_fc2_finalize(const In& A, const In& W2, const In& offsets, const In& p2u, const Out& out, int k,
                       const OptIn& scales, const OptIn& bias, bool apply_bias, const OptIn& shared_output, bool fill,
                       const std::string& mode, bool out_already_zeroed, const std::string& fp8,
-                      const OptIn& a_scales, const OptIn& w2_scales, const OptOut& workspace,
-                      const std::string& gemm_kernel, int raster, int swizzle, uintptr_t stream) {
+                      const OptIn& a_scales, const OptIn& w2_scales, const std::string& weights,
+                      const OptIn& w2_mx_scales, const OptOut& workspace, const std::string& gemm_kernel, int raster,
+                      int swizzle, uintptr_t stream) {
   constexpr const char* op = "moe_fc2_finalize";
   Placement w(op);
   w.add(out, "out", A, "A", W2, "W2", offsets, "expert_first_token_offset", p2u, "permuted_row_to_unpermuted_row",
         scales, "scales", bias, "bias", shared_output, "shared_output", a_scales, "a_scales", w2_scales, "w2_scales",
-        workspace, "workspace");
+        w2_mx_scales, "w2_mx_scales", workspace, "workspace");
 
   const fm::MoeFp8Scaling f = parse_enum(fp8, fp8_scalings(), op, "fp8");
-  require_dense_rank(W2, fp8_elem(f), 3, op, "W2");
-  const int64_t E = dim(W2, 0), H = dim(W2, 1), I = dim(W2, 2);
+  const fm::MoeWeightFormat wf = parse_weights(weights, f, op);
+  const bool mx = wf == fm::MoeWeightFormat::kMxfp4;
+  forbid_other_scales(wf, w2_scales, "w2_scales", w2_mx_scales, "w2_mx_scales", op);
+  int64_t E = 0, H = 0, I = 0;
+  if (mx) {  // W2 packed [E, H, I / 2] + ue8m0 [E, H, I / 32] (spec §13.7)
+    const MxShape m = mxfp4_weight(W2, op, "W2", "I");
+    require_mx_scales(w2_mx_scales, m, op, "w2_mx_scales", "W2");
+    E = m.E, H = m.N, I = m.K;
+  } else {
+    require_dense_rank(W2, fp8_elem(f), 3, op, "W2");
+    E = dim(W2, 0), H = dim(W2, 1), I = dim(W2, 2);
+  }
   require_dense_rank(A, fp8_elem(f), 2, op, "A");
-  if (dim(A, 1) != I) fail(op, "A", "must have I = ", I, " columns, as W2 [E, H, I] (got shape ", shape_str(A), ")");
+  if (dim(A, 1) != I)
+    fail(op, "A", "must have I = ", I, " columns, as W2 ", mx ? "[E, H, I / 2] (packed MXFP4)" : "[E, H, I]",
+         " (got shape ", shape_str(A), ")");
   require_dtype(out, kBFloat16, op, "out");
   fm::Fc2FinalizeArgs a;
   a.out_stride = row_stride(out, op, "out");
@@ -305,10 +402,15 @@ void moe_fc2_finalize(const In& A, const In& W2, const In& offsets, const In& p2
   require_contiguous(p2u, op, "permuted_row_to_unpermuted_row");
   if (scales) require_dense(*scales, kFloat32, {T, k}, op, "scales");
   if (bias) require_dense(*bias, kBFloat16, {E, H}, op, "bias");
-  require_fp8_scales(f, a_scales, w2_scales, dim(A, 0), E, H, I, op, "a_scales", "w2_scales");
+  if (mx)
+    require_act_scales(f, a_scales, dim(A, 0), I, op, "a_scales");
+  else
+    require_fp8_scales(f, a_scales, w2_scales, dim(A, 0), E, H, I, op, "a_scales", "w2_scales");
   a.fp8 = f;
   a.a_scales = static_cast<const float*>(ptr(a_scales));
   a.w2_scales = static_cast<const float*>(ptr(w2_scales));
+  a.weights = wf;
+  a.w2_mx_scales = ptr(w2_mx_scales);
   a.shared_stride = shared_output_stride(shared_output, kBFloat16, T, H, op);
 
   a.A = ptr(A);
@@ -428,20 +530,35 @@ int64_t fc1_inter(const In& W1, nb::dlpack::dtype elem, const char* op, const ch
 
 void moe_fc1(const In& X, const In& W1, const In& offsets, const In& p2u, const Out& out, int k, int64_t num_tokens,
              const OptIn& bias, const std::string& layout, const std::string& activation, float limit, float alpha,
-             bool x_permuted, const std::string& fp8, const OptIn& x_scales, const OptIn& w1_scales, bool enable_pdl,
-             uintptr_t stream) {
+             bool x_permuted, const std::string& fp8, const OptIn& x_scales, const OptIn& w1_scales,
+             const std::string& weights, const OptIn& w1_mx_scales, bool enable_pdl, uintptr_t stream) {
   constexpr const char* op = "moe_fc1";
   Placement w(op);
   w.add(out, "out", X, "X", W1, "W1", offsets, "expert_first_token_offset", p2u, "permuted_row_to_unpermuted_row",
-        bias, "bias", x_scales, "x_scales", w1_scales, "w1_scales");
+        bias, "bias", x_scales, "x_scales", w1_scales, "w1_scales", w1_mx_scales, "w1_mx_scales");
 
   fm::MoeFc1Args a;
   a.fp8 = parse_enum(fp8, fp8_scalings(), op, "fp8");
-  const int64_t I = fc1_inter(W1, fp8_elem(a.fp8), op, "W1");
-  const int64_t E = dim(W1, 0), H = dim(W1, 2);
+  a.weights = parse_weights(weights, a.fp8, op);
+  const bool mx = a.weights == fm::MoeWeightFormat::kMxfp4;
+  forbid_other_scales(a.weights, w1_scales, "w1_scales", w1_mx_scales, "w1_mx_scales", op);
+  int64_t E = 0, I = 0, H = 0;
+  if (mx) {  // W1 packed [E, 2I, H / 2] + ue8m0 [E, 2I, H / 32] (spec §13.7)
+    const MxShape m = mxfp4_weight(W1, op, "W1", "H");
+    if (m.N % 2)
+      fail(op, "W1", "must be [E_local, 2I, H / 2]: an even number of rows per expert (got shape ", shape_str(W1),
+           ")");
+    require_mx_scales(w1_mx_scales, m, op, "w1_mx_scales", "W1");
+    E = m.E, I = m.N / 2, H = m.K;
+  } else {
+    I = fc1_inter(W1, fp8_elem(a.fp8), op, "W1");
+    E = dim(W1, 0), H = dim(W1, 2);
+  }
   require_dtype(X, fp8_elem(a.fp8), op, "X");
   a.x_stride = row_stride(X, op, "X");
-  if (dim(X, 1) != H) fail(op, "X", "must have H = ", H, " columns, as W1 [E, 2I, H] (got shape ", shape_str(X), ")");
+  if (dim(X, 1) != H)
+    fail(op, "X", "must have H = ", H, " columns, as W1 ", mx ? "[E, 2I, H / 2] (packed MXFP4)" : "[E, 2I, H]",
+         " (got shape ", shape_str(X), ")");
   // T: given, or X's rows (token order) / X's rows over k (permuted: k*T rows).
   // The sizes that depend on k are checked only for a valid k: the library names a bad one.
   const bool k_valid = k >= 1 && k <= 16;
@@ -464,9 +581,15 @@ void moe_fc1(const In& X, const In& W1, const In& offsets, const In& p2u, const 
   require_dtype(p2u, kInt32, op, "permuted_row_to_unpermuted_row");
   require_contiguous(p2u, op, "permuted_row_to_unpermuted_row");
   if (bias) require_dense(*bias, kBFloat16, {E, 2 * I}, op, "bias");
-  if (k_valid) require_fp8_scales(a.fp8, x_scales, w1_scales, x_rows, E, 2 * I, H, op, "x_scales", "w1_scales");
+  if (k_valid) {
+    if (mx)
+      require_act_scales(a.fp8, x_scales, x_rows, H, op, "x_scales");
+    else
+      require_fp8_scales(a.fp8, x_scales, w1_scales, x_rows, E, 2 * I, H, op, "x_scales", "w1_scales");
+  }
   a.x_scales = static_cast<const float*>(ptr(x_scales));
   a.w1_scales = static_cast<const float*>(ptr(w1_scales));
+  a.w1_mx_scales = ptr(w1_mx_scales);
 
   a.X = ptr(X);
   a.x_permuted = x_permuted;
@@ -502,10 +625,15 @@ const EnumNames<fm::MoeFc1Input>& fc1_inputs() {
 
 size_t moe_forward_workspace_size(int64_t num_tokens, int k, int64_t hidden, int64_t inter, int num_experts,
                                   int num_experts_per_node, int start_expert_id, bool with_router,
-                                  const std::string& mode, const std::string& fc1_input, const std::string& fp8) {
+                                  const std::string& mode, const std::string& fc1_input, const std::string& fp8,
+                                  const std::string& weights) {
   fm::MoeForwardArgs a;  // placeholders: validated, never dereferenced
   a.fp8 = parse_enum(fp8, fp8_scalings(), "moe_forward", "fp8");
-  if (a.fp8 != fm::MoeFp8Scaling::kNone) {
+  a.weights = parse_weights(weights, a.fp8, "moe_forward");
+  if (a.weights == fm::MoeWeightFormat::kMxfp4) {
+    a.w1_mx_scales = placeholder<const void>(5);
+    a.w2_mx_scales = placeholder<const void>(6);
+  } else if (a.fp8 != fm::MoeFp8Scaling::kNone) {
     a.w1_scales = placeholder<const float>(5);
     a.w2_scales = placeholder<const float>(6);
   }
@@ -539,17 +667,42 @@ size_t moe_forward_workspace_size(int64_t num_tokens, int k, int64_t hidden, int
 
 // The experts' part of MoeForwardArgs (common.h): E_local, H, I from W2
 // [E_local, H, I]; W1 [E_local, 2I, H] beside it; biases; FC1's layout and
-// activation; FC2's mode; FP8 weights with their scales (spec §10.4).
+// activation; FC2's mode; FP8 weights with their scales (spec §10.4); MXFP4
+// weights with their ue8m0 scales (spec §13.7: W1 packed [E_local, 2I, H / 2],
+// W2 packed [E_local, H, I / 2]; E_local, H, I then from W2 as H = W2.shape[1],
+// I = 2 * W2.shape[2]).
 void set_layer_experts(fm::MoeForwardArgs& a, const In& W1, const In& W2, const OptIn& b1, const OptIn& b2,
                        bool apply_b2, const std::string& w1_layout, const std::string& activation, float limit,
                        float alpha, const std::string& mode, const std::string& fp8, const OptIn& w1_scales,
-                       const OptIn& w2_scales, const char* op) {
+                       const OptIn& w2_scales, const std::string& weights, const OptIn& w1_mx_scales,
+                       const OptIn& w2_mx_scales, const char* op) {
   a.fp8 = parse_enum(fp8, fp8_scalings(), op, "fp8");
-  require_dense_rank(W2, fp8_elem(a.fp8), 3, op, "W2");
-  const int64_t E = dim(W2, 0), H = dim(W2, 1), I = dim(W2, 2);
-  require_dense(W1, fp8_elem(a.fp8), {E, 2 * I, H}, op, "W1");  // [E_local, 2I, H] beside W2 [E_local, H, I]
-  // The weights' scales (spec §10.4): kBlock 128 x 128 blocks; kTensor one per expert.
-  if (a.fp8 == fm::MoeFp8Scaling::kNone) {
+  a.weights = parse_weights(weights, a.fp8, op);
+  const bool mx = a.weights == fm::MoeWeightFormat::kMxfp4;
+  forbid_other_scales(a.weights, w1_scales, "w1_scales", w1_mx_scales, "w1_mx_scales", op);
+  forbid_other_scales(a.weights, w2_scales, "w2_scales", w2_mx_scales, "w2_mx_scales", op);
+  int64_t E = 0, H = 0, I = 0;
+  if (mx) {
+    const MxShape m2 = mxfp4_weight(W2, op, "W2", "I");
+    E = m2.E, H = m2.N, I = m2.K;
+    if (H % 128)
+      fail(op, "W2", "weights = \"mxfp4\" needs H = W2.shape[1] a multiple of 128 (got shape ", shape_str(W2), ")");
+    const MxShape m1{E, 2 * I, H};
+    require_mxfp4_shape(W1, m1, op, "W1", "[E_local, 2I, H / 2] beside W2 [E_local, H, I / 2]");
+    require_mx_scales(w1_mx_scales, m1, op, "w1_mx_scales", "W1");
+    require_mx_scales(w2_mx_scales, m2, op, "w2_mx_scales", "W2");
+    a.w1_mx_scales = ptr(w1_mx_scales);
+    a.w2_mx_scales = ptr(w2_mx_scales);
+  } else {
+    require_dense_rank(W2, fp8_elem(a.fp8), 3, op, "W2");
+    E = dim(W2, 0), H = dim(W2, 1), I = dim(W2, 2);
+    require_dense(W1, fp8_elem(a.fp8), {E, 2 * I, H}, op, "W1");  // [E_local, 2I, H] beside W2 [E_local, H, I]
+  }
+  // The dense weights' scales (spec §10.4): kBlock 128 x 128 blocks; kTensor one
+  // per expert. MXFP4 weights have their ue8m0 scales (above); fp8 then picks
+  // the activations only.
+  if (mx) {
+  } else if (a.fp8 == fm::MoeFp8Scaling::kNone) {
     if (w1_scales || w2_scales)
       fail(op, w1_scales ? "w1_scales" : "w2_scales", "given with fp8 = \"none\" (bf16 weights have no scales)");
   } else {
@@ -591,22 +744,27 @@ void moe_forward(const In& X, const In& W1, const In& W2, const Out& out, int k,
                  const OptOut& selected_experts_out, const OptOut& final_scales_out, const OptIn& b1,
                  const OptIn& b2, bool apply_b2, const std::string& w1_layout, const std::string& activation,
                  float limit, float alpha, const std::string& fc1_input, const std::string& mode,
-                 const std::string& fp8, const OptIn& w1_scales, const OptIn& w2_scales, const OptIn& shared_output,
-                 bool fill, const OptOut& workspace, bool enable_pdl, uintptr_t stream) {
+                 const std::string& fp8, const OptIn& w1_scales, const OptIn& w2_scales, const std::string& weights,
+                 const OptIn& w1_mx_scales, const OptIn& w2_mx_scales, const OptIn& shared_output, bool fill,
+                 const OptOut& workspace, bool enable_pdl, uintptr_t stream) {
   constexpr const char* op = "moe_forward";
   Placement w(op);
   w.add(out, "out", X, "X", W1, "W1", W2, "W2", router_logits, "router_logits", correction_bias, "correction_bias",
         token_selected_experts, "token_selected_experts", token_final_scales, "token_final_scales",
         selected_experts_out, "selected_experts_out", final_scales_out, "final_scales_out", b1, "b1", b2, "b2",
-        w1_scales, "w1_scales", w2_scales, "w2_scales", shared_output, "shared_output", workspace, "workspace");
+        w1_scales, "w1_scales", w2_scales, "w2_scales", w1_mx_scales, "w1_mx_scales", w2_mx_scales, "w2_mx_scales",
+        shared_output, "shared_output", workspace, "workspace");
 
   fm::MoeForwardArgs a;
   set_layer_experts(a, W1, W2, b1, b2, apply_b2, w1_layout, activation, limit, alpha, mode, fp8, w1_scales, w2_scales,
-                    op);
+                    weights, w1_mx_scales, w2_mx_scales, op);
   const int64_t H = a.hidden;
   require_dtype(X, kBFloat16, op, "X");
   a.x_stride = row_stride(X, op, "X");
-  if (dim(X, 1) != H) fail(op, "X", "must have H = ", H, " columns, as W2 [E, H, I] (got shape ", shape_str(X), ")");
+  if (dim(X, 1) != H)
+    fail(op, "X", "must have H = ", H, " columns, as W2 ",
+         a.weights == fm::MoeWeightFormat::kMxfp4 ? "[E, H, I / 2] (packed MXFP4)" : "[E, H, I]", " (got shape ",
+         shape_str(X), ")");
   const int64_t T = dim(X, 0);
   require_dtype(out, kBFloat16, op, "out");
   a.out_stride = row_stride(out, op, "out");
@@ -692,6 +850,7 @@ nb::dict moe_defaults() {
     f["mode"] = enum_name(a.mode, fc2_modes());
     f["out_already_zeroed"] = a.out_already_zeroed;
     f["fp8"] = enum_name(a.fp8, fp8_scalings());
+    f["weights"] = enum_name(a.weights, weight_formats());
     f["gemm_kernel"] = enum_name(a.tuning.gemm_kernel, fc2_gemm_kernels());
     f["raster"] = a.tuning.raster;
     f["swizzle"] = a.tuning.swizzle;
@@ -716,6 +875,7 @@ nb::dict moe_defaults() {
     f["layout"] = enum_name(a.layout, fc1_weight_layouts());
     f["activation"] = enum_name(a.activation, fc1_activations());
     f["fp8"] = enum_name(a.fp8, fp8_scalings());
+    f["weights"] = enum_name(a.weights, weight_formats());
     f["limit"] = py_float(a.limit);
     f["alpha"] = py_float(a.alpha);
     f["x_permuted"] = a.x_permuted;
@@ -739,6 +899,7 @@ nb::dict moe_defaults() {
     f["apply_b2"] = a.apply_b2;
     f["mode"] = enum_name(a.fc2_mode, fc2_modes());
     f["fp8"] = enum_name(a.fp8, fp8_scalings());
+    f["weights"] = enum_name(a.weights, weight_formats());
     f["fill"] = a.fill;
     f["enable_pdl"] = a.enable_pdl;
     d["moe_forward"] = f;
@@ -784,10 +945,11 @@ void register_moe(nb::module_& m) {
   m.def("moe_fc2_finalize", &moe_fc2_finalize, "A"_a, "W2"_a, "expert_first_token_offset"_a,
         "permuted_row_to_unpermuted_row"_a, "out"_a, nb::kw_only(), "k"_a, "scales"_a.none(), "bias"_a.none(),
         "apply_bias"_a, "shared_output"_a.none(), "fill"_a, "mode"_a, "out_already_zeroed"_a, "fp8"_a,
-        "a_scales"_a.none(), "w2_scales"_a.none(), "workspace"_a.none(), "gemm_kernel"_a, "raster"_a, "swizzle"_a,
-        "stream"_a,
+        "a_scales"_a.none(), "w2_scales"_a.none(), "weights"_a, "w2_mx_scales"_a.none(), "workspace"_a.none(),
+        "gemm_kernel"_a, "raster"_a, "swizzle"_a, "stream"_a,
         "spec §3 into `out` [T, H]; E, H, I from W2 [E, H, I]; fp8 (spec §3.5): A and W2 as e4m3 bytes (uint8) "
-        "with fp32 scales.");
+        "with fp32 scales; weights = \"mxfp4\" (spec §13.7): W2 packed e2m1 bytes [E, H, I/2] with ue8m0 "
+        "w2_mx_scales [E, H, I/32] (uint8), fp8 \"block\" (W4A8) or \"none\" (W4A16).");
 
   // Router
   m.attr("ROUTER_SCORINGS") = enum_names_tuple(router_scorings());
@@ -802,16 +964,20 @@ void register_moe(nb::module_& m) {
   m.attr("FC1_WEIGHT_LAYOUTS") = enum_names_tuple(fc1_weight_layouts());
   m.def("moe_fc1", &moe_fc1, "X"_a, "W1"_a, "expert_first_token_offset"_a, "permuted_row_to_unpermuted_row"_a,
         "out"_a, nb::kw_only(), "k"_a, "num_tokens"_a, "bias"_a.none(), "layout"_a, "activation"_a, "limit"_a,
-        "alpha"_a, "x_permuted"_a, "fp8"_a, "x_scales"_a.none(), "w1_scales"_a.none(), "enable_pdl"_a, "stream"_a,
+        "alpha"_a, "x_permuted"_a, "fp8"_a, "x_scales"_a.none(), "w1_scales"_a.none(), "weights"_a,
+        "w1_mx_scales"_a.none(), "enable_pdl"_a, "stream"_a,
         "spec §9 into `out` [>= k*T, I]; E, I, H from W1 [E, 2I, H]; T = num_tokens, or (num_tokens < 0) X's "
-        "rows, over k with x_permuted; fp8 (spec §9.7): X and W1 as e4m3 bytes (uint8) with fp32 scales.");
+        "rows, over k with x_permuted; fp8 (spec §9.7): X and W1 as e4m3 bytes (uint8) with fp32 scales; "
+        "weights = \"mxfp4\" (spec §13.7): W1 packed e2m1 bytes [E, 2I, H/2] with ue8m0 w1_mx_scales "
+        "[E, 2I, H/32] (uint8), fp8 \"block\" (W4A8) or \"none\" (W4A16).");
+  m.attr("MOE_WEIGHT_FORMATS") = enum_names_tuple(weight_formats());
   m.attr("FP8_SCALINGS") = enum_names_tuple(fp8_scalings());
 
   // The layer
   m.attr("FC1_INPUTS") = enum_names_tuple(fc1_inputs());
   m.def("moe_forward_workspace_size", &moe_forward_workspace_size, "num_tokens"_a, "k"_a, "hidden"_a, "inter"_a,
         "num_experts"_a, "num_experts_per_node"_a, "start_expert_id"_a, "with_router"_a, "mode"_a, "fc1_input"_a,
-        "fp8"_a, "Bytes of device workspace moe_forward needs (with_router: routing by router_logits; num_experts <= 0: "
+        "fp8"_a, "weights"_a, "Bytes of device workspace moe_forward needs (with_router: routing by router_logits; num_experts <= 0: "
         "any that holds this rank's experts; fc1_input: the permuted copy of X is held only where it resolves to "
         "permuted_copy).");
   m.def("moe_forward", &moe_forward, "X"_a, "W1"_a, "W2"_a, "out"_a, nb::kw_only(), "k"_a, "num_experts"_a,
@@ -819,9 +985,12 @@ void register_moe(nb::module_& m) {
         "n_group"_a, "topk_group"_a, "routed_scaling_factor"_a, "token_selected_experts"_a.none(),
         "token_final_scales"_a.none(), "selected_experts_out"_a.none(), "final_scales_out"_a.none(), "b1"_a.none(),
         "b2"_a.none(), "apply_b2"_a, "w1_layout"_a, "activation"_a, "limit"_a, "alpha"_a, "fc1_input"_a, "mode"_a,
-        "fp8"_a, "w1_scales"_a.none(), "w2_scales"_a.none(), "shared_output"_a.none(), "fill"_a, "workspace"_a.none(), "enable_pdl"_a, "stream"_a,
+        "fp8"_a, "w1_scales"_a.none(), "w2_scales"_a.none(), "weights"_a, "w1_mx_scales"_a.none(),
+        "w2_mx_scales"_a.none(), "shared_output"_a.none(), "fill"_a, "workspace"_a.none(), "enable_pdl"_a, "stream"_a,
         "spec §10 into `out` [T, H]: router (router_logits) or the caller's ids, routing maps, FC1, FC2 + finalize; "
-        "E_local, H, I from W2 [E_local, H, I], T from X [T, H]; num_experts <= 0: router_logits.shape[1].");
+        "E_local, H, I from W2 [E_local, H, I] (weights = \"mxfp4\", spec §13.7: W2 packed [E_local, H, I/2], W1 "
+        "packed [E_local, 2I, H/2], ue8m0 w1_mx_scales / w2_mx_scales), T from X [T, H]; num_experts <= 0: "
+        "router_logits.shape[1].");
 }
 
 }  // namespace flashmix::python

@@ -1218,7 +1218,8 @@ def test_cuda_arrays_take_the_gpu_path():
     # it); on a GPU, T = 0 is valid and nothing is launched (no workspace needed).
     try:  # the binding takes every argument: the library's defaults
         _C.moe_fc2_finalize(a["A"], a["W2"], a["off"], a["p2u"], a["out"], k=2, scales=None, bias=None,
-                            shared_output=None, a_scales=None, w2_scales=None, workspace=None, stream=0,
+                            shared_output=None, a_scales=None, w2_scales=None, w2_mx_scales=None, workspace=None,
+                            stream=0,
                             **_C.moe_defaults()["moe_fc2_finalize"])
     except RuntimeError as e:
         assert str(e).startswith("moe_fc2_finalize: ") and "cuda:0" in str(e), str(e)
@@ -1242,10 +1243,11 @@ def test_cuda_arrays_take_the_gpu_path_for_the_router_fc1_and_the_layer():
         (2, 8, 8), "bfloat16")
     off, p2u, act = FakeCudaArray((3,), "int64"), FakeCudaArray((0,), "int32"), FakeCudaArray((0, 8), "bfloat16")
     gpu_call("moe_fc1", lambda: _C.moe_fc1(x, w1, off, p2u, act, k=4, num_tokens=-1, bias=None, x_scales=None,
-                                           w1_scales=None, stream=0, **d["moe_fc1"]))
+                                           w1_scales=None, w1_mx_scales=None, stream=0, **d["moe_fc1"]))
     out = FakeCudaArray((0, 8), "bfloat16")
     none = dict.fromkeys(("router_logits", "correction_bias", "token_final_scales", "selected_experts_out",
-                          "final_scales_out", "b1", "b2", "shared_output", "workspace", "w1_scales", "w2_scales"))
+                          "final_scales_out", "b1", "b2", "shared_output", "workspace", "w1_scales", "w2_scales",
+                          "w1_mx_scales", "w2_mx_scales"))
     gpu_call("moe_forward", lambda: _C.moe_forward(x, w1, w2, out, k=4, num_experts=0, token_selected_experts=ids,
                                                    stream=0, **none, **d["moe_forward"]))
 
@@ -1923,7 +1925,7 @@ def test_mxfp4_to_bf16_and_to_fp8_block_are_the_spec_values():
         flashmix.mxfp4_to_bf16(w.astype(np.int32), s)
 
 
-def test_moe_layer_loads_mxfp4_experts_through_the_fp8_layer():
+def test_moe_layer_dense_converts_mxfp4_experts_once():
     torch = torch_or_skip()
     g = torch.Generator().manual_seed(5)
     w1 = torch.randint(0, 256, (8, 256, 128), dtype=torch.uint8, generator=g)
@@ -1936,5 +1938,324 @@ def test_moe_layer_loads_mxfp4_experts_through_the_fp8_layer():
     q2, c2 = flashmix.mxfp4_to_fp8_block(w2, s2)
     assert torch.equal(layer.w1.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(layer.w1_scales, c1)
     assert torch.equal(layer.w2.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(layer.w2_scales, c2)
-    with pytest.raises(ValueError, match="fp8"):
-        flashmix.MoeLayer(8, 2, 256, 128).load_mxfp4_experts(w1, s1, w2, s2)
+    # a bf16 layer takes them dequantised (mxfp4_to_bf16); an MXFP4 layer keeps them (below)
+    bf16 = flashmix.MoeLayer(8, 2, 256, 128)
+    bf16.load_mxfp4_experts(w1, s1, w2, s2)
+    assert torch.equal(bf16.w1, flashmix.mxfp4_to_bf16(w1, s1)) and torch.equal(bf16.w2, flashmix.mxfp4_to_bf16(w2, s2))
+
+
+# --- The expert GEMMs on MXFP4 weights (spec §13.7) ---------------------------
+# CPU: the references take each weight element as spec §13.7's table says; with
+# scales spread narrowly (here: 6 binades), mxfp4_to_bf16 and mxfp4_to_fp8_block
+# are exact and the MXFP4 ops equal the dense ops on the converted weights.
+
+def mxfp4_checkpoint(rng, E, H, I, lo=116, hi=122):
+    """A small synthetic DeepSeek-V4 layer (spec §13.6): per expert the gate w1 and the up w3
+    ``[I, H/2]`` packed bytes + ``[I, H/32]`` ue8m0 scales, the down w2 ``[H, I/2]`` + ``[H, I/32]``;
+    scale bytes in [lo, hi)."""
+    def part(rows, cols):
+        return (rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8),
+                rng.integers(lo, hi, (rows, cols // 32), dtype=np.uint8))
+    experts = []
+    for _ in range(E):
+        (w1, s1), (w3, s3), (w2, s2) = part(I, H), part(I, H), part(H, I)
+        experts.append({"w1": w1, "w1_scale": s1, "w3": w3, "w3_scale": s3, "w2": w2, "w2_scale": s2})
+    return experts
+
+
+def mxfp4_problem(seed, T=9, k=2, E=8, H=256, I=128, layout="gate_up"):
+    rng = np.random.default_rng(seed)
+    w1, s1, w2, s2 = flashmix.stack_deepseek_v4_experts(mxfp4_checkpoint(rng, E, H, I), layout)
+    return {"T": T, "k": k, "E": E, "H": H, "I": I, "w1": w1, "s1": s1, "w2": w2, "s2": s2,
+            "x": rng.uniform(-1, 1, (T, H)).astype(BF16), "logits": ref.grid_logits(rng, T, E),
+            "experts": np.array([rng.permutation(E)[:k] for _ in range(T)], np.int32).reshape(T, k),
+            "scales": rng.uniform(0, 1, (T, k)).astype(np.float32)}
+
+
+def dense_twin(p, fp8, start=0, E_local=None):
+    """The converted weights of experts [start, start + E_local): bf16 (fp8 "none", W4A16's twin) or
+    e4m3 with 128 x 128 block scales (fp8 "block", W4A8's twin), as a dict of moe_forward keywords."""
+    E_local = p["E"] if E_local is None else E_local
+    sl = slice(start, start + E_local)
+    if fp8 == "none":
+        return {"w1": flashmix.mxfp4_to_bf16(p["w1"][sl], p["s1"][sl]),
+                "w2": flashmix.mxfp4_to_bf16(p["w2"][sl], p["s2"][sl])}
+    q1, c1 = flashmix.mxfp4_to_fp8_block(p["w1"][sl], p["s1"][sl])
+    q2, c2 = flashmix.mxfp4_to_fp8_block(p["w2"][sl], p["s2"][sl])
+    return {"w1": q1, "w2": q2, "w1_scales": c1, "w2_scales": c2, "fp8": "block"}
+
+
+def mxfp4_kw(p, fp8, start=0, E_local=None):
+    E_local = p["E"] if E_local is None else E_local
+    sl = slice(start, start + E_local)
+    return {"w1": p["w1"][sl], "w2": p["w2"][sl], "w1_mx_scales": p["s1"][sl], "w2_mx_scales": p["s2"][sl],
+            "weights": "mxfp4", "fp8": fp8}
+
+
+def assert_same_bf16(got, want):
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+@needs_bf16
+@pytest.mark.parametrize("fp8", ["none", "block"], ids=["W4A16", "W4A8"])
+def test_moe_fc1_and_fc2_on_mxfp4_weights_are_the_dense_ops_on_the_converted_weights(fp8):
+    p = mxfp4_problem(60 + (fp8 == "block"))
+    T, k, I = p["T"], p["k"], p["I"]
+    maps = flashmix.build_moe_routing_maps(p["experts"], num_experts_per_node=p["E"])
+    off, p2u = maps.expert_first_token_offset, maps.permuted_row_to_unpermuted_row
+    P = int(off[-1])
+    twin, mx = dense_twin(p, fp8), mxfp4_kw(p, fp8)
+    x_kw = {}
+    x = p["x"]
+    if fp8 == "block":
+        x, xs = flashmix.quantize_fp8(p["x"])
+        x_kw = {"fp8": "block", "x_scales": xs}
+    got = flashmix.moe_fc1(x, mx["w1"], off, p2u, k=k, weights="mxfp4", w1_mx_scales=mx["w1_mx_scales"], **x_kw)
+    want = flashmix.moe_fc1(x, twin["w1"], off, p2u, k=k, w1_scales=twin.get("w1_scales"), **x_kw)
+    assert got.shape == (k * T, I)
+    assert_same_bf16(got[:P], want[:P])
+    # FC2 on FC1's rows (quantised 1 x 128 for W4A8)
+    a, a_kw = got, {}
+    if fp8 == "block":
+        a, a_s = np.zeros((k * T, I), np.uint8), np.zeros((k * T, I // 128), np.float32)
+        a[:P], a_s[:P] = flashmix.quantize_fp8(got[:P])
+        a_kw = {"fp8": "block", "a_scales": a_s}
+    got2 = flashmix.moe_fc2_finalize(a, mx["w2"], off, p2u, k=k, scales=p["scales"], weights="mxfp4",
+                                     w2_mx_scales=mx["w2_mx_scales"], **a_kw)
+    want2 = flashmix.moe_fc2_finalize(a, twin["w2"], off, p2u, k=k, scales=p["scales"],
+                                      w2_scales=twin.get("w2_scales"), **a_kw)
+    assert got2.shape == (T, p["H"])
+    assert_same_bf16(got2, want2)
+    # The ue8m0 scales may come as ml_dtypes.float8_e8m0fnu (the same bytes).
+    e8m0 = getattr(ref.ml_dtypes, "float8_e8m0fnu", None)
+    if e8m0 is not None:
+        again = flashmix.moe_fc1(x, mx["w1"], off, p2u, k=k, weights="mxfp4",
+                                 w1_mx_scales=mx["w1_mx_scales"].view(e8m0), **x_kw)
+        assert_same_bf16(again[:P], got[:P])
+
+
+@needs_bf16
+@pytest.mark.parametrize("fp8", ["none", "block"], ids=["W4A16", "W4A8"])
+@pytest.mark.parametrize("rank", ["all", "ep"])
+def test_moe_forward_on_mxfp4_weights_is_the_dense_layer_on_the_converted_weights(fp8, rank):
+    # moe_forward(weights="mxfp4"): fp8 "none" is the bf16 layer on mxfp4_to_bf16's weights, fp8
+    # "block" the FP8 layer on mxfp4_to_fp8_block's (x and FC1's rows quantised the same way), bit
+    # for bit here; an expert-parallel rank holds experts [4, 7) of 8.
+    p = mxfp4_problem(70 + (fp8 == "block") + 2 * (rank == "ep"), T=11, k=3)
+    start, E_local = (4, 3) if rank == "ep" else (0, p["E"])
+    common = {"k": p["k"], "router_logits": p["logits"], "renormalize": True, "start_expert_id": start,
+              "activation": "swiglu_clamped"}
+    got = flashmix.moe_forward(p["x"], **mxfp4_kw(p, fp8, start, E_local), **common)
+    want = flashmix.moe_forward(p["x"], **dense_twin(p, fp8, start, E_local), **common)
+    assert got.shape == p["x"].shape
+    assert_same_bf16(got, want)
+    if rank == "ep":  # tokens with none of this rank's experts get 0
+        ids = flashmix.moe_router(p["logits"], p["k"], renormalize=True).token_selected_experts
+        local = ((ids >= start) & (ids < start + E_local)).any(axis=1)
+        assert (ref.f64(got)[~local] == 0).all()
+    # the caller's ids, fill=False: the same rows
+    ids, w = flashmix.moe_router(p["logits"], p["k"], renormalize=True)
+    by_ids = flashmix.moe_forward(p["x"], **mxfp4_kw(p, fp8, start, E_local), k=p["k"], token_selected_experts=ids,
+                                  token_final_scales=w, start_expert_id=start, activation="swiglu_clamped",
+                                  fill=False)
+    assert_same_bf16(by_ids, got)
+
+
+@needs_bf16
+def test_moe_forward_on_mxfp4_weights_takes_either_w1_layout():
+    # stack_deepseek_v4_experts(layout="interleaved") with w1_layout="interleaved": the same layer.
+    p = mxfp4_problem(80)
+    q = mxfp4_problem(80, layout="interleaved")
+    kw = {"k": p["k"], "router_logits": p["logits"]}
+    got = flashmix.moe_forward(q["x"], **mxfp4_kw(q, "block"), w1_layout="interleaved", **kw)
+    assert_same_bf16(got, flashmix.moe_forward(p["x"], **mxfp4_kw(p, "block"), **kw))
+
+
+@needs_bf16
+def test_moe_forward_workspace_size_with_mxfp4_weights():
+    T, k, H, I, E = 64, 4, 256, 128, 8
+    w4a8 = flashmix.moe_forward_workspace_size(T, k, H, I, E, fp8="block", weights="mxfp4")
+    w4a16 = flashmix.moe_forward_workspace_size(T, k, H, I, E, weights="mxfp4")
+    assert w4a8 == flashmix.moe_forward_workspace_size(T, k, H, I, E, fp8="block")  # the FP8 layer's intermediates
+    assert w4a16 == flashmix.moe_forward_workspace_size(T, k, H, I, E)              # the bf16 layer's
+    with raises_naming(ValueError, "moe_forward", "fp8"):
+        flashmix.moe_forward_workspace_size(T, k, H, I, E, fp8="tensor", weights="mxfp4")
+    with raises_naming(ValueError, "moe_forward", "weights"):
+        flashmix.moe_forward_workspace_size(T, k, H, I, E, weights="fp4")
+    with pytest.raises(ValueError, match=r"^moe_forward: (moe_fc1: |moe_fc2_finalize: )?inter: "):  # library: I % 128
+        flashmix.moe_forward_workspace_size(T, k, H, 96, E, weights="mxfp4")
+    assert flashmix.MOE_WEIGHT_FORMATS == ("dense", "mxfp4")
+    for fn in (flashmix.moe_fc1, flashmix.moe_fc2_finalize, flashmix.moe_forward):
+        assert defaults_of(fn)["weights"] == "dense"
+
+
+U8 = np.uint8
+
+
+@needs_bf16
+@pytest.mark.parametrize("change,arg", [
+    ({"w1": np.zeros((2, 16, 32), U8), "x": np.zeros((4, 64), BF16),
+      "w1_mx_scales": np.zeros((2, 16, 2), U8)}, "W1"),                        # H = 64: not a multiple of 128
+    ({"w1": np.zeros((2, 16, 128), BF16)}, "W1"),                              # not packed bytes
+    ({"w1": np.zeros((2, 15, 64), U8), "w1_mx_scales": np.zeros((2, 15, 4), U8)}, "W1"),  # odd 2I
+    ({"w1": np.zeros((2, 16, 64, 1), U8)}, "W1"),                              # not 3-D
+    ({"w1_mx_scales": np.zeros((2, 16, 2), U8)}, "w1_mx_scales"),              # not H/32 columns
+    ({"w1_mx_scales": np.zeros((2, 8, 4), U8)}, "w1_mx_scales"),               # not W1's rows
+    ({"w1_mx_scales": np.zeros((1, 16, 4), U8)}, "w1_mx_scales"),              # not W1's experts
+    ({"w1_mx_scales": np.zeros((2, 16, 4), np.float32)}, "w1_mx_scales"),      # not bytes
+    ({"w1_mx_scales": None}, "w1_mx_scales"),                                  # required
+    ({"w1_scales": np.ones((2, 1, 1), np.float32)}, "w1_scales"),              # the dense weights' scales
+    ({"weights": "dense"}, "w1_mx_scales"),                                    # ue8m0 scales with dense weights
+    ({"weights": "fp4"}, "weights"),
+    ({"fp8": "tensor"}, "fp8"),                                                # W4A8 or W4A16 only
+    ({"x": np.zeros((4, 256), BF16)}, "X"),                                    # not H = 2 * W1.shape[2] columns
+    ({"fp8": "block"}, "X"),                                                   # W4A8: e4m3 x
+    ({"fp8": "block", "x": np.zeros((4, 128), U8)}, "x_scales"),               # W4A8: x's scales
+    ({"fp8": "block", "x": np.zeros((4, 128), U8), "x_scales": np.ones((4, 2), np.float32)}, "x_scales"),
+    ({"x_scales": np.ones((4, 1), np.float32)}, "x_scales"),                   # W4A16: bf16 x has none
+])
+def test_moe_fc1_mxfp4_bad_input_raises_value_error_naming_the_argument(change, arg):
+    kw = {"x": np.zeros((4, 128), BF16), "w1": np.zeros((2, 16, 64), U8), "w1_mx_scales": np.zeros((2, 16, 4), U8),
+          "off": np.zeros(3, np.int64), "p2u": np.zeros(8, np.int32), "k": 2, "out": np.full((8, 8), 3.0, BF16),
+          "weights": "mxfp4"}
+    kw.update(change)
+    x, w1, off, p2u, out = (kw.pop(n) for n in ("x", "w1", "off", "p2u", "out"))
+    before = out.copy()
+    with raises_naming(ValueError, "moe_fc1", arg):
+        flashmix.moe_fc1(x, w1, off, p2u, out=out, **kw)
+    assert_same_bf16(out, before)  # nothing written
+
+
+@needs_bf16
+@pytest.mark.parametrize("change,arg", [
+    ({"W2": np.zeros((2, 16, 32), U8), "A": np.zeros((8, 64), BF16),
+      "w2_mx_scales": np.zeros((2, 16, 2), U8)}, "W2"),                        # I = 64: not a multiple of 128
+    ({"W2": np.zeros((2, 16, 128), BF16)}, "W2"),                              # not packed bytes
+    ({"w2_mx_scales": np.zeros((2, 16, 8), U8)}, "w2_mx_scales"),              # not I/32 columns
+    ({"w2_mx_scales": np.zeros((2, 8, 4), U8)}, "w2_mx_scales"),               # not W2's rows
+    ({"w2_mx_scales": None}, "w2_mx_scales"),
+    ({"w2_scales": np.ones((2, 1, 1), np.float32)}, "w2_scales"),
+    ({"weights": "dense"}, "w2_mx_scales"),
+    ({"fp8": "tensor"}, "fp8"),
+    ({"A": np.zeros((8, 64), BF16)}, "A"),                                     # not I = 2 * W2.shape[2] columns
+    ({"fp8": "block", "A": np.zeros((8, 128), U8)}, "a_scales"),
+    ({"out": np.zeros((4, 8), BF16)}, "out"),                                  # not H = W2.shape[1] columns
+])
+def test_moe_fc2_finalize_mxfp4_bad_input_raises_value_error_naming_the_argument(change, arg):
+    kw = {"A": np.zeros((8, 128), BF16), "W2": np.zeros((2, 16, 64), U8), "w2_mx_scales": np.zeros((2, 16, 4), U8),
+          "off": np.zeros(3, np.int64), "p2u": np.zeros(8, np.int32), "k": 2, "out": np.full((4, 16), 3.0, BF16),
+          "weights": "mxfp4"}
+    kw.update(change)
+    A, W2, off, p2u, out = (kw.pop(n) for n in ("A", "W2", "off", "p2u", "out"))
+    before = out.copy()
+    with raises_naming(ValueError, "moe_fc2_finalize", arg):
+        flashmix.moe_fc2_finalize(A, W2, off, p2u, out=out, **kw)
+    assert_same_bf16(out, before)
+
+
+@needs_bf16
+@pytest.mark.parametrize("change,arg", [
+    ({"w2": np.zeros((2, 128, 32), U8), "w2_mx_scales": np.zeros((2, 128, 2), U8)}, "W2"),  # I = 64
+    ({"w2": np.zeros((2, 64, 64), U8), "w2_mx_scales": np.zeros((2, 64, 4), U8)}, "W2"),    # H = 64
+    ({"w2": np.zeros((2, 128, 128), BF16)}, "W2"),                             # not packed bytes
+    ({"w1": np.zeros((2, 256, 32), U8)}, "W1"),                                # not H/2 columns
+    ({"w1": np.zeros((2, 128, 64), U8)}, "W1"),                                # not 2I rows
+    ({"w1": np.zeros((1, 256, 64), U8)}, "W1"),                                # not W2's experts
+    ({"w1": np.zeros((2, 256, 128), BF16)}, "W1"),                             # not packed bytes
+    ({"w1_mx_scales": np.zeros((2, 256, 2), U8)}, "w1_mx_scales"),
+    ({"w1_mx_scales": None}, "w1_mx_scales"),
+    ({"w2_mx_scales": np.zeros((2, 128, 8), U8)}, "w2_mx_scales"),
+    ({"w2_mx_scales": np.zeros((2, 128, 4), np.int32)}, "w2_mx_scales"),
+    ({"w2_mx_scales": None}, "w2_mx_scales"),
+    ({"w1_scales": np.ones((2, 2, 1), np.float32)}, "w1_scales"),
+    ({"w2_scales": np.ones((2, 1, 1), np.float32)}, "w2_scales"),
+    ({"weights": "dense"}, "w1_mx_scales"),
+    ({"weights": "nvfp4"}, "weights"),
+    ({"fp8": "tensor"}, "fp8"),
+    ({"x": np.zeros((4, 256), BF16), "out": np.zeros((4, 256), BF16)}, "X"),   # not H columns
+    ({"b1": np.zeros((2, 128), BF16)}, "b1"),                                  # not [E_local, 2I]
+])
+def test_moe_forward_mxfp4_bad_input_raises_value_error_naming_the_argument(change, arg):
+    kw = {"x": np.zeros((4, 128), BF16), "w1": np.zeros((2, 256, 64), U8), "w2": np.zeros((2, 128, 64), U8),
+          "w1_mx_scales": np.zeros((2, 256, 4), U8), "w2_mx_scales": np.zeros((2, 128, 4), U8), "weights": "mxfp4",
+          "k": 2, "router_logits": np.zeros((4, 8), np.float32), "out": np.full((4, 128), 3.0, BF16)}
+    kw.update(change)
+    x, w1, w2, out = (kw.pop(n) for n in ("x", "w1", "w2", "out"))
+    before = out.copy()
+    with raises_naming(ValueError, "moe_forward", arg):
+        flashmix.moe_forward(x, w1, w2, out=out, **kw)
+    assert_same_bf16(out, before)
+
+
+def test_moe_layer_mxfp4_on_cpu_tensors():
+    # MoeLayer(weights="mxfp4") keeps the packed bytes and the ue8m0 scales and runs moe_forward on
+    # them: W4A8 (default) is the FP8 layer on mxfp4_to_fp8_block's weights, W4A16 the bf16 layer on
+    # mxfp4_to_bf16's (both: load_mxfp4_experts on a dense layer), bit for bit on the CPU; also on an
+    # expert-parallel rank, and compiled.
+    torch = torch_or_skip()
+    torch.manual_seed(21)
+    E, k, H, I = 8, 2, 256, 128
+    ckpt = [{n: torch.from_numpy(a) for n, a in e.items()}
+            for e in mxfp4_checkpoint(np.random.default_rng(22), E, H, I)]
+    if hasattr(torch, "float4_e2m1fn_x2"):  # the checkpoint's own dtypes (spec §13.1)
+        ckpt = [{n: a.view(torch.float8_e8m0fnu if n.endswith("scale") else torch.float4_e2m1fn_x2)
+                 for n, a in e.items()} for e in ckpt]
+    w1, s1, w2, s2 = flashmix.stack_deepseek_v4_experts(ckpt)
+    x = torch.randn(3, 5, H).bfloat16()
+    for fp8 in ("block", "none"):
+        for start, E_local in ((0, E), (4, 2)):
+            kw = dict(num_local_experts=E_local, start_expert_id=start, activation="swiglu_clamped",
+                      renormalize=True)
+            mx = flashmix.MoeLayer(E, k, H, I, weights="mxfp4", **({} if fp8 == "block" else {"fp8": "none"}), **kw)
+            assert mx.fp8 == fp8 and mx.weights == "mxfp4" and "weights='mxfp4'" in repr(mx)
+            assert mx.w1.dtype == torch.uint8 and mx.w1.shape == (E_local, 2 * I, H // 2)
+            assert mx.w2.shape == (E_local, H, I // 2) and mx.w1_mx_scales.shape == (E_local, 2 * I, H // 32)
+            assert mx.w2_mx_scales.shape == (E_local, H, I // 32) and mx.w1_scales is None
+            assert set(mx.state_dict()) == {"gate", "w1", "w2", "w1_mx_scales", "w2_mx_scales"}
+            y0 = mx(x)  # random MXFP4 weights: finite, of the right shape
+            assert y0.shape == x.shape and torch.isfinite(y0.float()).all()
+            sl = slice(start, start + E_local)
+            mx.load_mxfp4_experts(w1[sl], s1[sl], w2[sl], s2[sl])
+            assert torch.equal(mx.w1, w1[sl].view(torch.uint8)) and torch.equal(mx.w2_mx_scales,
+                                                                                s2[sl].view(torch.uint8))
+            dense = flashmix.MoeLayer(E, k, H, I, fp8=fp8, **kw)
+            with torch.no_grad():
+                dense.gate.copy_(mx.gate)
+            dense.load_mxfp4_experts(w1[sl], s1[sl], w2[sl], s2[sl])
+            got = mx(x)
+            assert got.shape == x.shape and got.dtype == torch.bfloat16
+            assert torch.equal(got.view(torch.int16), dense(x).view(torch.int16)), (fp8, start)
+            if start == 0:
+                compiled = torch.compile(mx, fullgraph=True)
+                assert torch.equal(compiled(x).view(torch.int16), got.view(torch.int16))
+    torch.library.opcheck(torch.ops.flashmix.moe_forward.default, (x.reshape(-1, H), mx.w1, mx.w2, k),
+                          {"router_logits": x.reshape(-1, H) @ mx.gate.t(), "num_experts": E, "start_expert_id": 0,
+                           "fp8": "none", "weights": "mxfp4", "w1_mx_scales": mx.w1_mx_scales,
+                           "w2_mx_scales": mx.w2_mx_scales})
+    with pytest.raises(ValueError, match="^MoeLayer.load_expert_weights: w1: "):
+        mx.load_expert_weights(torch.zeros(E, 2 * I, H).bfloat16(), torch.zeros(E, H, I).bfloat16())
+    with pytest.raises(ValueError, match="^MoeLayer.load_mxfp4_experts: w1_scales: "):
+        mx.load_mxfp4_experts(w1[4:6], s1[4:6, :, :4], w2[4:6], s2[4:6])  # the last layer: experts [4, 6)
+    with pytest.raises(ValueError, match="^MoeLayer: hidden: "):
+        flashmix.MoeLayer(E, k, 192, I, weights="mxfp4")
+    with pytest.raises(ValueError, match="^MoeLayer: weights: "):
+        flashmix.MoeLayer(E, k, H, I, weights="nvfp4")
+    with pytest.raises(ValueError, match="^MoeLayer: fp8: "):
+        flashmix.MoeLayer(E, k, H, I, weights="mxfp4", fp8="tensor")
+
+
+def test_torch_custom_ops_fc1_and_fc2_take_mxfp4_weights_on_cpu_tensors():
+    torch = torch_or_skip()
+    p = mxfp4_problem(90)
+    t = {n: torch.from_numpy(p[n]) for n in ("w1", "s1", "w2", "s2", "experts", "scales")}
+    x = torch.from_numpy(p["x"].astype(np.float32)).bfloat16()
+    off, p2u, _, _ = torch.ops.flashmix.build_moe_routing_maps(t["experts"], p["E"])
+    a = torch.ops.flashmix.moe_fc1(x, t["w1"], off, p2u, p["k"], weights="mxfp4", w1_mx_scales=t["s1"])
+    want = flashmix.moe_fc1(x, t["w1"], off, p2u, k=p["k"], weights="mxfp4", w1_mx_scales=t["s1"])
+    P = int(off[-1])
+    assert torch.equal(a[:P], want[:P])
+    out = torch.ops.flashmix.moe_fc2_finalize(a, t["w2"], off, p2u, p["k"], scales=t["scales"], weights="mxfp4",
+                                              w2_mx_scales=t["s2"])
+    assert out.shape == (p["T"], p["H"])
+    torch.library.opcheck(torch.ops.flashmix.moe_fc2_finalize.default, (a, t["w2"], off, p2u, p["k"]),
+                          {"scales": t["scales"], "weights": "mxfp4", "w2_mx_scales": t["s2"]})

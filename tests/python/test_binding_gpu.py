@@ -1331,3 +1331,161 @@ def test_torch_compile_and_cuda_graph_of_quantize_fp8(mode):
     want = quantize(x)
     sync()
     assert all(torch.equal(as_bytes(g), as_bytes(w)) for g, w in zip(got, want))
+
+
+# ---------------------------------------------------------------------------
+# MXFP4 expert weights (spec §13.7) on a small synthetic DeepSeek-V4 layer
+# (spec §13.6): the MXFP4 layer (W4A8, W4A16) against the dense layer on the
+# converted weights (the FP8 layer on mxfp4_to_fp8_block's, the bf16 layer on
+# mxfp4_to_bf16's: the same weight values, the scales spread 6 binades so both
+# conversions are exact) and against its own CPU reference.
+# ---------------------------------------------------------------------------
+
+def mxfp4_experts(E, H, I, seed, lo=118, hi=124):
+    """stack_deepseek_v4_experts over E synthetic V4 experts (gate w1 / up w3 ``[I, H/2]`` + ``[I, H/32]``,
+    down w2 ``[H, I/2]`` + ``[H, I/32]``; ``float4_e2m1fn_x2`` / ``float8_e8m0fnu`` where torch has them)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def part(rows, cols):
+        w = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g)
+        s = torch.randint(lo, hi, (rows, cols // 32), dtype=torch.uint8, generator=g)
+        if hasattr(torch, "float4_e2m1fn_x2"):
+            w, s = w.view(torch.float4_e2m1fn_x2), s.view(torch.float8_e8m0fnu)
+        return w, s
+    experts = []
+    for _ in range(E):
+        (w1, s1), (w3, s3), (w2, s2) = part(I, H), part(I, H), part(H, I)
+        experts.append({"w1": w1, "w1_scale": s1, "w3": w3, "w3_scale": s3, "w2": w2, "w2_scale": s2})
+    return flashmix.stack_deepseek_v4_experts(experts)
+
+
+def rel_err(got, want):
+    got, want = f64(got), f64(want)
+    assert torch.isfinite(got).all()
+    return float((got - want).norm() / want.norm())
+
+
+def mxfp4_layers(fp8, E, k, H, I, start, E_local, seed, **kw):
+    """(the MXFP4 layer, the dense layer on the converted weights), same gate, on DEV."""
+    w1, s1, w2, s2 = mxfp4_experts(E_local, H, I, seed)
+    kw = dict(num_local_experts=E_local, start_expert_id=start, device=DEV, **kw)
+    torch.manual_seed(seed)
+    mx = flashmix.MoeLayer(E, k, H, I, weights="mxfp4", fp8=fp8, **kw)
+    mx.load_mxfp4_experts(w1, s1, w2, s2)
+    dense = flashmix.MoeLayer(E, k, H, I, fp8=fp8, **kw)
+    with torch.no_grad():
+        dense.gate.copy_(mx.gate)
+    dense.load_mxfp4_experts(w1, s1, w2, s2)
+    return mx, dense
+
+
+@pytest.mark.parametrize("rank", ["all", "ep"])
+@pytest.mark.parametrize("fp8", ["block", "none"], ids=["W4A8", "W4A16"])
+def test_moe_layer_mxfp4_gpu_matches_the_dense_layer_on_the_converted_weights(fp8, rank):
+    # W4A16 against the bf16 layer: the bf16 layer's tolerance (both accumulate the same bf16 products
+    # in fp32). W4A8 against the FP8 layer: x quantised the same way, the same weight values (e4m3
+    # codes grouped 1 x 128 instead of 128 x 128); FC1's rows may round to neighbouring e4m3 codes
+    # before FC2, so relative Frobenius 2^-6. Against the CPU reference of the same module: the FP8
+    # layer's 2^-5 (W4A8), the bf16 layer's tolerance (W4A16).
+    E, k, H, I = 16, 4, 512, 256
+    start, E_local = (8, 4) if rank == "ep" else (0, E)
+    seed = 40 + 2 * (fp8 == "block") + (rank == "ep")
+    mx, dense = mxfp4_layers(fp8, E, k, H, I, start, E_local, seed, scoring="sqrtsoftplus", renormalize=True,
+                             activation="swiglu_clamped", mode="deterministic")
+    x = torch.randn(2, 48, H, device=DEV).bfloat16()
+    try:
+        got = mx(x)
+    except NotImplementedError as e:
+        pytest.skip(str(e))
+    want = dense(x)
+    sync()
+    assert got.shape == x.shape and got.dtype == torch.bfloat16 and got.device == x.device
+    if fp8 == "block":
+        assert rel_err(got, want) < 2 ** -6
+    else:
+        assert_within(got, want, forward_tolerance(f64(want), k), "W4A16 vs the bf16 layer")
+    if rank == "ep":  # tokens none of whose experts are here: 0
+        ids, _ = flashmix.moe_router(x.reshape(-1, H) @ mx.gate.t(), k, scoring="sqrtsoftplus", renormalize=True)
+        local = ((ids >= start) & (ids < start + E_local)).any(dim=1)
+        assert (got.reshape(-1, H)[~local] == 0).all()
+    for fc1_input in ("gather", "permuted_copy"):  # spec §10.3: bit for bit the same
+        mx.fc1_input = fc1_input
+        assert torch.equal(mx(x), got), fc1_input
+    mx.fc1_input = "auto"
+    cpu = mx.to("cpu")
+    want_cpu = cpu(x.cpu())
+    if fp8 == "block":
+        assert rel_err(got, want_cpu) < 2 ** -5
+    else:
+        assert_within(got, want_cpu, forward_tolerance(f64(want_cpu), k), "W4A16 vs the CPU reference")
+
+
+@pytest.mark.parametrize("fp8", ["block", "none"], ids=["W4A8", "W4A16"])
+def test_moe_fc1_and_fc2_mxfp4_gpu_match_the_dense_ops(fp8):
+    # The stages through the binding: moe_fc1 / moe_fc2_finalize on MXFP4 weights against the same ops on
+    # the converted weights (the same operands, the same values: only the fp32 accumulation order
+    # differs), relative Frobenius 2^-8; the MXFP4 ops against their CPU references, 2^-7.
+    T, k, E, H, I = 200, 4, 8, 512, 256
+    w1, s1, w2, s2 = (t.to(DEV) for t in mxfp4_experts(E, H, I, seed=50 + (fp8 == "block")))
+    g = torch.Generator().manual_seed(51)
+    experts = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32).to(DEV)
+    scales = torch.rand(T, k, generator=g).to(DEV)
+    x = (torch.rand(T, H, generator=g) * 2 - 1).bfloat16().to(DEV)
+    maps = flashmix.build_moe_routing_maps(experts, num_experts_per_node=E)
+    off, p2u = maps.expert_first_token_offset, maps.permuted_row_to_unpermuted_row
+    if fp8 == "block":
+        d1, c1 = flashmix.mxfp4_to_fp8_block(w1, s1)
+        d2, c2 = flashmix.mxfp4_to_fp8_block(w2, s2)
+        xq, xs = flashmix.quantize_fp8(x)
+        x_kw, d1_kw, d2_kw = {"fp8": "block", "x_scales": xs}, {"w1_scales": c1}, {"w2_scales": c2}
+    else:
+        d1, d2 = flashmix.mxfp4_to_bf16(w1, s1), flashmix.mxfp4_to_bf16(w2, s2)
+        xq, x_kw, d1_kw, d2_kw = x, {}, {}, {}
+    try:
+        a = flashmix.moe_fc1(xq, w1, off, p2u, k=k, weights="mxfp4", w1_mx_scales=s1, **x_kw)
+    except NotImplementedError as e:
+        pytest.skip(str(e))
+    a_dense = flashmix.moe_fc1(xq, d1, off, p2u, k=k, **x_kw, **d1_kw)
+    sync()
+    P = int(off[-1])
+    assert rel_err(a[:P], a_dense[:P]) < 2 ** -8
+    cpu = lambda v: None if v is None else v.cpu()  # noqa: E731
+    a_cpu = flashmix.moe_fc1(xq.cpu(), w1.cpu(), off.cpu(), p2u.cpu(), k=k, weights="mxfp4", w1_mx_scales=s1.cpu(),
+                             **{n: cpu(v) if n != "fp8" else v for n, v in x_kw.items()})
+    assert rel_err(a[:P], a_cpu[:P]) < 2 ** -7
+    if fp8 == "block":  # FC2 reads FC1's rows quantised 1 x 128 (as moe_forward does)
+        aq = torch.zeros(k * T, I, dtype=torch.float8_e4m3fn, device=DEV)
+        as_ = torch.zeros(k * T, I // 128, device=DEV)
+        aq[:P], as_[:P] = flashmix.quantize_fp8(a[:P])
+        a_kw = {"fp8": "block", "a_scales": as_}
+    else:
+        aq, a_kw = a, {}
+    out = flashmix.moe_fc2_finalize(aq, w2, off, p2u, k=k, scales=scales, weights="mxfp4", w2_mx_scales=s2,
+                                    mode="deterministic", **a_kw)
+    out_dense = flashmix.moe_fc2_finalize(aq, d2, off, p2u, k=k, scales=scales, mode="deterministic", **a_kw,
+                                          **d2_kw)
+    sync()
+    assert rel_err(out, out_dense) < 2 ** -8
+    out_cpu = flashmix.moe_fc2_finalize(aq.cpu(), w2.cpu(), off.cpu(), p2u.cpu(), k=k, scales=scales.cpu(),
+                                        weights="mxfp4", w2_mx_scales=s2.cpu(),
+                                        **{n: cpu(v) if n != "fp8" else v for n, v in a_kw.items()})
+    assert rel_err(out, out_cpu) < 2 ** -7
+
+
+@pytest.mark.parametrize("fp8", ["block", "none"], ids=["W4A8", "W4A16"])
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_torch_compile_of_the_mxfp4_moe_layer(mode, fp8):
+    if mode == "reduce-overhead" and DRY_RUN:
+        pytest.skip("CUDA graphs need a GPU")
+    mx, _ = mxfp4_layers(fp8, 32, 4, 256, 128, 8, 16, seed=60, scoring="sigmoid", renormalize=True,
+                         mode="deterministic")
+    x = torch.randn(64, 256, device=DEV).bfloat16()
+    try:
+        want = mx(x)
+    except NotImplementedError as e:
+        pytest.skip(str(e))
+    compiled = torch.compile(mx, fullgraph=True, mode=mode)
+    for _ in range(3):  # reduce-overhead records a CUDA graph on a later call
+        got = compiled(x)
+    sync()
+    assert torch.equal(got, want)
