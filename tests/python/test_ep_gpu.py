@@ -1,7 +1,8 @@
 """flashmix.ep on two GPUs, one process each (torch.multiprocessing), the
 communicator built from a torch.distributed process group (gloo, for the
 unique id's broadcast): ep_moe_forward and ep_moe_forward_replicated against
-the single-GPU flashmix.moe_forward over all experts on the same tokens,
+the single-GPU flashmix.moe_forward over all experts on the same tokens
+(bf16 experts, and MXFP4 experts as W4A8 and W4A16),
 within spec §14.1's bound (each rank's partial is rounded to bf16 once):
 |ep - single| <= 2^-7 |single| + 2^-7 max|single|. Skipped without torch,
 without flashmix_ep, or with fewer than two GPUs."""
@@ -37,6 +38,21 @@ def _problem(rank):
     return w1, w2, toks
 
 
+def _mxfp4_experts():
+    """All E experts as MXFP4 (spec §13.7), stacked from a synthetic DeepSeek-V4 layer (spec §13.6); the
+    same on every rank."""
+    g = torch.Generator().manual_seed(4321)
+
+    def part(rows, cols):
+        return (torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g),
+                torch.randint(118, 124, (rows, cols // 32), dtype=torch.uint8, generator=g))
+    experts = []
+    for _ in range(E):
+        (w1, s1), (w3, s3), (w2, s2) = part(I, H), part(I, H), part(H, I)
+        experts.append({"w1": w1, "w1_scale": s1, "w3": w3, "w3_scale": s3, "w2": w2, "w2_scale": s2})
+    return flashmix.stack_deepseek_v4_experts(experts)
+
+
 def _check(got, want, what):
     got, want = got.double().cpu(), want.double().cpu()
     tol = want.abs() * 2.0 ** -7 + want.abs().max() * 2.0 ** -7
@@ -69,6 +85,24 @@ def _rank(rank, store):
     out = flashmix.ep_moe_forward_replicated(comm, x0, w1d[lo:hi], w2d[lo:hi], ids0, w0, num_experts=E)
     torch.cuda.synchronize()
     _check(out, single0, f"rank {rank} ep_moe_forward_replicated")
+    # MXFP4 experts (spec §13.7): W4A8 through dispatch / combine with the rows sent as FP8, W4A16
+    # replicated; against the single-GPU layer on all experts' MXFP4 weights.
+    m1, c1, m2, c2 = (t.to(dev) for t in _mxfp4_experts())
+    for fp8 in ("block", "none"):
+        mx = {"weights": "mxfp4", "fp8": fp8}
+        single_mx = flashmix.moe_forward(x, m1, m2, k=K, token_selected_experts=ids, token_final_scales=w,
+                                         num_experts=E, w1_mx_scales=c1, w2_mx_scales=c2, **mx)
+        out = flashmix.ep_moe_forward(comm, x, m1[lo:hi], m2[lo:hi], ids, w, num_experts=E,
+                                      max_tokens_per_rank=max(T), fp8_rows=fp8 == "block",
+                                      w1_mx_scales=c1[lo:hi], w2_mx_scales=c2[lo:hi], **mx)
+        torch.cuda.synchronize()
+        _check(out, single_mx, f"rank {rank} ep_moe_forward, MXFP4 fp8={fp8}")
+        single_mx0 = flashmix.moe_forward(x0, m1, m2, k=K, token_selected_experts=ids0, token_final_scales=w0,
+                                          num_experts=E, w1_mx_scales=c1, w2_mx_scales=c2, **mx)
+        out = flashmix.ep_moe_forward_replicated(comm, x0, m1[lo:hi], m2[lo:hi], ids0, w0, num_experts=E,
+                                                 w1_mx_scales=c1[lo:hi], w2_mx_scales=c2[lo:hi], **mx)
+        torch.cuda.synchronize()
+        _check(out, single_mx0, f"rank {rank} ep_moe_forward_replicated, MXFP4 fp8={fp8}")
     comm.destroy()
     dist.destroy_process_group()
 
