@@ -20,7 +20,7 @@ the group), or ``NcclComm.wrap(handle)`` takes the caller's ``ncclComm_t``.
 Available when the build has flashmix_ep (``ep_available()``).
 """
 from ._common import _C, arg, cuda_device, defaults, empty, new_workspace, stream_of, torch
-from .fp8 import _as_bytes
+from .fp8 import _as_bytes, _mx_bytes
 
 __all__ = ["ep_available", "nccl_communicator", "NcclComm", "ep_moe_forward", "ep_moe_forward_replicated",
            "EP_SIZINGS", "EP_REDUCES"]
@@ -66,6 +66,14 @@ def nccl_communicator(group=None, device=None):
     return _C.NcclComm(box[0], world, rank, int(device))
 
 
+def _experts(op, weights, w1, w2, w1_mx_scales, w2_mx_scales):
+    """The expert weights as the binding takes them (one-byte float types viewed as uint8, MXFP4 dtypes
+    checked); each use still goes through arg() (a DLPack capsule is consumed once)."""
+    return (_mx_bytes(w1, weights, op, "W1"), _mx_bytes(w2, weights, op, "W2"),
+            _mx_bytes(w1_mx_scales, weights, op, "w1_mx_scales", True),
+            _mx_bytes(w2_mx_scales, weights, op, "w2_mx_scales", True))
+
+
 def ep_moe_forward(comm, x, w1, w2, topk_ids, topk_weights, *, num_experts, max_tokens_per_rank,
                    recv_capacity=0, sizing="capacity", fp8_rows=False, b1=None, b2=None, w1_layout=_FORWARD.w1_layout,
                    activation=_FORWARD.activation, limit=_FORWARD.limit, alpha=_FORWARD.alpha, mode=_FORWARD.mode,
@@ -79,20 +87,20 @@ def ep_moe_forward(comm, x, w1, w2, topk_ids, topk_weights, *, num_experts, max_
     quantised 1 x 128 before they are sent (half the bytes; needs ``fp8="block"`` experts). ``weights``,
     ``w1_mx_scales``, ``w2_mx_scales``: MXFP4 experts as moe_forward's (spec §13.7). Returns ``out``."""
     _require()
+    W1, W2, S1, S2 = _experts("ep_moe_forward", weights, w1, w2, w1_mx_scales, w2_mx_scales)
     if out is None:
         out = empty(x, (x.shape[0], x.shape[1]), "bfloat16")
     if workspace is None:
         workspace = new_workspace(out, _C.ep_moe_forward_workspace_size(
-            comm, arg(_as_bytes(w1)), arg(_as_bytes(w2)), k=topk_ids.shape[1], num_experts=num_experts,
+            comm, arg(W1), arg(W2), k=topk_ids.shape[1], num_experts=num_experts,
             max_tokens_per_rank=max_tokens_per_rank, recv_capacity=recv_capacity, sizing=sizing, fp8_rows=fp8_rows,
             mode=mode, fp8=fp8, w1_scales=arg(w1_scales), w2_scales=arg(w2_scales), weights=weights,
-            w1_mx_scales=arg(_as_bytes(w1_mx_scales)), w2_mx_scales=arg(_as_bytes(w2_mx_scales))))
-    _C.ep_moe_forward(comm, arg(x), arg(_as_bytes(w1)), arg(_as_bytes(w2)), arg(topk_ids), arg(topk_weights), arg(out),
+            w1_mx_scales=arg(S1), w2_mx_scales=arg(S2)))
+    _C.ep_moe_forward(comm, arg(x), arg(W1), arg(W2), arg(topk_ids), arg(topk_weights), arg(out),
                       num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank, recv_capacity=recv_capacity,
                       sizing=sizing, fp8_rows=fp8_rows, b1=arg(b1), b2=arg(b2), w1_layout=w1_layout, activation=activation, limit=limit,
                       alpha=alpha, mode=mode, fp8=fp8, w1_scales=arg(w1_scales), w2_scales=arg(w2_scales),
-                      weights=weights, w1_mx_scales=arg(_as_bytes(w1_mx_scales)),
-                      w2_mx_scales=arg(_as_bytes(w2_mx_scales)),
+                      weights=weights, w1_mx_scales=arg(S1), w2_mx_scales=arg(S2),
                       shared_output=arg(shared_output), dropped=arg(dropped), workspace=arg(workspace),
                       stream=stream_of(stream, x))
     return out
@@ -108,19 +116,20 @@ def ep_moe_forward_replicated(comm, x, w1, w2, topk_ids, topk_weights, *, num_ex
     ``[r*T/W, (r+1)*T/W)`` ("reduce_scatter", T % W == 0). shared_output is added once. MXFP4 experts
     (``weights="mxfp4"``, ``w1_mx_scales``, ``w2_mx_scales``) as moe_forward's. Returns ``out``."""
     _require()
+    W1, W2, S1, S2 = _experts("ep_moe_forward_replicated", weights, w1, w2, w1_mx_scales, w2_mx_scales)
     if out is None:
         rows = x.shape[0] if reduce == "all_reduce" else x.shape[0] // comm.world
         out = empty(x, (rows, x.shape[1]), "bfloat16")
     if workspace is None:
         workspace = new_workspace(out, _C.ep_moe_forward_replicated_workspace_size(
-            comm, arg(_as_bytes(w1)), arg(_as_bytes(w2)), num_tokens=x.shape[0], k=topk_ids.shape[1],
-            num_experts=num_experts, reduce=reduce, mode=mode, fp8=fp8, w1_scales=arg(w1_scales),
-            w2_scales=arg(w2_scales), weights=weights, w1_mx_scales=arg(_as_bytes(w1_mx_scales)),
-            w2_mx_scales=arg(_as_bytes(w2_mx_scales))))
+            comm, arg(W1), arg(W2), num_tokens=x.shape[0], k=topk_ids.shape[1], num_experts=num_experts,
+            reduce=reduce,
+            mode=mode, fp8=fp8, w1_scales=arg(w1_scales), w2_scales=arg(w2_scales), weights=weights,
+            w1_mx_scales=arg(S1), w2_mx_scales=arg(S2)))
     _C.ep_moe_forward_replicated(
-        comm, arg(x), arg(_as_bytes(w1)), arg(_as_bytes(w2)), arg(topk_ids), arg(topk_weights), arg(out),
+        comm, arg(x), arg(W1), arg(W2), arg(topk_ids), arg(topk_weights), arg(out),
         num_experts=num_experts, reduce=reduce, b1=arg(b1), b2=arg(b2), w1_layout=w1_layout, activation=activation,
         limit=limit, alpha=alpha, mode=mode, fp8=fp8, w1_scales=arg(w1_scales), w2_scales=arg(w2_scales),
-        weights=weights, w1_mx_scales=arg(_as_bytes(w1_mx_scales)), w2_mx_scales=arg(_as_bytes(w2_mx_scales)),
+        weights=weights, w1_mx_scales=arg(S1), w2_mx_scales=arg(S2),
         shared_output=arg(shared_output), workspace=arg(workspace), stream=stream_of(stream, x))
     return out

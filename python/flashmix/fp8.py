@@ -78,6 +78,26 @@ def _as_bytes(a):
     return a
 
 
+def _mx_bytes(a, weights, op, name, scales=False):
+    """``_as_bytes`` for an expert weight (``scales``: its ue8m0 scales) under ``weights``. With
+    ``weights="mxfp4"`` a one-byte float type other than the MXFP4 ones (``float4_e2m1fn_x2`` packed,
+    ``float8_e8m0fnu`` scales; e.g. an e4m3 weight, or ml_dtypes' unpacked ``float4_e2m1fn``) is a
+    ValueError naming the argument: its bytes are not packed e2m1 codes (ue8m0 scales)."""
+    if a is not None and weights == "mxfp4":
+        want = "float8_e8m0fnu" if scales else "float4_e2m1fn_x2"
+        if is_tensor(a):
+            other = a.element_size() == 1 and a.dtype not in (torch.uint8, torch.int8, torch.bool)
+            got = str(a.dtype).rpartition(".")[2]
+        else:
+            dtype = getattr(a, "dtype", None)
+            other = dtype is not None and getattr(dtype, "itemsize", 0) == 1 and getattr(dtype, "kind", "") == "V"
+            got = getattr(dtype, "name", str(dtype))
+        if other and got != want:
+            what = "ue8m0 scale bytes" if scales else "packed e2m1 bytes (two codes a byte)"
+            raise ValueError(f"{op}: {name}: must be {what} with weights = \"mxfp4\": {want} or uint8 (got {got})")
+    return _as_bytes(a)
+
+
 def _new_outputs(x, block_name, scale_format):
     return (empty(x, tuple(x.shape), _e4m3_dtype(x)),
             empty(x, _scale_shape(tuple(x.shape), block_name), _scale_dtype(x, scale_format)))

@@ -11,7 +11,7 @@ include/flashmix/moe.h, read through ``_C.moe_defaults()``); the binding
 import collections
 
 from ._common import _C, arg, cuda_device, defaults, dtype_name, empty, new_workspace, stream_of, torch
-from .fp8 import _as_bytes, quantize_fp8
+from .fp8 import _as_bytes, _mx_bytes, quantize_fp8
 
 __all__ = [
     "build_moe_routing_maps", "build_moe_routing_maps_workspace_size", "RoutingMaps",
@@ -321,11 +321,14 @@ def moe_fc2_finalize(A, W2, expert_first_token_offset, permuted_row_to_unpermute
         workspace = new_workspace(out, _C.moe_fc2_finalize_workspace_size(
             out.shape[0], k, W2.shape[1], _inter_of_w2(W2, weights), W2.shape[0], mode, device))
     _C.moe_fc2_finalize(
-        arg(_as_bytes(A)), arg(_as_bytes(W2)), arg(expert_first_token_offset), arg(permuted_row_to_unpermuted_row),
+        arg(_as_bytes(A)), arg(_mx_bytes(W2, weights, "moe_fc2_finalize", "W2")), arg(expert_first_token_offset),
+        arg(permuted_row_to_unpermuted_row),
         arg(out), k=k, scales=arg(scales), bias=arg(bias), apply_bias=apply_bias, shared_output=arg(shared_output),
         fill=fill, mode=mode, out_already_zeroed=out_already_zeroed, fp8=fp8, a_scales=arg(a_scales),
-        w2_scales=arg(w2_scales), weights=weights, w2_mx_scales=arg(_as_bytes(w2_mx_scales)), workspace=arg(workspace),
-        gemm_kernel=gemm_kernel, raster=raster, swizzle=swizzle, stream=stream_of(stream, out))
+        w2_scales=arg(w2_scales), weights=weights,
+        w2_mx_scales=arg(_mx_bytes(w2_mx_scales, weights, "moe_fc2_finalize", "w2_mx_scales", True)),
+        workspace=arg(workspace), gemm_kernel=gemm_kernel, raster=raster, swizzle=swizzle,
+        stream=stream_of(stream, out))
     return out
 
 
@@ -504,10 +507,12 @@ def moe_fc1(x, w1, expert_first_token_offset, permuted_row_to_unpermuted_row, *,
     if out is None:
         out = _new_fc1_out(x, w1, k, _fc1_tokens(x, k, num_tokens, x_permuted))
     _C.moe_fc1(
-        arg(_as_bytes(x)), arg(_as_bytes(w1)), arg(expert_first_token_offset), arg(permuted_row_to_unpermuted_row),
+        arg(_as_bytes(x)), arg(_mx_bytes(w1, weights, "moe_fc1", "W1")), arg(expert_first_token_offset),
+        arg(permuted_row_to_unpermuted_row),
         arg(out), k=k, num_tokens=-1 if num_tokens is None else num_tokens, bias=arg(bias), layout=layout,
         activation=activation, limit=limit, alpha=alpha, x_permuted=x_permuted, fp8=fp8, x_scales=arg(x_scales),
-        w1_scales=arg(w1_scales), weights=weights, w1_mx_scales=arg(_as_bytes(w1_mx_scales)), enable_pdl=enable_pdl,
+        w1_scales=arg(w1_scales), weights=weights,
+        w1_mx_scales=arg(_mx_bytes(w1_mx_scales, weights, "moe_fc1", "w1_mx_scales", True)), enable_pdl=enable_pdl,
         stream=stream_of(stream, out))
     return out
 
@@ -640,7 +645,8 @@ def moe_forward(x, w1, w2, *, k, router_logits=None, token_selected_experts=None
         workspace = _forward_workspace(x, w2, k, out, num_experts, start_expert_id, router_logits, mode, fc1_input,
                                        fp8, weights)
     _C.moe_forward(
-        arg(x), arg(_as_bytes(w1)), arg(_as_bytes(w2)), arg(out), k=k, num_experts=0 if num_experts is None else num_experts,
+        arg(x), arg(_mx_bytes(w1, weights, "moe_forward", "W1")), arg(_mx_bytes(w2, weights, "moe_forward", "W2")),
+        arg(out), k=k, num_experts=0 if num_experts is None else num_experts,
         start_expert_id=start_expert_id, router_logits=arg(router_logits), scoring=scoring, renormalize=renormalize,
         correction_bias=arg(correction_bias), n_group=n_group, topk_group=topk_group,
         routed_scaling_factor=routed_scaling_factor, token_selected_experts=arg(token_selected_experts),
@@ -648,7 +654,8 @@ def moe_forward(x, w1, w2, *, k, router_logits=None, token_selected_experts=None
         final_scales_out=arg(final_scales_out), b1=arg(b1), b2=arg(b2), apply_b2=apply_b2, w1_layout=w1_layout,
         activation=activation, limit=limit, alpha=alpha, fc1_input=fc1_input, mode=mode, fp8=fp8,
         w1_scales=arg(w1_scales), w2_scales=arg(w2_scales), weights=weights,
-        w1_mx_scales=arg(_as_bytes(w1_mx_scales)), w2_mx_scales=arg(_as_bytes(w2_mx_scales)),
+        w1_mx_scales=arg(_mx_bytes(w1_mx_scales, weights, "moe_forward", "w1_mx_scales", True)),
+        w2_mx_scales=arg(_mx_bytes(w2_mx_scales, weights, "moe_forward", "w2_mx_scales", True)),
         shared_output=arg(shared_output), fill=fill, workspace=arg(workspace), enable_pdl=enable_pdl,
         stream=stream_of(stream, out))
     return out

@@ -2259,3 +2259,43 @@ def test_torch_custom_ops_fc1_and_fc2_take_mxfp4_weights_on_cpu_tensors():
     assert out.shape == (p["T"], p["H"])
     torch.library.opcheck(torch.ops.flashmix.moe_fc2_finalize.default, (a, t["w2"], off, p2u, p["k"]),
                           {"scales": t["scales"], "weights": "mxfp4", "w2_mx_scales": t["s2"]})
+
+
+@needs_bf16
+def test_mxfp4_weights_of_another_one_byte_float_type_raise_value_error_naming_them():
+    # The package views one-byte float types as uint8; under weights="mxfp4" only the MXFP4 ones
+    # (float4_e2m1fn_x2 packed, float8_e8m0fnu scales) or plain bytes are taken.
+    p = mxfp4_problem(95)
+    kw = {"k": p["k"], "router_logits": p["logits"], "weights": "mxfp4"}
+    e4m3 = ref.ml_dtypes.float8_e4m3fn
+    with raises_naming(ValueError, "moe_forward", "W1"):
+        flashmix.moe_forward(p["x"], p["w1"].view(e4m3), p["w2"], w1_mx_scales=p["s1"], w2_mx_scales=p["s2"], **kw)
+    with raises_naming(ValueError, "moe_forward", "w2_mx_scales"):
+        flashmix.moe_forward(p["x"], p["w1"], p["w2"], w1_mx_scales=p["s1"], w2_mx_scales=p["s2"].view(e4m3), **kw)
+    fp4 = getattr(ref.ml_dtypes, "float4_e2m1fn", None)  # one code a byte: not packed
+    if fp4 is not None:
+        with raises_naming(ValueError, "moe_fc1", "W1"):
+            flashmix.moe_fc1(p["x"], p["w1"].view(fp4), np.zeros(p["E"] + 1, np.int64), np.zeros(18, np.int32),
+                             k=p["k"], weights="mxfp4", w1_mx_scales=p["s1"])
+
+
+def test_moe_forward_takes_torch_mxfp4_dtypes_on_cpu_tensors():
+    torch = torch_or_skip()
+    if not hasattr(torch, "float4_e2m1fn_x2"):
+        pytest.skip("this torch has no float4_e2m1fn_x2")
+    p = mxfp4_problem(96)
+    t = {n: torch.from_numpy(p[n]) for n in ("w1", "s1", "w2", "s2", "logits")}
+    x = torch.from_numpy(p["x"].astype(np.float32)).bfloat16()
+    kw = {"k": p["k"], "router_logits": t["logits"], "weights": "mxfp4", "fp8": "block"}
+    want = flashmix.moe_forward(x, t["w1"], t["w2"], w1_mx_scales=t["s1"], w2_mx_scales=t["s2"], **kw)
+    fp4, e8m0 = torch.float4_e2m1fn_x2, torch.float8_e8m0fnu
+    got = flashmix.moe_forward(x, t["w1"].view(fp4), t["w2"].view(fp4), w1_mx_scales=t["s1"].view(e8m0),
+                               w2_mx_scales=t["s2"].view(e8m0), **kw)
+    assert torch.equal(got, want)
+    op = torch.ops.flashmix.moe_forward(x, t["w1"].view(fp4), t["w2"].view(fp4), p["k"], router_logits=t["logits"],
+                                        fp8="block", weights="mxfp4", w1_mx_scales=t["s1"].view(e8m0),
+                                        w2_mx_scales=t["s2"].view(e8m0))
+    assert torch.equal(op, want)
+    with raises_naming(ValueError, "moe_forward", "W2"):
+        flashmix.moe_forward(x, t["w1"], t["w2"].view(torch.float8_e4m3fn), w1_mx_scales=t["s1"],
+                             w2_mx_scales=t["s2"], **kw)
