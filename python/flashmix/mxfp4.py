@@ -22,7 +22,10 @@ The loader is plain Python over numpy arrays or torch tensors (CPU or
 CUDA; the stacks are made on the inputs' device), with no binding: it
 imports without ``flashmix._C``. The C++ twin is
 ``flashmix::stack_deepseek_v4_experts``. The conversions
-(``mxfp4_to_fp8_block``, ``mxfp4_to_bf16``) are in ``flashmix.fp8``.
+(``mxfp4_to_fp8_block``, ``mxfp4_to_bf16``) are in ``flashmix.fp8``. The
+stacks run as they are in ``moe_fc1`` / ``moe_fc2_finalize`` /
+``moe_forward(weights="mxfp4", w1_mx_scales=, w2_mx_scales=)`` and
+``MoeLayer(weights="mxfp4").load_mxfp4_experts`` (spec §13.7).
 """
 
 __all__ = ["deepseek_v4_expert_keys", "stack_deepseek_v4_experts", "load_deepseek_v4_experts"]
