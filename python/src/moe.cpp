@@ -302,14 +302,20 @@ struct MxShape {
   int64_t E = 0, N = 0, K = 0;
 };
 
-// The packed bytes `w` [E, N, K / 2] (uint8, dense): E, N and K = 2 * w.shape[2],
-// named `k_name` in the error when K is not a multiple of 128.
-MxShape mxfp4_weight(const In& w, const char* op, const char* arg, const char* k_name) {
+// Packed e2m1 bytes: uint8 (the package views torch.float4_e2m1fn_x2 as
+// uint8), 3-D, dense.
+void require_packed(const In& w, const char* op, const char* arg) {
   if (!(w.dtype() == kUInt8))
     fail(op, arg, "must be packed e2m1 bytes with weights = \"mxfp4\": uint8 (or torch.float4_e2m1fn_x2, viewed "
          "as uint8) (got ", dtype_name(w.dtype()), ")");
   require_ndim(w, 3, op, arg);
   require_contiguous(w, op, arg);
+}
+
+// The packed bytes `w` [E, N, K / 2]: E, N and K = 2 * w.shape[2], named
+// `k_name` in the error when K is not a multiple of 128.
+MxShape mxfp4_weight(const In& w, const char* op, const char* arg, const char* k_name) {
+  require_packed(w, op, arg);
   const MxShape m{dim(w, 0), dim(w, 1), 2 * dim(w, 2)};
   if (m.K % 128)
     fail(op, arg, "weights = \"mxfp4\" needs ", k_name, " = 2 * ", arg, ".shape[2] a multiple of 128 (got shape ",
@@ -320,7 +326,7 @@ MxShape mxfp4_weight(const In& w, const char* op, const char* arg, const char* k
 // The packed bytes `w` with the shape [E, N, K / 2] another array implies
 // (`what` says which).
 void require_mxfp4_shape(const In& w, const MxShape& m, const char* op, const char* arg, const char* what) {
-  mxfp4_weight(w, op, arg, "K");
+  require_packed(w, op, arg);
   if (dim(w, 0) != m.E || dim(w, 1) != m.N || dim(w, 2) != m.K / 2)
     fail(op, arg, "must be packed MXFP4 [", m.E, ", ", m.N, ", ", m.K / 2, "] (", what, ") (got ", shape_str(w), ")");
 }
