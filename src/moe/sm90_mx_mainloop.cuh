@@ -148,14 +148,27 @@ __device__ __forceinline__ void mainloop(const Ring& r, const Rows& rows, int k_
 #pragma unroll
   for (int k = 0; k < (kFp8 ? N / 2 : 1); ++k) part[k] = 0.f;
 
-  uint32_t cw = scale_word<kFp8>(rows.convert, 0), lw = 0, hw = 0;
-  if constexpr (kFp8) {
-    lw = scale_word<kFp8>(rows.lo, 0);
-    hw = scale_word<kFp8>(rows.hi, 0);
+  // The scale words, kPre stages ahead of their use (an L2 or DRAM round
+  // trip each; one stage ahead left them exposed at decode): q[0] is the
+  // next one used, shifted down a place each stage.
+  constexpr int kPre = 4;
+  uint32_t cq[kPre], lq[kPre], hq[kPre];
+#pragma unroll
+  for (int i = 0; i < kPre; ++i) {
+    cq[i] = i < k_blocks ? scale_word<kFp8>(rows.convert, i) : 0u;
+    lq[i] = kFp8 && i < k_blocks ? scale_word<kFp8>(rows.lo, i) : 0u;
+    hq[i] = kFp8 && i < k_blocks ? scale_word<kFp8>(rows.hi, i) : 0u;
   }
+  auto next_convert_word = [&](int kb_next) {  // cq[0] is consumed: shift, fetch kb_next + kPre - 1
+    const uint32_t w = cq[0];
+#pragma unroll
+    for (int i = 0; i + 1 < kPre; ++i) cq[i] = cq[i + 1];
+    const int f = kb_next + kPre - 1;
+    cq[kPre - 1] = f < k_blocks ? scale_word<kFp8>(rows.convert, f) : 0u;
+    return w;
+  };
   dev::mbar_wait(r.full0 + 8 * s, ph);
-  convert<kFp8>(r.stages + uint32_t(s * r.stage_bytes) + raw_off, r.cvt, cw, 0);
-  if (k_blocks > 1) cw = scale_word<kFp8>(rows.convert, 1);
+  convert<kFp8>(r.stages + uint32_t(s * r.stage_bytes) + raw_off, r.cvt, next_convert_word(1), 0);
   int b = 0;
   for (int kb = 0; kb < k_blocks; ++kb) {
     // The converted tile b (and rows that came through cp.async) to the async proxy.
@@ -181,17 +194,22 @@ __device__ __forceinline__ void mainloop(const Ring& r, const Rows& rows, int k_
     }
     if (kb + 1 < k_blocks) {  // the next stage converted while the MMAs run
       dev::mbar_wait(r.full0 + 8 * s1, ph1);
+      const uint32_t cw = next_convert_word(kb + 2);
       convert<kFp8>(r.stages + uint32_t(s1 * r.stage_bytes) + raw_off, r.cvt + uint32_t((b ^ 1) * kCvtTile), cw,
                     kb + 1);
-      if (kb + 2 < k_blocks) cw = scale_word<kFp8>(rows.convert, kb + 2);
     }
     if constexpr (kFp8) {
       dev::wgmma_wait<0>();
       dev::fence_operands(part);
-      const float l_s = exp2_float(mx_group_exp(lw)), h_s = exp2_float(mx_group_exp(hw));
-      if (kb + 1 < k_blocks) {
-        lw = scale_word<kFp8>(rows.lo, kb + 1);
-        hw = scale_word<kFp8>(rows.hi, kb + 1);
+      const float l_s = exp2_float(mx_group_exp(lq[0])), h_s = exp2_float(mx_group_exp(hq[0]));
+#pragma unroll
+      for (int i = 0; i + 1 < kPre; ++i) {
+        lq[i] = lq[i + 1];
+        hq[i] = hq[i + 1];
+      }
+      if (kb + kPre < k_blocks) {
+        lq[kPre - 1] = scale_word<kFp8>(rows.lo, kb + kPre);
+        hq[kPre - 1] = scale_word<kFp8>(rows.hi, kb + kPre);
       }
       const float* sx = r.x_scales + s * r.max_rows;
 #pragma unroll
