@@ -51,6 +51,13 @@
 // block scales 3.4-4.2x, bound by the promotion and the 4-byte scale copies
 // (docs/moe_fc1.md, FP8 section).
 //
+// MXFP4 W1 (spec §13.7; Fc1In::kMxfp4Fp8 / kMxfp4Bf16): the stages hold the
+// packed bytes as TMA brings them (64 or 32 bytes a row, unswizzled) and
+// the consumers convert them one stage ahead (sm90_mx_mainloop.cuh, shared
+// with FC2). Status (H100): prefill within 1.15x the FP8 layer; decode
+// bound by the 64-byte-row ring and the conversion's issue latency
+// (docs/mxfp4.md §4.7).
+//
 // Roofline: 2 * P * 2I * H FLOPs; W1 (E * 2I * H bf16) and X's rows read,
 // out (P * I bf16) written. The Mixtral-like case (P = 8192, H = 4096,
 // I = 14336) is 1.9 TFLOP: compute bound; decode (P = 128 over 32 experts) is
