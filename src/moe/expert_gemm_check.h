@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "common/check.h"
+#include "flashmix/moe_fc1.h"
 
 namespace flashmix::detail {
 
@@ -22,6 +23,24 @@ inline Status validate_expert_gemm_sizes(const char* op, int64_t num_tokens, int
   FM_REQUIRE(inter <= kInt32Max, op, "inter", "must fit in 32 bits (got ", inter, ")");
   FM_REQUIRE(num_experts_per_node >= 1 && num_experts_per_node <= 1024, op, "num_experts_per_node",
              "must be in [1, 1024] (got ", num_experts_per_node, ")");
+  return Status::Ok();
+}
+
+// The weight format and, for MXFP4 (spec §13.7), its rules on the
+// activations and on the GEMM's K (named k_name: "hidden" for FC1, "inter"
+// for FC2). `mx` is set to whether the weights are MXFP4.
+inline Status validate_expert_weight_format(const char* op, MoeWeightFormat weights, MoeFp8Scaling fp8, int64_t K,
+                                            const char* k_name, bool* mx) {
+  const int wf = int(weights);
+  FM_REQUIRE(wf >= int(MoeWeightFormat::kDense) && wf <= int(MoeWeightFormat::kMxfp4), op, "weights",
+             "unknown MoeWeightFormat value ", wf);
+  *mx = weights == MoeWeightFormat::kMxfp4;
+  if (!*mx) return Status::Ok();
+  FM_REQUIRE(fp8 != MoeFp8Scaling::kTensor, op, "fp8",
+             "weights = mxfp4 takes fp8 = block (W4A8) or none (W4A16), not tensor");
+  FM_REQUIRE(K % 128 == 0, op, k_name,
+             "must be a multiple of 128 with weights = mxfp4 (a ue8m0 scale per 32 of K, folded per 128; got ", K,
+             ")");
   return Status::Ok();
 }
 

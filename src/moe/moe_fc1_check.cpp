@@ -34,14 +34,6 @@ bool known_fp8(MoeFp8Scaling f) {
   return false;
 }
 
-bool known_format(MoeWeightFormat f) {
-  switch (f) {
-    case MoeWeightFormat::kDense:
-    case MoeWeightFormat::kMxfp4: return true;
-  }
-  return false;
-}
-
 bool known_layout(Fc1WeightLayout l) {
   switch (l) {
     case Fc1WeightLayout::kGateUp:
@@ -98,17 +90,10 @@ Status validate_fc1(const MoeFc1Args& a, bool check_buffers) {
   FM_REQUIRE(std::isfinite(a.alpha) && a.alpha >= 0.f, kOp, "alpha",
              "must be finite and >= 0 (0 = 1.702; got ", a.alpha, ")");
   FM_REQUIRE(known_fp8(a.fp8), kOp, "fp8", "unknown MoeFp8Scaling value ", int(a.fp8));
-  FM_REQUIRE(known_format(a.weights), kOp, "weights", "unknown MoeWeightFormat value ", int(a.weights));
+  bool mx = false;
+  FM_RETURN_IF_ERROR(detail::validate_expert_weight_format(kOp, a.weights, a.fp8, a.hidden, "hidden", &mx));
   const bool fp8 = a.fp8 != MoeFp8Scaling::kNone;
-  const bool mx = a.weights == MoeWeightFormat::kMxfp4;
   const int64_t esize = fp8 ? 1 : 2;  // bytes an element of X (and of a dense W1)
-  if (mx) {
-    FM_REQUIRE(a.fp8 != MoeFp8Scaling::kTensor, kOp, "fp8",
-               "weights = mxfp4 takes fp8 = block (W4A8) or none (W4A16), not tensor");
-    FM_REQUIRE(a.hidden % 128 == 0, kOp, "hidden",
-               "must be a multiple of 128 with weights = mxfp4 (a ue8m0 scale per 32 of K, folded per 128; got ",
-               a.hidden, ")");
-  }
   if (a.fp8 == MoeFp8Scaling::kBlock)
     FM_REQUIRE(a.hidden % 128 == 0, kOp, "hidden", "must be a multiple of 128 with block scales (one scale per 128 of K; got ",
                a.hidden, ")");

@@ -23,17 +23,8 @@ Status validate_fc2(const Fc2FinalizeArgs& a, bool check_buffers) {
   FM_REQUIRE(f >= int(MoeFp8Scaling::kNone) && f <= int(MoeFp8Scaling::kTensor), kOp, "fp8",
              "unknown MoeFp8Scaling value ", f);
   const bool fp8 = a.fp8 != MoeFp8Scaling::kNone, block = a.fp8 == MoeFp8Scaling::kBlock;
-  const int wf = int(a.weights);
-  FM_REQUIRE(wf >= int(MoeWeightFormat::kDense) && wf <= int(MoeWeightFormat::kMxfp4), kOp, "weights",
-             "unknown MoeWeightFormat value ", wf);
-  const bool mx = a.weights == MoeWeightFormat::kMxfp4;
-  if (mx) {
-    FM_REQUIRE(a.fp8 != MoeFp8Scaling::kTensor, kOp, "fp8",
-               "weights = mxfp4 takes fp8 = block (W4A8) or none (W4A16), not tensor");
-    FM_REQUIRE(a.inter % 128 == 0, kOp, "inter",
-               "must be a multiple of 128 with weights = mxfp4 (a ue8m0 scale per 32 of K, folded per 128; got ",
-               a.inter, ")");
-  }
+  bool mx = false;
+  FM_RETURN_IF_ERROR(detail::validate_expert_weight_format(kOp, a.weights, a.fp8, a.inter, "inter", &mx));
   if (block)
     FM_REQUIRE(a.inter % 128 == 0, kOp, "inter",
                "must be a multiple of 128 with block scales (one scale per 128 of K; got ", a.inter, ")");
