@@ -18,6 +18,7 @@
 #include "flashmix/fp8.h"
 #include "flashmix/moe.h"
 #include "fp8/quantize_fp8_internal.h"
+#include "moe/expert_gemm_check.h"
 #include "moe/moe_fc1_internal.h"
 #include "moe/moe_fc2_internal.h"
 #include "moe/moe_forward_internal.h"
@@ -278,15 +279,9 @@ Status validate_own(const MoeForwardArgs& a, bool check_buffers) {
                          "permuted_copy with an X already quantised (x_scales): FC1 gathers its rows; use auto or "
                          "gather");
   }
-  const int wf = int(a.weights);
-  FM_REQUIRE(wf >= int(MoeWeightFormat::kDense) && wf <= int(MoeWeightFormat::kMxfp4), kOp, "weights",
-             "unknown MoeWeightFormat value ", wf);
-  if (a.weights == MoeWeightFormat::kMxfp4) {
-    FM_REQUIRE(a.hidden % 128 == 0, kOp, "hidden",
-               "must be a multiple of 128 with weights = mxfp4 (got ", a.hidden, ")");
-    FM_REQUIRE(a.inter % 128 == 0, kOp, "inter",
-               "must be a multiple of 128 with weights = mxfp4 (got ", a.inter, ")");
-  }
+  bool mx = false;  // FC1's K is hidden, FC2's inter
+  FM_RETURN_IF_ERROR(detail::validate_expert_weight_format(kOp, a.weights, a.fp8, a.hidden, "hidden", &mx));
+  FM_RETURN_IF_ERROR(detail::validate_expert_weight_format(kOp, a.weights, a.fp8, a.inter, "inter", &mx));
   if (is_fp8(a)) {
     FM_REQUIRE(a.hidden % 128 == 0, kOp, "hidden",
                "must be a multiple of 128 with fp8 = block (X is quantised 1 x 128; got ", a.hidden, ")");

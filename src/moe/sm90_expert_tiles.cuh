@@ -14,6 +14,8 @@
 
 #include <cstdint>
 
+#include "common/sm90_wgmma.cuh"
+
 namespace flashmix::expert_tiles {
 
 constexpr int kRowQuantum = 16;  // N is a multiple of this
@@ -119,6 +121,37 @@ __device__ __forceinline__ void build_schedule(const int* row_off, int E, int sl
     carry += __shfl_sync(~0u, v, 31);
   }
   if (lane == 0) tile_start[0] = 0;
+}
+
+// One stage's MMAs over a K block of 128 bytes a row: 4 steps of 32 bytes of
+// K (m64nNk32 e4m3 or m64nNk16 bf16), both operands from shared memory;
+// `accumulate` false starts the accumulator afresh.
+template <bool kFp8, int N>
+__device__ __forceinline__ void k_block_mmas(float (&acc)[N / 2], uint64_t da, uint64_t db, bool accumulate) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    if constexpr (kFp8)
+      dev::WgmmaFp8<N>::mma(acc, da + 2 * j, db + 2 * j, accumulate || j > 0);
+    else
+      dev::Wgmma<N>::mma(acc, da + 2 * j, db + 2 * j, accumulate || j > 0);
+  }
+}
+
+// Block scales: a K block's partial sums `part` promoted into the fp32
+// accumulator (spec §11.4). In wgmma m64's layout this thread's rows r and
+// r + 8 take the weight scales lo_s and hi_s, its columns 8 j + c2 and + 1
+// the activation rows' scales sx[8 j + c2], sx[8 j + c2 + 1].
+template <int N>
+__device__ __forceinline__ void promote_k_block(float (&acc)[N / 2], const float (&part)[N / 2], float lo_s,
+                                                float hi_s, const float* sx, int c2) {
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+    const float2 x = *reinterpret_cast<const float2*>(sx + 8 * j + c2);
+    acc[4 * j + 0] = fmaf(part[4 * j + 0], lo_s * x.x, acc[4 * j + 0]);
+    acc[4 * j + 1] = fmaf(part[4 * j + 1], lo_s * x.y, acc[4 * j + 1]);
+    acc[4 * j + 2] = fmaf(part[4 * j + 2], hi_s * x.x, acc[4 * j + 2]);
+    acc[4 * j + 3] = fmaf(part[4 * j + 3], hi_s * x.y, acc[4 * j + 3]);
+  }
 }
 
 }  // namespace flashmix::expert_tiles

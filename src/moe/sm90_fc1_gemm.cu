@@ -287,18 +287,6 @@ __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUten
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
-// The K block's MMAs of one stage: 4 steps of 32 bytes of K.
-template <class Cfg, int N>
-__device__ __forceinline__ void stage_mmas(float (&acc)[N / 2], uint64_t da, uint64_t db, bool accumulate) {
-#pragma unroll
-  for (int j = 0; j < kTileBytes / 32; ++j) {
-    if constexpr (Cfg::kFp8)
-      dev::WgmmaFp8<N>::mma(acc, da + 2 * j, db + 2 * j, accumulate || j > 0);
-    else
-      dev::Wgmma<N>::mma(acc, da + 2 * j, db + 2 * j, accumulate || j > 0);
-  }
-}
-
 // This thread's W1 rows (the gate and the up of output column i; spec §9.2).
 struct GateUpRows {
   int gate, up;
@@ -373,19 +361,11 @@ __device__ __forceinline__ void mainloop_dense(const Fc1KernelParams& p, const T
       if (!p.x_permuted) dev::fence_proxy_async_shared();  // the rows came through the generic proxy (cp.async)
       const uint32_t st = stages + uint32_t(s) * Cfg::kStageBytes;
       dev::wgmma_fence();
-      stage_mmas<Cfg, N>(part, dev::wgmma_desc_k_sw128(st + a_off), dev::wgmma_desc_k_sw128(st + Cfg::kWStage), false);
+      k_block_mmas<Cfg::kFp8, N>(part, dev::wgmma_desc_k_sw128(st + a_off), dev::wgmma_desc_k_sw128(st + Cfg::kWStage), false);
       dev::wgmma_commit();
       dev::wgmma_wait<0>();
       dev::fence_operands(part);
-      const float* sx = scales + s * Cfg::kMaxRows;
-#pragma unroll
-      for (int j = 0; j < N / 8; ++j) {
-        const float2 x = *reinterpret_cast<const float2*>(sx + 8 * j + c2);
-        acc[4 * j + 0] = fmaf(part[4 * j + 0], wg_s * x.x, acc[4 * j + 0]);
-        acc[4 * j + 1] = fmaf(part[4 * j + 1], wg_s * x.y, acc[4 * j + 1]);
-        acc[4 * j + 2] = fmaf(part[4 * j + 2], wu_s * x.x, acc[4 * j + 2]);
-        acc[4 * j + 3] = fmaf(part[4 * j + 3], wu_s * x.y, acc[4 * j + 3]);
-      }
+      promote_k_block<N>(acc, part, wg_s, wu_s, scales + s * Cfg::kMaxRows, c2);
       __syncwarp();
       if (lane == 0) dev::mbar_arrive(bar_at(empty0, s));
       if (++s == Cfg::kStages) {
@@ -404,7 +384,7 @@ __device__ __forceinline__ void mainloop_dense(const Fc1KernelParams& p, const T
     const uint32_t st = stages + uint32_t(s) * Cfg::kStageBytes;
     dev::fence_operands(acc);
     dev::wgmma_fence();
-    stage_mmas<Cfg, N>(acc, dev::wgmma_desc_k_sw128(st + a_off), dev::wgmma_desc_k_sw128(st + Cfg::kWStage), true);
+    k_block_mmas<Cfg::kFp8, N>(acc, dev::wgmma_desc_k_sw128(st + a_off), dev::wgmma_desc_k_sw128(st + Cfg::kWStage), true);
     dev::wgmma_commit();
     dev::fence_operands(acc);
     dev::wgmma_wait<1>();  // the previous stage's MMAs are done: release it

@@ -28,6 +28,7 @@
 
 #include "common/sm90.cuh"
 #include "common/sm90_wgmma.cuh"
+#include "moe/sm90_expert_tiles.cuh"
 #include "mxfp4/mxfp4_convert.cuh"
 
 namespace flashmix::mx_mainloop {
@@ -108,18 +109,6 @@ __device__ __forceinline__ void convert(uint32_t raw, uint32_t dst, uint32_t wor
   }
 }
 
-// A stage's MMAs: 4 steps of 32 bytes of K (k32 e4m3 or k16 bf16).
-template <bool kFp8, int N>
-__device__ __forceinline__ void stage_mmas(float (&acc)[N / 2], uint64_t da, uint64_t db, bool accumulate) {
-#pragma unroll
-  for (int j = 0; j < kRowBytes / 32; ++j) {
-    if constexpr (kFp8)
-      dev::WgmmaFp8<N>::mma(acc, da + 2 * j, db + 2 * j, accumulate || j > 0);
-    else
-      dev::Wgmma<N>::mma(acc, da + 2 * j, db + 2 * j, accumulate || j > 0);
-  }
-}
-
 // Where the mainloop reads and what it is told about its rows.
 struct Ring {
   uint32_t stages;       // shared address of stage 0 (weights at +0, activation rows at + w_stage)
@@ -180,11 +169,11 @@ __device__ __forceinline__ void mainloop(const Ring& r, const Rows& rows, int k_
     const uint64_t db = dev::wgmma_desc_k_sw128(st + uint32_t(r.w_stage));
     if constexpr (kFp8) {
       dev::wgmma_fence();
-      stage_mmas<kFp8, N>(part, da, db, false);
+      expert_tiles::k_block_mmas<kFp8, N>(part, da, db, false);
     } else {
       dev::fence_operands(acc);
       dev::wgmma_fence();
-      stage_mmas<kFp8, N>(acc, da, db, true);
+      expert_tiles::k_block_mmas<kFp8, N>(acc, da, db, true);
     }
     dev::wgmma_commit();
     int s1 = s + 1;
@@ -212,15 +201,7 @@ __device__ __forceinline__ void mainloop(const Ring& r, const Rows& rows, int k_
         lq[kPre - 1] = scale_word<kFp8>(rows.lo, kb + kPre);
         hq[kPre - 1] = scale_word<kFp8>(rows.hi, kb + kPre);
       }
-      const float* sx = r.x_scales + s * r.max_rows;
-#pragma unroll
-      for (int j = 0; j < N / 8; ++j) {
-        const float2 xs = *reinterpret_cast<const float2*>(sx + 8 * j + c2);
-        acc[4 * j + 0] = fmaf(part[4 * j + 0], l_s * xs.x, acc[4 * j + 0]);
-        acc[4 * j + 1] = fmaf(part[4 * j + 1], l_s * xs.y, acc[4 * j + 1]);
-        acc[4 * j + 2] = fmaf(part[4 * j + 2], h_s * xs.x, acc[4 * j + 2]);
-        acc[4 * j + 3] = fmaf(part[4 * j + 3], h_s * xs.y, acc[4 * j + 3]);
-      }
+      expert_tiles::promote_k_block<N>(acc, part, l_s, h_s, r.x_scales + s * r.max_rows, c2);
     } else {
       dev::fence_operands(acc);
       dev::wgmma_wait<0>();
