@@ -385,45 +385,69 @@ TEST(MoeFc1Gpu, ZeroTokensLaunchesNothing) {
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
-TEST(MoeFc1Gpu, RepeatedRunsAreBitwiseIdentical) {
-  SKIP_WITHOUT_HOPPER();
-  Case c;
-  c.T = 300;
-  Problem p(c);
-  ASSERT_TRUE(p.run().ok());
-  const HostTensor first = p.result();
-  p.poison_out();
-  ASSERT_TRUE(p.run().ok());
-  const HostTensor second = p.result();
-  EXPECT_EQ(first.bytes, second.bytes);
-  p.check(second);
+namespace {
+
+// The weight formats the repeat and graph tests run: bf16, and MXFP4 W1
+// (W4A8 and W4A16, spec §13.7; K a multiple of 128).
+std::vector<Case> weight_format_cases(int64_t T) {
+  std::vector<Case> cases(3);
+  for (Case& c : cases) c.T = T;
+  cases[1].mx = cases[2].mx = true;
+  cases[1].fp8 = MoeFp8Scaling::kBlock;
+  cases[1].H = cases[2].H = 256;
+  return cases;
+}
+const char* weight_format_name(const Case& c) {
+  return !c.mx ? "bf16" : c.fp8 == MoeFp8Scaling::kBlock ? "mxfp4 w4a8" : "mxfp4 w4a16";
 }
 
+}  // namespace
+
+TEST(MoeFc1Gpu, RepeatedRunsAreBitwiseIdentical) {
+  SKIP_WITHOUT_HOPPER();
+  for (const Case& c : weight_format_cases(300)) {
+    SCOPED_TRACE(weight_format_name(c));
+    Problem p(c);
+    ASSERT_TRUE(p.run().ok());
+    const HostTensor first = p.result();
+    p.poison_out();
+    ASSERT_TRUE(p.run().ok());
+    const HostTensor second = p.result();
+    EXPECT_EQ(first.bytes, second.bytes);
+    p.check(second);
+  }
+}
+
+// Each replay is checked, and is bitwise the direct run's result.
 TEST(MoeFc1Gpu, GraphCaptureAndReplay) {
   SKIP_WITHOUT_HOPPER();
-  Case c;
-  c.T = 128;
-  Problem p(c);
-  cudaStream_t s;
-  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  ASSERT_TRUE(p.run(s).ok());  // attributes set outside the capture
-  CUDA_OK(cudaStreamSynchronize(s));
-  cudaGraph_t graph;
-  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  Status st = p.run(s);
-  CUDA_OK(cudaStreamEndCapture(s, &graph));
-  ASSERT_TRUE(st.ok()) << st.message();
-  cudaGraphExec_t exec;
-  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int rep = 0; rep < 2; ++rep) {
-    p.poison_out();
-    CUDA_OK(cudaGraphLaunch(exec, s));
+  for (const Case& c : weight_format_cases(128)) {
+    SCOPED_TRACE(weight_format_name(c));
+    Problem p(c);
+    cudaStream_t s;
+    CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    ASSERT_TRUE(p.run(s).ok());  // attributes set outside the capture
     CUDA_OK(cudaStreamSynchronize(s));
-    p.check(p.result());
+    const HostTensor direct = p.result();
+    cudaGraph_t graph;
+    CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    Status st = p.run(s);
+    CUDA_OK(cudaStreamEndCapture(s, &graph));
+    ASSERT_TRUE(st.ok()) << st.message();
+    cudaGraphExec_t exec;
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int rep = 0; rep < 2; ++rep) {
+      p.poison_out();
+      CUDA_OK(cudaGraphLaunch(exec, s));
+      CUDA_OK(cudaStreamSynchronize(s));
+      const HostTensor got = p.result();
+      p.check(got);
+      EXPECT_EQ(got.bytes, direct.bytes);
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(s);
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(s);
 }
 
 // FP8 (spec §9.7): block and per-tensor scales, both layouts, gathered and
@@ -560,38 +584,6 @@ TEST(MoeFc1Gpu, Mxfp4SpreadsNaNsAndOddShapes) {
     c.k = 2;
     c.routing = Case::kAllToOne;
     check_case(c);
-  }
-}
-
-// Bitwise repeatable, and a captured graph replays it.
-TEST(MoeFc1Gpu, Mxfp4RepeatableAndCapturable) {
-  SKIP_WITHOUT_HOPPER();
-  for (MoeFp8Scaling f : {MoeFp8Scaling::kBlock, MoeFp8Scaling::kNone}) {
-    Case c;
-    c.mx = true;
-    c.fp8 = f;
-    c.H = 256;
-    Problem p(c);
-    ASSERT_TRUE(p.run().ok());
-    CUDA_OK(cudaDeviceSynchronize());
-    const HostTensor first = p.result();
-    p.check(first);
-    p.poison_out();
-    cudaStream_t s;
-    CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    cudaGraph_t graph;
-    CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-    ASSERT_TRUE(p.run(s).ok());
-    CUDA_OK(cudaStreamEndCapture(s, &graph));
-    cudaGraphExec_t exec;
-    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-    CUDA_OK(cudaGraphLaunch(exec, s));
-    CUDA_OK(cudaStreamSynchronize(s));
-    const HostTensor second = p.result();
-    EXPECT_EQ(first.bytes, second.bytes);
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    cudaStreamDestroy(s);
   }
 }
 

@@ -690,6 +690,18 @@ TEST(MoeFc2Gpu, BadInputNamesTheArgumentAndWritesNothing) {
 
 namespace {
 const MoeFp8Scaling kFp8Scalings[] = {MoeFp8Scaling::kBlock, MoeFp8Scaling::kTensor};
+
+// The low-precision weights the repeat and graph tests run: FP8 W2 (block,
+// per-tensor scales) and MXFP4 W2 (W4A8, W4A16; spec §13.7).
+struct LowPrecision {
+  MoeFp8Scaling fp8;
+  bool mx;
+  const char* name;
+};
+const LowPrecision kLowPrecision[] = {{MoeFp8Scaling::kBlock, false, "fp8 block"},
+                                      {MoeFp8Scaling::kTensor, false, "fp8 tensor"},
+                                      {MoeFp8Scaling::kBlock, true, "mxfp4 w4a8"},
+                                      {MoeFp8Scaling::kNone, true, "mxfp4 w4a16"}};
 }  // namespace
 
 // Every mode, both scalings: I = 384 (three K blocks, a zero block in every
@@ -792,12 +804,13 @@ TEST(MoeFc2Gpu, Fp8ZeroTokensLaunchesNothing) {
   CUDA_OK(cudaDeviceSynchronize());
 }
 
-TEST(MoeFc2Gpu, Fp8DeterministicIsBitwiseReproducible) {
+TEST(MoeFc2Gpu, Fp8AndMxfp4DeterministicIsBitwiseReproducible) {
   SKIP_WITHOUT_HOPPER();
-  for (MoeFp8Scaling f : kFp8Scalings) {
-    SCOPED_TRACE(to_string(f));
+  for (const LowPrecision& lp : kLowPrecision) {
+    SCOPED_TRACE(lp.name);
     Case c;
-    c.fp8 = f;
+    c.fp8 = lp.fp8;
+    c.mx = lp.mx;
     c.T = 512;
     c.k = 8;
     c.total = c.local = 32;
@@ -816,13 +829,14 @@ TEST(MoeFc2Gpu, Fp8DeterministicIsBitwiseReproducible) {
   }
 }
 
-TEST(MoeFc2Gpu, Fp8GraphCaptureAndReplay) {
+TEST(MoeFc2Gpu, Fp8AndMxfp4GraphCaptureAndReplay) {
   SKIP_WITHOUT_HOPPER();
-  for (MoeFp8Scaling f : kFp8Scalings)
+  for (const LowPrecision& lp : kLowPrecision)
     for (Fc2Mode m : {Fc2Mode::kAtomic, Fc2Mode::kDeterministic}) {
-      SCOPED_TRACE(std::string(to_string(f)) + "/" + fc2_mode_name(m));
+      SCOPED_TRACE(std::string(lp.name) + "/" + fc2_mode_name(m));
       Case c;
-      c.fp8 = f;
+      c.fp8 = lp.fp8;
+      c.mx = lp.mx;
       c.I = 256;
       c.T = 128;
       capture_and_replay(c, m);
@@ -935,32 +949,6 @@ TEST(MoeFc2Gpu, Mxfp4SpreadsAndShapes) {
         p.check(m, p.result());
       }
     }
-  }
-}
-
-TEST(MoeFc2Gpu, Mxfp4DeterministicRepeatableAndCapturable) {
-  SKIP_WITHOUT_HOPPER();
-  for (MoeFp8Scaling f : {MoeFp8Scaling::kBlock, MoeFp8Scaling::kNone}) {
-    SCOPED_TRACE(f == MoeFp8Scaling::kBlock ? "w4a8" : "w4a16");
-    Case c;
-    c.mx = true;
-    c.fp8 = f;
-    c.T = 256;
-    c.k = 8;
-    c.total = c.local = 32;
-    c.I = 256;
-    Problem p(c, Fc2Mode::kDeterministic);
-    ASSERT_TRUE(p.run().ok());
-    CUDA_OK(cudaDeviceSynchronize());
-    const HostTensor first = p.result();
-    p.check(Fc2Mode::kDeterministic, first);
-    for (int rep = 0; rep < 2; ++rep) {
-      p.poison_out();
-      ASSERT_TRUE(p.run().ok());
-      CUDA_OK(cudaDeviceSynchronize());
-      ASSERT_TRUE(p.result().bytes == first.bytes) << "run " << rep + 1 << " differs";
-    }
-    capture_and_replay(c, Fc2Mode::kAtomic);
   }
 }
 
