@@ -503,7 +503,7 @@ std::string check_post_fp8x(const HostData& h, const std::vector<uint8_t>& xq, c
   auto got_q = download(q_dev, size_t(h.B * K));
   auto got_s = download(static_cast<const uint8_t*>(s_dev), size_t(h.B * row_scales));
   for (int64_t b : rows) {
-    std::vector<uint8_t> rq(size_t(K)), rs(size_t(row_scales));
+    std::vector<uint8_t> rq(static_cast<size_t>(K)), rs(static_cast<size_t>(row_scales));
     MhcPostArgs a;
     a.shape = {1, n, C};
     a.x = xq.data() + b * K; a.x_scales = xs.data() + b * row_scales;

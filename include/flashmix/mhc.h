@@ -81,7 +81,8 @@ struct MhcShape {
 //             one scale per (token, stream, 128 channels), [B, n, C/128] dense,
 //             float or ue8m0 by the op's x_scale_format; C % 128 == 0. An
 //             element's value is fp32(e4m3(code) * scale). Taken by mhc_post
-//             so far; the other ops do not have the fields yet.
+//             so far; mhc_pre, mhc_post_pre, mhc_head and mhc_expand carry
+//             `residual` and answer kFp8E4m3 with kNotSupported.
 enum class MhcResidual : int { kBf16 = 0, kFp8E4m3 = 1 };
 const char* to_string(MhcResidual residual);  // "bf16", "fp8_e4m3"
 
@@ -129,6 +130,9 @@ struct MhcPreArgs {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   MhcPreKernel kernel = MhcPreKernel::kAuto;  // which projection kernel (see MhcPreKernel)
+  // The FP8 residual stream (spec §4.9): not taken by this op yet, so
+  // kFp8E4m3 returns kNotSupported (kBf16, the default: X as above).
+  MhcResidual residual = MhcResidual::kBf16;
   // F_pre's epilogue (spec §4.8; defaults: off): the next sublayer's input
   // RMSNorm and an FP8 copy, as in MhcPostPreArgs. Only the cluster-tile
   // kernel runs them (kAuto picks it; kResident / kSplit / kPortable pinned:
@@ -218,6 +222,9 @@ struct MhcHeadArgs {
   void* workspace = nullptr;       // as in MhcPreArgs
   size_t workspace_bytes = 0;
   MhcPreKernel kernel = MhcPreKernel::kAuto;  // which projection kernel (see MhcPreKernel)
+  // The FP8 residual stream (spec §4.9): not taken by this op yet, so
+  // kFp8E4m3 returns kNotSupported (kBf16, the default: X as above).
+  MhcResidual residual = MhcResidual::kBf16;
 };
 
 // mhc_post_pre: a layer boundary in one operation, this layer's mhc_post
@@ -254,6 +261,9 @@ struct MhcPostPreArgs {
   bool enable_pdl = true;
   bool prefetch_weights = false;  // as in MhcPreArgs: phi, alpha, bias only (never X, F_out, H_post, H_res)
   MhcPreKernel kernel = MhcPreKernel::kAuto;  // kAuto, kResident or kClusterTile
+  // The FP8 residual stream (spec §4.9): not taken by this op yet, so
+  // kFp8E4m3 returns kNotSupported (kBf16, the default: X and X_next as above).
+  MhcResidual residual = MhcResidual::kBf16;
 
   // F_pre's epilogue (spec §4.8), for the next sublayer's input; every field
   // off by default (then F_pre is exactly as above). Let v = F_pre rounded to
@@ -278,6 +288,9 @@ struct MhcExpandArgs {
   const void* embedding = nullptr;  // bf16 [B, C]
   void* x = nullptr;                // bf16 [B, n*C]
   bool enable_pdl = true;
+  // The FP8 residual stream (spec §4.9): not taken by this op yet, so
+  // kFp8E4m3 returns kNotSupported (kBf16, the default: X as above).
+  MhcResidual residual = MhcResidual::kBf16;
 };
 
 // N = n*n + 2n.

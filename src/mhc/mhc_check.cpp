@@ -64,6 +64,16 @@ Status check_phi_dtype(DType t, const char* op) {
   return Status::Ok();
 }
 
+// The residual stream of an op that does not take the FP8 one yet (spec
+// §4.9): a known value, and kBf16 (kFp8E4m3: kNotSupported).
+Status check_bf16_residual(MhcResidual r, const char* op) {
+  FM_REQUIRE(r == MhcResidual::kBf16 || r == MhcResidual::kFp8E4m3, op, "residual", "unknown MhcResidual value ",
+             int(r));
+  FM_REQUIRE_SUPPORTED(r == MhcResidual::kBf16, op, "residual",
+                       "fp8_e4m3 is not supported by this op yet (spec 4.9: mhc_post only)");
+  return Status::Ok();
+}
+
 Status check_kernel(MhcPreKernel k, const char* op) {
   FM_REQUIRE(k == MhcPreKernel::kAuto || k == MhcPreKernel::kResident || k == MhcPreKernel::kSplit ||
                  k == MhcPreKernel::kClusterTile || k == MhcPreKernel::kPortable,
@@ -183,6 +193,7 @@ Status validate_mhc_pre(const MhcPreArgs& a) {
   FM_RETURN_IF_ERROR(check_phi_dtype(a.phi_dtype, kOp));
   FM_RETURN_IF_ERROR(check_kernel(a.kernel, kOp));
   FM_RETURN_IF_ERROR(check_epilogue(a, kOp));
+  FM_RETURN_IF_ERROR(check_bf16_residual(a.residual, kOp));
   if (a.shape.batch == 0) return Status::Ok();  // nothing is read or written
   FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.phi, kOp, "phi", 16));
@@ -310,6 +321,7 @@ Status validate_mhc_head(const MhcHeadArgs& a) {
   FM_REQUIRE(std::isfinite(a.eps_pre) && a.eps_pre >= 0, kOp, "eps_pre", "must be finite and >= 0");
   FM_RETURN_IF_ERROR(check_phi_dtype(a.phi_dtype, kOp));
   FM_RETURN_IF_ERROR(check_kernel(a.kernel, kOp));
+  FM_RETURN_IF_ERROR(check_bf16_residual(a.residual, kOp));
   if (a.shape.batch == 0) return Status::Ok();
   FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.phi, kOp, "phi", 16));
@@ -330,6 +342,7 @@ Status validate_mhc_head(const MhcHeadArgs& a) {
 Status validate_mhc_expand(const MhcExpandArgs& a) {
   constexpr const char* kOp = "mhc_expand";
   FM_RETURN_IF_ERROR(check_shape(a.shape, kOp, true));
+  FM_RETURN_IF_ERROR(check_bf16_residual(a.residual, kOp));
   if (a.shape.batch == 0) return Status::Ok();
   FM_RETURN_IF_ERROR(check_ptr(a.embedding, kOp, "embedding", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
@@ -348,6 +361,7 @@ Status validate_mhc_post_pre(const MhcPostPreArgs& a) {
   FM_RETURN_IF_ERROR(check_phi_dtype(a.phi_dtype, kOp));
   FM_RETURN_IF_ERROR(check_kernel(a.kernel, kOp));
   FM_RETURN_IF_ERROR(check_epilogue(a, kOp));
+  FM_RETURN_IF_ERROR(check_bf16_residual(a.residual, kOp));
   if (a.shape.batch == 0) return Status::Ok();  // nothing is read or written
   FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.f_out, kOp, "f_out", 16));

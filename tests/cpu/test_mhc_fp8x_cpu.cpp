@@ -260,5 +260,37 @@ TEST(MhcFp8xValidation, NamesItsArguments) {
   EXPECT_EQ(mhc_x_scale_count({8192, 4, 7168}), 8192 * 4 * 56);
 }
 
+// The ops that do not take the FP8 stream yet (spec §4.9): residual
+// kFp8E4m3 is kNotSupported (named), an unknown value kInvalidArgument; at
+// any B, CPU and validation alike.
+TEST(MhcFp8xValidation, OtherOpsSayNotSupported) {
+  auto expect = [](const Status& s, StatusCode code) {
+    EXPECT_EQ(s.code(), code) << s.message();
+    EXPECT_NE(s.message().find(": residual: "), std::string::npos) << s.message();
+  };
+  for (int64_t B : {0, 4}) {
+    MhcPreArgs pre;
+    pre.shape = {B, 4, 256};
+    pre.residual = MhcResidual::kFp8E4m3;
+    expect(validate_mhc_pre(pre), StatusCode::kNotSupported);
+    expect(mhc_pre_cpu(pre), StatusCode::kNotSupported);
+    pre.residual = static_cast<MhcResidual>(2);
+    expect(validate_mhc_pre(pre), StatusCode::kInvalidArgument);
+    MhcPostPreArgs pp;
+    pp.shape = {B, 4, 256};
+    pp.residual = MhcResidual::kFp8E4m3;
+    expect(validate_mhc_post_pre(pp), StatusCode::kNotSupported);
+    expect(mhc_post_pre_cpu(pp), StatusCode::kNotSupported);
+    MhcHeadArgs head;
+    head.shape = {B, 4, 256};
+    head.residual = MhcResidual::kFp8E4m3;
+    expect(validate_mhc_head(head), StatusCode::kNotSupported);
+    MhcExpandArgs ex;
+    ex.shape = {B, 4, 256};
+    ex.residual = MhcResidual::kFp8E4m3;
+    expect(mhc_expand_cpu(ex), StatusCode::kNotSupported);
+  }
+}
+
 }  // namespace
 }  // namespace flashmix
