@@ -86,7 +86,7 @@ float fp8x_value(const void* codes, const void* scales, bool ue8m0, int64_t e) {
   const int64_t k = e / 128;
   const float s = ue8m0 ? host::ue8m0_to_float(static_cast<const uint8_t*>(scales)[k])
                         : static_cast<const float*>(scales)[k];
-  return q * s;  // one fp32 rounding (exact for ue8m0 scales)
+  return q * s;  // one fp32 rounding (ue8m0 scales: exact, or +-inf past the fp32 range)
 }
 
 // quantize_fp8's 1 x 128 rule (spec §12.1) on 128 fp32 values (spec §4.9:
