@@ -4,6 +4,9 @@
 //   mhc_pre:  X read once + F_pre written once (phi, alpha, bias and the
 //             fp32 coefficients are < 1% and not counted) -- the issue's floor.
 //   mhc_post: X + F_out read once, X_next written once.
+//             _fp8x: the FP8 residual stream (spec §4.9): X codes + scales
+//             and F_out read once, X_next codes + scales written once
+//             (issue 27's bound: time <= 1.15 x this floor).
 //   mhc_post_pre: X + F_out read once, X_next + F_pre written once (the
 //             one-pass floor of the boundary; the issue's bound is
 //             time <= 1.15 x floor at the same run's copy bandwidth).
@@ -26,6 +29,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -488,6 +492,35 @@ void cpu_cases(Context& ctx) {
   record_cpu_run(ctx, "mhc_post", "cpu_B4_n4_C256", 0, [&] { return mhc_post_cpu(b); });
 }
 
+// mhc_post on the FP8 residual stream (spec §4.9) on `rows`: the X_next
+// codes and scales against mhc_post_cpu's, bitwise (the spec's rule), from
+// the host copies of the FP8 X the GPU read.
+std::string check_post_fp8x(const HostData& h, const std::vector<uint8_t>& xq, const std::vector<uint8_t>& xs,
+                            const uint8_t* q_dev, const void* s_dev, ScaleFormat f, MhcResLayout layout,
+                            const std::vector<int64_t>& rows) {
+  const int n = h.n;
+  const int64_t C = h.C, K = n * C, sb = f == ScaleFormat::kUE8M0 ? 1 : 4, row_scales = n * (C / 128) * sb;
+  auto got_q = download(q_dev, size_t(h.B * K));
+  auto got_s = download(static_cast<const uint8_t*>(s_dev), size_t(h.B * row_scales));
+  for (int64_t b : rows) {
+    std::vector<uint8_t> rq(static_cast<size_t>(K)), rs(static_cast<size_t>(row_scales));
+    MhcPostArgs a;
+    a.shape = {1, n, C};
+    a.x = xq.data() + b * K; a.x_scales = xs.data() + b * row_scales;
+    a.f_out = h.f_out.data() + b * C; a.h_post = h.h_post.data() + b * n; a.h_res = h.h_res.data() + b * n * n;
+    a.x_next = rq.data(); a.x_next_scales = rs.data();
+    a.res_layout = layout; a.residual = MhcResidual::kFp8E4m3; a.x_scale_format = f;
+    Status s = mhc_post_cpu(a);
+    if (!s.ok()) return "FAILED: reference: " + s.message();
+    if (std::memcmp(rq.data(), got_q.data() + b * K, size_t(K)) != 0) return "FAILED: X_next codes row " + std::to_string(b);
+    if (std::memcmp(rs.data(), got_s.data() + b * row_scales, size_t(row_scales)) != 0)
+      return "FAILED: X_next scales row " + std::to_string(b);
+  }
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "passed (bitwise, %zu of %lld rows vs CPU reference)", rows.size(), (long long)h.B);
+  return buf;
+}
+
 }  // namespace
 
 void run_mhc_cases(Context& ctx) {
@@ -592,6 +625,65 @@ void run_mhc_cases(Context& ctx) {
     q.extra["speedup_over_unfused"] = base_us / us;
     add_record(ctx, q);
     free_dev(d);
+  }
+
+  // ---- the FP8 residual stream (spec §4.9): mhc_post, B = 8192 ----
+  // X as e4m3 codes with one scale per (token, stream, 128 channels), made
+  // from the bf16 X by quantize_fp8 (X seen as [B, n*C], 1 x 128); X_next
+  // likewise, its scales made in the same pass. Floor: X codes + scales and
+  // F_out read once, X_next codes + scales written once.
+  for (ScaleFormat f : {ScaleFormat::kFloat32, ScaleFormat::kUE8M0}) {
+    const std::string name = f == ScaleFormat::kFloat32 ? "B8192_n4_C7168_fp8x" : "B8192_n4_C7168_fp8x_ue8m0";
+    if (!ctx.selected("mhc_post", name)) continue;
+    HostData h = make_host(8192, 4, 7168, 20261129);
+    const int64_t K = h.n * h.C, scales = h.B * h.n * (h.C / 128), sb = f == ScaleFormat::kUE8M0 ? 1 : 4;
+    uint16_t* x_bf16 = upload(h.x);
+    uint8_t* xq = alloc<uint8_t>(size_t(h.B * K));
+    uint8_t* xs = alloc<uint8_t>(size_t(scales * sb));
+    QuantizeFp8Args qa;
+    qa.x = x_bf16; qa.q = xq; qa.scales = xs; qa.rows = h.B; qa.cols = K; qa.scale_format = f;
+    Status st = quantize_fp8(qa, stream);
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    BENCH_CUDA(cudaFree(x_bf16));
+    uint16_t* f_out = upload(h.f_out);
+    float* hp = upload(h.h_post);
+    float* hr = upload(h.h_res);
+    uint8_t* q = alloc<uint8_t>(size_t(h.B * K));
+    uint8_t* sc = alloc<uint8_t>(size_t(scales * sb));
+    MhcPostArgs a;
+    a.shape = {h.B, h.n, h.C};
+    a.x = xq; a.x_scales = xs; a.f_out = f_out; a.h_post = hp; a.h_res = hr;
+    a.x_next = q; a.x_next_scales = sc;
+    a.res_layout = MhcResLayout::kDeepSeek;
+    a.residual = MhcResidual::kFp8E4m3;
+    a.x_scale_format = f;
+    if (st.ok()) st = mhc_post(a, stream);
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    std::string check = "not verified";
+    if (!st.ok()) {
+      check = "FAILED: " + st.message();
+    } else if (ctx.verify) {
+      const auto hq = download(xq, size_t(h.B * K));
+      const auto hs = download(xs, size_t(scales * sb));
+      check = check_post_fp8x(h, hq, hs, q, sc, f, a.res_layout, sample_rows(h.B));
+    }
+    const double us = median_us([&] { (void)mhc_post(a, stream); }, stream, 3, iters);
+    const double bytes = 2.0 * (double(h.B * K) + double(scales * sb)) + 2.0 * h.B * h.C;
+    const double bound_us = bytes / (ctx.copy_gbps * 1e9) * 1e6;
+    Record r;
+    r.op = "mhc_post";
+    r.case_name = name;
+    r.median_us = us;
+    r.ceiling = "copy";
+    r.bytes = bytes;
+    r.fraction = bound_us / us;
+    r.check = check;
+    r.extra["bound_us"] = bound_us;
+    r.extra["time_over_bound"] = us / bound_us;
+    r.extra["target_max_time_over_bound"] = 1.15;
+    r.labels["x_scale_format"] = to_string(f);
+    add_record(ctx, r);
+    for (void* p : {(void*)xq, (void*)xs, (void*)f_out, (void*)hp, (void*)hr, (void*)q, (void*)sc}) cudaFree(p);
   }
 
   // ---- decode: B = 16, graph replays over rotated sets (> L2 together) ----

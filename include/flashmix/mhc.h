@@ -75,6 +75,23 @@ struct MhcShape {
   int64_t hidden = 0;  // C, a positive multiple of 8
 };
 
+// How the residual stream X (and X_next) is stored (spec §4.9).
+//   kBf16     bf16 [B, n*C] (every op)
+//   kFp8E4m3  e4m3 codes [B, n*C] (one byte per element, the bf16 layout) plus
+//             one scale per (token, stream, 128 channels), [B, n, C/128] dense,
+//             float or ue8m0 by the op's x_scale_format; C % 128 == 0. An
+//             element's value is fp32(e4m3(code) * scale). Taken by mhc_post
+//             so far; mhc_pre, mhc_post_pre, mhc_head and mhc_expand carry
+//             `residual` and answer kFp8E4m3 with kNotSupported.
+enum class MhcResidual : int { kBf16 = 0, kFp8E4m3 = 1 };
+const char* to_string(MhcResidual residual);  // "bf16", "fp8_e4m3"
+
+// Scales of an FP8 residual stream of `shape`: B * n * (C / 128) (spec §4.9;
+// 0 for a hidden size that is not a multiple of 128).
+inline int64_t mhc_x_scale_count(const MhcShape& shape) {
+  return shape.hidden % 128 == 0 ? shape.batch * shape.n * (shape.hidden / 128) : 0;
+}
+
 // mhc_pre: X -> (F_pre, H_post, H_res) in one operation (X read from device memory once).
 // The projection kernel of mhc_pre, mhc_project and mhc_head. kAuto (the
 // default) picks the first of these that takes the shape on the current
@@ -113,6 +130,9 @@ struct MhcPreArgs {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   MhcPreKernel kernel = MhcPreKernel::kAuto;  // which projection kernel (see MhcPreKernel)
+  // The FP8 residual stream (spec §4.9): not taken by this op yet, so
+  // kFp8E4m3 returns kNotSupported (kBf16, the default: X as above).
+  MhcResidual residual = MhcResidual::kBf16;
   // F_pre's epilogue (spec §4.8; defaults: off): the next sublayer's input
   // RMSNorm and an FP8 copy, as in MhcPostPreArgs. Only the cluster-tile
   // kernel runs them (kAuto picks it; kResident / kSplit / kPortable pinned:
@@ -128,13 +148,23 @@ struct MhcPreArgs {
 // mhc_post: X_next = R * X + H_post * F_out in one pass.
 struct MhcPostArgs {
   MhcShape shape;
-  const void* x = nullptr;       // bf16 [B, n*C]
+  const void* x = nullptr;       // bf16 [B, n*C] (kFp8E4m3: e4m3 codes [B, n*C])
   const void* f_out = nullptr;   // bf16 [B, C]
   const float* h_post = nullptr; // fp32 [B, n]
   const float* h_res = nullptr;  // fp32 [B, n, n]
-  void* x_next = nullptr;        // bf16 [B, n*C]; must not overlap any input
+  void* x_next = nullptr;        // bf16 [B, n*C] (kFp8E4m3: e4m3 codes); must not overlap any input
   MhcResLayout res_layout = MhcResLayout::kDeepSeek;
   bool enable_pdl = true;
+  // The FP8 residual stream (spec §4.9; default kBf16, the scale pointers
+  // then null). With kFp8E4m3 both X and X_next are e4m3 codes with one
+  // scale per (token, stream, 128 channels), C % 128 == 0: X_next is made in
+  // fp32 in a fixed order (acc = H_post * F_out, then acc = fma(R_ij, X_j, acc)
+  // for j = 0..n-1) and each 128-channel block quantised as quantize_fp8's
+  // 1 x 128 rule (spec §12.1) in the same pass, with no bf16 rounding between.
+  MhcResidual residual = MhcResidual::kBf16;
+  const void* x_scales = nullptr;  // [B, n, C/128] float or uint8 (kFp8E4m3 only)
+  void* x_next_scales = nullptr;   // [B, n, C/128] float or uint8 (kFp8E4m3 only)
+  ScaleFormat x_scale_format = ScaleFormat::kFloat32;  // of x_scales and x_next_scales
 };
 
 // Stage 1: the projection with the sum of squares: h (before the activations,
@@ -192,6 +222,9 @@ struct MhcHeadArgs {
   void* workspace = nullptr;       // as in MhcPreArgs
   size_t workspace_bytes = 0;
   MhcPreKernel kernel = MhcPreKernel::kAuto;  // which projection kernel (see MhcPreKernel)
+  // The FP8 residual stream (spec §4.9): not taken by this op yet, so
+  // kFp8E4m3 returns kNotSupported (kBf16, the default: X as above).
+  MhcResidual residual = MhcResidual::kBf16;
 };
 
 // mhc_post_pre: a layer boundary in one operation, this layer's mhc_post
@@ -228,6 +261,9 @@ struct MhcPostPreArgs {
   bool enable_pdl = true;
   bool prefetch_weights = false;  // as in MhcPreArgs: phi, alpha, bias only (never X, F_out, H_post, H_res)
   MhcPreKernel kernel = MhcPreKernel::kAuto;  // kAuto, kResident or kClusterTile
+  // The FP8 residual stream (spec §4.9): not taken by this op yet, so
+  // kFp8E4m3 returns kNotSupported (kBf16, the default: X and X_next as above).
+  MhcResidual residual = MhcResidual::kBf16;
 
   // F_pre's epilogue (spec §4.8), for the next sublayer's input; every field
   // off by default (then F_pre is exactly as above). Let v = F_pre rounded to
@@ -252,6 +288,9 @@ struct MhcExpandArgs {
   const void* embedding = nullptr;  // bf16 [B, C]
   void* x = nullptr;                // bf16 [B, n*C]
   bool enable_pdl = true;
+  // The FP8 residual stream (spec §4.9): not taken by this op yet, so
+  // kFp8E4m3 returns kNotSupported (kBf16, the default: X as above).
+  MhcResidual residual = MhcResidual::kBf16;
 };
 
 // N = n*n + 2n.

@@ -19,7 +19,7 @@ __all__ = [
     "mhc_pre", "mhc_pre_kernel_choice", "mhc_post", "mhc_post_pre", "mhc_project", "mhc_activate", "mhc_pre_mix", "mhc_head",
     "mhc_expand", "mhc_workspace_bytes", "mhc_num_coefficients",
     "MHC_MAX_STREAMS", "MHC_SEED_PARAMS", "MHC_PRE_KERNELS", "MhcPreOutput", "MhcActivateOutput",
-    "MhcPostPreOutput", "MhcPostPreFp8Output", "MhcPreFp8Output",
+    "MhcPostPreOutput", "MhcPostPreFp8Output", "MhcPreFp8Output", "MhcPostFp8Output",
 ]
 
 if torch is not None:
@@ -47,6 +47,8 @@ MhcPreOutput = collections.namedtuple("MhcPreOutput", ["f_pre", "h_post", "h_res
 #: mhc_pre with ``fp8=True`` (spec §4.8): f_pre is None with ``bf16_f_pre=False``.
 MhcPreFp8Output = collections.namedtuple("MhcPreFp8Output", ["f_pre", "h_post", "h_res", "f_pre_fp8", "f_pre_scales"])
 MhcActivateOutput = collections.namedtuple("MhcActivateOutput", ["h_pre", "h_post", "h_res"])
+#: mhc_post on the FP8 residual stream (spec §4.9): e4m3 codes and their scales.
+MhcPostFp8Output = collections.namedtuple("MhcPostFp8Output", ["x_next", "x_next_scales"])
 MhcPostPreOutput = collections.namedtuple("MhcPostPreOutput", ["x_next", "f_pre", "h_post", "h_res"])
 #: mhc_post_pre with ``fp8=True`` (spec §4.8): f_pre is None with ``bf16_f_pre=False``.
 MhcPostPreFp8Output = collections.namedtuple(
@@ -231,15 +233,36 @@ def _new_x_next(x):
     return empty(x, tuple(x.shape), "bfloat16")
 
 
-def mhc_post(x, f_out, h_post, h_res, *, x_next=None, res_layout=_POST.res_layout, enable_pdl=_POST.enable_pdl,
+def mhc_post(x, f_out, h_post, h_res, *, x_next=None, x_scales=None, x_next_scales=None,
+             x_scale_format=_POST.x_scale_format, res_layout=_POST.res_layout, enable_pdl=_POST.enable_pdl,
              stream=None):
     """spec §4 mhc_post: ``X_next[b, i] = sum_j R[b, i, j] X[b, j] + H_post[b, i] F_out[b]`` with
     R = H_res^T ("deepseek") or H_res ("row_mix"). n from h_post ``[B, n]``. ``x_next`` (X's
-    shape, must not overlap X) is allocated when None. Returns ``x_next``."""
-    x_next = _new_x_next(x) if x_next is None else x_next
-    _C.mhc_post(arg(x), arg(f_out), arg(h_post), arg(h_res), arg(x_next), res_layout=res_layout,
-                enable_pdl=enable_pdl, stream=stream_of(stream, x))
-    return x_next
+    shape, must not overlap X) is allocated when None. Returns ``x_next``.
+
+    The FP8 residual stream (spec §4.9), with ``x_scales`` given: ``x`` holds e4m3 codes
+    (float8_e4m3fn or uint8, ``[B, n, C]`` or ``[B, n*C]``, C a multiple of 128) and ``x_scales``
+    one scale per (token, stream, 128 channels), x's shape with the last dimension divided by
+    128, float32 or ue8m0 (``x_scale_format``: float8_e8m0fnu / uint8). X_next comes back the
+    same way, its fp32 values quantised in the same pass (bitwise the CPU reference);
+    ``x_next`` and ``x_next_scales`` are allocated when None. Returns MhcPostFp8Output(x_next,
+    x_next_scales)."""
+    if x_scales is None and x_next_scales is None:
+        x_next = _new_x_next(x) if x_next is None else x_next
+        _C.mhc_post(arg(x), arg(f_out), arg(h_post), arg(h_res), arg(x_next), x_scales=None, x_next_scales=None,
+                    x_scale_format=x_scale_format, res_layout=res_layout, enable_pdl=enable_pdl,
+                    stream=stream_of(stream, x))
+        return x_next
+    from .fp8 import _as_bytes, _e4m3_dtype, _scale_dtype
+    if x_next is None:
+        x_next = empty(x, tuple(x.shape), _e4m3_dtype(x))
+    if x_next_scales is None and x_scales is not None:
+        x_next_scales = empty(x, tuple(x_scales.shape), _scale_dtype(x, x_scale_format))
+    _C.mhc_post(arg(_as_bytes(x)), arg(f_out), arg(h_post), arg(h_res), arg(_as_bytes(x_next)),
+                x_scales=arg(_as_bytes(x_scales)), x_next_scales=arg(_as_bytes(x_next_scales)),
+                x_scale_format=x_scale_format, res_layout=res_layout, enable_pdl=enable_pdl,
+                stream=stream_of(stream, x))
+    return MhcPostFp8Output(x_next, x_next_scales)
 
 
 if torch is not None:

@@ -73,9 +73,11 @@ int streams_from_coefficients(int64_t N, const char* op, const char* arg) {
 }
 
 // X: bf16, contiguous, [B, n, C] or [B, n*C]. Returns the shape (n must be known).
+// The FP8 residual stream (spec §4.9): e4m3 codes, uint8, the same shapes.
 template <typename A>
-fm::MhcShape residual_shape(const A& x, int n, const char* op, const char* arg) {
-  require_dtype(x, kBFloat16, op, arg);
+fm::MhcShape residual_shape(const A& x, int n, const char* op, const char* arg,
+                            nb::dlpack::dtype dtype = kBFloat16) {
+  require_dtype(x, dtype, op, arg);
   require_contiguous(x, op, arg);
   fm::MhcShape s;
   s.n = n;
@@ -263,20 +265,45 @@ std::pair<std::string, std::string> mhc_pre_kernel_choice(
 // mhc_post
 // ---------------------------------------------------------------------------
 
+// The FP8 residual stream (spec §4.9): x and x_next uint8 (e4m3 codes) of
+// the same shape, x_scales and x_next_scales both given, x's shape with the
+// last dimension divided by 128 ([B, n, C/128] or [B, n*C/128]), float32 or
+// uint8 (ue8m0) by x_scale_format.
 void mhc_post(const In& x, const In& f_out, const In& h_post, const In& h_res, const Out& x_next,
+              const OptIn& x_scales, const OptOut& x_next_scales, const std::string& x_scale_format,
               const std::string& res_layout, bool enable_pdl, uintptr_t stream) {
   constexpr const char* op = "mhc_post";
   Placement w(op);
   w.add(x, "x", f_out, "f_out", h_post, "h_post", h_res, "h_res", x_next, "x_next");
+  w.add(x_scales, "x_scales", x_next_scales, "x_next_scales");
 
   const int64_t n = streams_from_columns(h_post, op, "h_post");
   fm::MhcPostArgs a;
-  a.shape = residual_shape(x, int(n), op, "x");
+  if (!fm::parse_scale_format(x_scale_format.c_str(), &a.x_scale_format))
+    fail(op, "x_scale_format", "must be \"float32\" or \"ue8m0\" (got \"", x_scale_format, "\")");
+  const bool fp8 = bool(x_scales) || bool(x_next_scales);
+  if (fp8 && !(x_scales && x_next_scales))
+    fail(op, x_scales ? "x_next_scales" : "x_scales", "x_scales and x_next_scales come together (the FP8 residual stream)");
+  a.residual = fp8 ? fm::MhcResidual::kFp8E4m3 : fm::MhcResidual::kBf16;
+  const nb::dlpack::dtype x_dtype = fp8 ? kUInt8 : kBFloat16;
+  a.shape = residual_shape(x, int(n), op, "x", x_dtype);
   const int64_t B = a.shape.batch, C = a.shape.hidden;
   require_dense(f_out, kBFloat16, {B, C}, op, "f_out");
   require_dense(h_post, kFloat32, {B, n}, op, "h_post");
   require_dense(h_res, kFloat32, {B, n, n}, op, "h_res");
-  require_dtype(x_next, kBFloat16, op, "x_next");
+  if (fp8) {
+    if (C % 128 != 0) fail(op, "hidden", "must be a multiple of 128 with the FP8 residual stream (got C = ", C, ")");
+    const nb::dlpack::dtype sd = a.x_scale_format == fm::ScaleFormat::kUE8M0 ? kUInt8 : kFloat32;
+    auto check_scales = [&](const auto& sc, const char* name) {
+      if (x.ndim() == 3) require_dense(sc, sd, {B, n, C / 128}, op, name);
+      else require_dense(sc, sd, {B, n * C / 128}, op, name);
+    };
+    check_scales(*x_scales, "x_scales");
+    check_scales(*x_next_scales, "x_next_scales");
+    a.x_scales = ptr(*x_scales);
+    a.x_next_scales = mut(*x_next_scales);
+  }
+  require_dtype(x_next, x_dtype, op, "x_next");
   require_contiguous(x_next, op, "x_next");
   if (x_next.size() != x.size()) fail(op, "x_next", "must have x's shape ", shape_str(x), " (got ", shape_str(x_next), ")");
   if (overlaps(ptr(x), x.nbytes(), mut(x_next), x_next.nbytes())) fail(op, "x_next", "must not overlap x");
@@ -501,6 +528,7 @@ nb::dict mhc_defaults() {
   d["mhc_pre"] = projection(f, pre);
   f = nb::dict();
   f["res_layout"] = enum_name(post.res_layout, res_layouts());
+  f["x_scale_format"] = fm::to_string(post.x_scale_format);
   d["mhc_post"] = launch(f, post.enable_pdl);
   f = nb::dict();
   f["eps_norm"] = py_float(project.eps_norm);
@@ -558,8 +586,11 @@ void register_mhc(nb::module_& m) {
         "norm_weight"_a.none(), "norm_eps"_a, "f_pre_fp8"_a.none(), "f_pre_scales"_a.none(), "f_pre_scale_format"_a,
         "(kernel name, reason): the projection kernel mhc_pre would run with these arguments on their CUDA "
         "device. Launches nothing.");
-  m.def("mhc_post", &mhc_post, "x"_a, "f_out"_a, "h_post"_a, "h_res"_a, "x_next"_a, nb::kw_only(), "res_layout"_a,
-        "enable_pdl"_a, "stream"_a, "spec §4 mhc_post; n from h_post [B, n].");
+  m.def("mhc_post", &mhc_post, "x"_a, "f_out"_a, "h_post"_a, "h_res"_a, "x_next"_a, nb::kw_only(),
+        "x_scales"_a.none(), "x_next_scales"_a.none(), "x_scale_format"_a, "res_layout"_a, "enable_pdl"_a,
+        "stream"_a,
+        "spec §4 mhc_post; n from h_post [B, n]. §4.9: the FP8 residual stream (x, x_next uint8 e4m3 codes "
+        "with x_scales, x_next_scales).");
   m.def("mhc_project", &mhc_project, "x"_a, "phi"_a, "alpha"_a, "bias"_a, "h"_a, "r"_a, nb::kw_only(), "eps_norm"_a,
         "enable_pdl"_a, "prefetch_weights"_a, "kernel"_a, "workspace"_a.none(), "stream"_a);
   m.def("mhc_activate", &mhc_activate, "h"_a, "h_pre"_a, "h_post"_a, "h_res"_a, nb::kw_only(), "eps_pre"_a,

@@ -1,11 +1,14 @@
 // CPU reference backend for the mHC ops, written from spec §4 alone: every
 // sum in double, each output rounded once at its store. It shares no code
 // with the kernels (host bf16 conversion comes from common/host_dtype.h).
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "common/check.h"
 #include "common/host_dtype.h"
+#include "common/host_fp8.h"
 #include "flashmix/fp8.h"
 #include "flashmix/mhc.h"
 
@@ -73,6 +76,77 @@ void activate_row(const double* h, int n, const MhcParams& p, double* pre, doubl
     col_norm();
   }
   for (int e = 0; e < n * n; ++e) res[e] = m[e];
+}
+
+// The FP8 residual stream (spec §4.9). Element e of X (flat index into
+// [B, n*C], C % 128 == 0): fp32(e4m3(code) * scale), its block's scale at
+// e / 128 of [B, n, C/128] (the flat index of (b, i, c / 128)).
+float fp8x_value(const void* codes, const void* scales, bool ue8m0, int64_t e) {
+  const float q = host::e4m3_to_float(static_cast<const uint8_t*>(codes)[e]);
+  const int64_t k = e / 128;
+  const float s = ue8m0 ? host::ue8m0_to_float(static_cast<const uint8_t*>(scales)[k])
+                        : static_cast<const float*>(scales)[k];
+  return q * s;  // one fp32 rounding (ue8m0 scales: exact, or +-inf past the fp32 range)
+}
+
+// quantize_fp8's 1 x 128 rule (spec §12.1) on 128 fp32 values (spec §4.9:
+// the values of X_next before any bf16 rounding), scale index `si`; one
+// addition for fp32 inputs: fp32(amax / 448) == 0 counts as amax == 0.
+void quantize_block_f32(const float* v, bool ue8m0, uint8_t* q, void* scales, int64_t si) {
+  float amax = 0.0f;
+  bool nan = false;
+  for (int k = 0; k < 128; ++k) {
+    nan = nan || std::isnan(v[k]);
+    amax = std::max(amax, std::fabs(v[k]));
+  }
+  if (nan) {
+    if (ue8m0) static_cast<uint8_t*>(scales)[si] = 255;
+    else static_cast<float*>(scales)[si] = std::numeric_limits<float>::quiet_NaN();
+    for (int k = 0; k < 128; ++k) q[k] = 0x7f;
+    return;
+  }
+  const float r = amax / host::kE4m3Max;  // fp32 division
+  float s;
+  if (ue8m0) {
+    const uint8_t e = r == 0.0f ? uint8_t(127) : host::ue8m0_byte_at_least(r);
+    static_cast<uint8_t*>(scales)[si] = e;
+    s = host::ue8m0_to_float(e);
+  } else {
+    s = r == 0.0f ? 1.0f : r;
+    static_cast<float*>(scales)[si] = s;
+  }
+  for (int k = 0; k < 128; ++k) {
+    const float t = v[k] / s;  // a NaN quotient (inf / inf) is the NaN byte without a sign
+    q[k] = std::isnan(t) ? uint8_t(0x7f) : host::float_to_e4m3(t);
+  }
+}
+
+// mhc_post on the FP8 residual stream (spec §4.9): X_next in fp32 in the
+// spec's fixed order (not §0.9's double sums), each (token, stream,
+// 128-channel) block quantised from those fp32 values.
+void mhc_post_fp8_cpu(const MhcPostArgs& a) {
+  const int n = a.shape.n;
+  const int64_t C = a.shape.hidden;
+  const bool transpose = a.res_layout == MhcResLayout::kDeepSeek;
+  const bool ue8m0 = a.x_scale_format == ScaleFormat::kUE8M0;
+  std::vector<float> v(static_cast<size_t>(C));
+  for (int64_t b = 0; b < a.shape.batch; ++b) {
+    const float* hres = a.h_res + b * n * n;
+    for (int i = 0; i < n; ++i) {
+      for (int64_t c = 0; c < C; ++c) {
+        float acc = a.h_post[b * n + i] * host::bf16_to_float(static_cast<const uint16_t*>(a.f_out)[b * C + c]);
+        for (int j = 0; j < n; ++j) {
+          const float rij = transpose ? hres[j * n + i] : hres[i * n + j];
+          acc = std::fma(rij, fp8x_value(a.x, a.x_scales, ue8m0, (b * n + j) * C + c), acc);
+        }
+        v[size_t(c)] = acc;
+      }
+      const int64_t row = b * n + i;
+      for (int64_t k = 0; k < C / 128; ++k)
+        quantize_block_f32(v.data() + k * 128, ue8m0, static_cast<uint8_t*>(a.x_next) + row * C + k * 128,
+                           a.x_next_scales, row * (C / 128) + k);
+    }
+  }
 }
 
 int alpha_index(int m, int n) { return m < n ? 0 : (m < 2 * n ? 1 : 2); }
@@ -179,6 +253,10 @@ Status mhc_pre_cpu(const MhcPreArgs& a) {
 
 Status mhc_post_cpu(const MhcPostArgs& a) {
   FM_RETURN_IF_ERROR(validate_mhc_post(a));
+  if (a.residual == MhcResidual::kFp8E4m3) {
+    mhc_post_fp8_cpu(a);
+    return Status::Ok();
+  }
   const int n = a.shape.n;
   const int64_t C = a.shape.hidden;
   const bool transpose = a.res_layout == MhcResLayout::kDeepSeek;

@@ -1,7 +1,8 @@
 // The device arithmetic of quantize_fp8's blocks (spec §11.3, §12.1), shared
 // by every kernel that must match it bit for bit (quantize_fp8 itself, the
-// FP8 copy of F_pre in mhc_pre / mhc_post_pre): a block's amax on the bf16
-// bits, its scale, the e4m3 conversion of a chunk of eight bf16.
+// FP8 copy of F_pre in mhc_pre / mhc_post_pre, the FP8 residual stream's
+// X_next in mhc_post, spec §4.9): a block's amax on the bf16 (or fp32) bits,
+// its scale, the e4m3 conversion of a chunk of eight bf16 (or fp32) values.
 #pragma once
 
 #include <cuda_fp8.h>
@@ -34,10 +35,14 @@ struct Scale {
   uint32_t stored;
 };
 
+// A block's scale from its amax as a float (>= 0, not NaN). s = 1 where
+// fp32(amax / 448) is 0: amax == 0 for bf16 blocks (the smallest bf16
+// magnitude divided by 448 is still a subnormal float); for fp32 blocks (the
+// FP8 residual stream's X_next, spec §4.9) also amax below about 2^-141.
 template <ScaleFormat F>
-__device__ __forceinline__ Scale block_scale(uint32_t amax_bits) {
-  if (amax_bits == 0) return {1.0f, F == ScaleFormat::kUE8M0 ? 127u : __float_as_uint(1.0f)};
-  const float r = __fdiv_rn(__uint_as_float(amax_bits << 16), 448.0f);
+__device__ __forceinline__ Scale block_scale_of(float amax) {
+  const float r = __fdiv_rn(amax, 448.0f);
+  if (r == 0.0f) return {1.0f, F == ScaleFormat::kUE8M0 ? 127u : __float_as_uint(1.0f)};
   if constexpr (F == ScaleFormat::kFloat32) {
     return {r, __float_as_uint(r)};
   } else {
@@ -57,15 +62,21 @@ __device__ __forceinline__ Scale block_scale(uint32_t amax_bits) {
   }
 }
 
+// A block's scale from its bf16 amax bits (not NaN).
+template <ScaleFormat F>
+__device__ __forceinline__ Scale block_scale(uint32_t amax_bits) {
+  return block_scale_of<F>(__uint_as_float(amax_bits << 16));
+}
+
 __device__ __forceinline__ void store_scale(void* scales, uint32_t index, uint32_t stored, bool ue8m0) {
   if (ue8m0) static_cast<uint8_t*>(scales)[index] = uint8_t(stored);
   else static_cast<uint32_t*>(scales)[index] = stored;
 }
 
-// Two e4m3 of x0 / s and x1 / s (bf16 bits in a word, x0 low), x0 in the low byte.
-__device__ __forceinline__ uint32_t quantize_pair(uint32_t bf16x2, float s) {
-  const float v0 = __fdiv_rn(__uint_as_float(bf16x2 << 16), s);
-  const float v1 = __fdiv_rn(__uint_as_float(bf16x2 & 0xffff0000u), s);
+// Two e4m3 of x0 / s and x1 / s (fp32 values), x0 in the low byte.
+__device__ __forceinline__ uint32_t quantize_pair_f32(float x0, float x1, float s) {
+  const float v0 = __fdiv_rn(x0, s);
+  const float v1 = __fdiv_rn(x1, s);
   uint32_t p = __nv_cvt_float2_to_fp8x2(make_float2(v0, v1), __NV_SATFINITE, __NV_E4M3);
   // inf / inf: the NaN byte with no sign (the CPU's NaN would carry one).
   if (v0 != v0) p = (p & 0xff00u) | kE4m3NaN;
@@ -73,11 +84,43 @@ __device__ __forceinline__ uint32_t quantize_pair(uint32_t bf16x2, float s) {
   return p;
 }
 
+// Two e4m3 of x0 / s and x1 / s (bf16 bits in a word, x0 low), x0 in the low byte.
+__device__ __forceinline__ uint32_t quantize_pair(uint32_t bf16x2, float s) {
+  return quantize_pair_f32(__uint_as_float(bf16x2 << 16), __uint_as_float(bf16x2 & 0xffff0000u), s);
+}
+
 // The scale of a block from its amax bits, NaN blocks included (scale NaN:
 // the float bits 0x7fc00000 or the ue8m0 byte 255; s is then unused).
 template <ScaleFormat F>
 __device__ __forceinline__ Scale block_scale_or_nan(uint32_t amax_bits) {
   return amax_bits > kBf16Inf ? Scale{0.0f, F == ScaleFormat::kUE8M0 ? 255u : 0x7fc00000u} : block_scale<F>(amax_bits);
+}
+
+// The same from the amax of fp32 values, as the bits of |x| (a NaN block
+// when above the bits of +inf).
+constexpr uint32_t kF32Inf = 0x7f800000u;
+template <ScaleFormat F>
+__device__ __forceinline__ Scale block_scale_or_nan_f32(uint32_t amax_bits) {
+  return amax_bits > kF32Inf ? Scale{0.0f, F == ScaleFormat::kUE8M0 ? 255u : 0x7fc00000u}
+                             : block_scale_of<F>(__uint_as_float(amax_bits));
+}
+
+// The largest |x| of eight fp32 values, as bits (NaN above +inf's bits).
+__device__ __forceinline__ uint32_t amax_bits_f32(const float* v) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) m = max(m, __float_as_uint(v[e]) & 0x7fffffffu);
+  return m;
+}
+
+// Eight fp32 values' e4m3 bytes, v[0] in the low byte of lo (all NaN for a NaN block).
+__device__ __forceinline__ void quantize8_f32(const float* v, float s, bool nan_block, uint32_t& lo, uint32_t& hi) {
+  if (nan_block) {
+    lo = hi = 0x7f7f7f7fu;
+    return;
+  }
+  lo = quantize_pair_f32(v[0], v[1], s) | (quantize_pair_f32(v[2], v[3], s) << 16);
+  hi = quantize_pair_f32(v[4], v[5], s) | (quantize_pair_f32(v[6], v[7], s) << 16);
 }
 
 // The chunk's eight e4m3 bytes (all NaN for a NaN block).

@@ -18,6 +18,7 @@
 #include "common/vec.cuh"
 #include "flashmix/mhc.h"
 #include "mhc/mhc_device.cuh"
+#include "mhc/mhc_fp8x_device.cuh"
 
 namespace flashmix {
 
@@ -79,6 +80,75 @@ __global__ void __launch_bounds__(128) mhc_post_kernel(const bf16* __restrict__ 
       }
       const V8 o = pack(acc);
       __stcs(reinterpret_cast<uint4*>(outr + (long long)i * hidden), *reinterpret_cast<const uint4*>(&o));  // written once, never re-read here
+    }
+  }
+}
+
+// mhc_post on the FP8 residual stream (spec §4.9). Roofline: per token the
+// X codes (nC B) and scales (4nC/128 or nC/128 B) read once, F_out once (2C
+// B), the X_next codes and scales written once. The thread mapping is the
+// bf16 kernel's, one thread per (token, 8 channels), so a 128-channel scale
+// block of a (token, stream) is the 16 lanes of one half-warp: each lane
+// makes its 8 fp32 X_next values (acc = H_post F_out, then fma(R_ij, X_j)
+// for j = 0..n-1, spec §4.9's fixed order), the block's amax is a 4-step
+// xor-shuffle max inside the half-warp, and every lane divides its own 8
+// values by the scale and stores 8 codes (8 bytes; a warp writes 256
+// contiguous bytes) while the half-warp's first lane stores the scale. No
+// extra pass over memory and no shared memory. C % 128 == 0 makes `groups`
+// a multiple of 16, so the lanes past the row leave in whole half-warps.
+// Registers (sm_90a, ptxas): 96 at n = 4 (5 CTAs, 20 warps an SM; the bf16
+// kernel: 64, 8 CTAs); holding n = 4 to 72 or 64 with __launch_bounds__'s
+// minimum blocks spills 56-156 bytes. Not measured yet which is faster.
+template <int kN, bool kTranspose, ScaleFormat F>
+__global__ void __launch_bounds__(128)
+    mhc_post_fp8_kernel(const uint8_t* __restrict__ x, const void* __restrict__ x_scales,
+                        const bf16* __restrict__ f_out, const float* __restrict__ h_post,
+                        const float* __restrict__ h_res, uint8_t* __restrict__ x_next,
+                        void* __restrict__ x_next_scales, long long batch, int groups, int hidden) {
+  dev::grid_dependency_wait();
+  dev::allow_dependents_launch();
+  const int g = blockIdx.x * blockDim.x + threadIdx.x;
+  if (g >= groups) return;  // a whole half-warp (groups % 16 == 0)
+  const int c = g * 8;
+  const int blocks = hidden / 128;  // scale blocks per (token, stream)
+  const int kb = g >> 4;            // this lane's block: channels [128 kb, 128 kb + 128)
+  const unsigned half_mask = 0xffffu << (threadIdx.x & 16);
+  const bool leader = (threadIdx.x & 15) == 0;
+  for (long long b = blockIdx.y; b < batch; b += gridDim.y) {
+    uint2 xq[kN];
+    float xs[kN];
+#pragma unroll
+    for (int j = 0; j < kN; ++j) xq[j] = __ldcs(reinterpret_cast<const uint2*>(x + (b * kN + j) * hidden + c));
+#pragma unroll
+    for (int j = 0; j < kN; ++j) xs[j] = load_x_scale<F>(x_scales, (b * kN + j) * blocks + kb);
+    const V8 fv = dev::load_stream<bf16, 8>(f_out + b * hidden + c);
+    float coef[kN * kN], post[kN];
+#pragma unroll
+    for (int e = 0; e < kN * kN; ++e) coef[e] = __ldg(h_res + b * kN * kN + e);
+#pragma unroll
+    for (int i = 0; i < kN; ++i) post[i] = __ldg(h_post + b * kN + i);
+    float xf[kN][8], ff[8];
+#pragma unroll
+    for (int j = 0; j < kN; ++j) dequant8(xq[j], xs[j], xf[j]);
+    unpack8(fv, ff);
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      float acc[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] = __fmul_rn(post[i], ff[e]);
+#pragma unroll
+      for (int j = 0; j < kN; ++j) {
+        const float rij = kTranspose ? coef[j * kN + i] : coef[i * kN + j];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] = __fmaf_rn(rij, xf[j][e], acc[e]);
+      }
+      const uint32_t amax = half_warp_max(fp8_dev::amax_bits_f32(acc), half_mask);
+      const fp8_dev::Scale sc = fp8_dev::block_scale_or_nan_f32<F>(amax);
+      uint2 q;
+      fp8_dev::quantize8_f32(acc, sc.s, amax > fp8_dev::kF32Inf, q.x, q.y);
+      const long long row = b * kN + i;
+      __stcs(reinterpret_cast<uint2*>(x_next + row * hidden + c), q);  // written once, never re-read here
+      if (leader) fp8_dev::store_scale(x_next_scales, uint32_t(row * blocks + kb), sc.stored, F == ScaleFormat::kUE8M0);
     }
   }
 }
@@ -505,6 +575,21 @@ Status mhc_post(const MhcPostArgs& a, cudaStream_t stream) {
     const int groups = int(a.shape.hidden / 8);
     const dim3 grid(unsigned((groups + 127) / 128), unsigned(std::min<int64_t>(a.shape.batch, 65535)));
     cudaError_t err = cudaSuccess;
+    if (a.residual == MhcResidual::kFp8E4m3) {  // spec §4.9
+      const bool tr = a.res_layout == MhcResLayout::kDeepSeek, ue8m0 = a.x_scale_format == ScaleFormat::kUE8M0;
+      dispatch_n(a.shape.n, [&](auto kn) {
+        constexpr int kN = decltype(kn)::value;
+        constexpr ScaleFormat kF32 = ScaleFormat::kFloat32, kE8 = ScaleFormat::kUE8M0;
+        auto kernel = tr ? (ue8m0 ? mhc_post_fp8_kernel<kN, true, kE8> : mhc_post_fp8_kernel<kN, true, kF32>)
+                         : (ue8m0 ? mhc_post_fp8_kernel<kN, false, kE8> : mhc_post_fp8_kernel<kN, false, kF32>);
+        err = dev::launch(kernel, grid, dim3(128), 0, stream, a.enable_pdl, static_cast<const uint8_t*>(a.x),
+                          a.x_scales, static_cast<const bf16*>(a.f_out), a.h_post, a.h_res,
+                          static_cast<uint8_t*>(a.x_next), a.x_next_scales, (long long)a.shape.batch, groups,
+                          int(a.shape.hidden));
+      });
+      if (err != cudaSuccess) return detail::cuda_status(err, kOp, "kernel launch");
+      return detail::check_launch(kOp);
+    }
     dispatch_n(a.shape.n, [&](auto kn) {
       constexpr int kN = decltype(kn)::value;
       auto kernel = a.res_layout == MhcResLayout::kDeepSeek ? mhc_post_kernel<kN, true> : mhc_post_kernel<kN, false>;

@@ -64,6 +64,16 @@ Status check_phi_dtype(DType t, const char* op) {
   return Status::Ok();
 }
 
+// The residual stream of an op that does not take the FP8 one yet (spec
+// §4.9): a known value, and kBf16 (kFp8E4m3: kNotSupported).
+Status check_bf16_residual(MhcResidual r, const char* op) {
+  FM_REQUIRE(r == MhcResidual::kBf16 || r == MhcResidual::kFp8E4m3, op, "residual", "unknown MhcResidual value ",
+             int(r));
+  FM_REQUIRE_SUPPORTED(r == MhcResidual::kBf16, op, "residual",
+                       "fp8_e4m3 is not supported by this op yet (spec 4.9: mhc_post only)");
+  return Status::Ok();
+}
+
 Status check_kernel(MhcPreKernel k, const char* op) {
   FM_REQUIRE(k == MhcPreKernel::kAuto || k == MhcPreKernel::kResident || k == MhcPreKernel::kSplit ||
                  k == MhcPreKernel::kClusterTile || k == MhcPreKernel::kPortable,
@@ -160,6 +170,14 @@ const char* to_string(MhcPreKernel k) {
   return "unknown";
 }
 
+const char* to_string(MhcResidual r) {
+  switch (r) {
+    case MhcResidual::kBf16: return "bf16";
+    case MhcResidual::kFp8E4m3: return "fp8_e4m3";
+  }
+  return "unknown";
+}
+
 size_t mhc_workspace_bytes(const MhcShape& s) {
   if (s.batch < 1 || s.batch > kMhcSplitMaxBatch || s.n < 1 || s.n > kMhcMaxStreams || s.hidden < 8 ||
       s.hidden % 8 != 0)
@@ -175,6 +193,7 @@ Status validate_mhc_pre(const MhcPreArgs& a) {
   FM_RETURN_IF_ERROR(check_phi_dtype(a.phi_dtype, kOp));
   FM_RETURN_IF_ERROR(check_kernel(a.kernel, kOp));
   FM_RETURN_IF_ERROR(check_epilogue(a, kOp));
+  FM_RETURN_IF_ERROR(check_bf16_residual(a.residual, kOp));
   if (a.shape.batch == 0) return Status::Ok();  // nothing is read or written
   FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.phi, kOp, "phi", 16));
@@ -205,15 +224,35 @@ Status validate_mhc_post(const MhcPostArgs& a) {
   FM_RETURN_IF_ERROR(check_shape(a.shape, kOp, true));
   FM_REQUIRE(a.res_layout == MhcResLayout::kDeepSeek || a.res_layout == MhcResLayout::kRowMix, kOp,
              "res_layout", "unknown layout value ", int(a.res_layout));
+  // The FP8 residual stream (spec §4.9): value rules at any B.
+  FM_REQUIRE(a.residual == MhcResidual::kBf16 || a.residual == MhcResidual::kFp8E4m3, kOp, "residual",
+             "unknown MhcResidual value ", int(a.residual));
+  FM_REQUIRE(a.x_scale_format == ScaleFormat::kFloat32 || a.x_scale_format == ScaleFormat::kUE8M0, kOp,
+             "x_scale_format", "unknown ScaleFormat value ", int(a.x_scale_format));
+  const bool fp8 = a.residual == MhcResidual::kFp8E4m3;
+  if (fp8) {
+    FM_REQUIRE(a.shape.hidden % 128 == 0, kOp, "hidden",
+               "must be a multiple of 128 with residual fp8_e4m3 (1 x 128 scale blocks; got ", a.shape.hidden, ")");
+  } else {
+    FM_REQUIRE(a.x_scales == nullptr, kOp, "x_scales", "set with residual bf16 (scales belong to fp8_e4m3)");
+    FM_REQUIRE(a.x_next_scales == nullptr, kOp, "x_next_scales",
+               "set with residual bf16 (scales belong to fp8_e4m3)");
+  }
   if (a.shape.batch == 0) return Status::Ok();
   FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
+  if (fp8) FM_RETURN_IF_ERROR(check_ptr(a.x_scales, kOp, "x_scales", int(scale_bytes(a.x_scale_format))));
   FM_RETURN_IF_ERROR(check_ptr(a.f_out, kOp, "f_out", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.h_post, kOp, "h_post", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.h_res, kOp, "h_res", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.x_next, kOp, "x_next", 16));
+  if (fp8)
+    FM_RETURN_IF_ERROR(check_ptr(a.x_next_scales, kOp, "x_next_scales", int(scale_bytes(a.x_scale_format))));
   const MhcShape& s = a.shape;
-  const Range outs[] = {{"x_next", a.x_next, s.batch * s.n * s.hidden * 2}};
-  const Range ins[] = {{"x", a.x, s.batch * s.n * s.hidden * 2},
+  const int64_t x_bytes = s.batch * s.n * s.hidden * (fp8 ? 1 : 2);
+  const int64_t scale_extent = fp8 ? mhc_x_scale_count(s) * scale_bytes(a.x_scale_format) : 0;
+  const Range outs[] = {{"x_next", a.x_next, x_bytes}, {"x_next_scales", a.x_next_scales, scale_extent}};
+  const Range ins[] = {{"x", a.x, x_bytes},
+                       {"x_scales", a.x_scales, scale_extent},
                        {"f_out", a.f_out, s.batch * s.hidden * 2},
                        {"h_post", a.h_post, s.batch * s.n * 4},
                        {"h_res", a.h_res, s.batch * s.n * s.n * 4}};
@@ -282,6 +321,7 @@ Status validate_mhc_head(const MhcHeadArgs& a) {
   FM_REQUIRE(std::isfinite(a.eps_pre) && a.eps_pre >= 0, kOp, "eps_pre", "must be finite and >= 0");
   FM_RETURN_IF_ERROR(check_phi_dtype(a.phi_dtype, kOp));
   FM_RETURN_IF_ERROR(check_kernel(a.kernel, kOp));
+  FM_RETURN_IF_ERROR(check_bf16_residual(a.residual, kOp));
   if (a.shape.batch == 0) return Status::Ok();
   FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.phi, kOp, "phi", 16));
@@ -302,6 +342,7 @@ Status validate_mhc_head(const MhcHeadArgs& a) {
 Status validate_mhc_expand(const MhcExpandArgs& a) {
   constexpr const char* kOp = "mhc_expand";
   FM_RETURN_IF_ERROR(check_shape(a.shape, kOp, true));
+  FM_RETURN_IF_ERROR(check_bf16_residual(a.residual, kOp));
   if (a.shape.batch == 0) return Status::Ok();
   FM_RETURN_IF_ERROR(check_ptr(a.embedding, kOp, "embedding", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
@@ -320,6 +361,7 @@ Status validate_mhc_post_pre(const MhcPostPreArgs& a) {
   FM_RETURN_IF_ERROR(check_phi_dtype(a.phi_dtype, kOp));
   FM_RETURN_IF_ERROR(check_kernel(a.kernel, kOp));
   FM_RETURN_IF_ERROR(check_epilogue(a, kOp));
+  FM_RETURN_IF_ERROR(check_bf16_residual(a.residual, kOp));
   if (a.shape.batch == 0) return Status::Ok();  // nothing is read or written
   FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.f_out, kOp, "f_out", 16));

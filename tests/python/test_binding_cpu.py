@@ -1118,6 +1118,81 @@ def test_mhc_post_rejects_x_next_overlapping_x():
         flashmix.mhc_post(big[:2], f_out, h_post, h_res, x_next=big[1:])
 
 
+def _fp8x_scales(s, scale_format):
+    """spec §4.9 / §11.2: the scales as float32 (ue8m0: 2^(b - 127), 255 NaN)."""
+    if scale_format != "ue8m0":
+        return s
+    return np.where(s == 255, np.float32(np.nan), np.ldexp(np.float32(1), s.astype(np.int32) - 127)).astype(np.float32)
+
+
+def _fp8x_values(q, s, scale_format):
+    """spec §4.9: an element's value, fp32(e4m3(code) * scale); q [B, K] uint8, s [B, K/128]."""
+    import ml_dtypes
+    codes = q.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return (codes * np.repeat(_fp8x_scales(s, scale_format), 128, axis=1)).astype(np.float32)
+
+
+@needs_bf16
+@pytest.mark.parametrize("scale_format", ["float32", "ue8m0"])
+@pytest.mark.parametrize("res_layout", ["deepseek", "row_mix"])
+@pytest.mark.parametrize("n,C", [(1, 128), (3, 256), (4, 384), (8, 128)])
+def test_mhc_post_fp8x_matches_spec(n, C, res_layout, scale_format):
+    """spec §4.9: X as e4m3 codes + [B, n*C/128] scales (quantize_fp8 of X seen as [B, n*C]), X_next
+    the same way, within half an e4m3 step of the exact sum; [B, n, C] takes the same bytes; with
+    X = 0 and H_post = 1 every stream is quantize_fp8(F_out), bit for bit."""
+    rng = np.random.default_rng(n * 31 + C)
+    B = 3
+    x, f_out, h_post, h_res = ref.post_problem(rng, B, n, C)
+    q, s = flashmix.quantize_fp8(x.reshape(B, n * C), scale_format=scale_format)
+    out = flashmix.mhc_post(q, f_out, h_post, h_res, x_scales=s, x_scale_format=scale_format, res_layout=res_layout)
+    assert isinstance(out, flashmix.MhcPostFp8Output)
+    assert out.x_next.shape == q.shape and out.x_next.dtype == np.uint8
+    assert out.x_next_scales.shape == s.shape and out.x_next_scales.dtype == s.dtype
+    xv = _fp8x_values(q, s, scale_format)
+    want = ref.mhc_post(xv, f_out, h_post, h_res, res_layout).reshape(B, n * C)
+    got = _fp8x_values(out.x_next, out.x_next_scales, scale_format).astype(np.float64)
+    R = np.abs(ref.f64(h_res))
+    R = np.transpose(R, (0, 2, 1)) if res_layout == "deepseek" else R
+    terms = (np.einsum("bij,bjc->bic", R, np.abs(xv.astype(np.float64)).reshape(B, n, C))
+             + np.abs(ref.f64(h_post))[:, :, None] * np.abs(ref.f64(f_out))[:, None, :]).reshape(B, n * C)
+    sc = np.repeat(_fp8x_scales(out.x_next_scales, scale_format), 128, axis=1).astype(np.float64)
+    tol = np.ldexp(np.abs(want), -4) + np.ldexp(sc, -10) + np.ldexp(terms, -20)
+    bad = ~(np.abs(got - want) <= tol)
+    assert not bad.any(), f"{bad.sum()} elements out of tolerance, first at {np.argwhere(bad)[0]}"
+    three = flashmix.mhc_post(q.reshape(B, n, C), f_out, h_post, h_res, x_scales=s.reshape(B, n, C // 128),
+                              x_scale_format=scale_format, res_layout=res_layout)
+    np.testing.assert_array_equal(three.x_next.reshape(B, n * C), out.x_next)
+    np.testing.assert_array_equal(three.x_next_scales.reshape(s.shape), out.x_next_scales)
+    zero = flashmix.mhc_post(np.zeros_like(q), f_out, np.ones_like(h_post), h_res, x_scales=s,
+                             x_scale_format=scale_format, res_layout=res_layout)
+    fq, fs = flashmix.quantize_fp8(f_out, scale_format=scale_format)
+    np.testing.assert_array_equal(zero.x_next, np.tile(fq, (1, n)))
+    np.testing.assert_array_equal(zero.x_next_scales, np.tile(fs, (1, n)))
+
+
+@needs_bf16
+def test_mhc_post_fp8x_rejects_bad_arguments():
+    rng = np.random.default_rng(29)
+    B, n, C = 2, 4, 256
+    x, f_out, h_post, h_res = ref.post_problem(rng, B, n, C)
+    q, s = flashmix.quantize_fp8(x.reshape(B, n * C))
+    with raises_naming(ValueError, "mhc_post", "x_scales"):  # x_next_scales without x_scales
+        flashmix.mhc_post(q, f_out, h_post, h_res, x_next_scales=np.zeros_like(s))
+    with raises_naming(ValueError, "mhc_post", "x"):  # bf16 x with scales
+        flashmix.mhc_post(x, f_out, h_post, h_res, x_scales=s)
+    with raises_naming(ValueError, "mhc_post", "x_scales"):  # float32 scales named ue8m0
+        flashmix.mhc_post(q, f_out, h_post, h_res, x_scales=s, x_scale_format="ue8m0")
+    with raises_naming(ValueError, "mhc_post", "x_scale_format"):
+        flashmix.mhc_post(q, f_out, h_post, h_res, x_scales=s, x_scale_format="e5m2")
+    with raises_naming(ValueError, "mhc_post", "x_scales"):  # wrong shape
+        flashmix.mhc_post(q, f_out, h_post, h_res, x_scales=s[:, :4])
+    with raises_naming(ValueError, "mhc_post", "x_next"):
+        flashmix.mhc_post(q, f_out, h_post, h_res, x_scales=s, x_next=q)
+    x8, f8, p8, r8 = ref.post_problem(rng, B, n, 64)
+    with raises_naming(ValueError, "mhc_post", "hidden"):  # C a multiple of 128
+        flashmix.mhc_post(np.zeros((B, n * 64), np.uint8), f8, p8, r8, x_scales=np.zeros((B, 2), np.float32))
+
+
 @needs_bf16
 def test_fc2_bad_mode_and_shapes_raise_value_error_naming_the_argument():
     A, W2 = np.zeros((4, 8), BF16), np.zeros((2, 8, 8), BF16)

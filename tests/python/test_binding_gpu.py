@@ -741,6 +741,24 @@ def test_mhc_post_gpu_matches_cpu(B, n, C, res_layout):
 
 
 @pytest.mark.parametrize("scale_format", ["float32", "ue8m0"])
+@pytest.mark.parametrize("res_layout", ["deepseek", "row_mix"])
+@pytest.mark.parametrize("B,n,C", [(16, 4, 7168), (7, 3, 384), (5, 8, 128), (0, 4, 256)])
+def test_mhc_post_fp8x_gpu_bitwise_cpu(B, n, C, res_layout, scale_format):
+    """spec §4.9 through torch: X as float8_e4m3fn codes + scales (quantize_fp8 of X seen as
+    [B, n*C]); X_next's codes and scales bitwise those of the CPU reference."""
+    rng = np.random.default_rng(B + n + C + 1)
+    x, f_out, h_post, h_res = (tensor(a) for a in ref.post_problem(rng, B, n, C))
+    q, s = flashmix.quantize_fp8(x.reshape(B, n * C), scale_format=scale_format)
+    got = flashmix.mhc_post(q, f_out, h_post, h_res, x_scales=s, x_scale_format=scale_format, res_layout=res_layout)
+    want = flashmix.mhc_post(q.cpu(), f_out.cpu(), h_post.cpu(), h_res.cpu(), x_scales=s.cpu(),
+                             x_scale_format=scale_format, res_layout=res_layout)
+    sync()
+    assert got.x_next.dtype == q.dtype and got.x_next_scales.dtype == s.dtype
+    assert torch.equal(got.x_next.view(torch.uint8).cpu(), want.x_next.view(torch.uint8))
+    assert torch.equal(got.x_next_scales.view(torch.uint8).cpu(), want.x_next_scales.view(torch.uint8))
+
+
+@pytest.mark.parametrize("scale_format", ["float32", "ue8m0"])
 @pytest.mark.parametrize("B,n,C", [(16, 4, 7168), (17, 3, 1280), (0, 4, 256)])
 def test_mhc_post_pre_norm_fp8_gpu(B, n, C, scale_format):
     """spec §4.8 through torch: the FP8 copy is quantize_fp8 of the call's bf16 f_pre (bitwise, on

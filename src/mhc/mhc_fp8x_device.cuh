@@ -1,0 +1,54 @@
+// Device pieces of the FP8 residual stream (spec §4.9), for every mHC kernel
+// that reads or writes it: an X element is fp32(e4m3(code) * scale), one
+// scale per (token, stream, 128 channels) in [B, n, C/128]; X_next blocks are
+// quantised from fp32 values with quantize_fp8's arithmetic
+// (fp8/quantize_fp8_device.cuh), bit for bit.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "flashmix/fp8.h"
+#include "fp8/quantize_fp8_device.cuh"
+
+namespace flashmix::mhc_detail {
+
+// The scale at `index` of a scale array (float, or ue8m0: 2^(b - 127), byte
+// 255 NaN, byte 0 the subnormal 2^-127). Streaming load: read once.
+template <ScaleFormat F>
+__device__ __forceinline__ float load_x_scale(const void* scales, long long index) {
+  if constexpr (F == ScaleFormat::kFloat32) {
+    return __ldcs(static_cast<const float*>(scales) + index);
+  } else {
+    const uint32_t b = __ldcs(static_cast<const uint8_t*>(scales) + index);
+    return b == 255u ? __uint_as_float(0x7fc00000u) : __uint_as_float(b ? b << 23 : 0x00400000u);
+  }
+}
+
+// Eight e4m3 codes (the first in the low byte of c.x) times their block's
+// scale, each product rounded once to fp32 (the element's value, §4.9).
+__device__ __forceinline__ void dequant8(const uint2& c, float s, float* f) {
+  const uint32_t w[2] = {c.x, c.y};
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      // e4m3 -> half is exact (NaN stays NaN), half -> float too.
+      const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w[h] >> (16 * p)), __NV_E4M3);
+      const float2 v = __half22float2(__half2(r));
+      f[h * 4 + p * 2] = __fmul_rn(v.x, s);
+      f[h * 4 + p * 2 + 1] = __fmul_rn(v.y, s);
+    }
+}
+
+// The max of `v` over the 16 lanes of this lane's half-warp (xor shuffles
+// stay inside a half); `mask` names that half (both halves: 0xffffffff).
+__device__ __forceinline__ uint32_t half_warp_max(uint32_t v, unsigned mask) {
+#pragma unroll
+  for (int off = 8; off >= 1; off >>= 1) v = max(v, __shfl_xor_sync(mask, v, off));
+  return v;
+}
+
+}  // namespace flashmix::mhc_detail

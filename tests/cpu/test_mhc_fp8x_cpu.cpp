@@ -1,0 +1,296 @@
+// CPU tests of mhc_post on the FP8 residual stream (spec §4.9) and of its
+// argument checks (spec §5.4). These run on any machine.
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+
+#include <gtest/gtest.h>
+
+#include "cpu/test_mhc_fp8x_common.h"
+
+namespace flashmix {
+namespace {
+
+using namespace mhc_test;
+
+constexpr ScaleFormat kFormats[] = {ScaleFormat::kFloat32, ScaleFormat::kUE8M0};
+constexpr MhcResLayout kLayouts[] = {MhcResLayout::kDeepSeek, MhcResLayout::kRowMix};
+
+std::string fmt_name(ScaleFormat f) { return to_string(f); }
+
+// With X = 0 and H_post = 1 every stream of X_next is F_out exactly (fp32:
+// 1 * f, then fma(R, 0, f) = f), so X_next is quantize_fp8 of F_out (bf16,
+// 1 x 128) in every stream, byte for byte: the fp32 block rule of §4.9 is
+// quantize_fp8's on values that are bf16.
+TEST(MhcFp8xCpu, ZeroXAndUnitPostGiveQuantizeFp8OfFout) {
+  for (int n : {1, 3, 8})
+    for (ScaleFormat f : kFormats)
+      for (MhcResLayout l : kLayouts) {
+        Problem p = make_problem(3, n, 384, seed_for("fp8x_zero_x") + n);
+        SCOPED_TRACE("seed " + std::to_string(p.seed) + " n " + std::to_string(n) + " " + fmt_name(f));
+        for (auto& v : p.h_post) v = 1.0f;
+        Fp8X x = quantize_x(p, f);
+        std::fill(x.codes.begin(), x.codes.end(), uint8_t(0));
+        Fp8X out = poisoned_fp8x({p.B, n, p.C}, f);
+        Status s = mhc_post_cpu(fp8_post_args(p, x, out, l));
+        ASSERT_TRUE(s.ok()) << s.message();
+        Fp8X ref = poisoned_fp8x({p.B, 1, p.C}, f);
+        QuantizeFp8Args q;
+        q.x = p.f_out.data(); q.q = ref.codes.data(); q.scales = ref.scales.data();
+        q.rows = p.B; q.cols = p.C; q.scale_format = f;
+        ASSERT_TRUE(quantize_fp8_cpu(q).ok());
+        const int64_t blocks = p.C / 128, sb = x.scale_bytes();
+        for (int64_t b = 0; b < p.B; ++b)
+          for (int i = 0; i < n; ++i) {
+            ASSERT_EQ(0, std::memcmp(out.codes.data() + (b * n + i) * p.C, ref.codes.data() + b * p.C, size_t(p.C)))
+                << "token " << b << " stream " << i;
+            ASSERT_EQ(0, std::memcmp(out.scales.data() + (b * n + i) * blocks * sb, ref.scales.data() + b * blocks * sb,
+                                     size_t(blocks * sb)))
+                << "token " << b << " stream " << i;
+          }
+      }
+}
+
+// One block by hand (spec §4.9): the fp32 chain in its order, amax, the
+// scale, every code; and the whole output within the e4m3 tolerance of the
+// exact sum, with each block's largest code at +-448 (kFloat32) or in
+// [224, 448] (kUE8M0).
+TEST(MhcFp8xCpu, MatchesTheFp32ChainAndExactArithmetic) {
+  for (int n : {1, 2, 4, 6, 8})
+    for (ScaleFormat f : kFormats)
+      for (MhcResLayout l : kLayouts) {
+        Problem p = make_problem(3, n, 256, seed_for("fp8x_by_hand") + n);
+        SCOPED_TRACE("seed " + std::to_string(p.seed) + " n " + std::to_string(n) + " " + fmt_name(f));
+        const Fp8X x = quantize_x(p, f);
+        Fp8X out = poisoned_fp8x({p.B, n, p.C}, f);
+        ASSERT_TRUE(mhc_post_cpu(fp8_post_args(p, x, out, l)).ok());
+        // Token 2, stream n - 1, channels [128, 256).
+        const int64_t b = 2, C = p.C;
+        const int i = n - 1;
+        const bool tr = l == MhcResLayout::kDeepSeek;
+        float v[128], amax = 0;
+        for (int k = 0; k < 128; ++k) {
+          const int64_t c = 128 + k;
+          float acc = p.h_post[b * n + i] * f32(p.f_out[b * C + c]);
+          for (int j = 0; j < n; ++j)
+            acc = std::fma(tr ? p.h_res[b * n * n + j * n + i] : p.h_res[b * n * n + i * n + j],
+                           x.value((b * n + j) * C + c), acc);
+          v[k] = acc;
+          amax = std::max(amax, std::fabs(acc));
+        }
+        const int64_t blk = (b * n + i) * (C / 128) + 1;
+        float s = amax / 448.0f;
+        if (f == ScaleFormat::kUE8M0) {
+          const uint8_t e = host::ue8m0_byte_at_least(s);
+          EXPECT_EQ(out.scales[size_t(blk)], e);
+          s = host::ue8m0_to_float(e);
+        } else {
+          EXPECT_EQ(out.scale(blk), s);
+        }
+        for (int k = 0; k < 128; ++k)
+          ASSERT_EQ(out.codes[size_t(blk * 128 + k)], host::float_to_e4m3(v[k] / s)) << "channel " << 128 + k;
+        EXPECT_EQ(count_fp8x_far_from_exact(p, x, out, l), 0);
+        for (int64_t k = 0; k < mhc_x_scale_count({p.B, n, C}); ++k) {
+          float big = 0;
+          for (int e = 0; e < 128; ++e) big = std::max(big, std::fabs(host::e4m3_to_float(out.codes[size_t(k * 128 + e)])));
+          if (f == ScaleFormat::kFloat32) ASSERT_EQ(big, 448.0f) << "block " << k;
+          else ASSERT_TRUE(big >= 224.0f && big <= 448.0f) << "block " << k << ": " << big;
+        }
+      }
+}
+
+// deepseek with H_res == row_mix with H_res transposed, byte for byte.
+TEST(MhcFp8xCpu, LayoutsAreTransposesOfEachOther) {
+  const int n = 4;
+  Problem p = make_problem(3, n, 256, seed_for("fp8x_layouts"));
+  const Fp8X x = quantize_x(p, ScaleFormat::kFloat32);
+  Fp8X o1 = poisoned_fp8x({p.B, n, p.C}, x.format), o2 = o1;
+  ASSERT_TRUE(mhc_post_cpu(fp8_post_args(p, x, o1, MhcResLayout::kDeepSeek)).ok());
+  Problem t = p;
+  for (int64_t b = 0; b < p.B; ++b)
+    for (int i = 0; i < n; ++i)
+      for (int j = 0; j < n; ++j) t.h_res[b * 16 + i * 4 + j] = p.h_res[b * 16 + j * 4 + i];
+  ASSERT_TRUE(mhc_post_cpu(fp8_post_args(t, x, o2, MhcResLayout::kRowMix)).ok());
+  EXPECT_EQ(o1.codes, o2.codes);
+  EXPECT_EQ(o1.scales, o2.scales);
+}
+
+// NaN and infinity (spec §4.9, §12.1): a NaN code in X makes that channel
+// NaN in every stream, so each stream's block holding it gets the NaN scale
+// and all codes 0x7f; an infinite F_out element (H_post > 0) makes its
+// channel +inf: kFloat32 scale +inf, that code 0x7f, the rest +-0; kUE8M0
+// scale 2^127 (byte 254), that code 448 (0x7e). Other blocks are untouched
+// by either.
+TEST(MhcFp8xCpu, NanAndInfinityFollowQuantizeFp8) {
+  const int n = 3;
+  for (ScaleFormat f : kFormats) {
+    Problem p = make_problem(2, n, 384, seed_for("fp8x_special"));
+    SCOPED_TRACE("seed " + std::to_string(p.seed) + " " + fmt_name(f));
+    Fp8X x = quantize_x(p, f);
+    Fp8X clean = poisoned_fp8x({p.B, n, p.C}, f);
+    ASSERT_TRUE(mhc_post_cpu(fp8_post_args(p, x, clean)).ok());
+    const int64_t C = p.C, blocks = C / 128;
+    x.codes[size_t((0 * n + 1) * C + 130)] = 0xff;  // token 0, stream 1, channel 130 (block 1): NaN
+    p.f_out[size_t(1 * C + 300)] = 0x7f80;           // token 1, channel 300 (block 2): +inf
+    Fp8X out = poisoned_fp8x({p.B, n, p.C}, f);
+    ASSERT_TRUE(mhc_post_cpu(fp8_post_args(p, x, out)).ok());
+    for (int64_t b = 0; b < p.B; ++b)
+      for (int i = 0; i < n; ++i)
+        for (int64_t k = 0; k < blocks; ++k) {
+          const int64_t blk = (b * n + i) * blocks + k;
+          const uint8_t* q = out.codes.data() + blk * 128;
+          if (b == 0 && k == 1) {  // NaN block
+            EXPECT_TRUE(std::isnan(out.scale(blk)));
+            if (f == ScaleFormat::kFloat32) {
+              uint32_t bits;
+              std::memcpy(&bits, out.scales.data() + blk * 4, 4);
+              EXPECT_EQ(bits, 0x7fc00000u);
+            }
+            for (int e = 0; e < 128; ++e) ASSERT_EQ(q[e], 0x7f);
+          } else if (b == 1 && k == 2) {  // +inf at channel 300 = 256 + 44
+            if (f == ScaleFormat::kFloat32) {
+              EXPECT_EQ(out.scale(blk), std::numeric_limits<float>::infinity());
+              for (int e = 0; e < 128; ++e) ASSERT_EQ(q[e] & 0x7f, e == 44 ? 0x7f : 0x00) << e;
+            } else {
+              EXPECT_EQ(out.scales[size_t(blk)], 254);
+              EXPECT_EQ(q[44], 0x7e);
+            }
+          } else {
+            ASSERT_EQ(0, std::memcmp(q, clean.codes.data() + blk * 128, 128)) << "block " << blk;
+            ASSERT_EQ(0, std::memcmp(out.scales.data() + blk * x.scale_bytes(), clean.scales.data() + blk * x.scale_bytes(),
+                                     size_t(x.scale_bytes())));
+          }
+        }
+  }
+}
+
+// fp32(amax / 448) == 0 (amax below about 2^-141, reachable only from fp32
+// values): the block counts as amax == 0, scale 1 (byte 127), codes +-0.
+TEST(MhcFp8xCpu, VanishingBlockGetsScaleOne) {
+  const int n = 1;
+  for (ScaleFormat f : kFormats) {
+    Problem p = make_problem(1, n, 128, seed_for("fp8x_tiny"));
+    p.h_post[0] = 0.0f;
+    p.h_res[0] = 1.0f;
+    Fp8X x = poisoned_fp8x({1, n, 128}, f);
+    std::fill(x.codes.begin(), x.codes.end(), uint8_t(0x08));  // 2^-6
+    if (f == ScaleFormat::kFloat32) {
+      const float s = std::ldexp(1.0f, -140);  // values 2^-146
+      std::memcpy(x.scales.data(), &s, 4);
+    } else {
+      x.scales[0] = 0;  // 2^-127: values 2^-133, amax / 448 still a subnormal
+    }
+    Fp8X out = poisoned_fp8x({1, n, 128}, f);
+    ASSERT_TRUE(mhc_post_cpu(fp8_post_args(p, x, out)).ok());
+    if (f == ScaleFormat::kFloat32) {
+      EXPECT_EQ(out.scale(0), 1.0f);
+      for (int e = 0; e < 128; ++e) ASSERT_EQ(out.codes[size_t(e)] & 0x7f, 0) << e;
+    } else {
+      EXPECT_EQ(out.scales[0], 0);  // 2^-127, clamped; 2^-133 / 2^-127 = 2^-6 = code 0x08
+      for (int e = 0; e < 128; ++e) ASSERT_EQ(out.codes[size_t(e)], 0x08) << e;
+    }
+  }
+}
+
+// The rules of spec §5.4 for the FP8 stream, each named; nothing written.
+TEST(MhcFp8xValidation, NamesItsArguments) {
+  Problem p = make_problem(2, 4, 256, seed_for("fp8x_validation"));
+  const Fp8X x = quantize_x(p, ScaleFormat::kFloat32);
+  Fp8X out = poisoned_fp8x({p.B, 4, p.C}, ScaleFormat::kFloat32);
+  auto base = [&] { return fp8_post_args(p, x, out); };
+  EXPECT_TRUE(validate_mhc_post(base()).ok());
+  struct Bad {
+    const char* arg;
+    std::function<void(MhcPostArgs&)> edit;
+  };
+  const Bad bad[] = {
+      {"residual", [](MhcPostArgs& a) { a.residual = static_cast<MhcResidual>(7); }},
+      {"x_scale_format", [](MhcPostArgs& a) { a.x_scale_format = static_cast<ScaleFormat>(3); }},
+      {"hidden", [](MhcPostArgs& a) { a.shape.hidden = 200; }},
+      {"x_scales", [](MhcPostArgs& a) { a.residual = MhcResidual::kBf16; a.x_next_scales = nullptr; }},
+      {"x_next_scales", [](MhcPostArgs& a) { a.residual = MhcResidual::kBf16; a.x_scales = nullptr; }},
+      {"x_scales", [](MhcPostArgs& a) { a.x_scales = nullptr; }},
+      {"x_next_scales", [](MhcPostArgs& a) { a.x_next_scales = nullptr; }},
+      {"x", [](MhcPostArgs& a) { a.x = static_cast<const uint8_t*>(a.x) + 8; }},
+      {"x_next", [](MhcPostArgs& a) { a.x_next = static_cast<uint8_t*>(a.x_next) + 8; }},
+      {"x_scales", [](MhcPostArgs& a) { a.x_scales = static_cast<const uint8_t*>(a.x_scales) + 2; }},
+      {"x_next_scales", [](MhcPostArgs& a) { a.x_next_scales = static_cast<uint8_t*>(a.x_next_scales) + 1; }},
+      // Overlaps, on the FP8 extents (codes: one byte per element).
+      {"x_next", [](MhcPostArgs& a) { a.x_next = const_cast<void*>(a.x); }},
+      {"x_next_scales", [](MhcPostArgs& a) { a.x_next_scales = const_cast<void*>(a.x_scales); }},
+      {"x_next_scales", [](MhcPostArgs& a) { a.x_next_scales = a.x_next; }},
+      {"x_next", [](MhcPostArgs& a) {
+         a.x_next = const_cast<uint8_t*>(static_cast<const uint8_t*>(a.x_scales)) - 2 * 4 * 256 + 16;
+       }},
+  };
+  for (const Bad& b : bad) {
+    MhcPostArgs a = base();
+    b.edit(a);
+    SCOPED_TRACE(b.arg);
+    Status s = mhc_post_cpu(a);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.message();
+    EXPECT_NE(s.message().find(": " + std::string(b.arg) + ": "), std::string::npos) << s.message();
+  }
+  for (auto v : out.codes) ASSERT_EQ(v, 0xa5);
+  for (auto v : out.scales) ASSERT_EQ(v, 0xa5);
+  // ue8m0 scales need 1-byte alignment only; codes end exactly where the
+  // bf16 extent would still overlap (one byte per element, not two).
+  MhcPostArgs a = base();
+  a.x_scale_format = ScaleFormat::kUE8M0;
+  a.x_scales = x.scales.data() + 1;
+  a.x_next_scales = out.scales.data() + 3;
+  EXPECT_TRUE(validate_mhc_post(a).ok());
+  std::vector<uint8_t> two(size_t(2 * p.B * 4 * p.C));
+  a = base();
+  a.x = two.data();
+  a.x_next = two.data() + p.B * 4 * p.C;
+  EXPECT_TRUE(validate_mhc_post(a).ok());
+  // B = 0: the value rules still hold, no buffers needed.
+  MhcPostArgs z;
+  z.shape = {0, 4, 200};
+  z.residual = MhcResidual::kFp8E4m3;
+  Status s = validate_mhc_post(z);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find(": hidden: "), std::string::npos) << s.message();
+  z.shape.hidden = 256;
+  EXPECT_TRUE(mhc_post_cpu(z).ok());
+  EXPECT_STREQ(to_string(MhcResidual::kBf16), "bf16");
+  EXPECT_STREQ(to_string(MhcResidual::kFp8E4m3), "fp8_e4m3");
+  EXPECT_EQ(mhc_x_scale_count({8192, 4, 7168}), 8192 * 4 * 56);
+}
+
+// The ops that do not take the FP8 stream yet (spec §4.9): residual
+// kFp8E4m3 is kNotSupported (named), an unknown value kInvalidArgument; at
+// any B, CPU and validation alike.
+TEST(MhcFp8xValidation, OtherOpsSayNotSupported) {
+  auto expect = [](const Status& s, StatusCode code) {
+    EXPECT_EQ(s.code(), code) << s.message();
+    EXPECT_NE(s.message().find(": residual: "), std::string::npos) << s.message();
+  };
+  for (int64_t B : {0, 4}) {
+    MhcPreArgs pre;
+    pre.shape = {B, 4, 256};
+    pre.residual = MhcResidual::kFp8E4m3;
+    expect(validate_mhc_pre(pre), StatusCode::kNotSupported);
+    expect(mhc_pre_cpu(pre), StatusCode::kNotSupported);
+    pre.residual = static_cast<MhcResidual>(2);
+    expect(validate_mhc_pre(pre), StatusCode::kInvalidArgument);
+    MhcPostPreArgs pp;
+    pp.shape = {B, 4, 256};
+    pp.residual = MhcResidual::kFp8E4m3;
+    expect(validate_mhc_post_pre(pp), StatusCode::kNotSupported);
+    expect(mhc_post_pre_cpu(pp), StatusCode::kNotSupported);
+    MhcHeadArgs head;
+    head.shape = {B, 4, 256};
+    head.residual = MhcResidual::kFp8E4m3;
+    expect(validate_mhc_head(head), StatusCode::kNotSupported);
+    MhcExpandArgs ex;
+    ex.shape = {B, 4, 256};
+    ex.residual = MhcResidual::kFp8E4m3;
+    expect(mhc_expand_cpu(ex), StatusCode::kNotSupported);
+  }
+}
+
+}  // namespace
+}  // namespace flashmix
