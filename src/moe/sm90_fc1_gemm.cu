@@ -75,8 +75,10 @@
 #include "common/sm90.cuh"
 #include "common/sm90_wgmma.cuh"
 #include "common/tma_host.h"
+#include "moe/fc1_activation.cuh"
 #include "moe/sm90_expert_tiles.cuh"
 #include "moe/sm90_fc1_gemm.h"
+#include "moe/sm90_mx_decode.h"
 #include "moe/sm90_mx_mainloop.cuh"
 
 namespace flashmix {
@@ -185,14 +187,9 @@ struct Fc1KernelParams {
 
 __device__ __forceinline__ uint32_t bar_at(uint32_t first, int i) { return first + 8 * i; }
 
-// act(g, u) in fp32; the clamps keep NaN (comparisons with NaN are false).
+// act(g, u) in fp32 (fc1_activation.cuh).
 __device__ __forceinline__ float activate(const Fc1KernelParams& p, float g, float u) {
-  if (p.act == int(MoeActivation::kSwiGLU)) return g / (1.f + __expf(-g)) * u;
-  const float L = p.limit;
-  g = g > L ? L : g;
-  u = u > L ? L : (u < -L ? -L : u);
-  if (p.act == int(MoeActivation::kSwiGLUOai)) return g / (1.f + __expf(-p.alpha * g)) * (u + 1.f);
-  return g / (1.f + __expf(-g)) * u;  // kSwiGLUClamped
+  return fc1_activate(p.act, p.limit, p.alpha, g, u);
 }
 
 // The loader warps: W1's box by TMA (one thread), the tile's rows by cp.async
@@ -611,6 +608,9 @@ Status launch(const Sm90Fc1Params& p, const Fc1KernelParams& k, const CUtensorMa
 }  // namespace
 
 Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
+  // MXFP4 at decode: the kernel that converts in registers (sm90_mx_decode.cu).
+  if (p.weights == MoeWeightFormat::kMxfp4 && mx_decode_applies(p.T, p.k, p.E))
+    return sm90_fc1_run_mx_decode(p, stream);
   CUtensorMap w;
   FM_REQUIRE_SUPPORTED(encode_w1(p, w), kOp, "W1", "its TMA descriptor could not be encoded");
   CUtensorMap x64 = w, x16 = w;  // used only with a permuted X

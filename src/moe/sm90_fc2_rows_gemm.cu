@@ -59,6 +59,7 @@
 #include "moe/moe_fc2_internal.h"
 #include "moe/sm90_expert_tiles.cuh"
 #include "moe/sm90_fc2_rows_profile.cuh"
+#include "moe/sm90_mx_decode.h"
 #include "moe/sm90_mx_mainloop.cuh"
 
 namespace flashmix {
@@ -803,7 +804,10 @@ Status launch_fp8(const Sm90Fc2GemmParams& p, const RowsGemmParams& k, const CUt
 
 Status sm90_fc2_run_rows(const Sm90Fc2GemmParams& p, cudaStream_t stream) {
   // The shapes it takes (E <= kMaxExpertsOp, T * k < 2^31) are checked where
-  // the kernel is chosen (moe_fc2_dispatch.cpp).
+  // the kernel is chosen (moe_fc2_dispatch.cpp). MXFP4 at decode: the kernel
+  // that converts in registers (sm90_mx_decode.cu).
+  if (p.weights == MoeWeightFormat::kMxfp4 && mx_decode_applies(p.T, p.k, p.E))
+    return sm90_fc2_run_mx_decode(p, stream);
   CUtensorMap w, a[4];
   FM_REQUIRE_SUPPORTED(encode_maps(p, w, a), kOp, "A", "TMA descriptors could not be encoded");
   const int es = p.fp8 != MoeFp8Scaling::kNone ? 1 : 2;  // bytes an element of A and W2

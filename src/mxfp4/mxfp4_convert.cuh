@@ -135,15 +135,14 @@ __host__ __device__ __forceinline__ E4m3Table e4m3_table(int d) {
 // Eight codes of a packed word through the table (element 0 in lo's low
 // byte), signs from each nibble's bit 3: bitwise e2m1x8_to_e4m3(packed, d)
 // for d in [-5, 6] (then every value is exact in e4m3). Per four elements:
-// one prmt looks up the magnitudes, a second takes each byte from them or
-// from them | 0x80 by the element's sign.
+// one prmt looks up the magnitudes; a second gathers the bytes whose top bit
+// is an element's sign (element 2i's in packed << 4, element 2i + 1's in
+// packed), and one lop3 ORs those top bits in: 9 instructions for eight.
 __host__ __device__ __forceinline__ void e2m1x8_to_e4m3_table(uint32_t packed, const E4m3Table& t, uint32_t& lo,
                                                              uint32_t& hi) {
-  const uint32_t m_lo = byte_perm(t.lo, t.hi, packed & 0x7777u);
-  lo = byte_perm(m_lo, m_lo | 0x80808080u, ((packed >> 1) & 0x4444u) | 0x3210u);
-  const uint32_t up = packed >> 16;
-  const uint32_t m_hi = byte_perm(t.lo, t.hi, up & 0x7777u);
-  hi = byte_perm(m_hi, m_hi | 0x80808080u, ((up >> 1) & 0x4444u) | 0x3210u);
+  const uint32_t mag = packed & 0x77777777u, p4 = packed << 4;
+  lo = byte_perm(t.lo, t.hi, mag) | (byte_perm(p4, packed, 0x5140u) & 0x80808080u);
+  hi = byte_perm(t.lo, t.hi, mag >> 16) | (byte_perm(p4, packed, 0x7362u) & 0x80808080u);
 }
 
 // One 32-element sub-block (16 packed bytes, scale byte s) of a group with

@@ -6,11 +6,23 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <vector>
 
 #include "common/test_data.h"
 
 namespace flashmix::testing {
+
+// The MXFP4 GEMMs' kernel for the scope: decode (registers, mma.sync) or the
+// TMA + wgmma one, by FLASHMIX_MX_DECODE (sm90_mx_decode.h), which the
+// library reads at each call. Restores the automatic choice after.
+struct ScopedMxKernel {
+  explicit ScopedMxKernel(bool decode) { setenv("FLASHMIX_MX_DECODE", decode ? "1" : "0", 1); }
+  ~ScopedMxKernel() { unsetenv("FLASHMIX_MX_DECODE"); }
+  ScopedMxKernel(const ScopedMxKernel&) = delete;
+  ScopedMxKernel& operator=(const ScopedMxKernel&) = delete;
+};
+inline const char* mx_kernel_name(bool decode) { return decode ? "decode kernel" : "TMA kernel"; }
 
 struct Mxfp4Data {
   std::vector<uint8_t> w;       // packed [batch, rows, cols / 2]

@@ -515,20 +515,22 @@ TEST(MoeFc1Gpu, Fp8ActivationsStridesAndOddShapes) {
 // last slice partial: its rows past I are TMA's zero fill).
 TEST(MoeFc1Gpu, Mxfp4EveryPathLayoutAndInput) {
   SKIP_WITHOUT_HOPPER();
-  for (MoeFp8Scaling f : {MoeFp8Scaling::kBlock, MoeFp8Scaling::kNone})
-    for (Fc1WeightLayout l : kLayouts)
-      for (bool permuted : {false, true}) {
-        SCOPED_TRACE(std::string(f == MoeFp8Scaling::kBlock ? "w4a8/" : "w4a16/") + to_string(l) +
-                     (permuted ? "/permuted" : "/gather"));
-        Case c;
-        c.mx = true;
-        c.fp8 = f;
-        c.H = 384;
-        c.layout = l;
-        c.x_permuted = permuted;
-        c.bias = !permuted;
-        check_case(c);
-      }
+  for (bool decode : {false, true})
+    for (MoeFp8Scaling f : {MoeFp8Scaling::kBlock, MoeFp8Scaling::kNone})
+      for (Fc1WeightLayout l : kLayouts)
+        for (bool permuted : {false, true}) {
+          const ScopedMxKernel pin(decode);
+          SCOPED_TRACE(std::string(mx_kernel_name(decode)) + (f == MoeFp8Scaling::kBlock ? " w4a8/" : " w4a16/") +
+                       to_string(l) + (permuted ? "/permuted" : "/gather"));
+          Case c;
+          c.mx = true;
+          c.fp8 = f;
+          c.H = 384;
+          c.layout = l;
+          c.x_permuted = permuted;
+          c.bias = !permuted;
+          check_case(c);
+        }
 }
 
 // Scales that spread within a row's K block: up to 18 binades (the
@@ -538,8 +540,10 @@ TEST(MoeFc1Gpu, Mxfp4EveryPathLayoutAndInput) {
 // token; many rows (256-row W4A16 tiles, chunks); an expert-parallel range.
 TEST(MoeFc1Gpu, Mxfp4SpreadsNaNsAndOddShapes) {
   SKIP_WITHOUT_HOPPER();
-  for (MoeFp8Scaling f : {MoeFp8Scaling::kBlock, MoeFp8Scaling::kNone}) {
-    SCOPED_TRACE(f == MoeFp8Scaling::kBlock ? "w4a8" : "w4a16");
+  for (bool decode : {false, true})
+    for (MoeFp8Scaling f : {MoeFp8Scaling::kBlock, MoeFp8Scaling::kNone}) {
+    const ScopedMxKernel pin(decode);
+    SCOPED_TRACE(std::string(mx_kernel_name(decode)) + (f == MoeFp8Scaling::kBlock ? " w4a8" : " w4a16"));
     Case c;
     c.mx = true;
     c.fp8 = f;

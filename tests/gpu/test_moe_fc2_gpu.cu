@@ -886,8 +886,10 @@ TEST(MoeFc2Gpu, Fp8BadInputNamesTheArgumentAndWritesNothing) {
 // in every mode, K of three blocks, H = 264 (the last 128-row slice partial).
 TEST(MoeFc2Gpu, Mxfp4EveryPathAndMode) {
   SKIP_WITHOUT_HOPPER();
+  for (bool decode : {false, true})
   for (MoeFp8Scaling f : {MoeFp8Scaling::kBlock, MoeFp8Scaling::kNone}) {
-    SCOPED_TRACE(f == MoeFp8Scaling::kBlock ? "w4a8" : "w4a16");
+    const ScopedMxKernel pin(decode);
+    SCOPED_TRACE(std::string(mx_kernel_name(decode)) + (f == MoeFp8Scaling::kBlock ? " w4a8" : " w4a16"));
     Case c;
     c.mx = true;
     c.fp8 = f;
@@ -902,7 +904,9 @@ TEST(MoeFc2Gpu, Mxfp4EveryPathAndMode) {
 // empty experts; more than 256 experts.
 TEST(MoeFc2Gpu, Mxfp4SpreadsAndShapes) {
   SKIP_WITHOUT_HOPPER();
+  for (bool decode : {false, true})
   for (MoeFp8Scaling f : {MoeFp8Scaling::kBlock, MoeFp8Scaling::kNone}) {
+    const ScopedMxKernel pin(decode);
     std::vector<std::pair<std::string, Case>> cases;
     Case c;
     c.mx = true;
@@ -939,7 +943,8 @@ TEST(MoeFc2Gpu, Mxfp4SpreadsAndShapes) {
     o.routing = Case::kAllToOne;
     cases.push_back({"all to one", o});
     for (const auto& [name, cs] : cases) {
-      SCOPED_TRACE(std::string(f == MoeFp8Scaling::kBlock ? "w4a8: " : "w4a16: ") + name);
+      SCOPED_TRACE(std::string(mx_kernel_name(decode)) + (f == MoeFp8Scaling::kBlock ? " w4a8: " : " w4a16: ") +
+                   name);
       for (Fc2Mode m : {Fc2Mode::kAtomic, Fc2Mode::kDeterministic}) {
         SCOPED_TRACE(fc2_mode_name(m));
         Problem p(cs, m);

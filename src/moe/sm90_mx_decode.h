@@ -1,0 +1,30 @@
+// MXFP4 expert GEMMs for decode (spec §13.7): FC1 and FC2 when experts hold
+// a few rows each, on mma.sync with the weights converted in registers
+// (sm90_mx_decode.cu). The TMA + wgmma kernels (sm90_fc1_gemm.cu,
+// sm90_fc2_rows_gemm.cu) take every other shape.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "flashmix/status.h"
+#include "moe/moe_fc2_internal.h"
+#include "moe/sm90_fc1_gemm.h"
+
+namespace flashmix {
+
+// Whether the decode kernels take an MXFP4 GEMM of T tokens, top k, over
+// E_local experts: while every slot over the local experts averages at most
+// 16 rows an expert (under expert parallelism most slots are not local, so
+// the local experts hold fewer). FLASHMIX_MX_DECODE=0 / 1 overrides the rule
+// (the A/B, and the tests running both kernels on one problem); read at
+// each call.
+bool mx_decode_applies(int64_t T, int k, int E);
+
+// Launch on `stream`; shapes as validated by moe_fc1 / moe_fc2_finalize
+// (MXFP4, K a multiple of 128). No host sync, capturable.
+Status sm90_fc1_run_mx_decode(const Sm90Fc1Params& p, cudaStream_t stream);
+Status sm90_fc2_run_mx_decode(const Sm90Fc2GemmParams& p, cudaStream_t stream);
+
+}  // namespace flashmix
