@@ -6,39 +6,38 @@
 // Why not the TMA + wgmma kernels: their weight tile goes global -> shared
 // (TMA) -> converted -> shared -> wgmma, and at decode the conversion's
 // round trip through shared memory and its barriers sat on the critical path
-// (docs/mxfp4.md §4.7: FC1 at 0.27-0.36 of copy). Here the weights go from
-// global memory straight into registers, are converted there, and feed
-// mma.sync as its A operand; the few token rows are the B operand (n = 8),
-// read from global memory (L2) into registers as well. No shared memory on
-// the K loop, no barriers.
+// (docs/mxfp4.md §4.7). Here the weights go from global memory straight into
+// registers, are converted there, and feed mma.sync as its A operand; the
+// few token rows are the B operand (n = 8), read from global memory (L2)
+// into registers as well. No shared memory on the K loop, no barriers.
 //
 // The product is computed transposed, D^T[weight row, token] = W[e] x X^T.
-// mma.sync m16n8k32 (e4m3, W4A8) or m16n8k16 (bf16, W4A16) gives the 4
-// threads of a quad fixed K columns; since a dot product does not care in
-// which order its K terms come, K is permuted the same way in A and B so
-// that thread q of a quad holds the 32 consecutive elements [32 q, 32 q + 32)
-// of each K block of 128: exactly one MXFP4 sub-block, i.e. one 16-byte load
-// and one scale byte per weight row. MMA j of a K block (of 4 k32 or 8 k16)
-// takes that thread's elements [8 j, 8 j + 8) (e4m3) or [4 j, 4 j + 4)
-// (bf16), in both operands.
+// mma.sync gives the 4 threads of a quad fixed K columns; since a dot
+// product does not care in which order its K terms come, K is permuted the
+// same way in A and B so that thread q of a quad holds the 32 consecutive
+// elements [32 q, 32 q + 32) of each K block of 128: exactly one MXFP4
+// sub-block, i.e. one 16-byte load and one scale byte per weight row. MMA j
+// of a K block takes that thread's elements [4 j, 4 j + 4) in both operands
+// (m16n8k16: f16 for W4A8, whose e4m3 values widen exactly, since Hopper's
+// mma.sync has no e4m3 inputs; bf16 for W4A16).
 //
-// Work: an item is (expert e, chunk of 8 of its rows, 32 weight rows: FC1
-// the gate and the up rows of 16 output columns, FC2 32 H columns). The 8
-// warps of a CTA split the item's K blocks (warp w takes w, w + 8, ...), each
-// with two K blocks of loads in flight, and sum their partials through shared
-// memory in warp order (deterministic). The items are numbered expert by
-// expert (an expert's chunks, then its column blocks) from
-// expert_first_token_offset on the device, and each CTA takes one contiguous
-// range of them (so consecutive items share their token rows). An expert of
-// more than 8 rows reads its weights once per chunk (the later reads mostly
-// from L2), which is why mx_decode_applies keeps this kernel to few rows.
+// Work: an item is (expert e, chunk of 8 of its rows, kTiles m16 tiles of
+// weight rows: FC1 the gate and the up rows of its output columns, FC2 H
+// columns), one warp an item over the whole K, two K blocks of loads in
+// flight; the epilogue runs on the C fragments (FC1: the gate and up of a
+// column meet in one thread). The items are numbered chunk by chunk (an
+// expert's chunks in order, each chunk's column blocks fastest) from
+// expert_first_token_offset on the device, and each warp takes one
+// contiguous range. An expert of more than 8 rows reads its weights once per
+// chunk (the later reads mostly from L2), which is why mx_decode_applies
+// keeps this kernel to few rows.
 //
 // Numerics: W4A8 as the TMA kernels: each row's K block converted to e4m3
-// relative to its group exponent E_G (mx_subblock_to_e4m3), the block's MMAs
-// summed fresh and promoted into fp32 with 2^E_G times the token's scale;
-// W4A16 converts to bf16 with the whole scale and accumulates in fp32. The
-// sums run in a different order than the TMA kernels' (not bitwise equal to
-// them; bitwise repeatable run to run).
+// relative to its group exponent E_G (the same conversion functions), the
+// block's MMAs summed fresh and promoted into fp32 with 2^E_G times the
+// token's scale; W4A16 converts to bf16 with the whole scale and accumulates
+// in fp32. The sums run in a different order than the TMA kernels' (not
+// bitwise equal to them; bitwise repeatable run to run).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -61,7 +60,10 @@ namespace {
 constexpr int kWarps = 12;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kChunk = 8;       // token rows of an item: the MMAs' n
-constexpr int kItemRows = 32;   // weight rows of an item: two m16 tiles
+// m16 tiles of weight rows an item. H100, V4-Flash EP-8 decode: 2 tiles and
+// 12 warps (155 registers) 106.8 us at T = 16, 269 us at T = 64; 1 tile and
+// 16 warps (128) 120.5 / 252.7 us: more warps, less ILP each.
+constexpr int kTiles = 2;
 constexpr int kMaxExperts = 1024;
 constexpr int kKBlock = 128;    // K a step: one ue8m0 scale word a weight row
 
@@ -90,15 +92,6 @@ struct DecodeParams {
   bool plain_k1;
 };
 
-// D += A (16 x 32 e4m3) x B (32 x 8 e4m3), fp32 accumulators.
-__device__ __forceinline__ void mma_e4m3_16832(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                               uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
 // Word i of a thread's token elements (static i after unrolling).
@@ -112,7 +105,7 @@ __device__ __forceinline__ uint32_t word(const uint4 (&v)[N], int i) {
 struct Lanes {
   const uint8_t* w;   // the expert's packed rows + 16 q
   const uint8_t* sc;  // the expert's scale rows
-  int row[2][2];      // the rows within the expert (-1: past the matrix)
+  int row[kTiles][2];  // the rows within the expert (-1: past the matrix)
   int row_bytes;      // K / 2 (a row's scale bytes: K / 32 = row_bytes / 16)
 };
 // The chunk's tokens as this thread sees them (the same for all its items).
@@ -124,8 +117,8 @@ struct Tokens {
 // One K block of loads.
 template <bool kFp8>
 struct Step {
-  uint4 w[2][2];          // tile t, half h: 16 packed bytes = the row's 32 elements
-  uint32_t sw[2][2];      // the rows' scale words (the K block's four sub-blocks)
+  uint4 w[kTiles][2];      // tile t, half h: 16 packed bytes = the row's 32 elements
+  uint32_t sw[kTiles][2];  // the rows' scale words (the K block's four sub-blocks)
   uint4 x[kFp8 ? 2 : 4];  // token g's 32 elements of the block
   float xs[2];            // W4A8: tokens 2q, 2q + 1's scales of the block
 };
@@ -133,7 +126,7 @@ struct Step {
 template <bool kFp8>
 __device__ __forceinline__ void load_step(const Lanes& l, const Tokens& tk, int kb, Step<kFp8>& s) {
 #pragma unroll
-  for (int t = 0; t < 2; ++t)
+  for (int t = 0; t < kTiles; ++t)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = l.row[t][h];
@@ -209,13 +202,13 @@ __device__ __forceinline__ int group_exp(uint32_t w) {
 }
 
 template <bool kFp8>
-__device__ __forceinline__ void compute_step(const Step<kFp8>& s, int q, float (&acc)[2][4]) {
+__device__ __forceinline__ void compute_step(const Step<kFp8>& s, int q, float (&acc)[kTiles][4]) {
   if constexpr (kFp8) {
     uint32_t b[16];  // the token's e4m3 as f16, once for both tiles
 #pragma unroll
     for (int j = 0; j < 8; ++j) e4m3x4_to_f16(word(s.x, j), b[2 * j], b[2 * j + 1]);
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
+    for (int t = 0; t < kTiles; ++t) {
       const int e0 = group_exp(s.sw[t][0]), e1 = group_exp(s.sw[t][1]);
       uint32_t o0[8], o1[8];
       subblock_to_e4m3(s.w[t][0], int((s.sw[t][0] >> (8 * q)) & 0xffu), e0, o0);
@@ -237,7 +230,7 @@ __device__ __forceinline__ void compute_step(const Step<kFp8>& s, int q, float (
     }
   } else {
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
+    for (int t = 0; t < kTiles; ++t) {
       const int b0 = int((s.sw[t][0] >> (8 * q)) & 0xffu), b1 = int((s.sw[t][1] >> (8 * q)) & 0xffu);
       const float sc0 = exp2_float(b0 - 127), sc1 = exp2_float(b1 - 127);
 #pragma unroll
@@ -263,7 +256,9 @@ __device__ __forceinline__ void compute_step(const Step<kFp8>& s, int q, float (
 
 template <bool kFc1>
 struct ItemShape {
-  static constexpr int kCols = kFc1 ? kItemRows / 2 : kItemRows;  // output columns an item
+  // Output columns an item: FC1 a tile's rows g its gate rows, g + 8 its up
+  // rows (or with two tiles, tile 0 gate, tile 1 up); FC2 16 a tile.
+  static constexpr int kCols = kFc1 ? 8 * kTiles : 16 * kTiles;
 };
 
 // This thread's weight rows of the item of expert e whose first output column
@@ -276,12 +271,13 @@ __device__ __forceinline__ Lanes item_lanes(const DecodeParams& p, int e, int co
   l.w = p.W + first * l.row_bytes + 16 * q;
   l.sc = p.w_sc + first * (p.K / 32);
 #pragma unroll
-  for (int t = 0; t < 2; ++t)
+  for (int t = 0; t < kTiles; ++t)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if constexpr (kFc1) {
-        const int j = col0 + g + 8 * h;  // output column: tile 0 its gate row, tile 1 its up row
-        l.row[t][h] = j >= p.n_cols ? -1 : p.interleaved ? 2 * j + t : j + t * p.n_cols;
+        // Output column j: its gate row (u = 0) or its up row (u = 1).
+        const int j = kTiles == 1 ? col0 + g : col0 + g + 8 * h, u = kTiles == 1 ? h : t;
+        l.row[t][h] = j >= p.n_cols ? -1 : p.interleaved ? 2 * j + u : j + u * p.n_cols;
       } else {
         const int row = col0 + 16 * t + g + 8 * h;
         l.row[t][h] = row < p.n_cols ? row : -1;
@@ -304,14 +300,14 @@ __device__ __forceinline__ Tokens chunk_tokens(const DecodeParams& p, int p0, in
 
 // FC1: out[p, j] = bf16(act(gate + b_g, up + b_u)) from the C fragments: the
 // gate tile's and the up tile's element c are the same (column, token).
-__device__ __forceinline__ void fc1_epilogue(const DecodeParams& p, const float (&acc)[2][4], int e, int p0,
+__device__ __forceinline__ void fc1_epilogue(const DecodeParams& p, const float (&acc)[kTiles][4], int e, int p0,
                                              int rows, int col0, int g, int q) {
   const __nv_bfloat16* b = p.fc1_bias != nullptr ? p.fc1_bias + int64_t(e) * 2 * p.n_cols : nullptr;
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
+  for (int c = 0; c < (kTiles == 1 ? 2 : 4); ++c) {
     const int j = col0 + g + 8 * (c >> 1), n = 2 * q + (c & 1);
     if (j >= p.n_cols || n >= rows) continue;
-    float gate = acc[0][c], up = acc[1][c];
+    float gate = kTiles == 1 ? acc[0][c] : acc[0][c], up = kTiles == 1 ? acc[0][2 + c] : acc[kTiles - 1][c];
     if (b != nullptr) {
       gate += __bfloat162float(b[p.interleaved ? 2 * j : j]);
       up += __bfloat162float(b[p.interleaved ? 2 * j + 1 : p.n_cols + j]);
@@ -323,11 +319,11 @@ __device__ __forceinline__ void fc1_epilogue(const DecodeParams& p, const float 
 // FC2: the finalize of Fc2EpilogueOp from the C fragments. Columns h and
 // h + 1 of a token sit in lanes g and g + 1 (4 lanes apart): the even-g lane
 // takes its neighbour's value and writes the pair.
-__device__ __forceinline__ void fc2_epilogue(const DecodeParams& p, const float (&acc)[2][4], int e, int p0,
+__device__ __forceinline__ void fc2_epilogue(const DecodeParams& p, const float (&acc)[kTiles][4], int e, int p0,
                                              int rows, int col0, int g, int q) {
-  float nb[2][4];
+  float nb[kTiles][4];
 #pragma unroll
-  for (int t = 0; t < 2; ++t)
+  for (int t = 0; t < kTiles; ++t)
 #pragma unroll
     for (int c = 0; c < 4; ++c) nb[t][c] = __shfl_down_sync(0xffffffffu, acc[t][c], 4);
   if (g & 1) return;
@@ -345,7 +341,7 @@ __device__ __forceinline__ void fc2_epilogue(const DecodeParams& p, const float 
       if (ep.scales != nullptr) w = ep.scales[int64_t(tok) * ep.k + s / ep.T];
     }
 #pragma unroll
-    for (int t = 0; t < 2; ++t)
+    for (int t = 0; t < kTiles; ++t)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int c = 2 * hh + c2;
@@ -436,7 +432,7 @@ __global__ void __launch_bounds__(kThreads, 1) mx_decode_kernel(const DecodePara
     }
 
     // The whole K: two K blocks of loads in flight.
-    float acc[2][4] = {};
+    float acc[kTiles][4] = {};
     Step<kFp8> s0, s1;
     load_step(l, tk, 0, s0);
     if (kbs > 1) load_step(l, tk, 1, s1);
