@@ -286,11 +286,15 @@ struct MhcPostPreArgs {
 struct MhcExpandArgs {
   MhcShape shape;
   const void* embedding = nullptr;  // bf16 [B, C]
-  void* x = nullptr;                // bf16 [B, n*C]
+  void* x = nullptr;                // bf16 [B, n*C] (kFp8E4m3: e4m3 codes [B, n*C])
   bool enable_pdl = true;
-  // The FP8 residual stream (spec §4.9): not taken by this op yet, so
-  // kFp8E4m3 returns kNotSupported (kBf16, the default: X as above).
+  // The FP8 residual stream (spec §4.9; default kBf16, x_scales then null).
+  // With kFp8E4m3 (C % 128 == 0) each 128-channel block of the embedding is
+  // quantised by quantize_fp8's 1 x 128 rule (spec §12.1) and its codes and
+  // scale written to every stream.
   MhcResidual residual = MhcResidual::kBf16;
+  void* x_scales = nullptr;  // [B, n, C/128] float or uint8 (kFp8E4m3 only)
+  ScaleFormat x_scale_format = ScaleFormat::kFloat32;
 };
 
 // N = n*n + 2n.

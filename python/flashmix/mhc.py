@@ -19,7 +19,7 @@ __all__ = [
     "mhc_pre", "mhc_pre_kernel_choice", "mhc_post", "mhc_post_pre", "mhc_project", "mhc_activate", "mhc_pre_mix", "mhc_head",
     "mhc_expand", "mhc_workspace_bytes", "mhc_num_coefficients",
     "MHC_MAX_STREAMS", "MHC_SEED_PARAMS", "MHC_PRE_KERNELS", "MhcPreOutput", "MhcActivateOutput",
-    "MhcPostPreOutput", "MhcPostPreFp8Output", "MhcPreFp8Output", "MhcPostFp8Output",
+    "MhcPostPreOutput", "MhcPostPreFp8Output", "MhcPreFp8Output", "MhcPostFp8Output", "MhcExpandFp8Output",
 ]
 
 if torch is not None:
@@ -49,6 +49,8 @@ MhcPreFp8Output = collections.namedtuple("MhcPreFp8Output", ["f_pre", "h_post", 
 MhcActivateOutput = collections.namedtuple("MhcActivateOutput", ["h_pre", "h_post", "h_res"])
 #: mhc_post on the FP8 residual stream (spec §4.9): e4m3 codes and their scales.
 MhcPostFp8Output = collections.namedtuple("MhcPostFp8Output", ["x_next", "x_next_scales"])
+#: mhc_expand onto the FP8 residual stream (spec §4.9).
+MhcExpandFp8Output = collections.namedtuple("MhcExpandFp8Output", ["x", "x_scales"])
 MhcPostPreOutput = collections.namedtuple("MhcPostPreOutput", ["x_next", "f_pre", "h_post", "h_res"])
 #: mhc_post_pre with ``fp8=True`` (spec §4.8): f_pre is None with ``bf16_f_pre=False``.
 MhcPostPreFp8Output = collections.namedtuple(
@@ -456,14 +458,33 @@ def _new_expanded(embedding, n):
     return empty(embedding, (embedding.shape[0], n, embedding.shape[1]), "bfloat16")
 
 
-def mhc_expand(embedding, *, n=None, x=None, enable_pdl=_EXPAND.enable_pdl, stream=None):
-    """mhc_expand: embedding bf16 ``[B, C]`` -> X ``[B, n, C]`` (n copies). Give ``n`` or ``x``."""
+def mhc_expand(embedding, *, n=None, x=None, fp8=False, x_scales=None, x_scale_format=_EXPAND.x_scale_format,
+               enable_pdl=_EXPAND.enable_pdl, stream=None):
+    """mhc_expand: embedding bf16 ``[B, C]`` -> X ``[B, n, C]`` (n copies). Give ``n`` or ``x``.
+
+    The FP8 residual stream (spec §4.9), with ``fp8=True`` (or ``x_scales`` given): each
+    128-channel block of the embedding quantised by quantize_fp8's 1 x 128 rule, its e4m3 codes
+    (``x``: float8_e4m3fn or uint8 ``[B, n, C]``, C a multiple of 128) and scale (``x_scales``
+    ``[B, n, C/128]``, float32 or ue8m0 by ``x_scale_format``) written to every stream; both are
+    allocated when None. Returns MhcExpandFp8Output(x, x_scales)."""
+    if not fp8 and x_scales is None:
+        if x is None:
+            if n is None:
+                raise ValueError("mhc_expand: n: give n (or x)")
+            x = _new_expanded(embedding, n)
+        _C.mhc_expand(arg(embedding), arg(x), x_scales=None, x_scale_format=x_scale_format, enable_pdl=enable_pdl,
+                      stream=stream_of(stream, embedding))
+        return x
+    from .fp8 import _as_bytes, _e4m3_dtype, _scale_dtype
     if x is None:
         if n is None:
             raise ValueError("mhc_expand: n: give n (or x)")
-        x = _new_expanded(embedding, n)
-    _C.mhc_expand(arg(embedding), arg(x), enable_pdl=enable_pdl, stream=stream_of(stream, embedding))
-    return x
+        x = empty(embedding, (embedding.shape[0], n, embedding.shape[1]), _e4m3_dtype(embedding))
+    if x_scales is None:
+        x_scales = empty(embedding, (x.shape[0], x.shape[1], x.shape[2] // 128), _scale_dtype(embedding, x_scale_format))
+    _C.mhc_expand(arg(embedding), arg(_as_bytes(x)), x_scales=arg(_as_bytes(x_scales)), x_scale_format=x_scale_format,
+                  enable_pdl=enable_pdl, stream=stream_of(stream, embedding))
+    return MhcExpandFp8Output(x, x_scales)
 
 
 if torch is not None:

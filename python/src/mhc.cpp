@@ -469,17 +469,32 @@ void mhc_head(const In& x, const In& phi, const In& alpha, const In& bias, const
       w, op, [&] { return fm::mhc_head(a, as_stream(stream)); }, [&] { return fm::mhc_head_cpu(a); });
 }
 
-void mhc_expand(const In& embedding, const Out& x, bool enable_pdl, uintptr_t stream) {
+// The FP8 residual stream (spec §4.9) with x_scales: x uint8 (e4m3 codes)
+// [B, n, C], x_scales [B, n, C/128] float32 or uint8 (ue8m0) by x_scale_format.
+void mhc_expand(const In& embedding, const Out& x, const OptOut& x_scales, const std::string& x_scale_format,
+                bool enable_pdl, uintptr_t stream) {
   constexpr const char* op = "mhc_expand";
   Placement w(op);
   w.add(embedding, "embedding", x, "x");
+  w.add(x_scales, "x_scales");
   require_ndim(x, 3, op, "x");
   const int64_t n = dim(x, 1);
   if (n < 1 || n > fm::kMhcMaxStreams)
     fail(op, "x", "[B, n, C]: n must be in [1, ", fm::kMhcMaxStreams, "] (got shape ", shape_str(x), ")");
   fm::MhcExpandArgs a;
-  a.shape = residual_shape(x, int(n), op, "x");
+  if (!fm::parse_scale_format(x_scale_format.c_str(), &a.x_scale_format))
+    fail(op, "x_scale_format", "must be \"float32\" or \"ue8m0\" (got \"", x_scale_format, "\")");
+  const bool fp8 = bool(x_scales);
+  a.residual = fp8 ? fm::MhcResidual::kFp8E4m3 : fm::MhcResidual::kBf16;
+  a.shape = residual_shape(x, int(n), op, "x", fp8 ? kUInt8 : kBFloat16);
   require_dense(embedding, kBFloat16, {a.shape.batch, a.shape.hidden}, op, "embedding");
+  if (fp8) {
+    const int64_t B = a.shape.batch, C = a.shape.hidden;
+    if (C % 128 != 0) fail(op, "hidden", "must be a multiple of 128 with the FP8 residual stream (got C = ", C, ")");
+    require_dense(*x_scales, a.x_scale_format == fm::ScaleFormat::kUE8M0 ? kUInt8 : kFloat32, {B, n, C / 128}, op,
+                  "x_scales");
+    a.x_scales = mut(*x_scales);
+  }
   a.embedding = ptr(embedding);
   a.x = mut(x);
   a.enable_pdl = enable_pdl;
@@ -545,7 +560,9 @@ nb::dict mhc_defaults() {
   f["eps_norm"] = py_float(head.eps_norm);
   f["eps_pre"] = py_float(head.eps_pre);
   d["mhc_head"] = projection(f, head);
-  d["mhc_expand"] = launch(nb::dict(), expand.enable_pdl);
+  f = nb::dict();
+  f["x_scale_format"] = fm::to_string(expand.x_scale_format);
+  d["mhc_expand"] = launch(f, expand.enable_pdl);
   const fm::MhcPostPreArgs post_pre;
   f = params_dict(post_pre.params);
   f["res_layout"] = enum_name(post_pre.res_layout, res_layouts());  // the post's (the pre's is not read)
@@ -605,7 +622,9 @@ void register_mhc(nb::module_& m) {
         "f_pre_scale_format"_a, "stream"_a,
         "spec §4.7 mhc_post_pre: this layer's post then the next pre in one op; n from phi [N, n*C]. "
         "§4.8: F_pre's input RMSNorm (norm_weight) and FP8 copy (f_pre_fp8, f_pre_scales).");
-  m.def("mhc_expand", &mhc_expand, "embedding"_a, "x"_a, nb::kw_only(), "enable_pdl"_a, "stream"_a);
+  m.def("mhc_expand", &mhc_expand, "embedding"_a, "x"_a, nb::kw_only(), "x_scales"_a.none(), "x_scale_format"_a,
+        "enable_pdl"_a, "stream"_a,
+        "mhc_expand: the embedding into n streams; with x_scales, onto the FP8 residual stream (spec §4.9).");
 }
 
 }  // namespace flashmix::python

@@ -297,6 +297,20 @@ Status mhc_expand_cpu(const MhcExpandArgs& a) {
   FM_RETURN_IF_ERROR(validate_mhc_expand(a));
   const int n = a.shape.n;
   const int64_t C = a.shape.hidden;
+  if (a.residual == MhcResidual::kFp8E4m3) {  // spec §4.9: each block quantised once, written to every stream
+    const bool ue8m0 = a.x_scale_format == ScaleFormat::kUE8M0;
+    const int64_t blocks = C / 128;
+    std::vector<float> v(static_cast<size_t>(C));
+    for (int64_t b = 0; b < a.shape.batch; ++b) {
+      for (int64_t c = 0; c < C; ++c)
+        v[size_t(c)] = host::bf16_to_float(static_cast<const uint16_t*>(a.embedding)[b * C + c]);
+      for (int i = 0; i < n; ++i)
+        for (int64_t k = 0; k < blocks; ++k)
+          quantize_block_f32(v.data() + k * 128, ue8m0, static_cast<uint8_t*>(a.x) + (b * n + i) * C + k * 128,
+                             a.x_scales, (b * n + i) * blocks + k);
+    }
+    return Status::Ok();
+  }
   for (int64_t b = 0; b < a.shape.batch; ++b)
     for (int i = 0; i < n; ++i)
       for (int64_t c = 0; c < C; ++c)

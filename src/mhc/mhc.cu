@@ -40,6 +40,16 @@ __device__ __forceinline__ V8 pack(const float* f) {
 // written once (2nC B); 2n FLOP per output element is far below the
 // bandwidth bound. One thread per (token, 8 columns): n+1 16-byte loads in
 // flight, n 16-byte streaming stores.
+// Token b's mixing coefficients: H_res [n, n] and H_post [n].
+template <int kN>
+__device__ __forceinline__ void load_mix(const float* __restrict__ h_res, const float* __restrict__ h_post,
+                                         long long b, float (&coef)[kN * kN], float (&post)[kN]) {
+#pragma unroll
+  for (int e = 0; e < kN * kN; ++e) coef[e] = __ldg(h_res + b * kN * kN + e);
+#pragma unroll
+  for (int i = 0; i < kN; ++i) post[i] = __ldg(h_post + b * kN + i);
+}
+
 template <int kN, bool kTranspose>
 __global__ void __launch_bounds__(128) mhc_post_kernel(const bf16* __restrict__ x, const bf16* __restrict__ f_out,
                                                        const float* __restrict__ h_post,
@@ -58,10 +68,7 @@ __global__ void __launch_bounds__(128) mhc_post_kernel(const bf16* __restrict__ 
     for (int j = 0; j < kN; ++j) xv[j] = dev::load_stream<bf16, 8>(xr + (long long)j * hidden);
     const V8 fv = dev::load_stream<bf16, 8>(f_out + b * hidden + c);
     float coef[kN * kN], post[kN];
-#pragma unroll
-    for (int e = 0; e < kN * kN; ++e) coef[e] = __ldg(h_res + b * kN * kN + e);
-#pragma unroll
-    for (int i = 0; i < kN; ++i) post[i] = __ldg(h_post + b * kN + i);
+    load_mix(h_res, h_post, b, coef, post);
     float xf[kN][8], ff[8];
 #pragma unroll
     for (int j = 0; j < kN; ++j) unpack8(xv[j], xf[j]);
@@ -123,10 +130,7 @@ __global__ void __launch_bounds__(128)
     for (int j = 0; j < kN; ++j) xs[j] = load_x_scale<F>(x_scales, (b * kN + j) * blocks + kb);
     const V8 fv = dev::load_stream<bf16, 8>(f_out + b * hidden + c);
     float coef[kN * kN], post[kN];
-#pragma unroll
-    for (int e = 0; e < kN * kN; ++e) coef[e] = __ldg(h_res + b * kN * kN + e);
-#pragma unroll
-    for (int i = 0; i < kN; ++i) post[i] = __ldg(h_post + b * kN + i);
+    load_mix(h_res, h_post, b, coef, post);
     float xf[kN][8], ff[8];
 #pragma unroll
     for (int j = 0; j < kN; ++j) dequant8(xq[j], xs[j], xf[j]);
@@ -149,6 +153,40 @@ __global__ void __launch_bounds__(128)
       const long long row = b * kN + i;
       __stcs(reinterpret_cast<uint2*>(x_next + row * hidden + c), q);  // written once, never re-read here
       if (leader) fp8_dev::store_scale(x_next_scales, uint32_t(row * blocks + kb), sc.stored, F == ScaleFormat::kUE8M0);
+    }
+  }
+}
+
+// Expand onto the FP8 residual stream (spec §4.9): the post kernel's
+// mapping (a lane 8 channels, a half-warp one 128-channel block), each block
+// of the embedding quantised once from its fp32 values (exact from bf16) by
+// quantize_fp8's rule and its codes and scale stored to every stream.
+// Roofline: E read once (2C B), X written once (nC + 4nC/128 B).
+template <int kN, ScaleFormat F>
+__global__ void __launch_bounds__(128) mhc_expand_fp8_kernel(const bf16* __restrict__ emb, uint8_t* __restrict__ x,
+                                                             void* __restrict__ x_scales, long long batch, int groups,
+                                                             int hidden) {
+  dev::grid_dependency_wait();
+  dev::allow_dependents_launch();
+  const int g = blockIdx.x * blockDim.x + threadIdx.x;
+  if (g >= groups) return;  // a whole half-warp (groups % 16 == 0)
+  const int c = g * 8;
+  const int blocks = hidden / 128;
+  const int kb = g >> 4;
+  const unsigned half_mask = 0xffffu << (threadIdx.x & 16);
+  const bool leader = (threadIdx.x & 15) == 0;
+  for (long long b = blockIdx.y; b < batch; b += gridDim.y) {
+    float f[8];
+    unpack8(dev::load_stream<bf16, 8>(emb + b * hidden + c), f);
+    const uint32_t amax = half_warp_max(fp8_dev::amax_bits_f32(f), half_mask);
+    const fp8_dev::Scale sc = fp8_dev::block_scale_or_nan_f32<F>(amax);
+    uint2 q;
+    fp8_dev::quantize8_f32(f, sc.s, amax > fp8_dev::kF32Inf, q.x, q.y);
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      const long long row = b * kN + i;
+      __stcs(reinterpret_cast<uint2*>(x + row * hidden + c), q);
+      if (leader) fp8_dev::store_scale(x_scales, uint32_t(row * blocks + kb), sc.stored, F == ScaleFormat::kUE8M0);
     }
   }
 }
@@ -616,6 +654,22 @@ Status mhc_pre_mix(const MhcPreMixArgs& a, cudaStream_t stream) {
 Status mhc_expand(const MhcExpandArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_expand";
   return detail::gpu_entry(kOp, validate_mhc_expand(a), stream, a.shape.batch == 0, [&]() -> Status {
+    if (a.residual == MhcResidual::kFp8E4m3) {  // spec §4.9
+      const int groups = int(a.shape.hidden / 8);
+      const dim3 grid(unsigned((groups + 127) / 128), unsigned(std::min<int64_t>(a.shape.batch, 65535)));
+      const bool ue8m0 = a.x_scale_format == ScaleFormat::kUE8M0;
+      cudaError_t err = cudaSuccess;
+      dispatch_n(a.shape.n, [&](auto kn) {
+        constexpr int kN = decltype(kn)::value;
+        auto kernel = ue8m0 ? mhc_expand_fp8_kernel<kN, ScaleFormat::kUE8M0>
+                            : mhc_expand_fp8_kernel<kN, ScaleFormat::kFloat32>;
+        err = dev::launch(kernel, grid, dim3(128), 0, stream, a.enable_pdl, static_cast<const bf16*>(a.embedding),
+                          static_cast<uint8_t*>(a.x), a.x_scales, (long long)a.shape.batch, groups,
+                          int(a.shape.hidden));
+      });
+      if (err != cudaSuccess) return detail::cuda_status(err, kOp, "kernel launch");
+      return detail::check_launch(kOp);
+    }
     return launch_per_group(a.shape, kOp, [&](auto kn, dim3 grid, dim3 block, long long total, int groups) {
       return dev::launch(mhc_expand_kernel<decltype(kn)::value>, grid, block, 0, stream, a.enable_pdl,
                          static_cast<const bf16*>(a.embedding), static_cast<bf16*>(a.x), total, groups,

@@ -219,21 +219,27 @@ Status validate_mhc_pre(const MhcPreArgs& a) {
   return check_no_overlap(kOp, outs, ins);
 }
 
+// The residual stream's value rules at any B (spec §4.9): a known residual
+// and scale format; the FP8 one needs C % 128 == 0.
+Status check_residual(MhcResidual r, ScaleFormat f, int64_t hidden, const char* op) {
+  FM_REQUIRE(r == MhcResidual::kBf16 || r == MhcResidual::kFp8E4m3, op, "residual", "unknown MhcResidual value ",
+             int(r));
+  FM_REQUIRE(f == ScaleFormat::kFloat32 || f == ScaleFormat::kUE8M0, op, "x_scale_format",
+             "unknown ScaleFormat value ", int(f));
+  if (r == MhcResidual::kFp8E4m3)
+    FM_REQUIRE(hidden % 128 == 0, op, "hidden",
+               "must be a multiple of 128 with residual fp8_e4m3 (1 x 128 scale blocks; got ", hidden, ")");
+  return Status::Ok();
+}
+
 Status validate_mhc_post(const MhcPostArgs& a) {
   constexpr const char* kOp = "mhc_post";
   FM_RETURN_IF_ERROR(check_shape(a.shape, kOp, true));
   FM_REQUIRE(a.res_layout == MhcResLayout::kDeepSeek || a.res_layout == MhcResLayout::kRowMix, kOp,
              "res_layout", "unknown layout value ", int(a.res_layout));
-  // The FP8 residual stream (spec §4.9): value rules at any B.
-  FM_REQUIRE(a.residual == MhcResidual::kBf16 || a.residual == MhcResidual::kFp8E4m3, kOp, "residual",
-             "unknown MhcResidual value ", int(a.residual));
-  FM_REQUIRE(a.x_scale_format == ScaleFormat::kFloat32 || a.x_scale_format == ScaleFormat::kUE8M0, kOp,
-             "x_scale_format", "unknown ScaleFormat value ", int(a.x_scale_format));
+  FM_RETURN_IF_ERROR(check_residual(a.residual, a.x_scale_format, a.shape.hidden, kOp));
   const bool fp8 = a.residual == MhcResidual::kFp8E4m3;
-  if (fp8) {
-    FM_REQUIRE(a.shape.hidden % 128 == 0, kOp, "hidden",
-               "must be a multiple of 128 with residual fp8_e4m3 (1 x 128 scale blocks; got ", a.shape.hidden, ")");
-  } else {
+  if (!fp8) {
     FM_REQUIRE(a.x_scales == nullptr, kOp, "x_scales", "set with residual bf16 (scales belong to fp8_e4m3)");
     FM_REQUIRE(a.x_next_scales == nullptr, kOp, "x_next_scales",
                "set with residual bf16 (scales belong to fp8_e4m3)");
@@ -342,12 +348,16 @@ Status validate_mhc_head(const MhcHeadArgs& a) {
 Status validate_mhc_expand(const MhcExpandArgs& a) {
   constexpr const char* kOp = "mhc_expand";
   FM_RETURN_IF_ERROR(check_shape(a.shape, kOp, true));
-  FM_RETURN_IF_ERROR(check_bf16_residual(a.residual, kOp));
+  FM_RETURN_IF_ERROR(check_residual(a.residual, a.x_scale_format, a.shape.hidden, kOp));
+  const bool fp8 = a.residual == MhcResidual::kFp8E4m3;
+  if (!fp8) FM_REQUIRE(a.x_scales == nullptr, kOp, "x_scales", "set with residual bf16 (scales belong to fp8_e4m3)");
   if (a.shape.batch == 0) return Status::Ok();
   FM_RETURN_IF_ERROR(check_ptr(a.embedding, kOp, "embedding", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
+  if (fp8) FM_RETURN_IF_ERROR(check_ptr(a.x_scales, kOp, "x_scales", int(scale_bytes(a.x_scale_format))));
   const MhcShape& s = a.shape;
-  const Range outs[] = {{"x", a.x, s.batch * s.n * s.hidden * 2}};
+  const Range outs[] = {{"x", a.x, s.batch * s.n * s.hidden * (fp8 ? 1 : 2)},
+                        {"x_scales", a.x_scales, fp8 ? mhc_x_scale_count(s) * scale_bytes(a.x_scale_format) : 0}};
   const Range ins[] = {{"embedding", a.embedding, s.batch * s.hidden * 2}};
   return check_no_overlap(kOp, outs, ins);
 }

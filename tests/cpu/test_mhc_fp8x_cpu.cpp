@@ -287,9 +287,77 @@ TEST(MhcFp8xValidation, OtherOpsSayNotSupported) {
     expect(validate_mhc_head(head), StatusCode::kNotSupported);
     MhcExpandArgs ex;
     ex.shape = {B, 4, 256};
-    ex.residual = MhcResidual::kFp8E4m3;
-    expect(mhc_expand_cpu(ex), StatusCode::kNotSupported);
+    ex.residual = static_cast<MhcResidual>(2);
+    expect(mhc_expand_cpu(ex), StatusCode::kInvalidArgument);
   }
+}
+
+// mhc_expand onto the FP8 stream (spec §4.9): every stream of every token
+// holds quantize_fp8_cpu's codes and scales of the embedding row (its 1 x 128
+// rule on [B, C]), for n = 1..8, both scale formats.
+TEST(MhcExpandFp8xCpu, EveryStreamIsQuantizeFp8OfTheEmbedding) {
+  for (int n = 1; n <= kMhcMaxStreams; ++n)
+    for (ScaleFormat f : kFormats) {
+      Problem p = make_problem(5, n, 384, seed_for("fp8x_expand") + n);
+      SCOPED_TRACE("seed " + std::to_string(p.seed) + " n " + std::to_string(n) + " " + fmt_name(f));
+      p.f_out[7] = 0x7fc0;  // a NaN block: NaN scale, 0x7f codes
+      Fp8X out = poisoned_fp8x({p.B, n, p.C}, f);
+      MhcExpandArgs a;
+      a.shape = {p.B, n, p.C};
+      a.embedding = p.f_out.data();
+      a.x = out.codes.data();
+      a.x_scales = out.scales.data();
+      a.residual = MhcResidual::kFp8E4m3;
+      a.x_scale_format = f;
+      Status s = mhc_expand_cpu(a);
+      ASSERT_TRUE(s.ok()) << s.message();
+      Fp8X ref = poisoned_fp8x({p.B, 1, p.C}, f);
+      QuantizeFp8Args q;
+      q.x = p.f_out.data(); q.q = ref.codes.data(); q.scales = ref.scales.data();
+      q.rows = p.B; q.cols = p.C; q.scale_format = f;
+      ASSERT_TRUE(quantize_fp8_cpu(q).ok());
+      const int64_t blocks = p.C / 128, sb = out.scale_bytes();
+      for (int64_t b = 0; b < p.B; ++b)
+        for (int i = 0; i < n; ++i) {
+          ASSERT_EQ(0, std::memcmp(out.codes.data() + (b * n + i) * p.C, ref.codes.data() + b * p.C, size_t(p.C)))
+              << "token " << b << " stream " << i;
+          ASSERT_EQ(0, std::memcmp(out.scales.data() + (b * n + i) * blocks * sb, ref.scales.data() + b * blocks * sb,
+                                   size_t(blocks * sb)))
+              << "token " << b << " stream " << i;
+        }
+    }
+}
+
+TEST(MhcExpandFp8xCpu, ValidationNamesItsArguments) {
+  std::vector<uint16_t> emb(2 * 256, 0x3f80);
+  std::vector<uint8_t> codes(2 * 4 * 256), scales(2 * 4 * 2 * 4);
+  MhcExpandArgs good;
+  good.shape = {2, 4, 256};
+  good.embedding = emb.data();
+  good.x = codes.data();
+  good.x_scales = scales.data();
+  good.residual = MhcResidual::kFp8E4m3;
+  ASSERT_TRUE(validate_mhc_expand(good).ok());
+  auto expect_bad = [](MhcExpandArgs a, const char* arg) {
+    const Status s = validate_mhc_expand(a);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.message();
+    EXPECT_NE(s.message().find(std::string(": ") + arg + ": "), std::string::npos) << s.message();
+  };
+  MhcExpandArgs a = good;
+  a.shape.hidden = 200;
+  expect_bad(a, "hidden");
+  a = good;
+  a.x_scales = nullptr;
+  expect_bad(a, "x_scales");
+  a = good;
+  a.x_scale_format = static_cast<ScaleFormat>(7);
+  expect_bad(a, "x_scale_format");
+  a = good;
+  a.residual = MhcResidual::kBf16;  // scales given with the bf16 stream
+  expect_bad(a, "x_scales");
+  a = good;
+  a.x_scales = codes.data() + 100;  // inside the codes
+  expect_bad(a, "x_scales");
 }
 
 }  // namespace

@@ -68,10 +68,10 @@ struct DeviceFp8Post {
 };
 
 // Every code and scale byte equal to the reference's, and the tails untouched.
-void expect_bitwise(const DeviceFp8Post& d, const Fp8X& ref, const char* what) {
+void expect_bitwise(const DeviceBuffer& out, const DeviceBuffer& out_s, const Fp8X& ref, const char* what) {
   SCOPED_TRACE(what);
-  const auto codes = d.out.to_host<uint8_t>();
-  const auto scales = d.out_s.to_host<uint8_t>();
+  const auto codes = out.to_host<uint8_t>();
+  const auto scales = out_s.to_host<uint8_t>();
   int64_t bad = 0;
   for (size_t e = 0; e < ref.codes.size(); ++e)
     if (codes[e] != ref.codes[e] && bad++ < 10)
@@ -84,6 +84,9 @@ void expect_bitwise(const DeviceFp8Post& d, const Fp8X& ref, const char* what) {
   for (size_t e = ref.scales.size(); e < scales.size(); ++e)
     if (scales[e] != kPoison && bad++ < 30) ADD_FAILURE() << "byte " << e << " past the scales written";
   EXPECT_EQ(bad, 0);
+}
+void expect_bitwise(const DeviceFp8Post& d, const Fp8X& ref, const char* what) {
+  expect_bitwise(d.out, d.out_s, ref, what);
 }
 
 class MhcPostFp8xGpu : public ::testing::TestWithParam<Fp8xCase> {};
@@ -149,6 +152,66 @@ std::vector<Fp8xCase> fp8x_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, MhcPostFp8xGpu, ::testing::ValuesIn(fp8x_cases()), fp8x_case_name);
+
+// mhc_expand onto the FP8 stream (spec §4.9): every code and scale byte of
+// every stream equal to mhc_expand_cpu's (whose values
+// tests/cpu/test_mhc_fp8x_cpu.cpp checks against quantize_fp8_cpu), direct
+// and in graph replays; B = 0 writes nothing.
+class MhcExpandFp8xGpu : public ::testing::TestWithParam<Fp8xCase> {};
+
+TEST_P(MhcExpandFp8xGpu, BitwiseEqualsReferenceDirectAndInGraphs) {
+  SKIP_WITHOUT_GPU();
+  const Fp8xCase c = GetParam();
+  Problem p = make_problem(c.B, c.n, c.C, seed_for("expand_" + fp8x_case_name({c, 0})));
+  SCOPED_TRACE("seed " + std::to_string(p.seed));
+  if (c.B > 1) p.f_out[size_t(p.C + 5)] = 0x7fc0;  // token 1, block 0: NaN
+  Fp8X ref = poisoned_fp8x({p.B, p.n, p.C}, c.format, kPoison);
+  MhcExpandArgs a;
+  a.shape = {p.B, p.n, p.C};
+  a.embedding = p.f_out.data();
+  a.x = ref.codes.data();
+  a.x_scales = ref.scales.data();
+  a.residual = MhcResidual::kFp8E4m3;
+  a.x_scale_format = c.format;
+  if (c.B > 0) ASSERT_TRUE(mhc_expand_cpu(a).ok());
+  DeviceBuffer emb(p.f_out);
+  DeviceBuffer out = testing::poisoned_buffer(ref.codes.size() + kTail, kPoison);
+  DeviceBuffer out_s = testing::poisoned_buffer(ref.scales.size() + kTail, kPoison);
+  a.embedding = emb.get();
+  a.x = out.get();
+  a.x_scales = out_s.get();
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto poison = [&] {
+    EXPECT_EQ(cudaMemsetAsync(out.get(), kPoison, ref.codes.size() + kTail, stream), cudaSuccess);
+    EXPECT_EQ(cudaMemsetAsync(out_s.get(), kPoison, ref.scales.size() + kTail, stream), cudaSuccess);
+  };
+  for (bool graph : {false, true}) {
+    poison();
+    CUDA_OK(cudaStreamSynchronize(stream));
+    run_direct_or_graph(
+        stream, graph,
+        [&] {
+          Status s = mhc_expand(a, stream);
+          EXPECT_TRUE(s.ok()) << s.message();
+        },
+        poison);
+    expect_bitwise(out, out_s, ref, graph ? "graph replays" : "direct launch");
+  }
+  cudaStreamDestroy(stream);
+}
+
+std::vector<Fp8xCase> expand_cases() {
+  std::vector<Fp8xCase> v;
+  const ScaleFormat formats[] = {ScaleFormat::kFloat32, ScaleFormat::kUE8M0};
+  for (int n = 1; n <= kMhcMaxStreams; ++n)
+    for (int64_t C : {128, 384, 7168})
+      for (int64_t B : {0, 1, 7, 33}) v.push_back({n, C, B, MhcResLayout::kDeepSeek, formats[(n + B) % 2]});
+  v.push_back({4, 7168, 2053, MhcResLayout::kDeepSeek, ScaleFormat::kUE8M0});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, MhcExpandFp8xGpu, ::testing::ValuesIn(expand_cases()), fp8x_case_name);
 
 // NaN and infinity in the inputs and a vanishing block (spec §4.9): the same
 // bytes as the reference, whose values tests/cpu/test_mhc_fp8x_cpu.cpp checks.

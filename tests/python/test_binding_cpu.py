@@ -1194,6 +1194,33 @@ def test_mhc_post_fp8x_rejects_bad_arguments():
 
 
 @needs_bf16
+@pytest.mark.parametrize("scale_format", ["float32", "ue8m0"])
+@pytest.mark.parametrize("n,C", [(1, 128), (4, 384), (8, 256)])
+def test_mhc_expand_fp8x_is_quantize_fp8_in_every_stream(n, C, scale_format):
+    """spec §4.9: mhc_expand onto the FP8 stream writes quantize_fp8(embedding)'s codes and scales
+    to every stream, bit for bit; a given x / x_scales is filled in place; bad arguments are named."""
+    rng = np.random.default_rng(n * 7 + C)
+    emb = rng.standard_normal((3, C)).astype(BF16)
+    out = flashmix.mhc_expand(emb, n=n, fp8=True, x_scale_format=scale_format)
+    assert isinstance(out, flashmix.MhcExpandFp8Output)
+    fq, fs = flashmix.quantize_fp8(emb, scale_format=scale_format)
+    assert out.x.shape == (3, n, C) and out.x_scales.shape == (3, n, C // 128)
+    np.testing.assert_array_equal(out.x, np.repeat(fq[:, None, :], n, axis=1))
+    np.testing.assert_array_equal(out.x_scales, np.repeat(fs[:, None, :], n, axis=1))
+    x = np.zeros((3, n, C), np.uint8)
+    xs = np.zeros_like(out.x_scales)
+    again = flashmix.mhc_expand(emb, x=x, x_scales=xs, x_scale_format=scale_format)
+    assert again.x is x and again.x_scales is xs
+    np.testing.assert_array_equal(x, out.x)
+    with raises_naming(ValueError, "mhc_expand", "x_scale_format"):
+        flashmix.mhc_expand(emb, n=n, fp8=True, x_scale_format="e5m2")
+    with raises_naming(ValueError, "mhc_expand", "x_scales"):  # wrong shape
+        flashmix.mhc_expand(emb, x=x, x_scales=xs[:, :, :0])
+    with raises_naming(ValueError, "mhc_expand", "hidden"):  # C a multiple of 128
+        flashmix.mhc_expand(np.ascontiguousarray(emb[:, :64]), n=n, fp8=True)
+
+
+@needs_bf16
 def test_fc2_bad_mode_and_shapes_raise_value_error_naming_the_argument():
     A, W2 = np.zeros((4, 8), BF16), np.zeros((2, 8, 8), BF16)
     off, p2u = np.zeros(3, np.int64), np.zeros(4, np.int32)
