@@ -19,6 +19,26 @@ constexpr MhcResLayout kLayouts[] = {MhcResLayout::kDeepSeek, MhcResLayout::kRow
 
 std::string fmt_name(ScaleFormat f) { return to_string(f); }
 
+// Every stream of every token of `out` ([B, n, C]) holds quantize_fp8_cpu's
+// codes and scales of row b of `f` ([B, C] bf16, 1 x 128 blocks).
+void expect_every_stream_is_quantize_fp8_of(const Fp8X& out, const std::vector<uint16_t>& f, int64_t B, int n,
+                                            int64_t C) {
+  Fp8X ref = poisoned_fp8x({B, 1, C}, out.format);
+  QuantizeFp8Args q;
+  q.x = f.data(); q.q = ref.codes.data(); q.scales = ref.scales.data();
+  q.rows = B; q.cols = C; q.scale_format = out.format;
+  ASSERT_TRUE(quantize_fp8_cpu(q).ok());
+  const int64_t blocks = C / 128, sb = out.scale_bytes();
+  for (int64_t b = 0; b < B; ++b)
+    for (int i = 0; i < n; ++i) {
+      ASSERT_EQ(0, std::memcmp(out.codes.data() + (b * n + i) * C, ref.codes.data() + b * C, size_t(C)))
+          << "token " << b << " stream " << i;
+      ASSERT_EQ(0, std::memcmp(out.scales.data() + (b * n + i) * blocks * sb, ref.scales.data() + b * blocks * sb,
+                               size_t(blocks * sb)))
+          << "token " << b << " stream " << i;
+    }
+}
+
 // With X = 0 and H_post = 1 every stream of X_next is F_out exactly (fp32:
 // 1 * f, then fma(R, 0, f) = f), so X_next is quantize_fp8 of F_out (bf16,
 // 1 x 128) in every stream, byte for byte: the fp32 block rule of §4.9 is
@@ -35,20 +55,7 @@ TEST(MhcFp8xCpu, ZeroXAndUnitPostGiveQuantizeFp8OfFout) {
         Fp8X out = poisoned_fp8x({p.B, n, p.C}, f);
         Status s = mhc_post_cpu(fp8_post_args(p, x, out, l));
         ASSERT_TRUE(s.ok()) << s.message();
-        Fp8X ref = poisoned_fp8x({p.B, 1, p.C}, f);
-        QuantizeFp8Args q;
-        q.x = p.f_out.data(); q.q = ref.codes.data(); q.scales = ref.scales.data();
-        q.rows = p.B; q.cols = p.C; q.scale_format = f;
-        ASSERT_TRUE(quantize_fp8_cpu(q).ok());
-        const int64_t blocks = p.C / 128, sb = x.scale_bytes();
-        for (int64_t b = 0; b < p.B; ++b)
-          for (int i = 0; i < n; ++i) {
-            ASSERT_EQ(0, std::memcmp(out.codes.data() + (b * n + i) * p.C, ref.codes.data() + b * p.C, size_t(p.C)))
-                << "token " << b << " stream " << i;
-            ASSERT_EQ(0, std::memcmp(out.scales.data() + (b * n + i) * blocks * sb, ref.scales.data() + b * blocks * sb,
-                                     size_t(blocks * sb)))
-                << "token " << b << " stream " << i;
-          }
+        expect_every_stream_is_quantize_fp8_of(out, p.f_out, p.B, n, p.C);
       }
 }
 
@@ -311,20 +318,7 @@ TEST(MhcExpandFp8xCpu, EveryStreamIsQuantizeFp8OfTheEmbedding) {
       a.x_scale_format = f;
       Status s = mhc_expand_cpu(a);
       ASSERT_TRUE(s.ok()) << s.message();
-      Fp8X ref = poisoned_fp8x({p.B, 1, p.C}, f);
-      QuantizeFp8Args q;
-      q.x = p.f_out.data(); q.q = ref.codes.data(); q.scales = ref.scales.data();
-      q.rows = p.B; q.cols = p.C; q.scale_format = f;
-      ASSERT_TRUE(quantize_fp8_cpu(q).ok());
-      const int64_t blocks = p.C / 128, sb = out.scale_bytes();
-      for (int64_t b = 0; b < p.B; ++b)
-        for (int i = 0; i < n; ++i) {
-          ASSERT_EQ(0, std::memcmp(out.codes.data() + (b * n + i) * p.C, ref.codes.data() + b * p.C, size_t(p.C)))
-              << "token " << b << " stream " << i;
-          ASSERT_EQ(0, std::memcmp(out.scales.data() + (b * n + i) * blocks * sb, ref.scales.data() + b * blocks * sb,
-                                   size_t(blocks * sb)))
-              << "token " << b << " stream " << i;
-        }
+      expect_every_stream_is_quantize_fp8_of(out, p.f_out, p.B, n, p.C);
     }
 }
 
