@@ -609,7 +609,7 @@ Status launch(const Sm90Fc1Params& p, const Fc1KernelParams& k, const CUtensorMa
 
 Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   // MXFP4 at decode: the kernel that converts in registers (sm90_mx_decode.cu).
-  if (p.weights == MoeWeightFormat::kMxfp4 && mx_decode_applies(p.T, p.k, p.E))
+  if (p.weights == MoeWeightFormat::kMxfp4 && mx_decode_applies(p.T, p.k, p.E, 2 * int64_t(p.I), p.H))
     return sm90_fc1_run_mx_decode(p, stream);
   CUtensorMap w;
   FM_REQUIRE_SUPPORTED(encode_w1(p, w), kOp, "W1", "its TMA descriptor could not be encoded");

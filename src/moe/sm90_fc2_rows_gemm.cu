@@ -806,7 +806,7 @@ Status sm90_fc2_run_rows(const Sm90Fc2GemmParams& p, cudaStream_t stream) {
   // The shapes it takes (E <= kMaxExpertsOp, T * k < 2^31) are checked where
   // the kernel is chosen (moe_fc2_dispatch.cpp). MXFP4 at decode: the kernel
   // that converts in registers (sm90_mx_decode.cu).
-  if (p.weights == MoeWeightFormat::kMxfp4 && mx_decode_applies(p.T, p.k, p.E))
+  if (p.weights == MoeWeightFormat::kMxfp4 && mx_decode_applies(p.T, p.k, p.E, p.H, p.I))
     return sm90_fc2_run_mx_decode(p, stream);
   CUtensorMap w, a[4];
   FM_REQUIRE_SUPPORTED(encode_maps(p, w, a), kOp, "A", "TMA descriptors could not be encoded");

@@ -41,6 +41,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <cstdlib>
 
 #include "common/check.h"
@@ -465,7 +466,8 @@ Status launch(const DecodeParams& d, int sm_count, bool pdl, const char* op, cud
 
 }  // namespace
 
-bool mx_decode_applies(int64_t T, int k, int E) {
+bool mx_decode_applies(int64_t T, int k, int E, int64_t rows, int64_t K) {
+  if (rows * (K / 2) > INT32_MAX) return false;
   const char* pin = std::getenv("FLASHMIX_MX_DECODE");
   if (pin != nullptr && *pin != '\0') return std::atoi(pin) != 0;
   return T * k <= int64_t(16) * E;

@@ -19,8 +19,9 @@ namespace flashmix {
 // 16 rows an expert (under expert parallelism most slots are not local, so
 // the local experts hold fewer). FLASHMIX_MX_DECODE=0 / 1 overrides the rule
 // (the A/B, and the tests running both kernels on one problem); read at
-// each call.
-bool mx_decode_applies(int64_t T, int k, int E);
+// each call. Never for an expert matrix of 2^31 packed bytes or more
+// (`rows` x K / 2: the kernel's row offsets are 32-bit).
+bool mx_decode_applies(int64_t T, int k, int E, int64_t rows, int64_t K);
 
 // Launch on `stream`; shapes as validated by moe_fc1 / moe_fc2_finalize
 // (MXFP4, K a multiple of 128). No host sync, capturable.
