@@ -308,7 +308,7 @@ __device__ __forceinline__ void fc1_epilogue(const DecodeParams& p, const float 
   for (int c = 0; c < (kTiles == 1 ? 2 : 4); ++c) {
     const int j = col0 + g + 8 * (c >> 1), n = 2 * q + (c & 1);
     if (j >= p.n_cols || n >= rows) continue;
-    float gate = kTiles == 1 ? acc[0][c] : acc[0][c], up = kTiles == 1 ? acc[0][2 + c] : acc[kTiles - 1][c];
+    float gate = acc[0][c], up = kTiles == 1 ? acc[0][2 + c] : acc[kTiles - 1][c];
     if (b != nullptr) {
       gate += __bfloat162float(b[p.interleaved ? 2 * j : j]);
       up += __bfloat162float(b[p.interleaved ? 2 * j + 1 : p.n_cols + j]);
