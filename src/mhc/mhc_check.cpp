@@ -70,7 +70,7 @@ Status check_bf16_residual(MhcResidual r, const char* op) {
   FM_REQUIRE(r == MhcResidual::kBf16 || r == MhcResidual::kFp8E4m3, op, "residual", "unknown MhcResidual value ",
              int(r));
   FM_REQUIRE_SUPPORTED(r == MhcResidual::kBf16, op, "residual",
-                       "fp8_e4m3 is not supported by this op yet (spec 4.9: mhc_post only)");
+                       "fp8_e4m3 is not supported by this op yet (spec 4.9: mhc_post and mhc_expand only)");
   return Status::Ok();
 }
 
