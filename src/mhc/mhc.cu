@@ -36,10 +36,6 @@ __device__ __forceinline__ V8 pack(const float* f) {
   return v;
 }
 
-// mhc_post. Roofline: per token X read once (2nC B), F_out once (2C B), X_next
-// written once (2nC B); 2n FLOP per output element is far below the
-// bandwidth bound. One thread per (token, 8 columns): n+1 16-byte loads in
-// flight, n 16-byte streaming stores.
 // Token b's mixing coefficients: H_res [n, n] and H_post [n].
 template <int kN>
 __device__ __forceinline__ void load_mix(const float* __restrict__ h_res, const float* __restrict__ h_post,
@@ -50,6 +46,10 @@ __device__ __forceinline__ void load_mix(const float* __restrict__ h_res, const 
   for (int i = 0; i < kN; ++i) post[i] = __ldg(h_post + b * kN + i);
 }
 
+// mhc_post. Roofline: per token X read once (2nC B), F_out once (2C B), X_next
+// written once (2nC B); 2n FLOP per output element is far below the
+// bandwidth bound. One thread per (token, 8 columns): n+1 16-byte loads in
+// flight, n 16-byte streaming stores.
 template <int kN, bool kTranspose>
 __global__ void __launch_bounds__(128) mhc_post_kernel(const bf16* __restrict__ x, const bf16* __restrict__ f_out,
                                                        const float* __restrict__ h_post,
@@ -146,10 +146,8 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[e] = __fmaf_rn(rij, xf[j][e], acc[e]);
       }
-      const uint32_t amax = half_warp_max(fp8_dev::amax_bits_f32(acc), half_mask);
-      const fp8_dev::Scale sc = fp8_dev::block_scale_or_nan_f32<F>(amax);
       uint2 q;
-      fp8_dev::quantize8_f32(acc, sc.s, amax > fp8_dev::kF32Inf, q.x, q.y);
+      const fp8_dev::Scale sc = quantize_block_lane<F>(acc, half_mask, q);
       const long long row = b * kN + i;
       __stcs(reinterpret_cast<uint2*>(x_next + row * hidden + c), q);  // written once, never re-read here
       if (leader) fp8_dev::store_scale(x_next_scales, uint32_t(row * blocks + kb), sc.stored, F == ScaleFormat::kUE8M0);
@@ -178,10 +176,8 @@ __global__ void __launch_bounds__(128) mhc_expand_fp8_kernel(const bf16* __restr
   for (long long b = blockIdx.y; b < batch; b += gridDim.y) {
     float f[8];
     unpack8(dev::load_stream<bf16, 8>(emb + b * hidden + c), f);
-    const uint32_t amax = half_warp_max(fp8_dev::amax_bits_f32(f), half_mask);
-    const fp8_dev::Scale sc = fp8_dev::block_scale_or_nan_f32<F>(amax);
     uint2 q;
-    fp8_dev::quantize8_f32(f, sc.s, amax > fp8_dev::kF32Inf, q.x, q.y);
+    const fp8_dev::Scale sc = quantize_block_lane<F>(f, half_mask, q);
 #pragma unroll
     for (int i = 0; i < kN; ++i) {
       const long long row = b * kN + i;
@@ -370,6 +366,19 @@ Status launch_per_group(const MhcShape& s, const char* op, Launch&& launch) {
   const int threads = total < 64LL * 1024 ? 128 : kThreads;
   cudaError_t err = cudaSuccess;
   dispatch_n(s.n, [&](auto kn) { err = launch(kn, dim3(grid_for(total, threads)), dim3(threads), total, groups); });
+  if (err != cudaSuccess) return detail::cuda_status(err, op, "kernel launch");
+  return detail::check_launch(op);
+}
+
+// The post kernels' mapping (bf16 and FP8 post, FP8 expand): 128-thread
+// blocks across C (a thread 8 columns), tokens along blockIdx.y. `launch(kn,
+// grid, groups)` launches the n-specialised kernel and returns its error.
+template <typename Launch>
+Status launch_per_token_row(const MhcShape& s, const char* op, Launch&& launch) {
+  const int groups = int(s.hidden / 8);
+  const dim3 grid(unsigned((groups + 127) / 128), unsigned(std::min<int64_t>(s.batch, 65535)));
+  cudaError_t err = cudaSuccess;
+  dispatch_n(s.n, [&](auto kn) { err = launch(kn, grid, groups); });
   if (err != cudaSuccess) return detail::cuda_status(err, op, "kernel launch");
   return detail::check_launch(op);
 }
@@ -610,33 +619,27 @@ Status mhc_head(const MhcHeadArgs& a, cudaStream_t stream) {
 Status mhc_post(const MhcPostArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_post";
   return detail::gpu_entry(kOp, validate_mhc_post(a), stream, a.shape.batch == 0, [&]() -> Status {
-    const int groups = int(a.shape.hidden / 8);
-    const dim3 grid(unsigned((groups + 127) / 128), unsigned(std::min<int64_t>(a.shape.batch, 65535)));
-    cudaError_t err = cudaSuccess;
+    const bool tr = a.res_layout == MhcResLayout::kDeepSeek;
     if (a.residual == MhcResidual::kFp8E4m3) {  // spec §4.9
-      const bool tr = a.res_layout == MhcResLayout::kDeepSeek, ue8m0 = a.x_scale_format == ScaleFormat::kUE8M0;
-      dispatch_n(a.shape.n, [&](auto kn) {
+      const bool ue8m0 = a.x_scale_format == ScaleFormat::kUE8M0;
+      return launch_per_token_row(a.shape, kOp, [&](auto kn, dim3 grid, int groups) {
         constexpr int kN = decltype(kn)::value;
         constexpr ScaleFormat kF32 = ScaleFormat::kFloat32, kE8 = ScaleFormat::kUE8M0;
         auto kernel = tr ? (ue8m0 ? mhc_post_fp8_kernel<kN, true, kE8> : mhc_post_fp8_kernel<kN, true, kF32>)
                          : (ue8m0 ? mhc_post_fp8_kernel<kN, false, kE8> : mhc_post_fp8_kernel<kN, false, kF32>);
-        err = dev::launch(kernel, grid, dim3(128), 0, stream, a.enable_pdl, static_cast<const uint8_t*>(a.x),
-                          a.x_scales, static_cast<const bf16*>(a.f_out), a.h_post, a.h_res,
-                          static_cast<uint8_t*>(a.x_next), a.x_next_scales, (long long)a.shape.batch, groups,
-                          int(a.shape.hidden));
+        return dev::launch(kernel, grid, dim3(128), 0, stream, a.enable_pdl, static_cast<const uint8_t*>(a.x),
+                           a.x_scales, static_cast<const bf16*>(a.f_out), a.h_post, a.h_res,
+                           static_cast<uint8_t*>(a.x_next), a.x_next_scales, (long long)a.shape.batch, groups,
+                           int(a.shape.hidden));
       });
-      if (err != cudaSuccess) return detail::cuda_status(err, kOp, "kernel launch");
-      return detail::check_launch(kOp);
     }
-    dispatch_n(a.shape.n, [&](auto kn) {
+    return launch_per_token_row(a.shape, kOp, [&](auto kn, dim3 grid, int groups) {
       constexpr int kN = decltype(kn)::value;
-      auto kernel = a.res_layout == MhcResLayout::kDeepSeek ? mhc_post_kernel<kN, true> : mhc_post_kernel<kN, false>;
-      err = dev::launch(kernel, grid, dim3(128), 0, stream, a.enable_pdl, static_cast<const bf16*>(a.x),
-                        static_cast<const bf16*>(a.f_out), a.h_post, a.h_res, static_cast<bf16*>(a.x_next),
-                        (long long)a.shape.batch, groups, int(a.shape.hidden));
+      auto kernel = tr ? mhc_post_kernel<kN, true> : mhc_post_kernel<kN, false>;
+      return dev::launch(kernel, grid, dim3(128), 0, stream, a.enable_pdl, static_cast<const bf16*>(a.x),
+                         static_cast<const bf16*>(a.f_out), a.h_post, a.h_res, static_cast<bf16*>(a.x_next),
+                         (long long)a.shape.batch, groups, int(a.shape.hidden));
     });
-    if (err != cudaSuccess) return detail::cuda_status(err, kOp, "kernel launch");
-    return detail::check_launch(kOp);
   });
 }
 
@@ -655,20 +658,15 @@ Status mhc_expand(const MhcExpandArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_expand";
   return detail::gpu_entry(kOp, validate_mhc_expand(a), stream, a.shape.batch == 0, [&]() -> Status {
     if (a.residual == MhcResidual::kFp8E4m3) {  // spec §4.9
-      const int groups = int(a.shape.hidden / 8);
-      const dim3 grid(unsigned((groups + 127) / 128), unsigned(std::min<int64_t>(a.shape.batch, 65535)));
       const bool ue8m0 = a.x_scale_format == ScaleFormat::kUE8M0;
-      cudaError_t err = cudaSuccess;
-      dispatch_n(a.shape.n, [&](auto kn) {
+      return launch_per_token_row(a.shape, kOp, [&](auto kn, dim3 grid, int groups) {
         constexpr int kN = decltype(kn)::value;
         auto kernel = ue8m0 ? mhc_expand_fp8_kernel<kN, ScaleFormat::kUE8M0>
                             : mhc_expand_fp8_kernel<kN, ScaleFormat::kFloat32>;
-        err = dev::launch(kernel, grid, dim3(128), 0, stream, a.enable_pdl, static_cast<const bf16*>(a.embedding),
-                          static_cast<uint8_t*>(a.x), a.x_scales, (long long)a.shape.batch, groups,
-                          int(a.shape.hidden));
+        return dev::launch(kernel, grid, dim3(128), 0, stream, a.enable_pdl, static_cast<const bf16*>(a.embedding),
+                           static_cast<uint8_t*>(a.x), a.x_scales, (long long)a.shape.batch, groups,
+                           int(a.shape.hidden));
       });
-      if (err != cudaSuccess) return detail::cuda_status(err, kOp, "kernel launch");
-      return detail::check_launch(kOp);
     }
     return launch_per_group(a.shape, kOp, [&](auto kn, dim3 grid, dim3 block, long long total, int groups) {
       return dev::launch(mhc_expand_kernel<decltype(kn)::value>, grid, block, 0, stream, a.enable_pdl,

@@ -51,4 +51,15 @@ __device__ __forceinline__ uint32_t half_warp_max(uint32_t v, unsigned mask) {
   return v;
 }
 
+// A lane's eight fp32 values of a 128-channel block whose 16 lanes are this
+// half-warp (`mask`): the block's amax over the half, its scale (NaN for a
+// NaN block) and the lane's eight e4m3 codes in q, by quantize_fp8's rule.
+template <ScaleFormat F>
+__device__ __forceinline__ fp8_dev::Scale quantize_block_lane(const float* v, unsigned mask, uint2& q) {
+  const uint32_t amax = half_warp_max(fp8_dev::amax_bits_f32(v), mask);
+  const fp8_dev::Scale sc = fp8_dev::block_scale_or_nan_f32<F>(amax);
+  fp8_dev::quantize8_f32(v, sc.s, amax > fp8_dev::kF32Inf, q.x, q.y);
+  return sc;
+}
+
 }  // namespace flashmix::mhc_detail
