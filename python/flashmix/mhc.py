@@ -467,18 +467,16 @@ def mhc_expand(embedding, *, n=None, x=None, fp8=False, x_scales=None, x_scale_f
     (``x``: float8_e4m3fn or uint8 ``[B, n, C]``, C a multiple of 128) and scale (``x_scales``
     ``[B, n, C/128]``, float32 or ue8m0 by ``x_scale_format``) written to every stream; both are
     allocated when None. Returns MhcExpandFp8Output(x, x_scales)."""
+    if x is None and n is None:
+        raise ValueError("mhc_expand: n: give n (or x)")
     if not fp8 and x_scales is None:
         if x is None:
-            if n is None:
-                raise ValueError("mhc_expand: n: give n (or x)")
             x = _new_expanded(embedding, n)
         _C.mhc_expand(arg(embedding), arg(x), x_scales=None, x_scale_format=x_scale_format, enable_pdl=enable_pdl,
                       stream=stream_of(stream, embedding))
         return x
     from .fp8 import _as_bytes, _e4m3_dtype, _scale_dtype
     if x is None:
-        if n is None:
-            raise ValueError("mhc_expand: n: give n (or x)")
         x = empty(embedding, (embedding.shape[0], n, embedding.shape[1]), _e4m3_dtype(embedding))
     if x_scales is None:
         x_scales = empty(embedding, (x.shape[0], x.shape[1], x.shape[2] // 128), _scale_dtype(embedding, x_scale_format))
