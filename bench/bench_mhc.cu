@@ -7,6 +7,8 @@
 //             _fp8x: the FP8 residual stream (spec §4.9): X codes + scales
 //             and F_out read once, X_next codes + scales written once
 //             (issue 27's bound: time <= 1.15 x this floor).
+//             _fp8x for mhc_pre and mhc_post_pre too: the same with X (and
+//             X_next) as codes + scales.
 //   mhc_post_pre: X + F_out read once, X_next + F_pre written once (the
 //             one-pass floor of the boundary; the issue's bound is
 //             time <= 1.15 x floor at the same run's copy bandwidth).
@@ -346,20 +348,48 @@ std::string check_post_pre_norm_fp8(const HostData& h, const DevSet& d, const ui
 }
 
 // Checks the GPU outputs of mhc_pre on `rows` against the CPU reference.
-std::string check_pre(const HostData& h, const DevSet& d, const std::vector<int64_t>& rows,
-                      bool phi_bf16 = false) {
+// X as the FP8 residual stream (spec §4.9), host copies: codes [B, n*C] and
+// scales [B, n, C/128] as bytes.
+struct Fp8XHost {
+  std::vector<uint8_t> q, s;
+  ScaleFormat format = ScaleFormat::kFloat32;
+  int64_t scale_bytes() const { return format == ScaleFormat::kUE8M0 ? 1 : 4; }
+  double value(int64_t e) const {
+    float sc;
+    if (format == ScaleFormat::kUE8M0) {
+      sc = host::ue8m0_to_float(s[size_t(e / 128)]);
+    } else {
+      std::memcpy(&sc, s.data() + (e / 128) * 4, 4);
+    }
+    return double(host::e4m3_to_float(q[size_t(e)]) * sc);
+  }
+};
+
+// mhc_pre's outputs on `rows` against mhc_pre_cpu (F_pre within 2^-7 |ref| +
+// 2e-4 sum_i |X_i| + 1e-6, the coefficients within 2e-4), X bf16 (h.x) or
+// the FP8 stream `fx`.
+std::string check_pre_outputs(const HostData& h, const uint16_t* f_dev, const float* post_dev, const float* res_dev,
+                              const std::vector<int64_t>& rows, bool phi_bf16, const Fp8XHost* fx) {
   const int n = h.n;
   const int64_t C = h.C, K = n * C;
-  auto f = download(d.f_pre, size_t(h.B * C));
-  auto post = download(d.h_post, size_t(h.B * n));
-  auto res = download(d.h_res, size_t(h.B * n * n));
+  auto f = download(f_dev, size_t(h.B * C));
+  auto post = download(post_dev, size_t(h.B * n));
+  auto res = download(res_dev, size_t(h.B * n * n));
   double worst = 0;
   for (int64_t b : rows) {
     std::vector<uint16_t> rf(C);
     std::vector<float> rp(n), rr(n * n);
     MhcPreArgs a;
     a.shape = {1, n, C};
-    a.x = h.x.data() + b * K; a.alpha = h.alpha.data(); a.bias = h.bias.data();
+    if (fx != nullptr) {
+      a.x = fx->q.data() + b * K;
+      a.residual = MhcResidual::kFp8E4m3;
+      a.x_scales = fx->s.data() + b * (K / 128) * fx->scale_bytes();
+      a.x_scale_format = fx->format;
+    } else {
+      a.x = h.x.data() + b * K;
+    }
+    a.alpha = h.alpha.data(); a.bias = h.bias.data();
     a.phi = phi_bf16 ? static_cast<const void*>(h.phi_bf16.data()) : static_cast<const void*>(h.phi.data());
     a.phi_dtype = phi_bf16 ? DType::kBFloat16 : DType::kFloat32;
     a.f_pre = rf.data(); a.h_post = rp.data(); a.h_res = rr.data();
@@ -367,7 +397,10 @@ std::string check_pre(const HostData& h, const DevSet& d, const std::vector<int6
     if (!s.ok()) return "FAILED: reference: " + s.message();
     for (int64_t c = 0; c < C; ++c) {
       double scale = 0;
-      for (int i = 0; i < n; ++i) scale += std::fabs(host::bf16_to_float(h.x[b * K + i * C + c]));
+      for (int i = 0; i < n; ++i) {
+        const int64_t e = b * K + i * C + c;
+        scale += std::fabs(fx != nullptr ? fx->value(e) : double(host::bf16_to_float(h.x[e])));
+      }
       const double g = host::bf16_to_float(f[b * C + c]), r = host::bf16_to_float(rf[c]);
       const double err = std::fabs(g - r) / (std::ldexp(std::fabs(r), -7) + 2e-4 * scale + 1e-6);
       if (!(err <= 1)) return "FAILED: F_pre[" + std::to_string(b) + "," + std::to_string(c) + "]";
@@ -381,6 +414,10 @@ std::string check_pre(const HostData& h, const DevSet& d, const std::vector<int6
   char buf[96];
   std::snprintf(buf, sizeof buf, "passed (%zu of %lld rows vs CPU reference)", rows.size(), (long long)h.B);
   return buf;
+}
+
+std::string check_pre(const HostData& h, const DevSet& d, const std::vector<int64_t>& rows, bool phi_bf16 = false) {
+  return check_pre_outputs(h, d.f_pre, d.h_post, d.h_res, rows, phi_bf16, nullptr);
 }
 
 std::string check_post(const HostData& h, const DevSet& d, const std::vector<int64_t>& rows) {
@@ -627,63 +664,121 @@ void run_mhc_cases(Context& ctx) {
     free_dev(d);
   }
 
-  // ---- the FP8 residual stream (spec §4.9): mhc_post, B = 8192 ----
+  // ---- the FP8 residual stream (spec §4.9): mhc_post, mhc_pre, mhc_post_pre, B = 8192 ----
   // X as e4m3 codes with one scale per (token, stream, 128 channels), made
   // from the bf16 X by quantize_fp8 (X seen as [B, n*C], 1 x 128); X_next
-  // likewise, its scales made in the same pass. Floor: X codes + scales and
-  // F_out read once, X_next codes + scales written once.
+  // likewise, its scales made in the same pass. Floors (issue 27: time <=
+  // 1.15 x each): post, X codes + scales and F_out read once, X_next codes +
+  // scales written once; pre, X codes + scales read once, F_pre written once;
+  // post_pre, the post's bytes plus F_pre written once.
   for (ScaleFormat f : {ScaleFormat::kFloat32, ScaleFormat::kUE8M0}) {
     const std::string name = f == ScaleFormat::kFloat32 ? "B8192_n4_C7168_fp8x" : "B8192_n4_C7168_fp8x_ue8m0";
-    if (!ctx.selected("mhc_post", name)) continue;
+    const bool run_post = ctx.selected("mhc_post", name), run_pre = ctx.selected("mhc_pre", name),
+               run_pp = ctx.selected("mhc_post_pre", name);
+    if (!run_post && !run_pre && !run_pp) continue;
     HostData h = make_host(8192, 4, 7168, 20261129);
+    DevSet d = make_dev(h);  // phi, alpha, bias, F_out, H_post / H_res in, F_pre and coefficient outputs
     const int64_t K = h.n * h.C, scales = h.B * h.n * (h.C / 128), sb = f == ScaleFormat::kUE8M0 ? 1 : 4;
-    uint16_t* x_bf16 = upload(h.x);
     uint8_t* xq = alloc<uint8_t>(size_t(h.B * K));
     uint8_t* xs = alloc<uint8_t>(size_t(scales * sb));
     QuantizeFp8Args qa;
-    qa.x = x_bf16; qa.q = xq; qa.scales = xs; qa.rows = h.B; qa.cols = K; qa.scale_format = f;
+    qa.x = d.x; qa.q = xq; qa.scales = xs; qa.rows = h.B; qa.cols = K; qa.scale_format = f;
     Status st = quantize_fp8(qa, stream);
     BENCH_CUDA(cudaStreamSynchronize(stream));
-    BENCH_CUDA(cudaFree(x_bf16));
-    uint16_t* f_out = upload(h.f_out);
-    float* hp = upload(h.h_post);
-    float* hr = upload(h.h_res);
     uint8_t* q = alloc<uint8_t>(size_t(h.B * K));
     uint8_t* sc = alloc<uint8_t>(size_t(scales * sb));
+    Fp8XHost fx;
+    fx.format = f;
+    if (st.ok() && ctx.verify) {
+      fx.q = download(xq, size_t(h.B * K));
+      fx.s = download(xs, size_t(scales * sb));
+    }
+    const double x_bytes = double(h.B * K) + double(scales * sb), f_bytes = 2.0 * h.B * h.C;
+    auto record = [&](const char* op, double us, double bytes, const std::string& check) {
+      const double bound_us = bytes / (ctx.copy_gbps * 1e9) * 1e6;
+      Record r;
+      r.op = op;
+      r.case_name = name;
+      r.median_us = us;
+      r.ceiling = "copy";
+      r.bytes = bytes;
+      r.fraction = bound_us / us;
+      r.check = check;
+      r.extra["bound_us"] = bound_us;
+      r.extra["time_over_bound"] = us / bound_us;
+      r.extra["target_max_time_over_bound"] = 1.15;
+      r.labels["x_scale_format"] = to_string(f);
+      add_record(ctx, r);
+    };
     MhcPostArgs a;
     a.shape = {h.B, h.n, h.C};
-    a.x = xq; a.x_scales = xs; a.f_out = f_out; a.h_post = hp; a.h_res = hr;
+    a.x = xq; a.x_scales = xs; a.f_out = d.f_out; a.h_post = d.h_post_in; a.h_res = d.h_res_in;
     a.x_next = q; a.x_next_scales = sc;
     a.res_layout = MhcResLayout::kDeepSeek;
     a.residual = MhcResidual::kFp8E4m3;
     a.x_scale_format = f;
     if (st.ok()) st = mhc_post(a, stream);
     BENCH_CUDA(cudaStreamSynchronize(stream));
-    std::string check = "not verified";
-    if (!st.ok()) {
-      check = "FAILED: " + st.message();
-    } else if (ctx.verify) {
-      const auto hq = download(xq, size_t(h.B * K));
-      const auto hs = download(xs, size_t(scales * sb));
-      check = check_post_fp8x(h, hq, hs, q, sc, f, a.res_layout, sample_rows(h.B));
+    if (run_post) {
+      std::string check = "not verified";
+      if (!st.ok()) check = "FAILED: " + st.message();
+      else if (ctx.verify) check = check_post_fp8x(h, fx.q, fx.s, q, sc, f, a.res_layout, sample_rows(h.B));
+      record("mhc_post", median_us([&] { (void)mhc_post(a, stream); }, stream, 3, iters), x_bytes * 2 + f_bytes,
+             check);
     }
-    const double us = median_us([&] { (void)mhc_post(a, stream); }, stream, 3, iters);
-    const double bytes = 2.0 * (double(h.B * K) + double(scales * sb)) + 2.0 * h.B * h.C;
-    const double bound_us = bytes / (ctx.copy_gbps * 1e9) * 1e6;
-    Record r;
-    r.op = "mhc_post";
-    r.case_name = name;
-    r.median_us = us;
-    r.ceiling = "copy";
-    r.bytes = bytes;
-    r.fraction = bound_us / us;
-    r.check = check;
-    r.extra["bound_us"] = bound_us;
-    r.extra["time_over_bound"] = us / bound_us;
-    r.extra["target_max_time_over_bound"] = 1.15;
-    r.labels["x_scale_format"] = to_string(f);
-    add_record(ctx, r);
-    for (void* p : {(void*)xq, (void*)xs, (void*)f_out, (void*)hp, (void*)hr, (void*)q, (void*)sc}) cudaFree(p);
+    // The pre on X (kAuto: the cluster tiles; the resident kernel is bf16 only).
+    MhcPreArgs pa = pre_args(h, d);
+    pa.x = xq;
+    pa.residual = MhcResidual::kFp8E4m3;
+    pa.x_scales = xs;
+    pa.x_scale_format = f;
+    if (run_pre) {
+      Status sp = st.ok() ? mhc_pre(pa, stream) : st;
+      BENCH_CUDA(cudaStreamSynchronize(stream));
+      const std::string check = !sp.ok()     ? "FAILED: " + sp.message()
+                                : ctx.verify ? check_pre_outputs(h, d.f_pre, d.h_post, d.h_res, sample_rows(h.B),
+                                                                 false, &fx)
+                                             : "not verified";
+      record("mhc_pre", median_us([&] { (void)mhc_pre(pa, stream); }, stream, 3, iters), x_bytes + f_bytes, check);
+    }
+    if (run_pp) {
+      // Check: bitwise the post (q, sc above) followed by the pre on its
+      // X_next pinned to the same (cluster-tile) kernel.
+      MhcPreArgs sep = pa;
+      sep.x = q;
+      sep.x_scales = sc;
+      sep.kernel = MhcPreKernel::kClusterTile;
+      Status sp = st.ok() ? mhc_pre(sep, stream) : st;
+      BENCH_CUDA(cudaStreamSynchronize(stream));
+      const auto want_f = download(d.f_pre, size_t(h.B * h.C));
+      const auto want_post = download(d.h_post, size_t(h.B * h.n));
+      const auto want_res = download(d.h_res, size_t(h.B * h.n * h.n));
+      uint8_t* q2 = alloc<uint8_t>(size_t(h.B * K));
+      uint8_t* sc2 = alloc<uint8_t>(size_t(scales * sb));
+      MhcPostPreArgs pp;
+      pp.shape = a.shape;
+      pp.x = xq; pp.f_out = d.f_out; pp.h_post = d.h_post_in; pp.h_res = d.h_res_in;
+      pp.res_layout = a.res_layout;
+      pp.phi = d.phi; pp.alpha = d.alpha; pp.bias = d.bias;
+      pp.x_next = q2; pp.f_pre = d.f_pre; pp.h_post_next = d.h_post; pp.h_res_next = d.h_res;
+      pp.residual = MhcResidual::kFp8E4m3;
+      pp.x_scales = xs; pp.x_next_scales = sc2; pp.x_scale_format = f;
+      if (sp.ok()) sp = mhc_post_pre(pp, stream);
+      BENCH_CUDA(cudaStreamSynchronize(stream));
+      std::string check = "passed (bitwise: mhc_post then mhc_pre pinned to the cluster tiles, every byte)";
+      if (!sp.ok()) check = "FAILED: " + sp.message();
+      else if (download(q2, size_t(h.B * K)) != download(q, size_t(h.B * K))) check = "FAILED: X_next codes";
+      else if (download(sc2, size_t(scales * sb)) != download(sc, size_t(scales * sb))) check = "FAILED: X_next scales";
+      else if (download(d.f_pre, size_t(h.B * h.C)) != want_f) check = "FAILED: F_pre";
+      else if (download(d.h_post, size_t(h.B * h.n)) != want_post) check = "FAILED: H_post";
+      else if (download(d.h_res, size_t(h.B * h.n * h.n)) != want_res) check = "FAILED: H_res";
+      record("mhc_post_pre", median_us([&] { (void)mhc_post_pre(pp, stream); }, stream, 3, iters),
+             x_bytes * 2 + 2 * f_bytes, check);
+      cudaFree(q2);
+      cudaFree(sc2);
+    }
+    for (void* p : {(void*)xq, (void*)xs, (void*)q, (void*)sc}) cudaFree(p);
+    free_dev(d);
   }
 
   // ---- decode: B = 16, graph replays over rotated sets (> L2 together) ----

@@ -80,9 +80,10 @@ struct MhcShape {
 //   kFp8E4m3  e4m3 codes [B, n*C] (one byte per element, the bf16 layout) plus
 //             one scale per (token, stream, 128 channels), [B, n, C/128] dense,
 //             float or ue8m0 by the op's x_scale_format; C % 128 == 0. An
-//             element's value is fp32(e4m3(code) * scale). Taken by mhc_post
-//             so far; mhc_pre, mhc_post_pre, mhc_head and mhc_expand carry
-//             `residual` and answer kFp8E4m3 with kNotSupported.
+//             element's value is fp32(e4m3(code) * scale). Taken by
+//             mhc_expand, mhc_post, mhc_pre, mhc_post_pre and mhc_head (their
+//             residual, x_scales, x_scale_format fields); the stages
+//             (mhc_project, mhc_activate, mhc_pre_mix) stay bf16.
 enum class MhcResidual : int { kBf16 = 0, kFp8E4m3 = 1 };
 const char* to_string(MhcResidual residual);  // "bf16", "fp8_e4m3"
 
@@ -110,7 +111,7 @@ const char* to_string(MhcPreKernel kernel);
 
 struct MhcPreArgs {
   MhcShape shape;
-  const void* x = nullptr;      // bf16 [B, n*C], 16-byte aligned
+  const void* x = nullptr;      // bf16 [B, n*C], 16-byte aligned (kFp8E4m3: e4m3 codes)
   const void* phi = nullptr;    // [N, n*C], 16-byte aligned
   DType phi_dtype = DType::kFloat32;  // kFloat32 (tensor cores, better than TF32) or kBFloat16
   const float* alpha = nullptr; // [3] device
@@ -130,9 +131,14 @@ struct MhcPreArgs {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   MhcPreKernel kernel = MhcPreKernel::kAuto;  // which projection kernel (see MhcPreKernel)
-  // The FP8 residual stream (spec §4.9): not taken by this op yet, so
-  // kFp8E4m3 returns kNotSupported (kBf16, the default: X as above).
+  // The FP8 residual stream (spec §4.9; default kBf16, x_scales then null).
+  // With kFp8E4m3, x is e4m3 codes [B, n*C] and x_scales their [B, n, C/128]
+  // scales (C % 128 == 0), each element read as fp32(e4m3(code) * scale);
+  // the cluster-tile and portable kernels take it (kResident / kSplit
+  // pinned: kNotSupported).
   MhcResidual residual = MhcResidual::kBf16;
+  const void* x_scales = nullptr;  // [B, n, C/128] float or uint8 (kFp8E4m3 only)
+  ScaleFormat x_scale_format = ScaleFormat::kFloat32;
   // F_pre's epilogue (spec §4.8; defaults: off): the next sublayer's input
   // RMSNorm and an FP8 copy, as in MhcPostPreArgs. Only the cluster-tile
   // kernel runs them (kAuto picks it; kResident / kSplit / kPortable pinned:
@@ -222,9 +228,10 @@ struct MhcHeadArgs {
   void* workspace = nullptr;       // as in MhcPreArgs
   size_t workspace_bytes = 0;
   MhcPreKernel kernel = MhcPreKernel::kAuto;  // which projection kernel (see MhcPreKernel)
-  // The FP8 residual stream (spec §4.9): not taken by this op yet, so
-  // kFp8E4m3 returns kNotSupported (kBf16, the default: X as above).
+  // The FP8 residual stream, as in MhcPreArgs (spec §4.9).
   MhcResidual residual = MhcResidual::kBf16;
+  const void* x_scales = nullptr;  // [B, n, C/128] float or uint8 (kFp8E4m3 only)
+  ScaleFormat x_scale_format = ScaleFormat::kFloat32;
 };
 
 // mhc_post_pre: a layer boundary in one operation, this layer's mhc_post
@@ -242,7 +249,7 @@ struct MhcHeadArgs {
 struct MhcPostPreArgs {
   MhcShape shape;
   // This layer's post (inputs).
-  const void* x = nullptr;        // bf16 [B, n*C], X_L
+  const void* x = nullptr;        // bf16 [B, n*C], X_L (kFp8E4m3: e4m3 codes)
   const void* f_out = nullptr;    // bf16 [B, C], the sublayer's output
   const float* h_post = nullptr;  // fp32 [B, n]
   const float* h_res = nullptr;   // fp32 [B, n, n]
@@ -253,7 +260,7 @@ struct MhcPostPreArgs {
   const float* alpha = nullptr;   // [3] device
   const float* bias = nullptr;    // [N] device
   // Outputs.
-  void* x_next = nullptr;         // bf16 [B, n*C], X_{L+1}
+  void* x_next = nullptr;         // bf16 [B, n*C], X_{L+1} (kFp8E4m3: e4m3 codes)
   void* f_pre = nullptr;          // bf16 [B, C]
   float* h_post_next = nullptr;   // fp32 [B, n]
   float* h_res_next = nullptr;    // fp32 [B, n, n] (row-major, untransposed, as mhc_pre)
@@ -261,9 +268,15 @@ struct MhcPostPreArgs {
   bool enable_pdl = true;
   bool prefetch_weights = false;  // as in MhcPreArgs: phi, alpha, bias only (never X, F_out, H_post, H_res)
   MhcPreKernel kernel = MhcPreKernel::kAuto;  // kAuto, kResident or kClusterTile
-  // The FP8 residual stream (spec §4.9): not taken by this op yet, so
-  // kFp8E4m3 returns kNotSupported (kBf16, the default: X and X_next as above).
+  // The FP8 residual stream (spec §4.9; default kBf16, the scale pointers
+  // then null). With kFp8E4m3, x and x_next are e4m3 codes with their
+  // scales: X_next is made and quantised exactly as mhc_post on this stream
+  // makes it (its codes and scales bitwise), and the next pre reads those
+  // stored values. Cluster-tile kernel only (kResident pinned: kNotSupported).
   MhcResidual residual = MhcResidual::kBf16;
+  const void* x_scales = nullptr;  // [B, n, C/128] float or uint8 (kFp8E4m3 only), X_L's
+  void* x_next_scales = nullptr;   // [B, n, C/128] (kFp8E4m3 only), X_{L+1}'s
+  ScaleFormat x_scale_format = ScaleFormat::kFloat32;  // of x_scales and x_next_scales
 
   // F_pre's epilogue (spec §4.8), for the next sublayer's input; every field
   // off by default (then F_pre is exactly as above). Let v = F_pre rounded to

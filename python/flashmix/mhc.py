@@ -19,7 +19,8 @@ __all__ = [
     "mhc_pre", "mhc_pre_kernel_choice", "mhc_post", "mhc_post_pre", "mhc_project", "mhc_activate", "mhc_pre_mix", "mhc_head",
     "mhc_expand", "mhc_workspace_bytes", "mhc_num_coefficients",
     "MHC_MAX_STREAMS", "MHC_SEED_PARAMS", "MHC_PRE_KERNELS", "MhcPreOutput", "MhcActivateOutput",
-    "MhcPostPreOutput", "MhcPostPreFp8Output", "MhcPreFp8Output", "MhcPostFp8Output", "MhcExpandFp8Output",
+    "MhcPostPreOutput", "MhcPostPreFp8Output", "MhcPostPreFp8xOutput", "MhcPreFp8Output", "MhcPostFp8Output",
+    "MhcExpandFp8Output",
 ]
 
 if torch is not None:
@@ -55,6 +56,10 @@ MhcPostPreOutput = collections.namedtuple("MhcPostPreOutput", ["x_next", "f_pre"
 #: mhc_post_pre with ``fp8=True`` (spec §4.8): f_pre is None with ``bf16_f_pre=False``.
 MhcPostPreFp8Output = collections.namedtuple(
     "MhcPostPreFp8Output", ["x_next", "f_pre", "h_post", "h_res", "f_pre_fp8", "f_pre_scales"])
+#: mhc_post_pre on the FP8 residual stream (spec §4.9): X_next as e4m3 codes and their scales;
+#: f_pre_fp8 and f_pre_scales are None without ``fp8`` (f_pre is None with ``bf16_f_pre=False``).
+MhcPostPreFp8xOutput = collections.namedtuple(
+    "MhcPostPreFp8xOutput", ["x_next", "x_next_scales", "f_pre", "h_post", "h_res", "f_pre_fp8", "f_pre_scales"])
 
 
 def _streams_from_coefficients(N, op, name):
@@ -129,12 +134,21 @@ def _epilogue_args(norm_weight, norm_eps, f_pre_fp8, f_pre_scales, f_pre_scale_f
                 f_pre_scales=arg(_as_bytes(f_pre_scales)), f_pre_scale_format=f_pre_scale_format)
 
 
+def _residual_args(x, x_scales):
+    """x and x_scales for the binding: on the FP8 residual stream (x_scales given, spec §4.9) the
+    e4m3 codes as uint8 and the scales' bytes; the bf16 X with no scales otherwise."""
+    from .fp8 import _as_bytes
+    if x_scales is None:
+        return arg(x), None
+    return arg(_as_bytes(x)), arg(_as_bytes(x_scales))
+
+
 def mhc_pre(x, phi, alpha, bias, *, f_pre=None, h_post=None, h_res=None, eps_norm=_PRE.eps_norm,
             eps_pre=_PRE.eps_pre, post_mult=_PRE.post_mult, eps_sinkhorn=_PRE.eps_sinkhorn,
             sinkhorn_iters=_PRE.sinkhorn_iters, res_layout=_PRE.res_layout, enable_pdl=_PRE.enable_pdl,
             prefetch_weights=_PRE.prefetch_weights, workspace=None, kernel=_PRE.kernel, norm_weight=None,
             norm_eps=_PRE.norm_eps, fp8=False, f_pre_scale_format=_PRE.f_pre_scale_format, f_pre_fp8=None,
-            f_pre_scales=None, bf16_f_pre=True, stream=None):
+            f_pre_scales=None, bf16_f_pre=True, x_scales=None, x_scale_format=_PRE.x_scale_format, stream=None):
     """spec §4 mhc_pre: X -> (F_pre, H_post, H_res) in one pass over X.
 
     n comes from phi (N = n*n + 2n rows). Returns MhcPreOutput(f_pre bf16 ``[B, C]``,
@@ -154,16 +168,21 @@ def mhc_pre(x, phi, alpha, bias, *, f_pre=None, h_post=None, h_res=None, eps_nor
     ``f_pre_scales``, ``bf16_f_pre``: F_pre's epilogue (spec §4.8), as in mhc_post_pre (the
     cluster-tile kernel runs it); with ``fp8`` returns MhcPreFp8Output(f_pre, h_post, h_res,
     f_pre_fp8, f_pre_scales).
+    ``x_scales``, ``x_scale_format``: the FP8 residual stream (spec §4.9), as in mhc_post: ``x``
+    holds e4m3 codes (float8_e4m3fn or uint8) and ``x_scales`` one scale per (token, stream, 128
+    channels); each element is read as fp32(code * scale). The cluster-tile and portable kernels
+    take it.
     """
     fp8, f_pre, f_pre_fp8, f_pre_scales = _epilogue(x, phi, "mhc_pre", fp8, f_pre_scale_format, f_pre, f_pre_fp8,
                                                     f_pre_scales, bf16_f_pre)
     h_post, h_res = _coef_outputs(x, phi, "mhc_pre", h_post, h_res)
-    _C.mhc_pre(arg(x), arg(phi), arg(alpha), arg(bias), arg(f_pre), arg(h_post), arg(h_res),
+    xa, sa = _residual_args(x, x_scales)
+    _C.mhc_pre(xa, arg(phi), arg(alpha), arg(bias), arg(f_pre), arg(h_post), arg(h_res),
                eps_norm=eps_norm, eps_pre=eps_pre, post_mult=post_mult, eps_sinkhorn=eps_sinkhorn,
                sinkhorn_iters=sinkhorn_iters, res_layout=res_layout, enable_pdl=enable_pdl,
                prefetch_weights=prefetch_weights, kernel=kernel, workspace=arg(workspace),
                **_epilogue_args(norm_weight, norm_eps, f_pre_fp8, f_pre_scales, f_pre_scale_format),
-               stream=stream_of(stream, x))
+               x_scales=sa, x_scale_format=x_scale_format, stream=stream_of(stream, x))
     if fp8:
         return MhcPreFp8Output(f_pre, h_post, h_res, f_pre_fp8, f_pre_scales)
     return MhcPreOutput(f_pre, h_post, h_res)
@@ -175,7 +194,7 @@ def mhc_pre_kernel_choice(x, phi, alpha, bias, *, f_pre=None, h_post=None, h_res
                           enable_pdl=_PRE.enable_pdl, prefetch_weights=_PRE.prefetch_weights, workspace=None,
                           kernel=_PRE.kernel, norm_weight=None, norm_eps=_PRE.norm_eps, fp8=False,
                           f_pre_scale_format=_PRE.f_pre_scale_format, f_pre_fp8=None, f_pre_scales=None,
-                          bf16_f_pre=True, stream=None):
+                          bf16_f_pre=True, x_scales=None, x_scale_format=_PRE.x_scale_format, stream=None):
     """``(kernel, reason)``: the projection kernel mhc_pre would run with these arguments (CUDA
     arrays) on their device, one of MHC_PRE_KERNELS other than "auto", and why. Launches nothing
     and reads no array. It takes mhc_pre's arguments (outputs not passed are allocated, as there;
@@ -185,12 +204,14 @@ def mhc_pre_kernel_choice(x, phi, alpha, bias, *, f_pre=None, h_post=None, h_res
     _, f_pre, f_pre_fp8, f_pre_scales = _epilogue(x, phi, "mhc_pre_kernel_choice", fp8, f_pre_scale_format, f_pre,
                                                   f_pre_fp8, f_pre_scales, bf16_f_pre)
     h_post, h_res = _coef_outputs(x, phi, "mhc_pre_kernel_choice", h_post, h_res)
+    xa, sa = _residual_args(x, x_scales)
     return tuple(_C.mhc_pre_kernel_choice(
-        arg(x), arg(phi), arg(alpha), arg(bias), arg(f_pre), arg(h_post), arg(h_res), eps_norm=eps_norm,
+        xa, arg(phi), arg(alpha), arg(bias), arg(f_pre), arg(h_post), arg(h_res), eps_norm=eps_norm,
         eps_pre=eps_pre, post_mult=post_mult, eps_sinkhorn=eps_sinkhorn, sinkhorn_iters=sinkhorn_iters,
         res_layout=res_layout, enable_pdl=enable_pdl, prefetch_weights=prefetch_weights, kernel=kernel,
         workspace=arg(workspace), **_epilogue_args(norm_weight, norm_eps, f_pre_fp8, f_pre_scales,
-                                                   f_pre_scale_format)))
+                                                   f_pre_scale_format),
+        x_scales=sa, x_scale_format=x_scale_format))
 
 
 if torch is not None:
@@ -295,7 +316,8 @@ def mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, *, x_next=None, f_pr
                  sinkhorn_iters=_POST_PRE.sinkhorn_iters, enable_pdl=_POST_PRE.enable_pdl,
                  prefetch_weights=_POST_PRE.prefetch_weights, kernel=_POST_PRE.kernel, norm_weight=None,
                  norm_eps=_POST_PRE.norm_eps, fp8=False, f_pre_scale_format=_POST_PRE.f_pre_scale_format,
-                 f_pre_fp8=None, f_pre_scales=None, bf16_f_pre=True, stream=None):
+                 f_pre_fp8=None, f_pre_scales=None, bf16_f_pre=True, x_scales=None, x_next_scales=None,
+                 x_scale_format=_POST_PRE.x_scale_format, stream=None):
     """spec §4.7 mhc_post_pre: a layer boundary in one op, this layer's mhc_post (x, f_out,
     h_post, h_res; ``res_layout``) followed by the next sublayer's mhc_pre (phi, alpha, bias and
     the activation parameters). X is read once and X_next written once; the pre uses X_next as
@@ -312,17 +334,34 @@ def mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, *, x_next=None, f_pr
         "ue8m0"), bitwise flashmix.quantize_fp8 of the bf16 f_pre; C a multiple of 128.
         ``f_pre_fp8`` (float8_e4m3fn / uint8 ``[B, C]``) and ``f_pre_scales`` (``[B, C/128]``) are
         allocated when None. ``bf16_f_pre=False``: the bf16 f_pre is not written (returned as
-        None). Returns MhcPostPreFp8Output(x_next, f_pre, h_post, h_res, f_pre_fp8, f_pre_scales)."""
+        None). Returns MhcPostPreFp8Output(x_next, f_pre, h_post, h_res, f_pre_fp8, f_pre_scales).
+
+    The FP8 residual stream (spec §4.9), with ``x_scales``: x holds e4m3 codes as in mhc_post,
+    and X_next comes back the same way (``x_next``, ``x_next_scales`` allocated when None), its
+    codes and scales bitwise mhc_post's; the pre reads them as stored. Returns
+    MhcPostPreFp8xOutput(x_next, x_next_scales, f_pre, h_post, h_res, f_pre_fp8, f_pre_scales)."""
     fp8, f_pre, f_pre_fp8, f_pre_scales = _epilogue(x, phi, "mhc_post_pre", fp8, f_pre_scale_format, f_pre,
                                                     f_pre_fp8, f_pre_scales, bf16_f_pre)
+    fp8x = x_scales is not None or x_next_scales is not None
+    if fp8x:
+        from .fp8 import _e4m3_dtype, _scale_dtype
+        if x_next is None:
+            x_next = empty(x, tuple(x.shape), _e4m3_dtype(x))
+        if x_next_scales is None and x_scales is not None:
+            x_next_scales = empty(x, tuple(x_scales.shape), _scale_dtype(x, x_scale_format))
     x_next, _, h_post_next, h_res_next = _post_pre_outputs(x, phi, x_next, None, h_post_next, h_res_next,
                                                            bf16_f_pre=False)
-    _C.mhc_post_pre(arg(x), arg(f_out), arg(h_post), arg(h_res), arg(phi), arg(alpha), arg(bias), arg(x_next),
+    xa, sa = _residual_args(x, x_scales)
+    xna, sna = _residual_args(x_next, x_next_scales)
+    _C.mhc_post_pre(xa, arg(f_out), arg(h_post), arg(h_res), arg(phi), arg(alpha), arg(bias), xna,
                     arg(f_pre), arg(h_post_next), arg(h_res_next), res_layout=res_layout, eps_norm=eps_norm,
                     eps_pre=eps_pre, post_mult=post_mult, eps_sinkhorn=eps_sinkhorn, sinkhorn_iters=sinkhorn_iters,
                     enable_pdl=enable_pdl, prefetch_weights=prefetch_weights, kernel=kernel,
                     **_epilogue_args(norm_weight, norm_eps, f_pre_fp8, f_pre_scales, f_pre_scale_format),
-                    stream=stream_of(stream, x))
+                    x_scales=sa, x_next_scales=sna, x_scale_format=x_scale_format, stream=stream_of(stream, x))
+    if fp8x:
+        return MhcPostPreFp8xOutput(x_next, x_next_scales, f_pre, h_post_next, h_res_next,
+                                    f_pre_fp8 if fp8 else None, f_pre_scales if fp8 else None)
     if fp8:
         return MhcPostPreFp8Output(x_next, f_pre, h_post_next, h_res_next, f_pre_fp8, f_pre_scales)
     return MhcPostPreOutput(x_next, f_pre, h_post_next, h_res_next)
@@ -433,13 +472,17 @@ def mhc_pre_mix(x, h_pre, *, f_pre=None, enable_pdl=_PRE_MIX.enable_pdl, stream=
 # ---------------------------------------------------------------------------
 
 def mhc_head(x, phi, alpha, bias, *, out=None, eps_norm=_HEAD.eps_norm, eps_pre=_HEAD.eps_pre,
-             enable_pdl=_HEAD.enable_pdl, workspace=None, kernel=_HEAD.kernel, stream=None):
+             enable_pdl=_HEAD.enable_pdl, workspace=None, kernel=_HEAD.kernel, x_scales=None,
+             x_scale_format=_HEAD.x_scale_format, stream=None):
     """mhc_head (before the final LM head): the pre mix only, with phi ``[n, n*C]``, alpha
-    ``[1]`` (alpha_pre) and bias ``[n]``. Returns out bf16 ``[B, C]``. ``workspace`` and
-    ``kernel`` as in mhc_pre (the resident kernel does not take mhc_head)."""
+    ``[1]`` (alpha_pre) and bias ``[n]``. Returns out bf16 ``[B, C]``. ``workspace``,
+    ``kernel`` and the FP8 residual stream (``x_scales``, ``x_scale_format``) as in mhc_pre (the
+    resident kernel does not take mhc_head)."""
     out = _new_mix(x, phi.shape[0], "mhc_head") if out is None else out
-    _C.mhc_head(arg(x), arg(phi), arg(alpha), arg(bias), arg(out), eps_norm=eps_norm, eps_pre=eps_pre,
-                enable_pdl=enable_pdl, kernel=kernel, workspace=arg(workspace), stream=stream_of(stream, x))
+    xa, sa = _residual_args(x, x_scales)
+    _C.mhc_head(xa, arg(phi), arg(alpha), arg(bias), arg(out), eps_norm=eps_norm, eps_pre=eps_pre,
+                enable_pdl=enable_pdl, kernel=kernel, workspace=arg(workspace), x_scales=sa,
+                x_scale_format=x_scale_format, stream=stream_of(stream, x))
     return out
 
 

@@ -127,11 +127,12 @@ void set_projection_pointers(Args& a, const In& x, const In& phi, const In& alph
 // checked against both; sets shape, phi_dtype and the four pointers and
 // returns N.
 template <typename Args>
-int64_t set_projection_inputs(Args& a, const In& x, const In& phi, const In& alpha, const In& bias, const char* op) {
+int64_t set_projection_inputs(Args& a, const In& x, const In& phi, const In& alpha, const In& bias, const char* op,
+                              nb::dlpack::dtype x_dtype = kBFloat16) {
   require_ndim(phi, 2, op, "phi");
   const int64_t N = dim(phi, 0);
   const int n = streams_from_coefficients(N, op, "phi");
-  a.shape = residual_shape(x, n, op, "x");
+  a.shape = residual_shape(x, n, op, "x", x_dtype);
   a.phi_dtype = check_weights(phi, alpha, bias, N, n * a.shape.hidden, 3, op);
   set_projection_pointers(a, x, phi, alpha, bias);
   return N;
@@ -185,6 +186,29 @@ void set_epilogue(Args& a, const OptIn& norm_weight, float norm_eps, const OptOu
   }
 }
 
+// The FP8 residual stream (spec §4.9): the residual from whether scales are
+// given, the scale format parsed; returns x's dtype (uint8 codes or bf16).
+template <typename Args>
+nb::dlpack::dtype set_residual(Args& a, bool fp8, const std::string& x_scale_format, const char* op) {
+  if (!fm::parse_scale_format(x_scale_format.c_str(), &a.x_scale_format))
+    fail(op, "x_scale_format", "must be \"float32\" or \"ue8m0\" (got \"", x_scale_format, "\")");
+  a.residual = fp8 ? fm::MhcResidual::kFp8E4m3 : fm::MhcResidual::kBf16;
+  return fp8 ? kUInt8 : kBFloat16;
+}
+
+// An FP8 stream scale array: x's shape with the last dimension divided by
+// 128 ([B, n, C/128] or [B, n*C/128]), float32 or uint8 (ue8m0) by format;
+// C a multiple of 128.
+template <typename S, typename X>
+void check_x_scales(const S& sc, const X& x, const fm::MhcShape& s, fm::ScaleFormat f, const char* op,
+                    const char* name) {
+  const int64_t B = s.batch, n = s.n, C = s.hidden;
+  if (C % 128 != 0) fail(op, "hidden", "must be a multiple of 128 with the FP8 residual stream (got C = ", C, ")");
+  const nb::dlpack::dtype sd = f == fm::ScaleFormat::kUE8M0 ? kUInt8 : kFloat32;
+  if (x.ndim() == 3) require_dense(sc, sd, {B, n, C / 128}, op, name);
+  else require_dense(sc, sd, {B, n * C / 128}, op, name);
+}
+
 // ---------------------------------------------------------------------------
 // mhc_pre and its kernel choice
 // ---------------------------------------------------------------------------
@@ -199,15 +223,21 @@ PreCall make_pre(const In& x, const In& phi, const In& alpha, const In& bias, co
                  int sinkhorn_iters, const std::string& res_layout, bool enable_pdl, bool prefetch_weights,
                  const std::string& kernel, const OptOut& workspace, const OptIn& norm_weight, float norm_eps,
                  const OptOut& f_pre_fp8, const OptOut& f_pre_scales, const std::string& f_pre_scale_format,
-                 const char* op) {
+                 const OptIn& x_scales, const std::string& x_scale_format, const char* op) {
   PreCall c{{}, Placement(op)};
   Placement& w = c.where;
   add_projection_inputs(w, x, phi, alpha, bias);
   w.add(f_pre, "f_pre", h_post, "h_post", h_res, "h_res", workspace, "workspace");
   w.add(norm_weight, "norm_weight", f_pre_fp8, "f_pre_fp8", f_pre_scales, "f_pre_scales");
+  w.add(x_scales, "x_scales");
 
   fm::MhcPreArgs& a = c.args;
-  set_projection_inputs(a, x, phi, alpha, bias, op);
+  const nb::dlpack::dtype x_dtype = set_residual(a, bool(x_scales), x_scale_format, op);
+  set_projection_inputs(a, x, phi, alpha, bias, op, x_dtype);
+  if (x_scales) {
+    check_x_scales(*x_scales, x, a.shape, a.x_scale_format, op, "x_scales");
+    a.x_scales = ptr(*x_scales);
+  }
   const int64_t B = a.shape.batch, C = a.shape.hidden, n = a.shape.n;
   if (f_pre) require_dense(*f_pre, kBFloat16, {B, C}, op, "f_pre");
   require_dense(h_post, kFloat32, {B, n}, op, "h_post");
@@ -228,11 +258,12 @@ void mhc_pre(const In& x, const In& phi, const In& alpha, const In& bias, const 
              const Out& h_res, float eps_norm, float eps_pre, float post_mult, float eps_sinkhorn, int sinkhorn_iters,
              const std::string& res_layout, bool enable_pdl, bool prefetch_weights, const std::string& kernel,
              const OptOut& workspace, const OptIn& norm_weight, float norm_eps, const OptOut& f_pre_fp8,
-             const OptOut& f_pre_scales, const std::string& f_pre_scale_format, uintptr_t stream) {
+             const OptOut& f_pre_scales, const std::string& f_pre_scale_format, const OptIn& x_scales,
+             const std::string& x_scale_format, uintptr_t stream) {
   constexpr const char* op = "mhc_pre";
   const PreCall c = make_pre(x, phi, alpha, bias, f_pre, h_post, h_res, eps_norm, eps_pre, post_mult, eps_sinkhorn,
                              sinkhorn_iters, res_layout, enable_pdl, prefetch_weights, kernel, workspace, norm_weight,
-                             norm_eps, f_pre_fp8, f_pre_scales, f_pre_scale_format, op);
+                             norm_eps, f_pre_fp8, f_pre_scales, f_pre_scale_format, x_scales, x_scale_format, op);
   dispatch(
       c.where, op, [&] { return fm::mhc_pre(c.args, as_stream(stream)); }, [&] { return fm::mhc_pre_cpu(c.args); });
 }
@@ -244,11 +275,12 @@ std::pair<std::string, std::string> mhc_pre_kernel_choice(
     const Out& h_res, float eps_norm, float eps_pre, float post_mult, float eps_sinkhorn, int sinkhorn_iters,
     const std::string& res_layout, bool enable_pdl, bool prefetch_weights, const std::string& kernel,
     const OptOut& workspace, const OptIn& norm_weight, float norm_eps, const OptOut& f_pre_fp8,
-    const OptOut& f_pre_scales, const std::string& f_pre_scale_format) {
+    const OptOut& f_pre_scales, const std::string& f_pre_scale_format, const OptIn& x_scales,
+    const std::string& x_scale_format) {
   constexpr const char* op = "mhc_pre_kernel_choice";
   const PreCall c = make_pre(x, phi, alpha, bias, f_pre, h_post, h_res, eps_norm, eps_pre, post_mult, eps_sinkhorn,
                              sinkhorn_iters, res_layout, enable_pdl, prefetch_weights, kernel, workspace, norm_weight,
-                             norm_eps, f_pre_fp8, f_pre_scales, f_pre_scale_format, op);
+                             norm_eps, f_pre_fp8, f_pre_scales, f_pre_scale_format, x_scales, x_scale_format, op);
   if (!c.where.cuda()) fail(op, "x", "the kernel choice is made for a CUDA device: pass CUDA arrays");
   fm::MhcPreKernel chosen = fm::MhcPreKernel::kAuto;
   std::string reason;
@@ -279,27 +311,18 @@ void mhc_post(const In& x, const In& f_out, const In& h_post, const In& h_res, c
 
   const int64_t n = streams_from_columns(h_post, op, "h_post");
   fm::MhcPostArgs a;
-  if (!fm::parse_scale_format(x_scale_format.c_str(), &a.x_scale_format))
-    fail(op, "x_scale_format", "must be \"float32\" or \"ue8m0\" (got \"", x_scale_format, "\")");
   const bool fp8 = bool(x_scales) || bool(x_next_scales);
   if (fp8 && !(x_scales && x_next_scales))
     fail(op, x_scales ? "x_next_scales" : "x_scales", "x_scales and x_next_scales come together (the FP8 residual stream)");
-  a.residual = fp8 ? fm::MhcResidual::kFp8E4m3 : fm::MhcResidual::kBf16;
-  const nb::dlpack::dtype x_dtype = fp8 ? kUInt8 : kBFloat16;
+  const nb::dlpack::dtype x_dtype = set_residual(a, fp8, x_scale_format, op);
   a.shape = residual_shape(x, int(n), op, "x", x_dtype);
   const int64_t B = a.shape.batch, C = a.shape.hidden;
   require_dense(f_out, kBFloat16, {B, C}, op, "f_out");
   require_dense(h_post, kFloat32, {B, n}, op, "h_post");
   require_dense(h_res, kFloat32, {B, n, n}, op, "h_res");
   if (fp8) {
-    if (C % 128 != 0) fail(op, "hidden", "must be a multiple of 128 with the FP8 residual stream (got C = ", C, ")");
-    const nb::dlpack::dtype sd = a.x_scale_format == fm::ScaleFormat::kUE8M0 ? kUInt8 : kFloat32;
-    auto check_scales = [&](const auto& sc, const char* name) {
-      if (x.ndim() == 3) require_dense(sc, sd, {B, n, C / 128}, op, name);
-      else require_dense(sc, sd, {B, n * C / 128}, op, name);
-    };
-    check_scales(*x_scales, "x_scales");
-    check_scales(*x_next_scales, "x_next_scales");
+    check_x_scales(*x_scales, x, a.shape, a.x_scale_format, op, "x_scales");
+    check_x_scales(*x_next_scales, x, a.shape, a.x_scale_format, op, "x_next_scales");
     a.x_scales = ptr(*x_scales);
     a.x_next_scales = mut(*x_next_scales);
   }
@@ -328,24 +351,36 @@ void mhc_post_pre(const In& x, const In& f_out, const In& h_post, const In& h_re
                   const Out& h_res_next, const std::string& res_layout, float eps_norm, float eps_pre,
                   float post_mult, float eps_sinkhorn, int sinkhorn_iters, bool enable_pdl, bool prefetch_weights,
                   const std::string& kernel, const OptIn& norm_weight, float norm_eps, const OptOut& f_pre_fp8,
-                  const OptOut& f_pre_scales, const std::string& f_pre_scale_format, uintptr_t stream) {
+                  const OptOut& f_pre_scales, const std::string& f_pre_scale_format, const OptIn& x_scales,
+                  const OptOut& x_next_scales, const std::string& x_scale_format, uintptr_t stream) {
   constexpr const char* op = "mhc_post_pre";
   Placement w(op);
   w.add(x, "x", f_out, "f_out", h_post, "h_post", h_res, "h_res");
   add_projection_inputs(w, x, phi, alpha, bias);
   w.add(x_next, "x_next", f_pre, "f_pre", h_post_next, "h_post_next", h_res_next, "h_res_next");
   w.add(norm_weight, "norm_weight", f_pre_fp8, "f_pre_fp8", f_pre_scales, "f_pre_scales");
+  w.add(x_scales, "x_scales", x_next_scales, "x_next_scales");
   fm::MhcPostPreArgs a;
+  const bool fp8 = bool(x_scales) || bool(x_next_scales);
+  if (fp8 && !(x_scales && x_next_scales))
+    fail(op, x_scales ? "x_next_scales" : "x_scales", "x_scales and x_next_scales come together (the FP8 residual stream)");
+  const nb::dlpack::dtype x_dtype = set_residual(a, fp8, x_scale_format, op);
   require_ndim(phi, 2, op, "phi");
   const int64_t N = dim(phi, 0);
   const int n = streams_from_coefficients(N, op, "phi");
-  a.shape = residual_shape(x, n, op, "x");
+  a.shape = residual_shape(x, n, op, "x", x_dtype);
   const int64_t B = a.shape.batch, C = a.shape.hidden;
   a.phi_dtype = check_weights(phi, alpha, bias, N, n * C, 3, op);
   require_dense(f_out, kBFloat16, {B, C}, op, "f_out");
   require_dense(h_post, kFloat32, {B, n}, op, "h_post");
   require_dense(h_res, kFloat32, {B, n, n}, op, "h_res");
-  require_dtype(x_next, kBFloat16, op, "x_next");
+  if (fp8) {
+    check_x_scales(*x_scales, x, a.shape, a.x_scale_format, op, "x_scales");
+    check_x_scales(*x_next_scales, x, a.shape, a.x_scale_format, op, "x_next_scales");
+    a.x_scales = ptr(*x_scales);
+    a.x_next_scales = mut(*x_next_scales);
+  }
+  require_dtype(x_next, x_dtype, op, "x_next");
   require_contiguous(x_next, op, "x_next");
   if (x_next.size() != x.size()) fail(op, "x_next", "must have x's shape ", shape_str(x), " (got ", shape_str(x_next), ")");
   if (f_pre) require_dense(*f_pre, kBFloat16, {B, C}, op, "f_pre");
@@ -446,17 +481,24 @@ void mhc_pre_mix(const In& x, const In& h_pre, const Out& f_pre, bool enable_pdl
 // ---------------------------------------------------------------------------
 
 void mhc_head(const In& x, const In& phi, const In& alpha, const In& bias, const Out& out, float eps_norm,
-              float eps_pre, bool enable_pdl, const std::string& kernel, const OptOut& workspace, uintptr_t stream) {
+              float eps_pre, bool enable_pdl, const std::string& kernel, const OptOut& workspace,
+              const OptIn& x_scales, const std::string& x_scale_format, uintptr_t stream) {
   constexpr const char* op = "mhc_head";
   Placement w(op);
   add_projection_inputs(w, x, phi, alpha, bias);
   w.add(out, "out", workspace, "workspace");
+  w.add(x_scales, "x_scales");
   require_ndim(phi, 2, op, "phi");
   const int64_t n = dim(phi, 0);
   if (n < 1 || n > fm::kMhcMaxStreams)
     fail(op, "phi", "[n, n*C]: n must be in [1, ", fm::kMhcMaxStreams, "] (got shape ", shape_str(phi), ")");
   fm::MhcHeadArgs a;
-  a.shape = residual_shape(x, int(n), op, "x");
+  const nb::dlpack::dtype x_dtype = set_residual(a, bool(x_scales), x_scale_format, op);
+  a.shape = residual_shape(x, int(n), op, "x", x_dtype);
+  if (x_scales) {
+    check_x_scales(*x_scales, x, a.shape, a.x_scale_format, op, "x_scales");
+    a.x_scales = ptr(*x_scales);
+  }
   const int64_t B = a.shape.batch, C = a.shape.hidden;
   a.phi_dtype = check_weights(phi, alpha, bias, n, n * C, 1, op);
   require_dense(out, kBFloat16, {B, C}, op, "out");
@@ -482,17 +524,11 @@ void mhc_expand(const In& embedding, const Out& x, const OptOut& x_scales, const
   if (n < 1 || n > fm::kMhcMaxStreams)
     fail(op, "x", "[B, n, C]: n must be in [1, ", fm::kMhcMaxStreams, "] (got shape ", shape_str(x), ")");
   fm::MhcExpandArgs a;
-  if (!fm::parse_scale_format(x_scale_format.c_str(), &a.x_scale_format))
-    fail(op, "x_scale_format", "must be \"float32\" or \"ue8m0\" (got \"", x_scale_format, "\")");
-  const bool fp8 = bool(x_scales);
-  a.residual = fp8 ? fm::MhcResidual::kFp8E4m3 : fm::MhcResidual::kBf16;
-  a.shape = residual_shape(x, int(n), op, "x", fp8 ? kUInt8 : kBFloat16);
+  const nb::dlpack::dtype x_dtype = set_residual(a, bool(x_scales), x_scale_format, op);
+  a.shape = residual_shape(x, int(n), op, "x", x_dtype);
   require_dense(embedding, kBFloat16, {a.shape.batch, a.shape.hidden}, op, "embedding");
-  if (fp8) {
-    const int64_t B = a.shape.batch, C = a.shape.hidden;
-    if (C % 128 != 0) fail(op, "hidden", "must be a multiple of 128 with the FP8 residual stream (got C = ", C, ")");
-    require_dense(*x_scales, a.x_scale_format == fm::ScaleFormat::kUE8M0 ? kUInt8 : kFloat32, {B, n, C / 128}, op,
-                  "x_scales");
+  if (x_scales) {
+    check_x_scales(*x_scales, x, a.shape, a.x_scale_format, op, "x_scales");
     a.x_scales = mut(*x_scales);
   }
   a.embedding = ptr(embedding);
@@ -540,6 +576,7 @@ nb::dict mhc_defaults() {
   f["prefetch_weights"] = pre.prefetch_weights;
   f["norm_eps"] = py_float(pre.norm_eps);
   f["f_pre_scale_format"] = fm::to_string(pre.f_pre_scale_format);
+  f["x_scale_format"] = fm::to_string(pre.x_scale_format);
   d["mhc_pre"] = projection(f, pre);
   f = nb::dict();
   f["res_layout"] = enum_name(post.res_layout, res_layouts());
@@ -559,6 +596,7 @@ nb::dict mhc_defaults() {
   f = nb::dict();
   f["eps_norm"] = py_float(head.eps_norm);
   f["eps_pre"] = py_float(head.eps_pre);
+  f["x_scale_format"] = fm::to_string(head.x_scale_format);
   d["mhc_head"] = projection(f, head);
   f = nb::dict();
   f["x_scale_format"] = fm::to_string(expand.x_scale_format);
@@ -570,6 +608,7 @@ nb::dict mhc_defaults() {
   f["kernel"] = fm::to_string(post_pre.kernel);
   f["norm_eps"] = py_float(post_pre.norm_eps);
   f["f_pre_scale_format"] = fm::to_string(post_pre.f_pre_scale_format);
+  f["x_scale_format"] = fm::to_string(post_pre.x_scale_format);
   d["mhc_post_pre"] = launch(f, post_pre.enable_pdl);
   return d;
 }
@@ -595,12 +634,15 @@ void register_mhc(nb::module_& m) {
   m.def("mhc_pre", &mhc_pre, "x"_a, "phi"_a, "alpha"_a, "bias"_a, "f_pre"_a.none(), "h_post"_a, "h_res"_a,
         nb::kw_only(), "eps_norm"_a, "eps_pre"_a, "post_mult"_a, "eps_sinkhorn"_a, "sinkhorn_iters"_a, "res_layout"_a,
         "enable_pdl"_a, "prefetch_weights"_a, "kernel"_a, "workspace"_a.none(), "norm_weight"_a.none(), "norm_eps"_a,
-        "f_pre_fp8"_a.none(), "f_pre_scales"_a.none(), "f_pre_scale_format"_a, "stream"_a,
-        "spec §4 mhc_pre; n from phi [N, n*C]. §4.8: F_pre's input RMSNorm and FP8 copy.");
+        "f_pre_fp8"_a.none(), "f_pre_scales"_a.none(), "f_pre_scale_format"_a, "x_scales"_a.none(),
+        "x_scale_format"_a, "stream"_a,
+        "spec §4 mhc_pre; n from phi [N, n*C]. §4.8: F_pre's input RMSNorm and FP8 copy. §4.9: with x_scales, x "
+        "is the FP8 residual stream (uint8 e4m3 codes).");
   m.def("mhc_pre_kernel_choice", &mhc_pre_kernel_choice, "x"_a, "phi"_a, "alpha"_a, "bias"_a, "f_pre"_a.none(),
         "h_post"_a, "h_res"_a, nb::kw_only(), "eps_norm"_a, "eps_pre"_a, "post_mult"_a, "eps_sinkhorn"_a,
         "sinkhorn_iters"_a, "res_layout"_a, "enable_pdl"_a, "prefetch_weights"_a, "kernel"_a, "workspace"_a.none(),
         "norm_weight"_a.none(), "norm_eps"_a, "f_pre_fp8"_a.none(), "f_pre_scales"_a.none(), "f_pre_scale_format"_a,
+        "x_scales"_a.none(), "x_scale_format"_a,
         "(kernel name, reason): the projection kernel mhc_pre would run with these arguments on their CUDA "
         "device. Launches nothing.");
   m.def("mhc_post", &mhc_post, "x"_a, "f_out"_a, "h_post"_a, "h_res"_a, "x_next"_a, nb::kw_only(),
@@ -614,14 +656,16 @@ void register_mhc(nb::module_& m) {
         "post_mult"_a, "eps_sinkhorn"_a, "sinkhorn_iters"_a, "enable_pdl"_a, "stream"_a);
   m.def("mhc_pre_mix", &mhc_pre_mix, "x"_a, "h_pre"_a, "f_pre"_a, nb::kw_only(), "enable_pdl"_a, "stream"_a);
   m.def("mhc_head", &mhc_head, "x"_a, "phi"_a, "alpha"_a, "bias"_a, "out"_a, nb::kw_only(), "eps_norm"_a,
-        "eps_pre"_a, "enable_pdl"_a, "kernel"_a, "workspace"_a.none(), "stream"_a);
+        "eps_pre"_a, "enable_pdl"_a, "kernel"_a, "workspace"_a.none(), "x_scales"_a.none(), "x_scale_format"_a,
+        "stream"_a);
   m.def("mhc_post_pre", &mhc_post_pre, "x"_a, "f_out"_a, "h_post"_a, "h_res"_a, "phi"_a, "alpha"_a, "bias"_a,
         "x_next"_a, "f_pre"_a.none(), "h_post_next"_a, "h_res_next"_a, nb::kw_only(), "res_layout"_a, "eps_norm"_a,
         "eps_pre"_a, "post_mult"_a, "eps_sinkhorn"_a, "sinkhorn_iters"_a, "enable_pdl"_a, "prefetch_weights"_a,
         "kernel"_a, "norm_weight"_a.none(), "norm_eps"_a, "f_pre_fp8"_a.none(), "f_pre_scales"_a.none(),
-        "f_pre_scale_format"_a, "stream"_a,
+        "f_pre_scale_format"_a, "x_scales"_a.none(), "x_next_scales"_a.none(), "x_scale_format"_a, "stream"_a,
         "spec §4.7 mhc_post_pre: this layer's post then the next pre in one op; n from phi [N, n*C]. "
-        "§4.8: F_pre's input RMSNorm (norm_weight) and FP8 copy (f_pre_fp8, f_pre_scales).");
+        "§4.8: F_pre's input RMSNorm (norm_weight) and FP8 copy (f_pre_fp8, f_pre_scales). §4.9: with "
+        "x_scales and x_next_scales, x and x_next are the FP8 residual stream.");
   m.def("mhc_expand", &mhc_expand, "embedding"_a, "x"_a, nb::kw_only(), "x_scales"_a.none(), "x_scale_format"_a,
         "enable_pdl"_a, "stream"_a,
         "mhc_expand: the embedding into n streams; with x_scales, onto the FP8 residual stream (spec §4.9).");

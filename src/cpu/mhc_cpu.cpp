@@ -21,22 +21,39 @@ void store_bf16(void* p, int64_t i, double v) { static_cast<uint16_t*>(p)[i] = h
 
 double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
 
+float fp8x_value(const void* codes, const void* scales, bool ue8m0, int64_t e);
+
+// The residual stream X as the pre reads it (spec §4.9): bf16, or e4m3 codes
+// with their scales, each element's value fp32(e4m3(code) * scale).
+struct XView {
+  const void* x = nullptr;
+  const void* scales = nullptr;  // null: bf16
+  bool ue8m0 = false;
+  double at(int64_t e) const { return scales == nullptr ? bf16_at(x, e) : double(fp8x_value(x, scales, ue8m0, e)); }
+};
+
+template <typename Args>
+XView x_view(const Args& a) {
+  if (a.residual == MhcResidual::kBf16) return {a.x, nullptr, false};
+  return {a.x, a.x_scales, a.x_scale_format == ScaleFormat::kUE8M0};
+}
+
 // Projection with r for one token: h[m] = alpha_of(m) * (X[b] . phi[m]) / r + bias[m].
 // `alpha_of` maps m to alpha index; returns r.
 template <typename AlphaOf>
-double project_row(const void* x, const void* phi, DType phi_dtype, const float* alpha, const float* bias,
+double project_row(const XView& x, const void* phi, DType phi_dtype, const float* alpha, const float* bias,
                    int64_t b, int64_t k_len, int num_coef, double eps_norm, AlphaOf alpha_of, double* h) {
   const int64_t row = b * k_len;
   double sumsq = 0;
   for (int64_t k = 0; k < k_len; ++k) {
-    const double v = bf16_at(x, row + k);
+    const double v = x.at(row + k);
     sumsq += v * v;
   }
   const double r = std::sqrt(sumsq / double(k_len) + eps_norm);
   for (int m = 0; m < num_coef; ++m) {
     double acc = 0;
     for (int64_t k = 0; k < k_len; ++k)
-      acc += bf16_at(x, row + k) * host::load_as_double(phi, phi_dtype, int64_t(m) * k_len + k);
+      acc += x.at(row + k) * host::load_as_double(phi, phi_dtype, int64_t(m) * k_len + k);
     h[m] = double(alpha[alpha_of(m)]) * acc / r + double(bias[m]);
   }
   return r;
@@ -194,7 +211,7 @@ Status mhc_project_cpu(const MhcProjectArgs& a) {
   const int64_t k_len = n * a.shape.hidden;
   std::vector<double> h(num_coef);
   for (int64_t b = 0; b < a.shape.batch; ++b) {
-    const double r = project_row(a.x, a.phi, a.phi_dtype, a.alpha, a.bias, b, k_len, num_coef, a.eps_norm,
+    const double r = project_row(XView{a.x}, a.phi, a.phi_dtype, a.alpha, a.bias, b, k_len, num_coef, a.eps_norm,
                                  [n](int m) { return alpha_index(m, n); }, h.data());
     for (int m = 0; m < num_coef; ++m) a.h[b * num_coef + m] = float(h[m]);
     a.r[b] = float(r);
@@ -235,13 +252,14 @@ Status mhc_pre_cpu(const MhcPreArgs& a) {
   const int64_t C = a.shape.hidden, k_len = n * C;
   std::vector<double> h(num_coef), pre(n), post(n), res(n * n);
   std::vector<uint16_t> f(static_cast<size_t>(C));
+  const XView x = x_view(a);
   for (int64_t b = 0; b < a.shape.batch; ++b) {
-    project_row(a.x, a.phi, a.phi_dtype, a.alpha, a.bias, b, k_len, num_coef, a.params.eps_norm,
+    project_row(x, a.phi, a.phi_dtype, a.alpha, a.bias, b, k_len, num_coef, a.params.eps_norm,
                 [n](int m) { return alpha_index(m, n); }, h.data());
     activate_row(h.data(), n, a.params, pre.data(), post.data(), res.data());
     for (int64_t c = 0; c < C; ++c) {  // H_pre stays in double: one rounding, at the store
       double acc = 0;
-      for (int i = 0; i < n; ++i) acc += pre[i] * bf16_at(a.x, b * k_len + i * C + c);
+      for (int i = 0; i < n; ++i) acc += pre[i] * x.at(b * k_len + i * C + c);
       store_bf16(f.data(), c, acc);
     }
     FM_RETURN_IF_ERROR(f_pre_epilogue_row(a, b, f));
@@ -280,13 +298,13 @@ Status mhc_head_cpu(const MhcHeadArgs& a) {
   const int n = a.shape.n;
   const int64_t C = a.shape.hidden, k_len = n * C;
   std::vector<double> h(n);
+  const XView x = x_view(a);
   for (int64_t b = 0; b < a.shape.batch; ++b) {
-    project_row(a.x, a.phi, a.phi_dtype, a.alpha, a.bias, b, k_len, n, a.eps_norm, [](int) { return 0; },
-                h.data());
+    project_row(x, a.phi, a.phi_dtype, a.alpha, a.bias, b, k_len, n, a.eps_norm, [](int) { return 0; }, h.data());
     for (int i = 0; i < n; ++i) h[i] = sigmoid(h[i]) + a.eps_pre;
     for (int64_t c = 0; c < C; ++c) {
       double acc = 0;
-      for (int i = 0; i < n; ++i) acc += h[i] * bf16_at(a.x, b * k_len + i * C + c);
+      for (int i = 0; i < n; ++i) acc += h[i] * x.at(b * k_len + i * C + c);
       store_bf16(a.out, b * C + c, acc);
     }
   }
@@ -323,6 +341,42 @@ Status mhc_expand_cpu(const MhcExpandArgs& a) {
 // epilogue (§4.8) on the bf16 F_pre.
 Status mhc_post_pre_cpu(const MhcPostPreArgs& a) {
   FM_RETURN_IF_ERROR(validate_mhc_post_pre(a));
+  if (a.residual == MhcResidual::kFp8E4m3) {  // spec §4.9: mhc_post_cpu, then mhc_pre_cpu on the stored X_next
+    MhcPostArgs post;
+    post.shape = a.shape;
+    post.x = a.x;
+    post.f_out = a.f_out;
+    post.h_post = a.h_post;
+    post.h_res = a.h_res;
+    post.x_next = a.x_next;
+    post.res_layout = a.res_layout;
+    post.residual = a.residual;
+    post.x_scales = a.x_scales;
+    post.x_next_scales = a.x_next_scales;
+    post.x_scale_format = a.x_scale_format;
+    FM_RETURN_IF_ERROR(mhc_post_cpu(post));
+    MhcPreArgs pre;
+    pre.shape = a.shape;
+    pre.x = a.x_next;
+    pre.phi = a.phi;
+    pre.phi_dtype = a.phi_dtype;
+    pre.alpha = a.alpha;
+    pre.bias = a.bias;
+    pre.f_pre = a.f_pre;
+    pre.h_post = a.h_post_next;
+    pre.h_res = a.h_res_next;
+    pre.params = a.params;
+    pre.residual = a.residual;
+    pre.x_scales = a.x_next_scales;
+    pre.x_scale_format = a.x_scale_format;
+    pre.norm_weight = a.norm_weight;
+    pre.norm_weight_dtype = a.norm_weight_dtype;
+    pre.norm_eps = a.norm_eps;
+    pre.f_pre_fp8 = a.f_pre_fp8;
+    pre.f_pre_scales = a.f_pre_scales;
+    pre.f_pre_scale_format = a.f_pre_scale_format;
+    return mhc_pre_cpu(pre);
+  }
   const int n = a.shape.n, num_coef = mhc_num_coefficients(n);
   const int64_t C = a.shape.hidden, k_len = n * C;
   const bool transpose = a.res_layout == MhcResLayout::kDeepSeek;
@@ -339,7 +393,7 @@ Status mhc_post_pre_cpu(const MhcPostPreArgs& a) {
         }
         store_bf16(a.x_next, (b * n + i) * C + c, acc);
       }
-    project_row(a.x_next, a.phi, a.phi_dtype, a.alpha, a.bias, b, k_len, num_coef, a.params.eps_norm,
+    project_row(XView{a.x_next}, a.phi, a.phi_dtype, a.alpha, a.bias, b, k_len, num_coef, a.params.eps_norm,
                 [n](int m) { return alpha_index(m, n); }, h.data());
     activate_row(h.data(), n, a.params, pre.data(), post.data(), res.data());
     for (int64_t c = 0; c < C; ++c) {

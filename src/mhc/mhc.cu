@@ -262,12 +262,25 @@ template <> __device__ __forceinline__ void load_phi8<bf16>(const bf16* p, float
   unpack8(dev::load_ro<bf16, 8>(p), f);
 }
 
+// Eight elements of X from flat index e (a multiple of 8) as floats: bf16
+// (exact), or on the FP8 stream each fp32(e4m3(code) * scale) (spec §4.9).
+template <bool kFp8>
+__device__ __forceinline__ void load_x8(const ProjectParams& p, long long e, float* f) {
+  if constexpr (kFp8) {
+    const uint2 c = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const uint8_t*>(p.x) + e));
+    dequant8(c, load_x_scale_ro(p.x_scales, e / 128, p.x_ue8m0), f);
+  } else {
+    unpack8(dev::load_ro<bf16, 8>(p.x + e), f);
+  }
+}
+
 // Portable projection (any sm_80+ GPU, any shape): one block per token. X is
 // read from device memory once for the projection and once more for the pre
 // mix (an L2 hit in practice: the row was read microseconds earlier); phi is
 // read from L2 by every block, so at large B this is bound by L2 bandwidth
 // (N*K*4 bytes per token). The sm_90a cluster kernel replaces it where it fits.
-template <int kN, typename PhiT>
+// kFp8: X is the FP8 residual stream (mhc_pre, mhc_head).
+template <int kN, typename PhiT, bool kFp8>
 __global__ void __launch_bounds__(kThreads) mhc_project_rows_kernel(ProjectParams p) {
   constexpr int kMaxCoef = kN * kN + 2 * kN;
   __shared__ float red[kMaxCoef + 1][kThreads / 32];
@@ -276,7 +289,7 @@ __global__ void __launch_bounds__(kThreads) mhc_project_rows_kernel(ProjectParam
   dev::allow_dependents_launch();
   const long long b = blockIdx.x;
   const int num_coef = p.num_coef;
-  const bf16* xr = p.x + b * p.k_len;
+  const long long xr = b * p.k_len;  // the token's first element
   const PhiT* phi = static_cast<const PhiT*>(p.phi);
   float acc[kMaxCoef];
 #pragma unroll
@@ -284,7 +297,7 @@ __global__ void __launch_bounds__(kThreads) mhc_project_rows_kernel(ProjectParam
   float sq = 0.f;
   for (int k = threadIdx.x * 8; k < p.k_len; k += kThreads * 8) {
     float xf[8];
-    unpack8(dev::load_ro<bf16, 8>(xr + k), xf);
+    load_x8<kFp8>(p, xr + k, xf);
 #pragma unroll
     for (int e = 0; e < 8; ++e) sq = fmaf(xf[e], xf[e], sq);
 #pragma unroll
@@ -346,7 +359,7 @@ __global__ void __launch_bounds__(kThreads) mhc_project_rows_kernel(ProjectParam
 #pragma unroll
     for (int i = 0; i < kN; ++i) {
       float xf[8];
-      unpack8(dev::load_ro<bf16, 8>(xr + (long long)i * p.hidden + c), xf);
+      load_x8<kFp8>(p, xr + (long long)i * p.hidden + c, xf);
 #pragma unroll
       for (int e = 0; e < 8; ++e) out[e] = fmaf(coef[i], xf[e], out[e]);
     }
@@ -392,10 +405,11 @@ cudaError_t portable_project(const ProjectParams& p, int n, bool phi_is_f32, cud
   cudaError_t err = cudaSuccess;
   dispatch_n(n, [&](auto kn) {
     constexpr int kN = decltype(kn)::value;
-    if (phi_is_f32)
-      err = dev::launch(mhc_project_rows_kernel<kN, float>, dim3(unsigned(p.batch)), dim3(kThreads), 0, stream, pdl, p);
-    else
-      err = dev::launch(mhc_project_rows_kernel<kN, bf16>, dim3(unsigned(p.batch)), dim3(kThreads), 0, stream, pdl, p);
+    auto kernel = phi_is_f32 ? (p.fp8x ? mhc_project_rows_kernel<kN, float, true>
+                                       : mhc_project_rows_kernel<kN, float, false>)
+                             : (p.fp8x ? mhc_project_rows_kernel<kN, bf16, true>
+                                       : mhc_project_rows_kernel<kN, bf16, false>);
+    err = dev::launch(kernel, dim3(unsigned(p.batch)), dim3(kThreads), 0, stream, pdl, p);
   });
   return err;
 }
@@ -475,6 +489,14 @@ ProjectParams base_params(const Args& a) {
   return p;
 }
 
+// The FP8 residual stream's fields (mhc_pre, mhc_post_pre, mhc_head; spec §4.9).
+template <typename Args>
+void set_residual(ProjectParams& p, const Args& a) {
+  p.fp8x = a.residual == MhcResidual::kFp8E4m3;
+  p.x_scales = p.fp8x ? a.x_scales : nullptr;
+  p.x_ue8m0 = a.x_scale_format == ScaleFormat::kUE8M0;
+}
+
 }  // namespace
 
 }  // namespace mhc_detail
@@ -507,6 +529,7 @@ ProjectParams pre_params(const MhcPreArgs& a) {
   p.mode = ProjectMode::kPre;
   p.prefetch_weights = a.prefetch_weights && a.enable_pdl;
   p.epi = epilogue_params(a);
+  set_residual(p, a);
   return p;
 }
 
@@ -558,7 +581,9 @@ ProjectParams post_pre_params(const MhcPostPreArgs& a) {
   p.post.h_res = a.h_res;
   p.post.x_next = static_cast<bf16*>(a.x_next);
   p.post.transpose = a.res_layout == MhcResLayout::kDeepSeek;
+  p.post.x_next_scales = a.x_next_scales;
   p.epi = epilogue_params(a);
+  set_residual(p, a);
   return p;
 }
 
@@ -612,6 +637,7 @@ Status mhc_head(const MhcHeadArgs& a, cudaStream_t stream) {
     p.eps_norm = a.eps_norm;
     p.act.eps_pre = a.eps_pre;
     p.mode = ProjectMode::kHead;
+    set_residual(p, a);
     return launch_project(p, a.shape.n, a.phi_dtype, a.kernel, stream, a.enable_pdl, kOp);
   });
 }

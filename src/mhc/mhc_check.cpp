@@ -64,14 +64,32 @@ Status check_phi_dtype(DType t, const char* op) {
   return Status::Ok();
 }
 
-// The residual stream of an op that does not take the FP8 one yet (spec
-// §4.9): a known value, and kBf16 (kFp8E4m3: kNotSupported).
-Status check_bf16_residual(MhcResidual r, const char* op) {
+// The residual stream's value rules at any B (spec §4.9): a known residual
+// and scale format; the FP8 one needs C % 128 == 0.
+Status check_residual(MhcResidual r, ScaleFormat f, int64_t hidden, const char* op) {
   FM_REQUIRE(r == MhcResidual::kBf16 || r == MhcResidual::kFp8E4m3, op, "residual", "unknown MhcResidual value ",
              int(r));
-  FM_REQUIRE_SUPPORTED(r == MhcResidual::kBf16, op, "residual",
-                       "fp8_e4m3 is not supported by this op yet (spec 4.9: mhc_post and mhc_expand only)");
+  FM_REQUIRE(f == ScaleFormat::kFloat32 || f == ScaleFormat::kUE8M0, op, "x_scale_format",
+             "unknown ScaleFormat value ", int(f));
+  if (r == MhcResidual::kFp8E4m3)
+    FM_REQUIRE(hidden % 128 == 0, op, "hidden",
+               "must be a multiple of 128 with residual fp8_e4m3 (1 x 128 scale blocks; got ", hidden, ")");
   return Status::Ok();
+}
+
+// With kBf16 a scale pointer of the FP8 stream must be null (any B).
+Status check_no_scales(MhcResidual r, const void* scales, const char* name, const char* op) {
+  if (r == MhcResidual::kBf16)
+    FM_REQUIRE(scales == nullptr, op, name, "set with residual bf16 (scales belong to fp8_e4m3)");
+  return Status::Ok();
+}
+
+// X's bytes: codes of one byte (kFp8E4m3) or bf16.
+int64_t x_bytes(const MhcShape& s, MhcResidual r) { return s.batch * s.n * s.hidden * (r == MhcResidual::kBf16 ? 2 : 1); }
+
+// The extent of a scale array of the FP8 stream (0 for kBf16).
+Range x_scales_range(const char* name, const void* p, const MhcShape& s, MhcResidual r, ScaleFormat f) {
+  return {name, p, r == MhcResidual::kBf16 ? 0 : mhc_x_scale_count(s) * int64_t(scale_bytes(f))};
 }
 
 Status check_kernel(MhcPreKernel k, const char* op) {
@@ -193,9 +211,12 @@ Status validate_mhc_pre(const MhcPreArgs& a) {
   FM_RETURN_IF_ERROR(check_phi_dtype(a.phi_dtype, kOp));
   FM_RETURN_IF_ERROR(check_kernel(a.kernel, kOp));
   FM_RETURN_IF_ERROR(check_epilogue(a, kOp));
-  FM_RETURN_IF_ERROR(check_bf16_residual(a.residual, kOp));
+  FM_RETURN_IF_ERROR(check_residual(a.residual, a.x_scale_format, a.shape.hidden, kOp));
+  FM_RETURN_IF_ERROR(check_no_scales(a.residual, a.x_scales, "x_scales", kOp));
   if (a.shape.batch == 0) return Status::Ok();  // nothing is read or written
+  const bool fp8 = a.residual == MhcResidual::kFp8E4m3;
   FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
+  if (fp8) FM_RETURN_IF_ERROR(check_ptr(a.x_scales, kOp, "x_scales", int(scale_bytes(a.x_scale_format))));
   FM_RETURN_IF_ERROR(check_ptr(a.phi, kOp, "phi", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.alpha, kOp, "alpha", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.bias, kOp, "bias", 4));
@@ -211,25 +232,13 @@ Status validate_mhc_pre(const MhcPreArgs& a) {
                         workspace_range(a.workspace, a.workspace_bytes),
                         fp8_range(a),
                         scales_range(a)};
-  const Range ins[] = {{"x", a.x, s.batch * K * 2},
+  const Range ins[] = {{"x", a.x, x_bytes(s, a.residual)},
+                       x_scales_range("x_scales", a.x_scales, s, a.residual, a.x_scale_format),
                        {"phi", a.phi, N * K * int64_t(dtype_size(a.phi_dtype))},
                        {"alpha", a.alpha, 3 * 4},
                        {"bias", a.bias, N * 4},
                        norm_weight_range(a)};
   return check_no_overlap(kOp, outs, ins);
-}
-
-// The residual stream's value rules at any B (spec §4.9): a known residual
-// and scale format; the FP8 one needs C % 128 == 0.
-Status check_residual(MhcResidual r, ScaleFormat f, int64_t hidden, const char* op) {
-  FM_REQUIRE(r == MhcResidual::kBf16 || r == MhcResidual::kFp8E4m3, op, "residual", "unknown MhcResidual value ",
-             int(r));
-  FM_REQUIRE(f == ScaleFormat::kFloat32 || f == ScaleFormat::kUE8M0, op, "x_scale_format",
-             "unknown ScaleFormat value ", int(f));
-  if (r == MhcResidual::kFp8E4m3)
-    FM_REQUIRE(hidden % 128 == 0, op, "hidden",
-               "must be a multiple of 128 with residual fp8_e4m3 (1 x 128 scale blocks; got ", hidden, ")");
-  return Status::Ok();
 }
 
 Status validate_mhc_post(const MhcPostArgs& a) {
@@ -238,12 +247,9 @@ Status validate_mhc_post(const MhcPostArgs& a) {
   FM_REQUIRE(a.res_layout == MhcResLayout::kDeepSeek || a.res_layout == MhcResLayout::kRowMix, kOp,
              "res_layout", "unknown layout value ", int(a.res_layout));
   FM_RETURN_IF_ERROR(check_residual(a.residual, a.x_scale_format, a.shape.hidden, kOp));
+  FM_RETURN_IF_ERROR(check_no_scales(a.residual, a.x_scales, "x_scales", kOp));
+  FM_RETURN_IF_ERROR(check_no_scales(a.residual, a.x_next_scales, "x_next_scales", kOp));
   const bool fp8 = a.residual == MhcResidual::kFp8E4m3;
-  if (!fp8) {
-    FM_REQUIRE(a.x_scales == nullptr, kOp, "x_scales", "set with residual bf16 (scales belong to fp8_e4m3)");
-    FM_REQUIRE(a.x_next_scales == nullptr, kOp, "x_next_scales",
-               "set with residual bf16 (scales belong to fp8_e4m3)");
-  }
   if (a.shape.batch == 0) return Status::Ok();
   FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
   if (fp8) FM_RETURN_IF_ERROR(check_ptr(a.x_scales, kOp, "x_scales", int(scale_bytes(a.x_scale_format))));
@@ -254,11 +260,10 @@ Status validate_mhc_post(const MhcPostArgs& a) {
   if (fp8)
     FM_RETURN_IF_ERROR(check_ptr(a.x_next_scales, kOp, "x_next_scales", int(scale_bytes(a.x_scale_format))));
   const MhcShape& s = a.shape;
-  const int64_t x_bytes = s.batch * s.n * s.hidden * (fp8 ? 1 : 2);
-  const int64_t scale_extent = fp8 ? mhc_x_scale_count(s) * scale_bytes(a.x_scale_format) : 0;
-  const Range outs[] = {{"x_next", a.x_next, x_bytes}, {"x_next_scales", a.x_next_scales, scale_extent}};
-  const Range ins[] = {{"x", a.x, x_bytes},
-                       {"x_scales", a.x_scales, scale_extent},
+  const Range outs[] = {{"x_next", a.x_next, x_bytes(s, a.residual)},
+                        x_scales_range("x_next_scales", a.x_next_scales, s, a.residual, a.x_scale_format)};
+  const Range ins[] = {{"x", a.x, x_bytes(s, a.residual)},
+                       x_scales_range("x_scales", a.x_scales, s, a.residual, a.x_scale_format),
                        {"f_out", a.f_out, s.batch * s.hidden * 2},
                        {"h_post", a.h_post, s.batch * s.n * 4},
                        {"h_res", a.h_res, s.batch * s.n * s.n * 4}};
@@ -327,9 +332,12 @@ Status validate_mhc_head(const MhcHeadArgs& a) {
   FM_REQUIRE(std::isfinite(a.eps_pre) && a.eps_pre >= 0, kOp, "eps_pre", "must be finite and >= 0");
   FM_RETURN_IF_ERROR(check_phi_dtype(a.phi_dtype, kOp));
   FM_RETURN_IF_ERROR(check_kernel(a.kernel, kOp));
-  FM_RETURN_IF_ERROR(check_bf16_residual(a.residual, kOp));
+  FM_RETURN_IF_ERROR(check_residual(a.residual, a.x_scale_format, a.shape.hidden, kOp));
+  FM_RETURN_IF_ERROR(check_no_scales(a.residual, a.x_scales, "x_scales", kOp));
   if (a.shape.batch == 0) return Status::Ok();
   FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
+  if (a.residual == MhcResidual::kFp8E4m3)
+    FM_RETURN_IF_ERROR(check_ptr(a.x_scales, kOp, "x_scales", int(scale_bytes(a.x_scale_format))));
   FM_RETURN_IF_ERROR(check_ptr(a.phi, kOp, "phi", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.alpha, kOp, "alpha", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.bias, kOp, "bias", 4));
@@ -338,7 +346,8 @@ Status validate_mhc_head(const MhcHeadArgs& a) {
   const MhcShape& s = a.shape;
   const int64_t K = int64_t(s.n) * s.hidden;
   const Range outs[] = {{"out", a.out, s.batch * s.hidden * 2}, workspace_range(a.workspace, a.workspace_bytes)};
-  const Range ins[] = {{"x", a.x, s.batch * K * 2},
+  const Range ins[] = {{"x", a.x, x_bytes(s, a.residual)},
+                       x_scales_range("x_scales", a.x_scales, s, a.residual, a.x_scale_format),
                        {"phi", a.phi, s.n * K * int64_t(dtype_size(a.phi_dtype))},
                        {"alpha", a.alpha, 4},
                        {"bias", a.bias, s.n * 4}};
@@ -349,15 +358,15 @@ Status validate_mhc_expand(const MhcExpandArgs& a) {
   constexpr const char* kOp = "mhc_expand";
   FM_RETURN_IF_ERROR(check_shape(a.shape, kOp, true));
   FM_RETURN_IF_ERROR(check_residual(a.residual, a.x_scale_format, a.shape.hidden, kOp));
+  FM_RETURN_IF_ERROR(check_no_scales(a.residual, a.x_scales, "x_scales", kOp));
   const bool fp8 = a.residual == MhcResidual::kFp8E4m3;
-  if (!fp8) FM_REQUIRE(a.x_scales == nullptr, kOp, "x_scales", "set with residual bf16 (scales belong to fp8_e4m3)");
   if (a.shape.batch == 0) return Status::Ok();
   FM_RETURN_IF_ERROR(check_ptr(a.embedding, kOp, "embedding", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
   if (fp8) FM_RETURN_IF_ERROR(check_ptr(a.x_scales, kOp, "x_scales", int(scale_bytes(a.x_scale_format))));
   const MhcShape& s = a.shape;
-  const Range outs[] = {{"x", a.x, s.batch * s.n * s.hidden * (fp8 ? 1 : 2)},
-                        {"x_scales", a.x_scales, fp8 ? mhc_x_scale_count(s) * scale_bytes(a.x_scale_format) : 0}};
+  const Range outs[] = {{"x", a.x, x_bytes(s, a.residual)},
+                        x_scales_range("x_scales", a.x_scales, s, a.residual, a.x_scale_format)};
   const Range ins[] = {{"embedding", a.embedding, s.batch * s.hidden * 2}};
   return check_no_overlap(kOp, outs, ins);
 }
@@ -371,9 +380,14 @@ Status validate_mhc_post_pre(const MhcPostPreArgs& a) {
   FM_RETURN_IF_ERROR(check_phi_dtype(a.phi_dtype, kOp));
   FM_RETURN_IF_ERROR(check_kernel(a.kernel, kOp));
   FM_RETURN_IF_ERROR(check_epilogue(a, kOp));
-  FM_RETURN_IF_ERROR(check_bf16_residual(a.residual, kOp));
+  FM_RETURN_IF_ERROR(check_residual(a.residual, a.x_scale_format, a.shape.hidden, kOp));
+  FM_RETURN_IF_ERROR(check_no_scales(a.residual, a.x_scales, "x_scales", kOp));
+  FM_RETURN_IF_ERROR(check_no_scales(a.residual, a.x_next_scales, "x_next_scales", kOp));
   if (a.shape.batch == 0) return Status::Ok();  // nothing is read or written
+  const bool fp8 = a.residual == MhcResidual::kFp8E4m3;
+  const int scale_align = int(scale_bytes(a.x_scale_format));
   FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
+  if (fp8) FM_RETURN_IF_ERROR(check_ptr(a.x_scales, kOp, "x_scales", scale_align));
   FM_RETURN_IF_ERROR(check_ptr(a.f_out, kOp, "f_out", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.h_post, kOp, "h_post", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.h_res, kOp, "h_res", 4));
@@ -381,18 +395,21 @@ Status validate_mhc_post_pre(const MhcPostPreArgs& a) {
   FM_RETURN_IF_ERROR(check_ptr(a.alpha, kOp, "alpha", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.bias, kOp, "bias", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.x_next, kOp, "x_next", 16));
+  if (fp8) FM_RETURN_IF_ERROR(check_ptr(a.x_next_scales, kOp, "x_next_scales", scale_align));
   FM_RETURN_IF_ERROR(check_epilogue_pointers(a, kOp));
   FM_RETURN_IF_ERROR(check_ptr(a.h_post_next, kOp, "h_post_next", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.h_res_next, kOp, "h_res_next", 4));
   const MhcShape& s = a.shape;
   const int64_t N = mhc_num_coefficients(s.n), K = int64_t(s.n) * s.hidden;
-  const Range outs[] = {{"x_next", a.x_next, s.batch * K * 2},
+  const Range outs[] = {{"x_next", a.x_next, x_bytes(s, a.residual)},
+                        x_scales_range("x_next_scales", a.x_next_scales, s, a.residual, a.x_scale_format),
                         f_pre_range(a),
                         {"h_post_next", a.h_post_next, s.batch * s.n * 4},
                         {"h_res_next", a.h_res_next, s.batch * s.n * s.n * 4},
                         fp8_range(a),
                         scales_range(a)};
-  const Range ins[] = {{"x", a.x, s.batch * K * 2},
+  const Range ins[] = {{"x", a.x, x_bytes(s, a.residual)},
+                       x_scales_range("x_scales", a.x_scales, s, a.residual, a.x_scale_format),
                        {"f_out", a.f_out, s.batch * s.hidden * 2},
                        {"h_post", a.h_post, s.batch * s.n * 4},
                        {"h_res", a.h_res, s.batch * s.n * s.n * 4},

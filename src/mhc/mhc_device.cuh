@@ -171,7 +171,8 @@ struct PostInput {
   const __nv_bfloat16* f_out = nullptr;  // [B, C]
   const float* h_post = nullptr;         // [B, n]
   const float* h_res = nullptr;          // [B, n, n]
-  __nv_bfloat16* x_next = nullptr;       // [B, n*C]; null: no post (plain mhc_pre / project / head)
+  __nv_bfloat16* x_next = nullptr;       // [B, n*C] (FP8 stream: e4m3 codes); null: no post (plain mhc_pre / project / head)
+  void* x_next_scales = nullptr;         // FP8 stream: [B, n, C/128], X_next's scales
   bool transpose = true;                 // res_layout kDeepSeek: R = H_res^T
 };
 
@@ -236,6 +237,12 @@ struct ProjectParams {
   bool has_post() const { return post.x_next != nullptr; }
   PreEpilogue epi;
   __host__ __device__ bool has_epilogue() const { return epi.any(); }
+  // The FP8 residual stream (spec §4.9; mhc_pre, mhc_post_pre, mhc_head):
+  // x (and post.x_next) then point at e4m3 codes [B, n*C], one byte an
+  // element, and x_scales at X's [B, n, C/128] scales, float or ue8m0.
+  bool fp8x = false;
+  const void* x_scales = nullptr;
+  bool x_ue8m0 = false;
 };
 
 // The projection kernels' launchers (mhc_pre, mhc_project, mhc_head), one

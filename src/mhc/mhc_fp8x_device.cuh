@@ -15,16 +15,31 @@
 
 namespace flashmix::mhc_detail {
 
-// The scale at `index` of a scale array (float, or ue8m0: 2^(b - 127), byte
-// 255 NaN, byte 0 the subnormal 2^-127). Streaming load: read once.
+// A ue8m0 scale byte's value: 2^(b - 127), byte 255 NaN, byte 0 the subnormal 2^-127.
+__device__ __forceinline__ float ue8m0_value(uint32_t b) {
+  return b == 255u ? __uint_as_float(0x7fc00000u) : __uint_as_float(b ? b << 23 : 0x00400000u);
+}
+
+// The value of a stored scale (the float's bits, or the ue8m0 byte).
+__device__ __forceinline__ float stored_scale_value(uint32_t stored, bool ue8m0) {
+  return ue8m0 ? ue8m0_value(stored) : __uint_as_float(stored);
+}
+
+// The scale at `index` of a scale array (float or ue8m0). Streaming load: read once.
 template <ScaleFormat F>
 __device__ __forceinline__ float load_x_scale(const void* scales, long long index) {
   if constexpr (F == ScaleFormat::kFloat32) {
     return __ldcs(static_cast<const float*>(scales) + index);
   } else {
-    const uint32_t b = __ldcs(static_cast<const uint8_t*>(scales) + index);
-    return b == 255u ? __uint_as_float(0x7fc00000u) : __uint_as_float(b ? b << 23 : 0x00400000u);
+    return ue8m0_value(__ldcs(static_cast<const uint8_t*>(scales) + index));
   }
+}
+
+// The same by a run-time format, through the read-only path (kernels that
+// read a token's scales more than once).
+__device__ __forceinline__ float load_x_scale_ro(const void* scales, long long index, bool ue8m0) {
+  return ue8m0 ? ue8m0_value(__ldg(static_cast<const uint8_t*>(scales) + index))
+               : __ldg(static_cast<const float*>(scales) + index);
 }
 
 // Eight e4m3 codes (the first in the low byte of c.x) times their block's

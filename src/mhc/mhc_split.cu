@@ -403,6 +403,7 @@ cudaError_t mhc_split_project(const ProjectParams& p, int n, bool phi_is_f32, cu
                               bool dry_run, const char** why_not) {
   if (p.has_post()) return not_supported(why_not, "split: no fused post (mhc_post_pre)");
   if (p.has_epilogue()) return not_supported(why_not, "split: no F_pre norm / FP8 epilogue");
+  if (p.fp8x) return not_supported(why_not, "split: bf16 residual stream only (the FP8 stream runs on the cluster-tile and portable kernels)");
   if (p.workspace == nullptr) return not_supported(why_not, "split: needs a workspace (mhc_workspace_bytes)");
   if (p.batch < 1 || p.batch > kMhcSplitMaxBatch) return not_supported(why_not, "split: B must be 1..32");
   detail::DeviceProps dev;

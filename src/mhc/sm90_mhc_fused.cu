@@ -25,6 +25,11 @@
 // phi fp32 is split on the fly into hi = bf16(phi) and lo = bf16(phi - hi);
 // X is exact in bf16, so X*hi + X*lo carries ~16 significant bits of phi
 // (TF32 has 11) with fp32 accumulation.
+//
+// The FP8 residual stream (spec §4.9, kFp8 below): the tile holds X's e4m3
+// codes and their per-block scales; the codes are exact in bf16, so the
+// tensor cores take them as they are and each k step's partial sums are
+// scaled by its 128-column block's scale.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
@@ -37,6 +42,7 @@
 #include "common/vec.cuh"
 #include "fp8/quantize_fp8_device.cuh"
 #include "mhc/mhc_device.cuh"
+#include "mhc/mhc_fp8x_device.cuh"
 
 namespace flashmix::mhc_detail {
 
@@ -67,6 +73,12 @@ struct FusedLayout {
   // squares, [rows] 1/rms, [rows][epi_blocks] partial amax bits.
   int off_epi = 0;
   int epi_blocks = 0;  // 1 x 128 blocks a slice can touch: slice / 128 + 2
+  // The FP8 residual stream (spec §4.9; 0 otherwise): the slice is whole
+  // 128-column blocks, xs holds the e4m3 codes (pitch in bytes), off_sc the
+  // tile's scales as floats [n * slice/128][rows], and with F_pre's
+  // epilogue off_fpre a bf16 F_pre slice [rows][fpitch] (on the bf16 stream
+  // F_pre goes back into xs).
+  int off_sc = 0, off_fpre = 0, fpitch = 0;
 };
 
 template <int kN>
@@ -116,6 +128,60 @@ __device__ __forceinline__ void load_phi_step(PhiFrag<kN, kF32>& f, const PhiRow
   }
 }
 
+// The FP8 stream's k order. A step's 32 columns are permuted alike in phi
+// (A) and X (B) so that thread t of a quad holds 8 consecutive columns of
+// one token, 8t..8t+7 (one 8-byte shared load of codes): for k16 half h the
+// mma's k index 2t + j maps to column 8t + 4h + j and 2t + 8 + j to
+// 8t + 4h + 2 + j (j = 0, 1). A sum over k is order-free, so the
+// projection is the same sum; only its fp32 rounding order differs from the
+// bf16 stream's. Here: phi's A fragments in that order, thread t reading
+// the 8 columns of the step's group t.
+template <int kN, bool kF32>
+__device__ __forceinline__ void load_phi_step_fp8(PhiFrag<kN, kF32>& f, const PhiRows<kN, kF32>& pr, const int* gtab,
+                                                  int step, int lane) {
+  const int t = lane & 3;
+  const int col = gtab[step * 4 + t];
+#pragma unroll
+  for (int mt = 0; mt < coef_tiles<kN>(); ++mt) {
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {  // rows g and g + 8
+      const auto* row = pr.row[mt][rr];
+      const bool ok = row != nullptr && col >= 0;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (kF32) {
+          const float4 v = ok ? __ldg(reinterpret_cast<const float4*>(row + col + 4 * h)) : make_float4(0, 0, 0, 0);
+          f.v[mt][h][rr] = make_float2(v.x, v.y);
+          f.v[mt][h][rr + 2] = make_float2(v.z, v.w);
+        } else {
+          const uint2 v = ok ? __ldg(reinterpret_cast<const uint2*>(row + col + 4 * h)) : make_uint2(0, 0);
+          f.v[mt][h][rr] = v.x;
+          f.v[mt][h][rr + 2] = v.y;
+        }
+      }
+    }
+  }
+}
+
+// A token's 8 e4m3 codes of a step (columns 8t..8t+7, the order above) as
+// the B fragments of its two k16 halves, b[2h] and b[2h + 1], and the sum of
+// the codes' squares. Exact: e4m3 -> f16 -> f32 is exact and an e4m3 value
+// has at most 4 significant bits, so the top half of its f32 is its bf16.
+__device__ __forceinline__ float fp8_b_frags(uint2 codes, uint32_t (&b)[4]) {
+  float sq = 0.f;
+  const uint32_t w[2] = {codes.x, codes.y};
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w[h] >> (16 * q)), __NV_E4M3);
+      const float2 v = __half22float2(__half2(r));
+      b[2 * h + q] = __byte_perm(__float_as_uint(v.x), __float_as_uint(v.y), 0x7632);
+      sq = fmaf(v.x, v.x, fmaf(v.y, v.y, sq));
+    }
+  return sq;
+}
+
 // 8 columns of the norm's weight, as floats.
 template <bool kWeightF32>
 __device__ __forceinline__ void load_weight8(const PreEpilogue& e, int c, float* w) {
@@ -136,9 +202,9 @@ __device__ __forceinline__ void load_weight8(const PreEpilogue& e, int c, float*
 }
 
 // F_pre's epilogue (spec §4.8) for the tile, by every thread of every CTA of
-// the cluster. On entry the pre mix has left this CTA's bf16 F_pre in xs over
-// stream 0's columns (token r, column c0 + col at xs[r * pitch + col],
-// col < cw), and each CTA has one cluster arrive pending (step 4's); on exit
+// the cluster. On entry the pre mix has left this CTA's bf16 F_pre in xs
+// (token r, column c0 + col at xs[r * pitch + col], col < cw: X's buffer
+// over stream 0's columns, or on the FP8 stream a buffer of its own), and each CTA has one cluster arrive pending (step 4's); on exit
 // one is pending again (the kernel's last cluster_wait completes it).
 //
 // Norm: each CTA sums the squares of its columns per token (a warp per
@@ -159,8 +225,8 @@ __device__ __forceinline__ void load_weight8(const PreEpilogue& e, int c, float*
 // The weight's dtype and the scale format are template parameters (the
 // caller dispatches once); the plain kernel never enters this function.
 template <bool kWeightF32, ScaleFormat kScales>
-__device__ __noinline__ void f_pre_epilogue(const ProjectParams& p, const FusedLayout& L, bf16* xs, float* ep,
-                                            int rank, long long row0, int c0, int cw) {
+__device__ __noinline__ void f_pre_epilogue(const ProjectParams& p, const FusedLayout& L, bf16* xs, int pitch,
+                                            float* ep, int rank, long long row0, int c0, int cw) {
   cg::cluster_group cluster = cg::this_cluster();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int rows = L.rows, groups = cw / 8, hidden = p.hidden;
@@ -173,7 +239,7 @@ __device__ __noinline__ void f_pre_epilogue(const ProjectParams& p, const FusedL
       float sum = 0.f;
       if (row0 + r < p.batch)
         for (int g = lane; g < groups; g += 32) {
-          const uint4 raw = *reinterpret_cast<const uint4*>(xs + r * L.pitch + g * 8);
+          const uint4 raw = *reinterpret_cast<const uint4*>(xs + r * pitch + g * 8);
           const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
@@ -199,7 +265,7 @@ __device__ __noinline__ void f_pre_epilogue(const ProjectParams& p, const FusedL
     for (int it = tid; it < rows * groups; it += kThreads) {
       const int r = it / groups, col = (it - r * groups) * 8;
       if (row0 + r >= p.batch) continue;
-      uint4* px = reinterpret_cast<uint4*>(xs + r * L.pitch + col);
+      uint4* px = reinterpret_cast<uint4*>(xs + r * pitch + col);
       const uint4 raw = *px;
       const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
       float w[8];
@@ -224,7 +290,7 @@ __device__ __noinline__ void f_pre_epilogue(const ProjectParams& p, const FusedL
   const int hw = tid / 16, hl = tid % 16;                    // a half-warp per (token, block)
   const unsigned half = 0xffffu << (tid & 16);
   auto load = [&](int r, int col) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(xs + r * L.pitch + col);
+    const uint4 raw = *reinterpret_cast<const uint4*>(xs + r * pitch + col);
     Chunk c;
     c.w[0] = raw.x; c.w[1] = raw.y; c.w[2] = raw.z; c.w[3] = raw.w;
     return c;
@@ -279,14 +345,28 @@ __device__ __noinline__ void f_pre_epilogue(const ProjectParams& p, const FusedL
 // X_L and F_out by the post (its arithmetic, post_mix_pair), stored to
 // shared memory and once to x_next; all n streams of a column are in this
 // CTA's slice, so the post needs nothing from the peers.
-template <int kN, bool kF32, bool kPost>
+//
+// kFp8 (the FP8 residual stream, spec §4.9): xs holds the tile's e4m3 codes
+// and sc their scales. The projection takes the codes (exact in bf16) on the
+// tensor cores in load_phi_step_fp8's k order and scales each step's
+// partial sums (a step lies in one 128-column block) before adding them
+// up; the pre mix reads each element's value fp32(code * scale). With kPost
+// each (token, stream, block) of X_next is made and quantised exactly as
+// mhc_post_fp8_kernel does (a half-warp a block), so its codes and scales
+// are mhc_post's, and the pre reads them back from shared memory.
+template <int kN, bool kF32, bool kPost, bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectParams p, FusedLayout L) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kMt = coef_tiles<kN>();
   constexpr int kMpad = kMt * 16;
   constexpr int kCoef = kN * kN + 2 * kN;
+  constexpr int kElem = kFp8 ? 1 : 2;             // bytes of an X element in xs
+  constexpr int kGroupsPerPiece = kFp8 ? 2 : 1;   // 8-column groups per 16-byte copy
+  constexpr int kPiecesPerStep = 4 / kGroupsPerPiece;  // 16-byte pieces per row per 32-wide step
   extern __shared__ __align__(128) unsigned char smem[];
   bf16* xs = reinterpret_cast<bf16*>(smem);
+  uint8_t* xq = smem;                                                // kFp8: the codes, pitch L.pitch bytes
+  float* sc = reinterpret_cast<float*>(smem + L.off_sc);            // kFp8: [n * slice/128][rows] scales
   float* scratch = reinterpret_cast<float*>(smem + L.off_scratch);  // [warp][kMpad + 1][rows]
   float* xchg = reinterpret_cast<float*>(smem + L.off_xchg);        // [num_coef + 1][rows], this CTA's partials
   float* total = reinterpret_cast<float*>(smem + L.off_total);      // [num_coef + 1][rows], the cluster's sums
@@ -326,8 +406,89 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
     }
     gtab[q] = gc;
   }
+  // kFp8: the scale table. Entries past the slice's blocks or the batch are
+  // 0 (their codes are 0 too, and a 0 scale keeps the partial sums finite);
+  // with kPost the post writes the others.
+  const int cb = cw / 128;  // kFp8: blocks of a stream in this slice
+  auto fill_scales = [&] {
+    const int blocks = hidden / 128;
+    const int table = kN * (L.slice / 128) * L.rows;
+    for (int e = tid; e < table; e += kThreads) {
+      const int kb = e / L.rows, r = e - kb * L.rows;
+      const bool live = row0 + r < p.batch && kb < kN * cb;
+      if (kPost && live) continue;
+      float v = 0.f;
+      if (live) {
+        const int i = kb / cb;
+        v = load_x_scale_ro(p.x_scales, ((row0 + r) * kN + i) * blocks + c0 / 128 + (kb - i * cb), p.x_ue8m0);
+      }
+      sc[e] = v;
+    }
+  };
+  // Zeroes the pieces of xs past the slice or the batch.
+  auto zero_padding = [&] {
+    const int np_all = L.steps * kPiecesPerStep;
+    for (int r = 0; r < L.rows; ++r) {
+      const bool row_ok = row0 + r < p.batch;
+      for (int pc = tid; pc < np_all; pc += kThreads)
+        if (!row_ok || gtab[pc * kGroupsPerPiece] < 0)
+          *reinterpret_cast<uint4*>(smem + (size_t(r) * L.pitch + pc * (16 / kElem)) * kElem) = make_uint4(0, 0, 0, 0);
+    }
+  };
   __syncthreads();  // barrier inits and the table visible to all
-  if constexpr (kPost) {
+  if constexpr (kPost && kFp8) {
+    // X_next on the FP8 stream: mhc_post_fp8_kernel's arithmetic and lane
+    // mapping (a lane 8 columns of a (token, stream), a half-warp a 128-column
+    // block: groups is a multiple of 16, so the 16 lanes share a row and a block).
+    fill_scales();
+    const int groups = cw / 8;
+    const PostInput& po = p.post;
+    const unsigned half = 0xffffu << (tid & 16);
+    const bool leader = (tid & 15) == 0;
+    const uint8_t* xg = reinterpret_cast<const uint8_t*>(p.x);
+    uint8_t* xn = reinterpret_cast<uint8_t*>(po.x_next);
+    for (int it = tid; it < L.rows * groups; it += kThreads) {
+      const int r = it / groups, col = (it - r * groups) * 8;
+      const long long b = row0 + r;
+      if (b >= p.batch) break;  // rows ascend, uniform over a half-warp; the padding below zeroes the rest
+      float xf[kN][8];
+#pragma unroll
+      for (int j = 0; j < kN; ++j) {
+        const long long e = b * p.k_len + (long long)j * hidden + c0 + col;
+        dequant8(__ldcs(reinterpret_cast<const uint2*>(xg + e)), load_x_scale_ro(p.x_scales, e / 128, p.x_ue8m0),
+                 xf[j]);
+      }
+      float ff[8];
+      unpack8(dev::load_stream<bf16, 8>(po.f_out + b * hidden + c0 + col), ff);
+#pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        const float post = __ldg(po.h_post + b * kN + i);
+        float acc[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] = __fmul_rn(post, ff[e]);
+#pragma unroll
+        for (int j = 0; j < kN; ++j) {
+          const float rij = __ldg(po.h_res + b * kN * kN + (po.transpose ? j * kN + i : i * kN + j));
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[e] = __fmaf_rn(rij, xf[j][e], acc[e]);
+        }
+        uint2 q;
+        const fp8_dev::Scale s = p.x_ue8m0 ? quantize_block_lane<ScaleFormat::kUE8M0>(acc, half, q)
+                                           : quantize_block_lane<ScaleFormat::kFloat32>(acc, half, q);
+        *reinterpret_cast<uint2*>(xq + size_t(r) * L.pitch + i * cw + col) = q;
+        const long long e = b * p.k_len + (long long)i * hidden + c0 + col;
+        __stcs(reinterpret_cast<uint2*>(xn + e), q);
+        if (leader) {
+          fp8_dev::store_scale(po.x_next_scales, uint32_t(e / 128), s.stored, p.x_ue8m0);
+          sc[((i * cw + col) / 128) * L.rows + r] = stored_scale_value(s.stored, p.x_ue8m0);
+        }
+      }
+    }
+    zero_padding();
+#pragma unroll
+    for (int q = 0; q < kChunks; ++q) dev::mbar_arrive(smem_u32(&xbar[q]));
+    __syncthreads();
+  } else if constexpr (kPost) {
     const int groups = cw / 8;
     const PostInput& po = p.post;
     for (int it = tid; it < L.rows * groups; it += kThreads) {
@@ -360,40 +521,30 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
         __stcs(reinterpret_cast<uint4*>(po.x_next + (b * kN + i) * (long long)hidden + c0 + col), ov);
       }
     }
-    const int np_all = L.steps * 4;
-    for (int r = 0; r < L.rows; ++r) {
-      const bool row_ok = row0 + r < p.batch;
-      for (int pc = tid; pc < np_all; pc += kThreads)
-        if (!row_ok || gtab[pc] < 0) *reinterpret_cast<uint4*>(xs + r * L.pitch + pc * 8) = make_uint4(0, 0, 0, 0);
-    }
+    zero_padding();
     // Every chunk is complete for this thread (the chunk barriers count each thread once).
 #pragma unroll
     for (int q = 0; q < kChunks; ++q) dev::mbar_arrive(smem_u32(&xbar[q]));
     __syncthreads();
   } else {
-    constexpr int kPiecesPerStep = 4;  // 16-byte pieces per row per 32-wide step
 #pragma unroll 1
     for (int q = 0; q < kChunks; ++q) {
       const int s0 = min(q * L.chunk_steps, L.steps), s1 = min(s0 + L.chunk_steps, L.steps);
       const int np = (s1 - s0) * kPiecesPerStep;
       for (int r = 0; r < L.rows; ++r) {
         if (row0 + r >= p.batch) break;
-        const bf16* src = p.x + (row0 + r) * p.k_len;
-        bf16* dst = xs + r * L.pitch + s0 * 32;
+        const unsigned char* src = reinterpret_cast<const unsigned char*>(p.x) + (row0 + r) * p.k_len * kElem;
+        unsigned char* dst = smem + (size_t(r) * L.pitch + s0 * 32) * kElem;
         for (int pc = tid; pc < np; pc += kThreads) {
-          const int gc = gtab[s0 * kPiecesPerStep + pc];
-          if (gc >= 0) dev::cp_async16(dst + pc * 8, src + gc);
+          const int gc = gtab[(s0 * kPiecesPerStep + pc) * kGroupsPerPiece];
+          if (gc >= 0) dev::cp_async16(dst + pc * 16, src + (long long)gc * kElem);
         }
       }
       asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(&xbar[q])) : "memory");
     }
-    const int np_all = L.steps * kPiecesPerStep;
-    for (int r = 0; r < L.rows; ++r) {
-      const bool row_ok = row0 + r < p.batch;
-      for (int pc = tid; pc < np_all; pc += kThreads)
-        if (!row_ok || gtab[pc] < 0) *reinterpret_cast<uint4*>(xs + r * L.pitch + pc * 8) = make_uint4(0, 0, 0, 0);
-    }
-    __syncthreads();  // padding visible to all before any ldmatrix
+    if constexpr (kFp8) fill_scales();  // behind the copies in flight
+    zero_padding();
+    __syncthreads();  // padding (and kFp8's scales) visible to all before any shared load of X
   }
   PhiRows<kN, kF32> prow;
   {
@@ -430,8 +581,10 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
     PhiFrag<kN, kF32> frag[kBatch];
 #pragma unroll
     for (int bb = 0; bb < kBatch; ++bb)
-      if (j0 + bb < my_steps)
-        load_phi_step<kN, kF32>(frag[bb], prow, gtab, warp + (j0 + bb) * kWarps, lane);
+      if (j0 + bb < my_steps) {
+        if constexpr (kFp8) load_phi_step_fp8<kN, kF32>(frag[bb], prow, gtab, warp + (j0 + bb) * kWarps, lane);
+        else load_phi_step<kN, kF32>(frag[bb], prow, gtab, warp + (j0 + bb) * kWarps, lane);
+      }
 #pragma unroll
     for (int bb = 0; bb < kBatch; ++bb) {
       if (j0 + bb >= my_steps) break;
@@ -442,19 +595,41 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
       }
       const PhiFrag<kN, kF32>& cur = frag[bb];
       uint32_t bfrag[kMaxRowTiles][4];
+      // kFp8: the step's block scales of the C fragment's tokens (2t, 2t + 1).
+      float s_even[kMaxRowTiles], s_odd[kMaxRowTiles];
 #pragma unroll
       for (int rt = 0; rt < kMaxRowTiles; ++rt) {
         if (rt < L.row_tiles) {
-          dev::ldmatrix_x4(bfrag[rt], smem_u32(xs + (rt * 8 + (lane & 7)) * L.pitch + s * 32 + (lane >> 3) * 8));
+          if constexpr (kFp8) {
+            const int g = lane >> 2, t = lane & 3;
+            const float* scb = sc + (s >> 2) * L.rows + rt * 8;  // 4 steps a block
+            const uint2 codes =
+                *reinterpret_cast<const uint2*>(xq + size_t(rt * 8 + g) * L.pitch + s * 32 + t * 8);
+            const float sg = scb[g];
+            sq[rt] = fmaf(sg * sg, fp8_b_frags(codes, bfrag[rt]), sq[rt]);
+            const float2 sp = *reinterpret_cast<const float2*>(scb + 2 * t);
+            s_even[rt] = sp.x;
+            s_odd[rt] = sp.y;
+          } else {
+            dev::ldmatrix_x4(bfrag[rt], smem_u32(xs + (rt * 8 + (lane & 7)) * L.pitch + s * 32 + (lane >> 3) * 8));
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bfrag[rt][e]));
-            sq[rt] = fmaf(v.x, v.x, fmaf(v.y, v.y, sq[rt]));
+            for (int e = 0; e < 4; ++e) {
+              const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bfrag[rt][e]));
+              sq[rt] = fmaf(v.x, v.x, fmaf(v.y, v.y, sq[rt]));
+            }
           }
         }
       }
 #pragma unroll
       for (int mt = 0; mt < kMt; ++mt) {
+        // kFp8: this step's sums of codes x phi, scaled once into acc.
+        float part[kMaxRowTiles][4];
+        if constexpr (kFp8) {
+#pragma unroll
+          for (int rt = 0; rt < kMaxRowTiles; ++rt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) part[rt][e] = 0.f;
+        }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           uint32_t a_hi[4], a_lo[4];
@@ -473,8 +648,20 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
 #pragma unroll
           for (int rt = 0; rt < kMaxRowTiles; ++rt) {
             if (rt < L.row_tiles) {
-              dev::mma_bf16_16816(acc[mt][rt], a_hi, bfrag[rt][2 * h], bfrag[rt][2 * h + 1]);
-              if constexpr (kF32) dev::mma_bf16_16816(acc[mt][rt], a_lo, bfrag[rt][2 * h], bfrag[rt][2 * h + 1]);
+              float(&d)[4] = kFp8 ? part[rt] : acc[mt][rt];
+              dev::mma_bf16_16816(d, a_hi, bfrag[rt][2 * h], bfrag[rt][2 * h + 1]);
+              if constexpr (kF32) dev::mma_bf16_16816(d, a_lo, bfrag[rt][2 * h], bfrag[rt][2 * h + 1]);
+            }
+          }
+        }
+        if constexpr (kFp8) {
+#pragma unroll
+          for (int rt = 0; rt < kMaxRowTiles; ++rt) {
+            if (rt < L.row_tiles) {  // C fragment: columns 2t (e = 0, 2) and 2t + 1 (e = 1, 3)
+              acc[mt][rt][0] = fmaf(part[rt][0], s_even[rt], acc[mt][rt][0]);
+              acc[mt][rt][1] = fmaf(part[rt][1], s_odd[rt], acc[mt][rt][1]);
+              acc[mt][rt][2] = fmaf(part[rt][2], s_even[rt], acc[mt][rt][2]);
+              acc[mt][rt][3] = fmaf(part[rt][3], s_odd[rt], acc[mt][rt][3]);
             }
           }
         }
@@ -589,6 +776,11 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
   // (only the thread that mixes those 8 columns of the row reads them), and
   // to f_pre here only when no norm follows.
   const bool epi = p.mode == ProjectMode::kPre && p.has_epilogue();  // uniform
+  // Where the epilogue finds the bf16 F_pre: over stream 0's columns of xs
+  // (bf16 stream), or its own buffer (the FP8 stream's xs holds codes the
+  // other threads are still mixing).
+  bf16* fs = kFp8 ? reinterpret_cast<bf16*>(smem + L.off_fpre) : xs;
+  const int fpitch = kFp8 ? L.fpitch : L.pitch;
   const bool store_mix = !epi || (p.epi.norm_weight == nullptr && p.f_out != nullptr);
   if (p.mode != ProjectMode::kProject && !sinkhorn_warp) {
     const int groups = cw / 8;
@@ -599,34 +791,42 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
       float out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
       for (int i = 0; i < kN; ++i) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(xs + row * L.pitch + i * cw + col);
-        const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
+        float f[8];
+        if constexpr (kFp8) {
+          const int k = i * cw + col;
+          dequant8(*reinterpret_cast<const uint2*>(xq + size_t(row) * L.pitch + k), sc[(k / 128) * rows + row], f);
+        } else {
+          const uint4 raw = *reinterpret_cast<const uint4*>(xs + row * L.pitch + i * cw + col);
+          const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float2 x2 = __bfloat1622float2(v[e]);
+            f[2 * e] = x2.x;
+            f[2 * e + 1] = x2.y;
+          }
+        }
         const float w = hpre[row * kN + i];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 f = __bfloat1622float2(v[e]);
-          out[2 * e] = fmaf(w, f.x, out[2 * e]);
-          out[2 * e + 1] = fmaf(w, f.y, out[2 * e + 1]);
-        }
+        for (int e = 0; e < 8; ++e) out[e] = fmaf(w, f[e], out[e]);
       }
       uint4 o;
       __nv_bfloat162* ov = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
       for (int e = 0; e < 4; ++e) ov[e] = __floats2bfloat162_rn(out[2 * e], out[2 * e + 1]);
-      if (epi) *reinterpret_cast<uint4*>(xs + row * L.pitch + col) = o;
+      if (epi) *reinterpret_cast<uint4*>(fs + row * fpitch + col) = o;
       if (store_mix) *reinterpret_cast<uint4*>(p.f_out + (row0 + row) * hidden + c0 + col) = o;
     }
   }
   // 7. F_pre's epilogue: the norm and the FP8 copy (cluster exchanges).
   if (epi) {
-    __syncthreads();  // the tile's F_pre is in xs (the Sinkhorn warp joins here too)
+    __syncthreads();  // the tile's F_pre is in fs (the Sinkhorn warp joins here too)
     float* ep = reinterpret_cast<float*>(smem + L.off_epi);
     if (p.epi.norm_f32) {
-      if (p.epi.ue8m0) f_pre_epilogue<true, ScaleFormat::kUE8M0>(p, L, xs, ep, rank, row0, c0, cw);
-      else f_pre_epilogue<true, ScaleFormat::kFloat32>(p, L, xs, ep, rank, row0, c0, cw);
+      if (p.epi.ue8m0) f_pre_epilogue<true, ScaleFormat::kUE8M0>(p, L, fs, fpitch, ep, rank, row0, c0, cw);
+      else f_pre_epilogue<true, ScaleFormat::kFloat32>(p, L, fs, fpitch, ep, rank, row0, c0, cw);
     } else {
-      if (p.epi.ue8m0) f_pre_epilogue<false, ScaleFormat::kUE8M0>(p, L, xs, ep, rank, row0, c0, cw);
-      else f_pre_epilogue<false, ScaleFormat::kFloat32>(p, L, xs, ep, rank, row0, c0, cw);
+      if (p.epi.ue8m0) f_pre_epilogue<false, ScaleFormat::kUE8M0>(p, L, fs, fpitch, ep, rank, row0, c0, cw);
+      else f_pre_epilogue<false, ScaleFormat::kFloat32>(p, L, fs, fpitch, ep, rank, row0, c0, cw);
     }
   }
   cluster_wait();  // no CTA leaves while a peer may still read its partials
@@ -638,15 +838,32 @@ struct Choice {
   size_t smem = 0;
 };
 
+// fp8: the FP8 residual stream's layout (FusedLayout's kFp8 fields).
 template <int kN>
-bool choose_layout(long long batch, int hidden, int num_coef, bool epilogue, int smem_optin, Choice& out) {
+bool choose_layout(long long batch, int hidden, int num_coef, bool epilogue, bool fp8, int smem_optin, Choice& out) {
   constexpr int kMpad = coef_tiles<kN>() * 16;
   FusedLayout L;
-  const int groups = hidden / 8;
-  L.slice = ((groups + kClusterSize - 1) / kClusterSize) * 8;
-  const int kpad = ((kN * L.slice + 31) / 32) * 32;
+  int kpad, row_bytes;
+  if (fp8) {
+    // Whole 128-column blocks per CTA (hidden % 128 == 0), so a step and a
+    // (token, stream) block of X_next never straddle two CTAs; a CTA past C's
+    // blocks holds nothing.
+    const int blocks = hidden / 128;
+    L.slice = ((blocks + kClusterSize - 1) / kClusterSize) * 128;
+    kpad = kN * L.slice;
+    // Bytes: kpad is a multiple of 128, so a row starts 32 banks-bytes on from
+    // the last; a warp's 8-byte code loads of 8 rows x 32 bytes run in two
+    // conflict-free wavefronts.
+    L.pitch = kpad + 32;
+    row_bytes = L.pitch;
+  } else {
+    const int groups = hidden / 8;
+    L.slice = ((groups + kClusterSize - 1) / kClusterSize) * 8;
+    kpad = ((kN * L.slice + 31) / 32) * 32;
+    L.pitch = kpad + 8;  // kpad*2 bytes is a multiple of 64; + 16 bytes makes the pitch an odd number of 16-byte units
+    row_bytes = L.pitch * 2;
+  }
   L.steps = kpad / 32;
-  L.pitch = kpad + 8;  // kpad*2 bytes is a multiple of 64; + 16 bytes makes the pitch an odd number of 16-byte units
   const int per_chunk = (L.steps + kChunks - 1) / kChunks;
   L.chunk_steps = ((per_chunk + kWarps - 1) / kWarps) * kWarps;
   // Tall tiles amortise the phi reads; small batches use short tiles so more clusters run.
@@ -655,7 +872,7 @@ bool choose_layout(long long batch, int hidden, int num_coef, bool epilogue, int
                                                                                  (8 * target_clusters))));
   for (int rt = want; rt >= 1; --rt) {
     const int rows = rt * 8;
-    size_t off = size_t(rows) * L.pitch * 2;
+    size_t off = size_t(rows) * row_bytes;
     off = (off + 15) / 16 * 16;
     L.off_scratch = int(off);
     off += size_t(kWarps) * (kMpad + 1) * rows * 4;
@@ -675,6 +892,16 @@ bool choose_layout(long long batch, int hidden, int num_coef, bool epilogue, int
       L.off_epi = int(off);
       off += size_t(rows) * (2 + L.epi_blocks) * 4;
     }
+    if (fp8) {
+      off = (off + 15) / 16 * 16;
+      L.off_sc = int(off);
+      off += size_t(kN) * (L.slice / 128) * rows * 4;
+      if (epilogue) {
+        L.fpitch = L.slice + 8;
+        L.off_fpre = int(off);
+        off += size_t(rows) * L.fpitch * 2;
+      }
+    }
     if (off <= size_t(smem_optin)) {
       L.rows = rows;
       L.row_tiles = rt;
@@ -686,15 +913,15 @@ bool choose_layout(long long batch, int hidden, int num_coef, bool epilogue, int
   return false;
 }
 
-template <int kN, bool kF32, bool kPost>
+template <int kN, bool kF32, bool kPost, bool kFp8>
 cudaError_t launch_fused(const ProjectParams& p, cudaStream_t stream, bool pdl, bool dry_run, const char** why_not) {
-  auto kernel = sm90_mhc_fused_kernel<kN, kF32, kPost>;
+  auto kernel = sm90_mhc_fused_kernel<kN, kF32, kPost, kFp8>;
   int dynamic_max = 0;
   if (detail::prepare_kernel(detail::kernel_key(kernel), false, &dynamic_max) != cudaSuccess)
     return not_supported(why_not, "cluster tile: the kernel's attributes could not be set on this device");
   Choice c;
-  if (!choose_layout<kN>(p.batch, p.hidden, p.num_coef, p.mode == ProjectMode::kPre && p.has_epilogue(), dynamic_max,
-                         c))
+  if (!choose_layout<kN>(p.batch, p.hidden, p.num_coef, p.mode == ProjectMode::kPre && p.has_epilogue(), kFp8,
+                         dynamic_max, c))
     return not_supported(why_not, "cluster tile: no tile of 8-24 tokens fits in shared memory at this C");
   const long long tiles = (p.batch + c.layout.rows - 1) / c.layout.rows;
   if (tiles * kClusterSize > 0x7fffffffLL) return not_supported(why_not, "cluster tile: too many tiles for one grid");
@@ -719,14 +946,21 @@ cudaError_t sm90_mhc_project_fused(const ProjectParams& p, int n, bool phi_is_f3
   // The kernel is built for sm_90a only.
   if (dev.cc_major != 9 || dev.cc_minor != 0) return not_supported(why_not, "cluster tile: needs an sm_90 GPU");
   cudaError_t err = cudaErrorNotSupported;
+  // Every (phi dtype, fused post, residual stream) combination, by run-time value.
+  auto launch = [&](auto kn, auto f32, auto post, auto fp8) {
+    return launch_fused<decltype(kn)::value, decltype(f32)::value, decltype(post)::value, decltype(fp8)::value>(
+        p, stream, pdl, dry_run, why_not);
+  };
+  using T = std::true_type;
+  using F = std::false_type;
   dispatch_n(n, [&](auto kn) {
-    constexpr int kN = decltype(kn)::value;
-    if (p.has_post())
-      err = phi_is_f32 ? launch_fused<kN, true, true>(p, stream, pdl, dry_run, why_not)
-                       : launch_fused<kN, false, true>(p, stream, pdl, dry_run, why_not);
-    else
-      err = phi_is_f32 ? launch_fused<kN, true, false>(p, stream, pdl, dry_run, why_not)
-                       : launch_fused<kN, false, false>(p, stream, pdl, dry_run, why_not);
+    if (p.fp8x) {
+      if (p.has_post()) err = phi_is_f32 ? launch(kn, T{}, T{}, T{}) : launch(kn, F{}, T{}, T{});
+      else err = phi_is_f32 ? launch(kn, T{}, F{}, T{}) : launch(kn, F{}, F{}, T{});
+    } else {
+      if (p.has_post()) err = phi_is_f32 ? launch(kn, T{}, T{}, F{}) : launch(kn, F{}, T{}, F{});
+      else err = phi_is_f32 ? launch(kn, T{}, F{}, F{}) : launch(kn, F{}, F{}, F{});
+    }
   });
   return err;
 }

@@ -1220,6 +1220,8 @@ cudaError_t sm90_mhc_project_resident(const ProjectParams& p, int n, bool phi_is
   if (p.has_post() && p.mode != ProjectMode::kPre) return not_supported(why_not, "resident: a fused post only before a pre");
   if (p.has_epilogue())
     return not_supported(why_not, "resident: no F_pre norm / FP8 epilogue (the cluster-tile kernel runs them)");
+  if (p.fp8x)
+    return not_supported(why_not, "resident: bf16 residual stream only (the cluster-tile kernel runs the FP8 stream)");
   detail::DeviceProps dev;
   if (detail::current_device_props(&dev) != cudaSuccess) return not_supported(why_not, "no usable CUDA device");
   if (dev.cc_major != 9 || dev.cc_minor != 0)  // built for sm_90a only

@@ -1,5 +1,6 @@
-// CPU tests of mhc_post on the FP8 residual stream (spec §4.9) and of its
-// argument checks (spec §5.4). These run on any machine.
+// CPU tests of the ops on the FP8 residual stream (spec §4.9: mhc_post,
+// mhc_expand, mhc_pre, mhc_head, mhc_post_pre) and of their argument checks
+// (spec §5.4). These run on any machine.
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -267,35 +268,288 @@ TEST(MhcFp8xValidation, NamesItsArguments) {
   EXPECT_EQ(mhc_x_scale_count({8192, 4, 7168}), 8192 * 4 * 56);
 }
 
-// The ops that do not take the FP8 stream yet (spec §4.9): residual
-// kFp8E4m3 is kNotSupported (named), an unknown value kInvalidArgument; at
-// any B, CPU and validation alike.
-TEST(MhcFp8xValidation, OtherOpsSayNotSupported) {
-  auto expect = [](const Status& s, StatusCode code) {
+// An FP8 X whose scales are powers of two (ue8m0, or the same values as
+// floats), so every element's value is a bf16 number, and that bf16 X.
+struct ExactFp8X {
+  Fp8X fp8;
+  std::vector<uint16_t> bf16;
+};
+ExactFp8X exact_fp8x(const Problem& p, ScaleFormat f) {
+  ExactFp8X o;
+  o.fp8 = quantize_x(p, ScaleFormat::kUE8M0);
+  if (f == ScaleFormat::kFloat32) {
+    std::vector<uint8_t> fs(o.fp8.scales.size() * 4);
+    for (size_t k = 0; k < o.fp8.scales.size(); ++k) {
+      const float v = host::ue8m0_to_float(o.fp8.scales[k]);
+      std::memcpy(fs.data() + 4 * k, &v, 4);
+    }
+    o.fp8.scales = fs;
+    o.fp8.format = f;
+  }
+  o.bf16.resize(o.fp8.codes.size());
+  for (size_t e = 0; e < o.bf16.size(); ++e) {
+    const float v = o.fp8.value(int64_t(e));
+    o.bf16[e] = bf16(v);
+    EXPECT_EQ(f32(o.bf16[e]), v) << "element " << e << " is not a bf16 number";
+  }
+  return o;
+}
+
+// mhc_pre and mhc_head on the FP8 stream read each element as
+// fp32(code * scale) and do the rest as on the bf16 stream (spec §4.9): with
+// values that are bf16 numbers, bitwise the bf16 op's results on them, for
+// both scale formats, n = 1..8, with and without F_pre's epilogue.
+TEST(MhcPreFp8xCpu, PreAndHeadReadTheDequantisedX) {
+  for (int n = 1; n <= kMhcMaxStreams; ++n)
+    for (ScaleFormat f : kFormats) {
+      Problem p = make_problem(3, n, 256, seed_for("fp8x_pre") + n);
+      SCOPED_TRACE("seed " + std::to_string(p.seed) + " n " + std::to_string(n) + " " + fmt_name(f));
+      const ExactFp8X x = exact_fp8x(p, f);
+      const int64_t B = p.B, C = p.C;
+      std::vector<float> nw(static_cast<size_t>(C));
+      for (int64_t c = 0; c < C; ++c) nw[size_t(c)] = 0.5f + float(c % 7) / 8.0f;
+      for (bool epi : {false, true}) {
+        std::vector<uint16_t> f_bf(size_t(B * C), 1), f_fp(size_t(B * C), 2);
+        std::vector<float> post_bf(size_t(B * n), 3), post_fp(size_t(B * n), 4), res_bf(size_t(B * n * n), 5),
+            res_fp(size_t(B * n * n), 6);
+        std::vector<uint8_t> q_bf(size_t(B * C), 7), q_fp(q_bf), s_bf(size_t(B * C / 128 * 4), 9), s_fp(s_bf);
+        MhcPreArgs a;
+        a.shape = {B, n, C};
+        a.x = x.bf16.data();
+        a.phi = p.phi_f32.data();
+        a.alpha = p.alpha.data();
+        a.bias = p.bias.data();
+        a.f_pre = f_bf.data();
+        a.h_post = post_bf.data();
+        a.h_res = res_bf.data();
+        if (epi) {
+          a.norm_weight = nw.data();
+          a.norm_weight_dtype = DType::kFloat32;
+          a.f_pre_fp8 = q_bf.data();
+          a.f_pre_scales = s_bf.data();
+        }
+        ASSERT_TRUE(mhc_pre_cpu(a).ok());
+        a.x = x.fp8.codes.data();
+        a.residual = MhcResidual::kFp8E4m3;
+        a.x_scales = x.fp8.scales.data();
+        a.x_scale_format = f;
+        a.f_pre = f_fp.data();
+        a.h_post = post_fp.data();
+        a.h_res = res_fp.data();
+        if (epi) {
+          a.f_pre_fp8 = q_fp.data();
+          a.f_pre_scales = s_fp.data();
+        }
+        Status s = mhc_pre_cpu(a);
+        ASSERT_TRUE(s.ok()) << s.message();
+        EXPECT_EQ(f_bf, f_fp);
+        EXPECT_EQ(post_bf, post_fp);
+        EXPECT_EQ(res_bf, res_fp);
+        EXPECT_EQ(q_bf, q_fp);
+        EXPECT_EQ(s_bf, s_fp);
+      }
+      std::vector<uint16_t> o_bf(size_t(B * C), 1), o_fp(size_t(B * C), 2);
+      MhcHeadArgs h;
+      h.shape = {B, n, C};
+      h.x = x.bf16.data();
+      h.phi = p.phi_f32.data();
+      h.alpha = p.alpha.data();
+      h.bias = p.bias.data();
+      h.out = o_bf.data();
+      ASSERT_TRUE(mhc_head_cpu(h).ok());
+      h.x = x.fp8.codes.data();
+      h.residual = MhcResidual::kFp8E4m3;
+      h.x_scales = x.fp8.scales.data();
+      h.x_scale_format = f;
+      h.out = o_fp.data();
+      Status s = mhc_head_cpu(h);
+      ASSERT_TRUE(s.ok()) << s.message();
+      EXPECT_EQ(o_bf, o_fp);
+    }
+}
+
+// mhc_post_pre on the FP8 stream (spec §4.7, §4.9): X_next bitwise
+// mhc_post's on the stream, and the next pre's outputs bitwise mhc_pre's on
+// that stored X_next.
+TEST(MhcPreFp8xCpu, PostPreIsPostThenPre) {
+  for (int n : {1, 4, 7})
+    for (ScaleFormat f : kFormats) {
+      Problem p = make_problem(3, n, 384, seed_for("fp8x_post_pre") + n);
+      SCOPED_TRACE("seed " + std::to_string(p.seed) + " n " + std::to_string(n) + " " + fmt_name(f));
+      const Fp8X x = quantize_x(p, f);
+      const int64_t B = p.B, C = p.C;
+      Fp8X xn1 = poisoned_fp8x({B, n, C}, f), xn2 = poisoned_fp8x({B, n, C}, f);
+      ASSERT_TRUE(mhc_post_cpu(fp8_post_args(p, x, xn1, MhcResLayout::kRowMix)).ok());
+      std::vector<uint16_t> f1(size_t(B * C), 1), f2(size_t(B * C), 2);
+      std::vector<float> po1(size_t(B * n), 3), po2(size_t(B * n), 4), r1(size_t(B * n * n), 5),
+          r2(size_t(B * n * n), 6);
+      MhcPreArgs pre;
+      pre.shape = {B, n, C};
+      pre.x = xn1.codes.data();
+      pre.residual = MhcResidual::kFp8E4m3;
+      pre.x_scales = xn1.scales.data();
+      pre.x_scale_format = f;
+      pre.phi = p.phi_f32.data();
+      pre.alpha = p.alpha.data();
+      pre.bias = p.bias.data();
+      pre.f_pre = f1.data();
+      pre.h_post = po1.data();
+      pre.h_res = r1.data();
+      ASSERT_TRUE(mhc_pre_cpu(pre).ok());
+      MhcPostPreArgs a;
+      a.shape = {B, n, C};
+      a.x = x.codes.data();
+      a.f_out = p.f_out.data();
+      a.h_post = p.h_post.data();
+      a.h_res = p.h_res.data();
+      a.res_layout = MhcResLayout::kRowMix;
+      a.phi = p.phi_f32.data();
+      a.alpha = p.alpha.data();
+      a.bias = p.bias.data();
+      a.x_next = xn2.codes.data();
+      a.f_pre = f2.data();
+      a.h_post_next = po2.data();
+      a.h_res_next = r2.data();
+      a.residual = MhcResidual::kFp8E4m3;
+      a.x_scales = x.scales.data();
+      a.x_next_scales = xn2.scales.data();
+      a.x_scale_format = f;
+      Status s = mhc_post_pre_cpu(a);
+      ASSERT_TRUE(s.ok()) << s.message();
+      EXPECT_EQ(xn1.codes, xn2.codes);
+      EXPECT_EQ(xn1.scales, xn2.scales);
+      EXPECT_EQ(f1, f2);
+      EXPECT_EQ(po1, po2);
+      EXPECT_EQ(r1, r2);
+    }
+}
+
+// The FP8 stream's argument rules on mhc_pre, mhc_head and mhc_post_pre
+// (spec §5.4), each named: value rules at any B (an unknown residual or
+// format, C % 128, scales given with the bf16 stream), then pointers and
+// overlaps on the one-byte code extents.
+TEST(MhcFp8xValidation, PrePostPreAndHeadNameTheirArguments) {
+  const int64_t B = 2, C = 256;
+  const int n = 4;
+  std::vector<uint8_t> codes(size_t(B * n * C)), codes2(size_t(B * n * C));
+  std::vector<float> scales(size_t(B * n * C / 128)), scales2(scales.size());
+  std::vector<float> phi(size_t(24 * n * C)), alpha(3), bias(24), hp(size_t(B * n)), hr(size_t(B * n * n)),
+      hp2(hp.size()), hr2(hr.size());
+  std::vector<uint16_t> f(size_t(B * C)), fo(size_t(B * C));
+  auto expect_bad = [](const Status& s, const char* arg, StatusCode code = StatusCode::kInvalidArgument) {
     EXPECT_EQ(s.code(), code) << s.message();
-    EXPECT_NE(s.message().find(": residual: "), std::string::npos) << s.message();
+    EXPECT_NE(s.message().find(std::string(": ") + arg + ": "), std::string::npos) << s.message();
   };
-  for (int64_t B : {0, 4}) {
-    MhcPreArgs pre;
-    pre.shape = {B, 4, 256};
-    pre.residual = MhcResidual::kFp8E4m3;
-    expect(validate_mhc_pre(pre), StatusCode::kNotSupported);
-    expect(mhc_pre_cpu(pre), StatusCode::kNotSupported);
-    pre.residual = static_cast<MhcResidual>(2);
-    expect(validate_mhc_pre(pre), StatusCode::kInvalidArgument);
-    MhcPostPreArgs pp;
-    pp.shape = {B, 4, 256};
-    pp.residual = MhcResidual::kFp8E4m3;
-    expect(validate_mhc_post_pre(pp), StatusCode::kNotSupported);
-    expect(mhc_post_pre_cpu(pp), StatusCode::kNotSupported);
-    MhcHeadArgs head;
-    head.shape = {B, 4, 256};
-    head.residual = MhcResidual::kFp8E4m3;
-    expect(validate_mhc_head(head), StatusCode::kNotSupported);
-    MhcExpandArgs ex;
-    ex.shape = {B, 4, 256};
-    ex.residual = static_cast<MhcResidual>(2);
-    expect(mhc_expand_cpu(ex), StatusCode::kInvalidArgument);
+  MhcPreArgs pre;
+  pre.shape = {B, n, C};
+  pre.x = codes.data();
+  pre.residual = MhcResidual::kFp8E4m3;
+  pre.x_scales = scales.data();
+  pre.phi = phi.data();
+  pre.alpha = alpha.data();
+  pre.bias = bias.data();
+  pre.f_pre = f.data();
+  pre.h_post = hp.data();
+  pre.h_res = hr.data();
+  ASSERT_TRUE(validate_mhc_pre(pre).ok());
+  {
+    MhcPreArgs a = pre;
+    a.shape.hidden = 200;
+    expect_bad(validate_mhc_pre(a), "hidden");
+    a.shape.batch = 0;
+    expect_bad(validate_mhc_pre(a), "hidden");
+    a = pre;
+    a.x_scales = nullptr;
+    expect_bad(validate_mhc_pre(a), "x_scales");
+    a = pre;
+    a.x_scales = reinterpret_cast<const uint8_t*>(scales.data()) + 2;
+    expect_bad(validate_mhc_pre(a), "x_scales");
+    a = pre;
+    a.residual = MhcResidual::kBf16;
+    a.shape.batch = 0;
+    expect_bad(validate_mhc_pre(a), "x_scales");
+    a = pre;
+    a.residual = static_cast<MhcResidual>(5);
+    expect_bad(validate_mhc_pre(a), "residual");
+    a = pre;
+    a.x_scale_format = static_cast<ScaleFormat>(5);
+    expect_bad(validate_mhc_pre(a), "x_scale_format");
+    a = pre;
+    a.h_post = reinterpret_cast<float*>(scales.data());  // an output over the scales
+    expect_bad(validate_mhc_pre(a), "h_post");
+    a = pre;  // codes take one byte an element: the bf16 extent would overlap, this does not
+    a.f_pre = codes.data() + B * n * C / 2;
+    expect_bad(validate_mhc_pre(a), "f_pre");
+    std::vector<uint8_t> room(size_t(B * n * C + B * C * 2));
+    a.x = room.data();
+    a.f_pre = room.data() + B * n * C;
+    EXPECT_TRUE(validate_mhc_pre(a).ok());
+    a.x_scale_format = ScaleFormat::kUE8M0;
+    a.x_scales = reinterpret_cast<const uint8_t*>(scales.data()) + 1;  // ue8m0: byte-aligned
+    EXPECT_TRUE(validate_mhc_pre(a).ok());
+  }
+  MhcHeadArgs head;
+  head.shape = {B, n, C};
+  head.x = codes.data();
+  head.residual = MhcResidual::kFp8E4m3;
+  head.x_scales = scales.data();
+  head.phi = phi.data();
+  head.alpha = alpha.data();
+  head.bias = bias.data();
+  head.out = f.data();
+  ASSERT_TRUE(validate_mhc_head(head).ok());
+  {
+    MhcHeadArgs a = head;
+    a.x_scales = nullptr;
+    expect_bad(validate_mhc_head(a), "x_scales");
+    a = head;
+    a.shape.hidden = 384 - 8;
+    expect_bad(validate_mhc_head(a), "hidden");
+    a = head;
+    a.out = reinterpret_cast<uint16_t*>(scales.data());
+    expect_bad(validate_mhc_head(a), "out");
+    a = head;
+    a.residual = MhcResidual::kBf16;
+    expect_bad(mhc_head_cpu(a), "x_scales");
+  }
+  MhcPostPreArgs pp;
+  pp.shape = {B, n, C};
+  pp.x = codes.data();
+  pp.f_out = fo.data();
+  pp.h_post = hp.data();
+  pp.h_res = hr.data();
+  pp.phi = phi.data();
+  pp.alpha = alpha.data();
+  pp.bias = bias.data();
+  pp.x_next = codes2.data();
+  pp.f_pre = f.data();
+  pp.h_post_next = hp2.data();
+  pp.h_res_next = hr2.data();
+  pp.residual = MhcResidual::kFp8E4m3;
+  pp.x_scales = scales.data();
+  pp.x_next_scales = scales2.data();
+  ASSERT_TRUE(validate_mhc_post_pre(pp).ok());
+  {
+    MhcPostPreArgs a = pp;
+    a.x_next_scales = nullptr;
+    expect_bad(validate_mhc_post_pre(a), "x_next_scales");
+    a = pp;
+    a.x_scales = nullptr;
+    expect_bad(validate_mhc_post_pre(a), "x_scales");
+    a = pp;
+    a.x_next_scales = scales.data();
+    expect_bad(validate_mhc_post_pre(a), "x_next_scales");
+    a = pp;
+    a.x_next_scales = reinterpret_cast<uint8_t*>(scales2.data()) + 1;
+    expect_bad(validate_mhc_post_pre(a), "x_next_scales");
+    a = pp;
+    a.residual = MhcResidual::kBf16;
+    a.x_scales = nullptr;
+    a.shape.batch = 0;
+    expect_bad(validate_mhc_post_pre(a), "x_next_scales");
+    a = pp;
+    a.shape.hidden = 200;
+    expect_bad(mhc_post_pre_cpu(a), "hidden");
   }
 }
 

@@ -1,10 +1,14 @@
-// GPU tests of mhc_post on the FP8 residual stream (spec §4.9): the X_next
+// GPU tests of the ops on the FP8 residual stream (spec §4.9). mhc_post and
+// mhc_expand: the X_next
 // codes and scales bitwise equal to mhc_post_cpu's, every byte, for fresh
 // random inputs, poisoned outputs (and the bytes past the scales untouched),
 // direct launches and CUDA-graph replays, n = 1..8, both layouts, both scale
 // formats, odd B and B = 0, 128-channel rows where only half a warp works;
-// NaN / inf / vanishing blocks; bad arguments launch nothing. Without a GPU
-// every test is skipped.
+// NaN / inf / vanishing blocks; bad arguments launch nothing. mhc_pre and
+// mhc_head: every element against mhc_pre_cpu / mhc_head_cpu on the same
+// codes and scales (cluster tiles and the portable kernel, F_pre's
+// epilogue). mhc_post_pre: bitwise mhc_post then mhc_pre on the GPU. Without
+// a GPU every test is skipped.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -289,6 +293,403 @@ TEST(MhcPostFp8xSpecialsGpu, BadArgumentsLaunchNothing) {
   z.shape = {0, 4, 256};
   z.residual = MhcResidual::kFp8E4m3;
   EXPECT_TRUE(mhc_post(z, nullptr).ok());
+}
+
+
+// ---------------------------------------------------------------------------
+// mhc_pre, mhc_head and mhc_post_pre on the FP8 stream (spec §4.9).
+
+struct PreFp8xCase {
+  int n;
+  int64_t C, B;
+  ScaleFormat format;
+  DType phi_dtype;
+  MhcPreKernel kernel;  // kAuto (the cluster tiles on an H100) or kPortable
+  bool epilogue;        // F_pre's norm (bf16 weight) and FP8 copy (mhc_pre, mhc_post_pre)
+};
+
+std::string pre_fp8x_case_name(const ::testing::TestParamInfo<PreFp8xCase>& info) {
+  const PreFp8xCase& c = info.param;
+  return "n" + std::to_string(c.n) + "_C" + std::to_string(c.C) + "_B" + std::to_string(c.B) +
+         (c.format == ScaleFormat::kUE8M0 ? "_ue8m0" : "_f32") + (c.phi_dtype == DType::kFloat32 ? "_phif32" : "_phibf16") +
+         (c.kernel == MhcPreKernel::kPortable ? "_portable" : "") + (c.epilogue ? "_epilogue" : "");
+}
+
+// The host side of one pre on the FP8 stream: the reference's outputs.
+struct PreOut {
+  std::vector<uint16_t> f;
+  std::vector<float> post, res;
+  std::vector<uint8_t> q, qs;
+};
+
+// F_pre against the reference (spec §0.11 and §4.8): plain, 2^-7 |ref| +
+// 2e-4 S + 1e-6 with S = sum_i |X_i| (the dequantised values); with the
+// norm, 2^-5 |ref| + 2e-4 S |w| / rms + 1e-6 (rms of the reference's plain
+// F_pre). The coefficients within 2e-4. Returns the failures.
+int64_t count_pre_far(const Problem& p, const Fp8X& x, const PreOut& got, const PreOut& ref, const PreOut* plain,
+                      const std::vector<uint16_t>& w, double norm_eps, bool head) {
+  const int n = p.n;
+  const int64_t C = p.C;
+  int64_t bad = 0;
+  for (int64_t b = 0; b < p.B; ++b) {
+    double rms = 0;
+    if (plain) {
+      for (int64_t c = 0; c < C; ++c) rms += std::pow(f32(plain->f[size_t(b * C + c)]), 2);
+      rms = std::sqrt(rms / double(C) + norm_eps);
+    }
+    for (int64_t c = 0; c < C; ++c) {
+      double S = 0;
+      for (int i = 0; i < n; ++i) S += std::fabs(x.value((b * n + i) * C + c));
+      const double g = f32(got.f[size_t(b * C + c)]), r = f32(ref.f[size_t(b * C + c)]);
+      const double tol = plain ? std::ldexp(std::fabs(r), -5) + 2e-4 * S * std::fabs(f32(w[size_t(c)])) / rms + 1e-6
+                               : std::ldexp(std::fabs(r), -7) + 2e-4 * S + 1e-6;
+      if (!(std::fabs(g - r) <= tol) && bad++ < 10)
+        ADD_FAILURE() << "F_pre[" << b << "," << c << "] = " << g << ", reference " << r;
+    }
+    if (head) continue;
+    for (int i = 0; i < n; ++i)
+      if (!(std::fabs(got.post[size_t(b * n + i)] - ref.post[size_t(b * n + i)]) <= kCoefAbsTol) && bad++ < 10)
+        ADD_FAILURE() << "H_post[" << b << "," << i << "] = " << got.post[size_t(b * n + i)] << ", reference "
+                      << ref.post[size_t(b * n + i)];
+    for (int e = 0; e < n * n; ++e)
+      if (!(std::fabs(got.res[size_t(b * n * n + e)] - ref.res[size_t(b * n * n + e)]) <= kCoefAbsTol) && bad++ < 10)
+        ADD_FAILURE() << "H_res[" << b << "," << e << "] = " << got.res[size_t(b * n * n + e)] << ", reference "
+                      << ref.res[size_t(b * n * n + e)];
+  }
+  return bad;
+}
+
+// The FP8 copy is bitwise quantize_fp8 (1 x 128, f32 scales) of the f_pre the same call wrote.
+void expect_fp8_copy_of(const PreOut& got, int64_t B, int64_t C) {
+  if (B == 0) return;
+  std::vector<uint8_t> q(size_t(B * C)), qs(size_t(B * C / 128 * 4));
+  QuantizeFp8Args a;
+  a.x = got.f.data(); a.q = q.data(); a.scales = qs.data(); a.rows = B; a.cols = C;
+  ASSERT_TRUE(quantize_fp8_cpu(a).ok());
+  EXPECT_EQ(got.q, q) << "f_pre_fp8 is not quantize_fp8 of f_pre";
+  EXPECT_EQ(got.qs, qs) << "f_pre_scales are not quantize_fp8's of f_pre";
+}
+
+// The device buffers of a pre (or the pre half of a boundary): poisoned outputs.
+struct DevicePreOut {
+  DeviceBuffer f, post, res, q, qs;
+  int64_t B, C;
+  int n;
+  DevicePreOut(int64_t B_, int n_, int64_t C_) : B(B_), C(C_), n(n_) {
+    f = testing::poisoned_buffer(size_t(B * C) * 2, 0x7f);
+    post = testing::poisoned_buffer(size_t(B * n) * 4, 0x7f);
+    res = testing::poisoned_buffer(size_t(B * n * n) * 4, 0x7f);
+    q = testing::poisoned_buffer(size_t(B * C), 0x7f);
+    qs = testing::poisoned_buffer(size_t(B * C / 128) * 4, 0x7f);
+  }
+  PreOut host() const {
+    return {f.to_host<uint16_t>(), post.to_host<float>(), res.to_host<float>(), q.to_host<uint8_t>(),
+            qs.to_host<uint8_t>()};
+  }
+};
+
+std::vector<uint16_t> norm_weight_for(int64_t C) {
+  std::vector<uint16_t> w(static_cast<size_t>(C));
+  for (int64_t c = 0; c < C; ++c) w[size_t(c)] = bf16(0.25f + float((c * 37) % 64) / 32.0f);
+  return w;
+}
+
+class MhcPreFp8xGpu : public ::testing::TestWithParam<PreFp8xCase> {};
+
+// mhc_pre and mhc_head on the FP8 stream against mhc_pre_cpu / mhc_head_cpu
+// on the same codes and scales, every element; direct launches and graph
+// replays give the same bytes; the kernel that ran is the one asked for.
+TEST_P(MhcPreFp8xGpu, PreAndHeadMatchTheReference) {
+  SKIP_WITHOUT_GPU();
+  const PreFp8xCase c = GetParam();
+  const int n = c.n;
+  Problem p = make_problem(c.B, n, c.C, seed_for("pre_" + pre_fp8x_case_name({c, 0})));
+  SCOPED_TRACE("seed " + std::to_string(p.seed));
+  const Fp8X x = quantize_x(p, c.format);
+  const std::vector<uint16_t> w = norm_weight_for(c.C);
+  DeviceBuffer dx(x.codes), dxs(x.scales), dphi(p.phi_f32), dphib(p.phi_bf16), dal(p.alpha), dbi(p.bias), dw(w);
+  DevicePreOut d(c.B, n, c.C);
+  MhcPreArgs a;
+  a.shape = {c.B, n, c.C};
+  a.x = dx.get();
+  a.residual = MhcResidual::kFp8E4m3;
+  a.x_scales = dxs.get();
+  a.x_scale_format = c.format;
+  a.phi_dtype = c.phi_dtype;
+  a.phi = c.phi_dtype == DType::kFloat32 ? dphi.get() : dphib.get();
+  a.alpha = dal.as<float>();
+  a.bias = dbi.as<float>();
+  a.f_pre = d.f.get();
+  a.h_post = d.post.as<float>();
+  a.h_res = d.res.as<float>();
+  a.kernel = c.kernel;
+  if (c.epilogue) {
+    a.norm_weight = dw.get();
+    a.f_pre_fp8 = d.q.get();
+    a.f_pre_scales = d.qs.get();
+  }
+  MhcPreKernel chosen;
+  std::string why;
+  ASSERT_TRUE(mhc_pre_kernel_choice(a, &chosen, &why).ok());
+  EXPECT_EQ(chosen, c.kernel == MhcPreKernel::kPortable ? MhcPreKernel::kPortable : MhcPreKernel::kClusterTile) << why;
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::vector<PreOut> runs;
+  for (bool graph : {false, true}) {
+    run_direct_or_graph(
+        stream, graph,
+        [&] {
+          Status s = mhc_pre(a, stream);
+          EXPECT_TRUE(s.ok()) << s.message();
+        },
+        [&] { EXPECT_EQ(cudaMemsetAsync(d.f.get(), 0x7f, d.f.bytes(), stream), cudaSuccess); });
+    runs.push_back(d.host());
+  }
+  EXPECT_EQ(runs[0].f, runs[1].f);
+  EXPECT_EQ(runs[0].post, runs[1].post);
+  EXPECT_EQ(runs[0].res, runs[1].res);
+  if (c.B == 0) {
+    for (auto v : runs[0].f) ASSERT_EQ(v, 0x7f7f);
+    cudaStreamDestroy(stream);
+    return;
+  }
+  // The reference, on the host copies.
+  PreOut ref{std::vector<uint16_t>(size_t(c.B * c.C)), std::vector<float>(size_t(c.B * n)),
+             std::vector<float>(size_t(c.B * n * n)), std::vector<uint8_t>(size_t(c.B * c.C)),
+             std::vector<uint8_t>(size_t(c.B * c.C / 128 * 4))};
+  MhcPreArgs r = a;
+  r.x = x.codes.data();
+  r.x_scales = x.scales.data();
+  r.phi = c.phi_dtype == DType::kFloat32 ? static_cast<const void*>(p.phi_f32.data()) : p.phi_bf16.data();
+  r.alpha = p.alpha.data();
+  r.bias = p.bias.data();
+  r.f_pre = ref.f.data();
+  r.h_post = ref.post.data();
+  r.h_res = ref.res.data();
+  r.norm_weight = nullptr;
+  r.f_pre_fp8 = nullptr;
+  r.f_pre_scales = nullptr;
+  ASSERT_TRUE(mhc_pre_cpu(r).ok());
+  if (c.epilogue) {
+    PreOut normed = ref;
+    r.f_pre = normed.f.data();
+    r.norm_weight = w.data();
+    ASSERT_TRUE(mhc_pre_cpu(r).ok());
+    EXPECT_EQ(count_pre_far(p, x, runs[0], normed, &ref, w, a.norm_eps, false), 0);
+    expect_fp8_copy_of(runs[0], c.B, c.C);
+  } else {
+    EXPECT_EQ(count_pre_far(p, x, runs[0], ref, nullptr, w, 0, false), 0);
+  }
+  // mhc_head on the same stream (phi's first n rows, alpha_pre, bias's first n).
+  MhcHeadArgs h;
+  h.shape = a.shape;
+  h.x = a.x;
+  h.residual = MhcResidual::kFp8E4m3;
+  h.x_scales = a.x_scales;
+  h.x_scale_format = c.format;
+  h.phi = a.phi;
+  h.phi_dtype = c.phi_dtype;
+  h.alpha = a.alpha;
+  h.bias = a.bias;
+  h.out = d.f.get();
+  h.kernel = c.kernel;
+  Status s = mhc_head(h, stream);
+  ASSERT_TRUE(s.ok()) << s.message();
+  CUDA_OK(cudaStreamSynchronize(stream));
+  PreOut got_head = d.host();
+  PreOut ref_head = ref;
+  h.x = x.codes.data();
+  h.x_scales = x.scales.data();
+  h.phi = r.phi;
+  h.alpha = p.alpha.data();
+  h.bias = p.bias.data();
+  h.out = ref_head.f.data();
+  ASSERT_TRUE(mhc_head_cpu(h).ok());
+  EXPECT_EQ(count_pre_far(p, x, got_head, ref_head, nullptr, w, 0, true), 0);
+  cudaStreamDestroy(stream);
+}
+
+std::vector<PreFp8xCase> pre_fp8x_cases() {
+  std::vector<PreFp8xCase> v;
+  constexpr auto kF = ScaleFormat::kFloat32, kE = ScaleFormat::kUE8M0;
+  constexpr auto kAuto = MhcPreKernel::kAuto, kPortable = MhcPreKernel::kPortable;
+  // C = 128 / 384 / 2560: CTAs of the cluster with no block or fewer blocks than the others.
+  for (int n = 1; n <= kMhcMaxStreams; ++n)
+    for (int64_t C : {128, 384, 2560, 7168})
+      for (int64_t B : {0, 1, 7, 33})
+        v.push_back({n, C, B, (n + B) % 2 ? kF : kE, (C == 384 && n % 2) ? DType::kBFloat16 : DType::kFloat32, kAuto,
+                     (n + C / 128 + B) % 3 == 0});
+  v.push_back({4, 7168, 1001, kF, DType::kFloat32, kAuto, false});   // many tiles
+  v.push_back({4, 7168, 300, kE, DType::kFloat32, kAuto, true});
+  v.push_back({8, 4096, 100, kE, DType::kBFloat16, kAuto, false});
+  for (int n : {1, 4, 8})
+    for (int64_t B : {1, 7}) v.push_back({n, 1280, B, B == 1 ? kF : kE, DType::kFloat32, kPortable, false});
+  v.push_back({4, 7168, 16, kF, DType::kBFloat16, kPortable, false});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, MhcPreFp8xGpu, ::testing::ValuesIn(pre_fp8x_cases()), pre_fp8x_case_name);
+
+class MhcPostPreFp8xGpu : public ::testing::TestWithParam<PreFp8xCase> {};
+
+// mhc_post_pre on the FP8 stream: bitwise mhc_post then mhc_pre pinned to
+// the cluster tiles on the GPU (X_next codes and scales, F_pre and its
+// epilogue, H_post, H_res), X_next bitwise mhc_post_cpu's; direct and graph
+// replays alike.
+TEST_P(MhcPostPreFp8xGpu, BitwiseEqualsPostThenPre) {
+  SKIP_WITHOUT_GPU();
+  const PreFp8xCase c = GetParam();
+  const int n = c.n;
+  Problem p = make_problem(c.B, n, c.C, seed_for("postpre_" + pre_fp8x_case_name({c, 0})));
+  SCOPED_TRACE("seed " + std::to_string(p.seed));
+  const MhcResLayout layout = (n + c.B) % 2 ? MhcResLayout::kDeepSeek : MhcResLayout::kRowMix;
+  const Fp8X x = quantize_x(p, c.format);
+  const std::vector<uint16_t> w = norm_weight_for(c.C);
+  DeviceFp8Post post(p, x);  // X_L, F_out, H_post, H_res; X_next of the separate post
+  DeviceBuffer dphi(p.phi_f32), dphib(p.phi_bf16), dal(p.alpha), dbi(p.bias), dw(w);
+  DeviceBuffer xn = testing::poisoned_buffer(post.code_bytes + kTail, kPoison);
+  DeviceBuffer xns = testing::poisoned_buffer(post.scale_bytes + kTail, kPoison);
+  DevicePreOut fused(c.B, n, c.C), sep(c.B, n, c.C);
+  MhcPostPreArgs a;
+  a.shape = {c.B, n, c.C};
+  a.x = post.x.get();
+  a.f_out = post.f_out.get();
+  a.h_post = post.h_post.as<float>();
+  a.h_res = post.h_res.as<float>();
+  a.res_layout = layout;
+  a.phi_dtype = c.phi_dtype;
+  a.phi = c.phi_dtype == DType::kFloat32 ? dphi.get() : dphib.get();
+  a.alpha = dal.as<float>();
+  a.bias = dbi.as<float>();
+  a.x_next = xn.get();
+  a.f_pre = fused.f.get();
+  a.h_post_next = fused.post.as<float>();
+  a.h_res_next = fused.res.as<float>();
+  a.residual = MhcResidual::kFp8E4m3;
+  a.x_scales = post.xs.get();
+  a.x_next_scales = xns.get();
+  a.x_scale_format = c.format;
+  if (c.epilogue) {
+    a.norm_weight = dw.get();
+    a.f_pre_fp8 = fused.q.get();
+    a.f_pre_scales = fused.qs.get();
+  }
+  MhcPreKernel chosen;
+  std::string why;
+  ASSERT_TRUE(mhc_post_pre_kernel_choice(a, &chosen, &why).ok());
+  EXPECT_EQ(chosen, MhcPreKernel::kClusterTile) << why;
+  // The separate ops: mhc_post, then mhc_pre on its X_next pinned to the cluster tiles.
+  MhcPreArgs pre;
+  pre.shape = a.shape;
+  pre.x = post.out.get();
+  pre.residual = MhcResidual::kFp8E4m3;
+  pre.x_scales = post.out_s.get();
+  pre.x_scale_format = c.format;
+  pre.phi = a.phi;
+  pre.phi_dtype = c.phi_dtype;
+  pre.alpha = a.alpha;
+  pre.bias = a.bias;
+  pre.f_pre = sep.f.get();
+  pre.h_post = sep.post.as<float>();
+  pre.h_res = sep.res.as<float>();
+  pre.kernel = MhcPreKernel::kClusterTile;
+  if (c.epilogue) {
+    pre.norm_weight = dw.get();
+    pre.f_pre_fp8 = sep.q.get();
+    pre.f_pre_scales = sep.qs.get();
+  }
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  {
+    Status s = mhc_post(post.args(p, layout, c.format), stream);
+    ASSERT_TRUE(s.ok()) << s.message();
+    s = mhc_pre(pre, stream);
+    ASSERT_TRUE(s.ok()) << s.message();
+  }
+  CUDA_OK(cudaStreamSynchronize(stream));
+  const PreOut want = sep.host();
+  const auto want_codes = post.out.to_host<uint8_t>();
+  const auto want_scales = post.out_s.to_host<uint8_t>();
+  Fp8X ref = poisoned_fp8x({p.B, p.n, p.C}, c.format, kPoison);
+  if (c.B > 0) ASSERT_TRUE(mhc_post_cpu(fp8_post_args(p, x, ref, layout)).ok());
+  for (bool graph : {false, true}) {
+    SCOPED_TRACE(graph ? "graph replays" : "direct launch");
+    run_direct_or_graph(
+        stream, graph,
+        [&] {
+          Status s = mhc_post_pre(a, stream);
+          EXPECT_TRUE(s.ok()) << s.message();
+        },
+        [&] {
+          EXPECT_EQ(cudaMemsetAsync(xn.get(), kPoison, post.code_bytes + kTail, stream), cudaSuccess);
+          EXPECT_EQ(cudaMemsetAsync(xns.get(), kPoison, post.scale_bytes + kTail, stream), cudaSuccess);
+          EXPECT_EQ(cudaMemsetAsync(fused.f.get(), 0x7f, fused.f.bytes(), stream), cudaSuccess);
+        });
+    expect_bitwise(xn, xns, ref, "X_next against mhc_post_cpu");
+    EXPECT_EQ(xn.to_host<uint8_t>(), want_codes);
+    EXPECT_EQ(xns.to_host<uint8_t>(), want_scales);
+    const PreOut got = fused.host();
+    EXPECT_EQ(got.f, want.f);
+    EXPECT_EQ(got.post, want.post);
+    EXPECT_EQ(got.res, want.res);
+    if (c.epilogue) {
+      EXPECT_EQ(got.q, want.q);
+      EXPECT_EQ(got.qs, want.qs);
+    }
+  }
+  cudaStreamDestroy(stream);
+}
+
+std::vector<PreFp8xCase> post_pre_fp8x_cases() {
+  std::vector<PreFp8xCase> v;
+  constexpr auto kF = ScaleFormat::kFloat32, kE = ScaleFormat::kUE8M0;
+  for (int n = 1; n <= kMhcMaxStreams; ++n)
+    for (int64_t C : {128, 2560, 7168})
+      for (int64_t B : {0, 1, 33})
+        v.push_back({n, C, B, (n + B) % 2 ? kF : kE, (C == 2560 && n % 2) ? DType::kBFloat16 : DType::kFloat32,
+                     MhcPreKernel::kAuto, (n + C / 128 + B) % 3 == 1});
+  v.push_back({4, 7168, 1001, kF, DType::kFloat32, MhcPreKernel::kAuto, false});
+  v.push_back({4, 7168, 300, kE, DType::kFloat32, MhcPreKernel::kAuto, true});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, MhcPostPreFp8xGpu, ::testing::ValuesIn(post_pre_fp8x_cases()), pre_fp8x_case_name);
+
+// The kernels that do not take the FP8 stream, pinned: kNotSupported, nothing launched.
+TEST(MhcPreFp8xPathGpu, ResidentAndSplitSayNotSupported) {
+  SKIP_WITHOUT_GPU();
+  Problem p = make_problem(16, 4, 7168, seed_for("fp8x_paths"));
+  const Fp8X x = quantize_x(p, ScaleFormat::kFloat32);
+  DeviceBuffer dx(x.codes), dxs(x.scales), dphi(p.phi_f32), dal(p.alpha), dbi(p.bias);
+  DevicePreOut d(p.B, 4, p.C);
+  DeviceBuffer ws(std::max<size_t>(mhc_workspace_bytes({p.B, 4, p.C}), 256));
+  CUDA_OK(cudaMemset(ws.get(), 0, ws.bytes()));
+  MhcPreArgs a;
+  a.shape = {p.B, 4, p.C};
+  a.x = dx.get();
+  a.residual = MhcResidual::kFp8E4m3;
+  a.x_scales = dxs.get();
+  a.phi = dphi.get();
+  a.alpha = dal.as<float>();
+  a.bias = dbi.as<float>();
+  a.f_pre = d.f.get();
+  a.h_post = d.post.as<float>();
+  a.h_res = d.res.as<float>();
+  a.workspace = ws.get();
+  a.workspace_bytes = ws.bytes();
+  for (MhcPreKernel k : {MhcPreKernel::kResident, MhcPreKernel::kSplit}) {
+    a.kernel = k;
+    Status s = mhc_pre(a, nullptr);
+    EXPECT_EQ(s.code(), StatusCode::kNotSupported) << s.message();
+    EXPECT_NE(s.message().find("bf16 residual stream only"), std::string::npos) << s.message();
+  }
+  a.kernel = MhcPreKernel::kAuto;
+  MhcPreKernel chosen;
+  std::string why;
+  ASSERT_TRUE(mhc_pre_kernel_choice(a, &chosen, &why).ok());
+  EXPECT_EQ(chosen, MhcPreKernel::kClusterTile) << why;
+  CUDA_OK(cudaDeviceSynchronize());
+  for (auto v : d.f.to_host<uint16_t>()) ASSERT_EQ(v, 0x7f7f);
 }
 
 }  // namespace

@@ -1171,6 +1171,55 @@ def test_mhc_post_fp8x_matches_spec(n, C, res_layout, scale_format):
 
 
 @needs_bf16
+@pytest.mark.parametrize("scale_format", ["float32", "ue8m0"])
+@pytest.mark.parametrize("n,C", [(1, 128), (4, 384), (6, 256)])
+def test_mhc_pre_head_post_pre_fp8x_read_the_stream(n, C, scale_format):
+    """spec §4.9: mhc_pre and mhc_head on the FP8 stream read each element as fp32(code * scale).
+    With power-of-two scales the values are bf16 numbers, so the results are bitwise the bf16 ops'
+    on them ([B, n, C] and [B, n*C] alike); mhc_post_pre is mhc_post then mhc_pre on the stored
+    X_next, bit for bit; bad arguments are named."""
+    rng = np.random.default_rng(n * 13 + C)
+    B = 3
+    x, phi, alpha, bias = ref.mhc_problem(rng, B, n, C)
+    q, s = flashmix.quantize_fp8(x.reshape(B, n * C), scale_format="ue8m0")
+    xv = _fp8x_values(q, s, "ue8m0")
+    xb = xv.astype(BF16)
+    assert np.array_equal(xb.astype(np.float32), xv)
+    if scale_format == "float32":
+        s = _fp8x_scales(s, "ue8m0")
+    want = flashmix.mhc_pre(xb, phi, alpha, bias)
+    got = flashmix.mhc_pre(q, phi, alpha, bias, x_scales=s, x_scale_format=scale_format)
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(g, w)
+    got3 = flashmix.mhc_pre(q.reshape(B, n, C), phi, alpha, bias, x_scales=s.reshape(B, n, C // 128),
+                            x_scale_format=scale_format)
+    np.testing.assert_array_equal(got3.f_pre, want.f_pre)
+    hphi = np.ascontiguousarray(phi[:n])
+    np.testing.assert_array_equal(
+        flashmix.mhc_head(q, hphi, alpha, bias[:n].copy(), x_scales=s, x_scale_format=scale_format),
+        flashmix.mhc_head(xb, hphi, alpha, bias[:n].copy()))
+    _, f_out, h_post, h_res = ref.post_problem(rng, B, n, C)
+    post = flashmix.mhc_post(q, f_out, h_post, h_res, x_scales=s, x_scale_format=scale_format)
+    pre = flashmix.mhc_pre(post.x_next, phi, alpha, bias, x_scales=post.x_next_scales, x_scale_format=scale_format)
+    pp = flashmix.mhc_post_pre(q, f_out, h_post, h_res, phi, alpha, bias, x_scales=s, x_scale_format=scale_format)
+    assert isinstance(pp, flashmix.MhcPostPreFp8xOutput) and pp.f_pre_fp8 is None
+    np.testing.assert_array_equal(pp.x_next, post.x_next)
+    np.testing.assert_array_equal(pp.x_next_scales, post.x_next_scales)
+    np.testing.assert_array_equal(pp.f_pre, pre.f_pre)
+    np.testing.assert_array_equal(pp.h_post, pre.h_post)
+    np.testing.assert_array_equal(pp.h_res, pre.h_res)
+    with raises_naming(ValueError, "mhc_pre", "x_scales"):  # wrong shape
+        flashmix.mhc_pre(q, phi, alpha, bias, x_scales=s[:, :0], x_scale_format=scale_format)
+    with raises_naming(ValueError, "mhc_pre", "x"):  # bf16 x with scales
+        flashmix.mhc_pre(xb, phi, alpha, bias, x_scales=s, x_scale_format=scale_format)
+    with raises_naming(ValueError, "mhc_head", "x_scale_format"):
+        flashmix.mhc_head(q, hphi, alpha, bias[:n].copy(), x_scales=s, x_scale_format="e5m2")
+    with raises_naming(ValueError, "mhc_post_pre", "x_scales"):  # x_next_scales without x_scales
+        flashmix.mhc_post_pre(q, f_out, h_post, h_res, phi, alpha, bias, x_next=np.zeros_like(q),
+                              x_next_scales=np.zeros_like(s))
+
+
+@needs_bf16
 def test_mhc_post_fp8x_rejects_bad_arguments():
     rng = np.random.default_rng(29)
     B, n, C = 2, 4, 256
