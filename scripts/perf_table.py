@@ -53,6 +53,8 @@ SUMMARY_CASES = [
     ("mhc_pre", "decode_B16_n4_C7168_graph"),
     ("mhc_post", "B8192_n4_C7168"),
     ("mhc_post", "B8192_n4_C7168_fp8x"),
+    ("mhc_pre", "B8192_n4_C7168_fp8x"),
+    ("mhc_post_pre", "B8192_n4_C7168_fp8x"),
     ("mhc_post_pre", "B8192_n4_C7168"),
     ("mhc_post_pre", "decode_B16_n4_C7168_graph"),
     ("mhc_post_pre", "B8192_n4_C7168_norm_fp8"),

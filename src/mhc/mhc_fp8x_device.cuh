@@ -58,6 +58,27 @@ __device__ __forceinline__ void dequant8(const uint2& c, float s, float* f) {
     }
 }
 
+// Eight e4m3 codes (the first in the low byte of c.x) as four bf16 pairs,
+// out[2h + q] = codes 4h + 2q (low half) and 4h + 2q + 1, and the sum of the
+// codes' squares: the tensor-core fragments of the projection kernels, whose
+// k order puts a thread's 8 consecutive codes in one shared load. Exact:
+// e4m3 -> f16 -> f32 is exact and an e4m3 value has at most 4 significant
+// bits, so the top half of its f32 is its bf16 (NaN stays NaN).
+__device__ __forceinline__ float e4m3x8_to_bf16_frags(uint2 c, uint32_t (&out)[4]) {
+  float sq = 0.f;
+  const uint32_t w[2] = {c.x, c.y};
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w[h] >> (16 * q)), __NV_E4M3);
+      const float2 v = __half22float2(__half2(r));
+      out[2 * h + q] = __byte_perm(__float_as_uint(v.x), __float_as_uint(v.y), 0x7632);
+      sq = fmaf(v.x, v.x, fmaf(v.y, v.y, sq));
+    }
+  return sq;
+}
+
 // The max of `v` over the 16 lanes of this lane's half-warp (xor shuffles
 // stay inside a half); `mask` names that half (both halves: 0xffffffff).
 __device__ __forceinline__ uint32_t half_warp_max(uint32_t v, unsigned mask) {

@@ -163,25 +163,6 @@ __device__ __forceinline__ void load_phi_step_fp8(PhiFrag<kN, kF32>& f, const Ph
   }
 }
 
-// A token's 8 e4m3 codes of a step (columns 8t..8t+7, the order above) as
-// the B fragments of its two k16 halves, b[2h] and b[2h + 1], and the sum of
-// the codes' squares. Exact: e4m3 -> f16 -> f32 is exact and an e4m3 value
-// has at most 4 significant bits, so the top half of its f32 is its bf16.
-__device__ __forceinline__ float fp8_b_frags(uint2 codes, uint32_t (&b)[4]) {
-  float sq = 0.f;
-  const uint32_t w[2] = {codes.x, codes.y};
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w[h] >> (16 * q)), __NV_E4M3);
-      const float2 v = __half22float2(__half2(r));
-      b[2 * h + q] = __byte_perm(__float_as_uint(v.x), __float_as_uint(v.y), 0x7632);
-      sq = fmaf(v.x, v.x, fmaf(v.y, v.y, sq));
-    }
-  return sq;
-}
-
 // 8 columns of the norm's weight, as floats.
 template <bool kWeightF32>
 __device__ __forceinline__ void load_weight8(const PreEpilogue& e, int c, float* w) {
@@ -606,7 +587,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
             const uint2 codes =
                 *reinterpret_cast<const uint2*>(xq + size_t(rt * 8 + g) * L.pitch + s * 32 + t * 8);
             const float sg = scb[g];
-            sq[rt] = fmaf(sg * sg, fp8_b_frags(codes, bfrag[rt]), sq[rt]);
+            sq[rt] = fmaf(sg * sg, e4m3x8_to_bf16_frags(codes, bfrag[rt]), sq[rt]);
             const float2 sp = *reinterpret_cast<const float2*>(scb + 2 * t);
             s_even[rt] = sp.x;
             s_odd[rt] = sp.y;

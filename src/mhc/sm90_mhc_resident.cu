@@ -26,6 +26,7 @@
 #include <cuda.h>  // CUtensorMap and its enums only: the encoder comes through the runtime (no libcuda link)
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 
@@ -33,6 +34,7 @@
 #include "common/sm90.cuh"
 #include "common/tma_host.h"
 #include "mhc/mhc_device.cuh"
+#include "mhc/mhc_fp8x_device.cuh"
 
 namespace flashmix::mhc_detail {
 
@@ -63,15 +65,17 @@ constexpr int kPhiPad = 32;   // bytes after each coefficient's phi runs while p
 constexpr int kBarProj = 1;    // the 8 projection warps
 constexpr int kBarFinish = 2;  // the 3 finish warps
 
-// One 64-column TMA box of a ring stage: n streams x kRows tokens x 128 bytes.
-template <int kN>
-constexpr int box_bytes() { return kN * kRows * 128; }
+// One 64-column TMA box of a ring stage: n streams x kRows tokens x 128
+// bytes (bf16), or x 64 bytes (the FP8 stream's e4m3 codes).
+template <int kN, bool kFp8 = false>
+constexpr int box_bytes() { return kN * kRows * (kFp8 ? 64 : 128); }
 
 struct ResidentLayout {
   int slice = 0;        // columns per CTA (C / 16, a multiple of 64)
-  int stage_bytes = 0;  // slice / 64 boxes of box_bytes<kN>()
+  int stage_bytes = 0;  // slice / 64 boxes of box_bytes<kN, kFp8>()
   int off_scratch = 0, off_recv_common = 0, off_recv_full = 0, off_tot = 0, off_hpre = 0, off_hsink = 0,
       off_post_coef = 0, total = 0;
+  int off_scales = 0;  // the FP8 stream: [kStages][n][slice / 64][kRows] scales of each stage's boxes
 };
 
 // Sizes that follow from n.
@@ -83,7 +87,6 @@ struct Dims {
   static constexpr int kCommon = kN + 1;          // pre coefficients + the sum of squares: every CTA needs them
   static constexpr int kFull = kCoef - kN;        // post and res coefficients: the tile's owner only
   static constexpr int kQ = kRows / 4;            // float4s per value
-  static constexpr int kChunkBytes = box_bytes<kN>();
   static constexpr int kPostCoef = kN * kN + kN;  // mhc_post_pre: R (row i = output stream i) and H_post of a token
 };
 
@@ -178,7 +181,8 @@ struct Barriers {
   uint64_t phi_free;  // every projection warp has its fragments: the ring is X's
   // mhc_post_pre only: per ring stage, the tile's post coefficients are in
   // shared memory (every producer lane arrives), and the stage holds X_next
-  // (every finish thread arrives after its part of the post).
+  // (every finish thread arrives after its part of the post). On the FP8
+  // stream (no fused post here) coef_full says the stage's scales are in.
   uint64_t coef_full[kStages];
   uint64_t xform_full[kStages];
 
@@ -358,6 +362,7 @@ struct ResidentSmem {
   float* hpre;        // [2][kRows][kN]: H_pre, per tile parity
   float* hsink;       // [2][kRows][kCoef]: h of the owned tiles, for the Sinkhorn warp
   float* post_coef;   // mhc_post_pre: [kStages][kRows][kPostCoef], per ring stage
+  float* scales;      // the FP8 stream: [kStages][n][slice / 64][kRows], each box's block scale word (load_scales)
   float* coef_alpha;  // [kCoef]: alpha_of(m), loaded once
   float* coef_bias;   // [kCoef]: bias[m]
 
@@ -371,6 +376,7 @@ struct ResidentSmem {
         hpre(reinterpret_cast<float*>(smem + L.off_hpre)),
         hsink(reinterpret_cast<float*>(smem + L.off_hsink)),
         post_coef(reinterpret_cast<float*>(smem + L.off_post_coef)),
+        scales(reinterpret_cast<float*>(smem + L.off_scales)),
         coef_alpha(coef),
         coef_bias(coef + kCoef) {}
 };
@@ -405,11 +411,23 @@ struct ResidentSmem {
 // xform_full, which the projection warps wait for instead of the TMA. The
 // rest of the kernel is unchanged, so the projection, the exchange, Sinkhorn
 // and the mix see bitwise the values mhc_pre would read from X_next.
-template <int kN, bool kF32, bool kPost>
+//
+// kFp8 (the FP8 residual stream, spec §4.9; mhc_pre only, no fused post):
+// the ring holds e4m3 codes, boxes of 64 columns as 64-byte lines (64-byte
+// swizzle), and beside each stage the tile's block scales (the producer
+// warp, on coef_full). A projection warp's two k16 steps of a box are its
+// 32 columns in a permuted k order, the same in phi's registers (see
+// phi_to_registers), so a thread reads 8 consecutive codes of a token in
+// one shared load; the codes are exact in bf16, and each box's partial sums
+// (a box lies in one 128-column block) are scaled by the token's block
+// scale into the accumulators. The sums of squares come from the codes too
+// (s^2 * sum code^2). The mix reads each element as fp32(code * scale).
+template <int kN, bool kF32, bool kPost, bool kFp8, bool kUe8m0>
 struct ResidentCta {
   static constexpr int kCoef = Dims<kN>::kCoef, kKt = Dims<kN>::kKt, kV = Dims<kN>::kV,
                        kCommon = Dims<kN>::kCommon, kFull = Dims<kN>::kFull, kQ = Dims<kN>::kQ,
-                       kChunkBytes = Dims<kN>::kChunkBytes;
+                       kChunkBytes = box_bytes<kN, kFp8>();
+  static_assert(!(kFp8 && kPost), "the FP8 stream's boundary runs on the cluster tiles");
   static constexpr int kPhiEsz = kF32 ? 4 : 2;
 
   const ProjectParams& p;
@@ -459,6 +477,17 @@ struct ResidentCta {
     const int line = i * kRows + row;
     return uint32_t((col >> 6) * kChunkBytes + line * 128 + ((((col & 63) >> 3) ^ (row & 7)) << 4));
   }
+  // kFp8: the same for a code (col any column of the slice): 64-byte lines,
+  // the TMA's 64-byte swizzle (16-byte unit u of line l at u ^ ((l >> 1) & 3)).
+  __device__ __forceinline__ static uint32_t q_offset(int row, int i, int col) {
+    const int line = i * kRows + row;
+    return uint32_t((col >> 6) * kChunkBytes + line * 64 + ((((col & 63) >> 4) ^ ((line >> 1) & 3)) << 4) +
+                    (col & 15));
+  }
+  // kFp8: the scale of (token row, stream i, box c) in stage `stage`'s table.
+  __device__ __forceinline__ const float* scale_table(int stage) const {
+    return sm.scales + stage * kN * (slice / 64) * kRows;
+  }
 
   // phi's slice goes through the (still empty) ring once, before any X: the
   // run of coefficient m, stream i (slice columns) sits at m * phi_m_bytes +
@@ -496,13 +525,62 @@ struct ResidentCta {
     }
   }
 
+  // kFp8: tile t's block scales into its stage's table (the producer warp,
+  // every lane, after lane 0's wait for the stage), one 32-bit word per
+  // (stream, box, token), by 4-byte cp.async that holds no registers (a
+  // load-then-store version at setmaxnreg 56 serialised the loads: ~1.5 us
+  // a tile): a float scale as it is, or for ue8m0 the aligned word holding
+  // the scale's byte (C % 1024 == 0 makes a (token, stream)'s C/128 bytes a
+  // multiple of 8, so that word is in the same row; scale_value picks the
+  // byte). Rows past B get zeros (cp.async with no source bytes). A ue8m0
+  // array that is not 4-byte aligned takes loads and stores instead, the
+  // byte put where scale_value reads it. Completes on coef_full.
+  __device__ __forceinline__ void load_scales(int t) {
+    const PipeState<kStages> x = PipeState<kStages>::at(t);
+    const long long r0 = row0(t);
+    const int boxes = slice / 64, blocks = hidden / 128, n_vals = kN * boxes * kRows;
+    uint32_t* dst = reinterpret_cast<uint32_t*>(sm.scales) + x.index * n_vals;
+    const unsigned char* base = static_cast<const unsigned char*>(p.x_scales);
+    const Mbar full(bar.coef_full[x.index]);
+    if (!p.x_ue8m0 || (reinterpret_cast<uintptr_t>(base) & 3) == 0) {
+#pragma unroll 1
+      for (int e = lane; e < n_vals; e += 32) {
+        const int ib = e / kRows, row = e - ib * kRows, i = ib / boxes, c = ib - i * boxes;
+        const long long b = r0 + row;
+        const long long idx = (b * kN + i) * blocks + (c0 + 64 * c) / 128;
+        const bool live = b < p.batch;
+        const unsigned char* src = !live ? base : p.x_ue8m0 ? base + (idx & ~3LL) : base + idx * 4;
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(dst + e)), "l"(src),
+                     "r"(live ? 4 : 0)
+                     : "memory");
+      }
+      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full.addr) : "memory");
+    } else {
+#pragma unroll 1
+      for (int e = lane; e < n_vals; e += 32) {
+        const int ib = e / kRows, row = e - ib * kRows, i = ib / boxes, c = ib - i * boxes;
+        const long long b = r0 + row;
+        const int blk = (c0 + 64 * c) / 128;
+        dst[e] = b < p.batch ? uint32_t(__ldg(base + (b * kN + i) * blocks + blk)) << (8 * (blk & 3)) : 0u;
+      }
+      full.arrive();
+    }
+  }
+
+  // kFp8: the value of a scale-table word of box c (load_scales).
+  __device__ __forceinline__ float scale_value(uint32_t w, int c) const {
+    if constexpr (!kUe8m0) return __uint_as_float(w);
+    else return ue8m0_value((w >> (8 * (((c0 + 64 * c) >> 7) & 3))) & 0xffu);
+  }
+
   // ---- The pre mix ----
   // F_pre for tokens [row_begin, row_begin + rows) of a tile whose X is in
   // ring stage `xs`, this CTA's columns, H_pre from `hp`; thread t of
   // `threads` takes (token, 8 columns) items t, t + threads, ... (one
   // division per call, not per item; H_pre of a token as one float4).
-  __device__ __forceinline__ void mix_rows(const unsigned char* xs, const float* hp, long long row0, int row_begin,
-                                           int rows, int t, int threads) {
+  // kFp8: `sc` is the stage's scale table.
+  __device__ __forceinline__ void mix_rows(const unsigned char* xs, const float* sc, const float* hp, long long row0,
+                                           int row_begin, int rows, int t, int threads) {
     const int groups = slice / 8;
     const int row_step = threads / groups, group_step = threads - row_step * groups;
     int row = row_begin + t / groups, group = t - (t / groups) * groups;
@@ -516,12 +594,20 @@ struct ResidentCta {
       float out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
       for (int i = 0; i < kN; ++i) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(xs + x_offset(row, i, col));
-        const uint32_t x4[4] = {raw.x, raw.y, raw.z, raw.w};
+        if constexpr (kFp8) {
+          float f[8];
+          dequant8(*reinterpret_cast<const uint2*>(xs + q_offset(row, i, col)),
+                   scale_value(__float_as_uint(sc[(i * (slice / 64) + (col >> 6)) * kRows + row]), col >> 6), f);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          out[2 * e] = fmaf(w[i], __uint_as_float(x4[e] << 16), out[2 * e]);
-          out[2 * e + 1] = fmaf(w[i], __uint_as_float(x4[e] & 0xffff0000u), out[2 * e + 1]);
+          for (int e = 0; e < 8; ++e) out[e] = fmaf(w[i], f[e], out[e]);
+        } else {
+          const uint4 raw = *reinterpret_cast<const uint4*>(xs + x_offset(row, i, col));
+          const uint32_t x4[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            out[2 * e] = fmaf(w[i], __uint_as_float(x4[e] << 16), out[2 * e]);
+            out[2 * e + 1] = fmaf(w[i], __uint_as_float(x4[e] & 0xffff0000u), out[2 * e + 1]);
+          }
         }
       }
       uint4 o;
@@ -668,7 +754,11 @@ struct ResidentCta {
 #pragma unroll
     for (int s = 0; s < kMaxSteps; ++s) {
       const int i = step_stream;
-      const int col = 64 * (s >> 1) + step_col + 16 * (s & 1) + 2 * t;  // within the slice
+      // Within the slice. kFp8's k order: step s & 1 takes columns
+      // 8t + 4 (s & 1) + {0, 1} (h = 0) and + {2, 3} (h = 1) of the warp's 32.
+      const int col = kFp8 ? 64 * (s >> 1) + step_col + 8 * t + 4 * (s & 1)
+                           : 64 * (s >> 1) + step_col + 16 * (s & 1) + 2 * t;
+      constexpr int kHalfCols = kFp8 ? 2 : 8;  // h = 1's column offset
 #pragma unroll
       for (int kt = 0; kt < kKt; ++kt) {
         const int m = kt * 8 + g;
@@ -677,14 +767,15 @@ struct ResidentCta {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           if constexpr (kF32) {
-            const float2 v = ok ? *reinterpret_cast<const float2*>(run + 8 * h * kPhiEsz) : make_float2(0.f, 0.f);
+            const float2 v =
+                ok ? *reinterpret_cast<const float2*>(run + kHalfCols * h * kPhiEsz) : make_float2(0.f, 0.f);
             const __nv_bfloat162 hi = __floats2bfloat162_rn(v.x, v.y);
             const float2 hf = __bfloat1622float2(hi);
             const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x - hf.x, v.y - hf.y);
             phi.hi[s][kt][h] = *reinterpret_cast<const uint32_t*>(&hi);
             phi.lo[s][kt][h] = *reinterpret_cast<const uint32_t*>(&lo);
           } else {
-            phi.hi[s][kt][h] = ok ? *reinterpret_cast<const uint32_t*>(run + 8 * h * kPhiEsz) : 0u;
+            phi.hi[s][kt][h] = ok ? *reinterpret_cast<const uint32_t*>(run + kHalfCols * h * kPhiEsz) : 0u;
           }
         }
       }
@@ -733,6 +824,50 @@ struct ResidentCta {
     }
   }
 
+  // kFp8: this warp's partials of the tile in ring stage `x`, box by box:
+  // rows g and g + 8 of its 32 columns as 8 codes each (q_off: box 0, row g;
+  // row g + 8 is 8 lines on, 512 bytes, the same swizzle), their box's
+  // scales s_g, s_g8; both k16 steps into `part` from zero, then
+  // acc += part * s of the row (C rows g: e = 0, 1; g + 8: e = 2, 3), and
+  // sq[0], sq[1] += s^2 * (the codes' sum of squares) of rows g, g + 8.
+  __device__ __forceinline__ void project_tile_fp8(const PhiFrags& phi, const PipeState<kStages>& x, bool per_box,
+                                                   int my_steps, uint32_t q_off, const float* sc,
+                                                   float (&acc)[kKt][4], float (&sq)[2]) {
+    const uint32_t a_row = sm.ring + x.index * L.stage_bytes + q_off;
+    const Mbar box0(bar.full[x.index][0]);
+#pragma unroll
+    for (int c = 0; c < kMaxChunks; ++c) {
+      if (c < my_steps / 2) {
+        if (per_box) (box0 + c).wait(x.phase);  // box c landed
+        uint2 q_g, q_g8;
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(q_g.x), "=r"(q_g.y) : "r"(a_row + c * kChunkBytes));
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n"
+                     : "=r"(q_g8.x), "=r"(q_g8.y)
+                     : "r"(a_row + c * kChunkBytes + 8 * 64));
+        uint32_t f_g[4], f_g8[4];
+        const float ss_g = e4m3x8_to_bf16_frags(q_g, f_g), ss_g8 = e4m3x8_to_bf16_frags(q_g8, f_g8);
+        const float s_g = scale_value(__float_as_uint(sc[c * kRows]), c),
+                    s_g8 = scale_value(__float_as_uint(sc[c * kRows + 8]), c);
+        sq[0] = fmaf(s_g * s_g, ss_g, sq[0]);
+        sq[1] = fmaf(s_g8 * s_g8, ss_g8, sq[1]);
+#pragma unroll
+        for (int kt = 0; kt < kKt; ++kt) {
+          float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint32_t a[4] = {f_g[2 * h], f_g8[2 * h], f_g[2 * h + 1], f_g8[2 * h + 1]};
+            dev::mma_bf16_16816(part, a, phi.hi[2 * c + h][kt][0], phi.hi[2 * c + h][kt][1]);
+            if constexpr (kF32) dev::mma_bf16_16816(part, a, phi.lo[2 * c + h][kt][0], phi.lo[2 * c + h][kt][1]);
+          }
+          acc[kt][0] = fmaf(part[0], s_g, acc[kt][0]);
+          acc[kt][1] = fmaf(part[1], s_g, acc[kt][1]);
+          acc[kt][2] = fmaf(part[2], s_g8, acc[kt][2]);
+          acc[kt][3] = fmaf(part[3], s_g8, acc[kt][3]);
+        }
+      }
+    }
+  }
+
   // This warp's partials into its scratch rows [kV][kScratchStride].
   __device__ __forceinline__ void stash_partials(const float (&acc)[kKt][4], const float (&sq_lo)[4],
                                                  const float (&sq_hi)[4], int g, int t) {
@@ -746,11 +881,25 @@ struct ResidentCta {
         if (mm < kCoef) my[mm * kScratchStride + row] = acc[kt][e];
       }
     }
-    // Diagonal: token g < 8 is D[g][g] of sq_lo (lane 4g + g/2, element g & 1);
-    // token 8 + g is D[8+g][g] of sq_hi (same lane, element 2 + (g & 1)).
-    if (t == (g >> 1)) {
-      my[kCoef * kScratchStride + g] = (g & 1) ? sq_lo[1] : sq_lo[0];
-      my[kCoef * kScratchStride + g + 8] = (g & 1) ? sq_hi[3] : sq_hi[2];
+    if constexpr (kFp8) {
+      // sq_lo[0], sq_lo[1]: this thread's sums of squares of tokens g, g + 8
+      // over its columns; summed over the quad (t) in a fixed order.
+      float a = sq_lo[0], b = sq_lo[1];
+      a += __shfl_xor_sync(0xffffffffu, a, 1);
+      b += __shfl_xor_sync(0xffffffffu, b, 1);
+      a += __shfl_xor_sync(0xffffffffu, a, 2);
+      b += __shfl_xor_sync(0xffffffffu, b, 2);
+      if (t == 0) {
+        my[kCoef * kScratchStride + g] = a;
+        my[kCoef * kScratchStride + g + 8] = b;
+      }
+    } else {
+      // Diagonal: token g < 8 is D[g][g] of sq_lo (lane 4g + g/2, element g & 1);
+      // token 8 + g is D[8+g][g] of sq_hi (same lane, element 2 + (g & 1)).
+      if (t == (g >> 1)) {
+        my[kCoef * kScratchStride + g] = (g & 1) ? sq_lo[1] : sq_lo[0];
+        my[kCoef * kScratchStride + g + 8] = (g & 1) ? sq_hi[3] : sq_hi[2];
+      }
     }
   }
 
@@ -813,7 +962,7 @@ struct ResidentCta {
     clock.mark(5);
     const unsigned char* xs = sm.ring_ptr + x.index * L.stage_bytes;
     const float* hp = sm.hpre + buf.index * kRows * kN;
-    mix_rows(xs, hp, row0(j), 0, kRows - kFinishMixRows, tid, kProjWarps * 32);
+    mix_rows(xs, scale_table(x.index), hp, row0(j), 0, kRows - kFinishMixRows, tid, kProjWarps * 32);
     clock.mark(6);
     // This warp is done with the stage (its projection reads were behind
     // the tile's block barriers; its mix just now) and with H_pre. One lane
@@ -839,6 +988,7 @@ struct ResidentCta {
     const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8, a_kofs = (lane >> 4) * 8;
     const uint32_t a_off_even = x_offset(a_row, step_stream, step_col + a_kofs);       // box 0, step 0
     const uint32_t a_off_odd = x_offset(a_row, step_stream, step_col + 16 + a_kofs);  // box 0, step 1
+    const uint32_t q_off = q_offset(g, step_stream, step_col + 8 * t);               // kFp8: box 0, row g
     stamp(2, tid == 0);
 
     PhaseClock clock;
@@ -854,6 +1004,7 @@ struct ResidentCta {
       } else {
         if (!per_box) Mbar(bar.full[x.index][0]).wait(x.phase);
       }
+      if constexpr (kFp8) Mbar(bar.coef_full[x.index]).wait(x.phase);  // the stage's scales
       stamp(3, tid == 0 && j == 0);
       clock.mark(0);
       float acc[kKt][4];
@@ -862,7 +1013,15 @@ struct ResidentCta {
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[kt][e] = 0.f;
       float sq_lo[4] = {0.f, 0.f, 0.f, 0.f}, sq_hi[4] = {0.f, 0.f, 0.f, 0.f};  // tokens 0-7, 8-15
-      project_tile(phi, x, per_box, my_steps, a_off_even, a_off_odd, acc, sq_lo, sq_hi);
+      if constexpr (kFp8) {  // sq_lo[0], sq_lo[1]: tokens g, g + 8 (this thread's columns)
+        float sq2[2] = {0.f, 0.f};
+        project_tile_fp8(phi, x, per_box, my_steps, q_off,
+                         scale_table(x.index) + step_stream * (slice / 64) * kRows + g, acc, sq2);
+        sq_lo[0] = sq2[0];
+        sq_lo[1] = sq2[1];
+      } else {
+        project_tile(phi, x, per_box, my_steps, a_off_even, a_off_odd, acc, sq_lo, sq_hi);
+      }
       stamp(4, tid == 0 && j == 0);
       clock.mark(1);
       // This CTA's partials of tile j: per warp into scratch (once every
@@ -1017,9 +1176,12 @@ struct ResidentCta {
       // The last kFinishMixRows tokens of the tile are mixed here, at once
       // (the projection warps, one tile behind, take the others).
       const int stage = PipeState<kStages>::at(j).index;
+      // kFp8: the stage's scales are visible to these warps too (their
+      // stores were released on coef_full; the phase completed long ago).
+      if constexpr (kFp8) Mbar(bar.coef_full[stage]).wait(PipeState<kStages>::at(j).phase);
       if (p.mode == ProjectMode::kPre) {
-        mix_rows(sm.ring_ptr + stage * L.stage_bytes, hp, row0_j, kRows - kFinishMixRows, kFinishMixRows, ft,
-                 kFinishWarps * 32);
+        mix_rows(sm.ring_ptr + stage * L.stage_bytes, scale_table(stage), hp, row0_j, kRows - kFinishMixRows,
+                 kFinishMixRows, ft, kFinishWarps * 32);
         __syncwarp();
       }
       stamp(8, ft == 0 && j == 0);
@@ -1067,6 +1229,9 @@ struct ResidentCta {
     if constexpr (kPost) {
       for (int j = 0; j < min(my_tiles, kStages); ++j) load_post_coefs(j);
     }
+    if constexpr (kFp8) {
+      for (int j = 0; j < min(my_tiles, kStages); ++j) load_scales(j);
+    }
     PhaseClock clock;
     int owned = 0;  // tiles this CTA owned so far
 #pragma unroll 1
@@ -1082,6 +1247,9 @@ struct ResidentCta {
       __syncwarp();
       if constexpr (kPost) {
         if (t < my_tiles) load_post_coefs(t);  // after lane 0's wait: the stage's coefficients are free too
+      }
+      if constexpr (kFp8) {
+        if (t < my_tiles) load_scales(t);  // likewise the stage's scales
       }
       // Sinkhorn of tile o = t - kStages when this CTA owns it: its h was
       // stashed about when the projection warps released its stage.
@@ -1102,14 +1270,16 @@ struct ResidentCta {
   }
 };
 
-template <int kN, bool kF32, bool kPost>
+// kUe8m0: the FP8 stream's scales are ue8m0 (p.x_ue8m0; a template
+// parameter so the projection decodes them without a branch).
+template <int kN, bool kF32, bool kPost, bool kFp8, bool kUe8m0>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_mhc_resident_kernel(ProjectParams p, ResidentLayout L, const __grid_constant__ CUtensorMap x_map) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ Barriers bars;
   __shared__ float coef[2 * Dims<kN>::kCoef];  // alpha_of(m), then bias[m]
-  ResidentCta<kN, kF32, kPost> cta(p, L, &x_map, smem, bars, coef);
+  ResidentCta<kN, kF32, kPost, kFp8, kUe8m0> cta(p, L, &x_map, smem, bars, coef);
 
   stamp(0, threadIdx.x == 0);
   if (threadIdx.x == 0) bars.init();
@@ -1149,25 +1319,32 @@ __global__ void __launch_bounds__(kThreads, 1)
 // X as a 3-D tensor (columns, tokens, streams) with boxes of
 // 64 columns x 16 tokens x n streams, 128-byte swizzle; tokens past B read
 // as zeros. Host-only work (capture-safe), done per launch because X moves.
+// The FP8 stream (p.fp8x): the e4m3 codes, one byte an element, 64-byte
+// lines with the 64-byte swizzle.
 bool encode_x_map(const ProjectParams& p, int n, CUtensorMap& map) {
   const detail::TensorMapEncodeTiled encode = detail::tensor_map_encoder();
   if (encode == nullptr) return false;
+  const cuuint64_t esz = p.fp8x ? 1 : 2;
   const cuuint64_t dims[3] = {cuuint64_t(p.hidden), cuuint64_t(p.batch), cuuint64_t(n)};
-  const cuuint64_t strides[2] = {cuuint64_t(p.k_len) * 2, cuuint64_t(p.hidden) * 2};  // bytes, dims 1 and 2
+  const cuuint64_t strides[2] = {cuuint64_t(p.k_len) * esz, cuuint64_t(p.hidden) * esz};  // bytes, dims 1 and 2
   const cuuint32_t box[3] = {64, cuuint32_t(kRows), cuuint32_t(n)};
   const cuuint32_t elem[3] = {1, 1, 1};
-  return encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<__nv_bfloat16*>(p.x), dims, strides, box, elem,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+  return encode(&map, p.fp8x ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3,
+                const_cast<__nv_bfloat16*>(p.x), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                p.fp8x ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 template <int kN>
-ResidentLayout resident_layout(int hidden, bool post) {
+ResidentLayout resident_layout(int hidden, bool post, bool fp8) {
   constexpr int kV = kN * kN + 2 * kN + 1;
   ResidentLayout L;
   L.slice = hidden / kClusterSize;
-  L.stage_bytes = L.slice / 64 * box_bytes<kN>();
-  int off = kStages * L.stage_bytes + 1024 + (kV - 1) * kPhiPad;  // + the ring's alignment, + phi's padding
+  L.stage_bytes = L.slice / 64 * (fp8 ? box_bytes<kN, true>() : box_bytes<kN>());
+  // phi's slice passes through the ring first (fp32: exactly the bf16 ring;
+  // the FP8 ring is half of it, so the region keeps phi's size).
+  const int ring = std::max(kStages * L.stage_bytes, (kV - 1) * kN * L.slice * 4);
+  int off = ring + 1024 + (kV - 1) * kPhiPad;  // + the ring's alignment, + phi's padding
   L.off_scratch = off;
   off += kProjWarps * kV * kScratchStride * 4;
   L.off_recv_common = off;
@@ -1182,19 +1359,21 @@ ResidentLayout resident_layout(int hidden, bool post) {
   off += 2 * kRows * (kV - 1) * 4;
   L.off_post_coef = off;  // 16-byte aligned: every term above is
   if (post) off += kStages * kRows * Dims<kN>::kPostCoef * 4;
+  L.off_scales = off;
+  if (fp8) off += kStages * kN * (L.slice / 64) * kRows * 4;
   L.total = off;
   return L;
 }
 
-template <int kN, bool kF32, bool kPost>
+template <int kN, bool kF32, bool kPost, bool kFp8, bool kUe8m0 = false>
 cudaError_t launch_resident(const ProjectParams& p, cudaStream_t stream, bool pdl, bool dry_run,
                             const char** why_not) {
   if (p.hidden % (kClusterSize * 64) != 0)  // whole 64-column TMA boxes per CTA
     return not_supported(why_not, "resident: C must be a multiple of 1024");
-  const ResidentLayout L = resident_layout<kN>(p.hidden, kPost);
+  const ResidentLayout L = resident_layout<kN>(p.hidden, kPost, kFp8);
   if (L.slice / 64 > kMaxChunks)  // a barrier per box, 2 k16 steps per warp and box
     return not_supported(why_not, "resident: C above 7168 (phi's slice would not fit in registers)");
-  auto kernel = sm90_mhc_resident_kernel<kN, kF32, kPost>;
+  auto kernel = sm90_mhc_resident_kernel<kN, kF32, kPost, kFp8, kUe8m0>;
   int clusters = 0;
   if (detail::active_clusters(detail::kernel_key(kernel), kThreads, size_t(L.total), kClusterSize, &clusters) !=
           cudaSuccess ||
@@ -1220,17 +1399,23 @@ cudaError_t sm90_mhc_project_resident(const ProjectParams& p, int n, bool phi_is
   if (p.has_post() && p.mode != ProjectMode::kPre) return not_supported(why_not, "resident: a fused post only before a pre");
   if (p.has_epilogue())
     return not_supported(why_not, "resident: no F_pre norm / FP8 epilogue (the cluster-tile kernel runs them)");
-  if (p.fp8x)
-    return not_supported(why_not, "resident: bf16 residual stream only (the cluster-tile kernel runs the FP8 stream)");
+  if (p.fp8x && p.has_post())
+    return not_supported(why_not, "resident: the FP8 stream's boundary runs on the cluster-tile kernel");
   detail::DeviceProps dev;
   if (detail::current_device_props(&dev) != cudaSuccess) return not_supported(why_not, "no usable CUDA device");
   if (dev.cc_major != 9 || dev.cc_minor != 0)  // built for sm_90a only
     return not_supported(why_not, "resident: needs an sm_90 GPU");
   if (p.has_post())
-    return phi_is_f32 ? launch_resident<4, true, true>(p, stream, pdl, dry_run, why_not)
-                      : launch_resident<4, false, true>(p, stream, pdl, dry_run, why_not);
-  return phi_is_f32 ? launch_resident<4, true, false>(p, stream, pdl, dry_run, why_not)
-                    : launch_resident<4, false, false>(p, stream, pdl, dry_run, why_not);
+    return phi_is_f32 ? launch_resident<4, true, true, false>(p, stream, pdl, dry_run, why_not)
+                      : launch_resident<4, false, true, false>(p, stream, pdl, dry_run, why_not);
+  if (p.fp8x && p.x_ue8m0)
+    return phi_is_f32 ? launch_resident<4, true, false, true, true>(p, stream, pdl, dry_run, why_not)
+                      : launch_resident<4, false, false, true, true>(p, stream, pdl, dry_run, why_not);
+  if (p.fp8x)
+    return phi_is_f32 ? launch_resident<4, true, false, true>(p, stream, pdl, dry_run, why_not)
+                      : launch_resident<4, false, false, true>(p, stream, pdl, dry_run, why_not);
+  return phi_is_f32 ? launch_resident<4, true, false, false>(p, stream, pdl, dry_run, why_not)
+                    : launch_resident<4, false, false, false>(p, stream, pdl, dry_run, why_not);
 }
 
 }  // namespace flashmix::mhc_detail

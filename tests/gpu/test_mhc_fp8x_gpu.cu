@@ -304,7 +304,7 @@ struct PreFp8xCase {
   int64_t C, B;
   ScaleFormat format;
   DType phi_dtype;
-  MhcPreKernel kernel;  // kAuto (the cluster tiles on an H100) or kPortable
+  MhcPreKernel kernel;  // kAuto (resident for n = 4, C = 1024 k up to 7168; else the cluster tiles), or pinned
   bool epilogue;        // F_pre's norm (bf16 weight) and FP8 copy (mhc_pre, mhc_post_pre)
 };
 
@@ -312,7 +312,8 @@ std::string pre_fp8x_case_name(const ::testing::TestParamInfo<PreFp8xCase>& info
   const PreFp8xCase& c = info.param;
   return "n" + std::to_string(c.n) + "_C" + std::to_string(c.C) + "_B" + std::to_string(c.B) +
          (c.format == ScaleFormat::kUE8M0 ? "_ue8m0" : "_f32") + (c.phi_dtype == DType::kFloat32 ? "_phif32" : "_phibf16") +
-         (c.kernel == MhcPreKernel::kPortable ? "_portable" : "") + (c.epilogue ? "_epilogue" : "");
+         (c.kernel == MhcPreKernel::kPortable ? "_portable" : "") +
+         (c.kernel == MhcPreKernel::kClusterTile ? "_clustertiles" : "") + (c.epilogue ? "_epilogue" : "");
 }
 
 // The host side of one pre on the FP8 stream: the reference's outputs.
@@ -431,7 +432,11 @@ TEST_P(MhcPreFp8xGpu, PreAndHeadMatchTheReference) {
   MhcPreKernel chosen;
   std::string why;
   ASSERT_TRUE(mhc_pre_kernel_choice(a, &chosen, &why).ok());
-  EXPECT_EQ(chosen, c.kernel == MhcPreKernel::kPortable ? MhcPreKernel::kPortable : MhcPreKernel::kClusterTile) << why;
+  const bool resident = c.n == 4 && c.C % 1024 == 0 && c.C <= 7168 && !c.epilogue;
+  EXPECT_EQ(chosen, c.kernel != MhcPreKernel::kAuto ? c.kernel
+                    : resident                      ? MhcPreKernel::kResident
+                                                    : MhcPreKernel::kClusterTile)
+      << why;
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   std::vector<PreOut> runs;
@@ -522,6 +527,18 @@ std::vector<PreFp8xCase> pre_fp8x_cases() {
   v.push_back({4, 7168, 1001, kF, DType::kFloat32, kAuto, false});   // many tiles
   v.push_back({4, 7168, 300, kE, DType::kFloat32, kAuto, true});
   v.push_back({8, 4096, 100, kE, DType::kBFloat16, kAuto, false});
+  // The resident kernel (kAuto, n = 4): every C it takes (1 to 7 boxes a
+  // CTA, a CTA's slice starting mid-block when C / 16 is not a multiple of
+  // 128), partial last tiles, many tiles per cluster, phi bf16; the cluster
+  // tiles pinned on the same shapes.
+  constexpr auto kTiles = MhcPreKernel::kClusterTile;
+  for (int64_t C : {1024, 2048, 3072, 5120, 7168})
+    for (int64_t B : {1, 17, 300}) v.push_back({4, C, B, (C / 1024 + B) % 2 ? kF : kE, DType::kFloat32, kAuto, false});
+  v.push_back({4, 7168, 2053, kE, DType::kFloat32, kAuto, false});
+  v.push_back({4, 4096, 5000, kF, DType::kBFloat16, kAuto, false});
+  v.push_back({4, 6144, 77, kF, DType::kBFloat16, kAuto, false});
+  v.push_back({4, 7168, 33, kF, DType::kFloat32, kTiles, false});
+  v.push_back({4, 1024, 300, kE, DType::kBFloat16, kTiles, false});
   for (int n : {1, 4, 8})
     for (int64_t B : {1, 7}) v.push_back({n, 1280, B, B == 1 ? kF : kE, DType::kFloat32, kPortable, false});
   v.push_back({4, 7168, 16, kF, DType::kBFloat16, kPortable, false});
@@ -655,8 +672,47 @@ std::vector<PreFp8xCase> post_pre_fp8x_cases() {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, MhcPostPreFp8xGpu, ::testing::ValuesIn(post_pre_fp8x_cases()), pre_fp8x_case_name);
 
-// The kernels that do not take the FP8 stream, pinned: kNotSupported, nothing launched.
-TEST(MhcPreFp8xPathGpu, ResidentAndSplitSayNotSupported) {
+// The resident kernel reads ue8m0 scales by aligned 4-byte copies; an array
+// that is only byte-aligned takes its other path: the same bytes out.
+TEST(MhcPreFp8xPathGpu, ResidentUe8m0ScalesAtAnyAlignment) {
+  SKIP_WITHOUT_GPU();
+  Problem p = make_problem(40, 4, 3072, seed_for("fp8x_align"));
+  const Fp8X x = quantize_x(p, ScaleFormat::kUE8M0);
+  std::vector<uint8_t> shifted(x.scales.size() + 4, 0);
+  std::copy(x.scales.begin(), x.scales.end(), shifted.begin() + 1);
+  DeviceBuffer dx(x.codes), dxs(x.scales), dxs1(shifted), dphi(p.phi_f32), dal(p.alpha), dbi(p.bias);
+  DevicePreOut d0(p.B, 4, p.C), d1(p.B, 4, p.C);
+  MhcPreArgs a;
+  a.shape = {p.B, 4, p.C};
+  a.x = dx.get();
+  a.residual = MhcResidual::kFp8E4m3;
+  a.x_scale_format = ScaleFormat::kUE8M0;
+  a.x_scales = dxs.get();
+  a.phi = dphi.get();
+  a.alpha = dal.as<float>();
+  a.bias = dbi.as<float>();
+  a.f_pre = d0.f.get();
+  a.h_post = d0.post.as<float>();
+  a.h_res = d0.res.as<float>();
+  a.kernel = MhcPreKernel::kResident;
+  Status s = mhc_pre(a, nullptr);
+  ASSERT_TRUE(s.ok()) << s.message();
+  a.x_scales = static_cast<const uint8_t*>(dxs1.get()) + 1;
+  a.f_pre = d1.f.get();
+  a.h_post = d1.post.as<float>();
+  a.h_res = d1.res.as<float>();
+  s = mhc_pre(a, nullptr);
+  ASSERT_TRUE(s.ok()) << s.message();
+  CUDA_OK(cudaDeviceSynchronize());
+  const PreOut o0 = d0.host(), o1 = d1.host();
+  EXPECT_EQ(o0.f, o1.f);
+  EXPECT_EQ(o0.post, o1.post);
+  EXPECT_EQ(o0.res, o1.res);
+}
+
+// The kernels that do not take the FP8 stream, pinned: kNotSupported,
+// nothing launched (split; resident for the boundary).
+TEST(MhcPreFp8xPathGpu, SplitAndResidentBoundarySayNotSupported) {
   SKIP_WITHOUT_GPU();
   Problem p = make_problem(16, 4, 7168, seed_for("fp8x_paths"));
   const Fp8X x = quantize_x(p, ScaleFormat::kFloat32);
@@ -677,19 +733,43 @@ TEST(MhcPreFp8xPathGpu, ResidentAndSplitSayNotSupported) {
   a.h_res = d.res.as<float>();
   a.workspace = ws.get();
   a.workspace_bytes = ws.bytes();
-  for (MhcPreKernel k : {MhcPreKernel::kResident, MhcPreKernel::kSplit}) {
-    a.kernel = k;
-    Status s = mhc_pre(a, nullptr);
-    EXPECT_EQ(s.code(), StatusCode::kNotSupported) << s.message();
-    EXPECT_NE(s.message().find("bf16 residual stream only"), std::string::npos) << s.message();
-  }
+  a.kernel = MhcPreKernel::kSplit;
+  Status s = mhc_pre(a, nullptr);
+  EXPECT_EQ(s.code(), StatusCode::kNotSupported) << s.message();
+  EXPECT_NE(s.message().find("bf16 residual stream only"), std::string::npos) << s.message();
   a.kernel = MhcPreKernel::kAuto;
   MhcPreKernel chosen;
   std::string why;
   ASSERT_TRUE(mhc_pre_kernel_choice(a, &chosen, &why).ok());
-  EXPECT_EQ(chosen, MhcPreKernel::kClusterTile) << why;
+  EXPECT_EQ(chosen, MhcPreKernel::kResident) << why;  // the workspace is not used by it
   CUDA_OK(cudaDeviceSynchronize());
   for (auto v : d.f.to_host<uint16_t>()) ASSERT_EQ(v, 0x7f7f);
+  // The boundary on the FP8 stream: the cluster tiles only.
+  DeviceBuffer fo(p.f_out), hp(p.h_post), hr(p.h_res);
+  DeviceBuffer xn(x.codes.size()), xns(x.scales.size());
+  DevicePreOut d2(p.B, 4, p.C);
+  MhcPostPreArgs pp;
+  pp.shape = a.shape;
+  pp.x = a.x;
+  pp.f_out = fo.get();
+  pp.h_post = hp.as<float>();
+  pp.h_res = hr.as<float>();
+  pp.phi = a.phi;
+  pp.alpha = a.alpha;
+  pp.bias = a.bias;
+  pp.x_next = xn.get();
+  pp.f_pre = d2.f.get();
+  pp.h_post_next = d2.post.as<float>();
+  pp.h_res_next = d2.res.as<float>();
+  pp.residual = MhcResidual::kFp8E4m3;
+  pp.x_scales = a.x_scales;
+  pp.x_next_scales = xns.get();
+  pp.kernel = MhcPreKernel::kResident;
+  s = mhc_post_pre(pp, nullptr);
+  EXPECT_EQ(s.code(), StatusCode::kNotSupported) << s.message();
+  EXPECT_NE(s.message().find("boundary runs on the cluster-tile kernel"), std::string::npos) << s.message();
+  CUDA_OK(cudaDeviceSynchronize());
+  for (auto v : d2.f.to_host<uint16_t>()) ASSERT_EQ(v, 0x7f7f);
 }
 
 }  // namespace

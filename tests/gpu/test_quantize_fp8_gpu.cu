@@ -15,6 +15,7 @@
 #include "common/gpu_testing.h"
 #include "common/test_data.h"
 #include "flashmix/fp8.h"
+#include "fp8/quantize_fp8_device.cuh"
 
 using namespace flashmix;
 using namespace flashmix::testing;
@@ -403,4 +404,63 @@ TEST(QuantizeFp8GpuErrors, AStreamWithAnInvalidatedCaptureIsRejected) {
   CUDA_OK(cudaDeviceSynchronize());
   EXPECT_EQ(p.d_q.to_host<uint8_t>(), std::vector<uint8_t>(p.q_bytes, kPoison));
   CUDA_OK(cudaStreamDestroy(stream));
+}
+
+// The block divider of every FP8 quantisation (fp8_dev::ScaleDivisor, an
+// rcp once per block and 5 instructions a value) against __fdiv_rn, bit for
+// bit, on 2^24 quotients a launch: scales log-uniform over its fast range
+// [2^-60, 2^100] and past both ends (where it divides), powers of two (ue8m0),
+// scales with all-ones significands, x anywhere in [-448 s, 448 s] and at e4m3
+// rounding midpoints times s.
+namespace {
+
+__device__ __forceinline__ uint32_t mix32(uint32_t v) {
+  v ^= v >> 16; v *= 0x7feb352du; v ^= v >> 15; v *= 0x846ca68bu; v ^= v >> 16;
+  return v;
+}
+
+__global__ void scale_divisor_mismatches(uint32_t seed, unsigned long long* bad, float* example) {
+  const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+  const uint32_t h1 = mix32(i ^ seed), h2 = mix32(h1 + 0x9e3779b9u), h3 = mix32(h2 + 0x85ebca6bu);
+  // The scale: a random significand and an exponent in [-70, 110].
+  float s;
+  switch (h1 & 3) {
+    case 0: s = ldexpf(1.0f, int(h2 % 181) - 70); break;                               // power of two
+    case 1: s = ldexpf(__uint_as_float(0x3fffffffu), int(h2 % 181) - 70); break;       // significand all ones
+    default: s = ldexpf(__uint_as_float(0x3f800000u | (h2 >> 9)), int(h2 % 181) - 70); // any
+  }
+  // x: a random fraction of 448 s, or an e4m3 value / midpoint times s.
+  float x;
+  if (h3 & 1) {
+    x = __fmul_rn(__fmul_rn(float(h3 >> 8) * 0x1p-24f * 448.0f, s), (h3 & 2) ? -1.0f : 1.0f);
+  } else {
+    const float m = ldexpf(float(8 + ((h3 >> 4) & 15)) * 0.0625f, int((h3 >> 8) % 19) - 10);  // 5-bit significands
+    x = __fmul_rn(m, s);
+  }
+  const flashmix::fp8_dev::ScaleDivisor d = flashmix::fp8_dev::scale_divisor(s);
+  const float got = d(x), want = __fdiv_rn(x, s);
+  if (__float_as_uint(got) != __float_as_uint(want)) {
+    if (atomicAdd(bad, 1ull) == 0) {
+      example[0] = x;
+      example[1] = s;
+      example[2] = got;
+      example[3] = want;
+    }
+  }
+}
+
+}  // namespace
+
+TEST(QuantizeFp8Gpu, ScaleDivisorIsBitwiseTheIeeeQuotient) {
+  SKIP_WITHOUT_GPU();
+  DeviceBuffer bad(sizeof(unsigned long long)), example(4 * sizeof(float));
+  CUDA_OK(cudaMemset(bad.get(), 0, bad.bytes()));
+  for (uint32_t seed : {1u, 0x2545f491u, 0xdeadbeefu, 12345u}) {
+    scale_divisor_mismatches<<<1 << 16, 256>>>(seed, bad.as<unsigned long long>(), example.as<float>());
+    CUDA_OK(cudaGetLastError());
+  }
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto n = bad.to_host<unsigned long long>()[0];
+  const auto e = example.to_host<float>();
+  EXPECT_EQ(n, 0ull) << "first: " << e[0] << " / " << e[1] << " = " << e[2] << ", __fdiv_rn " << e[3];
 }
