@@ -533,3 +533,79 @@ if torch is not None:
     def _mhc_expand_op(embedding: Tensor, n: int, enable_pdl: bool = _EXPAND.enable_pdl) -> Tensor:
         """flashmix.mhc_expand as a custom op: a fresh X bf16 ``[B, n, C]`` holding n copies of the embedding."""
         return mhc_expand(embedding, n=n, enable_pdl=enable_pdl)
+
+
+# ---------------------------------------------------------------------------
+# The FP8 residual stream's custom ops (spec §4.9): X and X_next as e4m3 codes
+# (float8_e4m3fn) with their [B, n, C/128] scales (float32, or ue8m0 as
+# float8_e8m0fnu where torch has it), fresh outputs like the bf16 ops'.
+# ---------------------------------------------------------------------------
+
+if torch is not None:
+    def _expand_fp8x_fake(embedding, n, x_scale_format, **_):
+        from .fp8 import _e4m3_dtype, _scale_dtype
+        B, C = embedding.shape
+        return (empty(embedding, (B, n, C), _e4m3_dtype(embedding)),
+                empty(embedding, (B, n, C // 128), _scale_dtype(embedding, x_scale_format)))
+
+    @custom_op("mhc_expand_fp8x", fake=_expand_fp8x_fake)
+    def _mhc_expand_fp8x_op(embedding: Tensor, n: int, x_scale_format: str = _EXPAND.x_scale_format,
+                            enable_pdl: bool = _EXPAND.enable_pdl) -> Tuple[Tensor, Tensor]:
+        """flashmix.mhc_expand onto the FP8 stream as a custom op: fresh (x e4m3 ``[B, n, C]``,
+        x_scales ``[B, n, C/128]``)."""
+        o = mhc_expand(embedding, n=n, fp8=True, x_scale_format=x_scale_format, enable_pdl=enable_pdl)
+        return o.x, o.x_scales
+
+    @custom_op("mhc_post_fp8x", fake=lambda x, x_scales, **_: (torch.empty_like(x), torch.empty_like(x_scales)))
+    def _mhc_post_fp8x_op(x: Tensor, x_scales: Tensor, f_out: Tensor, h_post: Tensor, h_res: Tensor,
+                          res_layout: str = _POST.res_layout, x_scale_format: str = _POST.x_scale_format,
+                          enable_pdl: bool = _POST.enable_pdl) -> Tuple[Tensor, Tensor]:
+        """flashmix.mhc_post on the FP8 stream as a custom op: fresh (x_next, x_next_scales), x's and
+        x_scales' shapes and dtypes."""
+        o = mhc_post(x, f_out, h_post, h_res, x_scales=x_scales, x_scale_format=x_scale_format,
+                     res_layout=res_layout, enable_pdl=enable_pdl)
+        return o.x_next, o.x_next_scales
+
+    @custom_op("mhc_pre_fp8x", fake=lambda x, phi, **_: _pre_outputs(x, phi, "mhc_pre"))
+    def _mhc_pre_fp8x_op(x: Tensor, x_scales: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor,
+                         x_scale_format: str = _PRE.x_scale_format, eps_norm: float = _PRE.eps_norm,
+                         eps_pre: float = _PRE.eps_pre, post_mult: float = _PRE.post_mult,
+                         eps_sinkhorn: float = _PRE.eps_sinkhorn, sinkhorn_iters: int = _PRE.sinkhorn_iters,
+                         enable_pdl: bool = _PRE.enable_pdl, prefetch_weights: bool = _PRE.prefetch_weights,
+                         projection_kernel: str = _PRE.kernel) -> Tuple[Tensor, Tensor, Tensor]:
+        """flashmix.mhc_pre on the FP8 stream as a custom op: fresh (f_pre, h_post, h_res)."""
+        return tuple(mhc_pre(x, phi, alpha, bias, x_scales=x_scales, x_scale_format=x_scale_format,
+                             eps_norm=eps_norm, eps_pre=eps_pre, post_mult=post_mult, eps_sinkhorn=eps_sinkhorn,
+                             sinkhorn_iters=sinkhorn_iters, enable_pdl=enable_pdl,
+                             prefetch_weights=prefetch_weights, kernel=projection_kernel))
+
+    def _post_pre_fp8x_fake(x, x_scales, phi, **_):
+        _, f_pre, h_post_next, h_res_next = _post_pre_outputs(x, phi)
+        return torch.empty_like(x), torch.empty_like(x_scales), f_pre, h_post_next, h_res_next
+
+    @custom_op("mhc_post_pre_fp8x", fake=_post_pre_fp8x_fake)
+    def _mhc_post_pre_fp8x_op(x: Tensor, x_scales: Tensor, f_out: Tensor, h_post: Tensor, h_res: Tensor,
+                              phi: Tensor, alpha: Tensor, bias: Tensor, res_layout: str = _POST_PRE.res_layout,
+                              x_scale_format: str = _POST_PRE.x_scale_format, eps_norm: float = _POST_PRE.eps_norm,
+                              eps_pre: float = _POST_PRE.eps_pre, post_mult: float = _POST_PRE.post_mult,
+                              eps_sinkhorn: float = _POST_PRE.eps_sinkhorn,
+                              sinkhorn_iters: int = _POST_PRE.sinkhorn_iters, enable_pdl: bool = _POST_PRE.enable_pdl,
+                              prefetch_weights: bool = _POST_PRE.prefetch_weights,
+                              projection_kernel: str = _POST_PRE.kernel
+                              ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """flashmix.mhc_post_pre on the FP8 stream as a custom op: fresh (x_next, x_next_scales,
+        f_pre, h_post, h_res)."""
+        o = mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, x_scales=x_scales,
+                         x_scale_format=x_scale_format, res_layout=res_layout, eps_norm=eps_norm, eps_pre=eps_pre,
+                         post_mult=post_mult, eps_sinkhorn=eps_sinkhorn, sinkhorn_iters=sinkhorn_iters,
+                         enable_pdl=enable_pdl, prefetch_weights=prefetch_weights, kernel=projection_kernel)
+        return o.x_next, o.x_next_scales, o.f_pre, o.h_post, o.h_res
+
+    @custom_op("mhc_head_fp8x", fake=lambda x, phi, **_: _new_mix(x, phi.shape[0], "mhc_head"))
+    def _mhc_head_fp8x_op(x: Tensor, x_scales: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor,
+                          x_scale_format: str = _HEAD.x_scale_format, eps_norm: float = _HEAD.eps_norm,
+                          eps_pre: float = _HEAD.eps_pre, enable_pdl: bool = _HEAD.enable_pdl,
+                          projection_kernel: str = _HEAD.kernel) -> Tensor:
+        """flashmix.mhc_head on the FP8 stream as a custom op: a fresh bf16 ``[B, C]``."""
+        return mhc_head(x, phi, alpha, bias, x_scales=x_scales, x_scale_format=x_scale_format, eps_norm=eps_norm,
+                        eps_pre=eps_pre, enable_pdl=enable_pdl, kernel=projection_kernel)

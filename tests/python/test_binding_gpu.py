@@ -1163,6 +1163,45 @@ def test_torch_compile_of_mhc_pre_with_a_workspace(mode):
     assert int(ws.view(torch.int32)[0].item()) == 0
 
 
+def fp8x_layers(emb, phi, alpha, bias, hphi, fmt):
+    """Two mHC layer boundaries on the FP8 residual stream, all custom ops (spec §4.9): expand, the
+    first pre, then post_pre with the F_pre standing in for the sublayer, post, and the head."""
+    x, xs = torch.ops.flashmix.mhc_expand_fp8x(emb, 4, fmt)
+    f_pre, h_post, h_res = torch.ops.flashmix.mhc_pre_fp8x(x, xs, phi, alpha, bias, fmt)
+    x, xs, f_pre, h_post2, h_res2 = torch.ops.flashmix.mhc_post_pre_fp8x(x, xs, f_pre, h_post, h_res, phi, alpha,
+                                                                          bias, x_scale_format=fmt)
+    x, xs = torch.ops.flashmix.mhc_post_fp8x(x, xs, f_pre, h_post2, h_res2, x_scale_format=fmt)
+    return x, xs, torch.ops.flashmix.mhc_head_fp8x(x, xs, hphi, alpha, bias[:4], fmt)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "ue8m0"])
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_torch_compile_of_the_fp8x_stream_custom_ops(mode, fmt):
+    """The FP8 residual stream's custom ops under torch.compile (one graph, no break), bitwise the
+    same ops eagerly, and the eager ops bitwise the functions (resident pre for n = 4, C = 2048)."""
+    if mode == "reduce-overhead" and DRY_RUN:
+        pytest.skip("CUDA graphs need a GPU")
+    x, phi, alpha, bias = mhc_inputs(48, 4, 2048, "float32", seed=33)
+    emb = x[:, 0, :].contiguous()
+    hphi = phi[:4].contiguous()
+    compiled = torch.compile(fp8x_layers, fullgraph=True, mode=mode)
+    for _ in range(3):  # reduce-overhead records a graph on a later call
+        got = compiled(emb, phi, alpha, bias, hphi, fmt)
+    want = fp8x_layers(emb, phi, alpha, bias, hphi, fmt)
+    sync()
+    assert all(torch.equal(as_bytes(g), as_bytes(w)) for g, w in zip(got, want))
+    e = flashmix.mhc_expand(emb, n=4, fp8=True, x_scale_format=fmt)
+    p = flashmix.mhc_pre(e.x, phi, alpha, bias, x_scales=e.x_scales, x_scale_format=fmt)
+    q = flashmix.mhc_post_pre(e.x, p.f_pre, p.h_post, p.h_res, phi, alpha, bias, x_scales=e.x_scales,
+                              x_scale_format=fmt)
+    r = flashmix.mhc_post(q.x_next, q.f_pre, q.h_post, q.h_res, x_scales=q.x_next_scales, x_scale_format=fmt)
+    h = flashmix.mhc_head(r.x_next, hphi, alpha, bias[:4].contiguous(), x_scales=r.x_next_scales,
+                          x_scale_format=fmt)
+    sync()
+    for g, w in zip(want, (r.x_next, r.x_next_scales, h)):
+        assert torch.equal(as_bytes(g), as_bytes(w))
+
+
 def compiled_moe_end(x, experts, scales, W2):
     """Routing maps (with the gathered input), the fused FC2 + finalize, and an unfused path (the
     finalize of stand-in rows), all custom ops; the torch between them is exact (a cast, a slice)."""
