@@ -209,6 +209,24 @@ void check_x_scales(const S& sc, const X& x, const fm::MhcShape& s, fm::ScaleFor
   else require_dense(sc, sd, {B, n * C / 128}, op, name);
 }
 
+// X_next beside X (mhc_post, mhc_post_pre): x's dtype and number of
+// elements, contiguous, not over x; on the FP8 stream (residual set) both
+// scale arrays (check_x_scales). The shape must be set.
+template <typename Args>
+void set_x_next(Args& a, const In& x, const Out& x_next, const OptIn& x_scales, const OptOut& x_next_scales,
+                nb::dlpack::dtype x_dtype, const char* op) {
+  if (a.residual == fm::MhcResidual::kFp8E4m3) {
+    check_x_scales(*x_scales, x, a.shape, a.x_scale_format, op, "x_scales");
+    check_x_scales(*x_next_scales, x, a.shape, a.x_scale_format, op, "x_next_scales");
+    a.x_scales = ptr(*x_scales);
+    a.x_next_scales = mut(*x_next_scales);
+  }
+  require_dtype(x_next, x_dtype, op, "x_next");
+  require_contiguous(x_next, op, "x_next");
+  if (x_next.size() != x.size()) fail(op, "x_next", "must have x's shape ", shape_str(x), " (got ", shape_str(x_next), ")");
+  if (overlaps(ptr(x), x.nbytes(), mut(x_next), x_next.nbytes())) fail(op, "x_next", "must not overlap x");
+}
+
 // ---------------------------------------------------------------------------
 // mhc_pre and its kernel choice
 // ---------------------------------------------------------------------------
@@ -320,16 +338,7 @@ void mhc_post(const In& x, const In& f_out, const In& h_post, const In& h_res, c
   require_dense(f_out, kBFloat16, {B, C}, op, "f_out");
   require_dense(h_post, kFloat32, {B, n}, op, "h_post");
   require_dense(h_res, kFloat32, {B, n, n}, op, "h_res");
-  if (fp8) {
-    check_x_scales(*x_scales, x, a.shape, a.x_scale_format, op, "x_scales");
-    check_x_scales(*x_next_scales, x, a.shape, a.x_scale_format, op, "x_next_scales");
-    a.x_scales = ptr(*x_scales);
-    a.x_next_scales = mut(*x_next_scales);
-  }
-  require_dtype(x_next, x_dtype, op, "x_next");
-  require_contiguous(x_next, op, "x_next");
-  if (x_next.size() != x.size()) fail(op, "x_next", "must have x's shape ", shape_str(x), " (got ", shape_str(x_next), ")");
-  if (overlaps(ptr(x), x.nbytes(), mut(x_next), x_next.nbytes())) fail(op, "x_next", "must not overlap x");
+  set_x_next(a, x, x_next, x_scales, x_next_scales, x_dtype, op);
   a.x = ptr(x);
   a.f_out = ptr(f_out);
   a.h_post = static_cast<const float*>(ptr(h_post));
@@ -374,15 +383,7 @@ void mhc_post_pre(const In& x, const In& f_out, const In& h_post, const In& h_re
   require_dense(f_out, kBFloat16, {B, C}, op, "f_out");
   require_dense(h_post, kFloat32, {B, n}, op, "h_post");
   require_dense(h_res, kFloat32, {B, n, n}, op, "h_res");
-  if (fp8) {
-    check_x_scales(*x_scales, x, a.shape, a.x_scale_format, op, "x_scales");
-    check_x_scales(*x_next_scales, x, a.shape, a.x_scale_format, op, "x_next_scales");
-    a.x_scales = ptr(*x_scales);
-    a.x_next_scales = mut(*x_next_scales);
-  }
-  require_dtype(x_next, x_dtype, op, "x_next");
-  require_contiguous(x_next, op, "x_next");
-  if (x_next.size() != x.size()) fail(op, "x_next", "must have x's shape ", shape_str(x), " (got ", shape_str(x_next), ")");
+  set_x_next(a, x, x_next, x_scales, x_next_scales, x_dtype, op);
   if (f_pre) require_dense(*f_pre, kBFloat16, {B, C}, op, "f_pre");
   require_dense(h_post_next, kFloat32, {B, n}, op, "h_post_next");
   require_dense(h_res_next, kFloat32, {B, n, n}, op, "h_res_next");
