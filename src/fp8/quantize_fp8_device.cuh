@@ -86,9 +86,9 @@ __device__ __forceinline__ void store_scale(void* scales, uint32_t index, uint32
 // result takes x's sign (the fma sums give +0 for x = -0).
 struct ScaleDivisor {
   float s, r;  // the scale and RN(1/s)
-  bool fast;
-  __device__ __forceinline__ float operator()(float x) const {
-    if (!fast) return __fdiv_rn(x, s);
+  bool fast;   // s in [2^-60, 2^100]
+  // x / s where `fast` holds.
+  __device__ __forceinline__ float fast_div(float x) const {
     const float y0 = __fmul_rn(x, r);
     const float y1 = __fmaf_rn(__fmaf_rn(-y0, s, x), r, y0);
     // x / s has x's sign (s > 0); the fma sums lose a zero's (-0 + +0 = +0).
@@ -99,20 +99,17 @@ __device__ __forceinline__ ScaleDivisor scale_divisor(float s) {
   return {s, __fdiv_rn(1.0f, s), s >= 0x1p-60f && s <= 0x1p100f};
 }
 
-// Two e4m3 of x0 / s and x1 / s (fp32 values), x0 in the low byte.
-__device__ __forceinline__ uint32_t quantize_pair_f32(float x0, float x1, const ScaleDivisor& d) {
-  const float v0 = d(x0);
-  const float v1 = d(x1);
+// Two e4m3 of quotients v0, v1 (v0 in the low byte), saturating. A NaN
+// quotient (inf / inf, only off the fast path) gets the NaN byte with no sign
+// (the CPU's NaN would carry one).
+template <bool kMayBeNaN>
+__device__ __forceinline__ uint32_t e4m3_pair(float v0, float v1) {
   uint32_t p = __nv_cvt_float2_to_fp8x2(make_float2(v0, v1), __NV_SATFINITE, __NV_E4M3);
-  // inf / inf: the NaN byte with no sign (the CPU's NaN would carry one).
-  if (v0 != v0) p = (p & 0xff00u) | kE4m3NaN;
-  if (v1 != v1) p = (p & 0x00ffu) | (uint32_t(kE4m3NaN) << 8);
+  if constexpr (kMayBeNaN) {
+    if (v0 != v0) p = (p & 0xff00u) | kE4m3NaN;
+    if (v1 != v1) p = (p & 0x00ffu) | (uint32_t(kE4m3NaN) << 8);
+  }
   return p;
-}
-
-// Two e4m3 of x0 / s and x1 / s (bf16 bits in a word, x0 low), x0 in the low byte.
-__device__ __forceinline__ uint32_t quantize_pair(uint32_t bf16x2, const ScaleDivisor& d) {
-  return quantize_pair_f32(__uint_as_float(bf16x2 << 16), __uint_as_float(bf16x2 & 0xffff0000u), d);
 }
 
 // The scale of a block from its amax bits, NaN blocks included (scale NaN:
@@ -139,26 +136,40 @@ __device__ __forceinline__ uint32_t amax_bits_f32(const float* v) {
   return m;
 }
 
-// Eight fp32 values' e4m3 bytes, v[0] in the low byte of lo (all NaN for a NaN block).
+// Eight fp32 values' e4m3 bytes, v[0] in the low byte of lo (all NaN for a
+// NaN block): the quotients by the block's scale (one branch for the eight,
+// ScaleDivisor), then the conversion. On the fast path every value is finite
+// (a NaN or infinite value makes a NaN or infinite scale), so no quotient is NaN.
 __device__ __forceinline__ void quantize8_f32(const float* v, float s, bool nan_block, uint32_t& lo, uint32_t& hi) {
   if (nan_block) {
     lo = hi = 0x7f7f7f7fu;
     return;
   }
   const ScaleDivisor d = scale_divisor(s);
-  lo = quantize_pair_f32(v[0], v[1], d) | (quantize_pair_f32(v[2], v[3], d) << 16);
-  hi = quantize_pair_f32(v[4], v[5], d) | (quantize_pair_f32(v[6], v[7], d) << 16);
+  float q[8];
+  if (d.fast) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) q[e] = d.fast_div(v[e]);
+    lo = e4m3_pair<false>(q[0], q[1]) | (e4m3_pair<false>(q[2], q[3]) << 16);
+    hi = e4m3_pair<false>(q[4], q[5]) | (e4m3_pair<false>(q[6], q[7]) << 16);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) q[e] = __fdiv_rn(v[e], s);
+    lo = e4m3_pair<true>(q[0], q[1]) | (e4m3_pair<true>(q[2], q[3]) << 16);
+    hi = e4m3_pair<true>(q[4], q[5]) | (e4m3_pair<true>(q[6], q[7]) << 16);
+  }
 }
 
-// The chunk's eight e4m3 bytes (all NaN for a NaN block).
+// The chunk's eight e4m3 bytes (all NaN for a NaN block): its bf16 values
+// (exact in fp32) through quantize8_f32.
 __device__ __forceinline__ void quantize_chunk(const Chunk& c, float s, bool nan_block, uint32_t& lo, uint32_t& hi) {
-  if (nan_block) {
-    lo = hi = 0x7f7f7f7fu;
-    return;
+  float v[8];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    v[2 * k] = __uint_as_float(c.w[k] << 16);
+    v[2 * k + 1] = __uint_as_float(c.w[k] & 0xffff0000u);
   }
-  const ScaleDivisor d = scale_divisor(s);
-  lo = quantize_pair(c.w[0], d) | (quantize_pair(c.w[1], d) << 16);
-  hi = quantize_pair(c.w[2], d) | (quantize_pair(c.w[3], d) << 16);
+  quantize8_f32(v, s, nan_block, lo, hi);
 }
 
 }  // namespace flashmix::fp8_dev
