@@ -97,8 +97,9 @@ inline int64_t mhc_x_scale_count(const MhcShape& shape) {
 // The projection kernel of mhc_pre, mhc_project and mhc_head. kAuto (the
 // default) picks the first of these that takes the shape on the current
 // device, in this order (docs/spec.md §4 states each one's conditions):
-//   kResident     sm_90, n = 4, C a multiple of 1024 up to 7168; not mhc_head; no F_pre epilogue
-//   kSplit        a workspace and 1 <= B <= kMhcSplitMaxBatch; no F_pre epilogue
+//   kResident     sm_90, n = 4, C a multiple of 1024 up to 7168; not mhc_head; no F_pre epilogue;
+//                 the FP8 residual stream for mhc_pre only (not the boundary)
+//   kSplit        a workspace and 1 <= B <= kMhcSplitMaxBatch; no F_pre epilogue; bf16 stream only
 //   kClusterTile  sm_90, a tile of 8-24 tokens of the shape fits in shared memory
 //   kPortable     any GPU, any shape; no F_pre epilogue
 // (F_pre epilogue: the norm / FP8 fields of MhcPreArgs and MhcPostPreArgs, spec §4.8.)
@@ -242,8 +243,9 @@ struct MhcHeadArgs {
 // squares and mix use X_next as it is made on chip (bf16-rounded, exactly
 // the values stored), never read back. Bitwise equal to mhc_post then
 // mhc_pre pinned to the same projection kernel (spec §4.7). Kernels: kResident
-// (n = 4, C a multiple of 1024 up to 7168, no F_pre epilogue) and
-// kClusterTile (the rest of sm_90, and every call with the epilogue); kAuto
+// (n = 4, C a multiple of 1024 up to 7168, no F_pre epilogue, bf16 stream) and
+// kClusterTile (the rest of sm_90, every call with the epilogue, and the FP8
+// residual stream); kAuto
 // picks them in that order; kSplit and kPortable are not available for this
 // op (kNotSupported).
 struct MhcPostPreArgs {
