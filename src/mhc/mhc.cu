@@ -137,15 +137,10 @@ __global__ void __launch_bounds__(128)
     unpack8(fv, ff);
 #pragma unroll
     for (int i = 0; i < kN; ++i) {
-      float acc[8];
+      float rr[kN], acc[8];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[e] = __fmul_rn(post[i], ff[e]);
-#pragma unroll
-      for (int j = 0; j < kN; ++j) {
-        const float rij = kTranspose ? coef[j * kN + i] : coef[i * kN + j];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] = __fmaf_rn(rij, xf[j][e], acc[e]);
-      }
+      for (int j = 0; j < kN; ++j) rr[j] = kTranspose ? coef[j * kN + i] : coef[i * kN + j];
+      post_fp8_values<kN>(xf, ff, rr, post[i], acc);
       uint2 q;
       const fp8_dev::Scale sc = quantize_block_lane<F>(acc, half_mask, q);
       const long long row = b * kN + i;

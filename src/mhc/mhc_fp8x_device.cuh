@@ -42,41 +42,60 @@ __device__ __forceinline__ float load_x_scale_ro(const void* scales, long long i
                : __ldg(static_cast<const float*>(scales) + index);
 }
 
-// Eight e4m3 codes (the first in the low byte of c.x) times their block's
-// scale, each product rounded once to fp32 (the element's value, §4.9).
-__device__ __forceinline__ void dequant8(const uint2& c, float s, float* f) {
+// Eight e4m3 codes (the first in the low byte of c.x) as floats, exact:
+// e4m3 -> half is exact (NaN stays NaN), half -> float too.
+__device__ __forceinline__ void e4m3x8_to_float(const uint2& c, float (&v)[8]) {
   const uint32_t w[2] = {c.x, c.y};
 #pragma unroll
   for (int h = 0; h < 2; ++h)
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
-      // e4m3 -> half is exact (NaN stays NaN), half -> float too.
       const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w[h] >> (16 * p)), __NV_E4M3);
-      const float2 v = __half22float2(__half2(r));
-      f[h * 4 + p * 2] = __fmul_rn(v.x, s);
-      f[h * 4 + p * 2 + 1] = __fmul_rn(v.y, s);
+      const float2 f = __half22float2(__half2(r));
+      v[h * 4 + p * 2] = f.x;
+      v[h * 4 + p * 2 + 1] = f.y;
     }
 }
 
-// Eight e4m3 codes (the first in the low byte of c.x) as four bf16 pairs,
-// out[2h + q] = codes 4h + 2q (low half) and 4h + 2q + 1, and the sum of the
-// codes' squares: the tensor-core fragments of the projection kernels, whose
-// k order puts a thread's 8 consecutive codes in one shared load. Exact:
-// e4m3 -> f16 -> f32 is exact and an e4m3 value has at most 4 significant
-// bits, so the top half of its f32 is its bf16 (NaN stays NaN).
+// Eight e4m3 codes times their block's scale, each product rounded once to
+// fp32 (the element's value, §4.9).
+__device__ __forceinline__ void dequant8(const uint2& c, float s, float* f) {
+  float v[8];
+  e4m3x8_to_float(c, v);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) f[e] = __fmul_rn(v[e], s);
+}
+
+// Eight e4m3 codes as four bf16 pairs, out[k] = codes 2k (low half) and
+// 2k + 1, and the sum of the codes' squares: the tensor-core fragments of
+// the projection kernels, whose k order puts a thread's 8 consecutive codes
+// in one shared load. Exact: an e4m3 value has at most 4 significant bits,
+// so the top half of its f32 is its bf16 (NaN stays NaN).
 __device__ __forceinline__ float e4m3x8_to_bf16_frags(uint2 c, uint32_t (&out)[4]) {
+  float v[8];
+  e4m3x8_to_float(c, v);
   float sq = 0.f;
-  const uint32_t w[2] = {c.x, c.y};
 #pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w[h] >> (16 * q)), __NV_E4M3);
-      const float2 v = __half22float2(__half2(r));
-      out[2 * h + q] = __byte_perm(__float_as_uint(v.x), __float_as_uint(v.y), 0x7632);
-      sq = fmaf(v.x, v.x, fmaf(v.y, v.y, sq));
-    }
+  for (int k = 0; k < 4; ++k) {
+    out[k] = __byte_perm(__float_as_uint(v[2 * k]), __float_as_uint(v[2 * k + 1]), 0x7632);
+    sq = fmaf(v[2 * k], v[2 * k], fmaf(v[2 * k + 1], v[2 * k + 1], sq));
+  }
   return sq;
+}
+
+// X_next's eight fp32 values of one stream i on the FP8 stream, in spec
+// §4.9's fixed order: acc = H_post_i * F_out, then acc = fma(R_ij, X_j, acc)
+// for j = 0..n-1 (r[j] = R_ij). Every kernel that makes X_next on this stream
+// (mhc_post, the boundary's fused post) makes it here, so they agree bit for bit.
+template <int kN>
+__device__ __forceinline__ void post_fp8_values(const float (&x)[kN][8], const float* f, const float* r, float post,
+                                                float* acc) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) acc[e] = __fmul_rn(post, f[e]);
+#pragma unroll
+  for (int j = 0; j < kN; ++j)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = __fmaf_rn(r[j], x[j][e], acc[e]);
 }
 
 // The max of `v` over the 16 lanes of this lane's half-warp (xor shuffles

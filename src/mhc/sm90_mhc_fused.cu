@@ -185,7 +185,8 @@ __device__ __forceinline__ void load_weight8(const PreEpilogue& e, int c, float*
 // F_pre's epilogue (spec §4.8) for the tile, by every thread of every CTA of
 // the cluster. On entry the pre mix has left this CTA's bf16 F_pre in xs
 // (token r, column c0 + col at xs[r * pitch + col], col < cw: X's buffer
-// over stream 0's columns, or on the FP8 stream a buffer of its own), and each CTA has one cluster arrive pending (step 4's); on exit
+// over stream 0's columns, or on the FP8 stream a buffer of its own), and
+// each CTA has one cluster arrive pending (step 4's); on exit
 // one is pending again (the kernel's last cluster_wait completes it).
 //
 // Norm: each CTA sums the squares of its columns per token (a warp per
@@ -443,16 +444,11 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
       unpack8(dev::load_stream<bf16, 8>(po.f_out + b * hidden + c0 + col), ff);
 #pragma unroll
       for (int i = 0; i < kN; ++i) {
-        const float post = __ldg(po.h_post + b * kN + i);
-        float acc[8];
+        float rr[kN], acc[8];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] = __fmul_rn(post, ff[e]);
-#pragma unroll
-        for (int j = 0; j < kN; ++j) {
-          const float rij = __ldg(po.h_res + b * kN * kN + (po.transpose ? j * kN + i : i * kN + j));
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[e] = __fmaf_rn(rij, xf[j][e], acc[e]);
-        }
+        for (int j = 0; j < kN; ++j)
+          rr[j] = __ldg(po.h_res + b * kN * kN + (po.transpose ? j * kN + i : i * kN + j));
+        post_fp8_values<kN>(xf, ff, rr, __ldg(po.h_post + b * kN + i), acc);
         uint2 q;
         const fp8_dev::Scale s = p.x_ue8m0 ? quantize_block_lane<ScaleFormat::kUE8M0>(acc, half, q)
                                            : quantize_block_lane<ScaleFormat::kFloat32>(acc, half, q);

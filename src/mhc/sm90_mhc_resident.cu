@@ -362,7 +362,7 @@ struct ResidentSmem {
   float* hpre;        // [2][kRows][kN]: H_pre, per tile parity
   float* hsink;       // [2][kRows][kCoef]: h of the owned tiles, for the Sinkhorn warp
   float* post_coef;   // mhc_post_pre: [kStages][kRows][kPostCoef], per ring stage
-  float* scales;      // the FP8 stream: [kStages][n][slice / 64][kRows], each box's block scale word (load_scales)
+  uint32_t* scales;   // the FP8 stream: [kStages][n][slice / 64][kRows], each box's block scale word (load_scales)
   float* coef_alpha;  // [kCoef]: alpha_of(m), loaded once
   float* coef_bias;   // [kCoef]: bias[m]
 
@@ -376,7 +376,7 @@ struct ResidentSmem {
         hpre(reinterpret_cast<float*>(smem + L.off_hpre)),
         hsink(reinterpret_cast<float*>(smem + L.off_hsink)),
         post_coef(reinterpret_cast<float*>(smem + L.off_post_coef)),
-        scales(reinterpret_cast<float*>(smem + L.off_scales)),
+        scales(reinterpret_cast<uint32_t*>(smem + L.off_scales)),
         coef_alpha(coef),
         coef_bias(coef + kCoef) {}
 };
@@ -485,7 +485,7 @@ struct ResidentCta {
                     (col & 15));
   }
   // kFp8: the scale of (token row, stream i, box c) in stage `stage`'s table.
-  __device__ __forceinline__ const float* scale_table(int stage) const {
+  __device__ __forceinline__ const uint32_t* scale_table(int stage) const {
     return sm.scales + stage * kN * (slice / 64) * kRows;
   }
 
@@ -539,7 +539,7 @@ struct ResidentCta {
     const PipeState<kStages> x = PipeState<kStages>::at(t);
     const long long r0 = row0(t);
     const int boxes = slice / 64, blocks = hidden / 128, n_vals = kN * boxes * kRows;
-    uint32_t* dst = reinterpret_cast<uint32_t*>(sm.scales) + x.index * n_vals;
+    uint32_t* dst = sm.scales + x.index * n_vals;
     const unsigned char* base = static_cast<const unsigned char*>(p.x_scales);
     const Mbar full(bar.coef_full[x.index]);
     if (!p.x_ue8m0 || (reinterpret_cast<uintptr_t>(base) & 3) == 0) {
@@ -579,7 +579,7 @@ struct ResidentCta {
   // `threads` takes (token, 8 columns) items t, t + threads, ... (one
   // division per call, not per item; H_pre of a token as one float4).
   // kFp8: `sc` is the stage's scale table.
-  __device__ __forceinline__ void mix_rows(const unsigned char* xs, const float* sc, const float* hp, long long row0,
+  __device__ __forceinline__ void mix_rows(const unsigned char* xs, const uint32_t* sc, const float* hp, long long row0,
                                            int row_begin, int rows, int t, int threads) {
     const int groups = slice / 8;
     const int row_step = threads / groups, group_step = threads - row_step * groups;
@@ -597,7 +597,7 @@ struct ResidentCta {
         if constexpr (kFp8) {
           float f[8];
           dequant8(*reinterpret_cast<const uint2*>(xs + q_offset(row, i, col)),
-                   scale_value(__float_as_uint(sc[(i * (slice / 64) + (col >> 6)) * kRows + row]), col >> 6), f);
+                   scale_value(sc[(i * (slice / 64) + (col >> 6)) * kRows + row], col >> 6), f);
 #pragma unroll
           for (int e = 0; e < 8; ++e) out[e] = fmaf(w[i], f[e], out[e]);
         } else {
@@ -831,7 +831,7 @@ struct ResidentCta {
   // acc += part * s of the row (C rows g: e = 0, 1; g + 8: e = 2, 3), and
   // sq[0], sq[1] += s^2 * (the codes' sum of squares) of rows g, g + 8.
   __device__ __forceinline__ void project_tile_fp8(const PhiFrags& phi, const PipeState<kStages>& x, bool per_box,
-                                                   int my_steps, uint32_t q_off, const float* sc,
+                                                   int my_steps, uint32_t q_off, const uint32_t* sc,
                                                    float (&acc)[kKt][4], float (&sq)[2]) {
     const uint32_t a_row = sm.ring + x.index * L.stage_bytes + q_off;
     const Mbar box0(bar.full[x.index][0]);
@@ -846,8 +846,7 @@ struct ResidentCta {
                      : "r"(a_row + c * kChunkBytes + 8 * 64));
         uint32_t f_g[4], f_g8[4];
         const float ss_g = e4m3x8_to_bf16_frags(q_g, f_g), ss_g8 = e4m3x8_to_bf16_frags(q_g8, f_g8);
-        const float s_g = scale_value(__float_as_uint(sc[c * kRows]), c),
-                    s_g8 = scale_value(__float_as_uint(sc[c * kRows + 8]), c);
+        const float s_g = scale_value(sc[c * kRows], c), s_g8 = scale_value(sc[c * kRows + 8], c);
         sq[0] = fmaf(s_g * s_g, ss_g, sq[0]);
         sq[1] = fmaf(s_g8 * s_g8, ss_g8, sq[1]);
 #pragma unroll
