@@ -147,7 +147,7 @@ def finalize_moe_routing(expanded_permuted_rows, unpermuted_row_to_permuted_row,
                          enable_pdl=_FINALIZE.enable_pdl, prefetch_indices=_FINALIZE.prefetch_indices,
                          threads_per_block=_FINALIZE.threads_per_block,
                          vectors_per_thread=_FINALIZE.vectors_per_thread,
-                         chunks_per_token=_FINALIZE.chunks_per_token, stream=None):
+                         chunks_per_token=_FINALIZE.chunks_per_token, schedule=_FINALIZE.schedule, stream=None):
     """spec §2: un-permute the expert outputs, weight and reduce the top-k, add bias.
 
     ``out[t, c] = sum over local slots j of scales[t, j] * (rows[u2p[j*T + t], c] + bias[e - start, c])
@@ -167,8 +167,8 @@ def finalize_moe_routing(expanded_permuted_rows, unpermuted_row_to_permuted_row,
       fill: False = tokens without a local slot are left untouched (a fresh ``out`` is then zeroed)
         and the cost follows the local rows; needs ``permuted_row_to_unpermuted_row`` and
         ``expert_first_token_offset`` (the maps of build_moe_routing_maps).
-      enable_pdl, threads_per_block, vectors_per_thread, chunks_per_token: launch options (GPU;
-        zeros: chosen by shape).
+      enable_pdl, threads_per_block, vectors_per_thread, chunks_per_token, schedule: launch options
+        (GPU; zeros: chosen by shape; schedule 1 = persistent warps, 2 = a block per token).
       prefetch_indices: with enable_pdl, the routing indices are read before the previous kernel on
         the stream finishes; only when that kernel does not write them (in a MoE layer it is the FC2
         GEMM). The rows, bias and shared_output are always read after it.
@@ -185,7 +185,8 @@ def finalize_moe_routing(expanded_permuted_rows, unpermuted_row_to_permuted_row,
         permuted_row_to_unpermuted_row=arg(permuted_row_to_unpermuted_row),
         expert_first_token_offset=arg(expert_first_token_offset), enable_pdl=enable_pdl,
         prefetch_indices=prefetch_indices, threads_per_block=threads_per_block,
-        vectors_per_thread=vectors_per_thread, chunks_per_token=chunks_per_token, stream=stream_of(stream, out))
+        vectors_per_thread=vectors_per_thread, chunks_per_token=chunks_per_token, schedule=schedule,
+        stream=stream_of(stream, out))
     return out
 
 

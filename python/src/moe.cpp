@@ -101,7 +101,7 @@ void finalize_moe_routing(const In& rows, const In& u2p, const In& experts, cons
                           int num_experts_per_node, int start_expert_id, const OptIn& scales, const OptIn& bias,
                           const OptIn& shared_output, bool fill, const OptIn& p2u, const OptIn& offsets,
                           bool enable_pdl, bool prefetch_indices, int threads_per_block, int vectors_per_thread,
-                          int chunks_per_token, uintptr_t stream) {
+                          int chunks_per_token, int schedule, uintptr_t stream) {
   FinalizeCall c = make_finalize(rows, u2p, experts, out, num_experts_per_node, start_expert_id, scales, bias,
                                  shared_output, fill, p2u, offsets);
   fm::FinalizeMoeRoutingArgs& a = c.args;
@@ -110,6 +110,7 @@ void finalize_moe_routing(const In& rows, const In& u2p, const In& experts, cons
   a.tuning.threads_per_block = threads_per_block;
   a.tuning.vectors_per_thread = vectors_per_thread;
   a.tuning.chunks_per_token = chunks_per_token;
+  a.tuning.schedule = schedule;
   dispatch(
       c.where, "finalize_moe_routing", [&] { return fm::finalize_moe_routing(a, as_stream(stream)); },
       [&] { return fm::finalize_moe_routing_cpu(a); });
@@ -838,6 +839,7 @@ nb::dict moe_defaults() {
     f["threads_per_block"] = a.tuning.threads_per_block;
     f["vectors_per_thread"] = a.tuning.vectors_per_thread;
     f["chunks_per_token"] = a.tuning.chunks_per_token;
+    f["schedule"] = a.tuning.schedule;
     d["finalize_moe_routing"] = f;
   }
   {
@@ -933,7 +935,8 @@ void register_moe(nb::module_& m) {
         "unpermuted_row_to_permuted_row"_a, "token_selected_experts"_a, "out"_a, nb::kw_only(),
         "num_experts_per_node"_a, "start_expert_id"_a, "scales"_a.none(), "bias"_a.none(), "shared_output"_a.none(),
         "fill"_a, "permuted_row_to_unpermuted_row"_a.none(), "expert_first_token_offset"_a.none(), "enable_pdl"_a,
-        "prefetch_indices"_a, "threads_per_block"_a, "vectors_per_thread"_a, "chunks_per_token"_a, "stream"_a,
+        "prefetch_indices"_a, "threads_per_block"_a, "vectors_per_thread"_a, "chunks_per_token"_a, "schedule"_a,
+        "stream"_a,
         "spec §2 into `out` [T, H] (H = out.shape[1]); T and k from token_selected_experts [T, k].");
   m.def("debug_check_finalize_moe_routing_indices", &debug_check_finalize_moe_routing_indices,
         "expanded_permuted_rows"_a, "unpermuted_row_to_permuted_row"_a, "token_selected_experts"_a, "out"_a,

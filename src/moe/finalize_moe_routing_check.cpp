@@ -120,14 +120,17 @@ Status validate_finalize_moe_routing(const FinalizeMoeRoutingArgs& a) {
                  kOp, "shared_output", "must be out itself (same stride) or not overlap it");
   }
   const FinalizeTuning& t = a.tuning;
-  FM_REQUIRE(t.threads_per_block == 0 || (t.threads_per_block >= 32 && t.threads_per_block <= kMaxFinalizeThreads &&
-                                          t.threads_per_block % 32 == 0),
-             kOp, "tuning.threads_per_block", "must be 0 (auto) or a multiple of 32 in [32, ", kMaxFinalizeThreads,
+  const int max_threads = t.schedule == 2 ? kMaxTokenBlockThreads : kMaxFinalizeThreads;
+  FM_REQUIRE(t.threads_per_block == 0 ||
+                 (t.threads_per_block >= 32 && t.threads_per_block <= max_threads && t.threads_per_block % 32 == 0),
+             kOp, "tuning.threads_per_block", "must be 0 (auto) or a multiple of 32 in [32, ", max_threads,
              "] (got ", t.threads_per_block, ")");
   FM_REQUIRE(t.vectors_per_thread == 0 || t.vectors_per_thread == 1 || t.vectors_per_thread == 2, kOp,
              "tuning.vectors_per_thread", "must be 0 (auto), 1 or 2 (got ", t.vectors_per_thread, ")");
   FM_REQUIRE(t.chunks_per_token >= 0, kOp, "tuning.chunks_per_token", "must be >= 0 (got ",
              t.chunks_per_token, ")");
+  FM_REQUIRE(t.schedule >= 0 && t.schedule <= 2, kOp, "tuning.schedule",
+             "must be 0 (auto), 1 (persistent warps) or 2 (token blocks) (got ", t.schedule, ")");
   return Status::Ok();
 }
 

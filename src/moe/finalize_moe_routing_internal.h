@@ -9,7 +9,8 @@
 namespace flashmix {
 
 constexpr int kMaxFinalizeK = 16;
-constexpr int kMaxFinalizeThreads = 256;
+constexpr int kMaxFinalizeThreads = 256;    // the persistent warps' blocks
+constexpr int kMaxTokenBlockThreads = 512;  // token blocks (tuning.schedule 2)
 constexpr int kMinFinalizeBlocksPerSm = 3;  // 256 x 3 threads: at most 85 registers each
 
 // Strides with the "0 means dense" defaults applied.

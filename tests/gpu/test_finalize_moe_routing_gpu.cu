@@ -430,6 +430,72 @@ TEST(FinalizeGpu, SharedOutputMayBeOutInPlace) {
     }
 }
 
+// Token blocks (tuning.schedule 2) on every kind of case: within the
+// tolerance of the reference and bitwise equal to the persistent warps
+// (schedule 1), for each block size.
+TEST(FinalizeGpu, TokenBlocksMatchTheReferenceAndThePersistentWarps) {
+  SKIP_WITHOUT_GPU();
+  std::vector<Case> cases;
+  for (DType in : {DType::kFloat32, DType::kFloat16, DType::kBFloat16})
+    for (DType out : {DType::kFloat32, DType::kBFloat16}) {
+      Case c;
+      c.in = in;
+      c.out = out;
+      c.bias = true;
+      c.shared = true;
+      cases.push_back(c);
+    }
+  for (int64_t H : {1, 7, 9, 255, 1001, 4099, 7168}) {
+    Case c;
+    c.H = H;
+    c.bias = H % 2;
+    c.out_pad = H == 1001 ? 8 : 0;
+    c.rows_pad = H == 4099 ? 2 : 0;  // odd stride: rows off the grid take the realigned path
+    cases.push_back(c);
+  }
+  for (int k : {1, 2, 5, 8, 16}) {
+    Case c;
+    c.k = k;
+    c.total_experts = 32;
+    c.local = 32;
+    c.T = 65;
+    c.H = 2056;
+    c.scales = k != 5;
+    cases.push_back(c);
+  }
+  for (bool fill : {true, false})
+    for (int start : {0, 96, 224}) {  // expert-parallel ranges; tokens without a local slot
+      Case c;
+      c.total_experts = 256;
+      c.start = start;
+      c.local = 32;
+      c.k = 8;
+      c.T = 300;
+      c.H = 1544;
+      c.fill = fill;
+      c.shared = start == 96;
+      c.bias = start == 224;
+      cases.push_back(c);
+    }
+  cases.push_back(decode_case(1, 7168));
+  const FinalizeTuning blocks[] = {{0, 0, 0, 2}, {32, 0, 0, 2}, {96, 0, 0, 2}, {256, 0, 0, 2}, {512, 0, 0, 2}};
+  for (const Case& base : cases) {
+    SCOPED_TRACE(describe(base));
+    Case c = base;
+    c.tuning.schedule = 1;
+    Problem p(c);
+    const HostTensor persistent = p.run();
+    p.expect_matches(persistent);
+    for (const FinalizeTuning& t : blocks) {
+      SCOPED_TRACE("token blocks of " + std::to_string(t.threads_per_block) + " threads");
+      p.args.tuning = t;
+      const HostTensor got = p.run();
+      p.expect_matches(got);
+      EXPECT_EQ(got.bytes, persistent.bytes);
+    }
+  }
+}
+
 TEST(FinalizeGpu, NanInNonLocalSlotsNeverReachesTheOutput) {
   SKIP_WITHOUT_GPU();
   Case c;
@@ -455,7 +521,8 @@ TEST(FinalizeGpu, BitwiseReproducibleAcrossRunsAndTunings) {
   Problem p(c);
   const HostTensor first = p.run();
   p.expect_matches(first);
-  const FinalizeTuning tunings[] = {{32, 1, 1}, {64, 2, 0}, {256, 2, 3}, {256, 1, 1}, {64, 2, 5}, {128, 2, 9}};
+  const FinalizeTuning tunings[] = {{32, 1, 1}, {64, 2, 0}, {256, 2, 3},    {256, 1, 1},
+                                   {64, 2, 5}, {128, 2, 9}, {128, 0, 0, 2}, {512, 0, 0, 2}};
   for (int rep = 0; rep < 3; ++rep) EXPECT_EQ(p.run().bytes, first.bytes) << "repeat " << rep;
   for (const FinalizeTuning& t : tunings) {
     p.args.tuning = t;

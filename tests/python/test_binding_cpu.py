@@ -1001,7 +1001,7 @@ def test_defaults_are_the_library_values():
     assert flashmix.MHC_SEED_PARAMS == {"eps_norm": 0.0, "eps_pre": 0.0, "eps_sinkhorn": 0.0}
     fin = defaults_of(flashmix.finalize_moe_routing)
     assert (fin["start_expert_id"], fin["fill"], fin["enable_pdl"], fin["prefetch_indices"]) == (0, True, True, False)
-    assert (fin["threads_per_block"], fin["vectors_per_thread"], fin["chunks_per_token"]) == (0, 0, 0)
+    assert (fin["threads_per_block"], fin["vectors_per_thread"], fin["chunks_per_token"], fin["schedule"]) == (0, 0, 0, 0)
     fc2 = defaults_of(flashmix.moe_fc2_finalize)
     assert (fc2["mode"], fc2["apply_bias"], fc2["out_already_zeroed"]) == ("atomic", True, False)
     assert (fc2["gemm_kernel"], fc2["raster"], fc2["swizzle"], fc2["fill"]) == ("auto", 0, 0, True)
