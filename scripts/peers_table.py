@@ -75,6 +75,14 @@ def table(docs, keep_ops=None, skip=None):
             if key in rows or (keep_ops and r["op"] not in keep_ops) or (skip and skip.search(key[2])):
                 continue
             rows.append(key)
+    # Ops in the order the oldest records list them (a newer record holding a
+    # few ops only does not move them to the end).
+    op_rank = {}
+    for _, doc in docs:
+        for _, source in doc.get("sources", [(None, doc)]):
+            for r in source["records"]:
+                op_rank.setdefault(r["op"], len(op_rank))
+    rows.sort(key=lambda key: op_rank[key[0]])
     tables = [ratios(doc["records"]) for _, doc in docs]
     heads = ["%s %s" % (doc.get("gpu", "?").replace("NVIDIA ", ""), doc.get("date", "?")[:10]) for _, doc in docs]
     print("| op | case | implementation | " + " | ".join(heads) + " |", file=out)
@@ -87,8 +95,9 @@ def table(docs, keep_ops=None, skip=None):
                                           " | ".join(cell(t.get((op, case, impl))) for t in tables)), file=out)
     print(file=out)
     notes = []
-    for (path, doc), head in zip(docs, heads):
-        notes += [(p, d, head) for p, d in doc.get("sources", [(path, doc)])]
+    for path, doc in docs:  # each source under its own GPU and date
+        notes += [(p, d, "%s %s" % (d.get("gpu", "?").replace("NVIDIA ", ""), d.get("date", "?")[:10]))
+                  for p, d in doc.get("sources", [(path, doc)])]
     for path, doc, head in notes:
         peers = doc.get("peers", {})
         versions = ", ".join("%s %s" % (name, v["version"]) for name, v in peers.items() if "version" in v)
