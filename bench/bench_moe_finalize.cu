@@ -461,6 +461,9 @@ void run_moe_finalize_cases(Context& ctx) {
        false, 0.95},
       {"T8192_k8_H7168_bf16_in_fp32_out", 8192, 8, 7168, 256, 0, 256, false, false, true, DType::kBFloat16,
        DType::kFloat32},
+      // Mid-size T, just above the token blocks' automatic threshold (7
+      // tokens per SM: 924 on an H100): the sweep compares both schedules.
+      {"T1024_k8_H7168_bf16", 1024, 8, 7168, 256, 0, 256, false, false, true, DType::kBFloat16, DType::kBFloat16},
       {"T4096_k8_H7000_bf16_tail_shared", 4096, 8, 7000 + 3, 256, 0, 256, true, true, true, DType::kBFloat16,
        DType::kBFloat16},
       {"decode_T1_k8_H7168", 1, 8, 7168, 256, 0, 256, false, false, true, DType::kBFloat16, DType::kBFloat16, true,

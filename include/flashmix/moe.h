@@ -24,7 +24,7 @@ struct FinalizeTuning {
   int threads_per_block = 0;  // a multiple of 32: 32..256 (schedule 2: 32..512)
   int vectors_per_thread = 0; // persistent warps: 16-byte column vectors a lane reduces at once, 1 or 2
   int chunks_per_token = 0;   // persistent warps: how many warps split one output row
-  // 0: auto (token blocks without bias once T >= 8 tokens per SM, else 1);
+  // 0: auto (token blocks for 16-bit rows without bias once T >= 7 tokens per SM, else 1);
   // 1: a persistent grid of warps walking (row, chunk) items; 2: token
   // blocks, a block per output token (rows on the 16-byte grid; otherwise 1).
   int schedule = 0;

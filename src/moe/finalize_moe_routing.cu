@@ -61,8 +61,10 @@ constexpr int kFinalizeStages = 4;
 constexpr int kFinalizeStageVectors = 4;
 constexpr int kFinalizeRingVectors = kFinalizeStages * kFinalizeStageVectors * 32;
 // Token blocks (16-byte rows, no bias) once T >= this many tokens per SM;
-// below it the persistent warps spread each row over many warps.
-constexpr int kTokenBlocksPerSm = 8;
+// below it the persistent warps spread each row over many warps (H100:
+// token blocks 0.875 of copy at T = 1024, k = 8, H = 7168, 7.8 tokens per
+// SM, against 0.840; at T = 64 6.8 against 5.6 us).
+constexpr int kTokenBlocksPerSm = 7;
 
 struct FinalizeParams {
   const void* rows;
@@ -902,8 +904,11 @@ Status dispatch_width(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaStr
       detail::DeviceProps dev;
       FM_RETURN_IF_ERROR(detail::cuda_status(detail::current_device_props(&dev), kOp, "device query"));
       // Bias stays on the persistent warps: its L2-resident bias rows double a
-      // token block's loads (H100: 0.949 of copy vs 0.958).
-      schedule = !p.bias && a.num_tokens >= int64_t(kTokenBlocksPerSm) * dev.sms ? 2 : 1;
+      // token block's loads (H100: 0.949 of copy vs 0.958). So do fp32 rows
+      // (FC2's deterministic mode): Mixtral's, k = 2, measured 4.7 % slower
+      // on token blocks at 64 registers.
+      const bool many_tokens = a.num_tokens >= int64_t(kTokenBlocksPerSm) * dev.sms;
+      schedule = !p.bias && sizeof(In) == 2 && many_tokens ? 2 : 1;
     }
     if (schedule == 2) return launch_token_blocks<In, Out, kFull>(p, a, stream);
     if (u == 0) u = a.fill ? 1 : 2;

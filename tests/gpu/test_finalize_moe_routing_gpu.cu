@@ -270,21 +270,28 @@ TEST(FinalizeGpu, ExpertParallelRangesFillTokensWithoutLocalSlots) {
   }
 }
 
+namespace {
+// Rank [start, start + 32) of 256 experts, k = 8: many tokens without a local
+// slot; shared_output at start 96, bias at 224.
+Case ep_case(int start, bool fill) {
+  Case c;
+  c.total_experts = 256;
+  c.start = start;
+  c.local = 32;
+  c.k = 8;
+  c.T = 300;
+  c.H = 1544;
+  c.fill = fill;
+  c.shared = start == 96;
+  c.bias = start == 224;
+  return c;
+}
+}  // namespace
+
 TEST(FinalizeGpu, NoFillingLeavesTokensWithoutLocalSlotsUntouched) {
   SKIP_WITHOUT_GPU();
-  for (int start : {0, 96, 224}) {
-    Case c;
-    c.total_experts = 256;
-    c.start = start;
-    c.local = 32;
-    c.k = 8;
-    c.T = 300;
-    c.H = 1544;
-    c.fill = false;
-    c.shared = start == 96;
-    c.bias = start == 224;
-    check_case(c);  // untouched tokens keep the poison, checked bytewise
-  }
+  // Untouched tokens keep the poison, checked bytewise.
+  for (int start : {0, 96, 224}) check_case(ep_case(start, false));
 }
 
 namespace {
@@ -464,19 +471,7 @@ TEST(FinalizeGpu, TokenBlocksMatchTheReferenceAndThePersistentWarps) {
     cases.push_back(c);
   }
   for (bool fill : {true, false})
-    for (int start : {0, 96, 224}) {  // expert-parallel ranges; tokens without a local slot
-      Case c;
-      c.total_experts = 256;
-      c.start = start;
-      c.local = 32;
-      c.k = 8;
-      c.T = 300;
-      c.H = 1544;
-      c.fill = fill;
-      c.shared = start == 96;
-      c.bias = start == 224;
-      cases.push_back(c);
-    }
+    for (int start : {0, 96, 224}) cases.push_back(ep_case(start, fill));
   cases.push_back(decode_case(1, 7168));
   const FinalizeTuning blocks[] = {{0, 0, 0, 2}, {32, 0, 0, 2}, {96, 0, 0, 2}, {256, 0, 0, 2}, {512, 0, 0, 2}};
   for (const Case& base : cases) {
