@@ -766,9 +766,11 @@ __global__ void __launch_bounds__(kMaxFinalizeThreads,
 // then each thread owns one 16-byte column vector per pass and sums the
 // slots in order, four row loads in flight at a time (the loop unrolled by
 // 4). Few loads in flight per thread, many threads: 16-bit rows without
-// bias take at most 32 registers, so every SM runs 2048 threads (64 with
-// bias, whose loads double, and for fp32 rows). The block scheduler overlaps one block's index round trip with
-// other blocks' row loads, and the last wave is one token long.
+// bias take at most 32 registers, so every SM runs 2048 threads (64
+// registers with bias, whose loads double, and for fp32 rows). The block
+// scheduler overlaps one block's index round trip with other blocks' row
+// loads, and the last wave is one token long. prefetch_indices changes
+// nothing here (every read follows the grid-dependency wait).
 template <typename In, typename Out, int V, bool kBias>
 __global__ void __launch_bounds__(kMaxTokenBlockThreads, kBias || sizeof(In) == 4 ? 2 : 4)
     finalize_token_block_kernel(const FinalizeParams p) {
