@@ -817,7 +817,6 @@ Status launch_token_blocks(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cu
   int threads = a.tuning.threads_per_block;
   if (threads == 0) threads = a.k <= 2 ? 256 : kMaxTokenBlockThreads;
   threads = int(std::min<int64_t>(threads, std::max<int64_t>(32, (p.vectors + 31) / 32 * 32)));
-  p.items_bound = a.num_tokens;
   FM_RETURN_IF_ERROR(detail::cuda_status(
       dev::launch(kernel, dim3(unsigned(a.num_tokens)), dim3(threads), 0, stream, a.enable_pdl, p), kOp,
       "kernel launch"));
@@ -895,12 +894,6 @@ Status dispatch_width(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaStr
   p.out_vectors =
       aligned_for(p.out, p.out_stride, kFull, sizeof(Out)) && aligned_for(p.shared, p.shared_stride, kFull, sizeof(Out));
   if (aligned_for(p.rows, p.rows_stride, kFull, sizeof(In)) && aligned_for(p.bias, p.bias_stride, kFull, sizeof(In))) {
-    // Vectors per lane and slot, from same-run sweeps on the H200: filling
-    // takes 1 (k=2, H=4096: 0.88 of copy at 1, 0.86 at 2; k=8 the same);
-    // no-filling takes 2 -- its tokens have one or two local slots, and two
-    // vectors per row double the contiguous run (EP rank 3 of 8: 68.6 us at
-    // 1, 59.5 us at 2; 4 was slower than 2).
-    int u = a.tuning.vectors_per_thread;
     int schedule = a.tuning.schedule;
     if (schedule == 0) {
       detail::DeviceProps dev;
@@ -913,6 +906,12 @@ Status dispatch_width(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaStr
       schedule = !p.bias && sizeof(In) == 2 && many_tokens ? 2 : 1;
     }
     if (schedule == 2) return launch_token_blocks<In, Out, kFull>(p, a, stream);
+    // Persistent warps. Vectors per lane and slot, from same-run sweeps on
+    // the H200: filling takes 1 (k=2, H=4096: 0.88 of copy at 1, 0.86 at 2; k=8 the same);
+    // no-filling takes 2 -- its tokens have one or two local slots, and two
+    // vectors per row double the contiguous run (EP rank 3 of 8: 68.6 us at
+    // 1, 59.5 us at 2; 4 was slower than 2).
+    int u = a.tuning.vectors_per_thread;
     if (u == 0) u = a.fill ? 1 : 2;
     if (u == 2) return launch_finalize<In, Out, kFull, 2, false>(p, a, stream);
     return launch_finalize<In, Out, kFull, 1, false>(p, a, stream);
