@@ -55,8 +55,9 @@ constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxK = detail::kRouterMaxK;
 constexpr unsigned kFull = 0xffffffffu;
-// Per warp: 32 candidates (8 bytes) and k slot ids (4 bytes).
-constexpr int kCandidateBytes = 32 * 8 + kMaxK * 4;
+// Per warp: 32 candidates and a scratch word per lane (8 bytes each), and k
+// slot ids (4 bytes).
+constexpr int kCandidateBytes = 64 * 8 + kMaxK * 4;
 
 struct Params {
   const void* logits;
@@ -71,6 +72,8 @@ struct Params {
   int topk_group;
   int group_size;   // E / n_group
   int group_lanes;  // > 0: a group is this many whole lanes (registers); 0: through shared memory
+  int group_lanes_log2;
+  bool t0_from_groups;  // the candidates' threshold guessed from the kept groups (keys are selection values)
   int warp_smem;    // dynamic shared memory bytes per warp
   float scale;
   bool grouped;     // topk_group < n_group
@@ -139,7 +142,11 @@ __device__ __forceinline__ float sanitize(float x) { return fminf(fmaxf(x, -INFI
 template <MoeRouterScoring S>
 __device__ __forceinline__ float score_of(float l) {
   if constexpr (S == MoeRouterScoring::kSigmoid) {
-    return __fdividef(1.0f, 1.0f + __expf(-l));  // l = -inf: 1 / inf = 0
+    // e^-l as __expf computes it, with results below 2^-126 flushed to 0
+    // (1 + e is 1 either way): the same bits in 2 instructions instead of 5.
+    float e;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(l * -1.44269504088896341f));
+    return __fdividef(1.0f, 1.0f + e);  // l = -inf: 1 / inf = 0
   } else if constexpr (S == MoeRouterScoring::kSqrtSoftplus) {
     // log1p keeps the relative precision of small e^l; above 20 the
     // correction is below an ulp of l (PyTorch's softplus threshold).
@@ -164,8 +171,15 @@ __device__ __forceinline__ void load_chunk(const T* p, float (&x)[V]) {
   for (int i = 0; i < V; ++i) x[i] = dev::to_float(t[i]);
 }
 
+// Blocks an SM must hold: full occupancy (16 blocks of 128 threads, 32
+// registers) for the layouts of 8 experts a lane, where ptxas fits them
+// without spills; sqrt-softplus needs a few more registers (12 blocks, 40 registers).
+constexpr int router_min_blocks(int G, int V, MoeRouterScoring S) {
+  return G >= 8 && V <= 8 ? (S == MoeRouterScoring::kSqrtSoftplus ? 12 : 16) : 1;
+}
+
 template <typename T, int G, int V, bool kExact, MoeRouterScoring S>
-__global__ void __launch_bounds__(kThreads) moe_router_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, router_min_blocks(G, V, S)) moe_router_kernel(const Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr float kNegInf = -INFINITY;
   constexpr int kSlots = (kMaxK + G - 1) / G;  // output slots per lane: j = s*G + r
@@ -257,6 +271,7 @@ __global__ void __launch_bounds__(kThreads) moe_router_kernel(const Params p) {
   }
 
   // Group-limited selection: keep the keys of the topk_group best groups.
+  uint32_t group_t0 = ~0u;  // see below; ~0: none
   if (p.grouped) {
     if (kExact && p.group_lanes > 0) {
       // A group is L whole lanes: top-2 in registers, then across its lanes.
@@ -274,14 +289,24 @@ __global__ void __launch_bounds__(kThreads) moe_router_kernel(const Params p) {
         t2 = fmaxf(fminf(t1, o1), fmaxf(t2, o2));
         t1 = hi;
       }
+      // The group's rank: lane j of group g compares g's score with those
+      // of the groups h = j, j + L, ... (ties: the lower group first), and the
+      // L lanes of the group sum their counts.
       const float gs = p.group_size >= 2 ? t1 + t2 : t1;
-      const int g = team.r / L;
+      const int g = team.r >> p.group_lanes_log2, j = team.r & (L - 1);
       int rank = 0;
-      for (int h = 0; h < p.n_group; ++h) {
-        const float o = team.from(gs, h * L);
-        rank += (o > gs) || (o == gs && h < g);
+      for (int h0 = 0; h0 < p.n_group; h0 += L) {  // the same trips on every lane (the shuffles)
+        const int h = h0 + j;
+        const float o = team.from(gs, (h < p.n_group ? h : g) << p.group_lanes_log2);
+        rank += h < p.n_group && ((o > gs) || (o == gs && h < g));
       }
-      if (rank >= p.topk_group) {
+      for (int o = 1; o < L; o <<= 1) rank += __shfl_xor_sync(kFull, rank, o);
+      const bool kept = rank < p.topk_group;
+      // A guess of the selection's threshold (below): the kept groups' top
+      // two are 2 * topk_group distinct experts, so with k <= 2 * topk_group
+      // the k-th largest key is at least the smallest kept second value.
+      if (kept) group_t0 = order_key(t2 + 0.0f);
+      if (!kept) {
 #pragma unroll
         for (int i = 0; i < V; ++i) key[i] = 0u;
       }
@@ -340,49 +365,68 @@ __global__ void __launch_bounds__(kThreads) moe_router_kernel(const Params p) {
   bool done = false;
   if constexpr (G == 32) {
     if (p.candidates) {
-      // t0: the k-th largest lane maximum (with multiplicity), a lower bound
-      // of the k-th largest key; 1 when fewer lanes hold keys (then every key).
-      uint32_t lm = 0;
+      // The candidates: the keys >= a threshold t0. Any t0 with at least k
+      // keys at or above it keeps the k largest; at most 32 fit the ranking.
+      int c = 0, incl = 0, C = 0;
+      auto count_from = [&](uint32_t t0) {
+        c = 0;
 #pragma unroll
-      for (int i = 0; i < V; ++i) lm = ::max(lm, key[i]);
-      uint32_t mc = lm, t0 = 1;
-      int cnt = 0;
-      while (true) {
-        const uint32_t M = __reduce_max_sync(kFull, mc);
-        if (M == 0u) break;
-        cnt += __popc(__ballot_sync(kFull, mc == M));
-        if (cnt >= p.k) {
-          t0 = M;
-          break;
+        for (int i = 0; i < V; ++i) c += key[i] >= t0;
+        incl = c;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const int y = __shfl_up_sync(kFull, incl, o);
+          if (lane >= o) incl += y;
         }
-        if (mc == M) mc = 0u;
+        C = __shfl_sync(kFull, incl, 31);
+      };
+      uint32_t t0 = 0;
+      if (p.t0_from_groups) {  // the kept groups' guess (above), when it holds
+        t0 = ::max(__reduce_min_sync(kFull, group_t0), 1u);
+        count_from(t0);
       }
-      int c = 0;
+      if (!p.t0_from_groups || C < p.k || C > 32) {
+        // A lower bound of the k-th largest key from the lane maxima lm. Each
+        // lane's lm with its low 5 bits replaced by 31 - lane is unique, so
+        // k - 1 rounds of a warp max each remove exactly one lane, and the
+        // k-th largest of these values M has at least k lanes with
+        // lm >= (M & ~31): that is t0 (at least 1, so that absent keys, 0,
+        // never count; fewer than k lanes holding keys give t0 = 1, every key).
+        uint32_t lm = 0;
 #pragma unroll
-      for (int i = 0; i < V; ++i) c += key[i] >= t0;
-      int incl = c;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(kFull, incl, o);
-        if (lane >= o) incl += y;
+        for (int i = 0; i < V; ++i) lm = ::max(lm, key[i]);
+        uint32_t mc = (lm & ~31u) | uint32_t(31 - lane);
+#pragma unroll 4
+        for (int j = 1; j < p.k; ++j) {
+          const uint32_t M = __reduce_max_sync(kFull, mc);
+          if (mc == M) mc = 0u;
+        }
+        t0 = ::max(__reduce_max_sync(kFull, mc) & ~31u, 1u);
+        count_from(t0);
       }
-      const int C = __shfl_sync(kFull, incl, 31);
       if (C <= 32) {
         // (key, ~id) as one 64-bit word: its order is the selection order.
+        // Entries [0, C) the candidates, [C, 32) zeros (below every
+        // candidate), [32, 64) each lane's scratch word, where a key that is
+        // not a candidate is written (stores without branches).
         uint64_t* cand = reinterpret_cast<uint64_t*>(warp_smem);
-        int* slots = reinterpret_cast<int*>(warp_smem + 32 * 8);
+        int* slots = reinterpret_cast<int*>(warp_smem + 64 * 8);
         int pos = incl - c;
 #pragma unroll
         for (int i = 0; i < V; ++i) {
-          if (key[i] >= t0) {
-            cand[pos] = (uint64_t(key[i]) << 32) | uint64_t(~uint32_t(lane * Vs + i));
-            ++pos;
-          }
+          const bool take = key[i] >= t0;
+          cand[take ? pos : 32 + lane] = (uint64_t(key[i]) << 32) | uint64_t(~uint32_t(lane * Vs + i));
+          pos += take;
         }
+        if (lane >= C) cand[lane] = 0ull;
         __syncwarp();
         const uint64_t me = lane < C ? cand[lane] : 0ull;
         int rank = 0;
-        for (int q = 0; q < C; ++q) rank += cand[q] > me;
+        for (int q = 0; q < C; q += 4) {  // entries up to C rounded up to 4: zeros past C
+          const ulonglong2 a = *reinterpret_cast<const ulonglong2*>(cand + q);
+          const ulonglong2 b = *reinterpret_cast<const ulonglong2*>(cand + q + 2);
+          rank += int(a.x > me) + int(a.y > me) + int(b.x > me) + int(b.y > me);
+        }
         if (lane < C && rank < p.k) slots[rank] = int(~uint32_t(me));
         __syncwarp();
         slot[0] = lane < p.k ? slots[lane] : 0;
@@ -548,13 +592,18 @@ Status run_router(const MoeRouterArgs& a, cudaStream_t stream) {
   p.group_lanes = 0;
   if (p.grouped && g.exact && p.group_size % g.V == 0) {
     const int L = p.group_size / g.V;
-    if ((L & (L - 1)) == 0 && L <= g.G) p.group_lanes = L;
+    if ((L & (L - 1)) == 0 && L <= g.G) {
+      p.group_lanes = L;
+      while ((1 << p.group_lanes_log2) < L) ++p.group_lanes_log2;
+    }
   }
   p.warp_smem = kCandidateBytes + (p.grouped && p.group_lanes == 0 ? 2 * 32 * g.V * 4 : 0);
   p.scale = a.routed_scaling_factor;
   p.renormalize = a.renormalize;
   p.bias_vec = reinterpret_cast<uintptr_t>(a.correction_bias) % 16 == 0;
   p.candidates = g.G == 32 && a.tuning.path != 1;
+  p.t0_from_groups = p.candidates && p.group_lanes > 0 && a.correction_bias != nullptr && p.group_size >= 2 &&
+                     2 * int64_t(a.topk_group) >= a.k;
 
   const cudaError_t err = a.logits_dtype == DType::kFloat32
                               ? launch_scoring<float>(a, g, p, stream)
