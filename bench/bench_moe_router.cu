@@ -20,6 +20,7 @@
 #include "common/router_testing.h"
 #include "common/test_data.h"
 #include "flashmix/moe.h"
+#include "moe/moe_router_internal.h"
 
 namespace flashmix::bench {
 namespace {
@@ -34,16 +35,6 @@ struct BenchCase {
 };
 
 __global__ void empty_kernel() {}
-
-// Tokens per 128-thread block of the router's layout for E (moe_router.cu).
-int tokens_per_block(int E) {
-  switch (E) {
-    case 8: return 128;
-    case 64: return 16;
-    case 128: return 8;
-    default: return 4;
-  }
-}
 
 double empty_launch_us(const Context& ctx, unsigned blocks, cudaStream_t stream) {
   auto launch = [&](int) {
@@ -132,7 +123,10 @@ void run_gpu_case(Context& ctx, const BenchCase& b, cudaStream_t stream) {
   };
   const double us = time_with(0, true);
   const double read_us = double(logit_bytes) / (ctx.copy_gbps * 1e9) * 1e6;
-  const unsigned blocks = unsigned((c.T + tokens_per_block(c.E) - 1) / tokens_per_block(c.E));
+  MoeRouterArgs timed = a;  // the layout the timed launches take
+  timed.logits = d_logits;
+  const int per_block = detail::router_tokens_per_block(timed);
+  const unsigned blocks = unsigned((c.T + per_block - 1) / per_block);
   const double empty_us = empty_launch_us(ctx, blocks, stream);
   const double bound_us = read_us + empty_us;
 
@@ -217,6 +211,9 @@ void run_moe_router_cases(Context& ctx) {
       {"qwen3_T8192_E128_k8", make(S::kSoftmax, 128, 8, true, false, 1.0f)},
       {"gptoss_T8192_E128_k4", make(S::kSoftmaxAfterTopk, 128, 4, false, false, 1.0f)},
       {"v4_T8192_E256_k6", make(S::kSqrtSoftplus, 256, 6, true, true, 1.5f)},
+      // 16 experts a lane: V4-Pro's and Kimi-K2's 384, Qwen3-Next's 512.
+      {"v4pro_T8192_E384_k6", make(S::kSqrtSoftplus, 384, 6, true, true, 1.5f)},
+      {"qwen3next_T8192_E512_k10", make(S::kSoftmax, 512, 10, true, false, 1.0f)},
   };
   for_each_case(ctx, "moe_router", cases, run_gpu_case, run_cpu_case, [](BenchCase b) {
     b.c.T = std::min<int64_t>(b.c.T, 256);

@@ -21,11 +21,13 @@
 //      - rounds: k times a team-wide arg-max (max of the lanes' local maxima,
 //        the lowest lane holding it by ballot, which is the lowest id since a
 //        lane holds consecutive ids; the winner drops it and rescans), or
-//      - candidates (G = 32): t0 = the k-th largest lane maximum bounds the
-//        k-th largest key from below, so every key >= t0 is a candidate; the
-//        (typically k to 2k) candidates go to shared memory and each one's
-//        rank is counted in one pass. More than 32 candidates (heavy ties)
-//        fall back to the rounds. Both give the same ids in the same order;
+//      - candidates (G = 32): every key >= a threshold t0 is a candidate;
+//        any t0 with k to 32 keys at or above it keeps the k largest (the
+//        kept groups' smallest second value where groups allow, else a lower
+//        bound of the k-th largest lane maximum). The candidates go to shared
+//        memory and each one's rank is counted in one pass. More than 32
+//        (heavy ties) fall back to the rounds. Both give the same ids in the
+//        same order;
 //   4. weights from the chosen experts' logits (re-read, from L1), summed over
 //      the team in a fixed order, scaled, stored.
 //
@@ -75,6 +77,7 @@ struct Params {
   int group_lanes_log2;
   bool t0_from_groups;  // the candidates' threshold guessed from the kept groups (keys are selection values)
   int warp_smem;    // dynamic shared memory bytes per warp
+  int candidate_bytes;  // of which the candidate path's (first)
   float scale;
   bool grouped;     // topk_group < n_group
   bool renormalize;
@@ -173,7 +176,8 @@ __device__ __forceinline__ void load_chunk(const T* p, float (&x)[V]) {
 
 // Blocks an SM must hold: full occupancy (16 blocks of 128 threads, 32
 // registers) for the layouts of 8 experts a lane, where ptxas fits them
-// without spills; sqrt-softplus needs a few more registers (12 blocks, 40 registers).
+// without spills; sqrt-softplus needs a few more registers (12 blocks, 40
+// registers).
 constexpr int router_min_blocks(int G, int V, MoeRouterScoring S) {
   return G >= 8 && V <= 8 ? (S == MoeRouterScoring::kSqrtSoftplus ? 12 : 16) : 1;
 }
@@ -312,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, router_min_blocks(G, V, S)) moe_rout
       }
     } else {
       // Any group size: the values through shared memory.
-      float* tv = reinterpret_cast<float*>(warp_smem + kCandidateBytes) + (lane / G) * (G * V);
+      float* tv = reinterpret_cast<float*>(warp_smem + p.candidate_bytes) + (lane / G) * (G * V);
       float* tg = tv + 32 * V;
       if (active) {
 #pragma unroll
@@ -597,13 +601,16 @@ Status run_router(const MoeRouterArgs& a, cudaStream_t stream) {
       while ((1 << p.group_lanes_log2) < L) ++p.group_lanes_log2;
     }
   }
-  p.warp_smem = kCandidateBytes + (p.grouped && p.group_lanes == 0 ? 2 * 32 * g.V * 4 : 0);
+
   p.scale = a.routed_scaling_factor;
   p.renormalize = a.renormalize;
   p.bias_vec = reinterpret_cast<uintptr_t>(a.correction_bias) % 16 == 0;
   p.candidates = g.G == 32 && a.tuning.path != 1;
   p.t0_from_groups = p.candidates && p.group_lanes > 0 && a.correction_bias != nullptr && p.group_size >= 2 &&
                      2 * int64_t(a.topk_group) >= a.k;
+  // Shared memory only where it is used: the candidates' space on their path.
+  p.candidate_bytes = p.candidates ? kCandidateBytes : 0;
+  p.warp_smem = p.candidate_bytes + (p.grouped && p.group_lanes == 0 ? 2 * 32 * g.V * 4 : 0);
 
   const cudaError_t err = a.logits_dtype == DType::kFloat32
                               ? launch_scoring<float>(a, g, p, stream)
@@ -613,6 +620,8 @@ Status run_router(const MoeRouterArgs& a, cudaStream_t stream) {
 }
 
 }  // namespace
+
+int detail::router_tokens_per_block(const MoeRouterArgs& a) { return kThreads / choose_layout(a).G; }
 
 Status moe_router(const MoeRouterArgs& a, cudaStream_t stream) {
   return detail::gpu_entry(kOp, validate_moe_router(a), stream, a.num_tokens == 0,

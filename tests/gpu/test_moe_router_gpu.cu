@@ -274,36 +274,44 @@ TEST(MoeRouterGpu, AnyNumberOfExperts) {
 }
 
 // The paths (rounds, candidates) give the same bits; the general layout and
-// a misaligned logits pointer give the reference's answer too.
+// a misaligned logits pointer give the reference's answer too. With groups
+// and a bias (k <= 2 topk_group) the candidates' threshold is the kept
+// groups' guess.
 TEST(MoeRouterGpu, PathsAgreeBitwiseAndLayoutsMatchTheReference) {
   SKIP_WITHOUT_GPU();
   Rng rng(test_seed());
   for (int E : {8, 64, 128, 256, 384, 512, 100})
-    for (MoeRouterScoring s : kScorings) {
-      RouterCase c;
-      c.scoring = s;
-      c.dtype = DType::kBFloat16;
-      c.T = 2000;
-      c.E = E;
-      c.k = std::min(E, 8);
-      c.bias = true;
-      c.renormalize = true;
-      const RouterHostData d = random_router_data(rng, c);
-      Outputs first;
-      for (int path : {0, 1, 2}) {
-        DeviceRouter dev(c, d);
-        dev.args.tuning.path = path;
-        ASSERT_TRUE(dev.launch().ok());
-        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        const Outputs o = dev.fetch();
-        if (path == 0) first = o;
-        else EXPECT_TRUE(o == first) << c.describe() << ": path " << path << " differs from the automatic one";
+    for (MoeRouterScoring s : kScorings)
+      for (bool groups : {false, true}) {
+        RouterCase c;
+        c.scoring = s;
+        c.dtype = DType::kBFloat16;
+        c.T = 2000;
+        c.E = E;
+        c.k = std::min(E, 8);
+        c.bias = true;
+        c.renormalize = true;
+        if (groups) {
+          if (E % 8 != 0 || E < 64) continue;
+          c.n_group = 8;
+          c.topk_group = 4;
+        }
+        const RouterHostData d = random_router_data(rng, c);
+        Outputs first;
+        for (int path : {0, 1, 2}) {
+          DeviceRouter dev(c, d);
+          dev.args.tuning.path = path;
+          ASSERT_TRUE(dev.launch().ok());
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          const Outputs o = dev.fetch();
+          if (path == 0) first = o;
+          else EXPECT_TRUE(o == first) << c.describe() << ": path " << path << " differs from the automatic one";
+        }
+        check_outputs(c, d, first, "automatic");
+        run_and_check(c, d, MoeRouterTuning{0, true});
+        run_and_check(c, d, MoeRouterTuning{2, true});
+        run_and_check(c, d, {}, 1);  // logits one element past a 16-byte boundary
       }
-      check_outputs(c, d, first, "automatic");
-      run_and_check(c, d, MoeRouterTuning{0, true});
-      run_and_check(c, d, MoeRouterTuning{2, true});
-      run_and_check(c, d, {}, 1);  // logits one element past a 16-byte boundary
-    }
 }
 
 // Deliberate exact ties (logits and biases on a coarse grid, whole rows
