@@ -601,7 +601,6 @@ Status run_router(const MoeRouterArgs& a, cudaStream_t stream) {
       while ((1 << p.group_lanes_log2) < L) ++p.group_lanes_log2;
     }
   }
-
   p.scale = a.routed_scaling_factor;
   p.renormalize = a.renormalize;
   p.bias_vec = reinterpret_cast<uintptr_t>(a.correction_bias) % 16 == 0;
