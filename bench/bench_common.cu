@@ -266,6 +266,25 @@ void print_header() {
               "fraction", "ceiling", "check");
 }
 
+double copy_bound_us(const Context& ctx, double bytes) { return bytes / (ctx.copy_gbps * 1e9) * 1e6; }
+
+void set_copy_ceiling(const Context& ctx, Record& r, double bytes) {
+  r.ceiling = "copy";
+  r.bytes = bytes;
+  r.fraction = copy_bound_us(ctx, bytes) / r.median_us;
+}
+
+Record copy_record(const Context& ctx, const std::string& op, const std::string& case_name, double us, double bytes,
+                   const std::string& check) {
+  Record r;
+  r.op = op;
+  r.case_name = case_name;
+  r.median_us = us;
+  r.check = check;
+  set_copy_ceiling(ctx, r, bytes);
+  return r;
+}
+
 void add_record(Context& ctx, Record r) {
   double rate = r.ceiling == "gemm" ? r.flops / (r.median_us * 1e-6) / 1e12
                                     : r.bytes / (r.median_us * 1e-6) / 1e9;

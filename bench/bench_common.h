@@ -103,6 +103,15 @@ void fill_bf16(void* x, int64_t n, uint64_t seed, float scale, cudaStream_t stre
 // The e4m3 codes (bytes) of scale * u, u as above (a hash of (i, seed)).
 void fill_e4m3(void* x, int64_t n, uint32_t seed, float scale, cudaStream_t stream);
 
+// The time `bytes` take at this run's copy bandwidth.
+double copy_bound_us(const Context& ctx, double bytes);
+// r as `bytes` moved in r.median_us against this run's copy bandwidth
+// (ceiling "copy", bytes, fraction).
+void set_copy_ceiling(const Context& ctx, Record& r, double bytes);
+// A record of `bytes` moved in `us` against this run's copy bandwidth.
+Record copy_record(const Context& ctx, const std::string& op, const std::string& case_name, double us, double bytes,
+                   const std::string& check);
+
 // Prints the record as a table row and keeps it.
 void add_record(Context& ctx, Record r);
 void print_header();

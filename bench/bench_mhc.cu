@@ -562,15 +562,8 @@ std::string check_post_fp8x(const HostData& h, const std::vector<uint8_t>& xq, c
 // with issue 27's bound, time <= 1.15 x the floor.
 Record floor_record(const Context& ctx, const char* op, const std::string& case_name, double us, double bytes,
                     const std::string& check) {
-  const double bound_us = bytes / (ctx.copy_gbps * 1e9) * 1e6;
-  Record r;
-  r.op = op;
-  r.case_name = case_name;
-  r.median_us = us;
-  r.ceiling = "copy";
-  r.bytes = bytes;
-  r.fraction = bound_us / us;
-  r.check = check;
+  const double bound_us = copy_bound_us(ctx, bytes);
+  Record r = copy_record(ctx, op, case_name, us, bytes, check);
   r.extra["bound_us"] = bound_us;
   r.extra["time_over_bound"] = us / bound_us;
   r.extra["target_max_time_over_bound"] = 1.15;
@@ -595,22 +588,15 @@ void run_mhc_cases(Context& ctx) {
     HostData h = make_host(8192, 4, 7168, 20261121);
     DevSet d = make_dev(h);
     const double x_bytes = 2.0 * h.B * h.n * h.C, f_bytes = 2.0 * h.B * h.C;
-    const double pre_bound_us = (x_bytes + f_bytes) / (ctx.copy_gbps * 1e9) * 1e6;
-    const double post_bound_us = (2 * x_bytes + f_bytes) / (ctx.copy_gbps * 1e9) * 1e6;
+    const double pre_bound_us = copy_bound_us(ctx, x_bytes + f_bytes);
+    const double post_bound_us = copy_bound_us(ctx, 2 * x_bytes + f_bytes);
 
     MhcPreArgs pa = pre_args(h, d);
     Status st = mhc_pre(pa, stream);
     BENCH_CUDA(cudaStreamSynchronize(stream));
     std::string check = !st.ok() ? "FAILED: " + st.message() : ctx.verify ? check_pre(h, d, sample_rows(h.B)) : "not verified";
     double us = median_us([&] { (void)mhc_pre(pa, stream); }, stream, 3, iters);
-    Record r;
-    r.op = "mhc_pre";
-    r.case_name = "B8192_n4_C7168_phif32";
-    r.median_us = us;
-    r.ceiling = "copy";
-    r.bytes = x_bytes + f_bytes;
-    r.fraction = pre_bound_us / us;
-    r.check = check;
+    Record r = copy_record(ctx, "mhc_pre", "B8192_n4_C7168_phif32", us, x_bytes + f_bytes, check);
     r.extra["bound_us"] = pre_bound_us;
     r.extra["time_over_bound"] = us / pre_bound_us;
     r.extra["target_max_time_over_bound"] = 1.25;
@@ -649,14 +635,8 @@ void run_mhc_cases(Context& ctx) {
     // carries the target: how much of the time over the bound is the hi/lo
     // split of fp32 phi.
     variant("B8192_n4_C7168_phibf16", pre_args(h, d, true), true);
-    Record rb;
-    rb.op = "mhc_pre_unfused_seed";
-    rb.case_name = "B8192_n4_C7168";
-    rb.median_us = base_us;
-    rb.ceiling = "copy";
-    rb.bytes = x_bytes + f_bytes;
-    rb.fraction = pre_bound_us / base_us;
-    rb.check = "not verified (baseline; phi rounded to bf16)";
+    Record rb = copy_record(ctx, "mhc_pre_unfused_seed", "B8192_n4_C7168", base_us, x_bytes + f_bytes,
+                            "not verified (baseline; phi rounded to bf16)");
     add_record(ctx, rb);
 
     MhcPostArgs qa = post_args(h, d);
@@ -664,14 +644,7 @@ void run_mhc_cases(Context& ctx) {
     BENCH_CUDA(cudaStreamSynchronize(stream));
     check = !st.ok() ? "FAILED: " + st.message() : ctx.verify ? check_post(h, d, sample_rows(h.B)) : "not verified";
     us = median_us([&] { (void)mhc_post(qa, stream); }, stream, 3, iters);
-    Record q;
-    q.op = "mhc_post";
-    q.case_name = "B8192_n4_C7168";
-    q.median_us = us;
-    q.ceiling = "copy";
-    q.bytes = 2 * x_bytes + f_bytes;
-    q.fraction = post_bound_us / us;
-    q.check = check;
+    Record q = copy_record(ctx, "mhc_post", "B8192_n4_C7168", us, 2 * x_bytes + f_bytes, check);
     q.extra["bound_us"] = post_bound_us;
     q.extra["target_fraction"] = 0.95;
     run_baseline_post(h, d, stream);
@@ -1109,8 +1082,7 @@ void run_mhc_cases(Context& ctx) {
       r.median_us = graph_us_per_launch([&](int i) { (void)mhc_pre(args(i), stream); }, 4 * sets, stream, iters);
       r.bytes = 2.0 * sc.B * sc.n * sc.C + 2.0 * sc.B * sc.C;
       if (std::string(sc.prefix) == "mid") {  // X + F_pre at the copy rate
-        r.ceiling = "copy";
-        r.fraction = r.bytes / (ctx.copy_gbps * 1e3) / r.median_us;
+        set_copy_ceiling(ctx, r, r.bytes);
       } else {
         r.ceiling = "time_bound";
         r.fraction = 8.0 / r.median_us;

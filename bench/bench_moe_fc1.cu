@@ -217,9 +217,7 @@ void run_case(Context& ctx, const Fc1Case& c, cudaStream_t stream) {
     rec.extra["tflops"] = flops / (us * 1e-6) / 1e12;
     rec.extra["weight_bytes_fraction_of_copy"] = wbytes / (us * 1e-6) / (ctx.copy_gbps * 1e9);
     if (c.decode) {  // bound by reading the used experts' W1
-      rec.ceiling = "copy";
-      rec.bytes = wbytes;
-      rec.fraction = wbytes / (us * 1e-6) / (ctx.copy_gbps * 1e9);
+      set_copy_ceiling(ctx, rec, wbytes);
     } else {
       rec.ceiling = fp8 ? "gemm_fp8" : "gemm";
       rec.fraction = dense_us / us;

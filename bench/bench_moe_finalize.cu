@@ -139,19 +139,6 @@ std::string compare(const FinalizeCase& c, const HostTensor& got, const HostTens
   return "passed";
 }
 
-// A record of `bytes` moved in `us` against the copy ceiling of this run.
-Record copy_record(const Context& ctx, const std::string& name, double us, double bytes, const std::string& check) {
-  Record r;
-  r.op = "moe_finalize";
-  r.case_name = name;
-  r.median_us = us;
-  r.bytes = bytes;
-  r.ceiling = "copy";
-  r.fraction = bytes / (us * 1e-6) / 1e9 / ctx.copy_gbps;
-  r.check = check;
-  return r;
-}
-
 // Sweep-only reference: sgl-kernel's apply_shuffle_mul_sum loop shape (a block
 // per token, a vector per thread, slots summed one at a time, no locality
 // check) over this case's bf16 rows and indices.
@@ -270,7 +257,7 @@ void run_gpu_case(Context& ctx, const FinalizeCase& c, cudaStream_t stream) {
     return median_us([&] { launch(0, tuning); }, stream, 5, ctx.quick ? 10 : 50);
   };
   const double us = time_with({});
-  Record r = copy_record(ctx, c.name, us, bytes, check);
+  Record r = copy_record(ctx, "moe_finalize", c.name, us, bytes, check);
   const double bound_us = bytes / (ctx.copy_gbps * 1e9) * 1e6;
   r.extra["bound_us"] = bound_us;
   if (c.target) r.extra["target_fraction"] = c.target;
@@ -292,7 +279,7 @@ void run_gpu_case(Context& ctx, const FinalizeCase& c, cudaStream_t stream) {
     // The same graph replays without rotation: the rows stay in L2, as in a
     // model where the FC2 GEMM has just written them. Reported beside the
     // cold number above (which carries the target), not instead of it.
-    Record w = copy_record(ctx, c.name + "_l2_warm", time_with({}, false), bytes, check);
+    Record w = copy_record(ctx, "moe_finalize", c.name + "_l2_warm", time_with({}, false), bytes, check);
     w.extra["rotated_copies"] = 1;
     add_record(ctx, w);
   }
@@ -408,7 +395,7 @@ void run_decode_floors(Context& ctx, const FinalizeCase& c) {
   const int launches = std::max(copies, 200), replays = ctx.quick ? 5 : 20;
   const double bytes = double(rows_bytes + out_bytes);
   auto record = [&](const std::string& name, double us, const std::string& check, int rotated) {
-    Record r = copy_record(ctx, name, us, bytes, check);
+    Record r = copy_record(ctx, "moe_finalize", name, us, bytes, check);
     r.extra["rotated_copies"] = rotated;
     add_record(ctx, r);
   };

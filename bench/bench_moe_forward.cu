@@ -214,9 +214,7 @@ void run_case(Context& ctx, const ForwardCase& c, cudaStream_t stream) {
   rec.labels["fc1_input"] = auto_copy ? "permuted_copy" : "gather";
   rec.extra[auto_copy ? "gather_us" : "permuted_copy_us"] = other_us;
   if (c.decode) {
-    rec.ceiling = "copy";
-    rec.bytes = wbytes;
-    rec.fraction = wbytes / (fwd_us * 1e-6) / (ctx.copy_gbps * 1e9);
+    set_copy_ceiling(ctx, rec, wbytes);
     rec.extra["target_fraction"] = 0.70;
   } else {
     rec.ceiling = "fc1+fc2";
@@ -521,7 +519,6 @@ void run_mxfp4_case(Context& ctx, const Mx4Case& c, cudaStream_t stream) {
   // The used experts' weight bytes: MXFP4 (packed + scales) and FP8 (+ block scales).
   const double per_expert = 3.0 * double(I) * double(H);
   const double mx_bytes = used * per_expert * (0.5 + 1.0 / 32), fp8_bytes = used * per_expert;
-  const double copy = ctx.copy_gbps * 1e9;
   for (int i = 1; i < 3; ++i) {
     Record rec;
     rec.op = i == 2 ? "moe_forward_mxfp4" : "moe_forward_fp8";
@@ -537,9 +534,7 @@ void run_mxfp4_case(Context& ctx, const Mx4Case& c, cudaStream_t stream) {
     rec.labels["ep"] = std::to_string(c.E_local) + " of " + std::to_string(c.E) + " experts";
     const double bytes = i == 2 ? mx_bytes : fp8_bytes;
     if (c.decode) {
-      rec.ceiling = "copy";
-      rec.bytes = bytes;
-      rec.fraction = bytes / (us[i] * 1e-6) / copy;
+      set_copy_ceiling(ctx, rec, bytes);
     } else {
       rec.ceiling = "bf16_forward";
       rec.fraction = us[0] / us[i];

@@ -122,7 +122,7 @@ void run_gpu_case(Context& ctx, const BenchCase& b, cudaStream_t stream) {
     return graph_us_per_launch([&](int i) { launch(rotate ? i : 0, path); }, launches, stream, ctx.quick ? 5 : 20);
   };
   const double us = time_with(0, true);
-  const double read_us = double(logit_bytes) / (ctx.copy_gbps * 1e9) * 1e6;
+  const double read_us = copy_bound_us(ctx, double(logit_bytes));
   MoeRouterArgs timed = a;  // the layout the timed launches take
   timed.logits = d_logits;
   const int per_block = detail::router_tokens_per_block(timed);
@@ -130,14 +130,7 @@ void run_gpu_case(Context& ctx, const BenchCase& b, cudaStream_t stream) {
   const double empty_us = empty_launch_us(ctx, blocks, stream);
   const double bound_us = read_us + empty_us;
 
-  Record r;
-  r.op = "moe_router";
-  r.case_name = b.name;
-  r.median_us = us;
-  r.bytes = double(logit_bytes);
-  r.ceiling = "copy";
-  r.fraction = read_us / us;
-  r.check = check;
+  Record r = copy_record(ctx, "moe_router", b.name, us, double(logit_bytes), check);
   r.extra["read_us"] = read_us;
   r.extra["empty_launch_us"] = empty_us;
   r.extra["bound_us"] = bound_us;

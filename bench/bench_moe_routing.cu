@@ -152,15 +152,8 @@ void run_gpu_case(Context& ctx, const RoutingCase& c, cudaStream_t stream) {
   const double bytes = counted_bytes(c, ref);
   const double us = time_with(0);
   const double stream_us = median_us([&] { launch(0, 0); }, stream, 5, ctx.quick ? 10 : 50);
-  Record r;
-  r.op = "moe_routing";
-  r.case_name = c.name;
-  r.median_us = us;
-  r.bytes = bytes;
-  r.ceiling = "copy";
-  r.fraction = bytes / (us * 1e-6) / 1e9 / ctx.copy_gbps;
-  r.check = check;
-  r.extra["bound_us"] = bytes / (ctx.copy_gbps * 1e9) * 1e6;
+  Record r = copy_record(ctx, "moe_routing", c.name, us, bytes, check);
+  r.extra["bound_us"] = copy_bound_us(ctx, bytes);
   r.extra["local_rows_P"] = double(P);
   r.extra["stream_launch_us"] = stream_us;
   if (c.decode && c.H) r.extra["rotated_copies"] = copies;

@@ -138,15 +138,8 @@ void run_gpu_case(Context& ctx, const Mxfp4Case& c, cudaStream_t stream) {
 
   const double us = median_us(launch, stream, 5, ctx.quick ? 10 : 50);
   const double bytes = counted_bytes(c);
-  Record r;
-  r.op = c.bf16 ? "mxfp4_to_bf16" : "mxfp4_to_fp8_block";
-  r.case_name = c.name;
-  r.median_us = us;
-  r.bytes = bytes;
-  r.ceiling = "copy";
-  r.fraction = bytes / (us * 1e-6) / 1e9 / ctx.copy_gbps;
-  r.check = check;
-  r.extra["bound_us"] = bytes / (ctx.copy_gbps * 1e9) * 1e6;
+  Record r = copy_record(ctx, c.bf16 ? "mxfp4_to_bf16" : "mxfp4_to_fp8_block", c.name, us, bytes, check);
+  r.extra["bound_us"] = copy_bound_us(ctx, bytes);
   add_record(ctx, r);
   cudaFree(d_w);
   cudaFree(d_s);

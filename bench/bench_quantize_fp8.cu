@@ -136,15 +136,8 @@ void run_gpu_case(Context& ctx, const QuantizeCase& c, cudaStream_t stream) {
 
   const double us = median_us(launch, stream, 5, ctx.quick ? 10 : 50);
   const double bytes = counted_bytes(c);
-  Record r;
-  r.op = "quantize_fp8";
-  r.case_name = c.name;
-  r.median_us = us;
-  r.bytes = bytes;
-  r.ceiling = "copy";
-  r.fraction = bytes / (us * 1e-6) / 1e9 / ctx.copy_gbps;
-  r.check = check;
-  r.extra["bound_us"] = bytes / (ctx.copy_gbps * 1e9) * 1e6;
+  Record r = copy_record(ctx, "quantize_fp8", c.name, us, bytes, check);
+  r.extra["bound_us"] = copy_bound_us(ctx, bytes);
   r.labels["block"] = to_string(c.block);
   r.labels["scale_format"] = to_string(c.format);
   add_record(ctx, r);
