@@ -1,4 +1,4 @@
-// moe_router: limits shared by the validation and the launcher.
+// moe_router: limits shared by the validation and the launcher, and the launch shape the bench asks for.
 #pragma once
 
 #include "flashmix/moe_router.h"
