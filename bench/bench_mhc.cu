@@ -787,9 +787,9 @@ void run_mhc_cases(Context& ctx) {
     r.median_us = us;
     r.ceiling = "time_bound";
     r.bytes = 2.0 * 16 * 4 * 7168 + 2.0 * 16 * 7168;
-    r.fraction = 8.0 / us;
+    r.fraction = 5.0 / us;  // issue 27's bar: <= 5 us without relying on prefetch_weights
     r.check = check;
-    r.extra["target_max_us"] = 8.0;
+    r.extra["target_max_us"] = 5.0;
     r.extra["unfused_us"] = base_us;
     r.extra["speedup_over_unfused"] = base_us / us;
     r.extra["rotated_sets"] = sets;
@@ -807,7 +807,7 @@ void run_mhc_cases(Context& ctx) {
     Record rp = r;
     rp.case_name = "decode_B16_n4_C7168_graph_prefetch";
     rp.median_us = graph_us_per_launch([&](int i) { (void)mhc_pre(pre_prefetch(i), stream); }, launches, stream, iters);
-    rp.fraction = 8.0 / rp.median_us;
+    rp.fraction = 5.0 / rp.median_us;
     rp.check = check;
     rp.extra["speedup_over_unfused"] = base_us / rp.median_us;
     add_record(ctx, rp);
@@ -833,7 +833,7 @@ void run_mhc_cases(Context& ctx) {
       Record rs = r;
       rs.case_name = prefetch ? "decode_B16_n4_C7168_graph_workspace_prefetch" : "decode_B16_n4_C7168_graph_workspace";
       rs.median_us = graph_us_per_launch([&](int i) { (void)mhc_pre(pre_ws(i), stream); }, launches, stream, iters);
-      rs.fraction = 8.0 / rs.median_us;
+      rs.fraction = 5.0 / rs.median_us;
       rs.check = check;
       rs.extra["speedup_over_unfused"] = base_us / rs.median_us;
       add_record(ctx, rs);
@@ -850,7 +850,7 @@ void run_mhc_cases(Context& ctx) {
             (void)mhc_pre(a, stream);
           },
           launches, stream, iters);
-      rs.fraction = 8.0 / rs.median_us;
+      rs.fraction = 5.0 / rs.median_us;
       rs.extra.erase("target_max_us");
       rs.extra["rotated_sets"] = 1;
       rs.extra["speedup_over_unfused"] = base_us / rs.median_us;
@@ -867,7 +867,7 @@ void run_mhc_cases(Context& ctx) {
     rb.case_name = "decode_B16_n4_C7168_phibf16_graph";
     rb.median_us = graph_us_per_launch(
         [&](int i) { (void)mhc_pre(pre_args(hs[i % sets], ds[i % sets], true), stream); }, launches, stream, iters);
-    rb.fraction = 8.0 / rb.median_us;
+    rb.fraction = 5.0 / rb.median_us;
     rb.check = check;
     rb.extra.erase("target_max_us");
     rb.extra["speedup_over_unfused"] = base_us / rb.median_us;
@@ -883,7 +883,7 @@ void run_mhc_cases(Context& ctx) {
                                        iters);
     rw.ceiling = "time_bound";
     rw.bytes = r.bytes;
-    rw.fraction = 8.0 / rw.median_us;
+    rw.fraction = 5.0 / rw.median_us;
     rw.check = r.check;
     rw.extra["rotated_sets"] = 1;
     add_record(ctx, rw);
@@ -1005,20 +1005,25 @@ void run_mhc_cases(Context& ctx) {
     const int launches = 2 * sets;
     const double us = graph_us_per_launch(
         [&](int i) { (void)mhc_post_pre(post_pre_args(hs[i % sets], ds[i % sets]), stream); }, launches, stream, iters);
-    // The two ops, each set's post writing the X its pre reads.
-    const double two_us = graph_us_per_launch(
-        [&](int i) {
-          const HostData& h = hs[i % sets];
-          const DevSet& d = ds[i % sets];
-          MhcPostArgs q;
-          q.shape = {h.B, h.n, h.C};
-          q.x = d.x; q.f_out = d.f_out; q.h_post = d.h_post_in; q.h_res = d.h_res_in; q.x_next = d.x_next;
-          (void)mhc_post(q, stream);
-          MhcPreArgs pa = pre_args(h, d);
-          pa.x = d.x_next;
-          (void)mhc_pre(pa, stream);
-        },
-        launches, stream, iters);
+    // The two ops, each set's post writing the X its pre reads (the pre on
+    // the split kernel when a workspace is given).
+    auto post_then_pre = [&](int i, void* ws, size_t ws_bytes) {
+      const HostData& h = hs[i % sets];
+      const DevSet& d = ds[i % sets];
+      MhcPostArgs q;
+      q.shape = {h.B, h.n, h.C};
+      q.x = d.x; q.f_out = d.f_out; q.h_post = d.h_post_in; q.h_res = d.h_res_in; q.x_next = d.x_next;
+      (void)mhc_post(q, stream);
+      MhcPreArgs pa = pre_args(h, d);
+      pa.x = d.x_next;
+      if (ws != nullptr) {
+        pa.workspace = ws;
+        pa.workspace_bytes = ws_bytes;
+        pa.kernel = MhcPreKernel::kSplit;
+      }
+      (void)mhc_pre(pa, stream);
+    };
+    const double two_us = graph_us_per_launch([&](int i) { post_then_pre(i, nullptr, 0); }, launches, stream, iters);
     Record r;
     r.op = "mhc_post_pre";
     r.case_name = "decode_B16_n4_C7168_graph";
@@ -1032,17 +1037,46 @@ void run_mhc_cases(Context& ctx) {
     r.extra["speedup_over_post_then_pre"] = two_us / us;
     r.extra["rotated_sets"] = sets;
     add_record(ctx, r);
+    // With a workspace, pinned to the split kernel (the post made on every
+    // SM's column slice), against post then pre on the split kernel.
+    {
+      void* ws = nullptr;
+      const size_t ws_bytes = mhc_workspace_bytes({16, 4, 7168});
+      BENCH_CUDA(cudaMalloc(&ws, ws_bytes));
+      BENCH_CUDA(cudaMemset(ws, 0, ws_bytes));
+      auto args_ws = [&](int i) {
+        MhcPostPreArgs a = post_pre_args(hs[i % sets], ds[i % sets]);
+        a.workspace = ws;
+        a.workspace_bytes = ws_bytes;
+        a.kernel = MhcPreKernel::kSplit;
+        return a;
+      };
+      Record rw = r;
+      rw.case_name = "decode_B16_n4_C7168_graph_workspace";
+      rw.check = verify_rotated_sets(
+          ctx, stream, sets, 16, [&](int i) { return mhc_post_pre(args_ws(i), stream); },
+          [&](int i) { return check_post_pre(hs[i], ds[i], sample_rows(16)); });
+      rw.median_us = graph_us_per_launch([&](int i) { (void)mhc_post_pre(args_ws(i), stream); }, launches, stream, iters);
+      rw.fraction = 6.0 / rw.median_us;
+      const double two_ws_us =
+          graph_us_per_launch([&](int i) { post_then_pre(i, ws, ws_bytes); }, launches, stream, iters);
+      rw.extra["post_then_pre_us"] = two_ws_us;
+      rw.extra["speedup_over_post_then_pre"] = two_ws_us / rw.median_us;
+      add_record(ctx, rw);
+      BENCH_CUDA(cudaFree(ws));
+    }
     for (auto& d : ds) free_dev(d);
   }
 
-  // ---- small batches of shapes without the resident kernel (n != 4, or C
-  // not a multiple of 1024): the cluster-tile kernel, and the split kernel
-  // that a workspace selects. Sets rotated: together larger than L2.
+  // ---- small batches: without a workspace the kernel mhc_pre picks (the
+  // cluster tiles where n != 4 or C is not a multiple of 1024, else the
+  // resident kernel), with one the split kernel (pinned). Sets rotated: together larger than L2.
   // The mid_ cases: n = 4 batches between decode and prefill (chunked
   // prefill), on the resident kernel; no workspace path takes them.
   struct SmallCase { int64_t B; int n; int64_t C; const char* prefix; };
   for (const SmallCase sc : {SmallCase{16, 8, 7168, "decode"}, SmallCase{32, 8, 7168, "decode"},
                              SmallCase{16, 6, 4096, "decode"}, SmallCase{16, 4, 2560, "decode"},
+                             SmallCase{1, 4, 7168, "decode"}, SmallCase{32, 4, 7168, "decode"},
                              SmallCase{64, 4, 7168, "mid"}, SmallCase{256, 4, 7168, "mid"},
                              SmallCase{1024, 4, 7168, "mid"}, SmallCase{2048, 4, 7168, "mid"}}) {
     const std::string base = std::string(sc.prefix) + "_B" + std::to_string(sc.B) + "_n" + std::to_string(sc.n) +
@@ -1067,9 +1101,10 @@ void run_mhc_cases(Context& ctx) {
       if (use_ws && ws_bytes == 0) continue;  // no workspace path for the shape
       auto args = [&](int i) {
         MhcPreArgs a = pre_args(hs[i % sets], ds[i % sets]);
-        if (use_ws) {
+        if (use_ws) {  // the split kernel (what the workspace is for; pinned where the resident kernel also fits)
           a.workspace = ws;
           a.workspace_bytes = ws_bytes;
+          a.kernel = MhcPreKernel::kSplit;
         }
         return a;
       };

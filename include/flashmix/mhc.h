@@ -243,11 +243,11 @@ struct MhcHeadArgs {
 // squares and mix use X_next as it is made on chip (bf16-rounded, exactly
 // the values stored), never read back. Bitwise equal to mhc_post then
 // mhc_pre pinned to the same projection kernel (spec §4.7). Kernels: kResident
-// (n = 4, C a multiple of 1024 up to 7168, no F_pre epilogue, bf16 stream) and
-// kClusterTile (the rest of sm_90, every call with the epilogue, and the FP8
-// residual stream); kAuto
-// picks them in that order; kSplit and kPortable are not available for this
-// op (kNotSupported).
+// (n = 4, C a multiple of 1024 up to 7168, no F_pre epilogue, bf16 stream),
+// kSplit (a workspace, 1 <= B <= kMhcSplitMaxBatch, no F_pre epilogue, bf16
+// stream) and kClusterTile (the rest of sm_90, every call with the epilogue,
+// and the FP8 residual stream); kAuto picks them in that order; kPortable is
+// not available for this op (kNotSupported).
 struct MhcPostPreArgs {
   MhcShape shape;
   // This layer's post (inputs).
@@ -269,7 +269,12 @@ struct MhcPostPreArgs {
   MhcParams params;               // of the next pre (params.res_layout validated, not read, as in mhc_pre)
   bool enable_pdl = true;
   bool prefetch_weights = false;  // as in MhcPreArgs: phi, alpha, bias only (never X, F_out, H_post, H_res)
-  MhcPreKernel kernel = MhcPreKernel::kAuto;  // kAuto, kResident or kClusterTile
+  // As in MhcPreArgs (mhc_workspace_bytes(shape)): with it and a small batch
+  // the split kernel can run the boundary (each CTA makes X_next for its own
+  // column slice, then projects it).
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  MhcPreKernel kernel = MhcPreKernel::kAuto;  // kAuto, kResident, kSplit or kClusterTile
   // The FP8 residual stream (spec §4.9; default kBf16, the scale pointers
   // then null). With kFp8E4m3, x and x_next are e4m3 codes with their
   // scales: X_next is made and quantised exactly as mhc_post on this stream
@@ -315,21 +320,24 @@ struct MhcExpandArgs {
 // N = n*n + 2n.
 inline int mhc_num_coefficients(int n) { return n * n + 2 * n; }
 
-// Small batches (decode). mhc_pre, mhc_project and mhc_head take an optional
-// workspace (CUB style: ask the size, pass the buffer). With it and
-// 1 <= B <= kMhcSplitMaxBatch the projection runs on up to one CTA per SM,
-// each a slice of the columns of every stream for all tokens, in one launch:
-// the CTAs exchange their partial sums through the workspace (summed in a
-// fixed order: bitwise reproducible) and meet at a grid barrier kept there.
-// mhc_pre keeps the resident kernel where it takes the shape (n = 4, C a
-// multiple of 1024 up to 7168: faster at decode) and uses the workspace for
-// the other shapes, whose small batches otherwise run on one 8-CTA cluster
-// (H200, B = 16: n = 8 102 -> 26 us, n = 4 C = 2560 20 -> 10 us). Rules:
+// Small batches (decode). mhc_pre, mhc_post_pre, mhc_project and mhc_head
+// take an optional workspace (CUB style: ask the size, pass the buffer).
+// With it and 1 <= B <= kMhcSplitMaxBatch the projection runs on up to one
+// CTA per SM (clusters of 8 on sm_90), each a slice of the columns of every
+// stream for all tokens, in one launch: the clusters publish their partial
+// sums in the workspace as tagged words that every CTA reads back (summed
+// in a fixed order: bitwise reproducible). mhc_pre and mhc_post_pre keep the
+// resident kernel where it takes the shape (n = 4, C a multiple of 1024 up
+// to 7168) and use the workspace for the other shapes, whose small batches
+// otherwise run on one 8-CTA cluster; pin MhcPreKernel::kSplit to use it
+// there too (docs/mhc.md has the measurements). Rules:
 //   - size: mhc_workspace_bytes(shape) (0 where the path does not apply:
 //     B == 0 or B > kMhcSplitMaxBatch; a workspace is then ignored);
 //     16-byte aligned; it must not overlap any input or output;
 //   - zero it once before its first use (cudaMemset); every launch leaves it
-//     zeroed, so it can be reused by any number of launches and graph replays;
+//     ready for the next (its first word counts the launches; each launch's
+//     words carry that count + 1 as their tag), so it serves any number of
+//     launches, shapes and graph replays;
 //   - one launch at a time per workspace: launches on different streams that
 //     may overlap need different workspaces;
 //   - the launch takes up to one CTA per SM, all resident together: do not

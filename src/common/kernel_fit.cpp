@@ -101,10 +101,12 @@ cudaError_t prepare_kernel(const void* kernel, bool nonportable_cluster, int* ma
 namespace {
 
 // Whether `smem` bytes of dynamic shared memory are allowed to `kernel` on
-// the current device (setting its attributes first when above the default).
+// the current device (setting its attributes first).
 cudaError_t smem_allowed(const void* kernel, size_t smem, bool nonportable_cluster, bool* allowed) {
+  // Always through prepare_kernel (cached): static + dynamic shared memory
+  // may pass kDefaultDynamicSmem with any dynamic part, and only the opt-in
+  // attribute allows that.
   *allowed = true;
-  if (smem <= kDefaultDynamicSmem && !nonportable_cluster) return cudaSuccess;
   int max_dynamic = 0;
   const cudaError_t err = prepare_kernel(kernel, nonportable_cluster, &max_dynamic);
   *allowed = err == cudaSuccess && smem <= size_t(max_dynamic);

@@ -34,12 +34,13 @@ cudaError_t current_device_props(DeviceProps* out);
 // `kernel` may now ask for on this device.
 cudaError_t prepare_kernel(const void* kernel, bool nonportable_cluster, int* max_dynamic_smem);
 
-// Dynamic shared memory any kernel may use without prepare_kernel.
+// Static + dynamic shared memory any kernel may use without prepare_kernel.
 constexpr size_t kDefaultDynamicSmem = 48 * 1024;
 
 // Resident CTAs of `kernel` per SM at `threads` per CTA and `smem` bytes of
 // dynamic shared memory, on the current device (0: it does not fit). Calls
-// prepare_kernel first when smem is above kDefaultDynamicSmem.
+// prepare_kernel first (a kernel with static shared memory may pass 48 KB
+// with a smaller dynamic part).
 cudaError_t blocks_per_sm(const void* kernel, int threads, size_t smem, int* out);
 
 // Clusters of `cluster` CTAs of `kernel` (at `threads` per CTA and `smem`

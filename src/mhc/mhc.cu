@@ -410,12 +410,14 @@ cudaError_t portable_project(const ProjectParams& p, int n, bool phi_is_f32, cud
 }
 
 // The projection kernels, in the order the automatic choice tries them
-// (measured on an H200, docs/mhc.md): the resident kernel first (decode,
-// B = 16, n = 4, C = 7168: 10.6 us against the split kernel's 11.2; every
-// batch size of the shapes it takes); the split kernel for the small batches
+// (measured on an H100, docs/mhc.md): the resident kernel first (every batch
+// size of the shapes it takes), then the split kernel for the small batches
 // of every other shape, where the cluster-tile kernel would fetch all of phi
-// through 8 SMs (n = 8, B = 16: 26 against 103 us); the cluster tiles for
-// the rest of sm_90; the portable kernel everywhere else.
+// through 8 SMs (n = 8, B = 16: 28 against 108 us), the cluster tiles for
+// the rest of sm_90, the portable kernel everywhere else. With a workspace
+// and B <= kSplitFirstMaxBatch the split kernel goes first: at n = 4,
+// C = 7168 it is ahead of the resident kernel at B = 1 and 16 (mhc_pre and
+// mhc_post_pre) and behind it at B = 32 (docs/mhc.md, "Decode").
 struct ProjectCandidate {
   MhcPreKernel kernel;
   ProjectLauncher launch;
@@ -426,6 +428,13 @@ constexpr ProjectCandidate kProjectKernels[] = {
     {MhcPreKernel::kClusterTile, sm90_mhc_project_fused},
     {MhcPreKernel::kPortable, portable_project},
 };
+constexpr ProjectCandidate kProjectKernelsSplitFirst[] = {
+    {MhcPreKernel::kSplit, mhc_split_project},
+    {MhcPreKernel::kResident, sm90_mhc_project_resident},
+    {MhcPreKernel::kClusterTile, sm90_mhc_project_fused},
+    {MhcPreKernel::kPortable, portable_project},
+};
+constexpr long long kSplitFirstMaxBatch = 16;
 
 // Picks the projection kernel for `p` on the current device: the pinned one
 // (kNotSupported with its reason where it cannot take the shape) or the
@@ -433,7 +442,8 @@ constexpr ProjectCandidate kProjectKernels[] = {
 Status choose_project_kernel(const ProjectParams& p, int n, bool f32, MhcPreKernel pinned, const char* op,
                              const ProjectCandidate** chosen, std::string* reason) {
   std::string why;
-  for (const ProjectCandidate& c : kProjectKernels) {
+  const bool split_first = p.workspace != nullptr && p.batch <= kSplitFirstMaxBatch;
+  for (const ProjectCandidate& c : split_first ? kProjectKernelsSplitFirst : kProjectKernels) {
     if (pinned != MhcPreKernel::kAuto && c.kernel != pinned) continue;
     const char* why_not = "cannot take this shape";
     const cudaError_t err = c.launch(p, n, f32, nullptr, false, /*dry_run=*/true, &why_not);
@@ -577,6 +587,8 @@ ProjectParams post_pre_params(const MhcPostPreArgs& a) {
   p.post.x_next = static_cast<bf16*>(a.x_next);
   p.post.transpose = a.res_layout == MhcResLayout::kDeepSeek;
   p.post.x_next_scales = a.x_next_scales;
+  p.workspace = a.workspace;
+  p.workspace_bytes = a.workspace_bytes;
   p.epi = epilogue_params(a);
   set_residual(p, a);
   return p;

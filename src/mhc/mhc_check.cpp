@@ -201,7 +201,7 @@ size_t mhc_workspace_bytes(const MhcShape& s) {
       s.hidden % 8 != 0)
     return 0;
   const int64_t ctas = std::min<int64_t>(mhc_detail::kSplitMaxCtas, s.hidden / 8);
-  return mhc_detail::split_workspace_layout(ctas, s.batch, s.n, mhc_num_coefficients(s.n)).bytes;
+  return mhc_detail::split_workspace_layout(ctas, s.batch, mhc_num_coefficients(s.n)).bytes;
 }
 
 Status validate_mhc_pre(const MhcPreArgs& a) {
@@ -399,9 +399,11 @@ Status validate_mhc_post_pre(const MhcPostPreArgs& a) {
   FM_RETURN_IF_ERROR(check_epilogue_pointers(a, kOp));
   FM_RETURN_IF_ERROR(check_ptr(a.h_post_next, kOp, "h_post_next", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.h_res_next, kOp, "h_res_next", 4));
+  FM_RETURN_IF_ERROR(check_workspace(a.shape, a.workspace, a.workspace_bytes, kOp));
   const MhcShape& s = a.shape;
   const int64_t N = mhc_num_coefficients(s.n), K = int64_t(s.n) * s.hidden;
   const Range outs[] = {{"x_next", a.x_next, x_bytes(s, a.residual)},
+                        workspace_range(a.workspace, a.workspace_bytes),
                         x_scales_range("x_next_scales", a.x_next_scales, s, a.residual, a.x_scale_format),
                         f_pre_range(a),
                         {"h_post_next", a.h_post_next, s.batch * s.n * 4},

@@ -234,7 +234,7 @@ struct ProjectParams {
   size_t workspace_bytes = 0;
   // mhc_post_pre (kPre only): post.x_next non-null.
   PostInput post;
-  bool has_post() const { return post.x_next != nullptr; }
+  __host__ __device__ bool has_post() const { return post.x_next != nullptr; }
   PreEpilogue epi;
   __host__ __device__ bool has_epilogue() const { return epi.any(); }
   // The FP8 residual stream (spec §4.9; mhc_pre, mhc_post_pre, mhc_head):

@@ -1,6 +1,6 @@
-// mhc_pre / mhc_project / mhc_head for small batches (B <= kMhcSplitMaxBatch),
-// when the caller passes a workspace: the projection spread over the whole GPU
-// in one launch.
+// mhc_pre / mhc_post_pre / mhc_project / mhc_head for small batches
+// (B <= kMhcSplitMaxBatch), when the caller passes a workspace: the
+// projection spread over the whole GPU in one launch.
 //
 //   h[b, m] = alpha_of(m) * (sum_k X[b,k] phi[m,k]) / r[b] + bias[m],  r[b] = sqrt(sum_k X[b,k]^2 / K + eps_norm)
 //   F_pre[b, c] = sum_i H_pre[b, i] X[b, i, c]                          (spec §4)
@@ -9,28 +9,38 @@
 // step (N x K fp32: 2.75 MB at n = 4, 18.4 MB at n = 8, C = 7168). The
 // cluster-tile kernel fetches all of it through one 8-CTA cluster; here up to
 // one CTA per SM takes 8-column groups of every stream for all B tokens, so
-// phi streams in at the whole GPU's rate. Roofline (B = 16, n = 8, C = 7168,
-// H200): 18.4 MB phi + 1.8 MB X, ~5 us at the copy rate; the rest is
-// latency. Measured (H200, graph replays, docs/mhc.md): n = 8 103 -> 26 us;
-// at n = 4 the resident kernel stays faster (10.6 vs 11.2 us), so mhc_pre
-// tries it first.
+// phi streams in at the whole GPU's rate. Measured (H100, graph replays,
+// docs/mhc.md "Decode"): B = 16, n = 4, C = 7168: 10.15 us (the resident
+// kernel 11.35), mhc_post_pre 11.15 (20.05); n = 8: 27.5 (108.6).
 //
-// Steps, one CTA (512 threads) per column slice:
-//   1. phi's slice (fp32 in shared memory), alpha and bias, X's slice of every token.
-//   2. Partial sums of the N coefficients and the sum of squares (FFMA in
-//      fp32: phi is used exactly, no tensor-core split), reduced over the
-//      warps in a fixed order, stored to the workspace.
-//   3. A grid barrier (all CTAs are resident: at most one per SM, and the
-//      launcher checks one fits).
-//   4. Every CTA sums the pre coefficients and the sums of squares of all
-//      tokens over the CTAs in a fixed order (bitwise the same in every CTA)
-//      and mixes its own columns; CTA b (the owner of token b) meanwhile sums
-//      token b's other coefficients on its other half and runs the
-//      activations + Sinkhorn (mhc_pre) or writes h and r (mhc_project).
+// Steps, one CTA (512 threads) per column slice, CTAs in clusters of
+// kSplitCluster (sm_90; one CTA a cluster elsewhere):
+//   1. phi's slice (fp32 in shared memory), alpha and bias, X's slice of
+//      every token. mhc_post_pre: X is X_L; with F_out's slice and the
+//      tokens' H_post, H_res the CTA makes its slice of X_next in place
+//      (mhc_post's arithmetic) and stores it once.
+//   2. Partial sums of the N coefficients and the sum of squares on the
+//      tensor cores (phi in three bf16 pieces: all its 24 bits), reduced
+//      over the warps in a fixed order into shared memory.
+//   3. The cluster's sums: after a cluster barrier, rank r adds items r,
+//      r + 8, ... over the 8 ranks' shared memory (DSMEM, in rank order) and
+//      publishes them in the cluster's record in the workspace, each value
+//      with this launch's tag in the same 8-byte word (no fence, no barrier).
+//   4. Every CTA reads the pre coefficients and sums of squares of all
+//      tokens from every record, spinning on a word until its tag is this
+//      launch's, and sums them in record order (bitwise the same in every
+//      CTA); the owner of token b (CTA b) reads token b's other coefficients
+//      in the same pass. Then the CTA mixes its own columns while the
+//      owner's last warp runs the activations + Sinkhorn (mhc_pre) or writes
+//      h and r (mhc_project).
+// The tag is the epoch word + 1, read after the grid dependency; CTA 0 bumps
+// the epoch once it has seen every record (so every CTA has read it). All
+// CTAs must be resident at once: the launcher checks the clusters fit.
 // No atomics on values: the output is bitwise reproducible.
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 #include <utility>
 
@@ -48,6 +58,8 @@ using bf16 = __nv_bfloat16;
 using V8 = dev::Vec<bf16, 8>;
 constexpr int kThreads = 512, kWarps = kThreads / 32;
 constexpr int kMaxItems = kMhcSplitMaxBatch * (kMhcMaxStreams + 1);  // pre sums of all tokens
+constexpr int kGatherThreads = 256;  // threads that gather the pre items (with their splits)
+constexpr int kSplitCluster = 8;     // CTAs a cluster on sm_90
 
 // Rows of phi in shared memory: N rounded up to the 8 coefficient groups of
 // the projection lanes (the rows past N are zeros). Kernel and launcher.
@@ -56,61 +68,96 @@ __host__ __device__ constexpr int split_phi_rows(int n) {
   return (n * n + 2 * n + kCoefGroups - 1) / kCoefGroups * kCoefGroups;
 }
 
+// Phase stamps for bench/probes/mhc_split_trace.cu (compiled out unless it
+// defines FLASHMIX_MHC_SPLIT_TRACE): thread 0 and the owner warp's lane 0
+// (thread kThreads - 32) keep the global timer at the kernel's steps in
+// shared memory (no global store, so no fence waits on them) and write them
+// out at the end.
+#ifdef FLASHMIX_MHC_SPLIT_TRACE
+__device__ unsigned long long g_split_trace[kSplitMaxCtas][32];
+#define SPLIT_TRACE_DECL __shared__ unsigned long long s_trace[32];
+#define SPLIT_STAMP(i)                                                                  \
+  do {                                                                                \
+    if (threadIdx.x == 0 || threadIdx.x == kThreads - 32) {                           \
+      unsigned long long gt;                                                          \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt));                          \
+      s_trace[2 * (i) + (threadIdx.x != 0)] = gt;                                     \
+      if (threadIdx.x == 0) s_trace[20 + (i)] = clock64();                            \
+    }                                                                                 \
+  } while (0)
+#define SPLIT_TRACE_FLUSH()                                                           \
+  do {                                                                                \
+    if (threadIdx.x == 0 || threadIdx.x == kThreads - 32)                             \
+      for (int q = threadIdx.x != 0; q < 32; q += 2) g_split_trace[blockIdx.x][q] = s_trace[q]; \
+  } while (0)
+#else
+#define SPLIT_TRACE_DECL
+#define SPLIT_STAMP(i) \
+  do {                 \
+  } while (0)
+#define SPLIT_TRACE_FLUSH() \
+  do {                      \
+  } while (0)
+#endif
+
 struct SplitArgs {
-  float* ws_pre;            // [ctas][B][n+1]
-  float* ws_rest;           // [B][rest_stride]: [ctas][N-n] per token
-  unsigned* bar_count;      // arrivals of the current barrier (0 when idle)
-  unsigned* bar_gen;        // generation, bumped by the last arrival
-  int ctas;
-  int cpg;                  // 8-column groups per CTA (the last CTA may have fewer)
+  unsigned long long* rec;  // [records][rec_stride] tagged words (mhc_split_layout.h)
+  unsigned* epoch;          // launches so far; this launch's tag is epoch + 1
+  int records;              // gridDim.x / cluster
+  int cluster;              // kSplitCluster (sm_90) or 1 (no cluster)
+  int rec_stride;           // 8-byte words per record
+  int cpg;                  // 8-column groups per CTA (the last CTAs may have fewer or none)
+  int kk;                   // n * cpg * 8 rounded up to the k16 steps
   int x_row;                // shared-memory row of one token's slice, in bf16 elements
   int phi_row;              // shared-memory row of phi's slice, in floats
-  int pre_floats;           // size of ws_pre, a multiple of 4
-  int rest_stride;          // floats per token in ws_rest, a multiple of 4
   float inv_k;              // 1 / K
 };
 
-__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
 __device__ __forceinline__ unsigned ld_relaxed_gpu(const unsigned* p) {
   unsigned v;
   asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-
-// Every CTA of the grid arrives; returns once all have. `gen0` is the
-// generation word as read after the grid dependency (this launch cannot bump
-// it before every CTA has arrived, and the launch before bumped it before it
-// finished). Each arrival is a release (the CTA's global writes, ordered
-// before it by the block barrier, go with it) and an acquire; the last one
-// resets the counter (nobody touches it again in this launch, and the next
-// launch starts after this one ends) and publishes the new generation with a
-// release store; the others acquire it. Callers' global writes before it are
-// visible to every CTA after it.
-__device__ __forceinline__ void grid_barrier(unsigned* count, unsigned* gen, unsigned gen0, unsigned ctas) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned arrived;
-    asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;" : "=r"(arrived) : "l"(count) : "memory");
-    if (arrived == ctas - 1) {
-      asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" ::"l"(count) : "memory");
-      asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(gen), "r"(gen0 + 1) : "memory");
-    } else {
-      while (ld_acquire_gpu(gen) == gen0) {
-      }
-    }
-  }
-  __syncthreads();
+__device__ __forceinline__ unsigned long long ld_word(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+// One record word: the value and the tag in one single-copy-atomic 8-byte store.
+__device__ __forceinline__ void st_word(unsigned long long* p, float v, unsigned tag) {
+  const unsigned long long w = (static_cast<unsigned long long>(tag) << 32) | __float_as_uint(v);
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
 }
 
-// Copies `words` 16-byte words from global to shared memory (L2 only: the
-// values were written by other SMs during this launch).
-__device__ __forceinline__ void copy_words(float* dst, const float* src, int words) {
-  for (int w = threadIdx.x; w < words; w += kThreads) dev::cp_async16(dst + 4 * w, src + 4 * w);
-  dev::cp_async_commit();
+// Cluster pieces (sm_90 only; the kernel runs with kCl > 1 on sm_90 only, so
+// elsewhere they are never reached).
+__device__ __forceinline__ void cl_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ unsigned cl_rank() {
+  unsigned r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+  return r;
+}
+// The float at the same shared-memory offset as `p` in the CTA of rank `rank`.
+__device__ __forceinline__ float ld_peer(const float* p, unsigned rank) {
+  float v = 0.f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+#endif
+  return v;
 }
 
 // A group of `threads` threads (from thread `first`, whole warps) that
@@ -124,19 +171,68 @@ struct Group {
   }
 };
 
-// Sums `items` values over the ctas' records (value it of record g at
-// in[g * stride + it]) in a fixed order: `splits` contiguous runs of CTAs,
-// then the runs in order. Every thread of the group calls it; out[items] (in
-// shared memory) is complete when it returns.
-__device__ __forceinline__ void sum_over_ctas(const float* in, int stride, int items, int ctas, float* tmp,
-                                              float* out, const Group& grp) {
-  const int splits = max(1, min(grp.threads / items, ctas));
+// Sums `items` values over the workspace's records in record order: value
+// `it` of record r is the word at rec[r * stride + word(it)], taken once its
+// tag is `tag` (spinning until it is). `splits` contiguous runs of records
+// (gather_splits of the pre items: the same in every CTA, so the sums are
+// bitwise the same everywhere), up to 8 loads in flight per thread, then the
+// runs in order. Every thread of the
+// group calls it; out[items] (shared memory) is complete when it returns.
+// Tensor-core pieces (sm_80 and later). Four 8x8 bf16 matrices from shared
+// memory, lane l giving the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+// D += A (16x16, row) * B (16x8, col), bf16 in, fp32 accumulate.
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// Two fp32 values as kP bf16 pairs whose sum is the pair (each piece the
+// rounded remainder of the ones before: 3 pieces carry all 24 bits).
+template <int kP>
+__device__ __forceinline__ void split_pieces(float2 v, uint32_t (&out)[kP]) {
+  float x = v.x, y = v.y;
+#pragma unroll
+  for (int pc = 0; pc < kP; ++pc) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);  // low half: x (the even k)
+    out[pc] = *reinterpret_cast<const uint32_t*>(&h);
+    if (pc + 1 < kP) {
+      x -= __low2float(h);  // exact
+      y -= __high2float(h);
+    }
+  }
+}
+
+__host__ __device__ constexpr int gather_splits(int pre_items, int records) {
+  return pre_items >= kGatherThreads ? 1 : (kGatherThreads / pre_items < records ? kGatherThreads / pre_items : records);
+}
+template <typename WordOf>
+__device__ __forceinline__ void gather_sum(const unsigned long long* rec, int stride, int records, int items,
+                                           int splits, WordOf word, unsigned tag, float* tmp, float* out,
+                                           const Group& grp) {
   for (int idx = grp.tid(); idx < items * splits; idx += grp.threads) {
     const int it = idx % items, sp = idx / items;
-    const int g0 = sp * ctas / splits, g1 = (sp + 1) * ctas / splits;
+    const int r0 = sp * records / splits, r1 = (sp + 1) * records / splits;
+    const unsigned long long* p = rec + word(it);
     float sum = 0.f;
-#pragma unroll 8
-    for (int gg = g0; gg < g1; ++gg) sum += in[gg * stride + it];  // in order; the loads run ahead
+    for (int r = r0; r < r1; r += 8) {
+      unsigned long long w[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u)
+        if (r + u < r1) w[u] = ld_word(p + (long long)(r + u) * stride);
+#pragma unroll
+      for (int u = 0; u < 8; ++u)
+        if (r + u < r1) {
+          while (unsigned(w[u] >> 32) != tag) w[u] = ld_word(p + (long long)(r + u) * stride);
+          sum += __uint_as_float(unsigned(w[u]));
+        }
+    }
     tmp[sp * items + it] = sum;
   }
   grp.sync();
@@ -151,170 +247,298 @@ __device__ __forceinline__ void sum_over_ctas(const float* in, int stride, int i
 template <int kN, typename PhiT, int kTok>
 __global__ void __launch_bounds__(kThreads, 1) mhc_split_kernel(ProjectParams p, SplitArgs s) {
   constexpr int kMaxCoef = kN * kN + 2 * kN;
-  // Projection lanes: 4 token groups x 8 coefficient groups; a lane takes
-  // kTpl tokens (tg, tg + 4, ...) and every 8th coefficient, so each 16-byte
-  // load of phi (from shared memory) feeds kTpl tokens and each load of X
-  // feeds kAcc coefficients. 32 tokens: the warps split into two halves of
-  // 16 tokens each (kTpl <= 4 keeps the accumulators in registers at n = 8).
-  constexpr int kHalves = kTok > 16 ? 2 : 1;
-  constexpr int kTpl = kTok / kHalves / 4, kMs = kCoefGroups;
-  constexpr int kRows = split_phi_rows(kN);  // phi rows in shared memory, zero past N
-  constexpr int kAcc = kRows / kMs;
-  __shared__ float s_tmp[kMaxItems > kThreads ? kMaxItems : kThreads];  // the pre path's partial sums
-  __shared__ float s_tmp_own[kThreads];                                   // the owner's
-  __shared__ float s_sum[kMaxItems];           // [B][n+1]: pre coefficients, then the sum of squares
+  // The projection's tiles: kMt tiles of 16 tokens (X's rows past B are
+  // zeros), kNt tiles of 8 coefficients (phi's rows past N are zeros).
+  constexpr int kTokP = kTok < 16 ? 16 : kTok, kMt = kTokP / 16;
+  constexpr int kRows = split_phi_rows(kN);
+  constexpr int kNt = kRows / 8;
+  constexpr int kPieces = std::is_same_v<PhiT, float> ? 3 : 1;
+  // The gather's runs: (pre items + rest) x splits <= 256 + 256 n (see gather_splits).
+  __shared__ float s_tmp[kGatherThreads * (kN + 1)];
+  __shared__ float s_part[kTok * (kMaxCoef + 1)];  // [B][N+1]: this CTA's partial sums (its peers read them)
+  __shared__ float s_sum[kMaxItems + kMaxCoef];    // [B][n+1] pre coefficients + sum of squares, then the owner's rest
   __shared__ float s_hpre[kMhcSplitMaxBatch][kN];
-  __shared__ float s_own[kN + 1];                  // the owned token's pre coefficients and sum of squares
-  __shared__ float s_rest[kMaxCoef];
   __shared__ float s_h[kMaxCoef];
+  __shared__ unsigned s_tag;
+  __shared__ float s_mix[kTok][kN * kN + kN];  // mhc_post_pre: token b's H_res (row-major), then H_post
+  SPLIT_TRACE_DECL
   __shared__ float s_alpha[3], s_bias[kMaxCoef];  // weights, loaded with phi (no latency at the end)
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16* xs = reinterpret_cast<bf16*>(smem);  // [kTok][x_row]
-  float* region = reinterpret_cast<float*>(smem + ((kTok * s.x_row * 2 + 15) / 16) * 16);
+  bf16* xs = reinterpret_cast<bf16*>(smem);  // [kTokP][x_row]
+  float* region = reinterpret_cast<float*>(smem + kTokP * s.x_row * 2);  // phi [kRows][phi_row], later the warps' sums
 
   const int g = blockIdx.x;
   const int C = p.hidden, K = p.k_len, ncoef = p.num_coef, B = int(p.batch);
-  const int j0 = g * s.cpg, cw = min(s.cpg, C / 8 - j0);  // this CTA's 8-column groups
-  const int chunks = kN * cw;                            // (stream, column group) pairs
+  const int j0 = g * s.cpg, cw = max(0, min(s.cpg, C / 8 - j0));  // this CTA's 8-column groups (maybe none)
+  const int chunks = kN * cw;                                     // (stream, column group) pairs
   const int krow = s.phi_row;
   const int slots = ncoef + 1;
 
+  SPLIT_STAMP(0);
+  // Columns this CTA does not load (a short or empty last slice, the k16
+  // steps' padding) must be zeros in both operands.
+  if (cw < s.cpg || s.kk != kN * s.cpg * 8) {
+    uint4* z = reinterpret_cast<uint4*>(smem);
+    const int words = (kTokP * s.x_row * 2 + kRows * krow * 4) / 16;
+    for (int w = threadIdx.x; w < words; w += kThreads) z[w] = make_uint4(0, 0, 0, 0);
+    __syncthreads();
+  }
   // 1. phi's slice (weights: before the dependency when the caller allows it), then X's.
   // Thread t copies chunk t % chunks of rows t / chunks, + row_step, ...
   // (chunks <= kThreads: the launcher checks), so no division per copy.
-  const int row_step = kThreads / chunks, my_chunk = threadIdx.x % chunks;
-  const int first_row = threadIdx.x < row_step * chunks ? threadIdx.x / chunks : 1 << 20;  // the rest copy nothing
-  const int my_i = my_chunk / cw, my_j = my_chunk - my_i * cw;
+  const int cchunks = max(chunks, 1);
+  const int row_step = kThreads / cchunks, my_chunk = threadIdx.x % cchunks;
+  const int first_row = chunks > 0 && threadIdx.x < row_step * chunks ? threadIdx.x / chunks : 1 << 20;  // the rest copy nothing
+  const int my_i = my_chunk / max(cw, 1), my_j = my_chunk - my_i * cw;  // (no copies when cw == 0)
   const int my_off = (my_i * s.cpg + my_j) * 8;                           // in a shared-memory row
   const long long my_src = (long long)my_i * C + (j0 + my_j) * 8;         // in a global row
+  // fp32 phi by cp.async; bf16 phi widened to fp32 through registers with 4
+  // rows' loads in flight. (Issuing the loads a thread waits for -- bias,
+  // alpha, the epoch word -- after its copies instead of before made no
+  // measured difference: docs/mhc.md.)
   auto load_phi = [&] {
-    if (threadIdx.x < ncoef) s_bias[threadIdx.x] = __ldg(p.bias + threadIdx.x);
-    if (threadIdx.x < (p.mode == ProjectMode::kHead ? 1 : 3)) s_alpha[threadIdx.x] = __ldg(p.alpha + threadIdx.x);
     const PhiT* phi = static_cast<const PhiT*>(p.phi);
-    for (int m = first_row; m < kRows; m += row_step) {
-      float* dst = region + m * krow + my_off;
-      if (m >= ncoef) {  // rows past N: zeros, so the projection loop needs no guard
-        *reinterpret_cast<float4*>(dst) = make_float4(0.f, 0.f, 0.f, 0.f);
-        *reinterpret_cast<float4*>(dst + 4) = make_float4(0.f, 0.f, 0.f, 0.f);
-        continue;
-      }
-      const PhiT* src = phi + (long long)m * K + my_src;
-      if constexpr (std::is_same_v<PhiT, float>) {
+    if constexpr (std::is_same_v<PhiT, float>) {
+      for (int m = first_row; m < kRows; m += row_step) {
+        float* dst = region + m * krow + my_off;
+        if (m >= ncoef) {  // rows past N: zeros, so the projection loop needs no guard
+          *reinterpret_cast<float4*>(dst) = make_float4(0.f, 0.f, 0.f, 0.f);
+          *reinterpret_cast<float4*>(dst + 4) = make_float4(0.f, 0.f, 0.f, 0.f);
+          continue;
+        }
+        const PhiT* src = phi + (long long)m * K + my_src;
         dev::cp_async16(dst, src);
         dev::cp_async16(dst + 4, src + 4);
-      } else {
-        float f[8];
-        unpack8(dev::load_ro<bf16, 8>(src), f);
-        *reinterpret_cast<float4*>(dst) = make_float4(f[0], f[1], f[2], f[3]);
-        *reinterpret_cast<float4*>(dst + 4) = make_float4(f[4], f[5], f[6], f[7]);
+      }
+    } else {  // bf16 phi, widened to fp32: 4 rows' loads in flight at a time
+      for (int m0 = first_row; m0 < kRows; m0 += 4 * row_step) {
+        dev::Vec<bf16, 8> v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int m = m0 + u * row_step;
+          if (m < ncoef) v[u] = dev::load_ro<bf16, 8>(phi + (long long)m * K + my_src);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int m = m0 + u * row_step;
+          if (m >= kRows) break;
+          float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // rows past N: zeros
+          if (m < ncoef) unpack8(v[u], f);
+          float* dst = region + m * krow + my_off;
+          *reinterpret_cast<float4*>(dst) = make_float4(f[0], f[1], f[2], f[3]);
+          *reinterpret_cast<float4*>(dst + 4) = make_float4(f[4], f[5], f[6], f[7]);
+        }
       }
     }
   };
-  if (p.prefetch_weights) load_phi();
+  auto load_weights = [&] {
+    if (threadIdx.x < ncoef) s_bias[threadIdx.x] = __ldg(p.bias + threadIdx.x);
+    if (threadIdx.x < (p.mode == ProjectMode::kHead ? 1 : 3)) s_alpha[threadIdx.x] = __ldg(p.alpha + threadIdx.x);
+  };
+  if (p.prefetch_weights) {
+    load_weights();
+    load_phi();
+  }
   dev::grid_dependency_wait();
-  const unsigned gen0 = threadIdx.x == 0 ? ld_relaxed_gpu(s.bar_gen) : 0u;  // in flight during the loads
-  if (!p.prefetch_weights) load_phi();
-  for (int b = first_row; b < kTok; b += row_step) {
+  if (threadIdx.x == 0) s_tag = ld_relaxed_gpu(s.epoch) + 1u;
+  if (!p.prefetch_weights) {
+    load_weights();
+    load_phi();
+  }
+  for (int b = first_row; b < kTokP; b += row_step) {
     bf16* dst = xs + b * s.x_row + my_off;
     if (b < B)
       dev::cp_async16(dst, p.x + (long long)b * K + my_src);
     else
       *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);  // padding tokens: zeros, never stored
   }
+  // mhc_post_pre: F_out's slice [B][cw groups] beside X's rows and the
+  // tokens' H_res, H_post (X above is then X_L).
+  const bool post = p.has_post();
+  bf16* fs = reinterpret_cast<bf16*>(region + kRows * krow);  // [kTok][cpg * 8], after phi's rows
+  if (post)
+    for (int idx = threadIdx.x; idx < B * cw; idx += kThreads) {
+      const int b = idx / cw, j = idx - b * cw;
+      dev::cp_async16(fs + (b * s.cpg + j) * 8, p.post.f_out + (long long)b * C + (j0 + j) * 8);
+    }
+  if (post) {
+    for (int idx = threadIdx.x; idx < B * (kN * kN + kN); idx += kThreads) {
+      const int b = idx / (kN * kN + kN), e = idx - b * (kN * kN + kN);
+      s_mix[b][e] = e < kN * kN ? p.post.h_res[(long long)b * kN * kN + e] : p.post.h_post[(long long)b * kN + e - kN * kN];
+    }
+  }
   dev::cp_async_commit();
   dev::cp_async_wait<0>();
   __syncthreads();
-
-  // 2. Partial sums. Warp w takes the tokens of half w % kHalves and chunks
-  // w / kHalves + i * kWarps / kHalves; a chunk in two halves of 4 columns
-  // (fewer live registers).
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int half = warp % kHalves, tg = half * 16 + lane / kMs, ms = lane % kMs;
-  float acc[kAcc][kTpl], sq[kTpl];
+  if (post) {
+    // X_next = R X_L + H_post F_out for this slice, in place, and once to
+    // x_next: mhc_post's arithmetic (post_mix_pair), so the projection below
+    // sees bitwise what mhc_pre would read back. A thread per (token, 8 columns).
+    for (int idx = threadIdx.x; idx < B * cw; idx += kThreads) {
+      const int b = idx / cw, j = idx - b * cw;
+      uint4 xv[kN];
 #pragma unroll
-  for (int t = 0; t < kTpl; ++t) {
-    sq[t] = 0.f;
+      for (int i = 0; i < kN; ++i) xv[i] = *reinterpret_cast<const uint4*>(xs + b * s.x_row + (i * s.cpg + j) * 8);
+      const uint4 fv = *reinterpret_cast<const uint4*>(fs + (b * s.cpg + j) * 8);
+      const uint32_t* fw = reinterpret_cast<const uint32_t*>(&fv);
 #pragma unroll
-    for (int a = 0; a < kAcc; ++a) acc[a][t] = 0.f;
-  }
-  for (int q = warp / kHalves; q < chunks; q += kWarps / kHalves) {
-    const int i = q / cw, j = q - i * cw, off = (i * s.cpg + j) * 8;
+      for (int i = 0; i < kN; ++i) {
+        float r[kN];
 #pragma unroll
-    for (int h = 0; h < 8; h += 4) {
-      float xv[kTpl][4];
+        for (int jj = 0; jj < kN; ++jj) r[jj] = p.post.transpose ? s_mix[b][jj * kN + i] : s_mix[b][i * kN + jj];
+        const float hp = s_mix[b][kN * kN + i];
+        uint4 o;
+        uint32_t* ow = reinterpret_cast<uint32_t*>(&o);
 #pragma unroll
-      for (int t = 0; t < kTpl; ++t) {  // 4 bf16 -> fp32 exactly (a shift, a mask)
-        const uint2 raw = *reinterpret_cast<const uint2*>(xs + (tg + 4 * t) * s.x_row + off + h);
-        xv[t][0] = __uint_as_float(raw.x << 16);
-        xv[t][1] = __uint_as_float(raw.x & 0xffff0000u);
-        xv[t][2] = __uint_as_float(raw.y << 16);
-        xv[t][3] = __uint_as_float(raw.y & 0xffff0000u);
+        for (int w = 0; w < 4; ++w) {
+          uint32_t xw[kN];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) sq[t] = fmaf(xv[t][e], xv[t][e], sq[t]);
-      }
-#pragma unroll
-      for (int a = 0; a < kAcc; ++a) {
-        const float4 pv = *reinterpret_cast<const float4*>(region + (ms + a * kMs) * krow + off + h);
-#pragma unroll
-        for (int t = 0; t < kTpl; ++t) {
-          float v = fmaf(xv[t][0], pv.x, acc[a][t]);
-          v = fmaf(xv[t][1], pv.y, v);
-          v = fmaf(xv[t][2], pv.z, v);
-          acc[a][t] = fmaf(xv[t][3], pv.w, v);
+          for (int jj = 0; jj < kN; ++jj) xw[jj] = reinterpret_cast<const uint32_t*>(&xv[jj])[w];
+          ow[w] = post_mix_pair<kN>(xw, fw[w], r, hp);
         }
+        *reinterpret_cast<uint4*>(xs + b * s.x_row + (i * s.cpg + j) * 8) = o;
+        __stcs(reinterpret_cast<uint4*>(p.post.x_next + (long long)b * K + (long long)i * C + (j0 + j) * 8), o);
       }
+    }
+    __syncthreads();
+  }
+  SPLIT_STAMP(1);
+
+  // 2. Partial sums on the tensor cores (mma.sync m16n8k16, fp32
+  // accumulators): A = X's slice (16 tokens a tile, exact in bf16), B = phi
+  // split into bf16 pieces (fp32: hi + mid + lo, 24 significant bits, i.e.
+  // phi as it is; bf16 phi: one piece), the sums of squares from X X^T's
+  // diagonal (two more MMAs a tile). Warp w takes k16 steps w, w + 16, ...;
+  // the warps' sums are added in warp order.
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int gq = lane >> 2, tq = lane & 3;
+  const int steps = s.kk / 16;
+  float acc[kMt][kNt][4], sq[kMt][2][4];
+#pragma unroll
+  for (int mt = 0; mt < kMt; ++mt) {
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sq[mt][h][e] = 0.f;
+  }
+  for (int st = warp; st < steps; st += kWarps) {
+    const int kb = st * 16;
+    uint32_t a[kMt][4];
+#pragma unroll
+    for (int mt = 0; mt < kMt; ++mt) {
+      ldmatrix_x4(a[mt], xs + (mt * 16 + (lane & 15)) * s.x_row + kb + (lane >> 4) * 8);
+      mma_16816(sq[mt][0], a[mt], a[mt][0], a[mt][2]);  // X X^T, columns = tokens 0-7 of the tile
+      mma_16816(sq[mt][1], a[mt], a[mt][1], a[mt][3]);  // tokens 8-15
+    }
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) {
+      const float* prow = region + (nt * 8 + gq) * krow + kb + 2 * tq;
+      const float2 v0 = *reinterpret_cast<const float2*>(prow);
+      const float2 v1 = *reinterpret_cast<const float2*>(prow + 8);
+      uint32_t b0[kPieces], b1[kPieces];
+      split_pieces<kPieces>(v0, b0);
+      split_pieces<kPieces>(v1, b1);
+#pragma unroll
+      for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+        for (int pc = 0; pc < kPieces; ++pc) mma_16816(acc[mt][nt], a[mt], b0[pc], b1[pc]);
     }
   }
   __syncthreads();  // phi_s is done with: the region now holds the warps' sums
-  float* red = region;  // [kWarps][kTok][slots]
+  SPLIT_STAMP(7);
+  float* red = region;  // [used warps][kTokP][slots]
+  const int used = min(steps, kWarps);
+  if (warp < used) {
 #pragma unroll
-  for (int t = 0; t < kTpl; ++t) {
-    float* row = red + (warp * kTok + tg + 4 * t) * slots;
+    for (int mt = 0; mt < kMt; ++mt) {
+      float* row0 = red + (warp * kTokP + mt * 16 + gq) * slots;
+      float* row1 = row0 + 8 * slots;
 #pragma unroll
-    for (int a = 0; a < kAcc; ++a) {
-      const int m = ms + a * kMs;
-      if (m < ncoef) row[m] = acc[a][t];
+      for (int nt = 0; nt < kNt; ++nt) {
+        const int m = nt * 8 + 2 * tq;
+        if (m < ncoef) row0[m] = acc[mt][nt][0], row1[m] = acc[mt][nt][2];
+        if (m + 1 < ncoef) row0[m + 1] = acc[mt][nt][1], row1[m + 1] = acc[mt][nt][3];
+      }
+      if (tq == gq >> 1) {  // the diagonal of X X^T: this lane holds token gq's and gq + 8's
+        row0[ncoef] = sq[mt][0][gq & 1];
+        row1[ncoef] = sq[mt][1][2 + (gq & 1)];
+      }
     }
-    if (ms == 0) row[ncoef] = sq[t];
   }
   __syncthreads();
   for (int idx = threadIdx.x; idx < B * slots; idx += kThreads) {
     const int b = idx / slots, v = idx - b * slots;
     float sum = 0.f;
-#pragma unroll
-    for (int w = b / 16 % kHalves; w < kWarps; w += kHalves) sum += red[(w * kTok + b) * slots + v];
-    if (v < kN)
-      s.ws_pre[(g * B + b) * (kN + 1) + v] = sum;
-    else if (v == ncoef)
-      s.ws_pre[(g * B + b) * (kN + 1) + kN] = sum;
-    else
-      s.ws_rest[b * s.rest_stride + g * (ncoef - kN) + (v - kN)] = sum;
+    for (int w = 0; w < used; ++w) sum += red[(w * kTokP + b) * slots + v];
+    s_part[idx] = sum;
   }
+  __syncthreads();
 
-  // 3. Every CTA's partial sums are in the workspace after this.
-  grid_barrier(s.bar_count, s.bar_gen, gen0, unsigned(s.ctas));
+  // 3. The cluster's sums of each item, published in its record.
+  SPLIT_STAMP(2);
+  const unsigned tag = s_tag;
+  const int pre_items = B * (kN + 1), rest = ncoef - kN;
+  // Item (b, v) of s_part -> its word in a record: pre coefficients and the
+  // sum of squares of every token first, then the other coefficients.
+  auto word_of_part = [&](int it) {
+    const int b = it / slots, v = it - b * slots;
+    return v < kN ? b * (kN + 1) + v : v == ncoef ? b * (kN + 1) + kN : pre_items + b * rest + (v - kN);
+  };
+  const bool clustered = s.cluster > 1;  // kSplitCluster CTAs a cluster, or none
+  if (clustered) {                       // every rank's s_part is complete
+    cl_arrive();
+    cl_wait();
+  }
+  {
+    const int cl = clustered ? kSplitCluster : 1, rank = clustered ? int(cl_rank()) : 0;
+    unsigned long long* my_rec = s.rec + (long long)(g / cl) * s.rec_stride;
+    for (int it = rank + cl * int(threadIdx.x); it < B * slots; it += cl * kThreads) {
+      float v;
+      if (clustered) {
+        float part[kSplitCluster];
+#pragma unroll
+        for (int rk = 0; rk < kSplitCluster; ++rk) part[rk] = ld_peer(s_part + it, unsigned(rk));
+        v = part[0];
+#pragma unroll
+        for (int rk = 1; rk < kSplitCluster; ++rk) v += part[rk];  // rank order
+      } else {
+        v = s_part[it];
+      }
+      st_word(my_rec + word_of_part(it), v, tag);
+    }
+  }
+  // Done with the peers' s_part; the matching wait ends the kernel. (A
+  // relaxed arrive here measured 1.1 us slower on an H100: 11.4 against
+  // 10.15 us at B = 16, n = 4, C = 7168.)
+  if (clustered) cl_arrive();
+  SPLIT_STAMP(3);
   dev::allow_dependents_launch();
 
-  // 4. The blocks every CTA needs (all tokens' pre coefficients and sums of
-  // squares) and, for the owner of token g, its other coefficients: one round trip.
-  const int items = B * (kN + 1);
-  const int rest = ncoef - kN;
-  float* rest_in = region + s.pre_floats;
+  // 4. Every record's pre items (all tokens) and, in the owner of token g,
+  // token g's other coefficients: one pass, summed in record order.
   const bool owner = p.mode != ProjectMode::kHead && g < B;
-  copy_words(region, s.ws_pre, s.pre_floats / 4);
-  if (owner) copy_words(rest_in, s.ws_rest + g * s.rest_stride, s.rest_stride / 4);
-  dev::cp_async_wait<0>();
-  __syncthreads();
+  const int splits = gather_splits(pre_items, s.records);
+  const Group all{0, kThreads, 0};
+  {
+    const int own_b = owner ? g : 0;
+    auto word = [&](int it) { return it < pre_items ? it : pre_items + own_b * rest + (it - pre_items); };
+    gather_sum(s.rec, s.rec_stride, s.records, pre_items + (owner ? rest : 0), splits, word, tag, s_tmp, s_sum,
+               all);
+  }
+  SPLIT_STAMP(4);
+  // CTA 0 has now seen a word of every record, so every CTA has read the
+  // epoch (before its cluster's first barrier): the next launch's tag.
+  if (g == 0 && threadIdx.x == 0) asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(s.epoch), "r"(tag) : "memory");
 
   // The pre path (every CTA but in stage 1): H_pre of every token, then the
   // mix of this CTA's columns from the slice of X still in shared memory. In
-  // an owner CTA it takes half the warps, and the other half makes token g's
-  // coefficients at the same time (the two are the kernel's last steps).
-  const Group all{0, kThreads, 0};
-  const Group pre_grp = owner ? Group{0, kThreads / 2, 1} : all;
-  const Group own_grp{kThreads / 2, kThreads / 2, 2};
-  if (p.mode != ProjectMode::kProject && (!owner || threadIdx.x < kThreads / 2)) {
-    sum_over_ctas(region, items, items, s.ctas, s_tmp, s_sum, pre_grp);
+  // an owner CTA the last warp makes token g's coefficients meanwhile.
+  const Group pre_grp = owner ? Group{0, kThreads - 32, 1} : all;
+  if (p.mode != ProjectMode::kProject && (!owner || threadIdx.x < kThreads - 32)) {
     for (int b = pre_grp.tid(); b < B; b += pre_grp.threads) {
       // Fast division and sigmoid (as the resident kernel): H_pre within ~2 ulp.
       const float r = sqrtf(s_sum[b * (kN + 1) + kN] * s.inv_k + p.eps_norm);
@@ -323,6 +547,7 @@ __global__ void __launch_bounds__(kThreads, 1) mhc_split_kernel(ProjectParams p,
         s_hpre[b][i] = sigmoid_fast(s_alpha[0] * __fdividef(s_sum[b * (kN + 1) + i], r) + s_bias[i]) + p.act.eps_pre;
     }
     pre_grp.sync();
+    SPLIT_STAMP(5);
     for (int idx = pre_grp.tid(); idx < B * cw; idx += pre_grp.threads) {
       const int b = idx / cw, j = idx - b * cw;
       float out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -339,33 +564,28 @@ __global__ void __launch_bounds__(kThreads, 1) mhc_split_kernel(ProjectParams p,
       for (int e = 0; e < 8; ++e) o.v[e] = __float2bfloat16_rn(out[e]);
       dev::store<bf16, 8>(p.f_out + (long long)b * C + (j0 + j) * 8, o);
     }
+    SPLIT_STAMP(6);
   }
-  if (!owner) return;
-
-  // The owner of token b (CTA b mod ctas): its coefficients summed over the
-  // CTAs, then the activations with Sinkhorn (mhc_pre) or h and r
-  // (mhc_project). Token g on the owner half (the whole CTA in stage 1);
-  // further tokens (more tokens than CTAs: tiny C) on the whole CTA.
-  for (int b = g; b < B; b += s.ctas) {
-    const Group grp = b == g && p.mode != ProjectMode::kProject ? own_grp : all;
-    if (b != g) {
-      __syncthreads();  // both halves are done with the previous token
-      copy_words(rest_in, s.ws_rest + b * s.rest_stride, s.rest_stride / 4);
-      dev::cp_async_wait<0>();
-      __syncthreads();
-    }
-    if (grp.bar == 0 || threadIdx.x >= kThreads / 2) {
-      sum_over_ctas(region + b * (kN + 1), items, kN + 1, s.ctas, s_tmp_own, s_own, grp);  // pre + sum of squares
-      sum_over_ctas(rest_in, rest, rest, s.ctas, s_tmp_own, s_rest, grp);
-      const float r = sqrtf(s_own[kN] * s.inv_k + p.eps_norm);
-      for (int m = grp.tid(); m < kMaxCoef; m += grp.threads) {  // h, a thread per coefficient
-        const float raw = m < kN ? s_own[m] : s_rest[m - kN];
+  if (owner && threadIdx.x >= kThreads - 32) {
+    // The owner warp: token g (its other coefficients gathered above), then
+    // tokens g + grid, ... (more tokens than CTAs: tiny C), each gathered here.
+    const Group own{kThreads - 32, 32, 2};
+    const int lane = int(threadIdx.x) & 31;
+    for (int b = g; b < B; b += int(gridDim.x)) {
+      const float* rest_sum = s_sum + pre_items;
+      if (b != g) {
+        auto word = [&](int it) { return pre_items + b * rest + it; };
+        gather_sum(s.rec, s.rec_stride, s.records, rest, splits, word, tag, s_tmp, s_sum + pre_items, own);
+      }
+      const float r = sqrtf(s_sum[b * (kN + 1) + kN] * s.inv_k + p.eps_norm);
+      for (int m = lane; m < kMaxCoef; m += 32) {  // h, a lane per coefficient
+        const float raw = m < kN ? s_sum[b * (kN + 1) + m] : rest_sum[m - kN];
         const float h = s_alpha[alpha_index(m, kN)] * __fdividef(raw, r) + s_bias[m];
         if (p.mode == ProjectMode::kProject) p.h[(long long)b * kMaxCoef + m] = h;
         s_h[m] = h;
       }
-      grp.sync();
-      if (grp.tid() == 0) {
+      __syncwarp();
+      if (lane == 0) {
         if (p.mode == ProjectMode::kProject) {
           p.r[b] = r;
         } else {
@@ -380,71 +600,123 @@ __global__ void __launch_bounds__(kThreads, 1) mhc_split_kernel(ProjectParams p,
           for (int e = 0; e < kN * kN; ++e) p.h_res[(long long)b * kN * kN + e] = res[e];
         }
       }
-      grp.sync();
+      __syncwarp();
     }
+    SPLIT_STAMP(8);
   }
+  SPLIT_TRACE_FLUSH();
+  if (clustered) cl_wait();  // no peer reads this CTA's s_part any more
+}
+
+// The launch's shape: CTAs, their column groups, the records and shared memory.
+struct SplitPlan {
+  int cpg = 0, ctas = 0, grid = 0, kk = 0;
+  size_t smem = 0;
+};
+SplitPlan split_plan(int groups, int target, int cluster, int n, int tok, int num_coef, bool post) {
+  SplitPlan pl;
+  pl.cpg = (groups + target - 1) / target;
+  pl.ctas = (groups + pl.cpg - 1) / pl.cpg;
+  pl.grid = (pl.ctas + cluster - 1) / cluster * cluster;  // CTAs past ctas hold no columns
+  pl.kk = (n * pl.cpg * 8 + 15) / 16 * 16;
+  const int tok_p = std::max(tok, 16);
+  const int x_row = pl.kk + 8, phi_row = pl.kk + 4;  // + 16 bytes: rows start on different banks
+  const size_t x_bytes = size_t(tok_p) * x_row * 2;
+  // phi's rows, then (mhc_post_pre) F_out's slice of every token.
+  const size_t phi_bytes = size_t(split_phi_rows(n)) * phi_row * 4 + (post ? size_t(tok) * pl.cpg * 8 * 2 : 0);
+  const size_t red_bytes = size_t(kThreads / 32) * tok_p * (num_coef + 1) * 4;
+  pl.smem = x_bytes + std::max(phi_bytes, red_bytes);
+  return pl;
 }
 
 template <int kN, typename PhiT, int kTok>
-cudaError_t launch_split(const ProjectParams& p, const SplitArgs& s, size_t smem, cudaStream_t stream, bool pdl,
+cudaError_t launch_split(const ProjectParams& p, const detail::DeviceProps& dev, cudaStream_t stream, bool pdl,
                          bool dry_run, const char** why_not) {
   auto kernel = mhc_split_kernel<kN, PhiT, kTok>;
-  // The grid barrier needs every CTA resident: one per SM must fit.
-  int per_sm = 0;
-  if (detail::blocks_per_sm(detail::kernel_key(kernel), kThreads, smem, &per_sm) != cudaSuccess || per_sm < 1)
-    return not_supported(why_not, "split: a CTA of this size does not fit on an SM of this device");
+  const void* key = detail::kernel_key(kernel);
+  const int groups = p.hidden / 8, B = int(p.batch);
+  // Clusters where the kernel was built for sm_90 (its cluster code compiles
+  // to nothing below; PTX JIT-compiled from an older target has none).
+  static std::atomic<int> ptx_by_device[64];
+  int ptx = dev.device >= 0 && dev.device < 64 ? ptx_by_device[dev.device].load() : 0;
+  if (ptx == 0) {
+    cudaFuncAttributes fa{};
+    if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return not_supported(why_not, "split: no kernel image for this device");
+    }
+    ptx = fa.ptxVersion;
+    if (dev.device >= 0 && dev.device < 64) ptx_by_device[dev.device].store(ptx);
+  }
+  const int cluster = dev.cc_major >= 9 && ptx >= 90 ? kSplitCluster : 1;
+  // Every CTA must be resident at once (they wait for each other's records):
+  // start from one CTA per SM; if fewer clusters of this size fit, take fewer.
+  int target = std::max(cluster, std::min(dev.sms, kSplitMaxCtas) / cluster * cluster);
+  SplitPlan pl;
+  for (int attempt = 0;; ++attempt) {
+    pl = split_plan(groups, target, cluster, kN, kTok, p.num_coef, p.has_post());
+    if (pl.smem > size_t(dev.smem_optin)) return not_supported(why_not, "split: its tile does not fit in shared memory");
+    if (kN * pl.cpg > kThreads)  // a thread per (stream, column group) when copying
+      return not_supported(why_not, "split: C too large for one CTA per SM");
+    int resident = 0;
+    if (cluster > 1) {
+      int clusters = 0;
+      if (detail::active_clusters(key, kThreads, pl.smem, cluster, &clusters) != cudaSuccess) clusters = 0;
+      resident = clusters * cluster;
+    } else {
+      int per_sm = 0;
+      if (detail::blocks_per_sm(key, kThreads, pl.smem, &per_sm) != cudaSuccess) per_sm = 0;
+      resident = per_sm * dev.sms;
+    }
+    if (pl.grid <= resident) break;
+    if (resident < cluster || attempt == 8)
+      return not_supported(why_not, "split: its CTAs (with their shared memory) cannot all be resident on this device");
+    // Fewer CTAs (each with more columns, so more shared memory): at least
+    // one cluster fewer each round.
+    target = std::min(target - cluster, resident / cluster * cluster);
+  }
+  const SplitWorkspaceLayout l = split_workspace_layout(pl.grid / cluster, B, p.num_coef);
+  if (l.bytes > p.workspace_bytes)  // validated for kSplitMaxCtas records: not reached
+    return not_supported(why_not, "split: the workspace is smaller than this device needs");
   if (dry_run) return cudaSuccess;
-  return dev::launch(kernel, dim3(unsigned(s.ctas)), dim3(kThreads), smem, stream, pdl, p, s);
+  SplitArgs s;
+  auto* ws = static_cast<unsigned char*>(p.workspace);
+  s.epoch = reinterpret_cast<unsigned*>(ws);
+  s.rec = reinterpret_cast<unsigned long long*>(ws + l.rec_offset);
+  s.records = pl.grid / cluster;
+  s.cluster = cluster;
+  s.rec_stride = int(l.rec_stride);
+  s.cpg = pl.cpg;
+  s.kk = pl.kk;
+  s.x_row = pl.kk + 8;
+  s.phi_row = pl.kk + 4;
+  s.inv_k = 1.0f / float(p.k_len);
+  if (cluster == 1) return dev::launch(kernel, dim3(unsigned(pl.grid)), dim3(kThreads), pl.smem, stream, pdl, p, s);
+  cudaLaunchAttribute attr[2];
+  cudaLaunchConfig_t config =
+      dev::cluster_launch_config(attr, dim3(unsigned(pl.grid)), dim3(kThreads), pl.smem, stream, cluster, pdl);
+  return cudaLaunchKernelEx(&config, kernel, p, s);
 }
 
 }  // namespace
 
 cudaError_t mhc_split_project(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
                               bool dry_run, const char** why_not) {
-  if (p.has_post()) return not_supported(why_not, "split: no fused post (mhc_post_pre)");
   if (p.has_epilogue()) return not_supported(why_not, "split: no F_pre norm / FP8 epilogue");
   if (p.fp8x) return not_supported(why_not, "split: bf16 residual stream only (the FP8 stream runs on the cluster-tile and portable kernels)");
   if (p.workspace == nullptr) return not_supported(why_not, "split: needs a workspace (mhc_workspace_bytes)");
   if (p.batch < 1 || p.batch > kMhcSplitMaxBatch) return not_supported(why_not, "split: B must be 1..32");
   detail::DeviceProps dev;
   if (detail::current_device_props(&dev) != cudaSuccess) return not_supported(why_not, "no usable CUDA device");
-  const int groups = p.hidden / 8;
-  const int target = std::min(dev.sms, kSplitMaxCtas);
-  const int cpg = (groups + target - 1) / target;
-  const int ctas = (groups + cpg - 1) / cpg;
   const int B = int(p.batch);
-  const SplitWorkspaceLayout l = split_workspace_layout(ctas, B, n, p.num_coef);
-  if (l.bytes > p.workspace_bytes)  // validated for kSplitMaxCtas: not reached
-    return not_supported(why_not, "split: the workspace is smaller than this device needs");
   const int tok = B <= 8 ? 8 : B <= 16 ? 16 : 32;
-  SplitArgs s;
-  auto* ws = static_cast<unsigned char*>(p.workspace);
-  s.bar_count = reinterpret_cast<unsigned*>(ws);
-  s.bar_gen = reinterpret_cast<unsigned*>(ws + 128);
-  s.ws_pre = reinterpret_cast<float*>(ws + l.pre_offset);
-  s.ws_rest = reinterpret_cast<float*>(ws + l.rest_offset);
-  s.ctas = ctas;
-  s.cpg = cpg;
-  s.x_row = n * cpg * 8 + 8;    // + 16 bytes: the tokens' rows start on different banks
-  s.phi_row = n * cpg * 8 + 4;  // + 16 bytes: the 8 rows a warp reads hit different banks
-  s.pre_floats = int(l.pre_floats);
-  s.rest_stride = int(l.rest_floats);
-  s.inv_k = 1.0f / float(p.k_len);
-  const size_t x_bytes = (size_t(tok) * s.x_row * 2 + 15) / 16 * 16;
-  const size_t phi_bytes = size_t(split_phi_rows(n)) * s.phi_row * 4;
-  const size_t red_bytes = size_t(kThreads / 32) * tok * (p.num_coef + 1) * 4;
-  const size_t in_bytes = size_t(l.pre_floats + l.rest_floats) * 4;
-  const size_t smem = x_bytes + std::max({phi_bytes, red_bytes, in_bytes});
-  if (smem > size_t(dev.smem_optin)) return not_supported(why_not, "split: its tile does not fit in shared memory");
-  if (n * cpg > kThreads)  // a thread per (stream, column group) when copying
-    return not_supported(why_not, "split: C too large for one CTA per SM");
   cudaError_t err = cudaErrorNotSupported;
   dispatch_n(n, [&](auto kn) {
     constexpr int kN = decltype(kn)::value;
     auto go = [&](auto tok_c) {
       constexpr int kTok = decltype(tok_c)::value;
-      err = phi_is_f32 ? launch_split<kN, float, kTok>(p, s, smem, stream, pdl, dry_run, why_not)
-                       : launch_split<kN, bf16, kTok>(p, s, smem, stream, pdl, dry_run, why_not);
+      err = phi_is_f32 ? launch_split<kN, float, kTok>(p, dev, stream, pdl, dry_run, why_not)
+                       : launch_split<kN, bf16, kTok>(p, dev, stream, pdl, dry_run, why_not);
     };
     if (tok == 8) go(std::integral_constant<int, 8>{});
     else if (tok == 16) go(std::integral_constant<int, 16>{});

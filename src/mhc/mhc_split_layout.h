@@ -2,12 +2,14 @@
 // shared by the host size query/validation and the kernel's launcher, so the
 // two agree byte for byte. Plain C++ (no CUDA).
 //
-//   [0, 256)           the grid barrier's two words (arrivals, generation), zero when idle
-//   pre  [G][B][n+1]   each CTA's partial sums of the pre coefficients and the sum of squares
-//   rest [B][G][N-n]   each CTA's partial sums of the other coefficients (token-major: a
-//                      token's owner reads one contiguous block)
-// Both arrays start 16-byte aligned and are rounded up to whole 16-byte words,
-// so they can be copied in 16-byte pieces.
+//   [0, 256)                  the epoch word (at 0): the launches so far, mod 2^32
+//   records [R][rec_stride]   8-byte words, one record per cluster of CTAs (per CTA
+//                             without clusters): the cluster's partial sums, each
+//                             word {float value (low half), tag (high half)}
+// A record holds first the pre coefficients and the sum of squares of every
+// token, [B][n+1] (the part every CTA reads), then the other coefficients,
+// [B][N-n] (token b's part read by its owner). rec_stride is rounded up to
+// whole 16-byte pairs.
 #pragma once
 
 #include <cstddef>
@@ -15,25 +17,20 @@
 
 namespace flashmix::mhc_detail {
 
-constexpr int kSplitMaxCtas = 256;  // the workspace is sized for this many CTAs
+constexpr int kSplitMaxCtas = 256;     // at most this many CTAs, so records, per launch
 constexpr size_t kSplitHeaderBytes = 256;
 
-inline int64_t round_up4(int64_t v) { return (v + 3) / 4 * 4; }
-
 struct SplitWorkspaceLayout {
-  int64_t pre_floats = 0;   // per array, rounded up to 4
-  int64_t rest_floats = 0;  // per token, rounded up to 4
-  size_t pre_offset = 0, rest_offset = 0, bytes = 0;
+  int64_t rec_stride = 0;  // 8-byte words per record
+  size_t rec_offset = 0, bytes = 0;
 };
 
-// ctas: the CTAs of the launch (<= kSplitMaxCtas); num_coef: N (n for mhc_head).
-inline SplitWorkspaceLayout split_workspace_layout(int64_t ctas, int64_t batch, int n, int num_coef) {
+// records: the records of the launch (<= kSplitMaxCtas); num_coef: N (n for mhc_head).
+inline SplitWorkspaceLayout split_workspace_layout(int64_t records, int64_t batch, int num_coef) {
   SplitWorkspaceLayout l;
-  l.pre_floats = round_up4(ctas * batch * (n + 1));
-  l.rest_floats = round_up4(ctas * (num_coef - n));
-  l.pre_offset = kSplitHeaderBytes;
-  l.rest_offset = l.pre_offset + size_t(l.pre_floats) * 4;
-  l.bytes = l.rest_offset + size_t(batch * l.rest_floats) * 4;
+  l.rec_stride = (batch * (num_coef + 1) + 1) / 2 * 2;
+  l.rec_offset = kSplitHeaderBytes;
+  l.bytes = l.rec_offset + size_t(records * l.rec_stride) * 8;
   return l;
 }
 

@@ -656,8 +656,8 @@ TEST(MhcValidation, WorkspaceSizeAndRules) {
   EXPECT_EQ(mhc_workspace_bytes({kMhcSplitMaxBatch + 1, 4, 7168}), 0u);
   EXPECT_EQ(mhc_workspace_bytes({4, 4, 60}), 0u);  // invalid hidden
   const size_t b16 = mhc_workspace_bytes({16, 4, 7168});
-  // 256 header bytes + [256 CTAs][16 tokens][n + 1] + [16 tokens][256 CTAs][n*n + n] floats.
-  EXPECT_EQ(b16, 256u + 4u * (256 * 16 * 5 + 16 * 256 * 20));
+  // 256 header bytes + [256 records][16 tokens x (N + 1) = 400] 8-byte tagged words.
+  EXPECT_EQ(b16, 256u + 8u * 256 * 400);
   EXPECT_LT(mhc_workspace_bytes({1, 4, 7168}), b16);
   EXPECT_LT(mhc_workspace_bytes({16, 4, 64}), b16);  // 8 CTAs at most for 8 column groups
   EXPECT_GT(mhc_workspace_bytes({kMhcSplitMaxBatch, 8, 7168}), b16);
@@ -748,6 +748,22 @@ TEST(MhcValidation, PostPreNamesItsArguments) {
   a = base();
   a.shape.hidden = 20;
   expect_error(mhc_post_pre_cpu(a), StatusCode::kInvalidArgument, "hidden");
+  {  // the small-batch workspace (spec §4.6): size, alignment, overlap
+    const size_t need = mhc_workspace_bytes(base().shape);
+    ASSERT_GT(need, 0u);
+    std::vector<uint64_t> ws(need / 8 + 2, 0);
+    a = base();
+    a.workspace = ws.data();
+    a.workspace_bytes = need;
+    EXPECT_TRUE(validate_mhc_post_pre(a).ok());
+    a.workspace_bytes = need - 8;
+    expect_error(mhc_post_pre_cpu(a), StatusCode::kInvalidArgument, "workspace_bytes");
+    a.workspace = reinterpret_cast<char*>(ws.data()) + 4;  // 4-byte aligned only
+    a.workspace_bytes = need;
+    expect_error(mhc_post_pre_cpu(a), StatusCode::kInvalidArgument, "workspace");
+    a.workspace = xn.data();  // overlaps an output
+    expect_error(mhc_post_pre_cpu(a), StatusCode::kInvalidArgument, "workspace");
+  }
   for (auto v : xn) ASSERT_EQ(v, 0x7fc1);
   for (auto v : f) ASSERT_EQ(v, 0x7fc1);
   for (auto v : hp) ASSERT_EQ(v, 1234.f);

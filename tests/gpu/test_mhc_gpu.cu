@@ -70,12 +70,13 @@ DeviceBuffer zeroed_workspace(const MhcShape& shape) {
   return b;
 }
 
-// The grid barrier's words are back at zero after a launch (so the next one starts clean).
-void expect_barrier_idle(const DeviceBuffer& ws) {
+// The workspace's epoch word counts the split kernel's launches since it was
+// zeroed (each launch's records carry epoch + 1 as their tag).
+void expect_epoch(const DeviceBuffer& ws, uint32_t launches) {
   if (ws.get() == nullptr) return;
   uint32_t words[64];
   ASSERT_EQ(cudaMemcpy(words, ws.get(), sizeof(words), cudaMemcpyDeviceToHost), cudaSuccess);
-  EXPECT_EQ(words[0], 0u) << "the barrier's arrival count is left non-zero";
+  EXPECT_EQ(words[0], launches) << "the epoch word does not count the split kernel's launches";
 }
 
 std::string pre_case_name(const ::testing::TestParamInfo<PreCase>& info) {
@@ -121,8 +122,16 @@ TEST_P(MhcPreGpu, MatchesReference) {
     ASSERT_TRUE(s.ok()) << s.message();
   }
   CUDA_OK(cudaDeviceSynchronize());
-  expect_barrier_idle(ws);
-  if (c.B == 0) return;
+  if (c.B == 0) {
+    expect_epoch(ws, 0);
+    return;
+  }
+  {
+    MhcPreKernel chosen = MhcPreKernel::kAuto;
+    std::string why;
+    ASSERT_TRUE(mhc_pre_kernel_choice(a, &chosen, &why).ok()) << why;
+    expect_epoch(ws, chosen == MhcPreKernel::kSplit ? 1u : 0u);
+  }
   auto got_f = f_pre.to_host<uint16_t>();
   auto got_post = h_post.to_host<float>();
   auto got_res = h_res.to_host<float>();
@@ -499,8 +508,9 @@ TEST(MhcDeterminismGpu, RepeatedRunsAndGraphReplayAreBitwiseIdentical) {
     EXPECT_EQ(r1.x_next, r3.x_next);
     for (auto v : r1.x_next) ASSERT_TRUE(std::isfinite(f32(v)));
   }
-  // The split kernel (decode, with a workspace): its grid barrier is reused
-  // by every launch, graph replays included.
+  // The split kernel (decode, with a workspace): its epoch word and records
+  // are reused by every launch, graph replays included (a direct run is one
+  // launch, a graph run four: run_direct_or_graph).
   for (int n : {4, 6}) {
     Problem p = make_problem(16, n, n == 4 ? 7168 : 1000, seed_for("determinism_split") + n);
     DeviceProblem d(p);
@@ -512,10 +522,10 @@ TEST(MhcDeterminismGpu, RepeatedRunsAndGraphReplayAreBitwiseIdentical) {
     expect_bitwise_equal(r1, r2);
     expect_bitwise_equal(r1, r3);
     for (auto v : r1.f_pre) ASSERT_TRUE(std::isfinite(f32(v)));
-    expect_barrier_idle(ws);
+    expect_epoch(ws, 1 + 1 + 4);
   }
   // One workspace shared by launches of different shapes (different CTA
-  // counts at the grid barrier): each leaves it idle for the next.
+  // and record counts): each leaves it ready for the next.
   {
     Problem pa = make_problem(16, 8, 7168, seed_for("determinism_split_a")),
             pb = make_problem(9, 6, 1000, seed_for("determinism_split_b"));
@@ -530,7 +540,7 @@ TEST(MhcDeterminismGpu, RepeatedRunsAndGraphReplayAreBitwiseIdentical) {
                b2 = run_pre_post(pb, db, false, ws.get(), bytes, kernel);
     expect_bitwise_equal(a1, a2);  // H_post compared too
     expect_bitwise_equal(b1, b2);
-    expect_barrier_idle(ws);
+    expect_epoch(ws, 1 + 4 + 4 + 1);
   }
 }
 
@@ -544,6 +554,7 @@ struct PostPreCase {
   DType phi_dtype = DType::kFloat32;
   MhcPreKernel kernel = MhcPreKernel::kAuto;
   bool graph = false;
+  bool workspace = false;  // a zeroed workspace for both the boundary and the pre it is compared with
 };
 
 std::string post_pre_case_name(const ::testing::TestParamInfo<PostPreCase>& info) {
@@ -551,7 +562,9 @@ std::string post_pre_case_name(const ::testing::TestParamInfo<PostPreCase>& info
   return "n" + std::to_string(c.n) + "_C" + std::to_string(c.C) + "_B" + std::to_string(c.B) +
          (c.layout == MhcResLayout::kDeepSeek ? "_deepseek" : "_rowmix") +
          (c.phi_dtype == DType::kFloat32 ? "_phif32" : "_phibf16") +
-         (c.kernel == MhcPreKernel::kClusterTile ? "_clustertiles" : "") + (c.graph ? "_graph" : "");
+         (c.kernel == MhcPreKernel::kClusterTile ? "_clustertiles" : "") +
+         (c.kernel == MhcPreKernel::kSplit ? "_splitpinned" : "") + (c.graph ? "_graph" : "") +
+         (c.workspace ? "_workspace" : "");
 }
 
 class MhcPostPreGpu : public ::testing::TestWithParam<PostPreCase> {};
@@ -581,13 +594,16 @@ TEST_P(MhcPostPreGpu, BitwiseEqualsPostThenPreAndMatchesReference) {
   a.x_next = x_next.get(); a.f_pre = f_pre.get(); a.h_post_next = h_post.as<float>(); a.h_res_next = h_res.as<float>();
   a.params.sinkhorn_iters = 20;
   a.kernel = c.kernel;
+  DeviceBuffer ws = c.workspace ? zeroed_workspace(a.shape) : DeviceBuffer();
+  a.workspace = ws.get();
+  a.workspace_bytes = ws.bytes();
   MhcPreKernel ran = MhcPreKernel::kAuto;
   if (c.B > 0) {
     std::string why;
     Status s = mhc_post_pre_kernel_choice(a, &ran, &why);
     ASSERT_TRUE(s.ok()) << s.message();
     if (c.kernel != MhcPreKernel::kAuto) EXPECT_EQ(ran, c.kernel);
-    if (n == 4 && c.C % 1024 == 0 && c.C <= 7168 && c.kernel == MhcPreKernel::kAuto)
+    if (n == 4 && c.C % 1024 == 0 && c.C <= 7168 && c.kernel == MhcPreKernel::kAuto && !c.workspace)
       EXPECT_EQ(ran, MhcPreKernel::kResident) << why;
   }
   cudaStream_t stream;
@@ -621,6 +637,8 @@ TEST_P(MhcPostPreGpu, BitwiseEqualsPostThenPreAndMatchesReference) {
   pre.x = x2.get(); pre.phi = a.phi; pre.phi_dtype = a.phi_dtype; pre.alpha = a.alpha; pre.bias = a.bias;
   pre.f_pre = f2.get(); pre.h_post = hp2.as<float>(); pre.h_res = hr2.as<float>(); pre.params = a.params;
   pre.kernel = ran;
+  pre.workspace = a.workspace;
+  pre.workspace_bytes = a.workspace_bytes;
   {
     Status s = mhc_pre(pre, nullptr);
     ASSERT_TRUE(s.ok()) << s.message();
@@ -721,24 +739,55 @@ std::vector<PostPreCase> post_pre_cases() {
   v.push_back({6, 1000, 4099, L::kDeepSeek});
   v.push_back({8, 7168, 257, L::kRowMix, DType::kFloat32, MhcPreKernel::kAuto, true});
   v.push_back({3, 8, 5, L::kDeepSeek});  // smallest C: most CTAs of the cluster hold nothing
+  // The split kernel (a workspace, B <= 32): every n, odd and decode sizes,
+  // both layouts, phi bf16, graph replays; pinned where the resident kernel
+  // would take the shape, and what kAuto picks with a workspace.
+  constexpr auto kSplit = MhcPreKernel::kSplit;
+  // (n = 8, C = 7168, B = 32 with the post's F_out slice needs more shared
+  // memory than an SM has: kNotSupported, tested below; B = 16 instead.)
+  for (int n : {1, 2, 3, 4, 6, 8})
+    for (int64_t C : {1000, 7168})
+      for (int64_t B : {1, 7, 32})
+        v.push_back({n, C, n == 8 && C == 7168 && B == 32 ? 16 : B, B == 7 ? L::kRowMix : L::kDeepSeek,
+                     DType::kFloat32, kSplit, false, true});
+  v.push_back({4, 7168, 16, L::kDeepSeek, DType::kFloat32, kSplit, true, true});
+  v.push_back({4, 7168, 16, L::kRowMix, DType::kBFloat16, kSplit, false, true});
+  v.push_back({4, 7168, 16, L::kDeepSeek, DType::kFloat32, MhcPreKernel::kAuto, false, true});
+  v.push_back({8, 1000, 32, L::kRowMix, DType::kFloat32, MhcPreKernel::kAuto, true, true});
+  v.push_back({3, 8, 5, L::kDeepSeek, DType::kFloat32, kSplit, false, true});  // one CTA with columns: it owns all 5 tokens
   return v;
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, MhcPostPreGpu, ::testing::ValuesIn(post_pre_cases()), post_pre_case_name);
 
-// No kernel of this op for the shape (no fused post on the split and
-// portable kernels): kNotSupported, nothing written, no CUDA error left.
+// mhc_post_pre's outputs, poisoned, and its arguments on a problem's inputs
+// (phi fp32, kAuto, no workspace).
+struct PostPreCall {
+  DeviceBuffer x_next, f_pre, h_post, h_res;
+  MhcPostPreArgs a;
+  PostPreCall(const Problem& p, const DeviceProblem& d)
+      : x_next(poisoned(p.B * p.K() * 2)),
+        f_pre(poisoned(p.B * p.C * 2)),
+        h_post(poisoned(p.B * p.n * 4)),
+        h_res(poisoned(p.B * p.n * p.n * 4)) {
+    a.shape = {p.B, p.n, p.C};
+    a.x = d.x.get(); a.f_out = d.f_out.get(); a.h_post = d.h_post.as<float>(); a.h_res = d.h_res.as<float>();
+    a.phi = d.phi_f32.get(); a.alpha = d.alpha.as<float>(); a.bias = d.bias.as<float>();
+    a.x_next = x_next.get(); a.f_pre = f_pre.get();
+    a.h_post_next = h_post.as<float>(); a.h_res_next = h_res.as<float>();
+  }
+};
+
+// No kernel of this op for the shape (the split kernel without a workspace,
+// the portable kernel: no fused post): kNotSupported, nothing written, no
+// CUDA error left.
 TEST(MhcPostPrePathGpu, NotSupportedLaunchesNothing) {
   SKIP_WITHOUT_GPU();
   Problem p = make_problem(3, 4, 1024, seed_for("post_pre_not_supported"));
   DeviceProblem d(p);
-  DeviceBuffer x_next = poisoned(3 * p.K() * 2), f_pre = poisoned(3 * 1024 * 2), h_post = poisoned(3 * 4 * 4),
-               h_res = poisoned(3 * 16 * 4);
-  MhcPostPreArgs a;
-  a.shape = {3, 4, 1024};
-  a.x = d.x.get(); a.f_out = d.f_out.get(); a.h_post = d.h_post.as<float>(); a.h_res = d.h_res.as<float>();
-  a.phi = d.phi_f32.get(); a.alpha = d.alpha.as<float>(); a.bias = d.bias.as<float>();
-  a.x_next = x_next.get(); a.f_pre = f_pre.get(); a.h_post_next = h_post.as<float>(); a.h_res_next = h_res.as<float>();
+  PostPreCall call(p, d);
+  MhcPostPreArgs& a = call.a;
+  DeviceBuffer &x_next = call.x_next, &f_pre = call.f_pre, &h_res = call.h_res;
   for (MhcPreKernel k : {MhcPreKernel::kSplit, MhcPreKernel::kPortable}) {
     a.kernel = k;
     Status s = mhc_post_pre(a, nullptr);
@@ -750,6 +799,34 @@ TEST(MhcPostPrePathGpu, NotSupportedLaunchesNothing) {
   for (auto v : x_next.to_host<uint16_t>()) ASSERT_EQ(v, 0x7f7f);
   for (auto v : f_pre.to_host<uint16_t>()) ASSERT_EQ(v, 0x7f7f);
   for (auto v : h_res.to_host<uint32_t>()) ASSERT_EQ(v, 0x7f7f7f7fu);
+}
+
+// The split kernel pinned where its slice does not fit (n = 8, C = 7168,
+// B = 32 with the post's F_out slice): kNotSupported with the reason,
+// nothing written, no CUDA error left, the workspace untouched.
+TEST(MhcPostPrePathGpu, SplitTooLargeSaysNotSupported) {
+  SKIP_WITHOUT_GPU();
+  Problem p = make_problem(32, 8, 7168, seed_for("post_pre_split_too_large"));
+  DeviceProblem d(p);
+  PostPreCall call(p, d);
+  MhcPostPreArgs& a = call.a;
+  DeviceBuffer& x_next = call.x_next;
+  DeviceBuffer ws = zeroed_workspace(a.shape);
+  a.workspace = ws.get();
+  a.workspace_bytes = ws.bytes();
+  a.kernel = MhcPreKernel::kSplit;
+  Status s = mhc_post_pre(a, nullptr);
+  EXPECT_EQ(s.code(), StatusCode::kNotSupported) << s.message();
+  EXPECT_NE(s.message().find("split"), std::string::npos) << s.message();
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  for (auto v : x_next.to_host<uint16_t>()) ASSERT_EQ(v, 0x7f7f);
+  expect_epoch(ws, 0);
+  a.kernel = MhcPreKernel::kAuto;  // the cluster tiles take it
+  MhcPreKernel chosen = MhcPreKernel::kAuto;
+  std::string why;
+  ASSERT_TRUE(mhc_post_pre_kernel_choice(a, &chosen, &why).ok());
+  EXPECT_EQ(chosen, MhcPreKernel::kClusterTile) << why;
 }
 
 // B = 0: kOk with no buffers, nothing launched; a bad argument is named and

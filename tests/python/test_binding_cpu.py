@@ -719,8 +719,8 @@ def test_mhc_pre_matches_spec(n, C, phi_dtype, params):
 def test_mhc_workspace_bytes_covers_small_batches_only():
     assert flashmix.mhc_workspace_bytes(0, 4, 7168) == 0
     assert flashmix.mhc_workspace_bytes(33, 4, 7168) == 0
-    # 256 header bytes + [256 CTAs][16 tokens][n + 1] + [16 tokens][256 CTAs][n*n + n] floats
-    assert flashmix.mhc_workspace_bytes(16, 4, 7168) == 256 + 4 * (256 * 16 * 5 + 16 * 256 * 20)
+    # 256 header bytes + [256 records][16 tokens x (N + 1) = 400] 8-byte tagged words
+    assert flashmix.mhc_workspace_bytes(16, 4, 7168) == 256 + 8 * 256 * 400
     assert 0 < flashmix.mhc_workspace_bytes(1, 8, 64) < flashmix.mhc_workspace_bytes(32, 8, 64)
 
 
