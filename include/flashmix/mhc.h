@@ -326,11 +326,11 @@ inline int mhc_num_coefficients(int n) { return n * n + 2 * n; }
 // CTA per SM (clusters of 8 on sm_90), each a slice of the columns of every
 // stream for all tokens, in one launch: the clusters publish their partial
 // sums in the workspace as tagged words that every CTA reads back (summed
-// in a fixed order: bitwise reproducible). mhc_pre and mhc_post_pre keep the
-// resident kernel where it takes the shape (n = 4, C a multiple of 1024 up
-// to 7168) and use the workspace for the other shapes, whose small batches
-// otherwise run on one 8-CTA cluster; pin MhcPreKernel::kSplit to use it
-// there too (docs/mhc.md has the measurements). Rules:
+// in a fixed order: bitwise reproducible). kAuto takes it first for B <= 16;
+// for 16 < B <= 32 mhc_pre and mhc_post_pre keep the resident kernel where
+// it takes the shape (n = 4, C a multiple of 1024 up to 7168) and use the
+// split kernel for the other shapes, whose small batches otherwise run on
+// one 8-CTA cluster (docs/mhc.md "Decode" has the measurements). Rules:
 //   - size: mhc_workspace_bytes(shape) (0 where the path does not apply:
 //     B == 0 or B > kMhcSplitMaxBatch; a workspace is then ignored);
 //     16-byte aligned; it must not overlap any input or output;

@@ -33,8 +33,8 @@ torch.compile: when torch is importable, ``torch.ops.flashmix.build_moe_routing_
 ``finalize_moe_routing``, ``moe_fc2_finalize``, ``moe_router``, ``moe_fc1``,
 ``moe_forward``, ``quantize_fp8``, ``mhc_expand``, ``mhc_pre``,
 ``mhc_pre_with_workspace`` (mhc_pre with the small-batch workspace), ``mhc_post``,
-``mhc_head``, the boundary ``mhc_post_pre`` (and its ``_norm`` / ``_fp8`` F_pre
-epilogues) and the FP8 residual stream's ``mhc_expand_fp8x``, ``mhc_pre_fp8x``,
+``mhc_head``, the boundary ``mhc_post_pre`` (``mhc_post_pre_with_workspace``, and its
+``_norm`` / ``_fp8`` F_pre epilogues) and the FP8 residual stream's ``mhc_expand_fp8x``, ``mhc_pre_fp8x``,
 ``mhc_post_fp8x``, ``mhc_post_pre_fp8x``, ``mhc_head_fp8x`` are registered as custom ops with shape
 functions; call those inside compiled code (the functions here call the
 binding directly, which is cheaper in eager mode but a graph break under

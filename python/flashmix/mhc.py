@@ -242,7 +242,7 @@ if torch is not None:
                                    prefetch_weights: bool = _PRE.prefetch_weights,
                                    projection_kernel: str = _PRE.kernel) -> Tuple[Tensor, Tensor, Tensor]:
         """flashmix.mhc_pre with the small-batch workspace (uint8 ``[mhc_workspace_bytes(B, n, C)]``,
-        zeroed once by the caller; left zeroed) as a custom op; outputs as mhc_pre."""
+        zeroed once by the caller) as a custom op; outputs as mhc_pre."""
         return tuple(mhc_pre(x, phi, alpha, bias, eps_norm=eps_norm, eps_pre=eps_pre, post_mult=post_mult,
                              eps_sinkhorn=eps_sinkhorn, sinkhorn_iters=sinkhorn_iters, enable_pdl=enable_pdl,
                              prefetch_weights=prefetch_weights, kernel=projection_kernel, workspace=workspace))
@@ -314,8 +314,8 @@ def mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, *, x_next=None, f_pr
                  h_res_next=None, res_layout=_POST_PRE.res_layout, eps_norm=_POST_PRE.eps_norm,
                  eps_pre=_POST_PRE.eps_pre, post_mult=_POST_PRE.post_mult, eps_sinkhorn=_POST_PRE.eps_sinkhorn,
                  sinkhorn_iters=_POST_PRE.sinkhorn_iters, enable_pdl=_POST_PRE.enable_pdl,
-                 prefetch_weights=_POST_PRE.prefetch_weights, kernel=_POST_PRE.kernel, norm_weight=None,
-                 norm_eps=_POST_PRE.norm_eps, fp8=False, f_pre_scale_format=_POST_PRE.f_pre_scale_format,
+                 prefetch_weights=_POST_PRE.prefetch_weights, kernel=_POST_PRE.kernel, workspace=None,
+                 norm_weight=None, norm_eps=_POST_PRE.norm_eps, fp8=False, f_pre_scale_format=_POST_PRE.f_pre_scale_format,
                  f_pre_fp8=None, f_pre_scales=None, bf16_f_pre=True, x_scales=None, x_next_scales=None,
                  x_scale_format=_POST_PRE.x_scale_format, stream=None):
     """spec §4.7 mhc_post_pre: a layer boundary in one op, this layer's mhc_post (x, f_out,
@@ -324,8 +324,10 @@ def mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, *, x_next=None, f_pr
     it is made. Returns MhcPostPreOutput(x_next bf16 of x's shape, f_pre bf16 ``[B, C]``, h_post
     float32 ``[B, n]``, h_res float32 ``[B, n, n]``); outputs not passed are allocated and must
     not overlap any input (double-buffer the coefficients). Bitwise equal to mhc_post then
-    mhc_pre pinned to the same kernel. ``kernel``: "auto", "resident" or "cluster_tile"
-    (the others raise NotImplementedError); CPU arrays run the reference.
+    mhc_pre pinned to the same kernel. ``kernel``: "auto", "resident", "split" or
+    "cluster_tile" ("portable" raises NotImplementedError); CPU arrays run the reference.
+    ``workspace``: as in mhc_pre (uint8 ``[mhc_workspace_bytes(B, n, C)]``, zeroed once): with
+    it, small batches may run on the split kernel (every SM makes X_next for its column slice).
 
     F_pre's epilogue (spec §4.8; the cluster-tile kernel runs it):
       norm_weight: bf16 or float32 ``[C]``: f_pre is then the next sublayer's input RMSNorm of
@@ -357,6 +359,7 @@ def mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, *, x_next=None, f_pr
                     arg(f_pre), arg(h_post_next), arg(h_res_next), res_layout=res_layout, eps_norm=eps_norm,
                     eps_pre=eps_pre, post_mult=post_mult, eps_sinkhorn=eps_sinkhorn, sinkhorn_iters=sinkhorn_iters,
                     enable_pdl=enable_pdl, prefetch_weights=prefetch_weights, kernel=kernel,
+                    workspace=arg(workspace),
                     **_epilogue_args(norm_weight, norm_eps, f_pre_fp8, f_pre_scales, f_pre_scale_format),
                     x_scales=sa, x_next_scales=sna, x_scale_format=x_scale_format, stream=stream_of(stream, x))
     if fp8x:
@@ -381,6 +384,29 @@ if torch is not None:
                                   eps_norm=eps_norm, eps_pre=eps_pre, post_mult=post_mult,
                                   eps_sinkhorn=eps_sinkhorn, sinkhorn_iters=sinkhorn_iters, enable_pdl=enable_pdl,
                                   prefetch_weights=prefetch_weights, kernel=projection_kernel))
+
+    # A separate op, as mhc_pre_with_workspace (an Optional tensor in mutates_args breaks
+    # torch.compile's functionalization when left None).
+    @custom_op("mhc_post_pre_with_workspace", fake=lambda x, phi, **_: _post_pre_outputs(x, phi),
+               mutates_args=("workspace",))
+    def _mhc_post_pre_with_workspace_op(x: Tensor, f_out: Tensor, h_post: Tensor, h_res: Tensor, phi: Tensor,
+                                        alpha: Tensor, bias: Tensor, workspace: Tensor,
+                                        res_layout: str = _POST_PRE.res_layout, eps_norm: float = _POST_PRE.eps_norm,
+                                        eps_pre: float = _POST_PRE.eps_pre, post_mult: float = _POST_PRE.post_mult,
+                                        eps_sinkhorn: float = _POST_PRE.eps_sinkhorn,
+                                        sinkhorn_iters: int = _POST_PRE.sinkhorn_iters,
+                                        enable_pdl: bool = _POST_PRE.enable_pdl,
+                                        prefetch_weights: bool = _POST_PRE.prefetch_weights,
+                                        projection_kernel: str = _POST_PRE.kernel
+                                        ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """flashmix.mhc_post_pre with the small-batch workspace (uint8
+        ``[mhc_workspace_bytes(B, n, C)]``, zeroed once by the caller) as a custom op; outputs as
+        the mhc_post_pre op."""
+        return tuple(mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, res_layout=res_layout,
+                                  eps_norm=eps_norm, eps_pre=eps_pre, post_mult=post_mult,
+                                  eps_sinkhorn=eps_sinkhorn, sinkhorn_iters=sinkhorn_iters, enable_pdl=enable_pdl,
+                                  prefetch_weights=prefetch_weights, kernel=projection_kernel,
+                                  workspace=workspace))
 
     @custom_op("mhc_post_pre_norm", fake=lambda x, phi, **_: _post_pre_outputs(x, phi))
     def _mhc_post_pre_norm_op(x: Tensor, f_out: Tensor, h_post: Tensor, h_res: Tensor, phi: Tensor, alpha: Tensor,

@@ -138,7 +138,7 @@ int64_t set_projection_inputs(Args& a, const In& x, const In& phi, const In& alp
   return N;
 }
 
-// The options mhc_pre, mhc_project and mhc_head take the same way.
+// The options mhc_pre, mhc_post_pre, mhc_project and mhc_head take the same way.
 template <typename Args>
 void set_projection_options(Args& a, bool enable_pdl, const std::string& kernel, const OptOut& workspace,
                             const char* op) {
@@ -359,12 +359,13 @@ void mhc_post_pre(const In& x, const In& f_out, const In& h_post, const In& h_re
                   const In& bias, const Out& x_next, const OptOut& f_pre, const Out& h_post_next,
                   const Out& h_res_next, const std::string& res_layout, float eps_norm, float eps_pre,
                   float post_mult, float eps_sinkhorn, int sinkhorn_iters, bool enable_pdl, bool prefetch_weights,
-                  const std::string& kernel, const OptIn& norm_weight, float norm_eps, const OptOut& f_pre_fp8,
-                  const OptOut& f_pre_scales, const std::string& f_pre_scale_format, const OptIn& x_scales,
-                  const OptOut& x_next_scales, const std::string& x_scale_format, uintptr_t stream) {
+                  const std::string& kernel, const OptOut& workspace, const OptIn& norm_weight, float norm_eps,
+                  const OptOut& f_pre_fp8, const OptOut& f_pre_scales, const std::string& f_pre_scale_format,
+                  const OptIn& x_scales, const OptOut& x_next_scales, const std::string& x_scale_format,
+                  uintptr_t stream) {
   constexpr const char* op = "mhc_post_pre";
   Placement w(op);
-  w.add(x, "x", f_out, "f_out", h_post, "h_post", h_res, "h_res");
+  w.add(x, "x", f_out, "f_out", h_post, "h_post", h_res, "h_res", workspace, "workspace");
   add_projection_inputs(w, x, phi, alpha, bias);
   w.add(x_next, "x_next", f_pre, "f_pre", h_post_next, "h_post_next", h_res_next, "h_res_next");
   w.add(norm_weight, "norm_weight", f_pre_fp8, "f_pre_fp8", f_pre_scales, "f_pre_scales");
@@ -402,9 +403,8 @@ void mhc_post_pre(const In& x, const In& f_out, const In& h_post, const In& h_re
   a.res_layout = parse_enum(res_layout, res_layouts(), op, "res_layout");
   a.params.eps_norm = eps_norm;
   set_activation_params(a.params, eps_pre, post_mult, eps_sinkhorn, sinkhorn_iters);
-  a.enable_pdl = enable_pdl;
   a.prefetch_weights = prefetch_weights;
-  a.kernel = parse_kernel(kernel, op);
+  set_projection_options(a, enable_pdl, kernel, workspace, op);
   dispatch(
       w, op, [&] { return fm::mhc_post_pre(a, as_stream(stream)); }, [&] { return fm::mhc_post_pre_cpu(a); });
 }
@@ -662,8 +662,9 @@ void register_mhc(nb::module_& m) {
   m.def("mhc_post_pre", &mhc_post_pre, "x"_a, "f_out"_a, "h_post"_a, "h_res"_a, "phi"_a, "alpha"_a, "bias"_a,
         "x_next"_a, "f_pre"_a.none(), "h_post_next"_a, "h_res_next"_a, nb::kw_only(), "res_layout"_a, "eps_norm"_a,
         "eps_pre"_a, "post_mult"_a, "eps_sinkhorn"_a, "sinkhorn_iters"_a, "enable_pdl"_a, "prefetch_weights"_a,
-        "kernel"_a, "norm_weight"_a.none(), "norm_eps"_a, "f_pre_fp8"_a.none(), "f_pre_scales"_a.none(),
-        "f_pre_scale_format"_a, "x_scales"_a.none(), "x_next_scales"_a.none(), "x_scale_format"_a, "stream"_a,
+        "kernel"_a, "workspace"_a.none(), "norm_weight"_a.none(), "norm_eps"_a, "f_pre_fp8"_a.none(),
+        "f_pre_scales"_a.none(), "f_pre_scale_format"_a, "x_scales"_a.none(), "x_next_scales"_a.none(),
+        "x_scale_format"_a, "stream"_a,
         "spec §4.7 mhc_post_pre: this layer's post then the next pre in one op; n from phi [N, n*C]. "
         "§4.8: F_pre's input RMSNorm (norm_weight) and FP8 copy (f_pre_fp8, f_pre_scales). §4.9: with "
         "x_scales and x_next_scales, x and x_next are the FP8 residual stream.");

@@ -1720,7 +1720,7 @@ def test_moe_layer_on_cpu_tensors():
 
 TORCH_OPS = ("build_moe_routing_maps", "finalize_moe_routing", "moe_fc2_finalize", "moe_router", "moe_fc1",
              "moe_forward", "mhc_expand", "mhc_pre", "mhc_pre_with_workspace", "mhc_post", "mhc_head",
-             "mhc_post_pre", "mhc_post_pre_norm", "mhc_post_pre_fp8")
+             "mhc_post_pre", "mhc_post_pre_with_workspace", "mhc_post_pre_norm", "mhc_post_pre_fp8")
 
 
 def test_torch_op_schemas_take_the_functions_defaults():
@@ -1728,6 +1728,7 @@ def test_torch_op_schemas_take_the_functions_defaults():
     for name in TORCH_OPS:
         schema = getattr(torch.ops.flashmix, name).default._schema
         fn = getattr(flashmix, {"mhc_pre_with_workspace": "mhc_pre", "mhc_post_pre_norm": "mhc_post_pre",
+                                "mhc_post_pre_with_workspace": "mhc_post_pre",
                                 "mhc_post_pre_fp8": "mhc_post_pre"}.get(name, name))
         want = defaults_of(fn)
         for a in schema.arguments:
@@ -1753,6 +1754,15 @@ def test_torch_custom_ops_take_the_kernel_on_cpu_tensors():
     ws = torch.zeros(flashmix.mhc_workspace_bytes(B, n, C), dtype=torch.uint8)
     got = torch.ops.flashmix.mhc_pre_with_workspace(x, phi, alpha, bias, ws, projection_kernel="split")
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+    # the boundary with the workspace: the CPU reference, whatever the kernel named
+    f_out, h_post = torch.randn(B, C).bfloat16(), torch.rand(B, n)
+    h_res = torch.rand(B, n, n)
+    want_pp = torch.ops.flashmix.mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias)
+    got_pp = torch.ops.flashmix.mhc_post_pre_with_workspace(x, f_out, h_post, h_res, phi, alpha, bias, ws,
+                                                            projection_kernel="split")
+    assert all(torch.equal(g, w) for g, w in zip(got_pp, want_pp))
+    with pytest.raises(ValueError, match="^mhc_post_pre: workspace"):
+        flashmix.mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, workspace=ws[:-1])
     head = (phi[:n], alpha[:1], bias[:n])
     assert torch.equal(torch.ops.flashmix.mhc_head(x, *head, projection_kernel="cluster_tile"),
                        flashmix.mhc_head(x, *head))
