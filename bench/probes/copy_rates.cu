@@ -13,7 +13,7 @@
 #include <vector>
 #include <algorithm>
 #include <cuda_runtime.h>
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
+#include "probe_check.h"
 
 __global__ void copy_kernel(const uint4* __restrict__ a, uint4* __restrict__ b, size_t n) {
   size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x, s = size_t(gridDim.x) * blockDim.x;

@@ -20,14 +20,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CK(x)                                                                        \
-  do {                                                                               \
-    cudaError_t e = (x);                                                             \
-    if (e != cudaSuccess) {                                                          \
-      std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e));          \
-      std::exit(1);                                                                  \
-    }                                                                                \
-  } while (0)
+#include "probe_check.h"
 
 using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                             const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,

@@ -46,6 +46,7 @@
 
 #include "common/kernel_fit.h"
 #include "common/launch.cuh"
+#include "common/mma_sync.cuh"
 #include "common/vec.cuh"
 #include "flashmix/mhc.h"
 #include "mhc/mhc_device.cuh"
@@ -178,21 +179,6 @@ struct Group {
 // bitwise the same everywhere), up to 8 loads in flight per thread, then the
 // runs in order. Every thread of the
 // group calls it; out[items] (shared memory) is complete when it returns.
-// Tensor-core pieces (sm_80 and later). Four 8x8 bf16 matrices from shared
-// memory, lane l giving the address of row l % 8 of matrix l / 8.
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-// D += A (16x16, row) * B (16x8, col), bf16 in, fp32 accumulate.
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 // Two fp32 values as kP bf16 pairs whose sum is the pair (each piece the
 // rounded remainder of the ones before: 3 pieces carry all 24 bits).
 template <int kP>
@@ -430,9 +416,9 @@ __global__ void __launch_bounds__(kThreads, 1) mhc_split_kernel(ProjectParams p,
     uint32_t a[kMt][4];
 #pragma unroll
     for (int mt = 0; mt < kMt; ++mt) {
-      ldmatrix_x4(a[mt], xs + (mt * 16 + (lane & 15)) * s.x_row + kb + (lane >> 4) * 8);
-      mma_16816(sq[mt][0], a[mt], a[mt][0], a[mt][2]);  // X X^T, columns = tokens 0-7 of the tile
-      mma_16816(sq[mt][1], a[mt], a[mt][1], a[mt][3]);  // tokens 8-15
+      dev::ldmatrix_x4(a[mt], dev::smem_u32(xs + (mt * 16 + (lane & 15)) * s.x_row + kb + (lane >> 4) * 8));
+      dev::mma_bf16_16816(sq[mt][0], a[mt], a[mt][0], a[mt][2]);  // X X^T, columns = tokens 0-7 of the tile
+      dev::mma_bf16_16816(sq[mt][1], a[mt], a[mt][1], a[mt][3]);  // tokens 8-15
     }
 #pragma unroll
     for (int nt = 0; nt < kNt; ++nt) {
@@ -445,7 +431,7 @@ __global__ void __launch_bounds__(kThreads, 1) mhc_split_kernel(ProjectParams p,
 #pragma unroll
       for (int mt = 0; mt < kMt; ++mt)
 #pragma unroll
-        for (int pc = 0; pc < kPieces; ++pc) mma_16816(acc[mt][nt], a[mt], b0[pc], b1[pc]);
+        for (int pc = 0; pc < kPieces; ++pc) dev::mma_bf16_16816(acc[mt][nt], a[mt], b0[pc], b1[pc]);
     }
   }
   __syncthreads();  // phi_s is done with: the region now holds the warps' sums
