@@ -815,7 +815,7 @@ void run_mhc_cases(Context& ctx) {
     // With a workspace, pinned to the split kernel (every SM takes a slice of
     // the columns; one grid-wide exchange), which mhc_pre does not pick at
     // n = 4 (the resident kernel is faster here). One zeroed workspace serves
-    // every launch of the graph (each leaves it zeroed).
+    // every launch of the graph (each leaves it ready for the next).
     void* ws = nullptr;
     const size_t ws_bytes = mhc_workspace_bytes({16, 4, 7168});
     BENCH_CUDA(cudaMalloc(&ws, ws_bytes));

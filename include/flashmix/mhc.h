@@ -246,8 +246,9 @@ struct MhcHeadArgs {
 // (n = 4, C a multiple of 1024 up to 7168, no F_pre epilogue, bf16 stream),
 // kSplit (a workspace, 1 <= B <= kMhcSplitMaxBatch, no F_pre epilogue, bf16
 // stream) and kClusterTile (the rest of sm_90, every call with the epilogue,
-// and the FP8 residual stream); kAuto picks them in that order; kPortable is
-// not available for this op (kNotSupported).
+// and the FP8 residual stream); kAuto picks them in that order (the split
+// kernel first with a workspace and B <= 16: spec §4.6); kPortable is not
+// available for this op (kNotSupported).
 struct MhcPostPreArgs {
   MhcShape shape;
   // This layer's post (inputs).

@@ -778,9 +778,9 @@ struct PostPreCall {
   }
 };
 
-// No kernel of this op for the shape (the split kernel without a workspace,
-// the portable kernel: no fused post): kNotSupported, nothing written, no
-// CUDA error left.
+// No kernel of this op for the call (the split kernel without a workspace;
+// the portable kernel, which has no fused post): kNotSupported, nothing
+// written, no CUDA error left.
 TEST(MhcPostPrePathGpu, NotSupportedLaunchesNothing) {
   SKIP_WITHOUT_GPU();
   Problem p = make_problem(3, 4, 1024, seed_for("post_pre_not_supported"));
