@@ -13,6 +13,7 @@ struct Cache {
   std::map<std::tuple<int, const void*, bool>, int> prepared;               // (device, kernel, nonportable)
   std::map<std::tuple<int, const void*, int, size_t>, int> blocks;          // (device, kernel, threads, smem)
   std::map<std::tuple<int, const void*, int, size_t, int>, int> clusters;   // (..., cluster)
+  std::map<std::tuple<int, const void*>, int> ptx;                          // (device, kernel)
 };
 
 Cache& cache() {
@@ -68,6 +69,16 @@ cudaError_t cached(Map Cache::*map, MakeKey&& make_key, typename Map::mapped_typ
 
 cudaError_t current_device_props(DeviceProps* out) {
   return cached(&Cache::devices, [](int device) { return device; }, out, query_props);
+}
+
+cudaError_t kernel_ptx_version(const void* kernel, int* out) {
+  return cached(
+      &Cache::ptx, [&](int device) { return std::make_tuple(device, kernel); }, out, [&](int, int* v) {
+        cudaFuncAttributes fa{};
+        const cudaError_t err = cudaFuncGetAttributes(&fa, kernel);
+        *v = fa.ptxVersion;
+        return err;
+      });
 }
 
 cudaError_t prepare_kernel(const void* kernel, bool nonportable_cluster, int* max_dynamic_smem) {

@@ -34,6 +34,11 @@ cudaError_t current_device_props(DeviceProps* out);
 // `kernel` may now ask for on this device.
 cudaError_t prepare_kernel(const void* kernel, bool nonportable_cluster, int* max_dynamic_smem);
 
+// The PTX version (e.g. 90) of the image of `kernel` the current device runs:
+// below 90 for an image built for an older target (JIT-compiled or not),
+// which has none of sm_90's instructions. Cached per (device, kernel).
+cudaError_t kernel_ptx_version(const void* kernel, int* out);
+
 // Static + dynamic shared memory any kernel may use without prepare_kernel.
 constexpr size_t kDefaultDynamicSmem = 48 * 1024;
 

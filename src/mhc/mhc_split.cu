@@ -40,7 +40,6 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <atomic>
 #include <type_traits>
 #include <utility>
 
@@ -62,8 +61,8 @@ constexpr int kMaxItems = kMhcSplitMaxBatch * (kMhcMaxStreams + 1);  // pre sums
 constexpr int kGatherThreads = 256;  // threads that gather the pre items (with their splits)
 constexpr int kSplitCluster = 8;     // CTAs a cluster on sm_90
 
-// Rows of phi in shared memory: N rounded up to the 8 coefficient groups of
-// the projection lanes (the rows past N are zeros). Kernel and launcher.
+// Rows of phi in shared memory: N rounded up to whole mma tiles of 8
+// coefficients (the rows past N are zeros). Kernel and launcher.
 constexpr int kCoefGroups = 8;
 __host__ __device__ constexpr int split_phi_rows(int n) {
   return (n * n + 2 * n + kCoefGroups - 1) / kCoefGroups * kCoefGroups;
@@ -130,8 +129,8 @@ __device__ __forceinline__ void st_word(unsigned long long* p, float v, unsigned
   asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
 }
 
-// Cluster pieces (sm_90 only; the kernel runs with kCl > 1 on sm_90 only, so
-// elsewhere they are never reached).
+// Cluster pieces (sm_90 only; the launcher clusters the kernel only where
+// its image was built for sm_90, so elsewhere they are never reached).
 __device__ __forceinline__ void cl_arrive() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.arrive.release;" ::: "memory");
@@ -172,13 +171,6 @@ struct Group {
   }
 };
 
-// Sums `items` values over the workspace's records in record order: value
-// `it` of record r is the word at rec[r * stride + word(it)], taken once its
-// tag is `tag` (spinning until it is). `splits` contiguous runs of records
-// (gather_splits of the pre items: the same in every CTA, so the sums are
-// bitwise the same everywhere), up to 8 loads in flight per thread, then the
-// runs in order. Every thread of the
-// group calls it; out[items] (shared memory) is complete when it returns.
 // Two fp32 values as kP bf16 pairs whose sum is the pair (each piece the
 // rounded remainder of the ones before: 3 pieces carry all 24 bits).
 template <int kP>
@@ -195,9 +187,18 @@ __device__ __forceinline__ void split_pieces(float2 v, uint32_t (&out)[kP]) {
   }
 }
 
+// The runs gather_sum splits the records into: as many as kGatherThreads
+// threads give each pre item, at most one a record.
 __host__ __device__ constexpr int gather_splits(int pre_items, int records) {
   return pre_items >= kGatherThreads ? 1 : (kGatherThreads / pre_items < records ? kGatherThreads / pre_items : records);
 }
+// Sums `items` values over the workspace's records in record order: value
+// `it` of record r is the word at rec[r * stride + word(it)], taken once its
+// tag is `tag` (spinning until it is). `splits` contiguous runs of records
+// (gather_splits of the pre items: the same in every CTA, so the sums are
+// bitwise the same everywhere), up to 8 loads in flight per thread, then the
+// runs in order. Every thread of the group calls it; out[items] (shared
+// memory) is complete when it returns.
 template <typename WordOf>
 __device__ __forceinline__ void gather_sum(const unsigned long long* rec, int stride, int records, int items,
                                            int splits, WordOf word, unsigned tag, float* tmp, float* out,
@@ -342,12 +343,11 @@ __global__ void __launch_bounds__(kThreads, 1) mhc_split_kernel(ProjectParams p,
   // tokens' H_res, H_post (X above is then X_L).
   const bool post = p.has_post();
   bf16* fs = reinterpret_cast<bf16*>(region + kRows * krow);  // [kTok][cpg * 8], after phi's rows
-  if (post)
+  if (post) {
     for (int idx = threadIdx.x; idx < B * cw; idx += kThreads) {
       const int b = idx / cw, j = idx - b * cw;
       dev::cp_async16(fs + (b * s.cpg + j) * 8, p.post.f_out + (long long)b * C + (j0 + j) * 8);
     }
-  if (post) {
     for (int idx = threadIdx.x; idx < B * (kN * kN + kN); idx += kThreads) {
       const int b = idx / (kN * kN + kN), e = idx - b * (kN * kN + kN);
       s_mix[b][e] = e < kN * kN ? p.post.h_res[(long long)b * kN * kN + e] : p.post.h_post[(long long)b * kN + e - kN * kN];
@@ -623,17 +623,9 @@ cudaError_t launch_split(const ProjectParams& p, const detail::DeviceProps& dev,
   const int groups = p.hidden / 8, B = int(p.batch);
   // Clusters where the kernel was built for sm_90 (its cluster code compiles
   // to nothing below; PTX JIT-compiled from an older target has none).
-  static std::atomic<int> ptx_by_device[64];
-  int ptx = dev.device >= 0 && dev.device < 64 ? ptx_by_device[dev.device].load() : 0;
-  if (ptx == 0) {
-    cudaFuncAttributes fa{};
-    if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return not_supported(why_not, "split: no kernel image for this device");
-    }
-    ptx = fa.ptxVersion;
-    if (dev.device >= 0 && dev.device < 64) ptx_by_device[dev.device].store(ptx);
-  }
+  int ptx = 0;
+  if (detail::kernel_ptx_version(key, &ptx) != cudaSuccess)
+    return not_supported(why_not, "split: no kernel image for this device");
   const int cluster = dev.cc_major >= 9 && ptx >= 90 ? kSplitCluster : 1;
   // Every CTA must be resident at once (they wait for each other's records):
   // start from one CTA per SM; if fewer clusters of this size fit, take fewer.

@@ -838,13 +838,9 @@ TEST(MhcPostPrePathGpu, ZeroTokensAndBadArguments) {
   EXPECT_TRUE(mhc_post_pre(z, nullptr).ok());
   Problem p = make_problem(2, 4, 64, seed_for("post_pre_bad"));
   DeviceProblem d(p);
-  DeviceBuffer x_next = poisoned(2 * p.K() * 2), f_pre = poisoned(2 * 64 * 2), h_post = poisoned(2 * 4 * 4),
-               h_res = poisoned(2 * 16 * 4);
-  MhcPostPreArgs a;
-  a.shape = {2, 4, 64};
-  a.x = d.x.get(); a.f_out = d.f_out.get(); a.h_post = d.h_post.as<float>(); a.h_res = d.h_res.as<float>();
-  a.phi = d.phi_f32.get(); a.alpha = d.alpha.as<float>(); a.bias = d.bias.as<float>();
-  a.x_next = x_next.get(); a.f_pre = f_pre.get(); a.h_post_next = h_post.as<float>(); a.h_res_next = h_res.as<float>();
+  PostPreCall call(p, d);
+  const MhcPostPreArgs& a = call.a;
+  DeviceBuffer &x_next = call.x_next, &f_pre = call.f_pre;
   MhcPostPreArgs b = a;
   b.x_next = const_cast<void*>(a.x);
   Status s = mhc_post_pre(b, nullptr);
