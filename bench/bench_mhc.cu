@@ -16,6 +16,8 @@
 //             (f_pre null): X + F_out read once, X_next, the e4m3 F_pre and
 //             its fp32 1 x 128 scales written once (the norm's weight, 2C
 //             bytes once per launch, not counted).
+//   mhc_post_head: X + F_out read once, out written once (X_next not
+//             stored, the usual call; the time with it stored is an extra).
 // "fraction" = (bytes / copy bandwidth) / time, the copy bandwidth measured in
 // the same run; for mhc_pre the issue's bound is time <= 1.25 x floor, i.e.
 // fraction >= 0.8. Decode (B = 16) is timed as CUDA-graph replays over
@@ -263,6 +265,20 @@ MhcPostPreArgs post_pre_args(const HostData& h, const DevSet& d) {
   return a;
 }
 
+// The last boundary on a set: the post as in post_pre_args, then the head
+// (phi's first n rows, alpha[0], bias[:n]) into the set's f_pre; X_next
+// stored only with keep_x_next.
+MhcPostHeadArgs post_head_args(const HostData& h, const DevSet& d, bool keep_x_next) {
+  MhcPostHeadArgs a;
+  a.shape = {h.B, h.n, h.C};
+  a.x = d.x; a.f_out = d.f_out; a.h_post = d.h_post_in; a.h_res = d.h_res_in;
+  a.res_layout = MhcResLayout::kDeepSeek;
+  a.phi = d.phi; a.phi_dtype = DType::kFloat32; a.alpha = d.alpha; a.bias = d.bias;
+  a.out = d.f_pre;
+  a.x_next = keep_x_next ? d.x_next : nullptr;
+  return a;
+}
+
 void run_baseline_pre(cublasHandle_t handle, const HostData& h, const DevSet& d, cudaStream_t stream) {
   const int n = h.n, N = mhc_num_coefficients(n);
   const int K = int(h.n * h.C), B = int(h.B);
@@ -485,6 +501,58 @@ std::string check_post_pre(const HostData& h, const DevSet& d, const std::vector
   char buf[96];
   std::snprintf(buf, sizeof buf, "passed (%zu of %lld rows vs CPU reference)", rows.size(), (long long)h.B);
   return buf;
+}
+
+// mhc_post_head run with X_next kept, on `rows`: X_next against the CPU post
+// (deepseek layout), out against the CPU head of the X_next the GPU stored.
+std::string check_post_head(const HostData& h, const DevSet& d, const std::vector<int64_t>& rows) {
+  const int n = h.n;
+  const int64_t C = h.C, K = n * C;
+  auto xn = download(d.x_next, size_t(h.B * K));
+  auto o = download(d.f_pre, size_t(h.B * C));
+  for (int64_t b : rows) {
+    std::vector<uint16_t> rx(K), ro(C);
+    MhcPostArgs q;
+    q.shape = {1, n, C};
+    q.x = h.x.data() + b * K; q.f_out = h.f_out.data() + b * C; q.h_post = h.h_post.data() + b * n;
+    q.h_res = h.h_res.data() + b * n * n; q.x_next = rx.data(); q.res_layout = MhcResLayout::kDeepSeek;
+    Status s = mhc_post_cpu(q);
+    if (!s.ok()) return "FAILED: reference: " + s.message();
+    for (int64_t e = 0; e < K; ++e) {
+      const double g = host::bf16_to_float(xn[b * K + e]), r = host::bf16_to_float(rx[e]);
+      if (!(std::fabs(g - r) <= std::ldexp(std::fabs(r), -7) + 1e-3)) return "FAILED: X_next row " + std::to_string(b);
+    }
+    MhcHeadArgs a;
+    a.shape = {1, n, C};
+    a.x = xn.data() + b * K; a.alpha = h.alpha.data(); a.bias = h.bias.data(); a.phi = h.phi.data();
+    a.out = ro.data();
+    s = mhc_head_cpu(a);
+    if (!s.ok()) return "FAILED: reference: " + s.message();
+    for (int64_t c = 0; c < C; ++c) {
+      double scale = 0;
+      for (int i = 0; i < n; ++i) scale += std::fabs(host::bf16_to_float(xn[b * K + i * C + c]));
+      const double g = host::bf16_to_float(o[b * C + c]), r = host::bf16_to_float(ro[c]);
+      if (!(std::fabs(g - r) <= std::ldexp(std::fabs(r), -7) + 2e-4 * scale + 1e-6))
+        return "FAILED: out[" + std::to_string(b) + "," + std::to_string(c) + "]";
+    }
+  }
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "passed (%zu of %lld rows vs CPU reference)", rows.size(), (long long)h.B);
+  return buf;
+}
+
+// mhc_post_head as timed (X_next not stored) against the verified run with
+// X_next kept: out bitwise the same.
+std::string check_post_head_without_x_next(const HostData& h, const DevSet& d, cudaStream_t stream,
+                                           const std::string& verified) {
+  if (verified.rfind("passed", 0) != 0) return verified;
+  const auto kept = download(d.f_pre, size_t(h.B * h.C));
+  BENCH_CUDA(cudaMemset(d.f_pre, 0x7f, size_t(h.B * h.C) * 2));
+  Status s = mhc_post_head(post_head_args(h, d, false), stream);
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  if (!s.ok()) return "FAILED: " + s.message();
+  if (download(d.f_pre, size_t(h.B * h.C)) != kept) return "FAILED: out without x_next differs from out with it";
+  return verified + "; out bitwise the same without x_next";
 }
 
 std::vector<int64_t> sample_rows(int64_t B) {
@@ -1065,6 +1133,108 @@ void run_mhc_cases(Context& ctx) {
       add_record(ctx, rw);
       BENCH_CUDA(cudaFree(ws));
     }
+    for (auto& d : ds) free_dev(d);
+  }
+
+  // ---- the last boundary: mhc_post_head, B = 8192 and decode ----
+  // Bytes: X and F_out read once, out written once (X_next not stored: the
+  // usual call, nothing reads the last residual after the head).
+  if (ctx.selected("mhc_post_head", "B8192_n4_C7168")) {
+    HostData h = make_host(8192, 4, 7168, 20261129);
+    DevSet d = make_dev(h);
+    const double x_bytes = 2.0 * h.B * h.n * h.C, f_bytes = 2.0 * h.B * h.C;
+    const double bytes = x_bytes + 2 * f_bytes;
+    Status st = mhc_post_head(post_head_args(h, d, true), stream);
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    std::string check = !st.ok() ? "FAILED: " + st.message()
+                        : ctx.verify ? check_post_head(h, d, sample_rows(h.B)) : "not verified";
+    if (ctx.verify) check = check_post_head_without_x_next(h, d, stream, check);
+    const MhcPostHeadArgs a = post_head_args(h, d, false);
+    const double us = median_us([&] { (void)mhc_post_head(a, stream); }, stream, 3, iters);
+    const MhcPostHeadArgs kept = post_head_args(h, d, true);
+    const double kept_us = median_us([&] { (void)mhc_post_head(kept, stream); }, stream, 3, iters);
+    // The same as two ops: mhc_post into a scratch X_next, then mhc_head on it.
+    uint16_t* x_mid = alloc<uint16_t>(size_t(h.B * h.n * h.C));
+    MhcPostArgs q;
+    q.shape = a.shape;
+    q.x = d.x; q.f_out = d.f_out; q.h_post = d.h_post_in; q.h_res = d.h_res_in; q.x_next = x_mid;
+    MhcHeadArgs ha;
+    ha.shape = a.shape;
+    ha.x = x_mid; ha.phi = d.phi; ha.alpha = d.alpha; ha.bias = d.bias; ha.out = d.f_pre;
+    const double two_us = median_us([&] { (void)mhc_post(q, stream); (void)mhc_head(ha, stream); }, stream, 3, iters);
+    BENCH_CUDA(cudaFree(x_mid));
+    Record r = floor_record(ctx, "mhc_post_head", "B8192_n4_C7168", us, bytes, check);
+    r.extra["keep_x_next_us"] = kept_us;
+    r.extra["keep_x_next_time_over_bound"] = kept_us / copy_bound_us(ctx, bytes + x_bytes);
+    r.extra["post_then_head_us"] = two_us;
+    r.extra["speedup_over_post_then_head"] = two_us / us;
+    add_record(ctx, r);
+    free_dev(d);
+  }
+  // Decode: graph replays over rotated sets, without and with a workspace
+  // (the cluster tiles, the split kernel), against post then head.
+  if (ctx.selected("mhc_post_head", "decode_B16_n4_C7168_graph")) {
+    const int sets = 40;
+    std::vector<HostData> hs;
+    std::vector<DevSet> ds;
+    for (int i = 0; i < sets; ++i) {
+      hs.push_back(make_host(16, 4, 7168, 4000 + i));
+      ds.push_back(make_dev(hs.back()));
+    }
+    void* ws = nullptr;
+    const size_t ws_bytes = mhc_workspace_bytes({16, 4, 7168});
+    BENCH_CUDA(cudaMalloc(&ws, ws_bytes));
+    BENCH_CUDA(cudaMemset(ws, 0, ws_bytes));
+    const int launches = 2 * sets;
+    for (bool use_ws : {false, true}) {
+      auto args = [&](int i, bool keep) {
+        MhcPostHeadArgs a = post_head_args(hs[i % sets], ds[i % sets], keep);
+        if (use_ws) {
+          a.workspace = ws;
+          a.workspace_bytes = ws_bytes;
+        }
+        return a;
+      };
+      std::string check = verify_rotated_sets(
+          ctx, stream, sets, 16, [&](int i) { return mhc_post_head(args(i, true), stream); },
+          [&](int i) { return check_post_head(hs[i], ds[i], sample_rows(16)); });
+      MhcPreKernel kernel = MhcPreKernel::kAuto;
+      std::string why;
+      (void)mhc_post_head_kernel_choice(args(0, false), &kernel, &why);
+      const double us =
+          graph_us_per_launch([&](int i) { (void)mhc_post_head(args(i, false), stream); }, launches, stream, iters);
+      const double two_us = graph_us_per_launch(
+          [&](int i) {
+            const HostData& h = hs[i % sets];
+            const DevSet& d = ds[i % sets];
+            MhcPostArgs q;
+            q.shape = {h.B, h.n, h.C};
+            q.x = d.x; q.f_out = d.f_out; q.h_post = d.h_post_in; q.h_res = d.h_res_in; q.x_next = d.x_next;
+            (void)mhc_post(q, stream);
+            MhcHeadArgs ha;
+            ha.shape = q.shape;
+            ha.x = d.x_next; ha.phi = d.phi; ha.alpha = d.alpha; ha.bias = d.bias; ha.out = d.f_pre;
+            ha.kernel = kernel;
+            if (use_ws) {
+              ha.workspace = ws;
+              ha.workspace_bytes = ws_bytes;
+            }
+            (void)mhc_head(ha, stream);
+          },
+          launches, stream, iters);
+      Record r;
+      r.op = "mhc_post_head";
+      r.case_name = std::string("decode_B16_n4_C7168_graph") + (use_ws ? "_workspace" : "");
+      r.median_us = us;
+      set_copy_ceiling(ctx, r, 2.0 * 16 * 4 * 7168 + 2 * 2.0 * 16 * 7168);
+      r.check = check;
+      r.labels["kernel"] = to_string(kernel);
+      r.extra["post_then_head_us"] = two_us;
+      r.extra["speedup_over_post_then_head"] = two_us / us;
+      r.extra["rotated_sets"] = sets;
+      add_record(ctx, r);
+    }
+    BENCH_CUDA(cudaFree(ws));
     for (auto& d : ds) free_dev(d);
   }
 

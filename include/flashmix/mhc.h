@@ -81,8 +81,8 @@ struct MhcShape {
 //             one scale per (token, stream, 128 channels), [B, n, C/128] dense,
 //             float or ue8m0 by the op's x_scale_format; C % 128 == 0. An
 //             element's value is fp32(e4m3(code) * scale). Taken by
-//             mhc_expand, mhc_post, mhc_pre, mhc_post_pre and mhc_head (their
-//             residual, x_scales, x_scale_format fields); the stages
+//             mhc_expand, mhc_post, mhc_pre, mhc_post_pre, mhc_head and
+//             mhc_post_head (their residual, x_scales, x_scale_format fields); the stages
 //             (mhc_project, mhc_activate, mhc_pre_mix) stay bf16.
 enum class MhcResidual : int { kBf16 = 0, kFp8E4m3 = 1 };
 const char* to_string(MhcResidual residual);  // "bf16", "fp8_e4m3"
@@ -94,7 +94,7 @@ inline int64_t mhc_x_scale_count(const MhcShape& shape) {
 }
 
 // mhc_pre: X -> (F_pre, H_post, H_res) in one operation (X read from device memory once).
-// The projection kernel of mhc_pre, mhc_project and mhc_head. kAuto (the
+// The projection kernel of mhc_pre, mhc_project, mhc_head and the boundary ops. kAuto (the
 // default) picks the first of these that takes the shape on the current
 // device, in this order (docs/spec.md §4 states each one's conditions):
 //   kResident     sm_90, n = 4, C a multiple of 1024 up to 7168; not mhc_head; no F_pre epilogue;
@@ -303,6 +303,50 @@ struct MhcPostPreArgs {
   ScaleFormat f_pre_scale_format = ScaleFormat::kFloat32;
 };
 
+// mhc_post_head: the last layer boundary in one operation, the last
+// layer's mhc_post followed by mhc_head (before the final norm and LM head):
+//   X_next = R * X + H_post * F_out                 (mhc_post, res_layout)
+//   out    = mhc_head(X_next)                       (phi [n, K], alpha[0], bias [n], eps_norm, eps_pre)
+// X is read once; X_next is made on chip (bf16-rounded, or on the FP8
+// stream quantised, exactly the values mhc_post stores) and the head's
+// projection, sum of squares and mix use those values. x_next is optional:
+// null (the usual case: nothing reads the last residual after the head)
+// and X_next never reaches memory; given, it is written once. Bitwise equal
+// to mhc_post then mhc_head pinned to the same projection kernel (spec
+// §4.10). Kernels: kSplit (a workspace, 1 <= B <= kMhcSplitMaxBatch, bf16
+// stream) and kClusterTile (sm_90, both streams); kAuto takes the split
+// kernel first with a workspace and B <= 16 (spec §4.6). kResident and
+// kPortable have no fused post here (kNotSupported).
+struct MhcPostHeadArgs {
+  MhcShape shape;
+  // The last layer's post (inputs).
+  const void* x = nullptr;        // bf16 [B, n*C], X_L (kFp8E4m3: e4m3 codes)
+  const void* f_out = nullptr;    // bf16 [B, C], the sublayer's output
+  const float* h_post = nullptr;  // fp32 [B, n]
+  const float* h_res = nullptr;   // fp32 [B, n, n]
+  MhcResLayout res_layout = MhcResLayout::kDeepSeek;  // of this post (as MhcPostArgs::res_layout)
+  // The head's weights (as MhcHeadArgs).
+  const void* phi = nullptr;      // [n, n*C], 16-byte aligned
+  DType phi_dtype = DType::kFloat32;
+  const float* alpha = nullptr;   // [1] device (alpha_pre)
+  const float* bias = nullptr;    // [n] device
+  // Outputs.
+  void* out = nullptr;            // bf16 [B, C]
+  void* x_next = nullptr;         // optional: bf16 [B, n*C], X_{L+1} (kFp8E4m3: e4m3 codes); null: not stored
+  float eps_norm = 1e-6f;
+  float eps_pre = 1e-6f;
+  bool enable_pdl = true;
+  void* workspace = nullptr;      // as in MhcPreArgs (mhc_workspace_bytes(shape))
+  size_t workspace_bytes = 0;
+  MhcPreKernel kernel = MhcPreKernel::kAuto;  // kAuto, kSplit or kClusterTile
+  // The FP8 residual stream (spec §4.9), as in MhcPostPreArgs; x_next_scales
+  // is given exactly when x_next is.
+  MhcResidual residual = MhcResidual::kBf16;
+  const void* x_scales = nullptr;  // [B, n, C/128] float or uint8 (kFp8E4m3 only), X_L's
+  void* x_next_scales = nullptr;   // [B, n, C/128] (kFp8E4m3 with x_next only), X_{L+1}'s
+  ScaleFormat x_scale_format = ScaleFormat::kFloat32;  // of x_scales and x_next_scales
+};
+
 // mhc_expand: embedding [B, C] -> X [B, n, C] with n copies.
 struct MhcExpandArgs {
   MhcShape shape;
@@ -361,6 +405,9 @@ Status mhc_expand(const MhcExpandArgs& args, cudaStream_t stream);
 Status mhc_post_pre(const MhcPostPreArgs& args, cudaStream_t stream);
 // The projection kernel mhc_post_pre would run for `args` here, and why (host only).
 Status mhc_post_pre_kernel_choice(const MhcPostPreArgs& args, MhcPreKernel* kernel, std::string* reason);
+Status mhc_post_head(const MhcPostHeadArgs& args, cudaStream_t stream);
+// The projection kernel mhc_post_head would run for `args` here, and why (host only).
+Status mhc_post_head_kernel_choice(const MhcPostHeadArgs& args, MhcPreKernel* kernel, std::string* reason);
 
 // CPU reference backend (host pointers).
 Status mhc_pre_cpu(const MhcPreArgs& args);
@@ -371,6 +418,7 @@ Status mhc_pre_mix_cpu(const MhcPreMixArgs& args);
 Status mhc_head_cpu(const MhcHeadArgs& args);
 Status mhc_expand_cpu(const MhcExpandArgs& args);
 Status mhc_post_pre_cpu(const MhcPostPreArgs& args);
+Status mhc_post_head_cpu(const MhcPostHeadArgs& args);
 
 // Host-side validation shared by both backends (no device access).
 Status validate_mhc_pre(const MhcPreArgs& args);
@@ -381,5 +429,6 @@ Status validate_mhc_pre_mix(const MhcPreMixArgs& args);
 Status validate_mhc_head(const MhcHeadArgs& args);
 Status validate_mhc_expand(const MhcExpandArgs& args);
 Status validate_mhc_post_pre(const MhcPostPreArgs& args);
+Status validate_mhc_post_head(const MhcPostHeadArgs& args);
 
 }  // namespace flashmix

@@ -34,8 +34,9 @@ torch.compile: when torch is importable, ``torch.ops.flashmix.build_moe_routing_
 ``moe_forward``, ``quantize_fp8``, ``mhc_expand``, ``mhc_pre``,
 ``mhc_pre_with_workspace`` (mhc_pre with the small-batch workspace), ``mhc_post``,
 ``mhc_head``, the boundary ``mhc_post_pre`` (``mhc_post_pre_with_workspace``, and its
-``_norm`` / ``_fp8`` F_pre epilogues) and the FP8 residual stream's ``mhc_expand_fp8x``, ``mhc_pre_fp8x``,
-``mhc_post_fp8x``, ``mhc_post_pre_fp8x``, ``mhc_head_fp8x`` are registered as custom ops with shape
+``_norm`` / ``_fp8`` F_pre epilogues), the last boundary ``mhc_post_head``
+(``mhc_post_head_with_workspace``) and the FP8 residual stream's ``mhc_expand_fp8x``, ``mhc_pre_fp8x``,
+``mhc_post_fp8x``, ``mhc_post_pre_fp8x``, ``mhc_head_fp8x``, ``mhc_post_head_fp8x`` are registered as custom ops with shape
 functions; call those inside compiled code (the functions here call the
 binding directly, which is cheaper in eager mode but a graph break under
 torch.compile). ``MoeLayer`` (a ``torch.nn.Module``, only with torch) calls

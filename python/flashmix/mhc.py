@@ -1,5 +1,6 @@
 """mHC, DeepSeek's manifold-constrained hyper-connections (spec §4 of
-docs/spec.md): mhc_pre and its stages, mhc_post, mhc_head, mhc_expand, the
+docs/spec.md): mhc_pre and its stages, mhc_post, the boundaries mhc_post_pre and
+mhc_post_head, mhc_head, mhc_expand, the
 projection kernel choice -- each function with its torch custom op and shape
 function beside it.
 
@@ -16,11 +17,11 @@ import collections
 from ._common import _C, arg, defaults, empty, stream_of, torch
 
 __all__ = [
-    "mhc_pre", "mhc_pre_kernel_choice", "mhc_post", "mhc_post_pre", "mhc_project", "mhc_activate", "mhc_pre_mix", "mhc_head",
+    "mhc_pre", "mhc_pre_kernel_choice", "mhc_post", "mhc_post_pre", "mhc_post_head", "mhc_project", "mhc_activate", "mhc_pre_mix", "mhc_head",
     "mhc_expand", "mhc_workspace_bytes", "mhc_num_coefficients",
     "MHC_MAX_STREAMS", "MHC_SEED_PARAMS", "MHC_PRE_KERNELS", "MhcPreOutput", "MhcActivateOutput",
     "MhcPostPreOutput", "MhcPostPreFp8Output", "MhcPostPreFp8xOutput", "MhcPreFp8Output", "MhcPostFp8Output",
-    "MhcExpandFp8Output",
+    "MhcExpandFp8Output", "MhcPostHeadOutput",
 ]
 
 if torch is not None:
@@ -35,6 +36,7 @@ _PRE_MIX = _DEFAULTS["mhc_pre_mix"]
 _HEAD = _DEFAULTS["mhc_head"]
 _EXPAND = _DEFAULTS["mhc_expand"]
 _POST_PRE = _DEFAULTS["mhc_post_pre"]
+_POST_HEAD = _DEFAULTS["mhc_post_head"]
 
 MHC_MAX_STREAMS = _C.MHC_MAX_STREAMS
 #: The ``kernel`` values of mhc_pre, mhc_project and mhc_head (``MhcPreKernel``; docs/spec.md §4.6).
@@ -53,6 +55,8 @@ MhcPostFp8Output = collections.namedtuple("MhcPostFp8Output", ["x_next", "x_next
 #: mhc_expand onto the FP8 residual stream (spec §4.9).
 MhcExpandFp8Output = collections.namedtuple("MhcExpandFp8Output", ["x", "x_scales"])
 MhcPostPreOutput = collections.namedtuple("MhcPostPreOutput", ["x_next", "f_pre", "h_post", "h_res"])
+#: mhc_post_head keeping X_next: x_next_scales is None on the bf16 stream.
+MhcPostHeadOutput = collections.namedtuple("MhcPostHeadOutput", ["out", "x_next", "x_next_scales"])
 #: mhc_post_pre with ``fp8=True`` (spec §4.8): f_pre is None with ``bf16_f_pre=False``.
 MhcPostPreFp8Output = collections.namedtuple(
     "MhcPostPreFp8Output", ["x_next", "f_pre", "h_post", "h_res", "f_pre_fp8", "f_pre_scales"])
@@ -492,6 +496,93 @@ def mhc_pre_mix(x, h_pre, *, f_pre=None, enable_pdl=_PRE_MIX.enable_pdl, stream=
     f_pre = _new_mix(x, h_pre.shape[1], "mhc_pre_mix") if f_pre is None else f_pre
     _C.mhc_pre_mix(arg(x), arg(h_pre), arg(f_pre), enable_pdl=enable_pdl, stream=stream_of(stream, x))
     return f_pre
+
+
+# ---------------------------------------------------------------------------
+# mhc_post_head: the last boundary
+# ---------------------------------------------------------------------------
+
+def mhc_post_head(x, f_out, h_post, h_res, phi, alpha, bias, *, out=None, x_next=None, keep_x_next=False,
+                  res_layout=_POST_HEAD.res_layout, eps_norm=_POST_HEAD.eps_norm, eps_pre=_POST_HEAD.eps_pre,
+                  enable_pdl=_POST_HEAD.enable_pdl, kernel=_POST_HEAD.kernel, workspace=None, x_scales=None,
+                  x_next_scales=None, x_scale_format=_POST_HEAD.x_scale_format, stream=None):
+    """spec §4.10 mhc_post_head: the last layer boundary in one op, the last layer's mhc_post
+    (x, f_out, h_post, h_res; ``res_layout``) followed by mhc_head (phi ``[n, n*C]``, alpha
+    ``[1]``, bias ``[n]``, ``eps_norm``, ``eps_pre``). X is read once; the head uses X_next as
+    it is made. Returns out bf16 ``[B, C]``: X_next is not stored, since nothing reads the last
+    residual after the head. With ``x_next`` given or ``keep_x_next``: X_next is also written
+    once (allocated when None) and the result is MhcPostHeadOutput(out, x_next, x_next_scales).
+    Bitwise equal to mhc_post then mhc_head pinned to the same kernel. ``kernel``: "auto",
+    "split" (with ``workspace``, B <= 32, bf16 stream) or "cluster_tile"; "resident" and
+    "portable" raise NotImplementedError; CPU arrays run the reference.
+
+    The FP8 residual stream (spec §4.9), with ``x_scales``: x holds e4m3 codes as in mhc_post;
+    a kept X_next comes back the same way (``x_next_scales`` allocated when None), its codes and
+    scales bitwise mhc_post's."""
+    n = phi.shape[0]
+    out = _new_mix(x, n, "mhc_post_head") if out is None else out
+    fp8x = x_scales is not None
+    keep = keep_x_next or x_next is not None or x_next_scales is not None
+    if keep and x_next is None:
+        if fp8x:
+            from .fp8 import _e4m3_dtype
+            x_next = empty(x, tuple(x.shape), _e4m3_dtype(x))
+        else:
+            x_next = _new_x_next(x)
+    if keep and fp8x and x_next_scales is None:
+        from .fp8 import _scale_dtype
+        x_next_scales = empty(x, tuple(x_scales.shape), _scale_dtype(x, x_scale_format))
+    xa, sa = _residual_args(x, x_scales)
+    xna, sna = _residual_args(x_next, x_next_scales) if keep else (None, None)
+    _C.mhc_post_head(xa, arg(f_out), arg(h_post), arg(h_res), arg(phi), arg(alpha), arg(bias), arg(out), xna,
+                     res_layout=res_layout, eps_norm=eps_norm, eps_pre=eps_pre, enable_pdl=enable_pdl,
+                     kernel=kernel, workspace=arg(workspace), x_scales=sa, x_next_scales=sna,
+                     x_scale_format=x_scale_format, stream=stream_of(stream, x))
+    if keep:
+        return MhcPostHeadOutput(out, x_next, x_next_scales)
+    return out
+
+
+if torch is not None:
+    def _post_head_fake(x, phi, **_):
+        return _new_mix(x, phi.shape[0], "mhc_post_head")
+
+    @custom_op("mhc_post_head", fake=_post_head_fake)
+    def _mhc_post_head_op(x: Tensor, f_out: Tensor, h_post: Tensor, h_res: Tensor, phi: Tensor, alpha: Tensor,
+                          bias: Tensor, res_layout: str = _POST_HEAD.res_layout,
+                          eps_norm: float = _POST_HEAD.eps_norm, eps_pre: float = _POST_HEAD.eps_pre,
+                          enable_pdl: bool = _POST_HEAD.enable_pdl,
+                          projection_kernel: str = _POST_HEAD.kernel) -> Tensor:
+        """flashmix.mhc_post_head as a custom op: a fresh bf16 out ``[B, C]`` (X_next not stored);
+        ``projection_kernel`` is its ``kernel`` (as in the mhc_pre op)."""
+        return mhc_post_head(x, f_out, h_post, h_res, phi, alpha, bias, res_layout=res_layout, eps_norm=eps_norm,
+                             eps_pre=eps_pre, enable_pdl=enable_pdl, kernel=projection_kernel)
+
+    # A separate op, as mhc_pre_with_workspace (an Optional tensor in mutates_args breaks
+    # torch.compile's functionalization when left None).
+    @custom_op("mhc_post_head_with_workspace", fake=_post_head_fake, mutates_args=("workspace",))
+    def _mhc_post_head_with_workspace_op(x: Tensor, f_out: Tensor, h_post: Tensor, h_res: Tensor, phi: Tensor,
+                                         alpha: Tensor, bias: Tensor, workspace: Tensor,
+                                         res_layout: str = _POST_HEAD.res_layout,
+                                         eps_norm: float = _POST_HEAD.eps_norm, eps_pre: float = _POST_HEAD.eps_pre,
+                                         enable_pdl: bool = _POST_HEAD.enable_pdl,
+                                         projection_kernel: str = _POST_HEAD.kernel) -> Tensor:
+        """flashmix.mhc_post_head with the small-batch workspace as a custom op (the workspace is
+        mutated: its epoch word counts the split kernel's launches)."""
+        return mhc_post_head(x, f_out, h_post, h_res, phi, alpha, bias, res_layout=res_layout, eps_norm=eps_norm,
+                             eps_pre=eps_pre, enable_pdl=enable_pdl, kernel=projection_kernel, workspace=workspace)
+
+    @custom_op("mhc_post_head_fp8x", fake=_post_head_fake)
+    def _mhc_post_head_fp8x_op(x: Tensor, x_scales: Tensor, f_out: Tensor, h_post: Tensor, h_res: Tensor,
+                               phi: Tensor, alpha: Tensor, bias: Tensor, res_layout: str = _POST_HEAD.res_layout,
+                               x_scale_format: str = _POST_HEAD.x_scale_format,
+                               eps_norm: float = _POST_HEAD.eps_norm, eps_pre: float = _POST_HEAD.eps_pre,
+                               enable_pdl: bool = _POST_HEAD.enable_pdl,
+                               projection_kernel: str = _POST_HEAD.kernel) -> Tensor:
+        """flashmix.mhc_post_head on the FP8 stream as a custom op: a fresh bf16 out ``[B, C]``."""
+        return mhc_post_head(x, f_out, h_post, h_res, phi, alpha, bias, x_scales=x_scales,
+                             x_scale_format=x_scale_format, res_layout=res_layout, eps_norm=eps_norm,
+                             eps_pre=eps_pre, enable_pdl=enable_pdl, kernel=projection_kernel)
 
 
 # ---------------------------------------------------------------------------

@@ -410,6 +410,61 @@ void mhc_post_pre(const In& x, const In& f_out, const In& h_post, const In& h_re
 }
 
 // ---------------------------------------------------------------------------
+// mhc_post_head: the last boundary (the last post, the head) in one op
+// ---------------------------------------------------------------------------
+
+// x_next None: X_next is not stored. The FP8 residual stream with x_scales;
+// there x_next_scales comes with x_next.
+void mhc_post_head(const In& x, const In& f_out, const In& h_post, const In& h_res, const In& phi, const In& alpha,
+                   const In& bias, const Out& out, const OptOut& x_next, const std::string& res_layout,
+                   float eps_norm, float eps_pre, bool enable_pdl, const std::string& kernel,
+                   const OptOut& workspace, const OptIn& x_scales, const OptOut& x_next_scales,
+                   const std::string& x_scale_format, uintptr_t stream) {
+  constexpr const char* op = "mhc_post_head";
+  Placement w(op);
+  w.add(x, "x", f_out, "f_out", h_post, "h_post", h_res, "h_res", workspace, "workspace");
+  add_projection_inputs(w, x, phi, alpha, bias);
+  w.add(out, "out", x_next, "x_next");
+  w.add(x_scales, "x_scales", x_next_scales, "x_next_scales");
+  require_ndim(phi, 2, op, "phi");
+  const int64_t n = dim(phi, 0);
+  if (n < 1 || n > fm::kMhcMaxStreams)
+    fail(op, "phi", "[n, n*C]: n must be in [1, ", fm::kMhcMaxStreams, "] (got shape ", shape_str(phi), ")");
+  const bool fp8 = bool(x_scales);
+  if (x_next_scales && !fp8) fail(op, "x_scales", "x_next_scales needs x_scales (the FP8 residual stream)");
+  if (fp8 && bool(x_next) != bool(x_next_scales))
+    fail(op, x_next ? "x_next_scales" : "x_next",
+         "on the FP8 residual stream x_next and x_next_scales come together (or neither: X_next not stored)");
+  fm::MhcPostHeadArgs a;
+  const nb::dlpack::dtype x_dtype = set_residual(a, fp8, x_scale_format, op);
+  a.shape = residual_shape(x, int(n), op, "x", x_dtype);
+  const int64_t B = a.shape.batch, C = a.shape.hidden;
+  a.phi_dtype = check_weights(phi, alpha, bias, n, n * C, 1, op);
+  require_dense(f_out, kBFloat16, {B, C}, op, "f_out");
+  require_dense(h_post, kFloat32, {B, n}, op, "h_post");
+  require_dense(h_res, kFloat32, {B, n, n}, op, "h_res");
+  require_dense(out, kBFloat16, {B, C}, op, "out");
+  if (x_next) {
+    set_x_next(a, x, *x_next, x_scales, x_next_scales, x_dtype, op);
+    a.x_next = mut(*x_next);
+  } else if (fp8) {
+    check_x_scales(*x_scales, x, a.shape, a.x_scale_format, op, "x_scales");
+    a.x_scales = ptr(*x_scales);
+  }
+  set_projection_pointers(a, x, phi, alpha, bias);
+  a.f_out = ptr(f_out);
+  a.h_post = static_cast<const float*>(ptr(h_post));
+  a.h_res = static_cast<const float*>(ptr(h_res));
+  a.out = mut(out);
+  a.res_layout = parse_enum(res_layout, res_layouts(), op, "res_layout");
+  a.eps_norm = eps_norm;
+  a.eps_pre = eps_pre;
+  set_projection_options(a, enable_pdl, kernel, workspace, op);
+  dispatch(
+      w, op, [&] { return fm::mhc_post_head(a, as_stream(stream)); }, [&] { return fm::mhc_post_head_cpu(a); });
+}
+
+// ---------------------------------------------------------------------------
 // The stages of mhc_pre: project, activate, pre mix
 // ---------------------------------------------------------------------------
 
@@ -611,6 +666,13 @@ nb::dict mhc_defaults() {
   f["f_pre_scale_format"] = fm::to_string(post_pre.f_pre_scale_format);
   f["x_scale_format"] = fm::to_string(post_pre.x_scale_format);
   d["mhc_post_pre"] = launch(f, post_pre.enable_pdl);
+  const fm::MhcPostHeadArgs post_head;
+  f = nb::dict();
+  f["res_layout"] = enum_name(post_head.res_layout, res_layouts());
+  f["eps_norm"] = py_float(post_head.eps_norm);
+  f["eps_pre"] = py_float(post_head.eps_pre);
+  f["x_scale_format"] = fm::to_string(post_head.x_scale_format);
+  d["mhc_post_head"] = projection(f, post_head);
   return d;
 }
 
@@ -629,7 +691,8 @@ void register_mhc(nb::module_& m) {
       "mhc_workspace_bytes",
       [](int64_t batch, int n, int64_t hidden) { return fm::mhc_workspace_bytes(fm::MhcShape{batch, n, hidden}); },
       "batch"_a, "n"_a, "hidden"_a,
-      "Bytes of the optional small-batch workspace of mhc_pre / mhc_post_pre / mhc_project / mhc_head (0: not "
+      "Bytes of the optional small-batch workspace of mhc_pre / mhc_post_pre / mhc_project / mhc_head / "
+      "mhc_post_head (0: not "
       "used for this shape). Zero it once; every launch leaves it ready for the next.");
 
   m.def("mhc_pre", &mhc_pre, "x"_a, "phi"_a, "alpha"_a, "bias"_a, "f_pre"_a.none(), "h_post"_a, "h_res"_a,
@@ -668,6 +731,13 @@ void register_mhc(nb::module_& m) {
         "spec §4.7 mhc_post_pre: this layer's post then the next pre in one op; n from phi [N, n*C]. "
         "§4.8: F_pre's input RMSNorm (norm_weight) and FP8 copy (f_pre_fp8, f_pre_scales). §4.9: with "
         "x_scales and x_next_scales, x and x_next are the FP8 residual stream.");
+  m.def("mhc_post_head", &mhc_post_head, "x"_a, "f_out"_a, "h_post"_a, "h_res"_a, "phi"_a, "alpha"_a, "bias"_a,
+        "out"_a, "x_next"_a.none(), nb::kw_only(), "res_layout"_a, "eps_norm"_a, "eps_pre"_a, "enable_pdl"_a,
+        "kernel"_a, "workspace"_a.none(), "x_scales"_a.none(), "x_next_scales"_a.none(), "x_scale_format"_a,
+        "stream"_a,
+        "spec §4.10 mhc_post_head: the last layer's post then mhc_head in one op; n from phi [n, n*C]. x_next "
+        "None: X_next is not stored. §4.9: with x_scales, x (and x_next with x_next_scales) the FP8 residual "
+        "stream.");
   m.def("mhc_expand", &mhc_expand, "embedding"_a, "x"_a, nb::kw_only(), "x_scales"_a.none(), "x_scale_format"_a,
         "enable_pdl"_a, "stream"_a,
         "mhc_expand: the embedding into n streams; with x_scales, onto the FP8 residual stream (spec §4.9).");

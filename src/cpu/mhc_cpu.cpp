@@ -408,4 +408,52 @@ Status mhc_post_pre_cpu(const MhcPostPreArgs& a) {
   return Status::Ok();
 }
 
+// The last boundary (spec §4.10): mhc_post_cpu into x_next (or a host
+// buffer when the caller leaves x_next null), then mhc_head_cpu on those
+// stored values, bf16 or FP8 stream alike.
+Status mhc_post_head_cpu(const MhcPostHeadArgs& a) {
+  FM_RETURN_IF_ERROR(validate_mhc_post_head(a));
+  if (a.shape.batch == 0) return Status::Ok();
+  const bool fp8 = a.residual == MhcResidual::kFp8E4m3;
+  const MhcShape& s = a.shape;
+  std::vector<uint8_t> codes, scales;  // X_next when the caller does not keep it
+  void* x_next = a.x_next;
+  void* x_next_scales = a.x_next_scales;
+  if (x_next == nullptr) {
+    codes.resize(size_t(s.batch * s.n * s.hidden * (fp8 ? 1 : 2)));
+    x_next = codes.data();
+    if (fp8) {
+      scales.resize(size_t(mhc_x_scale_count(s) * (a.x_scale_format == ScaleFormat::kUE8M0 ? 1 : 4)));
+      x_next_scales = scales.data();
+    }
+  }
+  MhcPostArgs post;
+  post.shape = s;
+  post.x = a.x;
+  post.f_out = a.f_out;
+  post.h_post = a.h_post;
+  post.h_res = a.h_res;
+  post.x_next = x_next;
+  post.res_layout = a.res_layout;
+  post.residual = a.residual;
+  post.x_scales = a.x_scales;
+  post.x_next_scales = x_next_scales;
+  post.x_scale_format = a.x_scale_format;
+  FM_RETURN_IF_ERROR(mhc_post_cpu(post));
+  MhcHeadArgs head;
+  head.shape = s;
+  head.x = x_next;
+  head.phi = a.phi;
+  head.phi_dtype = a.phi_dtype;
+  head.alpha = a.alpha;
+  head.bias = a.bias;
+  head.out = a.out;
+  head.eps_norm = a.eps_norm;
+  head.eps_pre = a.eps_pre;
+  head.residual = a.residual;
+  head.x_scales = x_next_scales;
+  head.x_scale_format = a.x_scale_format;
+  return mhc_head_cpu(head);
+}
+
 }  // namespace flashmix

@@ -581,6 +581,7 @@ ProjectParams post_pre_params(const MhcPostPreArgs& a) {
   p.act = act_params(a.params);
   p.mode = ProjectMode::kPre;
   p.prefetch_weights = a.prefetch_weights && a.enable_pdl;
+  p.post.fused = true;
   p.post.f_out = static_cast<const bf16*>(a.f_out);
   p.post.h_post = a.h_post;
   p.post.h_res = a.h_res;
@@ -618,6 +619,52 @@ Status mhc_post_pre(const MhcPostPreArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_post_pre";
   return detail::gpu_entry(kOp, validate_mhc_post_pre(a), stream, a.shape.batch == 0, [&]() -> Status {
     return launch_project(post_pre_params(a), a.shape.n, a.phi_dtype, a.kernel, stream, a.enable_pdl, kOp);
+  });
+}
+
+namespace {
+
+// The last boundary (spec §4.10): the head's projection kernel with the post
+// in front, X_next stored only where the caller gives x_next.
+ProjectParams post_head_params(const MhcPostHeadArgs& a) {
+  ProjectParams p = base_params(a);  // x is X_L: the kernels make X_next from it
+  p.f_out = static_cast<bf16*>(a.out);
+  p.num_coef = a.shape.n;
+  p.eps_norm = a.eps_norm;
+  p.act.eps_pre = a.eps_pre;
+  p.mode = ProjectMode::kHead;
+  p.post.fused = true;
+  p.post.f_out = static_cast<const bf16*>(a.f_out);
+  p.post.h_post = a.h_post;
+  p.post.h_res = a.h_res;
+  p.post.x_next = static_cast<bf16*>(a.x_next);
+  p.post.transpose = a.res_layout == MhcResLayout::kDeepSeek;
+  p.post.x_next_scales = a.x_next_scales;
+  set_residual(p, a);
+  return p;
+}
+
+}  // namespace
+
+Status mhc_post_head_kernel_choice(const MhcPostHeadArgs& a, MhcPreKernel* kernel, std::string* reason) {
+  constexpr const char* kOp = "mhc_post_head_kernel_choice";
+  FM_REQUIRE(kernel != nullptr, kOp, "kernel", "must not be null");
+  FM_RETURN_IF_ERROR(validate_mhc_post_head(a));
+  return detail::without_cuda_error_left(kOp, [&]() -> Status {
+    const ProjectCandidate* c = nullptr;
+    std::string why;
+    FM_RETURN_IF_ERROR(choose_project_kernel(post_head_params(a), a.shape.n, a.phi_dtype == DType::kFloat32,
+                                             a.kernel, kOp, &c, &why));
+    *kernel = c->kernel;
+    if (reason != nullptr) *reason = why;
+    return Status::Ok();
+  });
+}
+
+Status mhc_post_head(const MhcPostHeadArgs& a, cudaStream_t stream) {
+  constexpr const char* kOp = "mhc_post_head";
+  return detail::gpu_entry(kOp, validate_mhc_post_head(a), stream, a.shape.batch == 0, [&]() -> Status {
+    return launch_project(post_head_params(a), a.shape.n, a.phi_dtype, a.kernel, stream, a.enable_pdl, kOp);
   });
 }
 

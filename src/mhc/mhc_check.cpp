@@ -422,4 +422,52 @@ Status validate_mhc_post_pre(const MhcPostPreArgs& a) {
   return check_no_overlap(kOp, outs, ins);
 }
 
+Status validate_mhc_post_head(const MhcPostHeadArgs& a) {
+  constexpr const char* kOp = "mhc_post_head";
+  FM_RETURN_IF_ERROR(check_shape(a.shape, kOp, true));
+  FM_REQUIRE(a.res_layout == MhcResLayout::kDeepSeek || a.res_layout == MhcResLayout::kRowMix, kOp,
+             "res_layout", "unknown layout value ", int(a.res_layout));
+  FM_REQUIRE(std::isfinite(a.eps_norm) && a.eps_norm >= 0, kOp, "eps_norm", "must be finite and >= 0");
+  FM_REQUIRE(std::isfinite(a.eps_pre) && a.eps_pre >= 0, kOp, "eps_pre", "must be finite and >= 0");
+  FM_RETURN_IF_ERROR(check_phi_dtype(a.phi_dtype, kOp));
+  FM_RETURN_IF_ERROR(check_kernel(a.kernel, kOp));
+  FM_RETURN_IF_ERROR(check_residual(a.residual, a.x_scale_format, a.shape.hidden, kOp));
+  FM_RETURN_IF_ERROR(check_no_scales(a.residual, a.x_scales, "x_scales", kOp));
+  FM_RETURN_IF_ERROR(check_no_scales(a.residual, a.x_next_scales, "x_next_scales", kOp));
+  const bool fp8 = a.residual == MhcResidual::kFp8E4m3;
+  FM_REQUIRE(!fp8 || (a.x_next == nullptr) == (a.x_next_scales == nullptr), kOp, "x_next_scales",
+             "must be given exactly when x_next is (the FP8 stream's X_next is its codes and scales)");
+  if (a.shape.batch == 0) return Status::Ok();  // nothing is read or written
+  const int scale_align = int(scale_bytes(a.x_scale_format));
+  FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
+  if (fp8) FM_RETURN_IF_ERROR(check_ptr(a.x_scales, kOp, "x_scales", scale_align));
+  FM_RETURN_IF_ERROR(check_ptr(a.f_out, kOp, "f_out", 16));
+  FM_RETURN_IF_ERROR(check_ptr(a.h_post, kOp, "h_post", 4));
+  FM_RETURN_IF_ERROR(check_ptr(a.h_res, kOp, "h_res", 4));
+  FM_RETURN_IF_ERROR(check_ptr(a.phi, kOp, "phi", 16));
+  FM_RETURN_IF_ERROR(check_ptr(a.alpha, kOp, "alpha", 4));
+  FM_RETURN_IF_ERROR(check_ptr(a.bias, kOp, "bias", 4));
+  FM_RETURN_IF_ERROR(check_ptr(a.out, kOp, "out", 16));
+  if (a.x_next != nullptr) {
+    FM_RETURN_IF_ERROR(check_ptr(a.x_next, kOp, "x_next", 16));
+    if (fp8) FM_RETURN_IF_ERROR(check_ptr(a.x_next_scales, kOp, "x_next_scales", scale_align));
+  }
+  FM_RETURN_IF_ERROR(check_workspace(a.shape, a.workspace, a.workspace_bytes, kOp));
+  const MhcShape& s = a.shape;
+  const int64_t K = int64_t(s.n) * s.hidden;
+  const Range outs[] = {{"out", a.out, s.batch * s.hidden * 2},
+                        {"x_next", a.x_next, a.x_next != nullptr ? x_bytes(s, a.residual) : 0},
+                        x_scales_range("x_next_scales", a.x_next_scales, s, a.residual, a.x_scale_format),
+                        workspace_range(a.workspace, a.workspace_bytes)};
+  const Range ins[] = {{"x", a.x, x_bytes(s, a.residual)},
+                       x_scales_range("x_scales", a.x_scales, s, a.residual, a.x_scale_format),
+                       {"f_out", a.f_out, s.batch * s.hidden * 2},
+                       {"h_post", a.h_post, s.batch * s.n * 4},
+                       {"h_res", a.h_res, s.batch * s.n * s.n * 4},
+                       {"phi", a.phi, s.n * K * int64_t(dtype_size(a.phi_dtype))},
+                       {"alpha", a.alpha, 4},
+                       {"bias", a.bias, s.n * 4}};
+  return check_no_overlap(kOp, outs, ins);
+}
+
 }  // namespace flashmix

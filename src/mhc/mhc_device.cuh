@@ -163,16 +163,19 @@ enum class ProjectMode : int {
   kHead = 2,     // the pre mix only, with N = n (mhc_head)
 };
 
-// mhc_post_pre: the previous layer's post fused in front of the projection.
-// The projection kernel's X (ProjectParams::x) is then X_L, and what it
-// projects and mixes is X_next = R X_L + H_post F_out, made on chip with the
-// arithmetic of mhc_post (post_mix_pair below), stored once to x_next.
+// mhc_post_pre / mhc_post_head: the previous layer's post fused in front of
+// the projection. The projection kernel's X (ProjectParams::x) is then X_L,
+// and what it projects and mixes is X_next = R X_L + H_post F_out, made on
+// chip with the arithmetic of mhc_post (post_mix_pair below), stored once to
+// x_next where that is given (always for mhc_post_pre; optional for
+// mhc_post_head).
 struct PostInput {
+  bool fused = false;                    // mhc_post_pre / mhc_post_head (false: plain mhc_pre / project / head)
   const __nv_bfloat16* f_out = nullptr;  // [B, C]
   const float* h_post = nullptr;         // [B, n]
   const float* h_res = nullptr;          // [B, n, n]
-  __nv_bfloat16* x_next = nullptr;       // [B, n*C] (FP8 stream: e4m3 codes); null: no post (plain mhc_pre / project / head)
-  void* x_next_scales = nullptr;         // FP8 stream: [B, n, C/128], X_next's scales
+  __nv_bfloat16* x_next = nullptr;       // [B, n*C] (FP8 stream: e4m3 codes); null: X_next not stored
+  void* x_next_scales = nullptr;         // FP8 stream: [B, n, C/128], X_next's scales (with x_next)
   bool transpose = true;                 // res_layout kDeepSeek: R = H_res^T
 };
 
@@ -232,9 +235,10 @@ struct ProjectParams {
   // mhc_workspace_bytes(shape) bytes, zero when idle.
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
-  // mhc_post_pre (kPre only): post.x_next non-null.
+  // mhc_post_pre (kPre) and mhc_post_head (kHead); a flag, not a pointer,
+  // so the kernel choice is the same at B = 0 (no buffers).
   PostInput post;
-  __host__ __device__ bool has_post() const { return post.x_next != nullptr; }
+  __host__ __device__ bool has_post() const { return post.fused; }
   PreEpilogue epi;
   __host__ __device__ bool has_epilogue() const { return epi.any(); }
   // The FP8 residual stream (spec §4.9; mhc_pre, mhc_post_pre, mhc_head):

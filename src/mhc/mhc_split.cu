@@ -358,7 +358,7 @@ __global__ void __launch_bounds__(kThreads, 1) mhc_split_kernel(ProjectParams p,
   __syncthreads();
   if (post) {
     // X_next = R X_L + H_post F_out for this slice, in place, and once to
-    // x_next: mhc_post's arithmetic (post_mix_pair), so the projection below
+    // x_next (where given): mhc_post's arithmetic (post_mix_pair), so the projection below
     // sees bitwise what mhc_pre would read back. A thread per (token, 8 columns).
     for (int idx = threadIdx.x; idx < B * cw; idx += kThreads) {
       const int b = idx / cw, j = idx - b * cw;
@@ -383,7 +383,8 @@ __global__ void __launch_bounds__(kThreads, 1) mhc_split_kernel(ProjectParams p,
           ow[w] = post_mix_pair<kN>(xw, fw[w], r, hp);
         }
         *reinterpret_cast<uint4*>(xs + b * s.x_row + (i * s.cpg + j) * 8) = o;
-        __stcs(reinterpret_cast<uint4*>(p.post.x_next + (long long)b * K + (long long)i * C + (j0 + j) * 8), o);
+        if (p.post.x_next != nullptr)  // mhc_post_head may leave X_next on chip
+          __stcs(reinterpret_cast<uint4*>(p.post.x_next + (long long)b * K + (long long)i * C + (j0 + j) * 8), o);
       }
     }
     __syncthreads();

@@ -323,10 +323,11 @@ __device__ __noinline__ void f_pre_epilogue(const ProjectParams& p, const FusedL
   cluster_arrive();   // done reading the peers' partials
 }
 
-// kPost (mhc_post_pre): the tile's slice is not copied from X but made from
-// X_L and F_out by the post (its arithmetic, post_mix_pair), stored to
-// shared memory and once to x_next; all n streams of a column are in this
-// CTA's slice, so the post needs nothing from the peers.
+// kPost (mhc_post_pre, mhc_post_head): the tile's slice is not copied from X
+// but made from X_L and F_out by the post (its arithmetic, post_mix_pair),
+// stored to shared memory and once to x_next (where given); all n streams
+// of a column are in this CTA's slice, so the post needs nothing from the
+// peers.
 //
 // kFp8 (the FP8 residual stream, spec §4.9): xs holds the tile's e4m3 codes
 // and sc their scales. The projection takes the codes (exact in bf16) on the
@@ -454,9 +455,9 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
                                            : quantize_block_lane<ScaleFormat::kFloat32>(acc, half, q);
         *reinterpret_cast<uint2*>(xq + size_t(r) * L.pitch + i * cw + col) = q;
         const long long e = b * p.k_len + (long long)i * hidden + c0 + col;
-        __stcs(reinterpret_cast<uint2*>(xn + e), q);
+        if (xn != nullptr) __stcs(reinterpret_cast<uint2*>(xn + e), q);
         if (leader) {
-          fp8_dev::store_scale(po.x_next_scales, uint32_t(e / 128), s.stored, p.x_ue8m0);
+          if (xn != nullptr) fp8_dev::store_scale(po.x_next_scales, uint32_t(e / 128), s.stored, p.x_ue8m0);
           sc[((i * cw + col) / 128) * L.rows + r] = stored_scale_value(s.stored, p.x_ue8m0);
         }
       }
@@ -495,7 +496,8 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
         }
         const uint4 ov = make_uint4(o[0], o[1], o[2], o[3]);
         *reinterpret_cast<uint4*>(xs + r * L.pitch + i * cw + col) = ov;
-        __stcs(reinterpret_cast<uint4*>(po.x_next + (b * kN + i) * (long long)hidden + c0 + col), ov);
+        if (po.x_next != nullptr)
+          __stcs(reinterpret_cast<uint4*>(po.x_next + (b * kN + i) * (long long)hidden + c0 + col), ov);
       }
     }
     zero_padding();

@@ -200,6 +200,44 @@ TEST(MhcCpu, PostPreEqualsPostThenPre) {
   }
 }
 
+// The last boundary is, by definition, mhc_post then mhc_head on the stored
+// (bf16) X_next: bitwise, every n, both layouts, X_next kept or not (the
+// head's output must not depend on whether X_next is stored).
+TEST(MhcCpu, PostHeadEqualsPostThenHead) {
+  for (int n : {1, 2, 3, 4, 5, 8}) {
+    for (MhcResLayout layout : {MhcResLayout::kDeepSeek, MhcResLayout::kRowMix}) {
+      Problem p = make_problem(3, n, 24, seed_for("post_head") + n);
+      std::vector<uint16_t> xn_ref(p.x.size(), 0x7fc1), out_ref(size_t(p.B * p.C), 0x7fc1);
+      MhcPostArgs pa;
+      pa.shape = {p.B, n, p.C};
+      pa.x = p.x.data(); pa.f_out = p.f_out.data(); pa.h_post = p.h_post.data(); pa.h_res = p.h_res.data();
+      pa.x_next = xn_ref.data(); pa.res_layout = layout;
+      ASSERT_TRUE(mhc_post_cpu(pa).ok());
+      MhcHeadArgs ha;
+      ha.shape = pa.shape;
+      ha.x = xn_ref.data(); ha.phi = p.phi_bf16.data(); ha.phi_dtype = DType::kBFloat16;
+      ha.alpha = p.alpha.data(); ha.bias = p.bias.data(); ha.out = out_ref.data();
+      ha.eps_norm = 1e-5f; ha.eps_pre = 0.01f;
+      ASSERT_TRUE(mhc_head_cpu(ha).ok());
+      for (bool keep : {true, false}) {
+        std::vector<uint16_t> xn(p.x.size(), 0x7fc1), out(size_t(p.B * p.C), 0x7fc1);
+        MhcPostHeadArgs a;
+        a.shape = pa.shape;
+        a.x = p.x.data(); a.f_out = p.f_out.data(); a.h_post = p.h_post.data(); a.h_res = p.h_res.data();
+        a.res_layout = layout;
+        a.phi = p.phi_bf16.data(); a.phi_dtype = DType::kBFloat16; a.alpha = p.alpha.data(); a.bias = p.bias.data();
+        a.out = out.data(); a.x_next = keep ? xn.data() : nullptr;
+        a.eps_norm = 1e-5f; a.eps_pre = 0.01f;
+        Status s = mhc_post_head_cpu(a);
+        ASSERT_TRUE(s.ok()) << s.message();
+        EXPECT_EQ(out, out_ref) << "n " << n << " keep " << keep;
+        if (keep) EXPECT_EQ(xn, xn_ref) << "n " << n;
+        else for (auto v : xn) ASSERT_EQ(v, 0x7fc1);
+      }
+    }
+  }
+}
+
 // One element of the boundary by hand: X_next from the post formula, F_pre
 // from H_pre computed here (projection, r, sigmoid) on the rounded X_next.
 TEST(MhcCpu, PostPreOneTokenByHand) {
@@ -771,6 +809,86 @@ TEST(MhcValidation, PostPreNamesItsArguments) {
   MhcPostPreArgs z;  // B = 0: valid without buffers
   z.shape = {0, 4, 7168};
   EXPECT_TRUE(mhc_post_pre_cpu(z).ok());
+}
+
+TEST(MhcValidation, PostHeadNamesItsArguments) {
+  Problem p = make_problem(2, 4, 16, seed_for("post_head_validation"));
+  std::vector<uint16_t> xn(p.x.size(), 0x7fc1), out(size_t(p.B * p.C), 0x7fc1);
+  auto base = [&] {
+    MhcPostHeadArgs a;
+    a.shape = {p.B, 4, p.C};
+    a.x = p.x.data(); a.f_out = p.f_out.data(); a.h_post = p.h_post.data(); a.h_res = p.h_res.data();
+    a.phi = p.phi_f32.data(); a.alpha = p.alpha.data(); a.bias = p.bias.data();
+    a.out = out.data(); a.x_next = xn.data();
+    return a;
+  };
+  EXPECT_TRUE(validate_mhc_post_head(base()).ok());
+  MhcPostHeadArgs a = base();
+  a.x_next = nullptr;  // optional
+  EXPECT_TRUE(validate_mhc_post_head(a).ok());
+  const char* nulls[] = {"x", "f_out", "h_post", "h_res", "phi", "alpha", "bias", "out"};
+  for (int which = 0; which < 8; ++which) {
+    a = base();
+    switch (which) {
+      case 0: a.x = nullptr; break;
+      case 1: a.f_out = nullptr; break;
+      case 2: a.h_post = nullptr; break;
+      case 3: a.h_res = nullptr; break;
+      case 4: a.phi = nullptr; break;
+      case 5: a.alpha = nullptr; break;
+      case 6: a.bias = nullptr; break;
+      default: a.out = nullptr; break;
+    }
+    expect_error(mhc_post_head_cpu(a), StatusCode::kInvalidArgument, nulls[which]);
+  }
+  a = base();
+  a.x_next = const_cast<uint16_t*>(p.x.data());  // in place is not allowed
+  expect_error(mhc_post_head_cpu(a), StatusCode::kInvalidArgument, "x_next");
+  a = base();
+  a.out = const_cast<uint16_t*>(p.f_out.data());  // over an input
+  expect_error(mhc_post_head_cpu(a), StatusCode::kInvalidArgument, "out");
+  a = base();
+  a.out = xn.data() + 8;  // over the other output
+  expect_error(mhc_post_head_cpu(a), StatusCode::kInvalidArgument, "x_next");
+  a = base();
+  a.x_next = xn.data() + 1;  // 2-byte aligned only
+  expect_error(mhc_post_head_cpu(a), StatusCode::kInvalidArgument, "x_next");
+  a = base();
+  a.res_layout = static_cast<MhcResLayout>(9);
+  expect_error(mhc_post_head_cpu(a), StatusCode::kInvalidArgument, "res_layout");
+  a = base();
+  a.eps_pre = -1.f;
+  expect_error(mhc_post_head_cpu(a), StatusCode::kInvalidArgument, "eps_pre");
+  a = base();
+  a.eps_norm = NAN;
+  expect_error(mhc_post_head_cpu(a), StatusCode::kInvalidArgument, "eps_norm");
+  a = base();
+  a.phi_dtype = DType::kFloat16;
+  expect_error(mhc_post_head_cpu(a), StatusCode::kNotSupported, "phi_dtype");
+  a = base();
+  a.kernel = static_cast<MhcPreKernel>(17);
+  expect_error(mhc_post_head_cpu(a), StatusCode::kInvalidArgument, "kernel");
+  a = base();
+  a.x_next_scales = out.data();  // scales on the bf16 stream
+  expect_error(mhc_post_head_cpu(a), StatusCode::kInvalidArgument, "x_next_scales");
+  a = base();
+  a.shape.hidden = 20;
+  expect_error(mhc_post_head_cpu(a), StatusCode::kInvalidArgument, "hidden");
+  {
+    const size_t need = mhc_workspace_bytes(base().shape);
+    std::vector<uint64_t> ws(need / 8 + 2, 0);
+    a = base();
+    a.workspace = ws.data();
+    a.workspace_bytes = need;
+    EXPECT_TRUE(validate_mhc_post_head(a).ok());
+    a.workspace_bytes = need - 8;
+    expect_error(mhc_post_head_cpu(a), StatusCode::kInvalidArgument, "workspace_bytes");
+  }
+  for (auto v : xn) ASSERT_EQ(v, 0x7fc1);
+  for (auto v : out) ASSERT_EQ(v, 0x7fc1);
+  MhcPostHeadArgs z;  // B = 0: valid without buffers
+  z.shape = {0, 4, 7168};
+  EXPECT_TRUE(mhc_post_head_cpu(z).ok());
 }
 
 // The epilogue's rules (spec §5.4), on mhc_post_pre and mhc_pre: each one

@@ -424,6 +424,62 @@ TEST(MhcPreFp8xCpu, PostPreIsPostThenPre) {
     }
 }
 
+// mhc_post_head on the FP8 stream is mhc_post then mhc_head on the stored
+// codes and scales, X_next kept or not; the scales go with the codes.
+TEST(MhcPreFp8xCpu, PostHeadIsPostThenHead) {
+  for (int n : {1, 4, 7})
+    for (ScaleFormat f : kFormats) {
+      Problem p = make_problem(3, n, 384, seed_for("fp8x_post_head") + n);
+      SCOPED_TRACE("seed " + std::to_string(p.seed) + " n " + std::to_string(n) + " " + fmt_name(f));
+      const Fp8X x = quantize_x(p, f);
+      const int64_t B = p.B, C = p.C;
+      Fp8X xn1 = poisoned_fp8x({B, n, C}, f);
+      ASSERT_TRUE(mhc_post_cpu(fp8_post_args(p, x, xn1, MhcResLayout::kDeepSeek)).ok());
+      std::vector<uint16_t> o1(size_t(B * C), 1);
+      MhcHeadArgs head;
+      head.shape = {B, n, C};
+      head.x = xn1.codes.data();
+      head.residual = MhcResidual::kFp8E4m3;
+      head.x_scales = xn1.scales.data();
+      head.x_scale_format = f;
+      head.phi = p.phi_f32.data();
+      head.alpha = p.alpha.data();
+      head.bias = p.bias.data();
+      head.out = o1.data();
+      ASSERT_TRUE(mhc_head_cpu(head).ok());
+      for (bool keep : {true, false}) {
+        Fp8X xn2 = poisoned_fp8x({B, n, C}, f);
+        std::vector<uint16_t> o2(size_t(B * C), 2);
+        MhcPostHeadArgs a;
+        a.shape = {B, n, C};
+        a.x = x.codes.data();
+        a.f_out = p.f_out.data();
+        a.h_post = p.h_post.data();
+        a.h_res = p.h_res.data();
+        a.phi = p.phi_f32.data();
+        a.alpha = p.alpha.data();
+        a.bias = p.bias.data();
+        a.out = o2.data();
+        a.x_next = keep ? xn2.codes.data() : nullptr;
+        a.residual = MhcResidual::kFp8E4m3;
+        a.x_scales = x.scales.data();
+        a.x_next_scales = keep ? xn2.scales.data() : nullptr;
+        a.x_scale_format = f;
+        Status s = mhc_post_head_cpu(a);
+        ASSERT_TRUE(s.ok()) << s.message();
+        EXPECT_EQ(o1, o2) << "keep " << keep;
+        if (keep) {
+          EXPECT_EQ(xn1.codes, xn2.codes);
+          EXPECT_EQ(xn1.scales, xn2.scales);
+        }
+        a.x_next_scales = keep ? nullptr : xn2.scales.data();  // the codes without their scales, or the reverse
+        const Status bad = validate_mhc_post_head(a);
+        EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad.message();
+        EXPECT_NE(bad.message().find(": x_next_scales: "), std::string::npos) << bad.message();
+      }
+    }
+}
+
 // The FP8 stream's argument rules on mhc_pre, mhc_head and mhc_post_pre
 // (spec §5.4), each named: value rules at any B (an unknown residual or
 // format, C % 128, scales given with the bf16 stream), then pointers and

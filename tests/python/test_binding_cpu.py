@@ -798,6 +798,41 @@ def test_mhc_post_pre_is_post_then_pre(n, C, res_layout):
 
 
 @needs_bf16
+@pytest.mark.parametrize("res_layout", ["deepseek", "row_mix"])
+@pytest.mark.parametrize("n,C", [(1, 16), (4, 64), (8, 24)])
+def test_mhc_post_head_is_post_then_head(n, C, res_layout):
+    """spec §4.10: mhc_post then mhc_head on the stored X_next, bit for bit, X_next kept or not;
+    bad arguments named."""
+    rng = np.random.default_rng(n * 11 + C)
+    B = 4
+    x, f_out, h_post, h_res = ref.post_problem(rng, B, n, C)
+    _, phi, alpha, bias = ref.mhc_problem(rng, B, n, C)
+    hphi, halpha, hbias = np.ascontiguousarray(phi[:n]), alpha[:1].copy(), bias[:n].copy()
+    x_next = flashmix.mhc_post(x, f_out, h_post, h_res, res_layout=res_layout)
+    want = flashmix.mhc_head(x_next, hphi, halpha, hbias, eps_pre=1e-3)
+    out = flashmix.mhc_post_head(x, f_out, h_post, h_res, hphi, halpha, hbias, res_layout=res_layout, eps_pre=1e-3)
+    assert out.shape == (B, C) and out.dtype == BF16
+    np.testing.assert_array_equal(out, want)
+    kept = flashmix.mhc_post_head(x, f_out, h_post, h_res, hphi, halpha, hbias, res_layout=res_layout,
+                                  eps_pre=1e-3, keep_x_next=True)
+    assert isinstance(kept, flashmix.MhcPostHeadOutput) and kept.x_next_scales is None
+    np.testing.assert_array_equal(kept.out, want)
+    np.testing.assert_array_equal(kept.x_next, x_next)
+    with raises_naming(ValueError, "mhc_post_head", "x_next"):
+        flashmix.mhc_post_head(x, f_out, h_post, h_res, hphi, halpha, hbias, x_next=x)
+    with raises_naming(ValueError, "mhc_post_head", "bias"):
+        flashmix.mhc_post_head(x, f_out, h_post, h_res, hphi, halpha, bias)  # bias [N], not [n]
+    with raises_naming(ValueError, "mhc_post_head", "res_layout"):
+        flashmix.mhc_post_head(x, f_out, h_post, h_res, hphi, halpha, hbias, res_layout="transposed")
+    with raises_naming(ValueError, "mhc_post_head", "f_out"):
+        flashmix.mhc_post_head(x, f_out[:2], h_post, h_res, hphi, halpha, hbias)
+    with raises_naming(ValueError, "mhc_post_head", "kernel"):
+        flashmix.mhc_post_head(x, f_out, h_post, h_res, hphi, halpha, hbias, kernel="fastest")
+    empty = flashmix.mhc_post_head(x[:0], f_out[:0], h_post[:0], h_res[:0], hphi, halpha, hbias)  # B = 0
+    assert empty.shape == (0, C)
+
+
+@needs_bf16
 def test_mhc_post_pre_rejects_outputs_overlapping_inputs():
     rng = np.random.default_rng(17)
     x, f_out, h_post, h_res = ref.post_problem(rng, 3, 4, 16)
@@ -1214,6 +1249,17 @@ def test_mhc_pre_head_post_pre_fp8x_read_the_stream(n, C, scale_format):
         flashmix.mhc_pre(xb, phi, alpha, bias, x_scales=s, x_scale_format=scale_format)
     with raises_naming(ValueError, "mhc_head", "x_scale_format"):
         flashmix.mhc_head(q, hphi, alpha, bias[:n].copy(), x_scales=s, x_scale_format="e5m2")
+    # mhc_post_head on the stream: mhc_post then mhc_head on the stored codes and scales.
+    ph = flashmix.mhc_post_head(q, f_out, h_post, h_res, hphi, alpha, bias[:n].copy(), x_scales=s,
+                                x_scale_format=scale_format, keep_x_next=True)
+    np.testing.assert_array_equal(ph.x_next, post.x_next)
+    np.testing.assert_array_equal(ph.x_next_scales, post.x_next_scales)
+    head = flashmix.mhc_head(post.x_next, hphi, alpha, bias[:n].copy(), x_scales=post.x_next_scales,
+                             x_scale_format=scale_format)
+    np.testing.assert_array_equal(ph.out, head)
+    np.testing.assert_array_equal(
+        flashmix.mhc_post_head(q, f_out, h_post, h_res, hphi, alpha, bias[:n].copy(), x_scales=s,
+                               x_scale_format=scale_format), head)
     with raises_naming(ValueError, "mhc_post_pre", "x_scales"):  # x_next_scales without x_scales
         flashmix.mhc_post_pre(q, f_out, h_post, h_res, phi, alpha, bias, x_next=np.zeros_like(q),
                               x_next_scales=np.zeros_like(s))

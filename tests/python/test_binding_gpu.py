@@ -1165,6 +1165,76 @@ def test_torch_compile_of_mhc_pre_with_a_workspace(mode):
     assert int(ws.view(torch.int32)[0].item()) == 0
 
 
+@pytest.mark.parametrize("B,n,C,fp8x", [(16, 4, 7168, False), (7, 3, 1000, False), (45, 4, 2048, False),
+                                        (0, 4, 256, False), (33, 4, 1024, True), (5, 8, 256, True)])
+def test_mhc_post_head_gpu_is_post_then_head(B, n, C, fp8x):
+    """spec §4.10 on the GPU: bitwise mhc_post then mhc_head pinned to the kernel the fused op ran
+    (cluster tiles; the split kernel with a workspace on the bf16 stream), X_next kept or not; the
+    CPU reference within the head's tolerance; the custom ops bitwise the functions."""
+    x, phi, alpha, bias = mhc_inputs(B, n, C, "float32", seed=B * 31 + n + C)
+    hphi, halpha, hbias = phi[:n].contiguous(), alpha[:1].contiguous(), bias[:n].contiguous()
+    rng = np.random.default_rng(B + C)
+    f_out = tensor(rng.uniform(-2, 2, (B, C)).astype(np.float32)).to(torch.bfloat16)
+    h_post = tensor((1 + rng.uniform(-0.9, 0.9, (B, n))).astype(np.float32))
+    h_res = tensor((rng.uniform(0.5, 1.5, (B, n, n)) / n).astype(np.float32))
+    kw = {}
+    if fp8x:
+        x, kw["x_scales"] = flashmix.quantize_fp8(x.reshape(B, n * C))
+        x = x.reshape(B, n, C)
+        kw["x_scales"] = kw["x_scales"].reshape(B, n, C // 128)
+    wss = [None] if fp8x else [None, torch.zeros(max(flashmix.mhc_workspace_bytes(B, n, C), 16), dtype=torch.uint8,
+                                                 device=DEV)]
+    for ws in wss:
+        kernel = "split" if ws is not None and 1 <= B <= 32 else "cluster_tile"
+        got = flashmix.mhc_post_head(x, f_out, h_post, h_res, hphi, halpha, hbias, workspace=ws, keep_x_next=True,
+                                     **kw)
+        only = flashmix.mhc_post_head(x, f_out, h_post, h_res, hphi, halpha, hbias, workspace=ws, **kw)
+        post = flashmix.mhc_post(x, f_out, h_post, h_res, **kw)
+        xn, xs = (post.x_next, post.x_next_scales) if fp8x else (post, None)
+        head = flashmix.mhc_head(xn, hphi, halpha, hbias, workspace=ws, kernel=kernel, x_scales=xs)
+        sync()
+        assert torch.equal(as_bytes(got.x_next), as_bytes(xn))
+        if fp8x:
+            assert torch.equal(as_bytes(got.x_next_scales), as_bytes(xs))
+        assert torch.equal(got.out, head) and torch.equal(only, head)
+        if B > 0:
+            cpu = flashmix.mhc_head(xn.cpu(), hphi.cpu(), halpha.cpu(), hbias.cpu(),
+                                    x_scales=None if xs is None else xs.cpu())
+            xv = f64(xn) if not fp8x else f64(xn.float() * xs.float().repeat_interleave(128, dim=-1))
+            assert_within(only, cpu, 2.0 ** -7 * f64(cpu).abs() + 2e-4 * xv.abs().sum(1) + 1e-6, "post_head out")
+        if fp8x:
+            op = torch.ops.flashmix.mhc_post_head_fp8x(x, kw["x_scales"], f_out, h_post, h_res, hphi, halpha, hbias)
+        elif ws is None:
+            op = torch.ops.flashmix.mhc_post_head(x, f_out, h_post, h_res, hphi, halpha, hbias)
+        else:
+            op = torch.ops.flashmix.mhc_post_head_with_workspace(x, f_out, h_post, h_res, hphi, halpha, hbias, ws)
+        assert torch.equal(op, head)
+
+
+def last_boundary(x, f_out, h_post, h_res, hphi, halpha, hbias):
+    return torch.ops.flashmix.mhc_post_head(x, f_out, h_post, h_res, hphi, halpha, hbias)
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_torch_compile_of_mhc_post_head(mode):
+    """mhc_post_head's custom op under torch.compile (fullgraph), bitwise the eager op."""
+    if mode == "reduce-overhead" and DRY_RUN:
+        pytest.skip("CUDA graphs need a GPU")
+    B, n, C = 24, 4, 2048
+    x, phi, alpha, bias = mhc_inputs(B, n, C, "float32", seed=77)
+    rng = np.random.default_rng(77)
+    f_out = tensor(rng.uniform(-2, 2, (B, C)).astype(np.float32)).to(torch.bfloat16)
+    h_post = tensor((1 + rng.uniform(-0.9, 0.9, (B, n))).astype(np.float32))
+    h_res = tensor((rng.uniform(0.5, 1.5, (B, n, n)) / n).astype(np.float32))
+    args = (x, f_out, h_post, h_res, phi[:n].contiguous(), alpha[:1].contiguous(), bias[:n].contiguous())
+    compiled = torch.compile(last_boundary, fullgraph=True, mode=mode)
+    for _ in range(3):  # reduce-overhead records a graph on a later call
+        got = compiled(*args)
+    want = last_boundary(*args)
+    sync()
+    assert torch.equal(got, want)
+
+
 def fp8x_layers(emb, phi, alpha, bias, hphi, fmt):
     """Two mHC layer boundaries on the FP8 residual stream, all custom ops (spec §4.9): expand, the
     first pre, then post_pre with the F_pre standing in for the sublayer, post, and the head."""
