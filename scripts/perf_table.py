@@ -60,6 +60,8 @@ SUMMARY_CASES = [
     ("mhc_post_pre", "decode_B16_n4_C7168_graph"),
     ("mhc_post_pre", "decode_B16_n4_C7168_graph_workspace"),
     ("mhc_post_pre", "B8192_n4_C7168_norm_fp8"),
+    ("mhc_post_head", "B8192_n4_C7168"),
+    ("mhc_post_head", "decode_B16_n4_C7168_graph_workspace"),
     ("mxfp4_to_fp8_block", "v4flash_ep8_w1_E32_N4096_K4096"),
     ("ep_dispatch_combine", "deepseek_T4096_k8_E256_H7168_ep2"),
     ("ep_dispatch_combine", "deepseek_T16_k8_E256_H7168_ep2"),

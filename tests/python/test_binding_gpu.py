@@ -1162,7 +1162,10 @@ def test_torch_compile_of_mhc_pre_with_a_workspace(mode):
     sync()
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert_within(want[1], plain.h_res, 2e-4, "h_res")
-    assert int(ws.view(torch.int32)[0].item()) == 0
+    # The workspace's epoch word counts the split kernel's launches (spec §4.6): the three
+    # compiled calls and the eager one each ran the op once (the mutated workspace keeps
+    # reduce-overhead from recording a graph of it); the CPU backend does not touch it.
+    assert int(ws.view(torch.int32)[0].item()) == (0 if DRY_RUN else 4)
 
 
 @pytest.mark.parametrize("B,n,C,fp8x", [(16, 4, 7168, False), (7, 3, 1000, False), (45, 4, 2048, False),
