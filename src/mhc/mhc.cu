@@ -93,64 +93,76 @@ __global__ void __launch_bounds__(128) mhc_post_kernel(const bf16* __restrict__ 
 
 // mhc_post on the FP8 residual stream (spec §4.9). Roofline: per token the
 // X codes (nC B) and scales (4nC/128 or nC/128 B) read once, F_out once (2C
-// B), the X_next codes and scales written once. The thread mapping is the
-// bf16 kernel's, one thread per (token, 8 channels), so a 128-channel scale
-// block of a (token, stream) is the 16 lanes of one half-warp: each lane
-// makes its 8 fp32 X_next values (acc = H_post F_out, then fma(R_ij, X_j)
-// for j = 0..n-1, spec §4.9's fixed order), the block's amax is a 4-step
-// xor-shuffle max inside the half-warp, and every lane divides its own 8
-// values by the scale and stores 8 codes (8 bytes; a warp writes 256
-// contiguous bytes) while the half-warp's first lane stores the scale. No
-// extra pass over memory and no shared memory. C % 128 == 0 makes `groups`
-// a multiple of 16, so the lanes past the row leave in whole half-warps.
-// Registers (sm_90a, ptxas): 96 at n = 4 (5 CTAs, 20 warps an SM; the bf16
-// kernel: 64, 8 CTAs); holding n = 4 to 72 or 64 with __launch_bounds__'s
-// minimum blocks spills 56-156 bytes. Not measured yet which is faster.
+// B), the X_next codes and scales written once. A thread per (token, 16
+// channels), tokens along blockIdx.y, so a 128-channel scale block of a
+// (token, stream) is 8 lanes: each lane makes its 16 fp32 X_next values
+// (acc = H_post F_out, then fma(R_ij, X_j) for j = 0..n-1, spec §4.9's fixed
+// order), the block's amax is a 3-step xor-shuffle max over the 8 lanes, and
+// every lane divides its own values by the scale and stores 16 codes while
+// the group's first lane stores the scale. No extra pass, no shared memory.
+// `groups` = C / 16, a multiple of 8 (C % 128 == 0), so the lanes past the
+// row leave in whole 8-lane groups. Against 8 channels a lane (a half-warp a
+// block, the bf16 kernel's mapping): 271.0 vs 279.6 us fp32 scales, 287 vs
+// 294 us ue8m0 (H100, B = 8192, n = 4, C = 7168, same process): the per-token
+// work a lane repeats (n*n + n coefficient loads, n scale loads, the
+// shuffles, the scale's reciprocal) covers twice the bytes.
 template <int kN, bool kTranspose, ScaleFormat F>
 __global__ void __launch_bounds__(128)
     mhc_post_fp8_kernel(const uint8_t* __restrict__ x, const void* __restrict__ x_scales,
-                        const bf16* __restrict__ f_out, const float* __restrict__ h_post,
-                        const float* __restrict__ h_res, uint8_t* __restrict__ x_next,
-                        void* __restrict__ x_next_scales, long long batch, int groups, int hidden) {
+                            const bf16* __restrict__ f_out, const float* __restrict__ h_post,
+                            const float* __restrict__ h_res, uint8_t* __restrict__ x_next,
+                            void* __restrict__ x_next_scales, long long batch, int groups, int hidden) {
   dev::grid_dependency_wait();
   dev::allow_dependents_launch();
   const int g = blockIdx.x * blockDim.x + threadIdx.x;
-  if (g >= groups) return;  // a whole half-warp (groups % 16 == 0)
-  const int c = g * 8;
-  const int blocks = hidden / 128;  // scale blocks per (token, stream)
-  const int kb = g >> 4;            // this lane's block: channels [128 kb, 128 kb + 128)
-  const unsigned half_mask = 0xffffu << (threadIdx.x & 16);
-  const bool leader = (threadIdx.x & 15) == 0;
+  if (g >= groups) return;  // whole 8-lane groups (groups % 8 == 0)
+  const int c = g * 16;
+  const int blocks = hidden / 128;
+  const int kb = g >> 3;  // channels [128 kb, 128 kb + 128)
+  const unsigned mask = 0xffu << (threadIdx.x & 24);
+  const bool leader = (threadIdx.x & 7) == 0;
   for (long long b = blockIdx.y; b < batch; b += gridDim.y) {
-    uint2 xq[kN];
+    uint4 xq[kN];
     float xs[kN];
 #pragma unroll
-    for (int j = 0; j < kN; ++j) xq[j] = __ldcs(reinterpret_cast<const uint2*>(x + (b * kN + j) * hidden + c));
+    for (int j = 0; j < kN; ++j) xq[j] = __ldcs(reinterpret_cast<const uint4*>(x + (b * kN + j) * hidden + c));
 #pragma unroll
     for (int j = 0; j < kN; ++j) xs[j] = load_x_scale<F>(x_scales, (b * kN + j) * blocks + kb);
-    const V8 fv = dev::load_stream<bf16, 8>(f_out + b * hidden + c);
+    const V8 f0 = dev::load_stream<bf16, 8>(f_out + b * hidden + c);
+    const V8 f1 = dev::load_stream<bf16, 8>(f_out + b * hidden + c + 8);
     float coef[kN * kN], post[kN];
     load_mix(h_res, h_post, b, coef, post);
-    float xf[kN][8], ff[8];
+    float xlo[kN][8], xhi[kN][8], flo[8], fhi[8];
 #pragma unroll
-    for (int j = 0; j < kN; ++j) dequant8(xq[j], xs[j], xf[j]);
-    unpack8(fv, ff);
+    for (int j = 0; j < kN; ++j) {
+      dequant8(make_uint2(xq[j].x, xq[j].y), xs[j], xlo[j]);
+      dequant8(make_uint2(xq[j].z, xq[j].w), xs[j], xhi[j]);
+    }
+    unpack8(f0, flo);
+    unpack8(f1, fhi);
 #pragma unroll
     for (int i = 0; i < kN; ++i) {
-      float rr[kN], acc[8];
+      float rr[kN], alo[8], ahi[8];
 #pragma unroll
       for (int j = 0; j < kN; ++j) rr[j] = kTranspose ? coef[j * kN + i] : coef[i * kN + j];
-      post_fp8_values<kN>(xf, ff, rr, post[i], acc);
-      uint2 q;
-      const fp8_dev::Scale sc = quantize_block_lane<F>(acc, half_mask, q);
+      post_fp8_values<kN>(xlo, flo, rr, post[i], alo);
+      post_fp8_values<kN>(xhi, fhi, rr, post[i], ahi);
+      uint32_t amax = max(fp8_dev::amax_bits_f32(alo), fp8_dev::amax_bits_f32(ahi));
+#pragma unroll
+      for (int off = 4; off >= 1; off >>= 1) amax = max(amax, __shfl_xor_sync(mask, amax, off));
+      const fp8_dev::Scale sc = fp8_dev::block_scale_or_nan_f32<F>(amax);
+      const bool nan_block = amax > fp8_dev::kF32Inf;
+      uint4 q;
+      fp8_dev::quantize8_f32(alo, sc.s, nan_block, q.x, q.y);
+      fp8_dev::quantize8_f32(ahi, sc.s, nan_block, q.z, q.w);
       const long long row = b * kN + i;
-      __stcs(reinterpret_cast<uint2*>(x_next + row * hidden + c), q);  // written once, never re-read here
+      __stcs(reinterpret_cast<uint4*>(x_next + row * hidden + c), q);  // written once, never re-read here
       if (leader) fp8_dev::store_scale(x_next_scales, uint32_t(row * blocks + kb), sc.stored, F == ScaleFormat::kUE8M0);
     }
   }
 }
 
-// Expand onto the FP8 residual stream (spec §4.9): the post kernel's
+// Expand onto the FP8 residual stream (spec §4.9): the bf16 post kernel's
 // mapping (a lane 8 channels, a half-warp one 128-channel block), each block
 // of the embedding quantised once from its fp32 values (exact from bf16) by
 // quantize_fp8's rule and its codes and scale stored to every stream.
@@ -378,7 +390,7 @@ Status launch_per_group(const MhcShape& s, const char* op, Launch&& launch) {
   return detail::check_launch(op);
 }
 
-// The post kernels' mapping (bf16 and FP8 post, FP8 expand): 128-thread
+// The bf16 post kernel's mapping (and the FP8 expand's): 128-thread
 // blocks across C (a thread 8 columns), tokens along blockIdx.y. `launch(kn,
 // grid, groups)` launches the n-specialised kernel and returns its error.
 template <typename Launch>
@@ -702,16 +714,22 @@ Status mhc_post(const MhcPostArgs& a, cudaStream_t stream) {
     const bool tr = a.res_layout == MhcResLayout::kDeepSeek;
     if (a.residual == MhcResidual::kFp8E4m3) {  // spec §4.9
       const bool ue8m0 = a.x_scale_format == ScaleFormat::kUE8M0;
-      return launch_per_token_row(a.shape, kOp, [&](auto kn, dim3 grid, int groups) {
+      const int groups = int(a.shape.hidden / 16);
+      const int threads = groups % 128 == 0 ? 128 : 64;  // C = 7168: 448 lanes, 7 CTAs of 64
+      const dim3 grid(unsigned((groups + threads - 1) / threads), unsigned(std::min<int64_t>(a.shape.batch, 65535)));
+      cudaError_t err = cudaSuccess;
+      dispatch_n(a.shape.n, [&](auto kn) {
         constexpr int kN = decltype(kn)::value;
         constexpr ScaleFormat kF32 = ScaleFormat::kFloat32, kE8 = ScaleFormat::kUE8M0;
         auto kernel = tr ? (ue8m0 ? mhc_post_fp8_kernel<kN, true, kE8> : mhc_post_fp8_kernel<kN, true, kF32>)
                          : (ue8m0 ? mhc_post_fp8_kernel<kN, false, kE8> : mhc_post_fp8_kernel<kN, false, kF32>);
-        return dev::launch(kernel, grid, dim3(128), 0, stream, a.enable_pdl, static_cast<const uint8_t*>(a.x),
-                           a.x_scales, static_cast<const bf16*>(a.f_out), a.h_post, a.h_res,
-                           static_cast<uint8_t*>(a.x_next), a.x_next_scales, (long long)a.shape.batch, groups,
-                           int(a.shape.hidden));
+        err = dev::launch(kernel, grid, dim3(threads), 0, stream, a.enable_pdl, static_cast<const uint8_t*>(a.x),
+                          a.x_scales, static_cast<const bf16*>(a.f_out), a.h_post, a.h_res,
+                          static_cast<uint8_t*>(a.x_next), a.x_next_scales, (long long)a.shape.batch, groups,
+                          int(a.shape.hidden));
       });
+      if (err != cudaSuccess) return detail::cuda_status(err, kOp, "kernel launch");
+      return detail::check_launch(kOp);
     }
     return launch_per_token_row(a.shape, kOp, [&](auto kn, dim3 grid, int groups) {
       constexpr int kN = decltype(kn)::value;

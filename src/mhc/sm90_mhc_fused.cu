@@ -334,9 +334,9 @@ __device__ __noinline__ void f_pre_epilogue(const ProjectParams& p, const FusedL
 // tensor cores in load_phi_step_fp8's k order and scales each step's
 // partial sums (a step lies in one 128-column block) before adding them
 // up; the pre mix reads each element's value fp32(code * scale). With kPost
-// each (token, stream, block) of X_next is made and quantised exactly as
-// mhc_post_fp8_kernel does (a half-warp a block), so its codes and scales
-// are mhc_post's, and the pre reads them back from shared memory.
+// each (token, stream, block) of X_next is made and quantised with
+// mhc_post_fp8_kernel's arithmetic (here a half-warp a block), so its codes
+// and scales are mhc_post's, and the pre reads them back from shared memory.
 template <int kN, bool kF32, bool kPost, bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectParams p, FusedLayout L) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -420,9 +420,10 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_mhc_fused_kernel(ProjectPara
   };
   __syncthreads();  // barrier inits and the table visible to all
   if constexpr (kPost && kFp8) {
-    // X_next on the FP8 stream: mhc_post_fp8_kernel's arithmetic and lane
-    // mapping (a lane 8 columns of a (token, stream), a half-warp a 128-column
-    // block: groups is a multiple of 16, so the 16 lanes share a row and a block).
+    // X_next on the FP8 stream: mhc_post_fp8_kernel's arithmetic (the fp32
+    // chain, the block amax, quantize_fp8's rule) on a lane 8 columns of a
+    // (token, stream), a half-warp a 128-column block (groups is a multiple
+    // of 16, so the 16 lanes share a row and a block).
     fill_scales();
     const int groups = cw / 8;
     const PostInput& po = p.post;
