@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(kThreads) quantize_fp8_1x128_kernel(const Quan
       const Scale s = nan_block ? Scale{0.0f, F == ScaleFormat::kUE8M0 ? 255u : 0x7fc00000u} : block_scale<F>(amax);
       if (lane == 0) store_scale(p.scales, g[i], s.stored, F == ScaleFormat::kUE8M0);
       uint32_t lo, hi;
-      quantize_chunk(c[i], s.s, nan_block, lo, hi);
+      quantize_chunk<F>(c[i], s.s, nan_block, lo, hi);
       store_q<W>(p.q + q_offset[i], lo, hi);
     }
   }
@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(kThreads) quantize_fp8_128x128_kernel(const Qu
     const uint32_t r = r_first + i * kTileRowsPerPass;
     if (r >= rows_here) continue;
     uint32_t lo, hi;
-    quantize_chunk(c[i], s.s, nan_block, lo, hi);
+    quantize_chunk<F>(c[i], s.s, nan_block, lo, hi);
     store_q<W>(q + int64_t(r) * p.q_stride, lo, hi);
   }
 }

@@ -139,7 +139,13 @@ __device__ __forceinline__ uint32_t amax_bits_f32(const float* v) {
 // Eight fp32 values' e4m3 bytes, v[0] in the low byte of lo (all NaN for a
 // NaN block): the quotients by the block's scale (one branch for the eight,
 // ScaleDivisor), then the conversion. On the fast path every value is finite
-// (a NaN or infinite value makes a NaN or infinite scale), so no quotient is NaN.
+// (a NaN or infinite value makes a NaN or infinite scale), so no quotient is
+// NaN. A ue8m0 scale is a power of two: r = 1/s is exact, so x * r is the
+// exact quotient before its one rounding, i.e. RN(x / s) (x's sign kept, -0
+// included), one multiply instead of fast_div's five. (A run-time test for a
+// power of two on the float32 format cost that format 5 %: the format is a
+// template parameter.)
+template <ScaleFormat F>
 __device__ __forceinline__ void quantize8_f32(const float* v, float s, bool nan_block, uint32_t& lo, uint32_t& hi) {
   if (nan_block) {
     lo = hi = 0x7f7f7f7fu;
@@ -148,8 +154,13 @@ __device__ __forceinline__ void quantize8_f32(const float* v, float s, bool nan_
   const ScaleDivisor d = scale_divisor(s);
   float q[8];
   if (d.fast) {
+    if constexpr (F == ScaleFormat::kUE8M0) {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) q[e] = d.fast_div(v[e]);
+      for (int e = 0; e < 8; ++e) q[e] = __fmul_rn(v[e], d.r);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) q[e] = d.fast_div(v[e]);
+    }
     lo = e4m3_pair<false>(q[0], q[1]) | (e4m3_pair<false>(q[2], q[3]) << 16);
     hi = e4m3_pair<false>(q[4], q[5]) | (e4m3_pair<false>(q[6], q[7]) << 16);
   } else {
@@ -162,6 +173,7 @@ __device__ __forceinline__ void quantize8_f32(const float* v, float s, bool nan_
 
 // The chunk's eight e4m3 bytes (all NaN for a NaN block): its bf16 values
 // (exact in fp32) through quantize8_f32.
+template <ScaleFormat F>
 __device__ __forceinline__ void quantize_chunk(const Chunk& c, float s, bool nan_block, uint32_t& lo, uint32_t& hi) {
   float v[8];
 #pragma unroll
@@ -169,7 +181,7 @@ __device__ __forceinline__ void quantize_chunk(const Chunk& c, float s, bool nan
     v[2 * k] = __uint_as_float(c.w[k] << 16);
     v[2 * k + 1] = __uint_as_float(c.w[k] & 0xffff0000u);
   }
-  quantize8_f32(v, s, nan_block, lo, hi);
+  quantize8_f32<F>(v, s, nan_block, lo, hi);
 }
 
 }  // namespace flashmix::fp8_dev

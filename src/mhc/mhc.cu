@@ -153,8 +153,8 @@ __global__ void __launch_bounds__(128)
       const fp8_dev::Scale sc = fp8_dev::block_scale_or_nan_f32<F>(amax);
       const bool nan_block = amax > fp8_dev::kF32Inf;
       uint4 q;
-      fp8_dev::quantize8_f32(alo, sc.s, nan_block, q.x, q.y);
-      fp8_dev::quantize8_f32(ahi, sc.s, nan_block, q.z, q.w);
+      fp8_dev::quantize8_f32<F>(alo, sc.s, nan_block, q.x, q.y);
+      fp8_dev::quantize8_f32<F>(ahi, sc.s, nan_block, q.z, q.w);
       const long long row = b * kN + i;
       __stcs(reinterpret_cast<uint4*>(x_next + row * hidden + c), q);  // written once, never re-read here
       if (leader) fp8_dev::store_scale(x_next_scales, uint32_t(row * blocks + kb), sc.stored, F == ScaleFormat::kUE8M0);

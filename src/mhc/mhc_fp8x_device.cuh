@@ -113,7 +113,7 @@ template <ScaleFormat F>
 __device__ __forceinline__ fp8_dev::Scale quantize_block_lane(const float* v, unsigned mask, uint2& q) {
   const uint32_t amax = half_warp_max(fp8_dev::amax_bits_f32(v), mask);
   const fp8_dev::Scale sc = fp8_dev::block_scale_or_nan_f32<F>(amax);
-  fp8_dev::quantize8_f32(v, sc.s, amax > fp8_dev::kF32Inf, q.x, q.y);
+  fp8_dev::quantize8_f32<F>(v, sc.s, amax > fp8_dev::kF32Inf, q.x, q.y);
   return sc;
 }
 

@@ -311,7 +311,7 @@ __device__ __noinline__ void f_pre_epilogue(const ProjectParams& p, const FusedL
     const int col = gb * 128 + hl * 8 - c0;
     if (col >= 0 && col < cw) {
       uint32_t lo, hi;
-      quantize_chunk(load(r, col), s.s, nan_block, lo, hi);
+      quantize_chunk<kScales>(load(r, col), s.s, nan_block, lo, hi);
       *reinterpret_cast<uint2*>(e.q + b * hidden + c0 + col) = make_uint2(lo, hi);
     }
     if (hl == 0 && gb * 128 >= c0) {  // this CTA holds the block's first column
