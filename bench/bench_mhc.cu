@@ -309,6 +309,25 @@ void run_baseline_post(const HostData& h, const DevSet& d, cudaStream_t stream) 
   BENCH_CUDA(cudaGetLastError());
 }
 
+// Row b of the X_next a GPU boundary op stored (`xn`, all rows) against the
+// CPU post of the set's inputs (deepseek layout): "" when within tolerance.
+std::string check_x_next_row(const HostData& h, const std::vector<uint16_t>& xn, int64_t b) {
+  const int n = h.n;
+  const int64_t C = h.C, K = n * C;
+  std::vector<uint16_t> rx(K);
+  MhcPostArgs q;
+  q.shape = {1, n, C};
+  q.x = h.x.data() + b * K; q.f_out = h.f_out.data() + b * C; q.h_post = h.h_post.data() + b * n;
+  q.h_res = h.h_res.data() + b * n * n; q.x_next = rx.data(); q.res_layout = MhcResLayout::kDeepSeek;
+  Status s = mhc_post_cpu(q);
+  if (!s.ok()) return "FAILED: reference: " + s.message();
+  for (int64_t e = 0; e < K; ++e) {
+    const double g = host::bf16_to_float(xn[b * K + e]), r = host::bf16_to_float(rx[e]);
+    if (!(std::fabs(g - r) <= std::ldexp(std::fabs(r), -7) + 1e-3)) return "FAILED: X_next row " + std::to_string(b);
+  }
+  return "";
+}
+
 // mhc_post_pre with the norm and the FP8 copy only (f_pre null) on `rows`:
 // X_next against the CPU post; the dequantised FP8 copy against the CPU's
 // normed F_pre (mhc_pre_cpu with the norm on the X_next the GPU stored),
@@ -322,23 +341,15 @@ std::string check_post_pre_norm_fp8(const HostData& h, const DevSet& d, const ui
   auto q = download(q_dev, size_t(h.B * C));
   auto sc = download(s_dev, size_t(h.B * kb));
   for (int64_t b : rows) {
-    std::vector<uint16_t> rx(K), plain(C), normed(C);
+    std::vector<uint16_t> plain(C), normed(C);
     std::vector<float> rp(n), rr(n * n);
-    MhcPostArgs pq;
-    pq.shape = {1, n, C};
-    pq.x = h.x.data() + b * K; pq.f_out = h.f_out.data() + b * C; pq.h_post = h.h_post.data() + b * n;
-    pq.h_res = h.h_res.data() + b * n * n; pq.x_next = rx.data(); pq.res_layout = MhcResLayout::kDeepSeek;
-    Status s = mhc_post_cpu(pq);
-    if (!s.ok()) return "FAILED: reference: " + s.message();
-    for (int64_t e = 0; e < K; ++e) {
-      const double g = host::bf16_to_float(xn[b * K + e]), r = host::bf16_to_float(rx[e]);
-      if (!(std::fabs(g - r) <= std::ldexp(std::fabs(r), -7) + 1e-3)) return "FAILED: X_next row " + std::to_string(b);
-    }
+    const std::string bad = check_x_next_row(h, xn, b);
+    if (!bad.empty()) return bad;
     MhcPreArgs a;
     a.shape = {1, n, C};
     a.x = xn.data() + b * K; a.alpha = h.alpha.data(); a.bias = h.bias.data(); a.phi = h.phi.data();
     a.f_pre = plain.data(); a.h_post = rp.data(); a.h_res = rr.data();
-    s = mhc_pre_cpu(a);
+    Status s = mhc_pre_cpu(a);
     if (!s.ok()) return "FAILED: reference: " + s.message();
     a.f_pre = normed.data();
     a.norm_weight = w.data(); a.norm_weight_dtype = DType::kBFloat16; a.norm_eps = eps;
@@ -468,23 +479,15 @@ std::string check_post_pre(const HostData& h, const DevSet& d, const std::vector
   auto post = download(d.h_post, size_t(h.B * n));
   auto res = download(d.h_res, size_t(h.B * n * n));
   for (int64_t b : rows) {
-    std::vector<uint16_t> rx(K), rf(C);
+    std::vector<uint16_t> rf(C);
     std::vector<float> rp(n), rr(n * n);
-    MhcPostArgs q;
-    q.shape = {1, n, C};
-    q.x = h.x.data() + b * K; q.f_out = h.f_out.data() + b * C; q.h_post = h.h_post.data() + b * n;
-    q.h_res = h.h_res.data() + b * n * n; q.x_next = rx.data(); q.res_layout = MhcResLayout::kDeepSeek;
-    Status s = mhc_post_cpu(q);
-    if (!s.ok()) return "FAILED: reference: " + s.message();
-    for (int64_t e = 0; e < K; ++e) {
-      const double g = host::bf16_to_float(xn[b * K + e]), r = host::bf16_to_float(rx[e]);
-      if (!(std::fabs(g - r) <= std::ldexp(std::fabs(r), -7) + 1e-3)) return "FAILED: X_next row " + std::to_string(b);
-    }
+    const std::string bad = check_x_next_row(h, xn, b);
+    if (!bad.empty()) return bad;
     MhcPreArgs a;
     a.shape = {1, n, C};
     a.x = xn.data() + b * K; a.alpha = h.alpha.data(); a.bias = h.bias.data(); a.phi = h.phi.data();
     a.f_pre = rf.data(); a.h_post = rp.data(); a.h_res = rr.data();
-    s = mhc_pre_cpu(a);
+    const Status s = mhc_pre_cpu(a);
     if (!s.ok()) return "FAILED: reference: " + s.message();
     for (int64_t c = 0; c < C; ++c) {
       double scale = 0;
@@ -511,22 +514,14 @@ std::string check_post_head(const HostData& h, const DevSet& d, const std::vecto
   auto xn = download(d.x_next, size_t(h.B * K));
   auto o = download(d.f_pre, size_t(h.B * C));
   for (int64_t b : rows) {
-    std::vector<uint16_t> rx(K), ro(C);
-    MhcPostArgs q;
-    q.shape = {1, n, C};
-    q.x = h.x.data() + b * K; q.f_out = h.f_out.data() + b * C; q.h_post = h.h_post.data() + b * n;
-    q.h_res = h.h_res.data() + b * n * n; q.x_next = rx.data(); q.res_layout = MhcResLayout::kDeepSeek;
-    Status s = mhc_post_cpu(q);
-    if (!s.ok()) return "FAILED: reference: " + s.message();
-    for (int64_t e = 0; e < K; ++e) {
-      const double g = host::bf16_to_float(xn[b * K + e]), r = host::bf16_to_float(rx[e]);
-      if (!(std::fabs(g - r) <= std::ldexp(std::fabs(r), -7) + 1e-3)) return "FAILED: X_next row " + std::to_string(b);
-    }
+    std::vector<uint16_t> ro(C);
+    const std::string bad = check_x_next_row(h, xn, b);
+    if (!bad.empty()) return bad;
     MhcHeadArgs a;
     a.shape = {1, n, C};
     a.x = xn.data() + b * K; a.alpha = h.alpha.data(); a.bias = h.bias.data(); a.phi = h.phi.data();
     a.out = ro.data();
-    s = mhc_head_cpu(a);
+    const Status s = mhc_head_cpu(a);
     if (!s.ok()) return "FAILED: reference: " + s.message();
     for (int64_t c = 0; c < C; ++c) {
       double scale = 0;

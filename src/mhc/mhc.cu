@@ -514,6 +514,33 @@ void set_residual(ProjectParams& p, const Args& a) {
   p.x_ue8m0 = a.x_scale_format == ScaleFormat::kUE8M0;
 }
 
+// The fused post's fields (mhc_post_pre, mhc_post_head): this layer's post,
+// whose X_next the projection kernel makes from X_L (ProjectParams::x).
+template <typename Args>
+void set_post(ProjectParams& p, const Args& a) {
+  p.post.fused = true;
+  p.post.f_out = static_cast<const bf16*>(a.f_out);
+  p.post.h_post = a.h_post;
+  p.post.h_res = a.h_res;
+  p.post.x_next = static_cast<bf16*>(a.x_next);
+  p.post.transpose = a.res_layout == MhcResLayout::kDeepSeek;
+  p.post.x_next_scales = a.x_next_scales;
+}
+
+// The kernel a projection op would run for `p` here, and why (host only):
+// the *_kernel_choice entry points, after validating their arguments.
+Status project_kernel_choice(const ProjectParams& p, int n, DType phi_dtype, MhcPreKernel pinned, const char* op,
+                             MhcPreKernel* kernel, std::string* reason) {
+  return detail::without_cuda_error_left(op, [&]() -> Status {
+    const ProjectCandidate* c = nullptr;
+    std::string why;
+    FM_RETURN_IF_ERROR(choose_project_kernel(p, n, phi_dtype == DType::kFloat32, pinned, op, &c, &why));
+    *kernel = c->kernel;
+    if (reason != nullptr) *reason = why;
+    return Status::Ok();
+  });
+}
+
 }  // namespace
 
 }  // namespace mhc_detail
@@ -556,15 +583,7 @@ Status mhc_pre_kernel_choice(const MhcPreArgs& a, MhcPreKernel* kernel, std::str
   constexpr const char* kOp = "mhc_pre_kernel_choice";
   FM_REQUIRE(kernel != nullptr, kOp, "kernel", "must not be null");
   FM_RETURN_IF_ERROR(validate_mhc_pre(a));
-  return detail::without_cuda_error_left(kOp, [&]() -> Status {
-    const ProjectCandidate* c = nullptr;
-    std::string why;
-    FM_RETURN_IF_ERROR(
-        choose_project_kernel(pre_params(a), a.shape.n, a.phi_dtype == DType::kFloat32, a.kernel, kOp, &c, &why));
-    *kernel = c->kernel;
-    if (reason != nullptr) *reason = why;
-    return Status::Ok();
-  });
+  return project_kernel_choice(pre_params(a), a.shape.n, a.phi_dtype, a.kernel, kOp, kernel, reason);
 }
 
 Status mhc_pre(const MhcPreArgs& a, cudaStream_t stream) {
@@ -593,13 +612,7 @@ ProjectParams post_pre_params(const MhcPostPreArgs& a) {
   p.act = act_params(a.params);
   p.mode = ProjectMode::kPre;
   p.prefetch_weights = a.prefetch_weights && a.enable_pdl;
-  p.post.fused = true;
-  p.post.f_out = static_cast<const bf16*>(a.f_out);
-  p.post.h_post = a.h_post;
-  p.post.h_res = a.h_res;
-  p.post.x_next = static_cast<bf16*>(a.x_next);
-  p.post.transpose = a.res_layout == MhcResLayout::kDeepSeek;
-  p.post.x_next_scales = a.x_next_scales;
+  set_post(p, a);
   p.workspace = a.workspace;
   p.workspace_bytes = a.workspace_bytes;
   p.epi = epilogue_params(a);
@@ -613,15 +626,7 @@ Status mhc_post_pre_kernel_choice(const MhcPostPreArgs& a, MhcPreKernel* kernel,
   constexpr const char* kOp = "mhc_post_pre_kernel_choice";
   FM_REQUIRE(kernel != nullptr, kOp, "kernel", "must not be null");
   FM_RETURN_IF_ERROR(validate_mhc_post_pre(a));
-  return detail::without_cuda_error_left(kOp, [&]() -> Status {
-    const ProjectCandidate* c = nullptr;
-    std::string why;
-    FM_RETURN_IF_ERROR(choose_project_kernel(post_pre_params(a), a.shape.n, a.phi_dtype == DType::kFloat32, a.kernel,
-                                             kOp, &c, &why));
-    *kernel = c->kernel;
-    if (reason != nullptr) *reason = why;
-    return Status::Ok();
-  });
+  return project_kernel_choice(post_pre_params(a), a.shape.n, a.phi_dtype, a.kernel, kOp, kernel, reason);
 }
 
 // The layer boundary: mhc_post fused in front of the next mhc_pre's
@@ -645,13 +650,7 @@ ProjectParams post_head_params(const MhcPostHeadArgs& a) {
   p.eps_norm = a.eps_norm;
   p.act.eps_pre = a.eps_pre;
   p.mode = ProjectMode::kHead;
-  p.post.fused = true;
-  p.post.f_out = static_cast<const bf16*>(a.f_out);
-  p.post.h_post = a.h_post;
-  p.post.h_res = a.h_res;
-  p.post.x_next = static_cast<bf16*>(a.x_next);
-  p.post.transpose = a.res_layout == MhcResLayout::kDeepSeek;
-  p.post.x_next_scales = a.x_next_scales;
+  set_post(p, a);
   set_residual(p, a);
   return p;
 }
@@ -662,15 +661,7 @@ Status mhc_post_head_kernel_choice(const MhcPostHeadArgs& a, MhcPreKernel* kerne
   constexpr const char* kOp = "mhc_post_head_kernel_choice";
   FM_REQUIRE(kernel != nullptr, kOp, "kernel", "must not be null");
   FM_RETURN_IF_ERROR(validate_mhc_post_head(a));
-  return detail::without_cuda_error_left(kOp, [&]() -> Status {
-    const ProjectCandidate* c = nullptr;
-    std::string why;
-    FM_RETURN_IF_ERROR(choose_project_kernel(post_head_params(a), a.shape.n, a.phi_dtype == DType::kFloat32,
-                                             a.kernel, kOp, &c, &why));
-    *kernel = c->kernel;
-    if (reason != nullptr) *reason = why;
-    return Status::Ok();
-  });
+  return project_kernel_choice(post_head_params(a), a.shape.n, a.phi_dtype, a.kernel, kOp, kernel, reason);
 }
 
 Status mhc_post_head(const MhcPostHeadArgs& a, cudaStream_t stream) {
