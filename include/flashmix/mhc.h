@@ -365,7 +365,7 @@ struct MhcExpandArgs {
 // N = n*n + 2n.
 inline int mhc_num_coefficients(int n) { return n * n + 2 * n; }
 
-// Small batches (decode). mhc_pre, mhc_post_pre, mhc_project and mhc_head
+// Small batches (decode). mhc_pre, mhc_post_pre, mhc_post_head, mhc_project, mhc_head
 // take an optional workspace (CUB style: ask the size, pass the buffer).
 // With it and 1 <= B <= kMhcSplitMaxBatch the projection runs on up to one
 // CTA per SM (clusters of 8 on sm_90), each a slice of the columns of every
