@@ -105,9 +105,16 @@ __global__ void __launch_bounds__(128) mhc_post_kernel(const bf16* __restrict__ 
 // block, the bf16 kernel's mapping): 271.0 vs 279.6 us fp32 scales, 287 vs
 // 294 us ue8m0 (H100, B = 8192, n = 4, C = 7168, same process): the per-token
 // work a lane repeats (n*n + n coefficient loads, n scale loads, the
-// shuffles, the scale's reciprocal) covers twice the bytes.
+// shuffles, the scale's reciprocal) covers twice the bytes. Registers: the
+// n streams' 16 dequantised values stay live across the n outputs; free,
+// ptxas takes 150 at n = 4 (12 warps an SM, ncu: 2.8 active warps a
+// scheduler, 62 % issue, DRAM 64 %). Capped at 128 for n <= 4 (4 CTAs of 128;
+// ptxas spills 32-36 bytes at n = 4): 270.4 -> 256.4 us (fp32 scales,
+// deepseek layout, same process); at 102 or 85 registers the spills grow
+// (306 / 379 us). Larger n keep the free count (a cap spills hundreds of
+// bytes there).
 template <int kN, bool kTranspose, ScaleFormat F>
-__global__ void __launch_bounds__(128)
+__global__ void __launch_bounds__(128, kN <= 4 ? 4 : 1)
     mhc_post_fp8_kernel(const uint8_t* __restrict__ x, const void* __restrict__ x_scales,
                             const bf16* __restrict__ f_out, const float* __restrict__ h_post,
                             const float* __restrict__ h_res, uint8_t* __restrict__ x_next,
