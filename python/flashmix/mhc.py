@@ -261,6 +261,17 @@ def _new_x_next(x):
     return empty(x, tuple(x.shape), "bfloat16")
 
 
+def _fp8x_next(x, x_scales, x_scale_format, x_next, x_next_scales):
+    """X_next on the FP8 residual stream (spec §4.9): e4m3 codes of x's shape and, where x_scales
+    is given, scales of its shape; those not passed are allocated."""
+    from .fp8 import _e4m3_dtype, _scale_dtype
+    if x_next is None:
+        x_next = empty(x, tuple(x.shape), _e4m3_dtype(x))
+    if x_next_scales is None and x_scales is not None:
+        x_next_scales = empty(x, tuple(x_scales.shape), _scale_dtype(x, x_scale_format))
+    return x_next, x_next_scales
+
+
 def mhc_post(x, f_out, h_post, h_res, *, x_next=None, x_scales=None, x_next_scales=None,
              x_scale_format=_POST.x_scale_format, res_layout=_POST.res_layout, enable_pdl=_POST.enable_pdl,
              stream=None):
@@ -281,11 +292,8 @@ def mhc_post(x, f_out, h_post, h_res, *, x_next=None, x_scales=None, x_next_scal
                     x_scale_format=x_scale_format, res_layout=res_layout, enable_pdl=enable_pdl,
                     stream=stream_of(stream, x))
         return x_next
-    from .fp8 import _as_bytes, _e4m3_dtype, _scale_dtype
-    if x_next is None:
-        x_next = empty(x, tuple(x.shape), _e4m3_dtype(x))
-    if x_next_scales is None and x_scales is not None:
-        x_next_scales = empty(x, tuple(x_scales.shape), _scale_dtype(x, x_scale_format))
+    from .fp8 import _as_bytes
+    x_next, x_next_scales = _fp8x_next(x, x_scales, x_scale_format, x_next, x_next_scales)
     _C.mhc_post(arg(_as_bytes(x)), arg(f_out), arg(h_post), arg(h_res), arg(_as_bytes(x_next)),
                 x_scales=arg(_as_bytes(x_scales)), x_next_scales=arg(_as_bytes(x_next_scales)),
                 x_scale_format=x_scale_format, res_layout=res_layout, enable_pdl=enable_pdl,
@@ -351,11 +359,7 @@ def mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, *, x_next=None, f_pr
                                                     f_pre_fp8, f_pre_scales, bf16_f_pre)
     fp8x = x_scales is not None or x_next_scales is not None
     if fp8x:
-        from .fp8 import _e4m3_dtype, _scale_dtype
-        if x_next is None:
-            x_next = empty(x, tuple(x.shape), _e4m3_dtype(x))
-        if x_next_scales is None and x_scales is not None:
-            x_next_scales = empty(x, tuple(x_scales.shape), _scale_dtype(x, x_scale_format))
+        x_next, x_next_scales = _fp8x_next(x, x_scales, x_scale_format, x_next, x_next_scales)
     x_next, _, h_post_next, h_res_next = _post_pre_outputs(x, phi, x_next, None, h_post_next, h_res_next,
                                                            bf16_f_pre=False)
     xa, sa = _residual_args(x, x_scales)
@@ -523,15 +527,10 @@ def mhc_post_head(x, f_out, h_post, h_res, phi, alpha, bias, *, out=None, x_next
     out = _new_mix(x, n, "mhc_post_head") if out is None else out
     fp8x = x_scales is not None
     keep = keep_x_next or x_next is not None or x_next_scales is not None
-    if keep and x_next is None:
-        if fp8x:
-            from .fp8 import _e4m3_dtype
-            x_next = empty(x, tuple(x.shape), _e4m3_dtype(x))
-        else:
-            x_next = _new_x_next(x)
-    if keep and fp8x and x_next_scales is None:
-        from .fp8 import _scale_dtype
-        x_next_scales = empty(x, tuple(x_scales.shape), _scale_dtype(x, x_scale_format))
+    if keep and fp8x:
+        x_next, x_next_scales = _fp8x_next(x, x_scales, x_scale_format, x_next, x_next_scales)
+    elif keep and x_next is None:
+        x_next = _new_x_next(x)
     xa, sa = _residual_args(x, x_scales)
     xna, sna = _residual_args(x_next, x_next_scales) if keep else (None, None)
     _C.mhc_post_head(xa, arg(f_out), arg(h_post), arg(h_res), arg(phi), arg(alpha), arg(bias), arg(out), xna,

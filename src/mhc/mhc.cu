@@ -569,17 +569,35 @@ PreEpilogue epilogue_params(const Args& a) {
   return e;
 }
 
-ProjectParams pre_params(const MhcPreArgs& a) {
+// mhc_pre's parameters on any Args with its fields (mhc_pre, mhc_post_pre),
+// the coefficients written to `h_post` and `h_res`.
+template <typename Args>
+ProjectParams pre_params_of(const Args& a, float* h_post, float* h_res) {
   ProjectParams p = base_params(a);
   p.f_out = static_cast<bf16*>(a.f_pre);
-  p.h_post = a.h_post;
-  p.h_res = a.h_res;
+  p.h_post = h_post;
+  p.h_res = h_res;
   p.num_coef = mhc_num_coefficients(a.shape.n);
   p.eps_norm = a.params.eps_norm;
   p.act = act_params(a.params);
   p.mode = ProjectMode::kPre;
   p.prefetch_weights = a.prefetch_weights && a.enable_pdl;
   p.epi = epilogue_params(a);
+  set_residual(p, a);
+  return p;
+}
+
+ProjectParams pre_params(const MhcPreArgs& a) { return pre_params_of(a, a.h_post, a.h_res); }
+
+// mhc_head's parameters (mhc_head, mhc_post_head).
+template <typename Args>
+ProjectParams head_params(const Args& a) {
+  ProjectParams p = base_params(a);
+  p.f_out = static_cast<bf16*>(a.out);
+  p.num_coef = a.shape.n;
+  p.eps_norm = a.eps_norm;
+  p.act.eps_pre = a.eps_pre;
+  p.mode = ProjectMode::kHead;
   set_residual(p, a);
   return p;
 }
@@ -603,27 +621,8 @@ Status mhc_pre(const MhcPreArgs& a, cudaStream_t stream) {
 namespace {
 
 ProjectParams post_pre_params(const MhcPostPreArgs& a) {
-  ProjectParams p;
-  p.x = static_cast<const bf16*>(a.x);  // X_L: the kernels make X_next from it
-  p.phi = a.phi;
-  p.alpha = a.alpha;
-  p.bias = a.bias;
-  p.batch = a.shape.batch;
-  p.hidden = int(a.shape.hidden);
-  p.k_len = int(a.shape.hidden * a.shape.n);
-  p.f_out = static_cast<bf16*>(a.f_pre);
-  p.h_post = a.h_post_next;
-  p.h_res = a.h_res_next;
-  p.num_coef = mhc_num_coefficients(a.shape.n);
-  p.eps_norm = a.params.eps_norm;
-  p.act = act_params(a.params);
-  p.mode = ProjectMode::kPre;
-  p.prefetch_weights = a.prefetch_weights && a.enable_pdl;
+  ProjectParams p = pre_params_of(a, a.h_post_next, a.h_res_next);  // x is X_L: the kernels make X_next from it
   set_post(p, a);
-  p.workspace = a.workspace;
-  p.workspace_bytes = a.workspace_bytes;
-  p.epi = epilogue_params(a);
-  set_residual(p, a);
   return p;
 }
 
@@ -651,14 +650,8 @@ namespace {
 // The last boundary (spec §4.10): the head's projection kernel with the post
 // in front, X_next stored only where the caller gives x_next.
 ProjectParams post_head_params(const MhcPostHeadArgs& a) {
-  ProjectParams p = base_params(a);  // x is X_L: the kernels make X_next from it
-  p.f_out = static_cast<bf16*>(a.out);
-  p.num_coef = a.shape.n;
-  p.eps_norm = a.eps_norm;
-  p.act.eps_pre = a.eps_pre;
-  p.mode = ProjectMode::kHead;
+  ProjectParams p = head_params(a);  // x is X_L: the kernels make X_next from it
   set_post(p, a);
-  set_residual(p, a);
   return p;
 }
 
@@ -695,14 +688,7 @@ Status mhc_project(const MhcProjectArgs& a, cudaStream_t stream) {
 Status mhc_head(const MhcHeadArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_head";
   return detail::gpu_entry(kOp, validate_mhc_head(a), stream, a.shape.batch == 0, [&]() -> Status {
-    ProjectParams p = base_params(a);
-    p.f_out = static_cast<bf16*>(a.out);
-    p.num_coef = a.shape.n;
-    p.eps_norm = a.eps_norm;
-    p.act.eps_pre = a.eps_pre;
-    p.mode = ProjectMode::kHead;
-    set_residual(p, a);
-    return launch_project(p, a.shape.n, a.phi_dtype, a.kernel, stream, a.enable_pdl, kOp);
+    return launch_project(head_params(a), a.shape.n, a.phi_dtype, a.kernel, stream, a.enable_pdl, kOp);
   });
 }
 

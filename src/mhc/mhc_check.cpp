@@ -92,6 +92,27 @@ Range x_scales_range(const char* name, const void* p, const MhcShape& s, MhcResi
   return {name, p, r == MhcResidual::kBf16 ? 0 : mhc_x_scale_count(s) * int64_t(scale_bytes(f))};
 }
 
+// The post's residual rules (mhc_post, mhc_post_pre, mhc_post_head): the
+// FP8 stream's format and C rules, no scales on the bf16 stream.
+template <typename Args>
+Status check_post_residual(const Args& a, const char* op) {
+  FM_RETURN_IF_ERROR(check_residual(a.residual, a.x_scale_format, a.shape.hidden, op));
+  FM_RETURN_IF_ERROR(check_no_scales(a.residual, a.x_scales, "x_scales", op));
+  return check_no_scales(a.residual, a.x_next_scales, "x_next_scales", op);
+}
+
+// The post's input pointers (B > 0): X (and its scales on the FP8 stream),
+// F_out, H_post, H_res.
+template <typename Args>
+Status check_post_input_pointers(const Args& a, const char* op) {
+  FM_RETURN_IF_ERROR(check_ptr(a.x, op, "x", 16));
+  if (a.residual == MhcResidual::kFp8E4m3)
+    FM_RETURN_IF_ERROR(check_ptr(a.x_scales, op, "x_scales", int(scale_bytes(a.x_scale_format))));
+  FM_RETURN_IF_ERROR(check_ptr(a.f_out, op, "f_out", 16));
+  FM_RETURN_IF_ERROR(check_ptr(a.h_post, op, "h_post", 4));
+  return check_ptr(a.h_res, op, "h_res", 4);
+}
+
 Status check_kernel(MhcPreKernel k, const char* op) {
   FM_REQUIRE(k == MhcPreKernel::kAuto || k == MhcPreKernel::kResident || k == MhcPreKernel::kSplit ||
                  k == MhcPreKernel::kClusterTile || k == MhcPreKernel::kPortable,
@@ -246,16 +267,10 @@ Status validate_mhc_post(const MhcPostArgs& a) {
   FM_RETURN_IF_ERROR(check_shape(a.shape, kOp, true));
   FM_REQUIRE(a.res_layout == MhcResLayout::kDeepSeek || a.res_layout == MhcResLayout::kRowMix, kOp,
              "res_layout", "unknown layout value ", int(a.res_layout));
-  FM_RETURN_IF_ERROR(check_residual(a.residual, a.x_scale_format, a.shape.hidden, kOp));
-  FM_RETURN_IF_ERROR(check_no_scales(a.residual, a.x_scales, "x_scales", kOp));
-  FM_RETURN_IF_ERROR(check_no_scales(a.residual, a.x_next_scales, "x_next_scales", kOp));
+  FM_RETURN_IF_ERROR(check_post_residual(a, kOp));
   const bool fp8 = a.residual == MhcResidual::kFp8E4m3;
   if (a.shape.batch == 0) return Status::Ok();
-  FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
-  if (fp8) FM_RETURN_IF_ERROR(check_ptr(a.x_scales, kOp, "x_scales", int(scale_bytes(a.x_scale_format))));
-  FM_RETURN_IF_ERROR(check_ptr(a.f_out, kOp, "f_out", 16));
-  FM_RETURN_IF_ERROR(check_ptr(a.h_post, kOp, "h_post", 4));
-  FM_RETURN_IF_ERROR(check_ptr(a.h_res, kOp, "h_res", 4));
+  FM_RETURN_IF_ERROR(check_post_input_pointers(a, kOp));
   FM_RETURN_IF_ERROR(check_ptr(a.x_next, kOp, "x_next", 16));
   if (fp8)
     FM_RETURN_IF_ERROR(check_ptr(a.x_next_scales, kOp, "x_next_scales", int(scale_bytes(a.x_scale_format))));
@@ -380,17 +395,11 @@ Status validate_mhc_post_pre(const MhcPostPreArgs& a) {
   FM_RETURN_IF_ERROR(check_phi_dtype(a.phi_dtype, kOp));
   FM_RETURN_IF_ERROR(check_kernel(a.kernel, kOp));
   FM_RETURN_IF_ERROR(check_epilogue(a, kOp));
-  FM_RETURN_IF_ERROR(check_residual(a.residual, a.x_scale_format, a.shape.hidden, kOp));
-  FM_RETURN_IF_ERROR(check_no_scales(a.residual, a.x_scales, "x_scales", kOp));
-  FM_RETURN_IF_ERROR(check_no_scales(a.residual, a.x_next_scales, "x_next_scales", kOp));
+  FM_RETURN_IF_ERROR(check_post_residual(a, kOp));
   if (a.shape.batch == 0) return Status::Ok();  // nothing is read or written
   const bool fp8 = a.residual == MhcResidual::kFp8E4m3;
   const int scale_align = int(scale_bytes(a.x_scale_format));
-  FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
-  if (fp8) FM_RETURN_IF_ERROR(check_ptr(a.x_scales, kOp, "x_scales", scale_align));
-  FM_RETURN_IF_ERROR(check_ptr(a.f_out, kOp, "f_out", 16));
-  FM_RETURN_IF_ERROR(check_ptr(a.h_post, kOp, "h_post", 4));
-  FM_RETURN_IF_ERROR(check_ptr(a.h_res, kOp, "h_res", 4));
+  FM_RETURN_IF_ERROR(check_post_input_pointers(a, kOp));
   FM_RETURN_IF_ERROR(check_ptr(a.phi, kOp, "phi", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.alpha, kOp, "alpha", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.bias, kOp, "bias", 4));
@@ -431,19 +440,13 @@ Status validate_mhc_post_head(const MhcPostHeadArgs& a) {
   FM_REQUIRE(std::isfinite(a.eps_pre) && a.eps_pre >= 0, kOp, "eps_pre", "must be finite and >= 0");
   FM_RETURN_IF_ERROR(check_phi_dtype(a.phi_dtype, kOp));
   FM_RETURN_IF_ERROR(check_kernel(a.kernel, kOp));
-  FM_RETURN_IF_ERROR(check_residual(a.residual, a.x_scale_format, a.shape.hidden, kOp));
-  FM_RETURN_IF_ERROR(check_no_scales(a.residual, a.x_scales, "x_scales", kOp));
-  FM_RETURN_IF_ERROR(check_no_scales(a.residual, a.x_next_scales, "x_next_scales", kOp));
+  FM_RETURN_IF_ERROR(check_post_residual(a, kOp));
   const bool fp8 = a.residual == MhcResidual::kFp8E4m3;
   FM_REQUIRE(!fp8 || (a.x_next == nullptr) == (a.x_next_scales == nullptr), kOp, "x_next_scales",
              "must be given exactly when x_next is (the FP8 stream's X_next is its codes and scales)");
   if (a.shape.batch == 0) return Status::Ok();  // nothing is read or written
   const int scale_align = int(scale_bytes(a.x_scale_format));
-  FM_RETURN_IF_ERROR(check_ptr(a.x, kOp, "x", 16));
-  if (fp8) FM_RETURN_IF_ERROR(check_ptr(a.x_scales, kOp, "x_scales", scale_align));
-  FM_RETURN_IF_ERROR(check_ptr(a.f_out, kOp, "f_out", 16));
-  FM_RETURN_IF_ERROR(check_ptr(a.h_post, kOp, "h_post", 4));
-  FM_RETURN_IF_ERROR(check_ptr(a.h_res, kOp, "h_res", 4));
+  FM_RETURN_IF_ERROR(check_post_input_pointers(a, kOp));
   FM_RETURN_IF_ERROR(check_ptr(a.phi, kOp, "phi", 16));
   FM_RETURN_IF_ERROR(check_ptr(a.alpha, kOp, "alpha", 4));
   FM_RETURN_IF_ERROR(check_ptr(a.bias, kOp, "bias", 4));
