@@ -336,25 +336,36 @@ Status mhc_expand_cpu(const MhcExpandArgs& a) {
   return Status::Ok();
 }
 
+namespace {
+
+// The post of a boundary op (mhc_post_pre, mhc_post_head) as mhc_post's
+// arguments, writing X_next to `x_next` and `x_next_scales`.
+template <typename Args>
+MhcPostArgs post_args_of(const Args& a, void* x_next, void* x_next_scales) {
+  MhcPostArgs post;
+  post.shape = a.shape;
+  post.x = a.x;
+  post.f_out = a.f_out;
+  post.h_post = a.h_post;
+  post.h_res = a.h_res;
+  post.x_next = x_next;
+  post.res_layout = a.res_layout;
+  post.residual = a.residual;
+  post.x_scales = a.x_scales;
+  post.x_next_scales = x_next_scales;
+  post.x_scale_format = a.x_scale_format;
+  return post;
+}
+
+}  // namespace
+
 // The boundary (spec §4.7): the post, each X_next element rounded to bf16 at
 // its store, then the next pre computed from those stored values, then F_pre's
 // epilogue (§4.8) on the bf16 F_pre.
 Status mhc_post_pre_cpu(const MhcPostPreArgs& a) {
   FM_RETURN_IF_ERROR(validate_mhc_post_pre(a));
   if (a.residual == MhcResidual::kFp8E4m3) {  // spec §4.9: mhc_post_cpu, then mhc_pre_cpu on the stored X_next
-    MhcPostArgs post;
-    post.shape = a.shape;
-    post.x = a.x;
-    post.f_out = a.f_out;
-    post.h_post = a.h_post;
-    post.h_res = a.h_res;
-    post.x_next = a.x_next;
-    post.res_layout = a.res_layout;
-    post.residual = a.residual;
-    post.x_scales = a.x_scales;
-    post.x_next_scales = a.x_next_scales;
-    post.x_scale_format = a.x_scale_format;
-    FM_RETURN_IF_ERROR(mhc_post_cpu(post));
+    FM_RETURN_IF_ERROR(mhc_post_cpu(post_args_of(a, a.x_next, a.x_next_scales)));
     MhcPreArgs pre;
     pre.shape = a.shape;
     pre.x = a.x_next;
@@ -427,19 +438,7 @@ Status mhc_post_head_cpu(const MhcPostHeadArgs& a) {
       x_next_scales = scales.data();
     }
   }
-  MhcPostArgs post;
-  post.shape = s;
-  post.x = a.x;
-  post.f_out = a.f_out;
-  post.h_post = a.h_post;
-  post.h_res = a.h_res;
-  post.x_next = x_next;
-  post.res_layout = a.res_layout;
-  post.residual = a.residual;
-  post.x_scales = a.x_scales;
-  post.x_next_scales = x_next_scales;
-  post.x_scale_format = a.x_scale_format;
-  FM_RETURN_IF_ERROR(mhc_post_cpu(post));
+  FM_RETURN_IF_ERROR(mhc_post_cpu(post_args_of(a, x_next, x_next_scales)));
   MhcHeadArgs head;
   head.shape = s;
   head.x = x_next;
