@@ -43,13 +43,15 @@
 //
 // FP8 (spec §9.7; Fc1In): the same stages hold 128 e4m3 a row instead of 64
 // bf16 (W1 and a permuted X travel as bytes), the MMAs are m64nNk32 e4m3.
-// Block scales: the loaders copy the rows' X scales of each K block into a
-// per-stage slot, each K block's MMAs go into a fresh partial accumulator
-// that is promoted into fp32 with the scales (two accumulators: tiles of at
-// most 128 rows); per-tensor scales: the bf16 mainloop, one multiply at the
-// end. Status (H100): per-tensor from a permuted X 1.3-1.9x a dense FP8 GEMM;
-// block scales 3.4-4.2x, bound by the promotion and the 4-byte scale copies
-// (docs/moe_fc1.md, FP8 section).
+// Block scales: the tile turns around (consume_tile_rows_m): the token rows
+// are wgmma's M (64 a warpgroup), the 128 W1 rows its N, so a thread's
+// accumulator rows are two tokens and each K block's partial sum is promoted
+// into fp32 by one FFMA an element; each consumer thread reads its two rows'
+// X scales from global memory a K block ahead. Per-tensor scales: the bf16
+// mainloop, one multiply at the end. Status (H100, docs/moe_fc1.md):
+// per-tensor from a permuted X 1.3-1.9x a dense FP8 GEMM; block scales
+// ~2.1-2.6x (the transposed tile with the X scales copied into the stages
+// by the loaders ran 3.4-4.2x).
 //
 // MXFP4 W1 (spec §13.7; Fc1In::kMxfp4Fp8 / kMxfp4Bf16): the stages hold the
 // packed bytes as TMA brings them (64 or 32 bytes a row, unswizzled) and
@@ -113,7 +115,7 @@ enum class Fc1In { kBf16, kFp8Block, kFp8Tensor, kMxfp4Fp8, kMxfp4Bf16 };
 // the epilogue staging, the experts' tables and the barriers. 256 rows: 4
 // stages of 48 KB; 128 rows: 6 of 32 KB (more bytes in flight, W1 slices
 // read twice for experts of 129-256 rows, the second time from L2). With
-// block scales a stage also holds the rows' X scales of its K block.
+// W4A8 a stage also holds the rows' X scales of its K block.
 //
 // MXFP4 W1: a stage holds the tile's packed rows as TMA writes them (128
 // rows x 64 bytes for W4A8's 128 of K, x 32 bytes for W4A16's 64, no
@@ -125,6 +127,10 @@ template <int kMaxRows_, Fc1In kIn_ = Fc1In::kBf16>
 struct Fc1Cfg {
   static constexpr int kMaxRows = kMaxRows_;
   static constexpr Fc1In kIn = kIn_;
+  // Block-scaled FP8 takes the token rows as wgmma's M and reads the X
+  // scales from global memory (consume_tile_rows_m); every other input the
+  // transposed tile.
+  static constexpr bool kRowsM = kIn == Fc1In::kFp8Block;
   static constexpr bool kMx = kIn == Fc1In::kMxfp4Fp8 || kIn == Fc1In::kMxfp4Bf16;
   static constexpr bool kFp8 = kIn == Fc1In::kFp8Block || kIn == Fc1In::kFp8Tensor || kIn == Fc1In::kMxfp4Fp8;
   // X scales per row and K block, promoted every stage.
@@ -134,7 +140,9 @@ struct Fc1Cfg {
   static constexpr int kWCoordK = kMx ? kWRowBytes : kTileK;         // W1's TMA coordinate step a stage
   static constexpr int kWStage = kTileW * kWRowBytes;
   static constexpr int kStageBytes = kWStage + kMaxRows * kTileBytes;
-  static constexpr int kScaleBytes = kXBlock ? kMaxRows * 4 : 0;  // a stage's X scales
+  static constexpr bool kStageScales = kXBlock && !kRowsM;  // the loaders copy the X scales (W4A8)
+  static constexpr int kScaleBytes = kStageScales ? kMaxRows * 4 : 0;  // a stage's X scales
+  static constexpr int kScaleArrivals = kStageScales ? kMaxRows : 0;  // load_tiles: a scale thread a row
   static constexpr int kCvtTile = mx_mainloop::kCvtTile;          // a warpgroup's converted 64 rows
   static constexpr int kCvtBytes = kMx ? 2 * 2 * kCvtTile : 0;    // two per consumer warpgroup
   static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned (128-byte swizzle)");
@@ -194,19 +202,24 @@ __device__ __forceinline__ float activate(const Fc1KernelParams& p, float g, flo
 
 // The loader warps: W1's box by TMA (one thread), the tile's rows by cp.async
 // (all 128: thread l takes 16-byte chunk l % 8 of rows l / 8 + 16 i) or, from
-// a permuted X (consecutive rows), by TMA boxes of 64 / 16 rows. With block
-// scales, the threads of chunk 0 also copy their rows' X scales of the K
-// block (4 bytes each) into the stage's scale slots.
+// a permuted X (consecutive rows), by TMA boxes of 64 / 16 rows. W4A8
+// (Cfg::kStageScales): thread (r0, q) also stores the X scale of the K block
+// of row r0 + 16 q into the stage's scale slot, loaded before the wait for
+// the stage (by 4-byte cp.asyncs counted on the stage's barrier they made
+// the block-scaled FP8 tile ~1.5x slower) and announced by a plain arrival
+// on the full barrier (kScaleArrivals), which releases the store.
 template <class Cfg>
 __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUtensorMap* map_w,
                                            const CUtensorMap* map_x64, const CUtensorMap* map_x16, uint32_t stages,
                                            uint32_t scales, uint32_t full0, uint32_t empty0, const int* tile_start,
                                            const int* row_off, const uint16_t* order) {
-  constexpr bool kBlock = Cfg::kXBlock;
+  constexpr bool kBlock = Cfg::kStageScales;  // the loaders copy the X scales
   const int l = threadIdx.x - 256;
   const int r0 = l >> 3, q = l & 7;
   const uint32_t swz = uint32_t((q ^ (r0 & 7)) << 4);  // 128-byte swizzle: (r0 + 16 i) % 8 == r0 % 8
   const int s_blocks = p.H / kScaleK;                  // X scales a row (block scales)
+  const int rs = r0 + 16 * q;                          // the row whose X scale this thread stores
+  const bool scale_thread = kBlock && q < Cfg::kMaxRows / 16;
   if (l == 0) dev::prefetch_tensor_map(map_w);
   const int total = tile_start[p.E];
   int s = 0;
@@ -220,22 +233,20 @@ __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUten
       src[i] = -1;
       if (r < t.rows) src[i] = p.x_permuted ? t.p0 + r : __ldg(p.p2u + t.p0 + r) % p.T;
     }
+    // W4A8: row rs's X scales (its X row; 0 past the chunk's rows).
+    const float* srow = nullptr;
+    if (scale_thread && rs < t.rows)
+      srow = p.x_scales + int64_t(p.x_permuted ? t.p0 + rs : __ldg(p.p2u + t.p0 + rs) % p.T) * s_blocks;
     for (int kb = 0; kb < p.k_blocks; ++kb) {
+      const float sv = srow != nullptr ? __ldg(srow + kb) : 0.f;
       dev::mbar_wait(bar_at(empty0, s), ph ^ 1);
       const uint32_t full = bar_at(full0, s);
       const uint32_t st = stages + uint32_t(s) * Cfg::kStageBytes;
-      if constexpr (kBlock) {
-        if (q == 0) {
-#pragma unroll
-          for (int i = 0; i < Cfg::kMaxRows / 16; ++i) {
-            const int r = r0 + 16 * i;
-            if (r < t.n) {
-              const bool live = src[i] >= 0;
-              const float* g = live ? p.x_scales + int64_t(src[i]) * s_blocks + kb : p.x_scales;
-              dev::cp_async_4(scales + uint32_t(s * Cfg::kMaxRows + r) * 4, g, live ? 4 : 0);
-            }
-          }
-        }
+      if (scale_thread) {
+        if (rs < t.n)
+          asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scales + uint32_t(s * Cfg::kMaxRows + rs) * 4), "f"(sv)
+                       : "memory");
+        dev::mbar_arrive(full);
       }
       if (p.x_permuted) {
         if (l == 0) {
@@ -247,12 +258,7 @@ __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUten
           for (; r < t.n; r += 16)
             dev::tma_load_2d(st + Cfg::kWStage + r * kTileBytes, map_x16, full, kb * Cfg::kTileK, t.p0 + r);
         }
-        // Every loader thread arrives, as the gather's count expects (after
-        // its scale copies, with block scales).
-        if constexpr (kBlock)
-          dev::cp_async_mbar_arrive_noinc(full);
-        else
-          dev::mbar_arrive(full);
+        dev::mbar_arrive(full);  // every loader thread, as the gather's count expects
         if (++s == Cfg::kStages) {
           s = 0;
           ph ^= 1;
@@ -337,41 +343,6 @@ __device__ __forceinline__ void mainloop_dense(const Fc1KernelParams& p, const T
                                          uint32_t& ph, float (&acc)[N / 2]) {
   const int lane = threadIdx.x & 31;
   const uint32_t a_off = uint32_t(wg) * 64 * kTileBytes;  // this warpgroup's 64 W1 rows of the tile
-  if constexpr (Cfg::kIn == Fc1In::kFp8Block) {
-    // Each stage's K block into `part` (fresh), promoted into acc with its
-    // scales: W1's two blocks of this thread's rows times each row's X scale.
-    const int i = t.hs * kTileOut + 32 * wg + 8 * ((threadIdx.x >> 5) & 3) + (lane >> 2);
-    const GateUpRows rows = gate_up_rows(p, i < p.I ? i : 0);
-    const int kbs = p.H / kScaleK;
-    const float* sw = p.w_scales + int64_t(t.e) * p.w_row_blocks * kbs;
-    const float* swg = sw + (rows.gate / kScaleK) * kbs;
-    const float* swu = sw + (rows.up / kScaleK) * kbs;
-    const int c2 = 2 * (lane & 3);
-#pragma unroll
-    for (int k = 0; k < N / 2; ++k) acc[k] = 0.f;
-    float part[N / 2];
-#pragma unroll
-    for (int k = 0; k < N / 2; ++k) part[k] = 0.f;
-    for (int kb = 0; kb < p.k_blocks; ++kb) {
-      const float wg_s = __ldg(swg + kb), wu_s = __ldg(swu + kb);
-      dev::mbar_wait(bar_at(full0, s), ph);
-      if (!p.x_permuted) dev::fence_proxy_async_shared();  // the rows came through the generic proxy (cp.async)
-      const uint32_t st = stages + uint32_t(s) * Cfg::kStageBytes;
-      dev::wgmma_fence();
-      k_block_mmas<Cfg::kFp8, N>(part, dev::wgmma_desc_k_sw128(st + a_off), dev::wgmma_desc_k_sw128(st + Cfg::kWStage), false);
-      dev::wgmma_commit();
-      dev::wgmma_wait<0>();
-      dev::fence_operands(part);
-      promote_k_block<N>(acc, part, wg_s, wu_s, scales + s * Cfg::kMaxRows, c2);
-      __syncwarp();
-      if (lane == 0) dev::mbar_arrive(bar_at(empty0, s));
-      if (++s == Cfg::kStages) {
-        s = 0;
-        ph ^= 1;
-      }
-    }
-    return;
-  }
 #pragma unroll
   for (int k = 0; k < N / 2; ++k) acc[k] = 0.f;
   int prev = -1;
@@ -468,6 +439,131 @@ __device__ __forceinline__ void consume_tile(const Fc1KernelParams& p, const Til
   }
 }
 
+// Block-scaled FP8 with the token rows as wgmma's M (Cfg::kRowsM):
+// warpgroup wg takes the tile's rows 64 wg .. 64 wg + 63 (A: the stage's row
+// operand) against all 128 W1 rows (B, N = 128). A thread's accumulator rows
+// are two token rows, one X scale each, and its columns come in n8 blocks
+// that alternate gate / up (the 5-D box's order: block 2m holds the gate rows
+// of output columns 8m..8m+7, block 2m + 1 their up rows), so the promotion
+// is one FFMA an element with six scale products a K block, where the
+// transposed tile needs a product per element. The same thread holds the
+// gate and the up of its output columns: the activation needs no exchange.
+template <class Cfg>
+__device__ __forceinline__ void consume_tile_rows_m(const Fc1KernelParams& p, const TileInfo& t, uint32_t stages,
+                                                    uint32_t full0, uint32_t empty0, int wg, int& s, uint32_t& ph) {
+  constexpr int N = kTileW;
+  const int lane = threadIdx.x & 31;
+  const int r_lo = 64 * wg + 16 * ((threadIdx.x >> 5) & 3) + (lane >> 2);  // tile rows r_lo and r_lo + 8
+  const bool active = 64 * wg < t.n;  // warpgroup 1 idles on chunks of at most 64 rows
+  const int i0 = t.hs * kTileOut;     // the tile's first output column
+  // W1 scales: the gate rows of a tile lie in one 128-row block, the up rows
+  // in one or (I % 64 != 0, gate-then-up layout) two; bit m of up_hi: the up
+  // rows of columns 8m.. are in the second.
+  const int kbs = p.H / kScaleK;
+  const float* sw = p.w_scales + int64_t(t.e) * p.w_row_blocks * kbs;
+  const GateUpRows first = gate_up_rows(p, i0);
+  const float* swg = sw + (first.gate / kScaleK) * kbs;
+  const float* swu = sw + (first.up / kScaleK) * kbs;
+  uint32_t up_hi = 0;
+#pragma unroll
+  for (int m = 0; m < 8; ++m) {
+    const int i = min(i0 + 8 * m, p.I - 1);
+    if (gate_up_rows(p, i).up / kScaleK != first.up / kScaleK) up_hi |= 1u << m;
+  }
+  const float* swu1 = up_hi ? swu + kbs : swu;
+  // The X scales of this thread's two rows, read from global memory (copied
+  // into the stages by the loaders, as W4A8 does, they cost ~1.5x the time:
+  // each 4-byte cp.async a row lengthens the stage's completion).
+  const float* sx0;
+  const float* sx1;
+  {
+    const int ra = r_lo < t.rows ? r_lo : 0, rb = r_lo + 8 < t.rows ? r_lo + 8 : 0;
+    const int xa = p.x_permuted ? t.p0 + ra : __ldg(p.p2u + t.p0 + ra) % p.T;
+    const int xb = p.x_permuted ? t.p0 + rb : __ldg(p.p2u + t.p0 + rb) % p.T;
+    sx0 = p.x_scales + int64_t(xa) * kbs;
+    sx1 = p.x_scales + int64_t(xb) * kbs;
+  }
+  float acc[N / 2], part[N / 2];
+#pragma unroll
+  for (int k = 0; k < N / 2; ++k) acc[k] = part[k] = 0.f;
+  float gs = __ldg(swg), us0 = __ldg(swu), us1 = __ldg(swu1);
+  float xa = __ldg(sx0), xb = __ldg(sx1);
+  const uint32_t a_off = uint32_t(Cfg::kWStage + wg * 64 * kTileBytes);
+  for (int kb = 0; kb < p.k_blocks; ++kb) {
+    // The next K block's scales, loaded while this one's MMAs run.
+    const int kn = kb + 1 < p.k_blocks ? kb + 1 : kb;
+    const float gs_n = __ldg(swg + kn), us0_n = __ldg(swu + kn), us1_n = __ldg(swu1 + kn);
+    const float xa_n = __ldg(sx0 + kn), xb_n = __ldg(sx1 + kn);
+    dev::mbar_wait(bar_at(full0, s), ph);
+    if (active) {
+      if (!p.x_permuted) dev::fence_proxy_async_shared();  // the rows came through the generic proxy (cp.async)
+      const uint32_t st = stages + uint32_t(s) * Cfg::kStageBytes;
+      dev::wgmma_fence();
+      k_block_mmas<true, N>(part, dev::wgmma_desc_k_sw128(st + a_off), dev::wgmma_desc_k_sw128(st), false);
+      dev::wgmma_commit();
+      dev::wgmma_wait<0>();
+      dev::fence_operands(part);
+    }
+    __syncwarp();
+    if (lane == 0) dev::mbar_arrive(bar_at(empty0, s));  // the stage is free: promote from registers
+    if (active) {
+      const float ag = xa * gs, au0 = xa * us0, au1 = xa * us1;
+      const float bg = xb * gs, bu0 = xb * us0, bu1 = xb * us1;
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        const bool hi = (up_hi >> m) & 1u;
+        const float au = hi ? au1 : au0, bu = hi ? bu1 : bu0;
+        acc[8 * m + 0] = fmaf(part[8 * m + 0], ag, acc[8 * m + 0]);
+        acc[8 * m + 1] = fmaf(part[8 * m + 1], ag, acc[8 * m + 1]);
+        acc[8 * m + 2] = fmaf(part[8 * m + 2], bg, acc[8 * m + 2]);
+        acc[8 * m + 3] = fmaf(part[8 * m + 3], bg, acc[8 * m + 3]);
+        acc[8 * m + 4] = fmaf(part[8 * m + 4], au, acc[8 * m + 4]);
+        acc[8 * m + 5] = fmaf(part[8 * m + 5], au, acc[8 * m + 5]);
+        acc[8 * m + 6] = fmaf(part[8 * m + 6], bu, acc[8 * m + 6]);
+        acc[8 * m + 7] = fmaf(part[8 * m + 7], bu, acc[8 * m + 7]);
+      }
+    }
+    gs = gs_n;
+    us0 = us0_n;
+    us1 = us1_n;
+    xa = xa_n;
+    xb = xb_n;
+    if (++s == Cfg::kStages) {
+      s = 0;
+      ph ^= 1;
+    }
+  }
+  if (!active) return;
+  // Epilogue: act(gate + b, up + b) of output columns i, i + 1 for rows r_lo
+  // and r_lo + 8, stored as bf16 pairs.
+  const int c2 = 2 * (lane & 3);
+  const bool row_a = r_lo < t.rows, row_b = r_lo + 8 < t.rows;
+  __nv_bfloat16* out_a = p.out + int64_t(t.p0 + r_lo) * p.I;
+  __nv_bfloat16* out_b = out_a + int64_t(8) * p.I;
+#pragma unroll
+  for (int m = 0; m < 8; ++m) {
+    const int i = i0 + 8 * m + c2;
+    if (i >= p.I) continue;  // I % 8 == 0: i and i + 1 are both in or both out
+    float bg0 = 0.f, bg1 = 0.f, bu0 = 0.f, bu1 = 0.f;
+    if (p.bias != nullptr) {
+      const __nv_bfloat16* b = p.bias + int64_t(t.e) * 2 * p.I;
+      const GateUpRows r0 = gate_up_rows(p, i), r1 = gate_up_rows(p, i + 1);
+      bg0 = __bfloat162float(b[r0.gate]);
+      bu0 = __bfloat162float(b[r0.up]);
+      bg1 = __bfloat162float(b[r1.gate]);
+      bu1 = __bfloat162float(b[r1.up]);
+    }
+    if (row_a)
+      *reinterpret_cast<__nv_bfloat162*>(out_a + i) =
+          __floats2bfloat162_rn(activate(p, acc[8 * m + 0] + bg0, acc[8 * m + 4] + bu0),
+                                activate(p, acc[8 * m + 1] + bg1, acc[8 * m + 5] + bu1));
+    if (row_b)
+      *reinterpret_cast<__nv_bfloat162*>(out_b + i) =
+          __floats2bfloat162_rn(activate(p, acc[8 * m + 2] + bg0, acc[8 * m + 6] + bu0),
+                                activate(p, acc[8 * m + 3] + bg1, acc[8 * m + 7] + bu1));
+  }
+}
+
 template <class Cfg>
 __global__ void __launch_bounds__(kThreads, 1)
     fc1_gemm_kernel(const __grid_constant__ Fc1KernelParams p, const __grid_constant__ CUtensorMap map_w,
@@ -485,7 +581,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tid = threadIdx.x, warp = tid >> 5;
   if (tid == 0) {
     for (int i = 0; i < Cfg::kStages; ++i) {
-      dev::mbar_init(bar_at(full0, i), kLoaders + 1);  // each loader's cp.async arrival + the TMA thread's
+      // Each loader's arrival (the gather's by cp.async), the TMA thread's,
+      // W4A8's scale stores'.
+      dev::mbar_init(bar_at(full0, i), kLoaders + 1 + Cfg::kScaleArrivals);
       dev::mbar_init(bar_at(empty0, i), 8);            // one arrival per consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -511,31 +609,35 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t ph = 0;
     for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
       const TileInfo t = decode_tile<Cfg::kMaxRows>(tile, tile_start, row_off, order, p.E);
-      switch (t.n / kRowQuantum) {
-#define FLASHMIX_FC1_CASE(K) \
-  case K:                                                                        \
-    if constexpr (K * kRowQuantum <= Cfg::kMaxRows)                               \
+      if constexpr (Cfg::kRowsM) {
+        consume_tile_rows_m<Cfg>(p, t, base, full0, empty0, wg, s, ph);
+      } else {
+        switch (t.n / kRowQuantum) {
+#define FLASHMIX_FC1_CASE(K)                                                                \
+  case K:                                                                                   \
+    if constexpr (K * kRowQuantum <= Cfg::kMaxRows)                                         \
       consume_tile<Cfg, K * kRowQuantum>(p, t, base, scales, full0, empty0, stg, wg, s, ph); \
     break;
-        FLASHMIX_FC1_CASE(1)
-        FLASHMIX_FC1_CASE(2)
-        FLASHMIX_FC1_CASE(3)
-        FLASHMIX_FC1_CASE(4)
-        FLASHMIX_FC1_CASE(5)
-        FLASHMIX_FC1_CASE(6)
-        FLASHMIX_FC1_CASE(7)
-        FLASHMIX_FC1_CASE(8)
-        FLASHMIX_FC1_CASE(9)
-        FLASHMIX_FC1_CASE(10)
-        FLASHMIX_FC1_CASE(11)
-        FLASHMIX_FC1_CASE(12)
-        FLASHMIX_FC1_CASE(13)
-        FLASHMIX_FC1_CASE(14)
-        FLASHMIX_FC1_CASE(15)
-        FLASHMIX_FC1_CASE(16)
+          FLASHMIX_FC1_CASE(1)
+          FLASHMIX_FC1_CASE(2)
+          FLASHMIX_FC1_CASE(3)
+          FLASHMIX_FC1_CASE(4)
+          FLASHMIX_FC1_CASE(5)
+          FLASHMIX_FC1_CASE(6)
+          FLASHMIX_FC1_CASE(7)
+          FLASHMIX_FC1_CASE(8)
+          FLASHMIX_FC1_CASE(9)
+          FLASHMIX_FC1_CASE(10)
+          FLASHMIX_FC1_CASE(11)
+          FLASHMIX_FC1_CASE(12)
+          FLASHMIX_FC1_CASE(13)
+          FLASHMIX_FC1_CASE(14)
+          FLASHMIX_FC1_CASE(15)
+          FLASHMIX_FC1_CASE(16)
 #undef FLASHMIX_FC1_CASE
-        default:
-          break;
+          default:
+            break;
+        }
       }
     }
   }

@@ -120,8 +120,8 @@ using namespace expert_tiles;
 // one W2 scale a K block, times each row's A scale) or per-tensor scales
 // (applied once at the end). The stages are the same bytes either way (128
 // bytes of K a row); with block scales each stage also holds its rows' A
-// scales of the K block, copied by the producer warp's 32 lanes (cp.async,
-// counted on the stage's full barrier), and the K block's MMAs go into a
+// scales of the K block, stored by the producer warp's 32 lanes (loaded
+// before the wait for the stage, counted on its full barrier), and the K block's MMAs go into a
 // second accumulator `part` of at most 128 rows (64 registers a thread), so
 // a tile of up to 256 rows is promoted in two halves.
 // MXFP4 W2 (kMxfp4Fp8: e4m3 A with block scales, W4A8; kMxfp4Bf16: bf16 A,
@@ -147,7 +147,7 @@ struct RowsCfg {
   static_assert(!kBlock || kMaxRows <= kWgmmaMaxN, "block-scaled tiles hold at most 256 rows");
   static_assert(!kFp8 || kMaxRows <= kWgmmaMaxN, "FP8 tiles take one wgmma (no register-A FP8 path)");
   static_assert(!kMx || kMaxRows <= (kFp8 ? 128 : kWgmmaMaxN), "MXFP4 tiles: 128 rows (W4A8: two accumulators), 256");
-  static constexpr int kFullArrivals = kXBlock ? 1 + 32 : 1;  // the TMA lane (+ each producer lane's scale copies)
+  static constexpr int kFullArrivals = kXBlock ? 1 + 32 : 1;  // the TMA lane (+ each producer lane's scale stores)
   // The experts' tables fit beside the largest stages (272 rows; 256 with
   // block scales' A scales) for up to 256 experts.
   static constexpr int kMaxExperts =
@@ -193,8 +193,8 @@ struct RowsGemmParams : Fc2EpilogueParamsDevice {
 
 struct Shared {
   uint32_t stages;  // shared address of stage 0
-  uint32_t a_sc_addr;  // FP8 block scales: shared address of stage 0's A scales
-  const float* a_sc;   // the same, as a pointer
+  const float* a_sc;  // FP8 block scales: stage 0's A scales
+  float* a_sc_w;      // the same, for the producer warp's stores
   float* epi;
   int* tab_row;
   float* tab_w;
@@ -537,7 +537,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   sh.stages = base;
   constexpr int kMaxRows = Cfg::kMaxRows;
   constexpr int kStages = Cfg::kStages;
-  sh.a_sc_addr = base + Cfg::kOffScales;
+  sh.a_sc_w = reinterpret_cast<float*>(sm + Cfg::kOffScales);
   sh.a_sc = reinterpret_cast<const float*>(sm + Cfg::kOffScales);
   sh.epi = reinterpret_cast<float*>(sm + Cfg::kOffEpi);
   sh.tab_row = reinterpret_cast<int*>(sm + Cfg::kOffTabRow);
@@ -591,6 +591,19 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
           const TileInfo t = decode_tile<kMaxRows>(tile, tile_start, row_off, order, E);
           for (int kb = 0; kb < p.k_blocks; ++kb) {
+            // Block scales: rows lane + 32 i's A scales of the K block, loaded
+            // before the wait for the stage (their latency hidden behind it),
+            // stored after it; rows past the chunk's (up to its N) get 0.
+            // (By cp.async, counted on the stage's full barrier, the FC1 tile
+            // ran ~1.5x slower: the 4-byte copies lengthen the stage.)
+            float sc[Cfg::kXBlock ? kMaxRows / 32 : 1];
+            if constexpr (Cfg::kXBlock) {
+#pragma unroll
+              for (int i = 0; i < kMaxRows / 32; ++i) {
+                const int r = lane + 32 * i;
+                sc[i] = r < t.rows ? __ldg(p.a_scales + int64_t(t.p0 + r) * p.i_blocks + kb) : 0.f;
+              }
+            }
             if (lane == 0) plog.before_stage_wait(kb);
             dev::mbar_wait(bar_at(sh.empty, s), ph ^ 1);
             const uint32_t full = bar_at(sh.full, s);
@@ -608,18 +621,13 @@ __global__ void __launch_bounds__(kThreads, 1)
               plog.after_issue(kb, p.k_blocks);
             }
             if constexpr (Cfg::kXBlock) {
-              // Rows past the chunk's (up to its N) get 0.
-              const uint32_t sc = sh.a_sc_addr + uint32_t(s * kMaxRows) * 4;
+              float* dst = sh.a_sc_w + s * kMaxRows;
 #pragma unroll
               for (int i = 0; i < kMaxRows / 32; ++i) {
                 const int r = lane + 32 * i;
-                if (r < t.n) {
-                  const bool live = r < t.rows;
-                  const float* g = live ? p.a_scales + int64_t(t.p0 + r) * p.i_blocks + kb : p.a_scales;
-                  dev::cp_async_4(sc + uint32_t(r) * 4, g, live ? 4 : 0);
-                }
+                if (r < t.n) dst[r] = sc[i];
               }
-              dev::cp_async_mbar_arrive_noinc(full);
+              dev::mbar_arrive(full);  // release: the stores above are seen by the stage's waiters
             }
             if (++s == kStages) {
               s = 0;
@@ -628,7 +636,6 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
           if (lane == 0) plog.next_tile();
         }
-        if constexpr (Cfg::kXBlock) asm volatile("cp.async.wait_all;\n" ::: "memory");
       }
     } else if (warp == 9) {
       // Per-tile tables, two tiles ahead of the consumers.
