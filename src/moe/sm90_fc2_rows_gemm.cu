@@ -35,8 +35,8 @@
 // writes plus the wgmmas' operand reads), not the MMA rate.
 // FP8 (spec §3.5, Fc2In below): e4m3 A and W2 in the same 128-byte stages
 // (128 of K a stage, TMA as bytes), m64nNk32 e4m3 wgmmas; block scales
-// promote each K block of 128 into the fp32 accumulator (a tile above 128
-// rows in two halves, the warpgroups taking turns), per-tensor scales
+// promote each K block of 128 into the fp32 accumulator (tiles of up to
+// 128 rows), per-tensor scales
 // multiply it once. The epilogue is the same.
 // Current figure (H200, flashmix-bench against a dense cuBLAS GEMM of equal
 // FLOPs): DeepSeek EP atomic ~1.31-1.38x dense, Mixtral-like ~1.17-1.22x,
@@ -90,14 +90,6 @@ constexpr int kThreads = 384;
 // launch): (168 - 72) x 128 >= (216 - 168) x 256.
 constexpr int kProducerRegs = 72, kConsumerRegs = 216;
 constexpr int kMaxExpertsOp = kFc2RowsMaxExperts;  // the most experts the 256-row kernel's tables hold
-// FP8 block scales: the two consumer warpgroups take turns issuing a K
-// block's MMAs (named barriers 3: warpgroup 0's turn, 4: warpgroup 1's), so
-// one's promotion (wait for its MMAs, then the fp32 FMAs) runs while the
-// other's MMAs keep the tensor cores busy; barriers 1, 2: the epilogues.
-constexpr int kTurnBar0 = 3, kTurnBar1 = 4;
-__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
 namespace prof = fc2_rows_prof;  // per-tile cycle stamps: empty hooks unless FLASHMIX_FC2_PROFILE
 // kRowQuantum, kWgmmaMaxN (a tile above it takes two wgmmas), TileInfo and the
 // schedule (sm90_expert_tiles.cuh, shared with FC1).
@@ -121,9 +113,12 @@ using namespace expert_tiles;
 // (applied once at the end). The stages are the same bytes either way (128
 // bytes of K a row); with block scales each stage also holds its rows' A
 // scales of the K block, stored by the producer warp's 32 lanes (loaded
-// before the wait for the stage, counted on its full barrier), and the K block's MMAs go into a
-// second accumulator `part` of at most 128 rows (64 registers a thread), so
-// a tile of up to 256 rows is promoted in two halves.
+// before the wait for the stage, counted on its full barrier), and the K
+// block's MMAs go into a second accumulator `part` (64 registers a thread):
+// tiles of at most 128 rows. (Tiles of 256 promoted in two halves held
+// 128 + 64 accumulator registers under the kernel's 168-register compile
+// budget: ptxas spilled and serialised the wgmmas; 128-row tiles ran
+// 11-15 % faster, H100 2026-11-27.)
 // MXFP4 W2 (kMxfp4Fp8: e4m3 A with block scales, W4A8; kMxfp4Bf16: bf16 A,
 // W4A16; spec §13.7): the stages hold W2's packed bytes (64 or 32 a row, no
 // swizzle) and each consumer warpgroup converts its 64 H rows one stage ahead
@@ -136,22 +131,19 @@ struct RowsCfg {
   static constexpr Fc2In kIn = kIn_;
   static constexpr bool kMx = kIn == Fc2In::kMxfp4Fp8 || kIn == Fc2In::kMxfp4Bf16;
   static constexpr bool kFp8 = kIn == Fc2In::kFp8Block || kIn == Fc2In::kFp8Tensor || kIn == Fc2In::kMxfp4Fp8;
-  static constexpr bool kBlock = kIn == Fc2In::kFp8Block;  // the warpgroups' promotion turns
+  static constexpr bool kBlock = kIn == Fc2In::kFp8Block;  // a promotion every K block
   static constexpr bool kXBlock = kBlock || kIn == Fc2In::kMxfp4Fp8;  // A scales a row and K block
   static constexpr int kMaxRows = kMaxRows_;
   // MXFP4's stages hold 8 or 4 KB of weights: more of them (12 / 16 in
   // 32-row tiles for decode, 6 in 128-row tiles) keep the bytes in flight.
   static constexpr int kStages = !kMx ? 4 : kMaxRows <= 32 ? (kFp8 ? 12 : 16) : kMaxRows <= 128 ? 6 : 4;
-  // Block scales: a tile of more than 128 rows runs each K block as two halves
-  // (rows 0..127, then the rest) through one 64-register `part`.
-  static_assert(!kBlock || kMaxRows <= kWgmmaMaxN, "block-scaled tiles hold at most 256 rows");
+  static_assert(!kBlock || kMaxRows <= 128, "block-scaled tiles hold at most 128 rows (two accumulators)");
   static_assert(!kFp8 || kMaxRows <= kWgmmaMaxN, "FP8 tiles take one wgmma (no register-A FP8 path)");
   static_assert(!kMx || kMaxRows <= (kFp8 ? 128 : kWgmmaMaxN), "MXFP4 tiles: 128 rows (W4A8: two accumulators), 256");
   static constexpr int kFullArrivals = kXBlock ? 1 + 32 : 1;  // the TMA lane (+ each producer lane's scale stores)
-  // The experts' tables fit beside the largest stages (272 rows; 256 with
-  // block scales' A scales) for up to 256 experts.
-  static constexpr int kMaxExperts =
-      kMaxRows > kWgmmaMaxN || (kBlock && kMaxRows > 128) ? prof::wide_max_experts(256) : kMaxExpertsOp;
+  // The experts' tables fit beside the largest stages (272 rows) for up to
+  // 256 experts.
+  static constexpr int kMaxExperts = kMaxRows > kWgmmaMaxN ? prof::wide_max_experts(256) : kMaxExpertsOp;
   static constexpr int kRBytes = kMaxRows * kTileBytes;
   static constexpr int kTileK = kFp8 ? 128 : 64;  // elements of K a stage
   static constexpr int kWRowBytes = kMx ? kTileK / 2 : kTileBytes;  // bytes of a W2 row a stage
@@ -273,27 +265,25 @@ __device__ __forceinline__ void drain_pass(const RowsGemmParams& p, const TileIn
     if (row[i] >= 0) store(row[i], col, val[i]);
 }
 
-// FP8 block scales: one turn of a K block, rows kR0..kR0 + NH - 1 of the
-// tile's N: its 4 k32 MMAs into part (fresh), then part promoted into those
-// rows' accumulators times the W2 block scale and each row's A scale.
-template <int NH, int kR0, int N>
-__device__ __forceinline__ void block_half(float (&acc)[N / 2], float (&part)[NH / 2], uint64_t da, uint64_t db,
-                                           const float* sx, float w_s, int wg, int lane) {
+// FP8 block scales: a K block's 4 k32 MMAs into part (fresh), then part
+// promoted into the accumulators times the W2 block scale and each row's A
+// scale.
+template <int N>
+__device__ __forceinline__ void block_k_step(float (&acc)[N / 2], float (&part)[N / 2], uint64_t da, uint64_t db,
+                                             const float* sx, float w_s, int lane) {
   dev::fence_operands(part);
-  dev::named_bar_sync(wg == 0 ? kTurnBar0 : kTurnBar1, 256);
   dev::wgmma_fence();
 #pragma unroll
-  for (int j = 0; j < kTileBytes / 32; ++j) dev::WgmmaFp8<NH>::mma(part, da + 2 * j, db + 2 * j, j > 0);
+  for (int j = 0; j < kTileBytes / 32; ++j) dev::WgmmaFp8<N>::mma(part, da + 2 * j, db + 2 * j, j > 0);
   dev::wgmma_commit();
-  named_bar_arrive(wg == 0 ? kTurnBar1 : kTurnBar0, 256);
   dev::wgmma_wait<0>();
   dev::fence_operands(part);
-  const int c2 = kR0 + 2 * (lane & 3);
+  const int c2 = 2 * (lane & 3);
 #pragma unroll
-  for (int j = 0; j < NH / 8; ++j) {
+  for (int j = 0; j < N / 8; ++j) {
     const float2 x = *reinterpret_cast<const float2*>(sx + 8 * j + c2);
     const float s0 = w_s * x.x, s1 = w_s * x.y;
-    float* a = acc + kR0 / 2 + 4 * j;
+    float* a = acc + 4 * j;
     a[0] = fmaf(part[4 * j + 0], s0, a[0]);
     a[1] = fmaf(part[4 * j + 1], s1, a[1]);
     a[2] = fmaf(part[4 * j + 2], s0, a[2]);
@@ -342,17 +332,14 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
   } else if constexpr (Cfg::kBlock) {
     // Each stage's K block into `part` (fresh), promoted into acc times the
     // tile's W2 block scale and each row's A scale (acc[4j + 0 / 2]: row
-    // 8j + 2 (lane % 4), acc[4j + 1 / 3]: the next row; spec §11.4). Above
-    // 128 rows, in two halves (a turn each), part holding 128 rows at most.
-    // The warpgroups' turns alternate over every half K block of the CTA's
-    // tiles (both run the same sequence): warpgroup 0 waits for its turn,
-    // issues, passes the turn to 1, which passes it back (its first pass is
-    // made before the consumers' tile loop, its last is taken after it).
+    // 8j + 2 (lane % 4), acc[4j + 1 / 3]: the next row; spec §11.4). (The
+    // two warpgroups once took turns on the tensor cores through named
+    // barriers, so that one's promotion overlapped the other's MMAs: 7-10 %
+    // slower than letting both issue freely, H100 A/B 2026-11-27.)
     const float* sw = p.w_scales + (int64_t(t.e) * p.h_blocks + t.hs) * p.i_blocks;
-    constexpr int kN0 = N > 128 ? 128 : N;  // rows of the first half (all of them at most 128)
-    float part[kN0 / 2];
+    float part[N / 2];
 #pragma unroll
-    for (int i = 0; i < kN0 / 2; ++i) part[i] = 0.f;
+    for (int i = 0; i < N / 2; ++i) part[i] = 0.f;
     for (int kb = 0; kb < p.k_blocks; ++kb) {
       const float w_s = __ldg(sw + kb);
       clk.before_stage_wait();
@@ -361,10 +348,7 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
       const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
       const uint64_t da = dev::wgmma_desc_k_sw128(st + a_off), db = dev::wgmma_desc_k_sw128(st + Cfg::kWStage);
       const float* sx = sh.a_sc + s * kMaxRows;
-      block_half<kN0, 0, N>(acc, part, da, db, sx, w_s, wg, lane);
-      if constexpr (N > 128)  // rows 128.. start 128 x 128 bytes further in B
-        block_half<N - 128, 128, N>(acc, *reinterpret_cast<float(*)[(N - 128) / 2]>(part), da,
-                                    db + (128 * kTileBytes >> 4), sx, w_s, wg, lane);
+      block_k_step<N>(acc, part, da, db, sx, w_s, lane);
       __syncwarp();
       if (lane == 0) dev::mbar_arrive(bar_at(sh.empty, s));
       if (++s == Cfg::kStages) {
@@ -704,7 +688,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool bf16_out = p.op == int(Fc2EpilogueOp::kRedBf16) || p.op == int(Fc2EpilogueOp::kRowsBf16);
     int s = 0, it = 0;
     uint32_t ph = 0;
-    if (Cfg::kBlock && wg == 1) named_bar_arrive(kTurnBar0, 256);  // warpgroup 0 issues first
     for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++it) {
       log.stamp_clock(it, 0);
       // The tile, from the table warp (up to two tiles ahead; its row table
@@ -745,7 +728,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       log.stamp_clock(it, 4);
     }
-    if (Cfg::kBlock && wg == 0) dev::named_bar_sync(kTurnBar0, 256);  // warpgroup 1's last pass
     log.finish(it, wg);
   }
 }
@@ -831,16 +813,9 @@ Status sm90_fc2_run_rows(const Sm90Fc2GemmParams& p, cudaStream_t stream) {
   k.k_blocks = (p.I * es + kTileBytes - 1) / kTileBytes;
   k.plain_k1 = p.op == Fc2EpilogueOp::kRedBf16 && p.k == 1 && !p.add_to_out;
 
+
   // FP8: block scales in tiles of up to 128 rows (two accumulators), per
   // tensor up to 256 (one wgmma a k32 step).
-  // Block scales: tiles of up to 256 rows (two promotion halves above 128;
-  // their tables hold up to 256 experts) or 128 (more experts);
-  // FLASHMIX_FC2_FP8_BLOCK_ROWS=128|256 pins one where it can (the A/B).
-  using Block256 = RowsCfg<kWgmmaMaxN, Fc2In::kFp8Block>;
-  static const int block_rows = [] {
-    const char* e = std::getenv("FLASHMIX_FC2_FP8_BLOCK_ROWS");
-    return e ? std::atoi(e) : 256;
-  }();
   if (p.weights == MoeWeightFormat::kMxfp4) {
     // Decode (experts averaging at most 32 rows): 32-row tiles with a deep
     // ring of small stages (see RowsCfg); else 128 (W4A8) or 256 rows.
@@ -853,10 +828,7 @@ Status sm90_fc2_run_rows(const Sm90Fc2GemmParams& p, cudaStream_t stream) {
     return p.E <= Mx16::kMaxExperts ? launch_fp8<Mx16>(p, k, w, a, stream)
                                     : launch_fp8<RowsCfg<128, Fc2In::kMxfp4Bf16>>(p, k, w, a, stream);
   }
-  if (p.fp8 == MoeFp8Scaling::kBlock)
-    return block_rows != 128 && p.E <= Block256::kMaxExperts
-               ? launch_fp8<Block256>(p, k, w, a, stream)
-               : launch_fp8<RowsCfg<128, Fc2In::kFp8Block>>(p, k, w, a, stream);
+  if (p.fp8 == MoeFp8Scaling::kBlock) return launch_fp8<RowsCfg<128, Fc2In::kFp8Block>>(p, k, w, a, stream);
   if (p.fp8 == MoeFp8Scaling::kTensor)
     return launch_fp8<RowsCfg<kWgmmaMaxN, Fc2In::kFp8Tensor>>(p, k, w, a, stream);
 

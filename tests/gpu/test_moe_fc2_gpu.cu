@@ -717,9 +717,9 @@ TEST(MoeFc2Gpu, Fp8EveryScalingAndMode) {
   }
 }
 
-// Tile shapes: experts of ~175 rows (one tile: block scales promote it in
-// two halves (FLASHMIX_FC2_FP8_BLOCK_ROWS=128: two chunks of at most 128)), an expert with a row of every token (300 rows:
-// 3 / 2 chunks), one token, k = 1 (plain stores), an expert-parallel rank
+// Tile shapes: experts of ~175 rows (block scales: two chunks of at most
+// 128 rows; per tensor one tile), an expert with a row of every token (300
+// rows: 3 / 2 chunks), one token, k = 1 (plain stores), an expert-parallel rank
 // with empty experts, many experts, strided out.
 TEST(MoeFc2Gpu, Fp8ShapesAndRoutings) {
   SKIP_WITHOUT_HOPPER();
