@@ -49,9 +49,9 @@
 // into fp32 by one FFMA an element; each consumer thread reads its two rows'
 // X scales from global memory a K block ahead. Per-tensor scales: the bf16
 // mainloop, one multiply at the end. Status (H100, docs/moe_fc1.md):
-// per-tensor from a permuted X 1.3-1.9x a dense FP8 GEMM; block scales
-// ~2.1-2.6x (the transposed tile with the X scales copied into the stages
-// by the loaders ran 3.4-4.2x).
+// per-tensor from a permuted X 1.5-1.9x a dense FP8 GEMM; block scales
+// 2.5-2.6x from a permuted X, 2.8-3.1x gathering (the transposed tile with
+// the X scales copied into the stages by the loaders ran 3.4-5.3x).
 //
 // MXFP4 W1 (spec §13.7; Fc1In::kMxfp4Fp8 / kMxfp4Bf16): the stages hold the
 // packed bytes as TMA brings them (64 or 32 bytes a row, unswizzled) and
