@@ -578,8 +578,9 @@ __global__ void __launch_bounds__(kThreads, 1)
             // Block scales: rows lane + 32 i's A scales of the K block, loaded
             // before the wait for the stage (their latency hidden behind it),
             // stored after it; rows past the chunk's (up to its N) get 0.
-            // (By cp.async, counted on the stage's full barrier, the FC1 tile
-            // ran ~1.5x slower: the 4-byte copies lengthen the stage.)
+            // (Until 2026-11-27 by 4-byte cp.asyncs counted on the stage's
+            // barrier: the same speed here, H200 A/B; in FC1 such copies were
+            // what the block-scaled tile waited on.)
             float sc[Cfg::kXBlock ? kMaxRows / 32 : 1];
             if constexpr (Cfg::kXBlock) {
 #pragma unroll
@@ -812,7 +813,6 @@ Status sm90_fc2_run_rows(const Sm90Fc2GemmParams& p, cudaStream_t stream) {
   k.h_slices = (p.H + kTileH - 1) / kTileH;
   k.k_blocks = (p.I * es + kTileBytes - 1) / kTileBytes;
   k.plain_k1 = p.op == Fc2EpilogueOp::kRedBf16 && p.k == 1 && !p.add_to_out;
-
 
   // FP8: block scales in tiles of up to 128 rows (two accumulators), per
   // tensor up to 256 (one wgmma a k32 step).
