@@ -309,16 +309,18 @@ void run_baseline_post(const HostData& h, const DevSet& d, cudaStream_t stream) 
   BENCH_CUDA(cudaGetLastError());
 }
 
-// Row b of the X_next a GPU boundary op stored (`xn`, all rows) against the
-// CPU post of the set's inputs (deepseek layout): "" when within tolerance.
-std::string check_x_next_row(const HostData& h, const std::vector<uint16_t>& xn, int64_t b) {
+// Row b of the X_next a GPU op stored (`xn`, all rows) against the CPU post
+// of the set's inputs (the boundary ops: deepseek layout): "" when within
+// tolerance.
+std::string check_x_next_row(const HostData& h, const std::vector<uint16_t>& xn, int64_t b,
+                             MhcResLayout layout = MhcResLayout::kDeepSeek) {
   const int n = h.n;
   const int64_t C = h.C, K = n * C;
   std::vector<uint16_t> rx(K);
   MhcPostArgs q;
   q.shape = {1, n, C};
   q.x = h.x.data() + b * K; q.f_out = h.f_out.data() + b * C; q.h_post = h.h_post.data() + b * n;
-  q.h_res = h.h_res.data() + b * n * n; q.x_next = rx.data(); q.res_layout = MhcResLayout::kDeepSeek;
+  q.h_res = h.h_res.data() + b * n * n; q.x_next = rx.data(); q.res_layout = layout;
   Status s = mhc_post_cpu(q);
   if (!s.ok()) return "FAILED: reference: " + s.message();
   for (int64_t e = 0; e < K; ++e) {
@@ -448,21 +450,11 @@ std::string check_pre(const HostData& h, const DevSet& d, const std::vector<int6
 }
 
 std::string check_post(const HostData& h, const DevSet& d, const std::vector<int64_t>& rows) {
-  const int n = h.n;
-  const int64_t C = h.C, K = n * C;
+  const int64_t K = h.n * h.C;
   auto got = download(d.x_next, size_t(h.B * K));
   for (int64_t b : rows) {
-    std::vector<uint16_t> ref(K);
-    MhcPostArgs a;
-    a.shape = {1, n, C};
-    a.x = h.x.data() + b * K; a.f_out = h.f_out.data() + b * C; a.h_post = h.h_post.data() + b * n;
-    a.h_res = h.h_res.data() + b * n * n; a.x_next = ref.data(); a.res_layout = MhcResLayout::kRowMix;
-    Status s = mhc_post_cpu(a);
-    if (!s.ok()) return "FAILED: reference: " + s.message();
-    for (int64_t e = 0; e < K; ++e) {
-      const double g = host::bf16_to_float(got[b * K + e]), r = host::bf16_to_float(ref[e]);
-      if (!(std::fabs(g - r) <= std::ldexp(std::fabs(r), -7) + 1e-3)) return "FAILED: X_next row " + std::to_string(b);
-    }
+    const std::string bad = check_x_next_row(h, got, b, MhcResLayout::kRowMix);
+    if (!bad.empty()) return bad;
   }
   char buf[96];
   std::snprintf(buf, sizeof buf, "passed (%zu of %lld rows vs CPU reference)", rows.size(), (long long)h.B);

@@ -200,6 +200,11 @@ __device__ __forceinline__ float activate(const Fc1KernelParams& p, float g, flo
   return fc1_activate(p.act, p.limit, p.alpha, g, u);
 }
 
+// X's row of tile row r: the permuted row itself (a permuted X) or its token.
+__device__ __forceinline__ int x_row(const Fc1KernelParams& p, const TileInfo& t, int r) {
+  return p.x_permuted ? t.p0 + r : __ldg(p.p2u + t.p0 + r) % p.T;
+}
+
 // The loader warps: W1's box by TMA (one thread), the tile's rows by cp.async
 // (all 128: thread l takes 16-byte chunk l % 8 of rows l / 8 + 16 i) or, from
 // a permuted X (consecutive rows), by TMA boxes of 64 / 16 rows. W4A8
@@ -231,12 +236,12 @@ __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUten
     for (int i = 0; i < Cfg::kMaxRows / 16; ++i) {
       const int r = r0 + 16 * i;
       src[i] = -1;
-      if (r < t.rows) src[i] = p.x_permuted ? t.p0 + r : __ldg(p.p2u + t.p0 + r) % p.T;
+      if (r < t.rows) src[i] = x_row(p, t, r);
     }
     // W4A8: row rs's X scales (its X row; 0 past the chunk's rows).
     const float* srow = nullptr;
     if (scale_thread && rs < t.rows)
-      srow = p.x_scales + int64_t(p.x_permuted ? t.p0 + rs : __ldg(p.p2u + t.p0 + rs) % p.T) * s_blocks;
+      srow = p.x_scales + int64_t(x_row(p, t, rs)) * s_blocks;
     for (int kb = 0; kb < p.k_blocks; ++kb) {
       const float sv = srow != nullptr ? __ldg(srow + kb) : 0.f;
       dev::mbar_wait(bar_at(empty0, s), ph ^ 1);
@@ -478,10 +483,8 @@ __device__ __forceinline__ void consume_tile_rows_m(const Fc1KernelParams& p, co
   const float* sx1;
   {
     const int ra = r_lo < t.rows ? r_lo : 0, rb = r_lo + 8 < t.rows ? r_lo + 8 : 0;
-    const int xa = p.x_permuted ? t.p0 + ra : __ldg(p.p2u + t.p0 + ra) % p.T;
-    const int xb = p.x_permuted ? t.p0 + rb : __ldg(p.p2u + t.p0 + rb) % p.T;
-    sx0 = p.x_scales + int64_t(xa) * kbs;
-    sx1 = p.x_scales + int64_t(xb) * kbs;
+    sx0 = p.x_scales + int64_t(x_row(p, t, ra)) * kbs;
+    sx1 = p.x_scales + int64_t(x_row(p, t, rb)) * kbs;
   }
   float acc[N / 2], part[N / 2];
 #pragma unroll
