@@ -185,8 +185,7 @@ struct RowsGemmParams : Fc2EpilogueParamsDevice {
 
 struct Shared {
   uint32_t stages;  // shared address of stage 0
-  const float* a_sc;  // FP8 block scales: stage 0's A scales
-  float* a_sc_w;      // the same, for the producer warp's stores
+  float* a_sc;  // FP8 block scales: stage 0's A scales (the producer warp stores them)
   float* epi;
   int* tab_row;
   float* tab_w;
@@ -521,8 +520,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   sh.stages = base;
   constexpr int kMaxRows = Cfg::kMaxRows;
   constexpr int kStages = Cfg::kStages;
-  sh.a_sc_w = reinterpret_cast<float*>(sm + Cfg::kOffScales);
-  sh.a_sc = reinterpret_cast<const float*>(sm + Cfg::kOffScales);
+  sh.a_sc = reinterpret_cast<float*>(sm + Cfg::kOffScales);
   sh.epi = reinterpret_cast<float*>(sm + Cfg::kOffEpi);
   sh.tab_row = reinterpret_cast<int*>(sm + Cfg::kOffTabRow);
   sh.tab_w = reinterpret_cast<float*>(sm + Cfg::kOffTabW);
@@ -606,7 +604,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               plog.after_issue(kb, p.k_blocks);
             }
             if constexpr (Cfg::kXBlock) {
-              float* dst = sh.a_sc_w + s * kMaxRows;
+              float* dst = sh.a_sc + s * kMaxRows;
 #pragma unroll
               for (int i = 0; i < kMaxRows / 32; ++i) {
                 const int r = lane + 32 * i;
