@@ -40,6 +40,22 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 
+// A consumer warp frees a ring stage on its empty barrier. kEveryThread: each
+// thread arrives (the barrier counts 32 a warp), for stages whose shared
+// memory the threads read with plain loads that a producer rewrites with plain
+// stores (staged scales): lane 0 after __syncwarp orders the same under the
+// PTX memory model, but compute-sanitizer's racecheck credits an arrive only
+// to the thread that made it. Otherwise lane 0 arrives (one a warp).
+template <bool kEveryThread>
+__device__ __forceinline__ void release_stage(uint32_t bar) {
+  if constexpr (kEveryThread) {
+    mbar_arrive(bar);
+  } else {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) mbar_arrive(bar);
+  }
+}
+
 // Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads.
 // Moves registers between warpgroups (every warp of the warpgroup executes
 // it): ptxas allocates up to the new count in the code that follows.

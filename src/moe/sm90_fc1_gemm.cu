@@ -143,6 +143,9 @@ struct Fc1Cfg {
   static constexpr bool kStageScales = kXBlock && !kRowsM;  // the loaders copy the X scales (W4A8)
   static constexpr int kScaleBytes = kStageScales ? kMaxRows * 4 : 0;  // a stage's X scales
   static constexpr int kScaleArrivals = kStageScales ? kMaxRows : 0;  // load_tiles: a scale thread a row
+  // The consumers' releases a stage: every thread where they read the staged X
+  // scales (dev::release_stage), else one a warp.
+  static constexpr int kEmptyArrivals = kStageScales ? 256 : 8;
   static constexpr int kCvtTile = mx_mainloop::kCvtTile;          // a warpgroup's converted 64 rows
   static constexpr int kCvtBytes = kMx ? 2 * 2 * kCvtTile : 0;    // two per consumer warpgroup
   static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned (128-byte swizzle)");
@@ -587,7 +590,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Each loader's arrival (the gather's by cp.async), the TMA thread's,
       // W4A8's scale stores'.
       dev::mbar_init(bar_at(full0, i), kLoaders + 1 + Cfg::kScaleArrivals);
-      dev::mbar_init(bar_at(empty0, i), 8);            // one arrival per consumer warp
+      dev::mbar_init(bar_at(empty0, i), Cfg::kEmptyArrivals);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n fence.proxy.async.shared::cta;\n" ::: "memory");
   }

@@ -141,6 +141,10 @@ struct RowsCfg {
   static_assert(!kFp8 || kMaxRows <= kWgmmaMaxN, "FP8 tiles take one wgmma (no register-A FP8 path)");
   static_assert(!kMx || kMaxRows <= (kFp8 ? 128 : kWgmmaMaxN), "MXFP4 tiles: 128 rows (W4A8: two accumulators), 256");
   static constexpr int kFullArrivals = kXBlock ? 1 + 32 : 1;  // the TMA lane (+ each producer lane's scale stores)
+  // The consumers' releases a stage: every thread where they read the staged A
+  // scales (dev::release_stage), else one a warp (block scales with the token
+  // rows as M read theirs from global memory: empty_arrivals).
+  static constexpr int kEmptyArrivals = kXBlock ? 256 : 8;
   // The experts' tables fit beside the largest stages (272 rows) for up to
   // 256 experts.
   static constexpr int kMaxExperts = kMaxRows > kWgmmaMaxN ? prof::wide_max_experts(256) : kMaxExpertsOp;
@@ -181,6 +185,7 @@ struct RowsGemmParams : Fc2EpilogueParamsDevice {
   int E;
   int h_slices, k_blocks;
   bool plain_k1;  // kRedBf16, k == 1, out zeroed by the op: stores instead of reduction adds
+  bool block_rows_m;  // block scales: token rows as wgmma's M (consume_tile_block), else W2 rows as M
 };
 
 struct Shared {
@@ -348,8 +353,7 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
       const uint64_t da = dev::wgmma_desc_k_sw128(st + a_off), db = dev::wgmma_desc_k_sw128(st + Cfg::kWStage);
       const float* sx = sh.a_sc + s * kMaxRows;
       block_k_step<N>(acc, part, da, db, sx, w_s, lane);
-      __syncwarp();
-      if (lane == 0) dev::mbar_arrive(bar_at(sh.empty, s));
+      dev::release_stage<Cfg::kXBlock>(bar_at(sh.empty, s));
       if (++s == Cfg::kStages) {
         s = 0;
         ph ^= 1;
@@ -507,6 +511,148 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
   dev::mbar_arrive(bar_at(sh.tab_empty, b));
 }
 
+// FP8 block scales, with the token rows as wgmma's M (as FC1's block mode,
+// docs/moe_fc1.md): warpgroup wg takes the tile's rows 64 wg .. 64 wg + 63
+// (A: the stage's row operand) against all 128 H rows of the W2 tile (B,
+// N = 128). A thread's accumulator rows are two tokens, one A scale each,
+// and the tile's 128 H columns are one W2 scale block, so each K block's
+// partial sum is promoted by one FFMA an element with two scale products.
+// The epilogue: the warpgroup that owns a pass's rows stages them across
+// both warpgroups' buffers (each buffer one warpgroup's 64 H columns, the
+// transposed tile's layout), then each warpgroup drains its own columns as
+// consume_tile's epilogue does (named barrier kRowsMBar, both warpgroups).
+constexpr int kRowsMBar = 3;
+template <class Cfg, bool kBf16Out>
+__device__ __forceinline__ void consume_tile_block(const RowsGemmParams& p, const Shared& sh, const TileInfo& t,
+                                                   int wg, int& s, uint32_t& ph, int it,
+                                                   const prof::ConsumerLog& log) {
+  constexpr int kMaxRows = Cfg::kMaxRows;
+  constexpr int N = kTileH;
+  static_assert(kMaxRows == 128, "two warpgroups of 64 rows");
+  const int lane = threadIdx.x & 31, q = (threadIdx.x >> 5) & 3;
+  const int rl = 16 * q + (lane >> 2);  // this thread's rows within its warpgroup's 64: rl, rl + 8
+  const int r_lo = 64 * wg + rl;
+  const bool active = 64 * wg < t.n;  // warpgroup 1 idles in the mainloop on chunks of at most 64 rows
+  float acc[N / 2], part[N / 2];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) acc[i] = part[i] = 0.f;
+  const float* sw = p.w_scales + (int64_t(t.e) * p.h_blocks + t.hs) * p.i_blocks;
+  // This thread's two rows' A scales, read from global memory a K block ahead
+  // (as FC1's block mode; rows past the chunk: 0, never stored). Nothing but
+  // the operands rides in the stages on this path.
+  const float* sa_row = r_lo < t.rows ? p.a_scales + int64_t(t.p0 + r_lo) * p.i_blocks : nullptr;
+  const float* sb_row = r_lo + 8 < t.rows ? p.a_scales + int64_t(t.p0 + r_lo + 8) * p.i_blocks : nullptr;
+  float na = sa_row != nullptr ? __ldg(sa_row) : 0.f, nb = sb_row != nullptr ? __ldg(sb_row) : 0.f;
+  const uint32_t a_off = uint32_t(Cfg::kWStage + wg * 64 * kTileBytes);
+  prof::TileClock clk;
+  for (int kb = 0; kb < p.k_blocks; ++kb) {
+    const float w_s = __ldg(sw + kb);
+    const float xa = na, xb = nb;
+    if (kb + 1 < p.k_blocks) {
+      na = sa_row != nullptr ? __ldg(sa_row + kb + 1) : 0.f;
+      nb = sb_row != nullptr ? __ldg(sb_row + kb + 1) : 0.f;
+    }
+    clk.before_stage_wait();
+    dev::mbar_wait(bar_at(sh.full, s), ph);
+    clk.after_stage_wait(log, it, kb);
+    float sa = 0.f, sb = 0.f;
+    if (active) {
+      sa = xa * w_s;
+      sb = xb * w_s;
+      const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
+      const uint64_t da = dev::wgmma_desc_k_sw128(st + a_off), db = dev::wgmma_desc_k_sw128(st);
+      dev::fence_operands(part);
+      dev::wgmma_fence();
+#pragma unroll
+      for (int j = 0; j < kTileBytes / 32; ++j) dev::WgmmaFp8<N>::mma(part, da + 2 * j, db + 2 * j, j > 0);
+      dev::wgmma_commit();
+      dev::wgmma_wait<0>();
+      dev::fence_operands(part);
+    }
+    dev::release_stage<false>(bar_at(sh.empty, s));  // the stage is free: promote from registers
+    if (active) {
+#pragma unroll
+      for (int j = 0; j < N / 8; ++j) {
+        acc[4 * j + 0] = fmaf(part[4 * j + 0], sa, acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(part[4 * j + 1], sa, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(part[4 * j + 2], sb, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(part[4 * j + 3], sb, acc[4 * j + 3]);
+      }
+    }
+    if (++s == Cfg::kStages) {
+      s = 0;
+      ph ^= 1;
+    }
+  }
+  clk.mainloop_done(log, it);
+
+  // Epilogue. acc[4j + 0 / 1]: row rl, H columns 8j + c2 / + 1 of the tile;
+  // acc[4j + 2 / 3]: row rl + 8.
+  const int b = it & 1;
+  dev::mbar_wait(bar_at(sh.tab_full, b), (it >> 1) & 1);
+  log.stamp_clock(it, 3);
+  const int c2 = 2 * (lane & 3);
+  const int* tab_row = sh.tab_row + b * kMaxRows;
+  const float wa = sh.tab_w[b * kMaxRows + r_lo], wb = sh.tab_w[b * kMaxRows + r_lo + 8];
+  const float* bias = sh.tab_bias + b * kTileH;
+  const int wt = threadIdx.x & 127;
+  const int col0 = t.hs * kTileH + wg * 64;  // the 64 H columns this warpgroup drains
+  char* epi = reinterpret_cast<char*>(sh.epi);
+  if constexpr (kBf16Out) {
+    // A pass is one warpgroup's 64 rows (kEpiRowsBf16).
+    uint16_t* mine = reinterpret_cast<uint16_t*>(epi + wg * kEpiBytes);
+    for (int ps = 0; ps * 64 < t.n; ++ps) {
+      if (wg == ps) {
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j) {
+          const int col = 8 * j + c2;
+          uint16_t* stg = reinterpret_cast<uint16_t*>(epi + (col >> 6) * kEpiBytes) + (col & 63);
+          const float b0 = bias[col], b1 = bias[col + 1];
+          *reinterpret_cast<uint32_t*>(stg + rl * kEpiStrideBf16) =
+              pack_bf16x2(wa * (acc[4 * j + 0] + b0), wa * (acc[4 * j + 1] + b1));
+          *reinterpret_cast<uint32_t*>(stg + (rl + 8) * kEpiStrideBf16) =
+              pack_bf16x2(wb * (acc[4 * j + 2] + b0), wb * (acc[4 * j + 3] + b1));
+        }
+      }
+      dev::named_bar_sync(kRowsMBar, 256);
+      drain_pass<kEpiRowsBf16>(
+          p, t, tab_row, ps, col0, wt,
+          [&](int nl, int v) { return *reinterpret_cast<const uint4*>(mine + nl * kEpiStrideBf16 + 8 * v); },
+          [&](int row, int col, const uint4& x) { store_group_bf16(p, row, col, x); });
+      dev::named_bar_sync(kRowsMBar, 256);
+    }
+  } else {
+    // A pass is 32 rows (kEpiRows): two warps of one warpgroup stage them.
+    const float* mine = reinterpret_cast<const float*>(epi + wg * kEpiBytes);
+    for (int ps = 0; ps * kEpiRows < t.n; ++ps) {
+      if (wg == (ps >> 1) && (q >> 1) == (ps & 1)) {
+        const int nl = rl - 32 * (ps & 1);
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j) {
+          const int col = 8 * j + c2;
+          float* stg = reinterpret_cast<float*>(epi + (col >> 6) * kEpiBytes) + (col & 63);
+          const float b0 = bias[col], b1 = bias[col + 1];
+          stg[nl * kEpiStride] = wa * (acc[4 * j + 0] + b0);
+          stg[nl * kEpiStride + 1] = wa * (acc[4 * j + 1] + b1);
+          stg[(nl + 8) * kEpiStride] = wb * (acc[4 * j + 2] + b0);
+          stg[(nl + 8) * kEpiStride + 1] = wb * (acc[4 * j + 3] + b1);
+        }
+      }
+      dev::named_bar_sync(kRowsMBar, 256);
+      drain_pass<kEpiRows>(
+          p, t, tab_row, ps, col0, wt,
+          [&](int nl, int v) {
+            const float* x = mine + nl * kEpiStride + 8 * v;
+            return F32Group{*reinterpret_cast<const float4*>(x), *reinterpret_cast<const float4*>(x + 4)};
+          },
+          [&](int row, int col, const F32Group& x) { store_group_f32(p, row, col, x.lo, x.hi); });
+      dev::named_bar_sync(kRowsMBar, 256);
+    }
+  }
+  clk.epilogue_done(log, it);
+  dev::mbar_arrive(bar_at(sh.tab_empty, b));
+}
+
 template <class Cfg>
 __global__ void __launch_bounds__(kThreads, 1)
     fc2_rows_gemm_kernel(const __grid_constant__ RowsGemmParams p, const __grid_constant__ CUtensorMap map_w,
@@ -537,11 +683,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int E = p.E;
+  const bool rows_m = Cfg::kBlock && p.block_rows_m;  // consume_tile_block: A scales from global memory
   for (int e = tid; e <= E; e += kThreads) row_off[e] = int(p.offsets[e]);
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
       dev::mbar_init(bar_at(sh.full, i), Cfg::kFullArrivals);
-      dev::mbar_init(bar_at(sh.empty, i), 8);  // one arrival per consumer warp
+      dev::mbar_init(bar_at(sh.empty, i), rows_m ? 8 : Cfg::kEmptyArrivals);
     }
     for (int i = 0; i < 2; ++i) {
       dev::mbar_init(bar_at(sh.tab_full, i), 32);  // every lane of the table warp
@@ -580,7 +727,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             // barrier: the same speed here, H200 A/B; in FC1 such copies were
             // what the block-scaled tile waited on.)
             float sc[Cfg::kXBlock ? kMaxRows / 32 : 1];
-            if constexpr (Cfg::kXBlock) {
+            if (Cfg::kXBlock && !rows_m) {
 #pragma unroll
               for (int i = 0; i < kMaxRows / 32; ++i) {
                 const int r = lane + 32 * i;
@@ -605,10 +752,12 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
             if constexpr (Cfg::kXBlock) {
               float* dst = sh.a_sc + s * kMaxRows;
+              if (!rows_m) {
 #pragma unroll
-              for (int i = 0; i < kMaxRows / 32; ++i) {
-                const int r = lane + 32 * i;
-                if (r < t.n) dst[r] = sc[i];
+                for (int i = 0; i < kMaxRows / 32; ++i) {
+                  const int r = lane + 32 * i;
+                  if (r < t.n) dst[r] = sc[i];
+                }
               }
               dev::mbar_arrive(full);  // release: the stores above are seen by the stage's waiters
             }
@@ -694,7 +843,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       dev::mbar_wait(bar_at(sh.info_full, it & 1), (it >> 1) & 1);
       const TileInfo t = sh.tab_info[it & 1];
       log.stamp(it, 5, uint32_t(t.n));
-      switch (t.n / kRowQuantum) {
+      bool done = false;
+      if constexpr (Cfg::kBlock) {
+        if (p.block_rows_m) {
+          if (bf16_out)
+            consume_tile_block<Cfg, true>(p, sh, t, wg, s, ph, it, log);
+          else
+            consume_tile_block<Cfg, false>(p, sh, t, wg, s, ph, it, log);
+          done = true;
+        }
+      }
+      if (!done) {
+        switch (t.n / kRowQuantum) {
 #define FLASHMIX_FC2_ROWS_CASE(K) \
   case K:                                                                             \
     if constexpr (K * kRowQuantum <= kMaxRows) {                                      \
@@ -704,26 +864,27 @@ __global__ void __launch_bounds__(kThreads, 1)
         consume_tile<Cfg, K * kRowQuantum, false>(p, sh, t, wg, s, ph, it, log);      \
     }                                                                                 \
     break;
-        FLASHMIX_FC2_ROWS_CASE(1)
-        FLASHMIX_FC2_ROWS_CASE(2)
-        FLASHMIX_FC2_ROWS_CASE(3)
-        FLASHMIX_FC2_ROWS_CASE(4)
-        FLASHMIX_FC2_ROWS_CASE(5)
-        FLASHMIX_FC2_ROWS_CASE(6)
-        FLASHMIX_FC2_ROWS_CASE(7)
-        FLASHMIX_FC2_ROWS_CASE(8)
-        FLASHMIX_FC2_ROWS_CASE(9)
-        FLASHMIX_FC2_ROWS_CASE(10)
-        FLASHMIX_FC2_ROWS_CASE(11)
-        FLASHMIX_FC2_ROWS_CASE(12)
-        FLASHMIX_FC2_ROWS_CASE(13)
-        FLASHMIX_FC2_ROWS_CASE(14)
-        FLASHMIX_FC2_ROWS_CASE(15)
-        FLASHMIX_FC2_ROWS_CASE(16)
-        FLASHMIX_FC2_ROWS_CASE(17)
-        default:
-          break;
+          FLASHMIX_FC2_ROWS_CASE(1)
+          FLASHMIX_FC2_ROWS_CASE(2)
+          FLASHMIX_FC2_ROWS_CASE(3)
+          FLASHMIX_FC2_ROWS_CASE(4)
+          FLASHMIX_FC2_ROWS_CASE(5)
+          FLASHMIX_FC2_ROWS_CASE(6)
+          FLASHMIX_FC2_ROWS_CASE(7)
+          FLASHMIX_FC2_ROWS_CASE(8)
+          FLASHMIX_FC2_ROWS_CASE(9)
+          FLASHMIX_FC2_ROWS_CASE(10)
+          FLASHMIX_FC2_ROWS_CASE(11)
+          FLASHMIX_FC2_ROWS_CASE(12)
+          FLASHMIX_FC2_ROWS_CASE(13)
+          FLASHMIX_FC2_ROWS_CASE(14)
+          FLASHMIX_FC2_ROWS_CASE(15)
+          FLASHMIX_FC2_ROWS_CASE(16)
+          FLASHMIX_FC2_ROWS_CASE(17)
+          default:
+            break;
 #undef FLASHMIX_FC2_ROWS_CASE
+        }
       }
       log.stamp_clock(it, 4);
     }
@@ -811,6 +972,20 @@ Status sm90_fc2_run_rows(const Sm90Fc2GemmParams& p, cudaStream_t stream) {
   k.h_slices = (p.H + kTileH - 1) / kTileH;
   k.k_blocks = (p.I * es + kTileBytes - 1) / kTileBytes;
   k.plain_k1 = p.op == Fc2EpilogueOp::kRedBf16 && p.k == 1 && !p.add_to_out;
+  // Block scales, which way round (same-process A/Bs on H100s, two runs each,
+  // bench/results/ab/fc2-fp8-rows-m-20261127/): token rows as wgmma's M
+  // promote with one FFMA an element but pad a chunk to 64 rows a warpgroup;
+  // W2 rows as M pad it to 16. Experts averaging 1024 rows (Mixtral): 1077 ->
+  // 1032 us atomic, 1211 -> 1131 deterministic with token rows as M (with the
+  // A scales staged in shared memory, on another H100: 1118 -> 996);
+  // averaging 256 (DeepSeek-EP, Qwen3): 2-17 % slower. Token rows as M once
+  // experts average more than 512 rows (T k / E_local, as FC1's rule).
+  // FLASHMIX_FC2_FP8_ROWS_M=0|1 pins one (the A/B).
+  static const int pinned_rows_m = [] {
+    const char* e = std::getenv("FLASHMIX_FC2_FP8_ROWS_M");
+    return e ? (std::atoi(e) != 0 ? 1 : 0) : -1;
+  }();
+  k.block_rows_m = pinned_rows_m >= 0 ? pinned_rows_m == 1 : int64_t(p.T) * p.k > int64_t(512) * p.E;
 
   // FP8: block scales in tiles of up to 128 rows (two accumulators), per
   // tensor up to 256 (one wgmma a k32 step).

@@ -114,7 +114,8 @@ struct Ring {
   uint32_t stages;       // shared address of stage 0 (weights at +0, activation rows at + w_stage)
   int stage_bytes, w_stage, num_stages;
   uint32_t cvt;          // this warpgroup's two converted tiles
-  uint32_t full0, empty0;  // the stages' barriers (8 bytes apart); empty counts one arrival a consumer warp
+  uint32_t full0, empty0;  // the stages' barriers (8 bytes apart); empty counts a consumer warp's
+                           // arrival, W4A8 each consumer thread's (dev::release_stage)
   const float* x_scales;  // W4A8: the stages' activation-row scales, max_rows floats a stage
   int max_rows;
   int bar_id;             // the warpgroup's named barrier (128 threads)
@@ -207,8 +208,7 @@ __device__ __forceinline__ void mainloop(const Ring& r, const Rows& rows, int k_
       dev::wgmma_wait<0>();
       dev::fence_operands(acc);
     }
-    __syncwarp();
-    if (lane == 0) dev::mbar_arrive(r.empty0 + 8 * s);
+    dev::release_stage<kFp8>(r.empty0 + 8 * s);  // W4A8: the staged X scales were read
     s = s1;
     ph = ph1;
     b ^= 1;

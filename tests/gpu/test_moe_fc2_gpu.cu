@@ -770,6 +770,21 @@ TEST(MoeFc2Gpu, Fp8ShapesAndRoutings) {
       one.total = one.local = 1;
       cases.push_back({"one expert of " + std::to_string(rows) + " rows", one});
     }
+    // More than 512 slots an expert: block scales take the token rows as
+    // wgmma's M (the launcher's rule), here on 2 experts of ~700 rows (chunks
+    // short of 128) and on an EP rank of 2 of 4 experts.
+    Case big = c;
+    big.T = 700;
+    big.k = 2;
+    big.total = big.local = 2;
+    cases.push_back({"700 rows an expert", big});
+    Case big_ep = c;
+    big_ep.T = 1100;
+    big_ep.k = 2;
+    big_ep.total = 4;
+    big_ep.start = 1;
+    big_ep.local = 2;
+    cases.push_back({"EP rank, 550 rows an expert", big_ep});
     for (const auto& [name, cs] : cases) {
       SCOPED_TRACE(std::string(to_string(f)) + ": " + name);
       check_all_modes(cs);
