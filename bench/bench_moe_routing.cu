@@ -13,6 +13,7 @@
 // input/output copies larger than L2 together.
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -34,7 +35,11 @@ struct RoutingCase {
   int total_experts, start, local;
   int64_t H = 0;  // 0: maps only; else expand bf16 rows of H
   bool decode = false;
+  bool fp8 = false;  // the FP8 expansion (spec §1.4): e4m3 rows + 1 x 128 fp32 scales out
 };
+
+// Bytes a permuted row's expansion writes: bf16 copies, or e4m3 codes + fp32 scales.
+int64_t out_row_bytes(const RoutingCase& c) { return c.fp8 ? c.H + c.H / 128 * 4 : c.H * 2; }
 
 // Tokens with at least one local slot: the only input rows the expansion must read.
 int64_t tokens_with_local_slot(const Routing& r) {
@@ -50,7 +55,7 @@ int64_t tokens_with_local_slot(const Routing& r) {
 double counted_bytes(const RoutingCase& c, const Routing& r) {
   const int64_t P = r.P();
   double b = double(c.T) * c.k * 4 * 2 + double(P) * 4 + double(c.local + 1) * 8;
-  if (c.H) b += double(tokens_with_local_slot(r) + P) * double(c.H) * 2;
+  if (c.H) b += double(tokens_with_local_slot(r)) * double(c.H) * 2 + double(P) * double(out_row_bytes(c));
   return b;
 }
 
@@ -67,17 +72,23 @@ void run_gpu_case(Context& ctx, const RoutingCase& c, cudaStream_t stream) {
   BENCH_CUDA(cudaMemcpy(d_experts, ref.experts.data(), 4 * slots, cudaMemcpyHostToDevice));
 
   // Expansion buffers, rotated for decode so replays do not hit in L2.
-  const size_t in_bytes = size_t(c.T) * c.H * 2, out_bytes = size_t(slots) * c.H * 2;
+  const size_t in_bytes = size_t(c.T) * c.H * 2, out_bytes = size_t(slots) * c.H * (c.fp8 ? 1 : 2);
+  const size_t sc_bytes = c.fp8 ? size_t(slots) * (c.H / 128) * 4 : 0;
   int copies = 1;
   if (c.H && c.decode) copies = int(std::max<size_t>(1, 2 * ctx.l2_bytes / (in_bytes + out_bytes) + 1));
-  char *d_in = nullptr, *d_out = nullptr;
+  char *d_in = nullptr, *d_out = nullptr, *d_sc = nullptr;
   std::vector<uint16_t> h_in;
   if (c.H) {
     BENCH_CUDA(cudaMalloc(&d_in, in_bytes * copies));
     BENCH_CUDA(cudaMalloc(&d_out, out_bytes * copies));
+    if (c.fp8) BENCH_CUDA(cudaMalloc(&d_sc, sc_bytes * copies));
     h_in.resize(size_t(c.T) * c.H);
     uint32_t x = 12345;
-    for (auto& v : h_in) { x = x * 1664525u + 1013904223u; v = uint16_t(x >> 16); }
+    for (auto& v : h_in) {
+      x = x * 1664525u + 1013904223u;
+      // Random bit patterns for the copy; finite values in (-2, 2) to quantise.
+      v = c.fp8 ? uint16_t(0x3000u + ((x >> 16) & 0x0fffu) + ((x >> 4) & 0x8000u)) : uint16_t(x >> 16);
+    }
     for (int i = 0; i < copies; ++i)
       BENCH_CUDA(cudaMemcpy(d_in + in_bytes * i, h_in.data(), in_bytes, cudaMemcpyHostToDevice));
   }
@@ -110,6 +121,7 @@ void run_gpu_case(Context& ctx, const RoutingCase& c, cudaStream_t stream) {
     if (c.H) {
       x.input = d_in + in_bytes * (i % copies);
       x.permuted_input = d_out + out_bytes * (i % copies);
+      if (c.fp8) x.permuted_input_scales = d_sc + sc_bytes * (i % copies);
     }
     Status st = build_moe_routing_maps(x, d_ws, ws_bytes, stream);
     if (!st.ok()) {
@@ -131,7 +143,28 @@ void run_gpu_case(Context& ctx, const RoutingCase& c, cudaStream_t stream) {
     if (offsets != ref.offsets) check = "FAILED: expert_first_token_offset";
     else if (u2p != ref.u2p) check = "FAILED: unpermuted_row_to_permuted_row";
     else if (!std::equal(ref.p2u.begin(), ref.p2u.end(), p2u.begin())) check = "FAILED: permuted_row_to_unpermuted_row";
-    if (c.H && check == "passed") {
+    if (c.H && c.fp8 && check == "passed") {
+      // The CPU reference's FP8 expansion (quantize_fp8_cpu), first P rows bitwise.
+      std::vector<int64_t> h_off(c.local + 1);
+      std::vector<int32_t> h_p2u(slots), h_u2p(slots);
+      std::vector<uint8_t> want(out_bytes), got(size_t(P) * c.H);
+      std::vector<float> want_sc(sc_bytes / 4), got_sc(size_t(P) * (c.H / 128));
+      MoeRoutingArgs h = a;
+      h.token_selected_experts = ref.experts.data();
+      h.expert_first_token_offset = h_off.data();
+      h.permuted_row_to_unpermuted_row = h_p2u.data();
+      h.unpermuted_row_to_permuted_row = h_u2p.data();
+      h.input = h_in.data();
+      h.permuted_input = want.data();
+      h.permuted_input_scales = want_sc.data();
+      const Status st = build_moe_routing_maps_cpu(h);
+      BENCH_CUDA(cudaMemcpy(got.data(), d_out, got.size(), cudaMemcpyDeviceToHost));
+      BENCH_CUDA(cudaMemcpy(got_sc.data(), d_sc, got_sc.size() * 4, cudaMemcpyDeviceToHost));
+      if (!st.ok()) check = "FAILED: CPU reference: " + st.message();
+      else if (!std::equal(got.begin(), got.end(), want.begin())) check = "FAILED: e4m3 rows";
+      else if (std::memcmp(got_sc.data(), want_sc.data(), got_sc.size() * 4) != 0) check = "FAILED: scales";
+      else check = "passed (e4m3 rows and scales bitwise vs CPU reference)";
+    } else if (c.H && check == "passed") {
       std::vector<uint16_t> out(size_t(P) * c.H);
       BENCH_CUDA(cudaMemcpy(out.data(), d_out, out.size() * 2, cudaMemcpyDeviceToHost));
       for (int64_t p = 0; p < P && check == "passed"; ++p) {
@@ -170,6 +203,7 @@ void run_gpu_case(Context& ctx, const RoutingCase& c, cudaStream_t stream) {
   if (d_ws) cudaFree(d_ws);
   if (d_in) cudaFree(d_in);
   if (d_out) cudaFree(d_out);
+  if (d_sc) cudaFree(d_sc);
 }
 
 void run_cpu_case(Context& ctx, const RoutingCase& c) {
@@ -179,6 +213,7 @@ void run_cpu_case(Context& ctx, const RoutingCase& c) {
   std::vector<int64_t> offsets(c.local + 1);
   std::vector<int32_t> p2u(slots), u2p(slots);
   std::vector<uint16_t> in(size_t(c.T) * c.H), out(size_t(slots) * c.H);
+  std::vector<float> sc(c.fp8 ? size_t(slots) * (c.H / 128) : 0);
   MoeRoutingArgs a;
   a.token_selected_experts = ref.experts.data();
   a.num_tokens = c.T;
@@ -192,6 +227,7 @@ void run_cpu_case(Context& ctx, const RoutingCase& c) {
     a.input = in.data();
     a.permuted_input = out.data();
     a.hidden = c.H;
+    if (c.fp8) a.permuted_input_scales = sc.data();
   }
   record_cpu_run(ctx, "moe_routing_cpu", c.name, counted_bytes(c, ref), [&] { return build_moe_routing_maps_cpu(a); });
 }
@@ -204,12 +240,16 @@ void run_moe_routing_cases(Context& ctx) {
       {"T8192_k8_E256_expand_H7168", 8192, 8, 256, 0, 256, 7168},
       {"ep_rank3_T8192_k8_E32of256_maps", 8192, 8, 256, 96, 32},
       {"ep_rank3_T8192_k8_E32of256_expand_H7168", 8192, 8, 256, 96, 32, 7168},
+      {"T8192_k8_E256_expand_fp8_H7168", 8192, 8, 256, 0, 256, 7168, false, true},
+      {"ep_rank3_T8192_k8_E32of256_expand_fp8_H7168", 8192, 8, 256, 96, 32, 7168, false, true},
+      {"T1024_k8_E32_expand_fp8_H7168", 1024, 8, 32, 0, 32, 7168, false, true},
       {"T4096_k2_E8_maps", 4096, 2, 8, 0, 8},
       {"T512_k8_E256_maps", 512, 8, 256, 0, 256},
       {"T1024_k8_E256_maps", 1024, 8, 256, 0, 256},
       {"decode_T16_k8_E256_maps", 16, 8, 256, 0, 256, 0, true},
       {"decode_T16_k8_E256_expand_H7168", 16, 8, 256, 0, 256, 7168, true},
       {"decode_T64_k8_E256_expand_H7168", 64, 8, 256, 0, 256, 7168, true},
+      {"decode_T16_k8_E256_expand_fp8_H7168", 16, 8, 256, 0, 256, 7168, true, true},
   };
   for_each_case(ctx, "moe_routing", cases, run_gpu_case, run_cpu_case, [](RoutingCase c) {
     c.T = std::min<int64_t>(c.T, 256);

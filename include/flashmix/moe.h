@@ -12,6 +12,7 @@
 #include <cuda_runtime_api.h>
 
 #include "flashmix/dtype.h"
+#include "flashmix/fp8.h"
 #include "flashmix/status.h"
 // MoeFp8Scaling (FC1's FP8 modes, shared by Fc2FinalizeArgs).
 #include "flashmix/moe_fc1.h"
@@ -165,6 +166,19 @@ struct MoeRoutingArgs {
   int64_t hidden = 0;                // H >= 1 when expanding
   int64_t input_stride = 0;          // elements between input rows; 0 means `hidden`
   int64_t permuted_input_stride = 0; // elements between permuted rows; 0 means `hidden`
+
+  // Optional FP8 expansion (spec §1.4): with permuted_input_scales given, the
+  // expansion quantises instead of copying. input is bf16 (input_dtype
+  // kBFloat16); permuted_input receives e4m3 codes, one byte an element
+  // (permuted_input_stride counts bytes), and permuted_input_scales one scale
+  // per row per 128 columns: quantize_fp8's 1 x 128 blocks in
+  // permuted_scale_format, bitwise what quantize_fp8 of the input rows
+  // followed by the plain expansion writes. Needs hidden % 128 == 0, input
+  // and input_stride 16-byte aligned (8 elements), permuted_input and its
+  // stride 8-byte aligned, float scales 4-byte aligned. This is the FP8
+  // layer's input to FC1 (moe_forward): the bf16 permuted copy is never written.
+  void* permuted_input_scales = nullptr;  // [k*T capacity, hidden / 128] float or uint8, first P rows written
+  ScaleFormat permuted_scale_format = ScaleFormat::kFloat32;
 
   // Programmatic dependent launch between our kernels and with the neighbours
   // on the stream. Results are identical either way.

@@ -11,7 +11,7 @@ include/flashmix/moe.h, read through ``_C.moe_defaults()``); the binding
 import collections
 
 from ._common import _C, arg, cuda_device, defaults, dtype_name, empty, new_workspace, stream_of, torch
-from .fp8 import _as_bytes, _mx_bytes, quantize_fp8
+from .fp8 import _as_bytes, _e4m3_dtype, _mx_bytes, _scale_dtype, quantize_fp8
 
 __all__ = [
     "build_moe_routing_maps", "build_moe_routing_maps_workspace_size", "RoutingMaps",
@@ -35,7 +35,8 @@ _FORWARD = _DEFAULTS["moe_forward"]
 
 RoutingMaps = collections.namedtuple(
     "RoutingMaps", ["expert_first_token_offset", "permuted_row_to_unpermuted_row",
-                    "unpermuted_row_to_permuted_row", "permuted_input"])
+                    "unpermuted_row_to_permuted_row", "permuted_input", "permuted_input_scales"],
+    defaults=(None,))
 
 
 # ---------------------------------------------------------------------------
@@ -63,9 +64,9 @@ def build_moe_routing_maps_workspace_size(num_tokens, k, num_experts_per_node, s
 
 def build_moe_routing_maps(token_selected_experts, *, num_experts_per_node, start_expert_id=_ROUTING.start_expert_id,
                            input=None, expert_first_token_offset=None, permuted_row_to_unpermuted_row=None,
-                           unpermuted_row_to_permuted_row=None, permuted_input=None, workspace=None,
-                           enable_pdl=_ROUTING.enable_pdl, single_block_max_slots=_ROUTING.single_block_max_slots,
-                           stream=None):
+                           unpermuted_row_to_permuted_row=None, permuted_input=None, fp8_scale_format=None,
+                           permuted_input_scales=None, workspace=None, enable_pdl=_ROUTING.enable_pdl,
+                           single_block_max_slots=_ROUTING.single_block_max_slots, stream=None):
     """spec §1: the routing maps of this rank's slots (and optionally the gathered input rows).
 
     Args:
@@ -75,11 +76,15 @@ def build_moe_routing_maps(token_selected_experts, *, num_experts_per_node, star
       expert_first_token_offset (int64 ``[E_local + 1]``), permuted_row_to_unpermuted_row (int32
         ``[k*T]``, first P written), unpermuted_row_to_permuted_row (int32 ``[k*T]``, -1 = not local),
         permuted_input: outputs, allocated when None.
+      fp8_scale_format: ``"float32"`` or ``"ue8m0"``: the FP8 expansion (spec §1.4) instead of the
+        copy: ``input`` bfloat16, ``permuted_input`` its rows' e4m3 codes (``torch.float8_e4m3fn``
+        or uint8 ``[k*T, H]``) and ``permuted_input_scales`` ``[k*T, H / 128]`` (float32, or
+        ``float8_e8m0fnu`` / uint8), bitwise ``quantize_fp8`` 1 x 128 of the rows; H % 128 == 0.
       workspace: uint8 device buffer of ``build_moe_routing_maps_workspace_size(T, k, E_local)``
         bytes; allocated when None and needed.
 
     Returns RoutingMaps(expert_first_token_offset, permuted_row_to_unpermuted_row,
-    unpermuted_row_to_permuted_row, permuted_input). P (the local slots) is
+    unpermuted_row_to_permuted_row, permuted_input, permuted_input_scales). P (the local slots) is
     ``expert_first_token_offset[-1]``, on the device.
     """
     ex = token_selected_experts
@@ -89,19 +94,27 @@ def build_moe_routing_maps(token_selected_experts, *, num_experts_per_node, star
         permuted_row_to_unpermuted_row = _new_slot_map(ex)
     if unpermuted_row_to_permuted_row is None:
         unpermuted_row_to_permuted_row = _new_slot_map(ex)
+    if permuted_input_scales is not None and fp8_scale_format is None:
+        fp8_scale_format = "float32"
+    fp8 = fp8_scale_format is not None
     if input is not None and permuted_input is None:
-        permuted_input = _new_permuted_input(input, ex)
+        permuted_input = (empty(input, (ex.shape[0] * ex.shape[1], input.shape[1]), _e4m3_dtype(input)) if fp8
+                          else _new_permuted_input(input, ex))
+    if fp8 and input is not None and permuted_input_scales is None:
+        permuted_input_scales = empty(input, (ex.shape[0] * ex.shape[1], input.shape[1] // 128),
+                                      _scale_dtype(input, fp8_scale_format))
     if workspace is None and cuda_device(ex) is not None:
         workspace = new_workspace(ex, _C.build_moe_routing_maps_workspace_size(
             ex.shape[0], ex.shape[1], num_experts_per_node, start_expert_id, single_block_max_slots))
     _C.build_moe_routing_maps(
         arg(ex), arg(expert_first_token_offset), arg(permuted_row_to_unpermuted_row),
         arg(unpermuted_row_to_permuted_row), num_experts_per_node=num_experts_per_node,
-        start_expert_id=start_expert_id, input=arg(input), permuted_input=arg(permuted_input),
+        start_expert_id=start_expert_id, input=arg(input), permuted_input=arg(_as_bytes(permuted_input)),
+        permuted_input_scales=arg(_as_bytes(permuted_input_scales)), scale_format=fp8_scale_format or "float32",
         workspace=arg(workspace), enable_pdl=enable_pdl, single_block_max_slots=single_block_max_slots,
         stream=stream_of(stream, ex))
     return RoutingMaps(expert_first_token_offset, permuted_row_to_unpermuted_row, unpermuted_row_to_permuted_row,
-                       permuted_input)
+                       permuted_input, permuted_input_scales)
 
 
 if torch is not None:

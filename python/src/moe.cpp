@@ -155,13 +155,14 @@ size_t build_moe_routing_maps_workspace_size(int64_t num_tokens, int k, int num_
 
 void build_moe_routing_maps(const In& experts, const Out& offsets, const Out& p2u, const Out& u2p,
                             int num_experts_per_node, int start_expert_id, const OptIn& input,
-                            const OptOut& permuted_input, const OptOut& workspace, bool enable_pdl,
+                            const OptOut& permuted_input, const OptOut& permuted_input_scales,
+                            const std::string& scale_format, const OptOut& workspace, bool enable_pdl,
                             int single_block_max_slots, uintptr_t stream) {
   constexpr const char* op = "build_moe_routing_maps";
   Placement w(op);
   w.add(experts, "token_selected_experts", offsets, "expert_first_token_offset",
         p2u, "permuted_row_to_unpermuted_row", u2p, "unpermuted_row_to_permuted_row", input, "input",
-        permuted_input, "permuted_input", workspace, "workspace");
+        permuted_input, "permuted_input", permuted_input_scales, "permuted_input_scales", workspace, "workspace");
 
   require_dense_rank(experts, kInt32, 2, op, "token_selected_experts");
   const int64_t T = dim(experts, 0), k = dim(experts, 1);
@@ -182,12 +183,29 @@ void build_moe_routing_maps(const In& experts, const Out& offsets, const Out& p2
   a.tuning.single_block_max_slots = single_block_max_slots;
   if (input.has_value() != permuted_input.has_value())
     fail(op, input ? "permuted_input" : "input", "give both input and permuted_input, or neither");
+  if (permuted_input_scales && !input)
+    fail(op, "permuted_input_scales", "the FP8 expansion needs input and permuted_input");
   if (input) {
     a.input_dtype = float_dtype(*input, op, "input");
     a.input_stride = row_stride(*input, op, "input");
     if (dim(*input, 0) != T) fail(op, "input", "must have T = ", T, " rows (got shape ", shape_str(*input), ")");
     a.hidden = dim(*input, 1);
-    require_dtype(*permuted_input, input->dtype(), op, "permuted_input");
+    if (permuted_input_scales) {
+      // The FP8 expansion (spec §1.4): e4m3 codes as uint8, scales [>= k*T, H / 128] dense.
+      if (!fm::parse_scale_format(scale_format.c_str(), &a.permuted_scale_format))
+        fail(op, "scale_format", "must be \"float32\" or \"ue8m0\" (got \"", scale_format, "\")");
+      require_dtype(*permuted_input, kUInt8, op, "permuted_input");
+      if (a.hidden % 128 != 0)
+        fail(op, "hidden", "must be a multiple of 128 for the FP8 expansion (got H = ", a.hidden, ")");
+      const bool ue8m0 = a.permuted_scale_format == fm::ScaleFormat::kUE8M0;
+      require_dense_rank(*permuted_input_scales, ue8m0 ? kUInt8 : kFloat32, 2, op, "permuted_input_scales");
+      if (dim(*permuted_input_scales, 0) < k * T || dim(*permuted_input_scales, 1) * 128 != a.hidden)
+        fail(op, "permuted_input_scales", "must have shape [>= k*T = ", k * T, ", H / 128 = ", a.hidden / 128,
+             "] (got ", shape_str(*permuted_input_scales), ")");
+      a.permuted_input_scales = mut(*permuted_input_scales);
+    } else {
+      require_dtype(*permuted_input, input->dtype(), op, "permuted_input");
+    }
     a.permuted_input_stride = row_stride(*permuted_input, op, "permuted_input");
     if (dim(*permuted_input, 0) < k * T || dim(*permuted_input, 1) != a.hidden)
       fail(op, "permuted_input", "must have shape [>= k*T = ", k * T, ", ", a.hidden, "] (got ",
@@ -928,8 +946,9 @@ void register_moe(nb::module_& m) {
   m.def("build_moe_routing_maps", &build_moe_routing_maps, "token_selected_experts"_a,
         "expert_first_token_offset"_a, "permuted_row_to_unpermuted_row"_a, "unpermuted_row_to_permuted_row"_a,
         nb::kw_only(), "num_experts_per_node"_a, "start_expert_id"_a, "input"_a.none(), "permuted_input"_a.none(),
-        "workspace"_a.none(), "enable_pdl"_a, "single_block_max_slots"_a, "stream"_a,
-        "spec §1 into the three map arrays (and permuted_input).");
+        "permuted_input_scales"_a.none(), "scale_format"_a, "workspace"_a.none(), "enable_pdl"_a,
+        "single_block_max_slots"_a, "stream"_a,
+        "spec §1 into the three map arrays (and permuted_input; with permuted_input_scales quantised, §1.4).");
 
   m.def("finalize_moe_routing", &finalize_moe_routing, "expanded_permuted_rows"_a,
         "unpermuted_row_to_permuted_row"_a, "token_selected_experts"_a, "out"_a, nb::kw_only(),

@@ -40,8 +40,7 @@ struct Stages {
   Fc2FinalizeArgs fc2;
   // fp8: X (or its permuted copy) -> e4m3 for FC1; FC1's output -> e4m3 for FC2.
   bool fp8 = false;
-  bool quant_x_device_rows = false;  // the permuted copy: only its first P rows (P on the device)
-  bool quantise_x = false;           // X is quantised here (fp8 and not x_prequantised)
+  bool quantise_x = false;  // X [T, H] quantised by quantize_fp8 (fp8, gathered, not x_prequantised)
   QuantizeFp8Args quant_x, quant_act;
 };
 
@@ -99,30 +98,38 @@ Stages make_stages(const MoeForwardArgs& a, char* ws, const MoeForwardLayout& l)
     s.maps.input_dtype = DType::kBFloat16;
     s.maps.hidden = a.hidden;
     s.maps.input_stride = a.x_stride;
+    if (fp8) {
+      // The maps quantise while they expand (spec §1.4): e4m3 rows and 1 x 128
+      // fp32 scales of the first P permuted rows, no bf16 copy.
+      s.maps.permuted_input = at(l.x_q);
+      s.maps.permuted_input_scales = at(l.x_scales);
+      s.maps.permuted_scale_format = ScaleFormat::kFloat32;
+    }
   }
 
   s.fc1.X = copy ? at(l.x_perm) : a.X;
   s.fc1.x_stride = copy ? 0 : a.x_stride;
   s.fc1.x_permuted = copy;
   if (fp8) {
-    // X -> e4m3 rows [T or k*T capacity, H] + fp32 scales [rows, H / 128];
-    // of the permuted copy only the first P rows are read and written.
+    // X -> e4m3 rows + fp32 scales [rows, H / 128]: gathered, X's T rows by
+    // quantize_fp8; with the permuted copy, the maps' FP8 expansion writes the
+    // first P of k*T rows.
     s.fp8 = true;
-    s.quantise_x = !x_prequantised(a);
-    s.quant_x_device_rows = copy;
+    s.quantise_x = !x_prequantised(a) && !copy;  // the permuted copy comes quantised from the maps
     s.quant_x.x = s.fc1.X;
     s.quant_x.x_stride = s.fc1.x_stride;
     s.quant_x.q = at(l.x_q);
     s.quant_x.scales = at(l.x_scales);
-    s.quant_x.rows = copy ? T * a.k : T;
+    s.quant_x.rows = T;
     s.quant_x.cols = a.hidden;
     s.quant_x.block = Fp8Block::k1x128;
     s.quant_x.scale_format = ScaleFormat::kFloat32;
     s.quant_x.enable_pdl = a.enable_pdl;
-    s.fc1.X = s.quantise_x ? at(l.x_q) : a.X;
-    s.fc1.x_stride = s.quantise_x ? 0 : a.x_stride;
+    const bool x_here = !x_prequantised(a);  // X's e4m3 rows in the workspace (quantised here or by the maps)
+    s.fc1.X = x_here ? at(l.x_q) : a.X;
+    s.fc1.x_stride = x_here ? 0 : a.x_stride;
     s.fc1.fp8 = a.fp8;
-    s.fc1.x_scales = s.quantise_x ? reinterpret_cast<const float*>(at(l.x_scales)) : a.x_scales;
+    s.fc1.x_scales = x_here ? reinterpret_cast<const float*>(at(l.x_scales)) : a.x_scales;
     s.fc1.w1_scales = a.w1_scales;
     // FC1's output [k*T capacity, I] -> e4m3, its first P rows (FC2 reads no others).
     s.quant_act.x = at(l.fc1_out);
@@ -200,7 +207,7 @@ MoeForwardLayout moe_forward_layout(const MoeForwardArgs& a) {
   l.offsets = take((size_t(a.num_experts_per_node) + 1) * 8);
   l.p2u = take(slots * 4);
   l.u2p = take(slots * 4);
-  l.x_perm = take(use_permuted_copy(a) ? slots * size_t(a.hidden) * 2 : 0);
+  l.x_perm = take(use_permuted_copy(a) && !is_fp8(a) ? slots * size_t(a.hidden) * 2 : 0);
   l.maps_ws_bytes = build_moe_routing_maps_workspace_size(s.maps);
   l.maps_ws = take(l.maps_ws_bytes);
   l.fc1_out = take(slots * size_t(a.inter) * 2);
@@ -406,9 +413,7 @@ Status moe_forward(const MoeForwardArgs& a, void* workspace, size_t workspace_by
   FM_RETURN_IF_ERROR(in_layer(
       build_moe_routing_maps(s.maps, static_cast<char*>(workspace) + l.maps_ws, l.maps_ws_bytes, stream)));
   const int64_t* live_rows = s.maps.expert_first_token_offset + a.num_experts_per_node;  // P, on the device
-  if (s.quantise_x)
-    FM_RETURN_IF_ERROR(in_layer(s.quant_x_device_rows ? quantize_fp8_device_rows(s.quant_x, live_rows, stream)
-                                                      : quantize_fp8(s.quant_x, stream)));
+  if (s.quantise_x) FM_RETURN_IF_ERROR(in_layer(quantize_fp8(s.quant_x, stream)));
   FM_RETURN_IF_ERROR(in_layer(moe_fc1(s.fc1, stream)));
   if (s.fp8) FM_RETURN_IF_ERROR(in_layer(quantize_fp8_device_rows(s.quant_act, live_rows, stream)));
   return in_layer(moe_fc2_finalize(s.fc2, static_cast<char*>(workspace) + l.fc2_ws, l.fc2_ws_bytes, stream));
@@ -429,11 +434,7 @@ Status moe_forward_cpu(const MoeForwardArgs& a) {
   // The GPU's quantize passes cover the first P rows of the k*T capacity
   // buffers (token order: all T rows of X); so do these.
   const int64_t P = s.maps.expert_first_token_offset[a.num_experts_per_node];
-  if (s.quantise_x) {
-    QuantizeFp8Args qx = s.quant_x;
-    if (s.quant_x_device_rows) qx.rows = P;
-    FM_RETURN_IF_ERROR(in_layer(quantize_fp8_cpu(qx)));
-  }
+  if (s.quantise_x) FM_RETURN_IF_ERROR(in_layer(quantize_fp8_cpu(s.quant_x)));
   FM_RETURN_IF_ERROR(in_layer(moe_fc1_cpu(s.fc1)));
   if (s.fp8) {
     QuantizeFp8Args qa = s.quant_act;

@@ -6,6 +6,7 @@
 //   p = offset[e] + #{local s' < s with the same e}
 //   unpermuted_row_to_permuted_row[s] = p (or -1),  permuted_row_to_unpermuted_row[p] = s
 //   permuted_input[p, :] = input[t, :]                         (optional)
+//   or its e4m3 codes and 1 x 128 scales (the FP8 expansion, optional)
 //
 // Paths (chosen on the host from k*T only, see moe_routing_plan.h):
 //   single block (k*T <= 2048 by default, decode): one launch counts, scans
@@ -35,6 +36,7 @@
 #include "common/reduce.cuh"
 #include "common/vec.cuh"
 #include "flashmix/moe.h"
+#include "fp8/quantize_fp8_device.cuh"
 #include "moe/moe_routing_plan.h"
 
 namespace flashmix {
@@ -365,6 +367,84 @@ moe_routing_expand_kernel(const char* __restrict__ input, int64_t in_stride_byte
   }
 }
 
+// ---- FP8 expansion (spec §1.4): permuted_input[p] = Q(input[t]) ----------
+// Token-major like the copy: a half-warp quantises one 1 x 128 block of row t
+// (eight bf16 a lane, one 16-byte load), with quantize_fp8's arithmetic
+// (fp8_dev, so the bytes equal quantize_fp8's), and writes its 128 e4m3 bytes
+// and its scale to each of the token's local permuted rows. Two blocks a
+// half-warp in flight. Bytes: 2 H a token with a local slot read, (H + H / 32)
+// a local slot written.
+constexpr int kExpandFp8InFlight = 2;
+constexpr int kExpandFp8Groups = kExpandThreads / 16;  // half-warps a block
+
+template <ScaleFormat F>
+__global__ void __launch_bounds__(kExpandThreads)
+moe_routing_expand_fp8_kernel(const uint16_t* __restrict__ input, int64_t in_stride, uint8_t* __restrict__ out,
+                              int64_t out_stride, void* __restrict__ scales, int col_blocks,
+                              const int32_t* __restrict__ u2p, int32_t T, int k) {
+  using namespace fp8_dev;
+  __shared__ int32_t rows[16];
+  const int32_t t = blockIdx.x;
+  dev::grid_dependency_wait();  // u2p comes from the previous kernel in this call
+  if (threadIdx.x < k) rows[threadIdx.x] = u2p[int64_t(threadIdx.x) * T + t];
+  __syncthreads();
+  dev::allow_dependents_launch();
+  bool any_local = false;
+  for (int j = 0; j < k; ++j) any_local |= rows[j] >= 0;
+  if (!any_local) return;
+  const uint16_t* src = input + int64_t(t) * in_stride;
+  const int lane = threadIdx.x & 15;
+  const unsigned half_warp = 0xffffu << (threadIdx.x & 16);
+  const int stride = gridDim.y * kExpandFp8Groups;
+  // Every lane of a half-warp takes the same blocks (uniform for the shuffles).
+  for (int cb0 = blockIdx.y * kExpandFp8Groups + int(threadIdx.x >> 4); cb0 < col_blocks;
+       cb0 += stride * kExpandFp8InFlight) {
+    Chunk c[kExpandFp8InFlight];
+#pragma unroll
+    for (int u = 0; u < kExpandFp8InFlight; ++u) {
+      const int cb = cb0 + u * stride;
+      if (cb < col_blocks) {
+        const uint4 v = __ldcs(reinterpret_cast<const uint4*>(src + int64_t(cb) * 128 + 8 * lane));
+        c[u] = Chunk{{v.x, v.y, v.z, v.w}};
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kExpandFp8InFlight; ++u) {
+      const int cb = cb0 + u * stride;
+      if (cb >= col_blocks) continue;
+      const uint32_t amax = __reduce_max_sync(half_warp, chunk_amax_bits(c[u]));
+      const bool nan_block = amax > kBf16Inf;
+      const Scale sc = block_scale_or_nan<F>(amax);
+      uint32_t lo, hi;
+      quantize_chunk<F>(c[u], sc.s, nan_block, lo, hi);
+      for (int j = 0; j < k; ++j) {
+        const int32_t p = rows[j];
+        if (p < 0) continue;
+        *reinterpret_cast<uint2*>(out + int64_t(p) * out_stride + int64_t(cb) * 128 + 8 * lane) = make_uint2(lo, hi);
+        if (lane == 0)
+          store_scale(scales, uint32_t(int64_t(p) * col_blocks + cb), sc.stored, F == ScaleFormat::kUE8M0);
+      }
+    }
+  }
+}
+
+template <ScaleFormat F>
+cudaError_t launch_expand_fp8(const MoeRoutingArgs& a, cudaStream_t stream) {
+  const int64_t in_stride = a.input_stride ? a.input_stride : a.hidden;
+  const int64_t out_stride = a.permuted_input_stride ? a.permuted_input_stride : a.hidden;
+  const int col_blocks = int(a.hidden / 128);
+  // As the copy: split a row over up to `parts` blocks when there are few tokens.
+  const int64_t per_block = int64_t(kExpandFp8Groups) * kExpandFp8InFlight;
+  const int64_t max_parts = (col_blocks + per_block - 1) / per_block;
+  int64_t parts = (1024 + a.num_tokens - 1) / a.num_tokens;
+  if (parts > max_parts) parts = max_parts;
+  if (parts < 1) parts = 1;
+  return dev::launch(moe_routing_expand_fp8_kernel<F>, dim3(unsigned(a.num_tokens), unsigned(parts)),
+                     dim3(kExpandThreads), 0, stream, a.enable_pdl, static_cast<const uint16_t*>(a.input), in_stride,
+                     static_cast<uint8_t*>(a.permuted_input), out_stride, a.permuted_input_scales, col_blocks,
+                     static_cast<const int32_t*>(a.unpermuted_row_to_permuted_row), int32_t(a.num_tokens), a.k);
+}
+
 template <typename Word>
 cudaError_t launch_expand(const MoeRoutingArgs& a, cudaStream_t stream) {
   const int64_t es = int64_t(dtype_size(a.input_dtype));
@@ -457,7 +537,11 @@ Status run_routing(const MoeRoutingArgs& a, void* workspace, size_t workspace_by
     FM_RETURN_IF_ERROR(detail::cuda_status(err, kOp, "scatter kernel launch"));
   }
 
-  if (a.input != nullptr) {
+  if (a.input != nullptr && a.permuted_input_scales != nullptr) {
+    err = a.permuted_scale_format == ScaleFormat::kUE8M0 ? launch_expand_fp8<ScaleFormat::kUE8M0>(a, stream)
+                                                          : launch_expand_fp8<ScaleFormat::kFloat32>(a, stream);
+    FM_RETURN_IF_ERROR(detail::cuda_status(err, kOp, "FP8 expand kernel launch"));
+  } else if (a.input != nullptr) {
     switch (expand_word_bytes(a)) {
       case 16: err = launch_expand<uint4>(a, stream); break;
       case 8: err = launch_expand<uint2>(a, stream); break;

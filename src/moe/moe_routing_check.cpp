@@ -86,7 +86,35 @@ Status validate_routing(const MoeRoutingArgs& a, bool check_buffers) {
     in_bytes = detail::rows_extent_bytes(a.num_tokens, in_stride, a.hidden, es);
     out_bytes = detail::rows_extent_bytes(slots, out_stride, a.hidden, es);
   }
+  const bool fp8 = a.permuted_input_scales != nullptr;
+  int64_t scale_bytes = 0;
+  if (fp8) {
+    // The FP8 expansion (spec §1.4): bf16 in, e4m3 codes and 1 x 128 scales out.
+    if (check_buffers)
+      FM_REQUIRE(a.input != nullptr, kOp, "permuted_input_scales", "needs input and permuted_input (the FP8 expansion)");
+    FM_REQUIRE(a.input_dtype == DType::kBFloat16, kOp, "input_dtype",
+               "must be kBFloat16 for the FP8 expansion (got ", to_string(a.input_dtype), ")");
+    FM_REQUIRE(a.permuted_scale_format == ScaleFormat::kFloat32 || a.permuted_scale_format == ScaleFormat::kUE8M0,
+               kOp, "permuted_scale_format", "is not a valid ScaleFormat");
+    FM_REQUIRE(a.hidden % 128 == 0, kOp, "hidden",
+               "must be a multiple of 128 for the FP8 expansion (1 x 128 scale blocks; got ", a.hidden, ")");
+    const int64_t in_stride = a.input_stride == 0 ? a.hidden : a.input_stride;
+    const int64_t out_stride = a.permuted_input_stride == 0 ? a.hidden : a.permuted_input_stride;
+    FM_REQUIRE(in_stride % 8 == 0, kOp, "input_stride",
+               "must be a multiple of 8 elements (16-byte rows) for the FP8 expansion (got ", in_stride, ")");
+    FM_REQUIRE(out_stride % 8 == 0, kOp, "permuted_input_stride",
+               "must be a multiple of 8 bytes for the FP8 expansion (got ", out_stride, ")");
+    // permuted_input holds one byte an element.
+    out_bytes = detail::rows_extent_bytes(slots, out_stride, a.hidden, 1);
+    scale_bytes = slots * (a.hidden / 128) * (a.permuted_scale_format == ScaleFormat::kUE8M0 ? 1 : 4);
+  }
   if (!check_buffers) return Status::Ok();
+  if (fp8) {
+    FM_REQUIRE(aligned(a.input, 16), kOp, "input", "must be 16-byte aligned for the FP8 expansion");
+    FM_REQUIRE(aligned(a.permuted_input, 8), kOp, "permuted_input", "must be 8-byte aligned for the FP8 expansion");
+    FM_REQUIRE(a.permuted_scale_format == ScaleFormat::kUE8M0 || aligned(a.permuted_input_scales, 4), kOp,
+               "permuted_input_scales", "must be 4-byte aligned (float32 scales)");
+  }
   // The expansion's narrowest access is one element (2 bytes for bf16/fp16).
   if (a.input != nullptr) {
     const uintptr_t es = dtype_size(a.input_dtype);
@@ -99,7 +127,8 @@ Status validate_routing(const MoeRoutingArgs& a, bool check_buffers) {
       {"expert_first_token_offset", a.expert_first_token_offset, (int64_t(a.num_experts_per_node) + 1) * 8},
       {"permuted_row_to_unpermuted_row", a.permuted_row_to_unpermuted_row, slots * 4},
       {"unpermuted_row_to_permuted_row", a.unpermuted_row_to_permuted_row, slots * 4},
-      {"permuted_input", a.permuted_input, out_bytes}};
+      {"permuted_input", a.permuted_input, out_bytes},
+      {"permuted_input_scales", a.permuted_input_scales, scale_bytes}};
   const detail::Range ins[] = {{"token_selected_experts", a.token_selected_experts, slots * 4},
                                {"input", a.input, in_bytes}};
   return detail::check_no_overlap(kOp, outs, ins);

@@ -3,10 +3,15 @@
 // the same rules leave device outputs untouched).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <iterator>
 #include <string>
 #include <vector>
 
+#include "common/fp8_testing.h"
+#include "common/host_dtype.h"
 #include "common/test_data.h"
 #include "flashmix/moe.h"
 
@@ -107,6 +112,93 @@ TEST(MoeRoutingCpu, ExpansionCopiesEachTokensRowToItsPermutedRows) {
   // Padding columns and rows past P are untouched.
   for (int p = 0; p < 4; ++p) EXPECT_EQ(out[p * out_stride + 3], 0xdead);
   for (int i = 4 * out_stride; i < 6 * out_stride; ++i) EXPECT_EQ(out[i], 0xdead);
+}
+
+// The FP8 expansion (spec §1.4): each permuted row holds its token's row in
+// e4m3 with one fp32 scale per 128 columns (amax / 448), checked against an
+// exhaustive-search e4m3 rounding of x / s; padding and rows past P untouched.
+TEST(MoeRoutingCpu, Fp8ExpansionQuantisesEachTokensRowIntoItsPermutedRows) {
+  Maps m(kSmallExperts, 3, 2, 1, 2);
+  const int64_t H = 256, in_stride = 264, out_stride = 272;
+  Rng rng(test_seed());
+  std::vector<uint16_t> input(size_t(3 * in_stride));
+  for (int64_t t = 0; t < 3; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      input[size_t(t * in_stride + h)] = host::float_to_bf16(rng.uniform(-3.f, 3.f) * (h == 77 ? 100.f : 1.f));
+  for (int64_t h = 128; h < 256; ++h) input[size_t(2 * in_stride + h)] = 0;  // token 2's second block: zeros
+  std::vector<uint8_t> out(size_t(6 * out_stride), 0xA5);
+  std::vector<float> scales(6 * 2, -1.f);
+  m.args.input = input.data();
+  m.args.permuted_input = out.data();
+  m.args.permuted_input_scales = scales.data();
+  m.args.hidden = H;
+  m.args.input_stride = in_stride;
+  m.args.permuted_input_stride = out_stride;
+  ASSERT_TRUE(build_moe_routing_maps_cpu(m.args).ok()) << message_of(m.args);
+  const int tokens_of_rows[4] = {0, 1, 1, 2};  // p2u = {0, 4, 1, 5}: t = s % 3
+  for (int p = 0; p < 4; ++p)
+    for (int b = 0; b < 2; ++b) {
+      const int64_t t = tokens_of_rows[p];
+      float amax = 0.f;
+      for (int64_t h = 128 * b; h < 128 * b + 128; ++h)
+        amax = std::max(amax, std::fabs(host::bf16_to_float(input[size_t(t * in_stride + h)])));
+      const float sc = amax == 0.f ? 1.f : amax / 448.f;
+      EXPECT_EQ(scales[size_t(p * 2 + b)], sc) << "row " << p << " block " << b;
+      for (int64_t h = 128 * b; h < 128 * b + 128; ++h)
+        EXPECT_EQ(out[size_t(p * out_stride + h)],
+                  brute_force_e4m3(host::bf16_to_float(input[size_t(t * in_stride + h)]) / sc))
+            << "row " << p << " column " << h;
+    }
+  for (int p = 0; p < 4; ++p)
+    for (int64_t h = H; h < out_stride; ++h) EXPECT_EQ(out[size_t(p * out_stride + h)], 0xA5);
+  for (int64_t i = 4 * out_stride; i < 6 * out_stride; ++i) EXPECT_EQ(out[size_t(i)], 0xA5);
+  for (int i = 8; i < 12; ++i) EXPECT_EQ(scales[size_t(i)], -1.f);
+}
+
+TEST(MoeRoutingCpuValidation, Fp8ExpansionRulesNameTheArgument) {
+  struct Case {
+    const char* name;
+    void (*mutate)(MoeRoutingArgs&);
+    const char* expect;
+  };
+  const Case cases[] = {
+      {"not bf16", [](MoeRoutingArgs& a) { a.input_dtype = DType::kFloat16; }, "input_dtype: must be kBFloat16"},
+      {"hidden not a multiple of 128", [](MoeRoutingArgs& a) { a.hidden = 200; a.input_stride = a.permuted_input_stride = 256; },
+       "hidden: must be a multiple of 128"},
+      {"input stride", [](MoeRoutingArgs& a) { a.input_stride = 130; }, "input_stride: must be a multiple of 8"},
+      {"output stride", [](MoeRoutingArgs& a) { a.permuted_input_stride = 132; },
+       "permuted_input_stride: must be a multiple of 8"},
+      {"misaligned input", [](MoeRoutingArgs& a) { a.input = static_cast<const char*>(a.input) + 8; },
+       "input: must be 16-byte aligned"},
+      {"misaligned output", [](MoeRoutingArgs& a) { a.permuted_input = static_cast<char*>(a.permuted_input) + 4; },
+       "permuted_input: must be 8-byte aligned"},
+      {"misaligned scales",
+       [](MoeRoutingArgs& a) { a.permuted_input_scales = static_cast<char*>(a.permuted_input_scales) + 2; },
+       "permuted_input_scales: must be 4-byte aligned"},
+      {"bad scale format", [](MoeRoutingArgs& a) { a.permuted_scale_format = static_cast<ScaleFormat>(5); },
+       "permuted_scale_format: is not a valid ScaleFormat"},
+      {"scales without the expansion", [](MoeRoutingArgs& a) { a.input = nullptr; a.permuted_input = nullptr; },
+       "permuted_input_scales: needs input and permuted_input"},
+      {"scales over the rows", [](MoeRoutingArgs& a) { a.permuted_input_scales = a.permuted_input; },
+       "must not overlap"},
+  };
+  for (const Case& c : cases) {
+    Maps m(kSmallExperts, 3, 2, 1, 2);
+    alignas(16) static uint16_t input[3 * 264];
+    alignas(16) static uint8_t out[6 * 272];
+    alignas(16) static float scales[6 * 2];
+    std::fill(std::begin(out), std::end(out), uint8_t(0xA5));
+    m.args.input = input;
+    m.args.permuted_input = out;
+    m.args.permuted_input_scales = scales;
+    m.args.hidden = 128;
+    c.mutate(m.args);
+    const Status st = build_moe_routing_maps_cpu(m.args);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << c.name;
+    EXPECT_NE(st.message().find(c.expect), std::string::npos) << c.name << ": got \"" << st.message() << "\"";
+    EXPECT_EQ(m.offsets, std::vector<int64_t>(3, -7)) << c.name;
+    EXPECT_EQ(out[0], 0xA5) << c.name;
+  }
 }
 
 TEST(MoeRoutingCpu, ZeroTokensZeroesTheOffsets) {

@@ -9,6 +9,8 @@
 
 #include "common/gpu_testing.h"
 #include "common/test_data.h"
+#include "common/host_dtype.h"
+#include "flashmix/fp8.h"
 #include "flashmix/moe.h"
 
 using namespace flashmix;
@@ -261,6 +263,113 @@ TEST(MoeRoutingGpu, ExpansionWithEveryDtypeStrideAndAlignment) {
         Shape s{T, 8, 64, 16, 32};
         SCOPED_TRACE("hidden " + std::to_string(c.hidden) + " dtype " + to_string(c.dtype));
         check_against_reference(random_experts(rng, s), s, tuning, ex);
+      }
+}
+
+// The FP8 expansion (spec §1.4): every byte of the e4m3 rows and scales
+// (poisoned buffers, rows past P and row padding included) against the CPU
+// reference, which quantises through quantize_fp8_cpu; rows with outlier
+// channels, zero blocks, a huge value, NaN and infinities; both scale formats,
+// both launch paths, EP ranges (tokens with no local slot), padded strides.
+TEST(MoeRoutingGpu, Fp8ExpansionMatchesQuantizeReferenceBitwise) {
+  SKIP_WITHOUT_GPU();
+  Rng rng(test_seed());
+  struct Fp8Case {
+    Shape s;
+    int64_t hidden, in_stride, out_stride;
+  };
+  const Fp8Case cases[] = {
+      {{1, 8, 64, 16, 32}, 7168, 0, 0},      // decode: one token, row split over blocks
+      {{1500, 8, 64, 16, 32}, 7168, 0, 0},   // EP rank: a quarter of the experts
+      {{700, 2, 8, 0, 8}, 1024, 1032, 1040},  // padded rows in and out
+      {{3000, 4, 4, 0, 4}, 256, 0, 264},     // two blocks a row, more slots than one block takes
+      {{0, 8, 64, 0, 64}, 512, 0, 0},        // no tokens: nothing but the offsets
+  };
+  for (const Fp8Case& c : cases)
+    for (ScaleFormat f : {ScaleFormat::kFloat32, ScaleFormat::kUE8M0})
+      for (int tuning : {0, -1}) {
+        const Shape& s = c.s;
+        SCOPED_TRACE(describe(s, tuning) + " hidden " + std::to_string(c.hidden) + " " + to_string(f));
+        const int64_t in_stride = c.in_stride ? c.in_stride : c.hidden;
+        const int64_t out_stride = c.out_stride ? c.out_stride : c.hidden;
+        const int64_t slots = s.T * s.k, blocks = c.hidden / 128;
+        const size_t sb = f == ScaleFormat::kUE8M0 ? 1 : 4;
+        std::vector<int32_t> experts = random_experts(rng, s);
+        // bf16 rows: uniform, every 61st channel 100 x; special blocks on some rows.
+        std::vector<uint16_t> x(size_t(std::max<int64_t>(1, s.T * in_stride)), 0);
+        for (int64_t t = 0; t < s.T; ++t)
+          for (int64_t i = 0; i < c.hidden; ++i)
+            x[size_t(t * in_stride + i)] =
+                host::float_to_bf16(rng.uniform(-2.f, 2.f) * (i % 61 == 7 ? 100.f : 1.f));
+        for (int64_t t = 0; t < s.T; t += 7) {
+          const int64_t b = rng.integer(0, int(blocks) - 1), col = b * 128 + rng.integer(0, 127);
+          switch ((t / 7) % 5) {
+            case 0: for (int64_t i = 0; i < 128; ++i) x[size_t(t * in_stride + b * 128 + i)] = (i & 1) ? 0x8000 : 0; break;
+            case 1: x[size_t(t * in_stride + col)] = host::float_to_bf16(-3.0e38f); break;
+            case 2: x[size_t(t * in_stride + col)] = 0x7fc0; break;  // NaN
+            case 3: x[size_t(t * in_stride + col)] = (t & 8) ? 0xff80 : 0x7f80; break;  // -inf / +inf
+            default: break;
+          }
+        }
+        DeviceBuffer d_experts(std::max<size_t>(4, experts.size() * 4)), d_off(8 * size_t(s.local + 1)),
+            d_p2u(std::max<size_t>(4, 4 * size_t(slots))), d_u2p(std::max<size_t>(4, 4 * size_t(slots))),
+            d_x(x.size() * 2), d_q(size_t(std::max<int64_t>(1, slots * out_stride))),
+            d_s(size_t(std::max<int64_t>(1, slots * blocks)) * sb);
+        d_experts.upload(experts.data(), experts.size() * 4);
+        d_x.upload(x.data(), x.size() * 2);
+        const std::vector<int32_t> map_poison(d_u2p.bytes() / 4, kPoison32);
+        d_u2p.upload(map_poison.data(), d_u2p.bytes());
+        d_p2u.upload(map_poison.data(), d_p2u.bytes());
+        std::vector<uint8_t> q_poison(d_q.bytes(), kPoisonByte), s_poison(d_s.bytes(), kPoisonByte);
+        d_q.upload(q_poison.data(), q_poison.size());
+        d_s.upload(s_poison.data(), s_poison.size());
+        MoeRoutingArgs a;
+        a.token_selected_experts = d_experts.as<int32_t>();
+        a.num_tokens = s.T;
+        a.k = s.k;
+        a.start_expert_id = s.start;
+        a.num_experts_per_node = s.local;
+        a.expert_first_token_offset = d_off.as<int64_t>();
+        a.permuted_row_to_unpermuted_row = d_p2u.as<int32_t>();
+        a.unpermuted_row_to_permuted_row = d_u2p.as<int32_t>();
+        a.input = d_x.get();
+        a.permuted_input = d_q.get();
+        a.permuted_input_scales = d_s.get();
+        a.permuted_scale_format = f;
+        a.hidden = c.hidden;
+        a.input_stride = c.in_stride;
+        a.permuted_input_stride = c.out_stride;
+        a.tuning.single_block_max_slots = tuning;
+        DeviceBuffer ws(build_moe_routing_maps_workspace_size(a));
+        Status st = build_moe_routing_maps(a, ws.get(), ws.bytes(), nullptr);
+        ASSERT_TRUE(st.ok()) << st.message();
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+        std::vector<int64_t> off(size_t(s.local + 1));
+        std::vector<int32_t> p2u(d_p2u.bytes() / 4, kPoison32), u2p(d_u2p.bytes() / 4, kPoison32);
+        std::vector<uint8_t> q = q_poison, sc = s_poison;
+        MoeRoutingArgs h = a;
+        h.token_selected_experts = experts.data();
+        h.expert_first_token_offset = off.data();
+        h.permuted_row_to_unpermuted_row = p2u.data();
+        h.unpermuted_row_to_permuted_row = u2p.data();
+        h.input = x.data();
+        h.permuted_input = q.data();
+        h.permuted_input_scales = sc.data();
+        st = build_moe_routing_maps_cpu(h);
+        ASSERT_TRUE(st.ok()) << st.message();
+        EXPECT_EQ(d_off.to_host<int64_t>(), off);
+        EXPECT_EQ(d_u2p.to_host<int32_t>(), u2p);
+        EXPECT_EQ(d_p2u.to_host<int32_t>(), p2u);  // the tail past P untouched (poison) on both
+        const std::vector<uint8_t> got_q = d_q.to_host<uint8_t>(), got_s = d_s.to_host<uint8_t>();
+        size_t bad_q = 0, bad_s = 0;
+        for (size_t i = 0; i < q.size(); ++i) bad_q += got_q[i] != q[i];
+        for (size_t i = 0; i < sc.size(); ++i) bad_s += got_s[i] != sc[i];
+        EXPECT_EQ(bad_q, 0u) << "e4m3 bytes differ";
+        EXPECT_EQ(bad_s, 0u) << "scale bytes differ";
+        if (s.T >= 100) {  // the check sees live rows: some slots are local
+          EXPECT_GT(off.back(), 0);
+        }
       }
 }
 

@@ -1938,6 +1938,27 @@ def test_quantize_fp8_bad_input_raises_value_error_naming_the_argument(change, a
         flashmix.quantize_fp8(x, **kw)
 
 
+@needs_fp8_reference
+@pytest.mark.parametrize("scale_format", ["float32", "ue8m0"])
+def test_routing_maps_fp8_expansion_is_quantize_fp8_of_the_permuted_rows(scale_format):
+    rng = np.random.default_rng(11)
+    T, k, E, start, E_local, H = 40, 4, 16, 4, 8, 256
+    experts = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    x = ref.fp8_input(rng, (T, H))
+    maps = flashmix.build_moe_routing_maps(experts, num_experts_per_node=E_local, start_expert_id=start, input=x,
+                                           fp8_scale_format=scale_format)
+    _, p2u, _ = ref.routing_maps(experts, start, E_local)
+    P = len(p2u)
+    assert P > 0
+    want_q, want_s = ref.quantize_fp8(x[p2u % T], 1, scale_format)
+    assert maps.permuted_input.dtype == np.uint8 and maps.permuted_input.shape == (k * T, H)
+    np.testing.assert_array_equal(maps.permuted_input[:P], want_q)
+    np.testing.assert_array_equal(fp8_bits(maps.permuted_input_scales[:P]), fp8_bits(want_s))
+    with raises_naming(ValueError, "build_moe_routing_maps", "hidden"):
+        flashmix.build_moe_routing_maps(experts, num_experts_per_node=E_local, input=x[:, :200].copy(),
+                                        fp8_scale_format=scale_format)
+
+
 def test_quantize_fp8_defaults_and_names_are_the_library_values():
     d = defaults_of(flashmix.quantize_fp8)
     assert (d["block"], d["scale_format"], d["enable_pdl"]) == ("1x128", "float32", True)
