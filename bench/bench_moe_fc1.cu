@@ -172,11 +172,17 @@ void run_case(Context& ctx, const Fc1Case& c, cudaStream_t stream) {
   int touched = 0;
   for (int e = 0; e < c.local; ++e) touched += r.offsets[e + 1] > r.offsets[e];
   const double wbytes = double(touched) * 2.0 * c.I * c.H * es;
-  for (int variant = 0; variant < 2; ++variant) {
-    const bool pre = variant == 1;
+  // Variants: X gathered, X permuted (.../prepermuted), and with block scales
+  // X permuted and FC1's FP8 output (.../prepermuted_fp8out, spec §9.8: e4m3
+  // rows + 1 x 128 scales into dout, scales at dout + cap * I; what
+  // moe_forward runs).
+  const bool q_variant = c.fp8 == MoeFp8Scaling::kBlock && c.I % 128 == 0;
+  for (int variant = 0; variant < (q_variant ? 3 : 2); ++variant) {
+    const bool pre = variant >= 1, q_out = variant == 2;
     a.X = pre ? dXp : dX;
     a.x_scales = pre ? dxsp : dxs;
     a.x_permuted = pre;
+    a.out_scales = q_out ? static_cast<char*>(dout) + cap * c.I : nullptr;
     BENCH_CUDA(cudaMemsetAsync(dout, 0xff, cap * c.I * 2, stream));
     Status st = moe_fc1(a, stream);
     if (!st.ok()) {
@@ -188,15 +194,28 @@ void run_case(Context& ctx, const Fc1Case& c, cudaStream_t stream) {
     if (ctx.verify) {
       std::vector<uint16_t> got(size_t(cap * c.I));
       BENCH_CUDA(cudaMemcpy(got.data(), dout, got.size() * 2, cudaMemcpyDeviceToHost));
-      const double rtol = std::ldexp(1.0, -7), atol = std::ldexp(1.0, fp8 ? -8 : -10) * max_ref;  // the tests'
+      const uint8_t* q = reinterpret_cast<const uint8_t*>(got.data());
+      const float* qs = reinterpret_cast<const float*>(q + cap * c.I);  // q_out: the scales after the codes
+      // The tests' tolerance; the FP8 output adds one e4m3 rounding (2^-4 |x| + 2^-10 s).
+      double rtol = std::ldexp(1.0, -7), atol = std::ldexp(1.0, fp8 ? -8 : -10) * max_ref;
+      if (q_out) rtol += std::ldexp(1.0, -4);
       int64_t bad = 0;
       double worst = 0;
       for (size_t ri = 0; ri < rows.size(); ++ri)
         for (int64_t i = 0; i < c.I; i += 4) {
-          const double g = host::bf16_to_float(got[size_t(rows[ri] * c.I + i)]), rv = ref[ri][size_t(i)];
+          const int64_t at = rows[ri] * c.I + i;
+          double g = 0, extra = 0;
+          if (q_out) {
+            const double sc = qs[rows[ri] * (c.I / 128) + i / 128];
+            g = host::e4m3_to_float(q[at]) * sc;
+            extra = std::ldexp(sc, -10);
+          } else {
+            g = host::bf16_to_float(got[size_t(at)]);
+          }
+          const double rv = ref[ri][size_t(i)];
           const double err = std::fabs(g - rv);
           worst = std::max(worst, err);
-          bad += !(err <= rtol * std::fabs(rv) + atol);
+          bad += !(err <= rtol * std::fabs(rv) + atol + extra);
         }
       check = bad ? "FAILED: " + std::to_string(bad) + " sampled elements (max abs err " + std::to_string(worst) + ")"
                   : "passed (" + std::to_string(rows.size()) + " sampled rows, every 4th column)";
@@ -207,7 +226,7 @@ void run_case(Context& ctx, const Fc1Case& c, cudaStream_t stream) {
                                : median_us([&] { (void)moe_fc1(a, stream); }, stream, 3, iters);
     Record rec;
     rec.op = op;
-    rec.case_name = c.name + (pre ? "/prepermuted" : "");
+    rec.case_name = c.name + (q_out ? "/prepermuted_fp8out" : pre ? "/prepermuted" : "");
     rec.median_us = us;
     rec.flops = flops;
     rec.check = check;

@@ -13,6 +13,7 @@
 #include <cuda_runtime_api.h>
 
 #include "flashmix/dtype.h"
+#include "flashmix/fp8.h"
 #include "flashmix/status.h"
 
 namespace flashmix {
@@ -106,6 +107,14 @@ struct MoeFc1Args {
   // Output: bf16 [k*T capacity, I], dense rows; rows [0, P) written, the rest
   // untouched (P = expert_first_token_offset[E_local], known on the device).
   void* out = nullptr;
+  // Optional FP8 output (spec §9.8): with out_scales given, `out` receives
+  // e4m3 codes [k*T capacity, I] (one byte an element) and out_scales one
+  // scale per row per 128 columns [k*T capacity, I / 128] in out_scale_format:
+  // the bf16 rows above quantised as quantize_fp8's 1 x 128 blocks, bitwise
+  // (the bf16 rows are not written). FC2's FP8 input, with no pass between.
+  // Needs fp8 = kBlock with dense (e4m3) weights and I % 128 == 0.
+  void* out_scales = nullptr;
+  ScaleFormat out_scale_format = ScaleFormat::kFloat32;
 
   bool enable_pdl = true;  // programmatic dependent launch with the neighbours on the stream
 };

@@ -479,7 +479,7 @@ def _new_fc1_out(x, w1, k, num_tokens):
 def moe_fc1(x, w1, expert_first_token_offset, permuted_row_to_unpermuted_row, *, k, bias=None, layout=_FC1.layout,
             activation=_FC1.activation, limit=_FC1.limit, alpha=_FC1.alpha, x_permuted=_FC1.x_permuted,
             fp8=_FC1.fp8, x_scales=None, w1_scales=None, weights=_FC1.weights, w1_mx_scales=None, num_tokens=None,
-            out=None, enable_pdl=_FC1.enable_pdl, stream=None):
+            out=None, out_scale_format=None, out_scales=None, enable_pdl=_FC1.enable_pdl, stream=None):
     """spec §9: FC1 of every local permuted row, the input gathered through the routing maps and the
     gated activation applied before the one rounding to bf16.
 
@@ -513,22 +513,36 @@ def moe_fc1(x, w1, expert_first_token_offset, permuted_row_to_unpermuted_row, *,
       num_tokens: T (default: x's rows, or x's rows / k with ``x_permuted``).
       out: bf16 ``[>= k*T, I]``, dense; rows ``[0, P)`` are written, the rest left untouched;
         allocated (``[k*T, I]``, uninitialised) when None.
+      out_scale_format: ``"float32"`` or ``"ue8m0"``: the FP8 output (spec §9.8; ``fp8="block"``,
+        dense weights, I a multiple of 128): ``out`` then holds the rows' e4m3 codes
+        (``torch.float8_e4m3fn`` or uint8 ``[>= k*T, I]``) and ``out_scales`` their 1 x 128 scales
+        ``[>= k*T, I/128]`` (float32, or ``float8_e8m0fnu`` / uint8), bitwise ``quantize_fp8`` of the
+        bf16 rows; both allocated when None. Giving ``out_scales`` implies ``"float32"``.
       enable_pdl: programmatic dependent launch (GPU).
       stream: see the package docstring.
 
-    Returns ``out``: exactly the ``A`` that moe_fc2_finalize takes. CPU arrays run the reference.
+    Returns ``out``: exactly the ``A`` that moe_fc2_finalize takes (with the FP8 output, ``(out,
+    out_scales)``: its ``A`` and ``a_scales``). CPU arrays run the reference.
     """
+    if out_scales is not None and out_scale_format is None:
+        out_scale_format = "float32"
+    q_out = out_scale_format is not None
     if out is None:
         out = _new_fc1_out(x, w1, k, _fc1_tokens(x, k, num_tokens, x_permuted))
+        if q_out:
+            out = empty(x, tuple(out.shape), _e4m3_dtype(x))
+    if q_out and out_scales is None:
+        out_scales = empty(x, (out.shape[0], out.shape[1] // 128), _scale_dtype(x, out_scale_format))
     _C.moe_fc1(
         arg(_as_bytes(x)), arg(_mx_bytes(w1, weights, "moe_fc1", "W1")), arg(expert_first_token_offset),
         arg(permuted_row_to_unpermuted_row),
-        arg(out), k=k, num_tokens=-1 if num_tokens is None else num_tokens, bias=arg(bias), layout=layout,
+        arg(_as_bytes(out)), k=k, num_tokens=-1 if num_tokens is None else num_tokens, bias=arg(bias), layout=layout,
         activation=activation, limit=limit, alpha=alpha, x_permuted=x_permuted, fp8=fp8, x_scales=arg(x_scales),
         w1_scales=arg(w1_scales), weights=weights,
-        w1_mx_scales=arg(_mx_bytes(w1_mx_scales, weights, "moe_fc1", "w1_mx_scales", True)), enable_pdl=enable_pdl,
+        w1_mx_scales=arg(_mx_bytes(w1_mx_scales, weights, "moe_fc1", "w1_mx_scales", True)),
+        out_scales=arg(_as_bytes(out_scales)), out_scale_format=out_scale_format or "float32", enable_pdl=enable_pdl,
         stream=stream_of(stream, out))
-    return out
+    return (out, out_scales) if q_out else out
 
 
 if torch is not None:

@@ -556,11 +556,13 @@ int64_t fc1_inter(const In& W1, nb::dlpack::dtype elem, const char* op, const ch
 void moe_fc1(const In& X, const In& W1, const In& offsets, const In& p2u, const Out& out, int k, int64_t num_tokens,
              const OptIn& bias, const std::string& layout, const std::string& activation, float limit, float alpha,
              bool x_permuted, const std::string& fp8, const OptIn& x_scales, const OptIn& w1_scales,
-             const std::string& weights, const OptIn& w1_mx_scales, bool enable_pdl, uintptr_t stream) {
+             const std::string& weights, const OptIn& w1_mx_scales, const OptOut& out_scales,
+             const std::string& out_scale_format, bool enable_pdl, uintptr_t stream) {
   constexpr const char* op = "moe_fc1";
   Placement w(op);
   w.add(out, "out", X, "X", W1, "W1", offsets, "expert_first_token_offset", p2u, "permuted_row_to_unpermuted_row",
-        bias, "bias", x_scales, "x_scales", w1_scales, "w1_scales", w1_mx_scales, "w1_mx_scales");
+        bias, "bias", x_scales, "x_scales", w1_scales, "w1_scales", w1_mx_scales, "w1_mx_scales", out_scales,
+        "out_scales");
 
   fm::MoeFc1Args a;
   a.fp8 = parse_enum(fp8, fp8_scalings(), op, "fp8");
@@ -599,9 +601,21 @@ void moe_fc1(const In& X, const In& W1, const In& offsets, const In& p2u, const 
   if (k_valid && dim(X, 0) < x_rows)
     fail(op, "X", "must have at least ", x_permuted ? "k*T = " : "T = ", x_rows, " rows (got shape ", shape_str(X),
          ")");
-  require_dense_rank(out, kBFloat16, 2, op, "out");
+  // The FP8 output (spec §9.8): out e4m3 bytes (uint8), out_scales [>= k*T, I / 128].
+  require_dense_rank(out, out_scales ? kUInt8 : kBFloat16, 2, op, "out");
   if (dim(out, 1) != I || (k_valid && dim(out, 0) < int64_t(k) * T))
     fail(op, "out", "must have shape [>= k*T = ", int64_t(k) * T, ", I = ", I, "] (got ", shape_str(out), ")");
+  if (out_scales) {
+    if (!fm::parse_scale_format(out_scale_format.c_str(), &a.out_scale_format))
+      fail(op, "out_scale_format", "must be \"float32\" or \"ue8m0\" (got \"", out_scale_format, "\")");
+    if (I % 128 != 0) fail(op, "inter", "must be a multiple of 128 with an FP8 output (got I = ", I, ")");
+    const bool ue8m0 = a.out_scale_format == fm::ScaleFormat::kUE8M0;
+    require_dense_rank(*out_scales, ue8m0 ? kUInt8 : kFloat32, 2, op, "out_scales");
+    if (dim(*out_scales, 1) != I / 128 || (k_valid && dim(*out_scales, 0) < int64_t(k) * T))
+      fail(op, "out_scales", "must have shape [>= k*T = ", int64_t(k) * T, ", I / 128 = ", I / 128, "] (got ",
+           shape_str(*out_scales), ")");
+    a.out_scales = mut(*out_scales);
+  }
   require_vector(offsets, kInt64, E + 1, op, "expert_first_token_offset");
   require_dtype(p2u, kInt32, op, "permuted_row_to_unpermuted_row");
   require_contiguous(p2u, op, "permuted_row_to_unpermuted_row");
@@ -993,7 +1007,7 @@ void register_moe(nb::module_& m) {
   m.def("moe_fc1", &moe_fc1, "X"_a, "W1"_a, "expert_first_token_offset"_a, "permuted_row_to_unpermuted_row"_a,
         "out"_a, nb::kw_only(), "k"_a, "num_tokens"_a, "bias"_a.none(), "layout"_a, "activation"_a, "limit"_a,
         "alpha"_a, "x_permuted"_a, "fp8"_a, "x_scales"_a.none(), "w1_scales"_a.none(), "weights"_a,
-        "w1_mx_scales"_a.none(), "enable_pdl"_a, "stream"_a,
+        "w1_mx_scales"_a.none(), "out_scales"_a.none(), "out_scale_format"_a, "enable_pdl"_a, "stream"_a,
         "spec §9 into `out` [>= k*T, I]; E, I, H from W1 [E, 2I, H]; T = num_tokens, or (num_tokens < 0) X's "
         "rows, over k with x_permuted; fp8 (spec §9.7): X and W1 as e4m3 bytes (uint8) with fp32 scales; "
         "weights = \"mxfp4\" (spec §13.7): W1 packed e2m1 bytes [E, 2I, H/2] with ue8m0 w1_mx_scales "

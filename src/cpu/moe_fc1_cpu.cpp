@@ -8,7 +8,8 @@
 // dot product of the dequantised values is taken in double (e4m3 decoded by
 // host_fp8.h, which shares no code with the kernels). MXFP4 weights (§13.7):
 // each W1 element is the value the W4A8 / W4A16 GEMM multiplies
-// (host_mxfp4.h), X as its own dtype says.
+// (host_mxfp4.h), X as its own dtype says. The FP8 output (§9.8): those bf16
+// rows through quantize_fp8_cpu.
 #include <cmath>
 #include <vector>
 
@@ -58,7 +59,11 @@ Status moe_fc1_cpu(const MoeFc1Args& a) {
   if (T == 0) return Status::Ok();
   const int64_t x_stride = a.x_stride ? a.x_stride : H;
   const auto* bias = static_cast<const uint16_t*>(a.bias);
-  auto* out = static_cast<uint16_t*>(a.out);
+  // FP8 output (spec §9.8): the bf16 rows in a scratch buffer, then
+  // quantize_fp8_cpu of the first P rows into out / out_scales.
+  const bool q_out = a.out_scales != nullptr;
+  std::vector<uint16_t> bf16_rows(q_out ? size_t(T * a.k * I) : 0);
+  auto* out = q_out ? bf16_rows.data() : static_cast<uint16_t*>(a.out);
   const bool interleaved = a.layout == Fc1WeightLayout::kInterleaved;
   const bool fp8 = a.fp8 != MoeFp8Scaling::kNone, block = a.fp8 == MoeFp8Scaling::kBlock;
   const int64_t kbs = H / 128, w_row_blocks = (2 * I + 127) / 128;
@@ -108,6 +113,17 @@ Status moe_fc1_cpu(const MoeFc1Args& a) {
         out[p * I + i] = host::float_to_bf16(float(activate(a, g, u)));
       }
     }
+  }
+  if (q_out) {
+    QuantizeFp8Args q;
+    q.x = bf16_rows.data();
+    q.q = a.out;
+    q.scales = a.out_scales;
+    q.rows = a.expert_first_token_offset[E];
+    q.cols = I;
+    q.block = Fp8Block::k1x128;
+    q.scale_format = a.out_scale_format;
+    return quantize_fp8_cpu(q);
   }
   return Status::Ok();
 }

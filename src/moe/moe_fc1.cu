@@ -42,6 +42,8 @@ Status run_fc1(const MoeFc1Args& a, cudaStream_t stream) {
   p.limit = a.limit > 0.f ? a.limit : (a.activation == MoeActivation::kSwiGLUOai ? 7.f : 10.f);
   p.alpha = a.alpha > 0.f ? a.alpha : 1.702f;
   p.out = a.out;
+  p.out_scales = a.out_scales;
+  p.out_ue8m0 = a.out_scale_format == ScaleFormat::kUE8M0;
   p.sm_count = dev.sms;
   p.pdl = a.enable_pdl;
   return sm90_fc1_run(p, stream);

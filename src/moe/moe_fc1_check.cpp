@@ -112,6 +112,16 @@ Status validate_fc1(const MoeFc1Args& a, bool check_buffers) {
              ", I=", a.inter, ", H=", a.hidden, ")");
   FM_REQUIRE(slots <= (kTwo60 - 1) / a.inter, kOp, "out", "k * T * I overflows (k*T=", slots, ", I=", a.inter,
              ")");
+  const bool q_out = a.out_scales != nullptr;  // FP8 output (spec §9.8)
+  if (q_out) {
+    FM_REQUIRE_SUPPORTED(a.fp8 == MoeFp8Scaling::kBlock && !mx, kOp, "out_scales",
+                         "an FP8 output needs fp8 = block with dense e4m3 weights (got fp8 = ", to_string(a.fp8),
+                         ", weights = ", to_string(a.weights), ")");
+    FM_REQUIRE(a.inter % 128 == 0, kOp, "inter",
+               "must be a multiple of 128 with an FP8 output (1 x 128 scale blocks; got ", a.inter, ")");
+    FM_REQUIRE(a.out_scale_format == ScaleFormat::kFloat32 || a.out_scale_format == ScaleFormat::kUE8M0, kOp,
+               "out_scale_format", "is not a valid ScaleFormat");
+  }
   if (a.num_tokens == 0 || !check_buffers) return Status::Ok();
   FM_REQUIRE(a.X != nullptr, kOp, "X", "must not be null");
   FM_REQUIRE(a.W1 != nullptr, kOp, "W1", "must not be null");
@@ -135,6 +145,8 @@ Status validate_fc1(const MoeFc1Args& a, bool check_buffers) {
   FM_REQUIRE(aligned(a.X, 16), kOp, "X", "must be 16-byte aligned (TMA)");
   FM_REQUIRE(aligned(a.W1, 16), kOp, "W1", "must be 16-byte aligned (TMA)");
   FM_REQUIRE(aligned(a.out, 16), kOp, "out", "must be 16-byte aligned (16-byte stores)");
+  if (q_out && a.out_scale_format == ScaleFormat::kFloat32)
+    FM_REQUIRE(aligned(a.out_scales, 4), kOp, "out_scales", "must be 4-byte aligned (float32 scales)");
   if (a.bias) FM_REQUIRE(aligned(a.bias, 16), kOp, "bias", "must be 16-byte aligned (16-byte loads)");
   FM_REQUIRE(aligned(a.expert_first_token_offset, 8), kOp, "expert_first_token_offset",
              "must be 8-byte aligned (int64)");
@@ -142,7 +154,9 @@ Status validate_fc1(const MoeFc1Args& a, bool check_buffers) {
              "must be 4-byte aligned (int32)");
   // `out` overlaps no input. X's extent: the rows the op may read (k*T rows
   // when permuted, else T), each x_stride apart, the last one H long.
-  const detail::Range outs[] = {{"out", a.out, slots * a.inter * 2}};
+  const int64_t scale_bytes = a.out_scale_format == ScaleFormat::kUE8M0 ? 1 : 4;
+  const detail::Range outs[] = {{"out", a.out, slots * a.inter * (q_out ? 1 : 2)},
+                                {"out_scales", a.out_scales, slots * (a.inter / 128) * scale_bytes}};
   const bool block = a.fp8 == MoeFp8Scaling::kBlock;
   const int64_t kbs = a.hidden / 128, w_row_blocks = (2 * a.inter + 127) / 128;
   const int64_t w_elems = E * 2 * a.inter * a.hidden;

@@ -156,6 +156,9 @@ Stages make_stages(const MoeForwardArgs& a, char* ws, const MoeForwardLayout& l)
   s.fc1.activation = a.activation;
   s.fc1.limit = a.activation_limit;
   s.fc1.alpha = a.activation_alpha;
+  // FC1's bf16 rows, quantised by quantize_fp8 with fp8. (FC1's own FP8
+  // output, spec §9.8, measured slower on H100 prefill and decode: FC1 4-25 %
+  // slower against a ~20 us quantisation pass; docs/moe_fc1.md.)
   s.fc1.out = at(l.fc1_out);
   s.fc1.enable_pdl = a.enable_pdl;
 

@@ -79,6 +79,7 @@
 #include "common/tma_host.h"
 #include "moe/fc1_activation.cuh"
 #include "moe/sm90_expert_tiles.cuh"
+#include "fp8/quantize_fp8_device.cuh"
 #include "moe/sm90_fc1_gemm.h"
 #include "moe/sm90_mx_decode.h"
 #include "moe/sm90_mx_mainloop.cuh"
@@ -187,8 +188,11 @@ struct Fc1KernelParams {
   const float* w_scales;   // FP8: [E, ceil(2I / 128), H / 128] (block) or [E]
   const uint8_t* w_mx_scales;  // MXFP4: ue8m0 [E, 2I, H / 32]
   __nv_bfloat16* out;
+  void* out_scales;  // FP8 output (spec §9.8): out holds e4m3 codes; null: bf16 rows
+  bool out_ue8m0;
   int T, H, I, E;
   int slices, k_blocks;
+  int pair;  // W1 slices a tile: 2 with the FP8 output (a 1 x 128 scale block spans two), else 1
   int w_row_blocks;  // ceil(2I / 128)
   int act;  // MoeActivation
   float limit, alpha;
@@ -245,53 +249,59 @@ __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUten
     const float* srow = nullptr;
     if (scale_thread && rs < t.rows)
       srow = p.x_scales + int64_t(x_row(p, t, rs)) * s_blocks;
-    for (int kb = 0; kb < p.k_blocks; ++kb) {
-      const float sv = srow != nullptr ? __ldg(srow + kb) : 0.f;
-      dev::mbar_wait(bar_at(empty0, s), ph ^ 1);
-      const uint32_t full = bar_at(full0, s);
-      const uint32_t st = stages + uint32_t(s) * Cfg::kStageBytes;
-      if (scale_thread) {
-        if (rs < t.n)
-          asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scales + uint32_t(s * Cfg::kMaxRows + rs) * 4), "f"(sv)
-                       : "memory");
-        dev::mbar_arrive(full);
-      }
-      if (p.x_permuted) {
-        if (l == 0) {
-          dev::mbar_arrive_expect_tx(full, Cfg::kWStage + uint32_t(t.n) * kTileBytes);
-          dev::tma_load_5d(st, map_w, full, kb * Cfg::kWCoordK, 0, 0, t.hs * (kTileOut / 8), t.e);
-          int r = 0;
-          for (; r + 64 <= t.n; r += 64)
-            dev::tma_load_2d(st + Cfg::kWStage + r * kTileBytes, map_x64, full, kb * Cfg::kTileK, t.p0 + r);
-          for (; r < t.n; r += 16)
-            dev::tma_load_2d(st + Cfg::kWStage + r * kTileBytes, map_x16, full, kb * Cfg::kTileK, t.p0 + r);
+    // With the FP8 output (block scales only) a tile is two slices, K blocks
+    // of the first then of the second (consume_tile_rows_m); else one.
+    const int pair = Cfg::kRowsM ? p.pair : 1;
+    for (int sub = 0; sub < pair; ++sub) {
+      const int hs = t.hs * pair + sub;
+      for (int kb = 0; kb < p.k_blocks; ++kb) {
+        const float sv = srow != nullptr ? __ldg(srow + kb) : 0.f;
+        dev::mbar_wait(bar_at(empty0, s), ph ^ 1);
+        const uint32_t full = bar_at(full0, s);
+        const uint32_t st = stages + uint32_t(s) * Cfg::kStageBytes;
+        if (scale_thread) {
+          if (rs < t.n)
+            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scales + uint32_t(s * Cfg::kMaxRows + rs) * 4), "f"(sv)
+                         : "memory");
+          dev::mbar_arrive(full);
         }
-        dev::mbar_arrive(full);  // every loader thread, as the gather's count expects
+        if (p.x_permuted) {
+          if (l == 0) {
+            dev::mbar_arrive_expect_tx(full, Cfg::kWStage + uint32_t(t.n) * kTileBytes);
+            dev::tma_load_5d(st, map_w, full, kb * Cfg::kWCoordK, 0, 0, hs * (kTileOut / 8), t.e);
+            int r = 0;
+            for (; r + 64 <= t.n; r += 64)
+              dev::tma_load_2d(st + Cfg::kWStage + r * kTileBytes, map_x64, full, kb * Cfg::kTileK, t.p0 + r);
+            for (; r < t.n; r += 16)
+              dev::tma_load_2d(st + Cfg::kWStage + r * kTileBytes, map_x16, full, kb * Cfg::kTileK, t.p0 + r);
+          }
+          dev::mbar_arrive(full);  // every loader thread, as the gather's count expects
+          if (++s == Cfg::kStages) {
+            s = 0;
+            ph ^= 1;
+          }
+          continue;
+        }
+        if (l == 0) {
+          dev::mbar_arrive_expect_tx(full, Cfg::kWStage);
+          dev::tma_load_5d(st, map_w, full, kb * Cfg::kWCoordK, 0, 0, hs * (kTileOut / 8), t.e);
+        }
+        const int kbyte = kb * kTileBytes + 16 * q;
+        const bool k_in = kbyte < p.h_bytes;
+  #pragma unroll
+        for (int i = 0; i < Cfg::kMaxRows / 16; ++i) {
+          const int r = r0 + 16 * i;
+          if (r < t.n) {
+            const bool live = src[i] >= 0 && k_in;
+            const uint8_t* g = live ? p.X + int64_t(src[i]) * p.x_row_bytes + kbyte : p.X;
+            dev::cp_async_16(st + Cfg::kWStage + uint32_t(r) * kTileBytes + swz, g, live ? 16 : 0);
+          }
+        }
+        dev::cp_async_mbar_arrive_noinc(full);
         if (++s == Cfg::kStages) {
           s = 0;
           ph ^= 1;
         }
-        continue;
-      }
-      if (l == 0) {
-        dev::mbar_arrive_expect_tx(full, Cfg::kWStage);
-        dev::tma_load_5d(st, map_w, full, kb * Cfg::kWCoordK, 0, 0, t.hs * (kTileOut / 8), t.e);
-      }
-      const int kbyte = kb * kTileBytes + 16 * q;
-      const bool k_in = kbyte < p.h_bytes;
-#pragma unroll
-      for (int i = 0; i < Cfg::kMaxRows / 16; ++i) {
-        const int r = r0 + 16 * i;
-        if (r < t.n) {
-          const bool live = src[i] >= 0 && k_in;
-          const uint8_t* g = live ? p.X + int64_t(src[i]) * p.x_row_bytes + kbyte : p.X;
-          dev::cp_async_16(st + Cfg::kWStage + uint32_t(r) * kTileBytes + swz, g, live ? 16 : 0);
-        }
-      }
-      dev::cp_async_mbar_arrive_noinc(full);
-      if (++s == Cfg::kStages) {
-        s = 0;
-        ph ^= 1;
       }
     }
   }
@@ -447,24 +457,18 @@ __device__ __forceinline__ void consume_tile(const Fc1KernelParams& p, const Til
   }
 }
 
-// Block-scaled FP8 with the token rows as wgmma's M (Cfg::kRowsM):
-// warpgroup wg takes the tile's rows 64 wg .. 64 wg + 63 (A: the stage's row
-// operand) against all 128 W1 rows (B, N = 128). A thread's accumulator rows
-// are two token rows, one X scale each, and its columns come in n8 blocks
-// that alternate gate / up (the 5-D box's order: block 2m holds the gate rows
-// of output columns 8m..8m+7, block 2m + 1 their up rows), so the promotion
-// is one FFMA an element with six scale products a K block, where the
-// transposed tile needs a product per element. The same thread holds the
-// gate and the up of its output columns: the activation needs no exchange.
+// Block-scaled FP8 with the token rows as wgmma's M (Cfg::kRowsM): below,
+// one slice's (64 output columns') mainloop over H: acc = the fp32 sums of
+// the thread's 2 rows x 32 W1 rows (16 gate / up column pairs), promoted per
+// K block. (The loop of consume_tile_rows_m below.)
 template <class Cfg>
-__device__ __forceinline__ void consume_tile_rows_m(const Fc1KernelParams& p, const TileInfo& t, uint32_t stages,
-                                                    uint32_t full0, uint32_t empty0, int wg, int& s, uint32_t& ph) {
+__device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const TileInfo& t, int hs,
+                                                uint32_t stages, uint32_t full0, uint32_t empty0, int wg, int& s,
+                                                uint32_t& ph, int r_lo, bool active, float (&acc)[kTileW / 2]) {
   constexpr int N = kTileW;
   const int lane = threadIdx.x & 31;
-  const int r_lo = 64 * wg + 16 * ((threadIdx.x >> 5) & 3) + (lane >> 2);  // tile rows r_lo and r_lo + 8
-  const bool active = 64 * wg < t.n;  // warpgroup 1 idles on chunks of at most 64 rows
-  const int i0 = t.hs * kTileOut;     // the tile's first output column
-  // W1 scales: the gate rows of a tile lie in one 128-row block, the up rows
+  const int i0 = hs * kTileOut;  // the slice's first output column
+  // W1 scales: the gate rows of a slice lie in one 128-row block, the up rows
   // in one or (I % 64 != 0, gate-then-up layout) two; bit m of up_hi: the up
   // rows of columns 8m.. are in the second.
   const int kbs = p.H / kScaleK;
@@ -489,7 +493,7 @@ __device__ __forceinline__ void consume_tile_rows_m(const Fc1KernelParams& p, co
     sx0 = p.x_scales + int64_t(x_row(p, t, ra)) * kbs;
     sx1 = p.x_scales + int64_t(x_row(p, t, rb)) * kbs;
   }
-  float acc[N / 2], part[N / 2];
+  float part[N / 2];
 #pragma unroll
   for (int k = 0; k < N / 2; ++k) acc[k] = part[k] = 0.f;
   float gs = __ldg(swg), us0 = __ldg(swu), us1 = __ldg(swu1);
@@ -539,19 +543,19 @@ __device__ __forceinline__ void consume_tile_rows_m(const Fc1KernelParams& p, co
       ph ^= 1;
     }
   }
-  if (!active) return;
-  // Epilogue: act(gate + b, up + b) of output columns i, i + 1 for rows r_lo
-  // and r_lo + 8, stored as bf16 pairs.
-  const int c2 = 2 * (lane & 3);
-  const bool row_a = r_lo < t.rows, row_b = r_lo + 8 < t.rows;
-  __nv_bfloat16* out_a = p.out + int64_t(t.p0 + r_lo) * p.I;
-  __nv_bfloat16* out_b = out_a + int64_t(8) * p.I;
+}
+
+// act(gate + b, up + b) of a slice's output columns i0 + 8m + c2, + 1 (m =
+// 0..7) for the thread's rows r_lo (v[2m], v[2m + 1]) and r_lo + 8 (v[16 +
+// 2m], ...), each rounded to bf16 (packed pairs: v2[m] row a, v2[8 + m] row b).
+__device__ __forceinline__ void rows_m_activations(const Fc1KernelParams& p, const TileInfo& t, int i0,
+                                                   const float (&acc)[kTileW / 2], __nv_bfloat162 (&v2)[16]) {
+  const int c2 = 2 * (threadIdx.x & 3);
 #pragma unroll
   for (int m = 0; m < 8; ++m) {
     const int i = i0 + 8 * m + c2;
-    if (i >= p.I) continue;  // I % 8 == 0: i and i + 1 are both in or both out
     float bg0 = 0.f, bg1 = 0.f, bu0 = 0.f, bu1 = 0.f;
-    if (p.bias != nullptr) {
+    if (p.bias != nullptr && i < p.I) {  // I % 8 == 0: i and i + 1 are both in or both out
       const __nv_bfloat16* b = p.bias + int64_t(t.e) * 2 * p.I;
       const GateUpRows r0 = gate_up_rows(p, i), r1 = gate_up_rows(p, i + 1);
       bg0 = __bfloat162float(b[r0.gate]);
@@ -559,14 +563,123 @@ __device__ __forceinline__ void consume_tile_rows_m(const Fc1KernelParams& p, co
       bg1 = __bfloat162float(b[r1.gate]);
       bu1 = __bfloat162float(b[r1.up]);
     }
-    if (row_a)
-      *reinterpret_cast<__nv_bfloat162*>(out_a + i) =
-          __floats2bfloat162_rn(activate(p, acc[8 * m + 0] + bg0, acc[8 * m + 4] + bu0),
-                                activate(p, acc[8 * m + 1] + bg1, acc[8 * m + 5] + bu1));
-    if (row_b)
-      *reinterpret_cast<__nv_bfloat162*>(out_b + i) =
-          __floats2bfloat162_rn(activate(p, acc[8 * m + 2] + bg0, acc[8 * m + 6] + bu0),
-                                activate(p, acc[8 * m + 3] + bg1, acc[8 * m + 7] + bu1));
+    v2[m] = __floats2bfloat162_rn(activate(p, acc[8 * m + 0] + bg0, acc[8 * m + 4] + bu0),
+                                  activate(p, acc[8 * m + 1] + bg1, acc[8 * m + 5] + bu1));
+    v2[8 + m] = __floats2bfloat162_rn(activate(p, acc[8 * m + 2] + bg0, acc[8 * m + 6] + bu0),
+                                      activate(p, acc[8 * m + 3] + bg1, acc[8 * m + 7] + bu1));
+  }
+}
+
+// The FP8 output of one row's 128-column block (spec §9.8): the bf16 values
+// this thread holds (slice 0's lo[0..7], slice 1's hi[0..7], column pairs
+// i0 + 8m + c2 of each slice) with the other three lanes of its quad holding
+// the rest; quantised as quantize_fp8 does (fp8_dev): amax on the bf16 bits
+// (quad max), the scale, e4m3 pairs stored as 2-byte words; lane c2 = 0
+// stores the scale. Every lane of the warp calls it (the quad shuffles);
+// only `live` rows store.
+template <ScaleFormat F>
+__device__ __forceinline__ void rows_m_store_fp8_row(const Fc1KernelParams& p, int64_t row, int blk, bool live,
+                                                     const __nv_bfloat162 (&lo)[8], const __nv_bfloat162 (&hi)[8]) {
+  using namespace fp8_dev;
+  const int c2 = 2 * (threadIdx.x & 3);
+  uint32_t amax = 0;
+#pragma unroll
+  for (int m = 0; m < 8; ++m) {
+    const uint32_t a = __vmaxu2(*reinterpret_cast<const uint32_t*>(&lo[m]) & kAbsMask,
+                                *reinterpret_cast<const uint32_t*>(&hi[m]) & kAbsMask);
+    amax = max(amax, max(a & 0xffffu, a >> 16));
+  }
+  amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  if (!live) return;
+  const bool nan_block = amax > kBf16Inf;
+  const Scale sc = block_scale_or_nan<F>(amax);
+  uint8_t* q = reinterpret_cast<uint8_t*>(p.out) + row * p.I + int64_t(blk) * 128 + c2;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const __nv_bfloat162(&v)[8] = half ? hi : lo;
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {  // four column pairs (eight values) at a time
+      float f[8];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 x = __bfloat1622float2(v[4 * g + j]);
+        f[2 * j] = x.x;
+        f[2 * j + 1] = x.y;
+      }
+      uint32_t b0, b1;
+      quantize8_f32<F>(f, sc.s, nan_block, b0, b1);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t w = (j < 2 ? b0 : b1) >> (16 * (j & 1));
+        *reinterpret_cast<uint16_t*>(q + 64 * half + 8 * (4 * g + j)) = uint16_t(w);
+      }
+    }
+  }
+  if (c2 == 0) {
+    const int64_t at = row * (p.I / 128) + blk;
+    if constexpr (F == ScaleFormat::kUE8M0)
+      static_cast<uint8_t*>(p.out_scales)[at] = uint8_t(sc.stored);
+    else
+      static_cast<uint32_t*>(p.out_scales)[at] = sc.stored;
+  }
+}
+
+// Block scales with the token rows as wgmma's M: the stage's row operand
+// (A, 64 rows a consumer warpgroup: tile rows 64 wg ..) against the tile's
+// 128 W1 rows (B, N = 128). A thread's accumulator rows are two tokens (one
+// X scale each) and its columns come in n8 blocks alternating gate / up (the
+// 5-D box's order: block 2m holds the gate rows of output columns 8m..8m+7,
+// block 2m + 1 their up rows), so the promotion is one FFMA an element with
+// six scale products a K block, where the transposed tile needs a product
+// per element. The same thread holds the gate and the up of its output
+// columns: the activation needs no exchange. bf16 out: stored as pairs per
+// slice. FP8 out (p.pair == 2): the tile's two slices run one after the
+// other, the first slice's bf16 activations kept in registers, then each
+// row's 128-column block is quantised (rows_m_store_fp8_row).
+template <class Cfg>
+__device__ __forceinline__ void consume_tile_rows_m(const Fc1KernelParams& p, const TileInfo& t, uint32_t stages,
+                                                    uint32_t full0, uint32_t empty0, int wg, int& s, uint32_t& ph) {
+  const int lane = threadIdx.x & 31;
+  const int r_lo = 64 * wg + 16 * ((threadIdx.x >> 5) & 3) + (lane >> 2);  // tile rows r_lo and r_lo + 8
+  const bool active = 64 * wg < t.n;  // warpgroup 1 idles on chunks of at most 64 rows
+  const bool row_a = r_lo < t.rows, row_b = r_lo + 8 < t.rows;
+  float acc[kTileW / 2];
+  if (p.pair == 1) {
+    rows_m_mainloop<Cfg>(p, t, t.hs, stages, full0, empty0, wg, s, ph, r_lo, active, acc);
+    if (!active) return;
+    const int i0 = t.hs * kTileOut, c2 = 2 * (lane & 3);
+    __nv_bfloat162 v2[16];
+    rows_m_activations(p, t, i0, acc, v2);
+    __nv_bfloat16* out_a = p.out + int64_t(t.p0 + r_lo) * p.I;
+    __nv_bfloat16* out_b = out_a + int64_t(8) * p.I;
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+      const int i = i0 + 8 * m + c2;
+      if (i >= p.I) continue;  // I % 8 == 0: i and i + 1 are both in or both out
+      if (row_a) *reinterpret_cast<__nv_bfloat162*>(out_a + i) = v2[m];
+      if (row_b) *reinterpret_cast<__nv_bfloat162*>(out_b + i) = v2[8 + m];
+    }
+    return;
+  }
+  __nv_bfloat162 first[16], second[16];
+  rows_m_mainloop<Cfg>(p, t, 2 * t.hs, stages, full0, empty0, wg, s, ph, r_lo, active, acc);
+  if (active) rows_m_activations(p, t, 2 * t.hs * kTileOut, acc, first);
+  rows_m_mainloop<Cfg>(p, t, 2 * t.hs + 1, stages, full0, empty0, wg, s, ph, r_lo, active, acc);
+  if (!active) return;
+  rows_m_activations(p, t, (2 * t.hs + 1) * kTileOut, acc, second);
+  const __nv_bfloat162(&a0)[8] = *reinterpret_cast<const __nv_bfloat162(*)[8]>(&first[0]);
+  const __nv_bfloat162(&a1)[8] = *reinterpret_cast<const __nv_bfloat162(*)[8]>(&second[0]);
+  const __nv_bfloat162(&b0)[8] = *reinterpret_cast<const __nv_bfloat162(*)[8]>(&first[8]);
+  const __nv_bfloat162(&b1)[8] = *reinterpret_cast<const __nv_bfloat162(*)[8]>(&second[8]);
+  // Every lane shuffles (rows past the chunk included); only live rows store.
+  const int64_t ra = int64_t(t.p0 + r_lo), rb = ra + 8;
+  if (p.out_ue8m0) {
+    rows_m_store_fp8_row<ScaleFormat::kUE8M0>(p, ra, t.hs, row_a, a0, a1);
+    rows_m_store_fp8_row<ScaleFormat::kUE8M0>(p, rb, t.hs, row_b, b0, b1);
+  } else {
+    rows_m_store_fp8_row<ScaleFormat::kFloat32>(p, ra, t.hs, row_a, a0, a1);
+    rows_m_store_fp8_row<ScaleFormat::kFloat32>(p, rb, t.hs, row_b, b0, b1);
   }
 }
 
@@ -736,11 +849,16 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   k.w_scales = p.w1_scales;
   k.w_mx_scales = p.w1_mx_scales;
   k.out = static_cast<__nv_bfloat16*>(p.out);
+  k.out_scales = p.out_scales;
+  k.out_ue8m0 = p.out_ue8m0;
   k.T = p.T;
   k.H = p.H;
   k.I = p.I;
   k.E = p.E;
-  k.slices = (p.I + kTileOut - 1) / kTileOut;
+  // The FP8 output (block scales only; I % 128 == 0): a tile runs both
+  // 64-column slices of a 128-column scale block, one after the other.
+  k.pair = p.out_scales != nullptr ? 2 : 1;
+  k.slices = (p.I + kTileOut - 1) / kTileOut / k.pair;
   k.k_blocks = (k.h_bytes + kTileBytes - 1) / kTileBytes;
   k.w_row_blocks = (2 * p.I + kScaleK - 1) / kScaleK;
   k.act = int(p.activation);

@@ -26,7 +26,9 @@ struct Sm90Fc1Params {
   int T, k, H, I, E;
   MoeActivation activation;
   float limit, alpha;  // resolved (the defaults filled in)
-  void* out;
+  void* out;          // bf16 rows, or e4m3 codes with out_scales
+  void* out_scales;   // FP8 output (spec §9.8): [k*T, I / 128] float or ue8m0; null: bf16 out
+  bool out_ue8m0;
   int sm_count;
   bool pdl;
 };

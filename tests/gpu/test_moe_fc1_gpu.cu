@@ -26,6 +26,7 @@
 #include "common/host_dtype.h"
 #include "common/mxfp4_testing.h"
 #include "common/test_data.h"
+#include "flashmix/fp8.h"
 #include "flashmix/moe.h"
 
 using namespace flashmix;
@@ -508,6 +509,128 @@ TEST(MoeFc1Gpu, Fp8ActivationsStridesAndOddShapes) {
     c.routing = Case::kFirstHalfOnly;
     check_case(c);
   }
+}
+
+// The FP8 output (spec §9.8): e4m3 codes and 1 x 128 scales bitwise equal to
+// the same GPU's bf16 output (checked against the CPU reference first) run
+// through quantize_fp8 (first P rows); rows past P and the scales' rows past
+// P untouched (poison). Both scale formats, gathered and permuted X, both
+// layouts, bias, chunks short of 64 and of 128 rows, three scale blocks of I,
+// an EP rank with empty experts, one token; and the CPU reference's FP8
+// output is quantize_fp8_cpu of its bf16 rows.
+TEST(MoeFc1Gpu, Fp8OutputIsQuantizeFp8OfTheBf16Rows) {
+  SKIP_WITHOUT_HOPPER();
+  std::vector<Case> cases;
+  {
+    Case c;
+    c.fp8 = MoeFp8Scaling::kBlock;
+    c.H = 256;
+    c.I = 384;  // three 128-column scale blocks
+    cases.push_back(c);
+    c.x_permuted = true;
+    c.bias = false;
+    c.layout = Fc1WeightLayout::kInterleaved;
+    cases.push_back(c);
+    Case d;
+    d.fp8 = MoeFp8Scaling::kBlock;
+    d.H = 128;
+    d.I = 128;
+    d.T = 700;  // ~350 rows an expert: chunks of 128 and a tail
+    d.k = 2;
+    d.total = d.local = 2;
+    cases.push_back(d);
+    Case e;
+    e.fp8 = MoeFp8Scaling::kBlock;
+    e.H = 256;
+    e.I = 256;
+    e.total = 48;  // an EP rank with empty experts
+    e.start = 16;
+    e.local = 16;
+    e.routing = Case::kFirstHalfOnly;
+    e.act = MoeActivation::kSwiGLUClamped;
+    e.outliers = false;  // as Fp8ActivationsStridesAndOddShapes: clamps with outliers outrun the tolerance
+    e.w_scale = 0.5f;    // |g|, |u| up to ~10: the clamps fire
+    cases.push_back(e);
+    Case g;
+    g.fp8 = MoeFp8Scaling::kBlock;
+    g.H = 128;
+    g.I = 256;
+    g.T = 1;
+    g.k = 8;
+    g.total = g.local = 8;
+    cases.push_back(g);
+  }
+  for (const Case& c : cases)
+    for (ScaleFormat f : {ScaleFormat::kFloat32, ScaleFormat::kUE8M0}) {
+      SCOPED_TRACE(std::string(to_string(f)) + " I=" + std::to_string(c.I) + " T=" + std::to_string(c.T) +
+                   (c.x_permuted ? " permuted" : " gather"));
+      Problem p(c);
+      ASSERT_TRUE(p.run().ok());
+      CUDA_OK(cudaDeviceSynchronize());
+      const HostTensor bf16_rows = p.result();
+      p.check(bf16_rows);
+      const int64_t P = p.routing.P(), cap = p.cap(), blocks = c.I / 128;
+      const size_t sb = f == ScaleFormat::kUE8M0 ? 1 : 4;
+      // Unfused: quantize_fp8 of the GPU's bf16 rows [0, P).
+      DeviceBuffer want_q(size_t(cap * c.I)), want_s(size_t(cap * blocks) * sb);
+      std::vector<uint8_t> poison_q(want_q.bytes(), 0xA5), poison_s(want_s.bytes(), 0xA5);
+      want_q.upload(poison_q.data(), poison_q.size());
+      want_s.upload(poison_s.data(), poison_s.size());
+      if (P > 0) {
+        QuantizeFp8Args q;
+        q.x = p.dout.get();
+        q.q = want_q.get();
+        q.scales = want_s.get();
+        q.rows = P;
+        q.cols = c.I;
+        q.scale_format = f;
+        ASSERT_TRUE(quantize_fp8(q, nullptr).ok());
+      }
+      // Fused: the FP8 output.
+      DeviceBuffer got_q(want_q.bytes()), got_s(want_s.bytes());
+      got_q.upload(poison_q.data(), poison_q.size());
+      got_s.upload(poison_s.data(), poison_s.size());
+      MoeFc1Args a = p.args;
+      a.out = got_q.get();
+      a.out_scales = got_s.get();
+      a.out_scale_format = f;
+      Status st = moe_fc1(a, nullptr);
+      ASSERT_TRUE(st.ok()) << st.message();
+      CUDA_OK(cudaDeviceSynchronize());
+      const std::vector<uint8_t> gq = got_q.to_host<uint8_t>(), wq = want_q.to_host<uint8_t>();
+      const std::vector<uint8_t> gs = got_s.to_host<uint8_t>(), ws = want_s.to_host<uint8_t>();
+      size_t bad_q = 0, bad_s = 0;
+      for (size_t i = 0; i < gq.size(); ++i) bad_q += gq[i] != wq[i];
+      for (size_t i = 0; i < gs.size(); ++i) bad_s += gs[i] != ws[i];
+      EXPECT_EQ(bad_q, 0u) << "e4m3 bytes differ from quantize_fp8 of the bf16 rows (P=" << P << ")";
+      EXPECT_EQ(bad_s, 0u) << "scales differ";
+      // The CPU reference's FP8 output: quantize_fp8_cpu of its own bf16 rows.
+      MoeFc1Args h = p.args;  // host pointers (Problem keeps them for the reference)
+      h.X = c.fp8 != MoeFp8Scaling::kNone ? static_cast<const void*>(p.xq.data()) : p.X.data();
+      h.W1 = p.wq.data();
+      h.x_scales = p.xs.data();
+      h.w1_scales = p.ws.data();
+      h.bias = c.bias ? p.bias.data() : nullptr;
+      h.expert_first_token_offset = p.routing.offsets.data();
+      h.permuted_row_to_unpermuted_row = p.routing.p2u.data();
+      std::vector<uint8_t> cq(size_t(cap * c.I), 0xA5), cs(size_t(cap * blocks) * sb, 0xA5);
+      h.out = cq.data();
+      h.out_scales = cs.data();
+      h.out_scale_format = f;
+      ASSERT_TRUE(moe_fc1_cpu(h).ok());
+      std::vector<uint8_t> rq(size_t(cap * c.I), 0xA5), rs(size_t(cap * blocks) * sb, 0xA5);
+      if (P > 0) {
+        QuantizeFp8Args q;
+        q.x = p.ref.data();
+        q.q = rq.data();
+        q.scales = rs.data();
+        q.rows = P;
+        q.cols = c.I;
+        q.scale_format = f;
+        ASSERT_TRUE(quantize_fp8_cpu(q).ok());
+      }
+      EXPECT_TRUE(cq == rq && cs == rs) << "moe_fc1_cpu's FP8 output is not quantize_fp8_cpu of its bf16 rows";
+    }
 }
 
 // MXFP4 W1 (spec §13.7): W4A8 (e4m3 X, 1 x 128 scales) and W4A16 (bf16 X),

@@ -1440,7 +1440,8 @@ def test_cuda_arrays_take_the_gpu_path_for_the_router_fc1_and_the_layer():
         (2, 8, 8), "bfloat16")
     off, p2u, act = FakeCudaArray((3,), "int64"), FakeCudaArray((0,), "int32"), FakeCudaArray((0, 8), "bfloat16")
     gpu_call("moe_fc1", lambda: _C.moe_fc1(x, w1, off, p2u, act, k=4, num_tokens=-1, bias=None, x_scales=None,
-                                           w1_scales=None, w1_mx_scales=None, stream=0, **d["moe_fc1"]))
+                                           w1_scales=None, w1_mx_scales=None, out_scales=None,
+                                           out_scale_format="float32", stream=0, **d["moe_fc1"]))
     out = FakeCudaArray((0, 8), "bfloat16")
     none = dict.fromkeys(("router_logits", "correction_bias", "token_final_scales", "selected_experts_out",
                           "final_scales_out", "b1", "b2", "shared_output", "workspace", "w1_scales", "w2_scales",
@@ -2078,6 +2079,12 @@ def test_moe_forward_fp8_weights_follow_the_staged_fp8_ops():
     a = flashmix.moe_fc1(xq, w1q, off, p2u, k=k, fp8="block", x_scales=xs, w1_scales=w1s)
     aq, as_ = np.zeros((k * T, I), np.uint8), np.zeros((k * T, I // 128), np.float32)
     aq[:P], as_[:P] = flashmix.quantize_fp8(a[:P])
+    # FC1's FP8 output (spec §9.8): those codes and scales, from FC1 itself.
+    fq, fs = flashmix.moe_fc1(xq, w1q, off, p2u, k=k, fp8="block", x_scales=xs, w1_scales=w1s,
+                              out_scale_format="float32")
+    assert fq.dtype == np.uint8 and fq.shape == (k * T, I) and fs.shape == (k * T, I // 128)
+    np.testing.assert_array_equal(fq[:P], aq[:P])
+    np.testing.assert_array_equal(fs[:P].view(np.uint32), as_[:P].view(np.uint32))
     want = flashmix.moe_fc2_finalize(aq, w2q, off, p2u, k=k, scales=scales, fp8="block", a_scales=as_,
                                      w2_scales=w2s)
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
