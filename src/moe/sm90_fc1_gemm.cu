@@ -124,7 +124,7 @@ enum class Fc1In { kBf16, kFp8Block, kFp8Tensor, kMxfp4Fp8, kMxfp4Bf16 };
 // one of its two converted tiles (64 rows x 128 bytes, 128-byte swizzle: the
 // layout the wgmma reads), so the conversion overlaps the previous stage's
 // MMAs.
-template <int kMaxRows_, Fc1In kIn_ = Fc1In::kBf16>
+template <int kMaxRows_, Fc1In kIn_ = Fc1In::kBf16, bool kFp8Out_ = false>
 struct Fc1Cfg {
   static constexpr int kMaxRows = kMaxRows_;
   static constexpr Fc1In kIn = kIn_;
@@ -132,6 +132,11 @@ struct Fc1Cfg {
   // scales from global memory (consume_tile_rows_m); every other input the
   // transposed tile.
   static constexpr bool kRowsM = kIn == Fc1In::kFp8Block;
+  // The FP8 output (spec §9.8; block scales only): a tile is two W1 slices,
+  // one 1 x 128 scale block of output columns. Its own instantiation, so the
+  // bf16-output kernels compile as they did without it.
+  static constexpr int kPair = kFp8Out_ ? 2 : 1;
+  static_assert(!kFp8Out_ || kRowsM, "the FP8 output needs block scales (token rows as M)");
   static constexpr bool kMx = kIn == Fc1In::kMxfp4Fp8 || kIn == Fc1In::kMxfp4Bf16;
   static constexpr bool kFp8 = kIn == Fc1In::kFp8Block || kIn == Fc1In::kFp8Tensor || kIn == Fc1In::kMxfp4Fp8;
   // X scales per row and K block, promoted every stage.
@@ -192,7 +197,6 @@ struct Fc1KernelParams {
   bool out_ue8m0;
   int T, H, I, E;
   int slices, k_blocks;
-  int pair;  // W1 slices a tile: 2 with the FP8 output (a 1 x 128 scale block spans two), else 1
   int w_row_blocks;  // ceil(2I / 128)
   int act;  // MoeActivation
   float limit, alpha;
@@ -251,7 +255,7 @@ __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUten
       srow = p.x_scales + int64_t(x_row(p, t, rs)) * s_blocks;
     // With the FP8 output (block scales only) a tile is two slices, K blocks
     // of the first then of the second (consume_tile_rows_m); else one.
-    const int pair = Cfg::kRowsM ? p.pair : 1;
+    constexpr int pair = Cfg::kPair;
     for (int sub = 0; sub < pair; ++sub) {
       const int hs = t.hs * pair + sub;
       for (int kb = 0; kb < p.k_blocks; ++kb) {
@@ -634,7 +638,7 @@ __device__ __forceinline__ void rows_m_store_fp8_row(const Fc1KernelParams& p, i
 // six scale products a K block, where the transposed tile needs a product
 // per element. The same thread holds the gate and the up of its output
 // columns: the activation needs no exchange. bf16 out: stored as pairs per
-// slice. FP8 out (p.pair == 2): the tile's two slices run one after the
+// slice. FP8 out (Cfg::kPair == 2): the tile's two slices run one after the
 // other, the first slice's bf16 activations kept in registers, then each
 // row's 128-column block is quantised (rows_m_store_fp8_row).
 template <class Cfg>
@@ -645,7 +649,7 @@ __device__ __forceinline__ void consume_tile_rows_m(const Fc1KernelParams& p, co
   const bool active = 64 * wg < t.n;  // warpgroup 1 idles on chunks of at most 64 rows
   const bool row_a = r_lo < t.rows, row_b = r_lo + 8 < t.rows;
   float acc[kTileW / 2];
-  if (p.pair == 1) {
+  if constexpr (Cfg::kPair == 1) {
     rows_m_mainloop<Cfg>(p, t, t.hs, stages, full0, empty0, wg, s, ph, r_lo, active, acc);
     if (!active) return;
     const int i0 = t.hs * kTileOut, c2 = 2 * (lane & 3);
@@ -660,26 +664,26 @@ __device__ __forceinline__ void consume_tile_rows_m(const Fc1KernelParams& p, co
       if (row_a) *reinterpret_cast<__nv_bfloat162*>(out_a + i) = v2[m];
       if (row_b) *reinterpret_cast<__nv_bfloat162*>(out_b + i) = v2[8 + m];
     }
-    return;
-  }
-  __nv_bfloat162 first[16], second[16];
-  rows_m_mainloop<Cfg>(p, t, 2 * t.hs, stages, full0, empty0, wg, s, ph, r_lo, active, acc);
-  if (active) rows_m_activations(p, t, 2 * t.hs * kTileOut, acc, first);
-  rows_m_mainloop<Cfg>(p, t, 2 * t.hs + 1, stages, full0, empty0, wg, s, ph, r_lo, active, acc);
-  if (!active) return;
-  rows_m_activations(p, t, (2 * t.hs + 1) * kTileOut, acc, second);
-  const __nv_bfloat162(&a0)[8] = *reinterpret_cast<const __nv_bfloat162(*)[8]>(&first[0]);
-  const __nv_bfloat162(&a1)[8] = *reinterpret_cast<const __nv_bfloat162(*)[8]>(&second[0]);
-  const __nv_bfloat162(&b0)[8] = *reinterpret_cast<const __nv_bfloat162(*)[8]>(&first[8]);
-  const __nv_bfloat162(&b1)[8] = *reinterpret_cast<const __nv_bfloat162(*)[8]>(&second[8]);
-  // Every lane shuffles (rows past the chunk included); only live rows store.
-  const int64_t ra = int64_t(t.p0 + r_lo), rb = ra + 8;
-  if (p.out_ue8m0) {
-    rows_m_store_fp8_row<ScaleFormat::kUE8M0>(p, ra, t.hs, row_a, a0, a1);
-    rows_m_store_fp8_row<ScaleFormat::kUE8M0>(p, rb, t.hs, row_b, b0, b1);
   } else {
-    rows_m_store_fp8_row<ScaleFormat::kFloat32>(p, ra, t.hs, row_a, a0, a1);
-    rows_m_store_fp8_row<ScaleFormat::kFloat32>(p, rb, t.hs, row_b, b0, b1);
+    __nv_bfloat162 first[16], second[16];
+    rows_m_mainloop<Cfg>(p, t, 2 * t.hs, stages, full0, empty0, wg, s, ph, r_lo, active, acc);
+    if (active) rows_m_activations(p, t, 2 * t.hs * kTileOut, acc, first);
+    rows_m_mainloop<Cfg>(p, t, 2 * t.hs + 1, stages, full0, empty0, wg, s, ph, r_lo, active, acc);
+    if (!active) return;
+    rows_m_activations(p, t, (2 * t.hs + 1) * kTileOut, acc, second);
+    const __nv_bfloat162(&a0)[8] = *reinterpret_cast<const __nv_bfloat162(*)[8]>(&first[0]);
+    const __nv_bfloat162(&a1)[8] = *reinterpret_cast<const __nv_bfloat162(*)[8]>(&second[0]);
+    const __nv_bfloat162(&b0)[8] = *reinterpret_cast<const __nv_bfloat162(*)[8]>(&first[8]);
+    const __nv_bfloat162(&b1)[8] = *reinterpret_cast<const __nv_bfloat162(*)[8]>(&second[8]);
+    // Every lane shuffles (rows past the chunk included); only live rows store.
+    const int64_t ra = int64_t(t.p0 + r_lo), rb = ra + 8;
+    if (p.out_ue8m0) {
+      rows_m_store_fp8_row<ScaleFormat::kUE8M0>(p, ra, t.hs, row_a, a0, a1);
+      rows_m_store_fp8_row<ScaleFormat::kUE8M0>(p, rb, t.hs, row_b, b0, b1);
+    } else {
+      rows_m_store_fp8_row<ScaleFormat::kFloat32>(p, ra, t.hs, row_a, a0, a1);
+      rows_m_store_fp8_row<ScaleFormat::kFloat32>(p, rb, t.hs, row_b, b0, b1);
+    }
   }
 }
 
@@ -857,8 +861,7 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   k.E = p.E;
   // The FP8 output (block scales only; I % 128 == 0): a tile runs both
   // 64-column slices of a 128-column scale block, one after the other.
-  k.pair = p.out_scales != nullptr ? 2 : 1;
-  k.slices = (p.I + kTileOut - 1) / kTileOut / k.pair;
+  k.slices = (p.I + kTileOut - 1) / kTileOut / (p.out_scales != nullptr ? 2 : 1);
   k.k_blocks = (k.h_bytes + kTileBytes - 1) / kTileBytes;
   k.w_row_blocks = (2 * p.I + kScaleK - 1) / kScaleK;
   k.act = int(p.activation);
@@ -902,7 +905,8 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   }
   switch (p.fp8) {
     case MoeFp8Scaling::kBlock:
-      return launch<Fc1Cfg<128, Fc1In::kFp8Block>>(p, k, w, x64, x16, stream);
+      return p.out_scales != nullptr ? launch<Fc1Cfg<128, Fc1In::kFp8Block, true>>(p, k, w, x64, x16, stream)
+                                     : launch<Fc1Cfg<128, Fc1In::kFp8Block>>(p, k, w, x64, x16, stream);
     case MoeFp8Scaling::kTensor:
       return rows128 ? launch<Fc1Cfg<128, Fc1In::kFp8Tensor>>(p, k, w, x64, x16, stream)
                      : launch<Fc1Cfg<256, Fc1In::kFp8Tensor>>(p, k, w, x64, x16, stream);
