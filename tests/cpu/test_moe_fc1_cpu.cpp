@@ -1,7 +1,9 @@
 // The CPU reference of moe_fc1 (spec §9) on hand-computed cases, and the
 // shared validation (spec §9.6): each rule broken names its argument.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -769,4 +771,80 @@ TEST(MoeFc1Validation, Fp8Rules) {
   a.x_scales = c.xs.data() + 0;
   a.out = const_cast<float*>(c.ws.data());  // out overlaps w1_scales
   expect_invalid(a, "out", Rule::kBuffer);
+}
+
+// The FP8 output (spec §9.8): block scales with dense weights only
+// (kNotSupported naming out_scales), I % 128 == 0 (naming inter), a valid
+// scale format, float32 scales 4-byte aligned, no overlap with out; and the
+// reference's codes and scales are quantize_fp8_cpu of its bf16 rows.
+TEST(MoeFc1Validation, Fp8OutputRules) {
+  Fp8Case small(MoeFp8Scaling::kBlock);
+  std::vector<float> sc8(8, -1.f);
+  MoeFc1Args s = small.a;
+  s.out_scales = sc8.data();
+  expect_invalid(s, "inter", Rule::kSize);  // I = 8
+  // I = 128 with buffers to match: 2 tokens, H = 256, one expert.
+  constexpr int64_t H = 256, I = 128;
+  std::vector<uint8_t> X(2 * H, 0x38), W1(2 * I * H, 0x30);  // e4m3 1 and 0.5
+  std::vector<float> xs(4, 0.5f), ws(2 * 2, 0.25f);
+  std::vector<int64_t> offsets{0, 2};
+  std::vector<int32_t> p2u{0, 1};
+  alignas(16) static uint8_t out[2 * I];
+  alignas(16) static float sc[2 * (I / 128) + 1];
+  std::fill(std::begin(out), std::end(out), uint8_t(0xA5));
+  MoeFc1Args a;
+  a.X = X.data();
+  a.W1 = W1.data();
+  a.fp8 = MoeFp8Scaling::kBlock;
+  a.x_scales = xs.data();
+  a.w1_scales = ws.data();
+  a.expert_first_token_offset = offsets.data();
+  a.permuted_row_to_unpermuted_row = p2u.data();
+  a.num_tokens = 2;
+  a.k = 1;
+  a.hidden = H;
+  a.inter = I;
+  a.num_experts_per_node = 1;
+  a.out = out;
+  a.out_scales = sc;
+  EXPECT_TRUE(validate_moe_fc1(a).ok()) << validate_moe_fc1(a).message();
+  MoeFc1Args b = a;
+  b.out_scale_format = static_cast<ScaleFormat>(7);
+  expect_invalid(b, "out_scale_format", Rule::kSize);
+  b = a;
+  b.out_scales = reinterpret_cast<char*>(sc) + 2;
+  expect_invalid(b, "out_scales", Rule::kBuffer);
+  b.out_scale_format = ScaleFormat::kUE8M0;  // one byte a scale: any address
+  EXPECT_TRUE(validate_moe_fc1(b).ok()) << validate_moe_fc1(b).message();
+  b = a;
+  b.out_scales = out + 64;  // inside out
+  const Status ov = validate_moe_fc1(b);
+  EXPECT_EQ(ov.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(ov.message().find("out_scales"), std::string::npos) << ov.message();
+  EXPECT_NE(ov.message().find("must not overlap"), std::string::npos) << ov.message();
+  b = a;
+  b.fp8 = MoeFp8Scaling::kTensor;
+  const Status ns = validate_moe_fc1(b);
+  EXPECT_EQ(ns.code(), StatusCode::kNotSupported);
+  EXPECT_NE(ns.message().find("moe_fc1: out_scales:"), std::string::npos) << ns.message();
+  EXPECT_EQ(out[0], 0xA5);  // nothing written by any of these
+  // The reference: every code and scale equal to quantize_fp8_cpu of its bf16 rows.
+  ASSERT_TRUE(moe_fc1_cpu(a).ok());
+  std::vector<uint16_t> rows(2 * I);
+  MoeFc1Args r = a;
+  r.out = rows.data();
+  r.out_scales = nullptr;
+  ASSERT_TRUE(moe_fc1_cpu(r).ok());
+  std::vector<uint8_t> q(2 * I);
+  std::vector<float> qs(2);
+  QuantizeFp8Args qa;
+  qa.x = rows.data();
+  qa.q = q.data();
+  qa.scales = qs.data();
+  qa.rows = 2;
+  qa.cols = I;
+  ASSERT_TRUE(quantize_fp8_cpu(qa).ok());
+  EXPECT_EQ(std::vector<uint8_t>(out, out + 2 * I), q);
+  EXPECT_EQ(sc[0], qs[0]);
+  EXPECT_EQ(sc[1], qs[1]);
 }
