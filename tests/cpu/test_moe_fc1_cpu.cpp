@@ -678,14 +678,15 @@ TEST(MoeFc1Validation, GpuEntryPointReportsInsteadOfAborting) {
 // subnormal), 0x80 = -0.
 namespace {
 struct Fp8Case {
-  static constexpr int64_t H = 256, I = 8;  // two K blocks; 2I = 16 rows: one W1 row block
+  static constexpr int64_t H = 256;  // two K blocks
+  const int64_t I;                    // 8 by default: 2I = 16 rows, one W1 row block
   std::vector<uint8_t> X = std::vector<uint8_t>(2 * H, 0), W1 = std::vector<uint8_t>(2 * I * H, 0);
   std::vector<float> xs, ws;
   std::vector<int64_t> offsets{0, 2};
   std::vector<int32_t> p2u{0, 1};
   std::vector<uint16_t> out = std::vector<uint16_t>(2 * I, kPoison);
   MoeFc1Args a;
-  explicit Fp8Case(MoeFp8Scaling f) {
+  explicit Fp8Case(MoeFp8Scaling f, int64_t inter = 8) : I(inter) {
     X[0] = 0x38;            // token 0: 1 at h = 0 (block 0) ...
     X[130] = 0x40;          // ... 2 at h = 130 (block 1)
     X[H + 0] = 0x38;        // token 1: the same codes
@@ -699,7 +700,7 @@ struct Fp8Case {
     }
     if (f == MoeFp8Scaling::kBlock) {
       xs = {0.5f, 3.f, 2.f, 0.25f};  // [2 tokens, 2 blocks]
-      ws = {0.125f, 2.f};            // [1 row block, 2 blocks]
+      for (int64_t rb = 0; rb < (2 * I + 127) / 128; ++rb) ws.insert(ws.end(), {0.125f, 2.f});  // [row blocks, 2]
     } else {
       xs = {0.5f};
       ws = {2.f};
@@ -728,15 +729,15 @@ TEST(MoeFc1Cpu, Fp8BlockScalesDequantisePerBlock) {
   // token 1: g = (1 * 2)(1 * 0.125) + (2 * 0.25)(1.5 * 2) = 1.75,   u = (1 * 2)(448 * 0.125) = 112
   const double want[2] = {silu(18.0625) * 28.0, silu(1.75) * 112.0};
   for (int t = 0; t < 2; ++t)
-    for (int64_t i = 0; i < Fp8Case::I; ++i)
-      expect_bf16(fl(c.out[t * Fp8Case::I + i]), want[t], "token " + std::to_string(t));
+    for (int64_t i = 0; i < c.I; ++i)
+      expect_bf16(fl(c.out[t * c.I + i]), want[t], "token " + std::to_string(t));
 }
 
 TEST(MoeFc1Cpu, Fp8TensorScalesApplyOnce) {
   Fp8Case c(MoeFp8Scaling::kTensor);
   ASSERT_TRUE(moe_fc1_cpu(c.a).ok());
   // g = (1 * 1 + 2 * 1.5) * 0.5 * 2 = 4, u = 448 * 0.5 * 2 = 448 (both tokens)
-  for (int64_t n = 0; n < 2 * Fp8Case::I; ++n) expect_bf16(fl(c.out[n]), silu(4.0) * 448.0, "tensor");
+  for (int64_t n = 0; n < 2 * c.I; ++n) expect_bf16(fl(c.out[n]), silu(4.0) * 448.0, "tensor");
 }
 
 TEST(MoeFc1Names, Fp8ScalingToString) {
@@ -783,28 +784,14 @@ TEST(MoeFc1Validation, Fp8OutputRules) {
   MoeFc1Args s = small.a;
   s.out_scales = sc8.data();
   expect_invalid(s, "inter", Rule::kSize);  // I = 8
-  // I = 128 with buffers to match: 2 tokens, H = 256, one expert.
-  constexpr int64_t H = 256, I = 128;
-  std::vector<uint8_t> X(2 * H, 0x38), W1(2 * I * H, 0x30);  // e4m3 1 and 0.5
-  std::vector<float> xs(4, 0.5f), ws(2 * 2, 0.25f);
-  std::vector<int64_t> offsets{0, 2};
-  std::vector<int32_t> p2u{0, 1};
+  // I = 128 with buffers to match (2 tokens, H = 256, one expert); the FP8
+  // output in its own buffers.
+  constexpr int64_t I = 128;
+  Fp8Case big(MoeFp8Scaling::kBlock, I);
   alignas(16) static uint8_t out[2 * I];
   alignas(16) static float sc[2 * (I / 128) + 1];
   std::fill(std::begin(out), std::end(out), uint8_t(0xA5));
-  MoeFc1Args a;
-  a.X = X.data();
-  a.W1 = W1.data();
-  a.fp8 = MoeFp8Scaling::kBlock;
-  a.x_scales = xs.data();
-  a.w1_scales = ws.data();
-  a.expert_first_token_offset = offsets.data();
-  a.permuted_row_to_unpermuted_row = p2u.data();
-  a.num_tokens = 2;
-  a.k = 1;
-  a.hidden = H;
-  a.inter = I;
-  a.num_experts_per_node = 1;
+  MoeFc1Args a = big.a;
   a.out = out;
   a.out_scales = sc;
   EXPECT_TRUE(validate_moe_fc1(a).ok()) << validate_moe_fc1(a).message();
