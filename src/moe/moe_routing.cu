@@ -315,6 +315,22 @@ moe_routing_scatter_kernel(SlotSource src, int items, const int32_t* __restrict_
 constexpr int kExpandThreads = 128;
 constexpr int kExpandUnroll = 2;
 
+// Token t's permuted rows (u2p[j*T + t], -1 for a non-local slot) into the
+// block's shared rows[0..k); u2p comes from the previous kernel of this call.
+// False when the token has no local slot: its row is not read at all (expert
+// parallelism: about a third of the tokens for 32 of 256 experts, k = 8).
+// Both expansions (copy and FP8) start with it.
+__device__ __forceinline__ bool token_local_rows(const int32_t* __restrict__ u2p, int32_t t, int32_t T, int k,
+                                                 int32_t* rows) {
+  dev::grid_dependency_wait();
+  if (threadIdx.x < k) rows[threadIdx.x] = u2p[int64_t(threadIdx.x) * T + t];
+  __syncthreads();
+  dev::allow_dependents_launch();
+  bool any_local = false;
+  for (int j = 0; j < k; ++j) any_local |= rows[j] >= 0;
+  return any_local;
+}
+
 template <typename Word>
 __global__ void __launch_bounds__(kExpandThreads)
 moe_routing_expand_kernel(const char* __restrict__ input, int64_t in_stride_bytes, char* __restrict__ out,
@@ -322,16 +338,7 @@ moe_routing_expand_kernel(const char* __restrict__ input, int64_t in_stride_byte
                           const int32_t* __restrict__ u2p, int32_t T, int k) {
   __shared__ int32_t rows[16];
   const int32_t t = blockIdx.x;
-  // u2p comes from the previous kernel in this call.
-  dev::grid_dependency_wait();
-  if (threadIdx.x < k) rows[threadIdx.x] = u2p[int64_t(threadIdx.x) * T + t];
-  __syncthreads();
-  dev::allow_dependents_launch();
-  // A token with no local slot is not read at all (expert parallelism: about
-  // a third of the tokens for 32 of 256 experts, k = 8).
-  bool any_local = false;
-  for (int j = 0; j < k; ++j) any_local |= rows[j] >= 0;
-  if (!any_local) return;
+  if (!token_local_rows(u2p, t, T, k, rows)) return;
   const Word* src = reinterpret_cast<const Word*>(input + int64_t(t) * in_stride_bytes);
   // The row's last bytes that do not fill a Word (a row length that is not
   // a multiple of the word, e.g. H = 7003 in padded rows): 2-byte units
@@ -385,13 +392,7 @@ moe_routing_expand_fp8_kernel(const uint16_t* __restrict__ input, int64_t in_str
   using namespace fp8_dev;
   __shared__ int32_t rows[16];
   const int32_t t = blockIdx.x;
-  dev::grid_dependency_wait();  // u2p comes from the previous kernel in this call
-  if (threadIdx.x < k) rows[threadIdx.x] = u2p[int64_t(threadIdx.x) * T + t];
-  __syncthreads();
-  dev::allow_dependents_launch();
-  bool any_local = false;
-  for (int j = 0; j < k; ++j) any_local |= rows[j] >= 0;
-  if (!any_local) return;
+  if (!token_local_rows(u2p, t, T, k, rows)) return;
   const uint16_t* src = input + int64_t(t) * in_stride;
   const int lane = threadIdx.x & 15;
   const unsigned half_warp = 0xffffu << (threadIdx.x & 16);
