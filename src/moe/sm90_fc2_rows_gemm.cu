@@ -271,28 +271,18 @@ __device__ __forceinline__ void drain_pass(const RowsGemmParams& p, const TileIn
 
 // FP8 block scales: a K block's 4 k32 MMAs into part (fresh), then part
 // promoted into the accumulators times the W2 block scale and each row's A
-// scale.
+// scale (expert_tiles' k_block_mmas and promote_k_block, as FC1's and the
+// MXFP4 mainloops).
 template <int N>
 __device__ __forceinline__ void block_k_step(float (&acc)[N / 2], float (&part)[N / 2], uint64_t da, uint64_t db,
                                              const float* sx, float w_s, int lane) {
   dev::fence_operands(part);
   dev::wgmma_fence();
-#pragma unroll
-  for (int j = 0; j < kTileBytes / 32; ++j) dev::WgmmaFp8<N>::mma(part, da + 2 * j, db + 2 * j, j > 0);
+  k_block_mmas<true, N>(part, da, db, false);
   dev::wgmma_commit();
   dev::wgmma_wait<0>();
   dev::fence_operands(part);
-  const int c2 = 2 * (lane & 3);
-#pragma unroll
-  for (int j = 0; j < N / 8; ++j) {
-    const float2 x = *reinterpret_cast<const float2*>(sx + 8 * j + c2);
-    const float s0 = w_s * x.x, s1 = w_s * x.y;
-    float* a = acc + 4 * j;
-    a[0] = fmaf(part[4 * j + 0], s0, a[0]);
-    a[1] = fmaf(part[4 * j + 1], s1, a[1]);
-    a[2] = fmaf(part[4 * j + 2], s0, a[2]);
-    a[3] = fmaf(part[4 * j + 3], s1, a[3]);
-  }
+  promote_k_block<N>(acc, part, w_s, w_s, sx, 2 * (lane & 3));
 }
 
 // A consumer warpgroup's whole tile: mainloop over K, then the epilogue.
@@ -563,8 +553,7 @@ __device__ __forceinline__ void consume_tile_block(const RowsGemmParams& p, cons
       const uint64_t da = dev::wgmma_desc_k_sw128(st + a_off), db = dev::wgmma_desc_k_sw128(st);
       dev::fence_operands(part);
       dev::wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < kTileBytes / 32; ++j) dev::WgmmaFp8<N>::mma(part, da + 2 * j, db + 2 * j, j > 0);
+      k_block_mmas<true, N>(part, da, db, false);
       dev::wgmma_commit();
       dev::wgmma_wait<0>();
       dev::fence_operands(part);
