@@ -196,7 +196,7 @@ struct Fc1KernelParams {
   void* out_scales;  // FP8 output (spec §9.8): out holds e4m3 codes; null: bf16 rows
   bool out_ue8m0;
   int T, H, I, E;
-  int slices, k_blocks;
+  int slices, k_blocks;  // slices: the tiles' slice units over I (pairs of W1 slices with the FP8 output)
   int w_row_blocks;  // ceil(2I / 128)
   int act;  // MoeActivation
   float limit, alpha;
@@ -823,8 +823,10 @@ Status launch(const Sm90Fc1Params& p, const Fc1KernelParams& k, const CUtensorMa
       detail::prepare_kernel(detail::kernel_key(kernel), false, &max_dynamic), kOp, "kernel attributes"));
   FM_REQUIRE_SUPPORTED(Cfg::kSmemBytes <= max_dynamic, kOp, "device", "the FC1 kernel needs ", Cfg::kSmemBytes,
                        " bytes of shared memory per block; this device allows ", max_dynamic);
+  Fc1KernelParams kp = k;
+  kp.slices = k.slices / Cfg::kPair;  // the FP8 output's tiles are pairs of slices (I % 128 == 0)
   FM_RETURN_IF_ERROR(detail::cuda_status(
-      dev::launch(kernel, dim3(unsigned(p.sm_count)), dim3(kThreads), Cfg::kSmemBytes, stream, p.pdl, k, w, x64,
+      dev::launch(kernel, dim3(unsigned(p.sm_count)), dim3(kThreads), Cfg::kSmemBytes, stream, p.pdl, kp, w, x64,
                   x16),
       kOp, "kernel launch"));
   return Status::Ok();
@@ -861,7 +863,7 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   k.E = p.E;
   // The FP8 output (block scales only; I % 128 == 0): a tile runs both
   // 64-column slices of a 128-column scale block, one after the other.
-  k.slices = (p.I + kTileOut - 1) / kTileOut / (p.out_scales != nullptr ? 2 : 1);
+  k.slices = (p.I + kTileOut - 1) / kTileOut;  // W1 slices; tiles take Cfg::kPair of them (launch)
   k.k_blocks = (k.h_bytes + kTileBytes - 1) / kTileBytes;
   k.w_row_blocks = (2 * p.I + kScaleK - 1) / kScaleK;
   k.act = int(p.activation);
