@@ -576,16 +576,18 @@ TEST(MoeFc1Gpu, Fp8OutputIsQuantizeFp8OfTheBf16Rows) {
       std::vector<uint8_t> poison_q(want_q.bytes(), 0xA5), poison_s(want_s.bytes(), 0xA5);
       want_q.upload(poison_q.data(), poison_q.size());
       want_s.upload(poison_s.data(), poison_s.size());
-      if (P > 0) {
-        QuantizeFp8Args q;
-        q.x = p.dout.get();
-        q.q = want_q.get();
-        q.scales = want_s.get();
-        q.rows = P;
-        q.cols = c.I;
-        q.scale_format = f;
-        ASSERT_TRUE(quantize_fp8(q, nullptr).ok());
-      }
+      // quantize_fp8 1 x 128 of the first P bf16 rows at x into q / scales.
+      auto rows_q = [&](const void* x, void* q, void* scales) {
+        QuantizeFp8Args qa;
+        qa.x = x;
+        qa.q = q;
+        qa.scales = scales;
+        qa.rows = P;
+        qa.cols = c.I;
+        qa.scale_format = f;
+        return qa;
+      };
+      if (P > 0) ASSERT_TRUE(quantize_fp8(rows_q(p.dout.get(), want_q.get(), want_s.get()), nullptr).ok());
       // Fused: the FP8 output.
       DeviceBuffer got_q(want_q.bytes()), got_s(want_s.bytes());
       got_q.upload(poison_q.data(), poison_q.size());
@@ -619,16 +621,7 @@ TEST(MoeFc1Gpu, Fp8OutputIsQuantizeFp8OfTheBf16Rows) {
       h.out_scale_format = f;
       ASSERT_TRUE(moe_fc1_cpu(h).ok());
       std::vector<uint8_t> rq(size_t(cap * c.I), 0xA5), rs(size_t(cap * blocks) * sb, 0xA5);
-      if (P > 0) {
-        QuantizeFp8Args q;
-        q.x = p.ref.data();
-        q.q = rq.data();
-        q.scales = rs.data();
-        q.rows = P;
-        q.cols = c.I;
-        q.scale_format = f;
-        ASSERT_TRUE(quantize_fp8_cpu(q).ok());
-      }
+      if (P > 0) ASSERT_TRUE(quantize_fp8_cpu(rows_q(p.ref.data(), rq.data(), rs.data())).ok());
       EXPECT_TRUE(cq == rq && cs == rs) << "moe_fc1_cpu's FP8 output is not quantize_fp8_cpu of its bf16 rows";
     }
 }
