@@ -94,8 +94,11 @@ struct Shape {
 
 int iters(const Context& ctx) { return ctx.quick ? 10 : 30; }
 
-void bench_dispatch_combine(Context& ctx, const Shape& sh, EpSizing sizing, bool fp8_rows, const std::string& name,
-                            int rank, int world, ncclComm_t comm, cudaStream_t stream) {
+// `direct`: the direct transport (ep_peers_create) instead of NCCL's.
+// `graph`: both sides timed as CUDA-graph replays (10 calls a graph), as a
+// decode step runs them; else as stream launches.
+void bench_dispatch_combine(Context& ctx, const Shape& sh, EpSizing sizing, bool fp8_rows, bool direct, bool graph,
+                            const std::string& name, int rank, int world, ncclComm_t comm, cudaStream_t stream) {
   EpShape s;
   s.rank = rank;
   s.world = world;
@@ -125,31 +128,34 @@ void bench_dispatch_combine(Context& ctx, const Shape& sh, EpSizing sizing, bool
   c.shape = s;
   c.num_tokens = sh.T;
   c.out = out.p;
-  const double t = median_us(
-      [&] {
-        EP_OK(ep_dispatch(d, comm, ws.p, ws.bytes, stream));
-        EP_OK(ep_combine(c, comm, ws.p, ws.bytes, stream));
-      },
-      stream, 3, iters(ctx));
+  EpPeers* peers = nullptr;
+  if (direct) EP_OK(ep_peers_create(s, ws.p, ws.bytes, comm, stream, &peers));
+  d.peers = c.peers = peers;
+  auto timed = [&](const std::function<void()>& fn) {
+    return graph ? graph_us_per_launch([&](int) { fn(); }, 10, stream, iters(ctx)) : median_us(fn, stream, 3, iters(ctx));
+  };
+  const double t = timed([&] {
+    EP_OK(ep_dispatch(d, comm, ws.p, ws.bytes, stream));
+    EP_OK(ep_combine(c, comm, ws.p, ws.bytes, stream));
+  });
   // Rows this rank sent to its peers and got back (what crossed the links).
   std::vector<int32_t> counts(static_cast<size_t>(world));
   BENCH_CUDA(cudaMemcpy(counts.data(), v.counts, size_t(world) * 4, cudaMemcpyDeviceToHost));
   const int64_t C = ep_recv_capacity(s);
   int64_t rows_sent = 0;
-  for (int p = 0; p < world; ++p)
-    if (p != rank) rows_sent += sizing == EpSizing::kCapacity ? C : counts[size_t(p)];
+  for (int p = 0; p < world; ++p)  // the direct transport moves the rows that exist, as kExact does
+    if (p != rank) rows_sent += sizing == EpSizing::kCapacity && !direct ? C : counts[size_t(p)];
+  ep_peers_destroy(peers);
   // Dispatch rows (bf16, or e4m3 + their scales) and combine rows (bf16): this rank's sends.
   const double in_row = fp8_rows ? double(sh.H) + double(sh.H / 128) * 4 : double(sh.H) * 2;
   const double bytes = double(rows_sent) * (in_row + double(sh.H) * 2);
   // NCCL's all-to-all of C rows per peer at the dispatch's and the combine's row size.
   const size_t slab_in = size_t(double(C) * in_row), slab = size_t(C * sh.H * 2);
   Buf a(slab * world), b(slab * world);
-  const double t_nccl = median_us(
-      [&] {
-        nccl_a2a(a.as<char>(), b.as<char>(), slab_in, rank, world, comm, stream);
-        nccl_a2a(b.as<char>(), a.as<char>(), slab, rank, world, comm, stream);
-      },
-      stream, 3, iters(ctx));
+  const double t_nccl = timed([&] {
+    nccl_a2a(a.as<char>(), b.as<char>(), slab_in, rank, world, comm, stream);
+    nccl_a2a(b.as<char>(), a.as<char>(), slab, rank, world, comm, stream);
+  });
   if (rank != 0) return;
   Record r;
   r.op = "ep_dispatch_combine";
@@ -164,6 +170,8 @@ void bench_dispatch_combine(Context& ctx, const Shape& sh, EpSizing sizing, bool
   r.extra["nccl_busbw_gbps"] = double(slab_in + slab) * (world - 1) / (t_nccl * 1e-6) / 1e9;
   r.labels["sizing"] = sizing == EpSizing::kCapacity ? "capacity" : "exact";
   r.labels["rows"] = fp8_rows ? "fp8" : "bf16";
+  r.labels["transport"] = direct ? "direct (NVLink, ep_peers_create)" : "nccl";
+  r.labels["timing"] = graph ? "CUDA-graph replays, both sides" : "stream launches";
   add_record(ctx, std::move(r));
 }
 
@@ -176,8 +184,8 @@ __global__ void permuted_expert_ids(const int32_t* p2u, const int32_t* ids, int6
   out[p] = ids[(s % T) * k + s / T];
 }
 
-void bench_moe_forward(Context& ctx, const Shape& sh, const std::string& name, int rank, int world, ncclComm_t comm,
-                       cudaStream_t stream) {
+void bench_moe_forward(Context& ctx, const Shape& sh, bool direct, const std::string& name, int rank, int world,
+                       ncclComm_t comm, cudaStream_t stream) {
   const int e_local = sh.E / world;
   const int64_t T = sh.T, H = sh.H, I = sh.I, k = sh.k;
   std::vector<int32_t> ids;
@@ -213,7 +221,12 @@ void bench_moe_forward(Context& ctx, const Shape& sh, const std::string& name, i
   f.moe = layer;
   f.out = out.p;
   Buf ws(ep_moe_forward_workspace_size(f));
+  EpPeers* peers = nullptr;
+  if (direct) EP_OK(ep_peers_create(f.shape, ws.p, ws.bytes, comm, stream, &peers));
+  f.peers = peers;
   const double t = median_us([&] { EP_OK(ep_moe_forward(f, comm, ws.p, ws.bytes, stream)); }, stream, 2, iters(ctx));
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  ep_peers_destroy(peers);
 
   // The plain reference.
   const int64_t slots = k * T;
@@ -336,6 +349,7 @@ void bench_moe_forward(Context& ctx, const Shape& sh, const std::string& name, i
   r.extra["reference_us"] = t_ref;
   r.extra["ratio_to_reference"] = t / t_ref;
   r.extra["max_abs_diff_over_max_ref"] = worst;
+  r.labels["transport"] = direct ? "direct (NVLink, ep_peers_create)" : "nccl";
   add_record(ctx, std::move(r));
 }
 
@@ -432,18 +446,31 @@ int rank_main(Context ctx, const std::string& json_path, int rank, int world, nc
   const Shape deepseek{4096, 8, 256, 2048, 7168};
   auto want = [&](const char* op, const std::string& name) { return ctx.selected(op, name); };
   std::string n = "deepseek_T4096_k8_E256_H7168" + ep;
-  if (want("ep_dispatch_combine", n))
-    bench_dispatch_combine(ctx, deepseek, EpSizing::kCapacity, false, n, rank, world, comm, stream);
-  if (want("ep_dispatch_combine", n + "_exact"))
-    bench_dispatch_combine(ctx, deepseek, EpSizing::kExact, false, n + "_exact", rank, world, comm, stream);
-  if (want("ep_dispatch_combine", n + "_fp8"))
-    bench_dispatch_combine(ctx, deepseek, EpSizing::kCapacity, true, n + "_fp8", rank, world, comm, stream);
+  // Each case over NCCL, and with the suffix _direct over the direct transport.
+  for (bool direct : {false, true}) {
+    const std::string via = direct ? "_direct" : "";
+    if (want("ep_dispatch_combine", n + via))
+      bench_dispatch_combine(ctx, deepseek, EpSizing::kCapacity, false, direct, false, n + via, rank, world, comm,
+                             stream);
+    if (!direct && want("ep_dispatch_combine", n + "_exact"))
+      bench_dispatch_combine(ctx, deepseek, EpSizing::kExact, false, false, false, n + "_exact", rank, world, comm,
+                             stream);
+    if (want("ep_dispatch_combine", n + "_fp8" + via))
+      bench_dispatch_combine(ctx, deepseek, EpSizing::kCapacity, true, direct, false, n + "_fp8" + via, rank, world,
+                             comm, stream);
+  }
   const Shape decode{16, 8, 256, 2048, 7168};
   n = "deepseek_T16_k8_E256_H7168" + ep;
-  if (want("ep_dispatch_combine", n))
-    bench_dispatch_combine(ctx, decode, EpSizing::kCapacity, false, n, rank, world, comm, stream);
+  for (bool graph : {false, true})
+    for (bool direct : {false, true}) {
+      const std::string name = n + (graph ? "_graph" : "") + (direct ? "_direct" : "");
+      if (want("ep_dispatch_combine", name))
+        bench_dispatch_combine(ctx, decode, EpSizing::kCapacity, false, direct, graph, name, rank, world, comm, stream);
+    }
   n = "deepseek_T4096_k8_E256_I2048_H7168" + ep;
-  if (want("ep_moe_forward", n)) bench_moe_forward(ctx, deepseek, n, rank, world, comm, stream);
+  for (bool direct : {false, true})
+    if (want("ep_moe_forward", n + (direct ? "_direct" : "")))
+      bench_moe_forward(ctx, deepseek, direct, n + (direct ? "_direct" : ""), rank, world, comm, stream);
   n = "T4096_H7168" + ep;
   if (want("ep_reduce", n)) bench_reduce(ctx, deepseek, DType::kFloat32, n, rank, world, comm, stream);
   if (want("ep_reduce", n + "_bf16partial"))

@@ -111,6 +111,31 @@ struct EpShape {
 };
 
 int64_t ep_recv_capacity(const EpShape& shape);  // C
+
+// The direct transport over NVLink (spec §14.7): every rank maps every other
+// rank's workspace (CUDA IPC, the handles exchanged once over the
+// communicator), and dispatch / combine move the rows with their own kernels:
+// the pack writes each row straight into the destination's receive slab, the
+// combine reads the rows it sums straight from the ranks that computed them,
+// and a flag per (rank, peer) in each workspace orders the two sides. No NCCL
+// call and no host sync per dispatch or combine, in either sizing (only the
+// rows that exist cross), capturable in a CUDA graph.
+//
+// ep_peers_create is collective (every rank of `comm` calls it with its own
+// workspace of the same shape) and synchronises `stream`: a set-up step, not
+// capturable. The workspace must be device memory from cudaMalloc (or an
+// allocator built on it) that stays allocated until ep_peers_destroy; every
+// GPU must reach every other (peer access; kNotSupported otherwise). Pass
+// the result as EpDispatchArgs / EpCombineArgs / EpMoeForwardArgs::peers
+// with that workspace (ep_moe_forward: its workspace, whose first
+// ep_workspace_size bytes are the dispatch's). With peers each dispatch on a
+// workspace must be followed by its combine before the next dispatch, on
+// every rank, in the same order.
+struct EpPeers;
+Status ep_peers_create(const EpShape& shape, void* workspace, size_t workspace_bytes, ncclComm_t comm,
+                       cudaStream_t stream, EpPeers** peers);
+// Unmaps the peers' workspaces; after the work that used them has finished.
+void ep_peers_destroy(EpPeers* peers);
 size_t ep_workspace_size(const EpShape& shape);  // dispatch + combine (not the experts' own workspace)
 
 // The received rows inside the workspace, valid after ep_dispatch: rows
@@ -139,6 +164,7 @@ struct EpDispatchArgs {
   const int32_t* topk_ids = nullptr;       // [T, k] global ids; an id outside [0, E) goes nowhere
   const float* topk_weights = nullptr;     // [T, k]
   int32_t* dropped = nullptr;              // optional (device, int32): this rank's (token, rank) pairs past C
+  const EpPeers* peers = nullptr;          // the direct transport (made for this workspace); null: NCCL
 };
 Status ep_dispatch(const EpDispatchArgs& args, ncclComm_t comm, void* workspace, size_t workspace_bytes,
                    cudaStream_t stream);
@@ -154,6 +180,7 @@ struct EpCombineArgs {
   int64_t shared_stride = 0;             // 0 means H
   void* out = nullptr;                   // bf16 [T, out_stride]
   int64_t out_stride = 0;                // 0 means H
+  const EpPeers* peers = nullptr;        // as the dispatch's
 };
 Status ep_combine(const EpCombineArgs& args, ncclComm_t comm, void* workspace, size_t workspace_bytes,
                   cudaStream_t stream);
@@ -176,6 +203,7 @@ struct EpMoeForwardArgs {
   void* out = nullptr;                  // bf16 [T, out_stride]
   int64_t out_stride = 0;
   int32_t* dropped = nullptr;           // as EpDispatchArgs::dropped
+  const EpPeers* peers = nullptr;       // the direct transport, made for this call's workspace; null: NCCL
 };
 size_t ep_moe_forward_workspace_size(const EpMoeForwardArgs& args);
 Status ep_moe_forward(const EpMoeForwardArgs& args, ncclComm_t comm, void* workspace, size_t workspace_bytes,

@@ -230,25 +230,30 @@ Status exchange_combine(const EpShape& s, const Layout& l, char* ws, const Spans
   return nccl_status(ncclGroupEnd(), op, "ncclGroupEnd");
 }
 
+// With the direct transport (a.peers) plan and pack write into the peers'
+// receive slabs and the handshake replaces NCCL: no host sync in any sizing.
 Status dispatch_body(const EpDispatchArgs& a, ncclComm_t comm, char* ws, const Layout& l, cudaStream_t stream) {
   constexpr const char* op = kDispatchOp;
   const EpShape& s = a.shape;
+  const PeerBases peers = peer_bases(a.peers);
   if (a.dropped != nullptr) EP_CUDA(cudaMemsetAsync(a.dropped, 0, sizeof(int32_t), stream), op, "zeroing dropped");
-  EP_CUDA(launch_plan(s, l, ws, a.num_tokens, a.topk_ids, a.dropped, stream), op, "plan kernel launch");
+  EP_CUDA(launch_plan(s, l, ws, peers, a.num_tokens, a.topk_ids, a.dropped, stream), op, "plan kernel launch");
   if (s.fp8_rows) {
     if (a.num_tokens > 0) {
       const Status st = quantize_fp8(quantise_rows(a, l, ws), stream);
       if (!st.ok()) return Status(st.code(), detail::concat(op, ": ", st.message()));
     }
-    EP_CUDA(launch_pack(s, l, ws, a.num_tokens, ws + l.x_q, s.hidden, reinterpret_cast<const float*>(ws + l.x_q_scales),
-                        a.topk_ids, a.topk_weights, stream),
+    EP_CUDA(launch_pack(s, l, ws, peers, a.num_tokens, ws + l.x_q, s.hidden,
+                        reinterpret_cast<const float*>(ws + l.x_q_scales), a.topk_ids, a.topk_weights, stream),
             op, "pack kernel launch");
   } else {
-    EP_CUDA(launch_pack(s, l, ws, a.num_tokens, a.X, or_hidden(a.x_stride, s.hidden) * 2, nullptr, a.topk_ids,
+    EP_CUDA(launch_pack(s, l, ws, peers, a.num_tokens, a.X, or_hidden(a.x_stride, s.hidden) * 2, nullptr, a.topk_ids,
                         a.topk_weights, stream),
             op, "pack kernel launch");
   }
-  if (s.sizing == EpSizing::kExact) {
+  if (a.peers != nullptr) {
+    EP_CUDA(launch_handshake(s, l, ws, peers, kSyncDispatch, stream), op, "handshake kernel launch");
+  } else if (s.sizing == EpSizing::kExact) {
     FM_RETURN_IF_ERROR(exchange_headers(s, l, ws, comm, stream, op));
     HostCounts counts;
     FM_RETURN_IF_ERROR(read_counts(s, l, ws, &counts, stream, op));
@@ -263,7 +268,11 @@ Status dispatch_body(const EpDispatchArgs& a, ncclComm_t comm, char* ws, const L
 Status combine_body(const EpCombineArgs& a, ncclComm_t comm, char* ws, const Layout& l, cudaStream_t stream) {
   constexpr const char* op = kCombineOp;
   const EpShape& s = a.shape;
-  if (s.sizing == EpSizing::kExact) {
+  const PeerBases peers = peer_bases(a.peers);
+  if (a.peers != nullptr) {
+    // Every rank's expert_out is complete; the reduce reads the peers' slabs.
+    EP_CUDA(launch_handshake(s, l, ws, peers, kSyncCombine, stream), op, "handshake kernel launch");
+  } else if (s.sizing == EpSizing::kExact) {
     HostCounts counts;
     FM_RETURN_IF_ERROR(read_counts(s, l, ws, &counts, stream, op));
     FM_RETURN_IF_ERROR(exchange_combine(s, l, ws, exact_spans(counts, true), comm, stream, op));
@@ -271,7 +280,7 @@ Status combine_body(const EpCombineArgs& a, ncclComm_t comm, char* ws, const Lay
     FM_RETURN_IF_ERROR(exchange_combine(s, l, ws, fixed_spans(s, 0, size_t(l.C)), comm, stream, op));
   }
   const int64_t H = s.hidden;
-  EP_CUDA(launch_combine_reduce(s, l, ws, a.num_tokens, a.shared_output, or_hidden(a.shared_stride, H), a.out,
+  EP_CUDA(launch_combine_reduce(s, l, ws, peers, a.num_tokens, a.shared_output, or_hidden(a.shared_stride, H), a.out,
                                 or_hidden(a.out_stride, H), stream),
           op, "combine kernel launch");
   return Status::Ok();
@@ -315,6 +324,7 @@ Status ep_dispatch(const EpDispatchArgs& a, ncclComm_t comm, void* workspace, si
   const Layout l = layout(a.shape);
   FM_RETURN_IF_ERROR(check_workspace(kDispatchOp, workspace, workspace_bytes, l.total, "ep_workspace_size"));
   FM_RETURN_IF_ERROR(check_dispatch_inputs_apart(a, workspace, l.total));
+  FM_RETURN_IF_ERROR(check_peers(kDispatchOp, a.peers, a.shape, workspace));
   return detail::without_cuda_error_left(kDispatchOp, [&]() -> Status {
     FM_RETURN_IF_ERROR(detail::check_stream(stream, kDispatchOp));
     return dispatch_body(a, comm, static_cast<char*>(workspace), l, stream);
@@ -333,6 +343,7 @@ Status ep_combine(const EpCombineArgs& a, ncclComm_t comm, void* workspace, size
                                                            a.shape.hidden, 2)}};
   const detail::Range ins[] = {{"workspace", workspace, int64_t(l.total)}};
   FM_RETURN_IF_ERROR(detail::check_no_overlap(kCombineOp, outs, ins));
+  FM_RETURN_IF_ERROR(check_peers(kCombineOp, a.peers, a.shape, workspace));
   return detail::without_cuda_error_left(kCombineOp, [&]() -> Status {
     FM_RETURN_IF_ERROR(detail::check_stream(stream, kCombineOp));
     return combine_body(a, comm, static_cast<char*>(workspace), l, stream);
@@ -363,6 +374,7 @@ Status ep_moe_forward(const EpMoeForwardArgs& a, ncclComm_t comm, void* workspac
   d.topk_ids = a.topk_ids;
   d.topk_weights = a.topk_weights;
   d.dropped = a.dropped;
+  d.peers = a.peers;
   EpCombineArgs c;
   c.shape = a.shape;
   c.num_tokens = a.num_tokens;
@@ -370,6 +382,7 @@ Status ep_moe_forward(const EpMoeForwardArgs& a, ncclComm_t comm, void* workspac
   c.shared_stride = a.shared_stride;
   c.out = a.out;
   c.out_stride = a.out_stride;
+  c.peers = a.peers;
   FM_RETURN_IF_ERROR(check_dispatch(d, comm));
   FM_RETURN_IF_ERROR(check_combine(c, comm));
   const Layout l = layout(a.shape);
@@ -395,6 +408,7 @@ Status ep_moe_forward(const EpMoeForwardArgs& a, ncclComm_t comm, void* workspac
                                {"X", a.X, detail::rows_extent_bytes(a.num_tokens, or_hidden(a.x_stride, a.shape.hidden),
                                                                      a.shape.hidden, 2)}};
   FM_RETURN_IF_ERROR(detail::check_no_overlap(op, outs, ins));
+  FM_RETURN_IF_ERROR(check_peers(op, a.peers, a.shape, workspace));
   detail::DeviceProps dev;
   FM_RETURN_IF_ERROR(detail::cuda_status(detail::current_device_props(&dev), op, "device properties"));
   FM_REQUIRE_SUPPORTED(dev.cc_major == 9, op, "device", "needs an sm_90 (Hopper) GPU (compute capability ",

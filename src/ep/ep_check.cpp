@@ -81,6 +81,7 @@ Layout layout(const EpShape& s) {
   l.recv_counts = region(size_t(W) * 4);
   l.expert_out = region(size_t(W) * l.rows_stride);
   l.comb_rows = region(size_t(W - 1) * l.rows_stride);
+  l.sync = region(sync_bytes(W));
   l.total = at;
   return l;
 }

@@ -66,11 +66,39 @@ struct Layout {
   size_t recv_counts = 0;   // int32 [W]
   size_t expert_out = 0;    // bf16 [W*C, H]
   size_t comb_rows = 0;     // (W-1) row slabs: expert_out rows back from each peer
+  size_t sync = 0;          // the direct transport's flags (SyncWords)
   size_t total = 0;
+};
+
+// The direct transport's words in each workspace (uint64, zeroed by
+// ep_peers_create): flag[kind][s] is the last call of that kind for which
+// rank s has announced (dispatch: its rows and meta are in this rank's
+// receive slab s; combine: its expert_out is complete); epoch[kind] counts
+// this rank's calls of that kind.
+enum SyncKind { kSyncDispatch = 0, kSyncCombine = 1 };
+FLASHMIX_EP_HOST_DEVICE inline size_t sync_flag_offset(int world, SyncKind kind, int s) {
+  return (size_t(kind) * size_t(world) + size_t(s)) * 8;
+}
+FLASHMIX_EP_HOST_DEVICE inline size_t sync_epoch_offset(int world, SyncKind kind) {
+  return (2 * size_t(world) + size_t(kind)) * 8;
+}
+inline size_t sync_bytes(int world) { return (2 * size_t(world) + 2) * 8; }
+
+// What the kernels need to reach other ranks' workspaces: the device array
+// of every rank's workspace base as mapped here ([W]; entry `rank` is this
+// workspace), or null for the NCCL transport (rows go to the send slabs).
+struct PeerBases {
+  char* const* ws = nullptr;
 };
 
 // Valid only for a shape that passed check_shape.
 Layout layout(const EpShape& s);
+
+// The direct transport of one workspace (ep_peers.cpp). `peers` may be null
+// (the NCCL transport): then the check passes and the bases are null.
+// Otherwise it must have been made for this shape and this workspace.
+Status check_peers(const char* op, const EpPeers* peers, const EpShape& s, const void* workspace);
+PeerBases peer_bases(const EpPeers* peers);
 
 // The caller's workspace: at least `needed` bytes (what `size_query` answers),
 // not null, 256-byte aligned. Every entry point's check.
@@ -85,15 +113,27 @@ Status check_shape(const char* op, const EpShape& s, ncclComm_t comm);
 // plan: zeroes nothing it does not own; writes plan_row, plan_counts, every
 // meta header; adds this rank's cut pairs to *dropped (when not null; the
 // caller zeroed it on the stream).
-cudaError_t launch_plan(const EpShape& s, const Layout& l, char* ws, int64_t T, const int32_t* ids,
+// With peers, plan and pack write the meta headers, meta rows and rows for
+// rank d straight into d's receive slab `rank` (through peers.ws[d]).
+cudaError_t launch_plan(const EpShape& s, const Layout& l, char* ws, PeerBases peers, int64_t T, const int32_t* ids,
                         int32_t* dropped, cudaStream_t stream);
 // X: [T, x_stride] of in_row_bytes rows (bf16, or fp8_rows' e4m3 with x_scales [T, H / 128]).
-cudaError_t launch_pack(const EpShape& s, const Layout& l, char* ws, int64_t T, const void* X, int64_t x_stride_bytes,
-                        const float* x_scales, const int32_t* ids, const float* weights, cudaStream_t stream);
+cudaError_t launch_pack(const EpShape& s, const Layout& l, char* ws, PeerBases peers, int64_t T, const void* X,
+                        int64_t x_stride_bytes, const float* x_scales, const int32_t* ids, const float* weights,
+                        cudaStream_t stream);
 cudaError_t launch_unpack(const EpShape& s, const Layout& l, char* ws, cudaStream_t stream);
-cudaError_t launch_combine_reduce(const EpShape& s, const Layout& l, const char* ws, int64_t T,
+// With peers the rows are read from the ranks that computed them (their
+// expert_out slab `rank`), else from this rank's combine slabs.
+cudaError_t launch_combine_reduce(const EpShape& s, const Layout& l, const char* ws, PeerBases peers, int64_t T,
                                   const void* shared, int64_t shared_stride, void* out, int64_t out_stride,
                                   cudaStream_t stream);
+// The direct transport's handshake of one call of `kind`: this rank's epoch
+// of that kind + 1 is stored (release, system scope) into flag[kind][rank] of
+// every peer, then each peer's flag here is awaited (acquire) and the epoch
+// advanced. Everything this rank wrote to peers before it (stream order) is
+// visible to them when they pass theirs.
+cudaError_t launch_handshake(const EpShape& s, const Layout& l, char* ws, PeerBases peers, SyncKind kind,
+                             cudaStream_t stream);
 
 // Way 1 (ep_finalize_reduce): the summed fp32 partial -> out_dtype. n % 4 == 0.
 cudaError_t launch_convert_from_f32(const float* in, void* out, DType out_dtype, int64_t n, cudaStream_t stream);

@@ -25,9 +25,12 @@ struct Geometry {
   int scale_cols;      // fp8_rows: H / 128 scales per row (in the meta rows); else 0
   int64_t in_row_vec;  // 16-byte words of a dispatched row
   size_t meta_stride, meta_row, in_stride, rows_stride;
+  // Offsets of the regions a peer's kernels reach in this rank's workspace.
+  size_t off_recv_meta, off_recv_x, off_expert_out;
+  char* const* peers;  // PeerBases::ws: [W] workspace bases, or null (NCCL)
 };
 
-Geometry geometry(const EpShape& s, const Layout& l) {
+Geometry geometry(const EpShape& s, const Layout& l, PeerBases peers = {}) {
   Geometry g;
   g.rank = s.rank;
   g.world = s.world;
@@ -42,14 +45,26 @@ Geometry geometry(const EpShape& s, const Layout& l) {
   g.meta_row = meta_row_bytes(s);
   g.in_stride = l.in_stride;
   g.rows_stride = l.rows_stride;
+  g.off_recv_meta = l.recv_meta;
+  g.off_recv_x = l.recv_x;
+  g.off_expert_out = l.expert_out;
+  g.peers = peers.ws;
   return g;
 }
 
-// The meta slab that holds what this rank sends to d: its own receive slab
-// for d == rank, else the send slab of peer d.
+// The meta slab that holds what this rank sends to d: d's receive slab
+// `rank` itself for d == rank or with the direct transport, else the send
+// slab of peer d (NCCL moves it).
 __device__ __forceinline__ char* meta_slab_for(const Geometry& g, char* send_meta, char* recv_meta, int d) {
+  if (g.peers != nullptr) return g.peers[d] + g.off_recv_meta + size_t(g.rank) * g.meta_stride;
   return d == g.rank ? recv_meta + size_t(g.rank) * g.meta_stride
                      : send_meta + size_t(peer_slot(d, g.rank)) * g.meta_stride;
+}
+
+// Likewise the row slab for d.
+__device__ __forceinline__ char* row_slab_for(const Geometry& g, char* send_rows, char* recv_x, int d) {
+  if (g.peers != nullptr) return g.peers[d] + g.off_recv_x + size_t(g.rank) * g.in_stride;
+  return d == g.rank ? recv_x + size_t(g.rank) * g.in_stride : send_rows + size_t(peer_slot(d, g.rank)) * g.in_stride;
 }
 
 // One block per destination d: token t goes to d when one of its k ids is in
@@ -96,6 +111,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(Geometry g, int64_t 
     plan_counts[d] = int32_t(carry);
     *reinterpret_cast<int32_t*>(meta_slab_for(g, send_meta, recv_meta, d)) = int32_t(carry);
     if (dropped != nullptr && carry > g.C) atomicAdd(dropped, int32_t(carry - g.C));
+    if (g.peers != nullptr) __threadfence_system();  // the header in d's slab, before the handshake's release
   }
 }
 
@@ -123,9 +139,7 @@ __global__ void __launch_bounds__(kRowThreads) pack_kernel(Geometry g, const int
       }
       for (int c = 0; c < g.scale_cols; ++c)
         reinterpret_cast<float*>(meta)[2 * g.k + c] = x_scales[t * g.scale_cols + c];
-      char* slab = d == g.rank ? recv_x + size_t(g.rank) * g.in_stride
-                               : send_rows + size_t(peer_slot(d, g.rank)) * g.in_stride;
-      dst_rows[n++] = reinterpret_cast<uint4*>(slab) + int64_t(row) * nvec;
+      dst_rows[n++] = reinterpret_cast<uint4*>(row_slab_for(g, send_rows, recv_x, d)) + int64_t(row) * nvec;
     }
     num_dst = n;
   }
@@ -147,6 +161,9 @@ __global__ void __launch_bounds__(kRowThreads) pack_kernel(Geometry g, const int
     const uint4 v = src[c];
     for (int i = 0; i < n; ++i) dst_rows[i][c] = v;
   }
+  // Direct transport: this thread's stores to peers are ordered before the
+  // handshake's release (the next kernel) at system scope.
+  if (g.peers != nullptr) __threadfence_system();
 }
 
 // One thread per received row: ids and weights out of the meta slabs; rows
@@ -212,8 +229,10 @@ __global__ void __launch_bounds__(kRowThreads) combine_kernel(Geometry g, const 
         c = 1;
         continue;
       }
-      const char* slab = d == g.rank ? expert_out + size_t(g.rank) * g.rows_stride
-                                     : comb_rows + size_t(peer_slot(d, g.rank)) * g.rows_stride;
+      // Direct transport: rank d's expert_out slab `rank` itself.
+      const char* slab = g.peers != nullptr ? g.peers[d] + g.off_expert_out + size_t(g.rank) * g.rows_stride
+                         : d == g.rank      ? expert_out + size_t(g.rank) * g.rows_stride
+                                            : comb_rows + size_t(peer_slot(d, g.rank)) * g.rows_stride;
       src_rows[n++] = reinterpret_cast<const uint4*>(slab) + int64_t(row) * nvec;
     }
     num_src = n;
@@ -251,6 +270,35 @@ __global__ void __launch_bounds__(kRowThreads) combine_kernel(Geometry g, const 
     out[t * out_stride_vec + c0] = o0;
     if (two) out[t * out_stride_vec + c1] = o1;
   }
+}
+
+// One warp: lane d (< W, != rank) publishes this call (epoch + 1) into rank
+// d's flag[kind][rank] with a system-scope release after a system fence, so
+// every store this rank made before (the pack's rows into d's slab, or the
+// experts' expert_out that d will read) is visible to d once d sees the
+// flag; then each lane waits for peer d's flag here (acquire) to reach the
+// same call. Lane 0 advances the epoch after the warp has seen every flag.
+__global__ void handshake_kernel(int world, int rank, char* const* peers, size_t off_sync, SyncKind kind) {
+  char* mine = peers[rank] + off_sync;
+  const uint64_t call = *reinterpret_cast<volatile uint64_t*>(mine + sync_epoch_offset(world, kind)) + 1;
+  __threadfence_system();
+  for (int d = int(threadIdx.x); d < world; d += 32) {
+    if (d == rank) continue;
+    uint64_t* flag = reinterpret_cast<uint64_t*>(peers[d] + off_sync + sync_flag_offset(world, kind, rank));
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(call) : "memory");
+  }
+  for (int d = int(threadIdx.x); d < world; d += 32) {
+    if (d == rank) continue;
+    const uint64_t* flag = reinterpret_cast<const uint64_t*>(mine + sync_flag_offset(world, kind, d));
+    uint64_t seen;
+    for (;;) {
+      asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(seen) : "l"(flag) : "memory");
+      if (seen >= call) break;
+      __nanosleep(64);
+    }
+  }
+  __syncwarp();
+  if (threadIdx.x == 0) *reinterpret_cast<volatile uint64_t*>(mine + sync_epoch_offset(world, kind)) = call;
 }
 
 // The dynamic shared memory of pack's dst_rows[] / combine's src_rows[] (one
@@ -291,19 +339,20 @@ cudaError_t launch_convert_from_f32(const float* in, void* out, DType out_dtype,
   return cudaGetLastError();
 }
 
-cudaError_t launch_plan(const EpShape& s, const Layout& l, char* ws, int64_t T, const int32_t* ids,
+cudaError_t launch_plan(const EpShape& s, const Layout& l, char* ws, PeerBases peers, int64_t T, const int32_t* ids,
                         int32_t* dropped, cudaStream_t stream) {
-  const Geometry g = geometry(s, l);
+  const Geometry g = geometry(s, l, peers);
   plan_kernel<<<s.world, kPlanThreads, 0, stream>>>(
       g, T, ids, reinterpret_cast<int32_t*>(ws + l.plan_row), reinterpret_cast<int32_t*>(ws + l.plan_counts),
       ws + l.send_meta, ws + l.recv_meta, dropped);
   return cudaGetLastError();
 }
 
-cudaError_t launch_pack(const EpShape& s, const Layout& l, char* ws, int64_t T, const void* X, int64_t x_stride_bytes,
-                        const float* x_scales, const int32_t* ids, const float* weights, cudaStream_t stream) {
+cudaError_t launch_pack(const EpShape& s, const Layout& l, char* ws, PeerBases peers, int64_t T, const void* X,
+                        int64_t x_stride_bytes, const float* x_scales, const int32_t* ids, const float* weights,
+                        cudaStream_t stream) {
   if (T == 0) return cudaSuccess;
-  const Geometry g = geometry(s, l);
+  const Geometry g = geometry(s, l, peers);
   pack_kernel<<<unsigned(T), kRowThreads, row_pointers_smem_bytes(s.world), stream>>>(
       g, reinterpret_cast<const int32_t*>(ws + l.plan_row), static_cast<const uint4*>(X), x_stride_bytes / 16,
       x_scales, ids, weights, ws + l.send_meta, ws + l.recv_meta, ws + l.send_rows, ws + l.recv_x);
@@ -320,14 +369,20 @@ cudaError_t launch_unpack(const EpShape& s, const Layout& l, char* ws, cudaStrea
   return cudaGetLastError();
 }
 
-cudaError_t launch_combine_reduce(const EpShape& s, const Layout& l, const char* ws, int64_t T,
+cudaError_t launch_combine_reduce(const EpShape& s, const Layout& l, const char* ws, PeerBases peers, int64_t T,
                                   const void* shared, int64_t shared_stride, void* out, int64_t out_stride,
                                   cudaStream_t stream) {
   if (T == 0) return cudaSuccess;
-  const Geometry g = geometry(s, l);
+  const Geometry g = geometry(s, l, peers);
   combine_kernel<<<unsigned(T), kRowThreads, row_pointers_smem_bytes(s.world), stream>>>(
       g, reinterpret_cast<const int32_t*>(ws + l.plan_row), ws + l.expert_out, ws + l.comb_rows,
       static_cast<const uint4*>(shared), shared_stride / 8, static_cast<uint4*>(out), out_stride / 8);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_handshake(const EpShape& s, const Layout& l, char*, PeerBases peers, SyncKind kind,
+                             cudaStream_t stream) {
+  handshake_kernel<<<1, 32, 0, stream>>>(s.world, s.rank, peers.ws, l.sync, kind);
   return cudaGetLastError();
 }
 

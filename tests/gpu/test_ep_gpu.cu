@@ -249,9 +249,24 @@ EpShape shape_of(const EpCase& c, int rank) {
   return s;
 }
 
-// The all-to-all way on this rank: ep_dispatch's receive view against the
-// CPU plan, then ep_moe_forward against both references.
-int all_to_all_rank(const EpCase& c, int rank, ncclComm_t comm) {
+// The direct transport (spec §14.7) for `ws`, or null for NCCL.
+struct Peers {
+  EpPeers* p = nullptr;
+  Peers(bool on, const EpShape& s, DeviceBuffer& ws, ncclComm_t comm, cudaStream_t stream) {
+    if (!on) return;
+    const Status st = ep_peers_create(s, ws.get(), ws.bytes(), comm, stream, &p);
+    EXPECT_TRUE(st.ok()) << st.message();
+  }
+  ~Peers() { ep_peers_destroy(p); }
+  Peers(const Peers&) = delete;
+  Peers& operator=(const Peers&) = delete;
+};
+
+// The all-to-all way on this rank over one transport (NCCL, or the direct
+// one with `peers`): ep_dispatch's receive view against the CPU plan, then
+// ep_moe_forward against both references.
+int all_to_all_rank(const EpCase& c, int rank, ncclComm_t comm, bool peers) {
+  const char* via = peers ? " (direct transport)" : " (NCCL)";
   cudaStream_t stream;
   CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   Experts ex;
@@ -270,7 +285,12 @@ int all_to_all_rank(const EpCase& c, int rank, ncclComm_t comm) {
     poison.poison();
     const EpRecvView v0 = ep_recv_view(shape, ws.get());
     CK(cudaMemcpy(v0.x, poison.data(), poison.bytes.size(), cudaMemcpyHostToDevice));
+    CK(cudaDeviceSynchronize());  // a pageable copy may land after cudaMemcpy returns
   }
+  // After the poison: with the direct transport the peers write into this
+  // rank's slabs as soon as they dispatch (ep_peers_create's barrier orders
+  // every rank's poison before any rank's dispatch).
+  Peers dispatch_peers(peers, shape, ws, comm, stream);
   EpDispatchArgs d;
   d.shape = shape;
   d.num_tokens = T;
@@ -278,6 +298,7 @@ int all_to_all_rank(const EpCase& c, int rank, ncclComm_t comm) {
   d.topk_ids = dt.ids.as<int32_t>();
   d.topk_weights = dt.w.as<float>();
   d.dropped = dropped.as<int32_t>();
+  d.peers = dispatch_peers.p;
   Status st = ep_dispatch(d, comm, ws.get(), ws.bytes(), stream);
   EXPECT_TRUE(st.ok()) << st.message();
   CK(cudaStreamSynchronize(stream));
@@ -321,7 +342,7 @@ int all_to_all_rank(const EpCase& c, int rank, ncclComm_t comm) {
             ADD_FAILURE() << "rank " << rank << ": padding row " << s * C + row << " has id "
                           << rids[size_t((s * C + row) * c.k + j)] << ", wants -1";
   }
-  EXPECT_EQ(bad, 0);
+  EXPECT_EQ(bad, 0) << via;
 
   // 2. The whole layer.
   EpMoeForwardArgs f;
@@ -335,6 +356,8 @@ int all_to_all_rank(const EpCase& c, int rank, ncclComm_t comm) {
   f.dropped = dropped.as<int32_t>();
   DeviceBuffer out(size_t(std::max<int64_t>(1, T) * H * 2)), fws(ep_moe_forward_workspace_size(f));
   EXPECT_GT(fws.bytes(), 0u);
+  Peers forward_peers(peers, shape, fws, comm, stream);
+  f.peers = forward_peers.p;
   f.out = out.get();
   auto reference = [&](const Tokens& tk, DeviceTokens& dtk, std::vector<uint16_t>& ranked,
                        std::vector<uint16_t>& full, std::vector<bool>& cut) {
@@ -360,11 +383,35 @@ int all_to_all_rank(const EpCase& c, int rank, ncclComm_t comm) {
   reference(all[size_t(rank)], dt, ranked, full, cut);
   CK(cudaMemset(out.get(), 0xff, out.bytes()));
   if (!c.graph) {
-    st = ep_moe_forward(f, comm, fws.get(), fws.bytes(), stream);
-    EXPECT_TRUE(st.ok()) << st.message();
+    // Three calls back to back, no sync between them: the others' tokens
+    // (another routing) in the middle, so a rank that ran ahead into a
+    // buffer still in use would show in the third call's result.
+    const std::vector<Tokens> other = [&] {
+      std::vector<Tokens> o;
+      for (int q = 0; q < c.world; ++q) o.push_back(make_tokens(c, q, 0x51de));
+      return o;
+    }();
+    DeviceTokens dt2(other[size_t(rank)]);
+    EpMoeForwardArgs f2 = f;
+    f2.X = dt2.X.get();
+    f2.topk_ids = dt2.ids.as<int32_t>();
+    f2.topk_weights = dt2.w.as<float>();
+    f2.shared_output = c.shared ? dt2.shared.get() : nullptr;
+    DeviceBuffer out2(out.bytes());
+    f2.out = out2.get();
+    for (const EpMoeForwardArgs* call : {&f, &f2, &f}) {
+      st = ep_moe_forward(*call, comm, fws.get(), fws.bytes(), stream);
+      EXPECT_TRUE(st.ok()) << st.message();
+    }
     CK(cudaStreamSynchronize(stream));
     if (T > 0) out.download(got.data(), got.size() * 2);
-    expect_rows("ep_moe_forward", rank, T, H, got, ranked, &full, cut);
+    expect_rows(peers ? "ep_moe_forward (direct transport)" : "ep_moe_forward", rank, T, H, got, ranked, &full, cut);
+    std::vector<uint16_t> ranked2, full2, got2(size_t(T * H));
+    std::vector<bool> cut2;
+    reference(other[size_t(rank)], dt2, ranked2, full2, cut2);
+    if (T > 0) out2.download(got2.data(), got2.size() * 2);
+    expect_rows(peers ? "ep_moe_forward, other tokens (direct transport)" : "ep_moe_forward, other tokens", rank, T, H,
+                got2, ranked2, &full2, cut2);
   } else {
     // Captured once, replayed on new token values written into the same buffers.
     cudaGraph_t graph;
@@ -390,7 +437,9 @@ int all_to_all_rank(const EpCase& c, int rank, ncclComm_t comm) {
       CK(cudaGraphLaunch(exec, stream));
       CK(cudaStreamSynchronize(stream));
       if (T > 0) out.download(got.data(), got.size() * 2);
-      expect_rows(replay ? "graph replay on new inputs" : "graph replay", rank, T, H, got, ranked, &full, cut);
+      expect_rows(replay ? (peers ? "graph replay on new inputs (direct transport)" : "graph replay on new inputs")
+                         : (peers ? "graph replay (direct transport)" : "graph replay"),
+                  rank, T, H, got, ranked, &full, cut);
     }
     CK(cudaGraphExecDestroy(exec));
     CK(cudaGraphDestroy(graph));
@@ -559,9 +608,13 @@ void run_case(const EpCase& c, const std::function<int(int, int, ncclComm_t)>& b
   EXPECT_TRUE(r.ok()) << r.describe();
 }
 
-// The all-to-all way's checks (all_to_all_rank) on every rank of c.
+// The all-to-all way's checks (all_to_all_rank) on every rank of c, over
+// NCCL and then over the direct transport.
 void run_all_to_all(const EpCase& c) {
-  run_case(c, [&](int r, int, ncclComm_t comm) { return all_to_all_rank(c, r, comm); });
+  run_case(c, [&](int r, int, ncclComm_t comm) {
+    const int nccl = all_to_all_rank(c, r, comm, false);
+    return nccl | all_to_all_rank(c, r, comm, true);
+  });
 }
 
 #define SKIP_WITHOUT_GPUS(n)                                                               \
@@ -733,6 +786,23 @@ TEST(EpGpu, BadArgumentsLaunchNothing) {
     st = ep_dispatch(d, comm, ws.get(), ws.bytes() - 256, nullptr);
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
     EXPECT_NE(st.message().find("workspace_bytes"), std::string::npos) << st.message();
+    // The direct transport is bound to the workspace it mapped.
+    EpPeers* peers = nullptr;
+    st = ep_peers_create(s, ws.get(), ws.bytes(), comm, nullptr, &peers);
+    EXPECT_TRUE(st.ok()) << st.message();
+    DeviceBuffer other(ws.bytes());
+    d.peers = peers;
+    st = ep_dispatch(d, comm, other.get(), other.bytes(), nullptr);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("peers"), std::string::npos) << st.message();
+    EpShape s2 = s;
+    s2.hidden = 2 * s.hidden;
+    EpPeers* none = nullptr;
+    st = ep_peers_create(s2, ws.get(), ws.bytes(), comm, nullptr, &none);  // too small for that shape
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("workspace_bytes"), std::string::npos) << st.message();
+    EXPECT_EQ(none, nullptr);
+    ep_peers_destroy(peers);
     EXPECT_EQ(cudaGetLastError(), cudaSuccess);
     return ::testing::Test::HasFailure() ? 1 : 0;
   });
