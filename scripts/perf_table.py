@@ -64,8 +64,11 @@ SUMMARY_CASES = [
     ("mhc_post_head", "decode_B16_n4_C7168_graph_workspace"),
     ("mxfp4_to_fp8_block", "v4flash_ep8_w1_E32_N4096_K4096"),
     ("ep_dispatch_combine", "deepseek_T4096_k8_E256_H7168_ep2"),
+    ("ep_dispatch_combine", "deepseek_T4096_k8_E256_H7168_ep2_direct"),
     ("ep_dispatch_combine", "deepseek_T16_k8_E256_H7168_ep2"),
+    ("ep_dispatch_combine", "deepseek_T16_k8_E256_H7168_ep2_graph_direct"),
     ("ep_moe_forward", "deepseek_T4096_k8_E256_I2048_H7168_ep2"),
+    ("ep_moe_forward", "deepseek_T4096_k8_E256_I2048_H7168_ep2_direct"),
     ("ep_reduce", "T4096_H7168_ep2"),
     ("ep_dispatch_combine", "deepseek_T4096_k8_E256_H7168_ep4"),
     ("ep_moe_forward", "deepseek_T4096_k8_E256_I2048_H7168_ep4"),
@@ -74,9 +77,10 @@ SUMMARY_CASES = [
 
 # flashmix-bench-ep's records (bench/bench_ep.cu) carry no target keys: issue
 # 26's targets by (op, case), as (measured key, format, met(got, target), target).
-# The EP issues' bars, the same at every EP size (_ep2, _ep4, _ep8).
+# The EP issues' bars, the same at every EP size (_ep2, _ep4, _ep8) and for
+# either transport (NCCL's, and the direct one: suffix _direct).
 EP_TARGETS = {}
-for _ep in ("_ep2", "_ep4", "_ep8"):
+for _ep in ("_ep2", "_ep4", "_ep8", "_ep2_direct", "_ep4_direct", "_ep8_direct"):
     EP_TARGETS.update({
         ("ep_dispatch_combine", "deepseek_T4096_k8_E256_H7168" + _ep):
             ("fraction", ">= %.2f of NCCL all_to_all", lambda got, t: got >= t, 0.80),
