@@ -9,7 +9,12 @@ Rank r of W holds experts ``[r*E/W, (r+1)*E/W)`` (``w1``/``w2`` are its
   what it received, and the owner sums the rows that come back, in rank order.
   ``sizing="capacity"`` (default) moves fixed-size messages and never
   synchronises (CUDA-graph safe); ``"exact"`` exchanges the counts first and
-  synchronises the stream twice.
+  synchronises the stream twice. ``transport="direct"`` (GPUs that reach
+  each other, NVLink within a node) moves the rows with flashmix's own
+  kernels instead of NCCL (spec §14.7): the ranks map each other's workspace
+  on the first call of a shape (collective, synchronises; not inside a graph
+  capture), later calls need no NCCL call and no sync; the mapped workspaces
+  stay until ``ep_direct_release()``.
 - ``ep_moe_forward_replicated``: every rank holds the same tokens; each
   computes its experts' partial and NCCL sums them ("all_reduce", or
   "reduce_scatter": rank r keeps rows ``[r*T/W, (r+1)*T/W)``).
@@ -23,7 +28,13 @@ from ._common import _C, arg, cuda_device, defaults, empty, new_workspace, strea
 from .fp8 import _as_bytes, _mx_bytes
 
 __all__ = ["ep_available", "nccl_communicator", "NcclComm", "ep_moe_forward", "ep_moe_forward_replicated",
-           "EP_SIZINGS", "EP_REDUCES"]
+           "ep_direct_release", "EP_SIZINGS", "EP_REDUCES", "EP_TRANSPORTS"]
+
+#: ``transport`` values of ep_moe_forward: NCCL's, or flashmix's direct one over NVLink (spec §14.7).
+EP_TRANSPORTS = ("nccl", "direct")
+
+# The direct transport's mapped workspaces: key -> (comm, workspace, EpPeers, what it was made for).
+_DIRECT = {}
 
 _FORWARD = defaults(_C.moe_defaults())["moe_forward"]
 
@@ -74,8 +85,36 @@ def _experts(op, weights, w1, w2, w1_mx_scales, w2_mx_scales):
             _mx_bytes(w2_mx_scales, weights, op, "w2_mx_scales", True))
 
 
+def ep_direct_release():
+    """Drops the direct transport's mapped workspaces (every rank, once no call that uses them is in
+    flight); the next ``transport="direct"`` call maps again."""
+    _DIRECT.clear()
+
+
+def _direct(comm, workspace, nbytes, x, hidden, k, num_experts, max_tokens_per_rank, recv_capacity, fp8_rows,
+            stream):
+    """The workspace and EpPeers of a direct-transport call: one kept per (communicator, device, shape),
+    made on first use (collective) and again when the caller's workspace or the size changes (every rank
+    must see the same change: pass the same workspace on each call, or none)."""
+    key = (id(comm), str(x.device), (hidden, k, num_experts, max_tokens_per_rank, recv_capacity, bool(fp8_rows)),
+           workspace is None)
+    want = (workspace.data_ptr(), workspace.numel()) if workspace is not None else nbytes
+    hit = _DIRECT.get(key)
+    if hit is not None and hit[0] is comm and hit[3] == want:
+        return hit[1], hit[2]
+    _DIRECT.pop(key, None)  # its EpPeers waits for the device before unmapping
+    if workspace is None:
+        workspace = new_workspace(x, nbytes)
+    peers = _C.EpPeers(comm, arg(workspace), hidden=hidden, k=k, num_experts=num_experts,
+                       max_tokens_per_rank=max_tokens_per_rank, recv_capacity=recv_capacity, fp8_rows=fp8_rows,
+                       stream=stream_of(stream, x))
+    _DIRECT[key] = (comm, workspace, peers, want)
+    return workspace, peers
+
+
 def ep_moe_forward(comm, x, w1, w2, topk_ids, topk_weights, *, num_experts, max_tokens_per_rank,
-                   recv_capacity=0, sizing="capacity", fp8_rows=False, b1=None, b2=None, w1_layout=_FORWARD.w1_layout,
+                   recv_capacity=0, sizing="capacity", fp8_rows=False, transport="nccl", b1=None, b2=None,
+                   w1_layout=_FORWARD.w1_layout,
                    activation=_FORWARD.activation, limit=_FORWARD.limit, alpha=_FORWARD.alpha, mode=_FORWARD.mode,
                    fp8=_FORWARD.fp8, w1_scales=None, w2_scales=None, weights=_FORWARD.weights, w1_mx_scales=None,
                    w2_mx_scales=None, shared_output=None, out=None, dropped=None, workspace=None, stream=None):
@@ -85,11 +124,23 @@ def ep_moe_forward(comm, x, w1, w2, topk_ids, topk_weights, *, num_experts, max_
     ``recv_capacity``: rows kept per source rank (0 = max_tokens_per_rank, never overflows); with less,
     tokens past it get NaN rows and ``dropped`` (int32 ``[1]``) counts them. ``fp8_rows``: the rows are
     quantised 1 x 128 before they are sent (half the bytes; needs ``fp8="block"`` experts). ``weights``,
-    ``w1_mx_scales``, ``w2_mx_scales``: MXFP4 experts as moe_forward's (spec §13.7). Returns ``out``."""
+    ``w1_mx_scales``, ``w2_mx_scales``: MXFP4 experts as moe_forward's (spec §13.7). ``transport``:
+    "nccl", or "direct" (spec §14.7; the module docstring). Returns ``out``."""
     _require()
+    if transport not in EP_TRANSPORTS:
+        raise ValueError(f"ep_moe_forward: transport: must be one of {EP_TRANSPORTS} (got {transport!r})")
     W1, W2, S1, S2 = _experts("ep_moe_forward", weights, w1, w2, w1_mx_scales, w2_mx_scales)
     if out is None:
         out = empty(x, (x.shape[0], x.shape[1]), "bfloat16")
+    peers = None
+    if transport == "direct":
+        nbytes = 0 if workspace is not None else _C.ep_moe_forward_workspace_size(
+            comm, arg(W1), arg(W2), k=topk_ids.shape[1], num_experts=num_experts,
+            max_tokens_per_rank=max_tokens_per_rank, recv_capacity=recv_capacity, sizing=sizing, fp8_rows=fp8_rows,
+            mode=mode, fp8=fp8, w1_scales=arg(w1_scales), w2_scales=arg(w2_scales), weights=weights,
+            w1_mx_scales=arg(S1), w2_mx_scales=arg(S2))
+        workspace, peers = _direct(comm, workspace, nbytes, x, x.shape[1], topk_ids.shape[1], num_experts,
+                                   max_tokens_per_rank, recv_capacity, fp8_rows, stream)
     if workspace is None:
         workspace = new_workspace(out, _C.ep_moe_forward_workspace_size(
             comm, arg(W1), arg(W2), k=topk_ids.shape[1], num_experts=num_experts,
@@ -102,7 +153,7 @@ def ep_moe_forward(comm, x, w1, w2, topk_ids, topk_weights, *, num_experts, max_
                       alpha=alpha, mode=mode, fp8=fp8, w1_scales=arg(w1_scales), w2_scales=arg(w2_scales),
                       weights=weights, w1_mx_scales=arg(S1), w2_mx_scales=arg(S2),
                       shared_output=arg(shared_output), dropped=arg(dropped), workspace=arg(workspace),
-                      stream=stream_of(stream, x))
+                      peers=peers, stream=stream_of(stream, x))
     return out
 
 

@@ -99,6 +99,43 @@ fm::EpShape ep_shape(const NcclComm& comm, int64_t hidden, int k, int num_expert
   return s;
 }
 
+// The direct transport of one workspace (spec §14.7): ep_peers_create on
+// the workspace's device (collective, synchronises the stream), destroyed
+// with the object.
+class EpPeers {
+ public:
+  EpPeers(const NcclComm& comm, const Out& workspace, int64_t hidden, int k, int num_experts,
+          int64_t max_tokens_per_rank, int64_t recv_capacity, bool fp8_rows, uintptr_t stream) {
+    constexpr const char* op = "ep_peers_create";
+    Placement w(op);
+    w.add(workspace, "workspace");
+    if (!w.cuda()) fail(op, "workspace", "must be a CUDA array");
+    const fm::EpShape s =
+        ep_shape(comm, hidden, k, num_experts, max_tokens_per_rank, recv_capacity, "capacity", fp8_rows);
+    const Workspace ws = workspace_of(workspace, op);
+    const ncclComm_t c = comm.get();
+    device_ = w.device();
+    dispatch(
+        w, op, [&] { return fm::ep_peers_create(s, ws.ptr, ws.bytes, c, as_stream(stream), &peers_); },
+        [&] { return fm::Status(fm::StatusCode::kNotSupported, "ep_peers_create: CUDA only"); });
+  }
+  // Unmapping under a kernel that still reads a peer would fault: the device
+  // finishes its work first.
+  ~EpPeers() {
+    if (peers_ == nullptr) return;
+    CudaDeviceGuard guard(device_, "EpPeers");
+    (void)cudaDeviceSynchronize();
+    fm::ep_peers_destroy(peers_);
+  }
+  EpPeers(const EpPeers&) = delete;
+  EpPeers& operator=(const EpPeers&) = delete;
+  const fm::EpPeers* get() const { return peers_; }
+
+ private:
+  fm::EpPeers* peers_ = nullptr;
+  int device_ = 0;
+};
+
 // ep_moe_forward's arguments from the arrays (sizes only when `X` is absent).
 fm::EpMoeForwardArgs ep_forward_args(const NcclComm& comm, const In& W1, const In& W2, int k, int num_experts,
                                      int64_t max_tokens_per_rank, int64_t recv_capacity, const std::string& sizing,
@@ -133,7 +170,8 @@ void ep_moe_forward(const NcclComm& comm, const In& X, const In& W1, const In& W
                     const std::string& w1_layout, const std::string& activation, float limit, float alpha,
                     const std::string& mode, const std::string& fp8, const OptIn& w1_scales, const OptIn& w2_scales,
                     const std::string& weights, const OptIn& w1_mx_scales, const OptIn& w2_mx_scales,
-                    const OptIn& shared_output, const OptOut& dropped, const OptOut& workspace, uintptr_t stream) {
+                    const OptIn& shared_output, const OptOut& dropped, const OptOut& workspace, const EpPeers* peers,
+                    uintptr_t stream) {
   constexpr const char* op = "ep_moe_forward";
   Placement w(op);
   w.add(out, "out", X, "X", W1, "W1", W2, "W2", topk_ids, "topk_ids", topk_weights, "topk_weights", b1, "b1", b2,
@@ -165,6 +203,7 @@ void ep_moe_forward(const NcclComm& comm, const In& X, const In& W1, const In& W
   a.out = mut(out);
   a.out_stride = row_stride(out, op, "out");
   a.dropped = dropped ? static_cast<int32_t*>(mut(*dropped)) : nullptr;
+  a.peers = peers ? peers->get() : nullptr;
   const Workspace ws = workspace_of(workspace, op);
   const ncclComm_t c = comm.get();
   dispatch(
@@ -264,6 +303,11 @@ void register_ep(nb::module_& m) {
       .def_prop_ro("world", &NcclComm::world)
       .def_prop_ro("handle", &NcclComm::handle)
       .def("destroy", &NcclComm::destroy);
+  nb::class_<EpPeers>(m, "EpPeers", "The direct EP transport of one workspace (spec §14.7, ep_peers_create).")
+      .def(nb::init<const NcclComm&, const Out&, int64_t, int, int, int64_t, int64_t, bool, uintptr_t>(), "comm"_a,
+           "workspace"_a, nb::kw_only(), "hidden"_a, "k"_a, "num_experts"_a, "max_tokens_per_rank"_a,
+           "recv_capacity"_a, "fp8_rows"_a, "stream"_a,
+           "Maps every rank's workspace into every other (collective over comm; synchronises the stream).");
   m.def("ep_moe_forward_workspace_size", &ep_moe_forward_workspace_size, "comm"_a, "W1"_a, "W2"_a, nb::kw_only(),
         "k"_a, "num_experts"_a, "max_tokens_per_rank"_a, "recv_capacity"_a, "sizing"_a, "fp8_rows"_a, "mode"_a, "fp8"_a,
         "w1_scales"_a.none(), "w2_scales"_a.none(), "weights"_a, "w1_mx_scales"_a.none(), "w2_mx_scales"_a.none(),
@@ -272,8 +316,9 @@ void register_ep(nb::module_& m) {
         nb::kw_only(), "num_experts"_a, "max_tokens_per_rank"_a, "recv_capacity"_a, "sizing"_a, "fp8_rows"_a, "b1"_a.none(),
         "b2"_a.none(), "w1_layout"_a, "activation"_a, "limit"_a, "alpha"_a, "mode"_a, "fp8"_a, "w1_scales"_a.none(),
         "w2_scales"_a.none(), "weights"_a, "w1_mx_scales"_a.none(), "w2_mx_scales"_a.none(), "shared_output"_a.none(),
-        "dropped"_a.none(), "workspace"_a.none(), "stream"_a,
-        "spec §14.3: dispatch, this rank's experts, combine into `out` [T, H].");
+        "dropped"_a.none(), "workspace"_a.none(), "peers"_a.none(), "stream"_a,
+        "spec §14.3: dispatch, this rank's experts, combine into `out` [T, H]; with `peers` over the direct "
+        "transport made for `workspace` (spec §14.7).");
   m.def("ep_moe_forward_replicated_workspace_size", &ep_moe_forward_replicated_workspace_size, "comm"_a, "W1"_a, "W2"_a,
         nb::kw_only(), "num_tokens"_a, "k"_a, "num_experts"_a, "reduce"_a, "mode"_a, "fp8"_a, "w1_scales"_a.none(),
         "w2_scales"_a.none(), "weights"_a, "w1_mx_scales"_a.none(), "w2_mx_scales"_a.none(),

@@ -73,11 +73,26 @@ def _rank(rank, store):
     x, ids, w = (t.to(dev) for t in toks[rank])
     w1d, w2d = w1.to(dev), w2.to(dev)
     single = flashmix.moe_forward(x, w1d, w2d, k=K, token_selected_experts=ids, token_final_scales=w, num_experts=E)
+    outs = {}
     for sizing in flashmix.EP_SIZINGS:
-        out = flashmix.ep_moe_forward(comm, x, w1d[lo:hi], w2d[lo:hi], ids, w, num_experts=E,
-                                      max_tokens_per_rank=max(T), sizing=sizing)
-        torch.cuda.synchronize()
-        _check(out, single, f"rank {rank} ep_moe_forward ({sizing})")
+        for transport in flashmix.EP_TRANSPORTS:
+            for call in range(2):  # the direct transport maps on the first call, reuses on the second
+                out = flashmix.ep_moe_forward(comm, x, w1d[lo:hi], w2d[lo:hi], ids, w, num_experts=E,
+                                              max_tokens_per_rank=max(T), sizing=sizing, transport=transport,
+                                              mode="deterministic")
+            torch.cuda.synchronize()
+            _check(out, single, f"rank {rank} ep_moe_forward ({sizing}, {transport})")
+            outs[sizing, transport] = out
+    # spec §14.7: the direct transport's result is the NCCL transport's, bit for bit (deterministic FC2).
+    for sizing in flashmix.EP_SIZINGS:
+        assert torch.equal(outs[sizing, "direct"], outs[sizing, "nccl"]), f"rank {rank}: direct != nccl ({sizing})"
+    try:
+        flashmix.ep_moe_forward(comm, x, w1d[lo:hi], w2d[lo:hi], ids, w, num_experts=E, max_tokens_per_rank=max(T),
+                                transport="nvshmem")
+        raise AssertionError("an unknown transport was accepted")
+    except ValueError as e:
+        assert "transport" in str(e)
+    flashmix.ep_direct_release()
     # The replicated way: rank 0's tokens on both ranks.
     x0, ids0, w0 = (t.to(dev) for t in toks[0])
     single0 = flashmix.moe_forward(x0, w1d, w2d, k=K, token_selected_experts=ids0, token_final_scales=w0,
