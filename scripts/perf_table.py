@@ -71,6 +71,7 @@ SUMMARY_CASES = [
     ("ep_moe_forward", "deepseek_T4096_k8_E256_I2048_H7168_ep2_direct"),
     ("ep_reduce", "T4096_H7168_ep2"),
     ("ep_dispatch_combine", "deepseek_T4096_k8_E256_H7168_ep4"),
+    ("ep_dispatch_combine", "deepseek_T4096_k8_E256_H7168_ep4_direct"),
     ("ep_moe_forward", "deepseek_T4096_k8_E256_I2048_H7168_ep4"),
     ("ep_reduce", "T4096_H7168_ep4"),
 ]
