@@ -145,7 +145,7 @@ void bench_dispatch_combine(Context& ctx, const Shape& sh, EpSizing sizing, bool
   int64_t rows_sent = 0;
   for (int p = 0; p < world; ++p)  // the direct transport moves the rows that exist, as kExact does
     if (p != rank) rows_sent += sizing == EpSizing::kCapacity && !direct ? C : counts[size_t(p)];
-  ep_peers_destroy(peers);
+  EP_OK(ep_peers_destroy(peers, comm, stream));
   // Dispatch rows (bf16, or e4m3 + their scales) and combine rows (bf16): this rank's sends.
   const double in_row = fp8_rows ? double(sh.H) + double(sh.H / 128) * 4 : double(sh.H) * 2;
   const double bytes = double(rows_sent) * (in_row + double(sh.H) * 2);
@@ -225,8 +225,7 @@ void bench_moe_forward(Context& ctx, const Shape& sh, bool direct, const std::st
   if (direct) EP_OK(ep_peers_create(f.shape, ws.p, ws.bytes, comm, stream, &peers));
   f.peers = peers;
   const double t = median_us([&] { EP_OK(ep_moe_forward(f, comm, ws.p, ws.bytes, stream)); }, stream, 2, iters(ctx));
-  BENCH_CUDA(cudaStreamSynchronize(stream));
-  ep_peers_destroy(peers);
+  EP_OK(ep_peers_destroy(peers, comm, stream));
 
   // The plain reference.
   const int64_t slots = k * T;

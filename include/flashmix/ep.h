@@ -121,21 +121,29 @@ int64_t ep_recv_capacity(const EpShape& shape);  // C
 // call and no host sync per dispatch or combine, in either sizing (only the
 // rows that exist cross), capturable in a CUDA graph.
 //
-// ep_peers_create is collective (every rank of `comm` calls it with its own
-// workspace of the same shape) and synchronises `stream`: a set-up step, not
-// capturable. The workspace must be device memory from cudaMalloc (or an
-// allocator built on it) that stays allocated until ep_peers_destroy; every
-// GPU must reach every other (peer access; kNotSupported otherwise). Pass
-// the result as EpDispatchArgs / EpCombineArgs / EpMoeForwardArgs::peers
-// with that workspace (ep_moe_forward: its workspace, whose first
-// ep_workspace_size bytes are the dispatch's). With peers each dispatch on a
-// workspace must be followed by its combine before the next dispatch, on
-// every rank, in the same order.
+// ep_peers_create is collective (every rank of `comm` calls it, one thread or
+// process per rank, with its own workspace of the same shape; a rank whose
+// shape differs fails every rank) and synchronises `stream`: a set-up step,
+// refused on a capturing stream. The workspace must be device memory of the
+// current GPU from cudaMalloc (or an allocator built on it) that stays
+// allocated until ep_peers_destroy; every GPU must reach every other (peer
+// access; kNotSupported otherwise). Pass the result as EpDispatchArgs /
+// EpCombineArgs / EpMoeForwardArgs::peers with that workspace
+// (ep_moe_forward: its workspace, whose first ep_workspace_size bytes are the
+// dispatch's). With peers, on every rank and in the same order, each dispatch
+// on a workspace is followed by its combine before the next dispatch; the
+// receive view is valid until the combine (peers write into it from their
+// next dispatch on), and expert_out is written only between a dispatch and
+// its combine. Nothing bounds the device-side wait for a peer that never
+// arrives (as with NCCL, a rank that stops calling hangs the others).
 struct EpPeers;
 Status ep_peers_create(const EpShape& shape, void* workspace, size_t workspace_bytes, ncclComm_t comm,
                        cudaStream_t stream, EpPeers** peers);
-// Unmaps the peers' workspaces; after the work that used them has finished.
-void ep_peers_destroy(EpPeers* peers);
+// Collective with `comm`: waits for this GPU's work, then for every rank
+// (a barrier on `stream`), then unmaps and frees `peers`; after it each rank
+// may free its workspace. With comm null it only unmaps (the caller knows
+// every rank is done with the workspaces). Null peers: nothing.
+Status ep_peers_destroy(EpPeers* peers, ncclComm_t comm, cudaStream_t stream);
 size_t ep_workspace_size(const EpShape& shape);  // dispatch + combine (not the experts' own workspace)
 
 // The received rows inside the workspace, valid after ep_dispatch: rows

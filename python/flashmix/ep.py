@@ -14,7 +14,8 @@ Rank r of W holds experts ``[r*E/W, (r+1)*E/W)`` (``w1``/``w2`` are its
   kernels instead of NCCL (spec §14.7): the ranks map each other's workspace
   on the first call of a shape (collective, synchronises; not inside a graph
   capture), later calls need no NCCL call and no sync; the mapped workspaces
-  stay until ``ep_direct_release()``.
+  (one per communicator, device, stream, shape and workspace) stay until the
+  collective ``ep_direct_release(comm)``.
 - ``ep_moe_forward_replicated``: every rank holds the same tokens; each
   computes its experts' partial and NCCL sums them ("all_reduce", or
   "reduce_scatter": rank r keeps rows ``[r*T/W, (r+1)*T/W)``).
@@ -33,7 +34,7 @@ __all__ = ["ep_available", "nccl_communicator", "NcclComm", "ep_moe_forward", "e
 #: ``transport`` values of ep_moe_forward: NCCL's, or flashmix's direct one over NVLink (spec §14.7).
 EP_TRANSPORTS = ("nccl", "direct")
 
-# The direct transport's mapped workspaces: key -> (comm, workspace, EpPeers, what it was made for).
+# The direct transport's mapped workspaces: key -> (comm, workspace, EpPeers).
 _DIRECT = {}
 
 _FORWARD = defaults(_C.moe_defaults())["moe_forward"]
@@ -85,30 +86,34 @@ def _experts(op, weights, w1, w2, w1_mx_scales, w2_mx_scales):
             _mx_bytes(w2_mx_scales, weights, op, "w2_mx_scales", True))
 
 
-def ep_direct_release():
-    """Drops the direct transport's mapped workspaces (every rank, once no call that uses them is in
-    flight); the next ``transport="direct"`` call maps again."""
-    _DIRECT.clear()
+def ep_direct_release(comm=None, stream=None):
+    """Unmaps the direct transport's workspaces of ``comm`` (all of them when None), collectively: every
+    rank calls it, in the same order as the others, once its calls that used them were issued; it waits
+    for this GPU and for every rank, then frees. Not while a captured graph that used them may still
+    run. The next ``transport="direct"`` call maps again."""
+    for key in [k for k, v in _DIRECT.items() if comm is None or v[0] is comm]:
+        c, workspace, peers = _DIRECT.pop(key)
+        peers.release(c, stream_of(stream, workspace))
 
 
 def _direct(comm, workspace, nbytes, x, hidden, k, num_experts, max_tokens_per_rank, recv_capacity, fp8_rows,
             stream):
-    """The workspace and EpPeers of a direct-transport call: one kept per (communicator, device, shape),
-    made on first use (collective) and again when the caller's workspace or the size changes (every rank
-    must see the same change: pass the same workspace on each call, or none)."""
-    key = (id(comm), str(x.device), (hidden, k, num_experts, max_tokens_per_rank, recv_capacity, bool(fp8_rows)),
-           workspace is None)
-    want = (workspace.data_ptr(), workspace.numel()) if workspace is not None else nbytes
+    """The workspace and EpPeers of a direct-transport call: one per (communicator, device, stream, shape,
+    workspace), made on its first use (collective: every rank makes the same calls in the same order) and
+    kept until ep_direct_release."""
+    s = stream_of(stream, x)
+    ws_key = (workspace.data_ptr(), workspace.numel()) if workspace is not None else ("auto", nbytes)
+    key = (id(comm), str(x.device), s, (hidden, k, num_experts, max_tokens_per_rank, recv_capacity, bool(fp8_rows)),
+           ws_key)
     hit = _DIRECT.get(key)
-    if hit is not None and hit[0] is comm and hit[3] == want:
+    if hit is not None and hit[0] is comm:
         return hit[1], hit[2]
-    _DIRECT.pop(key, None)  # its EpPeers waits for the device before unmapping
     if workspace is None:
         workspace = new_workspace(x, nbytes)
     peers = _C.EpPeers(comm, arg(workspace), hidden=hidden, k=k, num_experts=num_experts,
                        max_tokens_per_rank=max_tokens_per_rank, recv_capacity=recv_capacity, fp8_rows=fp8_rows,
-                       stream=stream_of(stream, x))
-    _DIRECT[key] = (comm, workspace, peers, want)
+                       stream=s)
+    _DIRECT[key] = (comm, workspace, peers)
     return workspace, peers
 
 

@@ -100,8 +100,9 @@ fm::EpShape ep_shape(const NcclComm& comm, int64_t hidden, int k, int num_expert
 }
 
 // The direct transport of one workspace (spec §14.7): ep_peers_create on
-// the workspace's device (collective, synchronises the stream), destroyed
-// with the object.
+// the workspace's device (collective, synchronises the stream). release()
+// is the collective teardown (ep_peers_destroy with the communicator); an
+// object dropped without it unmaps locally once its device is idle.
 class EpPeers {
  public:
   EpPeers(const NcclComm& comm, const Out& workspace, int64_t hidden, int k, int num_experts,
@@ -119,13 +120,26 @@ class EpPeers {
         w, op, [&] { return fm::ep_peers_create(s, ws.ptr, ws.bytes, c, as_stream(stream), &peers_); },
         [&] { return fm::Status(fm::StatusCode::kNotSupported, "ep_peers_create: CUDA only"); });
   }
-  // Unmapping under a kernel that still reads a peer would fault: the device
-  // finishes its work first.
+  void release(const NcclComm& comm, uintptr_t stream) {
+    if (peers_ == nullptr) return;
+    const ncclComm_t c = comm.get();
+    fm::Status st;
+    {
+      CudaDeviceGuard guard(device_, "EpPeers.release");
+      nb::gil_scoped_release unlocked;
+      st = fm::ep_peers_destroy(peers_, c, as_stream(stream));
+    }
+    peers_ = nullptr;
+    raise_if_error(st);
+  }
   ~EpPeers() {
     if (peers_ == nullptr) return;
-    CudaDeviceGuard guard(device_, "EpPeers");
-    (void)cudaDeviceSynchronize();
-    fm::ep_peers_destroy(peers_);
+    int current = -1;
+    if (cudaGetDevice(&current) != cudaSuccess) current = -1;
+    if (current != device_) (void)cudaSetDevice(device_);
+    (void)cudaDeviceSynchronize();  // this rank's work on the mappings
+    (void)fm::ep_peers_destroy(peers_, nullptr, nullptr);
+    if (current >= 0 && current != device_) (void)cudaSetDevice(current);
   }
   EpPeers(const EpPeers&) = delete;
   EpPeers& operator=(const EpPeers&) = delete;
@@ -307,7 +321,9 @@ void register_ep(nb::module_& m) {
       .def(nb::init<const NcclComm&, const Out&, int64_t, int, int, int64_t, int64_t, bool, uintptr_t>(), "comm"_a,
            "workspace"_a, nb::kw_only(), "hidden"_a, "k"_a, "num_experts"_a, "max_tokens_per_rank"_a,
            "recv_capacity"_a, "fp8_rows"_a, "stream"_a,
-           "Maps every rank's workspace into every other (collective over comm; synchronises the stream).");
+           "Maps every rank's workspace into every other (collective over comm; synchronises the stream).")
+      .def("release", &EpPeers::release, "comm"_a, "stream"_a,
+           "ep_peers_destroy: waits for this GPU, then every rank (collective), then unmaps.");
   m.def("ep_moe_forward_workspace_size", &ep_moe_forward_workspace_size, "comm"_a, "W1"_a, "W2"_a, nb::kw_only(),
         "k"_a, "num_experts"_a, "max_tokens_per_rank"_a, "recv_capacity"_a, "sizing"_a, "fp8_rows"_a, "mode"_a, "fp8"_a,
         "w1_scales"_a.none(), "w2_scales"_a.none(), "weights"_a, "w1_mx_scales"_a.none(), "w2_mx_scales"_a.none(),

@@ -1,17 +1,22 @@
-// The direct transport's set-up (spec §14.7): every rank maps every other
-// rank's workspace. Each rank publishes its workspace's allocation (a CUDA
-// IPC handle and the workspace's offset in it, its process id and device)
+// The direct transport's set-up and teardown (spec §14.7): every rank maps
+// every other rank's workspace. Each rank publishes its workspace's
+// allocation (a CUDA IPC handle and the workspace's offset in it), a token
+// that identifies its process, its device and a fingerprint of its shape
 // through one NCCL all-gather; a rank in another process is opened by its
-// handle, one in this process (a communicator over several GPUs of one
-// process) is reached by its pointer with peer access enabled. Every rank
-// then zeroes its handshake words, and an all-reduce of the ranks' failures
-// makes the outcome the same on all of them: either every rank holds a
-// complete table or every rank gets the error.
+// handle, one in this process (one thread per GPU) is reached by its pointer
+// with peer access enabled. Every rank then zeroes its handshake words, and
+// an all-reduce of the ranks' failures makes the outcome the same on all of
+// them: either every rank holds a complete table or every rank gets an
+// error. Failures before the all-gather that a rank can see locally (bad
+// arguments, a capturing stream) return before any collective on every rank
+// that sees them; failures after it are folded into the all-reduce.
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <random>
 #include <vector>
 
 #include <cuda.h>  // CUdeviceptr / CUresult for the driver entry point only
@@ -35,16 +40,43 @@ namespace ep {
 namespace {
 
 constexpr const char* kCreateOp = "ep_peers_create";
+constexpr const char* kDestroyOp = "ep_peers_destroy";
 
 // What a rank publishes about its workspace.
 struct Published {
   cudaIpcMemHandle_t handle;  // of the allocation holding the workspace
   uint64_t offset;            // the workspace's byte offset in that allocation
   uint64_t pointer;           // the workspace's address in its own process
-  int64_t pid;
+  uint64_t process;           // this process's token (process_token)
+  uint64_t shape;             // shape_fingerprint of the publisher's shape
   int32_t device;
-  int32_t pad;
+  int32_t ok;                 // 0: this rank failed before the exchange (its record is not usable)
 };
+
+// A random 64-bit token per process: two ranks share a process exactly when
+// their tokens are equal (pids repeat across containers and hosts).
+uint64_t process_token() {
+  static const uint64_t token = [] {
+    std::random_device rd;
+    const uint64_t t = uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
+    return (uint64_t(rd()) << 32 ^ uint64_t(rd())) ^ (uint64_t(getpid()) << 17) ^ t;
+  }();
+  return token;
+}
+
+// What every rank must agree on for the layouts to match (not the rank).
+uint64_t shape_fingerprint(const EpShape& s) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&](uint64_t v) { h = (h ^ v) * 1099511628211ull; };
+  mix(uint64_t(s.world));
+  mix(uint64_t(s.hidden));
+  mix(uint64_t(s.k));
+  mix(uint64_t(s.num_experts));
+  mix(uint64_t(s.max_tokens_per_rank));
+  mix(uint64_t(ep_recv_capacity(s)));
+  mix(uint64_t(s.fp8_rows));
+  return h;
+}
 
 using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 
@@ -62,18 +94,27 @@ GetAddressRange address_range_fn() {
   return fn;
 }
 
-Status nccl_status(ncclResult_t r, const char* what) {
+Status nccl_status(ncclResult_t r, const char* op, const char* what) {
   if (r == ncclSuccess) return Status::Ok();
-  return Status(StatusCode::kCommError, detail::concat(kCreateOp, ": ", what, ": ", ncclGetErrorString(r)));
+  return Status(StatusCode::kCommError, detail::concat(op, ": ", what, ": ", ncclGetErrorString(r)));
 }
 
-// This rank's record; a failure is reported, not returned, so that the
+// This rank's record. A failure is reported, not returned early, so that the
 // exchange still happens on every rank.
-Status describe(void* workspace, int device, Published* me) {
+Status describe(const EpShape& shape, void* workspace, int device, Published* me) {
   std::memset(me, 0, sizeof(*me));
   me->pointer = reinterpret_cast<uintptr_t>(workspace);
-  me->pid = int64_t(getpid());
+  me->process = process_token();
+  me->shape = shape_fingerprint(shape);
   me->device = device;
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, workspace) != cudaSuccess || attr.type != cudaMemoryTypeDevice) {
+    (void)cudaGetLastError();
+    return Status(StatusCode::kInvalidArgument, detail::concat(kCreateOp, ": workspace: not device memory"));
+  }
+  if (attr.device != device)
+    return Status(StatusCode::kInvalidArgument, detail::concat(kCreateOp, ": workspace: is on GPU ", attr.device,
+                                                               ", the current GPU is ", device));
   const GetAddressRange range = address_range_fn();
   if (range == nullptr)
     return Status(StatusCode::kNotSupported, detail::concat(kCreateOp, ": the driver offers no cuMemGetAddressRange"));
@@ -91,12 +132,13 @@ Status describe(void* workspace, int device, Published* me) {
                                             "(cudaIpcGetMemHandle: ",
                                  cudaGetErrorName(e), "); allocate it with cudaMalloc"));
   }
+  me->ok = 1;
   return Status::Ok();
 }
 
 // Rank p's workspace as this process reaches it.
 Status open_peer(const Published& p, int my_device, EpPeers* peers, char** base) {
-  if (p.pid == int64_t(getpid())) {
+  if (p.process == process_token()) {
     if (p.device != my_device) {
       int can = 0;
       FM_RETURN_IF_ERROR(detail::cuda_status(cudaDeviceCanAccessPeer(&can, my_device, p.device), kCreateOp,
@@ -126,29 +168,47 @@ Status open_peer(const Published& p, int my_device, EpPeers* peers, char** base)
   return Status::Ok();
 }
 
+// An all-reduce (sum) of one int32 on `buf`, read back: every rank's `flag`
+// summed, and a barrier (the stream is synchronised).
+Status all_sum(int32_t* buf, int32_t flag, int32_t* sum, ncclComm_t comm, cudaStream_t stream, const char* op) {
+  FM_RETURN_IF_ERROR(detail::cuda_status(cudaMemcpyAsync(buf, &flag, 4, cudaMemcpyHostToDevice, stream), op,
+                                         "copying the outcome"));
+  FM_RETURN_IF_ERROR(nccl_status(ncclAllReduce(buf, buf, 1, ncclInt32, ncclSum, comm, stream), op, "ncclAllReduce"));
+  FM_RETURN_IF_ERROR(
+      detail::cuda_status(cudaMemcpyAsync(sum, buf, 4, cudaMemcpyDeviceToHost, stream), op, "copying the outcome"));
+  return detail::cuda_status(cudaStreamSynchronize(stream), op, "cudaStreamSynchronize");
+}
+
+// The device scratch of the exchange: the records [W], then one int32.
+struct Scratch {
+  void* p = nullptr;
+  ~Scratch() {
+    if (p != nullptr) (void)cudaFree(p);
+  }
+};
+
 Status create(const EpShape& shape, void* workspace, ncclComm_t comm, cudaStream_t stream, EpPeers* peers) {
   const int W = shape.world;
   const Layout l = layout(shape);
   FM_RETURN_IF_ERROR(detail::cuda_status(cudaGetDevice(&peers->device), kCreateOp, "cudaGetDevice"));
-  // One device buffer: the records [W], then the failure count.
   const size_t rec = (sizeof(Published) + 15) / 16 * 16;
-  void* scratch = nullptr;
-  FM_RETURN_IF_ERROR(detail::cuda_status(cudaMalloc(&scratch, rec * size_t(W) + 16), kCreateOp, "cudaMalloc"));
-  std::unique_ptr<void, void (*)(void*)> free_scratch(scratch, [](void* p) { (void)cudaFree(p); });
-  char* recs = static_cast<char*>(scratch);
+  Scratch scratch;
+  FM_RETURN_IF_ERROR(
+      detail::cuda_status(cudaMalloc(&scratch.p, rec * size_t(W) + 16), kCreateOp, "cudaMalloc (the exchange)"));
+  char* recs = static_cast<char*>(scratch.p);
   int32_t* failed = reinterpret_cast<int32_t*>(recs + rec * size_t(W));
 
   Published me;
-  Status mine = describe(workspace, peers->device, &me);
+  Status mine = describe(shape, workspace, peers->device, &me);
   FM_RETURN_IF_ERROR(detail::cuda_status(
       cudaMemcpyAsync(recs + rec * size_t(shape.rank), &me, sizeof(me), cudaMemcpyHostToDevice, stream), kCreateOp,
       "copying the record"));
-  FM_RETURN_IF_ERROR(nccl_status(
-      ncclAllGather(recs + rec * size_t(shape.rank), recs, rec, ncclUint8, comm, stream), "ncclAllGather"));
+  FM_RETURN_IF_ERROR(nccl_status(ncclAllGather(recs + rec * size_t(shape.rank), recs, rec, ncclUint8, comm, stream),
+                                 kCreateOp, "ncclAllGather"));
   std::vector<char> all(rec * size_t(W));
-  FM_RETURN_IF_ERROR(detail::cuda_status(cudaMemcpyAsync(all.data(), recs, all.size(), cudaMemcpyDeviceToHost, stream),
-                                         kCreateOp, "copying the records"));
-  FM_RETURN_IF_ERROR(detail::cuda_status(cudaStreamSynchronize(stream), kCreateOp, "cudaStreamSynchronize"));
+  cudaError_t e = cudaMemcpyAsync(all.data(), recs, all.size(), cudaMemcpyDeviceToHost, stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  if (mine.ok() && e != cudaSuccess) mine = detail::cuda_status(e, kCreateOp, "copying the records");
 
   std::vector<char*> bases(size_t(W), nullptr);
   bases[size_t(shape.rank)] = static_cast<char*>(workspace);
@@ -156,31 +216,30 @@ Status create(const EpShape& shape, void* workspace, ncclComm_t comm, cudaStream
     if (p == shape.rank) continue;
     Published theirs;
     std::memcpy(&theirs, all.data() + rec * size_t(p), sizeof(theirs));
+    if (!theirs.ok) break;  // that rank reports its own error; the all-reduce below fails every rank
+    if (theirs.shape != me.shape) {
+      mine = Status(StatusCode::kInvalidArgument,
+                    detail::concat(kCreateOp, ": shape: rank ", p, " gave another shape (hidden, k, num_experts, "
+                                                                  "max_tokens_per_rank, recv_capacity or fp8_rows)"));
+      break;
+    }
     mine = open_peer(theirs, peers->device, peers, &bases[size_t(p)]);
   }
-  if (mine.ok()) {
+  if (mine.ok())
     mine = detail::cuda_status(cudaMalloc(reinterpret_cast<void**>(&peers->bases), size_t(W) * sizeof(char*)),
                                kCreateOp, "cudaMalloc");
-  }
-  if (mine.ok()) {
+  if (mine.ok())
     mine = detail::cuda_status(cudaMemcpyAsync(peers->bases, bases.data(), size_t(W) * sizeof(char*),
                                                cudaMemcpyHostToDevice, stream),
                                kCreateOp, "copying the table");
-  }
-  if (mine.ok()) {
+  if (mine.ok())
     mine = detail::cuda_status(cudaMemsetAsync(static_cast<char*>(workspace) + l.sync, 0, sync_bytes(W), stream),
                                kCreateOp, "zeroing the handshake words");
-  }
+  if (!mine.ok()) (void)cudaGetLastError();  // reported through the Status; the collective still runs
   // Every rank learns whether any rank failed; the all-reduce also orders
   // every rank's zeroing before any rank's first handshake.
-  const int32_t flag = mine.ok() ? 0 : 1;
-  FM_RETURN_IF_ERROR(detail::cuda_status(cudaMemcpyAsync(failed, &flag, 4, cudaMemcpyHostToDevice, stream), kCreateOp,
-                                         "copying the outcome"));
-  FM_RETURN_IF_ERROR(nccl_status(ncclAllReduce(failed, failed, 1, ncclInt32, ncclSum, comm, stream), "ncclAllReduce"));
   int32_t any = 0;
-  FM_RETURN_IF_ERROR(detail::cuda_status(cudaMemcpyAsync(&any, failed, 4, cudaMemcpyDeviceToHost, stream), kCreateOp,
-                                         "copying the outcome"));
-  FM_RETURN_IF_ERROR(detail::cuda_status(cudaStreamSynchronize(stream), kCreateOp, "cudaStreamSynchronize"));
+  FM_RETURN_IF_ERROR(all_sum(failed, mine.ok() ? 0 : 1, &any, comm, stream, kCreateOp));
   if (!mine.ok()) return mine;
   if (any != 0)
     return Status(StatusCode::kNotSupported,
@@ -189,9 +248,20 @@ Status create(const EpShape& shape, void* workspace, ncclComm_t comm, cudaStream
 }
 
 bool same_shape(const EpShape& a, const EpShape& b) {
-  return a.rank == b.rank && a.world == b.world && a.hidden == b.hidden && a.k == b.k &&
-         a.num_experts == b.num_experts && a.max_tokens_per_rank == b.max_tokens_per_rank &&
-         ep_recv_capacity(a) == ep_recv_capacity(b) && a.fp8_rows == b.fp8_rows;
+  return a.rank == b.rank && shape_fingerprint(a) == shape_fingerprint(b);
+}
+
+// Unmaps and frees what this rank holds (no collective).
+void release_local(EpPeers* peers) {
+  const bool pending = cudaPeekAtLastError() != cudaSuccess;  // the caller's: left as it is
+  int current = -1;
+  const bool switch_device = cudaGetDevice(&current) == cudaSuccess && peers->device >= 0 && current != peers->device;
+  if (switch_device) (void)cudaSetDevice(peers->device);
+  for (void* p : peers->opened) (void)cudaIpcCloseMemHandle(p);
+  if (peers->bases != nullptr) (void)cudaFree(peers->bases);
+  if (switch_device) (void)cudaSetDevice(current);
+  if (!pending) (void)cudaGetLastError();  // nothing of ours is left set
+  delete peers;
 }
 
 }  // namespace
@@ -228,27 +298,43 @@ Status ep_peers_create(const EpShape& shape, void* workspace, size_t workspace_b
   made->workspace = workspace;
   const Status st = detail::without_cuda_error_left(kCreateOp, [&]() -> Status {
     FM_RETURN_IF_ERROR(detail::check_stream(stream, kCreateOp));
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    FM_RETURN_IF_ERROR(detail::cuda_status(cudaStreamGetCaptureInfo(stream, &capture), kCreateOp, "stream"));
+    FM_REQUIRE(capture == cudaStreamCaptureStatusNone, kCreateOp, "stream",
+               "is being captured: ep_peers_create synchronises (a set-up step; make it before the capture)");
     return create(shape, workspace, comm, stream, made.get());
   });
   if (!st.ok()) {
-    ep_peers_destroy(made.release());
+    release_local(made.release());
     return st;
   }
   *peers = made.release();
   return Status::Ok();
 }
 
-void ep_peers_destroy(EpPeers* peers) {
-  if (peers == nullptr) return;
-  const bool pending = cudaPeekAtLastError() != cudaSuccess;  // the caller's: left as it is
-  int current = -1;
-  const bool switch_device = cudaGetDevice(&current) == cudaSuccess && peers->device >= 0 && current != peers->device;
-  if (switch_device) (void)cudaSetDevice(peers->device);
-  for (void* p : peers->opened) (void)cudaIpcCloseMemHandle(p);
-  if (peers->bases != nullptr) (void)cudaFree(peers->bases);
-  if (switch_device) (void)cudaSetDevice(current);
-  if (!pending) (void)cudaGetLastError();  // nothing of ours is left set
-  delete peers;
+Status ep_peers_destroy(EpPeers* peers, ncclComm_t comm, cudaStream_t stream) {
+  using namespace ep;
+  if (peers == nullptr) return Status::Ok();
+  if (comm == nullptr) {
+    release_local(peers);
+    return Status::Ok();
+  }
+  // Every rank's work on the mappings ends before any rank unmaps: this
+  // device finishes, then a barrier over the communicator.
+  Status st = detail::without_cuda_error_left(kDestroyOp, [&]() -> Status {
+    int current = -1;
+    FM_RETURN_IF_ERROR(detail::cuda_status(cudaGetDevice(&current), kDestroyOp, "cudaGetDevice"));
+    FM_REQUIRE(current == peers->device, kDestroyOp, "peers", "was made on GPU ", peers->device,
+               ", the current GPU is ", current);
+    FM_RETURN_IF_ERROR(detail::cuda_status(cudaDeviceSynchronize(), kDestroyOp, "cudaDeviceSynchronize"));
+    Scratch scratch;
+    FM_RETURN_IF_ERROR(detail::cuda_status(cudaMalloc(&scratch.p, 16), kDestroyOp, "cudaMalloc"));
+    int32_t sum = 0;
+    return all_sum(static_cast<int32_t*>(scratch.p), 0, &sum, comm, stream, kDestroyOp);
+  });
+  if (st.code() == StatusCode::kInvalidArgument) return st;  // nothing done: the caller may retry on the right GPU
+  release_local(peers);
+  return st;
 }
 
 }  // namespace flashmix

@@ -235,6 +235,43 @@ void expect_rows(const char* what, int rank, int64_t T, int64_t H, const std::ve
   EXPECT_EQ(bad, 0) << what << " rank " << rank << ": " << bad << " mismatches";
 }
 
+// Holds a GPU for `ns` nanoseconds: one rank runs late, so that a rank that
+// ran ahead into a buffer still in use would show.
+__global__ void spin_kernel(uint64_t ns) {
+  uint64_t t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
+
+// Standalone dispatch + combine with identity experts (expert_out = the
+// received rows): out[t] = the sum, over the ranks t went to in rank order,
+// of X[t] in fp32, + shared[t], rounded once (NaN where cut): the expectation
+// on the host from the CPU plan.
+std::vector<uint16_t> identity_layer_ref(const EpShape& shape, int64_t C, const Tokens& tk, int64_t T, int64_t H,
+                                         bool shared) {
+  const EpPlanCpu plan = ep_plan_cpu(shape, T, tk.ids.data());
+  std::vector<uint16_t> want(size_t(T * H));
+  for (int64_t t = 0; t < T; ++t) {
+    int n = 0;
+    bool cut = false;
+    for (int q = 0; q < shape.world; ++q) {
+      const int32_t row = plan.row[size_t(q * T + t)];
+      n += row >= 0 && row < C;
+      cut = cut || row >= C;
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      const float x = host::bf16_to_float(reinterpret_cast<const uint16_t*>(tk.X.data())[t * H + h]);
+      float acc = cut ? std::nanf("") : 0.f;
+      for (int i = 0; i < n; ++i) acc += x;
+      if (shared) acc += float(tk.shared.get(t * H + h));
+      want[size_t(t * H + h)] = host::float_to_bf16(acc);
+    }
+  }
+  return want;
+}
+
 EpShape shape_of(const EpCase& c, int rank) {
   EpShape s;
   s.rank = rank;
@@ -249,15 +286,26 @@ EpShape shape_of(const EpCase& c, int rank) {
   return s;
 }
 
-// The direct transport (spec §14.7) for `ws`, or null for NCCL.
+// The direct transport (spec §14.7) for `ws`, or null for NCCL; destroyed
+// collectively (every rank done with every workspace before any is freed).
 struct Peers {
   EpPeers* p = nullptr;
-  Peers(bool on, const EpShape& s, DeviceBuffer& ws, ncclComm_t comm, cudaStream_t stream) {
+  ncclComm_t comm;
+  cudaStream_t stream;
+  Peers(bool on, const EpShape& s, DeviceBuffer& ws, ncclComm_t c, cudaStream_t st) : comm(c), stream(st) {
     if (!on) return;
-    const Status st = ep_peers_create(s, ws.get(), ws.bytes(), comm, stream, &p);
-    EXPECT_TRUE(st.ok()) << st.message();
+    const Status status = ep_peers_create(s, ws.get(), ws.bytes(), comm, stream, &p);
+    EXPECT_TRUE(status.ok()) << status.message();
   }
-  ~Peers() { ep_peers_destroy(p); }
+  // Before the stream goes (every rank closes its objects in the same order).
+  void close() {
+    const Status status = ep_peers_destroy(p, comm, stream);
+    EXPECT_TRUE(status.ok()) << status.message();
+    p = nullptr;
+  }
+  ~Peers() {
+    if (p != nullptr) close();
+  }
   Peers(const Peers&) = delete;
   Peers& operator=(const Peers&) = delete;
 };
@@ -344,6 +392,56 @@ int all_to_all_rank(const EpCase& c, int rank, ncclComm_t comm, bool peers) {
   }
   EXPECT_EQ(bad, 0) << via;
 
+  // 1b. Combine alone (bf16 rows): identity experts, two rounds back to back
+  // (the first round's tokens, then another routing), one rank held back
+  // before the second dispatch and another before the first combine.
+  if (!c.fp8) {
+    const std::vector<Tokens> other = [&] {
+      std::vector<Tokens> o;
+      for (int q = 0; q < c.world; ++q) o.push_back(make_tokens(c, q, 0xc0b1e));
+      return o;
+    }();
+    DeviceTokens dt2(other[size_t(rank)]);
+    DeviceBuffer outA(size_t(std::max<int64_t>(1, T) * H * 2)), outB(outA.bytes());
+    for (int round = 0; round < 2; ++round) {
+      DeviceTokens& tk = round == 0 ? dt : dt2;
+      if (round == 1) {
+        if (rank == 1 % c.world) spin_kernel<<<1, 1, 0, stream>>>(200000);
+        EpDispatchArgs d2 = d;
+        d2.X = tk.X.get();
+        d2.topk_ids = tk.ids.as<int32_t>();
+        d2.topk_weights = tk.w.as<float>();
+        st = ep_dispatch(d2, comm, ws.get(), ws.bytes(), stream);
+        EXPECT_TRUE(st.ok()) << st.message();
+      }
+      CK(cudaMemcpyAsync(v.expert_out, v.x, size_t(v.rows * H * 2), cudaMemcpyDeviceToDevice, stream));
+      if (rank == 0) spin_kernel<<<1, 1, 0, stream>>>(200000);
+      EpCombineArgs cb;
+      cb.shape = shape;
+      cb.num_tokens = T;
+      cb.shared_output = c.shared ? tk.shared.get() : nullptr;
+      cb.out = (round == 0 ? outA : outB).get();
+      cb.peers = dispatch_peers.p;
+      st = ep_combine(cb, comm, ws.get(), ws.bytes(), stream);
+      EXPECT_TRUE(st.ok()) << st.message();
+    }
+    CK(cudaStreamSynchronize(stream));
+    for (int round = 0; round < 2; ++round) {
+      const Tokens& tk = round == 0 ? all[size_t(rank)] : other[size_t(rank)];
+      std::vector<uint16_t> got(size_t(T * H)), want = identity_layer_ref(shape, C, tk, T, H, c.shared);
+      if (T > 0) (round == 0 ? outA : outB).download(got.data(), got.size() * 2);
+      int wrong = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        const bool both_nan = std::isnan(host::bf16_to_float(got[i])) && std::isnan(host::bf16_to_float(want[i]));
+        if (got[i] != want[i] && !both_nan && wrong++ < 5)
+          ADD_FAILURE() << "rank " << rank << via << ": combine with identity experts, round " << round
+                        << ", element " << i << ": got " << host::bf16_to_float(got[i]) << ", want "
+                        << host::bf16_to_float(want[i]);
+      }
+      EXPECT_EQ(wrong, 0) << via;
+    }
+  }
+
   // 2. The whole layer.
   EpMoeForwardArgs f;
   f.shape = shape;
@@ -399,7 +497,10 @@ int all_to_all_rank(const EpCase& c, int rank, ncclComm_t comm, bool peers) {
     f2.shared_output = c.shared ? dt2.shared.get() : nullptr;
     DeviceBuffer out2(out.bytes());
     f2.out = out2.get();
+    int n_call = 0;
     for (const EpMoeForwardArgs* call : {&f, &f2, &f}) {
+      // A different rank held back before each call.
+      if (rank == n_call++ % c.world) spin_kernel<<<1, 1, 0, stream>>>(300000);
       st = ep_moe_forward(*call, comm, fws.get(), fws.bytes(), stream);
       EXPECT_TRUE(st.ok()) << st.message();
     }
@@ -444,6 +545,8 @@ int all_to_all_rank(const EpCase& c, int rank, ncclComm_t comm, bool peers) {
     CK(cudaGraphExecDestroy(exec));
     CK(cudaGraphDestroy(graph));
   }
+  forward_peers.close();
+  dispatch_peers.close();
   CK(cudaStreamDestroy(stream));
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   return ::testing::Test::HasFailure() ? 1 : 0;
@@ -802,7 +905,7 @@ TEST(EpGpu, BadArgumentsLaunchNothing) {
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
     EXPECT_NE(st.message().find("workspace_bytes"), std::string::npos) << st.message();
     EXPECT_EQ(none, nullptr);
-    ep_peers_destroy(peers);
+    EXPECT_TRUE(ep_peers_destroy(peers, comm, nullptr).ok());
     EXPECT_EQ(cudaGetLastError(), cudaSuccess);
     return ::testing::Test::HasFailure() ? 1 : 0;
   });

@@ -92,7 +92,7 @@ def _rank(rank, store):
         raise AssertionError("an unknown transport was accepted")
     except ValueError as e:
         assert "transport" in str(e)
-    flashmix.ep_direct_release()
+    flashmix.ep_direct_release(comm)
     # The replicated way: rank 0's tokens on both ranks.
     x0, ids0, w0 = (t.to(dev) for t in toks[0])
     single0 = flashmix.moe_forward(x0, w1d, w2d, k=K, token_selected_experts=ids0, token_final_scales=w0,
