@@ -193,8 +193,6 @@ struct Fc1KernelParams {
   const float* w_scales;   // FP8: [E, ceil(2I / 128), H / 128] (block) or [E]
   const uint8_t* w_mx_scales;  // MXFP4: ue8m0 [E, 2I, H / 32]
   __nv_bfloat16* out;
-  void* out_scales;  // FP8 output (spec §9.8): out holds e4m3 codes; null: bf16 rows
-  bool out_ue8m0;
   int T, H, I, E;
   int slices, k_blocks;  // slices: the tiles' slice units over I (pairs of W1 slices with the FP8 output)
   int w_row_blocks;  // ceil(2I / 128)
@@ -202,6 +200,10 @@ struct Fc1KernelParams {
   float limit, alpha;
   bool x_permuted;   // X holds the permuted rows: loaded by TMA boxes, not gathered
   bool interleaved;  // bias and scale order (the weights' order is in the tensor map)
+  // Last, so the fields above keep the offsets the kernels without the FP8
+  // output were tuned with (moving them measurably slowed the gathered path).
+  void* out_scales;  // FP8 output (spec §9.8): out holds e4m3 codes; null: bf16 rows
+  bool out_ue8m0;
 };
 
 __device__ __forceinline__ uint32_t bar_at(uint32_t first, int i) { return first + 8 * i; }
@@ -499,7 +501,10 @@ __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const 
   }
   float part[N / 2];
 #pragma unroll
-  for (int k = 0; k < N / 2; ++k) acc[k] = part[k] = 0.f;
+  for (int k = 0; k < N / 2; ++k) {
+    acc[k] = 0.f;
+    part[k] = 0.f;
+  }
   float gs = __ldg(swg), us0 = __ldg(swu), us1 = __ldg(swu1);
   float xa = __ldg(sx0), xb = __ldg(sx1);
   const uint32_t a_off = uint32_t(Cfg::kWStage + wg * 64 * kTileBytes);
@@ -549,24 +554,30 @@ __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const 
   }
 }
 
+// The biases of output columns i and i + 1 (gate and up; 0 without bias).
+__device__ __forceinline__ void pair_bias(const Fc1KernelParams& p, const TileInfo& t, int i, float& bg0, float& bg1,
+                                          float& bu0, float& bu1) {
+  bg0 = bg1 = bu0 = bu1 = 0.f;
+  if (p.bias == nullptr) return;
+  const __nv_bfloat16* b = p.bias + int64_t(t.e) * 2 * p.I;
+  const GateUpRows r0 = gate_up_rows(p, i), r1 = gate_up_rows(p, i + 1);
+  bg0 = __bfloat162float(b[r0.gate]);
+  bu0 = __bfloat162float(b[r0.up]);
+  bg1 = __bfloat162float(b[r1.gate]);
+  bu1 = __bfloat162float(b[r1.up]);
+}
+
 // act(gate + b, up + b) of a slice's output columns i0 + 8m + c2, + 1 (m =
 // 0..7) for the thread's rows r_lo (v[2m], v[2m + 1]) and r_lo + 8 (v[16 +
-// 2m], ...), each rounded to bf16 (packed pairs: v2[m] row a, v2[8 + m] row b).
+// 2m], ...), each rounded to bf16 (packed pairs: v2[m] row a, v2[8 + m] row
+// b). The FP8 output's (I % 128 == 0: every column is in).
 __device__ __forceinline__ void rows_m_activations(const Fc1KernelParams& p, const TileInfo& t, int i0,
                                                    const float (&acc)[kTileW / 2], __nv_bfloat162 (&v2)[16]) {
   const int c2 = 2 * (threadIdx.x & 3);
 #pragma unroll
   for (int m = 0; m < 8; ++m) {
-    const int i = i0 + 8 * m + c2;
-    float bg0 = 0.f, bg1 = 0.f, bu0 = 0.f, bu1 = 0.f;
-    if (p.bias != nullptr && i < p.I) {  // I % 8 == 0: i and i + 1 are both in or both out
-      const __nv_bfloat16* b = p.bias + int64_t(t.e) * 2 * p.I;
-      const GateUpRows r0 = gate_up_rows(p, i), r1 = gate_up_rows(p, i + 1);
-      bg0 = __bfloat162float(b[r0.gate]);
-      bu0 = __bfloat162float(b[r0.up]);
-      bg1 = __bfloat162float(b[r1.gate]);
-      bu1 = __bfloat162float(b[r1.up]);
-    }
+    float bg0, bg1, bu0, bu1;
+    pair_bias(p, t, i0 + 8 * m + c2, bg0, bg1, bu0, bu1);
     v2[m] = __floats2bfloat162_rn(activate(p, acc[8 * m + 0] + bg0, acc[8 * m + 4] + bu0),
                                   activate(p, acc[8 * m + 1] + bg1, acc[8 * m + 5] + bu1));
     v2[8 + m] = __floats2bfloat162_rn(activate(p, acc[8 * m + 2] + bg0, acc[8 * m + 6] + bu0),
@@ -652,17 +663,25 @@ __device__ __forceinline__ void consume_tile_rows_m(const Fc1KernelParams& p, co
   if constexpr (Cfg::kPair == 1) {
     rows_m_mainloop<Cfg>(p, t, t.hs, stages, full0, empty0, wg, s, ph, r_lo, active, acc);
     if (!active) return;
+    // bf16 out: each live row's pairs activated and stored one by one (rows
+    // past the chunk take no activation).
     const int i0 = t.hs * kTileOut, c2 = 2 * (lane & 3);
-    __nv_bfloat162 v2[16];
-    rows_m_activations(p, t, i0, acc, v2);
     __nv_bfloat16* out_a = p.out + int64_t(t.p0 + r_lo) * p.I;
     __nv_bfloat16* out_b = out_a + int64_t(8) * p.I;
 #pragma unroll
     for (int m = 0; m < 8; ++m) {
       const int i = i0 + 8 * m + c2;
       if (i >= p.I) continue;  // I % 8 == 0: i and i + 1 are both in or both out
-      if (row_a) *reinterpret_cast<__nv_bfloat162*>(out_a + i) = v2[m];
-      if (row_b) *reinterpret_cast<__nv_bfloat162*>(out_b + i) = v2[8 + m];
+      float bg0, bg1, bu0, bu1;
+      pair_bias(p, t, i, bg0, bg1, bu0, bu1);
+      if (row_a)
+        *reinterpret_cast<__nv_bfloat162*>(out_a + i) =
+            __floats2bfloat162_rn(activate(p, acc[8 * m + 0] + bg0, acc[8 * m + 4] + bu0),
+                                  activate(p, acc[8 * m + 1] + bg1, acc[8 * m + 5] + bu1));
+      if (row_b)
+        *reinterpret_cast<__nv_bfloat162*>(out_b + i) =
+            __floats2bfloat162_rn(activate(p, acc[8 * m + 2] + bg0, acc[8 * m + 6] + bu0),
+                                  activate(p, acc[8 * m + 3] + bg1, acc[8 * m + 7] + bu1));
     }
   } else {
     __nv_bfloat162 first[16], second[16];
