@@ -7,6 +7,8 @@
 #include <cuda.h>  // CUtensorMap and its enums only
 #include <cuda_runtime.h>
 
+#include "common/driver.h"
+
 namespace flashmix::detail {
 
 using TensorMapEncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -15,16 +17,8 @@ using TensorMapEncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuu
 
 // nullptr when the driver does not offer it.
 inline TensorMapEncodeTiled tensor_map_encoder() {
-  static const TensorMapEncodeTiled fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      return TensorMapEncodeTiled(nullptr);
-    }
-    return reinterpret_cast<TensorMapEncodeTiled>(f);
-  }();
+  static const TensorMapEncodeTiled fn =
+      reinterpret_cast<TensorMapEncodeTiled>(driver_entry_point("cuTensorMapEncodeTiled"));
   return fn;
 }
 

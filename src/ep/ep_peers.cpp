@@ -23,6 +23,7 @@
 #include <cuda_runtime.h>
 
 #include "common/check.h"
+#include "common/driver.h"
 #include "ep/ep_internal.h"
 #include "flashmix/ep.h"
 
@@ -81,16 +82,7 @@ uint64_t shape_fingerprint(const EpShape& s) {
 using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 
 GetAddressRange address_range_fn() {
-  static const GetAddressRange fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      return GetAddressRange(nullptr);
-    }
-    return reinterpret_cast<GetAddressRange>(f);
-  }();
+  static const GetAddressRange fn = reinterpret_cast<GetAddressRange>(detail::driver_entry_point("cuMemGetAddressRange"));
   return fn;
 }
 

@@ -90,6 +90,13 @@ Tokens make_tokens(const EpCase& c, int q, uint64_t salt) {
   return tk;
 }
 
+// Every rank's tokens (each rank can rebuild all of them).
+std::vector<Tokens> all_tokens(const EpCase& c, uint64_t salt) {
+  std::vector<Tokens> all;
+  for (int q = 0; q < c.world; ++q) all.push_back(make_tokens(c, q, salt));
+  return all;
+}
+
 struct Experts {
   HostTensor W1, b1, W2, b2;  // all E experts
   DeviceBuffer dW1, db1, dW2, db2;
@@ -322,8 +329,7 @@ int all_to_all_rank(const EpCase& c, int rank, ncclComm_t comm, bool peers) {
   const EpShape shape = shape_of(c, rank);
   const int64_t C = ep_recv_capacity(shape), H = c.H, T = c.T[size_t(rank)];
   const int e_local = c.E / c.world;
-  std::vector<Tokens> all;
-  for (int q = 0; q < c.world; ++q) all.push_back(make_tokens(c, q, 0));
+  std::vector<Tokens> all = all_tokens(c, 0);
   DeviceTokens dt(all[size_t(rank)]);
 
   // 1. Dispatch alone: what arrived, from every source.
@@ -396,11 +402,7 @@ int all_to_all_rank(const EpCase& c, int rank, ncclComm_t comm, bool peers) {
   // (the first round's tokens, then another routing), one rank held back
   // before the second dispatch and another before the first combine.
   if (!c.fp8) {
-    const std::vector<Tokens> other = [&] {
-      std::vector<Tokens> o;
-      for (int q = 0; q < c.world; ++q) o.push_back(make_tokens(c, q, 0xc0b1e));
-      return o;
-    }();
+    const std::vector<Tokens> other = all_tokens(c, 0xc0b1e);
     DeviceTokens dt2(other[size_t(rank)]);
     DeviceBuffer outA(size_t(std::max<int64_t>(1, T) * H * 2)), outB(outA.bytes());
     for (int round = 0; round < 2; ++round) {
@@ -484,11 +486,7 @@ int all_to_all_rank(const EpCase& c, int rank, ncclComm_t comm, bool peers) {
     // Three calls back to back, no sync between them: the others' tokens
     // (another routing) in the middle, so a rank that ran ahead into a
     // buffer still in use would show in the third call's result.
-    const std::vector<Tokens> other = [&] {
-      std::vector<Tokens> o;
-      for (int q = 0; q < c.world; ++q) o.push_back(make_tokens(c, q, 0x51de));
-      return o;
-    }();
+    const std::vector<Tokens> other = all_tokens(c, 0x51de);
     DeviceTokens dt2(other[size_t(rank)]);
     EpMoeForwardArgs f2 = f;
     f2.X = dt2.X.get();
@@ -524,9 +522,7 @@ int all_to_all_rank(const EpCase& c, int rank, ncclComm_t comm, bool peers) {
     CK(cudaGraphInstantiate(&exec, graph, 0));
     for (int replay = 0; replay < 2; ++replay) {
       if (replay == 1) {
-        std::vector<Tokens> again;
-        for (int q = 0; q < c.world; ++q) again.push_back(make_tokens(c, q, 0xabcdef));
-        all = std::move(again);
+        all = all_tokens(c, 0xabcdef);
         const Tokens& tk = all[size_t(rank)];
         dt.X.upload(tk.X.data(), tk.X.bytes.size());
         if (!tk.ids.empty()) dt.ids.upload(tk.ids.data(), tk.ids.size() * 4);
