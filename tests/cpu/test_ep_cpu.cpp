@@ -84,7 +84,7 @@ TEST(EpLayoutCpu, RegionsAreDisjointAlignedAndTheReceiveSlabsAdjacent) {
           {l.recv_x_scales, size_t(world * C) * scales},
           {l.recv_ids, size_t(world * C * 3 * 4)},       {l.recv_weights, size_t(world * C * 3 * 4)},
           {l.recv_counts, size_t(world) * 4},            {l.expert_out, size_t(world) * l.rows_stride},
-          {l.comb_rows, size_t(world - 1) * l.rows_stride}};
+          {l.comb_rows, size_t(world - 1) * l.rows_stride}, {l.sync, ep::sync_bytes(world)}};
       for (size_t i = 0; i < regions.size(); ++i) {
         EXPECT_EQ(regions[i].off % 256, 0u) << "region " << i;
         EXPECT_LE(regions[i].off + regions[i].bytes, l.total) << "region " << i;
@@ -101,6 +101,43 @@ TEST(EpLayoutCpu, RegionsAreDisjointAlignedAndTheReceiveSlabsAdjacent) {
       EXPECT_EQ(static_cast<char*>(v.expert_out), base + l.expert_out);
       EXPECT_EQ(reinterpret_cast<char*>(v.x_scales), fp8 ? base + l.recv_x_scales : nullptr);
     }
+}
+
+// The direct transport's words (spec §14.7): a flag per (kind, source rank)
+// and an epoch per kind, all distinct, 8-byte aligned, inside the region.
+TEST(EpLayoutCpu, HandshakeWordsAreDistinctAndInsideTheirRegion) {
+  for (int world : {1, 2, 5, 33}) {
+    std::vector<size_t> offs;
+    for (ep::SyncKind kind : {ep::kSyncDispatch, ep::kSyncCombine}) {
+      for (int r = 0; r < world; ++r) offs.push_back(ep::sync_flag_offset(world, kind, r));
+      offs.push_back(ep::sync_epoch_offset(world, kind));
+    }
+    std::sort(offs.begin(), offs.end());
+    EXPECT_TRUE(std::adjacent_find(offs.begin(), offs.end()) == offs.end()) << "world " << world;
+    for (size_t o : offs) {
+      EXPECT_EQ(o % 8, 0u);
+      EXPECT_LE(o + 8, ep::sync_bytes(world)) << "world " << world;
+    }
+  }
+}
+
+// The direct transport's host checks that need no GPU: null arguments are
+// named, nothing is made; destroying null peers and checking null peers
+// (the NCCL transport) are no-ops.
+TEST(EpPeersCpu, NullArgumentsAreNamed) {
+  const EpShape s = shape(2, 8, 2, 16);
+  alignas(256) static char ws[256];
+  EpPeers* peers = reinterpret_cast<EpPeers*>(uintptr_t(1));  // must come back null
+  Status st = ep_peers_create(s, ws, sizeof(ws), nullptr, nullptr, &peers);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("comm"), std::string::npos) << st.message();
+  EXPECT_EQ(peers, nullptr);
+  st = ep_peers_create(s, ws, sizeof(ws), nullptr, nullptr, nullptr);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("peers"), std::string::npos) << st.message();
+  EXPECT_TRUE(ep_peers_destroy(nullptr, nullptr, nullptr).ok());
+  EXPECT_TRUE(ep::check_peers("ep_dispatch", nullptr, s, ws).ok());
+  EXPECT_EQ(ep::peer_bases(nullptr).ws, nullptr);
 }
 
 TEST(EpShapeCpu, BadShapesAreNamed) {
