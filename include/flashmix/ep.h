@@ -139,10 +139,11 @@ int64_t ep_recv_capacity(const EpShape& shape);  // C
 struct EpPeers;
 Status ep_peers_create(const EpShape& shape, void* workspace, size_t workspace_bytes, ncclComm_t comm,
                        cudaStream_t stream, EpPeers** peers);
-// Collective with `comm`: waits for this GPU's work, then for every rank
-// (a barrier on `stream`), then unmaps and frees `peers`; after it each rank
-// may free its workspace. With comm null it only unmaps (the caller knows
-// every rank is done with the workspaces). Null peers: nothing.
+// Collective with `comm`: waits for this GPU's work, unmaps and frees
+// `peers`, then a barrier over the ranks (on `stream`); after it every rank
+// has unmapped every workspace, so each may free its own. With comm null it
+// only unmaps (the caller knows every rank is done with the workspaces).
+// Null peers: nothing.
 Status ep_peers_destroy(EpPeers* peers, ncclComm_t comm, cudaStream_t stream);
 size_t ep_workspace_size(const EpShape& shape);  // dispatch + combine (not the experts' own workspace)
 

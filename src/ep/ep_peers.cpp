@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <vector>
 
@@ -55,13 +56,19 @@ struct Published {
 };
 
 // A random 64-bit token per process: two ranks share a process exactly when
-// their tokens are equal (pids repeat across containers and hosts).
+// their tokens are equal (pids repeat across containers and hosts). Made
+// again after a fork (a child must not look like its parent).
 uint64_t process_token() {
-  static const uint64_t token = [] {
+  static uint64_t token = 0;
+  static pid_t owner = -1;
+  static std::mutex lock;
+  const std::lock_guard<std::mutex> hold(lock);
+  if (owner != getpid()) {
     std::random_device rd;
     const uint64_t t = uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
-    return (uint64_t(rd()) << 32 ^ uint64_t(rd())) ^ (uint64_t(getpid()) << 17) ^ t;
-  }();
+    owner = getpid();
+    token = (uint64_t(rd()) << 32 ^ uint64_t(rd())) ^ (uint64_t(owner) << 17) ^ t;
+  }
   return token;
 }
 
@@ -311,22 +318,23 @@ Status ep_peers_destroy(EpPeers* peers, ncclComm_t comm, cudaStream_t stream) {
     release_local(peers);
     return Status::Ok();
   }
-  // Every rank's work on the mappings ends before any rank unmaps: this
-  // device finishes, then a barrier over the communicator.
-  Status st = detail::without_cuda_error_left(kDestroyOp, [&]() -> Status {
-    int current = -1;
-    FM_RETURN_IF_ERROR(detail::cuda_status(cudaGetDevice(&current), kDestroyOp, "cudaGetDevice"));
-    FM_REQUIRE(current == peers->device, kDestroyOp, "peers", "was made on GPU ", peers->device,
-               ", the current GPU is ", current);
-    FM_RETURN_IF_ERROR(detail::cuda_status(cudaDeviceSynchronize(), kDestroyOp, "cudaDeviceSynchronize"));
-    Scratch scratch;
-    FM_RETURN_IF_ERROR(detail::cuda_status(cudaMalloc(&scratch.p, 16), kDestroyOp, "cudaMalloc"));
-    int32_t sum = 0;
-    return all_sum(static_cast<int32_t*>(scratch.p), 0, &sum, comm, stream, kDestroyOp);
-  });
-  if (st.code() == StatusCode::kInvalidArgument) return st;  // nothing done: the caller may retry on the right GPU
+  int current = -1;
+  FM_RETURN_IF_ERROR(detail::cuda_status(cudaGetDevice(&current), kDestroyOp, "cudaGetDevice"));
+  FM_REQUIRE(current == peers->device, kDestroyOp, "peers", "was made on GPU ", peers->device,
+             ", the current GPU is ", current);  // nothing done: the caller may retry on that GPU
+  // This GPU's work on the mappings ends, this rank unmaps, then a barrier:
+  // after it every rank has unmapped every workspace, so each may free its
+  // own. A failure on the way is reported after the barrier, which still
+  // runs (the other ranks wait in it).
+  const bool pending = cudaPeekAtLastError() != cudaSuccess;  // the caller's: left as it is
+  Status st = detail::cuda_status(cudaDeviceSynchronize(), kDestroyOp, "cudaDeviceSynchronize");
   release_local(peers);
-  return st;
+  Scratch scratch;
+  Status barrier = detail::cuda_status(cudaMalloc(&scratch.p, 16), kDestroyOp, "cudaMalloc");
+  int32_t sum = 0;
+  if (barrier.ok()) barrier = all_sum(static_cast<int32_t*>(scratch.p), 0, &sum, comm, stream, kDestroyOp);
+  if (!pending) (void)cudaGetLastError();  // ours are reported through the Status
+  return st.ok() ? barrier : st;
 }
 
 }  // namespace flashmix
