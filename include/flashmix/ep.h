@@ -108,6 +108,10 @@ struct EpShape {
   // FP8 layer (ep_moe_forward: moe.fp8 = kBlock). H % 128 == 0. Combine
   // sends bf16 rows back either way.
   bool fp8_rows = false;
+  // The workspace holds no NCCL send / combine slabs ((2W - 2) C rows of H
+  // bf16 less, and W - 1 meta slabs): only the direct transport (peers,
+  // spec §14.7) may run on it; every rank sets it alike.
+  bool direct_only = false;
 };
 
 int64_t ep_recv_capacity(const EpShape& shape);  // C

@@ -14,8 +14,9 @@ Rank r of W holds experts ``[r*E/W, (r+1)*E/W)`` (``w1``/``w2`` are its
   kernels instead of NCCL (spec §14.7): the ranks map each other's workspace
   on the first call of a shape (collective, synchronises; not inside a graph
   capture), later calls need no NCCL call and no sync; the mapped workspaces
-  (one per communicator, device, stream, shape and workspace) stay until the
-  collective ``ep_direct_release(comm)``.
+  (one per communicator, device, stream, shape and workspace, laid out
+  without the NCCL transport's slabs: ``EpShape::direct_only``) stay until
+  the collective ``ep_direct_release(comm)``.
 - ``ep_moe_forward_replicated``: every rank holds the same tokens; each
   computes its experts' partial and NCCL sums them ("all_reduce", or
   "reduce_scatter": rank r keeps rows ``[r*T/W, (r+1)*T/W)``).
@@ -112,7 +113,7 @@ def _direct(comm, workspace, nbytes, x, hidden, k, num_experts, max_tokens_per_r
         workspace = new_workspace(x, nbytes)
     peers = _C.EpPeers(comm, arg(workspace), hidden=hidden, k=k, num_experts=num_experts,
                        max_tokens_per_rank=max_tokens_per_rank, recv_capacity=recv_capacity, fp8_rows=fp8_rows,
-                       stream=s)
+                       direct_only=True, stream=s)
     _DIRECT[key] = (comm, workspace, peers)
     return workspace, peers
 
@@ -142,7 +143,7 @@ def ep_moe_forward(comm, x, w1, w2, topk_ids, topk_weights, *, num_experts, max_
         nbytes = 0 if workspace is not None else _C.ep_moe_forward_workspace_size(
             comm, arg(W1), arg(W2), k=topk_ids.shape[1], num_experts=num_experts,
             max_tokens_per_rank=max_tokens_per_rank, recv_capacity=recv_capacity, sizing=sizing, fp8_rows=fp8_rows,
-            mode=mode, fp8=fp8, w1_scales=arg(w1_scales), w2_scales=arg(w2_scales), weights=weights,
+            direct_only=True, mode=mode, fp8=fp8, w1_scales=arg(w1_scales), w2_scales=arg(w2_scales), weights=weights,
             w1_mx_scales=arg(S1), w2_mx_scales=arg(S2))
         workspace, peers = _direct(comm, workspace, nbytes, x, x.shape[1], topk_ids.shape[1], num_experts,
                                    max_tokens_per_rank, recv_capacity, fp8_rows, stream)
@@ -150,12 +151,13 @@ def ep_moe_forward(comm, x, w1, w2, topk_ids, topk_weights, *, num_experts, max_
         workspace = new_workspace(out, _C.ep_moe_forward_workspace_size(
             comm, arg(W1), arg(W2), k=topk_ids.shape[1], num_experts=num_experts,
             max_tokens_per_rank=max_tokens_per_rank, recv_capacity=recv_capacity, sizing=sizing, fp8_rows=fp8_rows,
-            mode=mode, fp8=fp8, w1_scales=arg(w1_scales), w2_scales=arg(w2_scales), weights=weights,
+            direct_only=False, mode=mode, fp8=fp8, w1_scales=arg(w1_scales), w2_scales=arg(w2_scales), weights=weights,
             w1_mx_scales=arg(S1), w2_mx_scales=arg(S2)))
     _C.ep_moe_forward(comm, arg(x), arg(W1), arg(W2), arg(topk_ids), arg(topk_weights), arg(out),
                       num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank, recv_capacity=recv_capacity,
-                      sizing=sizing, fp8_rows=fp8_rows, b1=arg(b1), b2=arg(b2), w1_layout=w1_layout, activation=activation, limit=limit,
-                      alpha=alpha, mode=mode, fp8=fp8, w1_scales=arg(w1_scales), w2_scales=arg(w2_scales),
+                      sizing=sizing, fp8_rows=fp8_rows, direct_only=peers is not None, b1=arg(b1), b2=arg(b2),
+                      w1_layout=w1_layout, activation=activation, limit=limit, alpha=alpha, mode=mode, fp8=fp8,
+                      w1_scales=arg(w1_scales), w2_scales=arg(w2_scales),
                       weights=weights, w1_mx_scales=arg(S1), w2_mx_scales=arg(S2),
                       shared_output=arg(shared_output), dropped=arg(dropped), workspace=arg(workspace),
                       peers=peers, stream=stream_of(stream, x))

@@ -85,7 +85,7 @@ const EnumNames<fm::EpReduce>& ep_reduces() {
 }
 
 fm::EpShape ep_shape(const NcclComm& comm, int64_t hidden, int k, int num_experts, int64_t max_tokens_per_rank,
-                     int64_t recv_capacity, const std::string& sizing, bool fp8_rows) {
+                     int64_t recv_capacity, const std::string& sizing, bool fp8_rows, bool direct_only) {
   fm::EpShape s;
   s.rank = comm.rank();
   s.world = comm.world();
@@ -96,6 +96,7 @@ fm::EpShape ep_shape(const NcclComm& comm, int64_t hidden, int k, int num_expert
   s.recv_capacity = recv_capacity;
   s.sizing = parse_enum(sizing, ep_sizings(), "ep_moe_forward", "sizing");
   s.fp8_rows = fp8_rows;
+  s.direct_only = direct_only;
   return s;
 }
 
@@ -106,13 +107,13 @@ fm::EpShape ep_shape(const NcclComm& comm, int64_t hidden, int k, int num_expert
 class EpPeers {
  public:
   EpPeers(const NcclComm& comm, const Out& workspace, int64_t hidden, int k, int num_experts,
-          int64_t max_tokens_per_rank, int64_t recv_capacity, bool fp8_rows, uintptr_t stream) {
+          int64_t max_tokens_per_rank, int64_t recv_capacity, bool fp8_rows, bool direct_only, uintptr_t stream) {
     constexpr const char* op = "ep_peers_create";
     Placement w(op);
     w.add(workspace, "workspace");
     if (!w.cuda()) fail(op, "workspace", "must be a CUDA array");
     const fm::EpShape s =
-        ep_shape(comm, hidden, k, num_experts, max_tokens_per_rank, recv_capacity, "capacity", fp8_rows);
+        ep_shape(comm, hidden, k, num_experts, max_tokens_per_rank, recv_capacity, "capacity", fp8_rows, direct_only);
     const Workspace ws = workspace_of(workspace, op);
     const ncclComm_t c = comm.get();
     device_ = w.device();
@@ -153,7 +154,7 @@ class EpPeers {
 // ep_moe_forward's arguments from the arrays (sizes only when `X` is absent).
 fm::EpMoeForwardArgs ep_forward_args(const NcclComm& comm, const In& W1, const In& W2, int k, int num_experts,
                                      int64_t max_tokens_per_rank, int64_t recv_capacity, const std::string& sizing,
-                                     bool fp8_rows,
+                                     bool fp8_rows, bool direct_only,
                                      const OptIn& b1, const OptIn& b2, const std::string& w1_layout,
                                      const std::string& activation, float limit, float alpha, const std::string& mode,
                                      const std::string& fp8, const OptIn& w1_scales, const OptIn& w2_scales,
@@ -162,17 +163,19 @@ fm::EpMoeForwardArgs ep_forward_args(const NcclComm& comm, const In& W1, const I
   fm::EpMoeForwardArgs a;
   set_layer_experts(a.moe, W1, W2, b1, b2, true, w1_layout, activation, limit, alpha, mode, fp8, w1_scales, w2_scales,
                     weights, w1_mx_scales, w2_mx_scales, op);
-  a.shape = ep_shape(comm, a.moe.hidden, k, num_experts, max_tokens_per_rank, recv_capacity, sizing, fp8_rows);
+  a.shape = ep_shape(comm, a.moe.hidden, k, num_experts, max_tokens_per_rank, recv_capacity, sizing, fp8_rows,
+                     direct_only);
   return a;
 }
 
 size_t ep_moe_forward_workspace_size(const NcclComm& comm, const In& W1, const In& W2, int k, int num_experts,
                                      int64_t max_tokens_per_rank, int64_t recv_capacity, const std::string& sizing,
-                                     bool fp8_rows, const std::string& mode, const std::string& fp8, const OptIn& w1_scales,
-                                     const OptIn& w2_scales, const std::string& weights, const OptIn& w1_mx_scales,
-                                     const OptIn& w2_mx_scales) {
+                                     bool fp8_rows, bool direct_only, const std::string& mode, const std::string& fp8,
+                                     const OptIn& w1_scales, const OptIn& w2_scales, const std::string& weights,
+                                     const OptIn& w1_mx_scales, const OptIn& w2_mx_scales) {
   const fm::EpMoeForwardArgs a =
-      ep_forward_args(comm, W1, W2, k, num_experts, max_tokens_per_rank, recv_capacity, sizing, fp8_rows, std::nullopt,
+      ep_forward_args(comm, W1, W2, k, num_experts, max_tokens_per_rank, recv_capacity, sizing, fp8_rows, direct_only,
+                      std::nullopt,
                       std::nullopt, "gate_up", "swiglu", 0.f, 0.f, mode, fp8, w1_scales, w2_scales, weights,
                       w1_mx_scales, w2_mx_scales, "ep_moe_forward_workspace_size");
   return fm::ep_moe_forward_workspace_size(a);
@@ -180,9 +183,10 @@ size_t ep_moe_forward_workspace_size(const NcclComm& comm, const In& W1, const I
 
 void ep_moe_forward(const NcclComm& comm, const In& X, const In& W1, const In& W2, const In& topk_ids,
                     const In& topk_weights, const Out& out, int num_experts, int64_t max_tokens_per_rank,
-                    int64_t recv_capacity, const std::string& sizing, bool fp8_rows, const OptIn& b1, const OptIn& b2,
-                    const std::string& w1_layout, const std::string& activation, float limit, float alpha,
-                    const std::string& mode, const std::string& fp8, const OptIn& w1_scales, const OptIn& w2_scales,
+                    int64_t recv_capacity, const std::string& sizing, bool fp8_rows, bool direct_only, const OptIn& b1,
+                    const OptIn& b2, const std::string& w1_layout, const std::string& activation, float limit,
+                    float alpha, const std::string& mode, const std::string& fp8, const OptIn& w1_scales,
+                    const OptIn& w2_scales,
                     const std::string& weights, const OptIn& w1_mx_scales, const OptIn& w2_mx_scales,
                     const OptIn& shared_output, const OptOut& dropped, const OptOut& workspace, const EpPeers* peers,
                     uintptr_t stream) {
@@ -195,8 +199,8 @@ void ep_moe_forward(const NcclComm& comm, const In& X, const In& W1, const In& W
   require_ndim(topk_ids, 2, op, "topk_ids");
   const int k = int(dim(topk_ids, 1));
   fm::EpMoeForwardArgs a = ep_forward_args(comm, W1, W2, k, num_experts, max_tokens_per_rank, recv_capacity, sizing,
-                                           fp8_rows, b1, b2, w1_layout, activation, limit, alpha, mode, fp8, w1_scales,
-                                           w2_scales, weights, w1_mx_scales, w2_mx_scales, op);
+                                           fp8_rows, direct_only, b1, b2, w1_layout, activation, limit, alpha, mode,
+                                           fp8, w1_scales, w2_scales, weights, w1_mx_scales, w2_mx_scales, op);
   const int64_t H = a.moe.hidden;
   require_dtype(X, kBFloat16, op, "X");
   if (dim(X, 1) != H) fail(op, "X", "must have H = ", H, " columns, as W2 (got shape ", shape_str(X), ")");
@@ -318,18 +322,20 @@ void register_ep(nb::module_& m) {
       .def_prop_ro("handle", &NcclComm::handle)
       .def("destroy", &NcclComm::destroy);
   nb::class_<EpPeers>(m, "EpPeers", "The direct EP transport of one workspace (spec §14.7, ep_peers_create).")
-      .def(nb::init<const NcclComm&, const Out&, int64_t, int, int, int64_t, int64_t, bool, uintptr_t>(), "comm"_a,
-           "workspace"_a, nb::kw_only(), "hidden"_a, "k"_a, "num_experts"_a, "max_tokens_per_rank"_a,
-           "recv_capacity"_a, "fp8_rows"_a, "stream"_a,
+      .def(nb::init<const NcclComm&, const Out&, int64_t, int, int, int64_t, int64_t, bool, bool, uintptr_t>(),
+           "comm"_a, "workspace"_a, nb::kw_only(), "hidden"_a, "k"_a, "num_experts"_a, "max_tokens_per_rank"_a,
+           "recv_capacity"_a, "fp8_rows"_a, "direct_only"_a, "stream"_a,
            "Maps every rank's workspace into every other (collective over comm; synchronises the stream).")
       .def("release", &EpPeers::release, "comm"_a, "stream"_a,
            "ep_peers_destroy: waits for this GPU, then every rank (collective), then unmaps.");
   m.def("ep_moe_forward_workspace_size", &ep_moe_forward_workspace_size, "comm"_a, "W1"_a, "W2"_a, nb::kw_only(),
-        "k"_a, "num_experts"_a, "max_tokens_per_rank"_a, "recv_capacity"_a, "sizing"_a, "fp8_rows"_a, "mode"_a, "fp8"_a,
+        "k"_a, "num_experts"_a, "max_tokens_per_rank"_a, "recv_capacity"_a, "sizing"_a, "fp8_rows"_a, "direct_only"_a,
+        "mode"_a, "fp8"_a,
         "w1_scales"_a.none(), "w2_scales"_a.none(), "weights"_a, "w1_mx_scales"_a.none(), "w2_mx_scales"_a.none(),
         "Bytes of workspace ep_moe_forward needs (spec §14.4).");
   m.def("ep_moe_forward", &ep_moe_forward, "comm"_a, "X"_a, "W1"_a, "W2"_a, "topk_ids"_a, "topk_weights"_a, "out"_a,
-        nb::kw_only(), "num_experts"_a, "max_tokens_per_rank"_a, "recv_capacity"_a, "sizing"_a, "fp8_rows"_a, "b1"_a.none(),
+        nb::kw_only(), "num_experts"_a, "max_tokens_per_rank"_a, "recv_capacity"_a, "sizing"_a, "fp8_rows"_a,
+        "direct_only"_a, "b1"_a.none(),
         "b2"_a.none(), "w1_layout"_a, "activation"_a, "limit"_a, "alpha"_a, "mode"_a, "fp8"_a, "w1_scales"_a.none(),
         "w2_scales"_a.none(), "weights"_a, "w1_mx_scales"_a.none(), "w2_mx_scales"_a.none(), "shared_output"_a.none(),
         "dropped"_a.none(), "workspace"_a.none(), "peers"_a.none(), "stream"_a,

@@ -71,8 +71,9 @@ Layout layout(const EpShape& s) {
   l.x_q_scales = region(size_t(l.T_max) * scales);
   l.plan_row = region(size_t(W) * size_t(l.T_max) * 4);
   l.plan_counts = region(size_t(W) * 4);
-  l.send_meta = region(size_t(W - 1) * l.meta_stride);
-  l.send_rows = region(size_t(W - 1) * l.in_stride);
+  const size_t nccl_slabs = s.direct_only ? 0 : size_t(W - 1);  // the NCCL transport's send / combine slabs
+  l.send_meta = region(nccl_slabs * l.meta_stride);
+  l.send_rows = region(nccl_slabs * l.in_stride);
   l.recv_meta = region(size_t(W) * l.meta_stride);
   l.recv_x = region(size_t(W) * l.in_stride);
   l.recv_x_scales = region(size_t(W) * size_t(l.C) * scales);
@@ -80,7 +81,7 @@ Layout layout(const EpShape& s) {
   l.recv_weights = region(size_t(W) * size_t(l.C) * s.k * 4);
   l.recv_counts = region(size_t(W) * 4);
   l.expert_out = region(size_t(W) * l.rows_stride);
-  l.comb_rows = region(size_t(W - 1) * l.rows_stride);
+  l.comb_rows = region(nccl_slabs * l.rows_stride);
   l.sync = region(sync_bytes(W));
   l.total = at;
   return l;

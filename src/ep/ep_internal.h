@@ -95,7 +95,7 @@ struct PeerBases {
 Layout layout(const EpShape& s);
 
 // The direct transport of one workspace (ep_peers.cpp). `peers` may be null
-// (the NCCL transport): then the check passes and the bases are null.
+// (the NCCL transport) unless shape.direct_only: then the bases are null.
 // Otherwise it must have been made for this shape and this workspace.
 Status check_peers(const char* op, const EpPeers* peers, const EpShape& s, const void* workspace);
 PeerBases peer_bases(const EpPeers* peers);

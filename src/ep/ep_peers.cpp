@@ -83,13 +83,15 @@ uint64_t shape_fingerprint(const EpShape& s) {
   mix(uint64_t(s.max_tokens_per_rank));
   mix(uint64_t(ep_recv_capacity(s)));
   mix(uint64_t(s.fp8_rows));
+  mix(uint64_t(s.direct_only));  // moves the receive slabs' offsets
   return h;
 }
 
 using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 
 GetAddressRange address_range_fn() {
-  static const GetAddressRange fn = reinterpret_cast<GetAddressRange>(detail::driver_entry_point("cuMemGetAddressRange"));
+  static const GetAddressRange fn =
+      reinterpret_cast<GetAddressRange>(detail::driver_entry_point("cuMemGetAddressRange"));
   return fn;
 }
 
@@ -144,7 +146,8 @@ Status open_peer(const Published& p, int my_device, EpPeers* peers, char** base)
                                              "cudaDeviceCanAccessPeer"));
       if (!can)
         return Status(StatusCode::kNotSupported,
-                      detail::concat(kCreateOp, ": GPU ", my_device, " cannot reach GPU ", p.device, " (no peer access)"));
+                      detail::concat(kCreateOp, ": GPU ", my_device, " cannot reach GPU ", p.device,
+                                     " (no peer access)"));
       const cudaError_t e = cudaDeviceEnablePeerAccess(p.device, 0);
       if (e == cudaErrorPeerAccessAlreadyEnabled)
         (void)cudaGetLastError();
@@ -219,7 +222,8 @@ Status create(const EpShape& shape, void* workspace, ncclComm_t comm, cudaStream
     if (theirs.shape != me.shape) {
       mine = Status(StatusCode::kInvalidArgument,
                     detail::concat(kCreateOp, ": shape: rank ", p, " gave another shape (hidden, k, num_experts, "
-                                                                  "max_tokens_per_rank, recv_capacity or fp8_rows)"));
+                                                                  "max_tokens_per_rank, recv_capacity, fp8_rows or "
+                                                                  "direct_only)"));
       break;
     }
     mine = open_peer(theirs, peers->device, peers, &bases[size_t(p)]);
@@ -242,7 +246,8 @@ Status create(const EpShape& shape, void* workspace, ncclComm_t comm, cudaStream
   if (!mine.ok()) return mine;
   if (any != 0)
     return Status(StatusCode::kNotSupported,
-                  detail::concat(kCreateOp, ": ", any, " rank(s) could not map the others' workspaces (see their error)"));
+                  detail::concat(kCreateOp, ": ", any,
+                                 " rank(s) could not map the others' workspaces (see their error)"));
   return Status::Ok();
 }
 
@@ -266,6 +271,8 @@ void release_local(EpPeers* peers) {
 }  // namespace
 
 Status check_peers(const char* op, const EpPeers* peers, const EpShape& s, const void* workspace) {
+  FM_REQUIRE(peers != nullptr || !s.direct_only, op, "peers",
+             "must be given: shape.direct_only's workspace has no NCCL slabs (spec §14.7)");
   if (peers == nullptr) return Status::Ok();
   FM_REQUIRE(peers->workspace == workspace, op, "peers", "was made for another workspace (ep_peers_create maps one)");
   FM_REQUIRE(same_shape(peers->shape, s), op, "peers", "was made for another shape");

@@ -64,10 +64,13 @@ TEST(EpPlanCpu, ZeroTokens) {
 TEST(EpLayoutCpu, RegionsAreDisjointAlignedAndTheReceiveSlabsAdjacent) {
   for (int world : {1, 2, 3, 8})
     for (int64_t cap : {int64_t(0), int64_t(5)})
-      for (bool fp8 : {false, true}) {
+      for (bool fp8 : {false, true})
+        for (bool direct_only : {false, true}) {
       EpShape s = shape(world, 8 * world, 3, 13, cap);
       s.hidden = fp8 ? 256 : 72;
       s.fp8_rows = fp8;
+      s.direct_only = direct_only;
+      const size_t slabs = direct_only ? 0 : size_t(world - 1);  // the NCCL transport's
       const size_t H = size_t(s.hidden), in_row = fp8 ? H : 2 * H, scales = fp8 ? H / 128 * 4 : 0;
       ASSERT_TRUE(ep::check_shape("t", s, nullptr).ok());
       const ep::Layout l = ep::layout(s);
@@ -79,12 +82,12 @@ TEST(EpLayoutCpu, RegionsAreDisjointAlignedAndTheReceiveSlabsAdjacent) {
       const std::vector<R> regions = {
           {l.x_q, fp8 ? 13 * H : 0},                     {l.x_q_scales, 13 * scales},
           {l.plan_row, size_t(world) * 13 * 4},          {l.plan_counts, size_t(world) * 4},
-          {l.send_meta, size_t(world - 1) * l.meta_stride}, {l.send_rows, size_t(world - 1) * l.in_stride},
+          {l.send_meta, slabs * l.meta_stride}, {l.send_rows, slabs * l.in_stride},
           {l.recv_meta, size_t(world) * l.meta_stride},  {l.recv_x, size_t(world) * l.in_stride},
           {l.recv_x_scales, size_t(world * C) * scales},
           {l.recv_ids, size_t(world * C * 3 * 4)},       {l.recv_weights, size_t(world * C * 3 * 4)},
           {l.recv_counts, size_t(world) * 4},            {l.expert_out, size_t(world) * l.rows_stride},
-          {l.comb_rows, size_t(world - 1) * l.rows_stride}, {l.sync, ep::sync_bytes(world)}};
+          {l.comb_rows, slabs * l.rows_stride}, {l.sync, ep::sync_bytes(world)}};
       for (size_t i = 0; i < regions.size(); ++i) {
         EXPECT_EQ(regions[i].off % 256, 0u) << "region " << i;
         EXPECT_LE(regions[i].off + regions[i].bytes, l.total) << "region " << i;
@@ -137,6 +140,12 @@ TEST(EpPeersCpu, NullArgumentsAreNamed) {
   EXPECT_NE(st.message().find("peers"), std::string::npos) << st.message();
   EXPECT_TRUE(ep_peers_destroy(nullptr, nullptr, nullptr).ok());
   EXPECT_TRUE(ep::check_peers("ep_dispatch", nullptr, s, ws).ok());
+  EpShape only = s;  // a workspace without the NCCL slabs needs the direct transport
+  only.direct_only = true;
+  st = ep::check_peers("ep_dispatch", nullptr, only, ws);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("peers"), std::string::npos) << st.message();
+  EXPECT_LT(ep_workspace_size(only), ep_workspace_size(s));
   EXPECT_EQ(ep::peer_bases(nullptr).ws, nullptr);
 }
 

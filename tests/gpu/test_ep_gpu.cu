@@ -56,6 +56,7 @@ struct EpCase {
   bool shared = true;
   bool graph = false;
   bool fp8 = false;  // FP8 experts (128 x 128 block weights) and FP8 dispatch (EpShape::fp8_rows)
+  bool direct_only = false;  // the direct transport's pass on workspaces without the NCCL slabs
 };
 
 int64_t max_tokens(const EpCase& c) { return std::max<int64_t>(1, *std::max_element(c.T.begin(), c.T.end())); }
@@ -321,12 +322,17 @@ struct Peers {
 // one with `peers`): ep_dispatch's receive view against the CPU plan, then
 // ep_moe_forward against both references.
 int all_to_all_rank(const EpCase& c, int rank, ncclComm_t comm, bool peers) {
-  const char* via = peers ? " (direct transport)" : " (NCCL)";
+  const char* via = peers ? (c.direct_only ? " (direct transport, direct_only workspace)" : " (direct transport)")
+                          : " (NCCL)";
   cudaStream_t stream;
   CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   Experts ex;
   make_experts(c, ex);
-  const EpShape shape = shape_of(c, rank);
+  const EpShape shape = [&] {
+    EpShape sh = shape_of(c, rank);
+    sh.direct_only = peers && c.direct_only;
+    return sh;
+  }();
   const int64_t C = ep_recv_capacity(shape), H = c.H, T = c.T[size_t(rank)];
   const int e_local = c.E / c.world;
   std::vector<Tokens> all = all_tokens(c, 0);
@@ -787,6 +793,19 @@ TEST(EpGpu, AllToAllCapacityOverflowIsReported) {
   }
 }
 
+// spec §14.7: workspaces without the NCCL slabs (EpShape::direct_only) on
+// the direct transport; the NCCL pass runs on the full layout.
+TEST(EpGpu, AllToAllDirectOnlyWorkspace) {
+  SKIP_WITHOUT_GPUS(2);
+  for (bool graph : {false, true}) {
+    EpCase c = base_case();
+    c.T = {0, 45};
+    c.direct_only = true;
+    c.graph = graph;
+    run_all_to_all(c);
+  }
+}
+
 TEST(EpGpu, AllToAllGraphCapture) {
   SKIP_WITHOUT_GPUS(2);
   EpCase c = base_case();
@@ -901,6 +920,12 @@ TEST(EpGpu, BadArgumentsLaunchNothing) {
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
     EXPECT_NE(st.message().find("workspace_bytes"), std::string::npos) << st.message();
     EXPECT_EQ(none, nullptr);
+    EpDispatchArgs only = d;  // a direct_only workspace needs peers
+    only.shape.direct_only = true;
+    only.peers = nullptr;
+    st = ep_dispatch(only, comm, ws.get(), ws.bytes(), nullptr);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("peers"), std::string::npos) << st.message();
     EXPECT_TRUE(ep_peers_destroy(peers, comm, nullptr).ok());
     EXPECT_EQ(cudaGetLastError(), cudaSuccess);
     return ::testing::Test::HasFailure() ? 1 : 0;
