@@ -269,6 +269,30 @@ __device__ __forceinline__ void drain_pass(const RowsGemmParams& p, const TileIn
     if (row[i] >= 0) store(row[i], col, val[i]);
 }
 
+// drain_pass over a bf16 staging (rows kEpiStrideBf16 apart, 16-byte groups
+// stored as they are) and over an fp32 one (rows kEpiStride apart, 32-byte
+// groups rounded at the store): every epilogue's two kinds of pass.
+template <int kRowsPerPass>
+__device__ __forceinline__ void drain_staged_bf16(const RowsGemmParams& p, const TileInfo& t, const int* tab_row,
+                                                  int ps, int col0, int wt, const uint16_t* staged) {
+  drain_pass<kRowsPerPass>(
+      p, t, tab_row, ps, col0, wt,
+      [&](int nl, int v) { return *reinterpret_cast<const uint4*>(staged + nl * kEpiStrideBf16 + 8 * v); },
+      [&](int row, int col, const uint4& x) { store_group_bf16(p, row, col, x); });
+}
+
+template <int kRowsPerPass>
+__device__ __forceinline__ void drain_staged_f32(const RowsGemmParams& p, const TileInfo& t, const int* tab_row,
+                                                 int ps, int col0, int wt, const float* staged) {
+  drain_pass<kRowsPerPass>(
+      p, t, tab_row, ps, col0, wt,
+      [&](int nl, int v) {
+        const float* x = staged + nl * kEpiStride + 8 * v;
+        return F32Group{*reinterpret_cast<const float4*>(x), *reinterpret_cast<const float4*>(x + 4)};
+      },
+      [&](int row, int col, const F32Group& x) { store_group_f32(p, row, col, x.lo, x.hi); });
+}
+
 // FP8 block scales: a K block's 4 k32 MMAs into part (fresh), then part
 // promoted into the accumulators times the W2 block scale and each row's A
 // scale (expert_tiles' k_block_mmas and promote_k_block, as FC1's and the
@@ -460,10 +484,7 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
       }
       dev::named_bar_sync(1 + wg, 128);
       clk.before_drain();
-      drain_pass<kEpiRowsBf16>(
-          p, t, tab_row, ps, col0, wt,
-          [&](int nl, int v) { return *reinterpret_cast<const uint4*>(stg16 + nl * kEpiStrideBf16 + 8 * v); },
-          [&](int row, int col, const uint4& x) { store_group_bf16(p, row, col, x); });
+      drain_staged_bf16<kEpiRowsBf16>(p, t, tab_row, ps, col0, wt, stg16);
       clk.after_drain();
       dev::named_bar_sync(1 + wg, 128);
     }
@@ -484,13 +505,7 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
         }
       }
       dev::named_bar_sync(1 + wg, 128);
-      drain_pass<kEpiRows>(
-          p, t, tab_row, ps, col0, wt,
-          [&](int nl, int v) {
-            const float* x = stg + nl * kEpiStride + 8 * v;
-            return F32Group{*reinterpret_cast<const float4*>(x), *reinterpret_cast<const float4*>(x + 4)};
-          },
-          [&](int row, int col, const F32Group& x) { store_group_f32(p, row, col, x.lo, x.hi); });
+      drain_staged_f32<kEpiRows>(p, t, tab_row, ps, col0, wt, stg);
       dev::named_bar_sync(1 + wg, 128);
     }
   }
@@ -604,10 +619,7 @@ __device__ __forceinline__ void consume_tile_block(const RowsGemmParams& p, cons
         }
       }
       dev::named_bar_sync(kRowsMBar, 256);
-      drain_pass<kEpiRowsBf16>(
-          p, t, tab_row, ps, col0, wt,
-          [&](int nl, int v) { return *reinterpret_cast<const uint4*>(mine + nl * kEpiStrideBf16 + 8 * v); },
-          [&](int row, int col, const uint4& x) { store_group_bf16(p, row, col, x); });
+      drain_staged_bf16<kEpiRowsBf16>(p, t, tab_row, ps, col0, wt, mine);
       dev::named_bar_sync(kRowsMBar, 256);
     }
   } else {
@@ -628,13 +640,7 @@ __device__ __forceinline__ void consume_tile_block(const RowsGemmParams& p, cons
         }
       }
       dev::named_bar_sync(kRowsMBar, 256);
-      drain_pass<kEpiRows>(
-          p, t, tab_row, ps, col0, wt,
-          [&](int nl, int v) {
-            const float* x = mine + nl * kEpiStride + 8 * v;
-            return F32Group{*reinterpret_cast<const float4*>(x), *reinterpret_cast<const float4*>(x + 4)};
-          },
-          [&](int row, int col, const F32Group& x) { store_group_f32(p, row, col, x.lo, x.hi); });
+      drain_staged_f32<kEpiRows>(p, t, tab_row, ps, col0, wt, mine);
       dev::named_bar_sync(kRowsMBar, 256);
     }
   }
