@@ -429,17 +429,24 @@ moe_routing_expand_fp8_kernel(const uint16_t* __restrict__ input, int64_t in_str
   }
 }
 
+// Blocks a row is split over, so that few tokens still fill the GPU (about
+// 1024 blocks): at most as many as the row has `per_block`-unit pieces of
+// its `units`, at least 1.
+int64_t row_parts(int64_t num_tokens, int64_t units, int64_t per_block) {
+  const int64_t max_parts = (units + per_block - 1) / per_block;
+  int64_t parts = (1024 + num_tokens - 1) / num_tokens;
+  if (parts > max_parts) parts = max_parts;
+  if (parts < 1) parts = 1;
+  return parts;
+}
+
 template <ScaleFormat F>
 cudaError_t launch_expand_fp8(const MoeRoutingArgs& a, cudaStream_t stream) {
   const int64_t in_stride = a.input_stride ? a.input_stride : a.hidden;
   const int64_t out_stride = a.permuted_input_stride ? a.permuted_input_stride : a.hidden;
   const int col_blocks = int(a.hidden / 128);
-  // As the copy: split a row over up to `parts` blocks when there are few tokens.
-  const int64_t per_block = int64_t(kExpandFp8Groups) * kExpandFp8InFlight;
-  const int64_t max_parts = (col_blocks + per_block - 1) / per_block;
-  int64_t parts = (1024 + a.num_tokens - 1) / a.num_tokens;
-  if (parts > max_parts) parts = max_parts;
-  if (parts < 1) parts = 1;
+  // As the copy: a row's 128-column blocks split over blocks when there are few tokens.
+  const int64_t parts = row_parts(a.num_tokens, col_blocks, int64_t(kExpandFp8Groups) * kExpandFp8InFlight);
   return dev::launch(moe_routing_expand_fp8_kernel<F>, dim3(unsigned(a.num_tokens), unsigned(parts)),
                      dim3(kExpandThreads), 0, stream, a.enable_pdl, static_cast<const uint16_t*>(a.input), in_stride,
                      static_cast<uint8_t*>(a.permuted_input), out_stride, a.permuted_input_scales, col_blocks,
@@ -453,13 +460,9 @@ cudaError_t launch_expand(const MoeRoutingArgs& a, cudaStream_t stream) {
   const int64_t out_stride = (a.permuted_input_stride ? a.permuted_input_stride : a.hidden) * es;
   const int words = int(a.hidden * es / int64_t(sizeof(Word)));
   const int tail_units = int((a.hidden * es - int64_t(words) * int64_t(sizeof(Word))) / 2);
-  // Enough blocks to fill the GPU at decode sizes: split each row over up to
-  // `parts` blocks when there are few tokens.
-  const int64_t per_block = int64_t(kExpandThreads) * kExpandUnroll;
-  const int64_t max_parts = (words + per_block - 1) / per_block;
-  int64_t parts = (1024 + a.num_tokens - 1) / a.num_tokens;
-  if (parts > max_parts) parts = max_parts;
-  if (parts < 1) parts = 1;
+  // Enough blocks to fill the GPU at decode sizes: a row's words split over
+  // blocks when there are few tokens.
+  const int64_t parts = row_parts(a.num_tokens, words, int64_t(kExpandThreads) * kExpandUnroll);
   return dev::launch(moe_routing_expand_kernel<Word>, dim3(unsigned(a.num_tokens), unsigned(parts)),
                      dim3(kExpandThreads), 0, stream, a.enable_pdl, static_cast<const char*>(a.input),
                      in_stride, static_cast<char*>(a.permuted_input), out_stride, words, tail_units,
