@@ -297,15 +297,21 @@ __device__ __forceinline__ void drain_staged_f32(const RowsGemmParams& p, const 
 // promoted into the accumulators times the W2 block scale and each row's A
 // scale (expert_tiles' k_block_mmas and promote_k_block, as FC1's and the
 // MXFP4 mainloops).
+// The K block's MMAs into a fresh `part`, waited for (both block-scaled tiles).
 template <int N>
-__device__ __forceinline__ void block_k_step(float (&acc)[N / 2], float (&part)[N / 2], uint64_t da, uint64_t db,
-                                             const float* sx, float w_s, int lane) {
+__device__ __forceinline__ void fresh_k_block(float (&part)[N / 2], uint64_t da, uint64_t db) {
   dev::fence_operands(part);
   dev::wgmma_fence();
   k_block_mmas<true, N>(part, da, db, false);
   dev::wgmma_commit();
   dev::wgmma_wait<0>();
   dev::fence_operands(part);
+}
+
+template <int N>
+__device__ __forceinline__ void block_k_step(float (&acc)[N / 2], float (&part)[N / 2], uint64_t da, uint64_t db,
+                                             const float* sx, float w_s, int lane) {
+  fresh_k_block<N>(part, da, db);
   promote_k_block<N>(acc, part, w_s, w_s, sx, 2 * (lane & 3));
 }
 
@@ -565,13 +571,7 @@ __device__ __forceinline__ void consume_tile_block(const RowsGemmParams& p, cons
       sa = xa * w_s;
       sb = xb * w_s;
       const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
-      const uint64_t da = dev::wgmma_desc_k_sw128(st + a_off), db = dev::wgmma_desc_k_sw128(st);
-      dev::fence_operands(part);
-      dev::wgmma_fence();
-      k_block_mmas<true, N>(part, da, db, false);
-      dev::wgmma_commit();
-      dev::wgmma_wait<0>();
-      dev::fence_operands(part);
+      fresh_k_block<N>(part, dev::wgmma_desc_k_sw128(st + a_off), dev::wgmma_desc_k_sw128(st));
     }
     dev::release_stage<false>(bar_at(sh.empty, s));  // the stage is free: promote from registers
     if (active) {
