@@ -7,13 +7,21 @@
 
 namespace flashmix {
 
+//
+// The quotient is __fdividef's (x times the approximate reciprocal, ~2 ulp)
+// rather than the IEEE division's (an instruction sequence with a slow-path
+// branch an element, in epilogues that run while the tensor pipe idles:
+// 3-12 % of the prefill FC1 times, docs/moe_fc1.md); the result is rounded
+// to bf16 (8 bits) anyway. Where 1 + exp(-g) passes 2^126 (g below about
+// -87) the quotient is 0 instead of a value below 2^-120 in magnitude;
+// infinities and NaN come out as the IEEE division's (-inf / inf = NaN).
 __device__ __forceinline__ float fc1_activate(int act, float limit, float alpha, float g, float u) {
-  if (act == int(MoeActivation::kSwiGLU)) return g / (1.f + __expf(-g)) * u;
+  if (act == int(MoeActivation::kSwiGLU)) return __fdividef(g, 1.f + __expf(-g)) * u;
   const float L = limit;
   g = g > L ? L : g;
   u = u > L ? L : (u < -L ? -L : u);
-  if (act == int(MoeActivation::kSwiGLUOai)) return g / (1.f + __expf(-alpha * g)) * (u + 1.f);
-  return g / (1.f + __expf(-g)) * u;  // kSwiGLUClamped
+  if (act == int(MoeActivation::kSwiGLUOai)) return __fdividef(g, 1.f + __expf(-alpha * g)) * (u + 1.f);
+  return __fdividef(g, 1.f + __expf(-g)) * u;  // kSwiGLUClamped
 }
 
 }  // namespace flashmix

@@ -48,10 +48,14 @@
 // accumulator rows are two tokens and each K block's partial sum is promoted
 // into fp32 by one FFMA an element; each consumer thread reads its two rows'
 // X scales from global memory a K block ahead. Per-tensor scales: the bf16
-// mainloop, one multiply at the end. Status (H100, docs/moe_fc1.md):
-// per-tensor from a permuted X 1.5-1.9x a dense FP8 GEMM; block scales
-// 2.5-2.6x from a permuted X, 2.8-3.1x gathering (the transposed tile with
-// the X scales copied into the stages by the loaders ran 3.4-5.3x).
+// mainloop, one multiply at the end. Block scales with experts of 256 rows
+// and more take wide tiles (Fc1Cfg::kWide: 256 W1 rows a stage, the two
+// slices' MMAs one after the other through one partial). Status (H100,
+// docs/moe_fc1.md): per-tensor from a permuted X 1.3-1.7x a dense FP8 GEMM;
+// block scales 2.0-2.2x from a permuted X, 2.3-2.4x gathering (the
+// transposed tile with the X scales copied into the stages by the loaders
+// ran 3.4-5.3x); the consumers are issue- and latency-bound (ncu), not fed
+// too slowly.
 //
 // MXFP4 W1 (spec §13.7; Fc1In::kMxfp4Fp8 / kMxfp4Bf16): the stages hold the
 // packed bytes as TMA brings them (64 or 32 bytes a row, unswizzled) and
@@ -92,8 +96,8 @@ using namespace expert_tiles;
 
 constexpr const char* kOp = "moe_fc1";
 
-constexpr int kTileW = 128;           // W1 rows a tile: 64 gate + 64 up
-constexpr int kTileOut = kTileW / 2;  // output columns a tile
+constexpr int kSliceW = 128;             // W1 rows a slice: 64 gate + 64 up (a narrow tile)
+constexpr int kSliceOut = kSliceW / 2;  // output columns a slice
 constexpr int kTileBytes = 128;       // K per stage: one 128-byte swizzled row (64 bf16, 128 e4m3)
 constexpr int kScaleK = 128;          // FP8 block scales: K per block (spec §11)
 // Epilogue staging per consumer warpgroup: its 32 output columns x 64 rows a
@@ -124,7 +128,13 @@ enum class Fc1In { kBf16, kFp8Block, kFp8Tensor, kMxfp4Fp8, kMxfp4Bf16 };
 // one of its two converted tiles (64 rows x 128 bytes, 128-byte swizzle: the
 // layout the wgmma reads), so the conversion overlaps the previous stage's
 // MMAs.
-template <int kMaxRows_, Fc1In kIn_ = Fc1In::kBf16, bool kFp8Out_ = false>
+//
+// Wide tiles (kWide_; block-scaled FP8 only): a stage holds 256 W1 rows (128
+// output columns, two slices side by side) against the 128 token rows, so
+// a byte brought from L2 feeds 1.4x the MMAs of the 128-row tile; each
+// consumer warpgroup runs the two slices' MMAs one after the other into one
+// 64-register partial (rows_m_mainloop).
+template <int kMaxRows_, Fc1In kIn_ = Fc1In::kBf16, bool kFp8Out_ = false, bool kWide_ = false>
 struct Fc1Cfg {
   static constexpr int kMaxRows = kMaxRows_;
   static constexpr Fc1In kIn = kIn_;
@@ -132,11 +142,26 @@ struct Fc1Cfg {
   // scales from global memory (consume_tile_rows_m); every other input the
   // transposed tile.
   static constexpr bool kRowsM = kIn == Fc1In::kFp8Block;
-  // The FP8 output (spec §9.8; block scales only): a tile is two W1 slices,
-  // one 1 x 128 scale block of output columns. Its own instantiation, so the
-  // bf16-output kernels compile as they did without it.
+  static constexpr bool kWide = kWide_;
+  static_assert(!kWide || kRowsM, "wide tiles are for block scales (token rows as M)");
+  // (With the FP8 output the wide tile's consumers spill: 148 bytes, ptxas
+  // 13.0; that output keeps the narrow pair.)
+  static_assert(!(kWide && kFp8Out_), "wide tiles store bf16");
+  static constexpr int kTileW = kWide ? 2 * kSliceW : kSliceW;  // W1 rows a stage
+  static constexpr int kHalves = kTileW / kSliceW;  // 128-row MMAs a stage
+  // Slices a tile covers: two with the FP8 output (spec §9.8; block scales
+  // only: one 1 x 128 scale block of output columns) or wide tiles.
+  static constexpr int kSlicesPerTile = kFp8Out_ || kWide ? 2 : 1;
+  // Tiles with the FP8 output run their two slices one after the other
+  // (kPair). Its own instantiation, so the bf16-output kernels compile as
+  // they did without it.
   static constexpr int kPair = kFp8Out_ ? 2 : 1;
+  static constexpr bool kFp8Out = kFp8Out_;
   static_assert(!kFp8Out_ || kRowsM, "the FP8 output needs block scales (token rows as M)");
+  // setmaxnreg: the consumers of wide tiles hold a 128-register accumulator
+  // beside the 64-register partial. (128 loaders x kLoaderRegs + 256 x
+  // kConsumerRegs <= 168 x 384, what the CTA holds at launch.)
+  static constexpr int kLoaderRegs = kWide ? 56 : 72, kConsumerRegs = kWide ? 224 : 216;
   static constexpr bool kMx = kIn == Fc1In::kMxfp4Fp8 || kIn == Fc1In::kMxfp4Bf16;
   static constexpr bool kFp8 = kIn == Fc1In::kFp8Block || kIn == Fc1In::kFp8Tensor || kIn == Fc1In::kMxfp4Fp8;
   // X scales per row and K block, promoted every stage.
@@ -144,7 +169,7 @@ struct Fc1Cfg {
   static constexpr int kTileK = kFp8 ? 128 : 64;  // elements of K a stage
   static constexpr int kWRowBytes = kMx ? kTileK / 2 : kTileBytes;  // bytes of a W1 row a stage
   static constexpr int kWCoordK = kMx ? kWRowBytes : kTileK;         // W1's TMA coordinate step a stage
-  static constexpr int kWStage = kTileW * kWRowBytes;
+  static constexpr int kWStage = kTileW * kWRowBytes;  // W1's bytes a stage
   static constexpr int kStageBytes = kWStage + kMaxRows * kTileBytes;
   static constexpr bool kStageScales = kXBlock && !kRowsM;  // the loaders copy the X scales (W4A8)
   static constexpr int kScaleBytes = kStageScales ? kMaxRows * 4 : 0;  // a stage's X scales
@@ -178,9 +203,6 @@ struct Fc1Cfg {
 
 constexpr int kThreads = 384;  // warps 0-7 consumers, 8-11 loaders
 constexpr int kLoaders = 128;
-// setmaxnreg.inc takes registers from what the CTA holds (168 x 384 at
-// launch): (168 - 72) x 128 >= (216 - 168) x 256.
-constexpr int kLoaderRegs = 72, kConsumerRegs = 216;
 
 struct Fc1KernelParams {
   const uint8_t* X;     // bf16 or e4m3 rows
@@ -255,8 +277,8 @@ __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUten
     const float* srow = nullptr;
     if (scale_thread && rs < t.rows)
       srow = p.x_scales + int64_t(x_row(p, t, rs)) * s_blocks;
-    // With the FP8 output (block scales only) a tile is two slices, K blocks
-    // of the first then of the second (consume_tile_rows_m); else one.
+    // Narrow tiles with the FP8 output are two slices, K blocks of the first
+    // then of the second (consume_tile_rows_m); else one box a stage.
     constexpr int pair = Cfg::kPair;
     for (int sub = 0; sub < pair; ++sub) {
       const int hs = t.hs * pair + sub;
@@ -274,7 +296,7 @@ __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUten
         if (p.x_permuted) {
           if (l == 0) {
             dev::mbar_arrive_expect_tx(full, Cfg::kWStage + uint32_t(t.n) * kTileBytes);
-            dev::tma_load_5d(st, map_w, full, kb * Cfg::kWCoordK, 0, 0, hs * (kTileOut / 8), t.e);
+            dev::tma_load_5d(st, map_w, full, kb * Cfg::kWCoordK, 0, 0, hs * (Cfg::kTileW / 16), t.e);
             int r = 0;
             for (; r + 64 <= t.n; r += 64)
               dev::tma_load_2d(st + Cfg::kWStage + r * kTileBytes, map_x64, full, kb * Cfg::kTileK, t.p0 + r);
@@ -290,7 +312,7 @@ __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUten
         }
         if (l == 0) {
           dev::mbar_arrive_expect_tx(full, Cfg::kWStage);
-          dev::tma_load_5d(st, map_w, full, kb * Cfg::kWCoordK, 0, 0, hs * (kTileOut / 8), t.e);
+          dev::tma_load_5d(st, map_w, full, kb * Cfg::kWCoordK, 0, 0, hs * (Cfg::kTileW / 16), t.e);
         }
         const int kbyte = kb * kTileBytes + 16 * q;
         const bool k_in = kbyte < p.h_bytes;
@@ -328,7 +350,7 @@ __device__ __forceinline__ GateUpRows gate_up_rows(const Fc1KernelParams& p, int
 // The W1 row of tile row j (0..127) of slice hs: the tile is 8 blocks of 16
 // rows, each 8 gate rows then their 8 up rows (the 5-D box's order); -1 past I.
 __device__ __forceinline__ int tile_w1_row(const Fc1KernelParams& p, int hs, int j) {
-  const int i = hs * kTileOut + 8 * (j >> 4) + (j & 7);
+  const int i = hs * kSliceOut + 8 * (j >> 4) + (j & 7);
   if (i >= p.I) return -1;
   const GateUpRows rows = gate_up_rows(p, i);
   return (j & 8) ? rows.up : rows.gate;
@@ -346,7 +368,7 @@ __device__ __forceinline__ void mainloop_mx(const Fc1KernelParams& p, const Tile
                       stages + uint32_t(Cfg::kOffCvt + wg * 2 * Cfg::kCvtTile), full0, empty0, scales,
                       Cfg::kMaxRows, 1 + wg};
   const int crow = tile_w1_row(p, t.hs, 64 * wg + ((threadIdx.x & 127) >> 1));
-  const int i = t.hs * kTileOut + 32 * wg + 8 * ((threadIdx.x >> 5) & 3) + ((threadIdx.x & 31) >> 2);
+  const int i = t.hs * kSliceOut + 32 * wg + 8 * ((threadIdx.x >> 5) & 3) + ((threadIdx.x & 31) >> 2);
   const GateUpRows prow = gate_up_rows(p, i < p.I ? i : 0);
   const int64_t e_row0 = int64_t(t.e) * 2 * p.I;
   mx::Rows rows{};
@@ -425,7 +447,7 @@ __device__ __forceinline__ void consume_tile(const Fc1KernelParams& p, const Til
   const int lane = threadIdx.x & 31;
   const int q = (threadIdx.x >> 5) & 3, g = lane >> 2, c4 = lane & 3;
   const int col = 8 * q + g;  // within the warpgroup's 32
-  const int i = t.hs * kTileOut + 32 * wg + col;
+  const int i = t.hs * kSliceOut + 32 * wg + col;
   float bg = 0.f, bu = 0.f;
   if (p.bias != nullptr && i < p.I) {
     const __nv_bfloat16* b = p.bias + int64_t(t.e) * 2 * p.I;
@@ -434,7 +456,7 @@ __device__ __forceinline__ void consume_tile(const Fc1KernelParams& p, const Til
     bu = __bfloat162float(b[rows.up]);
   }
   const int wt = threadIdx.x & 127;
-  const int out_col = t.hs * kTileOut + 32 * wg + 8 * (wt & 3);
+  const int out_col = t.hs * kSliceOut + 32 * wg + 8 * (wt & 3);
   constexpr int kPasses = (N + kEpiRows - 1) / kEpiRows;
 #pragma unroll
   for (int ps = 0; ps < kPasses; ++ps) {
@@ -463,32 +485,52 @@ __device__ __forceinline__ void consume_tile(const Fc1KernelParams& p, const Til
   }
 }
 
-// Block-scaled FP8 with the token rows as wgmma's M (Cfg::kRowsM): below,
-// one slice's (64 output columns') mainloop over H: acc = the fp32 sums of
-// the thread's 2 rows x 32 W1 rows (16 gate / up column pairs), promoted per
-// K block. (The loop of consume_tile_rows_m below.)
-template <class Cfg>
-__device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const TileInfo& t, int hs,
-                                                uint32_t stages, uint32_t full0, uint32_t empty0, int wg, int& s,
-                                                uint32_t& ph, int r_lo, bool active, float (&acc)[kTileW / 2]) {
-  constexpr int N = kTileW;
-  const int lane = threadIdx.x & 31;
-  const int i0 = hs * kTileOut;  // the slice's first output column
-  // W1 scales: the gate rows of a slice lie in one 128-row block, the up rows
-  // in one or (I % 64 != 0, gate-then-up layout) two; bit m of up_hi: the up
-  // rows of columns 8m.. are in the second.
+// A slice's W1 block scales (block-scaled FP8): the gate rows of a slice
+// lie in one 128-row block, the up rows in one or (I % 64 != 0, gate-then-up
+// layout) two; bit m of up_hi: the up rows of columns 8m.. are in the second.
+struct SliceScales {
+  const float* g;
+  const float* u;
+  const float* u1;
+  uint32_t up_hi;
+};
+__device__ __forceinline__ SliceScales slice_scales(const Fc1KernelParams& p, int e, int i0) {
   const int kbs = p.H / kScaleK;
-  const float* sw = p.w_scales + int64_t(t.e) * p.w_row_blocks * kbs;
+  const float* sw = p.w_scales + int64_t(e) * p.w_row_blocks * kbs;
   const GateUpRows first = gate_up_rows(p, i0);
-  const float* swg = sw + (first.gate / kScaleK) * kbs;
-  const float* swu = sw + (first.up / kScaleK) * kbs;
-  uint32_t up_hi = 0;
+  SliceScales r;
+  r.g = sw + (first.gate / kScaleK) * kbs;
+  r.u = sw + (first.up / kScaleK) * kbs;
+  r.up_hi = 0;
 #pragma unroll
   for (int m = 0; m < 8; ++m) {
     const int i = min(i0 + 8 * m, p.I - 1);
-    if (gate_up_rows(p, i).up / kScaleK != first.up / kScaleK) up_hi |= 1u << m;
+    if (gate_up_rows(p, i).up / kScaleK != first.up / kScaleK) r.up_hi |= 1u << m;
   }
-  const float* swu1 = up_hi ? swu + kbs : swu;
+  r.u1 = r.up_hi ? r.u + kbs : r.u;
+  return r;
+}
+
+// Block-scaled FP8 with the token rows as wgmma's M (Cfg::kRowsM): below,
+// the mainloop over H of the Cfg::kHalves slices hs, hs + 1, .. a stage
+// holds: acc[h] = the fp32 sums of the thread's 2 rows x 32 W1 rows (16
+// gate / up column pairs) of slice hs + h, promoted per K block. A wide
+// stage's two slices run one after the other through one partial (a second
+// would not fit the registers): the MMAs of the first, its promotion, then
+// the second's; the other consumer warpgroup's MMAs fill the tensor pipe
+// meanwhile. (The loop of consume_tile_rows_m below.)
+template <class Cfg>
+__device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const TileInfo& t, int hs,
+                                                uint32_t stages, uint32_t full0, uint32_t empty0, int wg, int& s,
+                                                uint32_t& ph, int r_lo, bool active,
+                                                float (&acc)[Cfg::kHalves][kSliceW / 2]) {
+  constexpr int N = kSliceW, H2 = Cfg::kHalves;
+  const int lane = threadIdx.x & 31;
+  const int kbs = p.H / kScaleK;
+  SliceScales sw[H2];
+#pragma unroll
+  for (int h = 0; h < H2; ++h)  // (a wide tile's second slice may lie past I: its W1 rows read as zeros)
+    sw[h] = slice_scales(p, t.e, H2 > 1 ? min((hs + h) * kSliceOut, p.I - 1) : (hs + h) * kSliceOut);
   // The X scales of this thread's two rows, read from global memory (copied
   // into the stages by the loaders, as W4A8 does, they cost ~1.5x the time:
   // each 4-byte cp.async a row lengthens the stage's completion).
@@ -502,49 +544,72 @@ __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const 
   float part[N / 2];
 #pragma unroll
   for (int k = 0; k < N / 2; ++k) {
-    acc[k] = 0.f;
+#pragma unroll
+    for (int h = 0; h < H2; ++h) acc[h][k] = 0.f;
     part[k] = 0.f;
   }
-  float gs = __ldg(swg), us0 = __ldg(swu), us1 = __ldg(swu1);
+  float gs[H2], us0[H2], us1[H2];
+#pragma unroll
+  for (int h = 0; h < H2; ++h) {
+    gs[h] = __ldg(sw[h].g);
+    us0[h] = __ldg(sw[h].u);
+    us1[h] = __ldg(sw[h].u1);
+  }
   float xa = __ldg(sx0), xb = __ldg(sx1);
   const uint32_t a_off = uint32_t(Cfg::kWStage + wg * 64 * kTileBytes);
   for (int kb = 0; kb < p.k_blocks; ++kb) {
     // The next K block's scales, loaded while this one's MMAs run.
     const int kn = kb + 1 < p.k_blocks ? kb + 1 : kb;
-    const float gs_n = __ldg(swg + kn), us0_n = __ldg(swu + kn), us1_n = __ldg(swu1 + kn);
+    float gs_n[H2], us0_n[H2], us1_n[H2];
+#pragma unroll
+    for (int h = 0; h < H2; ++h) {
+      gs_n[h] = __ldg(sw[h].g + kn);
+      us0_n[h] = __ldg(sw[h].u + kn);
+      us1_n[h] = __ldg(sw[h].u1 + kn);
+    }
     const float xa_n = __ldg(sx0 + kn), xb_n = __ldg(sx1 + kn);
     dev::mbar_wait(bar_at(full0, s), ph);
-    if (active) {
-      if (!p.x_permuted) dev::fence_proxy_async_shared();  // the rows came through the generic proxy (cp.async)
-      const uint32_t st = stages + uint32_t(s) * Cfg::kStageBytes;
-      dev::wgmma_fence();
-      k_block_mmas<true, N>(part, dev::wgmma_desc_k_sw128(st + a_off), dev::wgmma_desc_k_sw128(st), false);
-      dev::wgmma_commit();
-      dev::wgmma_wait<0>();
-      dev::fence_operands(part);
-    }
-    __syncwarp();
-    if (lane == 0) dev::mbar_arrive(bar_at(empty0, s));  // the stage is free: promote from registers
-    if (active) {
-      const float ag = xa * gs, au0 = xa * us0, au1 = xa * us1;
-      const float bg = xb * gs, bu0 = xb * us0, bu1 = xb * us1;
 #pragma unroll
-      for (int m = 0; m < 8; ++m) {
-        const bool hi = (up_hi >> m) & 1u;
-        const float au = hi ? au1 : au0, bu = hi ? bu1 : bu0;
-        acc[8 * m + 0] = fmaf(part[8 * m + 0], ag, acc[8 * m + 0]);
-        acc[8 * m + 1] = fmaf(part[8 * m + 1], ag, acc[8 * m + 1]);
-        acc[8 * m + 2] = fmaf(part[8 * m + 2], bg, acc[8 * m + 2]);
-        acc[8 * m + 3] = fmaf(part[8 * m + 3], bg, acc[8 * m + 3]);
-        acc[8 * m + 4] = fmaf(part[8 * m + 4], au, acc[8 * m + 4]);
-        acc[8 * m + 5] = fmaf(part[8 * m + 5], au, acc[8 * m + 5]);
-        acc[8 * m + 6] = fmaf(part[8 * m + 6], bu, acc[8 * m + 6]);
-        acc[8 * m + 7] = fmaf(part[8 * m + 7], bu, acc[8 * m + 7]);
+    for (int h = 0; h < H2; ++h) {
+      if (active) {
+        if (h == 0 && !p.x_permuted) dev::fence_proxy_async_shared();  // the rows came through the generic proxy (cp.async)
+        const uint32_t st = stages + uint32_t(s) * Cfg::kStageBytes;
+        dev::wgmma_fence();
+        k_block_mmas<true, N>(part, dev::wgmma_desc_k_sw128(st + a_off),
+                              dev::wgmma_desc_k_sw128(st + uint32_t(h * kSliceW * kTileBytes)), false);
+        dev::wgmma_commit();
+        dev::wgmma_wait<0>();
+        dev::fence_operands(part);
+      }
+      if (h == H2 - 1) {
+        __syncwarp();
+        if (lane == 0) dev::mbar_arrive(bar_at(empty0, s));  // the stage is free: promote from registers
+      }
+      if (active) {
+        const float ag = xa * gs[h], au0 = xa * us0[h], au1 = xa * us1[h];
+        const float bg = xb * gs[h], bu0 = xb * us0[h], bu1 = xb * us1[h];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+          const bool hi = (sw[h].up_hi >> m) & 1u;
+          const float au = hi ? au1 : au0, bu = hi ? bu1 : bu0;
+          float* a = acc[h];
+          a[8 * m + 0] = fmaf(part[8 * m + 0], ag, a[8 * m + 0]);
+          a[8 * m + 1] = fmaf(part[8 * m + 1], ag, a[8 * m + 1]);
+          a[8 * m + 2] = fmaf(part[8 * m + 2], bg, a[8 * m + 2]);
+          a[8 * m + 3] = fmaf(part[8 * m + 3], bg, a[8 * m + 3]);
+          a[8 * m + 4] = fmaf(part[8 * m + 4], au, a[8 * m + 4]);
+          a[8 * m + 5] = fmaf(part[8 * m + 5], au, a[8 * m + 5]);
+          a[8 * m + 6] = fmaf(part[8 * m + 6], bu, a[8 * m + 6]);
+          a[8 * m + 7] = fmaf(part[8 * m + 7], bu, a[8 * m + 7]);
+        }
       }
     }
-    gs = gs_n;
-    us0 = us0_n;
-    us1 = us1_n;
+#pragma unroll
+    for (int h = 0; h < H2; ++h) {
+      gs[h] = gs_n[h];
+      us0[h] = us0_n[h];
+      us1[h] = us1_n[h];
+    }
     xa = xa_n;
     xb = xb_n;
     if (++s == Cfg::kStages) {
@@ -572,7 +637,7 @@ __device__ __forceinline__ void pair_bias(const Fc1KernelParams& p, const TileIn
 // 2m], ...), each rounded to bf16 (packed pairs: v2[m] row a, v2[8 + m] row
 // b). The FP8 output's (I % 128 == 0: every column is in).
 __device__ __forceinline__ void rows_m_activations(const Fc1KernelParams& p, const TileInfo& t, int i0,
-                                                   const float (&acc)[kTileW / 2], __nv_bfloat162 (&v2)[16]) {
+                                                   const float (&acc)[kSliceW / 2], __nv_bfloat162 (&v2)[16]) {
   const int c2 = 2 * (threadIdx.x & 3);
 #pragma unroll
   for (int m = 0; m < 8; ++m) {
@@ -640,18 +705,45 @@ __device__ __forceinline__ void rows_m_store_fp8_row(const Fc1KernelParams& p, i
   }
 }
 
+// bf16 out: act(gate + b, up + b) of a slice's output columns i0 + 8m + c2,
+// + 1 for the thread's live rows (r_lo: row_a, r_lo + 8: row_b), stored as
+// pairs (rows past the chunk take no activation).
+__device__ __forceinline__ void rows_m_store_bf16(const Fc1KernelParams& p, const TileInfo& t, int i0,
+                                                  const float (&acc)[kSliceW / 2], int r_lo, bool row_a,
+                                                  bool row_b) {
+  const int c2 = 2 * (threadIdx.x & 3);
+  __nv_bfloat16* out_a = p.out + int64_t(t.p0 + r_lo) * p.I;
+  __nv_bfloat16* out_b = out_a + int64_t(8) * p.I;
+#pragma unroll
+  for (int m = 0; m < 8; ++m) {
+    const int i = i0 + 8 * m + c2;
+    if (i >= p.I) continue;  // I % 8 == 0: i and i + 1 are both in or both out
+    float bg0, bg1, bu0, bu1;
+    pair_bias(p, t, i, bg0, bg1, bu0, bu1);
+    if (row_a)
+      *reinterpret_cast<__nv_bfloat162*>(out_a + i) =
+          __floats2bfloat162_rn(activate(p, acc[8 * m + 0] + bg0, acc[8 * m + 4] + bu0),
+                                activate(p, acc[8 * m + 1] + bg1, acc[8 * m + 5] + bu1));
+    if (row_b)
+      *reinterpret_cast<__nv_bfloat162*>(out_b + i) =
+          __floats2bfloat162_rn(activate(p, acc[8 * m + 2] + bg0, acc[8 * m + 6] + bu0),
+                                activate(p, acc[8 * m + 3] + bg1, acc[8 * m + 7] + bu1));
+  }
+}
+
 // Block scales with the token rows as wgmma's M: the stage's row operand
-// (A, 64 rows a consumer warpgroup: tile rows 64 wg ..) against the tile's
-// 128 W1 rows (B, N = 128). A thread's accumulator rows are two tokens (one
-// X scale each) and its columns come in n8 blocks alternating gate / up (the
-// 5-D box's order: block 2m holds the gate rows of output columns 8m..8m+7,
-// block 2m + 1 their up rows), so the promotion is one FFMA an element with
-// six scale products a K block, where the transposed tile needs a product
-// per element. The same thread holds the gate and the up of its output
-// columns: the activation needs no exchange. bf16 out: stored as pairs per
-// slice. FP8 out (Cfg::kPair == 2): the tile's two slices run one after the
-// other, the first slice's bf16 activations kept in registers, then each
-// row's 128-column block is quantised (rows_m_store_fp8_row).
+// (A, 64 rows a consumer warpgroup: tile rows 64 wg ..) against the stage's
+// 128 or (wide) 256 W1 rows (B, N = 128 an MMA). A thread's accumulator rows
+// are two tokens (one X scale each) and its columns come in n8 blocks
+// alternating gate / up (the 5-D box's order: block 2m holds the gate rows
+// of output columns 8m..8m+7, block 2m + 1 their up rows), so the promotion
+// is one FFMA an element with six scale products a K block and slice, where
+// the transposed tile needs a product per element. The same thread holds the
+// gate and the up of its output columns: the activation needs no exchange.
+// bf16 out: stored as pairs per slice. FP8 out (narrow tiles): the tile's
+// two slices one after the other, the first slice's bf16 activations kept in
+// registers, then each row's 128-column block is quantised
+// (rows_m_store_fp8_row).
 template <class Cfg>
 __device__ __forceinline__ void consume_tile_rows_m(const Fc1KernelParams& p, const TileInfo& t, uint32_t stages,
                                                     uint32_t full0, uint32_t empty0, int wg, int& s, uint32_t& ph) {
@@ -659,37 +751,20 @@ __device__ __forceinline__ void consume_tile_rows_m(const Fc1KernelParams& p, co
   const int r_lo = 64 * wg + 16 * ((threadIdx.x >> 5) & 3) + (lane >> 2);  // tile rows r_lo and r_lo + 8
   const bool active = 64 * wg < t.n;  // warpgroup 1 idles on chunks of at most 64 rows
   const bool row_a = r_lo < t.rows, row_b = r_lo + 8 < t.rows;
-  float acc[kTileW / 2];
-  if constexpr (Cfg::kPair == 1) {
-    rows_m_mainloop<Cfg>(p, t, t.hs, stages, full0, empty0, wg, s, ph, r_lo, active, acc);
+  float acc[Cfg::kHalves][kSliceW / 2];
+  if constexpr (!Cfg::kFp8Out) {
+    rows_m_mainloop<Cfg>(p, t, t.hs * Cfg::kHalves, stages, full0, empty0, wg, s, ph, r_lo, active, acc);
     if (!active) return;
-    // bf16 out: each live row's pairs activated and stored one by one (rows
-    // past the chunk take no activation).
-    const int i0 = t.hs * kTileOut, c2 = 2 * (lane & 3);
-    __nv_bfloat16* out_a = p.out + int64_t(t.p0 + r_lo) * p.I;
-    __nv_bfloat16* out_b = out_a + int64_t(8) * p.I;
 #pragma unroll
-    for (int m = 0; m < 8; ++m) {
-      const int i = i0 + 8 * m + c2;
-      if (i >= p.I) continue;  // I % 8 == 0: i and i + 1 are both in or both out
-      float bg0, bg1, bu0, bu1;
-      pair_bias(p, t, i, bg0, bg1, bu0, bu1);
-      if (row_a)
-        *reinterpret_cast<__nv_bfloat162*>(out_a + i) =
-            __floats2bfloat162_rn(activate(p, acc[8 * m + 0] + bg0, acc[8 * m + 4] + bu0),
-                                  activate(p, acc[8 * m + 1] + bg1, acc[8 * m + 5] + bu1));
-      if (row_b)
-        *reinterpret_cast<__nv_bfloat162*>(out_b + i) =
-            __floats2bfloat162_rn(activate(p, acc[8 * m + 2] + bg0, acc[8 * m + 6] + bu0),
-                                  activate(p, acc[8 * m + 3] + bg1, acc[8 * m + 7] + bu1));
-    }
+    for (int h = 0; h < Cfg::kHalves; ++h)
+      rows_m_store_bf16(p, t, (t.hs * Cfg::kHalves + h) * kSliceOut, acc[h], r_lo, row_a, row_b);
   } else {
     __nv_bfloat162 first[16], second[16];
     rows_m_mainloop<Cfg>(p, t, 2 * t.hs, stages, full0, empty0, wg, s, ph, r_lo, active, acc);
-    if (active) rows_m_activations(p, t, 2 * t.hs * kTileOut, acc, first);
+    if (active) rows_m_activations(p, t, 2 * t.hs * kSliceOut, acc[0], first);
     rows_m_mainloop<Cfg>(p, t, 2 * t.hs + 1, stages, full0, empty0, wg, s, ph, r_lo, active, acc);
     if (!active) return;
-    rows_m_activations(p, t, (2 * t.hs + 1) * kTileOut, acc, second);
+    rows_m_activations(p, t, (2 * t.hs + 1) * kSliceOut, acc[0], second);
     const __nv_bfloat162(&a0)[8] = *reinterpret_cast<const __nv_bfloat162(*)[8]>(&first[0]);
     const __nv_bfloat162(&a1)[8] = *reinterpret_cast<const __nv_bfloat162(*)[8]>(&second[0]);
     const __nv_bfloat162(&b0)[8] = *reinterpret_cast<const __nv_bfloat162(*)[8]>(&first[8]);
@@ -739,11 +814,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Each role's code sits inside its setmaxnreg branch (ptxas ignores the
   // instruction when code needing more registers is reachable after it).
   if (warp >= 8) {
-    dev::setmaxnreg_dec<kLoaderRegs>();
+    dev::setmaxnreg_dec<Cfg::kLoaderRegs>();
     load_tiles<Cfg>(p, &map_w, &map_x64, &map_x16, base, base + Cfg::kOffScales, full0, empty0, tile_start,
                     row_off, order);
   } else {
-    dev::setmaxnreg_inc<kConsumerRegs>();
+    dev::setmaxnreg_inc<Cfg::kConsumerRegs>();
     const int wg = warp / 4;
     uint16_t* stg = reinterpret_cast<uint16_t*>(sm + Cfg::kOffEpi + wg * kEpiBytes);
     const int total = tile_start[p.E];
@@ -791,7 +866,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // as zeros. e4m3 travels as bytes.
 // MXFP4 W1 travels as its packed bytes (H / 2 a row), in boxes of 64 (W4A8:
 // 128 of K) or 32 bytes (W4A16: 64 of K) a row, unswizzled.
-bool encode_w1(const Sm90Fc1Params& p, CUtensorMap& w) {
+bool encode_w1(const Sm90Fc1Params& p, int box_rows, CUtensorMap& w) {
   const detail::TensorMapEncodeTiled encode = detail::tensor_map_encoder();
   if (encode == nullptr) return false;
   const bool fp8 = p.fp8 != MoeFp8Scaling::kNone;
@@ -805,7 +880,7 @@ bool encode_w1(const Sm90Fc1Params& p, CUtensorMap& w) {
   const cuuint64_t strides[4] = {inter ? 2 * row : row, inter ? row : I * row, inter ? 16 * row : 8 * row,
                                  2 * I * row};
   const cuuint32_t inner = mx ? (fp8 ? 64 : 32) : (fp8 ? kTileBytes : kTileBytes / 2);
-  const cuuint32_t box[5] = {inner, 8, 2, kTileOut / 8, 1};
+  const cuuint32_t box[5] = {inner, 8, 2, cuuint32_t(box_rows / 16), 1};
   const cuuint32_t elem[5] = {1, 1, 1, 1, 1};
   return encode(&w, bytes ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5,
                 const_cast<void*>(p.W1), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -843,7 +918,7 @@ Status launch(const Sm90Fc1Params& p, const Fc1KernelParams& k, const CUtensorMa
   FM_REQUIRE_SUPPORTED(Cfg::kSmemBytes <= max_dynamic, kOp, "device", "the FC1 kernel needs ", Cfg::kSmemBytes,
                        " bytes of shared memory per block; this device allows ", max_dynamic);
   Fc1KernelParams kp = k;
-  kp.slices = k.slices / Cfg::kPair;  // the FP8 output's tiles are pairs of slices (I % 128 == 0)
+  kp.slices = (k.slices + Cfg::kSlicesPerTile - 1) / Cfg::kSlicesPerTile;  // tiles over I
   FM_RETURN_IF_ERROR(detail::cuda_status(
       dev::launch(kernel, dim3(unsigned(p.sm_count)), dim3(kThreads), Cfg::kSmemBytes, stream, p.pdl, kp, w, x64,
                   x16),
@@ -857,8 +932,19 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   // MXFP4 at decode: the kernel that converts in registers (sm90_mx_decode.cu).
   if (p.weights == MoeWeightFormat::kMxfp4 && mx_decode_applies(p.T, p.k, p.E, 2 * int64_t(p.I), p.H))
     return sm90_fc1_run_mx_decode(p, stream);
+  // Block-scaled FP8 with bf16 out: wide tiles (256 W1 rows a stage) once
+  // experts average 256 rows (not yet measured: a first guess); they halve
+  // the tiles, which decode needs to keep its SMs streaming W1.
+  // FLASHMIX_FC1_WIDE=0|1 pins it (the A/B).
+  static const int pinned_wide = [] {
+    const char* e = std::getenv("FLASHMIX_FC1_WIDE");
+    return e ? std::atoi(e) : -1;
+  }();
+  const bool wide = p.fp8 == MoeFp8Scaling::kBlock && p.weights == MoeWeightFormat::kDense && p.out_scales == nullptr &&
+                    (pinned_wide >= 0 ? pinned_wide == 1 : int64_t(p.T) * p.k >= int64_t(256) * p.E);
   CUtensorMap w;
-  FM_REQUIRE_SUPPORTED(encode_w1(p, w), kOp, "W1", "its TMA descriptor could not be encoded");
+  FM_REQUIRE_SUPPORTED(encode_w1(p, wide ? 2 * kSliceW : kSliceW, w), kOp, "W1",
+                       "its TMA descriptor could not be encoded");
   CUtensorMap x64 = w, x16 = w;  // used only with a permuted X
   if (p.x_permuted)
     FM_REQUIRE_SUPPORTED(encode_x_permuted(p, x64, x16), kOp, "X", "its TMA descriptors could not be encoded");
@@ -882,7 +968,7 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   k.E = p.E;
   // The FP8 output (block scales only; I % 128 == 0): a tile runs both
   // 64-column slices of a 128-column scale block, one after the other.
-  k.slices = (p.I + kTileOut - 1) / kTileOut;  // W1 slices; tiles take Cfg::kPair of them (launch)
+  k.slices = (p.I + kSliceOut - 1) / kSliceOut;  // W1 slices; tiles take Cfg::kSlicesPerTile of them (launch)
   k.k_blocks = (k.h_bytes + kTileBytes - 1) / kTileBytes;
   k.w_row_blocks = (2 * p.I + kScaleK - 1) / kScaleK;
   k.act = int(p.activation);
@@ -926,6 +1012,7 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   }
   switch (p.fp8) {
     case MoeFp8Scaling::kBlock:
+      if (wide) return launch<Fc1Cfg<128, Fc1In::kFp8Block, false, true>>(p, k, w, x64, x16, stream);
       return p.out_scales != nullptr ? launch<Fc1Cfg<128, Fc1In::kFp8Block, true>>(p, k, w, x64, x16, stream)
                                      : launch<Fc1Cfg<128, Fc1In::kFp8Block>>(p, k, w, x64, x16, stream);
     case MoeFp8Scaling::kTensor:

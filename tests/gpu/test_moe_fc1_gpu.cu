@@ -511,6 +511,45 @@ TEST(MoeFc1Gpu, Fp8ActivationsStridesAndOddShapes) {
   }
 }
 
+// Block scales with experts averaging 256 rows or more (T k >= 256 E_local):
+// the wide tiles (256 W1 rows a stage, two slices through one partial; spec
+// §9.7). Both layouts, gathered and permuted X, I = 200 (the last tile's
+// second slice partly past I), 136 (wholly past I: its scale rows clamped,
+// its W1 rows zeros) and 256, an expert-parallel rank with empty experts,
+// and experts of under 64 rows (the second consumer warpgroup idle).
+TEST(MoeFc1Gpu, Fp8BlockWideTiles) {
+  SKIP_WITHOUT_HOPPER();
+  for (Fc1WeightLayout l : kLayouts)
+    for (bool permuted : {false, true})
+      for (int64_t I : {200, 136, 256}) {
+        SCOPED_TRACE(std::string(to_string(l)) + (permuted ? "/permuted" : "/gather") + " I=" + std::to_string(I));
+        Case c;
+        c.fp8 = MoeFp8Scaling::kBlock;
+        c.T = 600;
+        c.k = 4;
+        c.total = c.local = 8;  // 300 rows an expert on average: chunks of 128 rows
+        c.H = 384;
+        c.I = I;
+        c.layout = l;
+        c.x_permuted = permuted;
+        c.bias = I != 256;
+        check_case(c);
+      }
+  Case c;
+  c.fp8 = MoeFp8Scaling::kBlock;
+  c.T = 600;
+  c.k = 4;
+  c.total = c.local = 8;
+  c.routing = Case::kFirstHalfOnly;  // experts 0-3 take 600 rows each, 4-7 none
+  c.H = 256;
+  check_case(c);
+  c.routing = Case::kRandom;
+  c.total = 48;  // a middle rank of 6: T k >= 256 E_local picks wide tiles, yet ~50 rows an expert
+  c.start = 16;
+  c.local = 8;
+  check_case(c);
+}
+
 // The FP8 output (spec §9.8): e4m3 codes and 1 x 128 scales bitwise equal to
 // the same GPU's bf16 output (checked against the CPU reference first) run
 // through quantize_fp8 (first P rows); rows past P and the scales' rows past
