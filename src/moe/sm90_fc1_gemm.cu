@@ -131,7 +131,7 @@ enum class Fc1In { kBf16, kFp8Block, kFp8Tensor, kMxfp4Fp8, kMxfp4Bf16 };
 //
 // Wide tiles (kWide_; block-scaled FP8 only): a stage holds 256 W1 rows (128
 // output columns, two slices side by side) against the 128 token rows, so
-// a byte brought from L2 feeds 1.4x the MMAs of the 128-row tile; each
+// a byte brought from L2 feeds 1.37x the MMAs of the 128-row tile; each
 // consumer warpgroup runs the two slices' MMAs one after the other into one
 // 64-register partial (rows_m_mainloop).
 template <int kMaxRows_, Fc1In kIn_ = Fc1In::kBf16, bool kFp8Out_ = false, bool kWide_ = false>
@@ -952,9 +952,10 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   if (p.weights == MoeWeightFormat::kMxfp4 && mx_decode_applies(p.T, p.k, p.E, 2 * int64_t(p.I), p.H))
     return sm90_fc1_run_mx_decode(p, stream);
   // Block-scaled FP8 with bf16 out: wide tiles (256 W1 rows a stage) once
-  // experts average 256 rows (not yet measured: a first guess); they halve
-  // the tiles, which decode needs to keep its SMs streaming W1.
-  // FLASHMIX_FC1_WIDE=0|1 pins it (the A/B).
+  // experts average 256 rows (measured faster at 256 and 1024 rows an
+  // expert, slower at decode sizes; 32-255 not measured). They halve the
+  // tiles, which decode needs to keep its SMs streaming W1.
+  // FLASHMIX_FC1_WIDE=0|1 pins it (the A/B, bench/results/ab/fc1-fp8-wide*).
   static const int pinned_wide = [] {
     const char* e = std::getenv("FLASHMIX_FC1_WIDE");
     return e ? std::atoi(e) : -1;
