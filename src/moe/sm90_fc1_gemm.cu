@@ -511,6 +511,22 @@ __device__ __forceinline__ SliceScales slice_scales(const Fc1KernelParams& p, in
   return r;
 }
 
+// Element group m (n8 blocks 2m: gate, 2m + 1: up) of a K block's partial
+// promoted: rows a (r_lo) and b (r_lo + 8) of the gate columns times ag / bg,
+// of the up columns times au / bu (each the row's X scale times the block's
+// W1 scale).
+__device__ __forceinline__ void promote_group(float (&acc)[kSliceW / 2], const float (&part)[kSliceW / 2], int m,
+                                              float ag, float bg, float au, float bu) {
+  acc[8 * m + 0] = fmaf(part[8 * m + 0], ag, acc[8 * m + 0]);
+  acc[8 * m + 1] = fmaf(part[8 * m + 1], ag, acc[8 * m + 1]);
+  acc[8 * m + 2] = fmaf(part[8 * m + 2], bg, acc[8 * m + 2]);
+  acc[8 * m + 3] = fmaf(part[8 * m + 3], bg, acc[8 * m + 3]);
+  acc[8 * m + 4] = fmaf(part[8 * m + 4], au, acc[8 * m + 4]);
+  acc[8 * m + 5] = fmaf(part[8 * m + 5], au, acc[8 * m + 5]);
+  acc[8 * m + 6] = fmaf(part[8 * m + 6], bu, acc[8 * m + 6]);
+  acc[8 * m + 7] = fmaf(part[8 * m + 7], bu, acc[8 * m + 7]);
+}
+
 // Block-scaled FP8 with the token rows as wgmma's M (Cfg::kRowsM): below,
 // the mainloop over H of the Cfg::kHalves slices hs, hs + 1, .. a stage
 // holds: acc[h] = the fp32 sums of the thread's 2 rows x 32 W1 rows (16
@@ -592,34 +608,15 @@ __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const 
         // not the MMAs, set the pace; docs/moe_fc1.md.)
         const float ag = xa * gs[h], au = xa * us0[h];
         const float bg = xb * gs[h], bu = xb * us0[h];
-        float* a = acc[h];
 #pragma unroll
-        for (int m = 0; m < 8; ++m) {
-          a[8 * m + 0] = fmaf(part[8 * m + 0], ag, a[8 * m + 0]);
-          a[8 * m + 1] = fmaf(part[8 * m + 1], ag, a[8 * m + 1]);
-          a[8 * m + 2] = fmaf(part[8 * m + 2], bg, a[8 * m + 2]);
-          a[8 * m + 3] = fmaf(part[8 * m + 3], bg, a[8 * m + 3]);
-          a[8 * m + 4] = fmaf(part[8 * m + 4], au, a[8 * m + 4]);
-          a[8 * m + 5] = fmaf(part[8 * m + 5], au, a[8 * m + 5]);
-          a[8 * m + 6] = fmaf(part[8 * m + 6], bu, a[8 * m + 6]);
-          a[8 * m + 7] = fmaf(part[8 * m + 7], bu, a[8 * m + 7]);
-        }
+        for (int m = 0; m < 8; ++m) promote_group(acc[h], part, m, ag, bg, au, bu);
       } else if (active) {
         const float ag = xa * gs[h], au0 = xa * us0[h], au1 = xa * us1[h];
         const float bg = xb * gs[h], bu0 = xb * us0[h], bu1 = xb * us1[h];
 #pragma unroll
         for (int m = 0; m < 8; ++m) {
           const bool hi = (sw[h].up_hi >> m) & 1u;
-          const float au = hi ? au1 : au0, bu = hi ? bu1 : bu0;
-          float* a = acc[h];
-          a[8 * m + 0] = fmaf(part[8 * m + 0], ag, a[8 * m + 0]);
-          a[8 * m + 1] = fmaf(part[8 * m + 1], ag, a[8 * m + 1]);
-          a[8 * m + 2] = fmaf(part[8 * m + 2], bg, a[8 * m + 2]);
-          a[8 * m + 3] = fmaf(part[8 * m + 3], bg, a[8 * m + 3]);
-          a[8 * m + 4] = fmaf(part[8 * m + 4], au, a[8 * m + 4]);
-          a[8 * m + 5] = fmaf(part[8 * m + 5], au, a[8 * m + 5]);
-          a[8 * m + 6] = fmaf(part[8 * m + 6], bu, a[8 * m + 6]);
-          a[8 * m + 7] = fmaf(part[8 * m + 7], bu, a[8 * m + 7]);
+          promote_group(acc[h], part, m, ag, bg, hi ? au1 : au0, hi ? bu1 : bu0);
         }
       }
     }
