@@ -1,6 +1,7 @@
 // The tile schedule of our grouped GEMMs (FC1 and FC2, sm_90a): a tile is one
 // slice of an expert's weight (128 weight rows: H columns for FC2, gate + up
-// rows for FC1) times all of the expert's rows (up to kMaxRows; a larger
+// rows for FC1; FC1's wide block-FP8 tiles and its FP8 output take two
+// slices a tile) times all of the expert's rows (up to kMaxRows; a larger
 // expert is cut into equal chunks of at most kWgmmaMaxN), so a weight slice is
 // read from device memory once for all of its expert's rows, and the wgmma N
 // (the rows, rounded up to kRowQuantum) is sized per tile.

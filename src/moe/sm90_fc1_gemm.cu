@@ -25,8 +25,9 @@
 //
 // CTA: 12 warps, persistent (one CTA per SM). Warps 8-11 load: lane 0 of warp
 // 8 issues W1's TMA box, all 128 threads the rows' cp.asyncs, into a ring of
-// 4 stages (tiles of up to 256 rows) or 6 (up to 128 rows; Fc1Cfg) (a stage completes on its mbarrier: the TMA bytes plus one noinc
-// arrival per loader thread); warps 0-7, two consumer warpgroups, each run
+// 4 stages (tiles of up to 256 rows, or wide block-FP8 tiles) or 6 (up to 128
+// rows; Fc1Cfg) (a stage completes on its mbarrier: the TMA bytes plus one
+// noinc arrival per loader thread); warps 0-7, two consumer warpgroups, each run
 // wgmma m64nNk16 on 64 of the tile's 128 W1 rows (= 32 output columns), then
 // the epilogue: act through shared memory (64 rows a pass, transposed so a
 // thread stores 16 consecutive bytes of one output row). setmaxnreg moves
@@ -119,8 +120,9 @@ enum class Fc1In { kBf16, kFp8Block, kFp8Tensor, kMxfp4Fp8, kMxfp4Bf16 };
 // The ring for tiles of up to kMaxRows_ rows: as many stages as fit beside
 // the epilogue staging, the experts' tables and the barriers. 256 rows: 4
 // stages of 48 KB; 128 rows: 6 of 32 KB (more bytes in flight, W1 slices
-// read twice for experts of 129-256 rows, the second time from L2). With
-// W4A8 a stage also holds the rows' X scales of its K block.
+// read twice for experts of 129-256 rows, the second time from L2); wide
+// block-FP8 tiles (128 rows, 256 W1 rows): 4 of 48 KB. With W4A8 a stage
+// also holds the rows' X scales of its K block.
 //
 // MXFP4 W1: a stage holds the tile's packed rows as TMA writes them (128
 // rows x 64 bytes for W4A8's 128 of K, x 32 bytes for W4A16's 64, no
@@ -148,7 +150,6 @@ struct Fc1Cfg {
   // 13.0; that output keeps the narrow pair.)
   static_assert(!(kWide && kFp8Out_), "wide tiles store bf16");
   static constexpr int kTileW = kWide ? 2 * kSliceW : kSliceW;  // W1 rows a stage
-  static constexpr int kHalves = kTileW / kSliceW;  // 128-row MMAs a stage
   // Slices a tile covers: two with the FP8 output (spec §9.8; block scales
   // only: one 1 x 128 scale block of output columns) or wide tiles.
   static constexpr int kSlicesPerTile = kFp8Out_ || kWide ? 2 : 1;
@@ -156,7 +157,6 @@ struct Fc1Cfg {
   // (kPair). Its own instantiation, so the bf16-output kernels compile as
   // they did without it.
   static constexpr int kPair = kFp8Out_ ? 2 : 1;
-  static constexpr bool kFp8Out = kFp8Out_;
   static_assert(!kFp8Out_ || kRowsM, "the FP8 output needs block scales (token rows as M)");
   // setmaxnreg: the consumers of wide tiles hold a 128-register accumulator
   // beside the 64-register partial. (128 loaders x kLoaderRegs + 256 x
@@ -201,6 +201,12 @@ struct Fc1Cfg {
   static_assert(!kXBlock || kMaxRows <= 128, "block-scaled tiles hold at most 128 rows");
 };
 
+// The 128-row MMAs (slices) of a stage: 2 for wide tiles, else 1. (A
+// variable template: as a member of every Fc1Cfg it drew nvcc's unused
+// warning where only the rows_m path reads it.)
+template <class Cfg>
+constexpr int kHalves = Cfg::kTileW / kSliceW;
+
 constexpr int kThreads = 384;  // warps 0-7 consumers, 8-11 loaders
 constexpr int kLoaders = 128;
 
@@ -216,7 +222,7 @@ struct Fc1KernelParams {
   const uint8_t* w_mx_scales;  // MXFP4: ue8m0 [E, 2I, H / 32]
   __nv_bfloat16* out;
   int T, H, I, E;
-  int slices, k_blocks;  // slices: the tiles' slice units over I (pairs of W1 slices with the FP8 output)
+  int slices, k_blocks;  // slices: the tiles over I (pairs of W1 slices with the FP8 output or wide tiles)
   int w_row_blocks;  // ceil(2I / 128)
   int act;  // MoeActivation
   float limit, alpha;
@@ -528,19 +534,22 @@ __device__ __forceinline__ void promote_group(float (&acc)[kSliceW / 2], const f
 }
 
 // Block-scaled FP8 with the token rows as wgmma's M (Cfg::kRowsM): below,
-// the mainloop over H of the Cfg::kHalves slices hs, hs + 1, .. a stage
+// the mainloop over H of the kHalves<Cfg> slices hs, hs + 1, .. a stage
 // holds: acc[h] = the fp32 sums of the thread's 2 rows x 32 W1 rows (16
 // gate / up column pairs) of slice hs + h, promoted per K block. A wide
 // stage's two slices run one after the other through one partial (a second
 // would not fit the registers): the MMAs of the first, its promotion, then
 // the second's; the other consumer warpgroup's MMAs fill the tensor pipe
-// meanwhile. (The loop of consume_tile_rows_m below.)
+// meanwhile. A slice's MMAs and promotion are the same in wide and narrow
+// tiles, so both give the same bits (spec §9.8's FP8 output, from narrow
+// tiles, is tested bitwise against bf16 rows that may come from wide ones).
+// (The loop of consume_tile_rows_m below.)
 template <class Cfg>
 __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const TileInfo& t, int hs,
                                                 uint32_t stages, uint32_t full0, uint32_t empty0, int wg, int& s,
                                                 uint32_t& ph, int r_lo, bool active,
-                                                float (&acc)[Cfg::kHalves][kSliceW / 2]) {
-  constexpr int N = kSliceW, H2 = Cfg::kHalves;
+                                                float (&acc)[kHalves<Cfg>][kSliceW / 2]) {
+  constexpr int N = kSliceW, H2 = kHalves<Cfg>;
   const int lane = threadIdx.x & 31;
   const int kbs = p.H / kScaleK;
   SliceScales sw[H2];
@@ -602,8 +611,9 @@ __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const 
         if (lane == 0) dev::mbar_arrive(bar_at(empty0, s));  // the stage is free: promote from registers
       }
       if (active && sw[h].up_hi == 0) {
-        // Every up row in one scale block (I % 128 == 0, or the interleaved
-        // layout): four products, no select an element group. (Without the
+        // Every up row of the slice in one scale block (always with I % 128
+        // == 0 or the interleaved layout, and for some slices otherwise):
+        // four products, no select an element group. (Without the
         // promotion the same schedule ran ~40 % faster: its instructions,
         // not the MMAs, set the pace; docs/moe_fc1.md.)
         const float ag = xa * gs[h], au = xa * us0[h];
@@ -767,13 +777,13 @@ __device__ __forceinline__ void consume_tile_rows_m(const Fc1KernelParams& p, co
   const int r_lo = 64 * wg + 16 * ((threadIdx.x >> 5) & 3) + (lane >> 2);  // tile rows r_lo and r_lo + 8
   const bool active = 64 * wg < t.n;  // warpgroup 1 idles on chunks of at most 64 rows
   const bool row_a = r_lo < t.rows, row_b = r_lo + 8 < t.rows;
-  float acc[Cfg::kHalves][kSliceW / 2];
-  if constexpr (!Cfg::kFp8Out) {
-    rows_m_mainloop<Cfg>(p, t, t.hs * Cfg::kHalves, stages, full0, empty0, wg, s, ph, r_lo, active, acc);
+  float acc[kHalves<Cfg>][kSliceW / 2];
+  if constexpr (Cfg::kPair == 1) {
+    rows_m_mainloop<Cfg>(p, t, t.hs * kHalves<Cfg>, stages, full0, empty0, wg, s, ph, r_lo, active, acc);
     if (!active) return;
 #pragma unroll
-    for (int h = 0; h < Cfg::kHalves; ++h)
-      rows_m_store_bf16(p, t, (t.hs * Cfg::kHalves + h) * kSliceOut, acc[h], r_lo, row_a, row_b);
+    for (int h = 0; h < kHalves<Cfg>; ++h)
+      rows_m_store_bf16(p, t, (t.hs * kHalves<Cfg> + h) * kSliceOut, acc[h], r_lo, row_a, row_b);
   } else {
     __nv_bfloat162 first[16], second[16];
     rows_m_mainloop<Cfg>(p, t, 2 * t.hs, stages, full0, empty0, wg, s, ph, r_lo, active, acc);
@@ -949,16 +959,17 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   if (p.weights == MoeWeightFormat::kMxfp4 && mx_decode_applies(p.T, p.k, p.E, 2 * int64_t(p.I), p.H))
     return sm90_fc1_run_mx_decode(p, stream);
   // Block-scaled FP8 with bf16 out: wide tiles (256 W1 rows a stage) once
-  // experts average 256 rows (measured faster at 256 and 1024 rows an
-  // expert, slower at decode sizes; 32-255 not measured). They halve the
-  // tiles, which decode needs to keep its SMs streaming W1.
-  // FLASHMIX_FC1_WIDE=0|1 pins it (the A/B, bench/results/ab/fc1-fp8-wide*).
-  static const int pinned_wide = [] {
-    const char* e = std::getenv("FLASHMIX_FC1_WIDE");
-    return e ? std::atoi(e) : -1;
-  }();
+  // T k >= 256 E_local (measured faster at 256 and 1024 rows an expert,
+  // slower at decode sizes; 32-255 not measured). They halve the tiles,
+  // which decode needs to keep its SMs streaming W1. Like the ring's rule
+  // below, T k / E_local overstates the rows an expert under expert
+  // parallelism (most slots are not local): a rank may take wide tiles at
+  // well under 256 rows an expert. FLASHMIX_FC1_WIDE=0|1 pins it, read on
+  // every call (the A/B, bench/results/ab/fc1-fp8-wide*; the tests).
+  const char* pin_wide = std::getenv("FLASHMIX_FC1_WIDE");
+  const bool pinned_wide = pin_wide != nullptr && *pin_wide != '\0';
   const bool wide = p.fp8 == MoeFp8Scaling::kBlock && p.weights == MoeWeightFormat::kDense && p.out_scales == nullptr &&
-                    (pinned_wide >= 0 ? pinned_wide == 1 : int64_t(p.T) * p.k >= int64_t(256) * p.E);
+                    (pinned_wide ? std::atoi(pin_wide) != 0 : int64_t(p.T) * p.k >= int64_t(256) * p.E);
   CUtensorMap w;
   FM_REQUIRE_SUPPORTED(encode_w1(p, wide ? 2 * kSliceW : kSliceW, w), kOp, "W1",
                        "its TMA descriptor could not be encoded");

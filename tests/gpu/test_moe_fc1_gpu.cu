@@ -36,6 +36,15 @@ namespace {
 
 #define SKIP_WITHOUT_HOPPER() SKIP_WITHOUT_HOPPER_FOR("moe_fc1")
 
+// Pins the block-scaled FP8 tile (FLASHMIX_FC1_WIDE, read on every call):
+// wide (256 W1 rows a stage) or narrow, whatever the rows an expert.
+struct ScopedFc1Wide {
+  explicit ScopedFc1Wide(bool wide) { setenv("FLASHMIX_FC1_WIDE", wide ? "1" : "0", 1); }
+  ~ScopedFc1Wide() { unsetenv("FLASHMIX_FC1_WIDE"); }
+  ScopedFc1Wide(const ScopedFc1Wide&) = delete;
+  ScopedFc1Wide& operator=(const ScopedFc1Wide&) = delete;
+};
+
 struct Case {
   int64_t T = 64;
   int k = 4;
@@ -493,13 +502,20 @@ TEST(MoeFc1Gpu, Fp8ActivationsStridesAndOddShapes) {
     c.total = c.local = 8;
     c.I = 64;
     check_case(c);
-    c = Case{};
-    c.fp8 = f;
-    c.H = 512;
-    c.T = 700;  // ~350 rows an expert: chunks of 128 rows; T * k > 512 E: the 256-row ring for kTensor
-    c.k = 2;
-    c.total = c.local = 2;
-    check_case(c);
+    // 700 rows an expert: chunks of 128 rows; T k > 512 E: the 256-row ring
+    // for kTensor; block scales through both the narrow and the wide tiles.
+    for (bool wide : {false, true}) {
+      if (wide && f != MoeFp8Scaling::kBlock) continue;
+      const ScopedFc1Wide pin(wide);
+      SCOPED_TRACE(wide ? "wide tiles" : "narrow tiles");
+      c = Case{};
+      c.fp8 = f;
+      c.H = 512;
+      c.T = 700;
+      c.k = 2;
+      c.total = c.local = 2;
+      check_case(c);
+    }
     c = Case{};
     c.fp8 = f;
     c.H = 256;
@@ -519,6 +535,7 @@ TEST(MoeFc1Gpu, Fp8ActivationsStridesAndOddShapes) {
 // and experts of under 64 rows (the second consumer warpgroup idle).
 TEST(MoeFc1Gpu, Fp8BlockWideTiles) {
   SKIP_WITHOUT_HOPPER();
+  const ScopedFc1Wide pin(true);  // as the rule picks here, pinned against a stray FLASHMIX_FC1_WIDE=0
   for (Fc1WeightLayout l : kLayouts)
     for (bool permuted : {false, true})
       for (int64_t I : {200, 136, 256}) {
@@ -527,7 +544,7 @@ TEST(MoeFc1Gpu, Fp8BlockWideTiles) {
         c.fp8 = MoeFp8Scaling::kBlock;
         c.T = 600;
         c.k = 4;
-        c.total = c.local = 8;  // 300 rows an expert on average: chunks of 128 rows
+        c.total = c.local = 8;  // 300 rows an expert on average: chunks of ~100 rows (t.n 112)
         c.H = 384;
         c.I = I;
         c.layout = l;
