@@ -658,6 +658,15 @@ __device__ __forceinline__ void pair_bias(const Fc1KernelParams& p, const TileIn
   bu1 = __bfloat162float(b[r1.up]);
 }
 
+// act(gate + b, up + b) of element group m's column pair (i0 + 8m + c2, + 1)
+// for the thread's row rr (0: r_lo, 1: r_lo + 8), rounded to bf16: the
+// gate sums acc[8m + 2rr], + 1, the up sums acc[8m + 4 + 2rr], + 1.
+__device__ __forceinline__ __nv_bfloat162 activated_pair(const Fc1KernelParams& p, const float (&acc)[kSliceW / 2],
+                                                         int m, int rr, float bg0, float bg1, float bu0, float bu1) {
+  return __floats2bfloat162_rn(activate(p, acc[8 * m + 2 * rr] + bg0, acc[8 * m + 4 + 2 * rr] + bu0),
+                               activate(p, acc[8 * m + 1 + 2 * rr] + bg1, acc[8 * m + 5 + 2 * rr] + bu1));
+}
+
 // act(gate + b, up + b) of a slice's output columns i0 + 8m + c2, + 1 (m =
 // 0..7) for the thread's rows r_lo (v[2m], v[2m + 1]) and r_lo + 8 (v[16 +
 // 2m], ...), each rounded to bf16 (packed pairs: v2[m] row a, v2[8 + m] row
@@ -669,10 +678,8 @@ __device__ __forceinline__ void rows_m_activations(const Fc1KernelParams& p, con
   for (int m = 0; m < 8; ++m) {
     float bg0, bg1, bu0, bu1;
     pair_bias(p, t, i0 + 8 * m + c2, bg0, bg1, bu0, bu1);
-    v2[m] = __floats2bfloat162_rn(activate(p, acc[8 * m + 0] + bg0, acc[8 * m + 4] + bu0),
-                                  activate(p, acc[8 * m + 1] + bg1, acc[8 * m + 5] + bu1));
-    v2[8 + m] = __floats2bfloat162_rn(activate(p, acc[8 * m + 2] + bg0, acc[8 * m + 6] + bu0),
-                                      activate(p, acc[8 * m + 3] + bg1, acc[8 * m + 7] + bu1));
+    v2[m] = activated_pair(p, acc, m, 0, bg0, bg1, bu0, bu1);
+    v2[8 + m] = activated_pair(p, acc, m, 1, bg0, bg1, bu0, bu1);
   }
 }
 
@@ -746,14 +753,8 @@ __device__ __forceinline__ void rows_m_store_bf16(const Fc1KernelParams& p, cons
     if (i >= p.I) continue;  // I % 8 == 0: i and i + 1 are both in or both out
     float bg0, bg1, bu0, bu1;
     pair_bias(p, t, i, bg0, bg1, bu0, bu1);
-    if (row_a)
-      *reinterpret_cast<__nv_bfloat162*>(out_a + i) =
-          __floats2bfloat162_rn(activate(p, acc[8 * m + 0] + bg0, acc[8 * m + 4] + bu0),
-                                activate(p, acc[8 * m + 1] + bg1, acc[8 * m + 5] + bu1));
-    if (row_b)
-      *reinterpret_cast<__nv_bfloat162*>(out_b + i) =
-          __floats2bfloat162_rn(activate(p, acc[8 * m + 2] + bg0, acc[8 * m + 6] + bu0),
-                                activate(p, acc[8 * m + 3] + bg1, acc[8 * m + 7] + bu1));
+    if (row_a) *reinterpret_cast<__nv_bfloat162*>(out_a + i) = activated_pair(p, acc, m, 0, bg0, bg1, bu0, bu1);
+    if (row_b) *reinterpret_cast<__nv_bfloat162*>(out_b + i) = activated_pair(p, acc, m, 1, bg0, bg1, bu0, bu1);
   }
 }
 
