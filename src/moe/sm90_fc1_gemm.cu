@@ -533,6 +533,10 @@ __device__ __forceinline__ void promote_group(float (&acc)[kSliceW / 2], const f
   acc[8 * m + 7] = fmaf(part[8 * m + 7], bu, acc[8 * m + 7]);
 }
 
+// The consumers' named barrier around the W1 scales' copy (0: __syncthreads,
+// 1 and 2: the transposed tile's epilogue).
+constexpr int kScaleBar = 3;
+
 // Block-scaled FP8 with the token rows as wgmma's M (Cfg::kRowsM): below,
 // the mainloop over H of the kHalves<Cfg> slices hs, hs + 1, .. a stage
 // holds: acc[h] = the fp32 sums of the thread's 2 rows x 32 W1 rows (16
@@ -548,7 +552,7 @@ template <class Cfg>
 __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const TileInfo& t, int hs,
                                                 uint32_t stages, uint32_t full0, uint32_t empty0, int wg, int& s,
                                                 uint32_t& ph, int r_lo, bool active,
-                                                float (&acc)[kHalves<Cfg>][kSliceW / 2]) {
+                                                float (&acc)[kHalves<Cfg>][kSliceW / 2], float* wsc) {
   constexpr int N = kSliceW, H2 = kHalves<Cfg>;
   const int lane = threadIdx.x & 31;
   const int kbs = p.H / kScaleK;
@@ -556,6 +560,17 @@ __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const 
 #pragma unroll
   for (int h = 0; h < H2; ++h)  // (a wide tile's second slice may lie past I: its W1 rows read as zeros)
     sw[h] = slice_scales(p, t.e, H2 > 1 ? min((hs + h) * kSliceOut, p.I - 1) : (hs + h) * kSliceOut);
+  // The slices' W1 scales of every K block into shared memory (wsc[(3 h + j)
+  // kbs + kb], j: gate, up, up of the second block), read after each stage's
+  // barrier: both consumer warpgroups copy, between two syncs of theirs (the
+  // first: the previous call's readers are done).
+  dev::named_bar_sync(kScaleBar, 256);
+  for (int i = threadIdx.x; i < 3 * H2 * kbs; i += 256) {
+    const int h = i / (3 * kbs), j = (i / kbs) % 3, kb = i % kbs;
+    const SliceScales q = h > 0 ? sw[H2 - 1] : sw[0];
+    wsc[i] = __ldg((j == 0 ? q.g : j == 1 ? q.u : q.u1) + kb);
+  }
+  dev::named_bar_sync(kScaleBar, 256);
   // The X scales of this thread's two rows, read from global memory (copied
   // into the stages by the loaders, as W4A8 does, they cost ~1.5x the time:
   // each 4-byte cp.async a row lengthens the stage's completion).
@@ -573,26 +588,20 @@ __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const 
     for (int h = 0; h < H2; ++h) acc[h][k] = 0.f;
     part[k] = 0.f;
   }
-  float gs[H2], us0[H2], us1[H2];
-#pragma unroll
-  for (int h = 0; h < H2; ++h) {
-    gs[h] = __ldg(sw[h].g);
-    us0[h] = __ldg(sw[h].u);
-    us1[h] = __ldg(sw[h].u1);
-  }
   float xa = __ldg(sx0), xb = __ldg(sx1);
   const uint32_t a_off = uint32_t(Cfg::kWStage + wg * 64 * kTileBytes);
+#pragma unroll 1
   for (int kb = 0; kb < p.k_blocks; ++kb) {
-    // The next K block's scales, loaded while this one's MMAs run.
+    // The next K block's X scales, loaded while this one's MMAs run.
     const int kn = kb + 1 < p.k_blocks ? kb + 1 : kb;
-    float gs_n[H2], us0_n[H2], us1_n[H2];
+    const float xa_n = __ldg(sx0 + kn), xb_n = __ldg(sx1 + kn);
+    float gs[H2], us0[H2], us1[H2];
 #pragma unroll
     for (int h = 0; h < H2; ++h) {
-      gs_n[h] = __ldg(sw[h].g + kn);
-      us0_n[h] = __ldg(sw[h].u + kn);
-      us1_n[h] = __ldg(sw[h].u1 + kn);
+      gs[h] = wsc[(3 * h + 0) * kbs + kb];
+      us0[h] = wsc[(3 * h + 1) * kbs + kb];
+      us1[h] = wsc[(3 * h + 2) * kbs + kb];
     }
-    const float xa_n = __ldg(sx0 + kn), xb_n = __ldg(sx1 + kn);
     dev::mbar_wait(bar_at(full0, s), ph);
 #pragma unroll
     for (int h = 0; h < H2; ++h) {
@@ -629,12 +638,6 @@ __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const 
           promote_group(acc[h], part, m, ag, bg, hi ? au1 : au0, hi ? bu1 : bu0);
         }
       }
-    }
-#pragma unroll
-    for (int h = 0; h < H2; ++h) {
-      gs[h] = gs_n[h];
-      us0[h] = us0_n[h];
-      us1[h] = us1_n[h];
     }
     xa = xa_n;
     xb = xb_n;
@@ -773,23 +776,24 @@ __device__ __forceinline__ void rows_m_store_bf16(const Fc1KernelParams& p, cons
 // (rows_m_store_fp8_row).
 template <class Cfg>
 __device__ __forceinline__ void consume_tile_rows_m(const Fc1KernelParams& p, const TileInfo& t, uint32_t stages,
-                                                    uint32_t full0, uint32_t empty0, int wg, int& s, uint32_t& ph) {
+                                                    uint32_t full0, uint32_t empty0, int wg, int& s, uint32_t& ph,
+                                                    float* wsc) {
   const int lane = threadIdx.x & 31;
   const int r_lo = 64 * wg + 16 * ((threadIdx.x >> 5) & 3) + (lane >> 2);  // tile rows r_lo and r_lo + 8
   const bool active = 64 * wg < t.n;  // warpgroup 1 idles on chunks of at most 64 rows
   const bool row_a = r_lo < t.rows, row_b = r_lo + 8 < t.rows;
   float acc[kHalves<Cfg>][kSliceW / 2];
   if constexpr (Cfg::kPair == 1) {
-    rows_m_mainloop<Cfg>(p, t, t.hs * kHalves<Cfg>, stages, full0, empty0, wg, s, ph, r_lo, active, acc);
+    rows_m_mainloop<Cfg>(p, t, t.hs * kHalves<Cfg>, stages, full0, empty0, wg, s, ph, r_lo, active, acc, wsc);
     if (!active) return;
 #pragma unroll
     for (int h = 0; h < kHalves<Cfg>; ++h)
       rows_m_store_bf16(p, t, (t.hs * kHalves<Cfg> + h) * kSliceOut, acc[h], r_lo, row_a, row_b);
   } else {
     __nv_bfloat162 first[16], second[16];
-    rows_m_mainloop<Cfg>(p, t, 2 * t.hs, stages, full0, empty0, wg, s, ph, r_lo, active, acc);
+    rows_m_mainloop<Cfg>(p, t, 2 * t.hs, stages, full0, empty0, wg, s, ph, r_lo, active, acc, wsc);
     if (active) rows_m_activations(p, t, 2 * t.hs * kSliceOut, acc[0], first);
-    rows_m_mainloop<Cfg>(p, t, 2 * t.hs + 1, stages, full0, empty0, wg, s, ph, r_lo, active, acc);
+    rows_m_mainloop<Cfg>(p, t, 2 * t.hs + 1, stages, full0, empty0, wg, s, ph, r_lo, active, acc, wsc);
     if (!active) return;
     rows_m_activations(p, t, (2 * t.hs + 1) * kSliceOut, acc[0], second);
     const __nv_bfloat162(&a0)[8] = *reinterpret_cast<const __nv_bfloat162(*)[8]>(&first[0]);
@@ -854,7 +858,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
       const TileInfo t = decode_tile<Cfg::kMaxRows>(tile, tile_start, row_off, order, p.E);
       if constexpr (Cfg::kRowsM) {
-        consume_tile_rows_m<Cfg>(p, t, base, full0, empty0, wg, s, ph);
+        // The W1 scales in the epilogue staging, which this tile does not use.
+        consume_tile_rows_m<Cfg>(p, t, base, full0, empty0, wg, s, ph, reinterpret_cast<float*>(sm + Cfg::kOffEpi));
       } else {
         switch (t.n / kRowQuantum) {
 #define FLASHMIX_FC1_CASE(K)                                                                \
@@ -971,6 +976,11 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   const bool pinned_wide = pin_wide != nullptr && *pin_wide != '\0';
   const bool wide = p.fp8 == MoeFp8Scaling::kBlock && p.weights == MoeWeightFormat::kDense && p.out_scales == nullptr &&
                     (pinned_wide ? std::atoi(pin_wide) != 0 : int64_t(p.T) * p.k >= int64_t(256) * p.E);
+  // Block scales: the tile's W1 scales (3 a slice and K block) sit in the
+  // epilogue staging.
+  FM_REQUIRE_SUPPORTED(p.fp8 != MoeFp8Scaling::kBlock || p.weights != MoeWeightFormat::kDense ||
+                           int64_t(3 * 2) * (p.H / kScaleK) * 4 <= 2 * kEpiBytes,
+                       kOp, "hidden", "block-scaled FP8 takes hidden <= ", 2 * kEpiBytes / 24 * kScaleK, "; got ", p.H);
   CUtensorMap w;
   FM_REQUIRE_SUPPORTED(encode_w1(p, wide ? 2 * kSliceW : kSliceW, w), kOp, "W1",
                        "its TMA descriptor could not be encoded");
