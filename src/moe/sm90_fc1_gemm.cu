@@ -158,10 +158,11 @@ struct Fc1Cfg {
   // they did without it.
   static constexpr int kPair = kFp8Out_ ? 2 : 1;
   static_assert(!kFp8Out_ || kRowsM, "the FP8 output needs block scales (token rows as M)");
-  // setmaxnreg: the consumers of wide tiles hold a 128-register accumulator
-  // beside the 64-register partial. (128 loaders x kLoaderRegs + 256 x
-  // kConsumerRegs <= 168 x 384, what the CTA holds at launch.)
-  static constexpr int kLoaderRegs = kWide ? 56 : 72, kConsumerRegs = kWide ? 224 : 216;
+  // setmaxnreg (128 loaders x kLoaderRegs + 256 x kConsumerRegs <= 168 x
+  // 384, what the CTA holds at launch): wide tiles' loaders need 64 with the
+  // X scales' stores (56 spilled); their consumers fit 216 once the X scales
+  // come with the stage.
+  static constexpr int kLoaderRegs = kWide ? 64 : 72, kConsumerRegs = 216;
   static constexpr bool kMx = kIn == Fc1In::kMxfp4Fp8 || kIn == Fc1In::kMxfp4Bf16;
   static constexpr bool kFp8 = kIn == Fc1In::kFp8Block || kIn == Fc1In::kFp8Tensor || kIn == Fc1In::kMxfp4Fp8;
   // X scales per row and K block, promoted every stage.
@@ -171,12 +172,12 @@ struct Fc1Cfg {
   static constexpr int kWCoordK = kMx ? kWRowBytes : kTileK;         // W1's TMA coordinate step a stage
   static constexpr int kWStage = kTileW * kWRowBytes;  // W1's bytes a stage
   static constexpr int kStageBytes = kWStage + kMaxRows * kTileBytes;
-  static constexpr bool kStageScales = kXBlock && !kRowsM;  // the loaders copy the X scales (W4A8)
+  static constexpr bool kStageScales = kXBlock;  // the loaders copy the X scales (W4A8, block FP8)
   static constexpr int kScaleBytes = kStageScales ? kMaxRows * 4 : 0;  // a stage's X scales
   static constexpr int kScaleArrivals = kStageScales ? kMaxRows : 0;  // load_tiles: a scale thread a row
   // The consumers' releases a stage: every thread where they read the staged X
   // scales (dev::release_stage), else one a warp.
-  static constexpr int kEmptyArrivals = kStageScales ? 256 : 8;
+  static constexpr int kEmptyArrivals = kStageScales && !kRowsM ? 256 : 8;
   static constexpr int kCvtTile = mx_mainloop::kCvtTile;          // a warpgroup's converted 64 rows
   static constexpr int kCvtBytes = kMx ? 2 * 2 * kCvtTile : 0;    // two per consumer warpgroup
   static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned (128-byte swizzle)");
@@ -552,7 +553,8 @@ template <class Cfg>
 __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const TileInfo& t, int hs,
                                                 uint32_t stages, uint32_t full0, uint32_t empty0, int wg, int& s,
                                                 uint32_t& ph, int r_lo, bool active,
-                                                float (&acc)[kHalves<Cfg>][kSliceW / 2], float* wsc) {
+                                                float (&acc)[kHalves<Cfg>][kSliceW / 2], float* wsc,
+                                                const float* xsc) {
   constexpr int N = kSliceW, H2 = kHalves<Cfg>;
   const int lane = threadIdx.x & 31;
   const int kbs = p.H / kScaleK;
@@ -571,16 +573,9 @@ __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const 
     wsc[i] = __ldg((j == 0 ? q.g : j == 1 ? q.u : q.u1) + kb);
   }
   dev::named_bar_sync(kScaleBar, 256);
-  // The X scales of this thread's two rows, read from global memory (copied
-  // into the stages by the loaders, as W4A8 does, they cost ~1.5x the time:
-  // each 4-byte cp.async a row lengthens the stage's completion).
-  const float* sx0;
-  const float* sx1;
-  {
-    const int ra = r_lo < t.rows ? r_lo : 0, rb = r_lo + 8 < t.rows ? r_lo + 8 : 0;
-    sx0 = p.x_scales + int64_t(x_row(p, t, ra)) * kbs;
-    sx1 = p.x_scales + int64_t(x_row(p, t, rb)) * kbs;
-  }
+  // The X scales of this thread's two rows come with each stage (the
+  // loaders store them, Cfg::kStageScales; rows past the chunk's read 0 or
+  // stale values, whose outputs are not stored).
   float part[N / 2];
 #pragma unroll
   for (int k = 0; k < N / 2; ++k) {
@@ -588,13 +583,9 @@ __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const 
     for (int h = 0; h < H2; ++h) acc[h][k] = 0.f;
     part[k] = 0.f;
   }
-  float xa = __ldg(sx0), xb = __ldg(sx1);
   const uint32_t a_off = uint32_t(Cfg::kWStage + wg * 64 * kTileBytes);
 #pragma unroll 1
   for (int kb = 0; kb < p.k_blocks; ++kb) {
-    // The next K block's X scales, loaded while this one's MMAs run.
-    const int kn = kb + 1 < p.k_blocks ? kb + 1 : kb;
-    const float xa_n = __ldg(sx0 + kn), xb_n = __ldg(sx1 + kn);
     float gs[H2], us0[H2], us1[H2];
 #pragma unroll
     for (int h = 0; h < H2; ++h) {
@@ -603,6 +594,7 @@ __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const 
       us1[h] = wsc[(3 * h + 2) * kbs + kb];
     }
     dev::mbar_wait(bar_at(full0, s), ph);
+    const float xa = xsc[s * Cfg::kMaxRows + r_lo], xb = xsc[s * Cfg::kMaxRows + r_lo + 8];
 #pragma unroll
     for (int h = 0; h < H2; ++h) {
       if (active) {
@@ -639,8 +631,6 @@ __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const 
         }
       }
     }
-    xa = xa_n;
-    xb = xb_n;
     if (++s == Cfg::kStages) {
       s = 0;
       ph ^= 1;
@@ -777,23 +767,23 @@ __device__ __forceinline__ void rows_m_store_bf16(const Fc1KernelParams& p, cons
 template <class Cfg>
 __device__ __forceinline__ void consume_tile_rows_m(const Fc1KernelParams& p, const TileInfo& t, uint32_t stages,
                                                     uint32_t full0, uint32_t empty0, int wg, int& s, uint32_t& ph,
-                                                    float* wsc) {
+                                                    float* wsc, const float* xsc) {
   const int lane = threadIdx.x & 31;
   const int r_lo = 64 * wg + 16 * ((threadIdx.x >> 5) & 3) + (lane >> 2);  // tile rows r_lo and r_lo + 8
   const bool active = 64 * wg < t.n;  // warpgroup 1 idles on chunks of at most 64 rows
   const bool row_a = r_lo < t.rows, row_b = r_lo + 8 < t.rows;
   float acc[kHalves<Cfg>][kSliceW / 2];
   if constexpr (Cfg::kPair == 1) {
-    rows_m_mainloop<Cfg>(p, t, t.hs * kHalves<Cfg>, stages, full0, empty0, wg, s, ph, r_lo, active, acc, wsc);
+    rows_m_mainloop<Cfg>(p, t, t.hs * kHalves<Cfg>, stages, full0, empty0, wg, s, ph, r_lo, active, acc, wsc, xsc);
     if (!active) return;
 #pragma unroll
     for (int h = 0; h < kHalves<Cfg>; ++h)
       rows_m_store_bf16(p, t, (t.hs * kHalves<Cfg> + h) * kSliceOut, acc[h], r_lo, row_a, row_b);
   } else {
     __nv_bfloat162 first[16], second[16];
-    rows_m_mainloop<Cfg>(p, t, 2 * t.hs, stages, full0, empty0, wg, s, ph, r_lo, active, acc, wsc);
+    rows_m_mainloop<Cfg>(p, t, 2 * t.hs, stages, full0, empty0, wg, s, ph, r_lo, active, acc, wsc, xsc);
     if (active) rows_m_activations(p, t, 2 * t.hs * kSliceOut, acc[0], first);
-    rows_m_mainloop<Cfg>(p, t, 2 * t.hs + 1, stages, full0, empty0, wg, s, ph, r_lo, active, acc, wsc);
+    rows_m_mainloop<Cfg>(p, t, 2 * t.hs + 1, stages, full0, empty0, wg, s, ph, r_lo, active, acc, wsc, xsc);
     if (!active) return;
     rows_m_activations(p, t, (2 * t.hs + 1) * kSliceOut, acc[0], second);
     const __nv_bfloat162(&a0)[8] = *reinterpret_cast<const __nv_bfloat162(*)[8]>(&first[0]);
@@ -859,7 +849,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       const TileInfo t = decode_tile<Cfg::kMaxRows>(tile, tile_start, row_off, order, p.E);
       if constexpr (Cfg::kRowsM) {
         // The W1 scales in the epilogue staging, which this tile does not use.
-        consume_tile_rows_m<Cfg>(p, t, base, full0, empty0, wg, s, ph, reinterpret_cast<float*>(sm + Cfg::kOffEpi));
+        consume_tile_rows_m<Cfg>(p, t, base, full0, empty0, wg, s, ph, reinterpret_cast<float*>(sm + Cfg::kOffEpi),
+                                 scales);
       } else {
         switch (t.n / kRowQuantum) {
 #define FLASHMIX_FC1_CASE(K)                                                                \
