@@ -117,6 +117,9 @@ constexpr int kSmemLimit = 232448;
 // promoted every 128 of K with each W1 row's group scale) or bf16 X (W4A16).
 enum class Fc1In { kBf16, kFp8Block, kFp8Tensor, kMxfp4Fp8, kMxfp4Bf16 };
 
+constexpr int kThreads = 384;  // warps 0-7 consumers, 8-11 loaders
+constexpr int kLoaders = 128;
+
 // The ring for tiles of up to kMaxRows_ rows: as many stages as fit beside
 // the epilogue staging, the experts' tables and the barriers. 256 rows: 4
 // stages of 48 KB; 128 rows: 6 of 32 KB (more bytes in flight, W1 slices
@@ -174,7 +177,9 @@ struct Fc1Cfg {
   static constexpr int kStageBytes = kWStage + kMaxRows * kTileBytes;
   static constexpr bool kStageScales = kXBlock;  // the loaders copy the X scales (W4A8, block FP8)
   static constexpr int kScaleBytes = kStageScales ? kMaxRows * 4 : 0;  // a stage's X scales
-  static constexpr int kScaleArrivals = kStageScales ? kMaxRows : 0;  // load_tiles: a scale thread a row
+  // load_tiles' plain arrivals for the scale stores of a gathered X: one a
+  // loader warp (a permuted X's loaders arrive anyway).
+  static constexpr int kScaleArrivals = kStageScales ? kLoaders / 32 : 0;
   // The consumers' releases a stage: every thread where they read the staged X
   // scales (dev::release_stage), else one a warp.
   static constexpr int kEmptyArrivals = kStageScales && !kRowsM ? 256 : 8;
@@ -207,9 +212,6 @@ struct Fc1Cfg {
 // warning where only the rows_m path reads it.)
 template <class Cfg>
 constexpr int kHalves = Cfg::kTileW / kSliceW;
-
-constexpr int kThreads = 384;  // warps 0-7 consumers, 8-11 loaders
-constexpr int kLoaders = 128;
 
 struct Fc1KernelParams {
   const uint8_t* X;     // bf16 or e4m3 rows
@@ -247,14 +249,22 @@ __device__ __forceinline__ int x_row(const Fc1KernelParams& p, const TileInfo& t
   return p.x_permuted ? t.p0 + r : __ldg(p.p2u + t.p0 + r) % p.T;
 }
 
+// Tile row rs's X scale into stage s's scale slot (Cfg::kStageScales).
+template <class Cfg>
+__device__ __forceinline__ void store_stage_scale(uint32_t scales, int s, int rs, float v) {
+  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scales + uint32_t(s * Cfg::kMaxRows + rs) * 4), "f"(v) : "memory");
+}
+
 // The loader warps: W1's box by TMA (one thread), the tile's rows by cp.async
 // (all 128: thread l takes 16-byte chunk l % 8 of rows l / 8 + 16 i) or, from
-// a permuted X (consecutive rows), by TMA boxes of 64 / 16 rows. W4A8
-// (Cfg::kStageScales): thread (r0, q) also stores the X scale of the K block
-// of row r0 + 16 q into the stage's scale slot, loaded before the wait for
-// the stage (by 4-byte cp.asyncs counted on the stage's barrier they made
-// the block-scaled FP8 tile ~1.5x slower) and announced by a plain arrival
-// on the full barrier (kScaleArrivals), which releases the store.
+// a permuted X (consecutive rows), by TMA boxes of 64 / 16 rows. W4A8 and
+// block FP8 (Cfg::kStageScales): thread (r0, q) also stores the X scale of
+// the K block of row r0 + 16 q into the stage's scale slot, loaded before
+// the wait for the stage and stored after the stage's copies are issued (by
+// 4-byte cp.asyncs counted on the stage's barrier they made the
+// block-scaled FP8 tile ~1.5x slower). A plain arrival on the full barrier
+// releases the stores: every loader's own (a permuted X), or one a warp
+// after __syncwarp (a gathered X, kScaleArrivals).
 template <class Cfg>
 __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUtensorMap* map_w,
                                            const CUtensorMap* map_x64, const CUtensorMap* map_x16, uint32_t stages,
@@ -294,12 +304,6 @@ __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUten
         dev::mbar_wait(bar_at(empty0, s), ph ^ 1);
         const uint32_t full = bar_at(full0, s);
         const uint32_t st = stages + uint32_t(s) * Cfg::kStageBytes;
-        if (scale_thread) {
-          if (rs < t.n)
-            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scales + uint32_t(s * Cfg::kMaxRows + rs) * 4), "f"(sv)
-                         : "memory");
-          dev::mbar_arrive(full);
-        }
         if (p.x_permuted) {
           if (l == 0) {
             dev::mbar_arrive_expect_tx(full, Cfg::kWStage + uint32_t(t.n) * kTileBytes);
@@ -310,29 +314,35 @@ __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUten
             for (; r < t.n; r += 16)
               dev::tma_load_2d(st + Cfg::kWStage + r * kTileBytes, map_x16, full, kb * Cfg::kTileK, t.p0 + r);
           }
+          // The scale after the copies are issued (its load's latency off
+          // the TMA's path); every loader's arrival releases it.
+          if (scale_thread && rs < t.n) store_stage_scale<Cfg>(scales, s, rs, sv);
           dev::mbar_arrive(full);  // every loader thread, as the gather's count expects
-          if (++s == Cfg::kStages) {
-            s = 0;
-            ph ^= 1;
+        } else {
+          if (l == 0) {
+            dev::mbar_arrive_expect_tx(full, Cfg::kWStage);
+            dev::tma_load_5d(st, map_w, full, kb * Cfg::kWCoordK, 0, 0, hs * (Cfg::kTileW / 16), t.e);
           }
-          continue;
-        }
-        if (l == 0) {
-          dev::mbar_arrive_expect_tx(full, Cfg::kWStage);
-          dev::tma_load_5d(st, map_w, full, kb * Cfg::kWCoordK, 0, 0, hs * (Cfg::kTileW / 16), t.e);
-        }
-        const int kbyte = kb * kTileBytes + 16 * q;
-        const bool k_in = kbyte < p.h_bytes;
-  #pragma unroll
-        for (int i = 0; i < Cfg::kMaxRows / 16; ++i) {
-          const int r = r0 + 16 * i;
-          if (r < t.n) {
-            const bool live = src[i] >= 0 && k_in;
-            const uint8_t* g = live ? p.X + int64_t(src[i]) * p.x_row_bytes + kbyte : p.X;
-            dev::cp_async_16(st + Cfg::kWStage + uint32_t(r) * kTileBytes + swz, g, live ? 16 : 0);
+          const int kbyte = kb * kTileBytes + 16 * q;
+          const bool k_in = kbyte < p.h_bytes;
+#pragma unroll
+          for (int i = 0; i < Cfg::kMaxRows / 16; ++i) {
+            const int r = r0 + 16 * i;
+            if (r < t.n) {
+              const bool live = src[i] >= 0 && k_in;
+              const uint8_t* g = live ? p.X + int64_t(src[i]) * p.x_row_bytes + kbyte : p.X;
+              dev::cp_async_16(st + Cfg::kWStage + uint32_t(r) * kTileBytes + swz, g, live ? 16 : 0);
+            }
           }
+          // The scale after the cp.asyncs; a plain arrival a warp releases
+          // the warp's stores (the cp.async arrival orders only the copies).
+          if constexpr (kBlock) {
+            if (scale_thread && rs < t.n) store_stage_scale<Cfg>(scales, s, rs, sv);
+            __syncwarp();
+            if ((l & 31) == 0) dev::mbar_arrive(full);
+          }
+          dev::cp_async_mbar_arrive_noinc(full);
         }
-        dev::cp_async_mbar_arrive_noinc(full);
         if (++s == Cfg::kStages) {
           s = 0;
           ph ^= 1;
@@ -821,7 +831,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < Cfg::kStages; ++i) {
       // Each loader's arrival (the gather's by cp.async), the TMA thread's,
       // W4A8's scale stores'.
-      dev::mbar_init(bar_at(full0, i), kLoaders + 1 + Cfg::kScaleArrivals);
+      dev::mbar_init(bar_at(full0, i), kLoaders + 1 + (p.x_permuted ? 0 : Cfg::kScaleArrivals));
       dev::mbar_init(bar_at(empty0, i), Cfg::kEmptyArrivals);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n fence.proxy.async.shared::cta;\n" ::: "memory");
