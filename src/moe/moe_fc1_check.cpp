@@ -7,6 +7,7 @@
 #include "moe/expert_gemm_check.h"
 #include "flashmix/moe.h"
 #include "moe/moe_fc1_internal.h"
+#include "moe/sm90_fc1_gemm.h"
 
 namespace flashmix {
 
@@ -97,6 +98,9 @@ Status validate_fc1(const MoeFc1Args& a, bool check_buffers) {
   if (a.fp8 == MoeFp8Scaling::kBlock)
     FM_REQUIRE(a.hidden % 128 == 0, kOp, "hidden", "must be a multiple of 128 with block scales (one scale per 128 of K; got ",
                a.hidden, ")");
+  FM_REQUIRE_SUPPORTED(a.fp8 != MoeFp8Scaling::kBlock || mx || a.hidden <= kFc1BlockMaxHidden, kOp, "hidden",
+                       "block-scaled FP8 with dense W1 takes hidden <= ", kFc1BlockMaxHidden,
+                       " (the tile's W1 scales sit in shared memory; got ", a.hidden, ")");
   FM_REQUIRE(a.x_stride >= 0, kOp, "x_stride", "must be >= 0 (0 means hidden; got ", a.x_stride, ")");
   const int64_t x_stride = a.x_stride ? a.x_stride : a.hidden;
   FM_REQUIRE(x_stride >= a.hidden, kOp, "x_stride", "smaller than a row: ", x_stride, " < hidden ", a.hidden);

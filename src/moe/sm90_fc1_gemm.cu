@@ -978,10 +978,10 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   const bool wide = p.fp8 == MoeFp8Scaling::kBlock && p.weights == MoeWeightFormat::kDense && p.out_scales == nullptr &&
                     (pinned_wide ? std::atoi(pin_wide) != 0 : int64_t(p.T) * p.k >= int64_t(256) * p.E);
   // Block scales: the tile's W1 scales (3 a slice and K block) sit in the
-  // epilogue staging.
-  FM_REQUIRE_SUPPORTED(p.fp8 != MoeFp8Scaling::kBlock || p.weights != MoeWeightFormat::kDense ||
-                           int64_t(3 * 2) * (p.H / kScaleK) * 4 <= 2 * kEpiBytes,
-                       kOp, "hidden", "block-scaled FP8 takes hidden <= ", 2 * kEpiBytes / 24 * kScaleK, "; got ", p.H);
+  // epilogue staging (validate_moe_fc1 holds H to kFc1BlockMaxHidden).
+  static_assert(kFc1BlockMaxHidden / kScaleK * 3 * 2 * 4 <= 2 * kEpiBytes &&
+                    (kFc1BlockMaxHidden / kScaleK + 1) * 3 * 2 * 4 > 2 * kEpiBytes,
+                "kFc1BlockMaxHidden is the most H whose W1 scales fit the epilogue staging");
   CUtensorMap w;
   FM_REQUIRE_SUPPORTED(encode_w1(p, wide ? 2 * kSliceW : kSliceW, w), kOp, "W1",
                        "its TMA descriptor could not be encoded");

@@ -36,6 +36,10 @@ struct Sm90Fc1Params {
 // The most local experts the kernel's shared-memory tables hold.
 constexpr int kFc1MaxExperts = 1024;
 
+// Block-scaled FP8 with dense W1: the largest H (a tile's W1 scales, three
+// a slice and K block for up to two slices, sit in shared memory).
+constexpr int kFc1BlockMaxHidden = 54528;
+
 // Launches the grouped GEMM on `stream`. Shapes as validated by
 // validate_moe_fc1; kNotSupported when the TMA descriptors cannot be encoded
 // or the device lacks the shared memory.

@@ -759,6 +759,24 @@ TEST(MoeFc1Validation, Fp8Rules) {
   expect_invalid(a, "hidden", Rule::kSize);
   a.fp8 = MoeFp8Scaling::kTensor;  // per tensor: any multiple of 8
   EXPECT_TRUE(validate_fc1(a, false).ok());
+  // Block scales with dense W1: hidden up to 54528 (426 K blocks; the
+  // kernel holds a tile's W1 scales in shared memory), kNotSupported above.
+  constexpr int64_t kBigH = 54528 + 128;
+  std::vector<uint8_t> big_x(2 * kBigH), big_w(2 * c.I * kBigH);
+  std::vector<float> big_xs(2 * kBigH / 128), big_ws(kBigH / 128);
+  a = c.a;
+  a.X = big_x.data();
+  a.W1 = big_w.data();
+  a.x_scales = big_xs.data();
+  a.w1_scales = big_ws.data();
+  a.hidden = 54528;
+  EXPECT_TRUE(validate_moe_fc1(a).ok()) << validate_moe_fc1(a).message();
+  a.hidden = kBigH;
+  const Status big = validate_moe_fc1(a);
+  EXPECT_EQ(big.code(), StatusCode::kNotSupported);
+  EXPECT_NE(big.message().find("moe_fc1: hidden:"), std::string::npos) << big.message();
+  a.fp8 = MoeFp8Scaling::kTensor;  // per-tensor scales: no such limit
+  EXPECT_TRUE(validate_moe_fc1(a).ok()) << validate_moe_fc1(a).message();
   a = c.a;
   a.x_stride = 264;  // e4m3 rows: a multiple of 16 elements
   expect_invalid(a, "x_stride", Rule::kSize);
