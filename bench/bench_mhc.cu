@@ -255,6 +255,14 @@ MhcPostArgs post_args(const HostData& h, const DevSet& d) {
 
 // The boundary op on a set: this layer's post (H_post_in, H_res_in, F_out,
 // deepseek layout) and the next pre (the set's phi, alpha, bias).
+// The path mhc_post_pre takes for `a` here (MhcBoundaryPath), for the records.
+std::string post_pre_path(const MhcPostPreArgs& a) {
+  MhcBoundaryPath path = MhcBoundaryPath::kAuto;
+  MhcPreKernel kernel = MhcPreKernel::kAuto;
+  const Status s = mhc_post_pre_path_choice(a, &path, &kernel, nullptr);
+  return s.ok() ? std::string(to_string(path)) + "/" + to_string(kernel) : "refused: " + s.message();
+}
+
 MhcPostPreArgs post_pre_args(const HostData& h, const DevSet& d) {
   MhcPostPreArgs a;
   a.shape = {h.B, h.n, h.C};
@@ -778,17 +786,6 @@ void run_mhc_cases(Context& ctx) {
       record("mhc_pre", median_us([&] { (void)mhc_pre(pa, stream); }, stream, 3, iters), x_bytes + f_bytes, check);
     }
     if (run_pp) {
-      // Check: bitwise the post (q, sc above) followed by the pre on its
-      // X_next pinned to the same (cluster-tile) kernel.
-      MhcPreArgs sep = pa;
-      sep.x = q;
-      sep.x_scales = sc;
-      sep.kernel = MhcPreKernel::kClusterTile;
-      Status sp = st.ok() ? mhc_pre(sep, stream) : st;
-      BENCH_CUDA(cudaStreamSynchronize(stream));
-      const auto want_f = download(d.f_pre, size_t(h.B * h.C));
-      const auto want_post = download(d.h_post, size_t(h.B * h.n));
-      const auto want_res = download(d.h_res, size_t(h.B * h.n * h.n));
       uint8_t* q2 = alloc<uint8_t>(size_t(h.B * K));
       uint8_t* sc2 = alloc<uint8_t>(size_t(scales * sb));
       MhcPostPreArgs pp;
@@ -799,17 +796,39 @@ void run_mhc_cases(Context& ctx) {
       pp.x_next = q2; pp.f_pre = d.f_pre; pp.h_post_next = d.h_post; pp.h_res_next = d.h_res;
       pp.residual = MhcResidual::kFp8E4m3;
       pp.x_scales = xs; pp.x_next_scales = sc2; pp.x_scale_format = f;
+      // Check: bitwise the post (q, sc above) followed by the pre on its
+      // X_next pinned to the projection kernel the boundary runs.
+      MhcBoundaryPath path = MhcBoundaryPath::kAuto;
+      MhcPreKernel kernel = MhcPreKernel::kAuto;
+      Status sp = st.ok() ? mhc_post_pre_path_choice(pp, &path, &kernel, nullptr) : st;
+      MhcPreArgs sep = pa;
+      sep.x = q;
+      sep.x_scales = sc;
+      sep.kernel = kernel;
+      if (sp.ok()) sp = mhc_pre(sep, stream);
+      BENCH_CUDA(cudaStreamSynchronize(stream));
+      const auto want_f = download(d.f_pre, size_t(h.B * h.C));
+      const auto want_post = download(d.h_post, size_t(h.B * h.n));
+      const auto want_res = download(d.h_res, size_t(h.B * h.n * h.n));
       if (sp.ok()) sp = mhc_post_pre(pp, stream);
       BENCH_CUDA(cudaStreamSynchronize(stream));
-      std::string check = "passed (bitwise: mhc_post then mhc_pre pinned to the cluster tiles, every byte)";
+      std::string check = std::string("passed (bitwise: mhc_post then mhc_pre pinned to ") + to_string(kernel) +
+                          ", every byte)";
       if (!sp.ok()) check = "FAILED: " + sp.message();
       else if (download(q2, size_t(h.B * K)) != download(q, size_t(h.B * K))) check = "FAILED: X_next codes";
       else if (download(sc2, size_t(scales * sb)) != download(sc, size_t(scales * sb))) check = "FAILED: X_next scales";
       else if (download(d.f_pre, size_t(h.B * h.C)) != want_f) check = "FAILED: F_pre";
       else if (download(d.h_post, size_t(h.B * h.n)) != want_post) check = "FAILED: H_post";
       else if (download(d.h_res, size_t(h.B * h.n * h.n)) != want_res) check = "FAILED: H_res";
-      record("mhc_post_pre", median_us([&] { (void)mhc_post_pre(pp, stream); }, stream, 3, iters),
-             x_bytes * 2 + 2 * f_bytes, check);
+      Record r = floor_record(ctx, "mhc_post_pre", name,
+                              median_us([&] { (void)mhc_post_pre(pp, stream); }, stream, 3, iters),
+                              x_bytes * 2 + 2 * f_bytes, check);
+      r.labels["x_scale_format"] = to_string(f);
+      r.labels["path"] = post_pre_path(pp);
+      MhcPostPreArgs fused = pp;
+      fused.path = MhcBoundaryPath::kFused;
+      r.extra["fused_us"] = median_us([&] { (void)mhc_post_pre(fused, stream); }, stream, 3, iters);
+      add_record(ctx, r);
       cudaFree(q2);
       cudaFree(sc2);
     }
@@ -986,11 +1005,41 @@ void run_mhc_cases(Context& ctx) {
     const double pre_us = median_us([&] { (void)mhc_pre(pa, stream); }, stream, 3, iters);
     const double two_us = median_us([&] { (void)mhc_post(q, stream); (void)mhc_pre(pa, stream); }, stream, 3, iters);
     BENCH_CUDA(cudaFree(x_mid));
+    MhcPostPreArgs fused = a;  // the one-kernel path, what kAuto passes over here
+    fused.path = MhcBoundaryPath::kFused;
+    const double fused_us = median_us([&] { (void)mhc_post_pre(fused, stream); }, stream, 3, iters);
     Record r = floor_record(ctx, "mhc_post_pre", "B8192_n4_C7168", us, bytes, check);
+    r.labels["path"] = post_pre_path(a);
+    r.labels["fused_kernel"] = post_pre_path(fused);
+    r.extra["fused_us"] = fused_us;
     r.extra["post_us"] = post_us;
     r.extra["pre_us"] = pre_us;
     r.extra["post_then_pre_us"] = two_us;
     r.extra["speedup_over_post_then_pre"] = two_us / us;
+    add_record(ctx, r);
+    free_dev(d);
+  }
+  // Mid-size batches: the path kAuto takes (post then pre) against the fused
+  // kernel, B = 256 (in L2), 1024 and 2048 (beyond it on an H100).
+  for (int64_t B : {256, 1024, 2048}) {
+    const std::string name = "mid_B" + std::to_string(B) + "_n4_C7168";
+    if (!ctx.selected("mhc_post_pre", name)) continue;
+    HostData h = make_host(B, 4, 7168, 20261130 + uint64_t(B));
+    DevSet d = make_dev(h);
+    const double x_bytes = 2.0 * h.B * h.n * h.C, f_bytes = 2.0 * h.B * h.C;
+    const MhcPostPreArgs a = post_pre_args(h, d);
+    Status st = mhc_post_pre(a, stream);
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    const std::string check =
+        !st.ok() ? "FAILED: " + st.message() : ctx.verify ? check_post_pre(h, d, sample_rows(h.B)) : "not verified";
+    const double us = median_us([&] { (void)mhc_post_pre(a, stream); }, stream, 3, iters);
+    MhcPostPreArgs fused = a;
+    fused.path = MhcBoundaryPath::kFused;
+    const double fused_us = median_us([&] { (void)mhc_post_pre(fused, stream); }, stream, 3, iters);
+    Record r = floor_record(ctx, "mhc_post_pre", name, us, 2 * x_bytes + 2 * f_bytes, check);
+    r.labels["path"] = post_pre_path(a);
+    r.labels["fused_kernel"] = post_pre_path(fused);
+    r.extra["fused_us"] = fused_us;
     add_record(ctx, r);
     free_dev(d);
   }
@@ -1035,8 +1084,13 @@ void run_mhc_cases(Context& ctx) {
           (void)quantize_fp8(qa, stream);
         },
         stream, 3, iters);
+    MhcPostPreArgs fused = a;
+    fused.path = MhcBoundaryPath::kFused;
+    const double fused_us = median_us([&] { (void)mhc_post_pre(fused, stream); }, stream, 3, iters);
     Record r = floor_record(ctx, "mhc_post_pre", "B8192_n4_C7168_norm_fp8", us, bytes, check);
     r.labels["kernel"] = to_string(kernel);
+    r.labels["path"] = post_pre_path(a);
+    r.extra["fused_us"] = fused_us;
     r.extra["plain_post_pre_us"] = plain_us;
     r.extra["post_pre_then_quantize_fp8_us"] = two_us;
     r.extra["speedup_over_post_pre_then_quantize"] = two_us / us;
@@ -1091,6 +1145,14 @@ void run_mhc_cases(Context& ctx) {
     r.extra["post_then_pre_us"] = two_us;
     r.extra["speedup_over_post_then_pre"] = two_us / us;
     r.extra["rotated_sets"] = sets;
+    r.labels["path"] = post_pre_path(post_pre_args(hs[0], ds[0]));
+    r.extra["fused_us"] = graph_us_per_launch(
+        [&](int i) {
+          MhcPostPreArgs f = post_pre_args(hs[i % sets], ds[i % sets]);
+          f.path = MhcBoundaryPath::kFused;
+          (void)mhc_post_pre(f, stream);
+        },
+        launches, stream, iters);
     add_record(ctx, r);
     // With a workspace, pinned to the split kernel (the post made on every
     // SM's column slice), against post then pre on the split kernel.
@@ -1107,6 +1169,8 @@ void run_mhc_cases(Context& ctx) {
         return a;
       };
       Record rw = r;
+      rw.extra.erase("fused_us");
+      rw.labels["path"] = post_pre_path(args_ws(0));
       rw.case_name = "decode_B16_n4_C7168_graph_workspace";
       rw.check = verify_rotated_sets(
           ctx, stream, sets, 16, [&](int i) { return mhc_post_pre(args_ws(i), stream); },

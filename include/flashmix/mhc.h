@@ -235,13 +235,38 @@ struct MhcHeadArgs {
   ScaleFormat x_scale_format = ScaleFormat::kFloat32;
 };
 
+// How mhc_post_pre runs (spec §4.7):
+//   kFused        one kernel: the projection kernel (MhcPostPreArgs::kernel)
+//                 makes X_next on chip from X and F_out; X_next written once,
+//                 never read back
+//   kPostThenPre  mhc_post writes X_next, then mhc_pre (pinned to `kernel`,
+//                 with the same workspace, epilogue and FP8 stream) reads it
+//                 back: two launches, X_next's bytes read once more
+//   kAuto         kFused where `kernel` is pinned, F_pre's epilogue is on
+//                 (norm_weight or f_pre_fp8: the cluster tiles either way) or
+//                 the split kernel takes the call (a workspace and B <= 16);
+//                 else kPostThenPre with mhc_pre's own choice. Measured on an
+//                 H100 (docs/mhc.md): without the epilogue the fused resident
+//                 and cluster-tile kernels are slower than the two launches on
+//                 every shape measured (B = 8192: 891 against 571 us; B = 256 /
+//                 1024 / 2048: 48 / 134 / 240 against 29 / 87 / 156 us; decode
+//                 B = 16 without a workspace: 20.1 against 13.6 us; the FP8
+//                 stream: 1458 against 558 us), the split kernel faster (11.1
+//                 against 12.6 us), and with the epilogue the fused cluster
+//                 tiles (1817 against 1954 us).
+// Either path's results are bitwise those of mhc_post then mhc_pre pinned
+// to the projection kernel mhc_post_pre_kernel_choice reports.
+enum class MhcBoundaryPath { kAuto, kFused, kPostThenPre };
+const char* to_string(MhcBoundaryPath path);
+
 // mhc_post_pre: a layer boundary in one operation, this layer's mhc_post
 // followed by the next sublayer's mhc_pre:
 //   X_next = R * X + H_post * F_out                       (mhc_post, res_layout)
 //   (F_pre, H_post_next, H_res_next) = mhc_pre(X_next)    (phi, alpha, bias, params of the next pre)
-// X is read once and X_next written once; the next pre's projection, sum of
-// squares and mix use X_next as it is made on chip (bf16-rounded, exactly
-// the values stored), never read back. Bitwise equal to mhc_post then
+// On the fused path X is read once and X_next written once; the next pre's
+// projection, sum of squares and mix use X_next as it is made on chip
+// (bf16-rounded, exactly the values stored), never read back (`path` says
+// when the two-launch path runs instead). Bitwise equal to mhc_post then
 // mhc_pre pinned to the same projection kernel (spec §4.7). Kernels: kResident
 // (n = 4, C a multiple of 1024 up to 7168, no F_pre epilogue, bf16 stream),
 // kSplit (a workspace, 1 <= B <= kMhcSplitMaxBatch, no F_pre epilogue, bf16
@@ -275,7 +300,9 @@ struct MhcPostPreArgs {
   // column slice, then projects it).
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
-  MhcPreKernel kernel = MhcPreKernel::kAuto;  // kAuto, kResident, kSplit or kClusterTile
+  MhcPreKernel kernel = MhcPreKernel::kAuto;  // kAuto, kResident, kSplit or kClusterTile (kFused);
+                                              // with kPostThenPre: mhc_pre's kernel (any)
+  MhcBoundaryPath path = MhcBoundaryPath::kAuto;  // fused or post then pre (see MhcBoundaryPath)
   // The FP8 residual stream (spec §4.9; default kBf16, the scale pointers
   // then null). With kFp8E4m3, x and x_next are e4m3 codes with their
   // scales: X_next is made and quantised exactly as mhc_post on this stream
@@ -403,8 +430,13 @@ Status mhc_pre_mix(const MhcPreMixArgs& args, cudaStream_t stream);
 Status mhc_head(const MhcHeadArgs& args, cudaStream_t stream);
 Status mhc_expand(const MhcExpandArgs& args, cudaStream_t stream);
 Status mhc_post_pre(const MhcPostPreArgs& args, cudaStream_t stream);
-// The projection kernel mhc_post_pre would run for `args` here, and why (host only).
+// The projection kernel mhc_post_pre would run for `args` here (fused, or
+// the pre's after mhc_post), and why (host only).
 Status mhc_post_pre_kernel_choice(const MhcPostPreArgs& args, MhcPreKernel* kernel, std::string* reason);
+// The path (never kAuto) and projection kernel mhc_post_pre would run for
+// `args` here, and why (host only; `kernel` and `reason` may be null).
+Status mhc_post_pre_path_choice(const MhcPostPreArgs& args, MhcBoundaryPath* path, MhcPreKernel* kernel,
+                                std::string* reason);
 Status mhc_post_head(const MhcPostHeadArgs& args, cudaStream_t stream);
 // The projection kernel mhc_post_head would run for `args` here, and why (host only).
 Status mhc_post_head_kernel_choice(const MhcPostHeadArgs& args, MhcPreKernel* kernel, std::string* reason);

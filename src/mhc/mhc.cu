@@ -628,20 +628,149 @@ ProjectParams post_pre_params(const MhcPostPreArgs& a) {
 
 }  // namespace
 
+namespace {
+
+// The boundary's two launches (MhcBoundaryPath::kPostThenPre): this layer's
+// post into x_next, then the next pre reading it, with every other field
+// of the boundary's.
+MhcPostArgs post_of(const MhcPostPreArgs& a) {
+  MhcPostArgs q;
+  q.shape = a.shape;
+  q.x = a.x;
+  q.f_out = a.f_out;
+  q.h_post = a.h_post;
+  q.h_res = a.h_res;
+  q.x_next = a.x_next;
+  q.res_layout = a.res_layout;
+  q.enable_pdl = a.enable_pdl;
+  q.residual = a.residual;
+  q.x_scales = a.x_scales;
+  q.x_next_scales = a.x_next_scales;
+  q.x_scale_format = a.x_scale_format;
+  return q;
+}
+
+MhcPreArgs pre_of(const MhcPostPreArgs& a, MhcPreKernel kernel) {
+  MhcPreArgs p;
+  p.shape = a.shape;
+  p.x = a.x_next;
+  p.phi = a.phi;
+  p.phi_dtype = a.phi_dtype;
+  p.alpha = a.alpha;
+  p.bias = a.bias;
+  p.f_pre = a.f_pre;
+  p.h_post = a.h_post_next;
+  p.h_res = a.h_res_next;
+  p.params = a.params;
+  p.enable_pdl = a.enable_pdl;
+  p.prefetch_weights = a.prefetch_weights;
+  p.workspace = a.workspace;
+  p.workspace_bytes = a.workspace_bytes;
+  p.kernel = kernel;
+  p.residual = a.residual;
+  p.x_scales = a.x_next_scales;
+  p.x_scale_format = a.x_scale_format;
+  p.norm_weight = a.norm_weight;
+  p.norm_weight_dtype = a.norm_weight_dtype;
+  p.norm_eps = a.norm_eps;
+  p.f_pre_fp8 = a.f_pre_fp8;
+  p.f_pre_scales = a.f_pre_scales;
+  p.f_pre_scale_format = a.f_pre_scale_format;
+  return p;
+}
+
+// The boundary's path and projection kernel (MhcBoundaryPath states the
+// rule; validated arguments, host only).
+Status choose_post_pre_path(const MhcPostPreArgs& a, const char* op, MhcBoundaryPath* path, MhcPreKernel* kernel,
+                            std::string* reason) {
+  const ProjectCandidate* c = nullptr;
+  std::string why;
+  const bool f32 = a.phi_dtype == DType::kFloat32;
+  const int n = a.shape.n;
+  // F_pre's epilogue runs on the cluster tiles either way: fused, X_next is not read back.
+  const bool epilogue = a.norm_weight != nullptr || a.f_pre_fp8 != nullptr;
+  if (a.path == MhcBoundaryPath::kFused ||
+      (a.path == MhcBoundaryPath::kAuto && (a.kernel != MhcPreKernel::kAuto || epilogue))) {
+    FM_RETURN_IF_ERROR(choose_project_kernel(post_pre_params(a), n, f32, a.kernel, op, &c, &why));
+    *path = MhcBoundaryPath::kFused;
+    *kernel = c->kernel;
+    if (reason != nullptr)
+      *reason = detail::concat(a.path == MhcBoundaryPath::kFused    ? "fused: pinned by args.path; "
+                               : a.kernel != MhcPreKernel::kAuto ? "fused: args.kernel pinned; "
+                                                                 : "fused: F_pre's epilogue (the cluster tiles either way); ",
+                               why);
+    return Status::Ok();
+  }
+  if (a.path == MhcBoundaryPath::kAuto) {
+    // The split kernel fused, where it takes the call.
+    std::string split_why;
+    const Status s = choose_project_kernel(post_pre_params(a), n, f32, MhcPreKernel::kAuto, op, &c, &split_why);
+    if (!s.ok() && s.code() != StatusCode::kNotSupported) return s;
+    if (s.ok() && c->kernel == MhcPreKernel::kSplit) {
+      *path = MhcBoundaryPath::kFused;
+      *kernel = c->kernel;
+      if (reason != nullptr) *reason = detail::concat("fused: the split kernel takes it; ", split_why);
+      return Status::Ok();
+    }
+  }
+  const MhcPreKernel pre_kernel = a.path == MhcBoundaryPath::kPostThenPre ? a.kernel : MhcPreKernel::kAuto;
+  const MhcPreArgs pre = pre_of(a, pre_kernel);
+  FM_RETURN_IF_ERROR(choose_project_kernel(pre_params(pre), n, f32, pre_kernel, op, &c, &why));
+  *path = MhcBoundaryPath::kPostThenPre;
+  *kernel = c->kernel;
+  if (reason != nullptr)
+    *reason = detail::concat(a.path == MhcBoundaryPath::kPostThenPre
+                                 ? "post then pre: pinned by args.path; "
+                                 : "post then pre: no split kernel for the call, and the fused resident and "
+                                   "cluster-tile kernels measured slower than the two launches; ",
+                             "the pre: ", why);
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status mhc_post_pre_path_choice(const MhcPostPreArgs& a, MhcBoundaryPath* path, MhcPreKernel* kernel,
+                                std::string* reason) {
+  constexpr const char* kOp = "mhc_post_pre_path_choice";
+  FM_REQUIRE(path != nullptr, kOp, "path", "must not be null");
+  FM_RETURN_IF_ERROR(validate_mhc_post_pre(a));
+  return detail::without_cuda_error_left(kOp, [&]() -> Status {
+    MhcPreKernel k = MhcPreKernel::kAuto;
+    FM_RETURN_IF_ERROR(choose_post_pre_path(a, kOp, path, &k, reason));
+    if (kernel != nullptr) *kernel = k;
+    return Status::Ok();
+  });
+}
+
 Status mhc_post_pre_kernel_choice(const MhcPostPreArgs& a, MhcPreKernel* kernel, std::string* reason) {
   constexpr const char* kOp = "mhc_post_pre_kernel_choice";
   FM_REQUIRE(kernel != nullptr, kOp, "kernel", "must not be null");
+  MhcBoundaryPath path = MhcBoundaryPath::kAuto;
   FM_RETURN_IF_ERROR(validate_mhc_post_pre(a));
-  return project_kernel_choice(post_pre_params(a), a.shape.n, a.phi_dtype, a.kernel, kOp, kernel, reason);
+  return detail::without_cuda_error_left(kOp, [&]() -> Status {
+    return choose_post_pre_path(a, kOp, &path, kernel, reason);
+  });
 }
 
 // The layer boundary: mhc_post fused in front of the next mhc_pre's
-// projection kernel (resident or cluster tile), which makes X_next on chip
-// from X_L and F_out instead of reading it.
+// projection kernel, which makes X_next on chip from X_L and F_out instead
+// of reading it; or the two ops one after the other (MhcBoundaryPath).
 Status mhc_post_pre(const MhcPostPreArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_post_pre";
   return detail::gpu_entry(kOp, validate_mhc_post_pre(a), stream, a.shape.batch == 0, [&]() -> Status {
-    return launch_project(post_pre_params(a), a.shape.n, a.phi_dtype, a.kernel, stream, a.enable_pdl, kOp);
+    MhcBoundaryPath path = MhcBoundaryPath::kAuto;
+    MhcPreKernel kernel = MhcPreKernel::kAuto;
+    FM_RETURN_IF_ERROR(choose_post_pre_path(a, kOp, &path, &kernel, nullptr));
+    if (path == MhcBoundaryPath::kFused)
+      return launch_project(post_pre_params(a), a.shape.n, a.phi_dtype, kernel, stream, a.enable_pdl, kOp);
+    // Both launches are checked before the first (the pre's kernel takes the
+    // call; each op's own rules), so nothing is written on a refusal.
+    const MhcPostArgs post = post_of(a);
+    const MhcPreArgs pre = pre_of(a, kernel);
+    FM_RETURN_IF_ERROR(validate_mhc_post(post));
+    FM_RETURN_IF_ERROR(validate_mhc_pre(pre));
+    FM_RETURN_IF_ERROR(mhc_post(post, stream));
+    return mhc_pre(pre, stream);
   });
 }
 

@@ -209,6 +209,15 @@ const char* to_string(MhcPreKernel k) {
   return "unknown";
 }
 
+const char* to_string(MhcBoundaryPath p) {
+  switch (p) {
+    case MhcBoundaryPath::kAuto: return "auto";
+    case MhcBoundaryPath::kFused: return "fused";
+    case MhcBoundaryPath::kPostThenPre: return "post_then_pre";
+  }
+  return "unknown";
+}
+
 const char* to_string(MhcResidual r) {
   switch (r) {
     case MhcResidual::kBf16: return "bf16";
@@ -394,6 +403,9 @@ Status validate_mhc_post_pre(const MhcPostPreArgs& a) {
   FM_RETURN_IF_ERROR(check_params(a.params, kOp));
   FM_RETURN_IF_ERROR(check_phi_dtype(a.phi_dtype, kOp));
   FM_RETURN_IF_ERROR(check_kernel(a.kernel, kOp));
+  FM_REQUIRE(a.path == MhcBoundaryPath::kAuto || a.path == MhcBoundaryPath::kFused ||
+                 a.path == MhcBoundaryPath::kPostThenPre,
+             kOp, "path", "unknown MhcBoundaryPath value ", int(a.path));
   FM_RETURN_IF_ERROR(check_epilogue(a, kOp));
   FM_RETURN_IF_ERROR(check_post_residual(a, kOp));
   if (a.shape.batch == 0) return Status::Ok();  // nothing is read or written

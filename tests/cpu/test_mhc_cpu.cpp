@@ -784,6 +784,18 @@ TEST(MhcValidation, PostPreNamesItsArguments) {
   a.kernel = static_cast<MhcPreKernel>(17);
   expect_error(mhc_post_pre_cpu(a), StatusCode::kInvalidArgument, "kernel");
   a = base();
+  a.path = static_cast<MhcBoundaryPath>(3);
+  expect_error(mhc_post_pre_cpu(a), StatusCode::kInvalidArgument, "path");
+  EXPECT_STREQ(to_string(MhcBoundaryPath::kAuto), "auto");
+  EXPECT_STREQ(to_string(MhcBoundaryPath::kFused), "fused");
+  EXPECT_STREQ(to_string(MhcBoundaryPath::kPostThenPre), "post_then_pre");
+  EXPECT_STREQ(to_string(static_cast<MhcBoundaryPath>(3)), "unknown");
+  for (MhcBoundaryPath path : {MhcBoundaryPath::kFused, MhcBoundaryPath::kPostThenPre}) {
+    a = base();  // the CPU reference has one path: every valid value is accepted
+    a.path = path;
+    EXPECT_TRUE(validate_mhc_post_pre(a).ok());
+  }
+  a = base();
   a.shape.hidden = 20;
   expect_error(mhc_post_pre_cpu(a), StatusCode::kInvalidArgument, "hidden");
   {  // the small-batch workspace (spec §4.6): size, alignment, overlap

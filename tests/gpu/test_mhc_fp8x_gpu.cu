@@ -549,10 +549,11 @@ INSTANTIATE_TEST_SUITE_P(Shapes, MhcPreFp8xGpu, ::testing::ValuesIn(pre_fp8x_cas
 
 class MhcPostPreFp8xGpu : public ::testing::TestWithParam<PreFp8xCase> {};
 
-// mhc_post_pre on the FP8 stream: bitwise mhc_post then mhc_pre pinned to
-// the cluster tiles on the GPU (X_next codes and scales, F_pre and its
-// epilogue, H_post, H_res), X_next bitwise mhc_post_cpu's; direct and graph
-// replays alike.
+// mhc_post_pre on the FP8 stream, fused (the cluster tiles) and on the path
+// kAuto takes (post then pre): bitwise mhc_post then mhc_pre pinned to the
+// kernel the boundary reports, on the GPU (X_next codes and scales, F_pre
+// and its epilogue, H_post, H_res), X_next bitwise mhc_post_cpu's; direct
+// and graph replays alike.
 TEST_P(MhcPostPreFp8xGpu, BitwiseEqualsPostThenPre) {
   SKIP_WITHOUT_GPU();
   const PreFp8xCase c = GetParam();
@@ -591,67 +592,75 @@ TEST_P(MhcPostPreFp8xGpu, BitwiseEqualsPostThenPre) {
     a.f_pre_fp8 = fused.q.get();
     a.f_pre_scales = fused.qs.get();
   }
-  MhcPreKernel chosen;
-  std::string why;
-  ASSERT_TRUE(mhc_post_pre_kernel_choice(a, &chosen, &why).ok());
-  EXPECT_EQ(chosen, MhcPreKernel::kClusterTile) << why;
-  // The separate ops: mhc_post, then mhc_pre on its X_next pinned to the cluster tiles.
-  MhcPreArgs pre;
-  pre.shape = a.shape;
-  pre.x = post.out.get();
-  pre.residual = MhcResidual::kFp8E4m3;
-  pre.x_scales = post.out_s.get();
-  pre.x_scale_format = c.format;
-  pre.phi = a.phi;
-  pre.phi_dtype = c.phi_dtype;
-  pre.alpha = a.alpha;
-  pre.bias = a.bias;
-  pre.f_pre = sep.f.get();
-  pre.h_post = sep.post.as<float>();
-  pre.h_res = sep.res.as<float>();
-  pre.kernel = MhcPreKernel::kClusterTile;
-  if (c.epilogue) {
-    pre.norm_weight = dw.get();
-    pre.f_pre_fp8 = sep.q.get();
-    pre.f_pre_scales = sep.qs.get();
-  }
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  {
-    Status s = mhc_post(post.args(p, layout, c.format), stream);
-    ASSERT_TRUE(s.ok()) << s.message();
-    s = mhc_pre(pre, stream);
-    ASSERT_TRUE(s.ok()) << s.message();
-  }
-  CUDA_OK(cudaStreamSynchronize(stream));
-  const PreOut want = sep.host();
-  const auto want_codes = post.out.to_host<uint8_t>();
-  const auto want_scales = post.out_s.to_host<uint8_t>();
-  Fp8X ref = poisoned_fp8x({p.B, p.n, p.C}, c.format, kPoison);
-  if (c.B > 0) ASSERT_TRUE(mhc_post_cpu(fp8_post_args(p, x, ref, layout)).ok());
-  for (bool graph : {false, true}) {
-    SCOPED_TRACE(graph ? "graph replays" : "direct launch");
-    run_direct_or_graph(
-        stream, graph,
-        [&] {
-          Status s = mhc_post_pre(a, stream);
-          EXPECT_TRUE(s.ok()) << s.message();
-        },
-        [&] {
-          EXPECT_EQ(cudaMemsetAsync(xn.get(), kPoison, post.code_bytes + kTail, stream), cudaSuccess);
-          EXPECT_EQ(cudaMemsetAsync(xns.get(), kPoison, post.scale_bytes + kTail, stream), cudaSuccess);
-          EXPECT_EQ(cudaMemsetAsync(fused.f.get(), 0x7f, fused.f.bytes(), stream), cudaSuccess);
-        });
-    expect_bitwise(xn, xns, ref, "X_next against mhc_post_cpu");
-    EXPECT_EQ(xn.to_host<uint8_t>(), want_codes);
-    EXPECT_EQ(xns.to_host<uint8_t>(), want_scales);
-    const PreOut got = fused.host();
-    EXPECT_EQ(got.f, want.f);
-    EXPECT_EQ(got.post, want.post);
-    EXPECT_EQ(got.res, want.res);
+  // The fused cluster-tile kernel, and the path kAuto takes (post then pre).
+  for (MhcBoundaryPath path : {MhcBoundaryPath::kFused, MhcBoundaryPath::kAuto}) {
+    SCOPED_TRACE(to_string(path));
+    a.path = path;
+    MhcPreKernel chosen;
+    MhcBoundaryPath ran = MhcBoundaryPath::kAuto;
+    std::string why;
+    ASSERT_TRUE(mhc_post_pre_path_choice(a, &ran, &chosen, &why).ok());
+    if (a.path == MhcBoundaryPath::kFused) EXPECT_EQ(chosen, MhcPreKernel::kClusterTile) << why;
+    if (a.path == MhcBoundaryPath::kAuto && c.B > 0)  // fused with F_pre's epilogue (MhcBoundaryPath)
+      EXPECT_EQ(ran, c.epilogue ? MhcBoundaryPath::kFused : MhcBoundaryPath::kPostThenPre) << why;
+    // The separate ops: mhc_post, then mhc_pre on its X_next pinned to the kernel the boundary runs.
+    MhcPreArgs pre;
+    pre.shape = a.shape;
+    pre.x = post.out.get();
+    pre.residual = MhcResidual::kFp8E4m3;
+    pre.x_scales = post.out_s.get();
+    pre.x_scale_format = c.format;
+    pre.phi = a.phi;
+    pre.phi_dtype = c.phi_dtype;
+    pre.alpha = a.alpha;
+    pre.bias = a.bias;
+    pre.f_pre = sep.f.get();
+    pre.h_post = sep.post.as<float>();
+    pre.h_res = sep.res.as<float>();
+    pre.kernel = chosen;
     if (c.epilogue) {
-      EXPECT_EQ(got.q, want.q);
-      EXPECT_EQ(got.qs, want.qs);
+      pre.norm_weight = dw.get();
+      pre.f_pre_fp8 = sep.q.get();
+      pre.f_pre_scales = sep.qs.get();
+    }
+    {
+      Status s = mhc_post(post.args(p, layout, c.format), stream);
+      ASSERT_TRUE(s.ok()) << s.message();
+      s = mhc_pre(pre, stream);
+      ASSERT_TRUE(s.ok()) << s.message();
+    }
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const PreOut want = sep.host();
+    const auto want_codes = post.out.to_host<uint8_t>();
+    const auto want_scales = post.out_s.to_host<uint8_t>();
+    Fp8X ref = poisoned_fp8x({p.B, p.n, p.C}, c.format, kPoison);
+    if (c.B > 0) ASSERT_TRUE(mhc_post_cpu(fp8_post_args(p, x, ref, layout)).ok());
+    for (bool graph : {false, true}) {
+      SCOPED_TRACE(graph ? "graph replays" : "direct launch");
+      run_direct_or_graph(
+          stream, graph,
+          [&] {
+            Status s = mhc_post_pre(a, stream);
+            EXPECT_TRUE(s.ok()) << s.message();
+          },
+          [&] {
+            EXPECT_EQ(cudaMemsetAsync(xn.get(), kPoison, post.code_bytes + kTail, stream), cudaSuccess);
+            EXPECT_EQ(cudaMemsetAsync(xns.get(), kPoison, post.scale_bytes + kTail, stream), cudaSuccess);
+            EXPECT_EQ(cudaMemsetAsync(fused.f.get(), 0x7f, fused.f.bytes(), stream), cudaSuccess);
+          });
+      expect_bitwise(xn, xns, ref, "X_next against mhc_post_cpu");
+      EXPECT_EQ(xn.to_host<uint8_t>(), want_codes);
+      EXPECT_EQ(xns.to_host<uint8_t>(), want_scales);
+      const PreOut got = fused.host();
+      EXPECT_EQ(got.f, want.f);
+      EXPECT_EQ(got.post, want.post);
+      EXPECT_EQ(got.res, want.res);
+      if (c.epilogue) {
+        EXPECT_EQ(got.q, want.q);
+        EXPECT_EQ(got.qs, want.qs);
+      }
     }
   }
   cudaStreamDestroy(stream);

@@ -555,6 +555,9 @@ struct PostPreCase {
   MhcPreKernel kernel = MhcPreKernel::kAuto;
   bool graph = false;
   bool workspace = false;  // a zeroed workspace for both the boundary and the pre it is compared with
+  // kFused by default: the cases below test the fused kernels; kAuto and
+  // kPostThenPre cases test the two-launch path and the automatic choice.
+  MhcBoundaryPath path = MhcBoundaryPath::kFused;
 };
 
 std::string post_pre_case_name(const ::testing::TestParamInfo<PostPreCase>& info) {
@@ -563,8 +566,10 @@ std::string post_pre_case_name(const ::testing::TestParamInfo<PostPreCase>& info
          (c.layout == MhcResLayout::kDeepSeek ? "_deepseek" : "_rowmix") +
          (c.phi_dtype == DType::kFloat32 ? "_phif32" : "_phibf16") +
          (c.kernel == MhcPreKernel::kClusterTile ? "_clustertiles" : "") +
-         (c.kernel == MhcPreKernel::kSplit ? "_splitpinned" : "") + (c.graph ? "_graph" : "") +
-         (c.workspace ? "_workspace" : "");
+         (c.kernel == MhcPreKernel::kSplit ? "_splitpinned" : "") +
+         (c.kernel == MhcPreKernel::kPortable ? "_portable" : "") + (c.graph ? "_graph" : "") +
+         (c.workspace ? "_workspace" : "") + (c.path == MhcBoundaryPath::kAuto ? "_pathauto" : "") +
+         (c.path == MhcBoundaryPath::kPostThenPre ? "_postthenpre" : "");
 }
 
 class MhcPostPreGpu : public ::testing::TestWithParam<PostPreCase> {};
@@ -594,17 +599,31 @@ TEST_P(MhcPostPreGpu, BitwiseEqualsPostThenPreAndMatchesReference) {
   a.x_next = x_next.get(); a.f_pre = f_pre.get(); a.h_post_next = h_post.as<float>(); a.h_res_next = h_res.as<float>();
   a.params.sinkhorn_iters = 20;
   a.kernel = c.kernel;
+  a.path = c.path;
   DeviceBuffer ws = c.workspace ? zeroed_workspace(a.shape) : DeviceBuffer();
   a.workspace = ws.get();
   a.workspace_bytes = ws.bytes();
   MhcPreKernel ran = MhcPreKernel::kAuto;
   if (c.B > 0) {
     std::string why;
-    Status s = mhc_post_pre_kernel_choice(a, &ran, &why);
+    MhcBoundaryPath path = MhcBoundaryPath::kAuto;
+    Status s = mhc_post_pre_path_choice(a, &path, &ran, &why);
     ASSERT_TRUE(s.ok()) << s.message();
+    MhcPreKernel ran2 = MhcPreKernel::kAuto;
+    ASSERT_TRUE(mhc_post_pre_kernel_choice(a, &ran2, nullptr).ok());
+    EXPECT_EQ(ran2, ran);
     if (c.kernel != MhcPreKernel::kAuto) EXPECT_EQ(ran, c.kernel);
     if (n == 4 && c.C % 1024 == 0 && c.C <= 7168 && c.kernel == MhcPreKernel::kAuto && !c.workspace)
       EXPECT_EQ(ran, MhcPreKernel::kResident) << why;
+    // The rule (MhcBoundaryPath): kAuto fuses only a pinned kernel or the split kernel.
+    if (c.path == MhcBoundaryPath::kAuto)
+      EXPECT_EQ(path, c.kernel != MhcPreKernel::kAuto || ran == MhcPreKernel::kSplit ? MhcBoundaryPath::kFused
+                                                                                     : MhcBoundaryPath::kPostThenPre)
+          << why;
+    else
+      EXPECT_EQ(path, c.path) << why;
+    if (c.path == MhcBoundaryPath::kAuto && c.kernel == MhcPreKernel::kAuto && c.workspace && c.B <= 16)
+      EXPECT_EQ(ran, MhcPreKernel::kSplit) << why;
   }
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -755,6 +774,21 @@ std::vector<PostPreCase> post_pre_cases() {
   v.push_back({4, 7168, 16, L::kDeepSeek, DType::kFloat32, MhcPreKernel::kAuto, false, true});
   v.push_back({8, 1000, 32, L::kRowMix, DType::kFloat32, MhcPreKernel::kAuto, true, true});
   v.push_back({3, 8, 5, L::kDeepSeek, DType::kFloat32, kSplit, false, true});  // one CTA with columns: it owns all 5 tokens
+  // The path kAuto takes (MhcBoundaryPath): post then pre on the resident
+  // kernel (prefill, decode without a workspace, graph replays of the two
+  // launches), on the cluster tiles (other shapes), fused on the split kernel
+  // with a workspace; B = 0. And post then pre pinned, with the pre's kernel
+  // pinned too (the portable kernel: no fused form of it exists).
+  constexpr auto kAutoK = MhcPreKernel::kAuto;
+  constexpr auto kAutoPath = MhcBoundaryPath::kAuto, kTwo = MhcBoundaryPath::kPostThenPre;
+  v.push_back({4, 7168, 8192, L::kDeepSeek, DType::kFloat32, kAutoK, false, false, kAutoPath});
+  v.push_back({4, 7168, 16, L::kRowMix, DType::kFloat32, kAutoK, true, false, kAutoPath});
+  v.push_back({4, 7168, 16, L::kDeepSeek, DType::kBFloat16, kAutoK, true, true, kAutoPath});
+  v.push_back({6, 1000, 77, L::kRowMix, DType::kBFloat16, kAutoK, false, false, kAutoPath});
+  v.push_back({5, 2048, 0, L::kDeepSeek, DType::kFloat32, kAutoK, false, false, kAutoPath});
+  v.push_back({4, 4096, 33, L::kRowMix, DType::kFloat32, MhcPreKernel::kClusterTile, false, false, kTwo});
+  v.push_back({3, 1000, 7, L::kDeepSeek, DType::kFloat32, MhcPreKernel::kPortable, false, false, kTwo});
+  v.push_back({2, 2048, 5, L::kDeepSeek, DType::kFloat32, kSplit, true, true, kTwo});
   return v;
 }
 
@@ -822,9 +856,14 @@ TEST(MhcPostPrePathGpu, SplitTooLargeSaysNotSupported) {
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   for (auto v : x_next.to_host<uint16_t>()) ASSERT_EQ(v, 0x7f7f);
   expect_epoch(ws, 0);
-  a.kernel = MhcPreKernel::kAuto;  // the cluster tiles take it
+  a.kernel = MhcPreKernel::kAuto;  // post then pre: the pre's slice (no F_out) fits the split kernel
   MhcPreKernel chosen = MhcPreKernel::kAuto;
+  MhcBoundaryPath path = MhcBoundaryPath::kAuto;
   std::string why;
+  ASSERT_TRUE(mhc_post_pre_path_choice(a, &path, &chosen, &why).ok());
+  EXPECT_EQ(path, MhcBoundaryPath::kPostThenPre) << why;
+  EXPECT_EQ(chosen, MhcPreKernel::kSplit) << why;
+  a.path = MhcBoundaryPath::kFused;  // fused: the cluster tiles take it
   ASSERT_TRUE(mhc_post_pre_kernel_choice(a, &chosen, &why).ok());
   EXPECT_EQ(chosen, MhcPreKernel::kClusterTile) << why;
 }
