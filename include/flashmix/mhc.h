@@ -244,16 +244,19 @@ struct MhcHeadArgs {
 //                 back: two launches, X_next's bytes read once more
 //   kAuto         kFused where `kernel` is pinned, F_pre's epilogue is on
 //                 (norm_weight or f_pre_fp8: the cluster tiles either way) or
-//                 the split kernel takes the call (a workspace and B <= 16);
-//                 else kPostThenPre with mhc_pre's own choice. Measured on an
-//                 H100 (docs/mhc.md): without the epilogue the fused resident
-//                 and cluster-tile kernels are slower than the two launches on
-//                 every shape measured (B = 8192: 891 against 571 us; B = 256 /
-//                 1024 / 2048: 48 / 134 / 240 against 29 / 87 / 156 us; decode
-//                 B = 16 without a workspace: 20.1 against 13.6 us; the FP8
-//                 stream: 1458 against 558 us), the split kernel faster (11.1
-//                 against 12.6 us), and with the epilogue the fused cluster
-//                 tiles (1817 against 1954 us).
+//                 the fused op's own kernel choice is the split kernel (a
+//                 workspace and B <= 16; or B <= kMhcSplitMaxBatch where the
+//                 resident kernel cannot take the shape: not measured against
+//                 the two launches); else kPostThenPre with mhc_pre's own
+//                 choice. Measured on an H100 (docs/mhc.md): without the
+//                 epilogue the fused resident and cluster-tile kernels are
+//                 slower than the two launches on every shape measured
+//                 (B = 8192: 888 against 570 us; B = 256 / 1024 / 2048: 48 /
+//                 134 / 241 against 29 / 87 / 156 us; decode B = 16 without a
+//                 workspace: 20.1 against 13.6 us; the FP8 stream: 1455
+//                 against 557 us), the split kernel faster (11.1 against
+//                 12.6 us), and with the epilogue the fused cluster tiles
+//                 (1817 against 1954 us).
 // Either path's results are bitwise those of mhc_post then mhc_pre pinned
 // to the projection kernel mhc_post_pre_kernel_choice reports.
 enum class MhcBoundaryPath { kAuto, kFused, kPostThenPre };
@@ -267,13 +270,14 @@ const char* to_string(MhcBoundaryPath path);
 // projection, sum of squares and mix use X_next as it is made on chip
 // (bf16-rounded, exactly the values stored), never read back (`path` says
 // when the two-launch path runs instead). Bitwise equal to mhc_post then
-// mhc_pre pinned to the same projection kernel (spec §4.7). Kernels: kResident
-// (n = 4, C a multiple of 1024 up to 7168, no F_pre epilogue, bf16 stream),
-// kSplit (a workspace, 1 <= B <= kMhcSplitMaxBatch, no F_pre epilogue, bf16
-// stream) and kClusterTile (the rest of sm_90, every call with the epilogue,
-// and the FP8 residual stream); kAuto picks them in that order (the split
-// kernel first with a workspace and B <= 16: spec §4.6); kPortable is not
-// available for this op (kNotSupported).
+// mhc_pre pinned to the same projection kernel (spec §4.7). Fused kernels:
+// kResident (n = 4, C a multiple of 1024 up to 7168, no F_pre epilogue, bf16
+// stream), kSplit (a workspace, 1 <= B <= kMhcSplitMaxBatch, no F_pre
+// epilogue, bf16 stream) and kClusterTile (the rest of sm_90, every call with
+// the epilogue, and the FP8 residual stream); kAuto picks them in that order
+// (the split kernel first with a workspace and B <= 16: spec §4.6); kPortable
+// has no fused form (kNotSupported on the fused path). On the post-then-pre
+// path `kernel` is the pre's, as MhcPreArgs::kernel (any of them).
 struct MhcPostPreArgs {
   MhcShape shape;
   // This layer's post (inputs).
@@ -307,7 +311,8 @@ struct MhcPostPreArgs {
   // then null). With kFp8E4m3, x and x_next are e4m3 codes with their
   // scales: X_next is made and quantised exactly as mhc_post on this stream
   // makes it (its codes and scales bitwise), and the next pre reads those
-  // stored values. Cluster-tile kernel only (kResident pinned: kNotSupported).
+  // stored values. Fused: the cluster-tile kernel only (kResident pinned:
+  // kNotSupported); post then pre: mhc_pre's kernels for the FP8 stream.
   MhcResidual residual = MhcResidual::kBf16;
   const void* x_scales = nullptr;  // [B, n, C/128] float or uint8 (kFp8E4m3 only), X_L's
   void* x_next_scales = nullptr;   // [B, n, C/128] (kFp8E4m3 only), X_{L+1}'s

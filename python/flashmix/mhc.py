@@ -333,8 +333,11 @@ def mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, *, x_next=None, f_pr
                  x_scale_format=_POST_PRE.x_scale_format, stream=None):
     """spec §4.7 mhc_post_pre: a layer boundary in one op, this layer's mhc_post (x, f_out,
     h_post, h_res; ``res_layout``) followed by the next sublayer's mhc_pre (phi, alpha, bias and
-    the activation parameters). X is read once and X_next written once; the pre uses X_next as
-    it is made. Returns MhcPostPreOutput(x_next bf16 of x's shape, f_pre bf16 ``[B, C]``, h_post
+    the activation parameters). With ``kernel="auto"`` it runs mhc_post then mhc_pre (X_next
+    read back once) where the fused kernels measured slower, and fused (X read once, X_next
+    written once, the pre using X_next as it is made) on the split kernel, with F_pre's
+    epilogue, or with a pinned ``kernel`` (the C++ API's ``MhcBoundaryPath`` pins either;
+    not exposed here). Returns MhcPostPreOutput(x_next bf16 of x's shape, f_pre bf16 ``[B, C]``, h_post
     float32 ``[B, n]``, h_res float32 ``[B, n, n]``); outputs not passed are allocated and must
     not overlap any input (double-buffer the coefficients). Bitwise equal to mhc_post then
     mhc_pre pinned to the same kernel. ``kernel``: "auto", "resident", "split" or

@@ -763,14 +763,19 @@ Status mhc_post_pre(const MhcPostPreArgs& a, cudaStream_t stream) {
     FM_RETURN_IF_ERROR(choose_post_pre_path(a, kOp, &path, &kernel, nullptr));
     if (path == MhcBoundaryPath::kFused)
       return launch_project(post_pre_params(a), a.shape.n, a.phi_dtype, kernel, stream, a.enable_pdl, kOp);
-    // Both launches are checked before the first (the pre's kernel takes the
-    // call; each op's own rules), so nothing is written on a refusal.
+    // Both launches' arguments are checked before the first (each op's own
+    // rules; the pre's kernel takes the call), so a refusal writes nothing;
+    // an error of the second launch itself (a TMA descriptor the device
+    // refuses, say) comes after X_next is written. Errors name this op.
     const MhcPostArgs post = post_of(a);
     const MhcPreArgs pre = pre_of(a, kernel);
-    FM_RETURN_IF_ERROR(validate_mhc_post(post));
-    FM_RETURN_IF_ERROR(validate_mhc_pre(pre));
-    FM_RETURN_IF_ERROR(mhc_post(post, stream));
-    return mhc_pre(pre, stream);
+    auto named = [&](const Status& s) {
+      return s.ok() ? s : Status(s.code(), detail::concat(kOp, " (post then pre): ", s.message()));
+    };
+    FM_RETURN_IF_ERROR(named(validate_mhc_post(post)));
+    FM_RETURN_IF_ERROR(named(validate_mhc_pre(pre)));
+    FM_RETURN_IF_ERROR(named(mhc_post(post, stream)));
+    return named(mhc_pre(pre, stream));
   });
 }
 

@@ -47,8 +47,9 @@
 // Block scales: the tile turns around (consume_tile_rows_m): the token rows
 // are wgmma's M (64 a warpgroup), the 128 W1 rows its N, so a thread's
 // accumulator rows are two tokens and each K block's partial sum is promoted
-// into fp32 by one FFMA an element; each consumer thread reads its two rows'
-// X scales from global memory a K block ahead. Per-tensor scales: the bf16
+// into fp32 by one FFMA an element; the loaders store each stage's X scales
+// beside its rows and the tile's W1 scales sit in shared memory, so the K
+// loop reads no global memory (docs/moe_fc1.md). Per-tensor scales: the bf16
 // mainloop, one multiply at the end. Block scales with experts of 256 rows
 // and more take wide tiles (Fc1Cfg::kWide: 256 W1 rows a stage, the two
 // slices' MMAs one after the other through one partial). Status (H100,
@@ -124,8 +125,8 @@ constexpr int kLoaders = 128;
 // the epilogue staging, the experts' tables and the barriers. 256 rows: 4
 // stages of 48 KB; 128 rows: 6 of 32 KB (more bytes in flight, W1 slices
 // read twice for experts of 129-256 rows, the second time from L2); wide
-// block-FP8 tiles (128 rows, 256 W1 rows): 4 of 48 KB. With W4A8 a stage
-// also holds the rows' X scales of its K block.
+// block-FP8 tiles (128 rows, 256 W1 rows): 4 of 48 KB. With W4A8 and block
+// FP8 a stage also holds the rows' X scales of its K block.
 //
 // MXFP4 W1: a stage holds the tile's packed rows as TMA writes them (128
 // rows x 64 bytes for W4A8's 128 of K, x 32 bytes for W4A16's 64, no
@@ -143,9 +144,8 @@ template <int kMaxRows_, Fc1In kIn_ = Fc1In::kBf16, bool kFp8Out_ = false, bool 
 struct Fc1Cfg {
   static constexpr int kMaxRows = kMaxRows_;
   static constexpr Fc1In kIn = kIn_;
-  // Block-scaled FP8 takes the token rows as wgmma's M and reads the X
-  // scales from global memory (consume_tile_rows_m); every other input the
-  // transposed tile.
+  // Block-scaled FP8 takes the token rows as wgmma's M (consume_tile_rows_m);
+  // every other input the transposed tile.
   static constexpr bool kRowsM = kIn == Fc1In::kFp8Block;
   static constexpr bool kWide = kWide_;
   static_assert(!kWide || kRowsM, "wide tiles are for block scales (token rows as M)");
@@ -177,11 +177,13 @@ struct Fc1Cfg {
   static constexpr int kStageBytes = kWStage + kMaxRows * kTileBytes;
   static constexpr bool kStageScales = kXBlock;  // the loaders copy the X scales (W4A8, block FP8)
   static constexpr int kScaleBytes = kStageScales ? kMaxRows * 4 : 0;  // a stage's X scales
-  // load_tiles' plain arrivals for the scale stores of a gathered X: one a
-  // loader warp (a permuted X's loaders arrive anyway).
-  static constexpr int kScaleArrivals = kStageScales ? kLoaders / 32 : 0;
-  // The consumers' releases a stage: every thread where they read the staged X
-  // scales (dev::release_stage), else one a warp.
+  // load_tiles' plain arrivals for the scale stores of a gathered X (a
+  // permuted X's loaders arrive anyway): W4A8, each scale thread's own (what
+  // racecheck credits); block FP8, one a loader warp after __syncwarp.
+  static constexpr int kScaleArrivals = !kStageScales ? 0 : kRowsM ? kLoaders / 32 : kMaxRows;
+  // The consumers' releases a stage: every thread where the transposed
+  // tile's mainloop reads the staged X scales (W4A8: dev::release_stage),
+  // else one a warp (block FP8 too: rows_m_mainloop says why).
   static constexpr int kEmptyArrivals = kStageScales && !kRowsM ? 256 : 8;
   static constexpr int kCvtTile = mx_mainloop::kCvtTile;          // a warpgroup's converted 64 rows
   static constexpr int kCvtBytes = kMx ? 2 * 2 * kCvtTile : 0;    // two per consumer warpgroup
@@ -262,9 +264,10 @@ __device__ __forceinline__ void store_stage_scale(uint32_t scales, int s, int rs
 // the K block of row r0 + 16 q into the stage's scale slot, loaded before
 // the wait for the stage and stored after the stage's copies are issued (by
 // 4-byte cp.asyncs counted on the stage's barrier they made the
-// block-scaled FP8 tile ~1.5x slower). A plain arrival on the full barrier
-// releases the stores: every loader's own (a permuted X), or one a warp
-// after __syncwarp (a gathered X, kScaleArrivals).
+// block-scaled FP8 tile ~1.5x slower); a plain arrival on the full barrier
+// releases the stores: every loader's own (a permuted X), and for a
+// gathered X each scale thread's (W4A8) or one a warp after __syncwarp
+// (block FP8; kScaleArrivals).
 template <class Cfg>
 __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUtensorMap* map_w,
                                            const CUtensorMap* map_x64, const CUtensorMap* map_x16, uint32_t stages,
@@ -334,12 +337,17 @@ __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUten
               dev::cp_async_16(st + Cfg::kWStage + uint32_t(r) * kTileBytes + swz, g, live ? 16 : 0);
             }
           }
-          // The scale after the cp.asyncs; a plain arrival a warp releases
-          // the warp's stores (the cp.async arrival orders only the copies).
+          // The scale after the cp.asyncs, released by a plain arrival (the
+          // cp.async arrival orders only the copies): one a warp for block
+          // FP8, each scale thread's for W4A8 (kScaleArrivals).
           if constexpr (kBlock) {
             if (scale_thread && rs < t.n) store_stage_scale<Cfg>(scales, s, rs, sv);
-            __syncwarp();
-            if ((l & 31) == 0) dev::mbar_arrive(full);
+            if constexpr (Cfg::kRowsM) {
+              __syncwarp();
+              if ((l & 31) == 0) dev::mbar_arrive(full);
+            } else if (scale_thread) {
+              dev::mbar_arrive(full);
+            }
           }
           dev::cp_async_mbar_arrive_noinc(full);
         }
@@ -566,7 +574,6 @@ __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const 
                                                 float (&acc)[kHalves<Cfg>][kSliceW / 2], float* wsc,
                                                 const float* xsc) {
   constexpr int N = kSliceW, H2 = kHalves<Cfg>;
-  const int lane = threadIdx.x & 31;
   const int kbs = p.H / kScaleK;
   SliceScales sw[H2];
 #pragma unroll
@@ -617,10 +624,11 @@ __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const 
         dev::wgmma_wait<0>();
         dev::fence_operands(part);
       }
-      if (h == H2 - 1) {
-        __syncwarp();
-        if (lane == 0) dev::mbar_arrive(bar_at(empty0, s));  // the stage is free: promote from registers
-      }
+      // The stage is free: promote from registers. One arrival a warp after
+      // __syncwarp, though the threads read the staged X scales: every
+      // thread's arrival (dev::release_stage<true>, what racecheck credits)
+      // measured 12-25 % slower here (docs/moe_fc1.md).
+      if (h == H2 - 1) dev::release_stage<false>(bar_at(empty0, s));
       if (active && sw[h].up_hi == 0) {
         // Every up row of the slice in one scale block (always with I % 128
         // == 0 or the interleaved layout, and for some slices otherwise):
@@ -830,7 +838,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
     for (int i = 0; i < Cfg::kStages; ++i) {
       // Each loader's arrival (the gather's by cp.async), the TMA thread's,
-      // W4A8's scale stores'.
+      // and a gathered stage's scale stores' (W4A8, block FP8).
       dev::mbar_init(bar_at(full0, i), kLoaders + 1 + (p.x_permuted ? 0 : Cfg::kScaleArrivals));
       dev::mbar_init(bar_at(empty0, i), Cfg::kEmptyArrivals);
     }

@@ -648,7 +648,8 @@ TEST_P(MhcPostPreFp8xGpu, BitwiseEqualsPostThenPre) {
           [&] {
             EXPECT_EQ(cudaMemsetAsync(xn.get(), kPoison, post.code_bytes + kTail, stream), cudaSuccess);
             EXPECT_EQ(cudaMemsetAsync(xns.get(), kPoison, post.scale_bytes + kTail, stream), cudaSuccess);
-            EXPECT_EQ(cudaMemsetAsync(fused.f.get(), 0x7f, fused.f.bytes(), stream), cudaSuccess);
+            for (const DeviceBuffer* b : {&fused.f, &fused.post, &fused.res, &fused.q, &fused.qs})
+              if (b->bytes()) EXPECT_EQ(cudaMemsetAsync(b->get(), 0x7f, b->bytes(), stream), cudaSuccess);
           });
       expect_bitwise(xn, xns, ref, "X_next against mhc_post_cpu");
       EXPECT_EQ(xn.to_host<uint8_t>(), want_codes);

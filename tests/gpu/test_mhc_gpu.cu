@@ -615,11 +615,18 @@ TEST_P(MhcPostPreGpu, BitwiseEqualsPostThenPreAndMatchesReference) {
     if (c.kernel != MhcPreKernel::kAuto) EXPECT_EQ(ran, c.kernel);
     if (n == 4 && c.C % 1024 == 0 && c.C <= 7168 && c.kernel == MhcPreKernel::kAuto && !c.workspace)
       EXPECT_EQ(ran, MhcPreKernel::kResident) << why;
-    // The rule (MhcBoundaryPath): kAuto fuses only a pinned kernel or the split kernel.
-    if (c.path == MhcBoundaryPath::kAuto)
-      EXPECT_EQ(path, c.kernel != MhcPreKernel::kAuto || ran == MhcPreKernel::kSplit ? MhcBoundaryPath::kFused
-                                                                                     : MhcBoundaryPath::kPostThenPre)
+    // The rule (MhcBoundaryPath): kAuto fuses a pinned kernel, or where the
+    // fused op's own choice is the split kernel.
+    if (c.path == MhcBoundaryPath::kAuto) {
+      MhcPostPreArgs f = a;
+      f.path = MhcBoundaryPath::kFused;
+      MhcPreKernel fused_kernel = MhcPreKernel::kAuto;
+      ASSERT_TRUE(mhc_post_pre_kernel_choice(f, &fused_kernel, nullptr).ok());
+      EXPECT_EQ(path, c.kernel != MhcPreKernel::kAuto || fused_kernel == MhcPreKernel::kSplit
+                          ? MhcBoundaryPath::kFused
+                          : MhcBoundaryPath::kPostThenPre)
           << why;
+    }
     else
       EXPECT_EQ(path, c.path) << why;
     if (c.path == MhcBoundaryPath::kAuto && c.kernel == MhcPreKernel::kAuto && c.workspace && c.B <= 16)

@@ -567,6 +567,27 @@ TEST(MoeFc1Gpu, Fp8BlockWideTiles) {
   check_case(c);
 }
 
+// Block scales at the largest hidden size (kFc1BlockMaxHidden = 54528: the
+// tile's W1 scales fill 10,224 of the 10,240 bytes of staging), narrow and
+// wide tiles, gathered and permuted X.
+TEST(MoeFc1Gpu, Fp8BlockLargestHidden) {
+  SKIP_WITHOUT_HOPPER();
+  for (bool wide : {false, true})
+    for (bool permuted : {false, true}) {
+      const ScopedFc1Wide pin(wide);
+      SCOPED_TRACE(std::string(wide ? "wide" : "narrow") + (permuted ? "/permuted" : "/gather"));
+      Case c;
+      c.fp8 = MoeFp8Scaling::kBlock;
+      c.T = 3;
+      c.k = 1;
+      c.total = c.local = 1;
+      c.H = 54528;
+      c.I = 136;  // the last slice's up rows in two scale blocks
+      c.x_permuted = permuted;
+      check_case(c);
+    }
+}
+
 // The FP8 output (spec §9.8): e4m3 codes and 1 x 128 scales bitwise equal to
 // the same GPU's bf16 output (checked against the CPU reference first) run
 // through quantize_fp8 (first P rows); rows past P and the scales' rows past
