@@ -19,7 +19,7 @@ from ._common import _C, arg, defaults, empty, stream_of, torch
 __all__ = [
     "mhc_pre", "mhc_pre_kernel_choice", "mhc_post", "mhc_post_pre", "mhc_post_head", "mhc_project", "mhc_activate", "mhc_pre_mix", "mhc_head",
     "mhc_expand", "mhc_workspace_bytes", "mhc_num_coefficients",
-    "MHC_MAX_STREAMS", "MHC_SEED_PARAMS", "MHC_PRE_KERNELS", "MhcPreOutput", "MhcActivateOutput",
+    "MHC_MAX_STREAMS", "MHC_SEED_PARAMS", "MHC_PRE_KERNELS", "MHC_BOUNDARY_PATHS", "MhcPreOutput", "MhcActivateOutput",
     "MhcPostPreOutput", "MhcPostPreFp8Output", "MhcPostPreFp8xOutput", "MhcPreFp8Output", "MhcPostFp8Output",
     "MhcExpandFp8Output", "MhcPostHeadOutput",
 ]
@@ -41,6 +41,8 @@ _POST_HEAD = _DEFAULTS["mhc_post_head"]
 MHC_MAX_STREAMS = _C.MHC_MAX_STREAMS
 #: The ``kernel`` values of mhc_pre, mhc_project and mhc_head (``MhcPreKernel``; docs/spec.md §4.6).
 MHC_PRE_KERNELS = _C.MHC_PRE_KERNELS
+#: mhc_post_pre's ``path`` values (spec §4.7 MhcBoundaryPath).
+MHC_BOUNDARY_PATHS = _C.MHC_BOUNDARY_PATHS
 #: MhcParams::seed(): the seed document's setting (all eps 0), as keyword arguments.
 MHC_SEED_PARAMS = _C.mhc_seed_params()
 mhc_num_coefficients = _C.mhc_num_coefficients
@@ -327,21 +329,24 @@ def mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, *, x_next=None, f_pr
                  h_res_next=None, res_layout=_POST_PRE.res_layout, eps_norm=_POST_PRE.eps_norm,
                  eps_pre=_POST_PRE.eps_pre, post_mult=_POST_PRE.post_mult, eps_sinkhorn=_POST_PRE.eps_sinkhorn,
                  sinkhorn_iters=_POST_PRE.sinkhorn_iters, enable_pdl=_POST_PRE.enable_pdl,
-                 prefetch_weights=_POST_PRE.prefetch_weights, kernel=_POST_PRE.kernel, workspace=None,
+                 prefetch_weights=_POST_PRE.prefetch_weights, kernel=_POST_PRE.kernel, path=_POST_PRE.path,
+                 workspace=None,
                  norm_weight=None, norm_eps=_POST_PRE.norm_eps, fp8=False, f_pre_scale_format=_POST_PRE.f_pre_scale_format,
                  f_pre_fp8=None, f_pre_scales=None, bf16_f_pre=True, x_scales=None, x_next_scales=None,
                  x_scale_format=_POST_PRE.x_scale_format, stream=None):
     """spec §4.7 mhc_post_pre: a layer boundary in one op, this layer's mhc_post (x, f_out,
     h_post, h_res; ``res_layout``) followed by the next sublayer's mhc_pre (phi, alpha, bias and
-    the activation parameters). With ``kernel="auto"`` it runs mhc_post then mhc_pre (X_next
-    read back once) where the fused kernels measured slower, and fused (X read once, X_next
-    written once, the pre using X_next as it is made) on the split kernel, with F_pre's
-    epilogue, or with a pinned ``kernel`` (the C++ API's ``MhcBoundaryPath`` pins either;
-    not exposed here). Returns MhcPostPreOutput(x_next bf16 of x's shape, f_pre bf16 ``[B, C]``, h_post
-    float32 ``[B, n]``, h_res float32 ``[B, n, n]``); outputs not passed are allocated and must
-    not overlap any input (double-buffer the coefficients). Bitwise equal to mhc_post then
-    mhc_pre pinned to the same kernel. ``kernel``: "auto", "resident", "split" or
-    "cluster_tile" ("portable" raises NotImplementedError); CPU arrays run the reference.
+    the activation parameters). ``path`` (spec §4.7; the custom ops' ``boundary_path``):
+    "fused" (X read once, X_next written once, the pre using X_next as it is made),
+    "post_then_pre" (mhc_post then mhc_pre, X_next read back once) or "auto": fused on the
+    split kernel, with F_pre's epilogue or with a pinned ``kernel``, else post then pre (the
+    fused kernels measured slower there). Returns MhcPostPreOutput(x_next bf16 of x's shape,
+    f_pre bf16 ``[B, C]``, h_post float32 ``[B, n]``, h_res float32 ``[B, n, n]``); outputs
+    not passed are allocated and must not overlap any input (double-buffer the coefficients).
+    Bitwise equal to mhc_post then mhc_pre pinned to the projection kernel that runs.
+    ``kernel``: "auto", "resident", "split" or "cluster_tile" (fused; "portable" raises
+    NotImplementedError there), or the pre's with "post_then_pre"; CPU arrays run the
+    reference.
     ``workspace``: as in mhc_pre (uint8 ``[mhc_workspace_bytes(B, n, C)]``, zeroed once): with
     it, small batches may run on the split kernel (every SM makes X_next for its column slice).
 
@@ -370,7 +375,7 @@ def mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, *, x_next=None, f_pr
     _C.mhc_post_pre(xa, arg(f_out), arg(h_post), arg(h_res), arg(phi), arg(alpha), arg(bias), xna,
                     arg(f_pre), arg(h_post_next), arg(h_res_next), res_layout=res_layout, eps_norm=eps_norm,
                     eps_pre=eps_pre, post_mult=post_mult, eps_sinkhorn=eps_sinkhorn, sinkhorn_iters=sinkhorn_iters,
-                    enable_pdl=enable_pdl, prefetch_weights=prefetch_weights, kernel=kernel,
+                    enable_pdl=enable_pdl, prefetch_weights=prefetch_weights, kernel=kernel, path=path,
                     workspace=arg(workspace),
                     **_epilogue_args(norm_weight, norm_eps, f_pre_fp8, f_pre_scales, f_pre_scale_format),
                     x_scales=sa, x_next_scales=sna, x_scale_format=x_scale_format, stream=stream_of(stream, x))
@@ -389,13 +394,14 @@ if torch is not None:
                          eps_pre: float = _POST_PRE.eps_pre, post_mult: float = _POST_PRE.post_mult,
                          eps_sinkhorn: float = _POST_PRE.eps_sinkhorn, sinkhorn_iters: int = _POST_PRE.sinkhorn_iters,
                          enable_pdl: bool = _POST_PRE.enable_pdl, prefetch_weights: bool = _POST_PRE.prefetch_weights,
-                         projection_kernel: str = _POST_PRE.kernel) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                         projection_kernel: str = _POST_PRE.kernel,
+                         boundary_path: str = _POST_PRE.path) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         """flashmix.mhc_post_pre as a custom op: fresh (x_next, f_pre, h_post, h_res);
         ``projection_kernel`` is its ``kernel`` (as in the mhc_pre op)."""
         return tuple(mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, res_layout=res_layout,
                                   eps_norm=eps_norm, eps_pre=eps_pre, post_mult=post_mult,
                                   eps_sinkhorn=eps_sinkhorn, sinkhorn_iters=sinkhorn_iters, enable_pdl=enable_pdl,
-                                  prefetch_weights=prefetch_weights, kernel=projection_kernel))
+                                  prefetch_weights=prefetch_weights, kernel=projection_kernel, path=boundary_path))
 
     # A separate op, as mhc_pre_with_workspace (an Optional tensor in mutates_args breaks
     # torch.compile's functionalization when left None).
@@ -409,7 +415,7 @@ if torch is not None:
                                         sinkhorn_iters: int = _POST_PRE.sinkhorn_iters,
                                         enable_pdl: bool = _POST_PRE.enable_pdl,
                                         prefetch_weights: bool = _POST_PRE.prefetch_weights,
-                                        projection_kernel: str = _POST_PRE.kernel
+                                        projection_kernel: str = _POST_PRE.kernel, boundary_path: str = _POST_PRE.path
                                         ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         """flashmix.mhc_post_pre with the small-batch workspace (uint8
         ``[mhc_workspace_bytes(B, n, C)]``, zeroed once by the caller) as a custom op; outputs as
@@ -417,7 +423,7 @@ if torch is not None:
         return tuple(mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, res_layout=res_layout,
                                   eps_norm=eps_norm, eps_pre=eps_pre, post_mult=post_mult,
                                   eps_sinkhorn=eps_sinkhorn, sinkhorn_iters=sinkhorn_iters, enable_pdl=enable_pdl,
-                                  prefetch_weights=prefetch_weights, kernel=projection_kernel,
+                                  prefetch_weights=prefetch_weights, kernel=projection_kernel, path=boundary_path,
                                   workspace=workspace))
 
     @custom_op("mhc_post_pre_norm", fake=lambda x, phi, **_: _post_pre_outputs(x, phi))
@@ -428,13 +434,14 @@ if torch is not None:
                               eps_sinkhorn: float = _POST_PRE.eps_sinkhorn,
                               sinkhorn_iters: int = _POST_PRE.sinkhorn_iters, enable_pdl: bool = _POST_PRE.enable_pdl,
                               prefetch_weights: bool = _POST_PRE.prefetch_weights,
-                              projection_kernel: str = _POST_PRE.kernel) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                              projection_kernel: str = _POST_PRE.kernel,
+                              boundary_path: str = _POST_PRE.path) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         """flashmix.mhc_post_pre with the next sublayer's input RMSNorm (spec §4.8) as a custom op:
         fresh (x_next, normed f_pre bf16, h_post, h_res)."""
         return tuple(mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, res_layout=res_layout,
                                   eps_norm=eps_norm, eps_pre=eps_pre, post_mult=post_mult,
                                   eps_sinkhorn=eps_sinkhorn, sinkhorn_iters=sinkhorn_iters, enable_pdl=enable_pdl,
-                                  prefetch_weights=prefetch_weights, kernel=projection_kernel,
+                                  prefetch_weights=prefetch_weights, kernel=projection_kernel, path=boundary_path,
                                   norm_weight=norm_weight, norm_eps=norm_eps))
 
     def _post_pre_fp8_fake(x, phi, f_pre_scale_format, **_):
@@ -450,14 +457,16 @@ if torch is not None:
                              eps_sinkhorn: float = _POST_PRE.eps_sinkhorn,
                              sinkhorn_iters: int = _POST_PRE.sinkhorn_iters, enable_pdl: bool = _POST_PRE.enable_pdl,
                              prefetch_weights: bool = _POST_PRE.prefetch_weights,
-                             projection_kernel: str = _POST_PRE.kernel) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                             projection_kernel: str = _POST_PRE.kernel,
+                             boundary_path: str = _POST_PRE.path) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """flashmix.mhc_post_pre for an FP8 sublayer (spec §4.8) as a custom op: fresh (x_next,
         f_pre e4m3 ``[B, C]``, its 1 x 128 scales ``[B, C/128]``, h_post, h_res); the (optionally
         normed) F_pre is not written in bf16."""
         o = mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, res_layout=res_layout, eps_norm=eps_norm,
                          eps_pre=eps_pre, post_mult=post_mult, eps_sinkhorn=eps_sinkhorn,
                          sinkhorn_iters=sinkhorn_iters, enable_pdl=enable_pdl, prefetch_weights=prefetch_weights,
-                         kernel=projection_kernel, norm_weight=norm_weight, norm_eps=norm_eps, fp8=True,
+                         kernel=projection_kernel, path=boundary_path, norm_weight=norm_weight,
+                         norm_eps=norm_eps, fp8=True,
                          f_pre_scale_format=f_pre_scale_format, bf16_f_pre=False)
         return o.x_next, o.f_pre_fp8, o.f_pre_scales, o.h_post, o.h_res
 
@@ -711,14 +720,15 @@ if torch is not None:
                               eps_sinkhorn: float = _POST_PRE.eps_sinkhorn,
                               sinkhorn_iters: int = _POST_PRE.sinkhorn_iters, enable_pdl: bool = _POST_PRE.enable_pdl,
                               prefetch_weights: bool = _POST_PRE.prefetch_weights,
-                              projection_kernel: str = _POST_PRE.kernel
+                              projection_kernel: str = _POST_PRE.kernel, boundary_path: str = _POST_PRE.path
                               ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """flashmix.mhc_post_pre on the FP8 stream as a custom op: fresh (x_next, x_next_scales,
         f_pre, h_post, h_res)."""
         o = mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, x_scales=x_scales,
                          x_scale_format=x_scale_format, res_layout=res_layout, eps_norm=eps_norm, eps_pre=eps_pre,
                          post_mult=post_mult, eps_sinkhorn=eps_sinkhorn, sinkhorn_iters=sinkhorn_iters,
-                         enable_pdl=enable_pdl, prefetch_weights=prefetch_weights, kernel=projection_kernel)
+                         enable_pdl=enable_pdl, prefetch_weights=prefetch_weights, kernel=projection_kernel,
+                         path=boundary_path)
         return o.x_next, o.x_next_scales, o.f_pre, o.h_post, o.h_res
 
     @custom_op("mhc_head_fp8x", fake=lambda x, phi, **_: _new_mix(x, phi.shape[0], "mhc_head"))

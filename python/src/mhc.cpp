@@ -52,6 +52,18 @@ const EnumNames<fm::MhcPreKernel>& pre_kernels() {
 
 fm::MhcPreKernel parse_kernel(const std::string& s, const char* op) { return parse_enum(s, pre_kernels(), op, "kernel"); }
 
+// MhcBoundaryPath by the library's names ("auto", "fused", "post_then_pre").
+const EnumNames<fm::MhcBoundaryPath>& boundary_paths() {
+  static const EnumNames<fm::MhcBoundaryPath> names = [] {
+    EnumNames<fm::MhcBoundaryPath> n;
+    for (fm::MhcBoundaryPath p :
+         {fm::MhcBoundaryPath::kAuto, fm::MhcBoundaryPath::kFused, fm::MhcBoundaryPath::kPostThenPre})
+      n.emplace_back(fm::to_string(p), p);
+    return n;
+  }();
+  return names;
+}
+
 // ---------------------------------------------------------------------------
 // Shapes and weights
 // ---------------------------------------------------------------------------
@@ -359,10 +371,10 @@ void mhc_post_pre(const In& x, const In& f_out, const In& h_post, const In& h_re
                   const In& bias, const Out& x_next, const OptOut& f_pre, const Out& h_post_next,
                   const Out& h_res_next, const std::string& res_layout, float eps_norm, float eps_pre,
                   float post_mult, float eps_sinkhorn, int sinkhorn_iters, bool enable_pdl, bool prefetch_weights,
-                  const std::string& kernel, const OptOut& workspace, const OptIn& norm_weight, float norm_eps,
-                  const OptOut& f_pre_fp8, const OptOut& f_pre_scales, const std::string& f_pre_scale_format,
-                  const OptIn& x_scales, const OptOut& x_next_scales, const std::string& x_scale_format,
-                  uintptr_t stream) {
+                  const std::string& kernel, const std::string& path, const OptOut& workspace,
+                  const OptIn& norm_weight, float norm_eps, const OptOut& f_pre_fp8, const OptOut& f_pre_scales,
+                  const std::string& f_pre_scale_format, const OptIn& x_scales, const OptOut& x_next_scales,
+                  const std::string& x_scale_format, uintptr_t stream) {
   constexpr const char* op = "mhc_post_pre";
   Placement w(op);
   w.add(x, "x", f_out, "f_out", h_post, "h_post", h_res, "h_res", workspace, "workspace");
@@ -405,6 +417,7 @@ void mhc_post_pre(const In& x, const In& f_out, const In& h_post, const In& h_re
   set_activation_params(a.params, eps_pre, post_mult, eps_sinkhorn, sinkhorn_iters);
   a.prefetch_weights = prefetch_weights;
   set_projection_options(a, enable_pdl, kernel, workspace, op);
+  a.path = parse_enum(path, boundary_paths(), op, "path");
   dispatch(
       w, op, [&] { return fm::mhc_post_pre(a, as_stream(stream)); }, [&] { return fm::mhc_post_pre_cpu(a); });
 }
@@ -662,6 +675,7 @@ nb::dict mhc_defaults() {
   f["res_layout"] = enum_name(post_pre.res_layout, res_layouts());  // the post's (the pre's is not read)
   f["prefetch_weights"] = post_pre.prefetch_weights;
   f["kernel"] = fm::to_string(post_pre.kernel);
+  f["path"] = fm::to_string(post_pre.path);
   f["norm_eps"] = py_float(post_pre.norm_eps);
   f["f_pre_scale_format"] = fm::to_string(post_pre.f_pre_scale_format);
   f["x_scale_format"] = fm::to_string(post_pre.x_scale_format);
@@ -681,6 +695,7 @@ nb::dict mhc_defaults() {
 void register_mhc(nb::module_& m) {
   m.attr("MHC_MAX_STREAMS") = fm::kMhcMaxStreams;
   m.attr("MHC_PRE_KERNELS") = enum_names_tuple(pre_kernels());
+  m.attr("MHC_BOUNDARY_PATHS") = enum_names_tuple(boundary_paths());
   m.def("mhc_defaults", &mhc_defaults,
         "The library's defaults of the mHC ops' keywords, {op: {keyword: value}} (the Args initialisers of "
         "flashmix/mhc.h, MhcParams among them); the flashmix package's signatures read them.");
@@ -725,7 +740,7 @@ void register_mhc(nb::module_& m) {
   m.def("mhc_post_pre", &mhc_post_pre, "x"_a, "f_out"_a, "h_post"_a, "h_res"_a, "phi"_a, "alpha"_a, "bias"_a,
         "x_next"_a, "f_pre"_a.none(), "h_post_next"_a, "h_res_next"_a, nb::kw_only(), "res_layout"_a, "eps_norm"_a,
         "eps_pre"_a, "post_mult"_a, "eps_sinkhorn"_a, "sinkhorn_iters"_a, "enable_pdl"_a, "prefetch_weights"_a,
-        "kernel"_a, "workspace"_a.none(), "norm_weight"_a.none(), "norm_eps"_a, "f_pre_fp8"_a.none(),
+        "kernel"_a, "path"_a, "workspace"_a.none(), "norm_weight"_a.none(), "norm_eps"_a, "f_pre_fp8"_a.none(),
         "f_pre_scales"_a.none(), "f_pre_scale_format"_a, "x_scales"_a.none(), "x_next_scales"_a.none(),
         "x_scale_format"_a, "stream"_a,
         "spec §4.7 mhc_post_pre: this layer's post then the next pre in one op; n from phi [N, n*C]. "

@@ -977,6 +977,25 @@ def test_mhc_pre_kernels_are_the_library_names():
 
 
 @needs_bf16
+def test_mhc_post_pre_paths_are_the_library_names_and_one_result_on_the_cpu():
+    """spec §4.7 MhcBoundaryPath: the names, the default, every path accepted (the CPU reference
+    has one), a bad one named."""
+    assert flashmix.MHC_BOUNDARY_PATHS == ("auto", "fused", "post_then_pre")
+    assert inspect.signature(flashmix.mhc_post_pre).parameters["path"].default == "auto"
+    rng = np.random.default_rng(47)
+    B, n, C = 3, 4, 64
+    x, f_out, h_post, h_res = ref.post_problem(rng, B, n, C)
+    _, phi, alpha, bias = ref.mhc_problem(rng, B, n, C)
+    want = flashmix.mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias)
+    for path in flashmix.MHC_BOUNDARY_PATHS:
+        got = flashmix.mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, path=path)
+        for u, v in zip(got, want):
+            np.testing.assert_array_equal(u, v)
+    with raises_naming(ValueError, "mhc_post_pre", "path"):
+        flashmix.mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, path="two_pass")
+
+
+@needs_bf16
 @pytest.mark.parametrize("kernel", ["auto", "resident", "split", "cluster_tile", "portable"])
 def test_mhc_kernel_is_accepted_and_ignored_on_the_cpu(kernel):
     rng = np.random.default_rng(21)
