@@ -760,6 +760,26 @@ def test_mhc_post_fp8x_gpu_bitwise_cpu(B, n, C, res_layout, scale_format):
     assert torch.equal(got.x_next_scales.view(torch.uint8).cpu(), want.x_next_scales.view(torch.uint8))
 
 
+@pytest.mark.parametrize("B,n,C", [(16, 4, 7168), (9, 3, 1280), (0, 4, 1024)])
+def test_mhc_post_pre_paths_gpu(B, n, C):
+    """spec §4.7 MhcBoundaryPath through torch: every path, the function and the custom op,
+    bitwise mhc_post then mhc_pre (kernel "auto": without a workspace the fused kernel and the
+    pre's choice are the same kernel, the resident one at n = 4 and the cluster tiles else)."""
+    rng = np.random.default_rng(B * 3 + n + C)
+    x, f_out, h_post, h_res = (tensor(a) for a in ref.post_problem(rng, B, n, C))
+    _, phi, alpha, bias = mhc_inputs(B, n, C, "float32", seed=B + n)
+    x_next = flashmix.mhc_post(x, f_out, h_post, h_res)
+    want = flashmix.mhc_pre(x_next, phi, alpha, bias)
+    for path in flashmix.MHC_BOUNDARY_PATHS:
+        got = flashmix.mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, path=path)
+        op = torch.ops.flashmix.mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, boundary_path=path)
+        sync()
+        for out in (tuple(got), tuple(op)):
+            assert torch.equal(out[0], x_next), path
+            for u, v in zip(out[1:], want):
+                assert torch.equal(u, v), path
+
+
 @pytest.mark.parametrize("scale_format", ["float32", "ue8m0"])
 @pytest.mark.parametrize("B,n,C", [(16, 4, 7168), (17, 3, 1280), (0, 4, 256)])
 def test_mhc_post_pre_norm_fp8_gpu(B, n, C, scale_format):
