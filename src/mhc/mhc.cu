@@ -694,11 +694,12 @@ Status choose_post_pre_path(const MhcPostPreArgs& a, const char* op, MhcBoundary
     FM_RETURN_IF_ERROR(choose_project_kernel(post_pre_params(a), n, f32, a.kernel, op, &c, &why));
     *path = MhcBoundaryPath::kFused;
     *kernel = c->kernel;
-    if (reason != nullptr)
-      *reason = detail::concat(a.path == MhcBoundaryPath::kFused    ? "fused: pinned by args.path; "
-                               : a.kernel != MhcPreKernel::kAuto ? "fused: args.kernel pinned; "
-                                                                 : "fused: F_pre's epilogue (the cluster tiles either way); ",
-                               why);
+    if (reason != nullptr) {
+      const char* because = a.path == MhcBoundaryPath::kFused    ? "fused: pinned by args.path; "
+                            : a.kernel != MhcPreKernel::kAuto ? "fused: args.kernel pinned; "
+                                                              : "fused: F_pre's epilogue (cluster tiles either way); ";
+      *reason = detail::concat(because, why);
+    }
     return Status::Ok();
   }
   if (a.path == MhcBoundaryPath::kAuto) {
