@@ -11,6 +11,7 @@
 #include "common/host_fp8.h"
 #include "flashmix/fp8.h"
 #include "flashmix/mhc.h"
+#include "mhc/mhc_boundary_args.h"
 
 namespace flashmix {
 
@@ -336,57 +337,14 @@ Status mhc_expand_cpu(const MhcExpandArgs& a) {
   return Status::Ok();
 }
 
-namespace {
-
-// The post of a boundary op (mhc_post_pre, mhc_post_head) as mhc_post's
-// arguments, writing X_next to `x_next` and `x_next_scales`.
-template <typename Args>
-MhcPostArgs post_args_of(const Args& a, void* x_next, void* x_next_scales) {
-  MhcPostArgs post;
-  post.shape = a.shape;
-  post.x = a.x;
-  post.f_out = a.f_out;
-  post.h_post = a.h_post;
-  post.h_res = a.h_res;
-  post.x_next = x_next;
-  post.res_layout = a.res_layout;
-  post.residual = a.residual;
-  post.x_scales = a.x_scales;
-  post.x_next_scales = x_next_scales;
-  post.x_scale_format = a.x_scale_format;
-  return post;
-}
-
-}  // namespace
-
 // The boundary (spec §4.7): the post, each X_next element rounded to bf16 at
 // its store, then the next pre computed from those stored values, then F_pre's
 // epilogue (§4.8) on the bf16 F_pre.
 Status mhc_post_pre_cpu(const MhcPostPreArgs& a) {
   FM_RETURN_IF_ERROR(validate_mhc_post_pre(a));
   if (a.residual == MhcResidual::kFp8E4m3) {  // spec §4.9: mhc_post_cpu, then mhc_pre_cpu on the stored X_next
-    FM_RETURN_IF_ERROR(mhc_post_cpu(post_args_of(a, a.x_next, a.x_next_scales)));
-    MhcPreArgs pre;
-    pre.shape = a.shape;
-    pre.x = a.x_next;
-    pre.phi = a.phi;
-    pre.phi_dtype = a.phi_dtype;
-    pre.alpha = a.alpha;
-    pre.bias = a.bias;
-    pre.f_pre = a.f_pre;
-    pre.h_post = a.h_post_next;
-    pre.h_res = a.h_res_next;
-    pre.params = a.params;
-    pre.residual = a.residual;
-    pre.x_scales = a.x_next_scales;
-    pre.x_scale_format = a.x_scale_format;
-    pre.norm_weight = a.norm_weight;
-    pre.norm_weight_dtype = a.norm_weight_dtype;
-    pre.norm_eps = a.norm_eps;
-    pre.f_pre_fp8 = a.f_pre_fp8;
-    pre.f_pre_scales = a.f_pre_scales;
-    pre.f_pre_scale_format = a.f_pre_scale_format;
-    return mhc_pre_cpu(pre);
+    FM_RETURN_IF_ERROR(mhc_post_cpu(boundary_post_args(a, a.x_next, a.x_next_scales)));
+    return mhc_pre_cpu(boundary_pre_args(a, MhcPreKernel::kAuto));
   }
   const int n = a.shape.n, num_coef = mhc_num_coefficients(n);
   const int64_t C = a.shape.hidden, k_len = n * C;
@@ -438,7 +396,7 @@ Status mhc_post_head_cpu(const MhcPostHeadArgs& a) {
       x_next_scales = scales.data();
     }
   }
-  FM_RETURN_IF_ERROR(mhc_post_cpu(post_args_of(a, x_next, x_next_scales)));
+  FM_RETURN_IF_ERROR(mhc_post_cpu(boundary_post_args(a, x_next, x_next_scales)));
   MhcHeadArgs head;
   head.shape = s;
   head.x = x_next;

@@ -17,6 +17,7 @@
 #include "common/reduce.cuh"
 #include "common/vec.cuh"
 #include "flashmix/mhc.h"
+#include "mhc/mhc_boundary_args.h"
 #include "mhc/mhc_device.cuh"
 #include "mhc/mhc_fp8x_device.cuh"
 
@@ -626,59 +627,6 @@ ProjectParams post_pre_params(const MhcPostPreArgs& a) {
   return p;
 }
 
-}  // namespace
-
-namespace {
-
-// The boundary's two launches (MhcBoundaryPath::kPostThenPre): this layer's
-// post into x_next, then the next pre reading it, with every other field
-// of the boundary's.
-MhcPostArgs post_of(const MhcPostPreArgs& a) {
-  MhcPostArgs q;
-  q.shape = a.shape;
-  q.x = a.x;
-  q.f_out = a.f_out;
-  q.h_post = a.h_post;
-  q.h_res = a.h_res;
-  q.x_next = a.x_next;
-  q.res_layout = a.res_layout;
-  q.enable_pdl = a.enable_pdl;
-  q.residual = a.residual;
-  q.x_scales = a.x_scales;
-  q.x_next_scales = a.x_next_scales;
-  q.x_scale_format = a.x_scale_format;
-  return q;
-}
-
-MhcPreArgs pre_of(const MhcPostPreArgs& a, MhcPreKernel kernel) {
-  MhcPreArgs p;
-  p.shape = a.shape;
-  p.x = a.x_next;
-  p.phi = a.phi;
-  p.phi_dtype = a.phi_dtype;
-  p.alpha = a.alpha;
-  p.bias = a.bias;
-  p.f_pre = a.f_pre;
-  p.h_post = a.h_post_next;
-  p.h_res = a.h_res_next;
-  p.params = a.params;
-  p.enable_pdl = a.enable_pdl;
-  p.prefetch_weights = a.prefetch_weights;
-  p.workspace = a.workspace;
-  p.workspace_bytes = a.workspace_bytes;
-  p.kernel = kernel;
-  p.residual = a.residual;
-  p.x_scales = a.x_next_scales;
-  p.x_scale_format = a.x_scale_format;
-  p.norm_weight = a.norm_weight;
-  p.norm_weight_dtype = a.norm_weight_dtype;
-  p.norm_eps = a.norm_eps;
-  p.f_pre_fp8 = a.f_pre_fp8;
-  p.f_pre_scales = a.f_pre_scales;
-  p.f_pre_scale_format = a.f_pre_scale_format;
-  return p;
-}
-
 // The boundary's path and projection kernel (MhcBoundaryPath states the
 // rule; validated arguments, host only).
 Status choose_post_pre_path(const MhcPostPreArgs& a, const char* op, MhcBoundaryPath* path, MhcPreKernel* kernel,
@@ -715,7 +663,7 @@ Status choose_post_pre_path(const MhcPostPreArgs& a, const char* op, MhcBoundary
     }
   }
   const MhcPreKernel pre_kernel = a.path == MhcBoundaryPath::kPostThenPre ? a.kernel : MhcPreKernel::kAuto;
-  const MhcPreArgs pre = pre_of(a, pre_kernel);
+  const MhcPreArgs pre = boundary_pre_args(a, pre_kernel);
   FM_RETURN_IF_ERROR(choose_project_kernel(pre_params(pre), n, f32, pre_kernel, op, &c, &why));
   *path = MhcBoundaryPath::kPostThenPre;
   *kernel = c->kernel;
@@ -768,8 +716,8 @@ Status mhc_post_pre(const MhcPostPreArgs& a, cudaStream_t stream) {
     // rules; the pre's kernel takes the call), so a refusal writes nothing;
     // an error of the second launch itself (a TMA descriptor the device
     // refuses, say) comes after X_next is written. Errors name this op.
-    const MhcPostArgs post = post_of(a);
-    const MhcPreArgs pre = pre_of(a, kernel);
+    const MhcPostArgs post = boundary_post_args(a, a.x_next, a.x_next_scales);
+    const MhcPreArgs pre = boundary_pre_args(a, kernel);
     auto named = [&](const Status& s) {
       return s.ok() ? s : Status(s.code(), detail::concat(kOp, " (post then pre): ", s.message()));
     };
