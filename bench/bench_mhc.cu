@@ -253,8 +253,6 @@ MhcPostArgs post_args(const HostData& h, const DevSet& d) {
   return a;
 }
 
-// The boundary op on a set: this layer's post (H_post_in, H_res_in, F_out,
-// deepseek layout) and the next pre (the set's phi, alpha, bias).
 // The path mhc_post_pre takes for `a` here (MhcBoundaryPath), for the records.
 std::string post_pre_path(const MhcPostPreArgs& a) {
   MhcBoundaryPath path = MhcBoundaryPath::kAuto;
@@ -263,6 +261,18 @@ std::string post_pre_path(const MhcPostPreArgs& a) {
   return s.ok() ? std::string(to_string(path)) + "/" + to_string(kernel) : "refused: " + s.message();
 }
 
+// Beside a boundary record timed with `a` (path kAuto): the path it took, and
+// the fused kernel's time on the same inputs.
+void add_fused_timing(Record& r, const MhcPostPreArgs& a, cudaStream_t stream, int iters) {
+  MhcPostPreArgs fused = a;
+  fused.path = MhcBoundaryPath::kFused;
+  r.labels["path"] = post_pre_path(a);
+  r.labels["fused_kernel"] = post_pre_path(fused);
+  r.extra["fused_us"] = median_us([&] { (void)mhc_post_pre(fused, stream); }, stream, 3, iters);
+}
+
+// The boundary op on a set: this layer's post (H_post_in, H_res_in, F_out,
+// deepseek layout) and the next pre (the set's phi, alpha, bias).
 MhcPostPreArgs post_pre_args(const HostData& h, const DevSet& d) {
   MhcPostPreArgs a;
   a.shape = {h.B, h.n, h.C};
@@ -824,10 +834,7 @@ void run_mhc_cases(Context& ctx) {
                               median_us([&] { (void)mhc_post_pre(pp, stream); }, stream, 3, iters),
                               x_bytes * 2 + 2 * f_bytes, check);
       r.labels["x_scale_format"] = to_string(f);
-      r.labels["path"] = post_pre_path(pp);
-      MhcPostPreArgs fused = pp;
-      fused.path = MhcBoundaryPath::kFused;
-      r.extra["fused_us"] = median_us([&] { (void)mhc_post_pre(fused, stream); }, stream, 3, iters);
+      add_fused_timing(r, pp, stream, iters);
       add_record(ctx, r);
       cudaFree(q2);
       cudaFree(sc2);
@@ -1005,13 +1012,8 @@ void run_mhc_cases(Context& ctx) {
     const double pre_us = median_us([&] { (void)mhc_pre(pa, stream); }, stream, 3, iters);
     const double two_us = median_us([&] { (void)mhc_post(q, stream); (void)mhc_pre(pa, stream); }, stream, 3, iters);
     BENCH_CUDA(cudaFree(x_mid));
-    MhcPostPreArgs fused = a;  // the one-kernel path, what kAuto passes over here
-    fused.path = MhcBoundaryPath::kFused;
-    const double fused_us = median_us([&] { (void)mhc_post_pre(fused, stream); }, stream, 3, iters);
     Record r = floor_record(ctx, "mhc_post_pre", "B8192_n4_C7168", us, bytes, check);
-    r.labels["path"] = post_pre_path(a);
-    r.labels["fused_kernel"] = post_pre_path(fused);
-    r.extra["fused_us"] = fused_us;
+    add_fused_timing(r, a, stream, iters);
     r.extra["post_us"] = post_us;
     r.extra["pre_us"] = pre_us;
     r.extra["post_then_pre_us"] = two_us;
@@ -1033,13 +1035,8 @@ void run_mhc_cases(Context& ctx) {
     const std::string check =
         !st.ok() ? "FAILED: " + st.message() : ctx.verify ? check_post_pre(h, d, sample_rows(h.B)) : "not verified";
     const double us = median_us([&] { (void)mhc_post_pre(a, stream); }, stream, 3, iters);
-    MhcPostPreArgs fused = a;
-    fused.path = MhcBoundaryPath::kFused;
-    const double fused_us = median_us([&] { (void)mhc_post_pre(fused, stream); }, stream, 3, iters);
     Record r = floor_record(ctx, "mhc_post_pre", name, us, 2 * x_bytes + 2 * f_bytes, check);
-    r.labels["path"] = post_pre_path(a);
-    r.labels["fused_kernel"] = post_pre_path(fused);
-    r.extra["fused_us"] = fused_us;
+    add_fused_timing(r, a, stream, iters);
     add_record(ctx, r);
     free_dev(d);
   }

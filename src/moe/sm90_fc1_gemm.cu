@@ -586,7 +586,7 @@ __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const 
   dev::named_bar_sync(kScaleBar, 256);
   for (int i = threadIdx.x; i < 3 * H2 * kbs; i += 256) {
     const int h = i / (3 * kbs), j = (i / kbs) % 3, kb = i % kbs;
-    const SliceScales q = h > 0 ? sw[H2 - 1] : sw[0];
+    const SliceScales q = h > 0 ? sw[H2 - 1] : sw[0];  // sw[h] (H2 <= 2) without a runtime index into registers
     wsc[i] = __ldg((j == 0 ? q.g : j == 1 ? q.u : q.u1) + kb);
   }
   dev::named_bar_sync(kScaleBar, 256);
