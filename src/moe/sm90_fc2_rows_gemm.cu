@@ -143,7 +143,8 @@ struct RowsCfg {
   static constexpr int kFullArrivals = kXBlock ? 1 + 32 : 1;  // the TMA lane (+ each producer lane's scale stores)
   // The consumers' releases a stage: every thread where they read the staged A
   // scales (dev::release_stage), else one a warp (block scales with the token
-  // rows as M read theirs from global memory: empty_arrivals).
+  // rows as M too, though they read the staged scales: the FC1 tile that way
+  // measured 12-25 % slower with every thread releasing, docs/moe_fc1.md).
   static constexpr int kEmptyArrivals = kXBlock ? 256 : 8;
   // The experts' tables fit beside the largest stages (272 rows) for up to
   // 256 experts.
@@ -548,24 +549,18 @@ __device__ __forceinline__ void consume_tile_block(const RowsGemmParams& p, cons
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) acc[i] = part[i] = 0.f;
   const float* sw = p.w_scales + (int64_t(t.e) * p.h_blocks + t.hs) * p.i_blocks;
-  // This thread's two rows' A scales, read from global memory a K block ahead
-  // (as FC1's block mode; rows past the chunk: 0, never stored). Nothing but
-  // the operands rides in the stages on this path.
-  const float* sa_row = r_lo < t.rows ? p.a_scales + int64_t(t.p0 + r_lo) * p.i_blocks : nullptr;
-  const float* sb_row = r_lo + 8 < t.rows ? p.a_scales + int64_t(t.p0 + r_lo + 8) * p.i_blocks : nullptr;
-  float na = sa_row != nullptr ? __ldg(sa_row) : 0.f, nb = sb_row != nullptr ? __ldg(sb_row) : 0.f;
+  // This thread's two rows' A scales come with each stage (the producer
+  // warp stores them, as on the transposed path; rows past the chunk's: 0,
+  // or stale past its N, never stored), read after the stage's barrier.
   const uint32_t a_off = uint32_t(Cfg::kWStage + wg * 64 * kTileBytes);
   prof::TileClock clk;
   for (int kb = 0; kb < p.k_blocks; ++kb) {
     const float w_s = __ldg(sw + kb);
-    const float xa = na, xb = nb;
-    if (kb + 1 < p.k_blocks) {
-      na = sa_row != nullptr ? __ldg(sa_row + kb + 1) : 0.f;
-      nb = sb_row != nullptr ? __ldg(sb_row + kb + 1) : 0.f;
-    }
     clk.before_stage_wait();
     dev::mbar_wait(bar_at(sh.full, s), ph);
     clk.after_stage_wait(log, it, kb);
+    const float* sx = sh.a_sc + s * kMaxRows;
+    const float xa = sx[r_lo], xb = sx[r_lo + 8];
     float sa = 0.f, sb = 0.f;
     if (active) {
       sa = xa * w_s;
@@ -678,7 +673,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int E = p.E;
-  const bool rows_m = Cfg::kBlock && p.block_rows_m;  // consume_tile_block: A scales from global memory
+  const bool rows_m = Cfg::kBlock && p.block_rows_m;  // consume_tile_block: one release a warp
   for (int e = tid; e <= E; e += kThreads) row_off[e] = int(p.offsets[e]);
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
@@ -722,7 +717,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             // barrier: the same speed here, H200 A/B; in FC1 such copies were
             // what the block-scaled tile waited on.)
             float sc[Cfg::kXBlock ? kMaxRows / 32 : 1];
-            if (Cfg::kXBlock && !rows_m) {
+            if (Cfg::kXBlock) {
 #pragma unroll
               for (int i = 0; i < kMaxRows / 32; ++i) {
                 const int r = lane + 32 * i;
@@ -747,12 +742,10 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
             if constexpr (Cfg::kXBlock) {
               float* dst = sh.a_sc + s * kMaxRows;
-              if (!rows_m) {
 #pragma unroll
-                for (int i = 0; i < kMaxRows / 32; ++i) {
-                  const int r = lane + 32 * i;
-                  if (r < t.n) dst[r] = sc[i];
-                }
+              for (int i = 0; i < kMaxRows / 32; ++i) {
+                const int r = lane + 32 * i;
+                if (r < t.n) dst[r] = sc[i];
               }
               dev::mbar_arrive(full);  // release: the stores above are seen by the stage's waiters
             }
