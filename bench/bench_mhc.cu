@@ -1041,8 +1041,10 @@ void run_mhc_cases(Context& ctx) {
     free_dev(d);
   }
   // The boundary for an FP8 sublayer: F_pre's input RMSNorm and its e4m3
-  // copy with fp32 1 x 128 scales, f_pre null (spec §4.8). Runs on the
-  // cluster-tile kernel (the resident kernel has no epilogue).
+  // copy with fp32 1 x 128 scales, f_pre null (spec §4.8), with the
+  // epilogue workspace: post then pre on the resident kernel, the epilogue a
+  // pass over the plain F_pre kept in the workspace's scratch. Beside it the
+  // same call without the workspace (the epilogue inside the cluster tiles).
   if (ctx.selected("mhc_post_pre", "B8192_n4_C7168_norm_fp8")) {
     HostData h = make_host(8192, 4, 7168, 20261128);
     DevSet d = make_dev(h);
@@ -1059,6 +1061,11 @@ void run_mhc_cases(Context& ctx) {
     a.f_pre = nullptr;
     a.norm_weight = dw; a.norm_weight_dtype = DType::kBFloat16; a.norm_eps = eps;
     a.f_pre_fp8 = q; a.f_pre_scales = sc; a.f_pre_scale_format = ScaleFormat::kFloat32;
+    const MhcPostPreArgs cluster = a;  // no workspace: the cluster tiles
+    const size_t ws_bytes = mhc_epilogue_workspace_bytes(a.shape);
+    uint8_t* ws = alloc<uint8_t>(ws_bytes);
+    BENCH_CUDA(cudaMemset(ws, 0, ws_bytes));
+    a.workspace = ws; a.workspace_bytes = ws_bytes;
     MhcPreKernel kernel = MhcPreKernel::kAuto;
     std::string why;
     Status st = mhc_post_pre_kernel_choice(a, &kernel, &why);
@@ -1081,15 +1088,20 @@ void run_mhc_cases(Context& ctx) {
           (void)quantize_fp8(qa, stream);
         },
         stream, 3, iters);
-    // The two-launch path (the pre, with the epilogue, on the cluster tiles
-    // too), what kAuto passes over here.
-    MhcPostPreArgs two = a;
+    // Without the workspace: the epilogue inside the cluster tiles, fused
+    // (what kAuto takes then) and the two-launch path (the pre, with the
+    // epilogue, on the cluster tiles too).
+    const double cluster_us = median_us([&] { (void)mhc_post_pre(cluster, stream); }, stream, 3, iters);
+    MhcPostPreArgs two = cluster;
     two.path = MhcBoundaryPath::kPostThenPre;
     const double two_path_us = median_us([&] { (void)mhc_post_pre(two, stream); }, stream, 3, iters);
     Record r = floor_record(ctx, "mhc_post_pre", "B8192_n4_C7168_norm_fp8", us, bytes, check);
     r.labels["kernel"] = to_string(kernel);
     r.labels["path"] = post_pre_path(a);
+    r.labels["epilogue"] = why.find("F_pre's epilogue as a pass") != std::string::npos ? "pass" : "in kernel";
+    r.labels["cluster_path"] = post_pre_path(cluster);
     r.labels["post_then_pre_path"] = post_pre_path(two);
+    r.extra["cluster_tiles_us"] = cluster_us;
     r.extra["post_then_pre_us"] = two_path_us;
     r.extra["plain_post_pre_us"] = plain_us;
     r.extra["post_pre_then_quantize_fp8_us"] = two_us;
@@ -1098,6 +1110,7 @@ void run_mhc_cases(Context& ctx) {
     BENCH_CUDA(cudaFree(dw));
     BENCH_CUDA(cudaFree(q));
     BENCH_CUDA(cudaFree(sc));
+    BENCH_CUDA(cudaFree(ws));
     free_dev(d);
   }
   if (ctx.selected("mhc_post_pre", "decode_B16_n4_C7168_graph")) {
@@ -1182,6 +1195,57 @@ void run_mhc_cases(Context& ctx) {
       rw.extra["post_then_pre_us"] = two_ws_us;
       rw.extra["speedup_over_post_then_pre"] = two_ws_us / rw.median_us;
       add_record(ctx, rw);
+      BENCH_CUDA(cudaFree(ws));
+    }
+    // The boundary for an FP8 sublayer at decode (F_pre's RMSNorm and e4m3
+    // copy, f_pre null) with the epilogue workspace: the split kernel and
+    // the epilogue's pass (kAuto); beside it the same without the
+    // workspace (the epilogue inside the cluster tiles).
+    if (ctx.selected("mhc_post_pre", "decode_B16_n4_C7168_norm_fp8_graph_workspace")) {
+      std::vector<uint16_t> w(7168);
+      for (int64_t c = 0; c < 7168; ++c) w[c] = host::float_to_bf16(float(0.5 + 0.001 * double(c % 997)));
+      const float eps = 1e-6f;
+      uint16_t* dw = upload(w);
+      uint8_t* q = alloc<uint8_t>(16 * 7168);
+      float* sc = alloc<float>(16 * 56);
+      const size_t ws_bytes = mhc_epilogue_workspace_bytes({16, 4, 7168});
+      uint8_t* ws = alloc<uint8_t>(ws_bytes);
+      BENCH_CUDA(cudaMemset(ws, 0, ws_bytes));
+      auto args_epi = [&](int i, bool with_ws) {
+        MhcPostPreArgs a = post_pre_args(hs[i % sets], ds[i % sets]);
+        a.f_pre = nullptr;
+        a.norm_weight = dw; a.norm_weight_dtype = DType::kBFloat16; a.norm_eps = eps;
+        a.f_pre_fp8 = q; a.f_pre_scales = sc; a.f_pre_scale_format = ScaleFormat::kFloat32;
+        if (with_ws) {
+          a.workspace = ws;
+          a.workspace_bytes = ws_bytes;
+        }
+        return a;
+      };
+      Record re = r;
+      re.extra.clear();
+      re.case_name = "decode_B16_n4_C7168_norm_fp8_graph_workspace";
+      MhcPreKernel kernel = MhcPreKernel::kAuto;
+      std::string why;
+      const Status st = mhc_post_pre_kernel_choice(args_epi(0, true), &kernel, &why);
+      re.labels["kernel"] = st.ok() ? to_string(kernel) : "none";
+      re.labels["path"] = post_pre_path(args_epi(0, true));
+      re.labels["epilogue"] = why.find("F_pre's epilogue as a pass") != std::string::npos ? "pass" : "in kernel";
+      re.check = verify_rotated_sets(
+          ctx, stream, sets, 16, [&](int i) { return mhc_post_pre(args_epi(i, true), stream); },
+          [&](int i) { return check_post_pre_norm_fp8(hs[i], ds[i], q, sc, w, eps, sample_rows(16)); });
+      re.median_us =
+          graph_us_per_launch([&](int i) { (void)mhc_post_pre(args_epi(i, true), stream); }, launches, stream, iters);
+      re.bytes = 2.0 * (2 * 16 * 4 * 7168 + 16 * 7168) + 16 * 7168 + 4 * 16 * 56;
+      re.fraction = 6.0 / re.median_us;
+      re.extra["target_max_us"] = 6.0;
+      re.extra["rotated_sets"] = sets;
+      re.extra["cluster_tiles_us"] =
+          graph_us_per_launch([&](int i) { (void)mhc_post_pre(args_epi(i, false), stream); }, launches, stream, iters);
+      add_record(ctx, re);
+      BENCH_CUDA(cudaFree(dw));
+      BENCH_CUDA(cudaFree(q));
+      BENCH_CUDA(cudaFree(sc));
       BENCH_CUDA(cudaFree(ws));
     }
     for (auto& d : ds) free_dev(d);

@@ -422,6 +422,18 @@ inline int mhc_num_coefficients(int n) { return n * n + 2 * n; }
 constexpr int kMhcSplitMaxBatch = 32;
 size_t mhc_workspace_bytes(const MhcShape& shape);
 
+// F_pre's epilogue (the norm / FP8 fields of MhcPreArgs and MhcPostPreArgs,
+// spec §4.8) runs inside the cluster-tile kernel, or as a pass of its own
+// over F_pre after the resident or split kernel (kAuto takes that where the
+// call without the epilogue would run on one of them: the cluster tiles are
+// several times slower, docs/mhc.md). The pass reads the plain F_pre back,
+// so it needs it stored: in f_pre when the caller gives f_pre, else in a
+// scratch in the workspace, which then must be at least this size (the
+// split kernel's part first, then 2 B C bytes; 0 for B == 0). With f_pre
+// null and a smaller (or no) workspace, the epilogue stays on the cluster
+// tiles. The scratch adds nothing to the workspace's other rules above.
+size_t mhc_epilogue_workspace_bytes(const MhcShape& shape);
+
 // GPU entry points (device pointers).
 Status mhc_pre(const MhcPreArgs& args, cudaStream_t stream);
 // The projection kernel mhc_pre would run for `args` on the current device,

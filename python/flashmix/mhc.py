@@ -18,7 +18,7 @@ from ._common import _C, arg, defaults, empty, stream_of, torch
 
 __all__ = [
     "mhc_pre", "mhc_pre_kernel_choice", "mhc_post", "mhc_post_pre", "mhc_post_head", "mhc_project", "mhc_activate", "mhc_pre_mix", "mhc_head",
-    "mhc_expand", "mhc_workspace_bytes", "mhc_num_coefficients",
+    "mhc_expand", "mhc_workspace_bytes", "mhc_epilogue_workspace_bytes", "mhc_num_coefficients",
     "MHC_MAX_STREAMS", "MHC_SEED_PARAMS", "MHC_PRE_KERNELS", "MHC_BOUNDARY_PATHS", "MhcPreOutput", "MhcActivateOutput",
     "MhcPostPreOutput", "MhcPostPreFp8Output", "MhcPostPreFp8xOutput", "MhcPreFp8Output", "MhcPostFp8Output",
     "MhcExpandFp8Output", "MhcPostHeadOutput",
@@ -47,6 +47,7 @@ MHC_BOUNDARY_PATHS = _C.MHC_BOUNDARY_PATHS
 MHC_SEED_PARAMS = _C.mhc_seed_params()
 mhc_num_coefficients = _C.mhc_num_coefficients
 mhc_workspace_bytes = _C.mhc_workspace_bytes
+mhc_epilogue_workspace_bytes = _C.mhc_epilogue_workspace_bytes
 
 MhcPreOutput = collections.namedtuple("MhcPreOutput", ["f_pre", "h_post", "h_res"])
 #: mhc_pre with ``fp8=True`` (spec §4.8): f_pre is None with ``bf16_f_pre=False``.
@@ -172,8 +173,8 @@ def mhc_pre(x, phi, alpha, bias, *, f_pre=None, h_post=None, h_res=None, eps_nor
     shape: docs/spec.md §4.6) or a pinned one, which runs or raises NotImplementedError saying
     why (nothing launched). CPU arrays run the one reference whatever ``kernel`` names.
     ``norm_weight``, ``norm_eps``, ``fp8``, ``f_pre_scale_format``, ``f_pre_fp8``,
-    ``f_pre_scales``, ``bf16_f_pre``: F_pre's epilogue (spec §4.8), as in mhc_post_pre (the
-    cluster-tile kernel runs it); with ``fp8`` returns MhcPreFp8Output(f_pre, h_post, h_res,
+    ``f_pre_scales``, ``bf16_f_pre``: F_pre's epilogue (spec §4.8), as in mhc_post_pre (in the
+    cluster-tile kernel, or as a pass after the resident or split kernel); with ``fp8`` returns MhcPreFp8Output(f_pre, h_post, h_res,
     f_pre_fp8, f_pre_scales).
     ``x_scales``, ``x_scale_format``: the FP8 residual stream (spec §4.9), as in mhc_post: ``x``
     holds e4m3 codes (float8_e4m3fn or uint8) and ``x_scales`` one scale per (token, stream, 128
@@ -350,7 +351,11 @@ def mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, *, x_next=None, f_pr
     ``workspace``: as in mhc_pre (uint8 ``[mhc_workspace_bytes(B, n, C)]``, zeroed once): with
     it, small batches may run on the split kernel (every SM makes X_next for its column slice).
 
-    F_pre's epilogue (spec §4.8; the cluster-tile kernel runs it):
+    F_pre's epilogue (spec §4.8): inside the cluster-tile kernel, or as a pass over the stored
+    bf16 F_pre after the resident or split kernel where the call without it runs there (kernel
+    "auto" or pinned; several times faster at prefill: docs/mhc.md). The pass needs the bf16
+    f_pre, or with ``bf16_f_pre=False`` a ``workspace`` of ``mhc_epilogue_workspace_bytes(B, n,
+    C)`` for its scratch (else the cluster tiles):
       norm_weight: bf16 or float32 ``[C]``: f_pre is then the next sublayer's input RMSNorm of
         F_pre (F_pre rounded to bf16, normed in fp32 with ``norm_eps``, rounded once).
       fp8: also an e4m3 copy of f_pre with 1 x 128 scales (``f_pre_scale_format`` "float32" or

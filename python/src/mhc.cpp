@@ -709,6 +709,15 @@ void register_mhc(nb::module_& m) {
       "Bytes of the optional small-batch workspace of mhc_pre / mhc_post_pre / mhc_project / mhc_head / "
       "mhc_post_head (0: not "
       "used for this shape). Zero it once; every launch leaves it ready for the next.");
+  m.def(
+      "mhc_epilogue_workspace_bytes",
+      [](int64_t batch, int n, int64_t hidden) {
+        return fm::mhc_epilogue_workspace_bytes(fm::MhcShape{batch, n, hidden});
+      },
+      "batch"_a, "n"_a, "hidden"_a,
+      "Bytes of a workspace that also holds F_pre's scratch (mhc_workspace_bytes' part first, then 2 B C): with "
+      "it, F_pre's epilogue with f_pre None runs as a pass after the resident or split kernel instead of on the "
+      "cluster tiles (spec §4.8).");
 
   m.def("mhc_pre", &mhc_pre, "x"_a, "phi"_a, "alpha"_a, "bias"_a, "f_pre"_a.none(), "h_post"_a, "h_res"_a,
         nb::kw_only(), "eps_norm"_a, "eps_pre"_a, "post_mult"_a, "eps_sinkhorn"_a, "sinkhorn_iters"_a, "res_layout"_a,

@@ -20,6 +20,7 @@
 #include "mhc/mhc_boundary_args.h"
 #include "mhc/mhc_device.cuh"
 #include "mhc/mhc_fp8x_device.cuh"
+#include "mhc/mhc_split_layout.h"
 
 namespace flashmix {
 
@@ -484,17 +485,78 @@ Status choose_project_kernel(const ProjectParams& p, int n, bool f32, MhcPreKern
   return Status(StatusCode::kNotSupported, detail::concat(op, ": no projection kernel takes this shape (", why, ")"));
 }
 
-// Runs the projection kernel that choose_project_kernel picks.
+// F_pre's scratch in the caller's workspace (the epilogue pass with f_pre
+// null), or null where the workspace is absent or smaller than
+// mhc_epilogue_workspace_bytes.
+__nv_bfloat16* epilogue_scratch(void* workspace, size_t bytes, const MhcShape& s) {
+  const size_t need = mhc_epilogue_workspace_bytes(s);
+  if (workspace == nullptr || need == 0 || bytes < need) return nullptr;
+  return reinterpret_cast<__nv_bfloat16*>(static_cast<char*>(workspace) + epilogue_scratch_offset(s));
+}
+
+// A projection kernel, and how F_pre's epilogue (spec §4.8) runs with it:
+// inside the kernel (the cluster tiles) or, for the kernels without it
+// (resident, split), as a pass after it (launch_f_pre_epilogue_pass) over
+// the plain F_pre the kernel stores to `f_plain` (f_pre, or the workspace's
+// scratch).
+struct ProjectPlan {
+  const ProjectCandidate* c = nullptr;
+  bool pass = false;
+  __nv_bfloat16* f_plain = nullptr;
+};
+
+// choose_project_kernel with the epilogue rule: where the call has an
+// epilogue and somewhere to keep the plain F_pre, the kernel the call
+// without the epilogue would take (pinned or not), if it is the resident or
+// split kernel, with the pass after it; otherwise the kernel for the call
+// as it is (the cluster tiles for an epilogue).
+Status plan_project(const ProjectParams& p, int n, bool f32, MhcPreKernel pinned, const char* op, ProjectPlan* plan,
+                    std::string* reason) {
+  *plan = ProjectPlan{};
+  if (p.mode == ProjectMode::kPre && p.has_epilogue()) {
+    __nv_bfloat16* target =
+        p.f_out != nullptr ? p.f_out : epilogue_scratch(p.workspace, p.workspace_bytes, {p.batch, n, p.hidden});
+    if (target != nullptr) {
+      ProjectParams plain = p;
+      plain.epi = PreEpilogue{};
+      plain.f_out = target;
+      const ProjectCandidate* c = nullptr;
+      std::string why;
+      const Status s = choose_project_kernel(plain, n, f32, pinned, op, &c, &why);
+      if (!s.ok() && s.code() != StatusCode::kNotSupported) return s;
+      if (s.ok() && (c->kernel == MhcPreKernel::kResident || c->kernel == MhcPreKernel::kSplit)) {
+        *plan = ProjectPlan{c, true, target};
+        if (reason != nullptr)
+          *reason = detail::concat(why, "; F_pre's epilogue as a pass after it, over the plain F_pre in ",
+                                   p.f_out != nullptr ? "f_pre" : "the workspace's scratch");
+        return Status::Ok();
+      }
+    }
+  }
+  return choose_project_kernel(p, n, f32, pinned, op, &plan->c, reason);
+}
+
+// Runs the projection kernel that plan_project picks (and the epilogue's
+// pass after it).
 Status launch_project(const ProjectParams& p, int n, DType phi_dtype, MhcPreKernel pinned, cudaStream_t stream,
                       bool pdl, const char* op) {
   const bool f32 = phi_dtype == DType::kFloat32;
-  const ProjectCandidate* c = nullptr;
-  FM_RETURN_IF_ERROR(choose_project_kernel(p, n, f32, pinned, op, &c, nullptr));
+  ProjectPlan plan;
+  FM_RETURN_IF_ERROR(plan_project(p, n, f32, pinned, op, &plan, nullptr));
+  ProjectParams q = p;
+  if (plan.pass) {
+    q.epi = PreEpilogue{};
+    q.f_out = plan.f_plain;
+  }
   const char* why_not = "cannot take this shape";
-  const cudaError_t err = c->launch(p, n, f32, stream, pdl, /*dry_run=*/false, &why_not);
+  cudaError_t err = plan.c->launch(q, n, f32, stream, pdl, /*dry_run=*/false, &why_not);
   if (err == cudaErrorNotSupported)
-    return Status(StatusCode::kNotSupported, detail::concat(op, ": ", to_string(c->kernel), ": ", why_not));
+    return Status(StatusCode::kNotSupported, detail::concat(op, ": ", to_string(plan.c->kernel), ": ", why_not));
   if (err != cudaSuccess) return detail::cuda_status(err, op, "kernel launch");
+  FM_RETURN_IF_ERROR(detail::check_launch(op));
+  if (!plan.pass) return Status::Ok();
+  err = launch_f_pre_epilogue_pass(p.epi, plan.f_plain, p.f_out, p.batch, p.hidden, stream, pdl);
+  if (err != cudaSuccess) return detail::cuda_status(err, op, "epilogue pass launch");
   return detail::check_launch(op);
 }
 
@@ -540,10 +602,10 @@ void set_post(ProjectParams& p, const Args& a) {
 Status project_kernel_choice(const ProjectParams& p, int n, DType phi_dtype, MhcPreKernel pinned, const char* op,
                              MhcPreKernel* kernel, std::string* reason) {
   return detail::without_cuda_error_left(op, [&]() -> Status {
-    const ProjectCandidate* c = nullptr;
+    ProjectPlan plan;
     std::string why;
-    FM_RETURN_IF_ERROR(choose_project_kernel(p, n, phi_dtype == DType::kFloat32, pinned, op, &c, &why));
-    *kernel = c->kernel;
+    FM_RETURN_IF_ERROR(plan_project(p, n, phi_dtype == DType::kFloat32, pinned, op, &plan, &why));
+    *kernel = plan.c->kernel;
     if (reason != nullptr) *reason = why;
     return Status::Ok();
   });
@@ -631,21 +693,46 @@ ProjectParams post_pre_params(const MhcPostPreArgs& a) {
 // rule; validated arguments, host only).
 Status choose_post_pre_path(const MhcPostPreArgs& a, const char* op, MhcBoundaryPath* path, MhcPreKernel* kernel,
                             std::string* reason) {
-  const ProjectCandidate* c = nullptr;
+  ProjectPlan plan;
   std::string why;
   const bool f32 = a.phi_dtype == DType::kFloat32;
   const int n = a.shape.n;
-  // F_pre's epilogue runs on the cluster tiles either way: fused, X_next is not read back.
   const bool epilogue = a.norm_weight != nullptr || a.f_pre_fp8 != nullptr;
+  if (epilogue && a.path == MhcBoundaryPath::kAuto &&
+      (a.f_pre != nullptr || epilogue_scratch(a.workspace, a.workspace_bytes, a.shape) != nullptr)) {
+    // F_pre's epilogue as a pass: the path and kernel of the call without it,
+    // where that kernel is the resident or split one (plan_project then
+    // adds the pass to whichever launch runs the pre).
+    MhcPostPreArgs plain = a;
+    plain.norm_weight = nullptr;
+    plain.f_pre_fp8 = nullptr;
+    plain.f_pre_scales = nullptr;
+    MhcBoundaryPath plain_path = MhcBoundaryPath::kAuto;
+    MhcPreKernel plain_kernel = MhcPreKernel::kAuto;
+    std::string plain_why;
+    const Status s = choose_post_pre_path(plain, op, &plain_path, &plain_kernel, &plain_why);
+    if (!s.ok() && s.code() != StatusCode::kNotSupported) return s;
+    if (s.ok() && (plain_kernel == MhcPreKernel::kResident || plain_kernel == MhcPreKernel::kSplit)) {
+      *path = plain_path;
+      *kernel = plain_kernel;
+      if (reason != nullptr)
+        *reason = detail::concat(plain_why, "; F_pre's epilogue as a pass after it, over the plain F_pre in ",
+                                 a.f_pre != nullptr ? "f_pre" : "the workspace's scratch");
+      return Status::Ok();
+    }
+  }
   if (a.path == MhcBoundaryPath::kFused ||
       (a.path == MhcBoundaryPath::kAuto && (a.kernel != MhcPreKernel::kAuto || epilogue))) {
-    FM_RETURN_IF_ERROR(choose_project_kernel(post_pre_params(a), n, f32, a.kernel, op, &c, &why));
+    FM_RETURN_IF_ERROR(plan_project(post_pre_params(a), n, f32, a.kernel, op, &plan, &why));
     *path = MhcBoundaryPath::kFused;
-    *kernel = c->kernel;
+    *kernel = plan.c->kernel;
     if (reason != nullptr) {
       const char* because = a.path == MhcBoundaryPath::kFused    ? "fused: pinned by args.path; "
                             : a.kernel != MhcPreKernel::kAuto ? "fused: args.kernel pinned; "
-                                                              : "fused: F_pre's epilogue (cluster tiles either way); ";
+                                                              : "fused: F_pre's epilogue in the cluster tiles "
+                                                                "(no pass: no resident or split kernel for "
+                                                                "the call, or f_pre null without the epilogue "
+                                                                "workspace); ";
       *reason = detail::concat(because, why);
     }
     return Status::Ok();
@@ -653,20 +740,20 @@ Status choose_post_pre_path(const MhcPostPreArgs& a, const char* op, MhcBoundary
   if (a.path == MhcBoundaryPath::kAuto) {
     // The split kernel fused, where it takes the call.
     std::string split_why;
-    const Status s = choose_project_kernel(post_pre_params(a), n, f32, MhcPreKernel::kAuto, op, &c, &split_why);
+    const Status s = plan_project(post_pre_params(a), n, f32, MhcPreKernel::kAuto, op, &plan, &split_why);
     if (!s.ok() && s.code() != StatusCode::kNotSupported) return s;
-    if (s.ok() && c->kernel == MhcPreKernel::kSplit) {
+    if (s.ok() && plan.c->kernel == MhcPreKernel::kSplit) {
       *path = MhcBoundaryPath::kFused;
-      *kernel = c->kernel;
+      *kernel = plan.c->kernel;
       if (reason != nullptr) *reason = detail::concat("fused: the split kernel takes it; ", split_why);
       return Status::Ok();
     }
   }
   const MhcPreKernel pre_kernel = a.path == MhcBoundaryPath::kPostThenPre ? a.kernel : MhcPreKernel::kAuto;
   const MhcPreArgs pre = boundary_pre_args(a, pre_kernel);
-  FM_RETURN_IF_ERROR(choose_project_kernel(pre_params(pre), n, f32, pre_kernel, op, &c, &why));
+  FM_RETURN_IF_ERROR(plan_project(pre_params(pre), n, f32, pre_kernel, op, &plan, &why));
   *path = MhcBoundaryPath::kPostThenPre;
-  *kernel = c->kernel;
+  *kernel = plan.c->kernel;
   if (reason != nullptr)
     *reason = detail::concat(a.path == MhcBoundaryPath::kPostThenPre
                                  ? "post then pre: pinned by args.path; "

@@ -234,6 +234,11 @@ size_t mhc_workspace_bytes(const MhcShape& s) {
   return mhc_detail::split_workspace_layout(ctas, s.batch, mhc_num_coefficients(s.n)).bytes;
 }
 
+size_t mhc_epilogue_workspace_bytes(const MhcShape& s) {
+  if (s.batch < 1 || s.n < 1 || s.n > kMhcMaxStreams || s.hidden < 8 || s.hidden % 8 != 0) return 0;
+  return mhc_detail::epilogue_scratch_offset(s) + mhc_detail::align_scratch(size_t(s.batch) * size_t(s.hidden) * 2);
+}
+
 Status validate_mhc_pre(const MhcPreArgs& a) {
   constexpr const char* kOp = "mhc_pre";
   FM_RETURN_IF_ERROR(check_shape(a.shape, kOp, true));

@@ -209,6 +209,26 @@ struct PreEpilogue {
   __host__ __device__ bool any() const { return norm_weight != nullptr || q != nullptr; }
 };
 
+// 8 columns of the norm's weight, as floats (F_pre's epilogue: the cluster
+// tiles' and the pass's).
+template <bool kWeightF32>
+__device__ __forceinline__ void load_weight8(const PreEpilogue& e, int c, float* w) {
+  if constexpr (kWeightF32) {
+    const float* wp = static_cast<const float*>(e.norm_weight) + c;
+    const float4 a = __ldg(reinterpret_cast<const float4*>(wp)), b = __ldg(reinterpret_cast<const float4*>(wp + 4));
+    w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+  } else {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(e.norm_weight) + c));
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 f = __bfloat1622float2(h[k]);
+      w[2 * k] = f.x;
+      w[2 * k + 1] = f.y;
+    }
+  }
+}
+
 // Arguments of a projection kernel (fused or fallback).
 struct ProjectParams {
   const __nv_bfloat16* x = nullptr;
@@ -278,5 +298,15 @@ cudaError_t mhc_split_project(const ProjectParams& p, int n, bool phi_is_f32, cu
 // 8-24 tokens, any n and C that fit.
 cudaError_t sm90_mhc_project_fused(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
                                    bool dry_run, const char** why_not);
+
+// F_pre's epilogue as a pass of its own (mhc_epilogue_pass.cu), after a
+// projection kernel without it (resident, split) wrote the plain bf16 F_pre
+// to `f` [B, C]: per token the norm (e.norm_weight) into `f_normed` (may be
+// `f`; null: not stored) and the FP8 copy (e.q, e.scales) of the normed or
+// plain row, bitwise as the cluster tiles compute them from the same F_pre
+// but for the order of the sum of squares. Nothing is launched for B = 0 or
+// without an epilogue.
+cudaError_t launch_f_pre_epilogue_pass(const PreEpilogue& e, const __nv_bfloat16* f, __nv_bfloat16* f_normed,
+                                       long long batch, int hidden, cudaStream_t stream, bool pdl);
 
 }  // namespace flashmix::mhc_detail

@@ -681,7 +681,7 @@ cudaError_t launch_split(const ProjectParams& p, const detail::DeviceProps& dev,
 
 cudaError_t mhc_split_project(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
                               bool dry_run, const char** why_not) {
-  if (p.has_epilogue()) return not_supported(why_not, "split: no F_pre norm / FP8 epilogue");
+  if (p.has_epilogue()) return not_supported(why_not, "split: no F_pre norm / FP8 epilogue in the kernel (a pass after it needs f_pre or a workspace of mhc_epilogue_workspace_bytes)");
   if (p.fp8x) return not_supported(why_not, "split: bf16 residual stream only (the FP8 stream runs on the cluster-tile and portable kernels)");
   if (p.workspace == nullptr) return not_supported(why_not, "split: needs a workspace (mhc_workspace_bytes)");
   if (p.batch < 1 || p.batch > kMhcSplitMaxBatch) return not_supported(why_not, "split: B must be 1..32");

@@ -15,6 +15,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "flashmix/mhc.h"
+
 namespace flashmix::mhc_detail {
 
 constexpr int kSplitMaxCtas = 256;     // at most this many CTAs, so records, per launch
@@ -33,5 +35,11 @@ inline SplitWorkspaceLayout split_workspace_layout(int64_t records, int64_t batc
   l.bytes = l.rec_offset + size_t(records * l.rec_stride) * 8;
   return l;
 }
+
+// The workspace's second part: F_pre's scratch for the epilogue pass (2 B C
+// bytes of bf16, mhc_epilogue_workspace_bytes), after the split kernel's
+// part (mhc_workspace_bytes, 0 past kMhcSplitMaxBatch), 256-byte aligned.
+inline size_t align_scratch(size_t bytes) { return (bytes + 255) / 256 * 256; }
+inline size_t epilogue_scratch_offset(const MhcShape& s) { return align_scratch(mhc_workspace_bytes(s)); }
 
 }  // namespace flashmix::mhc_detail

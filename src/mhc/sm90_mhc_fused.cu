@@ -163,25 +163,6 @@ __device__ __forceinline__ void load_phi_step_fp8(PhiFrag<kN, kF32>& f, const Ph
   }
 }
 
-// 8 columns of the norm's weight, as floats.
-template <bool kWeightF32>
-__device__ __forceinline__ void load_weight8(const PreEpilogue& e, int c, float* w) {
-  if constexpr (kWeightF32) {
-    const float* wp = static_cast<const float*>(e.norm_weight) + c;
-    const float4 a = __ldg(reinterpret_cast<const float4*>(wp)), b = __ldg(reinterpret_cast<const float4*>(wp + 4));
-    w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
-  } else {
-    const uint4 v = __ldg(reinterpret_cast<const uint4*>(static_cast<const bf16*>(e.norm_weight) + c));
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float2 f = __bfloat1622float2(h[k]);
-      w[2 * k] = f.x;
-      w[2 * k + 1] = f.y;
-    }
-  }
-}
-
 // F_pre's epilogue (spec §4.8) for the tile, by every thread of every CTA of
 // the cluster. On entry the pre mix has left this CTA's bf16 F_pre in xs
 // (token r, column c0 + col at xs[r * pitch + col], col < cw: X's buffer

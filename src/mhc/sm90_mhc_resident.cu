@@ -1397,7 +1397,7 @@ cudaError_t sm90_mhc_project_resident(const ProjectParams& p, int n, bool phi_is
   if (p.mode == ProjectMode::kHead) return not_supported(why_not, "resident: not for mhc_head");
   if (p.has_post() && p.mode != ProjectMode::kPre) return not_supported(why_not, "resident: a fused post only before a pre");
   if (p.has_epilogue())
-    return not_supported(why_not, "resident: no F_pre norm / FP8 epilogue (the cluster-tile kernel runs them)");
+    return not_supported(why_not, "resident: no F_pre norm / FP8 epilogue in the kernel (a pass after it needs f_pre or a workspace of mhc_epilogue_workspace_bytes; else the cluster tiles run them)");
   if (p.fp8x && p.has_post())
     return not_supported(why_not, "resident: the FP8 stream's boundary runs on the cluster-tile kernel");
   detail::DeviceProps dev;

@@ -904,7 +904,10 @@ TEST(MhcPostPrePathGpu, ZeroTokensAndBadArguments) {
 
 // ---------------------------------------------------------------------------
 // F_pre's epilogue (spec §4.8): the next sublayer's input RMSNorm and the FP8
-// copy, on mhc_post_pre (and mhc_pre). Only the cluster-tile kernel runs it.
+// copy, on mhc_post_pre (and mhc_pre): inside the cluster-tile kernel, or as
+// a pass after the resident or split kernel (where the call without the
+// epilogue runs on one of them and the plain F_pre has a place: f_pre, or
+// the workspace's scratch).
 
 struct EpilogueCase {
   int n;
@@ -915,6 +918,7 @@ struct EpilogueCase {
   bool fp8;
   ScaleFormat scale_format;
   bool graph = false;
+  bool workspace = false;  // mhc_epilogue_workspace_bytes of workspace (zeroed)
 };
 
 std::string epilogue_case_name(const ::testing::TestParamInfo<EpilogueCase>& info) {
@@ -923,22 +927,24 @@ std::string epilogue_case_name(const ::testing::TestParamInfo<EpilogueCase>& inf
                   (c.layout == MhcResLayout::kDeepSeek ? "_deepseek" : "_rowmix");
   if (c.norm) s += c.weight_dtype == DType::kFloat32 ? "_normf32" : "_normbf16";
   if (c.fp8) s += c.scale_format == ScaleFormat::kUE8M0 ? "_fp8ue8m0" : "_fp8f32";
-  return s + (c.graph ? "_graph" : "");
+  return s + (c.graph ? "_graph" : "") + (c.workspace ? "_ws" : "");
 }
 
 class MhcPostPreEpilogueGpu : public ::testing::TestWithParam<EpilogueCase> {};
 
-// One call with the epilogue (f_pre and the FP8 copy both written), against:
-//  - the same boundary without it, pinned to the cluster-tile kernel (the
-//    kernel the epilogue runs on): X_next, H_post, H_res bitwise equal; without
-//    the norm F_pre bitwise equal too;
+// One call with the epilogue (f_pre and the FP8 copy both written), its
+// kernel the plain call's where that is the resident or split kernel (the
+// epilogue then a pass after it), else the cluster tiles; against:
+//  - the same boundary without it, pinned to that kernel: X_next, H_post,
+//    H_res bitwise equal; without the norm F_pre bitwise equal too;
 //  - the norm: against the RMSNorm (double, here) of that plain call's bf16
 //    F_pre, within one bf16 rounding; and against the CPU reference of the
 //    whole op (mhc_pre_cpu with the norm on the stored X_next) within
 //    mhc_pre's tolerance carried through 1/rms and the weight;
 //  - the FP8 copy: bitwise quantize_fp8 (1 x 128, the same format) of this
-//    call's bf16 f_pre, run on the GPU; a second call with f_pre null writes
-//    the same FP8 bytes and scales and leaves f_pre's buffer alone;
+//    call's bf16 f_pre, run on the GPU; a second call with f_pre null (on
+//    the same kernel: the pass then keeps F_pre in the workspace's scratch)
+//    writes the same FP8 bytes and scales and leaves f_pre's buffer alone;
 //  - mhc_pre with the same epilogue on the stored X_next: bitwise the same.
 // Outputs poisoned first; direct launch or graph replays.
 TEST_P(MhcPostPreEpilogueGpu, MatchesPlainCallQuantizeFp8AndReference) {
@@ -965,12 +971,21 @@ TEST_P(MhcPostPreEpilogueGpu, MatchesPlainCallQuantizeFp8AndReference) {
   const int64_t qb = c.fp8 ? c.B * c.C : 0, scb = c.fp8 ? c.B * (c.C / 128) * sb : 0;
   DeviceBuffer x_next = poisoned(xb), f_pre = poisoned(fb), h_post = poisoned(pb), h_res = poisoned(rb);
   DeviceBuffer q = poisoned(qb), scales = poisoned(scb);
+  // The epilogue workspace: given to the call with c.workspace, and to the
+  // f_pre-null call below whenever the epilogue runs as a pass.
+  const size_t ws_bytes = mhc_epilogue_workspace_bytes({c.B, n, c.C});
+  DeviceBuffer ws(std::max<size_t>(ws_bytes, 256));
+  CUDA_OK(cudaMemset(ws.get(), 0, ws.bytes()));
   MhcPostPreArgs a;
   a.shape = {c.B, n, c.C};
   a.x = d.x.get(); a.f_out = d.f_out.get(); a.h_post = d.h_post.as<float>(); a.h_res = d.h_res.as<float>();
   a.res_layout = c.layout;
   a.phi = d.phi_f32.get(); a.alpha = d.alpha.as<float>(); a.bias = d.bias.as<float>();
   a.x_next = x_next.get(); a.f_pre = f_pre.get(); a.h_post_next = h_post.as<float>(); a.h_res_next = h_res.as<float>();
+  if (c.workspace) {
+    a.workspace = ws.get();
+    a.workspace_bytes = ws_bytes;
+  }
   if (c.norm) {
     a.norm_weight = c.weight_dtype == DType::kFloat32 ? dw32.get() : dw16.get();
     a.norm_weight_dtype = c.weight_dtype;
@@ -979,18 +994,38 @@ TEST_P(MhcPostPreEpilogueGpu, MatchesPlainCallQuantizeFp8AndReference) {
   if (c.fp8) {
     a.f_pre_fp8 = q.get(); a.f_pre_scales = scales.get(); a.f_pre_scale_format = c.scale_format;
   }
+  MhcPreKernel ran = MhcPreKernel::kAuto;
   if (c.B > 0) {
-    MhcPreKernel ran = MhcPreKernel::kAuto;
+    // The plain call's kernel decides: a pass after the resident or split kernel.
+    MhcPostPreArgs no_epi = a;
+    no_epi.norm_weight = nullptr; no_epi.f_pre_fp8 = nullptr; no_epi.f_pre_scales = nullptr;
+    MhcPreKernel plain_kernel = MhcPreKernel::kAuto;
     std::string why;
-    Status s = mhc_post_pre_kernel_choice(a, &ran, &why);
+    Status s = mhc_post_pre_kernel_choice(no_epi, &plain_kernel, &why);
     ASSERT_TRUE(s.ok()) << s.message();
-    EXPECT_EQ(ran, MhcPreKernel::kClusterTile) << why;
-    if (n == 4 && c.C % 1024 == 0 && c.C <= 7168)  // the resident kernel's shape: passed over, saying why
-      EXPECT_NE(why.find("resident: no F_pre norm / FP8 epilogue"), std::string::npos) << why;
-    MhcPostPreArgs r = a;
-    r.kernel = MhcPreKernel::kResident;
-    s = mhc_post_pre_kernel_choice(r, &ran, &why);
-    EXPECT_EQ(s.code(), StatusCode::kNotSupported) << s.message();
+    const bool pass = plain_kernel == MhcPreKernel::kResident || plain_kernel == MhcPreKernel::kSplit;
+    s = mhc_post_pre_kernel_choice(a, &ran, &why);
+    ASSERT_TRUE(s.ok()) << s.message();
+    EXPECT_EQ(ran, pass ? plain_kernel : MhcPreKernel::kClusterTile) << why;
+    EXPECT_EQ(why.find("F_pre's epilogue as a pass") != std::string::npos, pass) << why;
+    const bool resident_shape = n == 4 && c.C % 1024 == 0 && c.C <= 7168;
+    if (resident_shape && !(c.workspace && c.B <= 16)) EXPECT_EQ(ran, MhcPreKernel::kResident) << why;
+    if (c.workspace && c.B <= 16) EXPECT_EQ(ran, MhcPreKernel::kSplit) << why;
+    // f_pre null without the scratch: the cluster tiles, whatever the plain call's kernel.
+    if (c.fp8 && !c.workspace) {
+      MhcPostPreArgs r = a;
+      r.f_pre = nullptr;
+      MhcPreKernel k = MhcPreKernel::kAuto;
+      s = mhc_post_pre_kernel_choice(r, &k, &why);
+      ASSERT_TRUE(s.ok()) << s.message();
+      EXPECT_EQ(k, MhcPreKernel::kClusterTile) << why;
+      if (resident_shape) {
+        r.kernel = MhcPreKernel::kResident;
+        s = mhc_post_pre_kernel_choice(r, &k, &why);
+        EXPECT_EQ(s.code(), StatusCode::kNotSupported) << s.message();
+        EXPECT_NE(s.message().find("mhc_epilogue_workspace_bytes"), std::string::npos) << s.message();
+      }
+    }
   }
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -1014,7 +1049,7 @@ TEST_P(MhcPostPreEpilogueGpu, MatchesPlainCallQuantizeFp8AndReference) {
   MhcPostPreArgs plain = a;
   plain.norm_weight = nullptr; plain.f_pre_fp8 = nullptr; plain.f_pre_scales = nullptr;
   plain.x_next = x2.get(); plain.f_pre = f2.get(); plain.h_post_next = hp2.as<float>(); plain.h_res_next = hr2.as<float>();
-  plain.kernel = MhcPreKernel::kClusterTile;
+  plain.kernel = ran;
   {
     Status s = mhc_post_pre(plain, stream);
     ASSERT_TRUE(s.ok()) << s.message();
@@ -1035,10 +1070,15 @@ TEST_P(MhcPostPreEpilogueGpu, MatchesPlainCallQuantizeFp8AndReference) {
     MhcPostPreArgs only = a;
     only.x_next = x3.get(); only.f_pre = nullptr; only.h_post_next = hp3.as<float>(); only.h_res_next = hr3.as<float>();
     only.f_pre_fp8 = q3.get(); only.f_pre_scales = s3.get();
+    only.kernel = ran;
+    if (ran != MhcPreKernel::kClusterTile) {  // the plain F_pre in the workspace's scratch
+      only.workspace = ws.get();
+      only.workspace_bytes = mhc_epilogue_workspace_bytes(a.shape);
+    }
     Status s = mhc_post_pre(only, stream);
     ASSERT_TRUE(s.ok()) << s.message();
   }
-  // mhc_pre with the same epilogue on the stored X_next (kAuto: the cluster-tile kernel takes it).
+  // mhc_pre with the same epilogue on the stored X_next, on the same kernel.
   DeviceBuffer f4 = poisoned(fb), hp4 = poisoned(pb), hr4 = poisoned(rb), q4 = poisoned(qb), s4 = poisoned(scb);
   {
     MhcPreArgs pre;
@@ -1046,6 +1086,8 @@ TEST_P(MhcPostPreEpilogueGpu, MatchesPlainCallQuantizeFp8AndReference) {
     pre.x = x_next.get(); pre.phi = a.phi; pre.phi_dtype = a.phi_dtype; pre.alpha = a.alpha; pre.bias = a.bias;
     pre.params = a.params;
     pre.f_pre = f4.get(); pre.h_post = hp4.as<float>(); pre.h_res = hr4.as<float>();
+    pre.workspace = a.workspace; pre.workspace_bytes = a.workspace_bytes;
+    pre.kernel = ran;
     pre.norm_weight = a.norm_weight; pre.norm_weight_dtype = a.norm_weight_dtype; pre.norm_eps = a.norm_eps;
     if (c.fp8) {
       pre.f_pre_fp8 = q4.get(); pre.f_pre_scales = s4.get(); pre.f_pre_scale_format = c.scale_format;
@@ -1166,6 +1208,22 @@ std::vector<EpilogueCase> epilogue_cases() {
   v.push_back({4, 4096, 1027, L::kRowMix, true, kF, true, kS, true});
   v.push_back({8, 7168, 65, L::kDeepSeek, true, kB, true, kS, true});
   v.push_back({6, 2560, 100, L::kRowMix, false, kB, true, kU, true});
+  // With the epilogue workspace: decode on the split kernel and the pass
+  // (B <= 16 any shape, B <= 32 off the resident shapes), C = 128 (one block,
+  // one half-warp), C past the pass's register cache (12288: 1536 chunks),
+  // the norm alone at odd C; the resident kernel with its scratch; B = 65 on
+  // the cluster tiles (no pass).
+  v.push_back({4, 7168, 16, L::kDeepSeek, true, kB, true, kS, true, true});
+  v.push_back({4, 7168, 1, L::kRowMix, true, kF, true, kU, false, true});
+  v.push_back({6, 2560, 20, L::kRowMix, true, kF, true, kU, false, true});
+  v.push_back({3, 128, 9, L::kDeepSeek, true, kF, true, kS, false, true});
+  v.push_back({2, 12288, 5, L::kDeepSeek, true, kB, true, kS, false, true});
+  v.push_back({2, 12288, 5, L::kRowMix, false, kB, true, kU, false, true});
+  v.push_back({4, 1000, 11, L::kDeepSeek, true, kB, false, kS, false, true});
+  v.push_back({7, 8, 3, L::kRowMix, true, kF, false, kS, false, true});
+  v.push_back({4, 7168, 301, L::kDeepSeek, true, kB, true, kS, true, true});
+  v.push_back({4, 4096, 1027, L::kRowMix, false, kB, true, kU, false, true});
+  v.push_back({8, 7168, 65, L::kDeepSeek, true, kB, true, kS, false, true});
   return v;
 }
 
@@ -1190,11 +1248,20 @@ TEST(MhcPostPrePathGpu, EpilogueNotSupportedAndBadArgumentsLaunchNothing) {
   a.x_next = x_next.get(); a.f_pre = f_pre.get(); a.h_post_next = h_post.as<float>(); a.h_res_next = h_res.as<float>();
   a.norm_weight = dw.get();
   a.f_pre_fp8 = q.get(); a.f_pre_scales = sc.get();
+  // f_pre null and no workspace: nowhere to keep the plain F_pre for a pass
+  // after the resident or split kernel; the portable kernel has none.
   for (MhcPreKernel k : {MhcPreKernel::kResident, MhcPreKernel::kSplit, MhcPreKernel::kPortable}) {
-    a.kernel = k;
-    Status s = mhc_post_pre(a, nullptr);
+    MhcPostPreArgs r = a;
+    r.f_pre = nullptr;
+    r.kernel = k;
+    Status s = mhc_post_pre(r, nullptr);
     EXPECT_EQ(s.code(), StatusCode::kNotSupported) << s.message();
     EXPECT_NE(s.message().find("kernel"), std::string::npos) << s.message();
+  }
+  {
+    MhcPostPreArgs r = a;
+    r.kernel = MhcPreKernel::kPortable;
+    EXPECT_EQ(mhc_post_pre(r, nullptr).code(), StatusCode::kNotSupported);
   }
   a.kernel = MhcPreKernel::kAuto;
   MhcPostPreArgs b = a;
