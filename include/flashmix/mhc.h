@@ -97,12 +97,18 @@ inline int64_t mhc_x_scale_count(const MhcShape& shape) {
 // The projection kernel of mhc_pre, mhc_project, mhc_head and the boundary ops. kAuto (the
 // default) picks the first of these that takes the shape on the current
 // device, in this order (docs/spec.md §4 states each one's conditions):
-//   kResident     sm_90, n = 4, C a multiple of 1024 up to 7168; not mhc_head; no F_pre epilogue;
-//                 the FP8 residual stream for mhc_pre only (not the boundary)
-//   kSplit        a workspace and 1 <= B <= kMhcSplitMaxBatch; no F_pre epilogue; bf16 stream only
-//   kClusterTile  sm_90, a tile of 8-24 tokens of the shape fits in shared memory
+//   kResident     sm_90, n = 4, C a multiple of 1024 up to 7168; not mhc_head; F_pre's
+//                 epilogue as a pass after it; the FP8 residual stream for mhc_pre only
+//                 (not the boundary)
+//   kSplit        a workspace and 1 <= B <= kMhcSplitMaxBatch; F_pre's epilogue as a pass
+//                 after it; bf16 stream only
+//   kClusterTile  sm_90, a tile of 8-24 tokens of the shape fits in shared memory; F_pre's
+//                 epilogue inside the kernel
 //   kPortable     any GPU, any shape; no F_pre epilogue
-// (F_pre epilogue: the norm / FP8 fields of MhcPreArgs and MhcPostPreArgs, spec §4.8.)
+// (F_pre epilogue: the norm / FP8 fields of MhcPreArgs and MhcPostPreArgs, spec §4.8. The
+// pass needs the plain F_pre stored: f_pre given, or a workspace of
+// mhc_epilogue_workspace_bytes; without either the resident and split kernels cannot
+// take a call with the epilogue, and kAuto goes on to the cluster tiles.)
 // Any other value pins that kernel: where it cannot take the shape the call
 // fails with kNotSupported and says why, launching nothing. Results agree
 // within the stated tolerance between kernels; each one is bitwise
@@ -141,9 +147,10 @@ struct MhcPreArgs {
   const void* x_scales = nullptr;  // [B, n, C/128] float or uint8 (kFp8E4m3 only)
   ScaleFormat x_scale_format = ScaleFormat::kFloat32;
   // F_pre's epilogue (spec §4.8; defaults: off): the next sublayer's input
-  // RMSNorm and an FP8 copy, as in MhcPostPreArgs. Only the cluster-tile
-  // kernel runs them (kAuto picks it; kResident / kSplit / kPortable pinned:
-  // kNotSupported).
+  // RMSNorm and an FP8 copy, as in MhcPostPreArgs: inside the cluster-tile
+  // kernel, or as a pass after the resident or split kernel where the plain
+  // F_pre can be kept (f_pre, or mhc_epilogue_workspace_bytes of workspace);
+  // kPortable pinned: kNotSupported.
   const void* norm_weight = nullptr;
   DType norm_weight_dtype = DType::kBFloat16;
   float norm_eps = 1e-6f;
@@ -242,8 +249,14 @@ struct MhcHeadArgs {
 //   kPostThenPre  mhc_post writes X_next, then mhc_pre (pinned to `kernel`,
 //                 with the same workspace, epilogue and FP8 stream) reads it
 //                 back: two launches, X_next's bytes read once more
-//   kAuto         kFused where `kernel` is pinned, F_pre's epilogue is on
-//                 (norm_weight or f_pre_fp8: the cluster tiles either way) or
+//   kAuto         with F_pre's epilogue (norm_weight or f_pre_fp8) and the
+//                 plain F_pre kept (f_pre given, or mhc_epilogue_workspace_bytes
+//                 of workspace): the path and kernel of the call without the
+//                 epilogue where that kernel is the resident or split one (the
+//                 epilogue then a pass after it: 1812 against 676 us at
+//                 B = 8192, 41.7 against 17.4 us at decode B = 16); else as
+//                 follows. kFused where `kernel` is pinned, F_pre's epilogue
+//                 is on (in the cluster tiles) or
 //                 the fused op's own kernel choice is the split kernel (a
 //                 workspace and B <= 16; or B <= kMhcSplitMaxBatch where the
 //                 resident kernel cannot take the shape: not measured against
@@ -255,7 +268,7 @@ struct MhcHeadArgs {
 //                 134 / 241 against 29 / 87 / 156 us; decode B = 16 without a
 //                 workspace: 20.1 against 13.6 us; the FP8 stream: 1455
 //                 against 557 us), the split kernel faster (11.1 against
-//                 12.6 us), and with the epilogue the fused cluster tiles
+//                 12.6 us), and with the epilogue in the cluster tiles fused
 //                 (1817 against 1954 us).
 // Either path's results are bitwise those of mhc_post then mhc_pre pinned
 // to the projection kernel mhc_post_pre_kernel_choice reports.
@@ -271,10 +284,10 @@ const char* to_string(MhcBoundaryPath path);
 // (bf16-rounded, exactly the values stored), never read back (`path` says
 // when the two-launch path runs instead). Bitwise equal to mhc_post then
 // mhc_pre pinned to the same projection kernel (spec §4.7). Fused kernels:
-// kResident (n = 4, C a multiple of 1024 up to 7168, no F_pre epilogue, bf16
-// stream), kSplit (a workspace, 1 <= B <= kMhcSplitMaxBatch, no F_pre
-// epilogue, bf16 stream) and kClusterTile (the rest of sm_90, every call with
-// the epilogue, and the FP8 residual stream); kAuto picks them in that order
+// kResident (n = 4, C a multiple of 1024 up to 7168, F_pre's epilogue as a
+// pass after it, bf16 stream), kSplit (a workspace, 1 <= B <= kMhcSplitMaxBatch,
+// the epilogue as a pass, bf16 stream) and kClusterTile (the rest of sm_90,
+// the epilogue inside it, and the FP8 residual stream); kAuto picks them in that order
 // (the split kernel first with a workspace and B <= 16: spec §4.6); kPortable
 // has no fused form (kNotSupported on the fused path). On the post-then-pre
 // path `kernel` is the pre's, as MhcPreArgs::kernel (any of them).
@@ -325,8 +338,11 @@ struct MhcPostPreArgs {
   // in fp32, one rounding; otherwise f_pre = v. With f_pre_fp8: that bf16
   // f_pre quantised to e4m3 with 1 x 128 blocks, bitwise quantize_fp8's
   // (spec §11, §12), C a multiple of 128. f_pre may then be null (only the
-  // FP8 copy is written). Only the cluster-tile kernel runs the epilogue
-  // (kAuto picks it; kResident pinned: kNotSupported).
+  // FP8 copy is written). The cluster-tile kernel runs the epilogue inside;
+  // after the resident or split kernel it is a pass of its own over the
+  // plain F_pre, kept in f_pre or (f_pre null) in the workspace's scratch
+  // (mhc_epilogue_workspace_bytes). Same arithmetic either way but for the
+  // order of the norm's fp32 sum of squares.
   const void* norm_weight = nullptr;           // [C], bf16 or fp32, 16-byte aligned; null: no norm
   DType norm_weight_dtype = DType::kBFloat16;  // kBFloat16 or kFloat32
   float norm_eps = 1e-6f;                      // finite, >= 0

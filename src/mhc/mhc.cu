@@ -516,7 +516,7 @@ Status plan_project(const ProjectParams& p, int n, bool f32, MhcPreKernel pinned
   if (p.mode == ProjectMode::kPre && p.has_epilogue()) {
     __nv_bfloat16* target =
         p.f_out != nullptr ? p.f_out : epilogue_scratch(p.workspace, p.workspace_bytes, {p.batch, n, p.hidden});
-    if (target != nullptr) {
+    if (target != nullptr || p.batch == 0) {  // (B = 0: the choice as with work; nothing runs)
       ProjectParams plain = p;
       plain.epi = PreEpilogue{};
       plain.f_out = target;
@@ -699,7 +699,8 @@ Status choose_post_pre_path(const MhcPostPreArgs& a, const char* op, MhcBoundary
   const int n = a.shape.n;
   const bool epilogue = a.norm_weight != nullptr || a.f_pre_fp8 != nullptr;
   if (epilogue && a.path == MhcBoundaryPath::kAuto &&
-      (a.f_pre != nullptr || epilogue_scratch(a.workspace, a.workspace_bytes, a.shape) != nullptr)) {
+      (a.f_pre != nullptr || a.shape.batch == 0 ||
+       epilogue_scratch(a.workspace, a.workspace_bytes, a.shape) != nullptr)) {
     // F_pre's epilogue as a pass: the path and kernel of the call without it,
     // where that kernel is the resident or split one (plan_project then
     // adds the pass to whichever launch runs the pre).

@@ -151,7 +151,13 @@ class DeviceBuffer {
 // by accident, so a missed output shows.
 inline DeviceBuffer poisoned_buffer(size_t bytes, uint8_t byte) {
   DeviceBuffer b(bytes);
-  if (bytes) EXPECT_EQ(cudaMemset(b.get(), byte, bytes), cudaSuccess);
+  if (bytes) {
+    EXPECT_EQ(cudaMemset(b.get(), byte, bytes), cudaSuccess);
+    // cudaMemset runs on the legacy default stream, which a non-blocking
+    // stream does not wait for: finish it here, or it may land on top of a
+    // result written on such a stream afterwards.
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
   return b;
 }
 

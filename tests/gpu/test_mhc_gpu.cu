@@ -67,6 +67,7 @@ DeviceBuffer zeroed_workspace(const MhcShape& shape) {
   const size_t bytes = std::max<size_t>(mhc_workspace_bytes(shape), 256);
   DeviceBuffer b(bytes);
   EXPECT_EQ(cudaMemset(b.get(), 0, bytes), cudaSuccess);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the legacy stream's memset, before any non-blocking stream
   return b;
 }
 
@@ -976,6 +977,7 @@ TEST_P(MhcPostPreEpilogueGpu, MatchesPlainCallQuantizeFp8AndReference) {
   const size_t ws_bytes = mhc_epilogue_workspace_bytes({c.B, n, c.C});
   DeviceBuffer ws(std::max<size_t>(ws_bytes, 256));
   CUDA_OK(cudaMemset(ws.get(), 0, ws.bytes()));
+  CUDA_OK(cudaDeviceSynchronize());
   MhcPostPreArgs a;
   a.shape = {c.B, n, c.C};
   a.x = d.x.get(); a.f_out = d.f_out.get(); a.h_post = d.h_post.as<float>(); a.h_res = d.h_res.as<float>();

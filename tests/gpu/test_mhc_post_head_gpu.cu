@@ -100,6 +100,7 @@ DeviceBuffer zeroed_workspace(const MhcShape& shape) {
   const size_t bytes = std::max<size_t>(mhc_workspace_bytes(shape), 256);
   DeviceBuffer b(bytes);
   EXPECT_EQ(cudaMemset(b.get(), 0, bytes), cudaSuccess);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the legacy stream's memset, before any non-blocking stream
   return b;
 }
 
