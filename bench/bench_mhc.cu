@@ -1286,6 +1286,44 @@ void run_mhc_cases(Context& ctx) {
     add_record(ctx, r);
     free_dev(d);
   }
+  // mhc_head alone (the pre mix before the final norm and LM head), on the
+  // kernel kAuto picks (the resident one at n = 4), against the cluster tiles.
+  // Bytes: X read once, out written once. Checked bitwise against mhc_pre's
+  // F_pre on the same kernel (spec §4.6: the head's h[:n] are the pre's).
+  if (ctx.selected("mhc_head", "B8192_n4_C7168")) {
+    HostData h = make_host(8192, 4, 7168, 20261130);
+    DevSet d = make_dev(h);
+    const double bytes = 2.0 * h.B * h.n * h.C + 2.0 * h.B * h.C;
+    MhcHeadArgs ha;
+    ha.shape = {h.B, h.n, h.C};
+    ha.x = d.x; ha.phi = d.phi; ha.alpha = d.alpha; ha.bias = d.bias; ha.out = d.f_pre;
+    MhcPreKernel kernel = MhcPreKernel::kAuto;
+    std::string why;
+    Status st = mhc_head_kernel_choice(ha, &kernel, &why);
+    if (st.ok()) st = mhc_head(ha, stream);
+    std::string check = !st.ok() ? "FAILED: " + st.message() : "not verified";
+    if (st.ok() && ctx.verify) {
+      BENCH_CUDA(cudaStreamSynchronize(stream));
+      const auto out = download(d.f_pre, size_t(h.B * h.C));
+      MhcPreArgs pa = pre_args(h, d);
+      pa.kernel = kernel;
+      st = mhc_pre(pa, stream);
+      BENCH_CUDA(cudaStreamSynchronize(stream));
+      const auto want = download(d.f_pre, size_t(h.B * h.C));
+      check = !st.ok() ? "FAILED: " + st.message()
+              : out == want ? std::string("passed (bitwise: mhc_pre's F_pre on the same kernel, every element)")
+                            : std::string("FAILED: out differs from mhc_pre's F_pre");
+    }
+    const double us = median_us([&] { (void)mhc_head(ha, stream); }, stream, 3, iters);
+    MhcHeadArgs hc = ha;
+    hc.kernel = MhcPreKernel::kClusterTile;
+    const double cluster_us = median_us([&] { (void)mhc_head(hc, stream); }, stream, 3, iters);
+    Record r = floor_record(ctx, "mhc_head", "B8192_n4_C7168", us, bytes, check);
+    r.labels["kernel"] = to_string(kernel);
+    r.extra["cluster_tiles_us"] = cluster_us;
+    add_record(ctx, r);
+    free_dev(d);
+  }
   // Decode: graph replays over rotated sets, without and with a workspace
   // (the cluster tiles, the split kernel), against post then head.
   if (ctx.selected("mhc_post_head", "decode_B16_n4_C7168_graph")) {

@@ -97,9 +97,9 @@ inline int64_t mhc_x_scale_count(const MhcShape& shape) {
 // The projection kernel of mhc_pre, mhc_project, mhc_head and the boundary ops. kAuto (the
 // default) picks the first of these that takes the shape on the current
 // device, in this order (docs/spec.md §4 states each one's conditions):
-//   kResident     sm_90, n = 4, C a multiple of 1024 up to 7168; not mhc_head; F_pre's
-//                 epilogue as a pass after it; the FP8 residual stream for mhc_pre only
-//                 (not the boundary)
+//   kResident     sm_90, n = 4, C a multiple of 1024 up to 7168; mhc_head on the bf16
+//                 stream (its out bitwise mhc_pre's F_pre there); F_pre's epilogue as a
+//                 pass after it; the FP8 residual stream for mhc_pre only (not the boundary)
 //   kSplit        a workspace and 1 <= B <= kMhcSplitMaxBatch; F_pre's epilogue as a pass
 //                 after it; bf16 stream only
 //   kClusterTile  sm_90, a tile of 8-24 tokens of the shape fits in shared memory; F_pre's
@@ -361,10 +361,17 @@ struct MhcPostPreArgs {
 // null (the usual case: nothing reads the last residual after the head)
 // and X_next never reaches memory; given, it is written once. Bitwise equal
 // to mhc_post then mhc_head pinned to the same projection kernel (spec
-// §4.10). Kernels: kSplit (a workspace, 1 <= B <= kMhcSplitMaxBatch, bf16
-// stream) and kClusterTile (sm_90, both streams); kAuto takes the split
+// §4.10). Fused kernels: kSplit (a workspace, 1 <= B <= kMhcSplitMaxBatch,
+// bf16 stream) and kClusterTile (sm_90, both streams); kAuto takes the split
 // kernel first with a workspace and B <= 16 (spec §4.6). kResident and
-// kPortable have no fused post here (kNotSupported).
+// kPortable have no fused post here (kNotSupported on the fused path).
+// `path` (MhcBoundaryPath; kPostThenPre here means mhc_post writing x_next,
+// then mhc_head reading it back, so it needs x_next): kAuto takes the two
+// launches where x_next is given, no kernel is pinned, the fused op's own
+// choice is not the split kernel and the head on X_next runs on the
+// resident kernel (H100, B = 8192: 589 against 1,214 us fused with X_next
+// stored, 1,041 without: so passing x_next pays even when nothing reads it);
+// fused otherwise.
 struct MhcPostHeadArgs {
   MhcShape shape;
   // The last layer's post (inputs).
@@ -386,7 +393,8 @@ struct MhcPostHeadArgs {
   bool enable_pdl = true;
   void* workspace = nullptr;      // as in MhcPreArgs (mhc_workspace_bytes(shape))
   size_t workspace_bytes = 0;
-  MhcPreKernel kernel = MhcPreKernel::kAuto;  // kAuto, kSplit or kClusterTile
+  MhcPreKernel kernel = MhcPreKernel::kAuto;  // fused: kAuto, kSplit or kClusterTile; two launches: the head's
+  MhcBoundaryPath path = MhcBoundaryPath::kAuto;  // fused or post then head (kPostThenPre: x_next needed)
   // The FP8 residual stream (spec §4.9), as in MhcPostPreArgs; x_next_scales
   // is given exactly when x_next is.
   MhcResidual residual = MhcResidual::kBf16;
@@ -461,6 +469,8 @@ Status mhc_project(const MhcProjectArgs& args, cudaStream_t stream);
 Status mhc_activate(const MhcActivateArgs& args, cudaStream_t stream);
 Status mhc_pre_mix(const MhcPreMixArgs& args, cudaStream_t stream);
 Status mhc_head(const MhcHeadArgs& args, cudaStream_t stream);
+// The projection kernel mhc_head would run for `args` here, and why (host only).
+Status mhc_head_kernel_choice(const MhcHeadArgs& args, MhcPreKernel* kernel, std::string* reason);
 Status mhc_expand(const MhcExpandArgs& args, cudaStream_t stream);
 Status mhc_post_pre(const MhcPostPreArgs& args, cudaStream_t stream);
 // The projection kernel mhc_post_pre would run for `args` here (fused, or

@@ -397,19 +397,9 @@ Status mhc_post_head_cpu(const MhcPostHeadArgs& a) {
     }
   }
   FM_RETURN_IF_ERROR(mhc_post_cpu(boundary_post_args(a, x_next, x_next_scales)));
-  MhcHeadArgs head;
-  head.shape = s;
-  head.x = x_next;
-  head.phi = a.phi;
-  head.phi_dtype = a.phi_dtype;
-  head.alpha = a.alpha;
-  head.bias = a.bias;
-  head.out = a.out;
-  head.eps_norm = a.eps_norm;
-  head.eps_pre = a.eps_pre;
-  head.residual = a.residual;
-  head.x_scales = x_next_scales;
-  head.x_scale_format = a.x_scale_format;
+  MhcHeadArgs head = boundary_head_args(a, x_next, x_next_scales, MhcPreKernel::kAuto);
+  head.workspace = nullptr;  // (the CPU reference takes none)
+  head.workspace_bytes = 0;
   return mhc_head_cpu(head);
 }
 

@@ -828,17 +828,84 @@ ProjectParams post_head_params(const MhcPostHeadArgs& a) {
 
 }  // namespace
 
+namespace {
+
+// mhc_post_head's path and projection kernel (MhcPostHeadArgs::path states
+// the rule; validated arguments, host only).
+Status choose_post_head_path(const MhcPostHeadArgs& a, const char* op, MhcBoundaryPath* path, MhcPreKernel* kernel,
+                             std::string* reason) {
+  const bool f32 = a.phi_dtype == DType::kFloat32;
+  const int n = a.shape.n;
+  ProjectPlan plan;
+  std::string why;
+  if (a.path == MhcBoundaryPath::kPostThenPre ||
+      (a.path == MhcBoundaryPath::kAuto && a.kernel == MhcPreKernel::kAuto && a.x_next != nullptr)) {
+    bool two = a.path == MhcBoundaryPath::kPostThenPre;
+    if (!two) {  // kAuto: the fused split kernel where it takes the call, else the head on the resident kernel
+      std::string fused_why;
+      const Status s = plan_project(post_head_params(a), n, f32, MhcPreKernel::kAuto, op, &plan, &fused_why);
+      if (!s.ok() && s.code() != StatusCode::kNotSupported) return s;
+      if (!s.ok() || plan.c->kernel != MhcPreKernel::kSplit) {
+        const MhcHeadArgs head = boundary_head_args(a, a.x_next, a.x_next_scales, MhcPreKernel::kAuto);
+        const Status h = plan_project(head_params(head), n, f32, MhcPreKernel::kAuto, op, &plan, &why);
+        if (!h.ok() && h.code() != StatusCode::kNotSupported) return h;
+        two = h.ok() && plan.c->kernel == MhcPreKernel::kResident;
+      }
+    } else {
+      const MhcHeadArgs head = boundary_head_args(a, a.x_next, a.x_next_scales, a.kernel);
+      FM_RETURN_IF_ERROR(plan_project(head_params(head), n, f32, a.kernel, op, &plan, &why));
+    }
+    if (two) {
+      *path = MhcBoundaryPath::kPostThenPre;
+      *kernel = plan.c->kernel;
+      if (reason != nullptr)
+        *reason = detail::concat(a.path == MhcBoundaryPath::kPostThenPre
+                                     ? "post then head: pinned by args.path; "
+                                     : "post then head: x_next given and the head on the resident kernel "
+                                       "(the fused post has no resident form); ",
+                                 "the head: ", why);
+      return Status::Ok();
+    }
+  }
+  FM_RETURN_IF_ERROR(plan_project(post_head_params(a), n, f32, a.kernel, op, &plan, &why));
+  *path = MhcBoundaryPath::kFused;
+  *kernel = plan.c->kernel;
+  if (reason != nullptr) *reason = detail::concat("fused; ", why);
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status mhc_post_head_kernel_choice(const MhcPostHeadArgs& a, MhcPreKernel* kernel, std::string* reason) {
   constexpr const char* kOp = "mhc_post_head_kernel_choice";
   FM_REQUIRE(kernel != nullptr, kOp, "kernel", "must not be null");
   FM_RETURN_IF_ERROR(validate_mhc_post_head(a));
-  return project_kernel_choice(post_head_params(a), a.shape.n, a.phi_dtype, a.kernel, kOp, kernel, reason);
+  return detail::without_cuda_error_left(kOp, [&]() -> Status {
+    MhcBoundaryPath path = MhcBoundaryPath::kAuto;
+    return choose_post_head_path(a, kOp, &path, kernel, reason);
+  });
 }
 
+// The last boundary: the post fused in front of the head's projection
+// kernel, or mhc_post writing x_next then mhc_head reading it back.
 Status mhc_post_head(const MhcPostHeadArgs& a, cudaStream_t stream) {
   constexpr const char* kOp = "mhc_post_head";
   return detail::gpu_entry(kOp, validate_mhc_post_head(a), stream, a.shape.batch == 0, [&]() -> Status {
-    return launch_project(post_head_params(a), a.shape.n, a.phi_dtype, a.kernel, stream, a.enable_pdl, kOp);
+    MhcBoundaryPath path = MhcBoundaryPath::kAuto;
+    MhcPreKernel kernel = MhcPreKernel::kAuto;
+    FM_RETURN_IF_ERROR(choose_post_head_path(a, kOp, &path, &kernel, nullptr));
+    if (path == MhcBoundaryPath::kFused)
+      return launch_project(post_head_params(a), a.shape.n, a.phi_dtype, kernel, stream, a.enable_pdl, kOp);
+    // Both launches' arguments are checked before the first (as mhc_post_pre's).
+    const MhcPostArgs post = boundary_post_args(a, a.x_next, a.x_next_scales);
+    const MhcHeadArgs head = boundary_head_args(a, a.x_next, a.x_next_scales, kernel);
+    auto named = [&](const Status& s) {
+      return s.ok() ? s : Status(s.code(), detail::concat(kOp, " (post then head): ", s.message()));
+    };
+    FM_RETURN_IF_ERROR(named(validate_mhc_post(post)));
+    FM_RETURN_IF_ERROR(named(validate_mhc_head(head)));
+    FM_RETURN_IF_ERROR(named(mhc_post(post, stream)));
+    return named(mhc_head(head, stream));
   });
 }
 
@@ -854,6 +921,13 @@ Status mhc_project(const MhcProjectArgs& a, cudaStream_t stream) {
     p.prefetch_weights = a.prefetch_weights && a.enable_pdl;
     return launch_project(p, a.shape.n, a.phi_dtype, a.kernel, stream, a.enable_pdl, kOp);
   });
+}
+
+Status mhc_head_kernel_choice(const MhcHeadArgs& a, MhcPreKernel* kernel, std::string* reason) {
+  constexpr const char* kOp = "mhc_head_kernel_choice";
+  FM_REQUIRE(kernel != nullptr, kOp, "kernel", "must not be null");
+  FM_RETURN_IF_ERROR(validate_mhc_head(a));
+  return project_kernel_choice(head_params(a), a.shape.n, a.phi_dtype, a.kernel, kOp, kernel, reason);
 }
 
 Status mhc_head(const MhcHeadArgs& a, cudaStream_t stream) {

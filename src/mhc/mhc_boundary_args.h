@@ -1,6 +1,6 @@
 // Internal to the mHC ops: a boundary op's halves (mhc_post_pre, mhc_post_head;
-// spec §4.7, §4.10) as the single ops' arguments. The GPU's post-then-pre
-// path (mhc.cu, MhcBoundaryPath::kPostThenPre) and the CPU references
+// spec §4.7, §4.10) as the single ops' arguments. The GPU's two-launch paths
+// (mhc.cu, MhcBoundaryPath::kPostThenPre) and the CPU references
 // (mhc_cpu.cpp) run the boundary as these two calls.
 #pragma once
 
@@ -57,6 +57,30 @@ inline MhcPreArgs boundary_pre_args(const MhcPostPreArgs& a, MhcPreKernel kernel
   pre.f_pre_scales = a.f_pre_scales;
   pre.f_pre_scale_format = a.f_pre_scale_format;
   return pre;
+}
+
+// mhc_post_head's head on the stored X_next (x_next, x_next_scales), with
+// every other field of the boundary's and the projection kernel `kernel`.
+inline MhcHeadArgs boundary_head_args(const MhcPostHeadArgs& a, const void* x_next, const void* x_next_scales,
+                                      MhcPreKernel kernel) {
+  MhcHeadArgs head;
+  head.shape = a.shape;
+  head.x = x_next;
+  head.phi = a.phi;
+  head.phi_dtype = a.phi_dtype;
+  head.alpha = a.alpha;
+  head.bias = a.bias;
+  head.out = a.out;
+  head.eps_norm = a.eps_norm;
+  head.eps_pre = a.eps_pre;
+  head.enable_pdl = a.enable_pdl;
+  head.workspace = a.workspace;
+  head.workspace_bytes = a.workspace_bytes;
+  head.kernel = kernel;
+  head.residual = a.residual;
+  head.x_scales = x_next_scales;
+  head.x_scale_format = a.x_scale_format;
+  return head;
 }
 
 }  // namespace flashmix

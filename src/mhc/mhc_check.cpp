@@ -457,6 +457,11 @@ Status validate_mhc_post_head(const MhcPostHeadArgs& a) {
   FM_REQUIRE(std::isfinite(a.eps_pre) && a.eps_pre >= 0, kOp, "eps_pre", "must be finite and >= 0");
   FM_RETURN_IF_ERROR(check_phi_dtype(a.phi_dtype, kOp));
   FM_RETURN_IF_ERROR(check_kernel(a.kernel, kOp));
+  FM_REQUIRE(a.path == MhcBoundaryPath::kAuto || a.path == MhcBoundaryPath::kFused ||
+                 a.path == MhcBoundaryPath::kPostThenPre,
+             kOp, "path", "unknown MhcBoundaryPath value ", int(a.path));
+  FM_REQUIRE(a.path != MhcBoundaryPath::kPostThenPre || a.x_next != nullptr || a.shape.batch == 0, kOp, "x_next",
+             "null pointer with path kPostThenPre (the head reads X_next back)");
   FM_RETURN_IF_ERROR(check_post_residual(a, kOp));
   const bool fp8 = a.residual == MhcResidual::kFp8E4m3;
   FM_REQUIRE(!fp8 || (a.x_next == nullptr) == (a.x_next_scales == nullptr), kOp, "x_next_scales",

@@ -1,5 +1,6 @@
-// mhc_pre (and mhc_project) on Hopper for n = 4, with phi resident in
-// registers:
+// mhc_pre (and mhc_project, and mhc_head: phi's n pre rows only, the other
+// coefficients zero and no Sinkhorn) on Hopper for n = 4, with phi resident
+// in registers:
 //
 //   h[b,m] = alpha_of(m) * (X[b] . phi[m]) / r[b] + bias[m],  r[b] = sqrt(|X[b]|^2 / K + eps)
 //   F_pre[b,c] = sum_i H_pre[b,i] X[b,i,c]     (H_pre from h; Sinkhorn for H_res)
@@ -45,6 +46,10 @@ using dev::named_bar_sync;
 using dev::smem_u32;
 
 constexpr int kClusterSize = 16;  // non-portable on Hopper; the launcher checks that one fits
+
+// A zero run of phi (a CTA's slice of one coefficient and stream, at most
+// 7168 / 16 fp32 columns): the source of mhc_head's coefficients past its n.
+__device__ __align__(16) unsigned char kZeroPhiRun[7168 / kClusterSize * 4];
 constexpr int kProjWarps = 8;    // hold phi; setmaxnreg kProjRegs
 constexpr int kFinishWarps = 3;  // cluster sums, H_pre, part of the pre mix
 constexpr int kThreads = (kProjWarps + kFinishWarps + 1) * 32;  // + 1 producer/Sinkhorn warp
@@ -504,8 +509,11 @@ struct ResidentCta {
     if (t128 == 0) full.arrive_expect_tx(uint32_t(kCoef * kN * slice * kPhiEsz));
     for (int run = t128; run < kCoef * kN; run += (kFinishWarps + 1) * 32) {
       const int m = run / kN, i = run - m * kN;
+      // (mhc_head: phi has the n pre rows only; the others come from zeros.)
       const unsigned char* src =
-          static_cast<const unsigned char*>(p.phi) + ((long long)m * p.k_len + (long long)i * hidden + c0) * kPhiEsz;
+          m < p.num_coef
+              ? static_cast<const unsigned char*>(p.phi) + ((long long)m * p.k_len + (long long)i * hidden + c0) * kPhiEsz
+              : kZeroPhiRun;
       bulk_load(sm.ring + m * phi_m_bytes + i * slice * kPhiEsz, src, slice * kPhiEsz, full);
     }
   }
@@ -1105,7 +1113,7 @@ struct ResidentCta {
 #pragma unroll
           for (int e = 0; e < 4; ++e) hp[hrow * kN + e] = sigmoid_fast(hv[e]) + p.act.eps_pre;
         }
-        if (owner) {
+        if (owner && p.mode == ProjectMode::kPre) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) sm.hsink[(slot * kRows + hrow) * kCoef + hg * 4 + e] = hv[e];
         }
@@ -1117,9 +1125,9 @@ struct ResidentCta {
     const int ft = tid - kProjWarps * 32;
     load_phi(32 + ft);
     // The coefficients' alpha and bias, once (while phi loads), not per tile.
-    for (int m = ft; m < kCoef; m += kFinishWarps * 32) {
-      sm.coef_alpha[m] = __ldg(p.alpha + alpha_index(m, kN));
-      sm.coef_bias[m] = __ldg(p.bias + m);
+    for (int m = ft; m < kCoef; m += kFinishWarps * 32) {  // (mhc_head: alpha [1], bias [n])
+      sm.coef_alpha[m] = m < p.num_coef ? __ldg(p.alpha + alpha_index(m, kN)) : 0.f;
+      sm.coef_bias[m] = m < p.num_coef ? __ldg(p.bias + m) : 0.f;
     }
     dev::grid_dependency_wait();  // before any output (prefetch_weights; a no-op otherwise)
     named_bar_sync(kBarFinish, kFinishWarps * 32);
@@ -1155,17 +1163,15 @@ struct ResidentCta {
       // (after tile j - 2's mix) are free.
       const PipeState<2> sink = PipeState<2>::at(owned);
       if (owner && p.mode == ProjectMode::kPre && owned >= 2) Mbar(bar.sink_empty[sink.index]).wait(sink.prev_phase());
-      if (p.mode == ProjectMode::kPre && j >= 2) Mbar(bar.hpre_free[buf.index]).wait(buf.prev_phase());
+      if (p.mode != ProjectMode::kProject && j >= 2) Mbar(bar.hpre_free[buf.index]).wait(buf.prev_phase());
       clock.mark(2);
       float* hp = sm.hpre + buf.index * kRows * kN;
       publish_h(row0_j, owner, sink.index, hp, ft);
       stamp(16, ft == 0 && j == 0);
       clock.mark(3);
       named_bar_sync(kBarFinish, kFinishWarps * 32);
-      if (p.mode == ProjectMode::kPre) {
-        Mbar(bar.hpre_ready[buf.index]).arrive();
-        if (owner) Mbar(bar.sink_full[sink.index]).arrive();
-      }
+      if (p.mode != ProjectMode::kProject) Mbar(bar.hpre_ready[buf.index]).arrive();
+      if (p.mode == ProjectMode::kPre && owner) Mbar(bar.sink_full[sink.index]).arrive();
       stamp(7, ft == 0 && j == 0);
       clock.mark(4);
       // The receive buffer is free again (its reads were before the first
@@ -1178,7 +1184,7 @@ struct ResidentCta {
       // kFp8: the stage's scales are visible to these warps too (their
       // stores were released on coef_full; the phase completed long ago).
       if constexpr (kFp8) Mbar(bar.coef_full[stage]).wait(PipeState<kStages>::at(j).phase);
-      if (p.mode == ProjectMode::kPre) {
+      if (p.mode != ProjectMode::kProject) {
         mix_rows(sm.ring_ptr + stage * L.stage_bytes, scale_table(stage), hp, row0_j, kRows - kFinishMixRows,
                  kFinishMixRows, ft, kFinishWarps * 32);
         __syncwarp();
@@ -1394,7 +1400,8 @@ cudaError_t launch_resident(const ProjectParams& p, cudaStream_t stream, bool pd
 cudaError_t sm90_mhc_project_resident(const ProjectParams& p, int n, bool phi_is_f32, cudaStream_t stream, bool pdl,
                                       bool dry_run, const char** why_not) {
   if (n != 4) return not_supported(why_not, "resident: n must be 4");
-  if (p.mode == ProjectMode::kHead) return not_supported(why_not, "resident: not for mhc_head");
+  if (p.mode == ProjectMode::kHead && p.fp8x)
+    return not_supported(why_not, "resident: mhc_head on the bf16 stream only");
   if (p.has_post() && p.mode != ProjectMode::kPre) return not_supported(why_not, "resident: a fused post only before a pre");
   if (p.has_epilogue())
     return not_supported(why_not, "resident: no F_pre norm / FP8 epilogue in the kernel (a pass after it needs f_pre or a workspace of mhc_epilogue_workspace_bytes; else the cluster tiles run them)");

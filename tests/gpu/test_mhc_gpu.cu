@@ -445,6 +445,55 @@ TEST(MhcStagesGpu, ProjectActivatePreMixHeadExpand) {
   }
 }
 
+// mhc_head on the resident kernel (n = 4, C a multiple of 1024): phi's first
+// n rows, alpha[0], bias[:n] make the same h[:n] as mhc_pre's (each
+// coefficient's sum is its own column of the mma tiles), so the head's out
+// is bitwise mhc_pre's F_pre on the same kernel and inputs. kAuto picks the
+// resident kernel for the head (with a workspace at B <= 16: the split one).
+// One token, a partial tile, many tiles per cluster; phi fp32 and bf16.
+TEST(MhcHeadGpu, ResidentHeadIsThePreMixBitwise) {
+  SKIP_WITHOUT_GPU();
+  for (int64_t C : {1024, 7168})
+    for (int64_t B : {1, 16, 333, 2000})
+      for (DType phi_dtype : {DType::kFloat32, DType::kBFloat16}) {
+        if (C == 1024 && B == 2000) continue;
+        SCOPED_TRACE("C=" + std::to_string(C) + " B=" + std::to_string(B) +
+                     (phi_dtype == DType::kFloat32 ? " phi fp32" : " phi bf16"));
+        Problem p = make_problem(B, 4, C, seed_for("resident_head") + B + C);
+        DeviceProblem d(p);
+        const void* phi = phi_dtype == DType::kFloat32 ? d.phi_f32.get() : d.phi_bf16.get();
+        DeviceBuffer f = poisoned(B * C * 2), hp = poisoned(B * 4 * 4), hr = poisoned(B * 16 * 4);
+        DeviceBuffer out = poisoned(B * C * 2);
+        MhcPreArgs a;
+        a.shape = {B, 4, C};
+        a.x = d.x.get(); a.phi = phi; a.phi_dtype = phi_dtype; a.alpha = d.alpha.as<float>();
+        a.bias = d.bias.as<float>();
+        a.f_pre = f.get(); a.h_post = hp.as<float>(); a.h_res = hr.as<float>();
+        a.kernel = MhcPreKernel::kResident;
+        MhcHeadArgs h;
+        h.shape = a.shape;
+        h.x = a.x; h.phi = phi; h.phi_dtype = phi_dtype; h.alpha = a.alpha; h.bias = a.bias;
+        h.eps_norm = a.params.eps_norm; h.eps_pre = a.params.eps_pre;
+        h.out = out.get();
+        MhcPreKernel chosen = MhcPreKernel::kAuto;
+        std::string why;
+        Status s = mhc_head_kernel_choice(h, &chosen, &why);
+        ASSERT_TRUE(s.ok()) << s.message();
+        EXPECT_EQ(chosen, MhcPreKernel::kResident) << why;
+        h.kernel = MhcPreKernel::kResident;
+        s = mhc_pre(a, nullptr);
+        ASSERT_TRUE(s.ok()) << s.message();
+        s = mhc_head(h, nullptr);
+        ASSERT_TRUE(s.ok()) << s.message();
+        CUDA_OK(cudaDeviceSynchronize());
+        const auto want = f.to_host<uint16_t>(), got = out.to_host<uint16_t>();
+        for (size_t i = 0; i < got.size(); ++i) {
+          ASSERT_NE(got[i], 0x7f7f) << "out element " << i << " not written";
+          ASSERT_EQ(got[i], want[i]) << "out element " << i << " differs from mhc_pre's F_pre";
+        }
+      }
+}
+
 struct PrePostRun {
   std::vector<uint16_t> f_pre, x_next;
   std::vector<float> h_post, h_res;
