@@ -146,7 +146,7 @@ TEST_P(MhcPostHeadGpu, BitwiseEqualsPostThenHeadAndMatchesReference) {
   a.workspace = ws.get();
   a.workspace_bytes = ws.bytes();
   MhcPreKernel ran = MhcPreKernel::kAuto;
-  {  // the same answer at B = 0 (no buffers) as with tokens, but for the two-launch path (x_next)
+  {  // the same answer at B = 0 (no buffers) as with tokens
     std::string why;
     Status s = mhc_post_head_kernel_choice(a, &ran, &why);
     ASSERT_TRUE(s.ok()) << s.message();
@@ -154,9 +154,9 @@ TEST_P(MhcPostHeadGpu, BitwiseEqualsPostThenHeadAndMatchesReference) {
     if (c.kernel == MhcPreKernel::kAuto && c.workspace && c.B >= 1 && c.B <= 16 && !c.fp8)
       EXPECT_EQ(ran, MhcPreKernel::kSplit) << why;
     // Without a workspace: fused on the cluster tiles, or with x_next given
-    // (not at B = 0: no buffers) and the head on the resident kernel (n = 4,
-    // C a multiple of 1024, bf16 stream) post then head.
-    const bool resident_head = c.keep_x_next && c.B > 0 && !c.fp8 && n == 4 && c.C % 1024 == 0 && c.C <= 7168;
+    // and the head on the resident kernel (n = 4, C a multiple of 1024, bf16
+    // stream) post then head.
+    const bool resident_head = a.x_next != nullptr && !c.fp8 && n == 4 && c.C % 1024 == 0 && c.C <= 7168;
     if (c.kernel == MhcPreKernel::kAuto && !c.workspace)
       EXPECT_EQ(ran, resident_head ? MhcPreKernel::kResident : MhcPreKernel::kClusterTile) << why;
     if (c.kernel == MhcPreKernel::kAuto && c.B > 0)
