@@ -1284,8 +1284,43 @@ void run_mhc_cases(Context& ctx) {
     std::string check = !st.ok() ? "FAILED: " + st.message()
                         : ctx.verify ? check_post_head(h, d, sample_rows(h.B)) : "not verified";
     if (ctx.verify) check = check_post_head_without_x_next(h, d, stream, check);
-    const MhcPostHeadArgs a = post_head_args(h, d, false);
+    // x_next null with the workspace of mhc_post_head_workspace_bytes (X_next
+    // in its scratch: post then the head on the resident kernel), and beside
+    // it without a workspace (the fused cluster tiles).
+    MhcPostHeadArgs a = post_head_args(h, d, false);
+    const MhcPostHeadArgs fused = a;
+    const size_t ws_bytes = mhc_post_head_workspace_bytes(a.shape);
+    uint8_t* ws = alloc<uint8_t>(ws_bytes);
+    BENCH_CUDA(cudaMemset(ws, 0, ws_bytes));
+    a.workspace = ws;
+    a.workspace_bytes = ws_bytes;
+    if (ctx.verify && check.rfind("passed", 0) == 0) {  // the scratch path: within 2x the head's tolerance of the checked out
+      const auto kept = download(d.f_pre, size_t(h.B * h.C));
+      const auto xn = download(d.x_next, size_t(h.B * h.n * h.C));
+      BENCH_CUDA(cudaMemset(d.f_pre, 0x7f, size_t(h.B * h.C) * 2));
+      BENCH_CUDA(cudaDeviceSynchronize());
+      st = mhc_post_head(a, stream);
+      BENCH_CUDA(cudaStreamSynchronize(stream));
+      const auto out = download(d.f_pre, size_t(h.B * h.C));
+      std::string bad = st.ok() ? "" : "FAILED: " + st.message();
+      for (int64_t b = 0; b < h.B && bad.empty(); ++b)
+        for (int64_t c = 0; c < h.C; ++c) {
+          double scale = 0;
+          for (int i = 0; i < h.n; ++i) scale += std::fabs(host::bf16_to_float(xn[(b * h.n + i) * h.C + c]));
+          const double g = host::bf16_to_float(out[b * h.C + c]), k = host::bf16_to_float(kept[b * h.C + c]);
+          if (!(std::fabs(g - k) <= std::ldexp(std::fabs(k), -6) + 4e-4 * scale + 2e-6)) {
+            bad = "FAILED: out with X_next in the workspace [" + std::to_string(b) + "," + std::to_string(c) + "]";
+            break;
+          }
+        }
+      check = bad.empty() ? check + "; with the workspace's X_next scratch within 2x the head's tolerance" : bad;
+    }
+    MhcPreKernel ws_kernel = MhcPreKernel::kAuto;
+    std::string ws_why;
+    (void)mhc_post_head_kernel_choice(a, &ws_kernel, &ws_why);
     const double us = median_us([&] { (void)mhc_post_head(a, stream); }, stream, 3, iters);
+    const double fused_us = median_us([&] { (void)mhc_post_head(fused, stream); }, stream, 3, iters);
+    BENCH_CUDA(cudaFree(ws));
     const MhcPostHeadArgs kept = post_head_args(h, d, true);
     const double kept_us = median_us([&] { (void)mhc_post_head(kept, stream); }, stream, 3, iters);
     // The same as two ops: mhc_post into a scratch X_next, then mhc_head on it.
@@ -1299,6 +1334,9 @@ void run_mhc_cases(Context& ctx) {
     const double two_us = median_us([&] { (void)mhc_post(q, stream); (void)mhc_head(ha, stream); }, stream, 3, iters);
     BENCH_CUDA(cudaFree(x_mid));
     Record r = floor_record(ctx, "mhc_post_head", "B8192_n4_C7168", us, bytes, check);
+    r.labels["kernel"] = to_string(ws_kernel);
+    r.labels["path"] = ws_why.rfind("post then head", 0) == 0 ? "post_then_head" : "fused";
+    r.extra["fused_no_workspace_us"] = fused_us;
     r.extra["keep_x_next_us"] = kept_us;
     r.extra["keep_x_next_time_over_bound"] = kept_us / copy_bound_us(ctx, bytes + x_bytes);
     r.extra["post_then_head_us"] = two_us;

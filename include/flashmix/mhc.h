@@ -370,7 +370,8 @@ struct MhcPostPreArgs {
 // launches where x_next is given, no kernel is pinned, the fused op's own
 // choice is not the split kernel and the head on X_next runs on the
 // resident kernel (H100, B = 8192: 589 against 1,214 us fused with X_next
-// stored, 1,041 without: so passing x_next pays even when nothing reads it);
+// stored, 1,041 without); with x_next null it does the same where the
+// workspace holds a scratch for X_next (mhc_post_head_workspace_bytes);
 // fused otherwise.
 struct MhcPostHeadArgs {
   MhcShape shape;
@@ -457,6 +458,14 @@ size_t mhc_workspace_bytes(const MhcShape& shape);
 // null and a smaller (or no) workspace, the epilogue stays on the cluster
 // tiles. The scratch adds nothing to the workspace's other rules above.
 size_t mhc_epilogue_workspace_bytes(const MhcShape& shape);
+
+// mhc_post_head's two-launch path (MhcPostHeadArgs::path) writes X_next and
+// reads it back: to x_next, or with x_next null to a scratch in the
+// workspace, which then must be at least this size (the split kernel's part
+// first, then 2 B n C bytes for the bf16 X_next; 0 for B == 0). With it kAuto
+// takes the two launches without x_next too (H100, B = 8192: 590 against
+// 1,033 us fused).
+size_t mhc_post_head_workspace_bytes(const MhcShape& shape);
 
 // GPU entry points (device pointers).
 Status mhc_pre(const MhcPreArgs& args, cudaStream_t stream);

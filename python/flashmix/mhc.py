@@ -18,7 +18,8 @@ from ._common import _C, arg, defaults, empty, stream_of, torch
 
 __all__ = [
     "mhc_pre", "mhc_pre_kernel_choice", "mhc_post", "mhc_post_pre", "mhc_post_head", "mhc_project", "mhc_activate", "mhc_pre_mix", "mhc_head",
-    "mhc_expand", "mhc_workspace_bytes", "mhc_epilogue_workspace_bytes", "mhc_num_coefficients",
+    "mhc_expand", "mhc_workspace_bytes", "mhc_epilogue_workspace_bytes", "mhc_post_head_workspace_bytes",
+    "mhc_num_coefficients",
     "MHC_MAX_STREAMS", "MHC_SEED_PARAMS", "MHC_PRE_KERNELS", "MHC_BOUNDARY_PATHS", "MhcPreOutput", "MhcActivateOutput",
     "MhcPostPreOutput", "MhcPostPreFp8Output", "MhcPostPreFp8xOutput", "MhcPreFp8Output", "MhcPostFp8Output",
     "MhcExpandFp8Output", "MhcPostHeadOutput",
@@ -48,6 +49,7 @@ MHC_SEED_PARAMS = _C.mhc_seed_params()
 mhc_num_coefficients = _C.mhc_num_coefficients
 mhc_workspace_bytes = _C.mhc_workspace_bytes
 mhc_epilogue_workspace_bytes = _C.mhc_epilogue_workspace_bytes
+mhc_post_head_workspace_bytes = _C.mhc_post_head_workspace_bytes
 
 MhcPreOutput = collections.namedtuple("MhcPreOutput", ["f_pre", "h_post", "h_res"])
 #: mhc_pre with ``fp8=True`` (spec §4.8): f_pre is None with ``bf16_f_pre=False``.
@@ -112,13 +114,14 @@ def _pre_outputs(x, phi, op, f_pre=None, h_post=None, h_res=None):
 # ---------------------------------------------------------------------------
 
 def _epilogue(x, phi, op, fp8, f_pre_scale_format, f_pre, f_pre_fp8, f_pre_scales, bf16_f_pre):
-    """F_pre's epilogue outputs (spec §4.8): (fp8 on?, f_pre or None, f_pre_fp8, f_pre_scales),
-    those given, fresh ones for the others."""
+    """F_pre's epilogue outputs (spec §4.8): (fp8 on?, f_pre, f_pre_fp8, f_pre_scales), those
+    given, fresh ones for the others. With ``fp8`` and not ``bf16_f_pre`` f_pre is a fresh
+    scratch the caller does not return: with it the library keeps the plain F_pre there and runs
+    the epilogue as a pass after the resident or split kernel (not on the cluster tiles), so the
+    FP8 bytes are those of the call with the bf16 f_pre."""
     fp8 = bool(fp8) or f_pre_fp8 is not None or f_pre_scales is not None
     n = _streams_from_coefficients(phi.shape[0], op, "phi")
-    if fp8 and not bf16_f_pre:
-        f_pre = None
-    elif f_pre is None:
+    if (fp8 and not bf16_f_pre) or f_pre is None:
         f_pre = _new_mix(x, n, op)
     if fp8:
         f_pre_fp8, f_pre_scales = _fp8_outputs(x, phi, f_pre_scale_format, f_pre_fp8, f_pre_scales, op)
@@ -192,7 +195,7 @@ def mhc_pre(x, phi, alpha, bias, *, f_pre=None, h_post=None, h_res=None, eps_nor
                **_epilogue_args(norm_weight, norm_eps, f_pre_fp8, f_pre_scales, f_pre_scale_format),
                x_scales=sa, x_scale_format=x_scale_format, stream=stream_of(stream, x))
     if fp8:
-        return MhcPreFp8Output(f_pre, h_post, h_res, f_pre_fp8, f_pre_scales)
+        return MhcPreFp8Output(f_pre if bf16_f_pre else None, h_post, h_res, f_pre_fp8, f_pre_scales)
     return MhcPreOutput(f_pre, h_post, h_res)
 
 
@@ -353,16 +356,16 @@ def mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, *, x_next=None, f_pr
 
     F_pre's epilogue (spec §4.8): inside the cluster-tile kernel, or as a pass over the stored
     bf16 F_pre after the resident or split kernel where the call without it runs there (kernel
-    "auto" or pinned; several times faster at prefill: docs/mhc.md). The pass needs the bf16
-    f_pre, or with ``bf16_f_pre=False`` a ``workspace`` of ``mhc_epilogue_workspace_bytes(B, n,
-    C)`` for its scratch (else the cluster tiles):
+    "auto" or pinned; several times faster at prefill: docs/mhc.md). The pass needs the plain
+    F_pre stored: this wrapper always gives the library a bf16 f_pre (with ``bf16_f_pre=False`` a
+    scratch it does not return), so the FP8 bytes do not depend on ``bf16_f_pre``:
       norm_weight: bf16 or float32 ``[C]``: f_pre is then the next sublayer's input RMSNorm of
         F_pre (F_pre rounded to bf16, normed in fp32 with ``norm_eps``, rounded once).
       fp8: also an e4m3 copy of f_pre with 1 x 128 scales (``f_pre_scale_format`` "float32" or
         "ue8m0"), bitwise flashmix.quantize_fp8 of the bf16 f_pre; C a multiple of 128.
         ``f_pre_fp8`` (float8_e4m3fn / uint8 ``[B, C]``) and ``f_pre_scales`` (``[B, C/128]``) are
-        allocated when None. ``bf16_f_pre=False``: the bf16 f_pre is not written (returned as
-        None). Returns MhcPostPreFp8Output(x_next, f_pre, h_post, h_res, f_pre_fp8, f_pre_scales).
+        allocated when None. ``bf16_f_pre=False``: the bf16 f_pre is not returned (None; it goes
+        to a scratch). Returns MhcPostPreFp8Output(x_next, f_pre, h_post, h_res, f_pre_fp8, f_pre_scales).
 
     The FP8 residual stream (spec §4.9), with ``x_scales``: x holds e4m3 codes as in mhc_post,
     and X_next comes back the same way (``x_next``, ``x_next_scales`` allocated when None), its
@@ -384,6 +387,7 @@ def mhc_post_pre(x, f_out, h_post, h_res, phi, alpha, bias, *, x_next=None, f_pr
                     workspace=arg(workspace),
                     **_epilogue_args(norm_weight, norm_eps, f_pre_fp8, f_pre_scales, f_pre_scale_format),
                     x_scales=sa, x_next_scales=sna, x_scale_format=x_scale_format, stream=stream_of(stream, x))
+    f_pre = f_pre if bf16_f_pre or not fp8 else None  # (else the scratch of _epilogue)
     if fp8x:
         return MhcPostPreFp8xOutput(x_next, x_next_scales, f_pre, h_post_next, h_res_next,
                                     f_pre_fp8 if fp8 else None, f_pre_scales if fp8 else None)
@@ -535,7 +539,10 @@ def mhc_post_head(x, f_out, h_post, h_res, phi, alpha, bias, *, out=None, x_next
     once (allocated when None) and the result is MhcPostHeadOutput(out, x_next, x_next_scales).
     Bitwise equal to mhc_post then mhc_head pinned to the same kernel. ``kernel``: "auto",
     "split" (with ``workspace``, B <= 32, bf16 stream) or "cluster_tile"; "resident" and
-    "portable" raise NotImplementedError; CPU arrays run the reference.
+    "portable" raise NotImplementedError; CPU arrays run the reference. With "auto" and X_next
+    kept (or a ``workspace`` of ``mhc_post_head_workspace_bytes(B, n, C)`` bytes for its
+    scratch), the op may run mhc_post then the head on the resident kernel (n = 4, C a
+    multiple of 1024): about 1.8x faster at B = 8192 on an H100 (spec §4.10).
 
     The FP8 residual stream (spec §4.9), with ``x_scales``: x holds e4m3 codes as in mhc_post;
     a kept X_next comes back the same way (``x_next_scales`` allocated when None), its codes and

@@ -718,6 +718,14 @@ void register_mhc(nb::module_& m) {
       "Bytes of a workspace that also holds F_pre's scratch (mhc_workspace_bytes' part first, then 2 B C): with "
       "it, F_pre's epilogue with f_pre None runs as a pass after the resident or split kernel instead of on the "
       "cluster tiles (spec §4.8).");
+  m.def(
+      "mhc_post_head_workspace_bytes",
+      [](int64_t batch, int n, int64_t hidden) {
+        return fm::mhc_post_head_workspace_bytes(fm::MhcShape{batch, n, hidden});
+      },
+      "batch"_a, "n"_a, "hidden"_a,
+      "Bytes of a workspace that also holds mhc_post_head's X_next scratch (mhc_workspace_bytes' part first, then "
+      "2 B n C): with it and x_next None the op may run post then the head on the resident kernel (spec §4.10).");
 
   m.def("mhc_pre", &mhc_pre, "x"_a, "phi"_a, "alpha"_a, "bias"_a, "f_pre"_a.none(), "h_post"_a, "h_res"_a,
         nb::kw_only(), "eps_norm"_a, "eps_pre"_a, "post_mult"_a, "eps_sinkhorn"_a, "sinkhorn_iters"_a, "res_layout"_a,

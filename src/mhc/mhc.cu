@@ -830,29 +830,51 @@ ProjectParams post_head_params(const MhcPostHeadArgs& a) {
 
 namespace {
 
+// Where mhc_post_head's two-launch path keeps X_next: x_next, or (bf16
+// stream) the workspace's scratch (mhc_post_head_workspace_bytes); null: nowhere.
+void* post_head_x_next(const MhcPostHeadArgs& a) {
+  if (a.x_next != nullptr) return a.x_next;
+  const size_t need = mhc_post_head_workspace_bytes(a.shape);
+  if (a.residual != MhcResidual::kBf16 || a.workspace == nullptr || need == 0 || a.workspace_bytes < need)
+    return nullptr;
+  return static_cast<char*>(a.workspace) + epilogue_scratch_offset(a.shape);
+}
+
+// The two-launch path's head on X_next at `x_next`; with X_next in the
+// workspace's scratch the head keeps only the split kernel's part of it.
+MhcHeadArgs post_head_head_args(const MhcPostHeadArgs& a, void* x_next, MhcPreKernel kernel) {
+  MhcHeadArgs head = boundary_head_args(a, x_next, a.x_next_scales, kernel);
+  if (a.x_next == nullptr) {
+    head.workspace_bytes = mhc_workspace_bytes(a.shape);
+    if (head.workspace_bytes == 0) head.workspace = nullptr;
+  }
+  return head;
+}
+
 // mhc_post_head's path and projection kernel (MhcPostHeadArgs::path states
 // the rule; validated arguments, host only).
 Status choose_post_head_path(const MhcPostHeadArgs& a, const char* op, MhcBoundaryPath* path, MhcPreKernel* kernel,
                              std::string* reason) {
   const bool f32 = a.phi_dtype == DType::kFloat32;
   const int n = a.shape.n;
+  void* const x_next = post_head_x_next(a);
   ProjectPlan plan;
   std::string why;
   if (a.path == MhcBoundaryPath::kPostThenPre ||
-      (a.path == MhcBoundaryPath::kAuto && a.kernel == MhcPreKernel::kAuto && a.x_next != nullptr)) {
+      (a.path == MhcBoundaryPath::kAuto && a.kernel == MhcPreKernel::kAuto && x_next != nullptr)) {
     bool two = a.path == MhcBoundaryPath::kPostThenPre;
     if (!two) {  // kAuto: the fused split kernel where it takes the call, else the head on the resident kernel
       std::string fused_why;
       const Status s = plan_project(post_head_params(a), n, f32, MhcPreKernel::kAuto, op, &plan, &fused_why);
       if (!s.ok() && s.code() != StatusCode::kNotSupported) return s;
       if (!s.ok() || plan.c->kernel != MhcPreKernel::kSplit) {
-        const MhcHeadArgs head = boundary_head_args(a, a.x_next, a.x_next_scales, MhcPreKernel::kAuto);
+        const MhcHeadArgs head = post_head_head_args(a, x_next, MhcPreKernel::kAuto);
         const Status h = plan_project(head_params(head), n, f32, MhcPreKernel::kAuto, op, &plan, &why);
         if (!h.ok() && h.code() != StatusCode::kNotSupported) return h;
         two = h.ok() && plan.c->kernel == MhcPreKernel::kResident;
       }
     } else {
-      const MhcHeadArgs head = boundary_head_args(a, a.x_next, a.x_next_scales, a.kernel);
+      const MhcHeadArgs head = post_head_head_args(a, x_next, a.kernel);
       FM_RETURN_IF_ERROR(plan_project(head_params(head), n, f32, a.kernel, op, &plan, &why));
     }
     if (two) {
@@ -861,8 +883,11 @@ Status choose_post_head_path(const MhcPostHeadArgs& a, const char* op, MhcBounda
       if (reason != nullptr)
         *reason = detail::concat(a.path == MhcBoundaryPath::kPostThenPre
                                      ? "post then head: pinned by args.path; "
-                                     : "post then head: x_next given and the head on the resident kernel "
-                                       "(the fused post has no resident form); ",
+                                     : a.x_next != nullptr
+                                         ? "post then head: x_next given and the head on the resident kernel "
+                                           "(the fused post has no resident form); "
+                                         : "post then head: X_next in the workspace's scratch and the head on the "
+                                           "resident kernel (the fused post has no resident form); ",
                                  "the head: ", why);
       return Status::Ok();
     }
@@ -897,8 +922,10 @@ Status mhc_post_head(const MhcPostHeadArgs& a, cudaStream_t stream) {
     if (path == MhcBoundaryPath::kFused)
       return launch_project(post_head_params(a), a.shape.n, a.phi_dtype, kernel, stream, a.enable_pdl, kOp);
     // Both launches' arguments are checked before the first (as mhc_post_pre's).
-    const MhcPostArgs post = boundary_post_args(a, a.x_next, a.x_next_scales);
-    const MhcHeadArgs head = boundary_head_args(a, a.x_next, a.x_next_scales, kernel);
+    // X_next in x_next or the workspace's scratch (post_head_head_args).
+    void* const x_next = post_head_x_next(a);
+    const MhcPostArgs post = boundary_post_args(a, x_next, a.x_next_scales);
+    const MhcHeadArgs head = post_head_head_args(a, x_next, kernel);
     auto named = [&](const Status& s) {
       return s.ok() ? s : Status(s.code(), detail::concat(kOp, " (post then head): ", s.message()));
     };

@@ -239,6 +239,12 @@ size_t mhc_epilogue_workspace_bytes(const MhcShape& s) {
   return mhc_detail::epilogue_scratch_offset(s) + mhc_detail::align_scratch(size_t(s.batch) * size_t(s.hidden) * 2);
 }
 
+size_t mhc_post_head_workspace_bytes(const MhcShape& s) {
+  if (s.batch < 1 || s.n < 1 || s.n > kMhcMaxStreams || s.hidden < 8 || s.hidden % 8 != 0) return 0;
+  return mhc_detail::epilogue_scratch_offset(s) +
+         mhc_detail::align_scratch(size_t(s.batch) * size_t(s.n) * size_t(s.hidden) * 2);
+}
+
 Status validate_mhc_pre(const MhcPreArgs& a) {
   constexpr const char* kOp = "mhc_pre";
   FM_RETURN_IF_ERROR(check_shape(a.shape, kOp, true));
@@ -460,8 +466,12 @@ Status validate_mhc_post_head(const MhcPostHeadArgs& a) {
   FM_REQUIRE(a.path == MhcBoundaryPath::kAuto || a.path == MhcBoundaryPath::kFused ||
                  a.path == MhcBoundaryPath::kPostThenPre,
              kOp, "path", "unknown MhcBoundaryPath value ", int(a.path));
-  FM_REQUIRE(a.path != MhcBoundaryPath::kPostThenPre || a.x_next != nullptr || a.shape.batch == 0, kOp, "x_next",
-             "null pointer with path kPostThenPre (the head reads X_next back)");
+  FM_REQUIRE(a.path != MhcBoundaryPath::kPostThenPre || a.x_next != nullptr || a.shape.batch == 0 ||
+                 (a.residual == MhcResidual::kBf16 && a.workspace != nullptr &&
+                  a.workspace_bytes >= mhc_post_head_workspace_bytes(a.shape)),
+             kOp, "x_next",
+             "null pointer with path kPostThenPre and no workspace of mhc_post_head_workspace_bytes (the head reads "
+             "X_next back)");
   FM_RETURN_IF_ERROR(check_post_residual(a, kOp));
   const bool fp8 = a.residual == MhcResidual::kFp8E4m3;
   FM_REQUIRE(!fp8 || (a.x_next == nullptr) == (a.x_next_scales == nullptr), kOp, "x_next_scales",

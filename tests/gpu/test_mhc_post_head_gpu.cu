@@ -310,6 +310,64 @@ std::vector<PostHeadCase> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, MhcPostHeadGpu, ::testing::ValuesIn(cases()), case_name);
 
+// X_next in the workspace's scratch (mhc_post_head_workspace_bytes): with
+// x_next null kAuto runs post then the head on the resident kernel where the
+// fused op's own choice is not the split kernel (B > 32 here; B = 16: the
+// fused split kernel); out bitwise mhc_post then mhc_head pinned to the kernel
+// reported. kPostThenPre pinned without x_next or that workspace:
+// kInvalidArgument naming x_next, nothing written.
+TEST(MhcPostHeadPathGpu, XNextScratchInTheWorkspace) {
+  SKIP_WITHOUT_GPU();
+  for (int64_t B : {16, 100, 333}) {
+    SCOPED_TRACE("B=" + std::to_string(B));
+    const PostHeadCase c{4, 2048, B, B == 100 ? MhcResLayout::kRowMix : MhcResLayout::kDeepSeek};
+    Problem p = make_problem(c.B, c.n, c.C, seed_for("post_head_scratch") + B);
+    DeviceInputs d(p, c);
+    const size_t xb = size_t(c.B * p.K() * 2), ob = size_t(c.B * c.C * 2);
+    const size_t wb = mhc_post_head_workspace_bytes({c.B, c.n, c.C});
+    ASSERT_GE(wb, xb);
+    DeviceBuffer out = poisoned(ob), ws(wb);
+    CUDA_OK(cudaMemset(ws.get(), 0, wb));
+    CUDA_OK(cudaDeviceSynchronize());
+    MhcPostHeadArgs a = post_head_args(p, c, d);
+    a.out = out.get();
+    MhcPostHeadArgs bad = a;
+    bad.path = MhcBoundaryPath::kPostThenPre;
+    Status s = mhc_post_head(bad, nullptr);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.message();
+    EXPECT_NE(s.message().find(": x_next: "), std::string::npos) << s.message();
+    a.workspace = ws.get();
+    a.workspace_bytes = wb;
+    MhcPreKernel ran = MhcPreKernel::kAuto;
+    std::string why;
+    s = mhc_post_head_kernel_choice(a, &ran, &why);
+    ASSERT_TRUE(s.ok()) << s.message();
+    EXPECT_EQ(ran, B <= 16 ? MhcPreKernel::kSplit : MhcPreKernel::kResident) << why;
+    if (B > 16) EXPECT_EQ(why.rfind("post then head: X_next in the workspace's scratch", 0), 0u) << why;
+    s = mhc_post_head(a, nullptr);
+    ASSERT_TRUE(s.ok()) << s.message();
+    // The two ops: mhc_post into a buffer, mhc_head pinned to `ran`.
+    DeviceBuffer x2 = poisoned(xb), o2 = poisoned(ob), ws2 = zeroed_workspace({c.B, c.n, c.C});
+    MhcPostArgs post;
+    post.shape = a.shape;
+    post.x = a.x; post.f_out = a.f_out; post.h_post = a.h_post; post.h_res = a.h_res; post.res_layout = c.layout;
+    post.x_next = x2.get();
+    ASSERT_TRUE(mhc_post(post, nullptr).ok());
+    MhcHeadArgs head;
+    head.shape = a.shape;
+    head.x = x2.get(); head.phi = a.phi; head.phi_dtype = a.phi_dtype; head.alpha = a.alpha; head.bias = a.bias;
+    head.out = o2.get(); head.eps_norm = a.eps_norm; head.eps_pre = a.eps_pre; head.kernel = ran;
+    if (ran == MhcPreKernel::kSplit) {
+      head.workspace = ws2.get();
+      head.workspace_bytes = ws2.bytes();
+    }
+    s = mhc_head(head, nullptr);
+    ASSERT_TRUE(s.ok()) << s.message();
+    CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_EQ(first_diff(bytes_of(out, ob), bytes_of(o2, ob)), -1) << "out differs from mhc_post + mhc_head";
+  }
+}
+
 // The kernels without a fused post before the head (the resident and the
 // portable kernel), and the split kernel without a workspace or on the FP8
 // stream: kNotSupported naming the kernel, nothing written, no CUDA error left.
