@@ -253,8 +253,8 @@ struct MhcHeadArgs {
 //                 plain F_pre kept (f_pre given, or mhc_epilogue_workspace_bytes
 //                 of workspace): the path and kernel of the call without the
 //                 epilogue where that kernel is the resident or split one (the
-//                 epilogue then a pass after it: 1812 against 676 us at
-//                 B = 8192, 41.7 against 17.4 us at decode B = 16); else as
+//                 epilogue then a pass after it: 1812 against 659 us at
+//                 B = 8192, 41.5 against 15.5 us at decode B = 16); else as
 //                 follows. kFused where `kernel` is pinned, F_pre's epilogue
 //                 is on (in the cluster tiles) or
 //                 the fused op's own kernel choice is the split kernel (a
