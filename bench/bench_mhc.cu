@@ -194,6 +194,7 @@ T* alloc(size_t count) {
   T* p = nullptr;
   BENCH_CUDA(cudaMalloc(&p, count * sizeof(T) + 16));
   BENCH_CUDA(cudaMemset(p, 0x7f, count * sizeof(T)));
+  BENCH_CUDA(cudaDeviceSynchronize());  // the legacy stream's memset, before any non-blocking stream
   return p;
 }
 template <typename T>
@@ -921,6 +922,7 @@ void run_mhc_cases(Context& ctx) {
     const size_t ws_bytes = mhc_workspace_bytes({16, 4, 7168});
     BENCH_CUDA(cudaMalloc(&ws, ws_bytes));
     BENCH_CUDA(cudaMemset(ws, 0, ws_bytes));
+    BENCH_CUDA(cudaDeviceSynchronize());
     for (bool prefetch : {false, true}) {
       auto pre_ws = [&](int i) {
         MhcPreArgs a = pre_args(hs[i % sets], ds[i % sets]);
@@ -1085,6 +1087,7 @@ void run_mhc_cases(Context& ctx) {
     const size_t ws_bytes = mhc_epilogue_workspace_bytes(a.shape);
     uint8_t* ws = alloc<uint8_t>(ws_bytes);
     BENCH_CUDA(cudaMemset(ws, 0, ws_bytes));
+    BENCH_CUDA(cudaDeviceSynchronize());
     a.workspace = ws; a.workspace_bytes = ws_bytes;
     MhcPreKernel kernel = MhcPreKernel::kAuto;
     std::string why;
@@ -1194,6 +1197,7 @@ void run_mhc_cases(Context& ctx) {
       const size_t ws_bytes = mhc_workspace_bytes({16, 4, 7168});
       BENCH_CUDA(cudaMalloc(&ws, ws_bytes));
       BENCH_CUDA(cudaMemset(ws, 0, ws_bytes));
+      BENCH_CUDA(cudaDeviceSynchronize());
       auto args_ws = [&](int i) {
         MhcPostPreArgs a = post_pre_args(hs[i % sets], ds[i % sets]);
         a.workspace = ws;
@@ -1231,6 +1235,7 @@ void run_mhc_cases(Context& ctx) {
       const size_t ws_bytes = mhc_epilogue_workspace_bytes({16, 4, 7168});
       uint8_t* ws = alloc<uint8_t>(ws_bytes);
       BENCH_CUDA(cudaMemset(ws, 0, ws_bytes));
+      BENCH_CUDA(cudaDeviceSynchronize());
       auto args_epi = [&](int i, bool with_ws) {
         MhcPostPreArgs a = post_pre_args(hs[i % sets], ds[i % sets]);
         a.f_pre = nullptr;
@@ -1292,6 +1297,7 @@ void run_mhc_cases(Context& ctx) {
     const size_t ws_bytes = mhc_post_head_workspace_bytes(a.shape);
     uint8_t* ws = alloc<uint8_t>(ws_bytes);
     BENCH_CUDA(cudaMemset(ws, 0, ws_bytes));
+    BENCH_CUDA(cudaDeviceSynchronize());
     a.workspace = ws;
     a.workspace_bytes = ws_bytes;
     if (ctx.verify && check.rfind("passed", 0) == 0) {  // the scratch path: within 2x the head's tolerance of the checked out
@@ -1396,6 +1402,7 @@ void run_mhc_cases(Context& ctx) {
     const size_t ws_bytes = mhc_workspace_bytes({16, 4, 7168});
     BENCH_CUDA(cudaMalloc(&ws, ws_bytes));
     BENCH_CUDA(cudaMemset(ws, 0, ws_bytes));
+    BENCH_CUDA(cudaDeviceSynchronize());
     const int launches = 2 * sets;
     for (bool use_ws : {false, true}) {
       auto args = [&](int i, bool keep) {
@@ -1476,6 +1483,7 @@ void run_mhc_cases(Context& ctx) {
     if (ws_bytes > 0) {
       BENCH_CUDA(cudaMalloc(&ws, ws_bytes));
       BENCH_CUDA(cudaMemset(ws, 0, ws_bytes));
+      BENCH_CUDA(cudaDeviceSynchronize());
     }
     double plain_us = 0;
     for (bool use_ws : {false, true}) {

@@ -372,7 +372,8 @@ struct MhcPostPreArgs {
 // resident kernel (H100, B = 8192: 589 against 1,214 us fused with X_next
 // stored, 1,041 without); with x_next null it does the same where the
 // workspace holds a scratch for X_next (mhc_post_head_workspace_bytes);
-// fused otherwise.
+// fused otherwise. `kernel` = kResident with kAuto: the two launches (the
+// resident kernel has no fused post).
 struct MhcPostHeadArgs {
   MhcShape shape;
   // The last layer's post (inputs).

@@ -702,30 +702,23 @@ void register_mhc(nb::module_& m) {
   m.def("mhc_seed_params", [] { return params_dict(fm::MhcParams::seed(), fm::MhcParams{}, true); },
         "MhcParams::seed() as keywords: the fields where it differs from the defaults.");
   m.def("mhc_num_coefficients", &fm::mhc_num_coefficients, "n"_a, "N = n*n + 2n");
-  m.def(
-      "mhc_workspace_bytes",
-      [](int64_t batch, int n, int64_t hidden) { return fm::mhc_workspace_bytes(fm::MhcShape{batch, n, hidden}); },
-      "batch"_a, "n"_a, "hidden"_a,
-      "Bytes of the optional small-batch workspace of mhc_pre / mhc_post_pre / mhc_project / mhc_head / "
-      "mhc_post_head (0: not "
-      "used for this shape). Zero it once; every launch leaves it ready for the next.");
-  m.def(
-      "mhc_epilogue_workspace_bytes",
-      [](int64_t batch, int n, int64_t hidden) {
-        return fm::mhc_epilogue_workspace_bytes(fm::MhcShape{batch, n, hidden});
-      },
-      "batch"_a, "n"_a, "hidden"_a,
-      "Bytes of a workspace that also holds F_pre's scratch (mhc_workspace_bytes' part first, then 2 B C): with "
-      "it, F_pre's epilogue with f_pre None runs as a pass after the resident or split kernel instead of on the "
-      "cluster tiles (spec §4.8).");
-  m.def(
-      "mhc_post_head_workspace_bytes",
-      [](int64_t batch, int n, int64_t hidden) {
-        return fm::mhc_post_head_workspace_bytes(fm::MhcShape{batch, n, hidden});
-      },
-      "batch"_a, "n"_a, "hidden"_a,
-      "Bytes of a workspace that also holds mhc_post_head's X_next scratch (mhc_workspace_bytes' part first, then "
-      "2 B n C): with it and x_next None the op may run post then the head on the resident kernel (spec §4.10).");
+  // The workspace size queries: (batch, n, hidden) -> bytes.
+  auto def_bytes = [&m](const char* name, size_t (*query)(const fm::MhcShape&), const char* doc) {
+    m.def(
+        name, [query](int64_t batch, int n, int64_t hidden) { return query(fm::MhcShape{batch, n, hidden}); },
+        "batch"_a, "n"_a, "hidden"_a, doc);
+  };
+  def_bytes("mhc_workspace_bytes", &fm::mhc_workspace_bytes,
+            "Bytes of the optional small-batch workspace of mhc_pre / mhc_post_pre / mhc_project / mhc_head / "
+            "mhc_post_head (0: not used for this shape). Zero it once; every launch leaves it ready for the next.");
+  def_bytes("mhc_epilogue_workspace_bytes", &fm::mhc_epilogue_workspace_bytes,
+            "Bytes of a workspace that also holds F_pre's scratch (mhc_workspace_bytes' part first, then 2 B C): with "
+            "it, F_pre's epilogue with f_pre None runs as a pass after the resident or split kernel instead of on "
+            "the cluster tiles (spec §4.8).");
+  def_bytes("mhc_post_head_workspace_bytes", &fm::mhc_post_head_workspace_bytes,
+            "Bytes of a workspace that also holds mhc_post_head's X_next scratch (mhc_workspace_bytes' part first, "
+            "then 2 B n C): with it and x_next None the op may run post then the head on the resident kernel "
+            "(spec §4.10).");
 
   m.def("mhc_pre", &mhc_pre, "x"_a, "phi"_a, "alpha"_a, "bias"_a, "f_pre"_a.none(), "h_post"_a, "h_res"_a,
         nb::kw_only(), "eps_norm"_a, "eps_pre"_a, "post_mult"_a, "eps_sinkhorn"_a, "sinkhorn_iters"_a, "res_layout"_a,

@@ -524,6 +524,9 @@ Status plan_project(const ProjectParams& p, int n, bool f32, MhcPreKernel pinned
       std::string why;
       const Status s = choose_project_kernel(plain, n, f32, pinned, op, &c, &why);
       if (!s.ok() && s.code() != StatusCode::kNotSupported) return s;
+      // A pinned resident or split kernel that cannot take the plain call:
+      // its own reason (not the epilogue's).
+      if (!s.ok() && (pinned == MhcPreKernel::kResident || pinned == MhcPreKernel::kSplit)) return s;
       if (s.ok() && (c->kernel == MhcPreKernel::kResident || c->kernel == MhcPreKernel::kSplit)) {
         *plan = ProjectPlan{c, true, target};
         if (reason != nullptr)
@@ -834,6 +837,8 @@ namespace {
 // stream) the workspace's scratch (mhc_post_head_workspace_bytes); null: nowhere.
 void* post_head_x_next(const MhcPostHeadArgs& a) {
   if (a.x_next != nullptr) return a.x_next;
+  // (B = 0: a workspace counts as holding it, so the choice is that of B > 0; nothing runs.)
+  if (a.shape.batch == 0) return a.residual == MhcResidual::kBf16 ? a.workspace : nullptr;
   const size_t need = mhc_post_head_workspace_bytes(a.shape);
   if (a.residual != MhcResidual::kBf16 || a.workspace == nullptr || need == 0 || a.workspace_bytes < need)
     return nullptr;
@@ -860,9 +865,11 @@ Status choose_post_head_path(const MhcPostHeadArgs& a, const char* op, MhcBounda
   void* const x_next = post_head_x_next(a);
   ProjectPlan plan;
   std::string why;
-  if (a.path == MhcBoundaryPath::kPostThenPre ||
+  // (kResident pinned with kAuto: the two launches, the fused post having no resident form.)
+  const bool resident_pinned = a.path == MhcBoundaryPath::kAuto && a.kernel == MhcPreKernel::kResident;
+  if (a.path == MhcBoundaryPath::kPostThenPre || (resident_pinned && x_next != nullptr) ||
       (a.path == MhcBoundaryPath::kAuto && a.kernel == MhcPreKernel::kAuto && x_next != nullptr)) {
-    bool two = a.path == MhcBoundaryPath::kPostThenPre;
+    bool two = a.path == MhcBoundaryPath::kPostThenPre || resident_pinned;
     if (!two) {  // kAuto: the fused split kernel where it takes the call, else the head on the resident kernel
       std::string fused_why;
       const Status s = plan_project(post_head_params(a), n, f32, MhcPreKernel::kAuto, op, &plan, &fused_why);
@@ -881,8 +888,9 @@ Status choose_post_head_path(const MhcPostHeadArgs& a, const char* op, MhcBounda
       *path = MhcBoundaryPath::kPostThenPre;
       *kernel = plan.c->kernel;
       if (reason != nullptr)
-        *reason = detail::concat(a.path == MhcBoundaryPath::kPostThenPre
-                                     ? "post then head: pinned by args.path; "
+        *reason = detail::concat(a.path == MhcBoundaryPath::kPostThenPre ? "post then head: pinned by args.path; "
+                                 : resident_pinned ? "post then head: args.kernel pins the resident kernel "
+                                                     "(no fused post before its head); "
                                      : a.x_next != nullptr
                                          ? "post then head: x_next given and the head on the resident kernel "
                                            "(the fused post has no resident form); "

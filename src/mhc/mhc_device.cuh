@@ -198,7 +198,9 @@ __device__ __forceinline__ uint32_t post_mix_pair(const uint32_t* x, uint32_t f,
 // F_pre's epilogue (spec §4.8; mhc_pre and mhc_post_pre, kPre only): the
 // next sublayer's input RMSNorm and an FP8 copy (1 x 128 blocks, bitwise
 // quantize_fp8's). ProjectParams::f_out may then be null (FP8 copy only).
-// Only the cluster-tile kernel (sm90_mhc_fused.cu) runs it.
+// The cluster-tile kernel (sm90_mhc_fused.cu) runs it inside; after the
+// resident or split kernel it is a pass of its own (launch_f_pre_epilogue_pass,
+// chosen in mhc.cu's plan_project), the kernel then seeing no epilogue.
 struct PreEpilogue {
   const void* norm_weight = nullptr;  // [C] bf16 or fp32; null: no norm
   bool norm_f32 = false;
@@ -227,6 +229,31 @@ __device__ __forceinline__ void load_weight8(const PreEpilogue& e, int c, float*
       w[2 * k + 1] = f.y;
     }
   }
+}
+
+// F_pre's norm on one 8-column chunk (bf16 in a uint4), the same arithmetic
+// wherever it runs: the chunk's squares added into `sum` (fp32, in column
+// order), and the normed chunk bf16((v * inv) * w) for the columns' weights w.
+__device__ __forceinline__ float chunk_sum_sq(const uint4& raw, float sum) {
+  const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float2 f = __bfloat1622float2(v[k]);
+    sum = fmaf(f.x, f.x, sum);
+    sum = fmaf(f.y, f.y, sum);
+  }
+  return sum;
+}
+__device__ __forceinline__ uint4 normed_chunk(const uint4& raw, float inv, const float (&w)[8]) {
+  const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
+  uint4 o;
+  __nv_bfloat162* ov = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float2 f = __bfloat1622float2(v[k]);
+    ov[k] = __floats2bfloat162_rn((f.x * inv) * w[2 * k], (f.y * inv) * w[2 * k + 1]);
+  }
+  return o;
 }
 
 // Arguments of a projection kernel (fused or fallback).

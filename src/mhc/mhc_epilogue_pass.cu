@@ -52,17 +52,6 @@ __device__ __forceinline__ uint4 load_chunk(const bf16* row, int g) {
   return *reinterpret_cast<const uint4*>(row + 8 * g);
 }
 
-__device__ __forceinline__ float chunk_sum_sq(const uint4& raw, float sum) {
-  const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const float2 f = __bfloat1622float2(v[k]);
-    sum = fmaf(f.x, f.x, sum);
-    sum = fmaf(f.y, f.y, sum);
-  }
-  return sum;
-}
-
 // Chunk g of token b: normed (kNorm) and stored, then its FP8 bytes and,
 // by the block's first lane, the block's scale (kFp8).
 template <bool kNorm, bool kWeightF32, bool kFp8, ScaleFormat kScales>
@@ -71,14 +60,7 @@ __device__ __forceinline__ void emit_chunk(const PassParams& p, long long b, int
   if constexpr (kNorm) {
     float w[8];
     load_weight8<kWeightF32>(p.epi, 8 * g, w);
-    const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
-    uint4 o;
-    __nv_bfloat162* ov = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float2 f = __bfloat1622float2(v[k]);
-      ov[k] = __floats2bfloat162_rn((f.x * inv) * w[2 * k], (f.y * inv) * w[2 * k + 1]);
-    }
+    const uint4 o = normed_chunk(raw, inv, w);
     if (p.f_normed != nullptr) *reinterpret_cast<uint4*>(p.f_normed + b * p.hidden + 8 * g) = o;
     raw = o;
   }

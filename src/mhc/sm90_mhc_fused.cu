@@ -201,16 +201,8 @@ __device__ __noinline__ void f_pre_epilogue(const ProjectParams& p, const FusedL
     for (int r = warp; r < rows; r += kWarps) {
       float sum = 0.f;
       if (row0 + r < p.batch)
-        for (int g = lane; g < groups; g += 32) {
-          const uint4 raw = *reinterpret_cast<const uint4*>(xs + r * pitch + g * 8);
-          const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            const float2 f = __bfloat1622float2(v[k]);
-            sum = fmaf(f.x, f.x, sum);
-            sum = fmaf(f.y, f.y, sum);
-          }
-        }
+        for (int g = lane; g < groups; g += 32)
+          sum = chunk_sum_sq(*reinterpret_cast<const uint4*>(xs + r * pitch + g * 8), sum);
       sum = dev::warp_sum(sum);
       if (lane == 0) ss_part[r] = sum;
     }
@@ -229,18 +221,9 @@ __device__ __noinline__ void f_pre_epilogue(const ProjectParams& p, const FusedL
       const int r = it / groups, col = (it - r * groups) * 8;
       if (row0 + r >= p.batch) continue;
       uint4* px = reinterpret_cast<uint4*>(xs + r * pitch + col);
-      const uint4 raw = *px;
-      const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
       float w[8];
       load_weight8<kWeightF32>(e, c0 + col, w);
-      const float s = inv[r];
-      uint4 o;
-      __nv_bfloat162* ov = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float2 f = __bfloat1622float2(v[k]);
-        ov[k] = __floats2bfloat162_rn((f.x * s) * w[2 * k], (f.y * s) * w[2 * k + 1]);
-      }
+      const uint4 o = normed_chunk(*px, inv[r], w);
       *px = o;  // only this thread reads or writes these columns of the row
       if (p.f_out != nullptr) *reinterpret_cast<uint4*>(p.f_out + (row0 + r) * hidden + c0 + col) = o;
     }

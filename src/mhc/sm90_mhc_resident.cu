@@ -1087,7 +1087,8 @@ struct ResidentCta {
   // h from the sums, in one pass: thread (row, g) takes coefficients
   // 4g .. 4g + 3 of one token, one r per thread; a non-owner needs only the
   // pre coefficients (g = 0). kPre: H_pre into hp, and the owner's h into
-  // the stash `slot`; kProject: the owner writes h and r.
+  // the stash `slot`; kHead: H_pre into hp only (no Sinkhorn); kProject: the
+  // owner writes h and r.
   __device__ __forceinline__ void publish_h(long long row0, bool owner, int slot, float* hp, int ft) {
     const float inv_k = 1.0f / float(p.k_len);
     constexpr int kGroups = kCoef / 4;

@@ -1313,6 +1313,11 @@ TEST(MhcPostPrePathGpu, EpilogueNotSupportedAndBadArgumentsLaunchNothing) {
     MhcPostPreArgs r = a;
     r.kernel = MhcPreKernel::kPortable;
     EXPECT_EQ(mhc_post_pre(r, nullptr).code(), StatusCode::kNotSupported);
+    // f_pre given, the split kernel pinned without a workspace: its own reason.
+    r.kernel = MhcPreKernel::kSplit;
+    const Status s = mhc_post_pre(r, nullptr);
+    EXPECT_EQ(s.code(), StatusCode::kNotSupported) << s.message();
+    EXPECT_NE(s.message().find("needs a workspace"), std::string::npos) << s.message();
   }
   a.kernel = MhcPreKernel::kAuto;
   MhcPostPreArgs b = a;

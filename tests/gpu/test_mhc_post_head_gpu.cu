@@ -381,13 +381,26 @@ TEST(MhcPostHeadPathGpu, NotSupportedLaunchesNothing) {
   MhcPostHeadArgs a = post_head_args(p, c, d);
   a.out = out.get();
   a.x_next = x_next.get();
+  // (kResident: without x_next or a workspace, so with no place for X_next
+  // for its two launches; with x_next it takes them: below.)
   for (MhcPreKernel k : {MhcPreKernel::kResident, MhcPreKernel::kPortable, MhcPreKernel::kSplit}) {
-    a.kernel = k;
-    Status s = mhc_post_head(a, nullptr);
+    MhcPostHeadArgs r = a;
+    r.kernel = k;
+    if (k == MhcPreKernel::kResident) r.x_next = nullptr;
+    Status s = mhc_post_head(r, nullptr);
     EXPECT_EQ(s.code(), StatusCode::kNotSupported) << s.message();
     EXPECT_NE(s.message().find(to_string(k)), std::string::npos) << s.message();
     MhcPreKernel chosen;
-    EXPECT_EQ(mhc_post_head_kernel_choice(a, &chosen, nullptr).code(), StatusCode::kNotSupported);
+    EXPECT_EQ(mhc_post_head_kernel_choice(r, &chosen, nullptr).code(), StatusCode::kNotSupported);
+  }
+  {
+    MhcPostHeadArgs r = a;
+    r.kernel = MhcPreKernel::kResident;
+    MhcPreKernel chosen = MhcPreKernel::kAuto;
+    std::string why;
+    ASSERT_TRUE(mhc_post_head_kernel_choice(r, &chosen, &why).ok());
+    EXPECT_EQ(chosen, MhcPreKernel::kResident) << why;
+    EXPECT_EQ(why.rfind("post then head: args.kernel pins the resident kernel", 0), 0u) << why;
   }
   // The FP8 stream with a workspace, split pinned.
   const PostHeadCase f{4, 1024, 3, MhcResLayout::kDeepSeek, DType::kFloat32, MhcPreKernel::kSplit, true, true,
