@@ -1443,7 +1443,7 @@ TEST(MhcPathGpu, ClusterKernelRunsOnHopper) {
   EXPECT_TRUE(would_run(1, 1, 1000, true));
   EXPECT_FALSE(would_run(7, 8, 16384, true));  // 8 tokens x 8 x 2048 x 2 B > shared memory: portable kernel
   // n = 4: the resident kernel (phi in registers) where C is a multiple of
-  // 1024 up to 7168, in both modes it serves.
+  // 1024 up to 7168, in the three modes it serves (the head on the bf16 stream).
   auto resident = [](long long B, int n, int C, bool f32, mhc_detail::ProjectMode mode) {
     mhc_detail::ProjectParams p;
     p.batch = B; p.hidden = C; p.k_len = n * C; p.num_coef = mhc_num_coefficients(n); p.mode = mode;
@@ -1457,7 +1457,14 @@ TEST(MhcPathGpu, ClusterKernelRunsOnHopper) {
   EXPECT_FALSE(resident(7, 4, 2560, true, kPre));   // C not a multiple of 1024 (64-column TMA boxes per CTA)
   EXPECT_FALSE(resident(7, 4, 8192, true, kPre));   // 16 k steps per warp: phi does not fit in registers
   EXPECT_FALSE(resident(7, 8, 7168, true, kPre));   // n != 4
-  EXPECT_FALSE(resident(7, 4, 7168, true, mhc_detail::ProjectMode::kHead));
+  EXPECT_TRUE(resident(7, 4, 7168, true, mhc_detail::ProjectMode::kHead));
+  {
+    mhc_detail::ProjectParams p;  // the head on the FP8 stream: not the resident kernel
+    p.batch = 7; p.hidden = 7168; p.k_len = 4 * 7168; p.num_coef = 4; p.mode = mhc_detail::ProjectMode::kHead;
+    p.fp8x = true;
+    EXPECT_EQ(mhc_detail::sm90_mhc_project_resident(p, 4, true, nullptr, false, /*dry_run=*/true, nullptr),
+              cudaErrorNotSupported);
+  }
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
