@@ -230,6 +230,7 @@ Outputs run_every_op(const Inputs& in) {
     if (workspace) {
       ws = DeviceBuffer(mhc_workspace_bytes(a.shape));
       EXPECT_EQ(cudaMemset(ws.get(), 0, ws.bytes()), cudaSuccess);
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the legacy stream's memset, before `stream`
       a.workspace = ws.get();
       a.workspace_bytes = ws.bytes();
     }

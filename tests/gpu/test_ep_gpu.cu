@@ -488,6 +488,7 @@ int all_to_all_rank(const EpCase& c, int rank, ncclComm_t comm, bool peers) {
   std::vector<bool> cut;
   reference(all[size_t(rank)], dt, ranked, full, cut);
   CK(cudaMemset(out.get(), 0xff, out.bytes()));
+  CK(cudaDeviceSynchronize());  // the legacy stream\'s memset, before the non-blocking stream
   if (!c.graph) {
     // Three calls back to back, no sync between them: the others' tokens
     // (another routing) in the middle, so a rank that ran ahead into a
@@ -536,6 +537,7 @@ int all_to_all_rank(const EpCase& c, int rank, ncclComm_t comm, bool peers) {
         dt.shared.upload(tk.shared.data(), tk.shared.bytes.size());
         reference(tk, dt, ranked, full, cut);
         CK(cudaMemset(out.get(), 0xff, out.bytes()));
+        CK(cudaDeviceSynchronize());  // the legacy stream\'s memset, before the non-blocking stream
       }
       CK(cudaGraphLaunch(exec, stream));
       CK(cudaStreamSynchronize(stream));
@@ -577,6 +579,7 @@ int replicated_rank(const EpCase& c, EpReduce reduce, int rank, ncclComm_t comm)
   DeviceBuffer out(size_t(std::max<int64_t>(1, rows) * H * 2)), ws(std::max<size_t>(256, ep_moe_forward_replicated_workspace_size(a, W)));
   a.out = out.get();
   CK(cudaMemset(out.get(), 0xff, out.bytes()));
+  CK(cudaDeviceSynchronize());  // the legacy stream\'s memset, before the non-blocking stream
   const Status st = ep_moe_forward_replicated(a, comm, ws.get(), ws.bytes(), stream);
   EXPECT_TRUE(st.ok()) << st.message();
   CK(cudaStreamSynchronize(stream));
@@ -667,6 +670,7 @@ int finalize_reduce_rank(const EpCase& c, EpReduce reduce, DType partial_dtype, 
   DeviceBuffer out(size_t(std::max<int64_t>(1, rows) * H * 2)), ws(std::max<size_t>(256, ep_finalize_reduce_workspace_size(a, W)));
   a.out = out.get();
   CK(cudaMemset(out.get(), 0xff, out.bytes()));
+  CK(cudaDeviceSynchronize());  // the legacy stream\'s memset, before the non-blocking stream
   Status st = ep_finalize_reduce(a, comm, ws.get(), ws.bytes(), stream);
   EXPECT_TRUE(st.ok()) << st.message();
   CK(cudaStreamSynchronize(stream));

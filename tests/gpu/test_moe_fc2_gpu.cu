@@ -515,6 +515,7 @@ TEST(MoeFc2Gpu, AtomicAddsToCallerZeroedOut) {
   Case c;
   Problem p(c, Fc2Mode::kAtomic);
   CUDA_OK(cudaMemset(p.dout.get(), 0, p.dout.bytes()));
+  CUDA_OK(cudaDeviceSynchronize());  // the legacy stream's memset, before any non-blocking stream
   p.args.out_already_zeroed = true;
   ASSERT_TRUE(p.run().ok());
   CUDA_OK(cudaDeviceSynchronize());
