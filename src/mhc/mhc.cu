@@ -485,13 +485,12 @@ Status choose_project_kernel(const ProjectParams& p, int n, bool f32, MhcPreKern
   return Status(StatusCode::kNotSupported, detail::concat(op, ": no projection kernel takes this shape (", why, ")"));
 }
 
-// F_pre's scratch in the caller's workspace (the epilogue pass with f_pre
-// null), or null where the workspace is absent or smaller than
-// mhc_epilogue_workspace_bytes.
-__nv_bfloat16* epilogue_scratch(void* workspace, size_t bytes, const MhcShape& s) {
-  const size_t need = mhc_epilogue_workspace_bytes(s);
-  if (workspace == nullptr || need == 0 || bytes < need) return nullptr;
-  return reinterpret_cast<__nv_bfloat16*>(static_cast<char*>(workspace) + epilogue_scratch_offset(s));
+// Where F_pre's epilogue pass finds the plain F_pre: f_pre, else the
+// scratch in the caller's workspace; null where the workspace is absent or
+// smaller than mhc_epilogue_workspace_bytes.
+__nv_bfloat16* epilogue_target(void* f_pre, void* workspace, size_t bytes, const MhcShape& s) {
+  if (f_pre != nullptr) return static_cast<__nv_bfloat16*>(f_pre);
+  return static_cast<__nv_bfloat16*>(workspace_scratch(workspace, bytes, mhc_epilogue_workspace_bytes(s), s));
 }
 
 // A projection kernel, and how F_pre's epilogue (spec §4.8) runs with it:
@@ -514,8 +513,7 @@ Status plan_project(const ProjectParams& p, int n, bool f32, MhcPreKernel pinned
                     std::string* reason) {
   *plan = ProjectPlan{};
   if (p.mode == ProjectMode::kPre && p.has_epilogue()) {
-    __nv_bfloat16* target =
-        p.f_out != nullptr ? p.f_out : epilogue_scratch(p.workspace, p.workspace_bytes, {p.batch, n, p.hidden});
+    __nv_bfloat16* target = epilogue_target(p.f_out, p.workspace, p.workspace_bytes, {p.batch, n, p.hidden});
     if (target != nullptr || p.batch == 0) {  // (B = 0: the choice as with work; nothing runs)
       ProjectParams plain = p;
       plain.epi = PreEpilogue{};
@@ -702,8 +700,7 @@ Status choose_post_pre_path(const MhcPostPreArgs& a, const char* op, MhcBoundary
   const int n = a.shape.n;
   const bool epilogue = a.norm_weight != nullptr || a.f_pre_fp8 != nullptr;
   if (epilogue && a.path == MhcBoundaryPath::kAuto &&
-      (a.f_pre != nullptr || a.shape.batch == 0 ||
-       epilogue_scratch(a.workspace, a.workspace_bytes, a.shape) != nullptr)) {
+      (a.shape.batch == 0 || epilogue_target(a.f_pre, a.workspace, a.workspace_bytes, a.shape) != nullptr)) {
     // F_pre's epilogue as a pass: the path and kernel of the call without it,
     // where that kernel is the resident or split one (plan_project then
     // adds the pass to whichever launch runs the pre).
@@ -838,11 +835,9 @@ namespace {
 void* post_head_x_next(const MhcPostHeadArgs& a) {
   if (a.x_next != nullptr) return a.x_next;
   // (B = 0: a workspace counts as holding it, so the choice is that of B > 0; nothing runs.)
-  if (a.shape.batch == 0) return a.residual == MhcResidual::kBf16 ? a.workspace : nullptr;
-  const size_t need = mhc_post_head_workspace_bytes(a.shape);
-  if (a.residual != MhcResidual::kBf16 || a.workspace == nullptr || need == 0 || a.workspace_bytes < need)
-    return nullptr;
-  return static_cast<char*>(a.workspace) + epilogue_scratch_offset(a.shape);
+  if (a.residual != MhcResidual::kBf16) return nullptr;
+  if (a.shape.batch == 0) return a.workspace;
+  return workspace_scratch(a.workspace, a.workspace_bytes, mhc_post_head_workspace_bytes(a.shape), a.shape);
 }
 
 // The two-launch path's head on X_next at `x_next`; with X_next in the

@@ -234,15 +234,12 @@ size_t mhc_workspace_bytes(const MhcShape& s) {
   return mhc_detail::split_workspace_layout(ctas, s.batch, mhc_num_coefficients(s.n)).bytes;
 }
 
-size_t mhc_epilogue_workspace_bytes(const MhcShape& s) {
-  if (s.batch < 1 || s.n < 1 || s.n > kMhcMaxStreams || s.hidden < 8 || s.hidden % 8 != 0) return 0;
-  return mhc_detail::epilogue_scratch_offset(s) + mhc_detail::align_scratch(size_t(s.batch) * size_t(s.hidden) * 2);
+size_t mhc_epilogue_workspace_bytes(const MhcShape& s) {  // the plain bf16 F_pre
+  return mhc_detail::workspace_bytes_with_scratch(s, size_t(s.batch) * size_t(s.hidden) * 2);
 }
 
-size_t mhc_post_head_workspace_bytes(const MhcShape& s) {
-  if (s.batch < 1 || s.n < 1 || s.n > kMhcMaxStreams || s.hidden < 8 || s.hidden % 8 != 0) return 0;
-  return mhc_detail::epilogue_scratch_offset(s) +
-         mhc_detail::align_scratch(size_t(s.batch) * size_t(s.n) * size_t(s.hidden) * 2);
+size_t mhc_post_head_workspace_bytes(const MhcShape& s) {  // the bf16 X_next
+  return mhc_detail::workspace_bytes_with_scratch(s, size_t(s.batch) * size_t(s.n) * size_t(s.hidden) * 2);
 }
 
 Status validate_mhc_pre(const MhcPreArgs& a) {
@@ -467,8 +464,9 @@ Status validate_mhc_post_head(const MhcPostHeadArgs& a) {
                  a.path == MhcBoundaryPath::kPostThenPre,
              kOp, "path", "unknown MhcBoundaryPath value ", int(a.path));
   FM_REQUIRE(a.path != MhcBoundaryPath::kPostThenPre || a.x_next != nullptr || a.shape.batch == 0 ||
-                 (a.residual == MhcResidual::kBf16 && a.workspace != nullptr &&
-                  a.workspace_bytes >= mhc_post_head_workspace_bytes(a.shape)),
+                 (a.residual == MhcResidual::kBf16 &&
+                  mhc_detail::workspace_scratch(a.workspace, a.workspace_bytes, mhc_post_head_workspace_bytes(a.shape),
+                                                a.shape) != nullptr),
              kOp, "x_next",
              "null pointer with path kPostThenPre and no workspace of mhc_post_head_workspace_bytes (the head reads "
              "X_next back)");

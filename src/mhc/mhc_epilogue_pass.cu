@@ -73,11 +73,8 @@ __device__ __forceinline__ void emit_chunk(const PassParams& p, long long b, int
     uint32_t lo, hi;
     quantize_chunk<kScales>(c, s.s, m > kBf16Inf, lo, hi);
     *reinterpret_cast<uint2*>(p.epi.q + b * p.hidden + 8 * g) = make_uint2(lo, hi);
-    if ((threadIdx.x & 15) == 0) {
-      const long long si = b * (p.hidden / 128) + g / 16;
-      if constexpr (kScales == ScaleFormat::kUE8M0) static_cast<uint8_t*>(p.epi.scales)[si] = uint8_t(s.stored);
-      else static_cast<uint32_t*>(p.epi.scales)[si] = s.stored;
-    }
+    if ((threadIdx.x & 15) == 0)
+      store_scale(p.epi.scales, uint32_t(b * (p.hidden / 128) + g / 16), s.stored, kScales == ScaleFormat::kUE8M0);
   }
 }
 

@@ -36,10 +36,26 @@ inline SplitWorkspaceLayout split_workspace_layout(int64_t records, int64_t batc
   return l;
 }
 
-// The workspace's second part: F_pre's scratch for the epilogue pass (2 B C
-// bytes of bf16, mhc_epilogue_workspace_bytes), after the split kernel's
-// part (mhc_workspace_bytes, 0 past kMhcSplitMaxBatch), 256-byte aligned.
+// The workspace's second part, a scratch after the split kernel's part
+// (mhc_workspace_bytes, 0 past kMhcSplitMaxBatch), 256-byte aligned: the
+// plain F_pre for F_pre's epilogue pass (2 B C bytes,
+// mhc_epilogue_workspace_bytes) or X_next for mhc_post_head's two launches
+// (2 B n C bytes, mhc_post_head_workspace_bytes).
 inline size_t align_scratch(size_t bytes) { return (bytes + 255) / 256 * 256; }
-inline size_t epilogue_scratch_offset(const MhcShape& s) { return align_scratch(mhc_workspace_bytes(s)); }
+inline size_t workspace_scratch_offset(const MhcShape& s) { return align_scratch(mhc_workspace_bytes(s)); }
+
+// A workspace size with a scratch of `scratch` bytes (0 for an invalid
+// shape or B == 0, as mhc_workspace_bytes).
+inline size_t workspace_bytes_with_scratch(const MhcShape& s, size_t scratch) {
+  if (s.batch < 1 || s.n < 1 || s.n > kMhcMaxStreams || s.hidden < 8 || s.hidden % 8 != 0) return 0;
+  return workspace_scratch_offset(s) + align_scratch(scratch);
+}
+
+// The scratch in the caller's workspace when it holds at least `need` bytes
+// (a workspace_bytes_with_scratch size; 0: none), else null.
+inline void* workspace_scratch(void* workspace, size_t bytes, size_t need, const MhcShape& s) {
+  if (workspace == nullptr || need == 0 || bytes < need) return nullptr;
+  return static_cast<char*>(workspace) + workspace_scratch_offset(s);
+}
 
 }  // namespace flashmix::mhc_detail

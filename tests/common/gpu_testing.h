@@ -161,4 +161,8 @@ inline DeviceBuffer poisoned_buffer(size_t bytes, uint8_t byte) {
   return b;
 }
 
+// A device buffer of `bytes` zeros (a workspace that must start zeroed),
+// ready before any stream's work.
+inline DeviceBuffer zeroed_buffer(size_t bytes) { return poisoned_buffer(bytes, 0); }
+
 }  // namespace flashmix::testing

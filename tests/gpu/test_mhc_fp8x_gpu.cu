@@ -734,8 +734,7 @@ TEST(MhcPreFp8xPathGpu, SplitAndResidentBoundarySayNotSupported) {
   const Fp8X x = quantize_x(p, ScaleFormat::kFloat32);
   DeviceBuffer dx(x.codes), dxs(x.scales), dphi(p.phi_f32), dal(p.alpha), dbi(p.bias);
   DevicePreOut d(p.B, 4, p.C);
-  DeviceBuffer ws(std::max<size_t>(mhc_workspace_bytes({p.B, 4, p.C}), 256));
-  CUDA_OK(cudaMemset(ws.get(), 0, ws.bytes()));
+  DeviceBuffer ws = testing::zeroed_buffer(std::max<size_t>(mhc_workspace_bytes({p.B, 4, p.C}), 256));
   MhcPreArgs a;
   a.shape = {p.B, 4, p.C};
   a.x = dx.get();

@@ -64,11 +64,7 @@ struct PreCase {
 // A zeroed workspace of mhc_workspace_bytes(shape) bytes (256 where that is 0:
 // the op must then ignore it).
 DeviceBuffer zeroed_workspace(const MhcShape& shape) {
-  const size_t bytes = std::max<size_t>(mhc_workspace_bytes(shape), 256);
-  DeviceBuffer b(bytes);
-  EXPECT_EQ(cudaMemset(b.get(), 0, bytes), cudaSuccess);
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the legacy stream's memset, before any non-blocking stream
-  return b;
+  return flashmix::testing::zeroed_buffer(std::max<size_t>(mhc_workspace_bytes(shape), 256));
 }
 
 // The workspace's epoch word counts the split kernel's launches since it was
@@ -581,8 +577,7 @@ TEST(MhcDeterminismGpu, RepeatedRunsAndGraphReplayAreBitwiseIdentical) {
             pb = make_problem(9, 6, 1000, seed_for("determinism_split_b"));
     DeviceProblem da(pa), db(pb);
     const size_t bytes = std::max(mhc_workspace_bytes({pa.B, pa.n, pa.C}), mhc_workspace_bytes({pb.B, pb.n, pb.C}));
-    DeviceBuffer ws(bytes);
-    CUDA_OK(cudaMemset(ws.get(), 0, bytes));
+    DeviceBuffer ws = flashmix::testing::zeroed_buffer(bytes);
     const MhcPreKernel kernel = MhcPreKernel::kSplit;
     PrePostRun a1 = run_pre_post(pa, da, false, ws.get(), bytes, kernel),
                b1 = run_pre_post(pb, db, true, ws.get(), bytes, kernel),
@@ -1024,9 +1019,7 @@ TEST_P(MhcPostPreEpilogueGpu, MatchesPlainCallQuantizeFp8AndReference) {
   // The epilogue workspace: given to the call with c.workspace, and to the
   // f_pre-null call below whenever the epilogue runs as a pass.
   const size_t ws_bytes = mhc_epilogue_workspace_bytes({c.B, n, c.C});
-  DeviceBuffer ws(std::max<size_t>(ws_bytes, 256));
-  CUDA_OK(cudaMemset(ws.get(), 0, ws.bytes()));
-  CUDA_OK(cudaDeviceSynchronize());
+  DeviceBuffer ws = flashmix::testing::zeroed_buffer(std::max<size_t>(ws_bytes, 256));
   MhcPostPreArgs a;
   a.shape = {c.B, n, c.C};
   a.x = d.x.get(); a.f_out = d.f_out.get(); a.h_post = d.h_post.as<float>(); a.h_res = d.h_res.as<float>();

@@ -97,11 +97,7 @@ struct DeviceInputs {
 };
 
 DeviceBuffer zeroed_workspace(const MhcShape& shape) {
-  const size_t bytes = std::max<size_t>(mhc_workspace_bytes(shape), 256);
-  DeviceBuffer b(bytes);
-  EXPECT_EQ(cudaMemset(b.get(), 0, bytes), cudaSuccess);
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the legacy stream's memset, before any non-blocking stream
-  return b;
+  return flashmix::testing::zeroed_buffer(std::max<size_t>(mhc_workspace_bytes(shape), 256));
 }
 
 // mhc_post_head's arguments on `d` (phi's first n rows are the head's phi,
@@ -326,9 +322,7 @@ TEST(MhcPostHeadPathGpu, XNextScratchInTheWorkspace) {
     const size_t xb = size_t(c.B * p.K() * 2), ob = size_t(c.B * c.C * 2);
     const size_t wb = mhc_post_head_workspace_bytes({c.B, c.n, c.C});
     ASSERT_GE(wb, xb);
-    DeviceBuffer out = poisoned(ob), ws(wb);
-    CUDA_OK(cudaMemset(ws.get(), 0, wb));
-    CUDA_OK(cudaDeviceSynchronize());
+    DeviceBuffer out = poisoned(ob), ws = flashmix::testing::zeroed_buffer(wb);
     MhcPostHeadArgs a = post_head_args(p, c, d);
     a.out = out.get();
     MhcPostHeadArgs bad = a;
