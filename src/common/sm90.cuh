@@ -56,6 +56,16 @@ __device__ __forceinline__ void release_stage(uint32_t bar) {
   }
 }
 
+// The same release as release_stage<false> (the warp's accesses ordered
+// by __syncwarp, one arrival a warp), the arriving lane chosen by
+// elect.sync: no lane index to recompute in a loop that has none at hand.
+__device__ __forceinline__ void release_stage_elect(uint32_t bar) {
+  __syncwarp();
+  asm volatile(
+      "{\n .reg .pred p;\n elect.sync _|p, 0xffffffff;\n @p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(bar)
+      : "memory");
+}
+
 // Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads.
 // Moves registers between warpgroups (every warp of the warpgroup executes
 // it): ptxas allocates up to the new count in the code that follows.

@@ -75,6 +75,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <type_traits>
 
 #include "common/check.h"
 #include "common/kernel_fit.h"
@@ -556,6 +557,49 @@ __device__ __forceinline__ void promote_group(float (&acc)[kSliceW / 2], const f
 // 1 and 2: the transposed tile's epilogue).
 constexpr int kScaleBar = 3;
 
+// One K block of the slices' MMAs and promotions (rows_m_mainloop): stage s
+// (its descriptors da, db: warp-uniform), the block's W1 scale products
+// already read. kOneUp: every up row of every slice in one scale block (the
+// promotion takes four products and no select an element group).
+template <class Cfg, bool kOneUp>
+__device__ __forceinline__ void rows_m_k_block(float (&acc)[kHalves<Cfg>][kSliceW / 2], float (&part)[kSliceW / 2],
+                                               uint64_t da, uint64_t db, uint32_t empty, bool gathered,
+                                               const float (&gs)[kHalves<Cfg>], const float (&us0)[kHalves<Cfg>],
+                                               const float (&us1)[kHalves<Cfg>], float xa, float xb,
+                                               const uint32_t (&up_hi)[kHalves<Cfg>]) {
+  constexpr int N = kSliceW, H2 = kHalves<Cfg>;
+#pragma unroll
+  for (int h = 0; h < H2; ++h) {
+    if (h == 0 && gathered) dev::fence_proxy_async_shared();  // the rows came through the generic proxy (cp.async)
+    dev::wgmma_fence();
+    k_block_mmas<true, N>(part, da, db + uint64_t(h * kSliceW * kTileBytes / 16), false);
+    dev::wgmma_commit();
+    dev::wgmma_wait<0>();
+    dev::fence_operands(part);
+    // The stage is free: promote from registers. One arrival a warp after
+    // __syncwarp, though the threads read the staged X scales: every
+    // thread's arrival (dev::release_stage<true>, what racecheck credits)
+    // measured 12-25 % slower here (docs/moe_fc1.md).
+    if (h == H2 - 1) dev::release_stage_elect(empty);
+    const float ag = xa * gs[h], bg = xb * gs[h];
+    if constexpr (kOneUp) {
+      // (Without the promotion the same schedule ran ~40 % faster: its
+      // instructions, not the MMAs, set the pace; docs/moe_fc1.md.)
+      const float au = xa * us0[h], bu = xb * us0[h];
+#pragma unroll
+      for (int m = 0; m < 8; ++m) promote_group(acc[h], part, m, ag, bg, au, bu);
+    } else {
+      const float au0 = xa * us0[h], au1 = xa * us1[h];
+      const float bu0 = xb * us0[h], bu1 = xb * us1[h];
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        const bool hi = (up_hi[h] >> m) & 1u;
+        promote_group(acc[h], part, m, ag, bg, hi ? au1 : au0, hi ? bu1 : bu0);
+      }
+    }
+  }
+}
+
 // Block-scaled FP8 with the token rows as wgmma's M (Cfg::kRowsM): below,
 // the mainloop over H of the kHalves<Cfg> slices hs, hs + 1, .. a stage
 // holds: acc[h] = the fp32 sums of the thread's 2 rows x 32 W1 rows (16
@@ -566,6 +610,14 @@ constexpr int kScaleBar = 3;
 // meanwhile. A slice's MMAs and promotion are the same in wide and narrow
 // tiles, so both give the same bits (spec §9.8's FP8 output, from narrow
 // tiles, is tested bitwise against bf16 rows that may come from wide ones).
+//
+// The loop is written for few instructions a K block (DeepGEMM's loop issues
+// ~14 besides its MMAs and FFMAs; docs/moe_fc1.md): the tile, the warpgroup
+// and so the stage index are warp-uniform (the caller passes them through
+// __shfl_sync), so the descriptors are uniform registers advanced by
+// constants; the slices' scale layout is decided once a tile (kOneUp); an
+// idle warpgroup runs a loop of its own; the W1 scales of a K block are one
+// 16-byte shared load (wide: 8 with the second up block).
 // (The loop of consume_tile_rows_m below.)
 template <class Cfg>
 __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const TileInfo& t, int hs,
@@ -579,20 +631,21 @@ __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const 
 #pragma unroll
   for (int h = 0; h < H2; ++h)  // (a wide tile's second slice may lie past I: its W1 rows read as zeros)
     sw[h] = slice_scales(p, t.e, H2 > 1 ? min((hs + h) * kSliceOut, p.I - 1) : (hs + h) * kSliceOut);
-  // The slices' W1 scales of every K block into shared memory (wsc[(3 h + j)
-  // kbs + kb], j: gate, up, up of the second block), read after each stage's
-  // barrier: both consumer warpgroups copy, between two syncs of theirs (the
-  // first: the previous call's readers are done).
+  // The slices' W1 scales of every K block into shared memory, read after
+  // each stage's barrier: wsc[2 H2 kb + 2 h + j] (j: gate, up) and, past
+  // those 2 H2 kbs, wsc[2 H2 kbs + H2 kb + h] (the up rows' second block).
+  // Both consumer warpgroups copy, between two syncs of theirs (the first:
+  // the previous call's readers are done).
   dev::named_bar_sync(kScaleBar, 256);
   for (int i = threadIdx.x; i < 3 * H2 * kbs; i += 256) {
-    const int h = i / (3 * kbs), j = (i / kbs) % 3, kb = i % kbs;
+    const bool second = i >= 2 * H2 * kbs;
+    const int j = second ? 2 : i % 2;
+    const int h = second ? (i - 2 * H2 * kbs) % H2 : (i / 2) % H2;
+    const int kb = second ? (i - 2 * H2 * kbs) / H2 : i / (2 * H2);
     const SliceScales q = h > 0 ? sw[H2 - 1] : sw[0];  // sw[h] (H2 <= 2) without a runtime index into registers
     wsc[i] = __ldg((j == 0 ? q.g : j == 1 ? q.u : q.u1) + kb);
   }
   dev::named_bar_sync(kScaleBar, 256);
-  // The X scales of this thread's two rows come with each stage (the
-  // loaders store them, Cfg::kStageScales; rows past the chunk's read 0 or
-  // stale values, whose outputs are not stored).
   float part[N / 2];
 #pragma unroll
   for (int k = 0; k < N / 2; ++k) {
@@ -600,60 +653,63 @@ __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const 
     for (int h = 0; h < H2; ++h) acc[h][k] = 0.f;
     part[k] = 0.f;
   }
-  const uint32_t a_off = uint32_t(Cfg::kWStage + wg * 64 * kTileBytes);
+  if (!active) {  // warpgroup 1 on a chunk of at most 64 rows: release the stages
 #pragma unroll 1
-  for (int kb = 0; kb < p.k_blocks; ++kb) {
-    float gs[H2], us0[H2], us1[H2];
-#pragma unroll
-    for (int h = 0; h < H2; ++h) {
-      gs[h] = wsc[(3 * h + 0) * kbs + kb];
-      us0[h] = wsc[(3 * h + 1) * kbs + kb];
-      us1[h] = wsc[(3 * h + 2) * kbs + kb];
-    }
-    dev::mbar_wait(bar_at(full0, s), ph);
-    const float xa = xsc[s * Cfg::kMaxRows + r_lo], xb = xsc[s * Cfg::kMaxRows + r_lo + 8];
-#pragma unroll
-    for (int h = 0; h < H2; ++h) {
-      if (active) {
-        if (h == 0 && !p.x_permuted) dev::fence_proxy_async_shared();  // the rows came through the generic proxy (cp.async)
-        const uint32_t st = stages + uint32_t(s) * Cfg::kStageBytes;
-        dev::wgmma_fence();
-        k_block_mmas<true, N>(part, dev::wgmma_desc_k_sw128(st + a_off),
-                              dev::wgmma_desc_k_sw128(st + uint32_t(h * kSliceW * kTileBytes)), false);
-        dev::wgmma_commit();
-        dev::wgmma_wait<0>();
-        dev::fence_operands(part);
-      }
-      // The stage is free: promote from registers. One arrival a warp after
-      // __syncwarp, though the threads read the staged X scales: every
-      // thread's arrival (dev::release_stage<true>, what racecheck credits)
-      // measured 12-25 % slower here (docs/moe_fc1.md).
-      if (h == H2 - 1) dev::release_stage<false>(bar_at(empty0, s));
-      if (active && sw[h].up_hi == 0) {
-        // Every up row of the slice in one scale block (always with I % 128
-        // == 0 or the interleaved layout, and for some slices otherwise):
-        // four products, no select an element group. (Without the
-        // promotion the same schedule ran ~40 % faster: its instructions,
-        // not the MMAs, set the pace; docs/moe_fc1.md.)
-        const float ag = xa * gs[h], au = xa * us0[h];
-        const float bg = xb * gs[h], bu = xb * us0[h];
-#pragma unroll
-        for (int m = 0; m < 8; ++m) promote_group(acc[h], part, m, ag, bg, au, bu);
-      } else if (active) {
-        const float ag = xa * gs[h], au0 = xa * us0[h], au1 = xa * us1[h];
-        const float bg = xb * gs[h], bu0 = xb * us0[h], bu1 = xb * us1[h];
-#pragma unroll
-        for (int m = 0; m < 8; ++m) {
-          const bool hi = (sw[h].up_hi >> m) & 1u;
-          promote_group(acc[h], part, m, ag, bg, hi ? au1 : au0, hi ? bu1 : bu0);
-        }
+    for (int kb = 0; kb < p.k_blocks; ++kb) {
+      dev::mbar_wait(bar_at(full0, s), ph);
+      dev::release_stage_elect(bar_at(empty0, s));
+      if (++s == Cfg::kStages) {
+        s = 0;
+        ph ^= 1;
       }
     }
-    if (++s == Cfg::kStages) {
-      s = 0;
-      ph ^= 1;
-    }
+    return;
   }
+  // Stage 0's descriptors (this warpgroup's 64 token rows; the stage's W1
+  // rows); stage s adds s kStageBytes / 16 to each.
+  const uint64_t da0 = dev::wgmma_desc_k_sw128(stages + uint32_t(Cfg::kWStage + wg * 64 * kTileBytes));
+  const uint64_t db0 = dev::wgmma_desc_k_sw128(stages);
+  // The X scales of this thread's two rows come with each stage (the
+  // loaders store them, Cfg::kStageScales; rows past the chunk's read 0 or
+  // stale values, whose outputs are not stored).
+  const float* xs = xsc + r_lo;
+  const bool gathered = !p.x_permuted;
+  uint32_t up_hi[H2];
+#pragma unroll
+  for (int h = 0; h < H2; ++h) up_hi[h] = sw[h].up_hi;
+  const auto run = [&](auto one_up) {
+    constexpr bool kOneUp = decltype(one_up)::value;
+    const float* wu1 = wsc + 2 * H2 * kbs;  // the second up block's scales
+#pragma unroll 1
+    for (int kb = 0; kb < p.k_blocks; ++kb) {
+      float gs[H2], us0[H2], us1[H2];
+      if constexpr (H2 == 2) {  // gs0, us0_0, gs1, us0_1
+        const float4 v = reinterpret_cast<const float4*>(wsc)[kb];
+        gs[0] = v.x, us0[0] = v.y, gs[H2 - 1] = v.z, us0[H2 - 1] = v.w;
+      } else {  // gs, us0
+        const float2 v = reinterpret_cast<const float2*>(wsc)[kb];
+        gs[0] = v.x, us0[0] = v.y;
+      }
+#pragma unroll
+      for (int h = 0; h < H2; ++h) us1[h] = kOneUp ? 0.f : wu1[H2 * kb + h];
+      dev::mbar_wait(bar_at(full0, s), ph);
+      const float xa = xs[s * Cfg::kMaxRows], xb = xs[s * Cfg::kMaxRows + 8];
+      const uint64_t step = uint64_t(uint32_t(s) * uint32_t(Cfg::kStageBytes / 16));
+      rows_m_k_block<Cfg, kOneUp>(acc, part, da0 + step, db0 + step, bar_at(empty0, s), gathered, gs, us0, us1, xa,
+                                  xb, up_hi);
+      if (++s == Cfg::kStages) {
+        s = 0;
+        ph ^= 1;
+      }
+    }
+  };
+  bool one_up = true;
+#pragma unroll
+  for (int h = 0; h < H2; ++h) one_up = one_up && up_hi[h] == 0;
+  if (one_up)
+    run(std::true_type{});
+  else
+    run(std::false_type{});
 }
 
 // The biases of output columns i and i + 1 (gate and up; 0 without bias).
@@ -788,7 +844,7 @@ __device__ __forceinline__ void consume_tile_rows_m(const Fc1KernelParams& p, co
                                                     float* wsc, const float* xsc) {
   const int lane = threadIdx.x & 31;
   const int r_lo = 64 * wg + 16 * ((threadIdx.x >> 5) & 3) + (lane >> 2);  // tile rows r_lo and r_lo + 8
-  const bool active = 64 * wg < t.n;  // warpgroup 1 idles on chunks of at most 64 rows
+  const bool active = 64 * wg < t.n;  // warpgroup 1 idles on chunks of at most 64 rows (t, wg: warp-uniform)
   const bool row_a = r_lo < t.rows, row_b = r_lo + 8 < t.rows;
   float acc[kHalves<Cfg>][kSliceW / 2];
   if constexpr (Cfg::kPair == 1) {
@@ -858,14 +914,23 @@ __global__ void __launch_bounds__(kThreads, 1)
                     row_off, order);
   } else {
     dev::setmaxnreg_inc<Cfg::kConsumerRegs>();
-    const int wg = warp / 4;
+    // The warpgroup, the tile count and each tile through __shfl_sync: the
+    // compiler then knows them warp-uniform (they come from threadIdx and
+    // shared memory), so the ring's stage index and the descriptors built
+    // from it live in uniform registers (rows_m_mainloop).
+    const int wg = __shfl_sync(~0u, warp / 4, 0);
     uint16_t* stg = reinterpret_cast<uint16_t*>(sm + Cfg::kOffEpi + wg * kEpiBytes);
-    const int total = tile_start[p.E];
+    const int total = __shfl_sync(~0u, tile_start[p.E], 0);
     int s = 0;
     uint32_t ph = 0;
     for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-      const TileInfo t = decode_tile<Cfg::kMaxRows>(tile, tile_start, row_off, order, p.E);
+      TileInfo t = decode_tile<Cfg::kMaxRows>(tile, tile_start, row_off, order, p.E);
       if constexpr (Cfg::kRowsM) {
+        t.e = __shfl_sync(~0u, t.e, 0);
+        t.hs = __shfl_sync(~0u, t.hs, 0);
+        t.p0 = __shfl_sync(~0u, t.p0, 0);
+        t.rows = __shfl_sync(~0u, t.rows, 0);
+        t.n = __shfl_sync(~0u, t.n, 0);
         // The W1 scales in the epilogue staging, which this tile does not use.
         consume_tile_rows_m<Cfg>(p, t, base, full0, empty0, wg, s, ph, reinterpret_cast<float*>(sm + Cfg::kOffEpi),
                                  scales);
