@@ -145,11 +145,11 @@ template <int kMaxRows_, Fc1In kIn_ = Fc1In::kBf16, bool kFp8Out_ = false, bool 
 struct Fc1Cfg {
   static constexpr int kMaxRows = kMaxRows_;
   static constexpr Fc1In kIn = kIn_;
-  // Block-scaled FP8 takes the token rows as wgmma's M (consume_tile_rows_m);
-  // every other input the transposed tile.
-  static constexpr bool kRowsM = kIn == Fc1In::kFp8Block;
+  // Block-scaled FP8 and wide bf16 tiles take the token rows as wgmma's M
+  // (consume_tile_rows_m); every other input the transposed tile.
   static constexpr bool kWide = kWide_;
-  static_assert(!kWide || kRowsM, "wide tiles are for block scales (token rows as M)");
+  static constexpr bool kRowsM = kIn == Fc1In::kFp8Block || (kIn == Fc1In::kBf16 && kWide);
+  static_assert(!kWide || kRowsM, "wide tiles take the token rows as M (block FP8 or bf16)");
   // (With the FP8 output the wide tile's consumers spill: 148 bytes, ptxas
   // 13.0; that output keeps the narrow pair.)
   static_assert(!(kWide && kFp8Out_), "wide tiles store bf16");
@@ -600,6 +600,67 @@ __device__ __forceinline__ void rows_m_k_block(float (&acc)[kHalves<Cfg>][kSlice
   }
 }
 
+// Wide bf16 tiles (Cfg::kRowsM with bf16 X and W1): the same stage as the
+// block-FP8 wide tile (the warpgroup's 64 token rows as A against the
+// stage's 256 W1 rows as B, two m64n128 chains) but no promotion: the MMAs
+// accumulate into acc[h] directly and run one stage deep (the previous
+// stage is released once its MMAs are done), as the transposed tile's
+// mainloop_dense does. A gathered token row feeds 256 W1 rows (the
+// transposed tile: 128), so the gather moves half the bytes a FLOP.
+template <class Cfg>
+__device__ __forceinline__ void rows_m_mainloop_bf16(const Fc1KernelParams& p, uint32_t stages, uint32_t full0,
+                                                     uint32_t empty0, int wg, int& s, uint32_t& ph, bool active,
+                                                     float (&acc)[kHalves<Cfg>][kSliceW / 2]) {
+  constexpr int N = kSliceW, H2 = kHalves<Cfg>;
+#pragma unroll
+  for (int k = 0; k < N / 2; ++k) {
+#pragma unroll
+    for (int h = 0; h < H2; ++h) acc[h][k] = 0.f;
+  }
+  if (!active) {  // warpgroup 1 on a chunk of at most 64 rows: release the stages
+#pragma unroll 1
+    for (int kb = 0; kb < p.k_blocks; ++kb) {
+      dev::mbar_wait(bar_at(full0, s), ph);
+      dev::release_stage_elect(bar_at(empty0, s));
+      if (++s == Cfg::kStages) {
+        s = 0;
+        ph ^= 1;
+      }
+    }
+    return;
+  }
+  const uint64_t da0 = dev::wgmma_desc_k_sw128(stages + uint32_t(Cfg::kWStage + wg * 64 * kTileBytes));
+  const uint64_t db0 = dev::wgmma_desc_k_sw128(stages);
+  const bool gathered = !p.x_permuted;
+  int prev = -1;
+#pragma unroll 1
+  for (int kb = 0; kb < p.k_blocks; ++kb) {
+    dev::mbar_wait(bar_at(full0, s), ph);
+    if (gathered) dev::fence_proxy_async_shared();  // the rows came through the generic proxy (cp.async)
+    const uint64_t step = uint64_t(uint32_t(s) * uint32_t(Cfg::kStageBytes / 16));
+#pragma unroll
+    for (int h = 0; h < H2; ++h) dev::fence_operands(acc[h]);
+    dev::wgmma_fence();
+#pragma unroll
+    for (int h = 0; h < H2; ++h)
+      k_block_mmas<false, N>(acc[h], da0 + step, db0 + step + uint64_t(h * kSliceW * kTileBytes / 16), true);
+    dev::wgmma_commit();
+#pragma unroll
+    for (int h = 0; h < H2; ++h) dev::fence_operands(acc[h]);
+    dev::wgmma_wait<1>();  // the previous stage's MMAs are done: release it
+    if (prev >= 0) dev::release_stage_elect(bar_at(empty0, prev));
+    prev = s;
+    if (++s == Cfg::kStages) {
+      s = 0;
+      ph ^= 1;
+    }
+  }
+  dev::wgmma_wait<0>();
+#pragma unroll
+  for (int h = 0; h < H2; ++h) dev::fence_operands(acc[h]);
+  if (prev >= 0) dev::release_stage_elect(bar_at(empty0, prev));
+}
+
 // Block-scaled FP8 with the token rows as wgmma's M (Cfg::kRowsM): below,
 // the mainloop over H of the kHalves<Cfg> slices hs, hs + 1, .. a stage
 // holds: acc[h] = the fp32 sums of the thread's 2 rows x 32 W1 rows (16
@@ -626,6 +687,10 @@ __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const 
                                                 float (&acc)[kHalves<Cfg>][kSliceW / 2], float* wsc,
                                                 const float* xsc) {
   constexpr int N = kSliceW, H2 = kHalves<Cfg>;
+  if constexpr (Cfg::kIn == Fc1In::kBf16) {
+    rows_m_mainloop_bf16<Cfg>(p, stages, full0, empty0, wg, s, ph, active, acc);
+    return;
+  }
   const int kbs = p.H / kScaleK;
   SliceScales sw[H2];
 #pragma unroll
@@ -1046,10 +1111,21 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   // parallelism (most slots are not local): a rank may take wide tiles at
   // well under 256 rows an expert. FLASHMIX_FC1_WIDE=0|1 pins it, read on
   // every call (the A/B, bench/results/ab/fc1-fp8-wide*; the tests).
+  // bf16 takes wide tiles (token rows as M) whenever it gathers: a gathered
+  // row then feeds 256 W1 rows instead of 128, and the gather's cp.asyncs,
+  // not the MMAs, bound the transposed tile (H200, same process: gathered
+  // Mixtral 5727-6622 -> 3569-3988 us, DeepSeek-EP 1568 -> 1035, Qwen3 677
+  // -> 448, decode T16 435 -> 414). From a permuted X it stays transposed
+  // (wide: 5-8 % slower, its W1 read twice for experts of 129-256 rows;
+  // bench/results/ab/fc1-bf16-wide-*; docs/moe_fc1.md).
   const char* pin_wide = std::getenv("FLASHMIX_FC1_WIDE");
   const bool pinned_wide = pin_wide != nullptr && *pin_wide != '\0';
-  const bool wide = p.fp8 == MoeFp8Scaling::kBlock && p.weights == MoeWeightFormat::kDense && p.out_scales == nullptr &&
-                    (pinned_wide ? std::atoi(pin_wide) != 0 : int64_t(p.T) * p.k >= int64_t(256) * p.E);
+  const bool dense_w1 = p.weights == MoeWeightFormat::kDense;
+  const bool wide_fp8 = p.fp8 == MoeFp8Scaling::kBlock && dense_w1 && p.out_scales == nullptr;
+  const bool wide_bf16 = p.fp8 == MoeFp8Scaling::kNone && dense_w1;
+  const bool wide_by_rule =
+      (wide_fp8 && int64_t(p.T) * p.k >= int64_t(256) * p.E) || (wide_bf16 && !p.x_permuted);
+  const bool wide = (wide_fp8 || wide_bf16) && (pinned_wide ? std::atoi(pin_wide) != 0 : wide_by_rule);
   // Block scales: the tile's W1 scales (3 a slice and K block) sit in the
   // epilogue staging (validate_moe_fc1 holds H to kFc1BlockMaxHidden).
   static_assert(kFc1BlockMaxHidden / kScaleK * 3 * 2 * 4 <= 2 * kEpiBytes &&
@@ -1132,6 +1208,7 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
       return rows128 ? launch<Fc1Cfg<128, Fc1In::kFp8Tensor>>(p, k, w, x64, x16, stream)
                      : launch<Fc1Cfg<256, Fc1In::kFp8Tensor>>(p, k, w, x64, x16, stream);
     case MoeFp8Scaling::kNone:
+      if (wide) return launch<Fc1Cfg<128, Fc1In::kBf16, false, true>>(p, k, w, x64, x16, stream);
       break;
   }
   return rows128 ? launch<Fc1Cfg<128>>(p, k, w, x64, x16, stream) : launch<Fc1Cfg<256>>(p, k, w, x64, x16, stream);

@@ -567,6 +567,50 @@ TEST(MoeFc1Gpu, Fp8BlockWideTiles) {
   check_case(c);
 }
 
+// Wide bf16 tiles (token rows as M, 256 W1 rows a stage; the rule takes
+// them when gathering): both layouts, gathered and permuted X, every
+// activation, I with the last tile's second slice partly or wholly past I,
+// H off the 64-deep stage, strided X, chunks under 64 rows (warpgroup 1
+// idles), empty experts, an EP rank and one token; each against the CPU
+// reference.
+TEST(MoeFc1Gpu, Bf16WideTiles) {
+  SKIP_WITHOUT_HOPPER();
+  const ScopedFc1Wide pin(true);
+  for (Fc1WeightLayout l : kLayouts)
+    for (bool permuted : {false, true})
+      for (int64_t I : {200, 136, 256}) {
+        SCOPED_TRACE(std::string(to_string(l)) + (permuted ? "/permuted" : "/gather") + " I=" + std::to_string(I));
+        Case c;
+        c.T = 600;
+        c.k = 4;
+        c.total = c.local = 8;  // 300 rows an expert on average: chunks of ~100 rows (t.n 112)
+        c.H = 328;              // five 64-deep stages and a partial one
+        c.I = I;
+        c.layout = l;
+        c.x_permuted = permuted;
+        c.x_pad = permuted ? 0 : 24;
+        c.bias = I != 256;
+        c.act = I == 200 ? MoeActivation::kSwiGLU : I == 136 ? MoeActivation::kSwiGLUOai : MoeActivation::kSwiGLUClamped;
+        check_case(c);
+      }
+  Case c;
+  c.T = 600;
+  c.k = 4;
+  c.total = c.local = 8;
+  c.routing = Case::kFirstHalfOnly;  // experts 0-3 take 600 rows each, 4-7 none
+  c.H = 256;
+  check_case(c);
+  c.routing = Case::kRandom;
+  c.total = 48;  // a middle rank of 6: ~50 rows an expert, warpgroup 1 idle on most chunks
+  c.start = 16;
+  c.local = 8;
+  check_case(c);
+  c.T = 1;  // one token
+  c.total = c.local = 8;
+  c.start = 0;
+  check_case(c);
+}
+
 // Block scales at the largest hidden size (kFc1BlockMaxHidden = 54528: the
 // tile's W1 scales fill 10,224 of the 10,240 bytes of staging), narrow and
 // wide tiles, gathered and permuted X.
