@@ -33,14 +33,19 @@
 // thread stores 16 consecutive bytes of one output row). setmaxnreg moves
 // the loaders' registers to the consumers.
 //
+// The gather in bf16 takes wide tiles (Fc1Cfg<128, kBf16, false, true>, the
+// block-FP8 wide tile's stage and orientation below, without promotion): a
+// gathered row then feeds 256 W1 rows instead of 128.
+//
 // Status (H100, bench/results, docs/moe_fc1.md): correct on every tested
-// shape; decode streams the used experts' W1 at ~0.98 of copy bandwidth. The
-// compute-bound shapes run at 2.4-2.8x a dense cuBLAS GEMM of equal FLOPs
-// with the gather and 1.4-2.1x from a permuted X (TMA row boxes; the issue's
-// bounds: 1.10-1.40x). The gather's cp.async row loads are the bound: the
-// consumers wait on their stages (ncu: tensor pipe 28 % busy), and the same
-// rows by TMA boxes, the 5-D weight box replaced, or the proxy fence removed
-// showed it is the cp.async path alone (~10 bytes a clock an SM in flight).
+// shape; decode streams the used experts' W1 at ~1.0 of copy bandwidth. The
+// compute-bound shapes run at 1.6-1.75x a dense cuBLAS GEMM of equal FLOPs
+// with the gather (wide tiles; 2.25-2.9x transposed) and 1.2-1.65x from a
+// permuted X (TMA row boxes; the issue's bounds: 1.10-1.40x). The gather's
+// cp.async row loads are the bound of the transposed tile: the consumers
+// wait on their stages (ncu: tensor pipe 28 % busy), and the same rows by
+// TMA boxes, the 5-D weight box replaced, or the proxy fence removed showed
+// it is the cp.async path alone (~10 bytes a clock an SM in flight).
 //
 // FP8 (spec §9.7; Fc1In): the same stages hold 128 e4m3 a row instead of 64
 // bf16 (W1 and a permuted X travel as bytes), the MMAs are m64nNk32 e4m3.
@@ -52,12 +57,13 @@
 // loop reads no global memory (docs/moe_fc1.md). Per-tensor scales: the bf16
 // mainloop, one multiply at the end. Block scales with experts of 256 rows
 // and more take wide tiles (Fc1Cfg::kWide: 256 W1 rows a stage, the two
-// slices' MMAs one after the other through one partial). Status (H100,
-// docs/moe_fc1.md): per-tensor from a permuted X 1.3-1.7x a dense FP8 GEMM;
-// block scales 2.0-2.2x from a permuted X, 2.3-2.4x gathering (the
-// transposed tile with the X scales copied into the stages by the loaders
-// ran 3.4-5.3x); the consumers are issue- and latency-bound (ncu), not fed
-// too slowly.
+// slices' MMAs one after the other through one partial); their K loop is
+// written for few instructions (warp-uniform stage index and descriptors,
+// rows_m_mainloop). Status (H100, docs/moe_fc1.md): per-tensor from a
+// permuted X 1.3-1.7x a dense FP8 GEMM; block scales 1.6-1.85x from a
+// permuted X, 2.1-2.3x gathering (the transposed tile with the X scales
+// copied into the stages by the loaders ran 3.4-5.3x); the consumers are
+// issue- and latency-bound (ncu), not fed too slowly.
 //
 // MXFP4 W1 (spec §13.7; Fc1In::kMxfp4Fp8 / kMxfp4Bf16): the stages hold the
 // packed bytes as TMA brings them (64 or 32 bytes a row, unswizzled) and
