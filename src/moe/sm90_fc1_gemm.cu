@@ -606,6 +606,22 @@ __device__ __forceinline__ void rows_m_k_block(float (&acc)[kHalves<Cfg>][kSlice
   }
 }
 
+// An idle consumer warpgroup's part of a token-rows-as-M tile: wait for each
+// of the tile's stages and release it.
+template <class Cfg>
+__device__ __forceinline__ void release_tile_stages(const Fc1KernelParams& p, uint32_t full0, uint32_t empty0, int& s,
+                                                    uint32_t& ph) {
+#pragma unroll 1
+  for (int kb = 0; kb < p.k_blocks; ++kb) {
+    dev::mbar_wait(bar_at(full0, s), ph);
+    dev::release_stage_elect(bar_at(empty0, s));
+    if (++s == Cfg::kStages) {
+      s = 0;
+      ph ^= 1;
+    }
+  }
+}
+
 // Wide bf16 tiles (Cfg::kRowsM with bf16 X and W1): the same stage as the
 // block-FP8 wide tile (the warpgroup's 64 token rows as A against the
 // stage's 256 W1 rows as B, two m64n128 chains) but no promotion: the MMAs
@@ -623,16 +639,8 @@ __device__ __forceinline__ void rows_m_mainloop_bf16(const Fc1KernelParams& p, u
 #pragma unroll
     for (int h = 0; h < H2; ++h) acc[h][k] = 0.f;
   }
-  if (!active) {  // warpgroup 1 on a chunk of at most 64 rows: release the stages
-#pragma unroll 1
-    for (int kb = 0; kb < p.k_blocks; ++kb) {
-      dev::mbar_wait(bar_at(full0, s), ph);
-      dev::release_stage_elect(bar_at(empty0, s));
-      if (++s == Cfg::kStages) {
-        s = 0;
-        ph ^= 1;
-      }
-    }
+  if (!active) {  // warpgroup 1 on a chunk of at most 64 rows
+    release_tile_stages<Cfg>(p, full0, empty0, s, ph);
     return;
   }
   const uint64_t da0 = dev::wgmma_desc_k_sw128(stages + uint32_t(Cfg::kWStage + wg * 64 * kTileBytes));
@@ -724,16 +732,8 @@ __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const 
     for (int h = 0; h < H2; ++h) acc[h][k] = 0.f;
     part[k] = 0.f;
   }
-  if (!active) {  // warpgroup 1 on a chunk of at most 64 rows: release the stages
-#pragma unroll 1
-    for (int kb = 0; kb < p.k_blocks; ++kb) {
-      dev::mbar_wait(bar_at(full0, s), ph);
-      dev::release_stage_elect(bar_at(empty0, s));
-      if (++s == Cfg::kStages) {
-        s = 0;
-        ph ^= 1;
-      }
-    }
+  if (!active) {  // warpgroup 1 on a chunk of at most 64 rows
+    release_tile_stages<Cfg>(p, full0, empty0, s, ph);
     return;
   }
   // Stage 0's descriptors (this warpgroup's 64 token rows; the stage's W1

@@ -240,6 +240,29 @@ void check_case(const Case& c, uint64_t salt = 0) {
   p.check(p.result());
 }
 
+// Wide tiles' routings: half the experts empty and the rest large; a
+// middle rank of 6 with ~50 rows an expert (T k >= 256 E_local, so the FP8
+// rule takes wide tiles, and warpgroup 1 idles on most chunks); one token.
+void check_skewed_routings(MoeFp8Scaling fp8) {
+  Case c;
+  c.fp8 = fp8;
+  c.T = 600;
+  c.k = 4;
+  c.total = c.local = 8;
+  c.routing = Case::kFirstHalfOnly;  // experts 0-3 take 600 rows each, 4-7 none
+  c.H = 256;
+  check_case(c);
+  c.routing = Case::kRandom;
+  c.total = 48;
+  c.start = 16;
+  c.local = 8;
+  check_case(c);
+  c.T = 1;
+  c.total = c.local = 8;
+  c.start = 0;
+  check_case(c);
+}
+
 const MoeActivation kActs[] = {MoeActivation::kSwiGLU, MoeActivation::kSwiGLUOai, MoeActivation::kSwiGLUClamped};
 const Fc1WeightLayout kLayouts[] = {Fc1WeightLayout::kGateUp, Fc1WeightLayout::kInterleaved};
 
@@ -552,19 +575,7 @@ TEST(MoeFc1Gpu, Fp8BlockWideTiles) {
         c.bias = I != 256;
         check_case(c);
       }
-  Case c;
-  c.fp8 = MoeFp8Scaling::kBlock;
-  c.T = 600;
-  c.k = 4;
-  c.total = c.local = 8;
-  c.routing = Case::kFirstHalfOnly;  // experts 0-3 take 600 rows each, 4-7 none
-  c.H = 256;
-  check_case(c);
-  c.routing = Case::kRandom;
-  c.total = 48;  // a middle rank of 6: T k >= 256 E_local picks wide tiles, yet ~50 rows an expert
-  c.start = 16;
-  c.local = 8;
-  check_case(c);
+  check_skewed_routings(MoeFp8Scaling::kBlock);
 }
 
 // Wide bf16 tiles (token rows as M, 256 W1 rows a stage; the rule takes
@@ -593,22 +604,7 @@ TEST(MoeFc1Gpu, Bf16WideTiles) {
         c.act = I == 200 ? MoeActivation::kSwiGLU : I == 136 ? MoeActivation::kSwiGLUOai : MoeActivation::kSwiGLUClamped;
         check_case(c);
       }
-  Case c;
-  c.T = 600;
-  c.k = 4;
-  c.total = c.local = 8;
-  c.routing = Case::kFirstHalfOnly;  // experts 0-3 take 600 rows each, 4-7 none
-  c.H = 256;
-  check_case(c);
-  c.routing = Case::kRandom;
-  c.total = 48;  // a middle rank of 6: ~50 rows an expert, warpgroup 1 idle on most chunks
-  c.start = 16;
-  c.local = 8;
-  check_case(c);
-  c.T = 1;  // one token
-  c.total = c.local = 8;
-  c.start = 0;
-  check_case(c);
+  check_skewed_routings(MoeFp8Scaling::kNone);
 }
 
 // Block scales at the largest hidden size (kFc1BlockMaxHidden = 54528: the
