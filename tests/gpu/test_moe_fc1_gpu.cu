@@ -607,6 +607,40 @@ TEST(MoeFc1Gpu, Bf16WideTiles) {
   check_skewed_routings(MoeFp8Scaling::kNone);
 }
 
+// The layer's two FC1 inputs give the same bits (spec §10.3): the gather
+// takes wide tiles (token rows as M) and a permuted X the transposed tile,
+// so the two orientations must agree bit for bit. Same inputs, both tiles
+// pinned in turn, every output element compared (each also against the CPU
+// reference).
+TEST(MoeFc1Gpu, Bf16WideAndTransposedTilesAreBitwiseEqual) {
+  SKIP_WITHOUT_HOPPER();
+  for (Fc1WeightLayout l : kLayouts)
+    for (MoeActivation a : kActs) {
+      SCOPED_TRACE(std::string(to_string(l)) + "/" + to_string(a));
+      Case c;
+      c.T = 300;
+      c.k = 4;
+      c.total = c.local = 8;
+      c.H = 328;
+      c.I = 200;
+      c.layout = l;
+      c.act = a;
+      Problem p(c);
+      HostTensor got[2];
+      for (int wide = 0; wide < 2; ++wide) {
+        const ScopedFc1Wide pin(wide == 1);
+        p.poison_out();
+        const Status st = p.run();
+        ASSERT_TRUE(st.ok()) << st.message();
+        CUDA_OK(cudaDeviceSynchronize());
+        got[wide] = p.result();
+        p.check(got[wide]);
+      }
+      const size_t n = size_t(p.routing.P() * c.I) * 2;  // the live rows' bytes
+      EXPECT_EQ(std::memcmp(got[0].data(), got[1].data(), n), 0);
+    }
+}
+
 // Block scales at the largest hidden size (kFc1BlockMaxHidden = 54528: the
 // tile's W1 scales fill 10,224 of the 10,240 bytes of staging), narrow and
 // wide tiles, gathered and permuted X.
