@@ -25,7 +25,7 @@
 //
 // CTA: 12 warps, persistent (one CTA per SM). Warps 8-11 load: lane 0 of warp
 // 8 issues W1's TMA box, all 128 threads the rows' cp.asyncs, into a ring of
-// 4 stages (tiles of up to 256 rows, or wide block-FP8 tiles) or 6 (up to 128
+// 4 stages (tiles of up to 256 rows, or wide tiles) or 6 (up to 128
 // rows; Fc1Cfg) (a stage completes on its mbarrier: the TMA bytes plus one
 // noinc arrival per loader thread); warps 0-7, two consumer warpgroups, each run
 // wgmma m64nNk16 on 64 of the tile's 128 W1 rows (= 32 output columns), then
@@ -132,7 +132,7 @@ constexpr int kLoaders = 128;
 // the epilogue staging, the experts' tables and the barriers. 256 rows: 4
 // stages of 48 KB; 128 rows: 6 of 32 KB (more bytes in flight, W1 slices
 // read twice for experts of 129-256 rows, the second time from L2); wide
-// block-FP8 tiles (128 rows, 256 W1 rows): 4 of 48 KB. With W4A8 and block
+// tiles (128 rows, 256 W1 rows): 4 of 48 KB. With W4A8 and block
 // FP8 a stage also holds the rows' X scales of its K block.
 //
 // MXFP4 W1: a stage holds the tile's packed rows as TMA writes them (128
@@ -142,11 +142,13 @@ constexpr int kLoaders = 128;
 // layout the wgmma reads), so the conversion overlaps the previous stage's
 // MMAs.
 //
-// Wide tiles (kWide_; block-scaled FP8 only): a stage holds 256 W1 rows (128
-// output columns, two slices side by side) against the 128 token rows, so
-// a byte brought from L2 feeds 1.37x the MMAs of the 128-row tile; each
-// consumer warpgroup runs the two slices' MMAs one after the other into one
-// 64-register partial (rows_m_mainloop).
+// Wide tiles (kWide_; block-scaled FP8, and bf16 when gathering): a stage
+// holds 256 W1 rows (128 output columns, two slices side by side) against
+// the 128 token rows (the token rows as wgmma's M), so a byte brought from
+// L2 feeds 1.37x the MMAs of the 128-row tile and a gathered row feeds 256
+// W1 rows. Block FP8: each consumer warpgroup runs the two slices' MMAs one
+// after the other into one 64-register partial (rows_m_mainloop); bf16: both
+// slices' MMAs straight into the accumulators (rows_m_mainloop_bf16).
 template <int kMaxRows_, Fc1In kIn_ = Fc1In::kBf16, bool kFp8Out_ = false, bool kWide_ = false>
 struct Fc1Cfg {
   static constexpr int kMaxRows = kMaxRows_;
