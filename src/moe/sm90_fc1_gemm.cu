@@ -693,8 +693,9 @@ __device__ __forceinline__ void rows_m_mainloop_bf16(const Fc1KernelParams& p, u
 // and so the stage index are warp-uniform (the caller passes them through
 // __shfl_sync), so the descriptors are uniform registers advanced by
 // constants; the slices' scale layout is decided once a tile (kOneUp); an
-// idle warpgroup runs a loop of its own; the W1 scales of a K block are one
-// 16-byte shared load (wide: 8 with the second up block).
+// idle warpgroup runs a loop of its own; a K block's gate and up W1 scales
+// are one shared load (16 bytes wide, 8 narrow), the up rows' second-block
+// scales a second one only where kOneUp is false.
 // (The loop of consume_tile_rows_m below.)
 template <class Cfg>
 __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const TileInfo& t, int hs,
