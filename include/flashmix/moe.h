@@ -363,9 +363,10 @@ namespace flashmix {
 enum class MoeFc1Input : int {
   // kPermutedCopy when experts average at least 64 rows (T * k >= 64 * E,
   // E = num_experts, or E_local where that is larger or num_experts is not
-  // given), else kGather (measured, docs/moe_fc1.md: on the prefill shapes
-  // the copy plus FC1's TMA row boxes beat the in-kernel gather by 1.26-1.50x;
-  // at decode the gather costs nothing and saves the copy).
+  // given), except for bf16 weights with I <= 1024; else kGather (measured,
+  // docs/moe_fc1.md: on the prefill shapes with large I the copy plus FC1's
+  // TMA row boxes beat the in-kernel gather; with I = 768 the gather's wide
+  // tiles win; at decode the gather costs nothing and saves the copy).
   kAuto = 0,
   kGather = 1,         // FC1 gathers X's rows itself (cp.async): no permuted copy exists
   kPermutedCopy = 2,   // the routing maps also write X's permuted rows into the workspace

@@ -637,8 +637,9 @@ def moe_forward(x, w1, w2, *, k, router_logits=None, token_selected_experts=None
         ``alpha``.
       fc1_input: what FC1 reads (spec §10.3, FC1_INPUTS): "gather" (x's rows gathered in the
         kernel), "permuted_copy" (the routing maps write x's permuted rows ``[k*T, H]`` into the
-        workspace) or "auto" ("permuted_copy" when ``T*k >= 64*E_local``, else "gather"). The
-        result is the same bit for bit; the workspace size depends on it.
+        workspace) or "auto" ("permuted_copy" when ``T*k >= 64*max(E, E_local)``, except with bf16
+        weights and ``I <= 1024``; else "gather"). The result is the same bit for bit; the
+        workspace size depends on it.
       mode: FC2's, as moe_fc2_finalize's (FC2_MODES).
       fp8: "none" (bf16 weights) or "block" (spec §10.4, FP8_SCALINGS): w1 and w2 hold e4m3 values
         (``torch.float8_e4m3fn`` or uint8 bytes) with float32 scales per 128 x 128 block, w1_scales

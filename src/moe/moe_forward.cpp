@@ -11,6 +11,7 @@
 // so bad input launches nothing and touches no output. No host sync: P lives
 // on the device (expert_first_token_offset), each kernel reads it there.
 #include <cstdint>
+#include <cstdlib>
 #include <vector>
 
 #include "common/check.h"
@@ -191,6 +192,37 @@ Stages make_stages(const MoeForwardArgs& a, char* ws, const MoeForwardLayout& l)
   return s;
 }
 
+// The glue the maps' count kernel does for the layer (detail::RoutingSideWork;
+// the three-launch path only): zero `out` where FC2 would memset it (kAtomic
+// with fill and no shared_output: ~5 us and a break in the PDL chain between
+// FC1 and FC2 at T = 4096, H = 2048 on an H100), and pull X into L2 where FC1
+// gathers the caller's bf16 rows. Before the count kernel's dependency wait
+// when the layer's router runs in front of it (RoutingSideWork::before_wait).
+// FLASHMIX_LAYER_SIDE_WORK=0 turns it off (same-binary A/B; read on every call).
+detail::RoutingSideWork maps_side_work(const MoeForwardArgs& a, const Stages& s) {
+  detail::RoutingSideWork w;
+  if (detail::plan_moe_routing(s.maps).single_block) return w;
+  const char* off = std::getenv("FLASHMIX_LAYER_SIDE_WORK");
+  if (off != nullptr && off[0] == '0') return w;
+  w.before_wait = s.run_router;
+  const int64_t out_stride_bytes = (a.out_stride ? a.out_stride : a.hidden) * 2;
+  if (a.fc2_mode == Fc2Mode::kAtomic && a.fill && a.shared_output == nullptr &&
+      reinterpret_cast<uintptr_t>(a.out) % 16 == 0 && out_stride_bytes % 16 == 0 && (a.hidden * 2) % 16 == 0) {
+    w.zero = a.out;
+    w.zero_rows = a.num_tokens;
+    w.zero_row_bytes = a.hidden * 2;
+    w.zero_stride_bytes = out_stride_bytes;
+  }
+  if (!s.fc1.x_permuted && s.fc1.X == a.X && !s.quantise_x) {
+    const int64_t elem = x_prequantised(a) ? 1 : 2;
+    w.prefetch = a.X;
+    w.prefetch_rows = a.num_tokens;
+    w.prefetch_row_bytes = a.hidden * elem;
+    w.prefetch_stride_bytes = (a.x_stride ? a.x_stride : a.hidden) * elem;
+  }
+  return w;
+}
+
 }  // namespace
 
 MoeForwardLayout moe_forward_layout(const MoeForwardArgs& a) {
@@ -367,7 +399,12 @@ MoeFc1Input moe_forward_fc1_input(const MoeForwardArgs& a) {
   if (a.fc1_input != MoeFc1Input::kAuto) return a.fc1_input;
   if (x_prequantised(a)) return MoeFc1Input::kGather;
   const int64_t experts = a.num_experts > a.num_experts_per_node ? a.num_experts : a.num_experts_per_node;
-  return a.num_tokens * a.k >= int64_t(64) * experts ? MoeFc1Input::kPermutedCopy : MoeFc1Input::kGather;
+  if (a.num_tokens * a.k < int64_t(64) * experts) return MoeFc1Input::kGather;
+  // bf16 with I <= 1024: the wide tiles' gather costs FC1 less than the copy
+  // (H100, Qwen3-MoE's T 4096 k 8 E 128 I 768 H 2048: layer 771 vs 780 us;
+  // with I = 2048 the copy wins by ~60 us; docs/moe_fc1.md).
+  if (!is_fp8(a) && a.weights == MoeWeightFormat::kDense && a.inter <= 1024) return MoeFc1Input::kGather;
+  return MoeFc1Input::kPermutedCopy;
 }
 
 const char* to_string(MoeFc1Input input) {
@@ -405,7 +442,7 @@ Status moe_forward(const MoeForwardArgs& a, void* workspace, size_t workspace_by
              " (ask moe_forward_workspace_size)");
   FM_REQUIRE(workspace != nullptr, kOp, "workspace", "must not be null");
   FM_REQUIRE(reinterpret_cast<uintptr_t>(workspace) % 256 == 0, kOp, "workspace", "must be 256-byte aligned");
-  const Stages s = make_stages(a, static_cast<char*>(workspace), l);
+  Stages s = make_stages(a, static_cast<char*>(workspace), l);
   FM_RETURN_IF_ERROR(validate_stages(a, s, true));  // every stage's buffers, before anything is enqueued
   FM_RETURN_IF_ERROR(check_workspace_alone(a, workspace, l.total));
   detail::DeviceProps dev;
@@ -413,8 +450,11 @@ Status moe_forward(const MoeForwardArgs& a, void* workspace, size_t workspace_by
   FM_REQUIRE_SUPPORTED(dev.cc_major == 9, kOp, "device", "needs an sm_90 (Hopper) GPU (compute capability ",
                        dev.cc_major, ".x)");
   if (s.run_router) FM_RETURN_IF_ERROR(in_layer(moe_router(s.router, stream)));
-  FM_RETURN_IF_ERROR(in_layer(
-      build_moe_routing_maps(s.maps, static_cast<char*>(workspace) + l.maps_ws, l.maps_ws_bytes, stream)));
+  detail::RoutingSideWork side = maps_side_work(a, s);
+  side.min_blocks = 2 * dev.sms;
+  if (side.zero != nullptr) s.fc2.out_already_zeroed = true;  // the count kernel zeroes out, not FC2's memset
+  FM_RETURN_IF_ERROR(in_layer(detail::build_moe_routing_maps_with(
+      s.maps, side, static_cast<char*>(workspace) + l.maps_ws, l.maps_ws_bytes, stream)));
   const int64_t* live_rows = s.maps.expert_first_token_offset + a.num_experts_per_node;  // P, on the device
   if (s.quantise_x) FM_RETURN_IF_ERROR(in_layer(quantize_fp8(s.quant_x, stream)));
   FM_RETURN_IF_ERROR(in_layer(moe_fc1(s.fc1, stream)));

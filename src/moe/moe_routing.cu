@@ -190,11 +190,39 @@ moe_routing_single_block_kernel(SlotSource src, int items, int64_t* __restrict__
   }
 }
 
+// ---- moe_forward's side work (detail::RoutingSideWork), spread over the grid --
+__device__ void side_work(const detail::RoutingSideWork& w) {
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
+  if (w.zero != nullptr) {
+    const int64_t per_row = w.zero_row_bytes / 16, total = w.zero_rows * per_row;
+    const bool dense = w.zero_stride_bytes == w.zero_row_bytes;
+    for (int64_t i = first; i < total; i += step) {
+      const int64_t r = dense ? 0 : i / per_row;
+      const int64_t off = dense ? i * 16 : r * w.zero_stride_bytes + (i - r * per_row) * 16;
+      *reinterpret_cast<uint4*>(static_cast<char*>(w.zero) + off) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  if (w.prefetch != nullptr) {
+    const int64_t per_row = (w.prefetch_row_bytes + 127) / 128, total = w.prefetch_rows * per_row;
+    for (int64_t i = first; i < total; i += step) {
+      const int64_t r = i / per_row;
+      const char* line = static_cast<const char*>(w.prefetch) + r * w.prefetch_stride_bytes + (i - r * per_row) * 128;
+      asm volatile("prefetch.global.L2::evict_last [%0];\n" ::"l"(line));
+    }
+  }
+}
+
 // ---- multi: 1) count per segment --------------------------------------------
 __global__ void __launch_bounds__(kThreads)
-moe_routing_count_kernel(SlotSource src, int items, int32_t* __restrict__ counts /* [segments][E] */) {
+moe_routing_count_kernel(SlotSource src, int items, int segments, int32_t* __restrict__ counts /* [segments][E] */,
+                         detail::RoutingSideWork side) {
   extern __shared__ int hist[];
+  if (side.before_wait) side_work(side);
   dev::grid_dependency_wait();
+  if (int(blockIdx.x) >= segments) {  // a block of the side work alone (RoutingSideWork::min_blocks)
+    if (!side.before_wait) side_work(side);
+    return;
+  }
   zero_shared(hist, src.E);
   int keys[kMaxItems];
   load_segment(src, int64_t(blockIdx.x) * items * kThreads, items, keys);
@@ -204,6 +232,7 @@ moe_routing_count_kernel(SlotSource src, int items, int32_t* __restrict__ counts
   dev::allow_dependents_launch();
   int32_t* row = counts + int64_t(blockIdx.x) * src.E;
   for (int e = threadIdx.x; e < src.E; e += blockDim.x) row[e] = hist[e];
+  if (!side.before_wait) side_work(side);
 }
 
 // ---- multi: 2) one block turns the counts into per-(segment, expert) bases --
@@ -495,7 +524,8 @@ Status set_smem(const void* kernel, size_t bytes) {
   return Status::Ok();
 }
 
-Status run_routing(const MoeRoutingArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+Status run_routing(const MoeRoutingArgs& a, const detail::RoutingSideWork& side, void* workspace,
+                   size_t workspace_bytes, cudaStream_t stream) {
   const detail::MoeRoutingPlan plan = detail::plan_moe_routing(a);
   FM_REQUIRE(workspace_bytes >= plan.workspace_bytes, kOp, "workspace_bytes", "must be >= ",
              plan.workspace_bytes, " (build_moe_routing_maps_workspace_size), got ", workspace_bytes);
@@ -528,8 +558,10 @@ Status run_routing(const MoeRoutingArgs& a, void* workspace, size_t workspace_by
     const uintptr_t raw = reinterpret_cast<uintptr_t>(workspace);
     int32_t* counts = reinterpret_cast<int32_t*>((raw + 255) & ~uintptr_t(255));
     const unsigned segments = unsigned(plan.num_segments);
-    err = dev::launch(moe_routing_count_kernel, dim3(segments), dim3(kThreads), sizeof(int) * size_t(E), stream,
-                      a.enable_pdl, src, plan.items, counts);
+    const bool any_side = side.zero != nullptr || side.prefetch != nullptr;
+    const unsigned count_blocks = any_side && side.min_blocks > int(segments) ? unsigned(side.min_blocks) : segments;
+    err = dev::launch(moe_routing_count_kernel, dim3(count_blocks), dim3(kThreads), sizeof(int) * size_t(E), stream,
+                      a.enable_pdl, src, plan.items, int(segments), counts, side);
     FM_RETURN_IF_ERROR(detail::cuda_status(err, kOp, "count kernel launch"));
     err = dev::launch(moe_routing_scan_kernel, dim3(1), dim3(kScanThreads), 0, stream, a.enable_pdl, counts,
                       int(plan.num_segments), E, a.expert_first_token_offset);
@@ -562,7 +594,13 @@ Status run_routing(const MoeRoutingArgs& a, void* workspace, size_t workspace_by
 Status build_moe_routing_maps(const MoeRoutingArgs& a, void* workspace, size_t workspace_bytes,
                               cudaStream_t stream) {
   FM_RETURN_IF_ERROR(validate_moe_routing_maps(a));
-  return detail::without_cuda_error_left(kOp, [&] { return run_routing(a, workspace, workspace_bytes, stream); });
+  return detail::without_cuda_error_left(
+      kOp, [&] { return run_routing(a, detail::RoutingSideWork{}, workspace, workspace_bytes, stream); });
+}
+
+Status detail::build_moe_routing_maps_with(const MoeRoutingArgs& a, const RoutingSideWork& side, void* workspace,
+                                           size_t workspace_bytes, cudaStream_t stream) {
+  return detail::without_cuda_error_left(kOp, [&] { return run_routing(a, side, workspace, workspace_bytes, stream); });
 }
 
 }  // namespace flashmix

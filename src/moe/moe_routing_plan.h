@@ -53,6 +53,33 @@ inline MoeRoutingPlan plan_moe_routing(const MoeRoutingArgs& a) {
   return p;
 }
 
+// moe_forward's glue, done by the maps' count kernel on the way (the
+// three-launch path only; plan.single_block ignores it): zero the layer's
+// output rows for FC2's atomic adds, so no memset runs between FC1 and FC2,
+// and pull the input rows FC1 gathers into L2 (they are read there from
+// DRAM otherwise: the layer's X is whatever the caller last wrote). Memory
+// traffic that the count kernel, bound by its latency, has room for.
+// before_wait: done ahead of the count kernel's dependency wait, i.e. while
+// the previous kernel finishes. Only where that kernel is the layer's own
+// router, which lets no dependent start before it exits (so every earlier
+// kernel on the stream is done, and nothing still reads `zero` or writes
+// `prefetch`); otherwise after the wait.
+struct RoutingSideWork {
+  void* zero = nullptr;  // rows of zero_row_bytes (a multiple of 16), 16-byte aligned, zero_stride_bytes apart
+  int64_t zero_rows = 0, zero_row_bytes = 0, zero_stride_bytes = 0;
+  const void* prefetch = nullptr;  // rows of prefetch_row_bytes, prefetch_stride_bytes apart
+  int64_t prefetch_rows = 0, prefetch_row_bytes = 0, prefetch_stride_bytes = 0;
+  bool before_wait = false;
+  // The count kernel's grid is at least this many blocks (those past its
+  // segments do the side work alone): the segments are few on small
+  // batches (16 at k*T = 8192), too few to move the bytes at speed.
+  int min_blocks = 0;
+};
+
+// build_moe_routing_maps (validated by the caller) with the side work.
+Status build_moe_routing_maps_with(const MoeRoutingArgs& args, const RoutingSideWork& side, void* workspace,
+                                   size_t workspace_bytes, cudaStream_t stream);
+
 }  // namespace flashmix::detail
 
 namespace flashmix {

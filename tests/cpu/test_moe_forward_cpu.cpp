@@ -109,6 +109,35 @@ TEST(MoeForwardCpu, WorkspaceHoldsThePermutedCopyOnlyWhenUsed) {
   EXPECT_STREQ(to_string(MoeFc1Input::kPermutedCopy), "permuted_copy");
 }
 
+
+// spec §10.3's kAuto rule, sizes only: the copy once experts average 64 rows,
+// except for bf16 weights with I <= 1024.
+TEST(MoeForwardCpu, AutoFc1InputRule) {
+  MoeForwardArgs a;
+  a.num_tokens = 4096;
+  a.k = 8;
+  a.num_experts = 128;
+  a.num_experts_per_node = 128;
+  a.hidden = 2048;
+  a.inter = 768;
+  EXPECT_EQ(moe_forward_fc1_input(a), MoeFc1Input::kGather);  // Qwen3-MoE: I = 768
+  a.inter = 1032;
+  EXPECT_EQ(moe_forward_fc1_input(a), MoeFc1Input::kPermutedCopy);
+  a.inter = 768;
+  a.fp8 = MoeFp8Scaling::kBlock;
+  EXPECT_EQ(moe_forward_fc1_input(a), MoeFc1Input::kPermutedCopy);
+  a.fp8 = MoeFp8Scaling::kNone;
+  a.weights = MoeWeightFormat::kMxfp4;
+  EXPECT_EQ(moe_forward_fc1_input(a), MoeFc1Input::kPermutedCopy);
+  a.weights = MoeWeightFormat::kDense;
+  a.inter = 2048;
+  a.num_tokens = 1023;  // T*k < 64 * E: the gather whatever I
+  EXPECT_EQ(moe_forward_fc1_input(a), MoeFc1Input::kGather);
+  a.num_tokens = 1024;
+  EXPECT_EQ(moe_forward_fc1_input(a), MoeFc1Input::kPermutedCopy);
+  a.fc1_input = MoeFc1Input::kGather;  // pinned
+  EXPECT_EQ(moe_forward_fc1_input(a), MoeFc1Input::kGather);
+}
 TEST(MoeForwardCpu, ZeroTokensIsValidAndWritesNothing) {
   Layer l;
   MoeForwardArgs a = l.a;

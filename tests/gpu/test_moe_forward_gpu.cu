@@ -196,6 +196,42 @@ TEST(MoeForwardGpu, Fc1GathersOrReadsAPermutedCopy) {
     }
 }
 
+// k*T past the maps' one-block path: their count kernel zeroes `out` for
+// FC2's atomic adds (with the router in front, before its dependency wait)
+// and pulls X into L2 where FC1 gathers it (detail::RoutingSideWork). Every
+// element of a poisoned `out`, twice in a row (the second call must zero it
+// again), with and without the router, gathered and from the copy, on an EP
+// rank (tokens without a local expert get 0), and without PDL.
+TEST(MoeForwardGpu, ThreeLaunchMapsZeroOutForTheAtomicAdds) {
+  SKIP_WITHOUT_HOPPER();
+  for (bool router : {true, false})
+    for (MoeFc1Input in : {MoeFc1Input::kGather, MoeFc1Input::kPermutedCopy})
+      for (bool ep : {false, true})
+        for (bool pdl : {true, false}) {
+          if (!pdl && (ep || in != MoeFc1Input::kGather)) continue;
+          SCOPED_TRACE(std::string(router ? "router " : "given ids ") +
+                       (in == MoeFc1Input::kGather ? "gather" : "permuted copy") + (ep ? " EP rank" : "") +
+                       (pdl ? "" : " no PDL"));
+          Case c;
+          c.T = 701;  // k*T = 2804 slots: the three-launch maps
+          c.router = router;
+          c.input = in;
+          if (ep) {
+            c.E = 48;
+            c.start = 32;
+          }
+          Layer l(c);
+          l.args.enable_pdl = pdl;
+          for (int rep = 0; rep < 2; ++rep) {
+            l.poison_out();
+            Status st = l.run();
+            ASSERT_TRUE(st.ok()) << st.message();
+            CUDA_OK(cudaDeviceSynchronize());
+            l.check();
+          }
+        }
+}
+
 TEST(MoeForwardGpu, GivenIdsAndWeightsInterleavedW1) {
   SKIP_WITHOUT_HOPPER();
   Case c;

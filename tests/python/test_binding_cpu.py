@@ -630,6 +630,9 @@ def test_moe_forward_zero_tokens_and_workspace_size():
     copy = flashmix.moe_forward_workspace_size(512, 8, 7168, 2048, 32, fc1_input="permuted_copy")
     assert copy - gather >= 512 * 8 * 7168 * 2
     assert flashmix.moe_forward_workspace_size(512, 8, 7168, 2048, 32) == copy  # 4096 rows >= 64 * 32
+    # except bf16 with I <= 1024 (Qwen3-MoE's experts): the gather
+    assert flashmix.moe_forward_workspace_size(4096, 8, 2048, 768, 128) == flashmix.moe_forward_workspace_size(
+        4096, 8, 2048, 768, 128, fc1_input="gather")
     # auto estimates rows an expert over all num_experts: 4096 < 64 * 256 picks the gather
     assert flashmix.moe_forward_workspace_size(512, 8, 7168, 2048, 32, num_experts=256,
                                                start_expert_id=64) == flashmix.moe_forward_workspace_size(
