@@ -128,8 +128,9 @@ namespace flashmix {
 // the benchmark set it to exercise and compare both paths.
 struct MoeRoutingTuning {
   // k*T at or below this runs as ONE block in ONE launch (decode); above it,
-  // three launches (count per segment, scan, stable scatter).
-  // 0 = automatic (2048); -1 = always three launches; at most 8192.
+  // count per segment then stable scatter (two launches, or three with a
+  // scan between them when segments x E_local > 16K).
+  // 0 = automatic (2048); -1 = never one block; at most 8192.
   int single_block_max_slots = 0;
 };
 

@@ -193,7 +193,7 @@ Stages make_stages(const MoeForwardArgs& a, char* ws, const MoeForwardLayout& l)
 }
 
 // The glue the maps' count kernel does for the layer (detail::RoutingSideWork;
-// the three-launch path only): zero `out` where FC2 would memset it (kAtomic
+// the multi-block path only): zero `out` where FC2 would memset it (kAtomic
 // with fill and no shared_output: ~5 us and a break in the PDL chain between
 // FC1 and FC2 at T = 4096, H = 2048 on an H100), and pull X into L2 where FC1
 // gathers the caller's bf16 rows. Before the count kernel's dependency wait

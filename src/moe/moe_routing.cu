@@ -11,8 +11,10 @@
 // Paths (chosen on the host from k*T only, see moe_routing_plan.h):
 //   single block (k*T <= 2048 by default, decode): one launch counts, scans
 //     and scatters, everything in shared memory.
-//   multi (prefill): count per segment -> one-block scan over (segment, expert)
-//     -> stable scatter per segment. Three launches chained with PDL.
+//   multi (prefill): count per segment -> stable scatter per segment, each
+//     scatter block scanning the counts itself (two launches, while the
+//     counts are at most 16K: MoeRoutingPlan::scatter_scans), or a one-block
+//     scan over (segment, expert) between them (three). Chained with PDL.
 // Ranking inside a block: each warp takes 32 consecutive slots; one ballot per
 // key bit gives the lanes with the same expert, so a slot's rank is the number of its
 // lower peers plus the counts of the same expert in lower warps (shared
@@ -26,6 +28,7 @@
 // input row, one write per local slot) and is
 // bandwidth-bound: it should reach the device copy bandwidth.
 #include <cstdint>
+#include <cstdlib>
 
 #include <cub/block/block_scan.cuh>
 #include <cuda_runtime.h>
@@ -214,8 +217,8 @@ __device__ void side_work(const detail::RoutingSideWork& w) {
 
 // ---- multi: 1) count per segment --------------------------------------------
 __global__ void __launch_bounds__(kThreads)
-moe_routing_count_kernel(SlotSource src, int items, int segments, int32_t* __restrict__ counts /* [segments][E] */,
-                         detail::RoutingSideWork side) {
+moe_routing_count_kernel(SlotSource src, int items, int segments, int32_t* __restrict__ counts,
+                         int64_t seg_stride, int64_t expert_stride, detail::RoutingSideWork side) {
   extern __shared__ int hist[];
   if (side.before_wait) side_work(side);
   dev::grid_dependency_wait();
@@ -230,8 +233,14 @@ moe_routing_count_kernel(SlotSource src, int items, int segments, int32_t* __res
   count_segment(keys, items, src.key_bits, hist);
   __syncthreads();
   dev::allow_dependents_launch();
-  int32_t* row = counts + int64_t(blockIdx.x) * src.E;
-  for (int e = threadIdx.x; e < src.E; e += blockDim.x) row[e] = hist[e];
+  int32_t* col = counts + int64_t(blockIdx.x) * seg_stride;
+  for (int e = threadIdx.x; e < src.E; e += blockDim.x) col[e * expert_stride] = hist[e];
+  // [E][segments_pad]: block 0 zeroes the padding segments (read as 16-byte quads).
+  if (blockIdx.x == 0 && seg_stride == 1) {
+    const int pad = int(expert_stride) - segments;
+    for (int i = threadIdx.x; i < pad * src.E; i += blockDim.x)
+      counts[int64_t(i / pad) * expert_stride + segments + i % pad] = 0;
+  }
   if (!side.before_wait) side_work(side);
 }
 
@@ -333,6 +342,82 @@ moe_routing_scatter_kernel(SlotSource src, int items, const int32_t* __restrict_
     if (i >= items) break;
     scatter_step(keys[i], seg_start + int64_t(i) * kThreads + threadIdx.x, src.key_bits, running, warp_count,
                  src.E, p2u, u2p);
+  }
+}
+
+// ---- multi, two launches: 2) each block scans the counts, then scatters ------
+// Block b needs, per expert e, offset[e] (the exclusive scan over experts of
+// the totals) plus e's count in the segments below b. Thread (g, e) sums
+// expert e's counts over part g of the segments ([E][segments_pad]: 16-byte
+// loads), in all and below b; the parts meet by shared atomics, one block
+// scan gives the offsets (block 0 writes them), and the scatter goes on as
+// moe_routing_scatter_kernel's. The counts are plain loads (the count kernel
+// wrote them; read after the dependency wait).
+__global__ void __launch_bounds__(kThreads)
+moe_routing_scan_scatter_kernel(SlotSource src, int items, int segments_pad, const int32_t* counts,
+                                int64_t* __restrict__ offsets, int32_t* __restrict__ p2u,
+                                int32_t* __restrict__ u2p) {
+  extern __shared__ int smem[];
+  int* running = smem;
+  uint16_t* warp_count = reinterpret_cast<uint16_t*>(smem + src.E);
+  __shared__ int total_of[detail::kRoutingMaxExperts], below_of[detail::kRoutingMaxExperts];
+  using BlockScan = cub::BlockScan<int, kThreads>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+  const int E = src.E, b = int(blockIdx.x);
+  const int64_t seg_start = int64_t(b) * items * kThreads;
+  // The expert ids are not written by the count kernel: load them before waiting.
+  int keys[kMaxItems];
+  load_segment(src, seg_start, items, keys);
+  zero_shared(reinterpret_cast<int*>(warp_count), (kWarps * E + 1) / 2);
+  zero_shared(total_of, E);
+  zero_shared(below_of, E);
+  __syncthreads();
+  dev::grid_dependency_wait();
+
+  // ew: E rounded up to a power of 2, at most kThreads (experts e0, e0 + ew, ...).
+  int ew = 1;
+  while (ew < E && ew < kThreads) ew <<= 1;
+  const int parts = kThreads / ew, g = int(threadIdx.x) / ew, e0 = int(threadIdx.x) % ew;
+  const int quads = segments_pad / 4, per_part = (quads + parts - 1) / parts;
+  const int q_begin = min(g * per_part, quads), q_end = min(q_begin + per_part, quads);
+  for (int e = e0; e < E; e += ew) {
+    const int4* q = reinterpret_cast<const int4*>(counts + int64_t(e) * segments_pad);
+    int all = 0, below = 0;
+#pragma unroll 4
+    for (int qi = q_begin; qi < q_end; ++qi) {
+      const int4 c = q[qi];
+      const int s0 = 4 * qi;
+      all += (c.x + c.y) + (c.z + c.w);
+      below += (s0 < b ? c.x : 0) + (s0 + 1 < b ? c.y : 0) + (s0 + 2 < b ? c.z : 0) + (s0 + 3 < b ? c.w : 0);
+    }
+    if (all) atomicAdd(total_of + e, all);
+    if (below) atomicAdd(below_of + e, below);
+  }
+  __syncthreads();
+  int c[2];  // E <= 1024 = 2 a thread
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int e = int(threadIdx.x) * 2 + i;
+    c[i] = e < E ? total_of[e] : 0;
+  }
+  int block_total;
+  BlockScan(scan_storage).ExclusiveSum(c, c, block_total);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int e = int(threadIdx.x) * 2 + i;
+    if (e < E) {
+      running[e] = c[i] + below_of[e];
+      if (b == 0) offsets[e] = c[i];
+    }
+  }
+  if (b == 0 && threadIdx.x == 0) offsets[E] = block_total;
+  __syncthreads();
+  dev::allow_dependents_launch();
+#pragma unroll
+  for (int i = 0; i < kMaxItems; ++i) {
+    if (i >= items) break;
+    scatter_step(keys[i], seg_start + int64_t(i) * kThreads + threadIdx.x, src.key_bits, running, warp_count, E,
+                 p2u, u2p);
   }
 }
 
@@ -560,17 +645,31 @@ Status run_routing(const MoeRoutingArgs& a, const detail::RoutingSideWork& side,
     const unsigned segments = unsigned(plan.num_segments);
     const bool any_side = side.zero != nullptr || side.prefetch != nullptr;
     const unsigned count_blocks = any_side && side.min_blocks > int(segments) ? unsigned(side.min_blocks) : segments;
+    // FLASHMIX_ROUTING_SCAN_KERNEL=1 takes the three launches where two would do (tests, A/B).
+    const char* pin = std::getenv("FLASHMIX_ROUTING_SCAN_KERNEL");
+    const bool two = plan.scatter_scans && !(pin != nullptr && pin[0] == '1');
+    const int64_t seg_stride = two ? 1 : E, expert_stride = two ? plan.segments_pad : 1;
     err = dev::launch(moe_routing_count_kernel, dim3(count_blocks), dim3(kThreads), sizeof(int) * size_t(E), stream,
-                      a.enable_pdl, src, plan.items, int(segments), counts, side);
+                      a.enable_pdl, src, plan.items, int(segments), counts, seg_stride, expert_stride, side);
     FM_RETURN_IF_ERROR(detail::cuda_status(err, kOp, "count kernel launch"));
-    err = dev::launch(moe_routing_scan_kernel, dim3(1), dim3(kScanThreads), 0, stream, a.enable_pdl, counts,
-                      int(plan.num_segments), E, a.expert_first_token_offset);
-    FM_RETURN_IF_ERROR(detail::cuda_status(err, kOp, "scan kernel launch"));
-    FM_RETURN_IF_ERROR(set_smem(reinterpret_cast<const void*>(moe_routing_scatter_kernel), scatter_smem));
-    err = dev::launch(moe_routing_scatter_kernel, dim3(segments), dim3(kThreads), scatter_smem, stream,
-                      a.enable_pdl, src, plan.items, static_cast<const int32_t*>(counts),
-                      a.permuted_row_to_unpermuted_row, a.unpermuted_row_to_permuted_row);
-    FM_RETURN_IF_ERROR(detail::cuda_status(err, kOp, "scatter kernel launch"));
+    if (two) {
+      const void* k = reinterpret_cast<const void*>(moe_routing_scan_scatter_kernel);
+      FM_RETURN_IF_ERROR(set_smem(k, scatter_smem));
+      err = dev::launch(moe_routing_scan_scatter_kernel, dim3(segments), dim3(kThreads), scatter_smem, stream,
+                        a.enable_pdl, src, plan.items, int(plan.segments_pad), static_cast<const int32_t*>(counts),
+                        a.expert_first_token_offset, a.permuted_row_to_unpermuted_row,
+                        a.unpermuted_row_to_permuted_row);
+      FM_RETURN_IF_ERROR(detail::cuda_status(err, kOp, "scan + scatter kernel launch"));
+    } else {
+      err = dev::launch(moe_routing_scan_kernel, dim3(1), dim3(kScanThreads), 0, stream, a.enable_pdl, counts,
+                        int(plan.num_segments), E, a.expert_first_token_offset);
+      FM_RETURN_IF_ERROR(detail::cuda_status(err, kOp, "scan kernel launch"));
+      FM_RETURN_IF_ERROR(set_smem(reinterpret_cast<const void*>(moe_routing_scatter_kernel), scatter_smem));
+      err = dev::launch(moe_routing_scatter_kernel, dim3(segments), dim3(kThreads), scatter_smem, stream,
+                        a.enable_pdl, src, plan.items, static_cast<const int32_t*>(counts),
+                        a.permuted_row_to_unpermuted_row, a.unpermuted_row_to_permuted_row);
+      FM_RETURN_IF_ERROR(detail::cuda_status(err, kOp, "scatter kernel launch"));
+    }
   }
 
   if (a.input != nullptr && a.permuted_input_scales != nullptr) {

@@ -202,7 +202,7 @@ TEST(MoeForwardGpu, Fc1GathersOrReadsAPermutedCopy) {
 // element of a poisoned `out`, twice in a row (the second call must zero it
 // again), with and without the router, gathered and from the copy, on an EP
 // rank (tokens without a local expert get 0), and without PDL.
-TEST(MoeForwardGpu, ThreeLaunchMapsZeroOutForTheAtomicAdds) {
+TEST(MoeForwardGpu, MultiBlockMapsZeroOutForTheAtomicAdds) {
   SKIP_WITHOUT_HOPPER();
   for (bool router : {true, false})
     for (MoeFc1Input in : {MoeFc1Input::kGather, MoeFc1Input::kPermutedCopy})
@@ -213,7 +213,7 @@ TEST(MoeForwardGpu, ThreeLaunchMapsZeroOutForTheAtomicAdds) {
                        (in == MoeFc1Input::kGather ? "gather" : "permuted copy") + (ep ? " EP rank" : "") +
                        (pdl ? "" : " no PDL"));
           Case c;
-          c.T = 701;  // k*T = 2804 slots: the three-launch maps
+          c.T = 701;  // k*T = 2804 slots: the multi-block maps
           c.router = router;
           c.input = in;
           if (ep) {

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -187,6 +188,24 @@ TEST(MoeRoutingGpu, MatchesReferenceOnRandomRoutings) {
       if (tuning == 8192 && s.T * s.k > 8192) continue;
       check_against_reference(random_experts(rng, s), s, tuning);
     }
+}
+
+// Where the counts are small enough, each scatter block scans them itself
+// (two launches; MoeRoutingPlan::scatter_scans): the shapes above take that
+// path. FLASHMIX_ROUTING_SCAN_KERNEL=1 pins the three launches (a one-block
+// scan between count and scatter), the same bits.
+TEST(MoeRoutingGpu, ThreeLaunchesWithTheScanKernelToo) {
+  SKIP_WITHOUT_GPU();
+  Rng rng(test_seed());
+  const Shape shapes[] = {
+      {8192, 8, 256, 0, 256}, {8192, 8, 128, 0, 128}, {4096, 2, 8, 0, 8},
+      {7777, 3, 300, 7, 200}, {100000, 8, 256, 128, 64}, {3000, 1, 1024, 0, 1024},
+  };
+  for (const char* pin : {"1", "0"}) {
+    ASSERT_EQ(setenv("FLASHMIX_ROUTING_SCAN_KERNEL", pin, 1), 0);
+    for (const Shape& s : shapes) check_against_reference(random_experts(rng, s), s, -1);
+  }
+  unsetenv("FLASHMIX_ROUTING_SCAN_KERNEL");
 }
 
 TEST(MoeRoutingGpu, KFrom1To16) {
