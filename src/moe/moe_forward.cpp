@@ -199,12 +199,13 @@ Stages make_stages(const MoeForwardArgs& a, char* ws, const MoeForwardLayout& l)
 // gathers the caller's bf16 rows. Before the count kernel's dependency wait
 // when the layer's router runs in front of it (RoutingSideWork::before_wait).
 // FLASHMIX_LAYER_SIDE_WORK=0 turns it off (same-binary A/B; read on every call).
-detail::RoutingSideWork maps_side_work(const MoeForwardArgs& a, const Stages& s) {
+detail::RoutingSideWork maps_side_work(const MoeForwardArgs& a, const Stages& s, int sms) {
   detail::RoutingSideWork w;
   if (detail::plan_moe_routing(s.maps).single_block) return w;
   const char* off = std::getenv("FLASHMIX_LAYER_SIDE_WORK");
   if (off != nullptr && off[0] == '0') return w;
   w.before_wait = s.run_router;
+  w.min_blocks = 2 * sms;
   const int64_t out_stride_bytes = (a.out_stride ? a.out_stride : a.hidden) * 2;
   if (a.fc2_mode == Fc2Mode::kAtomic && a.fill && a.shared_output == nullptr &&
       reinterpret_cast<uintptr_t>(a.out) % 16 == 0 && out_stride_bytes % 16 == 0 && (a.hidden * 2) % 16 == 0) {
@@ -450,8 +451,7 @@ Status moe_forward(const MoeForwardArgs& a, void* workspace, size_t workspace_by
   FM_REQUIRE_SUPPORTED(dev.cc_major == 9, kOp, "device", "needs an sm_90 (Hopper) GPU (compute capability ",
                        dev.cc_major, ".x)");
   if (s.run_router) FM_RETURN_IF_ERROR(in_layer(moe_router(s.router, stream)));
-  detail::RoutingSideWork side = maps_side_work(a, s);
-  side.min_blocks = 2 * dev.sms;
+  const detail::RoutingSideWork side = maps_side_work(a, s, dev.sms);
   if (side.zero != nullptr) s.fc2.out_already_zeroed = true;  // the count kernel zeroes out, not FC2's memset
   FM_RETURN_IF_ERROR(in_layer(detail::build_moe_routing_maps_with(
       s.maps, side, static_cast<char*>(workspace) + l.maps_ws, l.maps_ws_bytes, stream)));

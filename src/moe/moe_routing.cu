@@ -141,6 +141,41 @@ __device__ __forceinline__ void zero_shared(int* p, int n) {
   for (int i = threadIdx.x; i < n; i += blockDim.x) p[i] = 0;
 }
 
+// Scatters one segment: its keys, `items` steps of kThreads slots from slot seg_start.
+__device__ __forceinline__ void scatter_segment(const int (&keys)[kMaxItems], int items, int64_t seg_start,
+                                                const SlotSource& src, int* running, uint16_t* warp_count,
+                                                int32_t* __restrict__ p2u, int32_t* __restrict__ u2p) {
+#pragma unroll
+  for (int i = 0; i < kMaxItems; ++i) {
+    if (i >= items) break;
+    scatter_step(keys[i], seg_start + int64_t(i) * kThreads + threadIdx.x, src.key_bits, running, warp_count,
+                 src.E, p2u, u2p);
+  }
+}
+
+using ExpertScan = cub::BlockScan<int, kThreads>;
+
+// Exclusive scan over the experts of count_of[E] (shared; E <= 1024, two a
+// thread): put(e, base) for each expert, after every count is read. Returns
+// the total (in every thread).
+template <class Put>
+__device__ __forceinline__ int scan_experts(const int* count_of, int E, ExpertScan::TempStorage& storage, Put put) {
+  int c[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int e = int(threadIdx.x) * 2 + i;
+    c[i] = e < E ? count_of[e] : 0;
+  }
+  int total;
+  ExpertScan(storage).ExclusiveSum(c, c, total);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int e = int(threadIdx.x) * 2 + i;
+    if (e < E) put(e, c[i]);
+  }
+  return total;
+}
+
 // Shared memory of the scatter kernels: running[E] int32, then warp_count[kWarps][E] uint16.
 inline size_t scatter_smem_bytes(int E) {
   return size_t(E) * sizeof(int) + size_t(kWarps) * E * sizeof(uint16_t);
@@ -153,8 +188,7 @@ moe_routing_single_block_kernel(SlotSource src, int items, int64_t* __restrict__
   extern __shared__ int smem[];
   int* running = smem;
   uint16_t* warp_count = reinterpret_cast<uint16_t*>(smem + src.E);
-  using BlockScan = cub::BlockScan<int, kThreads>;
-  __shared__ typename BlockScan::TempStorage scan_storage;
+  __shared__ ExpertScan::TempStorage scan_storage;
 
   dev::grid_dependency_wait();  // the experts may come from the previous kernel
   zero_shared(running, src.E);
@@ -165,32 +199,15 @@ moe_routing_single_block_kernel(SlotSource src, int items, int64_t* __restrict__
   count_segment(keys, items, src.key_bits, running);
   __syncthreads();
 
-  // Exclusive scan of the counts: E <= 1024 = 2 per thread.
-  int c[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int e = threadIdx.x * 2 + i;
-    c[i] = e < src.E ? running[e] : 0;
-  }
-  int block_total;
-  BlockScan(scan_storage).ExclusiveSum(c, c, block_total);
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int e = threadIdx.x * 2 + i;
-    if (e < src.E) {
-      running[e] = c[i];
-      offsets[e] = c[i];
-    }
-  }
+  // Exclusive scan of the counts (in place in running[]).
+  const int block_total = scan_experts(running, src.E, scan_storage, [&](int e, int base) {
+    running[e] = base;
+    offsets[e] = base;
+  });
   if (threadIdx.x == 0) offsets[src.E] = block_total;
   __syncthreads();
   dev::allow_dependents_launch();
-
-#pragma unroll
-  for (int i = 0; i < kMaxItems; ++i) {
-    if (i >= items) break;
-    scatter_step(keys[i], int64_t(i) * kThreads + threadIdx.x, src.key_bits, running, warp_count, src.E, p2u, u2p);
-  }
+  scatter_segment(keys, items, 0, src, running, warp_count, p2u, u2p);
 }
 
 // ---- moe_forward's side work (detail::RoutingSideWork), spread over the grid --
@@ -337,12 +354,7 @@ moe_routing_scatter_kernel(SlotSource src, int items, const int32_t* __restrict_
   for (int e = threadIdx.x; e < src.E; e += blockDim.x) running[e] = row[e];
   __syncthreads();
   dev::allow_dependents_launch();
-#pragma unroll
-  for (int i = 0; i < kMaxItems; ++i) {
-    if (i >= items) break;
-    scatter_step(keys[i], seg_start + int64_t(i) * kThreads + threadIdx.x, src.key_bits, running, warp_count,
-                 src.E, p2u, u2p);
-  }
+  scatter_segment(keys, items, seg_start, src, running, warp_count, p2u, u2p);
 }
 
 // ---- multi, two launches: 2) each block scans the counts, then scatters ------
@@ -361,8 +373,7 @@ moe_routing_scan_scatter_kernel(SlotSource src, int items, int segments_pad, con
   int* running = smem;
   uint16_t* warp_count = reinterpret_cast<uint16_t*>(smem + src.E);
   __shared__ int total_of[detail::kRoutingMaxExperts], below_of[detail::kRoutingMaxExperts];
-  using BlockScan = cub::BlockScan<int, kThreads>;
-  __shared__ typename BlockScan::TempStorage scan_storage;
+  __shared__ ExpertScan::TempStorage scan_storage;
   const int E = src.E, b = int(blockIdx.x);
   const int64_t seg_start = int64_t(b) * items * kThreads;
   // The expert ids are not written by the count kernel: load them before waiting.
@@ -394,31 +405,14 @@ moe_routing_scan_scatter_kernel(SlotSource src, int items, int segments_pad, con
     if (below) atomicAdd(below_of + e, below);
   }
   __syncthreads();
-  int c[2];  // E <= 1024 = 2 a thread
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int e = int(threadIdx.x) * 2 + i;
-    c[i] = e < E ? total_of[e] : 0;
-  }
-  int block_total;
-  BlockScan(scan_storage).ExclusiveSum(c, c, block_total);
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int e = int(threadIdx.x) * 2 + i;
-    if (e < E) {
-      running[e] = c[i] + below_of[e];
-      if (b == 0) offsets[e] = c[i];
-    }
-  }
+  const int block_total = scan_experts(total_of, E, scan_storage, [&](int e, int base) {
+    running[e] = base + below_of[e];
+    if (b == 0) offsets[e] = base;
+  });
   if (b == 0 && threadIdx.x == 0) offsets[E] = block_total;
   __syncthreads();
   dev::allow_dependents_launch();
-#pragma unroll
-  for (int i = 0; i < kMaxItems; ++i) {
-    if (i >= items) break;
-    scatter_step(keys[i], seg_start + int64_t(i) * kThreads + threadIdx.x, src.key_bits, running, warp_count, E,
-                 p2u, u2p);
-  }
+  scatter_segment(keys, items, seg_start, src, running, warp_count, p2u, u2p);
 }
 
 // ---- expansion: permuted_input[p] = input[t] ------------------------------
