@@ -13,7 +13,7 @@
 // A stand-alone probe (not built by CMake), against the built library:
 //   nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Iinclude \
 //     -o layer_trace bench/probes/layer_trace.cu build/libflashmix.a -lcupti -lcuda
-//   ./layer_trace CASE [auto|gather|copy] [bf16|fp8]
+//   ./layer_trace CASE [auto|gather|copy] [bf16|fp8|fp8full]
 // CASE: qwen3 (T4096 k8 E128 I768 H2048), deepseek_ep (T1024 k8 E32 I2048
 // H7168), mixtral (T4096 k2 E8 I14336 H4096): flashmix-bench's moe_forward
 // cases, bf16 router logits.
@@ -108,13 +108,16 @@ __global__ void fill_bf16(__nv_bfloat16* p, int64_t n, uint32_t seed, float scal
   }
 }
 
-// e4m3 codes without NaN (0x7f / 0xff) and below +-8 (exponent field < 11), scales near 1/64.
-__global__ void fill_e4m3(uint8_t* p, int64_t n, uint32_t seed) {
+// e4m3 codes without NaN (0x7f / 0xff): below +-8 (exponent field < 11;
+// scales 1/64), or with `full` every finite magnitude up to 448 (scales
+// 1/4096), as quantize_fp8 of uniform weights gives: the same layer on
+// other bits, to see whether the data moves the FP8 GEMMs' clocks.
+__global__ void fill_e4m3(uint8_t* p, int64_t n, uint32_t seed, bool full) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     uint32_t x = uint32_t(i) * 2654435761u ^ seed * 97531u;
     x ^= x >> 15;
     x *= 2246822519u;
-    p[i] = uint8_t((x & 0x80) | ((x >> 8) % 88));
+    p[i] = uint8_t((x & 0x80) | ((x >> 8) % (full ? 127 : 88)));
   }
 }
 
@@ -222,12 +225,13 @@ int main(int argc, char** argv) {
   };
   const std::string want = argc > 1 ? argv[1] : "qwen3";
   const std::string input = argc > 2 ? argv[2] : "auto";
-  const bool fp8 = argc > 3 && std::string(argv[3]) == "fp8";
+  const bool fp8_full = argc > 3 && std::string(argv[3]) == "fp8full";
+  const bool fp8 = fp8_full || (argc > 3 && std::string(argv[3]) == "fp8");
   const Case* c = nullptr;
   for (const Case& x : cases)
     if (want == x.name) c = &x;
   if (!c) {
-    std::printf("usage: layer_trace qwen3|deepseek_ep|mixtral [auto|gather|copy] [bf16|fp8]\n");
+    std::printf("usage: layer_trace qwen3|deepseek_ep|mixtral [auto|gather|copy] [bf16|fp8|fp8full]\n");
     return 2;
   }
   const int64_t T = c->T, H = c->H, I = c->I, E = c->E;
@@ -241,13 +245,13 @@ int main(int argc, char** argv) {
   fill_bf16<<<1024, 256>>>(X, T * H, 21, 1.0f);
   fill_bf16<<<1024, 256>>>(logits, T * E, 22, 4.0f);
   if (fp8) {
-    fill_e4m3<<<4096, 256>>>(W1, E * 2 * I * H, 23);
-    fill_e4m3<<<4096, 256>>>(W2, E * H * I, 24);
+    fill_e4m3<<<4096, 256>>>(W1, E * 2 * I * H, 23, fp8_full);
+    fill_e4m3<<<4096, 256>>>(W2, E * H * I, 24, fp8_full);
     const int64_t n1 = E * (2 * I / 128) * (H / 128), n2 = E * ((H + 127) / 128) * (I / 128);
     s1 = dalloc<float>(size_t(n1));
     s2 = dalloc<float>(size_t(n2));
-    fill_f32<<<256, 256>>>(s1, n1, 1.0f / 64);
-    fill_f32<<<256, 256>>>(s2, n2, 1.0f / 64);
+    fill_f32<<<256, 256>>>(s1, n1, fp8_full ? 1.0f / 4096 : 1.0f / 64);
+    fill_f32<<<256, 256>>>(s2, n2, fp8_full ? 1.0f / 4096 : 1.0f / 64);
   } else {
     fill_bf16<<<4096, 256>>>(reinterpret_cast<__nv_bfloat16*>(W1), E * 2 * I * H, 23, 0.05f);
     fill_bf16<<<4096, 256>>>(reinterpret_cast<__nv_bfloat16*>(W2), E * H * I, 24, 0.05f);
