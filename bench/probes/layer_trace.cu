@@ -149,18 +149,27 @@ void trace(const char* label, Fn&& fn, cudaStream_t stream) {
   for (int i = 0; i < 3; ++i) fn();
   CK(cudaStreamSynchronize(stream));
   // Event-timed, as flashmix-bench: back to back, median.
-  const int reps = 9;
-  std::vector<cudaEvent_t> ev(2 * reps);
+  // LAYER_TRACE_REPS=N times N calls instead (the traced calls stay 9) and
+  // prints each call's time in order: drift under sustained load.
+  const char* env_reps = std::getenv("LAYER_TRACE_REPS");
+  const int timed = env_reps ? std::max(1, std::atoi(env_reps)) : 9;
+  std::vector<cudaEvent_t> ev(2 * timed);
   for (auto& evt : ev) CK(cudaEventCreate(&evt));
-  for (int i = 0; i < reps; ++i) {
+  for (int i = 0; i < timed; ++i) {
     CK(cudaEventRecord(ev[2 * i], stream));
     fn();
     CK(cudaEventRecord(ev[2 * i + 1], stream));
   }
   CK(cudaStreamSynchronize(stream));
-  std::vector<float> ms(reps);
-  for (int i = 0; i < reps; ++i) CK(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]));
+  std::vector<float> ms(timed);
+  for (int i = 0; i < timed; ++i) CK(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]));
+  if (env_reps) {
+    std::printf("\n%s: each of %d calls in order (us):", label, timed);
+    for (int i = 0; i < timed; ++i) std::printf("%s%.1f", i % 10 ? " " : "\n  ", ms[i] * 1e3);
+    std::printf("\n");
+  }
   std::sort(ms.begin(), ms.end());
+  const int reps = 9;  // traced calls
 
   CUPTI_CK(cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed));
   CUPTI_CK(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL));
@@ -183,7 +192,7 @@ void trace(const char* label, Fn&& fn, cudaStream_t stream) {
     return;
   }
   const size_t per = g_acts.size() / reps;
-  std::printf("\n%s: event-timed median %.1f us (min %.1f)\n", label, ms[reps / 2] * 1e3, ms[0] * 1e3);
+  std::printf("\n%s: event-timed median %.1f us (min %.1f)\n", label, ms[timed / 2] * 1e3, ms[0] * 1e3);
   std::vector<double> spans, sums, gaps, between;
   for (int r = 0; r < reps; ++r) {
     const Activity* a = &g_acts[r * per];
