@@ -24,6 +24,7 @@
 #include "moe/moe_fc2_internal.h"
 #include "moe/moe_forward_internal.h"
 #include "moe/moe_routing_plan.h"
+#include "moe/sm90_fc1_gemm.h"
 
 namespace flashmix {
 
@@ -43,6 +44,11 @@ struct Stages {
   bool fp8 = false;
   bool quantise_x = false;  // X [T, H] quantised by quantize_fp8 (fp8, gathered, not x_prequantised)
   QuantizeFp8Args quant_x, quant_act;
+  // On the GPU, FC1 writes e4m3 rows + scales itself where its wide tile
+  // does (fc1_q: fc1 with quant_act's outputs), bitwise quant_act of fc1's
+  // rows (spec §9.8); the CPU path runs fc1 then quant_act.
+  bool fc1_fp8_out = false;
+  MoeFc1Args fc1_q;
 };
 
 // The input FC1 reads: the caller's X gathered in the kernel, or a permuted
@@ -54,6 +60,13 @@ bool use_permuted_copy(const MoeForwardArgs& a) {
 }
 
 bool is_fp8(const MoeForwardArgs& a) { return a.fp8 != MoeFp8Scaling::kNone; }
+
+// FLASHMIX_LAYER_FC1_FP8_OUT=0 keeps FC1's bf16 rows and the quantisation
+// pass where FC1 could write e4m3 itself (the A/B; read on every call).
+bool fc1_fp8_out_allowed() {
+  const char* e = std::getenv("FLASHMIX_LAYER_FC1_FP8_OUT");
+  return e == nullptr || std::atoi(e) != 0;
+}
 
 // X arrives as e4m3 with its scales (MoeForwardArgs::x_scales): not quantised here.
 bool x_prequantised(const MoeForwardArgs& a) { return is_fp8(a) && a.x_scales != nullptr; }
@@ -157,11 +170,20 @@ Stages make_stages(const MoeForwardArgs& a, char* ws, const MoeForwardLayout& l)
   s.fc1.activation = a.activation;
   s.fc1.limit = a.activation_limit;
   s.fc1.alpha = a.activation_alpha;
-  // FC1's bf16 rows, quantised by quantize_fp8 with fp8. (FC1's own FP8
-  // output, spec §9.8, measured slower on H100 prefill and decode: FC1 4-25 %
-  // slower against a ~20 us quantisation pass; docs/moe_fc1.md.)
+  // FC1's bf16 rows, quantised by quantize_fp8 with fp8; or, where FC1
+  // takes wide tiles with block-FP8 weights, FC1's own FP8 output (spec
+  // §9.8; the narrow tile's FP8 output measured slower than bf16 rows and
+  // the ~20 us quantisation pass; docs/moe_fc1.md).
   s.fc1.out = at(l.fc1_out);
   s.fc1.enable_pdl = a.enable_pdl;
+  if (a.fp8 == MoeFp8Scaling::kBlock && a.weights == MoeWeightFormat::kDense && fc1_fp8_out_allowed() &&
+      sm90_fc1_wide_tiles(a.fp8, a.weights, s.fc1.x_permuted, T, a.k, a.num_experts_per_node)) {
+    s.fc1_fp8_out = true;
+    s.fc1_q = s.fc1;
+    s.fc1_q.out = s.quant_act.q;
+    s.fc1_q.out_scales = s.quant_act.scales;
+    s.fc1_q.out_scale_format = s.quant_act.scale_format;
+  }
 
   s.fc2.A = fp8 ? at(l.act_q) : at(l.fc1_out);
   s.fc2.W2 = a.W2;
@@ -391,6 +413,7 @@ Status validate_stages(const MoeForwardArgs& a, const Stages& s, bool check_buff
     FM_RETURN_IF_ERROR(in_layer(validate_quantize_fp8(s.quant_act)));
   }
   FM_RETURN_IF_ERROR(in_layer(validate_fc1(s.fc1, check_buffers)));
+  if (s.fc1_fp8_out) FM_RETURN_IF_ERROR(in_layer(validate_fc1(s.fc1_q, check_buffers)));
   return in_layer(validate_fc2(s.fc2, check_buffers));
 }
 
@@ -457,8 +480,12 @@ Status moe_forward(const MoeForwardArgs& a, void* workspace, size_t workspace_by
       s.maps, side, static_cast<char*>(workspace) + l.maps_ws, l.maps_ws_bytes, stream)));
   const int64_t* live_rows = s.maps.expert_first_token_offset + a.num_experts_per_node;  // P, on the device
   if (s.quantise_x) FM_RETURN_IF_ERROR(in_layer(quantize_fp8(s.quant_x, stream)));
-  FM_RETURN_IF_ERROR(in_layer(moe_fc1(s.fc1, stream)));
-  if (s.fp8) FM_RETURN_IF_ERROR(in_layer(quantize_fp8_device_rows(s.quant_act, live_rows, stream)));
+  if (s.fc1_fp8_out) {
+    FM_RETURN_IF_ERROR(in_layer(moe_fc1(s.fc1_q, stream)));
+  } else {
+    FM_RETURN_IF_ERROR(in_layer(moe_fc1(s.fc1, stream)));
+    if (s.fp8) FM_RETURN_IF_ERROR(in_layer(quantize_fp8_device_rows(s.quant_act, live_rows, stream)));
+  }
   return in_layer(moe_fc2_finalize(s.fc2, static_cast<char*>(workspace) + l.fc2_ws, l.fc2_ws_bytes, stream));
 }
 

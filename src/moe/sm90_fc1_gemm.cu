@@ -158,18 +158,16 @@ struct Fc1Cfg {
   static constexpr bool kWide = kWide_;
   static constexpr bool kRowsM = kIn == Fc1In::kFp8Block || (kIn == Fc1In::kBf16 && kWide);
   static_assert(!kWide || kRowsM, "wide tiles take the token rows as M (block FP8 or bf16)");
-  // (With the FP8 output the wide tile's consumers spill: 148 bytes, ptxas
-  // 13.0; that output keeps the narrow pair.)
-  static_assert(!(kWide && kFp8Out_), "wide tiles store bf16");
+  static constexpr bool kFp8Out = kFp8Out_;
   static constexpr int kTileW = kWide ? 2 * kSliceW : kSliceW;  // W1 rows a stage
   // Slices a tile covers: two with the FP8 output (spec §9.8; block scales
   // only: one 1 x 128 scale block of output columns) or wide tiles.
   static constexpr int kSlicesPerTile = kFp8Out_ || kWide ? 2 : 1;
-  // Tiles with the FP8 output run their two slices one after the other
-  // (kPair). Its own instantiation, so the bf16-output kernels compile as
-  // they did without it.
-  static constexpr int kPair = kFp8Out_ ? 2 : 1;
-  static_assert(!kFp8Out_ || kRowsM, "the FP8 output needs block scales (token rows as M)");
+  // Narrow tiles with the FP8 output run their two slices one after the
+  // other (kPair); wide tiles hold both in one stage. Its own
+  // instantiation, so the bf16-output kernels compile as they did without it.
+  static constexpr int kPair = kFp8Out && !kWide ? 2 : 1;
+  static_assert(!kFp8Out || kRowsM, "the FP8 output needs block scales (token rows as M)");
   // setmaxnreg (128 loaders x kLoaderRegs + 256 x kConsumerRegs <= 168 x
   // 384, what the CTA holds at launch): wide tiles' loaders need 64 with the
   // X scales' stores (56 spilled); their consumers fit 216 once the X scales
@@ -899,6 +897,27 @@ __device__ __forceinline__ void rows_m_store_bf16(const Fc1KernelParams& p, cons
   }
 }
 
+// The FP8 output of a tile's 128-column scale block for the thread's rows
+// r_lo (row_a) and r_lo + 8 (row_b): `first` and `second` are the two
+// 64-column slices' bf16 activations (rows_m_activations). Every lane
+// shuffles (rows past the chunk included); only live rows store.
+__device__ __forceinline__ void rows_m_store_fp8(const Fc1KernelParams& p, const TileInfo& t, int r_lo, bool row_a,
+                                                 bool row_b, const __nv_bfloat162 (&first)[16],
+                                                 const __nv_bfloat162 (&second)[16]) {
+  const __nv_bfloat162(&a0)[8] = *reinterpret_cast<const __nv_bfloat162(*)[8]>(&first[0]);
+  const __nv_bfloat162(&a1)[8] = *reinterpret_cast<const __nv_bfloat162(*)[8]>(&second[0]);
+  const __nv_bfloat162(&b0)[8] = *reinterpret_cast<const __nv_bfloat162(*)[8]>(&first[8]);
+  const __nv_bfloat162(&b1)[8] = *reinterpret_cast<const __nv_bfloat162(*)[8]>(&second[8]);
+  const int64_t ra = int64_t(t.p0 + r_lo), rb = ra + 8;
+  if (p.out_ue8m0) {
+    rows_m_store_fp8_row<ScaleFormat::kUE8M0>(p, ra, t.hs, row_a, a0, a1);
+    rows_m_store_fp8_row<ScaleFormat::kUE8M0>(p, rb, t.hs, row_b, b0, b1);
+  } else {
+    rows_m_store_fp8_row<ScaleFormat::kFloat32>(p, ra, t.hs, row_a, a0, a1);
+    rows_m_store_fp8_row<ScaleFormat::kFloat32>(p, rb, t.hs, row_b, b0, b1);
+  }
+}
+
 // Block scales with the token rows as wgmma's M: the stage's row operand
 // (A, 64 rows a consumer warpgroup: tile rows 64 wg ..) against the stage's
 // 128 or (wide) 256 W1 rows (B, N = 128 an MMA). A thread's accumulator rows
@@ -924,9 +943,18 @@ __device__ __forceinline__ void consume_tile_rows_m(const Fc1KernelParams& p, co
   if constexpr (Cfg::kPair == 1) {
     rows_m_mainloop<Cfg>(p, t, t.hs * kHalves<Cfg>, stages, full0, empty0, wg, s, ph, r_lo, active, acc, wsc, xsc);
     if (!active) return;
+    if constexpr (Cfg::kFp8Out) {
+      // Wide tiles with the FP8 output: the stage's two slices are the
+      // tile's 128-column scale block.
+      __nv_bfloat162 first[16], second[16];
+      rows_m_activations(p, t, 2 * t.hs * kSliceOut, acc[0], first);
+      rows_m_activations(p, t, (2 * t.hs + 1) * kSliceOut, acc[1], second);
+      rows_m_store_fp8(p, t, r_lo, row_a, row_b, first, second);
+    } else {
 #pragma unroll
-    for (int h = 0; h < kHalves<Cfg>; ++h)
-      rows_m_store_bf16(p, t, (t.hs * kHalves<Cfg> + h) * kSliceOut, acc[h], r_lo, row_a, row_b);
+      for (int h = 0; h < kHalves<Cfg>; ++h)
+        rows_m_store_bf16(p, t, (t.hs * kHalves<Cfg> + h) * kSliceOut, acc[h], r_lo, row_a, row_b);
+    }
   } else {
     __nv_bfloat162 first[16], second[16];
     rows_m_mainloop<Cfg>(p, t, 2 * t.hs, stages, full0, empty0, wg, s, ph, r_lo, active, acc, wsc, xsc);
@@ -934,19 +962,7 @@ __device__ __forceinline__ void consume_tile_rows_m(const Fc1KernelParams& p, co
     rows_m_mainloop<Cfg>(p, t, 2 * t.hs + 1, stages, full0, empty0, wg, s, ph, r_lo, active, acc, wsc, xsc);
     if (!active) return;
     rows_m_activations(p, t, (2 * t.hs + 1) * kSliceOut, acc[0], second);
-    const __nv_bfloat162(&a0)[8] = *reinterpret_cast<const __nv_bfloat162(*)[8]>(&first[0]);
-    const __nv_bfloat162(&a1)[8] = *reinterpret_cast<const __nv_bfloat162(*)[8]>(&second[0]);
-    const __nv_bfloat162(&b0)[8] = *reinterpret_cast<const __nv_bfloat162(*)[8]>(&first[8]);
-    const __nv_bfloat162(&b1)[8] = *reinterpret_cast<const __nv_bfloat162(*)[8]>(&second[8]);
-    // Every lane shuffles (rows past the chunk included); only live rows store.
-    const int64_t ra = int64_t(t.p0 + r_lo), rb = ra + 8;
-    if (p.out_ue8m0) {
-      rows_m_store_fp8_row<ScaleFormat::kUE8M0>(p, ra, t.hs, row_a, a0, a1);
-      rows_m_store_fp8_row<ScaleFormat::kUE8M0>(p, rb, t.hs, row_b, b0, b1);
-    } else {
-      rows_m_store_fp8_row<ScaleFormat::kFloat32>(p, ra, t.hs, row_a, a0, a1);
-      rows_m_store_fp8_row<ScaleFormat::kFloat32>(p, rb, t.hs, row_b, b0, b1);
-    }
+    rows_m_store_fp8(p, t, r_lo, row_a, row_b, first, second);
   }
 }
 
@@ -1108,33 +1124,37 @@ Status launch(const Sm90Fc1Params& p, const Fc1KernelParams& k, const CUtensorMa
 
 }  // namespace
 
+// Block-scaled FP8 (bf16 or FP8 out): wide tiles (256 W1 rows a stage) once
+// T k >= 256 E_local (measured faster at 256 and 1024 rows an expert,
+// slower at decode sizes; 32-255 not measured). They halve the tiles,
+// which decode needs to keep its SMs streaming W1. Like the ring's rule
+// below, T k / E_local overstates the rows an expert under expert
+// parallelism (most slots are not local): a rank may take wide tiles at
+// well under 256 rows an expert. FLASHMIX_FC1_WIDE=0|1 pins it, read on
+// every call (the A/B, bench/results/ab/fc1-fp8-wide*; the tests). With the
+// FP8 output the tile's two slices are one 128-column scale block.
+// bf16 takes wide tiles (token rows as M) whenever it gathers: a gathered
+// row then feeds 256 W1 rows instead of 128, and the gather's cp.asyncs,
+// not the MMAs, bound the transposed tile (H200, same process: gathered
+// Mixtral 5727-6622 -> 3569-3988 us, DeepSeek-EP 1568 -> 1035, Qwen3 677
+// -> 448, decode T16 435 -> 414). From a permuted X it stays transposed
+// (wide: 5-8 % slower, its W1 read twice for experts of 129-256 rows;
+// bench/results/ab/fc1-bf16-wide-*; docs/moe_fc1.md).
+bool sm90_fc1_wide_tiles(MoeFp8Scaling fp8, MoeWeightFormat weights, bool x_permuted, int64_t T, int k, int E) {
+  const char* pin_wide = std::getenv("FLASHMIX_FC1_WIDE");
+  const bool pinned_wide = pin_wide != nullptr && *pin_wide != '\0';
+  const bool dense_w1 = weights == MoeWeightFormat::kDense;
+  const bool wide_fp8 = fp8 == MoeFp8Scaling::kBlock && dense_w1;
+  const bool wide_bf16 = fp8 == MoeFp8Scaling::kNone && dense_w1;
+  const bool wide_by_rule = (wide_fp8 && T * k >= int64_t(256) * E) || (wide_bf16 && !x_permuted);
+  return (wide_fp8 || wide_bf16) && (pinned_wide ? std::atoi(pin_wide) != 0 : wide_by_rule);
+}
+
 Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   // MXFP4 at decode: the kernel that converts in registers (sm90_mx_decode.cu).
   if (p.weights == MoeWeightFormat::kMxfp4 && mx_decode_applies(p.T, p.k, p.E, 2 * int64_t(p.I), p.H))
     return sm90_fc1_run_mx_decode(p, stream);
-  // Block-scaled FP8 with bf16 out: wide tiles (256 W1 rows a stage) once
-  // T k >= 256 E_local (measured faster at 256 and 1024 rows an expert,
-  // slower at decode sizes; 32-255 not measured). They halve the tiles,
-  // which decode needs to keep its SMs streaming W1. Like the ring's rule
-  // below, T k / E_local overstates the rows an expert under expert
-  // parallelism (most slots are not local): a rank may take wide tiles at
-  // well under 256 rows an expert. FLASHMIX_FC1_WIDE=0|1 pins it, read on
-  // every call (the A/B, bench/results/ab/fc1-fp8-wide*; the tests).
-  // bf16 takes wide tiles (token rows as M) whenever it gathers: a gathered
-  // row then feeds 256 W1 rows instead of 128, and the gather's cp.asyncs,
-  // not the MMAs, bound the transposed tile (H200, same process: gathered
-  // Mixtral 5727-6622 -> 3569-3988 us, DeepSeek-EP 1568 -> 1035, Qwen3 677
-  // -> 448, decode T16 435 -> 414). From a permuted X it stays transposed
-  // (wide: 5-8 % slower, its W1 read twice for experts of 129-256 rows;
-  // bench/results/ab/fc1-bf16-wide-*; docs/moe_fc1.md).
-  const char* pin_wide = std::getenv("FLASHMIX_FC1_WIDE");
-  const bool pinned_wide = pin_wide != nullptr && *pin_wide != '\0';
-  const bool dense_w1 = p.weights == MoeWeightFormat::kDense;
-  const bool wide_fp8 = p.fp8 == MoeFp8Scaling::kBlock && dense_w1 && p.out_scales == nullptr;
-  const bool wide_bf16 = p.fp8 == MoeFp8Scaling::kNone && dense_w1;
-  const bool wide_by_rule =
-      (wide_fp8 && int64_t(p.T) * p.k >= int64_t(256) * p.E) || (wide_bf16 && !p.x_permuted);
-  const bool wide = (wide_fp8 || wide_bf16) && (pinned_wide ? std::atoi(pin_wide) != 0 : wide_by_rule);
+  const bool wide = sm90_fc1_wide_tiles(p.fp8, p.weights, p.x_permuted, p.T, p.k, p.E);
   // Block scales: the tile's W1 scales (3 a slice and K block) sit in the
   // epilogue staging (validate_moe_fc1 holds H to kFc1BlockMaxHidden).
   static_assert(kFc1BlockMaxHidden / kScaleK * 3 * 2 * 4 <= 2 * kEpiBytes &&
@@ -1210,7 +1230,9 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   }
   switch (p.fp8) {
     case MoeFp8Scaling::kBlock:
-      if (wide) return launch<Fc1Cfg<128, Fc1In::kFp8Block, false, true>>(p, k, w, x64, x16, stream);
+      if (wide)
+        return p.out_scales != nullptr ? launch<Fc1Cfg<128, Fc1In::kFp8Block, true, true>>(p, k, w, x64, x16, stream)
+                                       : launch<Fc1Cfg<128, Fc1In::kFp8Block, false, true>>(p, k, w, x64, x16, stream);
       return p.out_scales != nullptr ? launch<Fc1Cfg<128, Fc1In::kFp8Block, true>>(p, k, w, x64, x16, stream)
                                      : launch<Fc1Cfg<128, Fc1In::kFp8Block>>(p, k, w, x64, x16, stream);
     case MoeFp8Scaling::kTensor:

@@ -40,6 +40,13 @@ constexpr int kFc1MaxExperts = 1024;
 // a slice and K block for up to two slices, sit in shared memory).
 constexpr int kFc1BlockMaxHidden = 54528;
 
+// Whether the launcher takes wide tiles (256 W1 rows a stage, token rows as
+// wgmma's M) for these operands: block-scaled FP8 with dense W1 once
+// T k >= 256 E_local, bf16 with dense W1 whenever it gathers;
+// FLASHMIX_FC1_WIDE=0|1 pins it (read on every call). moe_forward asks, to
+// take FC1's FP8 output where the wide tile writes it (spec §10.4).
+bool sm90_fc1_wide_tiles(MoeFp8Scaling fp8, MoeWeightFormat weights, bool x_permuted, int64_t T, int k, int E);
+
 // Launches the grouped GEMM on `stream`. Shapes as validated by
 // validate_moe_fc1; kNotSupported when the TMA descriptors cannot be encoded
 // or the device lacks the shared memory.

@@ -667,7 +667,8 @@ TEST(MoeFc1Gpu, Fp8BlockLargestHidden) {
 // through quantize_fp8 (first P rows); rows past P and the scales' rows past
 // P untouched (poison). Both scale formats, gathered and permuted X, both
 // layouts, bias, chunks short of 64 and of 128 rows, three scale blocks of I,
-// an EP rank with empty experts, one token; and the CPU reference's FP8
+// an EP rank with empty experts, one token; narrow tiles (two slices in
+// turn) and wide ones (both in one stage); and the CPU reference's FP8
 // output is quantize_fp8_cpu of its bf16 rows.
 TEST(MoeFc1Gpu, Fp8OutputIsQuantizeFp8OfTheBf16Rows) {
   SKIP_WITHOUT_HOPPER();
@@ -711,10 +712,12 @@ TEST(MoeFc1Gpu, Fp8OutputIsQuantizeFp8OfTheBf16Rows) {
     g.total = g.local = 8;
     cases.push_back(g);
   }
+  for (bool wide : {false, true})
   for (const Case& c : cases)
     for (ScaleFormat f : {ScaleFormat::kFloat32, ScaleFormat::kUE8M0}) {
-      SCOPED_TRACE(std::string(to_string(f)) + " I=" + std::to_string(c.I) + " T=" + std::to_string(c.T) +
-                   (c.x_permuted ? " permuted" : " gather"));
+      const ScopedFc1Wide pin(wide);
+      SCOPED_TRACE(std::string(wide ? "wide " : "narrow ") + to_string(f) + " I=" + std::to_string(c.I) +
+                   " T=" + std::to_string(c.T) + (c.x_permuted ? " permuted" : " gather"));
       Problem p(c);
       ASSERT_TRUE(p.run().ok());
       CUDA_OK(cudaDeviceSynchronize());

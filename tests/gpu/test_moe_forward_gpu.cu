@@ -735,6 +735,58 @@ TEST(MoeForwardGpu, Fp8StagesAndEndToEndBothInputs) {
     }
 }
 
+// Where FC1 takes wide tiles (pinned here: FLASHMIX_FC1_WIDE=1; the rule
+// takes them once T k >= 256 E_local) the layer lets FC1 write the e4m3
+// rows and scales itself instead of bf16 rows and a quantize_fp8 pass: the
+// same bytes. Each case runs both ways on one poisoned workspace
+// (FLASHMIX_LAYER_FC1_FP8_OUT=0 first, every stage checked), then fused:
+// FC1's codes and scales of the first P rows and the layer's output
+// (deterministic FC2) bitwise equal, and end to end against the reference.
+TEST(MoeForwardGpu, Fp8Fc1WritesE4m3ItselfOnWideTiles) {
+  SKIP_WITHOUT_HOPPER();
+  setenv("FLASHMIX_FC1_WIDE", "1", 1);
+  for (MoeFc1Input in : {MoeFc1Input::kGather, MoeFc1Input::kPermutedCopy})
+    for (int ep = 0; ep < 2; ++ep) {
+      Fp8Case c;
+      c.input = in;
+      c.mode = Fc2Mode::kDeterministic;
+      c.I = 384;  // three 128-column scale blocks
+      if (ep) {
+        c.E = 48;  // an expert-parallel rank: P well below k*T
+        c.start = 16;
+      }
+      SCOPED_TRACE(fp8_case_name(c));
+      Fp8Layer l(c);
+      const MoeForwardLayout lay = moe_forward_layout(l.args);
+      std::vector<uint8_t> ws[2];
+      HostTensor out[2];
+      for (int fused = 0; fused < 2; ++fused) {
+        setenv("FLASHMIX_LAYER_FC1_FP8_OUT", fused ? "1" : "0", 1);
+        std::vector<uint8_t> poison(l.dws.bytes(), 0xff);
+        l.dws.upload(poison.data(), poison.size());
+        l.poison_out();
+        const Status st = l.run();
+        ASSERT_TRUE(st.ok()) << st.message();
+        CUDA_OK(cudaDeviceSynchronize());
+        if (!fused) l.check_stages();
+        l.check_end_to_end();
+        ws[fused].resize(lay.total);
+        l.dws.download(ws[fused].data(), lay.total);
+        out[fused] = l.result();
+      }
+      unsetenv("FLASHMIX_LAYER_FC1_FP8_OUT");
+      int64_t P = 0;
+      std::memcpy(&P, ws[0].data() + lay.offsets + size_t(c.local) * 8, 8);
+      EXPECT_EQ(std::memcmp(ws[0].data() + lay.act_q, ws[1].data() + lay.act_q, size_t(P * c.I)), 0)
+          << "FC1's e4m3 rows";
+      EXPECT_EQ(std::memcmp(ws[0].data() + lay.act_scales, ws[1].data() + lay.act_scales, size_t(P * c.I / 128) * 4),
+                0)
+          << "FC1's scales";
+      EXPECT_EQ(std::memcmp(out[0].data(), out[1].data(), out[0].bytes.size()), 0) << "the layer's output";
+    }
+  unsetenv("FLASHMIX_FC1_WIDE");
+}
+
 // MXFP4 weights on the FP8 layer's pipeline (W4A8, spec §13.7): each stage
 // against its reference on what the GPU handed it, and end to end; both FC1
 // inputs, an expert-parallel rank, every mode with and without fill.
