@@ -744,7 +744,13 @@ TEST(MoeForwardGpu, Fp8StagesAndEndToEndBothInputs) {
 // (deterministic FC2) bitwise equal, and end to end against the reference.
 TEST(MoeForwardGpu, Fp8Fc1WritesE4m3ItselfOnWideTiles) {
   SKIP_WITHOUT_HOPPER();
-  setenv("FLASHMIX_FC1_WIDE", "1", 1);
+  // An environment variable for the scope (the library reads both at each call).
+  struct ScopedEnv {
+    const char* name;
+    ScopedEnv(const char* n, const char* v) : name(n) { setenv(n, v, 1); }
+    ~ScopedEnv() { unsetenv(name); }
+  };
+  const ScopedEnv wide("FLASHMIX_FC1_WIDE", "1");
   for (MoeFc1Input in : {MoeFc1Input::kGather, MoeFc1Input::kPermutedCopy})
     for (int ep = 0; ep < 2; ++ep) {
       Fp8Case c;
@@ -761,7 +767,7 @@ TEST(MoeForwardGpu, Fp8Fc1WritesE4m3ItselfOnWideTiles) {
       std::vector<uint8_t> ws[2];
       HostTensor out[2];
       for (int fused = 0; fused < 2; ++fused) {
-        setenv("FLASHMIX_LAYER_FC1_FP8_OUT", fused ? "1" : "0", 1);
+        const ScopedEnv fc1_out("FLASHMIX_LAYER_FC1_FP8_OUT", fused ? "1" : "0");
         std::vector<uint8_t> poison(l.dws.bytes(), 0xff);
         l.dws.upload(poison.data(), poison.size());
         l.poison_out();
@@ -774,7 +780,6 @@ TEST(MoeForwardGpu, Fp8Fc1WritesE4m3ItselfOnWideTiles) {
         l.dws.download(ws[fused].data(), lay.total);
         out[fused] = l.result();
       }
-      unsetenv("FLASHMIX_LAYER_FC1_FP8_OUT");
       int64_t P = 0;
       std::memcpy(&P, ws[0].data() + lay.offsets + size_t(c.local) * 8, 8);
       EXPECT_EQ(std::memcmp(ws[0].data() + lay.act_q, ws[1].data() + lay.act_q, size_t(P * c.I)), 0)
@@ -784,7 +789,6 @@ TEST(MoeForwardGpu, Fp8Fc1WritesE4m3ItselfOnWideTiles) {
           << "FC1's scales";
       EXPECT_EQ(std::memcmp(out[0].data(), out[1].data(), out[0].bytes.size()), 0) << "the layer's output";
     }
-  unsetenv("FLASHMIX_FC1_WIDE");
 }
 
 // MXFP4 weights on the FP8 layer's pipeline (W4A8, spec §13.7): each stage
