@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <iterator>
 #include <string>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "common/host_dtype.h"
 #include "flashmix/moe.h"
 #include "moe/moe_fc1_internal.h"
+#include "moe/sm90_fc1_gemm.h"
 
 using namespace flashmix;
 
@@ -852,4 +854,31 @@ TEST(MoeFc1Validation, Fp8OutputRules) {
   EXPECT_EQ(std::vector<uint8_t>(out, out + 2 * I), q);
   EXPECT_EQ(sc[0], qs[0]);
   EXPECT_EQ(sc[1], qs[1]);
+}
+
+// The wide-tile rule (sm90_fc1_wide_tiles), which the launcher and
+// moe_forward both ask (the layer takes FC1's FP8 output where it holds):
+// block FP8 with dense W1 once T k >= 256 E_local, bf16 with dense W1 when
+// gathering, never MXFP4 or per-tensor FP8; FLASHMIX_FC1_WIDE pins it for
+// the dense formats only.
+TEST(MoeFc1Cpu, WideTileRule) {
+  unsetenv("FLASHMIX_FC1_WIDE");
+  const MoeFp8Scaling kBlock = MoeFp8Scaling::kBlock, kNone = MoeFp8Scaling::kNone;
+  const MoeWeightFormat kDense = MoeWeightFormat::kDense, kMx = MoeWeightFormat::kMxfp4;
+  EXPECT_TRUE(sm90_fc1_wide_tiles(kBlock, kDense, true, 1024, 8, 32));   // 8192 slots = 256 a local expert
+  EXPECT_TRUE(sm90_fc1_wide_tiles(kBlock, kDense, false, 1024, 8, 32));  // gathered or not
+  EXPECT_FALSE(sm90_fc1_wide_tiles(kBlock, kDense, true, 1023, 8, 32));
+  EXPECT_FALSE(sm90_fc1_wide_tiles(kBlock, kMx, true, 4096, 8, 32));
+  EXPECT_FALSE(sm90_fc1_wide_tiles(MoeFp8Scaling::kTensor, kDense, true, 4096, 8, 32));
+  EXPECT_TRUE(sm90_fc1_wide_tiles(kNone, kDense, false, 16, 8, 32));  // bf16 gathering: any size
+  EXPECT_FALSE(sm90_fc1_wide_tiles(kNone, kDense, true, 4096, 8, 32));
+  EXPECT_FALSE(sm90_fc1_wide_tiles(kNone, kMx, false, 4096, 8, 32));
+  setenv("FLASHMIX_FC1_WIDE", "1", 1);
+  EXPECT_TRUE(sm90_fc1_wide_tiles(kBlock, kDense, true, 16, 8, 32));
+  EXPECT_TRUE(sm90_fc1_wide_tiles(kNone, kDense, true, 4096, 8, 32));
+  EXPECT_FALSE(sm90_fc1_wide_tiles(kBlock, kMx, true, 4096, 8, 32));
+  setenv("FLASHMIX_FC1_WIDE", "0", 1);
+  EXPECT_FALSE(sm90_fc1_wide_tiles(kBlock, kDense, true, 4096, 8, 32));
+  EXPECT_FALSE(sm90_fc1_wide_tiles(kNone, kDense, false, 4096, 8, 32));
+  unsetenv("FLASHMIX_FC1_WIDE");
 }
