@@ -176,7 +176,8 @@ Stages make_stages(const MoeForwardArgs& a, char* ws, const MoeForwardLayout& l)
   // the ~20 us quantisation pass; docs/moe_fc1.md).
   s.fc1.out = at(l.fc1_out);
   s.fc1.enable_pdl = a.enable_pdl;
-  if (a.fp8 == MoeFp8Scaling::kBlock && a.weights == MoeWeightFormat::kDense && fc1_fp8_out_allowed() &&
+  // (sm90_fc1_wide_tiles holds only for dense W1.)
+  if (a.fp8 == MoeFp8Scaling::kBlock && fc1_fp8_out_allowed() &&
       sm90_fc1_wide_tiles(a.fp8, a.weights, s.fc1.x_permuted, T, a.k, a.num_experts_per_node)) {
     s.fc1_fp8_out = true;
     s.fc1_q = s.fc1;
@@ -228,9 +229,10 @@ detail::RoutingSideWork maps_side_work(const MoeForwardArgs& a, const Stages& s,
   if (off != nullptr && off[0] == '0') return w;
   w.before_wait = s.run_router;
   w.min_blocks = 2 * sms;
+  // Rows of hidden * 2 bytes, a multiple of 16 (the stages' validation holds H % 8 == 0).
   const int64_t out_stride_bytes = (a.out_stride ? a.out_stride : a.hidden) * 2;
   if (a.fc2_mode == Fc2Mode::kAtomic && a.fill && a.shared_output == nullptr &&
-      reinterpret_cast<uintptr_t>(a.out) % 16 == 0 && out_stride_bytes % 16 == 0 && (a.hidden * 2) % 16 == 0) {
+      reinterpret_cast<uintptr_t>(a.out) % 16 == 0 && out_stride_bytes % 16 == 0) {
     w.zero = a.out;
     w.zero_rows = a.num_tokens;
     w.zero_row_bytes = a.hidden * 2;
