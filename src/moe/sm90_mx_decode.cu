@@ -32,6 +32,13 @@
 // chunk (the later reads mostly from L2), which is why mx_decode_applies
 // keeps this kernel to few rows.
 //
+// Two kernels share this scheme and its helpers: mx_decode_kernel (a warp an
+// item, mma.sync: W4A16, and W4A8 where the warpgroup kernel's token stage
+// does not fit in shared memory, K above ~27 K) and mx_decode_wg_kernel
+// (W4A8: a warpgroup an item of four warps' rows, wgmma m64n8k32 e4m3 with
+// the converted rows as A from registers and the chunk's tokens as B from
+// shared memory; section "W4A8 on wgmma" below).
+//
 // Numerics: W4A8 as the TMA kernels: each row's K block converted to e4m3
 // relative to its group exponent E_G (the same conversion functions), the
 // block's MMAs summed fresh and promoted into fp32 with 2^E_G times the
@@ -47,8 +54,11 @@
 #include "common/check.h"
 #include "common/kernel_fit.h"
 #include "common/launch.cuh"
+#include "common/mma_sync.cuh"
 #include "common/red.cuh"
 #include "common/sm90.cuh"
+#include "common/sm90_wgmma.cuh"
+#include "common/vec.cuh"
 #include "moe/fc1_activation.cuh"
 #include "moe/sm90_mx_decode.h"
 #include "mxfp4/mxfp4_convert.cuh"
@@ -263,9 +273,11 @@ struct ItemShape {
 };
 
 // This thread's weight rows of the item of expert e whose first output column
-// is col0.
+// is col0 (the warp's first, on the warpgroup kernel). FC2's tile t starts
+// tile_rows * t rows further: 16 (m16 tiles) or 64 (a warpgroup's m64 tiles,
+// of which the warp holds 16 rows).
 template <bool kFc1>
-__device__ __forceinline__ Lanes item_lanes(const DecodeParams& p, int e, int col0, int g, int q) {
+__device__ __forceinline__ Lanes item_lanes(const DecodeParams& p, int e, int col0, int tile_rows, int g, int q) {
   Lanes l;
   l.row_bytes = p.K / 2;
   const int64_t first = int64_t(e) * p.w_rows;  // the expert's first row
@@ -280,7 +292,7 @@ __device__ __forceinline__ Lanes item_lanes(const DecodeParams& p, int e, int co
         const int j = kTiles == 1 ? col0 + g : col0 + g + 8 * h, u = kTiles == 1 ? h : t;
         l.row[t][h] = j >= p.n_cols ? -1 : p.interleaved ? 2 * j + u : j + u * p.n_cols;
       } else {
-        const int row = col0 + 16 * t + g + 8 * h;
+        const int row = col0 + tile_rows * t + g + 8 * h;
         l.row[t][h] = row < p.n_cols ? row : -1;
       }
     }
@@ -321,7 +333,7 @@ __device__ __forceinline__ void fc1_epilogue(const DecodeParams& p, const float 
 // h + 1 of a token sit in lanes g and g + 1 (4 lanes apart): the even-g lane
 // takes its neighbour's value and writes the pair.
 __device__ __forceinline__ void fc2_epilogue(const DecodeParams& p, const float (&acc)[kTiles][4], int e, int p0,
-                                             int rows, int col0, int g, int q) {
+                                             int rows, int col0, int tile_rows, int g, int q) {
   float nb[kTiles][4];
 #pragma unroll
   for (int t = 0; t < kTiles; ++t)
@@ -346,7 +358,7 @@ __device__ __forceinline__ void fc2_epilogue(const DecodeParams& p, const float 
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int c = 2 * hh + c2;
-        const int h = col0 + 16 * t + g + 8 * hh;
+        const int h = col0 + tile_rows * t + g + 8 * hh;
         if (h >= p.n_cols) continue;  // H is even: h + 1 < H too
         float v0 = acc[t][c], v1 = nb[t][c];
         if (ep.op == int(Fc2EpilogueOp::kRowsBf16)) {
@@ -376,16 +388,15 @@ __device__ __forceinline__ void fc2_epilogue(const DecodeParams& p, const float 
   }
 }
 
-template <bool kFp8, bool kFc1>
-__global__ void __launch_bounds__(kThreads, 1) mx_decode_kernel(const DecodeParams p) {
-  __shared__ int s_off[kMaxExperts + 1];
-  __shared__ int s_first[kMaxExperts + 1];  // each expert's first chunk (prefix of ceil(rows / 8))
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
-
+// Every expert's rows (s_off: the offsets, as int) and first chunk of 8 rows
+// (s_first: the prefix of ceil(rows / 8)), in shared memory, after the
+// kernel ahead (PDL) has written the routing maps. Ends in __syncthreads.
+__device__ __forceinline__ void chunk_table(const DecodeParams& p, int* s_off, int* s_first) {
+  const int tid = threadIdx.x, lane = tid & 31;
   dev::grid_dependency_wait();  // the routing maps and the token rows may come from the kernel ahead
-  for (int e = tid; e <= p.E; e += kThreads) s_off[e] = int(p.offsets[e]);
+  for (int e = tid; e <= p.E; e += blockDim.x) s_off[e] = int(p.offsets[e]);
   __syncthreads();
-  if (warp == 0) {
+  if (tid < 32) {
     int run = 0;
     for (int e0 = 0; e0 < p.E; e0 += 32) {
       const int e = e0 + lane;
@@ -401,6 +412,26 @@ __global__ void __launch_bounds__(kThreads, 1) mx_decode_kernel(const DecodePara
     if (lane == 0) s_first[0] = 0;
   }
   __syncthreads();
+}
+
+// The expert of chunk gc: the last whose first chunk is <= gc (a non-empty one).
+__device__ __forceinline__ int chunk_expert(const int* s_first, int E, int gc) {
+  int lo = 0, hi = E;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (s_first[mid] <= gc) lo = mid;
+    else hi = mid;
+  }
+  return lo;
+}
+
+template <bool kFp8, bool kFc1>
+__global__ void __launch_bounds__(kThreads, 1) mx_decode_kernel(const DecodeParams p) {
+  __shared__ int s_off[kMaxExperts + 1];
+  __shared__ int s_first[kMaxExperts + 1];  // each expert's first chunk (prefix of ceil(rows / 8))
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+
+  chunk_table(p, s_off, s_first);
 
   // This warp's items: one contiguous range of all (chunk, column block)
   // pairs, column blocks fastest.
@@ -413,20 +444,14 @@ __global__ void __launch_bounds__(kThreads, 1) mx_decode_kernel(const DecodePara
   Tokens tk{};
   for (int64_t it = i_begin; it < i_end; ++it) {
     if (gc != tokens_gc) {  // a new chunk: its expert (the last whose first chunk is <= gc, a non-empty one)
-      int lo = 0, hi = p.E;
-      while (hi - lo > 1) {
-        const int mid = (lo + hi) >> 1;
-        if (s_first[mid] <= gc) lo = mid;
-        else hi = mid;
-      }
-      e = lo;
+      e = chunk_expert(s_first, p.E, gc);
       p0 = s_off[e] + (gc - s_first[e]) * kChunk;
       rows = min(kChunk, s_off[e + 1] - p0);
       tk = chunk_tokens<kFp8>(p, p0, rows, g, q);
       tokens_gc = gc;
     }
     const int col0 = cb * ItemShape<kFc1>::kCols;
-    const Lanes l = item_lanes<kFc1>(p, e, col0, g, q);
+    const Lanes l = item_lanes<kFc1>(p, e, col0, 16, g, q);
     if (++cb == p.col_blocks) {
       cb = 0;
       ++gc;
@@ -446,7 +471,216 @@ __global__ void __launch_bounds__(kThreads, 1) mx_decode_kernel(const DecodePara
       }
     }
     if constexpr (kFc1) fc1_epilogue(p, acc, e, p0, rows, col0, g, q);
-    else fc2_epilogue(p, acc, e, p0, rows, col0, g, q);
+    else fc2_epilogue(p, acc, e, p0, rows, col0, 16, g, q);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// W4A8 on wgmma: a warpgroup an item.
+//
+// Each warp holds the rows of the kernel above (two m16 tiles: FC1 the gate
+// and the up rows of 16 columns, FC2 16 H rows each), converts them the same
+// way, and the warpgroup's four warps together multiply the two m64 tiles
+// with wgmma m64n8k32 e4m3, A (the converted rows) from registers and B (the
+// chunk's 8 token rows) from shared memory, staged once a chunk. That drops
+// mma.sync's widening of both operands to f16 (Hopper's mma.sync has no e4m3
+// inputs) and the tokens' registers. An item: 64 output columns (FC1) or 128
+// H rows (FC2) of one chunk; the warpgroups take contiguous item ranges.
+constexpr int kWgThreads = 128;
+// Warpgroups a CTA at most: 3 at <= 168 registers (4 spill at 128; H200:
+// 89.4 / 196 us against 86.5 / 195 at T = 16 / 64).
+constexpr int kMaxWgs = 3;
+
+// B's layout. wgmma's A fragment gives thread q of a quad the K columns
+// {4q .. 4q+3} and {16+4q .. 16+4q+3} of k32 step j; the thread's converted
+// words o[2j], o[2j+1] are the elements [8j, 8j+4) and [8j+4, 8j+8) of its
+// sub-block q. So in a K block the physical column 32j + 16u + 4q + b holds
+// the logical element 32q + 8j + 4u + b, and the tokens are stored in that
+// order: K-major without swizzle, core matrix c (physical columns [16c,
+// 16c+16) of the 8 tokens, 16 bytes a token) at 128c bytes; step j of K
+// block kb spans core matrices 8kb + 2j and 8kb + 2j + 1 (leading byte
+// offset 128). After the codes: the tokens' scales, [8][K / 128] floats.
+__host__ __device__ constexpr size_t wg_stage_bytes(int K) {
+  return (size_t(8) * K + size_t(8) * (K / kKBlock) * sizeof(float) + 127) / 128 * 128;
+}
+
+__device__ __forceinline__ uint64_t wg_b_desc(uint32_t addr) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(128 >> 4) << 16) | (uint64_t(128 >> 4) << 32);
+}
+
+// The chunk's token rows p0 .. p0 + rows - 1 into tok / xs (zeros past
+// `rows`), by the warpgroup's 128 threads (t: the thread's index in it).
+__device__ __forceinline__ void wg_stage_tokens(const DecodeParams& p, int p0, int rows, uint8_t* tok, float* xs,
+                                                int t) {
+  const int kbs = p.K / kKBlock, per_token = 8 * kbs;  // 16-byte pieces of a token row
+  auto x_row = [&](int n) -> int64_t { return p.x_gather ? p.p2u[p0 + n] % p.T : int64_t(p0) + n; };
+  for (int u = t; u < 8 * per_token; u += kWgThreads) {
+    const int n = u / per_token, r = u - n * per_token, kb = r >> 3, q = (r >> 1) & 3, half = r & 1;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (n < rows)
+      v = __ldg(reinterpret_cast<const uint4*>(p.X + x_row(n) * p.x_row_bytes + kb * kKBlock + 32 * q + 16 * half));
+    // Word i: logical elements 32q + 16 half + 4i .. + 3 -> core matrix 8kb + 4 half + i, at 4q in token n's row.
+    uint8_t* d = tok + (8 * kb + 4 * half) * 128 + 16 * n + 4 * q;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) *reinterpret_cast<uint32_t*>(d + 128 * i) = word(v, i);
+  }
+  for (int u = t; u < per_token; u += kWgThreads) {  // 8 tokens x kbs scales
+    const int n = u / kbs, kb = u - n * kbs;
+    xs[u] = n < rows ? __ldg(p.x_scales + x_row(n) * kbs + kb) : 0.f;
+  }
+}
+
+// The L2 prefetch distance of the warpgroup kernel's weight rows, in K
+// blocks beyond the register loads' two (even: a prefetch takes a 128-byte
+// line, two K blocks). H200, V4-Flash EP-8 decode, T = 16 / 64: none 90.5 /
+// 206 us, 2 82.1 / 181, 4 86.0 / 192, 8 91.1 / 215, 12 93.5 / 217.
+constexpr int kWgPrefetch = 2;
+
+// The largest of a scale word's four bytes (E_G + 127 + 6 where no byte is NaN).
+__device__ __forceinline__ int top_byte(uint32_t w) {
+  const uint32_t m2 = __vmaxu2(w & 0x00ff00ffu, (w >> 8) & 0x00ff00ffu);
+  return int(max(m2 & 0xffffu, m2 >> 16));
+}
+
+// A sub-block on the table path: every value exact in e4m3 at shift d.
+__device__ __forceinline__ void subblock_to_e4m3_fast(const uint4& w, int d, uint32_t (&o)[8]) {
+  const E4m3Table t = e4m3_table(d);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) e2m1x8_to_e4m3_table(word(w, i), t, o[2 * i], o[2 * i + 1]);
+}
+
+// The four wgmmas of tile t's K block (k32 steps j): A the converted rows
+// (rows g: o_g, g + 8: o_g8), B the tokens' core matrices from b_addr.
+__device__ __forceinline__ void wg_tile_mmas(float (&part)[4], const uint32_t (&o_g)[8], const uint32_t (&o_g8)[8],
+                                             uint32_t b_addr) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t a[4] = {o_g[2 * j], o_g8[2 * j], o_g[2 * j + 1], o_g8[2 * j + 1]};
+    dev::WgmmaFp8RS<8>::mma(part, a, wg_b_desc(b_addr + 256 * j), j);
+  }
+}
+
+// One K block: the rows converted, the stage refilled with K block kb_next
+// (when < kbs: its registers are free once converted, and the loads fly
+// during the MMAs), 2 x 4 wgmmas into fresh partials, promoted into acc with 2^E_G times the token's scale. Whether
+// every row's sub-block takes the table (no NaN scale, at most 11 binades
+// below its group's largest) is decided once for the four rows; the exact
+// conversion (out of line) takes the K block otherwise.
+__device__ __forceinline__ void wg_k_block(Step<true>& s, const Lanes& l, int kb_next, int kbs, int q, uint32_t b_addr,
+                                           float xs0, float xs1, float (&part)[kTiles][4], float (&acc)[kTiles][4]) {
+  uint32_t o[kTiles][2][8];
+  int ge[kTiles][2], d[kTiles][2];
+  bool fast = true;
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int top = top_byte(s.sw[t][h]), sq = int((s.sw[t][h] >> (8 * q)) & 0xffu);
+      fast = fast && top != kUe8m0NaN && top - sq <= kMxfp4Fp8TopShift - kMxfp4FastMinShift;
+      ge[t][h] = top - 127 - kMxfp4Fp8TopShift;
+      d[t][h] = sq - top + kMxfp4Fp8TopShift;
+    }
+  // Decided for the whole warp (and rarely false): a divergent branch here
+  // would make ptxas serialise the wgmmas that read these registers.
+  if (__all_sync(0xffffffffu, fast)) {
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) subblock_to_e4m3_fast(s.w[t][h], d[t][h], o[t][h]);
+  } else {
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        ge[t][h] = mx_group_exp(s.sw[t][h]);
+        const uint4& w = s.w[t][h];
+        uint32_t r[8];
+        subblock_to_e4m3_rare(w.x, w.y, w.z, w.w, int((s.sw[t][h] >> (8 * q)) & 0xffu), ge[t][h], r);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) o[t][h][i] = r[i];
+      }
+  }
+  if (kb_next < kbs) load_step(l, Tokens{}, kb_next, s);
+  dev::wgmma_fence();
+  wg_tile_mmas(part[0], o[0][0], o[0][1], b_addr);
+  wg_tile_mmas(part[1], o[1][0], o[1][1], b_addr);
+  dev::wgmma_commit();
+  dev::wgmma_wait<0>();
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) {
+    dev::fence_operands(part[t]);
+    const float g0 = exp2_float(ge[t][0]), g1 = exp2_float(ge[t][1]);
+    acc[t][0] = fmaf(part[t][0], g0 * xs0, acc[t][0]);
+    acc[t][1] = fmaf(part[t][1], g0 * xs1, acc[t][1]);
+    acc[t][2] = fmaf(part[t][2], g1 * xs0, acc[t][2]);
+    acc[t][3] = fmaf(part[t][3], g1 * xs1, acc[t][3]);
+  }
+}
+
+template <bool kFc1>
+struct WgItemShape {
+  // Output columns a warpgroup item: four warps' (ItemShape) side by side,
+  // FC2's as two m64 tiles.
+  static constexpr int kCols = 4 * ItemShape<kFc1>::kCols;
+  static constexpr int kTileRows = kFc1 ? 16 : 64;
+};
+
+template <bool kFc1>
+__global__ void __launch_bounds__(kMaxWgs* kWgThreads, 1) mx_decode_wg_kernel(const DecodeParams p) {
+  extern __shared__ __align__(128) uint8_t wg_smem[];
+  __shared__ int s_off[kMaxExperts + 1];
+  __shared__ int s_first[kMaxExperts + 1];
+  const int tid = threadIdx.x, wg = tid / kWgThreads, wt = tid % kWgThreads, wq = wt >> 5;
+  const int lane = tid & 31, g = lane >> 2, q = lane & 3;
+  const int n_wg = blockDim.x / kWgThreads, kbs = p.K / kKBlock;
+  uint8_t* tok = wg_smem + wg * wg_stage_bytes(p.K);
+  float* xs = reinterpret_cast<float*>(tok + size_t(8) * p.K);
+  // Warp-uniform by the shuffle, so that the descriptors live in uniform registers.
+  const uint32_t tok_addr = __shfl_sync(0xffffffffu, dev::smem_u32(tok), 0);
+
+  chunk_table(p, s_off, s_first);
+
+  const int64_t items = int64_t(s_first[p.E]) * p.col_blocks;
+  const int64_t wgs = int64_t(gridDim.x) * n_wg, gw = int64_t(blockIdx.x) * n_wg + wg;
+  const int64_t i_begin = items * gw / wgs, i_end = items * (gw + 1) / wgs;
+  int gc = int(i_begin / p.col_blocks), cb = int(i_begin % p.col_blocks);
+  int e = 0, p0 = 0, rows = 0, tokens_gc = -1;
+  float part[kTiles][4] = {};
+  for (int64_t it = i_begin; it < i_end; ++it) {
+    if (gc != tokens_gc) {
+      e = chunk_expert(s_first, p.E, gc);
+      p0 = s_off[e] + (gc - s_first[e]) * kChunk;
+      rows = min(kChunk, s_off[e + 1] - p0);
+      dev::named_bar_sync(1 + wg, kWgThreads);  // every wgmma on the previous chunk's tokens has been waited for
+      wg_stage_tokens(p, p0, rows, tok, xs, wt);
+      dev::fence_proxy_async_shared();
+      dev::named_bar_sync(1 + wg, kWgThreads);
+      tokens_gc = gc;
+    }
+    const int col0 = cb * WgItemShape<kFc1>::kCols + 16 * wq;  // this warp's first column (FC2: row of tile 0)
+    const Lanes l = item_lanes<kFc1>(p, e, col0, WgItemShape<kFc1>::kTileRows, g, q);
+    if (++cb == p.col_blocks) {
+      cb = 0;
+      ++gc;
+    }
+
+    float acc[kTiles][4] = {};
+    Step<true> s0, s1;
+    load_step(l, Tokens{}, 0, s0);
+    if (kbs > 1) load_step(l, Tokens{}, 1, s1);
+    // Lane (g, q) prefetches into L2 the 128-byte line (two K blocks) of row
+    // (tile q / 2, half q % 2) of the warp's 32.
+    const int pf_row = l.row[q >> 1][q & 1];
+    const uint8_t* pf = pf_row >= 0 ? l.w - 16 * q + int64_t(pf_row) * l.row_bytes : nullptr;
+    const float* xq = xs + 2 * q * kbs;
+    for (int kb = 0; kb < kbs; kb += 2) {
+      if (pf != nullptr && kb + 2 + kWgPrefetch < kbs) dev::prefetch_l2(pf + 64 * (kb + 2 + kWgPrefetch));
+      wg_k_block(s0, l, kb + 2, kbs, q, tok_addr + 1024u * kb, xq[kb], xq[kbs + kb], part, acc);
+      if (kb + 1 < kbs)
+        wg_k_block(s1, l, kb + 3, kbs, q, tok_addr + 1024u * (kb + 1), xq[kb + 1], xq[kbs + kb + 1], part, acc);
+    }
+    if constexpr (kFc1) fc1_epilogue(p, acc, e, p0, rows, col0, g, q);
+    else fc2_epilogue(p, acc, e, p0, rows, col0, WgItemShape<kFc1>::kTileRows, g, q);
   }
 }
 
@@ -461,6 +695,32 @@ Status launch(const DecodeParams& d, int sm_count, bool pdl, const char* op, cud
   FM_RETURN_IF_ERROR(detail::cuda_status(
       dev::launch(kernel, dim3(unsigned(sm_count * per_sm)), dim3(kThreads), 0, stream, pdl, d), op,
       "kernel launch"));
+  return Status::Ok();
+}
+
+// W4A8 on the warpgroup kernel, with as many warpgroups a CTA (up to 3) as
+// their token stages fit in shared memory; *launched false (nothing done)
+// where not even one fits (K above ~27 K), or FLASHMIX_MX_DECODE_WG=0 pins
+// the mma.sync kernel (the A/B).
+template <bool kFc1>
+Status launch_wg(DecodeParams d, int sm_count, bool pdl, const char* op, cudaStream_t stream, bool* launched) {
+  *launched = false;
+  const char* pin = std::getenv("FLASHMIX_MX_DECODE_WG");
+  if (pin != nullptr && *pin != '\0' && std::atoi(pin) == 0) return Status::Ok();
+  const auto kernel = mx_decode_wg_kernel<kFc1>;
+  d.col_blocks = (d.n_cols + WgItemShape<kFc1>::kCols - 1) / WgItemShape<kFc1>::kCols;
+  for (int n = kMaxWgs; n >= 1; --n) {
+    const size_t smem = size_t(n) * wg_stage_bytes(d.K);
+    int per_sm = 0;
+    FM_RETURN_IF_ERROR(detail::cuda_status(
+        detail::blocks_per_sm(detail::kernel_key(kernel), n * kWgThreads, smem, &per_sm), op, "kernel attributes"));
+    if (per_sm == 0) continue;
+    FM_RETURN_IF_ERROR(detail::cuda_status(
+        dev::launch(kernel, dim3(unsigned(sm_count * per_sm)), dim3(n * kWgThreads), smem, stream, pdl, d), op,
+        "kernel launch"));
+    *launched = true;
+    return Status::Ok();
+  }
   return Status::Ok();
 }
 
@@ -497,6 +757,11 @@ Status sm90_fc1_run_mx_decode(const Sm90Fc1Params& p, cudaStream_t stream) {
   d.interleaved = p.layout == Fc1WeightLayout::kInterleaved;
   d.fc1_out = static_cast<__nv_bfloat16*>(p.out);
   constexpr const char* kOp = "moe_fc1";
+  if (fp8) {
+    bool launched = false;
+    FM_RETURN_IF_ERROR(launch_wg<true>(d, p.sm_count, p.pdl, kOp, stream, &launched));
+    if (launched) return Status::Ok();
+  }
   return fp8 ? launch<true, true>(d, p.sm_count, p.pdl, kOp, stream)
              : launch<false, true>(d, p.sm_count, p.pdl, kOp, stream);
 }
@@ -521,6 +786,11 @@ Status sm90_fc2_run_mx_decode(const Sm90Fc2GemmParams& p, cudaStream_t stream) {
   d.epi = fc2_epilogue_params(p);
   d.plain_k1 = p.op == Fc2EpilogueOp::kRedBf16 && p.k == 1 && !p.add_to_out;
   constexpr const char* kOp = "moe_fc2_finalize";
+  if (fp8) {
+    bool launched = false;
+    FM_RETURN_IF_ERROR(launch_wg<false>(d, p.sm_count, false, kOp, stream, &launched));
+    if (launched) return Status::Ok();
+  }
   return fp8 ? launch<true, false>(d, p.sm_count, false, kOp, stream)
              : launch<false, false>(d, p.sm_count, false, kOp, stream);
 }

@@ -1,6 +1,6 @@
 // MXFP4 expert GEMMs for decode (spec §13.7): FC1 and FC2 when experts hold
-// a few rows each, on mma.sync with the weights converted in registers
-// (sm90_mx_decode.cu). The TMA + wgmma kernels (sm90_fc1_gemm.cu,
+// a few rows each, the weights converted in registers (sm90_mx_decode.cu):
+// W4A8 on wgmma with the tokens staged in shared memory, W4A16 on mma.sync. The TMA + wgmma kernels (sm90_fc1_gemm.cu,
 // sm90_fc2_rows_gemm.cu) take every other shape.
 #pragma once
 
@@ -21,6 +21,8 @@ namespace flashmix {
 // (the A/B, and the tests running both kernels on one problem); read at
 // each call. Never for an expert matrix of 2^31 packed bytes or more
 // (`rows` x K / 2: the kernel's row offsets are 32-bit).
+// FLASHMIX_MX_DECODE_WG=0 pins W4A8 to the mma.sync kernel (the A/B, and
+// the tests of the kernel that takes K too large for the wgmma one).
 bool mx_decode_applies(int64_t T, int k, int E, int64_t rows, int64_t K);
 
 // Launch on `stream`; shapes as validated by moe_fc1 / moe_fc2_finalize

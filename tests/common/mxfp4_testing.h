@@ -13,16 +13,27 @@
 
 namespace flashmix::testing {
 
-// The MXFP4 GEMMs' kernel for the scope: decode (registers, mma.sync) or the
-// TMA + wgmma one, by FLASHMIX_MX_DECODE (sm90_mx_decode.h), which the
-// library reads at each call. Restores the automatic choice after.
+// The MXFP4 GEMMs' kernel for the scope: the TMA + wgmma one, or decode by
+// FLASHMIX_MX_DECODE (sm90_mx_decode.h), whose W4A8 runs on wgmma unless
+// FLASHMIX_MX_DECODE_WG=0 pins the mma.sync kernel (W4A16 always runs there).
+// The library reads both at each call. Restores the automatic choice after.
+enum class MxKernel { kTma, kDecode, kDecodeMmaSync };
+inline constexpr MxKernel kMxKernels[] = {MxKernel::kTma, MxKernel::kDecode, MxKernel::kDecodeMmaSync};
 struct ScopedMxKernel {
-  explicit ScopedMxKernel(bool decode) { setenv("FLASHMIX_MX_DECODE", decode ? "1" : "0", 1); }
-  ~ScopedMxKernel() { unsetenv("FLASHMIX_MX_DECODE"); }
+  explicit ScopedMxKernel(MxKernel k) {
+    setenv("FLASHMIX_MX_DECODE", k == MxKernel::kTma ? "0" : "1", 1);
+    setenv("FLASHMIX_MX_DECODE_WG", k == MxKernel::kDecodeMmaSync ? "0" : "1", 1);
+  }
+  ~ScopedMxKernel() {
+    unsetenv("FLASHMIX_MX_DECODE");
+    unsetenv("FLASHMIX_MX_DECODE_WG");
+  }
   ScopedMxKernel(const ScopedMxKernel&) = delete;
   ScopedMxKernel& operator=(const ScopedMxKernel&) = delete;
 };
-inline const char* mx_kernel_name(bool decode) { return decode ? "decode kernel" : "TMA kernel"; }
+inline const char* mx_kernel_name(MxKernel k) {
+  return k == MxKernel::kTma ? "TMA kernel" : k == MxKernel::kDecode ? "decode kernel" : "decode kernel (mma.sync)";
+}
 
 struct Mxfp4Data {
   std::vector<uint8_t> w;       // packed [batch, rows, cols / 2]

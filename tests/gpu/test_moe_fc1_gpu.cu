@@ -785,7 +785,7 @@ TEST(MoeFc1Gpu, Fp8OutputIsQuantizeFp8OfTheBf16Rows) {
 // last slice partial: its rows past I are TMA's zero fill).
 TEST(MoeFc1Gpu, Mxfp4EveryPathLayoutAndInput) {
   SKIP_WITHOUT_HOPPER();
-  for (bool decode : {false, true})
+  for (MxKernel decode : kMxKernels)
     for (MoeFp8Scaling f : {MoeFp8Scaling::kBlock, MoeFp8Scaling::kNone})
       for (Fc1WeightLayout l : kLayouts)
         for (bool permuted : {false, true}) {
@@ -810,7 +810,7 @@ TEST(MoeFc1Gpu, Mxfp4EveryPathLayoutAndInput) {
 // token; many rows (256-row W4A16 tiles, chunks); an expert-parallel range.
 TEST(MoeFc1Gpu, Mxfp4SpreadsNaNsAndOddShapes) {
   SKIP_WITHOUT_HOPPER();
-  for (bool decode : {false, true})
+  for (MxKernel decode : kMxKernels)
     for (MoeFp8Scaling f : {MoeFp8Scaling::kBlock, MoeFp8Scaling::kNone}) {
     const ScopedMxKernel pin(decode);
     SCOPED_TRACE(std::string(mx_kernel_name(decode)) + (f == MoeFp8Scaling::kBlock ? " w4a8" : " w4a16"));

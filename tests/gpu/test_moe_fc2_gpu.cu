@@ -902,7 +902,7 @@ TEST(MoeFc2Gpu, Fp8BadInputNamesTheArgumentAndWritesNothing) {
 // in every mode, K of three blocks, H = 264 (the last 128-row slice partial).
 TEST(MoeFc2Gpu, Mxfp4EveryPathAndMode) {
   SKIP_WITHOUT_HOPPER();
-  for (bool decode : {false, true})
+  for (MxKernel decode : kMxKernels)
   for (MoeFp8Scaling f : {MoeFp8Scaling::kBlock, MoeFp8Scaling::kNone}) {
     const ScopedMxKernel pin(decode);
     SCOPED_TRACE(std::string(mx_kernel_name(decode)) + (f == MoeFp8Scaling::kBlock ? " w4a8" : " w4a16"));
@@ -920,7 +920,7 @@ TEST(MoeFc2Gpu, Mxfp4EveryPathAndMode) {
 // empty experts; more than 256 experts.
 TEST(MoeFc2Gpu, Mxfp4SpreadsAndShapes) {
   SKIP_WITHOUT_HOPPER();
-  for (bool decode : {false, true})
+  for (MxKernel decode : kMxKernels)
   for (MoeFp8Scaling f : {MoeFp8Scaling::kBlock, MoeFp8Scaling::kNone}) {
     const ScopedMxKernel pin(decode);
     std::vector<std::pair<std::string, Case>> cases;
