@@ -14,7 +14,11 @@
 #   SANITIZE_FILTER: racecheck over all of it outlasts a 10-minute device call),
 #   STEP_TIMEOUT (seconds per step, default 540, so that a slow step leaves the
 #   logs of the others), SKIP_SANITIZER=1, SKIP_BENCH=1, SKIP_TESTS=1,
-#   SKIP_PROBES=1.
+#   SKIP_PROBES=1. The whole test suite alone runs past 7 minutes on an H200
+#   (2026-11-28: mostly the mHC shape sweeps), so a round does not fit one
+#   10-minute device call: split it over calls (SKIP_* per step), and the
+#   tests themselves with googletest's own sharding, GTEST_TOTAL_SHARDS=2
+#   GTEST_SHARD_INDEX=0 (then 1), which the test binary reads.
 set -uo pipefail
 bin=${1:?usage: gpu_round.sh BIN_DIR OUT_DIR [bench args...]}
 out=${2:?usage: gpu_round.sh BIN_DIR OUT_DIR [bench args...]}
