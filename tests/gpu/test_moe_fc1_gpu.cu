@@ -858,6 +858,15 @@ TEST(MoeFc1Gpu, Mxfp4SpreadsNaNsAndOddShapes) {
     c.k = 2;
     c.routing = Case::kAllToOne;
     check_case(c);
+    c = Case{};
+    c.mx = true;
+    c.fp8 = f;
+    c.H = 9216;  // the W4A8 decode kernel's token stages: two warpgroups a CTA fit, not three
+    c.T = 8;
+    c.k = 2;
+    c.I = 64;
+    c.total = c.local = 4;
+    check_case(c);
   }
 }
 
