@@ -168,19 +168,26 @@ __device__ __noinline__ void subblock_to_e4m3_rare(uint32_t w0, uint32_t w1, uin
   for (int i = 0; i < 8; ++i) out[i] = o[i];
 }
 
+// A sub-block on the table path: every value exact in e4m3 at shift d.
+__device__ __forceinline__ void subblock_to_e4m3_fast(const uint4& w, int d, uint32_t (&o)[8]) {
+  const E4m3Table t = e4m3_table(d);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) e2m1x8_to_e4m3_table(word(w, i), t, o[2 * i], o[2 * i + 1]);
+}
+
+// A sub-block by the exact rule (out of line).
+__device__ __forceinline__ void subblock_to_e4m3_exact(const uint4& w, int s, int group_exp, uint32_t (&o)[8]) {
+  uint32_t r[8];
+  subblock_to_e4m3_rare(w.x, w.y, w.z, w.w, s, group_exp, r);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) o[i] = r[i];
+}
+
 // mx_subblock_to_e4m3 with the table path inline.
 __device__ __forceinline__ void subblock_to_e4m3(const uint4& w, int s, int group_exp, uint32_t (&o)[8]) {
   const int d = s - 127 - group_exp;
-  if (s != kUe8m0NaN && d >= kMxfp4FastMinShift) {
-    const E4m3Table t = e4m3_table(d);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) e2m1x8_to_e4m3_table(word(w, i), t, o[2 * i], o[2 * i + 1]);
-  } else {
-    uint32_t r[8];
-    subblock_to_e4m3_rare(w.x, w.y, w.z, w.w, s, group_exp, r);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) o[i] = r[i];
-  }
+  if (s != kUe8m0NaN && d >= kMxfp4FastMinShift) subblock_to_e4m3_fast(w, d, o);
+  else subblock_to_e4m3_exact(w, s, group_exp, o);
 }
 
 // Four e4m3 bytes as two f16x2 (bytes 0, 1 and 2, 3); exact.
@@ -205,10 +212,14 @@ __device__ __forceinline__ void mma_f16_16816(float (&d)[4], uint32_t a0, uint32
 // token's once for both tiles; MMA j takes e4m3 word j of the thread's 32
 // elements (its values 4 j .. 4 j + 3) in A and in B.
 // E_G of a row's K block (mx_group_exp): the largest of its four scale
-// bytes by two max steps; a word holding a NaN byte takes the exact rule.
-__device__ __forceinline__ int group_exp(uint32_t w) {
+// bytes (top_byte: two max steps, E_G + 127 + 6 where no byte is NaN); a
+// word holding a NaN byte takes the exact rule.
+__device__ __forceinline__ int top_byte(uint32_t w) {
   const uint32_t m2 = __vmaxu2(w & 0x00ff00ffu, (w >> 8) & 0x00ff00ffu);
-  const int top = int(max(m2 & 0xffffu, m2 >> 16));
+  return int(max(m2 & 0xffffu, m2 >> 16));
+}
+__device__ __forceinline__ int group_exp(uint32_t w) {
+  const int top = top_byte(w);
   return top == kUe8m0NaN ? mx_group_exp(w) : top - 127 - kMxfp4Fp8TopShift;
 }
 
@@ -299,10 +310,15 @@ __device__ __forceinline__ Lanes item_lanes(const DecodeParams& p, int e, int co
   return l;
 }
 
+// X's row of the chunk's n-th token row: gathered (token p2u[p] % T) or permuted (row p).
+__device__ __forceinline__ int64_t chunk_x_row(const DecodeParams& p, int p0, int n) {
+  return p.x_gather ? p.p2u[p0 + n] % p.T : int64_t(p0) + n;
+}
+
 // The chunk's token rows p0 .. p0 + rows - 1 as this thread reads them.
 template <bool kFp8>
 __device__ __forceinline__ Tokens chunk_tokens(const DecodeParams& p, int p0, int rows, int g, int q) {
-  auto x_row = [&](int n) -> int64_t { return p.x_gather ? p.p2u[p0 + n] % p.T : int64_t(p0) + n; };
+  auto x_row = [&](int n) { return chunk_x_row(p, p0, n); };
   Tokens tk;
   tk.x = g < rows ? p.X + x_row(g) * p.x_row_bytes + q * (kFp8 ? 32 : 64) : nullptr;
 #pragma unroll
@@ -513,7 +529,7 @@ __device__ __forceinline__ uint64_t wg_b_desc(uint32_t addr) {
 __device__ __forceinline__ void wg_stage_tokens(const DecodeParams& p, int p0, int rows, uint8_t* tok, float* xs,
                                                 int t) {
   const int kbs = p.K / kKBlock, per_token = 8 * kbs;  // 16-byte pieces of a token row
-  auto x_row = [&](int n) -> int64_t { return p.x_gather ? p.p2u[p0 + n] % p.T : int64_t(p0) + n; };
+  auto x_row = [&](int n) { return chunk_x_row(p, p0, n); };
   for (int u = t; u < 8 * per_token; u += kWgThreads) {
     const int n = u / per_token, r = u - n * per_token, kb = r >> 3, q = (r >> 1) & 3, half = r & 1;
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
@@ -535,19 +551,6 @@ __device__ __forceinline__ void wg_stage_tokens(const DecodeParams& p, int p0, i
 // line, two K blocks). H200, V4-Flash EP-8 decode, T = 16 / 64: none 90.5 /
 // 206 us, 2 82.1 / 181, 4 86.0 / 192, 8 91.1 / 215, 12 93.5 / 217.
 constexpr int kWgPrefetch = 2;
-
-// The largest of a scale word's four bytes (E_G + 127 + 6 where no byte is NaN).
-__device__ __forceinline__ int top_byte(uint32_t w) {
-  const uint32_t m2 = __vmaxu2(w & 0x00ff00ffu, (w >> 8) & 0x00ff00ffu);
-  return int(max(m2 & 0xffffu, m2 >> 16));
-}
-
-// A sub-block on the table path: every value exact in e4m3 at shift d.
-__device__ __forceinline__ void subblock_to_e4m3_fast(const uint4& w, int d, uint32_t (&o)[8]) {
-  const E4m3Table t = e4m3_table(d);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) e2m1x8_to_e4m3_table(word(w, i), t, o[2 * i], o[2 * i + 1]);
-}
 
 // The four wgmmas of tile t's K block (k32 steps j): A the converted rows
 // (rows g: o_g, g + 8: o_g8), B the tokens' core matrices from b_addr.
@@ -593,11 +596,7 @@ __device__ __forceinline__ void wg_k_block(Step<true>& s, const Lanes& l, int kb
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         ge[t][h] = mx_group_exp(s.sw[t][h]);
-        const uint4& w = s.w[t][h];
-        uint32_t r[8];
-        subblock_to_e4m3_rare(w.x, w.y, w.z, w.w, int((s.sw[t][h] >> (8 * q)) & 0xffu), ge[t][h], r);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) o[t][h][i] = r[i];
+        subblock_to_e4m3_exact(s.w[t][h], int((s.sw[t][h] >> (8 * q)) & 0xffu), ge[t][h], o[t][h]);
       }
   }
   if (kb_next < kbs) load_step(l, Tokens{}, kb_next, s);
