@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <vector>
 
+#include "common/scoped_env.h"
 #include "common/test_data.h"
 
 namespace flashmix::testing {
@@ -20,16 +21,10 @@ namespace flashmix::testing {
 enum class MxKernel { kTma, kDecode, kDecodeMmaSync };
 inline constexpr MxKernel kMxKernels[] = {MxKernel::kTma, MxKernel::kDecode, MxKernel::kDecodeMmaSync};
 struct ScopedMxKernel {
-  explicit ScopedMxKernel(MxKernel k) {
-    setenv("FLASHMIX_MX_DECODE", k == MxKernel::kTma ? "0" : "1", 1);
-    setenv("FLASHMIX_MX_DECODE_WG", k == MxKernel::kDecodeMmaSync ? "0" : "1", 1);
-  }
-  ~ScopedMxKernel() {
-    unsetenv("FLASHMIX_MX_DECODE");
-    unsetenv("FLASHMIX_MX_DECODE_WG");
-  }
-  ScopedMxKernel(const ScopedMxKernel&) = delete;
-  ScopedMxKernel& operator=(const ScopedMxKernel&) = delete;
+  explicit ScopedMxKernel(MxKernel k)
+      : decode("FLASHMIX_MX_DECODE", k == MxKernel::kTma ? "0" : "1"),
+        wg("FLASHMIX_MX_DECODE_WG", k == MxKernel::kDecodeMmaSync ? "0" : "1") {}
+  const ScopedEnv decode, wg;
 };
 inline const char* mx_kernel_name(MxKernel k) {
   return k == MxKernel::kTma ? "TMA kernel" : k == MxKernel::kDecode ? "decode kernel" : "decode kernel (mma.sync)";

@@ -25,6 +25,7 @@
 #include "common/gpu_testing.h"
 #include "common/host_dtype.h"
 #include "common/mxfp4_testing.h"
+#include "common/scoped_env.h"
 #include "common/test_data.h"
 #include "flashmix/fp8.h"
 #include "flashmix/moe.h"
@@ -39,10 +40,8 @@ namespace {
 // Pins the block-scaled FP8 tile (FLASHMIX_FC1_WIDE, read on every call):
 // wide (256 W1 rows a stage) or narrow, whatever the rows an expert.
 struct ScopedFc1Wide {
-  explicit ScopedFc1Wide(bool wide) { setenv("FLASHMIX_FC1_WIDE", wide ? "1" : "0", 1); }
-  ~ScopedFc1Wide() { unsetenv("FLASHMIX_FC1_WIDE"); }
-  ScopedFc1Wide(const ScopedFc1Wide&) = delete;
-  ScopedFc1Wide& operator=(const ScopedFc1Wide&) = delete;
+  explicit ScopedFc1Wide(bool wide) : env("FLASHMIX_FC1_WIDE", wide ? "1" : "0") {}
+  const ScopedEnv env;
 };
 
 struct Case {

@@ -21,6 +21,7 @@
 #include "common/host_dtype.h"
 #include "common/host_fp8.h"
 #include "common/mxfp4_testing.h"
+#include "common/scoped_env.h"
 #include "common/test_data.h"
 #include "flashmix/fp8.h"
 #include "flashmix/moe.h"
@@ -744,12 +745,6 @@ TEST(MoeForwardGpu, Fp8StagesAndEndToEndBothInputs) {
 // (deterministic FC2) bitwise equal, and end to end against the reference.
 TEST(MoeForwardGpu, Fp8Fc1WritesE4m3ItselfOnWideTiles) {
   SKIP_WITHOUT_HOPPER();
-  // An environment variable for the scope (the library reads both at each call).
-  struct ScopedEnv {
-    const char* name;
-    ScopedEnv(const char* n, const char* v) : name(n) { setenv(n, v, 1); }
-    ~ScopedEnv() { unsetenv(name); }
-  };
   const ScopedEnv wide("FLASHMIX_FC1_WIDE", "1");
   for (MoeFc1Input in : {MoeFc1Input::kGather, MoeFc1Input::kPermutedCopy})
     for (int ep = 0; ep < 2; ++ep) {
