@@ -98,6 +98,9 @@ struct DecodeParams {
   float limit, alpha;
   bool interleaved;
   __nv_bfloat16* fc1_out;  // [P, I]
+  // W4A8 on wgmma: the L2 prefetch of the weight rows, in K blocks beyond the
+  // register loads (-1: none).
+  int wg_prefetch;
   // FC2
   Fc2EpilogueParamsDevice epi;
   bool plain_k1;
@@ -503,9 +506,15 @@ __global__ void __launch_bounds__(kThreads, 1) mx_decode_kernel(const DecodePara
 // inputs) and the tokens' registers. An item: 64 output columns (FC1) or 128
 // H rows (FC2) of one chunk; the warpgroups take contiguous item ranges.
 constexpr int kWgThreads = 128;
-// Warpgroups a CTA at most: 3 at <= 168 registers (4 spill at 128; H200:
-// 89.4 / 196 us against 86.5 / 195 at T = 16 / 64).
-constexpr int kMaxWgs = 3;
+// Warpgroups an SM: 3 at <= 168 registers (4 spill at 128; H200: 89.4 /
+// 196 us against 86.5 / 195 at T = 16 / 64).
+constexpr int kWgsPerSm = 3;
+// The L2 prefetch distance of the weight rows, in K blocks beyond the
+// register loads' two (even: a prefetch takes a 128-byte line, two K
+// blocks; FLASHMIX_MX_WG_PREFETCH overrides it, -1: none). H200, V4-Flash
+// EP-8 decode, T = 16 / 64: none 90.5 / 206 us, 2 82.1 / 181, 4 86.0 / 192,
+// 8 91.1 / 215, 12 93.5 / 217.
+constexpr int kWgPrefetch = 0;
 
 // B's layout. wgmma's A fragment gives thread q of a quad the K columns
 // {4q .. 4q+3} and {16+4q .. 16+4q+3} of k32 step j; the thread's converted
@@ -521,7 +530,60 @@ __host__ __device__ constexpr size_t wg_stage_bytes(int K) {
 }
 
 __device__ __forceinline__ uint64_t wg_b_desc(uint32_t addr) {
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(128 >> 4) << 16) | (uint64_t(128 >> 4) << 32);
+  uint64_t d;  // the 32-bit halves put together (no 64-bit arithmetic)
+  asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(((addr & 0x3FFFF) >> 4) | ((128 >> 4) << 16)), "r"(128 >> 4));
+  return d;
+}
+
+// The shared memory of a CTA: the chunk tables (E + 1 ints twice), then a
+// token stage a warpgroup.
+__host__ __device__ constexpr size_t wg_tables_bytes(int E) { return (size_t(8) * (E + 1) + 127) / 128 * 128; }
+__host__ __device__ constexpr size_t wg_smem_bytes(int E, int K, int wgs) {
+  return wg_tables_bytes(E) + size_t(wgs) * wg_stage_bytes(K);
+}
+
+// The warp's four weight rows of an item as pointers at K block kb (the K
+// loop advances them once a round of two blocks, so that each load is the
+// pointer plus a constant). A row past the matrix reads the expert's row 0
+// instead: its outputs are never stored, and no load is predicated.
+struct WgRows {
+  const uint4* w[kTiles][2];      // the row's 16 bytes of K block kb at w + 4 * kb
+  const uint32_t* sc[kTiles][2];  // its scale word at sc + kb
+};
+
+__device__ __forceinline__ WgRows wg_rows(const Lanes& l) {
+  WgRows r;
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = max(l.row[t][h], 0);
+      r.w[t][h] = reinterpret_cast<const uint4*>(l.w + int64_t(row) * l.row_bytes);
+      r.sc[t][h] = reinterpret_cast<const uint32_t*>(l.sc + int64_t(row) * (l.row_bytes / 16));
+    }
+  return r;
+}
+
+__device__ __forceinline__ void wg_advance(WgRows& r, int blocks) {
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      r.w[t][h] += 4 * blocks;
+      r.sc[t][h] += blocks;
+    }
+}
+
+// K block kb + off of every row into the stage (off: a constant after
+// unrolling, an immediate in the loads).
+__device__ __forceinline__ void wg_load(const WgRows& r, int off, Step<true>& s) {
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      s.w[t][h] = __ldg(r.w[t][h] + 4 * off);
+      s.sw[t][h] = __ldg(r.sc[t][h] + off);
+    }
 }
 
 // The chunk's token rows p0 .. p0 + rows - 1 into tok / xs (zeros past
@@ -546,11 +608,6 @@ __device__ __forceinline__ void wg_stage_tokens(const DecodeParams& p, int p0, i
   }
 }
 
-// The L2 prefetch distance of the warpgroup kernel's weight rows, in K
-// blocks beyond the register loads' two (even: a prefetch takes a 128-byte
-// line, two K blocks). H200, V4-Flash EP-8 decode, T = 16 / 64: none 90.5 /
-// 206 us, 2 82.1 / 181, 4 86.0 / 192, 8 91.1 / 215, 12 93.5 / 217.
-constexpr int kWgPrefetch = 2;
 
 // The four wgmmas of tile t's K block (k32 steps j): A the converted rows
 // (rows g: o_g, g + 8: o_g8), B the tokens' core matrices from b_addr.
@@ -569,19 +626,22 @@ __device__ __forceinline__ void wg_tile_mmas(float (&part)[4], const uint32_t (&
 // every row's sub-block takes the table (no NaN scale, at most 11 binades
 // below its group's largest) is decided once for the four rows; the exact
 // conversion (out of line) takes the K block otherwise.
-__device__ __forceinline__ void wg_k_block(Step<true>& s, const Lanes& l, int kb_next, int kbs, int q, uint32_t b_addr,
+__device__ __forceinline__ void wg_k_block(Step<true>& s, const WgRows& r, int next, bool reload, int q, uint32_t b_addr,
                                            float xs0, float xs1, float (&part)[kTiles][4], float (&acc)[kTiles][4]) {
   uint32_t o[kTiles][2][8];
-  int ge[kTiles][2], d[kTiles][2];
+  int top[kTiles][2], d[kTiles][2];
+  float gs[kTiles][2];  // 2^E_G
   bool fast = true;
 #pragma unroll
   for (int t = 0; t < kTiles; ++t)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int top = top_byte(s.sw[t][h]), sq = int((s.sw[t][h] >> (8 * q)) & 0xffu);
-      fast = fast && top != kUe8m0NaN && top - sq <= kMxfp4Fp8TopShift - kMxfp4FastMinShift;
-      ge[t][h] = top - 127 - kMxfp4Fp8TopShift;
-      d[t][h] = sq - top + kMxfp4Fp8TopShift;
+      const int sq = int((s.sw[t][h] >> (8 * q)) & 0xffu);
+      top[t][h] = top_byte(s.sw[t][h]);
+      // The table's range, and 2^E_G a normal float (E_G = top - 127 - 6 >= -126).
+      fast = fast && top[t][h] != kUe8m0NaN && top[t][h] - sq <= kMxfp4Fp8TopShift - kMxfp4FastMinShift &&
+             top[t][h] >= kMxfp4Fp8TopShift + 1;
+      d[t][h] = sq - top[t][h] + kMxfp4Fp8TopShift;
     }
   // Decided for the whole warp (and rarely false): a divergent branch here
   // would make ptxas serialise the wgmmas that read these registers.
@@ -589,17 +649,21 @@ __device__ __forceinline__ void wg_k_block(Step<true>& s, const Lanes& l, int kb
 #pragma unroll
     for (int t = 0; t < kTiles; ++t)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) subblock_to_e4m3_fast(s.w[t][h], d[t][h], o[t][h]);
+      for (int h = 0; h < 2; ++h) {
+        subblock_to_e4m3_fast(s.w[t][h], d[t][h], o[t][h]);
+        gs[t][h] = __int_as_float((top[t][h] - kMxfp4Fp8TopShift) << 23);
+      }
   } else {
 #pragma unroll
     for (int t = 0; t < kTiles; ++t)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        ge[t][h] = mx_group_exp(s.sw[t][h]);
-        subblock_to_e4m3_exact(s.w[t][h], int((s.sw[t][h] >> (8 * q)) & 0xffu), ge[t][h], o[t][h]);
+        const int ge = mx_group_exp(s.sw[t][h]);
+        subblock_to_e4m3_exact(s.w[t][h], int((s.sw[t][h] >> (8 * q)) & 0xffu), ge, o[t][h]);
+        gs[t][h] = exp2_float(ge);
       }
   }
-  if (kb_next < kbs) load_step(l, Tokens{}, kb_next, s);
+  if (reload) wg_load(r, next, s);  // the registers are free once converted: the loads fly during the MMAs
   dev::wgmma_fence();
   wg_tile_mmas(part[0], o[0][0], o[0][1], b_addr);
   wg_tile_mmas(part[1], o[1][0], o[1][1], b_addr);
@@ -608,7 +672,7 @@ __device__ __forceinline__ void wg_k_block(Step<true>& s, const Lanes& l, int kb
 #pragma unroll
   for (int t = 0; t < kTiles; ++t) {
     dev::fence_operands(part[t]);
-    const float g0 = exp2_float(ge[t][0]), g1 = exp2_float(ge[t][1]);
+    const float g0 = gs[t][0], g1 = gs[t][1];
     acc[t][0] = fmaf(part[t][0], g0 * xs0, acc[t][0]);
     acc[t][1] = fmaf(part[t][1], g0 * xs1, acc[t][1]);
     acc[t][2] = fmaf(part[t][2], g1 * xs0, acc[t][2]);
@@ -624,18 +688,26 @@ struct WgItemShape {
   static constexpr int kTileRows = kFc1 ? 16 : 64;
 };
 
-template <bool kFc1>
-__global__ void __launch_bounds__(kMaxWgs* kWgThreads, 1) mx_decode_wg_kernel(const DecodeParams p) {
+// kWgsPerCta warpgroups a CTA (1: every descriptor's address is uniform;
+// 3: a CTA an SM), each on its own items and token stage.
+template <bool kFc1, int kWgsPerCta>
+__global__ void __launch_bounds__(kWgThreads* kWgsPerCta, kWgsPerSm / kWgsPerCta) mx_decode_wg_kernel(
+    const DecodeParams p) {
   extern __shared__ __align__(128) uint8_t wg_smem[];
-  __shared__ int s_off[kMaxExperts + 1];
-  __shared__ int s_first[kMaxExperts + 1];
-  const int tid = threadIdx.x, wg = tid / kWgThreads, wt = tid % kWgThreads, wq = wt >> 5;
-  const int lane = tid & 31, g = lane >> 2, q = lane & 3;
-  const int n_wg = blockDim.x / kWgThreads, kbs = p.K / kKBlock;
-  uint8_t* tok = wg_smem + wg * wg_stage_bytes(p.K);
+  int* s_off = reinterpret_cast<int*>(wg_smem);
+  int* s_first = s_off + p.E + 1;
+  const int n_wg = kWgsPerCta == 1 ? 1 : int(blockDim.x) / kWgThreads;
+  const int wg = kWgsPerCta == 1 ? 0 : __shfl_sync(0xffffffffu, int(threadIdx.x) / kWgThreads, 0);
+  const int wt = int(threadIdx.x) % kWgThreads, wq = wt >> 5;
+  const int lane = wt & 31, g = lane >> 2, q = lane & 3;
+  const int kbs = p.K / kKBlock;
+  uint8_t* tok = wg_smem + wg_tables_bytes(p.E) + size_t(wg) * wg_stage_bytes(p.K);
   float* xs = reinterpret_cast<float*>(tok + size_t(8) * p.K);
-  // Warp-uniform by the shuffle, so that the descriptors live in uniform registers.
-  const uint32_t tok_addr = __shfl_sync(0xffffffffu, dev::smem_u32(tok), 0);
+  const uint32_t tok_addr = dev::smem_u32(tok);
+  auto wg_sync = [&] {
+    if constexpr (kWgsPerCta == 1) __syncthreads();
+    else dev::named_bar_sync(1 + wg, kWgThreads);
+  };
 
   chunk_table(p, s_off, s_first);
 
@@ -646,37 +718,45 @@ __global__ void __launch_bounds__(kMaxWgs* kWgThreads, 1) mx_decode_wg_kernel(co
   int e = 0, p0 = 0, rows = 0, tokens_gc = -1;
   float part[kTiles][4] = {};
   for (int64_t it = i_begin; it < i_end; ++it) {
-    if (gc != tokens_gc) {
+    const bool new_chunk = gc != tokens_gc;
+    if (new_chunk) {
       e = chunk_expert(s_first, p.E, gc);
       p0 = s_off[e] + (gc - s_first[e]) * kChunk;
       rows = min(kChunk, s_off[e + 1] - p0);
-      dev::named_bar_sync(1 + wg, kWgThreads);  // every wgmma on the previous chunk's tokens has been waited for
-      wg_stage_tokens(p, p0, rows, tok, xs, wt);
-      dev::fence_proxy_async_shared();
-      dev::named_bar_sync(1 + wg, kWgThreads);
-      tokens_gc = gc;
     }
     const int col0 = cb * WgItemShape<kFc1>::kCols + 16 * wq;  // this warp's first column (FC2: row of tile 0)
     const Lanes l = item_lanes<kFc1>(p, e, col0, WgItemShape<kFc1>::kTileRows, g, q);
+    // The item's first two K blocks are requested before anything waits (the
+    // token stage below, a chain of dependent loads, runs in their shadow).
+    Step<true> s0, s1;
+    WgRows r = wg_rows(l);
+    wg_load(r, 0, s0);
+    if (kbs > 1) wg_load(r, 1, s1);
+    // Lane (g, q) prefetches into L2 the 128-byte line (two K blocks) of row
+    // (tile q / 2, half q % 2) of the warp's 32.
+    const int pf_row = l.row[q >> 1][q & 1];
+    const uint8_t* pf = pf_row >= 0 && p.wg_prefetch >= 0 ? l.w - 16 * q + int64_t(pf_row) * l.row_bytes : nullptr;
+    const int pf_ahead = 2 + max(p.wg_prefetch, 0);
+    if (new_chunk) {
+      wg_sync();  // every wgmma on the previous chunk's tokens has been waited for
+      wg_stage_tokens(p, p0, rows, tok, xs, wt);
+      dev::fence_proxy_async_shared();
+      wg_sync();
+      tokens_gc = gc;
+    }
     if (++cb == p.col_blocks) {
       cb = 0;
       ++gc;
     }
 
     float acc[kTiles][4] = {};
-    Step<true> s0, s1;
-    load_step(l, Tokens{}, 0, s0);
-    if (kbs > 1) load_step(l, Tokens{}, 1, s1);
-    // Lane (g, q) prefetches into L2 the 128-byte line (two K blocks) of row
-    // (tile q / 2, half q % 2) of the warp's 32.
-    const int pf_row = l.row[q >> 1][q & 1];
-    const uint8_t* pf = pf_row >= 0 ? l.w - 16 * q + int64_t(pf_row) * l.row_bytes : nullptr;
     const float* xq = xs + 2 * q * kbs;
-    for (int kb = 0; kb < kbs; kb += 2) {
-      if (pf != nullptr && kb + 2 + kWgPrefetch < kbs) dev::prefetch_l2(pf + 64 * (kb + 2 + kWgPrefetch));
-      wg_k_block(s0, l, kb + 2, kbs, q, tok_addr + 1024u * kb, xq[kb], xq[kbs + kb], part, acc);
+    for (int kb = 0; kb < kbs; kb += 2) {  // r at K block kb; the stage holds kb and kb + 1
+      if (pf != nullptr && kb + pf_ahead < kbs) dev::prefetch_l2(pf + 64 * (kb + pf_ahead));
+      wg_k_block(s0, r, 2, kb + 2 < kbs, q, tok_addr + 1024u * kb, xq[kb], xq[kbs + kb], part, acc);
       if (kb + 1 < kbs)
-        wg_k_block(s1, l, kb + 3, kbs, q, tok_addr + 1024u * (kb + 1), xq[kb + 1], xq[kbs + kb + 1], part, acc);
+        wg_k_block(s1, r, 3, kb + 3 < kbs, q, tok_addr + 1024u * (kb + 1), xq[kb + 1], xq[kbs + kb + 1], part, acc);
+      wg_advance(r, 2);
     }
     if constexpr (kFc1) fc1_epilogue(p, acc, e, p0, rows, col0, g, q);
     else fc2_epilogue(p, acc, e, p0, rows, col0, WgItemShape<kFc1>::kTileRows, g, q);
@@ -706,14 +786,21 @@ Status launch_wg(DecodeParams d, int sm_count, bool pdl, const char* op, cudaStr
   *launched = false;
   const char* pin = std::getenv("FLASHMIX_MX_DECODE_WG");
   if (pin != nullptr && *pin != '\0' && std::atoi(pin) == 0) return Status::Ok();
-  const auto kernel = mx_decode_wg_kernel<kFc1>;
+  // Tuning knobs for the A/B, not an API.
+  const char* pf = std::getenv("FLASHMIX_MX_WG_PREFETCH");
+  d.wg_prefetch = pf != nullptr && *pf != '\0' ? std::atoi(pf) : kWgPrefetch;
+  const char* cta = std::getenv("FLASHMIX_MX_WG_CTA");
+  const bool one = cta != nullptr && *cta != '\0' && std::atoi(cta) == 1;
   d.col_blocks = (d.n_cols + WgItemShape<kFc1>::kCols - 1) / WgItemShape<kFc1>::kCols;
-  for (int n = kMaxWgs; n >= 1; --n) {
-    const size_t smem = size_t(n) * wg_stage_bytes(d.K);
+  for (int n = one ? 1 : kWgsPerSm; n >= 1; --n) {
+    const auto kernel = n == 1 && one ? mx_decode_wg_kernel<kFc1, 1> : mx_decode_wg_kernel<kFc1, kWgsPerSm>;
+    const size_t smem = wg_smem_bytes(d.E, d.K, n);
+    if (smem > size_t(227) * 1024) continue;
     int per_sm = 0;
     FM_RETURN_IF_ERROR(detail::cuda_status(
         detail::blocks_per_sm(detail::kernel_key(kernel), n * kWgThreads, smem, &per_sm), op, "kernel attributes"));
     if (per_sm == 0) continue;
+    if (one) per_sm = std::min(per_sm, kWgsPerSm);
     FM_RETURN_IF_ERROR(detail::cuda_status(
         dev::launch(kernel, dim3(unsigned(sm_count * per_sm)), dim3(n * kWgThreads), smem, stream, pdl, d), op,
         "kernel launch"));
