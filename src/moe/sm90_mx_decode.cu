@@ -620,11 +620,12 @@ __device__ __forceinline__ void wg_tile_mmas(float (&part)[4], const uint32_t (&
   }
 }
 
-// One K block: the rows converted, the stage refilled with K block kb_next
-// (when < kbs: its registers are free once converted, and the loads fly
-// during the MMAs), 2 x 4 wgmmas into fresh partials, promoted into acc with 2^E_G times the token's scale. Whether
-// every row's sub-block takes the table (no NaN scale, at most 11 binades
-// below its group's largest) is decided once for the four rows; the exact
+// One K block: the rows converted, the stage refilled with K block kb +
+// next when `reload` (its registers are free once converted, and the loads
+// fly during the MMAs), 2 x 4 wgmmas into fresh partials, promoted into acc
+// with 2^E_G times the token's scale. Whether every row's sub-block takes
+// the table (no NaN scale, at most 11 binades below its group's largest,
+// 2^E_G a normal float) is decided once for the four rows; the exact
 // conversion (out of line) takes the K block otherwise.
 __device__ __forceinline__ void wg_k_block(Step<true>& s, const WgRows& r, int next, bool reload, int q, uint32_t b_addr,
                                            float xs0, float xs1, float (&part)[kTiles][4], float (&acc)[kTiles][4]) {
@@ -688,26 +689,25 @@ struct WgItemShape {
   static constexpr int kTileRows = kFc1 ? 16 : 64;
 };
 
-// kWgsPerCta warpgroups a CTA (1: every descriptor's address is uniform;
-// 3: a CTA an SM), each on its own items and token stage.
-template <bool kFc1, int kWgsPerCta>
-__global__ void __launch_bounds__(kWgThreads* kWgsPerCta, kWgsPerSm / kWgsPerCta) mx_decode_wg_kernel(
-    const DecodeParams p) {
+// Up to kWgsPerSm warpgroups a CTA (fewer where their token stages do not
+// fit), each on its own items and token stage. (One warpgroup a CTA, three
+// CTAs an SM, keeps every wgmma descriptor on the uniform datapath but was
+// slower where a warpgroup takes several items: H200, T = 64, 186.5-191.8
+// against 162-173 us.)
+template <bool kFc1>
+__global__ void __launch_bounds__(kWgThreads* kWgsPerSm, 1) mx_decode_wg_kernel(const DecodeParams p) {
   extern __shared__ __align__(128) uint8_t wg_smem[];
   int* s_off = reinterpret_cast<int*>(wg_smem);
   int* s_first = s_off + p.E + 1;
-  const int n_wg = kWgsPerCta == 1 ? 1 : int(blockDim.x) / kWgThreads;
-  const int wg = kWgsPerCta == 1 ? 0 : __shfl_sync(0xffffffffu, int(threadIdx.x) / kWgThreads, 0);
+  const int n_wg = int(blockDim.x) / kWgThreads;
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x) / kWgThreads, 0);
   const int wt = int(threadIdx.x) % kWgThreads, wq = wt >> 5;
   const int lane = wt & 31, g = lane >> 2, q = lane & 3;
   const int kbs = p.K / kKBlock;
   uint8_t* tok = wg_smem + wg_tables_bytes(p.E) + size_t(wg) * wg_stage_bytes(p.K);
   float* xs = reinterpret_cast<float*>(tok + size_t(8) * p.K);
   const uint32_t tok_addr = dev::smem_u32(tok);
-  auto wg_sync = [&] {
-    if constexpr (kWgsPerCta == 1) __syncthreads();
-    else dev::named_bar_sync(1 + wg, kWgThreads);
-  };
+  auto wg_sync = [&] { dev::named_bar_sync(1 + wg, kWgThreads); };
 
   chunk_table(p, s_off, s_first);
 
@@ -789,18 +789,15 @@ Status launch_wg(DecodeParams d, int sm_count, bool pdl, const char* op, cudaStr
   // Tuning knobs for the A/B, not an API.
   const char* pf = std::getenv("FLASHMIX_MX_WG_PREFETCH");
   d.wg_prefetch = pf != nullptr && *pf != '\0' ? std::atoi(pf) : kWgPrefetch;
-  const char* cta = std::getenv("FLASHMIX_MX_WG_CTA");
-  const bool one = cta != nullptr && *cta != '\0' && std::atoi(cta) == 1;
   d.col_blocks = (d.n_cols + WgItemShape<kFc1>::kCols - 1) / WgItemShape<kFc1>::kCols;
-  for (int n = one ? 1 : kWgsPerSm; n >= 1; --n) {
-    const auto kernel = n == 1 && one ? mx_decode_wg_kernel<kFc1, 1> : mx_decode_wg_kernel<kFc1, kWgsPerSm>;
+  const auto kernel = mx_decode_wg_kernel<kFc1>;
+  for (int n = kWgsPerSm; n >= 1; --n) {
     const size_t smem = wg_smem_bytes(d.E, d.K, n);
     if (smem > size_t(227) * 1024) continue;
     int per_sm = 0;
     FM_RETURN_IF_ERROR(detail::cuda_status(
         detail::blocks_per_sm(detail::kernel_key(kernel), n * kWgThreads, smem, &per_sm), op, "kernel attributes"));
     if (per_sm == 0) continue;
-    if (one) per_sm = std::min(per_sm, kWgsPerSm);
     FM_RETURN_IF_ERROR(detail::cuda_status(
         dev::launch(kernel, dim3(unsigned(sm_count * per_sm)), dim3(n * kWgThreads), smem, stream, pdl, d), op,
         "kernel launch"));
