@@ -506,14 +506,14 @@ __global__ void __launch_bounds__(kThreads, 1) mx_decode_kernel(const DecodePara
 // inputs) and the tokens' registers. An item: 64 output columns (FC1) or 128
 // H rows (FC2) of one chunk; the warpgroups take contiguous item ranges.
 constexpr int kWgThreads = 128;
-// Warpgroups an SM: 3 at <= 168 registers (4 spill at 128; H200: 89.4 /
-// 196 us against 86.5 / 195 at T = 16 / 64).
-constexpr int kWgsPerSm = 3;
+// Warpgroups a CTA at most: 3 at <= 168 registers (4 spill at 128; H200:
+// 89.4 / 196 us against 86.5 / 195 at T = 16 / 64).
+constexpr int kMaxWgs = 3;
 // The L2 prefetch distance of the weight rows, in K blocks beyond the
-// register loads' two (even: a prefetch takes a 128-byte line, two K
-// blocks; FLASHMIX_MX_WG_PREFETCH overrides it, -1: none). H200, V4-Flash
-// EP-8 decode, T = 16 / 64: none 90.5 / 206 us, 2 82.1 / 181, 4 86.0 / 192,
-// 8 91.1 / 215, 12 93.5 / 217.
+// register loads' two (a prefetch takes a 128-byte line, two K blocks;
+// FLASHMIX_MX_WG_PREFETCH overrides it, -1: none). H200, V4-Flash EP-8
+// decode, T = 16 / 64 (docs/mxfp4.md §4.11): 0 76.1 / 162.2 us, 2 78.3 /
+// 173.0, 4 82.2 / 187.3, none 87.3 / 199.8.
 constexpr int kWgPrefetch = 0;
 
 // B's layout. wgmma's A fragment gives thread q of a quad the K columns
@@ -608,7 +608,6 @@ __device__ __forceinline__ void wg_stage_tokens(const DecodeParams& p, int p0, i
   }
 }
 
-
 // The four wgmmas of tile t's K block (k32 steps j): A the converted rows
 // (rows g: o_g, g + 8: o_g8), B the tokens' core matrices from b_addr.
 __device__ __forceinline__ void wg_tile_mmas(float (&part)[4], const uint32_t (&o_g)[8], const uint32_t (&o_g8)[8],
@@ -689,13 +688,13 @@ struct WgItemShape {
   static constexpr int kTileRows = kFc1 ? 16 : 64;
 };
 
-// Up to kWgsPerSm warpgroups a CTA (fewer where their token stages do not
+// Up to kMaxWgs warpgroups a CTA (fewer where their token stages do not
 // fit), each on its own items and token stage. (One warpgroup a CTA, three
 // CTAs an SM, keeps every wgmma descriptor on the uniform datapath but was
 // slower where a warpgroup takes several items: H200, T = 64, 186.5-191.8
 // against 162-173 us.)
 template <bool kFc1>
-__global__ void __launch_bounds__(kWgThreads* kWgsPerSm, 1) mx_decode_wg_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(kWgThreads* kMaxWgs, 1) mx_decode_wg_kernel(const DecodeParams p) {
   extern __shared__ __align__(128) uint8_t wg_smem[];
   int* s_off = reinterpret_cast<int*>(wg_smem);
   int* s_first = s_off + p.E + 1;
@@ -791,9 +790,8 @@ Status launch_wg(DecodeParams d, int sm_count, bool pdl, const char* op, cudaStr
   d.wg_prefetch = pf != nullptr && *pf != '\0' ? std::atoi(pf) : kWgPrefetch;
   d.col_blocks = (d.n_cols + WgItemShape<kFc1>::kCols - 1) / WgItemShape<kFc1>::kCols;
   const auto kernel = mx_decode_wg_kernel<kFc1>;
-  for (int n = kWgsPerSm; n >= 1; --n) {
+  for (int n = kMaxWgs; n >= 1; --n) {
     const size_t smem = wg_smem_bytes(d.E, d.K, n);
-    if (smem > size_t(227) * 1024) continue;
     int per_sm = 0;
     FM_RETURN_IF_ERROR(detail::cuda_status(
         detail::blocks_per_sm(detail::kernel_key(kernel), n * kWgThreads, smem, &per_sm), op, "kernel attributes"));
