@@ -1,7 +1,8 @@
 // MXFP4 expert GEMMs for decode (spec §13.7): FC1 and FC2 when experts hold
 // a few rows each, the weights converted in registers (sm90_mx_decode.cu):
-// W4A8 on wgmma with the tokens staged in shared memory, W4A16 on mma.sync. The TMA + wgmma kernels (sm90_fc1_gemm.cu,
-// sm90_fc2_rows_gemm.cu) take every other shape.
+// W4A8 on wgmma with the tokens staged in shared memory, W4A16 on mma.sync.
+// The TMA + wgmma kernels (sm90_fc1_gemm.cu, sm90_fc2_rows_gemm.cu) take
+// every other shape.
 #pragma once
 
 #include <cuda_runtime_api.h>
