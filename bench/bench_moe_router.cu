@@ -7,6 +7,11 @@
 // with the router's grid and block, launched the same way (PDL attribute,
 // CUDA-graph replays), measured in the same run (empty_launch_us).
 //
+// Hash selection (SPEC §8.7, `*_hash_*` cases): the kernel reads each token's
+// id, its table row and its k chosen logits, not the row: the bytes counted
+// are 8 (an int64 id) + 4k (the row) + 32k (a 32-byte sector per chosen logit)
+// a token.
+//
 // Timing: CUDA-graph replays of many launches, each on its own copy of the
 // logits (copies together over twice the L2), so every launch reads them from
 // memory; `_l2_warm` beside it replays on one copy, which stays in L2, as in
@@ -32,7 +37,36 @@ struct BenchCase {
   std::string name;
   RouterCase c;
   double max_ratio = 0;  // target: time / (read at copy bandwidth + one launch); 0: none
+  int64_t hash_vocab = 0;  // > 0: hash selection from a table of this many rows (int64 token ids)
 };
+
+// The hash case's table (distinct experts a row) and token ids, fixed by the seed.
+struct HashData {
+  std::vector<int32_t> table;
+  std::vector<int64_t> ids;
+};
+
+HashData hash_data(const BenchCase& b) {
+  HashData h;
+  if (b.hash_vocab <= 0) return h;
+  flashmix::testing::Rng rng(4321);
+  const int E = b.c.E, k = b.c.k;
+  h.table.resize(size_t(b.hash_vocab * k));
+  for (int64_t v = 0; v < b.hash_vocab; ++v)
+    for (int j = 0; j < k; ++j) {
+      int32_t e;
+      bool fresh;
+      do {  // k distinct experts (k << E)
+        e = int32_t(rng.integer(0, E - 1));
+        fresh = true;
+        for (int q = 0; q < j; ++q) fresh &= h.table[size_t(v * k + q)] != e;
+      } while (!fresh);
+      h.table[size_t(v * k + j)] = e;
+    }
+  h.ids.resize(size_t(b.c.T));
+  for (auto& id : h.ids) id = rng.integer(0, b.hash_vocab - 1);
+  return h;
+}
 
 __global__ void empty_kernel() {}
 
@@ -52,11 +86,17 @@ double empty_launch_us(const Context& ctx, unsigned blocks, cudaStream_t stream)
   return graph_us_per_launch(launch, 100, stream, ctx.quick ? 5 : 20);
 }
 
-MoeRouterArgs host_args(const BenchCase& b, const RouterHostData& d, std::vector<int32_t>& ids,
+MoeRouterArgs host_args(const BenchCase& b, const RouterHostData& d, const HashData& h, std::vector<int32_t>& ids,
                         std::vector<float>& w) {
   ids.assign(size_t(b.c.T * b.c.k), 0);
   w.assign(size_t(b.c.T * b.c.k), 0.0f);
   MoeRouterArgs a = flashmix::testing::router_args(b.c, d);
+  if (b.hash_vocab > 0) {
+    a.hash_table = h.table.data();
+    a.vocab_size = b.hash_vocab;
+    a.token_ids = h.ids.data();
+    a.token_ids_int64 = true;
+  }
   a.token_selected_experts = ids.data();
   a.token_final_scales = w.data();
   return a;
@@ -66,6 +106,7 @@ void run_gpu_case(Context& ctx, const BenchCase& b, cudaStream_t stream) {
   const RouterCase& c = b.c;
   flashmix::testing::Rng rng(1234);
   const RouterHostData d = flashmix::testing::random_router_data(rng, c);
+  const HashData h = hash_data(b);
   const size_t logit_bytes = d.logits.bytes.size(), slots = size_t(c.T * c.k);
   const int copies = int(std::max<size_t>(1, 2 * ctx.l2_bytes / logit_bytes + 1));
   char* d_logits = nullptr;
@@ -80,9 +121,23 @@ void run_gpu_case(Context& ctx, const BenchCase& b, cudaStream_t stream) {
   }
   BENCH_CUDA(cudaMalloc(&d_ids, slots * 4));
   BENCH_CUDA(cudaMalloc(&d_w, slots * 4));
+  int32_t* d_table = nullptr;
+  int64_t* d_tok = nullptr;
+  if (b.hash_vocab > 0) {
+    BENCH_CUDA(cudaMalloc(&d_table, h.table.size() * 4));
+    BENCH_CUDA(cudaMalloc(&d_tok, h.ids.size() * 8));
+    BENCH_CUDA(cudaMemcpy(d_table, h.table.data(), h.table.size() * 4, cudaMemcpyHostToDevice));
+    BENCH_CUDA(cudaMemcpy(d_tok, h.ids.data(), h.ids.size() * 8, cudaMemcpyHostToDevice));
+  }
   BENCH_CUDA(cudaDeviceSynchronize());  // pageable copies may land after the call returns
 
   MoeRouterArgs a = flashmix::testing::router_args(c, d);
+  if (b.hash_vocab > 0) {
+    a.hash_table = d_table;
+    a.vocab_size = b.hash_vocab;
+    a.token_ids = d_tok;
+    a.token_ids_int64 = true;
+  }
   a.correction_bias = d_bias;
   a.token_selected_experts = d_ids;
   a.token_final_scales = d_w;
@@ -106,12 +161,15 @@ void run_gpu_case(Context& ctx, const BenchCase& b, cudaStream_t stream) {
     std::vector<float> w(slots), ref_w;
     BENCH_CUDA(cudaMemcpy(ids.data(), d_ids, slots * 4, cudaMemcpyDeviceToHost));
     BENCH_CUDA(cudaMemcpy(w.data(), d_w, slots * 4, cudaMemcpyDeviceToHost));
-    const Status st = moe_router_cpu(host_args(b, d, ref_ids, ref_w));
+    const Status st = moe_router_cpu(host_args(b, d, h, ref_ids, ref_w));
     if (!st.ok()) {
       check = "FAILED: reference: " + st.message();
     } else {
-      const auto cmp = flashmix::testing::compare_router(c, flashmix::testing::decided_tokens(c, d), ids.data(),
-                                                         w.data(), ref_ids.data(), ref_w.data());
+      // A hash choice hinges on no rounding: every token is compared.
+      const std::vector<char> decided =
+          b.hash_vocab > 0 ? std::vector<char>(size_t(c.T), 1) : flashmix::testing::decided_tokens(c, d);
+      const auto cmp =
+          flashmix::testing::compare_router(c, decided, ids.data(), w.data(), ref_ids.data(), ref_w.data());
       undecided = double(cmp.undecided);
       check = cmp.ok() ? "passed" : "FAILED: " + cmp.first_failure;
     }
@@ -122,7 +180,8 @@ void run_gpu_case(Context& ctx, const BenchCase& b, cudaStream_t stream) {
     return graph_us_per_launch([&](int i) { launch(rotate ? i : 0, path); }, launches, stream, ctx.quick ? 5 : 20);
   };
   const double us = time_with(0, true);
-  const double read_us = copy_bound_us(ctx, double(logit_bytes));
+  const double read_bytes = b.hash_vocab > 0 ? double(c.T) * (8 + 36 * c.k) : double(logit_bytes);
+  const double read_us = copy_bound_us(ctx, read_bytes);
   MoeRouterArgs timed = a;  // the layout the timed launches take
   timed.logits = d_logits;
   const int per_block = detail::router_tokens_per_block(timed);
@@ -130,7 +189,7 @@ void run_gpu_case(Context& ctx, const BenchCase& b, cudaStream_t stream) {
   const double empty_us = empty_launch_us(ctx, blocks, stream);
   const double bound_us = read_us + empty_us;
 
-  Record r = copy_record(ctx, "moe_router", b.name, us, double(logit_bytes), check);
+  Record r = copy_record(ctx, "moe_router", b.name, us, read_bytes, check);
   r.extra["read_us"] = read_us;
   r.extra["empty_launch_us"] = empty_us;
   r.extra["bound_us"] = bound_us;
@@ -164,14 +223,17 @@ void run_gpu_case(Context& ctx, const BenchCase& b, cudaStream_t stream) {
   if (d_bias) cudaFree(d_bias);
   cudaFree(d_ids);
   cudaFree(d_w);
+  if (d_table) cudaFree(d_table);
+  if (d_tok) cudaFree(d_tok);
 }
 
 void run_cpu_case(Context& ctx, const BenchCase& b) {
   flashmix::testing::Rng rng(1234);
   const RouterHostData d = flashmix::testing::random_router_data(rng, b.c);
+  const HashData h = hash_data(b);
   std::vector<int32_t> ids;
   std::vector<float> w;
-  const MoeRouterArgs a = host_args(b, d, ids, w);
+  const MoeRouterArgs a = host_args(b, d, h, ids, w);
   record_cpu_run(ctx, "moe_router_cpu", b.name, double(d.logits.bytes.size()), [&] { return moe_router_cpu(a); });
 }
 
@@ -207,6 +269,9 @@ void run_moe_router_cases(Context& ctx) {
       // 16 experts a lane: V4-Pro's and Kimi-K2's 384, Qwen3-Next's 512.
       {"v4pro_T8192_E384_k6", make(S::kSqrtSoftplus, 384, 6, true, true, 1.5f)},
       {"qwen3next_T8192_E512_k10", make(S::kSoftmax, 512, 10, true, false, 1.0f)},
+      // DeepSeek-V4's hash layers (V4-Flash: 256 experts, 6 a token, a vocabulary of 129,280 token ids).
+      {"v4_hash_T8192_E256_k6", make(S::kSqrtSoftplus, 256, 6, true, false, 1.5f), 0, 129280},
+      {"v4_hash_T16_E256_k6", make(S::kSqrtSoftplus, 256, 6, true, false, 1.5f, 1, 1, 16), 0, 129280},
   };
   for_each_case(ctx, "moe_router", cases, run_gpu_case, run_cpu_case, [](BenchCase b) {
     b.c.T = std::min<int64_t>(b.c.T, 256);

@@ -42,6 +42,11 @@ struct MoeRouterTuning {
 //   weight w_j = s of the j-th chosen expert (kSoftmaxAfterTopk: softmax over
 //     the chosen logits); renormalize: w_j /= sum of the k (0 if that sum is 0);
 //     then w_j *= routed_scaling_factor.
+// Hash selection (SPEC §8.7; DeepSeek-V4's first layers): with hash_table set,
+// token t's experts are row token_ids[t] of the table, in its order, instead
+// of the top-k (no bias, no groups); the weights are as above. A token id
+// outside [0, vocab_size), or an entry outside [0, E), gives that slot id -1
+// ("not local" downstream) and weight 0.
 struct MoeRouterArgs {
   const void* logits = nullptr;             // [T, E] of logits_dtype, dense rows
   DType logits_dtype = DType::kBFloat16;    // fp32 or bf16
@@ -54,6 +59,11 @@ struct MoeRouterArgs {
   int n_group = 1;                          // divides E
   int topk_group = 1;                       // 1..n_group; topk_group * (E / n_group) >= k
   float routed_scaling_factor = 1.0f;       // finite
+  // Hash selection (SPEC §8.7): null = the top-k above.
+  const int32_t* hash_table = nullptr;      // [vocab_size, k] expert ids (V4's tid2eid), dense rows
+  int64_t vocab_size = 0;                   // rows of hash_table (>= 1 with one)
+  const void* token_ids = nullptr;          // [T] token ids, int32 (or int64: token_ids_int64); with hash_table only
+  bool token_ids_int64 = false;
   int32_t* token_selected_experts = nullptr;  // out [T, k]
   float* token_final_scales = nullptr;        // out [T, k]
   bool enable_pdl = true;

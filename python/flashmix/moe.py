@@ -395,9 +395,9 @@ def _new_router_outputs(logits, k):
 
 def moe_router(logits, k, *, scoring=_ROUTER.scoring, renormalize=_ROUTER.renormalize, correction_bias=None,
                n_group=_ROUTER.n_group, topk_group=_ROUTER.topk_group,
-               routed_scaling_factor=_ROUTER.routed_scaling_factor, token_selected_experts=None,
-               token_final_scales=None, enable_pdl=_ROUTER.enable_pdl, path=_ROUTER.path,
-               generic_layout=_ROUTER.generic_layout, stream=None):
+               routed_scaling_factor=_ROUTER.routed_scaling_factor, token_ids=None, hash_table=None,
+               token_selected_experts=None, token_final_scales=None, enable_pdl=_ROUTER.enable_pdl,
+               path=_ROUTER.path, generic_layout=_ROUTER.generic_layout, stream=None):
     """spec §8: router logits -> the k experts of each token and their weights.
 
     Args:
@@ -409,13 +409,19 @@ def moe_router(logits, k, *, scoring=_ROUTER.scoring, renormalize=_ROUTER.renorm
       correction_bias: float32 ``[E]`` added to the scores for the choice only, or None.
       n_group, topk_group: group-limited choice (DeepSeek-V3: 8, 4); 1, 1 = none.
       routed_scaling_factor: multiplies every weight.
+      token_ids (int32 or int64 ``[T]``) with hash_table (int32 ``[vocab_size, k]``): hash selection
+        (spec §8.7, DeepSeek-V4's first layers: ``tid2eid``): token t's experts are
+        ``hash_table[token_ids[t]]`` in that order instead of the top-k; the weights follow
+        ``scoring`` / ``renormalize`` / ``routed_scaling_factor`` as usual. A token id outside
+        ``[0, vocab_size)`` or an entry outside ``[0, E)`` gives that slot id -1 and weight 0. No
+        correction_bias, no groups.
       token_selected_experts (int32 ``[T, k]``), token_final_scales (float32 ``[T, k]``): outputs,
         allocated when None.
       enable_pdl, path, generic_layout: launch options (GPU; identical results).
       stream: see the package docstring.
 
     Returns MoeRouterOutput(token_selected_experts, token_final_scales): ids in descending order of
-    their selection value (ties: the lowest id), weights as spec §8.1.
+    their selection value (ties: the lowest id; hash selection: the table's order), weights as spec §8.1.
     """
     fresh = _new_router_outputs(logits, k) if token_selected_experts is None or token_final_scales is None else None
     if token_selected_experts is None:
@@ -428,8 +434,8 @@ def moe_router(logits, k, *, scoring=_ROUTER.scoring, renormalize=_ROUTER.renorm
     _C.moe_router(
         arg(logits), arg(token_selected_experts), arg(token_final_scales), scoring=scoring, renormalize=renormalize,
         correction_bias=arg(correction_bias), n_group=n_group, topk_group=topk_group,
-        routed_scaling_factor=routed_scaling_factor, enable_pdl=enable_pdl, path=path, generic_layout=generic_layout,
-        stream=stream_of(stream, logits))
+        routed_scaling_factor=routed_scaling_factor, token_ids=arg(token_ids), hash_table=arg(hash_table),
+        enable_pdl=enable_pdl, path=path, generic_layout=generic_layout, stream=stream_of(stream, logits))
     return MoeRouterOutput(token_selected_experts, token_final_scales)
 
 
@@ -439,12 +445,13 @@ if torch is not None:
                        renormalize: bool = _ROUTER.renormalize, correction_bias: Optional[Tensor] = None,
                        n_group: int = _ROUTER.n_group, topk_group: int = _ROUTER.topk_group,
                        routed_scaling_factor: float = _ROUTER.routed_scaling_factor,
-                       enable_pdl: bool = _ROUTER.enable_pdl) -> Tuple[Tensor, Tensor]:
+                       enable_pdl: bool = _ROUTER.enable_pdl, token_ids: Optional[Tensor] = None,
+                       hash_table: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         """flashmix.moe_router as a custom op: fresh (token_selected_experts int32 ``[T, k]``,
         token_final_scales float32 ``[T, k]``)."""
         return tuple(moe_router(logits, k, scoring=scoring, renormalize=renormalize, correction_bias=correction_bias,
                                 n_group=n_group, topk_group=topk_group, routed_scaling_factor=routed_scaling_factor,
-                                enable_pdl=enable_pdl))
+                                token_ids=token_ids, hash_table=hash_table, enable_pdl=enable_pdl))
 
 
 # ---------------------------------------------------------------------------
@@ -609,8 +616,9 @@ def _forward_workspace(x, w2, k, out, num_experts, start_expert_id, router_logit
 def moe_forward(x, w1, w2, *, k, router_logits=None, token_selected_experts=None, token_final_scales=None,
                 scoring=_FORWARD.scoring, renormalize=_FORWARD.renormalize, correction_bias=None,
                 n_group=_FORWARD.n_group, topk_group=_FORWARD.topk_group,
-                routed_scaling_factor=_FORWARD.routed_scaling_factor, num_experts=None,
-                start_expert_id=_FORWARD.start_expert_id, b1=None, b2=None, apply_b2=_FORWARD.apply_b2,
+                routed_scaling_factor=_FORWARD.routed_scaling_factor, token_ids=None, hash_table=None,
+                num_experts=None, start_expert_id=_FORWARD.start_expert_id, b1=None, b2=None,
+                apply_b2=_FORWARD.apply_b2,
                 w1_layout=_FORWARD.w1_layout, activation=_FORWARD.activation, limit=_FORWARD.limit,
                 alpha=_FORWARD.alpha, fc1_input=_FORWARD.fc1_input, mode=_FORWARD.mode, shared_output=None,
                 fill=_FORWARD.fill, out=None, workspace=None, selected_experts_out=None, final_scales_out=None,
@@ -625,8 +633,9 @@ def moe_forward(x, w1, w2, *, k, router_logits=None, token_selected_experts=None
       k: experts per token (1..16).
       Routing, one of:
         router_logits: ``[T, E]`` float32 or bfloat16: the router runs (spec §8) with ``scoring``,
-          ``renormalize``, ``correction_bias`` (float32 ``[E]``), ``n_group``, ``topk_group`` and
-          ``routed_scaling_factor``, as moe_router's; or
+          ``renormalize``, ``correction_bias`` (float32 ``[E]``), ``n_group``, ``topk_group``,
+          ``routed_scaling_factor`` and (hash selection, DeepSeek-V4's first layers) ``token_ids`` with
+          ``hash_table``, as moe_router's; or
         token_selected_experts (int32 ``[T, k]``, global ids) and token_final_scales (float32
           ``[T, k]``, or None = every weight 1): the caller's router.
       num_experts: E (default: ``router_logits.shape[1]``; with the caller's ids, unused).
@@ -678,7 +687,8 @@ def moe_forward(x, w1, w2, *, k, router_logits=None, token_selected_experts=None
         arg(out), k=k, num_experts=0 if num_experts is None else num_experts,
         start_expert_id=start_expert_id, router_logits=arg(router_logits), scoring=scoring, renormalize=renormalize,
         correction_bias=arg(correction_bias), n_group=n_group, topk_group=topk_group,
-        routed_scaling_factor=routed_scaling_factor, token_selected_experts=arg(token_selected_experts),
+        routed_scaling_factor=routed_scaling_factor, token_ids=arg(token_ids), hash_table=arg(hash_table),
+        token_selected_experts=arg(token_selected_experts),
         token_final_scales=arg(token_final_scales), selected_experts_out=arg(selected_experts_out),
         final_scales_out=arg(final_scales_out), b1=arg(b1), b2=arg(b2), apply_b2=apply_b2, w1_layout=w1_layout,
         activation=activation, limit=limit, alpha=alpha, fc1_input=fc1_input, mode=mode, fp8=fp8,
@@ -707,14 +717,15 @@ if torch is not None:
                         enable_pdl: bool = _FORWARD.enable_pdl, fp8: str = _FORWARD.fp8,
                         w1_scales: Optional[Tensor] = None, w2_scales: Optional[Tensor] = None,
                         weights: str = _FORWARD.weights, w1_mx_scales: Optional[Tensor] = None,
-                        w2_mx_scales: Optional[Tensor] = None) -> Tensor:
+                        w2_mx_scales: Optional[Tensor] = None, token_ids: Optional[Tensor] = None,
+                        hash_table: Optional[Tensor] = None) -> Tensor:
         """flashmix.moe_forward as a custom op: a fresh bf16 ``out`` ``[T, H]`` (``num_experts=-1``:
         from router_logits; with ``fill=False`` tokens without a local expert are 0). The workspace
         is allocated per call (from the graph's pool inside a capture)."""
         return moe_forward(x, w1, w2, k=k, router_logits=router_logits, token_selected_experts=token_selected_experts,
                            token_final_scales=token_final_scales, scoring=scoring, renormalize=renormalize,
                            correction_bias=correction_bias, n_group=n_group, topk_group=topk_group,
-                           routed_scaling_factor=routed_scaling_factor,
+                           routed_scaling_factor=routed_scaling_factor, token_ids=token_ids, hash_table=hash_table,
                            num_experts=None if num_experts < 0 else num_experts, start_expert_id=start_expert_id,
                            b1=b1, b2=b2, apply_b2=apply_b2, w1_layout=w1_layout, activation=activation, limit=limit,
                            alpha=alpha, fc1_input=fc1_input, mode=mode, shared_output=shared_output, fill=fill,
@@ -759,6 +770,9 @@ if torch is not None:
           bias: give the experts biases ``b1`` ``[E_local, 2I]`` and ``b2`` ``[E_local, H]`` (gpt-oss).
           correction_bias: give the router a float32 ``correction_bias`` ``[E]`` buffer (DeepSeek-V3's
             e_score_correction_bias), zeros until loaded.
+          hash_vocab_size: > 0: the router selects by token id (DeepSeek-V4's first layers, spec §8.7)
+            from an int32 ``hash_table`` ``[hash_vocab_size, k]`` buffer (the checkpoint's ``tid2eid``;
+            zeros until loaded), and ``forward`` takes the tokens' ids.
           num_local_experts, start_expert_id: this rank's experts (expert parallelism; default: all E).
             A token none of whose experts is here gets 0 (fill).
           dtype: the weights' dtype: bfloat16 (the kernels'); device: where they live.
@@ -776,11 +790,12 @@ if torch is not None:
         Parameters (``requires_grad=False``: forward only): ``gate`` ``[E, H]``, ``w1``
         ``[E_local, 2I, H]``, ``w2`` ``[E_local, H, I]`` (``float8_e4m3fn`` with fp8; with MXFP4 uint8
         packed bytes ``[E_local, 2I, H/2]`` and ``[E_local, H, I/2]``), ``b1`` / ``b2`` (or None).
-        Buffers: ``correction_bias`` (or None); with fp8 and dense weights ``w1_scales``
+        Buffers: ``correction_bias`` (or None); ``hash_table`` (or None); with fp8 and dense weights ``w1_scales``
         ``[E_local, ceil(2I/128), H/128]`` and ``w2_scales`` ``[E_local, ceil(H/128), I/128]``; with
         MXFP4 uint8 ue8m0 ``w1_mx_scales`` ``[E_local, 2I, H/32]`` and ``w2_mx_scales``
-        ``[E_local, H, I/32]``. ``forward(x, shared_output=None)``: x bf16 ``[..., H]`` -> bf16
-        ``[..., H]``; shared_output (bf16, x's shape) is added once to every token.
+        ``[E_local, H, I/32]``. ``forward(x, shared_output=None, token_ids=None)``: x bf16 ``[..., H]``
+        -> bf16 ``[..., H]``; shared_output (bf16, x's shape) is added once to every token; token_ids
+        (int32 / int64, x's shape without H) only, and always, with ``hash_vocab_size``.
         """
 
         def __init__(self, num_experts, k, hidden, inter, *, scoring=_FORWARD.scoring,
@@ -789,7 +804,7 @@ if torch is not None:
                      routed_scaling_factor=_FORWARD.routed_scaling_factor, mode=_FORWARD.mode, limit=_FORWARD.limit,
                      alpha=_FORWARD.alpha, fc1_input=_FORWARD.fc1_input, bias=False, correction_bias=False,
                      num_local_experts=None, start_expert_id=_FORWARD.start_expert_id, dtype=None, device=None,
-                     fp8=None, weights=_FORWARD.weights):
+                     fp8=None, weights=_FORWARD.weights, hash_vocab_size=0):
             super().__init__()
             if weights not in MOE_WEIGHT_FORMATS:
                 raise ValueError(f"MoeLayer: weights: must be one of {MOE_WEIGHT_FORMATS} (got {weights!r})")
@@ -842,6 +857,8 @@ if torch is not None:
             self.b2 = weight(E_local, hidden) if bias else None
             self.register_buffer("correction_bias", torch.zeros(num_experts, dtype=torch.float32, device=device)
                                  if correction_bias else None)
+            self.register_buffer("hash_table", torch.zeros(hash_vocab_size, k, dtype=torch.int32, device=device)
+                                 if hash_vocab_size > 0 else None)
             self.reset_parameters()
 
         def reset_parameters(self):
@@ -933,15 +950,21 @@ if torch is not None:
                     f"scoring={self.scoring!r}, activation={self.activation!r}, w1_layout={self.w1_layout!r}, "
                     f"fc1_input={self.fc1_input!r}, mode={self.mode!r}, fp8={self.fp8!r}, weights={self.weights!r}")
 
-        def forward(self, x, shared_output=None):
+        def forward(self, x, shared_output=None, token_ids=None):
+            if (token_ids is None) != (self.hash_table is None):
+                raise ValueError("MoeLayer.forward: token_ids: " + (
+                    "the layer selects by token id (hash_vocab_size > 0): give the tokens' ids"
+                    if token_ids is None else "only for a layer that selects by token id (hash_vocab_size > 0)"))
             shape = x.shape
             x2 = x.reshape(-1, self.hidden)
             logits = x2 @ self.gate.t()
+            ids = None if token_ids is None else token_ids.reshape(-1)
             shared = None if shared_output is None else shared_output.reshape(-1, self.hidden)
             out = torch.ops.flashmix.moe_forward(
                 x2, self.w1, self.w2, self.k, router_logits=logits, scoring=self.scoring,
                 renormalize=self.renormalize, correction_bias=self.correction_bias, n_group=self.n_group,
                 topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor,
+                token_ids=ids, hash_table=self.hash_table,
                 num_experts=self.num_experts, start_expert_id=self.start_expert_id, b1=self.b1, b2=self.b2,
                 w1_layout=self.w1_layout, activation=self.activation, limit=self.limit, alpha=self.alpha,
                 fc1_input=self.fc1_input, mode=self.mode, shared_output=shared, fp8=self.fp8,

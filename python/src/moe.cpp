@@ -487,10 +487,11 @@ void set_router_logits(fm::MoeRouterArgs& r, const In& logits, const char* op, c
 }
 
 // The scoring options that moe_router and moe_forward share (MoeRouterArgs'
-// fields from `scoring` to `routed_scaling_factor`); E = r.num_experts.
+// fields from `scoring` to `token_ids_int64`); E = r.num_experts, T tokens, k
+// experts each.
 void set_router_options(fm::MoeRouterArgs& r, const std::string& scoring, bool renormalize,
                         const OptIn& correction_bias, int n_group, int topk_group, float routed_scaling_factor,
-                        const char* op) {
+                        const OptIn& token_ids, const OptIn& hash_table, int64_t T, int64_t k, const char* op) {
   r.scoring = parse_enum(scoring, router_scorings(), op, "scoring");
   r.renormalize = renormalize;
   if (correction_bias) require_dense(*correction_bias, kFloat32, {r.num_experts}, op, "correction_bias");
@@ -498,15 +499,33 @@ void set_router_options(fm::MoeRouterArgs& r, const std::string& scoring, bool r
   r.n_group = n_group;
   r.topk_group = topk_group;
   r.routed_scaling_factor = routed_scaling_factor;
+  // Hash selection (spec §8.7): both or neither.
+  if (bool(token_ids) != bool(hash_table))
+    fail(op, token_ids ? "hash_table" : "token_ids", "hash selection takes token_ids and hash_table together (got ",
+         token_ids ? "token_ids only" : "hash_table only", ")");
+  if (hash_table) {
+    require_dense_rank(*hash_table, kInt32, 2, op, "hash_table");
+    if (dim(*hash_table, 1) != k)
+      fail(op, "hash_table", "must have k = ", k, " columns: [vocab_size, k] (got shape ", shape_str(*hash_table),
+           ")");
+    r.hash_table = static_cast<const int32_t*>(ptr(hash_table));
+    r.vocab_size = dim(*hash_table, 0);
+    if (!(token_ids->dtype() == kInt32) && !(token_ids->dtype() == kInt64))
+      fail(op, "token_ids", "must be int32 or int64 (got ", dtype_name(token_ids->dtype()), ")");
+    r.token_ids_int64 = token_ids->dtype() == kInt64;
+    require_dense(*token_ids, r.token_ids_int64 ? kInt64 : kInt32, {T}, op, "token_ids");
+    r.token_ids = ptr(token_ids);
+  }
 }
 
 void moe_router(const In& logits, const Out& ids, const Out& scales, const std::string& scoring, bool renormalize,
                 const OptIn& correction_bias, int n_group, int topk_group, float routed_scaling_factor,
-                bool enable_pdl, int path, bool generic_layout, uintptr_t stream) {
+                const OptIn& token_ids, const OptIn& hash_table, bool enable_pdl, int path, bool generic_layout,
+                uintptr_t stream) {
   constexpr const char* op = "moe_router";
   Placement w(op);
   w.add(logits, "logits", ids, "token_selected_experts", scales, "token_final_scales", correction_bias,
-        "correction_bias");
+        "correction_bias", token_ids, "token_ids", hash_table, "hash_table");
   fm::MoeRouterArgs a;
   set_router_logits(a, logits, op, "logits");
   const int64_t T = dim(logits, 0);
@@ -516,7 +535,8 @@ void moe_router(const In& logits, const Out& ids, const Out& scales, const std::
          ")");
   const int64_t k = dim(ids, 1);
   require_dense(scales, kFloat32, {T, k}, op, "token_final_scales");
-  set_router_options(a, scoring, renormalize, correction_bias, n_group, topk_group, routed_scaling_factor, op);
+  set_router_options(a, scoring, renormalize, correction_bias, n_group, topk_group, routed_scaling_factor, token_ids,
+                     hash_table, T, k, op);
   a.num_tokens = T;
   a.k = int(k);
   a.token_selected_experts = static_cast<int32_t*>(mut(ids));
@@ -779,7 +799,7 @@ namespace {
 void moe_forward(const In& X, const In& W1, const In& W2, const Out& out, int k, int num_experts,
                  int start_expert_id, const OptIn& router_logits, const std::string& scoring, bool renormalize,
                  const OptIn& correction_bias, int n_group, int topk_group, float routed_scaling_factor,
-                 const OptIn& token_selected_experts, const OptIn& token_final_scales,
+                 const OptIn& token_ids, const OptIn& hash_table, const OptIn& token_selected_experts, const OptIn& token_final_scales,
                  const OptOut& selected_experts_out, const OptOut& final_scales_out, const OptIn& b1,
                  const OptIn& b2, bool apply_b2, const std::string& w1_layout, const std::string& activation,
                  float limit, float alpha, const std::string& fc1_input, const std::string& mode,
@@ -789,7 +809,7 @@ void moe_forward(const In& X, const In& W1, const In& W2, const Out& out, int k,
   constexpr const char* op = "moe_forward";
   Placement w(op);
   w.add(out, "out", X, "X", W1, "W1", W2, "W2", router_logits, "router_logits", correction_bias, "correction_bias",
-        token_selected_experts, "token_selected_experts", token_final_scales, "token_final_scales",
+        token_ids, "token_ids", hash_table, "hash_table", token_selected_experts, "token_selected_experts", token_final_scales, "token_final_scales",
         selected_experts_out, "selected_experts_out", final_scales_out, "final_scales_out", b1, "b1", b2, "b2",
         w1_scales, "w1_scales", w2_scales, "w2_scales", w1_mx_scales, "w1_mx_scales", w2_mx_scales, "w2_mx_scales",
         shared_output, "shared_output", workspace, "workspace");
@@ -823,11 +843,12 @@ void moe_forward(const In& X, const In& W1, const In& W2, const Out& out, int k,
       fail(op, "router_logits", "give router_logits or token_selected_experts (got neither)");
     a.num_experts = num_experts > 0 ? num_experts : 0;
     if (correction_bias) fail(op, "correction_bias", "is the router's: only with router_logits");
+    if (hash_table) fail(op, "hash_table", "is the router's: only with router_logits");
     if (selected_experts_out) fail(op, "selected_experts_out", "keeps the router's choice: only with router_logits");
     if (final_scales_out) fail(op, "final_scales_out", "keeps the router's weights: only with router_logits");
   }
   set_router_options(a.router, scoring, renormalize, correction_bias, n_group, topk_group, routed_scaling_factor,
-                     op);
+                     token_ids, hash_table, T, k, op);
   if (token_selected_experts) require_dense(*token_selected_experts, kInt32, {T, k}, op, "token_selected_experts");
   if (token_final_scales) require_dense(*token_final_scales, kFloat32, {T, k}, op, "token_final_scales");
   if (selected_experts_out) require_dense(*selected_experts_out, kInt32, {T, k}, op, "selected_experts_out");
@@ -997,9 +1018,11 @@ void register_moe(nb::module_& m) {
   m.attr("ROUTER_SCORINGS") = enum_names_tuple(router_scorings());
   m.def("moe_router", &moe_router, "logits"_a, "token_selected_experts"_a, "token_final_scales"_a, nb::kw_only(),
         "scoring"_a, "renormalize"_a, "correction_bias"_a.none(), "n_group"_a, "topk_group"_a,
-        "routed_scaling_factor"_a, "enable_pdl"_a, "path"_a, "generic_layout"_a, "stream"_a,
+        "routed_scaling_factor"_a, "token_ids"_a.none(), "hash_table"_a.none(), "enable_pdl"_a, "path"_a,
+        "generic_layout"_a, "stream"_a,
         "spec §8 into token_selected_experts [T, k] and token_final_scales [T, k]; T, E from logits [T, E], k "
-        "from token_selected_experts.");
+        "from token_selected_experts; token_ids [T] (int32 / int64) with hash_table [vocab_size, k] (int32): "
+        "hash selection (spec §8.7).");
 
   // FC1 + gather + gated activation
   m.attr("FC1_ACTIVATIONS") = enum_names_tuple(fc1_activations());
@@ -1024,7 +1047,8 @@ void register_moe(nb::module_& m) {
         "permuted_copy).");
   m.def("moe_forward", &moe_forward, "X"_a, "W1"_a, "W2"_a, "out"_a, nb::kw_only(), "k"_a, "num_experts"_a,
         "start_expert_id"_a, "router_logits"_a.none(), "scoring"_a, "renormalize"_a, "correction_bias"_a.none(),
-        "n_group"_a, "topk_group"_a, "routed_scaling_factor"_a, "token_selected_experts"_a.none(),
+        "n_group"_a, "topk_group"_a, "routed_scaling_factor"_a, "token_ids"_a.none(), "hash_table"_a.none(),
+        "token_selected_experts"_a.none(),
         "token_final_scales"_a.none(), "selected_experts_out"_a.none(), "final_scales_out"_a.none(), "b1"_a.none(),
         "b2"_a.none(), "apply_b2"_a, "w1_layout"_a, "activation"_a, "limit"_a, "alpha"_a, "fc1_input"_a, "mode"_a,
         "fp8"_a, "w1_scales"_a.none(), "w2_scales"_a.none(), "weights"_a, "w1_mx_scales"_a.none(),

@@ -46,6 +46,45 @@ std::vector<double> softmax(const std::vector<double>& x, const std::vector<int>
   return p;
 }
 
+// SPEC §8.7: token t's experts from its row of the hash table; `l` its
+// logits (§8.2), `s` their scores (§8.1). A slot whose token id or table
+// entry is out of range is id -1, weight 0.
+void hash_token(const MoeRouterArgs& a, int64_t t, const std::vector<double>& l, const std::vector<double>& s) {
+  const int k = a.k, E = a.num_experts;
+  const int64_t id = a.token_ids_int64 ? static_cast<const int64_t*>(a.token_ids)[t]
+                                       : int64_t(static_cast<const int32_t*>(a.token_ids)[t]);
+  std::vector<int> e(size_t(k), -1), valid;
+  for (int j = 0; j < k; ++j) {
+    if (id < 0 || id >= a.vocab_size) break;
+    const int32_t x = a.hash_table[id * k + j];
+    if (x >= 0 && x < E) {
+      e[size_t(j)] = x;
+      valid.push_back(x);
+    }
+  }
+  // The weights of §8.1 over the valid slots. The renormalised softmax is the
+  // softmax of the chosen logits (equal in exact arithmetic; the row's
+  // softmax could underflow for all of them when the row's largest logit is
+  // not chosen).
+  const bool relative = a.scoring == MoeRouterScoring::kSoftmaxAfterTopk ||
+                        (a.scoring == MoeRouterScoring::kSoftmax && a.renormalize);
+  std::vector<double> p;
+  if (relative) p = softmax(l, valid);  // a repeated expert counts twice in the sum, as the gather does
+  std::vector<double> w(size_t(k), 0.0);
+  double sum = 0.0;
+  for (int j = 0; j < k; ++j) {
+    if (e[size_t(j)] < 0) continue;
+    w[size_t(j)] = relative ? p[size_t(e[size_t(j)])] : s[size_t(e[size_t(j)])];
+    sum += w[size_t(j)];
+  }
+  if (a.renormalize && !relative)
+    for (int j = 0; j < k; ++j) w[size_t(j)] = sum > 0.0 ? w[size_t(j)] / sum : 0.0;
+  for (int j = 0; j < k; ++j) {
+    a.token_selected_experts[t * k + j] = e[size_t(j)];
+    a.token_final_scales[t * k + j] = float(w[size_t(j)] * double(a.routed_scaling_factor));
+  }
+}
+
 }  // namespace
 
 Status moe_router_cpu(const MoeRouterArgs& a) {
@@ -86,6 +125,11 @@ Status moe_router_cpu(const MoeRouterArgs& a) {
     auto before = [&](int x, int y) {  // x goes before y: larger key, then lower id
       return key[size_t(x)] > key[size_t(y)] || (key[size_t(x)] == key[size_t(y)] && x < y);
     };
+
+    if (a.hash_table != nullptr) {
+      hash_token(a, t, l, s);
+      continue;
+    }
 
     // Candidates: the experts of the best topk_group groups (or all).
     std::vector<int> cand;

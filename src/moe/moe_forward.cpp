@@ -289,8 +289,8 @@ namespace {
 // Every caller buffer with the bytes the layer may touch (null pointers give
 // empty ranges).
 struct CallerRanges {
-  detail::Range X, router_logits, token_selected_experts, token_final_scales, selected_experts_out,
-      final_scales_out, W1, b1, W2, b2, shared_output, out, w1_scales, w2_scales, x_scales, w1_mx_scales,
+  detail::Range X, router_logits, router_token_ids, router_hash_table, token_selected_experts, token_final_scales,
+      selected_experts_out, final_scales_out, W1, b1, W2, b2, shared_output, out, w1_scales, w2_scales, x_scales, w1_mx_scales,
       w2_mx_scales;
 };
 
@@ -303,6 +303,13 @@ CallerRanges caller_ranges(const MoeForwardArgs& a) {
   r.X = {"X", a.X, detail::rows_extent_bytes(T, x_stride, H, x_prequantised(a) ? 1 : 2)};
   r.x_scales = {"x_scales", x_prequantised(a) ? a.x_scales : nullptr, T * (H / 128) * 4};
   r.router_logits = {"router_logits", a.router_logits, T * a.num_experts * logit_bytes};
+  const bool hash = a.router_logits && a.router.hash_table;  // the router's hash selection (spec §8.7)
+  r.router_token_ids = {"router.token_ids", hash ? a.router.token_ids : nullptr,
+                        T * (a.router.token_ids_int64 ? 8 : 4)};
+  r.router_hash_table = {"router.hash_table", hash ? a.router.hash_table : nullptr,
+                         hash && a.router.vocab_size > 0 && a.router.vocab_size <= std::numeric_limits<int64_t>::max() / 64
+                             ? a.router.vocab_size * a.k * 4
+                             : 0};  // an out-of-range size: the router's own check names it
   r.token_selected_experts = {"token_selected_experts", a.token_selected_experts, slots * 4};
   r.token_final_scales = {"token_final_scales", a.token_final_scales, slots * 4};
   r.selected_experts_out = {"selected_experts_out", a.selected_experts_out, slots * 4};
@@ -370,6 +377,8 @@ Status validate_own(const MoeForwardArgs& a, bool check_buffers) {
                ") must lie within the router's num_experts = ", a.num_experts);
   }
   if (a.num_tokens == 0 || !check_buffers) return Status::Ok();
+  FM_REQUIRE(a.router_logits != nullptr || (a.router.hash_table == nullptr && a.router.token_ids == nullptr), kOp,
+             "router.hash_table", "selects in the router: only with router_logits (the caller's ids are given)");
   FM_REQUIRE(a.router_logits == nullptr || a.token_final_scales == nullptr, kOp, "token_final_scales",
              "must be null with router_logits (the router makes the weights)");
   FM_REQUIRE(a.out != nullptr, kOp, "out", "must not be null");
@@ -382,8 +391,9 @@ Status validate_own(const MoeForwardArgs& a, bool check_buffers) {
   const CallerRanges r = caller_ranges(a);
   const detail::Range outs[] = {r.out, a.router_logits ? r.selected_experts_out : detail::Range{},
                                 a.router_logits ? r.final_scales_out : detail::Range{}};
-  const detail::Range ins[] = {r.X, r.router_logits, r.token_selected_experts, r.W1, r.b1, r.shared_output,
-                               r.w1_scales, r.w2_scales, r.x_scales, r.w1_mx_scales, r.w2_mx_scales};
+  const detail::Range ins[] = {r.X,         r.router_logits, r.router_token_ids, r.router_hash_table,
+                               r.token_selected_experts, r.W1, r.b1, r.shared_output, r.w1_scales,
+                               r.w2_scales, r.x_scales, r.w1_mx_scales, r.w2_mx_scales};
   return detail::check_no_overlap(kOp, outs, ins);
 }
 
@@ -392,7 +402,8 @@ Status validate_own(const MoeForwardArgs& a, bool check_buffers) {
 Status check_workspace_alone(const MoeForwardArgs& a, const void* ws, size_t bytes) {
   const CallerRanges r = caller_ranges(a);
   const detail::Range outs[] = {{"workspace", ws, int64_t(bytes)}};
-  const detail::Range ins[] = {r.X,  r.router_logits, r.token_selected_experts, r.token_final_scales,
+  const detail::Range ins[] = {r.X,  r.router_logits, r.router_token_ids, r.router_hash_table,
+                               r.token_selected_experts, r.token_final_scales,
                                r.selected_experts_out, r.final_scales_out, r.W1, r.b1, r.W2, r.b2,
                                r.shared_output, r.out, r.w1_scales, r.w2_scales, r.x_scales,
                                r.w1_mx_scales, r.w2_mx_scales};

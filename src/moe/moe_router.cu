@@ -31,6 +31,9 @@
 //   4. weights from the chosen experts' logits (re-read, from L1), summed over
 //      the team in a fixed order, scaled, stored.
 //
+// Hash selection (SPEC §8.7, DeepSeek-V4's first layers) takes the experts
+// from a table row per token id instead: its own small kernel below.
+//
 // Roofline: T*E*element bytes of logits read once, 8*k*T bytes written
 // (DeepSeek-V3 T = 8192, E = 256, bf16: 4 MiB read, 0.5 MiB written); a few
 // hundred instructions per token on top, which the memory time hides only in
@@ -520,6 +523,136 @@ __global__ void __launch_bounds__(kThreads, router_min_blocks(G, V, S)) moe_rout
   }
 }
 
+// ---- hash selection (SPEC §8.7) ---------------------------------------------
+//
+// No choice to make: token t's experts are row token_ids[t] of the table. A
+// team of 16 lanes takes a token (k <= 16), lane j its slot j: the slot's
+// expert, its logit and score, and the team's sums for the weights (the same
+// fixed butterfly as above). Softmax without renormalising needs the whole
+// row's maximum and sum: the team reads the row once for each (the second
+// read from L1).
+constexpr int kHashG = 16;
+
+struct HashParams {
+  const void* logits;
+  const int32_t* table;
+  const void* token_ids;
+  int64_t vocab;
+  int32_t* ids;
+  float* weights;
+  int64_t T;
+  int E;
+  int k;
+  float scale;
+  bool renormalize;
+};
+
+template <typename T, typename Id, MoeRouterScoring S>
+__global__ void __launch_bounds__(kThreads) moe_router_hash_kernel(const HashParams p) {
+  constexpr float kNegInf = -INFINITY;
+  // The row's softmax, or (renormalised softmax, softmax after top-k) the
+  // chosen logits' own: the same weights in exact arithmetic.
+  const bool row_softmax = S == MoeRouterScoring::kSoftmax && !p.renormalize;
+  const bool relative = S == MoeRouterScoring::kSoftmaxAfterTopk ||
+                        (S == MoeRouterScoring::kSoftmax && p.renormalize);
+  const Team<kHashG> team;
+  const int64_t t = int64_t(blockIdx.x) * (kThreads / kHashG) + int64_t(threadIdx.x / kHashG);
+  const bool active = t < p.T;
+  const bool mine = active && team.r < p.k;
+
+  // The ids, the table and the logits may come from the kernels before us.
+  dev::grid_dependency_wait();
+  if (!__any_sync(kFull, active)) return;
+  const T* row = static_cast<const T*>(p.logits) + (active ? t : 0) * p.E;
+  int e = -1;
+  float l = kNegInf;
+  if (mine) {
+    const int64_t id = int64_t(__ldg(static_cast<const Id*>(p.token_ids) + t));
+    if (id >= 0 && id < p.vocab) {
+      const int32_t x = __ldg(p.table + id * p.k + team.r);
+      if (x >= 0 && x < p.E) {
+        e = x;
+        l = sanitize(dev::to_float(__ldg(row + x)));
+      }
+    }
+  }
+  float m = kNegInf, inv_z = 0.0f;
+  if (row_softmax) {
+    if (active)
+      for (int i = team.r; i < p.E; i += kHashG) m = fmaxf(m, sanitize(dev::to_float(__ldg(row + i))));
+    m = team.fmax(m);
+    float z = 0.0f;
+    if (active && m != kNegInf)
+      for (int i = team.r; i < p.E; i += kHashG) z += __expf(sanitize(dev::to_float(__ldg(row + i))) - m);
+    z = team.sum(z);
+    inv_z = m != kNegInf ? 1.0f / z : 0.0f;  // z >= 1 (the largest term is 1)
+  }
+  dev::allow_dependents_launch();
+
+  float w;
+  if (S == MoeRouterScoring::kSigmoid || S == MoeRouterScoring::kSqrtSoftplus) {
+    w = e >= 0 ? score_of<S>(l) : 0.0f;
+  } else if (relative) {
+    const float mr = team.fmax(l);  // absent slots hold -inf
+    w = e >= 0 && mr != kNegInf ? __expf(l - mr) : 0.0f;
+  } else {
+    w = e >= 0 && m != kNegInf ? __expf(l - m) * inv_z : 0.0f;
+  }
+  float f = p.scale;
+  if (relative || p.renormalize) {
+    const float sum = team.sum(w);
+    f = sum > 0.0f ? p.scale / sum : 0.0f;
+  }
+  if (mine) {
+    const int64_t o = t * p.k + team.r;
+    p.ids[o] = e;
+    p.weights[o] = w * f;
+  }
+}
+
+template <typename T, typename Id>
+cudaError_t launch_hash(const MoeRouterArgs& a, const HashParams& p, cudaStream_t stream) {
+  const unsigned blocks = unsigned((p.T + kThreads / kHashG - 1) / (kThreads / kHashG));
+  const bool pdl = a.enable_pdl;
+  switch (a.scoring) {
+    case MoeRouterScoring::kSoftmax:
+      return dev::launch(moe_router_hash_kernel<T, Id, MoeRouterScoring::kSoftmax>, dim3(blocks), dim3(kThreads), 0,
+                         stream, pdl, p);
+    case MoeRouterScoring::kSigmoid:
+      return dev::launch(moe_router_hash_kernel<T, Id, MoeRouterScoring::kSigmoid>, dim3(blocks), dim3(kThreads), 0,
+                         stream, pdl, p);
+    case MoeRouterScoring::kSqrtSoftplus:
+      return dev::launch(moe_router_hash_kernel<T, Id, MoeRouterScoring::kSqrtSoftplus>, dim3(blocks),
+                         dim3(kThreads), 0, stream, pdl, p);
+    default:
+      return dev::launch(moe_router_hash_kernel<T, Id, MoeRouterScoring::kSoftmaxAfterTopk>, dim3(blocks),
+                         dim3(kThreads), 0, stream, pdl, p);
+  }
+}
+
+Status run_hash_router(const MoeRouterArgs& a, cudaStream_t stream) {
+  HashParams p{};
+  p.logits = a.logits;
+  p.table = a.hash_table;
+  p.token_ids = a.token_ids;
+  p.vocab = a.vocab_size;
+  p.ids = a.token_selected_experts;
+  p.weights = a.token_final_scales;
+  p.T = a.num_tokens;
+  p.E = a.num_experts;
+  p.k = a.k;
+  p.scale = a.routed_scaling_factor;
+  p.renormalize = a.renormalize;
+  cudaError_t err;
+  if (a.logits_dtype == DType::kFloat32)
+    err = a.token_ids_int64 ? launch_hash<float, int64_t>(a, p, stream) : launch_hash<float, int32_t>(a, p, stream);
+  else
+    err = a.token_ids_int64 ? launch_hash<__nv_bfloat16, int64_t>(a, p, stream)
+                            : launch_hash<__nv_bfloat16, int32_t>(a, p, stream);
+  FM_RETURN_IF_ERROR(detail::cuda_status(err, kOp, "kernel launch"));
+  return detail::check_launch(kOp);
+}
+
 // ---- host side -------------------------------------------------------------
 
 struct Layout {
@@ -620,11 +753,14 @@ Status run_router(const MoeRouterArgs& a, cudaStream_t stream) {
 
 }  // namespace
 
-int detail::router_tokens_per_block(const MoeRouterArgs& a) { return kThreads / choose_layout(a).G; }
+int detail::router_tokens_per_block(const MoeRouterArgs& a) {
+  return kThreads / (a.hash_table != nullptr ? kHashG : choose_layout(a).G);
+}
 
 Status moe_router(const MoeRouterArgs& a, cudaStream_t stream) {
-  return detail::gpu_entry(kOp, validate_moe_router(a), stream, a.num_tokens == 0,
-                           [&] { return run_router(a, stream); });
+  return detail::gpu_entry(kOp, validate_moe_router(a), stream, a.num_tokens == 0, [&] {
+    return a.hash_table != nullptr ? run_hash_router(a, stream) : run_router(a, stream);
+  });
 }
 
 }  // namespace flashmix

@@ -2,6 +2,7 @@
 // Never reads device memory.
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "common/check.h"
 #include "flashmix/moe.h"
@@ -63,6 +64,19 @@ Status validate_moe_router(const MoeRouterArgs& a) {
              a.routed_scaling_factor, ")");
   FM_REQUIRE(a.tuning.path >= 0 && a.tuning.path <= 2, kOp, "tuning.path", "must be 0, 1 or 2 (got ",
              a.tuning.path, ")");
+  const bool hash = a.hash_table != nullptr;
+  FM_REQUIRE(hash || a.token_ids == nullptr, kOp, "token_ids",
+             "selects through hash_table: give both or neither (hash_table is null)");
+  if (hash) {
+    FM_REQUIRE(a.vocab_size >= 1, kOp, "vocab_size", "must be >= 1 with hash_table (got ", a.vocab_size, ")");
+    FM_REQUIRE(a.vocab_size <= std::numeric_limits<int64_t>::max() / a.k / 4, kOp, "vocab_size",
+               "vocab_size * k * 4 bytes must fit int64 (got ", a.vocab_size, ")");
+    FM_REQUIRE(a.correction_bias == nullptr, kOp, "correction_bias",
+               "must be null with hash_table: the bias only steers a top-k choice, and a hash choice has none");
+    FM_REQUIRE(a.topk_group == a.n_group, kOp, "topk_group",
+               "must equal n_group with hash_table: groups limit a top-k choice, and a hash choice has none "
+               "(topk_group=", a.topk_group, ", n_group=", a.n_group, ")");
+  }
   if (a.num_tokens == 0) return Status::Ok();
 
   const int64_t es = int64_t(dtype_size(a.logits_dtype));
@@ -74,12 +88,21 @@ Status validate_moe_router(const MoeRouterArgs& a) {
              "must be 4-byte aligned (fp32)");
   FM_REQUIRE(aligned(a.token_selected_experts, 4), kOp, "token_selected_experts", "must be 4-byte aligned (int32)");
   FM_REQUIRE(aligned(a.token_final_scales, 4), kOp, "token_final_scales", "must be 4-byte aligned (fp32)");
+  const int64_t id_bytes = a.token_ids_int64 ? 8 : 4;
+  if (hash) {
+    FM_REQUIRE(a.token_ids != nullptr, kOp, "token_ids", "must not be null with hash_table");
+    FM_REQUIRE(aligned(a.token_ids, uintptr_t(id_bytes)), kOp, "token_ids", "must be ", id_bytes,
+               "-byte aligned (", a.token_ids_int64 ? "int64" : "int32", ")");
+    FM_REQUIRE(aligned(a.hash_table, 4), kOp, "hash_table", "must be 4-byte aligned (int32)");
+  }
 
   const int64_t slots = a.num_tokens * a.k;
   const detail::Range outs[] = {{"token_selected_experts", a.token_selected_experts, slots * 4},
                                 {"token_final_scales", a.token_final_scales, slots * 4}};
   const detail::Range ins[] = {{"logits", a.logits, a.num_tokens * E * es},
-                               {"correction_bias", a.correction_bias, int64_t(E) * 4}};
+                               {"correction_bias", a.correction_bias, int64_t(E) * 4},
+                               {"token_ids", a.token_ids, a.num_tokens * id_bytes},
+                               {"hash_table", a.hash_table, hash ? a.vocab_size * a.k * 4 : 0}};
   return detail::check_no_overlap(kOp, outs, ins);
 }
 

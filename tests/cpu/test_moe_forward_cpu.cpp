@@ -83,6 +83,42 @@ TEST(MoeForwardCpu, LayerRulesNameTheirArgument) {
   expect_names(validate_moe_forward(a), "out");
 }
 
+// Hash selection (spec §8.7) rides in the router's arguments: valid with
+// router_logits, an error with the caller's ids, its buffers checked against
+// the layer's outputs, its own rules named as the router's.
+TEST(MoeForwardCpu, HashSelectionIsTheRouters) {
+  Layer l;
+  std::vector<int32_t> table(10 * Layer::k, 1);
+  std::vector<int64_t> tok(Layer::T, 3);
+  MoeForwardArgs a = l.a;
+  a.router.hash_table = table.data();
+  a.router.vocab_size = 10;
+  a.router.token_ids = tok.data();
+  a.router.token_ids_int64 = true;
+  EXPECT_TRUE(validate_moe_forward(a).ok()) << validate_moe_forward(a).message();
+  MoeForwardArgs b = a;
+  b.router_logits = nullptr;
+  b.token_selected_experts = l.ids.data();
+  expect_names(validate_moe_forward(b), "moe_forward: router.hash_table: selects in the router");
+  b = a;
+  b.out = reinterpret_cast<uint16_t*>(table.data());  // out over the table
+  expect_names(validate_moe_forward(b), "moe_forward: out: must not overlap router.hash_table");
+  b = a;
+  b.router.vocab_size = 0;
+  expect_names(moe_forward_cpu(b), "moe_forward: moe_router: vocab_size:");
+  // The layer on the CPU routes by the table: every token to expert 1 (the
+  // ids are the table's), with weight routed_scaling_factor (renormalised).
+  std::vector<int32_t> kept(Layer::T * Layer::k, -5);
+  std::vector<float> kept_w(Layer::T * Layer::k, -5.0f);
+  a.selected_experts_out = kept.data();
+  a.final_scales_out = kept_w.data();
+  a.router.scoring = MoeRouterScoring::kSqrtSoftplus;
+  a.router.renormalize = true;
+  ASSERT_TRUE(moe_forward_cpu(a).ok()) << moe_forward_cpu(a).message();
+  EXPECT_EQ(kept, std::vector<int32_t>(Layer::T * Layer::k, 1));
+  EXPECT_EQ(kept_w, std::vector<float>(Layer::T * Layer::k, 0.5f));
+}
+
 TEST(MoeForwardCpu, StageErrorsNameTheStage) {
   Layer l;
   MoeForwardArgs a = l.a;

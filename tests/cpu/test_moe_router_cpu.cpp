@@ -519,6 +519,148 @@ TEST(MoeRouterCpuValidation, ZeroTokensNeedsNoPointersButValidSizes) {
   EXPECT_EQ(validate_moe_router(a).code(), StatusCode::kInvalidArgument);
 }
 
+// ---- hash selection (SPEC §8.7) ---------------------------------------------
+
+namespace {
+// A router with DeepSeek-V4's hash selection: T tokens, E experts, k slots,
+// the table [V, k] and the token ids given.
+struct HashRouter : Router {
+  std::vector<int32_t> table;
+  std::vector<int64_t> ids64;
+  std::vector<int32_t> ids32;
+  HashRouter(std::vector<float> l, int64_t T, int E, int k, MoeRouterScoring s, bool renormalize,
+             std::vector<int32_t> tab, std::vector<int64_t> tok, bool int64_ids = true)
+      : Router(std::move(l), T, E, k, s, renormalize), table(std::move(tab)), ids64(std::move(tok)) {
+    args.hash_table = table.data();
+    args.vocab_size = int64_t(table.size()) / k;
+    if (int64_ids) {
+      args.token_ids = ids64.data();
+      args.token_ids_int64 = true;
+    } else {
+      for (int64_t x : ids64) ids32.push_back(int32_t(x));
+      args.token_ids = ids32.data();
+    }
+  }
+};
+double sqrt_softplus(double x) { return std::sqrt(std::max(x, 0.0) + std::log1p(std::exp(-std::fabs(x)))); }
+}  // namespace
+
+TEST(MoeRouterCpu, HashSelectionTakesTheTableRowOfTheTokenIdInItsOrder) {
+  // DeepSeek-V4's hash layer: sqrt-softplus scores of the row's experts,
+  // renormalised, scaled; the logits' order plays no part.
+  const std::vector<float> l = {0.5f, -1.0f, 2.0f, 0.0f, 3.0f, -2.0f};  // 2 tokens, E = 3
+  const std::vector<int32_t> table = {0, 1, 2, 0, 1, 2, 2, 1};          // V = 4, k = 2
+  for (bool int64_ids : {true, false}) {
+    HashRouter r(l, 2, 3, 2, MoeRouterScoring::kSqrtSoftplus, true, table, {3, 1}, int64_ids);
+    r.with_scale(1.5f);
+    ASSERT_TRUE(r.run().ok());
+    EXPECT_EQ(r.ids, (std::vector<int32_t>{2, 1, 2, 0}));
+    const double a = sqrt_softplus(2.0), b = sqrt_softplus(-1.0);  // token 0: experts 2, 1
+    EXPECT_FLOAT_EQ(r.w[0], float(1.5 * a / (a + b)));
+    EXPECT_FLOAT_EQ(r.w[1], float(1.5 * b / (a + b)));
+    const double c = sqrt_softplus(-2.0), d = sqrt_softplus(0.0);  // token 1: experts 2, 0
+    EXPECT_FLOAT_EQ(r.w[2], float(1.5 * c / (c + d)));
+    EXPECT_FLOAT_EQ(r.w[3], float(1.5 * d / (c + d)));
+  }
+}
+
+TEST(MoeRouterCpu, HashSelectionWeightsFollowEachScoring) {
+  const std::vector<float> l = {1.0f, 3.0f, 2.0f, 0.0f};  // 1 token, E = 4; the row's largest (3) not chosen
+  const std::vector<int32_t> table = {3, 2};              // V = 1, k = 2
+  const double z = std::exp(1.0) + std::exp(3.0) + std::exp(2.0) + 1.0;
+  {  // softmax over the row, not renormalised: the row's probabilities
+    HashRouter r(l, 1, 4, 2, MoeRouterScoring::kSoftmax, false, table, {0});
+    ASSERT_TRUE(r.run().ok());
+    EXPECT_EQ(r.ids, (std::vector<int32_t>{3, 2}));
+    EXPECT_FLOAT_EQ(r.w[0], float(1.0 / z));
+    EXPECT_FLOAT_EQ(r.w[1], float(std::exp(2.0) / z));
+  }
+  for (auto s : {MoeRouterScoring::kSoftmax, MoeRouterScoring::kSoftmaxAfterTopk}) {
+    // renormalised softmax and softmax after the choice: a softmax over the two
+    HashRouter r(l, 1, 4, 2, s, true, table, {0});
+    ASSERT_TRUE(r.run().ok());
+    EXPECT_FLOAT_EQ(r.w[0], float(1.0 / (1.0 + std::exp(2.0)))) << to_string(s);
+    EXPECT_FLOAT_EQ(r.w[1], float(std::exp(2.0) / (1.0 + std::exp(2.0)))) << to_string(s);
+  }
+  {  // sigmoid, not renormalised: the scores themselves
+    HashRouter r(l, 1, 4, 2, MoeRouterScoring::kSigmoid, false, table, {0});
+    r.with_scale(2.0f);
+    ASSERT_TRUE(r.run().ok());
+    EXPECT_FLOAT_EQ(r.w[0], float(2.0 * sigmoid(0.0)));
+    EXPECT_FLOAT_EQ(r.w[1], float(2.0 * sigmoid(2.0)));
+  }
+}
+
+TEST(MoeRouterCpu, HashSelectionMarksOutOfRangeIdsAndEntriesAbsent) {
+  // V = 3, k = 3, E = 4: row 0 holds an entry past E and a negative one, row 1
+  // repeats an expert, row 2 is in range.
+  const std::vector<int32_t> table = {1, 4, -1, 2, 2, 0, 3, 2, 1};
+  const std::vector<float> l(4 * 4, 0.0f);
+  HashRouter r(l, 4, 4, 3, MoeRouterScoring::kSigmoid, true, table, {0, 1, 3, -1});
+  ASSERT_TRUE(r.run().ok());
+  EXPECT_EQ(r.ids, (std::vector<int32_t>{1, -1, -1, 2, 2, 0, -1, -1, -1, -1, -1, -1}));
+  // Token 0: one valid slot takes the whole (renormalised) weight; token 1:
+  // a repeated expert keeps both slots, as the reference's gather does;
+  // tokens 2 and 3 (ids 3 and -1, outside [0, 3)): nothing.
+  EXPECT_EQ(r.w, (std::vector<float>{1.0f, 0.0f, 0.0f, 1.0f / 3, 1.0f / 3, 1.0f / 3, 0, 0, 0, 0, 0, 0}));
+}
+
+TEST(MoeRouterCpuValidation, HashSelectionRulesNameTheArgument) {
+  struct Case {
+    const char* name;
+    void (*mutate)(MoeRouterArgs&);
+    const char* expect;
+  };
+  const Case cases[] = {
+      {"ids without a table", [](MoeRouterArgs& a) { a.hash_table = nullptr; }, "token_ids: selects through hash_table"},
+      {"vocab 0", [](MoeRouterArgs& a) { a.vocab_size = 0; }, "vocab_size: must be >= 1"},
+      {"vocab overflows", [](MoeRouterArgs& a) { a.vocab_size = int64_t(1) << 62; }, "vocab_size: vocab_size * k"},
+      {"bias", [](MoeRouterArgs& a) { a.correction_bias = static_cast<const float*>(a.logits); },
+       "correction_bias: must be null with hash_table"},
+      {"groups", [](MoeRouterArgs& a) { a.n_group = 2; }, "topk_group: must equal n_group with hash_table"},
+      {"null ids", [](MoeRouterArgs& a) { a.token_ids = nullptr; }, "token_ids: must not be null with hash_table"},
+      {"misaligned int64 ids",
+       [](MoeRouterArgs& a) { a.token_ids = static_cast<const char*>(a.token_ids) + 4; },
+       "token_ids: must be 8-byte aligned (int64)"},
+      {"misaligned table",
+       [](MoeRouterArgs& a) { a.hash_table = reinterpret_cast<const int32_t*>(reinterpret_cast<const char*>(a.hash_table) + 2); },
+       "hash_table: must be 4-byte aligned"},
+      {"weights over the table",
+       [](MoeRouterArgs& a) { a.token_final_scales = reinterpret_cast<float*>(const_cast<int32_t*>(a.hash_table)); },
+       "token_final_scales: must not overlap hash_table"},
+      {"ids over the token ids",
+       [](MoeRouterArgs& a) { a.token_selected_experts = static_cast<int32_t*>(const_cast<void*>(a.token_ids)); },
+       "token_selected_experts: must not overlap token_ids"},
+  };
+  for (const Case& c : cases) {
+    std::vector<float> logits(3 * 8 + 1, 0.5f);
+    std::vector<int32_t> table(5 * 4 + 1, 1), ids(3 * 4 + 1, kPoisonId);
+    std::vector<int64_t> tok(3 + 1, 2);
+    std::vector<float> w(3 * 4 + 1, kPoisonW);
+    MoeRouterArgs a;
+    a.logits = logits.data();
+    a.logits_dtype = DType::kFloat32;
+    a.num_tokens = 3;
+    a.num_experts = 8;
+    a.k = 4;
+    a.scoring = MoeRouterScoring::kSqrtSoftplus;
+    a.hash_table = table.data();
+    a.vocab_size = 5;
+    a.token_ids = tok.data();
+    a.token_ids_int64 = true;
+    a.token_selected_experts = ids.data();
+    a.token_final_scales = w.data();
+    ASSERT_TRUE(validate_moe_router(a).ok()) << c.name;
+    c.mutate(a);
+    const Status st = moe_router_cpu(a);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << c.name;
+    EXPECT_NE(st.message().find(std::string("moe_router: ") + c.expect), std::string::npos)
+        << c.name << ": got \"" << st.message() << "\"";
+    EXPECT_EQ(ids, std::vector<int32_t>(13, kPoisonId)) << c.name;
+    EXPECT_EQ(w, std::vector<float>(13, kPoisonW)) << c.name;
+  }
+}
+
 // ---- the comparison the GPU tests use (tests/common/router_testing.h) ------
 
 TEST(MoeRouterCpuComparison, NearTiesAreUndecidedExactTiesAndLogitKeysAreNot) {

@@ -40,6 +40,7 @@ struct Case {
   int E = 16, start = 0, local = 16;
   int64_t H = 136, I = 72;
   bool router = true;
+  bool hash = false;  // the router selects by token id (spec §8.7): V4's sqrt-softplus, a table of 50 rows
   bool shared = false;
   bool fill = true;
   bool biases = true;
@@ -53,7 +54,9 @@ struct Layer {
   HostTensor X, logits, W1, b1, W2, b2, shared, ref;
   std::vector<int32_t> ids;
   std::vector<float> scales;
-  DeviceBuffer dX, dlogits, dW1, db1, dW2, db2, dshared, dids, dscales, dout, dws;
+  std::vector<int32_t> table;  // hash: [50, k], some entries outside [0, E) and some token ids outside [0, 50)
+  std::vector<int64_t> tok;
+  DeviceBuffer dX, dlogits, dW1, db1, dW2, db2, dshared, dids, dscales, dout, dws, dtable, dtok;
   MoeForwardArgs args;
   double max_ref = 0;
 
@@ -95,6 +98,20 @@ struct Layer {
     args.router.scoring = MoeRouterScoring::kSoftmax;
     args.router.renormalize = true;
     args.router.logits_dtype = DType::kBFloat16;
+    if (c.hash) {
+      constexpr int64_t kVocab = 50;
+      table.resize(size_t(kVocab * c.k));
+      for (auto& e : table) e = int32_t(rng.integer(-1, c.E));  // -1 and E: absent slots
+      tok.resize(size_t(c.T));
+      for (auto& t : tok) t = rng.integer(-1, kVocab);  // -1 and kVocab: tokens with no expert
+      args.router.scoring = MoeRouterScoring::kSqrtSoftplus;
+      args.router.routed_scaling_factor = 1.5f;
+      args.router.vocab_size = kVocab;
+      args.router.token_ids_int64 = true;
+      dtable = DeviceBuffer(table);
+      dtok = DeviceBuffer(std::max<size_t>(8, tok.size() * 8));
+      if (!tok.empty()) dtok.upload(tok.data(), tok.size() * 8);
+    }
     args.w1_layout = c.layout;
     args.fc1_input = c.input;
     args.fc2_mode = c.mode;
@@ -126,6 +143,10 @@ struct Layer {
     auto pick = [&](HostTensor& h, DeviceBuffer& d) -> void* { return host ? h.data() : d.get(); };
     args.X = pick(X, dX);
     args.router_logits = c.router ? pick(logits, dlogits) : nullptr;
+    if (c.hash) {
+      args.router.hash_table = host ? table.data() : dtable.as<int32_t>();
+      args.router.token_ids = host ? static_cast<const void*>(tok.data()) : dtok.get();
+    }
     args.token_selected_experts = c.router ? nullptr : host ? ids.data() : dids.as<int32_t>();
     args.token_final_scales = c.router ? nullptr : host ? scales.data() : dscales.as<float>();
     args.W1 = pick(W1, dW1);
@@ -177,6 +198,23 @@ TEST(MoeForwardGpu, RouterThenLayerEveryMode) {
     SCOPED_TRACE(fc2_mode_name(m));
     Case c;
     c.mode = m;
+    check_case(c);
+  }
+}
+
+// DeepSeek-V4's hash layers: the router takes each token's experts from
+// the table row of its token id, on one rank and on an expert-parallel range.
+TEST(MoeForwardGpu, HashRouterThenLayer) {
+  SKIP_WITHOUT_HOPPER();
+  for (Fc2Mode m : {Fc2Mode::kAtomic, Fc2Mode::kDeterministic}) {
+    SCOPED_TRACE(fc2_mode_name(m));
+    Case c;
+    c.hash = true;
+    c.mode = m;
+    check_case(c);
+    c.start = 4;
+    c.local = 8;
+    c.fill = m == Fc2Mode::kAtomic;
     check_case(c);
   }
 }

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -476,6 +477,175 @@ TEST(MoeRouterGpu, CapturableInACudaGraphAndReplayedOnNewLogits) {
     CUDA_OK(cudaGraphDestroy(graph));
     CUDA_OK(cudaStreamDestroy(stream));
   }
+}
+
+// ---- hash selection (SPEC §8.7) ---------------------------------------------
+
+namespace {
+
+// A V4-style table [V, k] of distinct experts a row, with every 13th row
+// holding an entry past E and every 17th a -1 (absent slots), every 11th a
+// repeated expert; token ids uniform in [0, V) with every 29th outside it.
+struct HashInputs {
+  int64_t V = 0;
+  std::vector<int32_t> table;
+  std::vector<int64_t> ids;
+};
+
+HashInputs random_hash_inputs(Rng& rng, int64_t T, int E, int k, int64_t V) {
+  HashInputs h;
+  h.V = V;
+  h.table.resize(size_t(V * k));
+  std::vector<int32_t> perm(static_cast<size_t>(E));
+  for (int64_t v = 0; v < V; ++v) {
+    std::iota(perm.begin(), perm.end(), 0);
+    for (int j = 0; j < k; ++j) std::swap(perm[size_t(j)], perm[size_t(rng.integer(j, E - 1))]);
+    for (int j = 0; j < k; ++j) h.table[size_t(v * k + j)] = perm[size_t(j)];
+    if (v % 13 == 5) h.table[size_t(v * k + rng.integer(0, k - 1))] = E + int32_t(rng.integer(0, 3));
+    if (v % 17 == 3) h.table[size_t(v * k + rng.integer(0, k - 1))] = -1;
+    if (v % 11 == 7 && k > 1) h.table[size_t(v * k + k - 1)] = h.table[size_t(v * k)];
+  }
+  h.ids.resize(size_t(T));
+  for (int64_t t = 0; t < T; ++t)
+    h.ids[size_t(t)] = t % 29 == 4 ? (t % 2 ? V + rng.integer(0, 5) : -1 - rng.integer(0, 5)) : rng.integer(0, V - 1);
+  return h;
+}
+
+struct DeviceHash {
+  DeviceBuffer table, ids;
+  DeviceHash(const HashInputs& h, bool int64_ids) : table(h.table) {
+    if (int64_ids) {
+      ids = DeviceBuffer(std::max<size_t>(8, h.ids.size() * 8));
+      ids.upload(h.ids.data(), h.ids.size() * 8);
+    } else {
+      std::vector<int32_t> v32(h.ids.begin(), h.ids.end());
+      ids = DeviceBuffer(std::max<size_t>(4, v32.size() * 4));
+      ids.upload(v32.data(), v32.size() * 4);
+    }
+  }
+};
+
+// The reference's outputs for the hash case (host pointers).
+Outputs hash_reference(const RouterCase& c, const RouterHostData& d, const HashInputs& h) {
+  Outputs o;
+  o.ids.assign(size_t(c.T * c.k), kPoisonId);
+  o.w.assign(size_t(c.T * c.k), 0.0f);
+  MoeRouterArgs a = router_args(c, d);
+  a.hash_table = h.table.data();
+  a.vocab_size = h.V;
+  a.token_ids = h.ids.data();
+  a.token_ids_int64 = true;
+  a.token_selected_experts = o.ids.data();
+  a.token_final_scales = o.w.data();
+  const Status st = moe_router_cpu(a);
+  EXPECT_TRUE(st.ok()) << st.message();
+  return o;
+}
+
+void check_hash(const RouterCase& c, const RouterHostData& d, const HashInputs& h, const Outputs& got,
+                const std::string& what) {
+  const Outputs want = hash_reference(c, d, h);
+  const std::vector<char> decided(size_t(c.T), 1);  // no choice to hinge on rounding: every token compared
+  const RouterComparison cmp =
+      compare_router(c, decided, got.ids.data(), got.w.data(), want.ids.data(), want.w.data());
+  EXPECT_TRUE(cmp.ok()) << what << " hash " << c.describe() << ": " << cmp.id_mismatches << " tokens with other ids, "
+                        << cmp.weight_mismatches << " weights off; first: " << cmp.first_failure;
+  EXPECT_TRUE(tail_untouched(got, c.T * c.k)) << what << " hash " << c.describe() << ": wrote past [T, k]";
+}
+
+}  // namespace
+
+// Every scoring x dtype x id width over model-like and odd shapes, with
+// absent slots (entries outside [0, E), token ids outside [0, V)) and
+// repeated experts; then bitwise repeatability with and without PDL, and a
+// graph replayed on new logits and ids.
+TEST(MoeRouterGpu, HashSelectionMatchesTheReference) {
+  SKIP_WITHOUT_GPU();
+  Rng rng(test_seed());
+  struct Shape {
+    int64_t T;
+    int E, k;
+    int64_t V;
+  };
+  const Shape shapes[] = {{1, 8, 2, 5}, {37, 256, 6, 1000}, {1000, 384, 6, 129280}, {4096, 100, 16, 77},
+                          {333, 512, 1, 3}};
+  int index = 0;
+  for (MoeRouterScoring s : kScorings)
+    for (DType dt : {DType::kBFloat16, DType::kFloat32})
+      for (const Shape& sh : shapes) {
+        RouterCase c;
+        c.scoring = s;
+        c.dtype = dt;
+        c.T = sh.T;
+        c.E = sh.E;
+        c.k = sh.k;
+        c.renormalize = index % 2 == 0;
+        c.scale = index % 3 == 0 ? 1.5f : 1.0f;
+        const bool int64_ids = index % 2 == 1;
+        ++index;
+        const RouterHostData d = random_router_data(rng, c, -8.0f, 8.0f);
+        const HashInputs h = random_hash_inputs(rng, c.T, c.E, c.k, sh.V);
+        DeviceRouter dev(c, d);
+        DeviceHash dh(h, int64_ids);
+        dev.args.hash_table = dh.table.as<int32_t>();
+        dev.args.vocab_size = h.V;
+        dev.args.token_ids = dh.ids.get();
+        dev.args.token_ids_int64 = int64_ids;
+        Status st = dev.launch();
+        ASSERT_TRUE(st.ok()) << c.describe() << ": " << st.message();
+        CUDA_OK(cudaDeviceSynchronize());
+        const Outputs first = dev.fetch();
+        check_hash(c, d, h, first, int64_ids ? "int64 ids" : "int32 ids");
+        dev.poison();
+        dev.args.enable_pdl = !dev.args.enable_pdl;
+        st = dev.launch();
+        ASSERT_TRUE(st.ok()) << st.message();
+        CUDA_OK(cudaDeviceSynchronize());
+        EXPECT_TRUE(dev.fetch() == first) << c.describe() << ": not bitwise repeatable (PDL toggled)";
+      }
+}
+
+TEST(MoeRouterGpu, HashSelectionCapturableAndReplayedOnNewIds) {
+  SKIP_WITHOUT_GPU();
+  Rng rng(test_seed());
+  RouterCase c;
+  c.scoring = MoeRouterScoring::kSqrtSoftplus;
+  c.T = 500;
+  c.E = 256;
+  c.k = 6;
+  c.renormalize = true;
+  c.scale = 1.5f;
+  RouterHostData d = random_router_data(rng, c);
+  HashInputs h = random_hash_inputs(rng, c.T, c.E, c.k, 4096);
+  DeviceRouter dev(c, d);
+  DeviceHash dh(h, true);
+  dev.args.hash_table = dh.table.as<int32_t>();
+  dev.args.vocab_size = h.V;
+  dev.args.token_ids = dh.ids.get();
+  dev.args.token_ids_int64 = true;
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  const Status st = dev.launch(stream);
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  ASSERT_TRUE(st.ok()) << st.message();
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 3; ++replay) {
+    d = random_router_data(rng, c);
+    const HashInputs fresh = random_hash_inputs(rng, c.T, c.E, c.k, h.V);
+    h.ids = fresh.ids;  // the table on the device stays the first one
+    dev.upload_logits(d);
+    dh.ids.upload(h.ids.data(), h.ids.size() * 8);
+    dev.poison();
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    check_hash(c, d, h, dev.fetch(), "graph replay " + std::to_string(replay));
+  }
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(graph));
+  CUDA_OK(cudaStreamDestroy(stream));
 }
 
 // ---- SPEC §8.6 on the GPU entry point: error, nothing launched or written ----

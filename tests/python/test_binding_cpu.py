@@ -1456,7 +1456,8 @@ def test_cuda_arrays_take_the_gpu_path_for_the_router_fc1_and_the_layer():
     d = _C.moe_defaults()
     logits, ids, scales = FakeCudaArray((0, 16), "float32"), FakeCudaArray((0, 4), "int32"), FakeCudaArray((0, 4),
                                                                                                            "float32")
-    gpu_call("moe_router", lambda: _C.moe_router(logits, ids, scales, correction_bias=None, stream=0,
+    gpu_call("moe_router", lambda: _C.moe_router(logits, ids, scales, correction_bias=None, token_ids=None,
+                                                 hash_table=None, stream=0,
                                                  **d["moe_router"]))
     x, w1, w2 = FakeCudaArray((0, 8), "bfloat16"), FakeCudaArray((2, 16, 8), "bfloat16"), FakeCudaArray(
         (2, 8, 8), "bfloat16")
@@ -1465,7 +1466,8 @@ def test_cuda_arrays_take_the_gpu_path_for_the_router_fc1_and_the_layer():
                                            w1_scales=None, w1_mx_scales=None, out_scales=None,
                                            out_scale_format="float32", stream=0, **d["moe_fc1"]))
     out = FakeCudaArray((0, 8), "bfloat16")
-    none = dict.fromkeys(("router_logits", "correction_bias", "token_final_scales", "selected_experts_out",
+    none = dict.fromkeys(("router_logits", "correction_bias", "token_ids", "hash_table", "token_final_scales",
+                          "selected_experts_out",
                           "final_scales_out", "b1", "b2", "shared_output", "workspace", "w1_scales", "w2_scales",
                           "w1_mx_scales", "w2_mx_scales"))
     gpu_call("moe_forward", lambda: _C.moe_forward(x, w1, w2, out, k=4, num_experts=0, token_selected_experts=ids,

@@ -308,6 +308,72 @@ def test_moe_router_gpu_matches_torch(case, logits_dtype):
                   "weights")
 
 
+def raises_naming(exc, op, arg):
+    """pytest.raises for an error whose message is "<op>: <arg>: <rule>"."""
+    return pytest.raises(exc, match=rf"^{op}: {arg.replace('.', '[.]')}: ")
+
+
+def v4_hash_gate(logits, token_ids, tid2eid, route_scale):
+    """DeepSeek-V4's Gate.forward for a hash layer (inference/model.py, spec §8.7), in torch, float64:
+    sqrt-softplus scores, the experts of tid2eid[token_ids], their scores renormalised and scaled."""
+    scores = torch.nn.functional.softplus(logits.double()).sqrt()
+    indices = tid2eid[token_ids.long()].long()
+    w = scores.gather(1, indices)
+    return indices, w / w.sum(dim=1, keepdim=True) * route_scale
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("logits_dtype", ["float32", "bfloat16"])
+def test_moe_router_hash_selection_is_deepseek_v4s_gate(logits_dtype, ids_dtype):
+    T, E, k, V = 300, 256, 6, 5000
+    g = torch.Generator().manual_seed(21)
+    logits = (torch.rand(T, E, generator=g) * 16 - 8).to(TORCH_DTYPE[logits_dtype])
+    tid2eid = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(V)]).int()
+    token_ids = torch.randint(0, V, (T,), generator=g, dtype=ids_dtype)
+    ids, weights = flashmix.moe_router(logits.to(DEV), k, scoring="sqrtsoftplus", renormalize=True,
+                                       routed_scaling_factor=1.5, token_ids=token_ids.to(DEV),
+                                       hash_table=tid2eid.to(DEV))
+    cpu_ids, cpu_w = flashmix.moe_router(logits, k, scoring="sqrtsoftplus", renormalize=True,
+                                         routed_scaling_factor=1.5, token_ids=token_ids, hash_table=tid2eid)
+    sync()
+    want_ids, want_w = v4_hash_gate(logits, token_ids, tid2eid, 1.5)
+    assert torch.equal(ids.cpu().long(), want_ids) and torch.equal(cpu_ids.long(), want_ids)
+    tol = 2.0 ** -14 * want_w.abs() + 2.0 ** -20 * 1.5
+    assert_within(weights, want_w, tol, "weights")
+    assert_within(cpu_w, want_w, tol, "cpu weights")
+    # Out-of-range token ids and entries: id -1, weight 0, the rest renormalised without them.
+    bad_ids = token_ids.clone()
+    bad_ids[::7] = V
+    table = tid2eid.clone()
+    table[:, 0] = -1
+    ids, weights = flashmix.moe_router(logits.to(DEV), k, scoring="sqrtsoftplus", renormalize=True,
+                                       token_ids=bad_ids.to(DEV), hash_table=table.to(DEV))
+    sync()
+    ids, weights = ids.cpu(), weights.cpu()
+    assert (ids[::7] == -1).all() and (weights[::7] == 0).all()
+    assert (ids[:, 0] == -1).all() and (weights[:, 0] == 0).all()
+    keep = torch.ones(T, dtype=torch.bool)
+    keep[::7] = False
+    assert torch.allclose(weights[keep].sum(dim=1), torch.ones(int(keep.sum())), atol=1e-5)
+
+
+def test_moe_router_hash_selection_bad_input_raises_value_error():
+    logits = torch.zeros(4, 16, device=DEV)
+    table = torch.zeros(10, 2, dtype=torch.int32, device=DEV)
+    tok = torch.zeros(4, dtype=torch.int64, device=DEV)
+    with raises_naming(ValueError, "moe_router", "hash_table"):
+        flashmix.moe_router(logits, 2, token_ids=tok)
+    with raises_naming(ValueError, "moe_router", "hash_table"):
+        flashmix.moe_router(logits, 3, token_ids=tok, hash_table=table)  # k = 3 columns expected
+    with raises_naming(ValueError, "moe_router", "token_ids"):
+        flashmix.moe_router(logits, 2, token_ids=tok[:3], hash_table=table)
+    with raises_naming(ValueError, "moe_router", "token_ids"):
+        flashmix.moe_router(logits, 2, token_ids=tok.float(), hash_table=table)
+    with raises_naming(ValueError, "moe_router", "correction_bias"):
+        flashmix.moe_router(logits, 2, token_ids=tok, hash_table=table,
+                            correction_bias=torch.zeros(16, device=DEV))
+
+
 def test_moe_router_bad_input_on_cuda_raises_value_error_and_writes_nothing():
     logits = torch.zeros(4, 16, device=DEV)
     ids = torch.full((4, 2), -3, dtype=torch.int32, device=DEV)
@@ -656,6 +722,39 @@ def test_moe_layer_gpu_matches_moe_forward_and_torch():
     assert torch.equal(out.reshape(-1, H), want)
     ref_out = torch_forward(x2, layer.w1, layer.w2, ids, scales, 0, E, layer.b1, layer.b2)
     assert_within(out.reshape(-1, H), ref_out, forward_tolerance(ref_out, k), "layer out")
+
+
+def test_moe_layer_with_hash_selection_gpu_matches_moe_forward_and_torch():
+    torch.manual_seed(22)
+    E, k, H, I, V = 32, 4, 256, 128, 100
+    layer = flashmix.MoeLayer(E, k, H, I, scoring="sqrtsoftplus", renormalize=True, routed_scaling_factor=1.5,
+                              hash_vocab_size=V, mode="deterministic", device=DEV)
+    with torch.no_grad():
+        layer.hash_table.copy_(torch.stack([torch.randperm(E)[:k] for _ in range(V)]).int())
+    x = torch.randn(2, 40, H, device=DEV).bfloat16()
+    tok = torch.randint(0, V, (2, 40), device=DEV)
+    try:
+        out = layer(x, token_ids=tok)
+    except NotImplementedError as e:
+        pytest.skip(str(e))
+    x2 = x.reshape(-1, H)
+    logits = x2 @ layer.gate.t()
+    ids, scales = flashmix.moe_router(logits, k, scoring="sqrtsoftplus", renormalize=True, routed_scaling_factor=1.5,
+                                      token_ids=tok.reshape(-1), hash_table=layer.hash_table)
+    want = flashmix.moe_forward(x2, layer.w1, layer.w2, k=k, token_selected_experts=ids, token_final_scales=scales,
+                                mode="deterministic")
+    sync()
+    assert torch.equal(out.reshape(-1, H), want)  # the same kernels after the router
+    want_ids, _ = v4_hash_gate(logits.float().cpu(), tok.reshape(-1).cpu(), layer.hash_table.cpu(), 1.5)
+    assert torch.equal(ids.cpu().long(), want_ids)
+    ref_out = torch_forward(x2, layer.w1, layer.w2, ids, scales, 0, E, None, None)
+    assert_within(out.reshape(-1, H), ref_out, forward_tolerance(ref_out, k), "layer out")
+    with raises_naming(ValueError, "MoeLayer.forward", "token_ids"):
+        layer(x)
+    opts = dict(scoring="sqrtsoftplus", renormalize=True, token_ids=tok.reshape(-1), hash_table=layer.hash_table)
+    torch.library.opcheck(torch.ops.flashmix.moe_router.default, (logits, k), opts)
+    torch.library.opcheck(torch.ops.flashmix.moe_forward.default, (x2, layer.w1, layer.w2, k),
+                          dict(opts, router_logits=logits, mode="deterministic"))
 
 
 def test_moe_layer_fp8_gpu_matches_the_cpu_reference():
