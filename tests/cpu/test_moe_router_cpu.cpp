@@ -63,6 +63,27 @@ struct Router {
 
 double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 
+// One rejected argument: `mutate` breaks a valid `a` (whose outputs are `ids`
+// and `w`, 13 poisoned slots each); the call must fail naming `expect` and
+// write nothing.
+struct RejectCase {
+  const char* name;
+  void (*mutate)(MoeRouterArgs&);
+  const char* expect;
+};
+
+void expect_rejected(const RejectCase& c, MoeRouterArgs a, const std::vector<int32_t>& ids,
+                     const std::vector<float>& w) {
+  ASSERT_TRUE(validate_moe_router(a).ok()) << c.name;
+  c.mutate(a);
+  const Status st = moe_router_cpu(a);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << c.name;
+  EXPECT_NE(st.message().find(std::string("moe_router: ") + c.expect), std::string::npos)
+      << c.name << ": got \"" << st.message() << "\"";
+  EXPECT_EQ(ids, std::vector<int32_t>(13, kPoisonId)) << c.name;
+  EXPECT_EQ(w, std::vector<float>(13, kPoisonW)) << c.name;
+}
+
 }  // namespace
 
 TEST(MoeRouterCpu, SoftmaxTopKWithoutRenormalizeGivesTheProbabilities) {
@@ -397,12 +418,7 @@ TEST(MoeRouterCpu, RandomInputsSatisfyTheDefinition) {
 // ---- SPEC §8.6: every rule names its argument; nothing is written ----------
 
 TEST(MoeRouterCpuValidation, RejectsBadInputNamingTheArgument) {
-  struct Case {
-    const char* name;
-    void (*mutate)(MoeRouterArgs&);
-    const char* expect;
-  };
-  const Case cases[] = {
+  const RejectCase cases[] = {
       {"negative T", [](MoeRouterArgs& a) { a.num_tokens = -1; }, "num_tokens: must be >= 0"},
       {"E = 0", [](MoeRouterArgs& a) { a.num_experts = 0; }, "num_experts: must be >= 1"},
       {"k = 0", [](MoeRouterArgs& a) { a.k = 0; }, "k: must be in 1..16"},
@@ -460,7 +476,7 @@ TEST(MoeRouterCpuValidation, RejectsBadInputNamingTheArgument) {
        [](MoeRouterArgs& a) { a.token_final_scales = reinterpret_cast<float*>(a.token_selected_experts) + 1; },
        "token_final_scales: must not overlap token_selected_experts"},
   };
-  for (const Case& c : cases) {
+  for (const RejectCase& c : cases) {
     // 3 tokens, 8 experts, k = 4; buffers with room for the mutations.
     std::vector<float> logits(3 * 8 + 1, 0.5f), bias(9, 0.0f);
     std::vector<int32_t> ids(3 * 4 + 1, kPoisonId);
@@ -475,14 +491,7 @@ TEST(MoeRouterCpuValidation, RejectsBadInputNamingTheArgument) {
     a.correction_bias = bias.data();
     a.token_selected_experts = ids.data();
     a.token_final_scales = w.data();
-    ASSERT_TRUE(validate_moe_router(a).ok()) << c.name;
-    c.mutate(a);
-    const Status st = moe_router_cpu(a);
-    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << c.name;
-    EXPECT_NE(st.message().find(std::string("moe_router: ") + c.expect), std::string::npos)
-        << c.name << ": got \"" << st.message() << "\"";
-    EXPECT_EQ(ids, std::vector<int32_t>(13, kPoisonId)) << c.name;
-    EXPECT_EQ(w, std::vector<float>(13, kPoisonW)) << c.name;
+    expect_rejected(c, a, ids, w);
   }
 }
 
@@ -606,12 +615,7 @@ TEST(MoeRouterCpu, HashSelectionMarksOutOfRangeIdsAndEntriesAbsent) {
 }
 
 TEST(MoeRouterCpuValidation, HashSelectionRulesNameTheArgument) {
-  struct Case {
-    const char* name;
-    void (*mutate)(MoeRouterArgs&);
-    const char* expect;
-  };
-  const Case cases[] = {
+  const RejectCase cases[] = {
       {"ids without a table", [](MoeRouterArgs& a) { a.hash_table = nullptr; }, "token_ids: selects through hash_table"},
       {"vocab 0", [](MoeRouterArgs& a) { a.vocab_size = 0; }, "vocab_size: must be >= 1"},
       {"vocab overflows", [](MoeRouterArgs& a) { a.vocab_size = int64_t(1) << 62; }, "vocab_size: vocab_size * k"},
@@ -632,7 +636,7 @@ TEST(MoeRouterCpuValidation, HashSelectionRulesNameTheArgument) {
        [](MoeRouterArgs& a) { a.token_selected_experts = static_cast<int32_t*>(const_cast<void*>(a.token_ids)); },
        "token_selected_experts: must not overlap token_ids"},
   };
-  for (const Case& c : cases) {
+  for (const RejectCase& c : cases) {
     std::vector<float> logits(3 * 8 + 1, 0.5f);
     std::vector<int32_t> table(5 * 4 + 1, 1), ids(3 * 4 + 1, kPoisonId);
     std::vector<int64_t> tok(3 + 1, 2);
@@ -650,14 +654,7 @@ TEST(MoeRouterCpuValidation, HashSelectionRulesNameTheArgument) {
     a.token_ids_int64 = true;
     a.token_selected_experts = ids.data();
     a.token_final_scales = w.data();
-    ASSERT_TRUE(validate_moe_router(a).ok()) << c.name;
-    c.mutate(a);
-    const Status st = moe_router_cpu(a);
-    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << c.name;
-    EXPECT_NE(st.message().find(std::string("moe_router: ") + c.expect), std::string::npos)
-        << c.name << ": got \"" << st.message() << "\"";
-    EXPECT_EQ(ids, std::vector<int32_t>(13, kPoisonId)) << c.name;
-    EXPECT_EQ(w, std::vector<float>(13, kPoisonW)) << c.name;
+    expect_rejected(c, a, ids, w);
   }
 }
 

@@ -147,6 +147,32 @@ RouterComparison run_and_check(const RouterCase& c, const RouterHostData& d, con
                        "path " + std::to_string(tuning.path) + (tuning.generic_layout ? " generic layout" : ""));
 }
 
+// One launch captured into a CUDA graph on a fresh non-blocking stream, for
+// replays on new inputs.
+struct CapturedLaunch {
+  cudaStream_t stream = nullptr;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  Status captured;
+  explicit CapturedLaunch(DeviceRouter& dev) {
+    EXPECT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+    captured = dev.launch(stream);
+    EXPECT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    EXPECT_TRUE(captured.ok()) << captured.message();
+    EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  }
+  void replay() {
+    EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  }
+  ~CapturedLaunch() {
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+    if (stream) cudaStreamDestroy(stream);
+  }
+};
+
 }  // namespace
 
 // Every scoring x dtype x E x k; T, the bias, renormalisation, groups and the
@@ -452,15 +478,8 @@ TEST(MoeRouterGpu, CapturableInACudaGraphAndReplayedOnNewLogits) {
     c.scale = 2.5f;
     RouterHostData d = random_router_data(rng, c);
     DeviceRouter dev(c, d);
-    cudaStream_t stream;
-    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    const Status st = dev.launch(stream);
-    CUDA_OK(cudaStreamEndCapture(stream, &graph));
-    ASSERT_TRUE(st.ok()) << st.message();
-    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    CapturedLaunch g(dev);
+    ASSERT_TRUE(g.captured.ok());
     for (int replay = 0; replay < 3; ++replay) {
       d = random_router_data(rng, c);
       d.bias.clear();  // the bias on the device stays the first one
@@ -469,13 +488,9 @@ TEST(MoeRouterGpu, CapturableInACudaGraphAndReplayedOnNewLogits) {
       CUDA_OK(cudaMemcpy(full.bias.data(), dev.args.correction_bias, size_t(E) * 4, cudaMemcpyDeviceToHost));
       dev.upload_logits(d);
       dev.poison();
-      CUDA_OK(cudaGraphLaunch(exec, stream));
-      CUDA_OK(cudaStreamSynchronize(stream));
+      g.replay();
       check_outputs(c, full, dev.fetch(), "graph replay " + std::to_string(replay));
     }
-    CUDA_OK(cudaGraphExecDestroy(exec));
-    CUDA_OK(cudaGraphDestroy(graph));
-    CUDA_OK(cudaStreamDestroy(stream));
   }
 }
 
@@ -513,7 +528,9 @@ HashInputs random_hash_inputs(Rng& rng, int64_t T, int E, int k, int64_t V) {
 
 struct DeviceHash {
   DeviceBuffer table, ids;
-  DeviceHash(const HashInputs& h, bool int64_ids) : table(h.table) {
+  int64_t V;
+  bool int64_ids;
+  DeviceHash(const HashInputs& h, bool int64_ids_) : table(h.table), V(h.V), int64_ids(int64_ids_) {
     if (int64_ids) {
       ids = DeviceBuffer(std::max<size_t>(8, h.ids.size() * 8));
       ids.upload(h.ids.data(), h.ids.size() * 8);
@@ -522,6 +539,13 @@ struct DeviceHash {
       ids = DeviceBuffer(std::max<size_t>(4, v32.size() * 4));
       ids.upload(v32.data(), v32.size() * 4);
     }
+  }
+  // The router's hash selection from these buffers.
+  void attach(MoeRouterArgs& a) const {
+    a.hash_table = table.as<int32_t>();
+    a.vocab_size = V;
+    a.token_ids = ids.get();
+    a.token_ids_int64 = int64_ids;
   }
 };
 
@@ -587,10 +611,7 @@ TEST(MoeRouterGpu, HashSelectionMatchesTheReference) {
         const HashInputs h = random_hash_inputs(rng, c.T, c.E, c.k, sh.V);
         DeviceRouter dev(c, d);
         DeviceHash dh(h, int64_ids);
-        dev.args.hash_table = dh.table.as<int32_t>();
-        dev.args.vocab_size = h.V;
-        dev.args.token_ids = dh.ids.get();
-        dev.args.token_ids_int64 = int64_ids;
+        dh.attach(dev.args);
         Status st = dev.launch();
         ASSERT_TRUE(st.ok()) << c.describe() << ": " << st.message();
         CUDA_OK(cudaDeviceSynchronize());
@@ -619,19 +640,9 @@ TEST(MoeRouterGpu, HashSelectionCapturableAndReplayedOnNewIds) {
   HashInputs h = random_hash_inputs(rng, c.T, c.E, c.k, 4096);
   DeviceRouter dev(c, d);
   DeviceHash dh(h, true);
-  dev.args.hash_table = dh.table.as<int32_t>();
-  dev.args.vocab_size = h.V;
-  dev.args.token_ids = dh.ids.get();
-  dev.args.token_ids_int64 = true;
-  cudaStream_t stream;
-  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  const Status st = dev.launch(stream);
-  CUDA_OK(cudaStreamEndCapture(stream, &graph));
-  ASSERT_TRUE(st.ok()) << st.message();
-  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  dh.attach(dev.args);
+  CapturedLaunch g(dev);
+  ASSERT_TRUE(g.captured.ok());
   for (int replay = 0; replay < 3; ++replay) {
     d = random_router_data(rng, c);
     const HashInputs fresh = random_hash_inputs(rng, c.T, c.E, c.k, h.V);
@@ -639,13 +650,9 @@ TEST(MoeRouterGpu, HashSelectionCapturableAndReplayedOnNewIds) {
     dev.upload_logits(d);
     dh.ids.upload(h.ids.data(), h.ids.size() * 8);
     dev.poison();
-    CUDA_OK(cudaGraphLaunch(exec, stream));
-    CUDA_OK(cudaStreamSynchronize(stream));
+    g.replay();
     check_hash(c, d, h, dev.fetch(), "graph replay " + std::to_string(replay));
   }
-  CUDA_OK(cudaGraphExecDestroy(exec));
-  CUDA_OK(cudaGraphDestroy(graph));
-  CUDA_OK(cudaStreamDestroy(stream));
 }
 
 // ---- SPEC §8.6 on the GPU entry point: error, nothing launched or written ----
