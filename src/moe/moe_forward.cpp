@@ -289,9 +289,9 @@ namespace {
 // Every caller buffer with the bytes the layer may touch (null pointers give
 // empty ranges).
 struct CallerRanges {
-  detail::Range X, router_logits, router_token_ids, router_hash_table, token_selected_experts, token_final_scales,
-      selected_experts_out, final_scales_out, W1, b1, W2, b2, shared_output, out, w1_scales, w2_scales, x_scales, w1_mx_scales,
-      w2_mx_scales;
+  detail::Range X, router_logits, router_token_ids, router_hash_table, token_selected_experts,
+      token_final_scales, selected_experts_out, final_scales_out, W1, b1, W2, b2, shared_output, out, w1_scales,
+      w2_scales, x_scales, w1_mx_scales, w2_mx_scales;
 };
 
 CallerRanges caller_ranges(const MoeForwardArgs& a) {
@@ -306,10 +306,10 @@ CallerRanges caller_ranges(const MoeForwardArgs& a) {
   const bool hash = a.router_logits && a.router.hash_table;  // the router's hash selection (spec §8.7)
   r.router_token_ids = {"router.token_ids", hash ? a.router.token_ids : nullptr,
                         T * (a.router.token_ids_int64 ? 8 : 4)};
+  // An out-of-range vocab_size counts no bytes here: the router's own check names it.
+  const bool table_sized = a.router.vocab_size > 0 && a.router.vocab_size <= std::numeric_limits<int64_t>::max() / 64;
   r.router_hash_table = {"router.hash_table", hash ? a.router.hash_table : nullptr,
-                         hash && a.router.vocab_size > 0 && a.router.vocab_size <= std::numeric_limits<int64_t>::max() / 64
-                             ? a.router.vocab_size * a.k * 4
-                             : 0};  // an out-of-range size: the router's own check names it
+                         hash && table_sized ? a.router.vocab_size * a.k * 4 : 0};
   r.token_selected_experts = {"token_selected_experts", a.token_selected_experts, slots * 4};
   r.token_final_scales = {"token_final_scales", a.token_final_scales, slots * 4};
   r.selected_experts_out = {"selected_experts_out", a.selected_experts_out, slots * 4};
