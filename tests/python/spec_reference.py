@@ -198,6 +198,36 @@ def router(logits, k, scoring="softmax", renormalize=False, correction_bias=None
     return ids, weights
 
 
+def hash_router(logits, token_ids, hash_table, scoring="sqrtsoftplus", renormalize=True, routed_scaling_factor=1.0):
+    """spec §8.7 (DeepSeek-V4's hash layers): token t's experts are row token_ids[t] of hash_table
+    [V, k] in order; a token id outside [0, V) or an entry outside [0, E) is id -1, weight 0; the
+    weights are §8.1's over the other slots (a renormalised softmax: the softmax of the chosen logits).
+    Returns (int32 [T, k], float64 [T, k])."""
+    l_all = f64(logits).copy()
+    l_all[np.isnan(l_all)] = -np.inf
+    l_all[l_all == np.inf] = float(np.finfo(np.float32).max)
+    T, E = l_all.shape
+    V, k = hash_table.shape
+    ids = np.full((T, k), -1, np.int32)
+    weights = np.zeros((T, k))
+    relative = scoring == "softmax_after_topk" or (scoring == "softmax" and renormalize)
+    for t in range(T):
+        tid = int(token_ids[t])
+        row = [int(e) for e in hash_table[tid]] if 0 <= tid < V else [-1] * k
+        slots = [j for j in range(k) if 0 <= row[j] < E]
+        chosen = [row[j] for j in slots]
+        if not chosen:
+            continue
+        l = l_all[t]
+        w = _softmax(l[chosen]) if relative else router_scores(l, scoring)[chosen]
+        if renormalize and not relative:
+            total = w.sum()
+            w = w / total if total > 0 else np.zeros_like(w)
+        ids[t, slots] = chosen
+        weights[t, slots] = w * float(np.float32(routed_scaling_factor))
+    return ids, weights
+
+
 def grid_logits(rng, T, E, scale=1 / 16):
     """Router logits [T, E] on a grid of 1/16, distinct within each row (no ties; exact in bf16 for
     E <= 512): a random permutation of (i - E/2) / 16."""

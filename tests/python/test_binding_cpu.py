@@ -322,6 +322,46 @@ def test_moe_router_special_values_and_given_outputs():
     np.testing.assert_array_equal(scales, want_w)
 
 
+@pytest.mark.parametrize("scoring,renormalize", [("sqrtsoftplus", True), ("sigmoid", False), ("softmax", False),
+                                                  ("softmax", True), ("softmax_after_topk", False)])
+@pytest.mark.parametrize("ids_dtype", [np.int32, np.int64])
+def test_moe_router_hash_selection_matches_spec(scoring, renormalize, ids_dtype):
+    # spec §8.7: the table row of each token id, in order; ids outside [0, V) and entries outside
+    # [0, E) give -1 / 0; a repeated expert keeps both slots.
+    rng = np.random.default_rng(31)
+    T, E, k, V = 40, 24, 6, 50
+    logits = rng.uniform(-6, 6, (T, E)).astype(np.float32)
+    table = np.array([rng.permutation(E)[:k] for _ in range(V)], np.int32)
+    table[3, 1], table[7, 4], table[9, 5] = E, -1, table[9, 0]
+    token_ids = rng.integers(0, V, T).astype(ids_dtype)
+    token_ids[[0, 5]], token_ids[[1, 2, 6]] = V, [3, 7, 9]
+    token_ids[8] = -2
+    ids, weights = flashmix.moe_router(logits, k, scoring=scoring, renormalize=renormalize,
+                                       routed_scaling_factor=1.5, token_ids=token_ids, hash_table=table)
+    want_ids, want_w = ref.hash_router(logits, token_ids, table, scoring, renormalize, 1.5)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(weights, want_w, rtol=2.0 ** -23, atol=1e-30)
+    assert (ids[[0, 5, 8]] == -1).all() and (weights[[0, 5, 8]] == 0).all()
+    assert ids[1, 1] == -1 and ids[2, 4] == -1 and ids[6, 5] == ids[6, 0]
+
+
+def test_moe_router_hash_selection_bad_input_raises_value_error_naming_the_argument():
+    logits = np.zeros((4, 16), np.float32)
+    table, tok = np.zeros((10, 2), np.int32), np.zeros(4, np.int64)
+    for kw, arg in [({"token_ids": tok}, "hash_table"),                           # one without the other
+                    ({"hash_table": table}, "token_ids"),
+                    ({"token_ids": tok, "hash_table": np.zeros((10, 3), np.int32)}, "hash_table"),  # not k columns
+                    ({"token_ids": tok, "hash_table": table.astype(np.int64)}, "hash_table"),        # dtype
+                    ({"token_ids": tok[:3], "hash_table": table}, "token_ids"),                       # not [T]
+                    ({"token_ids": tok.astype(np.float32), "hash_table": table}, "token_ids"),        # dtype
+                    ({"token_ids": tok, "hash_table": table, "correction_bias": np.zeros(16, np.float32)},
+                     "correction_bias"),                                                              # library rule
+                    ({"token_ids": tok, "hash_table": table, "n_group": 4, "topk_group": 2}, "topk_group"),
+                    ({"token_ids": tok, "hash_table": table[:0]}, "vocab_size")]:                     # library rule
+        with raises_naming(ValueError, "moe_router", arg):
+            flashmix.moe_router(logits, 2, **kw)
+
+
 def test_moe_router_zero_tokens_is_valid():
     ids, weights = flashmix.moe_router(np.zeros((0, 16), np.float32), 4)
     assert ids.shape == (0, 4) and weights.shape == (0, 4)
