@@ -41,6 +41,7 @@
 #include <cfloat>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -538,6 +539,20 @@ __global__ void __launch_bounds__(kThreads, router_min_blocks(G, V, S)) moe_rout
   }
 }
 
+// Calls f with the scoring as a compile-time constant
+// (std::integral_constant<MoeRouterScoring, S>): the one switch both
+// launchers take their kernel instantiation from.
+template <class F>
+cudaError_t with_scoring(MoeRouterScoring s, F&& f) {
+  using S = MoeRouterScoring;
+  switch (s) {
+    case S::kSoftmax: return f(std::integral_constant<S, S::kSoftmax>{});
+    case S::kSigmoid: return f(std::integral_constant<S, S::kSigmoid>{});
+    case S::kSqrtSoftplus: return f(std::integral_constant<S, S::kSqrtSoftplus>{});
+    default: return f(std::integral_constant<S, S::kSoftmaxAfterTopk>{});
+  }
+}
+
 // ---- hash selection (SPEC §8.7) ---------------------------------------------
 //
 // No choice to make: token t's experts are row token_ids[t] of the table. A
@@ -628,21 +643,10 @@ __global__ void __launch_bounds__(kThreads) moe_router_hash_kernel(const HashPar
 template <typename T, typename Id>
 cudaError_t launch_hash(const MoeRouterArgs& a, const HashParams& p, cudaStream_t stream) {
   const unsigned blocks = unsigned((p.T + kThreads / kHashG - 1) / (kThreads / kHashG));
-  const bool pdl = a.enable_pdl;
-  switch (a.scoring) {
-    case MoeRouterScoring::kSoftmax:
-      return dev::launch(moe_router_hash_kernel<T, Id, MoeRouterScoring::kSoftmax>, dim3(blocks), dim3(kThreads), 0,
-                         stream, pdl, p);
-    case MoeRouterScoring::kSigmoid:
-      return dev::launch(moe_router_hash_kernel<T, Id, MoeRouterScoring::kSigmoid>, dim3(blocks), dim3(kThreads), 0,
-                         stream, pdl, p);
-    case MoeRouterScoring::kSqrtSoftplus:
-      return dev::launch(moe_router_hash_kernel<T, Id, MoeRouterScoring::kSqrtSoftplus>, dim3(blocks),
-                         dim3(kThreads), 0, stream, pdl, p);
-    default:
-      return dev::launch(moe_router_hash_kernel<T, Id, MoeRouterScoring::kSoftmaxAfterTopk>, dim3(blocks),
-                         dim3(kThreads), 0, stream, pdl, p);
-  }
+  return with_scoring(a.scoring, [&](auto s) {
+    return dev::launch(moe_router_hash_kernel<T, Id, decltype(s)::value>, dim3(blocks), dim3(kThreads), 0, stream,
+                       a.enable_pdl, p);
+  });
 }
 
 Status run_hash_router(const MoeRouterArgs& a, cudaStream_t stream) {
@@ -714,16 +718,8 @@ cudaError_t launch_layout(const Layout& g, const Params& p, cudaStream_t stream,
 
 template <typename T>
 cudaError_t launch_scoring(const MoeRouterArgs& a, const Layout& g, const Params& p, cudaStream_t stream) {
-  switch (a.scoring) {
-    case MoeRouterScoring::kSoftmax:
-      return launch_layout<T, MoeRouterScoring::kSoftmax>(g, p, stream, a.enable_pdl);
-    case MoeRouterScoring::kSigmoid:
-      return launch_layout<T, MoeRouterScoring::kSigmoid>(g, p, stream, a.enable_pdl);
-    case MoeRouterScoring::kSqrtSoftplus:
-      return launch_layout<T, MoeRouterScoring::kSqrtSoftplus>(g, p, stream, a.enable_pdl);
-    default:
-      return launch_layout<T, MoeRouterScoring::kSoftmaxAfterTopk>(g, p, stream, a.enable_pdl);
-  }
+  return with_scoring(a.scoring,
+                      [&](auto s) { return launch_layout<T, decltype(s)::value>(g, p, stream, a.enable_pdl); });
 }
 
 Status run_router(const MoeRouterArgs& a, cudaStream_t stream) {

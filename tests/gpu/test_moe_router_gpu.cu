@@ -85,12 +85,25 @@ struct DeviceRouter {
   }
 };
 
-// The reference outputs into host buffers of the same shape.
-Outputs reference(const RouterCase& c, const RouterHostData& d) {
+// Hash selection's inputs (SPEC §8.7): the table [V, k] and int64 token ids.
+struct HashInputs {
+  int64_t V = 0;
+  std::vector<int32_t> table;
+  std::vector<int64_t> ids;
+};
+
+// The reference outputs into host buffers of the same shape (with h: hash selection).
+Outputs reference(const RouterCase& c, const RouterHostData& d, const HashInputs* h = nullptr) {
   Outputs o;
   o.ids.assign(size_t(c.T * c.k), kPoisonId);
   o.w.assign(size_t(c.T * c.k), 0.0f);
   MoeRouterArgs a = router_args(c, d);
+  if (h != nullptr) {
+    a.hash_table = h->table.data();
+    a.vocab_size = h->V;
+    a.token_ids = h->ids.data();
+    a.token_ids_int64 = true;
+  }
   a.token_selected_experts = o.ids.data();
   a.token_final_scales = o.w.data();
   Status st = moe_router_cpu(a);
@@ -117,15 +130,21 @@ bool tail_untouched(const Outputs& got, int64_t slots) {
   return true;
 }
 
-// Checks GPU outputs against the reference; returns the comparison.
-RouterComparison check_outputs(const RouterCase& c, const RouterHostData& d, const Outputs& got,
-                               const std::string& what) {
-  const Outputs want = reference(c, d);
-  const std::vector<char> decided = decided_tokens(c, d);
+// GPU outputs against the reference's on the `decided` tokens, and nothing
+// written past [T, k]; returns the comparison.
+RouterComparison expect_matches(const RouterCase& c, const std::vector<char>& decided, const Outputs& got,
+                                const Outputs& want, const std::string& what) {
   RouterComparison cmp = compare_router(c, decided, got.ids.data(), got.w.data(), want.ids.data(), want.w.data());
   EXPECT_TRUE(cmp.ok()) << what << " " << c.describe() << ": " << cmp.id_mismatches << " tokens with other ids, "
                         << cmp.weight_mismatches << " weights off; first: " << cmp.first_failure;
   EXPECT_TRUE(tail_untouched(got, c.T * c.k)) << what << " " << c.describe() << ": wrote past [T, k]";
+  return cmp;
+}
+
+// Checks GPU outputs against the reference; returns the comparison.
+RouterComparison check_outputs(const RouterCase& c, const RouterHostData& d, const Outputs& got,
+                               const std::string& what) {
+  const RouterComparison cmp = expect_matches(c, decided_tokens(c, d), got, reference(c, d), what);
   // Exact keys (no bias, no groups) are never undecided; otherwise near-ties
   // (within 1e-5, a few times the GPU's fp32 error) and equal sums of other
   // terms (frequent with bf16 logits: equal in double, not in fp32) must stay
@@ -501,12 +520,6 @@ namespace {
 // A V4-style table [V, k] of distinct experts a row, with every 13th row
 // holding an entry past E and every 17th a -1 (absent slots), every 11th a
 // repeated expert; token ids uniform in [0, V) with every 29th outside it.
-struct HashInputs {
-  int64_t V = 0;
-  std::vector<int32_t> table;
-  std::vector<int64_t> ids;
-};
-
 HashInputs random_hash_inputs(Rng& rng, int64_t T, int E, int k, int64_t V) {
   HashInputs h;
   h.V = V;
@@ -549,32 +562,10 @@ struct DeviceHash {
   }
 };
 
-// The reference's outputs for the hash case (host pointers).
-Outputs hash_reference(const RouterCase& c, const RouterHostData& d, const HashInputs& h) {
-  Outputs o;
-  o.ids.assign(size_t(c.T * c.k), kPoisonId);
-  o.w.assign(size_t(c.T * c.k), 0.0f);
-  MoeRouterArgs a = router_args(c, d);
-  a.hash_table = h.table.data();
-  a.vocab_size = h.V;
-  a.token_ids = h.ids.data();
-  a.token_ids_int64 = true;
-  a.token_selected_experts = o.ids.data();
-  a.token_final_scales = o.w.data();
-  const Status st = moe_router_cpu(a);
-  EXPECT_TRUE(st.ok()) << st.message();
-  return o;
-}
-
 void check_hash(const RouterCase& c, const RouterHostData& d, const HashInputs& h, const Outputs& got,
                 const std::string& what) {
-  const Outputs want = hash_reference(c, d, h);
   const std::vector<char> decided(size_t(c.T), 1);  // no choice to hinge on rounding: every token compared
-  const RouterComparison cmp =
-      compare_router(c, decided, got.ids.data(), got.w.data(), want.ids.data(), want.w.data());
-  EXPECT_TRUE(cmp.ok()) << what << " hash " << c.describe() << ": " << cmp.id_mismatches << " tokens with other ids, "
-                        << cmp.weight_mismatches << " weights off; first: " << cmp.first_failure;
-  EXPECT_TRUE(tail_untouched(got, c.T * c.k)) << what << " hash " << c.describe() << ": wrote past [T, k]";
+  expect_matches(c, decided, got, reference(c, d, &h), what + " hash");
 }
 
 }  // namespace
