@@ -17,6 +17,14 @@ would otherwise run (the peers' loading and their adapters: bench/peers_adapters
     alone, followed by the finalize in torch, and by sgl's; cuBLAS bmm with the
     rows spread evenly (a grouped GEMM with perfect balance); a dense cuBLAS
     GEMM of equal FLOPs (the ceiling flashmix-bench uses).
+  moe_fc1_fp8 / moe_fc2_fp8 (spec §9.7, §3.5: e4m3 with 1 x 128 activation and
+    128 x 128 weight scales): flashmix's FC1 (gathered, and from a permuted copy)
+    and FC2 (atomic, deterministic); DeepGEMM's m_grouped_fp8_gemm_nt_contiguous
+    alone (padded contiguous layout, MN-major activation scales, built outside the
+    timing), + the activation in torch (FC1) or + sgl's finalize (FC2);
+    torch._scaled_grouped_mm on its own row-wise FP8 of the same bf16 data, alone
+    and (FC2) + sgl's finalize; the ceiling is torch._scaled_mm of equal FLOPs with
+    per-tensor scales and fast accumulation (`ceiling` "gemm_fp8", as flashmix-bench).
   mhc_pre / mhc_post (spec §4): torch eager, torch.compile; for mhc_pre also
     DeepGEMM's tf32_hc_prenorm_gemm, the projection and sums of squares only
     (a part of mhc_pre, timed against flashmix's whole op).
@@ -49,7 +57,7 @@ Usage (on a GPU machine, with the binding built, e.g. by
 `PYTEST=0 scripts/gpu_python_tests.sh BUILD`, and the peers unpacked by
 bench/peers_setup.sh into /tmp/site):
     PYTHONPATH=/tmp/site:BUILD/python:python python3 bench/peers.py [--json FILE_OR_FOLDER]
-        [--commit HASH] [--no-compile] [--ops finalize,fc2,mhc]
+        [--commit HASH] [--no-compile] [--ops finalize,fc2,fc1,fc2_fp8,fc1_fp8,mhc]
 scripts/peers_table.py prints the README's table from the JSON records.
 """
 import argparse
@@ -513,6 +521,246 @@ def bench_fc1(run, name, T, k, E, I, H):
 
 
 # ===========================================================================
+# FP8 FC1 / FC2 (spec §9.7, §3.5: 1 x 128 activation and 128 x 128 weight scales)
+# ===========================================================================
+
+def dense_fp8_timer(M, N, K):
+    """The issue's FP8 ceiling: torch._scaled_mm of equal FLOPs with per-tensor scales and fast
+    accumulation ([M, K] x [K, N], bf16 out). Returns a callable."""
+    a = torch.randn(M, K, device=DEV).to(torch.float8_e4m3fn)
+    b = torch.randn(N, K, device=DEV).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=DEV, dtype=torch.float32)
+    return lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                    use_fast_accum=True)
+
+
+def expert_rows_fp8_torch(Aq, As, Wq, Ws, offs):
+    """The dequantised GEMM rows ``A[p] @ W[e]^T`` per expert (fp32 math, bf16 out), to check the
+    GEMM-alone peers: A e4m3 ``[P, K]`` with scales ``[P, K/128]``, W e4m3 ``[E, N, K]`` with
+    ``[E, N/128, K/128]``."""
+    o = offs.tolist()
+    P, K = o[-1], Aq.shape[1]
+    E, N = Wq.shape[0], Wq.shape[1]
+    y = torch.empty(P, N, device=DEV, dtype=torch.bfloat16)
+    for e in range(E):
+        if o[e + 1] == o[e]:
+            continue
+        rows = o[e + 1] - o[e]
+        a = (Aq[o[e]:o[e + 1]].view(torch.float8_e4m3fn).float().view(rows, K // 128, 128) *
+             As[o[e]:o[e + 1]].float().unsqueeze(2)).view(rows, K)
+        w = (Wq[e].view(torch.float8_e4m3fn).float().view(N // 128, 128, K // 128, 128) *
+             Ws[e].float().view(N // 128, 1, K // 128, 1)).view(N, K)
+        y[o[e]:o[e + 1]] = (a @ w.t()).bfloat16()
+    return y
+
+
+def rowwise_fp8(x):
+    """e4m3 with one float32 scale per row (amax / 448), the scaling torch._scaled_grouped_mm takes."""
+    s = x.float().abs().amax(-1).clamp_min(1e-12) / 448.0
+    return (x.float() / s.unsqueeze(-1)).to(torch.float8_e4m3fn), s
+
+
+def scaled_grouped_mm_peer(a_bf16, W_bf16, offs32):
+    """torch._scaled_grouped_mm on row-wise FP8 (its scaling; quantised here, outside the timing):
+    ``a [P, K]`` ragged by offs32 times ``W [E, N, K]``. Returns a callable (bf16 ``[P, N]``)."""
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        raise Missing("torch %s has no _scaled_grouped_mm" % torch.__version__)
+    aq, sa = rowwise_fp8(a_bf16)
+    wq, sw = rowwise_fp8(W_bf16)  # [E, N, K], scales [E, N]
+    b = wq.transpose(1, 2)  # [E, K, N], K-major per column (what the op takes)
+    return lambda: torch._scaled_grouped_mm(aq, b, sa, sw, offs=offs32, out_dtype=torch.bfloat16)
+
+
+def fp8_dense_ratios(run, op, case, dense, dense_us):
+    """Records the FP8 ceiling at the case's end; every dense ratio against the faster timing."""
+    dense_end = timed(dense, 10)
+    run.record(op, case, "torch._scaled_mm dense FP8, equal FLOPs", dense_end, dense_us=dense_us,
+               status="ceiling", note="per-tensor scales, fast accumulation")
+    best = min(dense_us, dense_end)
+    for r in run.records:
+        if r["op"] == op and r["case"] == case and r.get("median_us") and "dense_us" in r:
+            r["dense_us"] = round(best, 3)
+            r["ratio_to_dense"] = round(r["median_us"] / best, 4)
+            r["ceiling"] = "gemm_fp8"
+
+
+# Error bounds of the FP8 peers against flashmix on the same e4m3 inputs: fp32
+# sums in another order over K and a bf16 rounding of the GEMM's output before
+# the activation / finalize: TOL_BF16_STEP. torch._scaled_grouped_mm runs on its
+# own (row-wise) quantisation of the same bf16 data: each operand's e4m3
+# rounding (up to 2^-4 of an element) differs from flashmix's, hence 0.1 of the
+# largest output (a wrong row or scale gives errors of order 1).
+TOL_OTHER_SCALING = 0.1
+
+
+def bench_fc1_fp8(run, name, T, k, E, I, H):
+    """flashmix's block-FP8 FC1 (gather and SwiGLU fused) against DeepGEMM's FP8 m-grouped GEMM
+    (+ the activation in torch) and torch._scaled_grouped_mm, all on a permuted copy given."""
+    case = "%s_T%d_k%d_E%d_I%d_H%d" % (name, T, k, E, I, H)
+    op = "moe_fc1_fp8"
+    P = T * k
+    experts = torch.rand(T, E, device=DEV).topk(k, dim=1).indices.int()
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+    W1 = torch.randn(E, 2 * I, H, device=DEV, dtype=torch.bfloat16) * (1.0 / H ** 0.5)
+    W1q, W1s = flashmix.quantize_fp8(W1, block="128x128")
+    xq, xs = flashmix.quantize_fp8(x, block="1x128")
+    maps = flashmix.build_moe_routing_maps(experts, num_experts_per_node=E, input=x)
+    offs, p2u, xp = maps.expert_first_token_offset, maps.permuted_row_to_unpermuted_row, maps.permuted_input
+    xpq, xps = flashmix.quantize_fp8(xp[:P], block="1x128")  # per row: the gathered rows' very codes
+    torch.cuda.synchronize()
+    dense = dense_fp8_timer(P, 2 * I, H)
+    dense_us = timed(dense, 10)
+    time = dict(dense_us=dense_us)
+    fp8 = dict(fp8="block", w1_scales=W1s)
+    out = torch.empty(P, I, device=DEV, dtype=torch.bfloat16)
+    fm = lambda: flashmix.moe_fc1(xq, W1q, offs, p2u, k=k, x_scales=xs, out=out, **fp8)
+    fm()
+    torch.cuda.synchronize()
+    ref = out.clone()
+    run.reference(op, case, "flashmix (gather fused)", fm, repeats=10, **time)
+    out_p = torch.empty(P, I, device=DEV, dtype=torch.bfloat16)
+    fmp = lambda: flashmix.moe_fc1(xpq, W1q, offs, p2u, k=k, x_permuted=True, num_tokens=T, x_scales=xps,
+                                   out=out_p, **fp8)
+    fmp()
+    torch.cuda.synchronize()
+    run.reference(op, case, "flashmix (permuted copy given)", fmp, repeats=10, err=rel_err(out_p, ref),
+                  tol=TOL_SAME, **time)
+    rows = {}
+
+    def ref_rows():
+        if not rows:
+            rows["y"] = expert_rows_fp8_torch(xpq, xps, W1q, W1s, offs)
+        return rows["y"]
+    layout = {}
+
+    def make_deep_gemm():
+        if not layout:
+            layout.update(adapters.deep_gemm_fp8_layout(xpq, xps, offs, P))
+            layout["gemm"], layout["d"] = adapters.deep_gemm_m_grouped_fp8(layout, W1q, W1s)
+        return layout["gemm"]
+
+    def layout_facts(r):
+        if layout:
+            r.update(padded_rows=layout["padded_rows"], alignment=layout["alignment"],
+                     padded_fraction=round(layout["padded_fraction"], 4))
+    layout_facts(run.peer(op, case, "DeepGEMM m_grouped_fp8 only (permuted copy)", make_deep_gemm,
+                          check=lambda: rel_err(layout["d"][layout["dest"]], ref_rows()), tol=TOL_BF16_STEP,
+                          note="GEMM alone on a contiguous (padded) layout built outside the timing, no "
+                          "activation; checked against a per-expert GEMM of the dequantised operands", **time))
+    act = {}
+
+    def make_deep_gemm_act():
+        gemm = make_deep_gemm()
+        d = layout["d"]
+
+        def f():
+            gemm()
+            act["y"] = torch.nn.functional.silu(d[:, :I]) * d[:, I:]
+            return act["y"]
+        return f
+    layout_facts(run.peer(op, case, "DeepGEMM m_grouped_fp8 + silu*up (permuted copy)", make_deep_gemm_act,
+                          check=lambda: rel_err(act["y"][layout["dest"]], ref), tol=TOL_BF16_STEP,
+                          note="gate and up rounded to bf16 before the activation", **time))
+    layout.clear()
+    offs32 = offs[1:].int()
+    sg = {}
+
+    def make_scaled_grouped():
+        sg["f"] = scaled_grouped_mm_peer(xp[:P], W1, offs32)
+        return sg["f"]
+    run.peer(op, case, "torch._scaled_grouped_mm only (row-wise FP8, permuted copy)", make_scaled_grouped,
+             check=lambda: rel_err(sg["f"](), ref_rows()), tol=TOL_OTHER_SCALING,
+             note="GEMM alone, its own row-wise quantisation of the same bf16 data, no activation", **time)
+    rows.clear()
+    fp8_dense_ratios(run, op, case, dense, dense_us)
+
+
+def bench_fc2_fp8(run, name, T, k, E, I, H):
+    """flashmix's block-FP8 FC2 with the finalize fused against DeepGEMM's FP8 m-grouped GEMM
+    (alone, and + sgl's finalize) and torch._scaled_grouped_mm."""
+    case = "%s_T%d_k%d_E%d_I%d_H%d" % (name, T, k, E, I, H)
+    op = "moe_fc2_fp8"
+    P = T * k
+    experts = torch.rand(T, E, device=DEV).topk(k, dim=1).indices.int()
+    scales = torch.rand(T, k, device=DEV).bfloat16().float()  # bf16-exact: sgl takes them in bf16
+    A = torch.randn(P, I, device=DEV, dtype=torch.bfloat16)
+    W2 = torch.randn(E, H, I, device=DEV, dtype=torch.bfloat16) * (1.0 / I ** 0.5)
+    Aq, As = flashmix.quantize_fp8(A, block="1x128")
+    W2q, W2s = flashmix.quantize_fp8(W2, block="128x128")
+    maps = flashmix.build_moe_routing_maps(experts, num_experts_per_node=E)
+    offs, p2u, u2p = maps.expert_first_token_offset, maps.permuted_row_to_unpermuted_row, \
+        maps.unpermuted_row_to_permuted_row
+    torch.cuda.synchronize()
+    dense = dense_fp8_timer(P, H, I)
+    dense_us = timed(dense, 10)
+    time = dict(dense_us=dense_us)
+    outs, fns = {}, {}
+    for mode in ("deterministic", "atomic"):
+        out = torch.empty(T, H, device=DEV, dtype=torch.bfloat16)
+        ws = torch.empty(flashmix.moe_fc2_finalize_workspace_size(T, k, H, I, E, mode), dtype=torch.uint8, device=DEV)
+        fns[mode] = lambda out=out, ws=ws, mode=mode: flashmix.moe_fc2_finalize(
+            Aq, W2q, offs, p2u, k=k, scales=scales, mode=mode, out=out, workspace=ws, fp8="block", a_scales=As,
+            w2_scales=W2s)
+        fns[mode]()
+        torch.cuda.synchronize()
+        outs[mode] = out.clone()
+    ref = outs["deterministic"]
+    for mode in ("atomic", "deterministic"):  # atomic first: the ratios' reference
+        err = None if mode == "deterministic" else rel_err(outs[mode], ref)
+        run.reference(op, case, "flashmix " + mode, fns[mode], repeats=10, err=err, tol=TOL_BF16_STEP, **time)
+    rows = {}
+
+    def ref_rows():
+        if not rows:
+            rows["y"] = expert_rows_fp8_torch(Aq, As, W2q, W2s, offs)
+        return rows["y"]
+    layout = {}
+
+    def make_deep_gemm():
+        if not layout:
+            layout.update(adapters.deep_gemm_fp8_layout(Aq, As, offs, P))
+            layout["gemm"], layout["d"] = adapters.deep_gemm_m_grouped_fp8(layout, W2q, W2s)
+        return layout["gemm"]
+
+    def layout_facts(r):
+        if layout:
+            r.update(padded_rows=layout["padded_rows"], alignment=layout["alignment"],
+                     padded_fraction=round(layout["padded_fraction"], 4))
+    layout_facts(run.peer(op, case, "DeepGEMM m_grouped_fp8 only", make_deep_gemm,
+                          check=lambda: rel_err(layout["d"][layout["dest"]], ref_rows()), tol=TOL_BF16_STEP,
+                          note="GEMM alone (contiguous layout: experts padded to the block), no finalize; "
+                          "checked against a per-expert GEMM of the dequantised operands", **time))
+    out_ds = torch.empty(T, H, device=DEV, dtype=torch.bfloat16)
+
+    def make_deep_gemm_sgl():
+        gemm = make_deep_gemm()
+        fin = adapters.sgl_apply_shuffle_mul_sum(layout["d"], layout["dest"][u2p.long()].int(), scales, out_ds)
+        return lambda: (gemm(), fin())
+    layout_facts(run.peer(op, case, "DeepGEMM m_grouped_fp8 + sgl finalize", make_deep_gemm_sgl,
+                          check=lambda: rel_err(out_ds, ref), tol=TOL_BF16_STEP, **time))
+    layout.clear()
+    offs32 = offs[1:].int()
+    sg = {}
+
+    def make_scaled_grouped():
+        sg["f"] = scaled_grouped_mm_peer(A, W2, offs32)
+        return sg["f"]
+    run.peer(op, case, "torch._scaled_grouped_mm only (row-wise FP8)", make_scaled_grouped,
+             check=lambda: rel_err(sg["f"](), ref_rows()), tol=TOL_OTHER_SCALING,
+             note="GEMM alone, its own row-wise quantisation of the same bf16 data, no finalize", **time)
+    out_gs = torch.empty(T, H, device=DEV, dtype=torch.bfloat16)
+
+    def make_scaled_grouped_sgl():
+        gm = make_scaled_grouped()
+        finalize = adapters.sgl_shuffle_mul_sum_into(u2p, scales, out_gs)
+        return lambda: finalize(gm())
+    run.peer(op, case, "torch._scaled_grouped_mm + sgl finalize", make_scaled_grouped_sgl,
+             check=lambda: rel_err(out_gs, ref), tol=TOL_OTHER_SCALING, **time)
+    rows.clear()
+    fp8_dense_ratios(run, op, case, dense, dense_us)
+
+
+# ===========================================================================
 # mHC: mhc_pre, mhc_post (spec §4)
 # ===========================================================================
 
@@ -662,7 +910,8 @@ def main():
                     "peers-<GPU>-<date>-<time>.json (the name bench/results/ uses)")
     ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD, if a repo)")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
-    ap.add_argument("--ops", default="finalize,fc2,fc1,mhc", help="comma-separated subset of finalize,fc2,fc1,mhc")
+    ap.add_argument("--ops", default="finalize,fc2,fc1,fc2_fp8,fc1_fp8,mhc",
+                    help="comma-separated subset of finalize,fc2,fc1,fc2_fp8,fc1_fp8,mhc")
     args = ap.parse_args()
     ops = set(args.ops.split(","))
     torch.manual_seed(0)
@@ -684,6 +933,12 @@ def main():
         if "fc1" in ops:
             for case in FC2_CASES:  # the same routings as FC2's cases
                 bench_fc1(run, *case)
+        if "fc2_fp8" in ops:
+            for case in FC2_CASES:
+                bench_fc2_fp8(run, *case)
+        if "fc1_fp8" in ops:
+            for case in FC2_CASES:
+                bench_fc1_fp8(run, *case)
     except Aborted as e:
         aborted = str(e)
         print("ABORTED:", aborted)

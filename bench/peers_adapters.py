@@ -307,6 +307,39 @@ def deep_gemm_m_grouped(layout, W2):
     return (lambda: gemm(a, W2, d, m_indices)), d
 
 
+def deep_gemm_fp8_layout(Aq, a_scales, offsets, num_rows):
+    """deep_gemm_layout for e4m3 rows with their 1 x 128 float32 scales (``[rows, K/128]``): a dict
+    with a_padded (zeros on padding), sa_padded (ones on padding, MN-major: stride ``(1, M_pad)``,
+    the layout DeepGEMM's kernel reads, so it needs no transpose per call), m_indices, dest,
+    padded_rows, alignment, padded_fraction."""
+    torch = _torch()
+    dg = deep_gemm_module()
+    alignment = int(dg.get_mk_alignment_for_contiguous_layout())
+    dest, m_indices, padded_rows = contiguous_layout(offsets, num_rows, alignment)
+    a_padded = torch.zeros(padded_rows, Aq.shape[1], dtype=torch.float8_e4m3fn, device=Aq.device)
+    a_padded[dest] = Aq[:num_rows].view(torch.float8_e4m3fn)
+    sa = torch.ones(a_scales.shape[1], padded_rows, dtype=torch.float32, device=Aq.device).t()
+    sa[dest] = a_scales[:num_rows].float()
+    return {"a_padded": a_padded, "sa_padded": sa, "m_indices": m_indices, "dest": dest,
+            "padded_rows": padded_rows, "alignment": alignment,
+            "padded_fraction": (padded_rows - num_rows) / max(1, padded_rows)}
+
+
+def deep_gemm_m_grouped_fp8(layout, Wq, w_scales):
+    """DeepGEMM's block-scaled FP8 m-grouped contiguous GEMM ``d = a_padded @ Wq[e]^T`` (Wq e4m3
+    ``[E, N, K]`` with float32 128 x 128 scales ``[E, N/128, K/128]``), bf16 out. Returns
+    (callable, d ``[M_pad, N]``)."""
+    torch = _torch()
+    dg = deep_gemm_module()
+    if not hasattr(dg, "m_grouped_fp8_gemm_nt_contiguous"):
+        raise Missing("deep_gemm %s has no m_grouped_fp8_gemm_nt_contiguous" % getattr(dg, "__version__", "?"))
+    a, sa, m_indices = layout["a_padded"], layout["sa_padded"], layout["m_indices"]
+    b = (Wq.view(torch.float8_e4m3fn), w_scales.float())
+    d = torch.empty(a.shape[0], Wq.shape[1], dtype=torch.bfloat16, device=a.device)
+    gemm = dg.m_grouped_fp8_gemm_nt_contiguous
+    return (lambda: gemm((a, sa), b, d, m_indices, disable_ue8m0_cast=True)), d
+
+
 def deep_gemm_hc_prenorm(x2d, phi, splits):
     """DeepGEMM's mHC projection: ``x2d @ phi^T`` (TF32) and the row sums of squares, as `splits`
     partial sums over slices of K (None: the plain form, one [B, N] / [B] output). Returns
