@@ -157,12 +157,17 @@ struct RowsCfg {
   static constexpr int kStageBytes = kWStage + kRBytes;
   static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned (128-byte swizzle)");
   static constexpr int kScaleBytes = kXBlock ? kMaxRows * 4 : 0;  // a stage's A scales
+  // Dense block scales: the A scales (times the W2 block scale) in a ring of
+  // two rounds of the stages, slot s + kStages * phase, so that the
+  // consumers release a stage before promoting from its scales: the producer
+  // rewrites a slot only once the stage has been released twice since.
+  static constexpr int kScaleSlots = kBlock ? 2 * kStages : kStages;
   static constexpr int kCvtTile = mx_mainloop::kCvtTile;
   static constexpr int kCvtBytes = kMx ? 2 * 2 * kCvtTile : 0;  // two converted tiles per consumer warpgroup
   static constexpr int kOffCvt = kStages * kStageBytes;
   static constexpr int kOffEpi = kOffCvt + kCvtBytes;
   static constexpr int kOffScales = kOffEpi + 2 * kEpiBytes;
-  static constexpr int kOffTabRow = kOffScales + kStages * kScaleBytes;
+  static constexpr int kOffTabRow = kOffScales + kScaleSlots * kScaleBytes;
   static constexpr int kOffTabW = kOffTabRow + 2 * kMaxRows * 4;
   static constexpr int kOffTabBias = kOffTabW + 2 * kMaxRows * 4;
   static constexpr int kOffRowOff = kOffTabBias + 2 * kTileH * 4;
@@ -294,11 +299,10 @@ __device__ __forceinline__ void drain_staged_f32(const RowsGemmParams& p, const 
       [&](int row, int col, const F32Group& x) { store_group_f32(p, row, col, x.lo, x.hi); });
 }
 
-// FP8 block scales: a K block's 4 k32 MMAs into part (fresh), then part
-// promoted into the accumulators times the W2 block scale and each row's A
-// scale (expert_tiles' k_block_mmas and promote_k_block, as FC1's and the
-// MXFP4 mainloops).
-// The K block's MMAs into a fresh `part`, waited for (both block-scaled tiles).
+// FP8 block scales: a K block's 4 k32 MMAs into a fresh `part`, waited for
+// (both block-scaled tiles; expert_tiles' k_block_mmas), then promoted into
+// the accumulators times the staged scale (the A scale times the W2 block
+// scale).
 template <int N>
 __device__ __forceinline__ void fresh_k_block(float (&part)[N / 2], uint64_t da, uint64_t db) {
   dev::fence_operands(part);
@@ -307,13 +311,6 @@ __device__ __forceinline__ void fresh_k_block(float (&part)[N / 2], uint64_t da,
   dev::wgmma_commit();
   dev::wgmma_wait<0>();
   dev::fence_operands(part);
-}
-
-template <int N>
-__device__ __forceinline__ void block_k_step(float (&acc)[N / 2], float (&part)[N / 2], uint64_t da, uint64_t db,
-                                             const float* sx, float w_s, int lane) {
-  fresh_k_block<N>(part, da, db);
-  promote_k_block<N>(acc, part, w_s, w_s, sx, 2 * (lane & 3));
 }
 
 // A consumer warpgroup's whole tile: mainloop over K, then the epilogue.
@@ -361,20 +358,30 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
     // two warpgroups once took turns on the tensor cores through named
     // barriers, so that one's promotion overlapped the other's MMAs: 7-10 %
     // slower than letting both issue freely, H100 A/B 2026-11-27.)
-    const float* sw = p.w_scales + (int64_t(t.e) * p.h_blocks + t.hs) * p.i_blocks;
+    // The staged scales are the A scales times the W2 block scale (the
+    // producer's), in a ring two rounds deep: the stage is released once its
+    // MMAs are done, before the promotion reads them.
     float part[N / 2];
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) part[i] = 0.f;
+    const int c2 = 2 * (lane & 3);
     for (int kb = 0; kb < p.k_blocks; ++kb) {
-      const float w_s = __ldg(sw + kb);
       clk.before_stage_wait();
       dev::mbar_wait(bar_at(sh.full, s), ph);
       clk.after_stage_wait(log, it, kb);
       const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
       const uint64_t da = dev::wgmma_desc_k_sw128(st + a_off), db = dev::wgmma_desc_k_sw128(st + Cfg::kWStage);
-      const float* sx = sh.a_sc + s * kMaxRows;
-      block_k_step<N>(acc, part, da, db, sx, w_s, lane);
+      const float* sx = sh.a_sc + (s + Cfg::kStages * int(ph)) * kMaxRows;
+      fresh_k_block<N>(part, da, db);
       dev::release_stage<Cfg::kXBlock>(bar_at(sh.empty, s));
+#pragma unroll
+      for (int j = 0; j < N / 8; ++j) {
+        const float2 x = *reinterpret_cast<const float2*>(sx + 8 * j + c2);
+        acc[4 * j + 0] = fmaf(part[4 * j + 0], x.x, acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(part[4 * j + 1], x.y, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(part[4 * j + 2], x.x, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(part[4 * j + 3], x.y, acc[4 * j + 3]);
+      }
       if (++s == Cfg::kStages) {
         s = 0;
         ph ^= 1;
@@ -548,23 +555,22 @@ __device__ __forceinline__ void consume_tile_block(const RowsGemmParams& p, cons
   float acc[N / 2], part[N / 2];
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) acc[i] = part[i] = 0.f;
-  const float* sw = p.w_scales + (int64_t(t.e) * p.h_blocks + t.hs) * p.i_blocks;
-  // This thread's two rows' A scales come with each stage (the producer
-  // warp stores them, as on the transposed path; rows past the chunk's: 0,
-  // or stale past its N, never stored), read after the stage's barrier.
+  // This thread's two rows' A scales (times the W2 block scale) come with
+  // each stage (the producer warp stores them, as on the transposed path;
+  // rows past the chunk's: 0, or stale past its N, never stored), read after
+  // the stage's barrier.
   const uint32_t a_off = uint32_t(Cfg::kWStage + wg * 64 * kTileBytes);
   prof::TileClock clk;
   for (int kb = 0; kb < p.k_blocks; ++kb) {
-    const float w_s = __ldg(sw + kb);
     clk.before_stage_wait();
     dev::mbar_wait(bar_at(sh.full, s), ph);
     clk.after_stage_wait(log, it, kb);
-    const float* sx = sh.a_sc + s * kMaxRows;
+    const float* sx = sh.a_sc + (s + Cfg::kStages * int(ph)) * kMaxRows;
     const float xa = sx[r_lo], xb = sx[r_lo + 8];
     float sa = 0.f, sb = 0.f;
     if (active) {
-      sa = xa * w_s;
-      sb = xb * w_s;
+      sa = xa;
+      sb = xb;
       const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
       fresh_k_block<N>(part, dev::wgmma_desc_k_sw128(st + a_off), dev::wgmma_desc_k_sw128(st));
     }
@@ -717,7 +723,12 @@ __global__ void __launch_bounds__(kThreads, 1)
             // barrier: the same speed here, H200 A/B; in FC1 such copies were
             // what the block-scaled tile waited on.)
             float sc[Cfg::kXBlock ? kMaxRows / 32 : 1];
+            // Dense block scales: stored times the tile's W2 block scale (the
+            // product taken at the store, after the stage's TMA is issued), so
+            // the consumers' promotion is one FFMA an element.
+            float w_s = 1.f;
             if (Cfg::kXBlock) {
+              if (Cfg::kBlock) w_s = __ldg(p.w_scales + (int64_t(t.e) * p.h_blocks + t.hs) * p.i_blocks + kb);
 #pragma unroll
               for (int i = 0; i < kMaxRows / 32; ++i) {
                 const int r = lane + 32 * i;
@@ -741,11 +752,11 @@ __global__ void __launch_bounds__(kThreads, 1)
               plog.after_issue(kb, p.k_blocks);
             }
             if constexpr (Cfg::kXBlock) {
-              float* dst = sh.a_sc + s * kMaxRows;
+              float* dst = sh.a_sc + (s + (Cfg::kBlock ? kStages * int(ph) : 0)) * kMaxRows;
 #pragma unroll
               for (int i = 0; i < kMaxRows / 32; ++i) {
                 const int r = lane + 32 * i;
-                if (r < t.n) dst[r] = sc[i];
+                if (r < t.n) dst[r] = Cfg::kBlock ? sc[i] * w_s : sc[i];
               }
               dev::mbar_arrive(full);  // release: the stores above are seen by the stage's waiters
             }
