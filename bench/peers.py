@@ -455,15 +455,20 @@ def bench_fc2(run, name, T, k, E, I, H):
 # MoE FC1 with the gather and SwiGLU fused (spec §9)
 # ===========================================================================
 
-def bench_fc1(run, name, T, k, E, I, H):
-    """flashmix's FC1 (gathering X itself, and from a permuted copy) against what an engine runs
-    instead: gather X into a permuted copy, a grouped GEMM to [P, 2I], then silu(gate) * up."""
-    case = "%s_T%d_k%d_E%d_I%d_H%d" % (name, T, k, E, I, H)
-    op = "moe_fc1"
-    P = T * k
+def fc1_inputs(name, T, k, E, I, H):
+    """An FC1 case's name, slots P and inputs: uniform routing over E experts (every slot local),
+    bf16 x [T, H] and W1 [E, 2I, H]."""
     experts = torch.rand(T, E, device=DEV).topk(k, dim=1).indices.int()
     x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
     W1 = torch.randn(E, 2 * I, H, device=DEV, dtype=torch.bfloat16) * (1.0 / H ** 0.5)
+    return "%s_T%d_k%d_E%d_I%d_H%d" % (name, T, k, E, I, H), T * k, experts, x, W1
+
+
+def bench_fc1(run, name, T, k, E, I, H):
+    """flashmix's FC1 (gathering X itself, and from a permuted copy) against what an engine runs
+    instead: gather X into a permuted copy, a grouped GEMM to [P, 2I], then silu(gate) * up."""
+    case, P, experts, x, W1 = fc1_inputs(name, T, k, E, I, H)
+    op = "moe_fc1"
     maps = flashmix.build_moe_routing_maps(experts, num_experts_per_node=E, input=x)
     offs, p2u, xp = maps.expert_first_token_offset, maps.permuted_row_to_unpermuted_row, maps.permuted_input
     torch.cuda.synchronize()
@@ -593,15 +598,48 @@ def fp8_dense_ratios(run, op, case, dense, dense_us):
 TOL_OTHER_SCALING = 0.1
 
 
+class Fp8Gemm:
+    """One FP8 case's GEMM-alone pieces, built on first use: the reference rows (a per-expert GEMM
+    of the dequantised operands) and DeepGEMM's padded contiguous layout with its GEMM."""
+
+    def __init__(self, Aq, As, Wq, Ws, offs, P):
+        self.args = (Aq, As, Wq, Ws, offs, P)
+        self.rows = None
+        self.layout = {}
+
+    def ref_rows(self):
+        if self.rows is None:
+            Aq, As, Wq, Ws, offs, _ = self.args
+            self.rows = expert_rows_fp8_torch(Aq, As, Wq, Ws, offs)
+        return self.rows
+
+    def deep_gemm(self):
+        """DeepGEMM's GEMM as a callable (Missing where the peer is absent)."""
+        if not self.layout:
+            Aq, As, Wq, Ws, offs, P = self.args
+            self.layout.update(adapters.deep_gemm_fp8_layout(Aq, As, offs, P))
+            self.layout["gemm"], self.layout["d"] = adapters.deep_gemm_m_grouped_fp8(self.layout, Wq, Ws)
+        return self.layout["gemm"]
+
+    def deep_gemm_rows_err(self):
+        return rel_err(self.layout["d"][self.layout["dest"]], self.ref_rows())
+
+    def facts(self, r):
+        """Adds DeepGEMM's padding to its record r."""
+        if self.layout:
+            r.update(padded_rows=self.layout["padded_rows"], alignment=self.layout["alignment"],
+                     padded_fraction=round(self.layout["padded_fraction"], 4))
+
+    def release(self):
+        self.rows = None
+        self.layout.clear()
+
+
 def bench_fc1_fp8(run, name, T, k, E, I, H):
     """flashmix's block-FP8 FC1 (gather and SwiGLU fused) against DeepGEMM's FP8 m-grouped GEMM
     (+ the activation in torch) and torch._scaled_grouped_mm, all on a permuted copy given."""
-    case = "%s_T%d_k%d_E%d_I%d_H%d" % (name, T, k, E, I, H)
+    case, P, experts, x, W1 = fc1_inputs(name, T, k, E, I, H)
     op = "moe_fc1_fp8"
-    P = T * k
-    experts = torch.rand(T, E, device=DEV).topk(k, dim=1).indices.int()
-    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
-    W1 = torch.randn(E, 2 * I, H, device=DEV, dtype=torch.bfloat16) * (1.0 / H ** 0.5)
     W1q, W1s = flashmix.quantize_fp8(W1, block="128x128")
     xq, xs = flashmix.quantize_fp8(x, block="1x128")
     maps = flashmix.build_moe_routing_maps(experts, num_experts_per_node=E, input=x)
@@ -625,43 +663,24 @@ def bench_fc1_fp8(run, name, T, k, E, I, H):
     torch.cuda.synchronize()
     run.reference(op, case, "flashmix (permuted copy given)", fmp, repeats=10, err=rel_err(out_p, ref),
                   tol=TOL_SAME, **time)
-    rows = {}
-
-    def ref_rows():
-        if not rows:
-            rows["y"] = expert_rows_fp8_torch(xpq, xps, W1q, W1s, offs)
-        return rows["y"]
-    layout = {}
-
-    def make_deep_gemm():
-        if not layout:
-            layout.update(adapters.deep_gemm_fp8_layout(xpq, xps, offs, P))
-            layout["gemm"], layout["d"] = adapters.deep_gemm_m_grouped_fp8(layout, W1q, W1s)
-        return layout["gemm"]
-
-    def layout_facts(r):
-        if layout:
-            r.update(padded_rows=layout["padded_rows"], alignment=layout["alignment"],
-                     padded_fraction=round(layout["padded_fraction"], 4))
-    layout_facts(run.peer(op, case, "DeepGEMM m_grouped_fp8 only (permuted copy)", make_deep_gemm,
-                          check=lambda: rel_err(layout["d"][layout["dest"]], ref_rows()), tol=TOL_BF16_STEP,
-                          note="GEMM alone on a contiguous (padded) layout built outside the timing, no "
-                          "activation; checked against a per-expert GEMM of the dequantised operands", **time))
+    g = Fp8Gemm(xpq, xps, W1q, W1s, offs, P)
+    g.facts(run.peer(op, case, "DeepGEMM m_grouped_fp8 only (permuted copy)", g.deep_gemm,
+                     check=g.deep_gemm_rows_err, tol=TOL_BF16_STEP,
+                     note="GEMM alone on a contiguous (padded) layout built outside the timing, no "
+                     "activation; checked against a per-expert GEMM of the dequantised operands", **time))
     act = {}
 
     def make_deep_gemm_act():
-        gemm = make_deep_gemm()
-        d = layout["d"]
+        gemm, d = g.deep_gemm(), g.layout["d"]
 
         def f():
             gemm()
             act["y"] = torch.nn.functional.silu(d[:, :I]) * d[:, I:]
             return act["y"]
         return f
-    layout_facts(run.peer(op, case, "DeepGEMM m_grouped_fp8 + silu*up (permuted copy)", make_deep_gemm_act,
-                          check=lambda: rel_err(act["y"][layout["dest"]], ref), tol=TOL_BF16_STEP,
-                          note="gate and up rounded to bf16 before the activation", **time))
-    layout.clear()
+    g.facts(run.peer(op, case, "DeepGEMM m_grouped_fp8 + silu*up (permuted copy)", make_deep_gemm_act,
+                     check=lambda: rel_err(act["y"][g.layout["dest"]], ref), tol=TOL_BF16_STEP,
+                     note="gate and up rounded to bf16 before the activation", **time))
     offs32 = offs[1:].int()
     sg = {}
 
@@ -669,9 +688,9 @@ def bench_fc1_fp8(run, name, T, k, E, I, H):
         sg["f"] = scaled_grouped_mm_peer(xp[:P], W1, offs32)
         return sg["f"]
     run.peer(op, case, "torch._scaled_grouped_mm only (row-wise FP8, permuted copy)", make_scaled_grouped,
-             check=lambda: rel_err(sg["f"](), ref_rows()), tol=TOL_OTHER_SCALING,
+             check=lambda: rel_err(sg["f"](), g.ref_rows()), tol=TOL_OTHER_SCALING,
              note="GEMM alone, its own row-wise quantisation of the same bf16 data, no activation", **time)
-    rows.clear()
+    g.release()
     fp8_dense_ratios(run, op, case, dense, dense_us)
 
 
@@ -708,37 +727,18 @@ def bench_fc2_fp8(run, name, T, k, E, I, H):
     for mode in ("atomic", "deterministic"):  # atomic first: the ratios' reference
         err = None if mode == "deterministic" else rel_err(outs[mode], ref)
         run.reference(op, case, "flashmix " + mode, fns[mode], repeats=10, err=err, tol=TOL_BF16_STEP, **time)
-    rows = {}
-
-    def ref_rows():
-        if not rows:
-            rows["y"] = expert_rows_fp8_torch(Aq, As, W2q, W2s, offs)
-        return rows["y"]
-    layout = {}
-
-    def make_deep_gemm():
-        if not layout:
-            layout.update(adapters.deep_gemm_fp8_layout(Aq, As, offs, P))
-            layout["gemm"], layout["d"] = adapters.deep_gemm_m_grouped_fp8(layout, W2q, W2s)
-        return layout["gemm"]
-
-    def layout_facts(r):
-        if layout:
-            r.update(padded_rows=layout["padded_rows"], alignment=layout["alignment"],
-                     padded_fraction=round(layout["padded_fraction"], 4))
-    layout_facts(run.peer(op, case, "DeepGEMM m_grouped_fp8 only", make_deep_gemm,
-                          check=lambda: rel_err(layout["d"][layout["dest"]], ref_rows()), tol=TOL_BF16_STEP,
-                          note="GEMM alone (contiguous layout: experts padded to the block), no finalize; "
-                          "checked against a per-expert GEMM of the dequantised operands", **time))
+    g = Fp8Gemm(Aq, As, W2q, W2s, offs, P)
+    g.facts(run.peer(op, case, "DeepGEMM m_grouped_fp8 only", g.deep_gemm, check=g.deep_gemm_rows_err,
+                     tol=TOL_BF16_STEP, note="GEMM alone (contiguous layout: experts padded to the block), no "
+                     "finalize; checked against a per-expert GEMM of the dequantised operands", **time))
     out_ds = torch.empty(T, H, device=DEV, dtype=torch.bfloat16)
 
     def make_deep_gemm_sgl():
-        gemm = make_deep_gemm()
-        fin = adapters.sgl_apply_shuffle_mul_sum(layout["d"], layout["dest"][u2p.long()].int(), scales, out_ds)
+        gemm = g.deep_gemm()
+        fin = adapters.sgl_apply_shuffle_mul_sum(g.layout["d"], g.layout["dest"][u2p.long()].int(), scales, out_ds)
         return lambda: (gemm(), fin())
-    layout_facts(run.peer(op, case, "DeepGEMM m_grouped_fp8 + sgl finalize", make_deep_gemm_sgl,
-                          check=lambda: rel_err(out_ds, ref), tol=TOL_BF16_STEP, **time))
-    layout.clear()
+    g.facts(run.peer(op, case, "DeepGEMM m_grouped_fp8 + sgl finalize", make_deep_gemm_sgl,
+                     check=lambda: rel_err(out_ds, ref), tol=TOL_BF16_STEP, **time))
     offs32 = offs[1:].int()
     sg = {}
 
@@ -746,7 +746,7 @@ def bench_fc2_fp8(run, name, T, k, E, I, H):
         sg["f"] = scaled_grouped_mm_peer(A, W2, offs32)
         return sg["f"]
     run.peer(op, case, "torch._scaled_grouped_mm only (row-wise FP8)", make_scaled_grouped,
-             check=lambda: rel_err(sg["f"](), ref_rows()), tol=TOL_OTHER_SCALING,
+             check=lambda: rel_err(sg["f"](), g.ref_rows()), tol=TOL_OTHER_SCALING,
              note="GEMM alone, its own row-wise quantisation of the same bf16 data, no finalize", **time)
     out_gs = torch.empty(T, H, device=DEV, dtype=torch.bfloat16)
 
@@ -756,7 +756,7 @@ def bench_fc2_fp8(run, name, T, k, E, I, H):
         return lambda: finalize(gm())
     run.peer(op, case, "torch._scaled_grouped_mm + sgl finalize", make_scaled_grouped_sgl,
              check=lambda: rel_err(out_gs, ref), tol=TOL_OTHER_SCALING, **time)
-    rows.clear()
+    g.release()
     fp8_dense_ratios(run, op, case, dense, dense_us)
 
 
