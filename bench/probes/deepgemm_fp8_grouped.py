@@ -1,26 +1,30 @@
-"""DeepGEMM's block-scaled FP8 m-grouped GEMM alone on FC1's bench shapes.
+"""DeepGEMM's block-scaled FP8 m-grouped GEMM alone on FC1's and FC2's bench shapes.
 
 A probe, not a bench record: it times `deep_gemm.m_grouped_fp8_gemm_nt_contiguous`
 (1 x 128 activation scales, 128 x 128 weight scales, bf16 out, no activation)
 with every expert holding the same number of rows (its contiguous layout pads
 each expert to 128 rows; equal experts need no padding), and is the process
-to put under ncu to compare that kernel's stall profile with FC1's block-FP8
-tile (docs/moe_fc1.md). Needs torch and the DeepGEMM wheel of docs/peers.md
+to put under ncu to compare that kernel's stall profile with FC1's and FC2's
+block-FP8 tiles (docs/moe_fc1.md, docs/fc2_grouped_gemm.md). Needs torch and the DeepGEMM wheel of docs/peers.md
 on PYTHONPATH (bench/peers_setup.sh).
 
 Usage: python3 bench/probes/deepgemm_fp8_grouped.py [SHAPE ...]
-  SHAPE: qwen3 | deepseek_ep | mixtral (default: all three)
+  SHAPE: qwen3 | deepseek_ep | mixtral (FC1) | fc2_qwen3 | fc2_deepseek_ep | fc2_mixtral
+         (default: all six)
 """
 import sys
 
 import torch
 
-# name: (experts, rows an expert, N = 2I, K = H), FC1 of flashmix-bench's cases
-# with T k / E rows an expert.
+# name: (experts, rows an expert, N, K): FC1 (N = 2I, K = H) and FC2 (N = H,
+# K = I) of flashmix-bench's cases with T k / E rows an expert.
 SHAPES = {
     "qwen3": (128, 256, 2 * 768, 2048),
     "deepseek_ep": (32, 256, 2 * 2048, 7168),
     "mixtral": (8, 1024, 2 * 14336, 4096),
+    "fc2_qwen3": (128, 256, 2048, 768),
+    "fc2_deepseek_ep": (32, 256, 7168, 2048),
+    "fc2_mixtral": (8, 1024, 4096, 14336),
 }
 
 
