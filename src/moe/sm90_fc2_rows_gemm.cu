@@ -374,14 +374,7 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
       const float* sx = sh.a_sc + (s + Cfg::kStages * int(ph)) * kMaxRows;
       fresh_k_block<N>(part, da, db);
       dev::release_stage<Cfg::kXBlock>(bar_at(sh.empty, s));
-#pragma unroll
-      for (int j = 0; j < N / 8; ++j) {
-        const float2 x = *reinterpret_cast<const float2*>(sx + 8 * j + c2);
-        acc[4 * j + 0] = fmaf(part[4 * j + 0], x.x, acc[4 * j + 0]);
-        acc[4 * j + 1] = fmaf(part[4 * j + 1], x.y, acc[4 * j + 1]);
-        acc[4 * j + 2] = fmaf(part[4 * j + 2], x.x, acc[4 * j + 2]);
-        acc[4 * j + 3] = fmaf(part[4 * j + 3], x.y, acc[4 * j + 3]);
-      }
+      promote_k_block<N>(acc, part, 1.f, 1.f, sx, c2);  // the W2 scale is in sx already
       if (++s == Cfg::kStages) {
         s = 0;
         ph ^= 1;
@@ -566,11 +559,8 @@ __device__ __forceinline__ void consume_tile_block(const RowsGemmParams& p, cons
     dev::mbar_wait(bar_at(sh.full, s), ph);
     clk.after_stage_wait(log, it, kb);
     const float* sx = sh.a_sc + (s + Cfg::kStages * int(ph)) * kMaxRows;
-    const float xa = sx[r_lo], xb = sx[r_lo + 8];
-    float sa = 0.f, sb = 0.f;
+    const float sa = sx[r_lo], sb = sx[r_lo + 8];
     if (active) {
-      sa = xa;
-      sb = xb;
       const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
       fresh_k_block<N>(part, dev::wgmma_desc_k_sw128(st + a_off), dev::wgmma_desc_k_sw128(st));
     }
