@@ -800,27 +800,25 @@ def test_deepseek_v4_stack_example_gpu_matches_the_cpu_reference():
     ref = flashmix.mhc_pre(x.cpu(), *cpu.hc[0], norm_weight=cpu.norm[0])
     errs += [("pre " + n_, _rel(a, b), 2 ** -6) for n_, a, b in zip(("f", "h_post", "h_res"), pre, ref)]
     f, h_post, h_res = pre
+
+    def post_pre(x, out, h_post, h_res, i, where):
+        """Boundary i (mhc_post_pre with its norm) on the GPU; its outputs against the CPU's go into errs."""
+        o = flashmix.mhc_post_pre(x, out, h_post, h_res, *gpu.hc[i], norm_weight=gpu.norm[i])
+        r = flashmix.mhc_post_pre(x.cpu(), out.cpu(), h_post.cpu(), h_res.cpu(), *cpu.hc[i], norm_weight=cpu.norm[i])
+        errs.extend((f"{where} post_pre {n_}", _rel(p, q), 2 ** -6)
+                    for n_, p, q in zip(("x", "f", "h_post", "h_res"), o, r))
+        return o
+
     layers = len(gpu.moe)
     for layer in range(layers):
-        a = f @ gpu.attn[layer]
-        o = flashmix.mhc_post_pre(x, a, h_post, h_res, *gpu.hc[2 * layer + 1], norm_weight=gpu.norm[2 * layer + 1])
-        r = flashmix.mhc_post_pre(x.cpu(), a.cpu(), h_post.cpu(), h_res.cpu(), *cpu.hc[2 * layer + 1],
-                                  norm_weight=cpu.norm[2 * layer + 1])
-        errs += [(f"L{layer} attn post_pre {n_}", _rel(p, q), 2 ** -6)
-                 for n_, p, q in zip(("x", "f", "h_post", "h_res"), o, r)]
-        x, f, h_post, h_res = o
+        x, f, h_post, h_res = post_pre(x, f @ gpu.attn[layer], h_post, h_res, 2 * layer + 1, f"L{layer} attn")
         hashed = gpu.moe[layer].hash_table is not None
         shared = f @ gpu.shared[layer]
         m = gpu.moe[layer](f, shared_output=shared, token_ids=ids.to(DEV) if hashed else None)
         mc = cpu.moe[layer](f.cpu(), shared_output=shared.cpu(), token_ids=ids if hashed else None)
         errs.append((f"L{layer} moe ({'hash' if hashed else 'learned'})", _rel(m, mc), 2 ** -5))
         if layer + 1 < layers:
-            o = flashmix.mhc_post_pre(x, m, h_post, h_res, *gpu.hc[2 * layer + 2], norm_weight=gpu.norm[2 * layer + 2])
-            r = flashmix.mhc_post_pre(x.cpu(), m.cpu(), h_post.cpu(), h_res.cpu(), *cpu.hc[2 * layer + 2],
-                                      norm_weight=cpu.norm[2 * layer + 2])
-            errs += [(f"L{layer} ffn post_pre {n_}", _rel(p, q), 2 ** -6)
-                     for n_, p, q in zip(("x", "f", "h_post", "h_res"), o, r)]
-            x, f, h_post, h_res = o
+            x, f, h_post, h_res = post_pre(x, m, h_post, h_res, 2 * layer + 2, f"L{layer} ffn")
         else:
             head = flashmix.mhc_post_head(x, m, h_post, h_res, *gpu.hc_head)
             errs.append(("post_head", _rel(head, flashmix.mhc_post_head(x.cpu(), m.cpu(), h_post.cpu(), h_res.cpu(),
