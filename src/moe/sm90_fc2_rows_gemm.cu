@@ -21,7 +21,8 @@
 // issues the TMA loads into a 4-stage ring (W2 128 x 64 in one 3-D box, the
 // rows in boxes of 128/64/32/16); warp 9 decodes the tiles and fills their
 // tables (each row's destination row and weight, the slice's bias) up to two
-// tiles ahead; warps 0-7, two warpgroups, each run wgmma m64nNk16 on 64 of
+// tiles ahead; warp 10 stores each stage's A scales (FP8 block scales,
+// W4A8); warps 0-7, two warpgroups, each run wgmma m64nNk16 on 64 of
 // the 128 columns, then the epilogue: w * (acc + bias) through shared memory
 // (transposed so a thread holds 8 consecutive columns of one row) to 16-byte
 // reduction adds / stores. Warps 8-11 give registers to the consumers
@@ -82,9 +83,9 @@ constexpr int kEpiRowsBf16 = 64;
 constexpr int kEpiStrideBf16 = 72;
 constexpr int kEpiBytes = kEpiRows * kEpiStride * 4 > kEpiRowsBf16 * kEpiStrideBf16 * 2 ? kEpiRows * kEpiStride * 4
                                                                                       : kEpiRowsBf16 * kEpiStrideBf16 * 2;
-// Warps 0-7: two consumer warpgroups; 8: TMA producer; 9: row tables; 10-11
-// idle (a whole third warpgroup, so setmaxnreg can move its registers to the
-// consumers).
+// Warps 0-7: two consumer warpgroups; 8: TMA producer; 9: row tables; 10:
+// the A scales (block scales), else idle; 11 idle (a whole third warpgroup,
+// so setmaxnreg can move its registers to the consumers).
 constexpr int kThreads = 384;
 // setmaxnreg.inc takes registers from what the CTA holds (168 x 384 at
 // launch): (168 - 72) x 128 >= (216 - 168) x 256.
@@ -112,7 +113,7 @@ using namespace expert_tiles;
 // one W2 scale a K block, times each row's A scale) or per-tensor scales
 // (applied once at the end). The stages are the same bytes either way (128
 // bytes of K a row); with block scales each stage also holds its rows' A
-// scales of the K block, stored by the producer warp's 32 lanes (loaded
+// scales of the K block, stored by the scale warp's 32 lanes (loaded
 // before the wait for the stage, counted on its full barrier), and the K
 // block's MMAs go into a second accumulator `part` (64 registers a thread):
 // tiles of at most 128 rows. (Tiles of 256 promoted in two halves held
@@ -140,7 +141,7 @@ struct RowsCfg {
   static_assert(!kBlock || kMaxRows <= 128, "block-scaled tiles hold at most 128 rows (two accumulators)");
   static_assert(!kFp8 || kMaxRows <= kWgmmaMaxN, "FP8 tiles take one wgmma (no register-A FP8 path)");
   static_assert(!kMx || kMaxRows <= (kFp8 ? 128 : kWgmmaMaxN), "MXFP4 tiles: 128 rows (W4A8: two accumulators), 256");
-  static constexpr int kFullArrivals = kXBlock ? 1 + 32 : 1;  // the TMA lane (+ each producer lane's scale stores)
+  static constexpr int kFullArrivals = kXBlock ? 1 + 32 : 1;  // the TMA lane (+ the scale warp's 32 lanes)
   // The consumers' releases a stage: every thread where they read the staged A
   // scales (dev::release_stage), else one a warp (block scales with the token
   // rows as M too, though they read the staged scales: the FC1 tile that way
@@ -196,7 +197,7 @@ struct RowsGemmParams : Fc2EpilogueParamsDevice {
 
 struct Shared {
   uint32_t stages;  // shared address of stage 0
-  float* a_sc;  // FP8 block scales: stage 0's A scales (the producer warp stores them)
+  float* a_sc;  // FP8 block scales: stage 0's A scales (the scale warp stores them)
   float* epi;
   int* tab_row;
   float* tab_w;
@@ -523,12 +524,80 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
   dev::mbar_arrive(bar_at(sh.tab_empty, b));
 }
 
+// The K loop of the token-rows-as-M block tiles (consume_tile_block),
+// written for few instructions a K block (as FC1's rows_m_mainloop,
+// docs/moe_fc1.md): in this mode every tile starts at stage 0 of the ring
+// (the producer leaves the rest of a round unused at a tile's end), so the
+// loop is unrolled over the ring's stages and a K block's stage is a
+// constant: its barriers, scale slots and wgmma descriptors are stage 0's
+// plus constants (uniform registers, no per-block address arithmetic), and
+// the warpgroup (kWg) is one too. Bit j of `phases` is stage j's phase.
+// Each K block: wait for its stage, its four k32 MMAs into a fresh `part`,
+// the stage released, then acc += part x (A scale x W2 block scale) for the
+// thread's two rows (the producer stages the products, two rounds deep).
+template <class Cfg, int kWg>
+__device__ __forceinline__ void rows_m_block_loop(const RowsGemmParams& p, const Shared& sh, float (&acc)[kTileH / 2],
+                                                  uint32_t& phases, int r_lo, int it, const prof::ConsumerLog& log,
+                                                  prof::TileClock& clk) {
+  constexpr int N = kTileH, kStages = Cfg::kStages;
+  float part[N / 2];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) part[i] = 0.f;
+  const uint64_t da0 = dev::wgmma_desc_k_sw128(sh.stages + uint32_t(Cfg::kWStage + kWg * 64 * kTileBytes));
+  const uint64_t db0 = dev::wgmma_desc_k_sw128(sh.stages);
+  const float* sx0 = sh.a_sc + r_lo;
+#pragma unroll 1
+  for (int kb0 = 0; kb0 < p.k_blocks; kb0 += kStages) {
+#pragma unroll
+    for (int j = 0; j < kStages; ++j) {
+      if (kb0 + j < p.k_blocks) {
+        const uint32_t ph = (phases >> j) & 1u;
+        clk.before_stage_wait();
+        dev::mbar_wait(bar_at(sh.full, j), ph);
+        clk.after_stage_wait(log, it, kb0 + j);
+        const float* sx = sx0 + (j + kStages * int(ph)) * Cfg::kMaxRows;
+        const float sa = sx[0], sb = sx[8];
+        const uint64_t step = uint64_t(j) * (Cfg::kStageBytes / 16);  // a constant once unrolled
+        fresh_k_block<N>(part, da0 + step, db0 + step);
+        dev::release_stage_elect(bar_at(sh.empty, j));  // the stage is free: promote from registers
+#pragma unroll
+        for (int i = 0; i < N / 8; ++i) {
+          acc[4 * i + 0] = fmaf(part[4 * i + 0], sa, acc[4 * i + 0]);
+          acc[4 * i + 1] = fmaf(part[4 * i + 1], sa, acc[4 * i + 1]);
+          acc[4 * i + 2] = fmaf(part[4 * i + 2], sb, acc[4 * i + 2]);
+          acc[4 * i + 3] = fmaf(part[4 * i + 3], sb, acc[4 * i + 3]);
+        }
+        phases ^= 1u << j;
+      }
+    }
+  }
+}
+
+// Warpgroup 1 on a chunk of at most 64 rows: each of the tile's stages
+// waited for and released, in the same unrolled order.
+template <class Cfg>
+__device__ __forceinline__ void rows_m_block_idle(const RowsGemmParams& p, const Shared& sh, uint32_t& phases) {
+  constexpr int kStages = Cfg::kStages;
+#pragma unroll 1
+  for (int kb0 = 0; kb0 < p.k_blocks; kb0 += kStages) {
+#pragma unroll
+    for (int j = 0; j < kStages; ++j) {
+      if (kb0 + j < p.k_blocks) {
+        dev::mbar_wait(bar_at(sh.full, j), (phases >> j) & 1u);
+        dev::release_stage_elect(bar_at(sh.empty, j));
+        phases ^= 1u << j;
+      }
+    }
+  }
+}
+
 // FP8 block scales, with the token rows as wgmma's M (as FC1's block mode,
 // docs/moe_fc1.md): warpgroup wg takes the tile's rows 64 wg .. 64 wg + 63
 // (A: the stage's row operand) against all 128 H rows of the W2 tile (B,
 // N = 128). A thread's accumulator rows are two tokens, one A scale each,
 // and the tile's 128 H columns are one W2 scale block, so each K block's
-// partial sum is promoted by one FFMA an element with two scale products.
+// partial sum is promoted by one FFMA an element with two scale products
+// (the K loop: rows_m_block_loop; `phases` is the ring's state in this mode).
 // The epilogue: the warpgroup that owns a pass's rows stages them across
 // both warpgroups' buffers (each buffer one warpgroup's 64 H columns, the
 // transposed tile's layout), then each warpgroup drains its own columns as
@@ -536,8 +605,7 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
 constexpr int kRowsMBar = 3;
 template <class Cfg, bool kBf16Out>
 __device__ __forceinline__ void consume_tile_block(const RowsGemmParams& p, const Shared& sh, const TileInfo& t,
-                                                   int wg, int& s, uint32_t& ph, int it,
-                                                   const prof::ConsumerLog& log) {
+                                                   int wg, uint32_t& phases, int it, const prof::ConsumerLog& log) {
   constexpr int kMaxRows = Cfg::kMaxRows;
   constexpr int N = kTileH;
   static_assert(kMaxRows == 128, "two warpgroups of 64 rows");
@@ -545,40 +613,16 @@ __device__ __forceinline__ void consume_tile_block(const RowsGemmParams& p, cons
   const int rl = 16 * q + (lane >> 2);  // this thread's rows within its warpgroup's 64: rl, rl + 8
   const int r_lo = 64 * wg + rl;
   const bool active = 64 * wg < t.n;  // warpgroup 1 idles in the mainloop on chunks of at most 64 rows
-  float acc[N / 2], part[N / 2];
+  float acc[N / 2];
 #pragma unroll
-  for (int i = 0; i < N / 2; ++i) acc[i] = part[i] = 0.f;
-  // This thread's two rows' A scales (times the W2 block scale) come with
-  // each stage (the producer warp stores them, as on the transposed path;
-  // rows past the chunk's: 0, or stale past its N, never stored), read after
-  // the stage's barrier.
-  const uint32_t a_off = uint32_t(Cfg::kWStage + wg * 64 * kTileBytes);
+  for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
   prof::TileClock clk;
-  for (int kb = 0; kb < p.k_blocks; ++kb) {
-    clk.before_stage_wait();
-    dev::mbar_wait(bar_at(sh.full, s), ph);
-    clk.after_stage_wait(log, it, kb);
-    const float* sx = sh.a_sc + (s + Cfg::kStages * int(ph)) * kMaxRows;
-    const float sa = sx[r_lo], sb = sx[r_lo + 8];
-    if (active) {
-      const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
-      fresh_k_block<N>(part, dev::wgmma_desc_k_sw128(st + a_off), dev::wgmma_desc_k_sw128(st));
-    }
-    dev::release_stage<false>(bar_at(sh.empty, s));  // the stage is free: promote from registers
-    if (active) {
-#pragma unroll
-      for (int j = 0; j < N / 8; ++j) {
-        acc[4 * j + 0] = fmaf(part[4 * j + 0], sa, acc[4 * j + 0]);
-        acc[4 * j + 1] = fmaf(part[4 * j + 1], sa, acc[4 * j + 1]);
-        acc[4 * j + 2] = fmaf(part[4 * j + 2], sb, acc[4 * j + 2]);
-        acc[4 * j + 3] = fmaf(part[4 * j + 3], sb, acc[4 * j + 3]);
-      }
-    }
-    if (++s == Cfg::kStages) {
-      s = 0;
-      ph ^= 1;
-    }
-  }
+  if (wg == 0)
+    rows_m_block_loop<Cfg, 0>(p, sh, acc, phases, r_lo, it, log, clk);
+  else if (active)
+    rows_m_block_loop<Cfg, 1>(p, sh, acc, phases, r_lo, it, log, clk);
+  else
+    rows_m_block_idle<Cfg>(p, sh, phases);
   clk.mainloop_done(log, it);
 
   // Epilogue. acc[4j + 0 / 1]: row rl, H columns 8j + c2 / + 1 of the tile;
@@ -692,70 +736,79 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warp >= 8) {
     dev::setmaxnreg_dec<kProducerRegs>();
     const int total = tile_start[E];  // read after setmaxnreg: a value live across it is spilled
+    // The ring: stage s, bit j of `phases` stage j's phase (the TMA warp and
+    // the scale warp walk it alike). Token rows as M with block scales start
+    // every tile at stage 0 (rows_m_block_loop).
     if (warp == 8) {
-      // TMA producer: lane 0 (with FP8 block scales the whole warp: each
-      // lane also copies rows lane + 32 i's A scales of the K block).
-      if (Cfg::kXBlock || lane == 0) {
-        if (lane == 0) {
-          dev::prefetch_tensor_map(&map_w);
-          dev::prefetch_tensor_map(&map_a128);
-        }
+      // TMA producer: lane 0.
+      if (lane == 0) {
+        dev::prefetch_tensor_map(&map_w);
+        dev::prefetch_tensor_map(&map_a128);
         int s = 0;
-        uint32_t ph = 0;
+        uint32_t phases = 0;
         prof::ProducerLog plog;
         for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
           const TileInfo t = decode_tile<kMaxRows>(tile, tile_start, row_off, order, E);
+          if (rows_m) s = 0;
           for (int kb = 0; kb < p.k_blocks; ++kb) {
-            // Block scales: rows lane + 32 i's A scales of the K block, loaded
-            // before the wait for the stage (their latency hidden behind it),
-            // stored after it; rows past the chunk's (up to its N) get 0.
-            // (Until 2026-11-27 by 4-byte cp.asyncs counted on the stage's
-            // barrier: the same speed here, H200 A/B; in FC1 such copies were
-            // what the block-scaled tile waited on.)
-            float sc[Cfg::kXBlock ? kMaxRows / 32 : 1];
-            // Dense block scales: stored times the tile's W2 block scale (the
-            // product taken at the store, after the stage's TMA is issued), so
-            // the consumers' promotion is one FFMA an element.
-            float w_s = 1.f;
-            if (Cfg::kXBlock) {
-              if (Cfg::kBlock) w_s = __ldg(p.w_scales + (int64_t(t.e) * p.h_blocks + t.hs) * p.i_blocks + kb);
-#pragma unroll
-              for (int i = 0; i < kMaxRows / 32; ++i) {
-                const int r = lane + 32 * i;
-                sc[i] = r < t.rows ? __ldg(p.a_scales + int64_t(t.p0 + r) * p.i_blocks + kb) : 0.f;
-              }
-            }
-            if (lane == 0) plog.before_stage_wait(kb);
-            dev::mbar_wait(bar_at(sh.empty, s), ph ^ 1);
+            plog.before_stage_wait(kb);
+            dev::mbar_wait(bar_at(sh.empty, s), ((phases >> s) & 1u) ^ 1u);
             const uint32_t full = bar_at(sh.full, s);
-            if (lane == 0) {
-              dev::mbar_arrive_expect_tx(full, Cfg::kWStage + uint32_t(t.n) * kTileBytes);
-              const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
-              dev::tma_load_3d(st, &map_w, full, kb * Cfg::kWCoordK, t.hs * kTileH, t.e);
-              const uint32_t rows_dst = st + Cfg::kWStage;
-              const CUtensorMap* row_maps[4] = {&map_a128, &map_a64, &map_a32, &map_a16};  // boxes of 128 >> i rows
-              int r = 0;
+            dev::mbar_arrive_expect_tx(full, Cfg::kWStage + uint32_t(t.n) * kTileBytes);
+            const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
+            dev::tma_load_3d(st, &map_w, full, kb * Cfg::kWCoordK, t.hs * kTileH, t.e);
+            const uint32_t rows_dst = st + Cfg::kWStage;
+            const CUtensorMap* row_maps[4] = {&map_a128, &map_a64, &map_a32, &map_a16};  // boxes of 128 >> i rows
+            int r = 0;
 #pragma unroll
-              for (int i = 0; i < 4; ++i)
-                for (; r + (128 >> i) <= t.n; r += 128 >> i)
-                  dev::tma_load_2d(rows_dst + r * kTileBytes, row_maps[i], full, kb * Cfg::kTileK, t.p0 + r);
-              plog.after_issue(kb, p.k_blocks);
-            }
-            if constexpr (Cfg::kXBlock) {
-              float* dst = sh.a_sc + (s + (Cfg::kBlock ? kStages * int(ph) : 0)) * kMaxRows;
-#pragma unroll
-              for (int i = 0; i < kMaxRows / 32; ++i) {
-                const int r = lane + 32 * i;
-                if (r < t.n) dst[r] = Cfg::kBlock ? sc[i] * w_s : sc[i];
-              }
-              dev::mbar_arrive(full);  // release: the stores above are seen by the stage's waiters
-            }
-            if (++s == kStages) {
-              s = 0;
-              ph ^= 1;
-            }
+            for (int i = 0; i < 4; ++i)
+              for (; r + (128 >> i) <= t.n; r += 128 >> i)
+                dev::tma_load_2d(rows_dst + r * kTileBytes, row_maps[i], full, kb * Cfg::kTileK, t.p0 + r);
+            plog.after_issue(kb, p.k_blocks);
+            phases ^= 1u << s;
+            if (++s == kStages) s = 0;
           }
-          if (lane == 0) plog.next_tile();
+          plog.next_tile();
+        }
+      }
+    } else if (Cfg::kXBlock && warp == 10) {
+      // The A scales of each stage's rows (block scales, W4A8), a warp of its
+      // own beside the TMA lane: lane l stores rows l + 32 i's scales of the
+      // K block (dense block scales: times the tile's W2 block scale, so the
+      // consumers' promotion is one FFMA an element) and arrives on the
+      // stage's full barrier (33 arrivals: these 32 and the TMA lane's). The
+      // loads are issued before the wait for the stage, their latency behind
+      // it. Every row of the slot is stored, 0 past the chunk's (the
+      // token-rows-as-M tile reads 64 rows a warpgroup, past a short chunk's
+      // N). (Until 2026-11-28 the TMA warp's 32 lanes did this between its
+      // issues: ~150 instructions a K block on one warp, which ncu showed
+      // busy ~80 % of the kernel while the consumers waited on their full
+      // barriers; until 2026-11-27 by 4-byte cp.asyncs.)
+      int s = 0;
+      uint32_t phases = 0;
+      for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+        const TileInfo t = decode_tile<kMaxRows>(tile, tile_start, row_off, order, E);
+        if (rows_m) s = 0;
+        const float* w_row = Cfg::kBlock ? p.w_scales + (int64_t(t.e) * p.h_blocks + t.hs) * p.i_blocks : nullptr;
+        const float* a_row[kMaxRows / 32];
+#pragma unroll
+        for (int i = 0; i < kMaxRows / 32; ++i) {
+          const int r = lane + 32 * i;
+          a_row[i] = r < t.rows ? p.a_scales + int64_t(t.p0 + r) * p.i_blocks : nullptr;
+        }
+        for (int kb = 0; kb < p.k_blocks; ++kb) {
+          float sc[kMaxRows / 32];
+          const float w_s = Cfg::kBlock ? __ldg(w_row + kb) : 1.f;
+#pragma unroll
+          for (int i = 0; i < kMaxRows / 32; ++i) sc[i] = a_row[i] != nullptr ? __ldg(a_row[i] + kb) : 0.f;
+          const uint32_t ph = (phases >> s) & 1u;
+          dev::mbar_wait(bar_at(sh.empty, s), ph ^ 1u);
+          float* dst = sh.a_sc + (s + (Cfg::kBlock ? kStages * int(ph) : 0)) * kMaxRows;
+#pragma unroll
+          for (int i = 0; i < kMaxRows / 32; ++i) dst[lane + 32 * i] = Cfg::kBlock ? sc[i] * w_s : sc[i];
+          dev::mbar_arrive(bar_at(sh.full, s));  // release: the stores above are seen by the stage's waiters
+          phases ^= 1u << s;
+          if (++s == kStages) s = 0;
         }
       }
     } else if (warp == 9) {
@@ -836,9 +889,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (Cfg::kBlock) {
         if (p.block_rows_m) {
           if (bf16_out)
-            consume_tile_block<Cfg, true>(p, sh, t, wg, s, ph, it, log);
+            consume_tile_block<Cfg, true>(p, sh, t, wg, ph, it, log);
           else
-            consume_tile_block<Cfg, false>(p, sh, t, wg, s, ph, it, log);
+            consume_tile_block<Cfg, false>(p, sh, t, wg, ph, it, log);
           done = true;
         }
       }

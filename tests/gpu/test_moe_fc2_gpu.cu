@@ -66,7 +66,9 @@ struct Case {
   // MXFP4 W2 (spec §13.7): W4A8 with fp8 = kBlock, W4A16 with kNone.
   bool mx = false;
   Mxfp4Options mxo;
-  enum Routing { kRandom, kFirstHalfOnly, kAllToOne } routing = kRandom;
+  // kSmallSecond: every slot on the first local expert but slot 0 of the
+  // first 40 tokens, which go to the second (k = 1: one expert a token).
+  enum Routing { kRandom, kFirstHalfOnly, kAllToOne, kSmallSecond } routing = kRandom;
 };
 
 struct Problem {
@@ -93,6 +95,8 @@ struct Problem {
         for (int j = 0; j < c.k; ++j) {
           if (c.routing == Case::kAllToOne)  // slot 0 of every token on expert 3; the rest elsewhere
             ex[t * c.k + j] = j == 0 ? c.start + 3 : c.start + 4 + j;
+          else if (c.routing == Case::kSmallSecond)
+            ex[t * c.k + j] = c.start + (t < 40 && j == 0 ? 1 : 0);
           else  // only the first half of the local experts get rows
             ex[t * c.k + j] = c.start + int((t * c.k + j) % std::max(1, c.local / 2));
         }
@@ -786,6 +790,20 @@ TEST(MoeFc2Gpu, Fp8ShapesAndRoutings) {
     big_ep.start = 1;
     big_ep.local = 2;
     cases.push_back({"EP rank, 550 rows an expert", big_ep});
+    // Token rows as M with more K blocks than the ring has stages, and not a
+    // multiple of them (every tile starts at stage 0: the rest of the last
+    // round is skipped), on large experts and beside an expert of 40 rows
+    // (one chunk of 48: the second warpgroup only waits and releases).
+    Case big6 = big;
+    big6.I = 768;
+    cases.push_back({"700 rows an expert, 6 K blocks", big6});
+    Case skew = c;
+    skew.T = 1100;
+    skew.k = 1;
+    skew.total = skew.local = 2;
+    skew.I = 640;
+    skew.routing = Case::kSmallSecond;
+    cases.push_back({"1060 and 40 rows, 5 K blocks", skew});
     for (const auto& [name, cs] : cases) {
       SCOPED_TRACE(std::string(to_string(f)) + ": " + name);
       check_all_modes(cs);
