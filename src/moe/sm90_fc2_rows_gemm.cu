@@ -208,6 +208,19 @@ struct Shared {
 
 __device__ __forceinline__ uint32_t bar_at(uint32_t first, int i) { return first + 8 * i; }
 
+// A producer's walk of the stage ring (the TMA lane's and the scale warp's,
+// alike): stage s, bit j of `phases` stage j's phase. Token rows as M with
+// block scales start every tile at stage 0 (rows_m_walk).
+struct ProducerRing {
+  int s = 0;
+  uint32_t phases = 0;
+  __device__ __forceinline__ uint32_t phase() const { return (phases >> s) & 1u; }
+  __device__ __forceinline__ void next(int stages) {
+    phases ^= 1u << s;
+    if (++s == stages) s = 0;
+  }
+};
+
 struct F32Group {
   float4 lo, hi;
 };
@@ -524,6 +537,25 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
   dev::mbar_arrive(bar_at(sh.tab_empty, b));
 }
 
+// Token rows as M with block scales: every tile starts at stage 0 of the
+// ring, whose walk over one tile's K blocks is unrolled (rows_m_block_loop):
+// f(j, kb, ph) for each K block kb, on stage j (a constant once unrolled) of
+// phase ph, then the stage's phase bit flipped.
+template <class Cfg, class F>
+__device__ __forceinline__ void rows_m_walk(const RowsGemmParams& p, uint32_t& phases, F&& f) {
+  constexpr int kStages = Cfg::kStages;
+#pragma unroll 1
+  for (int kb0 = 0; kb0 < p.k_blocks; kb0 += kStages) {
+#pragma unroll
+    for (int j = 0; j < kStages; ++j) {
+      if (kb0 + j < p.k_blocks) {
+        f(j, kb0 + j, (phases >> j) & 1u);
+        phases ^= 1u << j;
+      }
+    }
+  }
+}
+
 // The K loop of the token-rows-as-M block tiles (consume_tile_block),
 // written for few instructions a K block (as FC1's rows_m_mainloop,
 // docs/moe_fc1.md): in this mode every tile starts at stage 0 of the ring
@@ -534,7 +566,7 @@ __device__ __forceinline__ void consume_tile(const RowsGemmParams& p, const Shar
 // the warpgroup (kWg) is one too. Bit j of `phases` is stage j's phase.
 // Each K block: wait for its stage, its four k32 MMAs into a fresh `part`,
 // the stage released, then acc += part x (A scale x W2 block scale) for the
-// thread's two rows (the producer stages the products, two rounds deep).
+// thread's two rows (the scale warp stages the products, two rounds deep).
 template <class Cfg, int kWg>
 __device__ __forceinline__ void rows_m_block_loop(const RowsGemmParams& p, const Shared& sh, float (&acc)[kTileH / 2],
                                                   uint32_t& phases, int r_lo, int it, const prof::ConsumerLog& log,
@@ -546,49 +578,33 @@ __device__ __forceinline__ void rows_m_block_loop(const RowsGemmParams& p, const
   const uint64_t da0 = dev::wgmma_desc_k_sw128(sh.stages + uint32_t(Cfg::kWStage + kWg * 64 * kTileBytes));
   const uint64_t db0 = dev::wgmma_desc_k_sw128(sh.stages);
   const float* sx0 = sh.a_sc + r_lo;
-#pragma unroll 1
-  for (int kb0 = 0; kb0 < p.k_blocks; kb0 += kStages) {
+  rows_m_walk<Cfg>(p, phases, [&](int j, int kb, uint32_t ph) {
+    clk.before_stage_wait();
+    dev::mbar_wait(bar_at(sh.full, j), ph);
+    clk.after_stage_wait(log, it, kb);
+    const float* sx = sx0 + (j + kStages * int(ph)) * Cfg::kMaxRows;
+    const float sa = sx[0], sb = sx[8];
+    const uint64_t step = uint64_t(j) * (Cfg::kStageBytes / 16);  // a constant once unrolled
+    fresh_k_block<N>(part, da0 + step, db0 + step);
+    dev::release_stage_elect(bar_at(sh.empty, j));  // the stage is free: promote from registers
 #pragma unroll
-    for (int j = 0; j < kStages; ++j) {
-      if (kb0 + j < p.k_blocks) {
-        const uint32_t ph = (phases >> j) & 1u;
-        clk.before_stage_wait();
-        dev::mbar_wait(bar_at(sh.full, j), ph);
-        clk.after_stage_wait(log, it, kb0 + j);
-        const float* sx = sx0 + (j + kStages * int(ph)) * Cfg::kMaxRows;
-        const float sa = sx[0], sb = sx[8];
-        const uint64_t step = uint64_t(j) * (Cfg::kStageBytes / 16);  // a constant once unrolled
-        fresh_k_block<N>(part, da0 + step, db0 + step);
-        dev::release_stage_elect(bar_at(sh.empty, j));  // the stage is free: promote from registers
-#pragma unroll
-        for (int i = 0; i < N / 8; ++i) {
-          acc[4 * i + 0] = fmaf(part[4 * i + 0], sa, acc[4 * i + 0]);
-          acc[4 * i + 1] = fmaf(part[4 * i + 1], sa, acc[4 * i + 1]);
-          acc[4 * i + 2] = fmaf(part[4 * i + 2], sb, acc[4 * i + 2]);
-          acc[4 * i + 3] = fmaf(part[4 * i + 3], sb, acc[4 * i + 3]);
-        }
-        phases ^= 1u << j;
-      }
+    for (int i = 0; i < N / 8; ++i) {
+      acc[4 * i + 0] = fmaf(part[4 * i + 0], sa, acc[4 * i + 0]);
+      acc[4 * i + 1] = fmaf(part[4 * i + 1], sa, acc[4 * i + 1]);
+      acc[4 * i + 2] = fmaf(part[4 * i + 2], sb, acc[4 * i + 2]);
+      acc[4 * i + 3] = fmaf(part[4 * i + 3], sb, acc[4 * i + 3]);
     }
-  }
+  });
 }
 
 // Warpgroup 1 on a chunk of at most 64 rows: each of the tile's stages
 // waited for and released, in the same unrolled order.
 template <class Cfg>
 __device__ __forceinline__ void rows_m_block_idle(const RowsGemmParams& p, const Shared& sh, uint32_t& phases) {
-  constexpr int kStages = Cfg::kStages;
-#pragma unroll 1
-  for (int kb0 = 0; kb0 < p.k_blocks; kb0 += kStages) {
-#pragma unroll
-    for (int j = 0; j < kStages; ++j) {
-      if (kb0 + j < p.k_blocks) {
-        dev::mbar_wait(bar_at(sh.full, j), (phases >> j) & 1u);
-        dev::release_stage_elect(bar_at(sh.empty, j));
-        phases ^= 1u << j;
-      }
-    }
-  }
+  rows_m_walk<Cfg>(p, phases, [&](int j, int, uint32_t ph) {
+    dev::mbar_wait(bar_at(sh.full, j), ph);
+    dev::release_stage_elect(bar_at(sh.empty, j));
+  });
 }
 
 // FP8 block scales, with the token rows as wgmma's M (as FC1's block mode,
@@ -736,23 +752,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warp >= 8) {
     dev::setmaxnreg_dec<kProducerRegs>();
     const int total = tile_start[E];  // read after setmaxnreg: a value live across it is spilled
-    // The ring: stage s, bit j of `phases` stage j's phase (the TMA warp and
-    // the scale warp walk it alike). Token rows as M with block scales start
-    // every tile at stage 0 (rows_m_block_loop).
     if (warp == 8) {
       // TMA producer: lane 0.
       if (lane == 0) {
         dev::prefetch_tensor_map(&map_w);
         dev::prefetch_tensor_map(&map_a128);
-        int s = 0;
-        uint32_t phases = 0;
+        ProducerRing ring;
         prof::ProducerLog plog;
         for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
           const TileInfo t = decode_tile<kMaxRows>(tile, tile_start, row_off, order, E);
-          if (rows_m) s = 0;
+          if (rows_m) ring.s = 0;
           for (int kb = 0; kb < p.k_blocks; ++kb) {
+            const int s = ring.s;
             plog.before_stage_wait(kb);
-            dev::mbar_wait(bar_at(sh.empty, s), ((phases >> s) & 1u) ^ 1u);
+            dev::mbar_wait(bar_at(sh.empty, s), ring.phase() ^ 1u);
             const uint32_t full = bar_at(sh.full, s);
             dev::mbar_arrive_expect_tx(full, Cfg::kWStage + uint32_t(t.n) * kTileBytes);
             const uint32_t st = sh.stages + uint32_t(s) * Cfg::kStageBytes;
@@ -765,8 +778,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               for (; r + (128 >> i) <= t.n; r += 128 >> i)
                 dev::tma_load_2d(rows_dst + r * kTileBytes, row_maps[i], full, kb * Cfg::kTileK, t.p0 + r);
             plog.after_issue(kb, p.k_blocks);
-            phases ^= 1u << s;
-            if (++s == kStages) s = 0;
+            ring.next(kStages);
           }
           plog.next_tile();
         }
@@ -784,11 +796,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       // issues: ~150 instructions a K block on one warp, which ncu showed
       // busy ~80 % of the kernel while the consumers waited on their full
       // barriers; until 2026-11-27 by 4-byte cp.asyncs.)
-      int s = 0;
-      uint32_t phases = 0;
+      ProducerRing ring;
       for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
         const TileInfo t = decode_tile<kMaxRows>(tile, tile_start, row_off, order, E);
-        if (rows_m) s = 0;
+        if (rows_m) ring.s = 0;
         const float* w_row = Cfg::kBlock ? p.w_scales + (int64_t(t.e) * p.h_blocks + t.hs) * p.i_blocks : nullptr;
         const float* a_row[kMaxRows / 32];
 #pragma unroll
@@ -801,14 +812,14 @@ __global__ void __launch_bounds__(kThreads, 1)
           const float w_s = Cfg::kBlock ? __ldg(w_row + kb) : 1.f;
 #pragma unroll
           for (int i = 0; i < kMaxRows / 32; ++i) sc[i] = a_row[i] != nullptr ? __ldg(a_row[i] + kb) : 0.f;
-          const uint32_t ph = (phases >> s) & 1u;
+          const int s = ring.s;
+          const uint32_t ph = ring.phase();
           dev::mbar_wait(bar_at(sh.empty, s), ph ^ 1u);
           float* dst = sh.a_sc + (s + (Cfg::kBlock ? kStages * int(ph) : 0)) * kMaxRows;
 #pragma unroll
           for (int i = 0; i < kMaxRows / 32; ++i) dst[lane + 32 * i] = Cfg::kBlock ? sc[i] * w_s : sc[i];
           dev::mbar_arrive(bar_at(sh.full, s));  // release: the stores above are seen by the stage's waiters
-          phases ^= 1u << s;
-          if (++s == kStages) s = 0;
+          ring.next(kStages);
         }
       }
     } else if (warp == 9) {
