@@ -13,7 +13,6 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 prefix=${1:-"$repo/.deps/cutlass"}
 version=${FLASHMIX_CUTLASS_VERSION:-"4.2.*"}
-python=${PYTHON:-python3}
 
 include_dir() {
   # The wheel's layout: <target>/cutlass_library/source/include/{cutlass,cute}
@@ -21,11 +20,8 @@ include_dir() {
   [ -f "$d/cutlass/cutlass.h" ] && [ -d "$d/cute" ] && echo "$d"
 }
 
-if ! include_dir >/dev/null; then
-  mkdir -p "$prefix"
-  echo "installing nvidia-cutlass==$version (headers only, --no-deps) into $prefix" >&2
-  "$python" -m pip install --quiet --no-deps --disable-pip-version-check --target "$prefix" \
-    "nvidia-cutlass==$version" >&2
-fi
+# shellcheck source=scripts/pip_target.sh
+source "$repo/scripts/pip_target.sh"
+include_dir >/dev/null || pip_target "$prefix" "nvidia-cutlass==$version"
 dir=$(include_dir) || { echo "setup_cutlass.sh: no cutlass/cutlass.h under $prefix/cutlass_library/source/include" >&2; exit 1; }
 echo "$dir"

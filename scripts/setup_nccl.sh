@@ -14,18 +14,14 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 prefix=${1:-"$repo/.deps/nccl"}
 version=${FLASHMIX_NCCL_VERSION:-"2.*"}
-python=${PYTHON:-python3}
 
 nccl_root() {
   local d="$prefix/nvidia/nccl"
   [ -f "$d/include/nccl.h" ] && [ -f "$d/lib/libnccl.so.2" ] && echo "$d"
 }
 
-if ! nccl_root >/dev/null; then
-  mkdir -p "$prefix"
-  echo "installing nvidia-nccl-cu13==$version (--no-deps) into $prefix" >&2
-  "$python" -m pip install --quiet --no-deps --disable-pip-version-check --target "$prefix" \
-    "nvidia-nccl-cu13==$version" >&2
-fi
+# shellcheck source=scripts/pip_target.sh
+source "$repo/scripts/pip_target.sh"
+nccl_root >/dev/null || pip_target "$prefix" "nvidia-nccl-cu13==$version"
 dir=$(nccl_root) || { echo "setup_nccl.sh: no include/nccl.h + lib/libnccl.so.2 under $prefix/nvidia/nccl" >&2; exit 1; }
 echo "$dir"
