@@ -118,9 +118,15 @@ Status validate_fc1(const MoeFc1Args& a, bool check_buffers) {
              ")");
   const bool q_out = a.out_scales != nullptr;  // FP8 output (spec §9.8)
   if (q_out) {
-    FM_REQUIRE_SUPPORTED(a.fp8 == MoeFp8Scaling::kBlock && !mx, kOp, "out_scales",
-                         "an FP8 output needs fp8 = block with dense e4m3 weights (got fp8 = ", to_string(a.fp8),
-                         ", weights = ", to_string(a.weights), ")");
+    FM_REQUIRE_SUPPORTED(a.fp8 == MoeFp8Scaling::kBlock &&
+                             (!mx || sm90_fc1_mx_wide_tiles(a.fp8, a.weights, a.x_permuted,
+                                                            a.layout == Fc1WeightLayout::kInterleaved, a.inter,
+                                                            a.num_tokens, a.k, a.num_experts_per_node)),
+                         kOp, "out_scales",
+                         "an FP8 output needs fp8 = block with dense e4m3 weights, or MXFP4 weights on the wide "
+                         "W4A8 tiles (a permuted X, gate rows then up rows, inter % 128 == 0, T k > 32 E_local; "
+                         "got fp8 = ",
+                         to_string(a.fp8), ", weights = ", to_string(a.weights), ")");
     FM_REQUIRE(a.inter % 128 == 0, kOp, "inter",
                "must be a multiple of 128 with an FP8 output (1 x 128 scale blocks; got ", a.inter, ")");
     FM_REQUIRE(a.out_scale_format == ScaleFormat::kFloat32 || a.out_scale_format == ScaleFormat::kUE8M0, kOp,

@@ -176,9 +176,12 @@ Stages make_stages(const MoeForwardArgs& a, char* ws, const MoeForwardLayout& l)
   // the ~20 us quantisation pass; docs/moe_fc1.md).
   s.fc1.out = at(l.fc1_out);
   s.fc1.enable_pdl = a.enable_pdl;
-  // (sm90_fc1_wide_tiles holds only for dense W1.)
+  // (sm90_fc1_wide_tiles holds only for dense W1; MXFP4 W1 writes the FP8
+  // output on its own wide tiles, sm90_fc1_mx_wide_tiles.)
   if (a.fp8 == MoeFp8Scaling::kBlock && fc1_fp8_out_allowed() &&
-      sm90_fc1_wide_tiles(a.fp8, a.weights, s.fc1.x_permuted, T, a.k, a.num_experts_per_node)) {
+      (sm90_fc1_wide_tiles(a.fp8, a.weights, s.fc1.x_permuted, T, a.k, a.num_experts_per_node) ||
+       sm90_fc1_mx_wide_tiles(a.fp8, a.weights, s.fc1.x_permuted, s.fc1.layout == Fc1WeightLayout::kInterleaved,
+                              a.inter, T, a.k, a.num_experts_per_node))) {
     s.fc1_fp8_out = true;
     s.fc1_q = s.fc1;
     s.fc1_q.out = s.quant_act.q;

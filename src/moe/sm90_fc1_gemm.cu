@@ -156,7 +156,14 @@ struct Fc1Cfg {
   // Block-scaled FP8 and wide bf16 tiles take the token rows as wgmma's M
   // (consume_tile_rows_m); every other input the transposed tile.
   static constexpr bool kWide = kWide_;
-  static constexpr bool kRowsM = kIn == Fc1In::kFp8Block || (kIn == Fc1In::kBf16 && kWide);
+  // W4A8 on wide tiles (kMxWide; docs/mxfp4.md §4.13): the consumer warps
+  // convert each stage's packed W1 rows into e4m3 with one exponent per
+  // 128 x 128 block (§13.3's group), each thread one row of the next K block
+  // while the current one's first MMAs run, and run the block-FP8 wide
+  // tile's K loop on the result; the loaders stage the rows' scale words and
+  // the blocks' largest scales beside the X scales.
+  static constexpr bool kMxWide = kIn_ == Fc1In::kMxfp4Fp8 && kWide_;
+  static constexpr bool kRowsM = kIn == Fc1In::kFp8Block || (kIn == Fc1In::kBf16 && kWide) || kMxWide;
   static_assert(!kWide || kRowsM, "wide tiles take the token rows as M (block FP8 or bf16)");
   static constexpr bool kFp8Out = kFp8Out_;
   static constexpr int kTileW = kWide ? 2 * kSliceW : kSliceW;  // W1 rows a stage
@@ -172,7 +179,9 @@ struct Fc1Cfg {
   // 384, what the CTA holds at launch): wide tiles' loaders need 64 with the
   // X scales' stores (56 spilled); their consumers fit 216 once the X scales
   // come with the stage.
-  static constexpr int kLoaderRegs = kWide ? 64 : 72, kConsumerRegs = 216;
+  // kMxWide: DeepGEMM's split, 40 / 232 (the consumers hold 192 sums and
+  // convert).
+  static constexpr int kLoaderRegs = kMxWide ? 40 : kWide ? 64 : 72, kConsumerRegs = kMxWide ? 232 : 216;
   static constexpr bool kMx = kIn == Fc1In::kMxfp4Fp8 || kIn == Fc1In::kMxfp4Bf16;
   static constexpr bool kFp8 = kIn == Fc1In::kFp8Block || kIn == Fc1In::kFp8Tensor || kIn == Fc1In::kMxfp4Fp8;
   // X scales per row and K block, promoted every stage.
@@ -193,11 +202,15 @@ struct Fc1Cfg {
   // else one a warp (block FP8 too: rows_m_mainloop says why).
   static constexpr int kEmptyArrivals = kStageScales && !kRowsM ? 256 : 8;
   static constexpr int kCvtTile = mx_mainloop::kCvtTile;          // a warpgroup's converted 64 rows
-  static constexpr int kCvtBytes = kMx ? 2 * 2 * kCvtTile : 0;    // two per consumer warpgroup
+  // Converted W1: two per consumer warpgroup (transposed W4A8 tiles), or
+  // two whole stages' 256 rows (kMxWide).
+  static constexpr int kCvtBytes = kMxWide ? 2 * kTileW * kTileBytes : kMx ? 2 * 2 * kCvtTile : 0;
   static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned (128-byte swizzle)");
   static constexpr int kFixed =
-      2 * kEpiBytes + kCvtBytes + 2 * (kFc1MaxExperts + 1) * 4 + kFc1MaxExperts * 2 + 8 + 1024;
-  static constexpr int kFit = (kSmemLimit - kFixed - 16 * 8) / (kStageBytes + kScaleBytes);
+      2 * kEpiBytes + kCvtBytes + 2 * (kFc1MaxExperts + 1) * 4 + kFc1MaxExperts * 2 + 8 + 1024 + (kMxWide ? 4 * 8 : 0);
+  // kMxWide: a stage's 256 scale words and the two blocks' largest scales.
+  static constexpr int kWordsBytes = kMxWide ? (kTileW + 4) * 4 : 0;
+  static constexpr int kFit = (kSmemLimit - kFixed - 16 * 8) / (kStageBytes + kScaleBytes + kWordsBytes);
   // MXFP4's stages are small (8 or 4 KB of weights): up to 16 of them, so
   // decode keeps enough weight bytes in flight (tiles of 32 rows: 14 stages).
   static constexpr int kMaxStages = kMx ? 16 : 8;
@@ -205,11 +218,13 @@ struct Fc1Cfg {
   static constexpr int kOffCvt = kStages * kStageBytes;
   static constexpr int kOffEpi = kOffCvt + kCvtBytes;
   static constexpr int kOffScales = kOffEpi + 2 * kEpiBytes;
-  static constexpr int kOffRowOff = kOffScales + kStages * kScaleBytes;
+  static constexpr int kOffWords = kOffScales + kStages * kScaleBytes;
+  static constexpr int kOffRowOff = kOffWords + kStages * kWordsBytes;
   static constexpr int kOffTileStart = kOffRowOff + (kFc1MaxExperts + 1) * 4;
   static constexpr int kOffOrder = kOffTileStart + (kFc1MaxExperts + 1) * 4;  // uint16 [E]
   static constexpr int kOffBars = (kOffOrder + kFc1MaxExperts * 2 + 7) / 8 * 8;
-  static constexpr int kSmemBytes = kOffBars + 2 * kStages * 8 + 1024;  // + alignment slack
+  // kMxWide: the converted stages' full and empty barriers after the ring's.
+  static constexpr int kSmemBytes = kOffBars + 2 * kStages * 8 + (kMxWide ? 4 * 8 : 0) + 1024;  // + alignment slack
   static_assert(kStages >= 4 && kSmemBytes <= kSmemLimit, "shared memory");
   // Block scales promote a K block's sum into a second fp32 accumulator:
   // 2 x N / 2 registers a thread, so tiles of at most 128 rows.
@@ -264,6 +279,22 @@ __device__ __forceinline__ void store_stage_scale(uint32_t scales, int s, int rs
   asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scales + uint32_t(s * Cfg::kMaxRows + rs) * 4), "f"(v) : "memory");
 }
 
+// A stage from a permuted X (thread 0 of the loaders): the W1 box and the
+// tile's token rows by TMA boxes of 64 / 16 rows, the byte count expected
+// on the stage's full barrier first.
+template <class Cfg>
+__device__ __forceinline__ void issue_permuted_stage(uint32_t st, uint32_t full, const CUtensorMap* map_w,
+                                                     const CUtensorMap* map_x64, const CUtensorMap* map_x16,
+                                                     int kb, int hs, const TileInfo& t) {
+  dev::mbar_arrive_expect_tx(full, Cfg::kWStage + uint32_t(t.n) * kTileBytes);
+  dev::tma_load_5d(st, map_w, full, kb * Cfg::kWCoordK, 0, 0, hs * (Cfg::kTileW / 16), t.e);
+  int r = 0;
+  for (; r + 64 <= t.n; r += 64)
+    dev::tma_load_2d(st + Cfg::kWStage + r * kTileBytes, map_x64, full, kb * Cfg::kTileK, t.p0 + r);
+  for (; r < t.n; r += 16)
+    dev::tma_load_2d(st + Cfg::kWStage + r * kTileBytes, map_x16, full, kb * Cfg::kTileK, t.p0 + r);
+}
+
 // The loader warps: W1's box by TMA (one thread), the tile's rows by cp.async
 // (all 128: thread l takes 16-byte chunk l % 8 of rows l / 8 + 16 i) or, from
 // a permuted X (consecutive rows), by TMA boxes of 64 / 16 rows. W4A8 and
@@ -315,15 +346,7 @@ __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUten
         const uint32_t full = bar_at(full0, s);
         const uint32_t st = stages + uint32_t(s) * Cfg::kStageBytes;
         if (p.x_permuted) {
-          if (l == 0) {
-            dev::mbar_arrive_expect_tx(full, Cfg::kWStage + uint32_t(t.n) * kTileBytes);
-            dev::tma_load_5d(st, map_w, full, kb * Cfg::kWCoordK, 0, 0, hs * (Cfg::kTileW / 16), t.e);
-            int r = 0;
-            for (; r + 64 <= t.n; r += 64)
-              dev::tma_load_2d(st + Cfg::kWStage + r * kTileBytes, map_x64, full, kb * Cfg::kTileK, t.p0 + r);
-            for (; r < t.n; r += 16)
-              dev::tma_load_2d(st + Cfg::kWStage + r * kTileBytes, map_x16, full, kb * Cfg::kTileK, t.p0 + r);
-          }
+          if (l == 0) issue_permuted_stage<Cfg>(st, full, map_w, map_x64, map_x16, kb, hs, t);
           // The scale after the copies are issued (its load's latency off
           // the TMA's path); every loader's arrival releases it.
           if (scale_thread && rs < t.n) store_stage_scale<Cfg>(scales, s, rs, sv);
@@ -366,6 +389,161 @@ __device__ __forceinline__ void load_tiles(const Fc1KernelParams& p, const CUten
     }
   }
   asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+// ---------------------------------------------------------------------------
+// W4A8 on wide tiles (Cfg::kMxWide; docs/mxfp4.md §4.13). The loader
+// warpgroup (warps 8-11) fills the ring as load_tiles does for a permuted X
+// (thread 0 the TMA boxes: the stage's 256 packed W1 rows, 64 bytes each,
+// unswizzled, then the token rows; thread l row l's X scale) and stages each
+// row's scale word beside it. The consumers convert each stage's packed rows
+// into one of two converted stages (256 rows x 128 e4m3 bytes, 128-byte
+// swizzle, the rows in the stage's order: what the block-FP8 wide tile's
+// wgmma reads as B), with one exponent per 128 x 128 block (§13.3's group:
+// the gate rows of a wide tile are one 128-row block, its up rows another,
+// for I % 128 == 0 and W1 gate rows then up rows), and run the block-FP8 K
+// loop unchanged, with 2^E_G as the block's W1 scale. The values are then
+// `mxfp4_to_fp8_block`'s (k128x128) bit for bit, and so is the result of
+// the block-FP8 FC1 on that conversion.
+
+// The largest finite scale byte of a word's four, plus one (0: none finite).
+__device__ __forceinline__ int top_finite_plus1(uint32_t w) {
+  int t = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int b = int((w >> (8 * i)) & 0xffu);
+    if (b != int(kUe8m0NaN)) t = max(t, b + 1);
+  }
+  return t;
+}
+
+// One sub-block (16 packed bytes of stage row rr at raw) converted into
+// the two 16-byte chunks of converted row rr at dst (128-byte swizzle). A
+// warp's 32 rows: its stores, chunk (2 sub + h) ^ (rr % 8), fall in 8
+// distinct bank groups; its loads, 64 bytes a row apart, in 2.
+__device__ __forceinline__ void store_converted(uint32_t dst, int rr, int sub, const uint32_t (&o)[8]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t q = uint32_t(((2 * sub + h) ^ (rr & 7)) << 4);
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst + uint32_t(rr) * kTileBytes + q),
+                 "r"(o[4 * h]), "r"(o[4 * h + 1]), "r"(o[4 * h + 2]), "r"(o[4 * h + 3])
+                 : "memory");
+  }
+}
+__device__ __forceinline__ void load_packed(uint32_t raw, int rr, int sub, uint32_t (&w)[4]) {
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+               : "r"(raw + uint32_t(rr * 64 + 16 * sub)));
+}
+// The exact path, out of line (inlined, its code for every sub-block cost
+// instruction fetch stalls; the table's path inline in convert_rows_mx).
+__device__ __noinline__ void convert_piece_exact(uint32_t raw, uint32_t dst, int rr, int sub, int s, int ge) {
+  uint32_t w[4], o[8];
+  load_packed(raw, rr, sub, w);
+  mx_subblock_to_e4m3(w, s, ge, o);
+  store_converted(dst, rr, sub, o);
+}
+
+// The largest byte of four words (255 where any holds the NaN scale):
+// even and odd bytes as 16-bit lanes through __vmaxu2 (one max.u16x2 on
+// sm_90; sm90_mx_decode.cu's top_byte, one word at a time).
+__device__ __forceinline__ int max_byte4(const uint32_t (&w)[4]) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) m = __vmaxu2(__vmaxu2(m, w[i] & 0x00ff00ffu), (w[i] >> 8) & 0x00ff00ffu);
+  return int(max(m & 0xffffu, m >> 16));
+}
+
+// E_G of a block (spec §13.2) from its largest finite scale byte + 1 (0:
+// none finite, E_G = 0).
+__device__ __forceinline__ int block_group_exp(int top_plus1) {
+  return top_plus1 == 0 ? 0 : top_plus1 - 1 - 127 - kMxfp4Fp8TopShift;
+}
+
+// A wide tile's two blocks' largest finite scales (+ 1; 0: none finite)
+// for a whole warp, whose lanes hold the words of rows lane + 32 i of each
+// (g: the gate block, u: the up block): bytewise maxima, then one redux.
+// A NaN byte (255) would win the bytewise maximum: where the warp sees one
+// (rare), each word's finite bytes are taken one by one instead.
+__device__ __forceinline__ void block_tops(const uint32_t (&g)[4], const uint32_t (&u)[4], int& tg, int& tu) {
+  tg = max_byte4(g);
+  tu = max_byte4(u);
+  if (__any_sync(0xffffffffu, tg == int(kUe8m0NaN) || tu == int(kUe8m0NaN))) {
+    tg = tu = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      tg = max(tg, top_finite_plus1(g[i]));
+      tu = max(tu, top_finite_plus1(u[i]));
+    }
+  } else {
+    ++tg;
+    ++tu;
+  }
+  tg = int(__reduce_max_sync(0xffffffffu, uint32_t(tg)));
+  tu = int(__reduce_max_sync(0xffffffffu, uint32_t(tu)));
+}
+
+// Cfg::kMxWide's loaders: the ring as load_tiles fills it for a permuted X
+// (thread 0 the TMA boxes: 256 packed W1 rows and the token rows; thread l
+// row l's X scale), and beside each stage the scale words of its 256 rows
+// (thread l: stage rows l and l + 128) and, from warp 0, the two blocks'
+// largest finite scales (+ 1; 0: none), which the converting consumers
+// read after the stage's full barrier. Every global load of an item is
+// issued before the wait for its stage.
+template <class Cfg>
+__device__ __forceinline__ void load_tiles_mx_wide(const Fc1KernelParams& p, const CUtensorMap* map_w,
+                                                 const CUtensorMap* map_x64, const CUtensorMap* map_x16,
+                                                 uint32_t stages, uint32_t scales, uint32_t* words, uint32_t full0,
+                                                 uint32_t empty0, const int* tile_start, const int* row_off,
+                                                 const uint16_t* order) {
+  const int l = threadIdx.x - 256, lane = l & 31;
+  const int kbs = p.H / kScaleK;
+  const int gu = (l >> 3) & 1;
+  const uint32_t* mx_sc = reinterpret_cast<const uint32_t*>(p.w_mx_scales);
+  const int total = tile_start[p.E];
+  if (l == 0) dev::prefetch_tensor_map(map_w);
+  int s = 0;
+  uint32_t ph = 0;
+  for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+    const TileInfo t = decode_tile<Cfg::kMaxRows>(tile, tile_start, row_off, order, p.E);
+    const int64_t gate0 = int64_t(t.e) * 2 * p.I + 128 * t.hs;
+    const uint32_t* own = mx_sc + (gate0 + (gu ? p.I : 0) + 8 * (l >> 4) + (l & 7)) * kbs;
+    const uint32_t* blk = mx_sc + (gate0 + lane) * kbs;  // warp 0: rows lane + 32 i of each block
+    const float* srow = l < t.rows ? p.x_scales + int64_t(t.p0 + l) * kbs : nullptr;
+    for (int kb = 0; kb < p.k_blocks; ++kb) {
+      const float sv = srow != nullptr ? __ldg(srow + kb) : 0.f;
+      const uint32_t w0 = __ldg(own + kb), w1 = __ldg(own + 64 * int64_t(kbs) + kb);
+      uint32_t g[4], u[4];
+      if (l < 32) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          g[i] = __ldg(blk + 32 * i * int64_t(kbs) + kb);
+          u[i] = __ldg(blk + (p.I + 32 * i) * int64_t(kbs) + kb);
+        }
+      }
+      dev::mbar_wait(bar_at(empty0, s), ph ^ 1);
+      const uint32_t full = bar_at(full0, s);
+      const uint32_t st = stages + uint32_t(s) * Cfg::kStageBytes;
+      if (l == 0) issue_permuted_stage<Cfg>(st, full, map_w, map_x64, map_x16, kb, t.hs, t);
+      if (l < t.n) store_stage_scale<Cfg>(scales, s, l, sv);
+      uint32_t* sw = words + s * (Cfg::kTileW + 4);
+      sw[l] = w0;
+      sw[l + 128] = w1;
+      if (l < 32) {  // the blocks' largest finite scales (block_tops)
+        int tg, tu;
+        block_tops(g, u, tg, tu);
+        if (l == 0) {
+          sw[Cfg::kTileW] = uint32_t(tg);
+          sw[Cfg::kTileW + 1] = uint32_t(tu);
+        }
+      }
+      dev::mbar_arrive(full);  // every loader thread, after its stores (the barrier counts kLoaders + 1)
+      if (++s == Cfg::kStages) {
+        s = 0;
+        ph ^= 1;
+      }
+    }
+  }
 }
 
 // This thread's W1 rows (the gate and the up of output column i; spec §9.2).
@@ -566,13 +744,14 @@ constexpr int kScaleBar = 3;
 // One K block of the slices' MMAs and promotions (rows_m_mainloop): stage s
 // (its descriptors da, db: warp-uniform), the block's W1 scale products
 // already read. kOneUp: every up row of every slice in one scale block (the
-// promotion takes four products and no select an element group).
+// promotion takes four products and no select an element group). kMxWide
+// also releases the converted stage (cvt_empty) where it releases the ring's.
 template <class Cfg, bool kOneUp>
 __device__ __forceinline__ void rows_m_k_block(float (&acc)[kHalves<Cfg>][kSliceW / 2], float (&part)[kSliceW / 2],
                                                uint64_t da, uint64_t db, uint32_t empty, bool gathered,
                                                const float (&gs)[kHalves<Cfg>], const float (&us0)[kHalves<Cfg>],
                                                const float (&us1)[kHalves<Cfg>], float xa, float xb,
-                                               const uint32_t (&up_hi)[kHalves<Cfg>]) {
+                                               const uint32_t (&up_hi)[kHalves<Cfg>], uint32_t cvt_empty = 0) {
   constexpr int N = kSliceW, H2 = kHalves<Cfg>;
 #pragma unroll
   for (int h = 0; h < H2; ++h) {
@@ -586,7 +765,10 @@ __device__ __forceinline__ void rows_m_k_block(float (&acc)[kHalves<Cfg>][kSlice
     // __syncwarp, though the threads read the staged X scales: every
     // thread's arrival (dev::release_stage<true>, what racecheck credits)
     // measured 12-25 % slower here (docs/moe_fc1.md).
-    if (h == H2 - 1) dev::release_stage_elect(empty);
+    if (h == H2 - 1) {
+      dev::release_stage_elect(empty);
+      if constexpr (Cfg::kMxWide) dev::release_stage_elect(cvt_empty);
+    }
     const float ag = xa * gs[h], bg = xb * gs[h];
     if constexpr (kOneUp) {
       // (Without the promotion the same schedule ran ~40 % faster: its
@@ -675,6 +857,152 @@ __device__ __forceinline__ void rows_m_mainloop_bf16(const Fc1KernelParams& p, u
   if (prev >= 0) dev::release_stage_elect(bar_at(empty0, prev));
 }
 
+// The block-scaled wide tile's sums before its first K block.
+template <class Cfg>
+__device__ __forceinline__ void zero_sums(float (&acc)[kHalves<Cfg>][kSliceW / 2], float (&part)[kSliceW / 2]) {
+#pragma unroll
+  for (int k = 0; k < kSliceW / 2; ++k) {
+#pragma unroll
+    for (int h = 0; h < kHalves<Cfg>; ++h) acc[h][k] = 0.f;
+    part[k] = 0.f;
+  }
+}
+
+// Cfg::kMxWide: the consumers convert (thread t of the 256: stage row t, its
+// four sub-blocks) into converted stage n % 2; item n + 1's rows while item
+// n's first slice's MMAs run (a tile's first item before its loop). Both
+// warpgroups convert, so each waits for both halves (cvt_full counts the
+// eight warps) and for the other's release of the stage it rewrites
+// (cvt_empty). The loaders stage the rows' scale words and the blocks'
+// exponents beside each stage (load_tiles_mx_wide).
+template <class Cfg>
+__device__ __forceinline__ void convert_rows_mx(uint32_t stages, const uint32_t* words, int s, int c,
+                                                uint32_t cvt_full) {
+  const int rr = threadIdx.x;  // 0..255
+  const uint32_t* sw = words + s * (Cfg::kTileW + 4);
+  const uint32_t w = sw[rr];
+  const int ge = block_group_exp(int(sw[Cfg::kTileW + ((rr >> 3) & 1)]));
+  const uint32_t raw = stages + uint32_t(s) * Cfg::kStageBytes;
+  const uint32_t dst = stages + uint32_t(Cfg::kOffCvt + c * Cfg::kTileW * kTileBytes);
+  bool fast = true;
+#pragma unroll
+  for (int sub = 0; sub < 4; ++sub) {
+    const int b = int((w >> (8 * sub)) & 0xffu);
+    fast = fast && b != int(kUe8m0NaN) && b - 127 - ge >= kMxfp4FastMinShift;
+  }
+  if (__all_sync(0xffffffffu, fast)) {
+    // One sub-block at a time: the consumers hold 192 sums meanwhile.
+#pragma unroll
+    for (int sub = 0; sub < 4; ++sub) {
+      uint32_t q[4], o[8];
+      load_packed(raw, rr, sub, q);
+      const E4m3Table t = e4m3_table(int((w >> (8 * sub)) & 0xffu) - 127 - ge);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) e2m1x8_to_e4m3_table(q[i], t, o[2 * i], o[2 * i + 1]);
+      store_converted(dst, rr, sub, o);
+    }
+  } else {
+#pragma unroll 1
+    for (int sub = 0; sub < 4; ++sub) convert_piece_exact(raw, dst, rr, sub, int((w >> (8 * sub)) & 0xffu), ge);
+  }
+  dev::fence_proxy_async_shared();  // the converted rows to the async proxy (both warpgroups' wgmma)
+  dev::release_stage_elect(cvt_full);
+}
+
+template <class Cfg>
+__device__ __forceinline__ void rows_m_mainloop_mx(const Fc1KernelParams& p, uint32_t stages, uint32_t full0,
+                                                      uint32_t empty0, int wg, int& s, uint32_t& ph, int r_lo,
+                                                      bool active, float (&acc)[kHalves<Cfg>][kSliceW / 2],
+                                                      const float* xsc, const uint32_t* words, int& n_cvt) {
+  constexpr int N = kSliceW, H2 = kHalves<Cfg>;
+  static_assert(H2 == 2, "wide tiles");
+  const uint32_t cfull0 = full0 + 16 * Cfg::kStages, cempty0 = cfull0 + 16;
+  float part[N / 2];
+  zero_sums<Cfg>(acc, part);
+  const uint64_t da0 = dev::wgmma_desc_k_sw128(stages + uint32_t(Cfg::kWStage + wg * 64 * kTileBytes));
+  const uint64_t dc0 = dev::wgmma_desc_k_sw128(stages + uint32_t(Cfg::kOffCvt));
+  const float* xs = xsc + r_lo;
+  // The tile's first item, converted before its loop.
+  {
+    const int c = n_cvt & 1;
+    dev::mbar_wait(bar_at(full0, s), ph);
+    dev::mbar_wait(cempty0 + 8 * c, ((n_cvt >> 1) & 1) ^ 1);
+    convert_rows_mx<Cfg>(stages, words, s, c, cfull0 + 8 * c);
+    dev::mbar_wait(cfull0 + 8 * c, (n_cvt >> 1) & 1);
+  }
+  // Item n + 1 (stage s1, converted stage c1): wait for its rows and for
+  // both warpgroups' release of c1 (item n - 1), convert this thread's row.
+  // Item n + 1 sits in ring stage s1 (phase ph1) and converted stage
+  // (n + 1) % 2.
+  const auto next_stage = [&](int& s1, uint32_t& ph1) {
+    s1 = s + 1 == Cfg::kStages ? 0 : s + 1;
+    ph1 = s + 1 == Cfg::kStages ? ph ^ 1 : ph;
+  };
+  const auto convert_next = [&](int s1, uint32_t ph1) {
+    const int n1 = n_cvt + 1, c1 = n1 & 1;
+    dev::mbar_wait(bar_at(full0, s1), ph1);
+    dev::mbar_wait(cempty0 + 8 * c1, ((n1 >> 1) & 1) ^ 1);
+    convert_rows_mx<Cfg>(stages, words, s1, c1, cfull0 + 8 * c1);
+  };
+  const auto release_item = [&] {
+    dev::release_stage_elect(bar_at(empty0, s));
+    dev::release_stage_elect(cempty0 + 8 * (n_cvt & 1));
+  };
+  // Both warpgroups' halves of item n + 1 converted; on to it.
+  const auto to_next = [&](bool next, int s1, uint32_t ph1) {
+    const int n1 = n_cvt + 1;
+    if (next) dev::mbar_wait(cfull0 + 8 * (n1 & 1), (n1 >> 1) & 1);
+    s = s1;
+    ph = ph1;
+    n_cvt = n1;
+  };
+  if (!active) {  // warpgroup 1 on a chunk of at most 64 rows: it converts its half all the same
+#pragma unroll 1
+    for (int kb = 0; kb < p.k_blocks; ++kb) {
+      int s1;
+      uint32_t ph1;
+      next_stage(s1, ph1);
+      const bool next = kb + 1 < p.k_blocks;
+      if (next) convert_next(s1, ph1);
+      release_item();
+      to_next(next, s1, ph1);
+    }
+    return;
+  }
+#pragma unroll 1
+  for (int kb = 0; kb < p.k_blocks; ++kb) {
+    const int c = n_cvt & 1;
+    int s1;
+    uint32_t ph1;
+    next_stage(s1, ph1);
+    const bool next = kb + 1 < p.k_blocks;
+    const uint64_t step = uint64_t(uint32_t(s) * uint32_t(Cfg::kStageBytes / 16));
+    const uint64_t cstep = uint64_t(uint32_t(c) * uint32_t(Cfg::kTileW * kTileBytes / 16));
+    const uint32_t* sw = words + s * (Cfg::kTileW + 4);
+    const float gs = exp2_float(block_group_exp(int(sw[Cfg::kTileW])));
+    const float us = exp2_float(block_group_exp(int(sw[Cfg::kTileW + 1])));
+    const float xa = xs[s * Cfg::kMaxRows], xb = xs[s * Cfg::kMaxRows + 8];
+    const float ag = xa * gs, bg = xb * gs, au = xa * us, bu = xb * us;
+    dev::wgmma_fence();
+    k_block_mmas<true, N>(part, da0 + step, dc0 + cstep, false);
+    dev::wgmma_commit();
+    if (next) convert_next(s1, ph1);  // while the first slice's MMAs run
+    dev::wgmma_wait<0>();
+    dev::fence_operands(part);
+#pragma unroll
+    for (int m = 0; m < 8; ++m) promote_group(acc[0], part, m, ag, bg, au, bu);
+    dev::wgmma_fence();
+    k_block_mmas<true, N>(part, da0 + step, dc0 + cstep + uint64_t(kSliceW * kTileBytes / 16), false);
+    dev::wgmma_commit();
+    dev::wgmma_wait<0>();
+    dev::fence_operands(part);
+    release_item();
+#pragma unroll
+    for (int m = 0; m < 8; ++m) promote_group(acc[1], part, m, ag, bg, au, bu);
+    to_next(next, s1, ph1);
+  }
+}
+
 // Block-scaled FP8 with the token rows as wgmma's M (Cfg::kRowsM): below,
 // the mainloop over H of the kHalves<Cfg> slices hs, hs + 1, .. a stage
 // holds: acc[h] = the fp32 sums of the thread's 2 rows x 32 W1 rows (16
@@ -700,10 +1028,13 @@ __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const 
                                                 uint32_t stages, uint32_t full0, uint32_t empty0, int wg, int& s,
                                                 uint32_t& ph, int r_lo, bool active,
                                                 float (&acc)[kHalves<Cfg>][kSliceW / 2], float* wsc,
-                                                const float* xsc) {
+                                                const float* xsc, const uint32_t* words, int& n_cvt) {
   constexpr int N = kSliceW, H2 = kHalves<Cfg>;
   if constexpr (Cfg::kIn == Fc1In::kBf16) {
     rows_m_mainloop_bf16<Cfg>(p, stages, full0, empty0, wg, s, ph, active, acc);
+    return;
+  } else if constexpr (Cfg::kMxWide) {
+    rows_m_mainloop_mx<Cfg>(p, stages, full0, empty0, wg, s, ph, r_lo, active, acc, xsc, words, n_cvt);
     return;
   }
   const int kbs = p.H / kScaleK;
@@ -727,12 +1058,7 @@ __device__ __forceinline__ void rows_m_mainloop(const Fc1KernelParams& p, const 
   }
   dev::named_bar_sync(kScaleBar, 256);
   float part[N / 2];
-#pragma unroll
-  for (int k = 0; k < N / 2; ++k) {
-#pragma unroll
-    for (int h = 0; h < H2; ++h) acc[h][k] = 0.f;
-    part[k] = 0.f;
-  }
+  zero_sums<Cfg>(acc, part);
   if (!active) {  // warpgroup 1 on a chunk of at most 64 rows
     release_tile_stages<Cfg>(p, full0, empty0, s, ph);
     return;
@@ -934,14 +1260,15 @@ __device__ __forceinline__ void rows_m_store_fp8(const Fc1KernelParams& p, const
 template <class Cfg>
 __device__ __forceinline__ void consume_tile_rows_m(const Fc1KernelParams& p, const TileInfo& t, uint32_t stages,
                                                     uint32_t full0, uint32_t empty0, int wg, int& s, uint32_t& ph,
-                                                    float* wsc, const float* xsc) {
+                                                    float* wsc, const float* xsc, const uint32_t* words,
+                                                    int& n_cvt) {
   const int lane = threadIdx.x & 31;
   const int r_lo = 64 * wg + 16 * ((threadIdx.x >> 5) & 3) + (lane >> 2);  // tile rows r_lo and r_lo + 8
   const bool active = 64 * wg < t.n;  // warpgroup 1 idles on chunks of at most 64 rows (t, wg: warp-uniform)
   const bool row_a = r_lo < t.rows, row_b = r_lo + 8 < t.rows;
   float acc[kHalves<Cfg>][kSliceW / 2];
   if constexpr (Cfg::kPair == 1) {
-    rows_m_mainloop<Cfg>(p, t, t.hs * kHalves<Cfg>, stages, full0, empty0, wg, s, ph, r_lo, active, acc, wsc, xsc);
+    rows_m_mainloop<Cfg>(p, t, t.hs * kHalves<Cfg>, stages, full0, empty0, wg, s, ph, r_lo, active, acc, wsc, xsc, words, n_cvt);
     if (!active) return;
     if constexpr (Cfg::kFp8Out) {
       // Wide tiles with the FP8 output: the stage's two slices are the
@@ -957,9 +1284,9 @@ __device__ __forceinline__ void consume_tile_rows_m(const Fc1KernelParams& p, co
     }
   } else {
     __nv_bfloat162 first[16], second[16];
-    rows_m_mainloop<Cfg>(p, t, 2 * t.hs, stages, full0, empty0, wg, s, ph, r_lo, active, acc, wsc, xsc);
+    rows_m_mainloop<Cfg>(p, t, 2 * t.hs, stages, full0, empty0, wg, s, ph, r_lo, active, acc, wsc, xsc, words, n_cvt);
     if (active) rows_m_activations(p, t, 2 * t.hs * kSliceOut, acc[0], first);
-    rows_m_mainloop<Cfg>(p, t, 2 * t.hs + 1, stages, full0, empty0, wg, s, ph, r_lo, active, acc, wsc, xsc);
+    rows_m_mainloop<Cfg>(p, t, 2 * t.hs + 1, stages, full0, empty0, wg, s, ph, r_lo, active, acc, wsc, xsc, words, n_cvt);
     if (!active) return;
     rows_m_activations(p, t, (2 * t.hs + 1) * kSliceOut, acc[0], second);
     rows_m_store_fp8(p, t, r_lo, row_a, row_b, first, second);
@@ -988,6 +1315,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       dev::mbar_init(bar_at(full0, i), kLoaders + 1 + (p.x_permuted ? 0 : Cfg::kScaleArrivals));
       dev::mbar_init(bar_at(empty0, i), Cfg::kEmptyArrivals);
     }
+    if constexpr (Cfg::kMxWide) {  // the converted stages: every converter thread's arrival; one a consumer warp's
+      for (int i = 0; i < 2; ++i) {
+        dev::mbar_init(full0 + 16 * Cfg::kStages + 8 * i, 8);
+        dev::mbar_init(full0 + 16 * Cfg::kStages + 16 + 8 * i, 8);
+      }
+    }
     asm volatile("fence.mbarrier_init.release.cluster;\n fence.proxy.async.shared::cta;\n" ::: "memory");
   }
   dev::grid_dependency_wait();  // the routing maps and X may come from the kernel ahead
@@ -1000,8 +1333,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   // instruction when code needing more registers is reachable after it).
   if (warp >= 8) {
     dev::setmaxnreg_dec<Cfg::kLoaderRegs>();
-    load_tiles<Cfg>(p, &map_w, &map_x64, &map_x16, base, base + Cfg::kOffScales, full0, empty0, tile_start,
-                    row_off, order);
+    if constexpr (Cfg::kMxWide)
+      load_tiles_mx_wide<Cfg>(p, &map_w, &map_x64, &map_x16, base, base + Cfg::kOffScales,
+                            reinterpret_cast<uint32_t*>(sm + Cfg::kOffWords), full0, empty0, tile_start, row_off,
+                            order);
+    else
+      load_tiles<Cfg>(p, &map_w, &map_x64, &map_x16, base, base + Cfg::kOffScales, full0, empty0, tile_start,
+                      row_off, order);
   } else {
     dev::setmaxnreg_inc<Cfg::kConsumerRegs>();
     // The warpgroup, the tile count and each tile through __shfl_sync: the
@@ -1011,7 +1349,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int wg = __shfl_sync(~0u, warp / 4, 0);
     uint16_t* stg = reinterpret_cast<uint16_t*>(sm + Cfg::kOffEpi + wg * kEpiBytes);
     const int total = __shfl_sync(~0u, tile_start[p.E], 0);
-    int s = 0;
+    int s = 0, n_cvt = 0;
     uint32_t ph = 0;
     for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
       TileInfo t = decode_tile<Cfg::kMaxRows>(tile, tile_start, row_off, order, p.E);
@@ -1023,7 +1361,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         t.n = __shfl_sync(~0u, t.n, 0);
         // The W1 scales in the epilogue staging, which this tile does not use.
         consume_tile_rows_m<Cfg>(p, t, base, full0, empty0, wg, s, ph, reinterpret_cast<float*>(sm + Cfg::kOffEpi),
-                                 scales);
+                                 scales,
+                                 reinterpret_cast<const uint32_t*>(sm + Cfg::kOffWords),
+                                 n_cvt);
       } else {
         switch (t.n / kRowQuantum) {
 #define FLASHMIX_FC1_CASE(K)                                                                \
@@ -1150,18 +1490,45 @@ bool sm90_fc1_wide_tiles(MoeFp8Scaling fp8, MoeWeightFormat weights, bool x_perm
   return (wide_fp8 || wide_bf16) && (pinned_wide ? std::atoi(pin_wide) != 0 : wide_by_rule);
 }
 
+// W4A8 on wide tiles (Fc1Cfg::kMxWide, docs/mxfp4.md §4.13): where a wide
+// tile's gate rows and its up rows are each one 128 x 128 block of W1 (gate
+// rows then up rows, I % 128 == 0), X is permuted (the loader warps convert
+// instead of gathering) and experts average more than 32 rows (below, the
+// 32-row W4A8 tile or the decode kernel; FLASHMIX_FC1_ROWS=32 pins those).
+// FLASHMIX_FC1_MX_WIDE=0 pins the transposed W4A8 tile (the A/B), read on
+// every call. moe_fc1's validation and moe_forward ask too: the FP8 output
+// with MXFP4 weights is written by these tiles only.
+bool sm90_fc1_mx_wide_tiles(MoeFp8Scaling fp8, MoeWeightFormat weights, bool x_permuted, bool interleaved,
+                            int64_t I, int64_t T, int k, int E) {
+  const char* pin = std::getenv("FLASHMIX_FC1_MX_WIDE");
+  if (pin != nullptr && *pin != '\0' && std::atoi(pin) == 0) return false;
+  const char* rows = std::getenv("FLASHMIX_FC1_ROWS");
+  const bool rows32 = rows != nullptr && *rows != '\0' ? std::atoi(rows) == 32 : T * k <= int64_t(32) * E;
+  return weights == MoeWeightFormat::kMxfp4 && fp8 == MoeFp8Scaling::kBlock && x_permuted && !interleaved &&
+         I % kScaleK == 0 && !rows32;
+}
+
 Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   // MXFP4 at decode: the kernel that converts in registers (sm90_mx_decode.cu).
   if (p.weights == MoeWeightFormat::kMxfp4 && mx_decode_applies(p.T, p.k, p.E, 2 * int64_t(p.I), p.H))
     return sm90_fc1_run_mx_decode(p, stream);
   const bool wide = sm90_fc1_wide_tiles(p.fp8, p.weights, p.x_permuted, p.T, p.k, p.E);
+  static const int pinned = [] {
+    const char* e = std::getenv("FLASHMIX_FC1_ROWS");
+    return e ? std::atoi(e) : 0;
+  }();
+  const int64_t slots = int64_t(p.T) * p.k;
+  // MXFP4: tiles of 32 rows while experts average at most 32 rows (below).
+  const bool rows32 = pinned ? pinned == 32 : slots <= int64_t(32) * p.E;
+  const bool mx_wide = sm90_fc1_mx_wide_tiles(p.fp8, p.weights, p.x_permuted,
+                                              p.layout == Fc1WeightLayout::kInterleaved, p.I, p.T, p.k, p.E);
   // Block scales: the tile's W1 scales (3 a slice and K block) sit in the
   // epilogue staging (validate_moe_fc1 holds H to kFc1BlockMaxHidden).
   static_assert(kFc1BlockMaxHidden / kScaleK * 3 * 2 * 4 <= 2 * kEpiBytes &&
                     (kFc1BlockMaxHidden / kScaleK + 1) * 3 * 2 * 4 > 2 * kEpiBytes,
                 "kFc1BlockMaxHidden is the most H whose W1 scales fit the epilogue staging");
   CUtensorMap w;
-  FM_REQUIRE_SUPPORTED(encode_w1(p, wide ? 2 * kSliceW : kSliceW, w), kOp, "W1",
+  FM_REQUIRE_SUPPORTED(encode_w1(p, wide || mx_wide ? 2 * kSliceW : kSliceW, w), kOp, "W1",
                        "its TMA descriptor could not be encoded");
   CUtensorMap x64 = w, x16 = w;  // used only with a permuted X
   if (p.x_permuted)
@@ -1207,11 +1574,6 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   // overstates it under expert parallelism (most slots are not local).
   // FLASHMIX_FC1_ROWS=128|256 pins one (the A/B). Block-scaled FP8 holds two
   // accumulators: 128 rows always.
-  static const int pinned = [] {
-    const char* e = std::getenv("FLASHMIX_FC1_ROWS");
-    return e ? std::atoi(e) : 0;
-  }();
-  const int64_t slots = int64_t(p.T) * p.k;
   const bool permuted_bf16 = p.x_permuted && p.fp8 == MoeFp8Scaling::kNone;
   const bool rows128 = pinned ? pinned == 128 : slots <= int64_t(permuted_bf16 ? 128 : 512) * p.E;
   if (p.weights == MoeWeightFormat::kMxfp4) {
@@ -1219,8 +1581,11 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
     // small stages let 14 (W4A8) or 16 (W4A16) of them keep the weights'
     // bytes in flight (with 128-row stages, 7 x 8 KB streamed the used
     // experts' packed bytes at ~0.3 of copy on an H100). Else W4A8 in 128-row
-    // tiles (two accumulators), W4A16 as bf16.
-    const bool rows32 = pinned ? pinned == 32 : slots <= int64_t(32) * p.E;
+    // tiles (two accumulators) or wide tiles (mx_wide_tiles), W4A16 as bf16.
+    if (mx_wide) {
+      return p.out_scales != nullptr ? launch<Fc1Cfg<128, Fc1In::kMxfp4Fp8, true, true>>(p, k, w, x64, x16, stream)
+                                     : launch<Fc1Cfg<128, Fc1In::kMxfp4Fp8, false, true>>(p, k, w, x64, x16, stream);
+    }
     if (p.fp8 == MoeFp8Scaling::kBlock)
       return rows32 ? launch<Fc1Cfg<32, Fc1In::kMxfp4Fp8>>(p, k, w, x64, x16, stream)
                     : launch<Fc1Cfg<128, Fc1In::kMxfp4Fp8>>(p, k, w, x64, x16, stream);

@@ -47,6 +47,14 @@ constexpr int kFc1BlockMaxHidden = 54528;
 // take FC1's FP8 output where the wide tile writes it (spec §10.4).
 bool sm90_fc1_wide_tiles(MoeFp8Scaling fp8, MoeWeightFormat weights, bool x_permuted, int64_t T, int k, int E);
 
+// Whether MXFP4 W1 with e4m3 X (W4A8) takes the wide tiles that fold the
+// scales per 128 x 128 block (spec §13.7, docs/mxfp4.md §4.13): gate rows
+// then up rows, I % 128 == 0, a permuted X, T k > 32 E_local;
+// FLASHMIX_FC1_MX_WIDE=0 pins the other W4A8 tiles. Only these write the
+// FP8 output with MXFP4 weights (validate_moe_fc1, moe_forward ask).
+bool sm90_fc1_mx_wide_tiles(MoeFp8Scaling fp8, MoeWeightFormat weights, bool x_permuted, bool interleaved,
+                            int64_t I, int64_t T, int k, int E);
+
 // Launches the grouped GEMM on `stream`. Shapes as validated by
 // validate_moe_fc1; kNotSupported when the TMA descriptors cannot be encoded
 // or the device lacks the shared memory.

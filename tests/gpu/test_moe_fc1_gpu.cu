@@ -29,6 +29,7 @@
 #include "common/test_data.h"
 #include "flashmix/fp8.h"
 #include "flashmix/moe.h"
+#include "flashmix/mxfp4.h"
 
 using namespace flashmix;
 using namespace flashmix::testing;
@@ -869,6 +870,128 @@ TEST(MoeFc1Gpu, Mxfp4SpreadsNaNsAndOddShapes) {
   }
 }
 
+// W4A8 on wide tiles (spec §13.7, docs/mxfp4.md §4.13: a permuted X, gate
+// rows then up rows, I % 128 == 0, experts averaging more than 32 rows).
+// They fold the scales per 128 x 128 block of W1, so their weights are
+// mxfp4_to_fp8_block's (k128x128) and their result must be the block-FP8
+// FC1's on that conversion bit for bit (the same K loop); the CPU
+// reference is moe_fc1_cpu on the converted weights. Chunks of 1-64 rows
+// (one consumer warpgroup idle) and 65-128, an expert in chunks, an EP
+// range, every activation, bias, and scales spread past 14 binades within
+// a block (where the 1 x 128 rule of the other kernels would differ).
+TEST(MoeFc1Gpu, Mxfp4WideTiles) {
+  SKIP_WITHOUT_HOPPER();
+  const ScopedFc1Wide wide_fp8(true);
+  const ScopedEnv wide_mx("FLASHMIX_FC1_MX_WIDE", "1");
+  auto run = [](Case c, const char* what) {
+    SCOPED_TRACE(what);
+    c.mx = true;
+    c.fp8 = MoeFp8Scaling::kBlock;
+    c.x_permuted = true;
+    Problem p(c);
+    const int64_t rows = 2 * c.I, blocks = c.local * (rows / 128) * (c.H / 128);
+    std::vector<uint8_t> q(size_t(c.local * rows * c.H));
+    std::vector<float> qs(static_cast<size_t>(blocks));
+    Mxfp4ToFp8BlockArgs cv;
+    cv.w = p.mxw.w.data();
+    cv.w_scales = p.mxw.scales.data();
+    cv.q = q.data();
+    cv.q_scales = qs.data();
+    cv.batch = c.local;
+    cv.rows = rows;
+    cv.cols = c.H;
+    ASSERT_TRUE(mxfp4_to_fp8_block_cpu(cv).ok());
+    // The reference: the block-FP8 FC1 on the converted weights.
+    MoeFc1Args h = p.args;
+    h.X = p.xq.data();
+    h.x_scales = p.xs.data();
+    h.W1 = q.data();
+    h.w1_scales = qs.data();
+    h.weights = MoeWeightFormat::kDense;
+    h.w1_mx_scales = nullptr;
+    h.bias = c.bias ? p.bias.data() : nullptr;
+    h.expert_first_token_offset = p.routing.offsets.data();
+    h.permuted_row_to_unpermuted_row = p.routing.p2u.data();
+    p.ref.poison();
+    h.out = p.ref.data();
+    ASSERT_TRUE(moe_fc1_cpu(h).ok());
+    p.max_ref = 0;
+    for (int64_t i = 0; i < p.routing.P() * c.I; ++i) p.max_ref = std::max(p.max_ref, std::fabs(p.ref.get(i)));
+    ASSERT_TRUE(p.run().ok());
+    CUDA_OK(cudaDeviceSynchronize());
+    const HostTensor got = p.result();
+    p.check(got);
+    // The block-FP8 FC1 (wide tiles) on the GPU, same X, the converted W1.
+    DeviceBuffer dq(q), dqs(qs), dout(got.bytes.size());
+    HostTensor poison(DType::kBFloat16, got.count());
+    poison.poison();
+    dout.upload(poison.data(), poison.bytes.size());
+    MoeFc1Args g = p.args;
+    g.W1 = dq.get();
+    g.w1_scales = dqs.as<float>();
+    g.weights = MoeWeightFormat::kDense;
+    g.w1_mx_scales = nullptr;
+    g.out = dout.get();
+    ASSERT_TRUE(moe_fc1(g, nullptr).ok());
+    CUDA_OK(cudaDeviceSynchronize());
+    HostTensor fp8(DType::kBFloat16, got.count());
+    dout.download(fp8.data(), fp8.bytes.size());
+    EXPECT_EQ(0, std::memcmp(fp8.data(), got.data(), got.bytes.size()))
+        << "W4A8 wide tiles differ from the block-FP8 FC1 on mxfp4_to_fp8_block's weights";
+    // The FP8 output (spec §9.8; written by these tiles only with MXFP4
+    // weights): codes and scales, both paths, bitwise.
+    const int64_t cap = p.cap(), sblocks = c.I / 128;
+    std::vector<uint8_t> codes[2], scl[2];
+    for (int mx = 0; mx < 2; ++mx) {
+      DeviceBuffer q_out(size_t(cap * c.I)), s_out(size_t(cap * sblocks) * 4);
+      std::vector<uint8_t> pq(size_t(cap * c.I), 0xA5), ps(size_t(cap * sblocks) * 4, 0xA5);
+      q_out.upload(pq.data(), pq.size());
+      s_out.upload(ps.data(), ps.size());
+      MoeFc1Args a = mx ? p.args : g;
+      a.out = q_out.get();
+      a.out_scales = s_out.get();
+      const Status st = moe_fc1(a, nullptr);
+      ASSERT_TRUE(st.ok()) << st.message();
+      CUDA_OK(cudaDeviceSynchronize());
+      codes[mx].resize(pq.size());
+      scl[mx].resize(ps.size());
+      q_out.download(codes[mx].data(), pq.size());
+      s_out.download(scl[mx].data(), ps.size());
+    }
+    EXPECT_TRUE(codes[0] == codes[1] && scl[0] == scl[1])
+        << "W4A8 wide tiles' FP8 output differs from the block-FP8 FC1's on mxfp4_to_fp8_block's weights";
+  };
+  Case c;
+  c.T = 256;  // ~64 rows an expert: chunks both sides of 64
+  c.H = 384;
+  c.I = 256;
+  run(c, "two wide tiles, bias");
+  c.bias = false;
+  c.act = MoeActivation::kSwiGLUClamped;
+  c.I = 128;
+  c.mxo.group_wobble = 18;  // spreads past 14 binades within a row and a block
+  c.mxo.deep_row_every = 7;
+  c.mxo.nan_every = 300;
+  run(c, "spreads and NaN scales, clamped");
+  c = Case{};
+  c.T = 300;
+  c.k = 2;
+  c.H = 256;
+  c.I = 128;
+  c.act = MoeActivation::kSwiGLUOai;
+  c.routing = Case::kAllToOne;  // one expert of 300 rows (chunks), others ~2
+  run(c, "an expert in chunks, oai");
+  c = Case{};
+  c.T = 512;
+  c.H = 256;
+  c.I = 128;
+  c.total = 48;
+  c.start = 16;
+  c.local = 16;
+  c.routing = Case::kFirstHalfOnly;
+  run(c, "EP range, half the experts empty");
+}
+
 TEST(MoeFc1Gpu, Mxfp4BadInput) {
   SKIP_WITHOUT_HOPPER();
   Case c;
@@ -897,6 +1020,15 @@ TEST(MoeFc1Gpu, Mxfp4BadInput) {
   a = p.args;
   a.w1_mx_scales = static_cast<const uint8_t*>(p.args.w1_mx_scales) + 1;
   expect_error(a, "w1_mx_scales");
+  {  // an FP8 output where the wide W4A8 tiles do not apply (a gathered X): kNotSupported, nothing written
+    a = p.args;
+    a.inter = 128;
+    a.out_scales = p.args.out;
+    const Status st = moe_fc1(a, nullptr);
+    EXPECT_EQ(st.code(), StatusCode::kNotSupported) << st.message();
+    EXPECT_NE(st.message().find("out_scales"), std::string::npos) << st.message();
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  }
   p.expect_out_untouched();
 }
 

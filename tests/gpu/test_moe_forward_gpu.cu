@@ -784,9 +784,11 @@ TEST(MoeForwardGpu, Fp8StagesAndEndToEndBothInputs) {
 TEST(MoeForwardGpu, Fp8Fc1WritesE4m3ItselfOnWideTiles) {
   SKIP_WITHOUT_HOPPER();
   const ScopedEnv wide("FLASHMIX_FC1_WIDE", "1");
+  for (bool mx : {false, true})  // MXFP4 W1: the wide W4A8 tiles (a permuted X) write it too
   for (MoeFc1Input in : {MoeFc1Input::kGather, MoeFc1Input::kPermutedCopy})
     for (int ep = 0; ep < 2; ++ep) {
       Fp8Case c;
+      c.mx = mx;
       c.input = in;
       c.mode = Fc2Mode::kDeterministic;
       c.I = 384;  // three 128-column scale blocks
@@ -829,6 +831,9 @@ TEST(MoeForwardGpu, Fp8Fc1WritesE4m3ItselfOnWideTiles) {
 // inputs, an expert-parallel rank, every mode with and without fill.
 TEST(MoeForwardGpu, Mxfp4StagesAndEndToEnd) {
   SKIP_WITHOUT_HOPPER();
+  // FC1's bf16 rows and the quantize_fp8 pass, so that every stage can be
+  // checked (the wide W4A8 tiles' own FP8 output: the test below).
+  const ScopedEnv fc1_rows("FLASHMIX_LAYER_FC1_FP8_OUT", "0");
   for (MoeFc1Input in : {MoeFc1Input::kGather, MoeFc1Input::kPermutedCopy})
     for (Fc2Mode m : kModes) {
       Fp8Case c;
