@@ -179,9 +179,10 @@ struct Fc1Cfg {
   // 384, what the CTA holds at launch): wide tiles' loaders need 64 with the
   // X scales' stores (56 spilled); their consumers fit 216 once the X scales
   // come with the stage.
-  // kMxWide: DeepGEMM's split, 40 / 232 (the consumers hold 192 sums and
-  // convert).
-  static constexpr int kLoaderRegs = kMxWide ? 40 : kWide ? 64 : 72, kConsumerRegs = kMxWide ? 232 : 216;
+  // kMxWide: 56 / 224 (the consumers hold 192 sums and convert; the
+  // loaders' work an item is on the consumers' path: at 40 / 232, 76 bytes
+  // of loader spill, FC1 took 301 us against 261, docs/mxfp4.md §4.13).
+  static constexpr int kLoaderRegs = kMxWide ? 56 : kWide ? 64 : 72, kConsumerRegs = kMxWide ? 224 : 216;
   static constexpr bool kMx = kIn == Fc1In::kMxfp4Fp8 || kIn == Fc1In::kMxfp4Bf16;
   static constexpr bool kFp8 = kIn == Fc1In::kFp8Block || kIn == Fc1In::kFp8Tensor || kIn == Fc1In::kMxfp4Fp8;
   // X scales per row and K block, promoted every stage.
@@ -460,33 +461,26 @@ __device__ __forceinline__ int block_group_exp(int top_plus1) {
   return top_plus1 == 0 ? 0 : top_plus1 - 1 - 127 - kMxfp4Fp8TopShift;
 }
 
-// A wide tile's two blocks' largest finite scales (+ 1; 0: none finite)
-// for a whole warp, whose lanes hold the words of rows lane + 32 i of each
-// (g: the gate block, u: the up block): bytewise maxima, then one redux.
-// A NaN byte (255) would win the bytewise maximum: where the warp sees one
-// (rare), each word's finite bytes are taken one by one instead.
-__device__ __forceinline__ void block_tops(const uint32_t (&g)[4], const uint32_t (&u)[4], int& tg, int& tu) {
-  tg = max_byte4(g);
-  tu = max_byte4(u);
-  if (__any_sync(0xffffffffu, tg == int(kUe8m0NaN) || tu == int(kUe8m0NaN))) {
-    tg = tu = 0;
+// A block's largest finite scale (+ 1; 0: none finite) for a whole warp,
+// whose lanes hold the words of rows lane + 32 i: bytewise maxima, then one
+// redux. A NaN byte (255) would win the bytewise maximum: where the warp
+// sees one (rare), each word's finite bytes are taken one by one instead.
+__device__ __forceinline__ int block_top(const uint32_t (&w)[4]) {
+  int t = max_byte4(w);
+  if (__any_sync(0xffffffffu, t == int(kUe8m0NaN))) {
+    t = 0;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      tg = max(tg, top_finite_plus1(g[i]));
-      tu = max(tu, top_finite_plus1(u[i]));
-    }
+    for (int i = 0; i < 4; ++i) t = max(t, top_finite_plus1(w[i]));
   } else {
-    ++tg;
-    ++tu;
+    ++t;
   }
-  tg = int(__reduce_max_sync(0xffffffffu, uint32_t(tg)));
-  tu = int(__reduce_max_sync(0xffffffffu, uint32_t(tu)));
+  return int(__reduce_max_sync(0xffffffffu, uint32_t(t)));
 }
 
 // Cfg::kMxWide's loaders: the ring as load_tiles fills it for a permuted X
 // (thread 0 the TMA boxes: 256 packed W1 rows and the token rows; thread l
 // row l's X scale), and beside each stage the scale words of its 256 rows
-// (thread l: stage rows l and l + 128) and, from warp 0, the two blocks'
+// (thread l: stage rows l and l + 128) and, from warps 0 and 1, the two blocks'
 // largest finite scales (+ 1; 0: none), which the converting consumers
 // read after the stage's full barrier. Every global load of an item is
 // issued before the wait for its stage.
@@ -508,18 +502,15 @@ __device__ __forceinline__ void load_tiles_mx_wide(const Fc1KernelParams& p, con
     const TileInfo t = decode_tile<Cfg::kMaxRows>(tile, tile_start, row_off, order, p.E);
     const int64_t gate0 = int64_t(t.e) * 2 * p.I + 128 * t.hs;
     const uint32_t* own = mx_sc + (gate0 + (gu ? p.I : 0) + 8 * (l >> 4) + (l & 7)) * kbs;
-    const uint32_t* blk = mx_sc + (gate0 + lane) * kbs;  // warp 0: rows lane + 32 i of each block
+    const uint32_t* blk = mx_sc + (gate0 + lane) * kbs;  // warps 0 / 1: rows lane + 32 i of the gate / up block
     const float* srow = l < t.rows ? p.x_scales + int64_t(t.p0 + l) * kbs : nullptr;
     for (int kb = 0; kb < p.k_blocks; ++kb) {
       const float sv = srow != nullptr ? __ldg(srow + kb) : 0.f;
       const uint32_t w0 = __ldg(own + kb), w1 = __ldg(own + 64 * int64_t(kbs) + kb);
-      uint32_t g[4], u[4];
-      if (l < 32) {
+      uint32_t bw[4];  // warp 0: the gate block's words, warp 1: the up block's
+      if (l < 64) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          g[i] = __ldg(blk + 32 * i * int64_t(kbs) + kb);
-          u[i] = __ldg(blk + (p.I + 32 * i) * int64_t(kbs) + kb);
-        }
+        for (int i = 0; i < 4; ++i) bw[i] = __ldg(blk + ((l >= 32 ? p.I : 0) + 32 * i) * int64_t(kbs) + kb);
       }
       dev::mbar_wait(bar_at(empty0, s), ph ^ 1);
       const uint32_t full = bar_at(full0, s);
@@ -529,13 +520,9 @@ __device__ __forceinline__ void load_tiles_mx_wide(const Fc1KernelParams& p, con
       uint32_t* sw = words + s * (Cfg::kTileW + 4);
       sw[l] = w0;
       sw[l + 128] = w1;
-      if (l < 32) {  // the blocks' largest finite scales (block_tops)
-        int tg, tu;
-        block_tops(g, u, tg, tu);
-        if (l == 0) {
-          sw[Cfg::kTileW] = uint32_t(tg);
-          sw[Cfg::kTileW + 1] = uint32_t(tu);
-        }
+      if (l < 64) {  // the blocks' largest finite scales: warp 0 the gate's, warp 1 the up's
+        const int top = block_top(bw);
+        if (lane == 0) sw[Cfg::kTileW + (l >> 5)] = uint32_t(top);
       }
       dev::mbar_arrive(full);  // every loader thread, after its stores (the barrier counts kLoaders + 1)
       if (++s == Cfg::kStages) {
