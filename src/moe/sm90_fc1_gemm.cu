@@ -209,8 +209,10 @@ struct Fc1Cfg {
   static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned (128-byte swizzle)");
   static constexpr int kFixed =
       2 * kEpiBytes + kCvtBytes + 2 * (kFc1MaxExperts + 1) * 4 + kFc1MaxExperts * 2 + 8 + 1024 + (kMxWide ? 4 * 8 : 0);
-  // kMxWide: a stage's 256 scale words and the two blocks' largest scales.
-  static constexpr int kWordsBytes = kMxWide ? (kTileW + 4) * 4 : 0;
+  // kMxWide: a stage's 256 scale words and the two blocks' largest scales
+  // (+ 1), kWordsStride words apart.
+  static constexpr int kWordsStride = kTileW + 4;
+  static constexpr int kWordsBytes = kMxWide ? kWordsStride * 4 : 0;
   static constexpr int kFit = (kSmemLimit - kFixed - 16 * 8) / (kStageBytes + kScaleBytes + kWordsBytes);
   // MXFP4's stages are small (8 or 4 KB of weights): up to 16 of them, so
   // decode keeps enough weight bytes in flight (tiles of 32 rows: 14 stages).
@@ -517,7 +519,7 @@ __device__ __forceinline__ void load_tiles_mx_wide(const Fc1KernelParams& p, con
       const uint32_t st = stages + uint32_t(s) * Cfg::kStageBytes;
       if (l == 0) issue_permuted_stage<Cfg>(st, full, map_w, map_x64, map_x16, kb, t.hs, t);
       if (l < t.n) store_stage_scale<Cfg>(scales, s, l, sv);
-      uint32_t* sw = words + s * (Cfg::kTileW + 4);
+      uint32_t* sw = words + s * Cfg::kWordsStride;
       sw[l] = w0;
       sw[l + 128] = w1;
       if (l < 64) {  // the blocks' largest finite scales: warp 0 the gate's, warp 1 the up's
@@ -731,14 +733,13 @@ constexpr int kScaleBar = 3;
 // One K block of the slices' MMAs and promotions (rows_m_mainloop): stage s
 // (its descriptors da, db: warp-uniform), the block's W1 scale products
 // already read. kOneUp: every up row of every slice in one scale block (the
-// promotion takes four products and no select an element group). kMxWide
-// also releases the converted stage (cvt_empty) where it releases the ring's.
+// promotion takes four products and no select an element group).
 template <class Cfg, bool kOneUp>
 __device__ __forceinline__ void rows_m_k_block(float (&acc)[kHalves<Cfg>][kSliceW / 2], float (&part)[kSliceW / 2],
                                                uint64_t da, uint64_t db, uint32_t empty, bool gathered,
                                                const float (&gs)[kHalves<Cfg>], const float (&us0)[kHalves<Cfg>],
                                                const float (&us1)[kHalves<Cfg>], float xa, float xb,
-                                               const uint32_t (&up_hi)[kHalves<Cfg>], uint32_t cvt_empty = 0) {
+                                               const uint32_t (&up_hi)[kHalves<Cfg>]) {
   constexpr int N = kSliceW, H2 = kHalves<Cfg>;
 #pragma unroll
   for (int h = 0; h < H2; ++h) {
@@ -752,10 +753,7 @@ __device__ __forceinline__ void rows_m_k_block(float (&acc)[kHalves<Cfg>][kSlice
     // __syncwarp, though the threads read the staged X scales: every
     // thread's arrival (dev::release_stage<true>, what racecheck credits)
     // measured 12-25 % slower here (docs/moe_fc1.md).
-    if (h == H2 - 1) {
-      dev::release_stage_elect(empty);
-      if constexpr (Cfg::kMxWide) dev::release_stage_elect(cvt_empty);
-    }
+    if (h == H2 - 1) dev::release_stage_elect(empty);
     const float ag = xa * gs[h], bg = xb * gs[h];
     if constexpr (kOneUp) {
       // (Without the promotion the same schedule ran ~40 % faster: its
@@ -861,12 +859,12 @@ __device__ __forceinline__ void zero_sums(float (&acc)[kHalves<Cfg>][kSliceW / 2
 // warpgroups convert, so each waits for both halves (cvt_full counts the
 // eight warps) and for the other's release of the stage it rewrites
 // (cvt_empty). The loaders stage the rows' scale words and the blocks'
-// exponents beside each stage (load_tiles_mx_wide).
+// largest scales beside each stage (load_tiles_mx_wide).
 template <class Cfg>
 __device__ __forceinline__ void convert_rows_mx(uint32_t stages, const uint32_t* words, int s, int c,
                                                 uint32_t cvt_full) {
   const int rr = threadIdx.x;  // 0..255
-  const uint32_t* sw = words + s * (Cfg::kTileW + 4);
+  const uint32_t* sw = words + s * Cfg::kWordsStride;
   const uint32_t w = sw[rr];
   const int ge = block_group_exp(int(sw[Cfg::kTileW + ((rr >> 3) & 1)]));
   const uint32_t raw = stages + uint32_t(s) * Cfg::kStageBytes;
@@ -965,7 +963,7 @@ __device__ __forceinline__ void rows_m_mainloop_mx(const Fc1KernelParams& p, uin
     const bool next = kb + 1 < p.k_blocks;
     const uint64_t step = uint64_t(uint32_t(s) * uint32_t(Cfg::kStageBytes / 16));
     const uint64_t cstep = uint64_t(uint32_t(c) * uint32_t(Cfg::kTileW * kTileBytes / 16));
-    const uint32_t* sw = words + s * (Cfg::kTileW + 4);
+    const uint32_t* sw = words + s * Cfg::kWordsStride;
     const float gs = exp2_float(block_group_exp(int(sw[Cfg::kTileW])));
     const float us = exp2_float(block_group_exp(int(sw[Cfg::kTileW + 1])));
     const float xa = xs[s * Cfg::kMaxRows], xb = xs[s * Cfg::kMaxRows + 8];
@@ -1255,7 +1253,8 @@ __device__ __forceinline__ void consume_tile_rows_m(const Fc1KernelParams& p, co
   const bool row_a = r_lo < t.rows, row_b = r_lo + 8 < t.rows;
   float acc[kHalves<Cfg>][kSliceW / 2];
   if constexpr (Cfg::kPair == 1) {
-    rows_m_mainloop<Cfg>(p, t, t.hs * kHalves<Cfg>, stages, full0, empty0, wg, s, ph, r_lo, active, acc, wsc, xsc, words, n_cvt);
+    rows_m_mainloop<Cfg>(p, t, t.hs * kHalves<Cfg>, stages, full0, empty0, wg, s, ph, r_lo, active, acc, wsc, xsc,
+                         words, n_cvt);
     if (!active) return;
     if constexpr (Cfg::kFp8Out) {
       // Wide tiles with the FP8 output: the stage's two slices are the
@@ -1271,9 +1270,11 @@ __device__ __forceinline__ void consume_tile_rows_m(const Fc1KernelParams& p, co
     }
   } else {
     __nv_bfloat162 first[16], second[16];
-    rows_m_mainloop<Cfg>(p, t, 2 * t.hs, stages, full0, empty0, wg, s, ph, r_lo, active, acc, wsc, xsc, words, n_cvt);
+    rows_m_mainloop<Cfg>(p, t, 2 * t.hs, stages, full0, empty0, wg, s, ph, r_lo, active, acc, wsc, xsc, words,
+                         n_cvt);
     if (active) rows_m_activations(p, t, 2 * t.hs * kSliceOut, acc[0], first);
-    rows_m_mainloop<Cfg>(p, t, 2 * t.hs + 1, stages, full0, empty0, wg, s, ph, r_lo, active, acc, wsc, xsc, words, n_cvt);
+    rows_m_mainloop<Cfg>(p, t, 2 * t.hs + 1, stages, full0, empty0, wg, s, ph, r_lo, active, acc, wsc, xsc, words,
+                         n_cvt);
     if (!active) return;
     rows_m_activations(p, t, (2 * t.hs + 1) * kSliceOut, acc[0], second);
     rows_m_store_fp8(p, t, r_lo, row_a, row_b, first, second);
@@ -1302,7 +1303,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       dev::mbar_init(bar_at(full0, i), kLoaders + 1 + (p.x_permuted ? 0 : Cfg::kScaleArrivals));
       dev::mbar_init(bar_at(empty0, i), Cfg::kEmptyArrivals);
     }
-    if constexpr (Cfg::kMxWide) {  // the converted stages: every converter thread's arrival; one a consumer warp's
+    if constexpr (Cfg::kMxWide) {  // the converted stages' full and empty barriers: one arrival a consumer warp
       for (int i = 0; i < 2; ++i) {
         dev::mbar_init(full0 + 16 * Cfg::kStages + 8 * i, 8);
         dev::mbar_init(full0 + 16 * Cfg::kStages + 16 + 8 * i, 8);
@@ -1479,8 +1480,8 @@ bool sm90_fc1_wide_tiles(MoeFp8Scaling fp8, MoeWeightFormat weights, bool x_perm
 
 // W4A8 on wide tiles (Fc1Cfg::kMxWide, docs/mxfp4.md §4.13): where a wide
 // tile's gate rows and its up rows are each one 128 x 128 block of W1 (gate
-// rows then up rows, I % 128 == 0), X is permuted (the loader warps convert
-// instead of gathering) and experts average more than 32 rows (below, the
+// rows then up rows, I % 128 == 0), X is permuted (the loaders bring its
+// rows by TMA boxes: no gather) and experts average more than 32 rows (below, the
 // 32-row W4A8 tile or the decode kernel; FLASHMIX_FC1_ROWS=32 pins those).
 // FLASHMIX_FC1_MX_WIDE=0 pins the transposed W4A8 tile (the A/B), read on
 // every call. moe_fc1's validation and moe_forward ask too: the FP8 output

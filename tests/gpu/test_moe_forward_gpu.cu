@@ -832,7 +832,7 @@ TEST(MoeForwardGpu, Fp8Fc1WritesE4m3ItselfOnWideTiles) {
 TEST(MoeForwardGpu, Mxfp4StagesAndEndToEnd) {
   SKIP_WITHOUT_HOPPER();
   // FC1's bf16 rows and the quantize_fp8 pass, so that every stage can be
-  // checked (the wide W4A8 tiles' own FP8 output: the test below).
+  // checked (the wide W4A8 tiles' own FP8 output: Fp8Fc1WritesE4m3ItselfOnWideTiles).
   const ScopedEnv fc1_rows("FLASHMIX_LAYER_FC1_FP8_OUT", "0");
   for (MoeFc1Input in : {MoeFc1Input::kGather, MoeFc1Input::kPermutedCopy})
     for (Fc2Mode m : kModes) {
