@@ -25,6 +25,9 @@ would otherwise run (the peers' loading and their adapters: bench/peers_adapters
     torch._scaled_grouped_mm on its own row-wise FP8 of the same bf16 data, alone
     and (FC2) + sgl's finalize; the ceiling is torch._scaled_mm of equal FLOPs with
     per-tensor scales and fast accumulation (`ceiling` "gemm_fp8", as flashmix-bench).
+  moe_router (spec §8; flashmix-bench's case names, bf16 logits rotated through CUDA-graph
+    replays): torch eager, torch.compile of the spec's math; sgl-kernel's topk_softmax on the
+    softmax cases (its weights renormalised for gpt-oss's softmax over the k).
   mhc_pre / mhc_post (spec §4): torch eager, torch.compile; for mhc_pre also
     DeepGEMM's tf32_hc_prenorm_gemm, the projection and sums of squares only
     (a part of mhc_pre, timed against flashmix's whole op).
@@ -57,7 +60,7 @@ Usage (on a GPU machine, with the binding built, e.g. by
 `PYTEST=0 scripts/gpu_python_tests.sh BUILD`, and the peers unpacked by
 bench/peers_setup.sh into /tmp/site):
     PYTHONPATH=/tmp/site:BUILD/python:python python3 bench/peers.py [--json FILE_OR_FOLDER]
-        [--commit HASH] [--no-compile] [--ops finalize,fc2,fc1,fc2_fp8,fc1_fp8,mhc]
+        [--commit HASH] [--no-compile] [--ops finalize,fc2,fc1,fc2_fp8,fc1_fp8,mhc,router]
 scripts/peers_table.py prints the README's table from the JSON records.
 """
 import argparse
@@ -866,6 +869,115 @@ def bench_mhc(run, B, n, C):
 
 
 # ===========================================================================
+# moe_router (spec §8)
+# ===========================================================================
+
+def router_torch(logits, k, scoring, renormalize, bias, scale, n_group, topk_group):
+    """The spec's router in torch (fp32): ids [T, k] int64 and weights [T, k] fp32."""
+    lf = logits.float()
+    if scoring == "softmax_after_topk":
+        v, ids = lf.topk(k, dim=-1)
+        return ids, torch.softmax(v, -1) * scale
+    s = torch.softmax(lf, -1) if scoring == "softmax" else torch.sigmoid(lf)
+    sel = s + bias if bias is not None else s
+    if n_group > 1:
+        T, E = sel.shape
+        group = sel.view(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(-1)
+        keep = torch.zeros_like(group).scatter_(1, group.topk(topk_group, dim=-1)[1], 1.0)
+        sel = sel.masked_fill(keep.repeat_interleave(E // n_group, dim=1) == 0, float("-inf"))
+    ids = sel.topk(k, dim=-1)[1]
+    w = s.gather(1, ids)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return ids, w * scale
+
+
+def bench_router(run, case, scoring, E, k, renormalize, with_bias, scale, n_group, topk_group, T=8192):
+    """flashmix-bench's router cases (same names; bf16 logits, randn), CUDA-graph replays over sets
+    of logits rotated call by call (at least 128 MB of them where 100 calls reach that)."""
+    op = "moe_router"
+    per_set = T * E * 2
+    sets = max(2, min(GRAPH_CALLS, -(-(128 << 20) // per_set)))
+    logits = [torch.randn(T, E, device=DEV).to(torch.bfloat16) for _ in range(sets)]
+    bias = (torch.randn(E, device=DEV) * 0.1) if with_bias else None
+    ids = torch.empty(T, k, device=DEV, dtype=torch.int32)
+    w = torch.empty(T, k, device=DEV, dtype=torch.float32)
+    turn = [0]
+
+    def rotating(call):
+        def fn():
+            i = turn[0] % sets
+            turn[0] += 1
+            return call(logits[i])
+        return fn
+
+    # Checks on set 0 against the spec's math in torch: the same experts (compared by their
+    # selection values, sorted, so that a tie broken differently still agrees) and the same
+    # weights (sorted) within TOL_SAME.
+    ref_ids, ref_w = router_torch(logits[0], k, scoring, renormalize, bias, scale, n_group, topk_group)
+    lf0 = logits[0].float()
+    key0 = lf0 if scoring == "softmax_after_topk" else (
+        torch.softmax(lf0, -1) if scoring == "softmax" else torch.sigmoid(lf0)) + (bias if bias is not None else 0)
+
+    def agree(out_ids, out_w):
+        # A token may choose differently where two selection values lie within the scorings'
+        # approximation (~1e-6 relative) at the k-th place: up to one token in a thousand may.
+        same = (key0.gather(1, out_ids.long()).sort(-1)[0] == key0.gather(1, ref_ids).sort(-1)[0]).all(-1)
+        if (~same).sum().item() > T // 1000:
+            return float("inf")
+        return rel_err(out_w.float().sort(-1)[0][same], ref_w.sort(-1)[0][same])
+
+    args = dict(scoring=scoring, renormalize=renormalize, correction_bias=bias, n_group=n_group,
+                topk_group=topk_group, routed_scaling_factor=scale)
+    fm = rotating(lambda lg: flashmix.moe_router(lg, k, token_selected_experts=ids, token_final_scales=w, **args))
+    flashmix.moe_router(logits[0], k, token_selected_experts=ids, token_final_scales=w, **args)
+    torch.cuda.synchronize()
+    fm_err = agree(ids, w)
+    time = dict(graph=True, bytes_=per_set, note="%d logit sets rotated call by call" % sets)
+    run.reference(op, case, "flashmix", fm, err=fm_err, tol=TOL_SAME, **time)
+
+    eager = rotating(lambda lg: router_torch(lg, k, scoring, renormalize, bias, scale, n_group, topk_group))
+    run.peer(op, case, "torch eager", lambda: eager, check=lambda: agree(
+        *router_torch(logits[0], k, scoring, renormalize, bias, scale, n_group, topk_group)), **time)
+    comp = run.compiled(router_torch)
+    if comp is not None:
+        f = rotating(lambda lg: comp(lg, k, scoring, renormalize, bias, scale, n_group, topk_group))
+        run.peer(op, case, "torch.compile", lambda: f, check=lambda: agree(
+            *comp(logits[0], k, scoring, renormalize, bias, scale, n_group, topk_group)), repeats=20, **time)
+
+    # sgl-kernel's topk_softmax: softmax over the E logits, top k, optional renormalising (the
+    # weights of gpt-oss's softmax over the k are the renormalised ones: the same top k).
+    if scoring in ("softmax", "softmax_after_topk") and scale == 1.0:
+        renorm = renormalize or scoring == "softmax_after_topk"
+        sw = torch.empty(T, k, device=DEV, dtype=torch.float32)
+        si = torch.empty(T, k, device=DEV, dtype=torch.int32)
+
+        def make_sgl():
+            ops = adapters.sgl_ops()
+            if not _has_op(ops, "topk_softmax"):
+                raise Missing("this sgl-kernel build has no topk_softmax")
+            return rotating(lambda lg: ops.topk_softmax.default(sw, si, lg, renorm, 0.0, None))
+
+        def check_sgl():
+            adapters.sgl_ops().topk_softmax.default(sw, si, logits[0], renorm, 0.0, None)
+            torch.cuda.synchronize()
+            return agree(si, sw)
+        run.peer(op, case, "sgl-kernel topk_softmax", make_sgl, check=check_sgl, repeats=20, **time)
+    else:
+        mark_not_applicable(run, op, case, "sgl-kernel topk_softmax",
+                            "softmax scoring only (sgl-kernel 0.4.5 has no grouped sigmoid top-k: its "
+                            "moe_fused_gate moved out of the wheel)")
+
+
+def _has_op(ops, name):
+    try:
+        getattr(ops, name)
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# ===========================================================================
 # Main: the cases, the summary table, the JSON record
 # ===========================================================================
 
@@ -882,6 +994,12 @@ FC2_CASES = [  # name, T, k, E, I, H
     ("qwen3moe", 4096, 8, 128, 768, 2048),
 ]
 MHC_CASES = [(8192, 4, 7168), (16, 4, 7168)]  # B, n, C
+ROUTER_CASES = [  # flashmix-bench's names: case, scoring, E, k, renormalize, bias, scale, n_group, topk_group
+    ("deepseek_v3_T8192_E256_k8", "sigmoid", 256, 8, True, True, 2.5, 8, 4),
+    ("qwen3_T8192_E128_k8", "softmax", 128, 8, True, False, 1.0, 1, 1),
+    ("mixtral_T8192_E8_k2", "softmax", 8, 2, True, False, 1.0, 1, 1),
+    ("gptoss_T8192_E128_k4", "softmax_after_topk", 128, 4, False, False, 1.0, 1, 1),
+]
 
 
 def git_commit():
@@ -910,8 +1028,8 @@ def main():
                     "peers-<GPU>-<date>-<time>.json (the name bench/results/ uses)")
     ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD, if a repo)")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
-    ap.add_argument("--ops", default="finalize,fc2,fc1,fc2_fp8,fc1_fp8,mhc",
-                    help="comma-separated subset of finalize,fc2,fc1,fc2_fp8,fc1_fp8,mhc")
+    ap.add_argument("--ops", default="finalize,fc2,fc1,fc2_fp8,fc1_fp8,mhc,router",
+                    help="comma-separated subset of finalize,fc2,fc1,fc2_fp8,fc1_fp8,mhc,router")
     args = ap.parse_args()
     ops = set(args.ops.split(","))
     torch.manual_seed(0)
@@ -927,6 +1045,9 @@ def main():
         if "mhc" in ops:
             for B, n, C in MHC_CASES:
                 bench_mhc(run, B, n, C)
+        if "router" in ops:
+            for case in ROUTER_CASES:
+                bench_router(run, *case)
         if "fc2" in ops:
             for case in FC2_CASES:
                 bench_fc2(run, *case)
