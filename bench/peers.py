@@ -31,9 +31,23 @@ would otherwise run (the peers' loading and their adapters: bench/peers_adapters
   mhc_pre / mhc_post (spec §4): torch eager, torch.compile; for mhc_pre also
     DeepGEMM's tf32_hc_prenorm_gemm, the projection and sums of squares only
     (a part of mhc_pre, timed against flashmix's whole op).
+  moe_forward_mxfp4 (spec §13.7; --ops mxfp4): the MXFP4 expert layer at decode on
+    DeepSeek-V4-Flash's shapes, rank 0 of EP 8 (H 4096, I 2048, 256 experts, top 6,
+    experts 0..31 held; flashmix-bench's cases v4flash_ep8_T16 / _T64 with its
+    inputs: the same hashes for X, the router logits and the MXFP4 weights, routed
+    once by flashmix's sqrtsoftplus router): flashmix's moe_forward W4A8 (the
+    ratios' reference), W4A16, and W4A8 with the router in the call (as
+    flashmix-bench times it); triton_kernels' matmul_ogs layer with bf16
+    activations (its Hopper MXFP4 path: adapters.TritonMxfp4Moe): routing maps
+    built in the call, FC1 with the gather and its SwiGLU fused, FC2 with the
+    router weights, scatter and top-k sum; the same with the maps built outside
+    the timing; with DeepSeek-V4's SwiGLU as a kernel of its own; FC1's and FC2's
+    GEMMs alone. Every record's `fraction` is of the copy rate, for the bytes
+    of the e2m1 weights and their scales of the held experts that receive a
+    slot (a GEMM alone: its own weights).
 Every record has `ratio` = its time / flashmix's time on the case (above 1:
 flashmix is faster; FC2: against flashmix atomic, and `ratio_deterministic`
-against flashmix deterministic).
+against flashmix deterministic; the MXFP4 layer: against flashmix W4A8).
 
 Ceilings are measured in the same run: a 1 GiB device-to-device copy (bytes
 read + written) and an 8192^3 bf16 cuBLAS GEMM. Timing: CUDA events around
@@ -49,8 +63,13 @@ differs, 2^-8 = 3.9e-3 of an element), 2e-2 (TOL_BF16_STEP) where the peer
 rounds an intermediate to bf16 (a GEMM's output before the finalize, rows
 weighted beforehand) or sums in another order over K. Router weights are
 drawn bf16-exact (sgl takes them in bf16). GEMM-alone rows are checked
-against a per-expert torch GEMM. A peer that disagrees is reported as such
-and makes the exit status 1.
+against a per-expert torch GEMM. The MXFP4 layer: triton_kernels runs bf16
+activations on the same dequantised weights, so it is checked against flashmix
+W4A16 within TOL_BF16_STEP (its rows are rounded to bf16 before the top-k
+sum) and its relative Frobenius error against W4A8 is recorded; flashmix
+W4A16 is checked against W4A8 by that error within 2^-3 (W4A8 rounds X and
+FC1's output to e4m3: ~4 % of the output's norm), as flashmix-bench does. A
+peer that disagrees is reported as such and makes the exit status 1.
 
 A peer that is not installed or fails to load is recorded as `missing:
 <reason>`; one that raises on the case, `failed: <error>`; an operand it does
@@ -60,7 +79,7 @@ Usage (on a GPU machine, with the binding built, e.g. by
 `PYTEST=0 scripts/gpu_python_tests.sh BUILD`, and the peers unpacked by
 bench/peers_setup.sh into /tmp/site):
     PYTHONPATH=/tmp/site:BUILD/python:python python3 bench/peers.py [--json FILE_OR_FOLDER]
-        [--commit HASH] [--no-compile] [--ops finalize,fc2,fc1,fc2_fp8,fc1_fp8,mhc,router]
+        [--commit HASH] [--no-compile] [--ops finalize,fc2,fc1,fc2_fp8,fc1_fp8,mhc,router,mxfp4]
 scripts/peers_table.py prints the README's table from the JSON records.
 """
 import argparse
@@ -764,6 +783,268 @@ def bench_fc2_fp8(run, name, T, k, E, I, H):
 
 
 # ===========================================================================
+# The MXFP4 expert layer at decode (spec §13.7): moe_forward against triton_kernels' matmul_ogs
+# ===========================================================================
+
+MXFP4_CASES = [  # name, T, k, E, E_local, H, I: DeepSeek-V4-Flash's experts on rank 0 of EP 8 (flashmix-bench's)
+    ("v4flash_ep8_T16", 16, 6, 256, 32, 4096, 2048),
+    ("v4flash_ep8_T64", 64, 6, 256, 32, 4096, 2048),
+]
+SWIGLU_LIMIT = 10.0  # DeepSeek-V4's swiglu_limit (flashmix's "swiglu_clamped")
+# W4A16 against W4A8 (and the peer, whose activations are bf16, against W4A8): the FP8 layer
+# rounds X and FC1's output to e4m3 (up to 2^-4 of an element, ~4 % of the output's norm
+# together), so these are compared by the relative Frobenius error, within 2^-3 as flashmix-bench
+# checks its MXFP4 layer against the bf16 one.
+TOL_W4A8_FROBENIUS = 0.125
+
+
+def rel_frobenius(a, b):
+    a, b = a.float(), b.float()
+    if a.shape != b.shape or not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def bench_hashed_bf16(n, seed, scale):
+    """flashmix-bench's fill_bf16 (bench/bench_common.cu), value for value: scale * u, u in [-1, 1)
+    from a 64-bit hash of i + seed, rounded to bf16 (on the CPU, in Python integers; exact)."""
+    mask = (1 << 64) - 1
+    vals = []
+    for i in range(n):
+        h = ((i + seed) * 0x9E3779B97F4A7C15) & mask
+        h ^= h >> 31
+        h = (h * 0xBF58476D1CE4E5B9) & mask
+        h ^= h >> 29
+        vals.append(scale * ((h >> 40) / float(1 << 24) * 2.0 - 1.0))
+    return torch.tensor(vals, dtype=torch.float32).to(torch.bfloat16)
+
+
+def bench_hashed_bytes(n, seed, lo=0, span=0):
+    """flashmix-bench's fill_mx_kernel (bench/bench_moe_forward.cu), byte for byte, on the GPU: a
+    32-bit hash of (i, seed), as the byte itself (span 0) or lo + hash % span."""
+    m32 = 0xFFFFFFFF
+
+    def mul32(h, c):  # h * c mod 2^32 without leaving int64
+        return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & m32
+    out = torch.empty(n, dtype=torch.uint8, device=DEV)
+    step = 1 << 24
+    for s in range(0, n, step):
+        h = mul32(torch.arange(s, min(n, s + step), device=DEV, dtype=torch.int64), 0x9E3779B9) ^ seed
+        h ^= h >> 16
+        h = mul32(h, 0x85EBCA6B)
+        h ^= h >> 13
+        h = mul32(h, 0xC2B2AE35)
+        h ^= h >> 16
+        out[s:s + h.numel()] = (lo + h % span if span else h & 0xFF).to(torch.uint8)
+    return out
+
+
+def swiglu_clamped_interleaved(h, limit=SWIGLU_LIMIT):
+    """DeepSeek-V4's clamped SwiGLU, ``silu(min(g, L)) * clamp(u, -L, L)`` (spec §9), on rows of
+    interleaved gate/up columns; bf16 out."""
+    g = h[:, 0::2].float().clamp(max=limit)
+    u = h[:, 1::2].float().clamp(-limit, limit)
+    return (torch.nn.functional.silu(g) * u).to(torch.bfloat16)
+
+
+class Mxfp4Experts:
+    """The local experts of the MXFP4 cases, shared by them: flashmix-bench's weights byte for byte
+    (e2m1 bytes from its hash, scales 2^-9 .. 2^-5) as flashmix's stacks (W1 gate/up), and, on first
+    use, triton_kernels' operands (made from the interleaved copy; a failure is kept and raised again)
+    and the dequantised weights of one expert for the GEMM-alone checks."""
+
+    def __init__(self, E_local, H, I, k):
+        self.E_local, self.H, self.I, self.k = E_local, H, I, k
+        self.w1 = bench_hashed_bytes(E_local * 2 * I * H // 2, 33).view(E_local, 2 * I, H // 2)
+        self.w2 = bench_hashed_bytes(E_local * H * I // 2, 34).view(E_local, H, I // 2)
+        self.w1s = bench_hashed_bytes(E_local * 2 * I * H // 32, 35, 118, 5).view(E_local, 2 * I, H // 32)
+        self.w2s = bench_hashed_bytes(E_local * H * I // 32, 36, 118, 5).view(E_local, H, I // 32)
+        self._peer = None
+
+    def triton(self):
+        """adapters.TritonMxfp4Moe over these experts (W1 interleaved for its fused SwiGLU)."""
+        if self._peer is None:
+            E, N, c = self.w1.shape
+            try:
+                adapters.triton_kernels()  # Missing before anything is allocated
+                w1i = self.w1.view(E, 2, N // 2, c).transpose(1, 2).reshape(E, N, c)
+                s1i = self.w1s.view(E, 2, N // 2, -1).transpose(1, 2).reshape(E, N, -1)
+                self._peer = adapters.TritonMxfp4Moe(w1i, s1i, self.w2, self.w2s, k=self.k, limit=SWIGLU_LIMIT)
+            except Exception as e:  # noqa: BLE001 - kept: every record of the peer reports it
+                self._peer = e
+            torch.cuda.empty_cache()
+        if isinstance(self._peer, Exception):
+            raise self._peer
+        return self._peer
+
+    def w1_interleaved_bf16(self, e):
+        """Expert e's W1 dequantised (flashmix's mxfp4_to_bf16, exact), rows interleaved gate/up."""
+        w = flashmix.mxfp4_to_bf16(self.w1[e], self.w1s[e])
+        return w.view(2, self.I, self.H).transpose(0, 1).reshape(2 * self.I, self.H)
+
+    def w2_bf16(self, e):
+        return flashmix.mxfp4_to_bf16(self.w2[e], self.w2s[e])
+
+
+def sorted_rows_reference(a, gather_k, maps, weight_of):
+    """The GEMM rows a triton_kernels grouped GEMM writes, per held sorted row r: ``a[src(r)] @
+    W[e(r)]^T`` in fp32 from bf16 operands, bf16 out; src(r) = the token of r's slot (slot //
+    gather_k) with the gather, r itself with gather_k 0. maps: adapters.triton_routing_indices';
+    weight_of(e): W[e] bf16."""
+    hist = maps["hist"].tolist()
+    order = maps["order"].long()
+    n = sum(hist)
+    y = None
+    start = 0
+    for e, rows in enumerate(hist):
+        if rows:
+            r = torch.arange(start, start + rows, device=a.device)
+            src = order[r] // gather_k if gather_k else r
+            part = (a[src].float() @ weight_of(e).float().t()).to(torch.bfloat16)
+            if y is None:
+                y = torch.empty(n, part.shape[1], dtype=torch.bfloat16, device=a.device)
+            y[start:start + rows] = part
+        start += rows
+    return y
+
+
+def bench_mxfp4(run, experts, name, T, k, E, E_local, H, I):
+    """flashmix's MXFP4 moe_forward (W4A8, W4A16) against triton_kernels' matmul_ogs layer on the
+    same routing: flashmix-bench's inputs for the case (X, router logits and weights from its
+    hashes), routed by flashmix's sqrtsoftplus router (top-k of E, renormalised, x 1.5) once,
+    outside the timing; this rank holds experts [0, E_local). Every record: CUDA-graph replays,
+    bytes_ = the e2m1 bytes and ue8m0 scales of the held experts that receive a slot (both GEMMs)."""
+    op, case = "moe_forward_mxfp4", name
+    logits = bench_hashed_bf16(T * E, 32, 4.0).view(T, E).to(DEV)
+    x = bench_hashed_bf16(T * H, 31, 1.0).view(T, H).to(DEV)
+    router = dict(scoring="sqrtsoftplus", renormalize=True, routed_scaling_factor=1.5)
+    ids, scales = flashmix.moe_router(logits, k, **router)
+    maps = adapters.triton_routing_indices(ids, scales, 0, E_local)
+    torch.cuda.synchronize()
+    hist = maps["hist"].tolist()
+    used = [e for e, n in enumerate(hist) if n]
+    per_gemm = {"fc1": 2 * I * H * 17 // 32, "fc2": H * I * 17 // 32}  # e2m1 bytes + a scale byte per 32
+    nbytes = len(used) * (per_gemm["fc1"] + per_gemm["fc2"])
+    facts = {"experts_used": len(used), "held_slots": sum(hist), "slots": T * k, "weight_bytes": nbytes,
+             "ep": "experts 0..%d of %d" % (E_local - 1, E)}
+    print("%s: %d of %d held experts receive %d of %d slots; %.1f MB of MXFP4 weights" %
+          (case, len(used), E_local, sum(hist), T * k, nbytes / 1e6))
+    time = dict(graph=True, bytes_=nbytes)
+
+    # flashmix: W4A8 (its default with MXFP4 weights; the ratios' reference) and W4A16, on the
+    # router's choice; then W4A8 with the router in the call, as flashmix-bench times it.
+    layer = dict(k=k, num_experts=E, activation="swiglu_clamped", weights="mxfp4", w1_mx_scales=experts.w1s,
+                 w2_mx_scales=experts.w2s)
+    outs, fns = {}, {}
+    for label, fp8, with_router in (("W4A8", "block", False), ("W4A16", "none", False),
+                                    ("W4A8 router", "block", True)):
+        out = torch.empty(T, H, device=DEV, dtype=torch.bfloat16)
+        size = flashmix.moe_forward_workspace_size(T, k, H, I, E_local, with_router=with_router, num_experts=E,
+                                                   fp8=fp8, weights="mxfp4")
+        ws = torch.empty(size, dtype=torch.uint8, device=DEV)
+        routing = dict(router_logits=logits, **router) if with_router else dict(token_selected_experts=ids,
+                                                                                  token_final_scales=scales)
+        fns[label] = lambda out=out, ws=ws, fp8=fp8, routing=routing: flashmix.moe_forward(
+            x, experts.w1, experts.w2, fp8=fp8, out=out, workspace=ws, **routing, **layer)
+        fns[label]()
+        torch.cuda.synchronize()
+        outs[label] = out.clone()
+    w4a16 = outs["W4A16"]  # the peer's numerics: bf16 activations, the same dequantised weights
+    run.reference(op, case, "flashmix W4A8", fns["W4A8"], extra=facts, **time,
+                  note="X and FC1's output in e4m3 with 1 x 128 scales; the router's choice given")
+    run.reference(op, case, "flashmix W4A16", fns["W4A16"], err=rel_frobenius(w4a16, outs["W4A8"]),
+                  tol=TOL_W4A8_FROBENIUS, extra=facts, **time,
+                  note="bf16 activations; error: relative Frobenius vs flashmix W4A8")
+    run.reference(op, case, "flashmix W4A8 + router", fns["W4A8 router"],
+                  err=rel_err(outs["W4A8 router"], outs["W4A8"]), tol=TOL_SAME, extra=facts, **time,
+                  note="sqrtsoftplus router on the logits inside the call, as flashmix-bench times the layer")
+
+    # triton_kernels: the layer as an engine runs it (routing maps from the router's choice, FC1 with
+    # the gather and its SwiGLU fused, FC2 with the weights, scatter and top-k sum), the same with
+    # the maps built once outside the timing, and with DeepSeek-V4's SwiGLU as a kernel of its own.
+    act = run.compiled(swiglu_clamped_interleaved)
+    act_how = "torch.compile" if act is not None else "torch eager"
+    act = act or swiglu_clamped_interleaved
+    held = {}
+
+    def make_layer(label, maps_inside, activation):
+        def make():
+            peer = experts.triton()
+            out = torch.empty(T, H, device=DEV, dtype=torch.bfloat16)
+            held[label] = out
+            if maps_inside:
+                return lambda: peer.forward(x, peer.routing(ids, scales), out, activation=activation)
+            fixed = peer.routing(ids, scales)
+            return lambda: peer.forward(x, fixed, out, activation=activation)
+        return make
+
+    def check_layer(label):
+        def check():
+            out = held[label]
+            held[label + " w4a8"] = rel_frobenius(out, outs["W4A8"])
+            return rel_err(out, w4a16)
+        return check
+
+    layer_note = ("W4A16 (bf16 activations; Hopper: weights upcast to bf16 in the kernel, bf16 MMAs); %s; "
+                  "checked against flashmix W4A16 (max error / max |out|)")
+    fused_note = ("FC1's fused SwiGLU is gpt-oss's silu(g') (u' + 1); an up bias of -1 makes it V4's clamped "
+                  "SwiGLU wherever -9 <= u <= 10 (up_values_outside_exact_range counts the others)")
+    fused = ("triton_kernels W4A16 layer", "triton_kernels W4A16, maps prebuilt")
+    for label, maps_inside, activation, note in (
+            (fused[0], True, None,
+             layer_note % "routing maps built in the call (torch sort + its ragged metadata)" + "; " + fused_note),
+            (fused[1], False, None,
+             layer_note % "routing maps built once outside the timing" + "; " + fused_note),
+            ("triton_kernels W4A16, SwiGLU unfused", True, act,
+             layer_note % ("routing maps built in the call; FC1's GEMM alone, its interleaved gate/up rows in bf16, "
+                           "then V4's clamped SwiGLU (%s), then FC2" % act_how))):
+        rec = run.peer(op, case, label, make_layer(label, maps_inside, activation), check=check_layer(label),
+                       tol=TOL_BF16_STEP, repeats=20, note=note, extra=facts, **time)
+        if label + " w4a8" in held:
+            rec["rel_frobenius_vs_flashmix_w4a8"] = round(held[label + " w4a8"], 5)
+
+    # Each GEMM alone (maps prebuilt; rows in triton_kernels' expert-sorted order), against a
+    # per-expert GEMM of the dequantised weights; its bytes are that GEMM's weights only.
+    rows = {}
+
+    def make_fc1_rows():
+        peer = experts.triton()
+        routing = peer.routing(ids, scales)
+        rows["fc1"] = torch.empty(T * k, 2 * I, device=DEV, dtype=torch.bfloat16)
+        return lambda: peer.fc1(x, routing, activation=False, out=rows["fc1"])
+
+    def check_fc1_rows():
+        n = sum(hist)
+        got = rows["fc1"][:n]
+        up = got[:, 1::2].float()
+        held["up_outside"] = int(((up > SWIGLU_LIMIT) | (up < 1 - SWIGLU_LIMIT)).sum())
+        return rel_err(got, sorted_rows_reference(x, k, maps, experts.w1_interleaved_bf16))
+    run.peer(op, case, "triton_kernels FC1 GEMM only (gather)", make_fc1_rows, check=check_fc1_rows,
+             tol=TOL_BF16_STEP, repeats=20, graph=True, bytes_=len(used) * per_gemm["fc1"],
+             extra=dict(facts, gemm_weight_bytes=len(used) * per_gemm["fc1"]),
+             note="matmul_ogs with the gather, no activation, W1's bytes only; checked against a per-expert GEMM "
+             "of the dequantised weights")
+    h = torch.randn(T * k, I, device=DEV, dtype=torch.bfloat16)
+
+    def make_fc2_rows():
+        peer = experts.triton()
+        routing = peer.routing(ids, scales)
+        rows["fc2"] = torch.empty(T * k, H, device=DEV, dtype=torch.bfloat16)
+        return lambda: peer.fc2_rows(h, routing, out=rows["fc2"])
+    run.peer(op, case, "triton_kernels FC2 GEMM only", make_fc2_rows,
+             check=lambda: rel_err(rows["fc2"][:sum(hist)], sorted_rows_reference(h, 0, maps, experts.w2_bf16)),
+             tol=TOL_BF16_STEP, repeats=20, graph=True, bytes_=len(used) * per_gemm["fc2"],
+             extra=dict(facts, gemm_weight_bytes=len(used) * per_gemm["fc2"]),
+             note="matmul_ogs on expert-sorted rows, no weights, scatter or sum, W2's bytes only; checked against "
+             "a per-expert GEMM of the dequantised weights")
+    for rec in run.records:  # the count is known once FC1's rows were checked
+        if rec["op"] == op and rec["case"] == case and rec["impl"] in fused and "up_outside" in held:
+            rec["up_values_outside_exact_range"] = held["up_outside"]
+    rows.clear()
+    held.clear()
+
+
+# ===========================================================================
 # mHC: mhc_pre, mhc_post (spec §4)
 # ===========================================================================
 
@@ -1028,8 +1309,8 @@ def main():
                     "peers-<GPU>-<date>-<time>.json (the name bench/results/ uses)")
     ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD, if a repo)")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
-    ap.add_argument("--ops", default="finalize,fc2,fc1,fc2_fp8,fc1_fp8,mhc,router",
-                    help="comma-separated subset of finalize,fc2,fc1,fc2_fp8,fc1_fp8,mhc,router")
+    ap.add_argument("--ops", default="finalize,fc2,fc1,fc2_fp8,fc1_fp8,mhc,router,mxfp4",
+                    help="comma-separated subset of finalize,fc2,fc1,fc2_fp8,fc1_fp8,mhc,router,mxfp4")
     args = ap.parse_args()
     ops = set(args.ops.split(","))
     torch.manual_seed(0)
@@ -1060,6 +1341,13 @@ def main():
         if "fc1_fp8" in ops:
             for case in FC2_CASES:
                 bench_fc1_fp8(run, *case)
+        if "mxfp4" in ops:
+            _, _, k, _, E_local, H, I = MXFP4_CASES[0]
+            experts = Mxfp4Experts(E_local, H, I, k)  # every case's weights (the same, as in flashmix-bench)
+            for case in MXFP4_CASES:
+                bench_mxfp4(run, experts, *case)
+            del experts
+            torch.cuda.empty_cache()
     except Aborted as e:
         aborted = str(e)
         print("ABORTED:", aborted)
@@ -1068,7 +1356,8 @@ def main():
         doc = {"gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).strftime(
             "%Y-%m-%dT%H:%M:%SZ"), "commit": args.commit or git_commit(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "flashmix": getattr(flashmix, "__version__", "unknown"), "peers": versions,
-            "tolerances": {"same": TOL_SAME, "bf16_step": TOL_BF16_STEP}, "graph_calls": GRAPH_CALLS,
+            "tolerances": {"same": TOL_SAME, "bf16_step": TOL_BF16_STEP, "w4a8_frobenius": TOL_W4A8_FROBENIUS},
+            "graph_calls": GRAPH_CALLS,
             "copy_gbps": round(run.copy_gbps, 2), "gemm_tflops": round(run.gemm_tflops, 2), "records": run.records}
         if aborted:
             doc["aborted"] = aborted

@@ -34,6 +34,37 @@ the GPU machine; versions that load under torch 2.11):
     tf32_hc_prenorm_gemm(a bf16 [B, K], b fp32 [N, K], d fp32 [S, B, N],
         sqr_sum fp32 [S, B], num_splits=S): the mHC projection (TF32) and the
         row sums of squares, as S partial sums; a part of mhc_pre only.
+- triton_kernels (OpenAI's, the copy inside ``sglang-kernel`` 0.4.5; pure Python
+  + Triton, imported from ``sys.path``): the MoE GEMM ``matmul_ogs`` as vLLM
+  and SGLang run gpt-oss's MXFP4 experts on Hopper. What this generation of it
+  does there (read from its source; TritonMxfp4Moe below drives it):
+    weights: e2m1 bytes and ue8m0 scales, K along the packed axis, viewed
+        ``[E, K/2, N]`` / ``[E, K/32, N]`` (flashmix's ``[E, N, K/2]``
+        transposed, no copy) and converted once into its Hopper layouts
+        (``HopperMXValueLayout``: bytes shuffled for the wgmma operand order and
+        their bits re-packed so that one shift-and-mask gives bf16;
+        ``HopperMXScaleLayout`` for num_warps 8, which fixes the kernel's
+        block_n at 256). The kernel upcasts each weight tile to bf16 (e2m1 x
+        2^(scale - 127), exact) and runs bf16 MMAs; with these layouts the
+        activations must be bf16 (W4A16; the kernel asserts it). FP8 activations
+        would need the plain strided layout, where tl.dot_scaled is emulated on
+        Hopper (both operands upcast to bf16): not what engines run there. Not
+        persistent, no TMA for MXFP4 on Hopper; block_k 128, block_m 16..64 from
+        the rows per expert.
+    routing: RoutingData(gate_scal, expt_hist, n_expts_tot, n_expts_act,
+        expt_data=RaggedTensorMetadata from make_ragged_tensor_metadata),
+        GatherIndx(src_indx: sorted row -> slot t*k + j, dst_indx: its inverse),
+        ScatterIndx(src_indx: slot -> sorted row or -1 for a slot this rank does
+        not hold, dst_indx: sorted row -> slot); built here from the router's
+        ids and weights with torch ops (triton_routing_indices).
+    FC1: gather fused (row slot // k of X); a fused activation: its SwiGLU is
+        gpt-oss's ``g' sigmoid(alpha g') (u' + 1)`` on interleaved gate/up
+        columns, g' = min(g, limit), u' = clamp(u, -limit, limit); bias added
+        before it (fp32 ``[E, 2I]``).
+    FC2: gammas (the router weights, per sorted row) multiply the rows in the
+        epilogue; the scatter writes each slot's row (rounded to bf16) into a
+        ``[T*k, N]`` scratch, then its ``reduce`` kernel sums a token's k rows
+        (slots with src_indx -1 masked) into ``[T, N]``.
 """
 import ctypes
 import glob
@@ -41,6 +72,7 @@ import importlib.util
 import os
 import re
 import sys
+import types
 
 
 class Missing(Exception):
@@ -193,6 +225,50 @@ def _load_deep_gemm():
                        "from": os.path.dirname(deep_gemm.__file__)}
 
 
+# What this adapter uses of triton_kernels, by module: an older or newer generation (routing.py
+# with ExptData; matmul instead of matmul_ogs) lacks some of these and is reported as missing.
+TRITON_KERNELS_API = {
+    "matmul_ogs": ("matmul_ogs", "PrecisionConfig", "FlexCtx", "FnSpecs", "FusedActivation", "RoutingData",
+                   "GatherIndx", "ScatterIndx"),
+    "tensor": ("FP4", "convert_layout", "wrap_torch_tensor", "make_ragged_tensor_metadata"),
+    "tensor_details.layout": ("make_default_matmul_mxfp4_w_layout", "make_default_matmul_mxfp4_w_scale_layout"),
+    "numerics": ("InFlexData",),
+    "swiglu": ("swiglu_fn",),
+}
+
+
+def _load_triton_kernels():
+    torch = _torch()
+    if not torch.cuda.is_available():
+        raise Missing("no CUDA device")
+    cc = torch.cuda.get_device_capability()
+    if cc < (9, 0):
+        raise Missing("triton_kernels' MXFP4 matmul needs sm_90 or newer; the GPU is sm_%d%d" % cc)
+    try:
+        import triton
+    except ImportError as e:
+        raise Missing("triton is not importable (%s)" % _first_line(e)) from None
+    if importlib.util.find_spec("triton_kernels") is None:
+        raise Missing("triton_kernels not found on sys.path (bench/peers_setup.sh unpacks it)")
+    ns = types.SimpleNamespace()
+    for module, names in TRITON_KERNELS_API.items():
+        m = importlib.import_module("triton_kernels." + module)  # an import error: "failed to load: ..."
+        for name in names:
+            if not hasattr(m, name):
+                raise Missing("this triton_kernels has no %s.%s (another generation of its API)" % (module, name))
+            setattr(ns, name, getattr(m, name))
+    path = os.path.dirname(importlib.import_module("triton_kernels").__file__)
+    source = os.path.join(path, "PEER_SOURCE")
+    info = {"from": path, "triton": triton.__version__,
+            "version": open(source).read().strip() if os.path.exists(source) else "unknown"}
+    return ns, info
+
+
+def triton_kernels():
+    """triton_kernels' pieces this adapter uses (TRITON_KERNELS_API) as one namespace; raises Missing."""
+    return _once("triton_kernels", _load_triton_kernels)[0]
+
+
 def sgl_ops():
     """torch.ops.sgl_kernel, with apply_shuffle_mul_sum and moe_sum_reduce; raises Missing."""
     return _once("sgl-kernel", _load_sgl)[0]
@@ -206,7 +282,8 @@ def deep_gemm_module():
 def peer_versions():
     """{peer: {"version", "from"} or {"missing": reason}} for every peer (loading each once)."""
     out = {}
-    for name, loader in (("sgl-kernel", _load_sgl), ("deep_gemm", _load_deep_gemm)):
+    for name, loader in (("sgl-kernel", _load_sgl), ("deep_gemm", _load_deep_gemm),
+                         ("triton_kernels", _load_triton_kernels)):
         try:
             out[name] = dict(_once(name, loader)[1])
         except Missing as e:
@@ -361,6 +438,112 @@ def deep_gemm_hc_prenorm(x2d, phi, splits):
 
 
 # ---------------------------------------------------------------------------
+# triton_kernels: the MXFP4 expert layer on matmul_ogs
+# ---------------------------------------------------------------------------
+
+def triton_routing_indices(ids, scales, start_expert_id, num_local_experts):
+    """triton_kernels' routing maps for this rank's experts from the router's global ids (int
+    ``[T, k]``) and weights (float ``[T, k]``), in plain torch with no host sync (CUDA-graph
+    capturable), as an engine builds them from a router's top-k. Slots (index ``t*k + j``) are
+    sorted by local expert, stably; the slots of experts this rank does not hold sort last and are
+    dropped. Returns a dict of
+      order       int32 ``[T*k]``: sorted row -> slot (GatherIndx.src_indx, ScatterIndx.dst_indx)
+      row_of      int32 ``[T*k]``: slot -> sorted row (GatherIndx.dst_indx)
+      row_or_drop int32 ``[T*k]``: row_of, -1 for a dropped slot (ScatterIndx.src_indx)
+      hist        int32 ``[E_local]``: slots per local expert (the ragged slices' sizes)
+      gate        float32 ``[T*k]``: the router weight of each sorted row (FC2's gammas)."""
+    torch = _torch()
+    slots = ids.numel()
+    local = ids.reshape(-1).long() - start_expert_id
+    held = (local >= 0) & (local < num_local_experts)
+    key = torch.where(held, local, torch.full_like(local, num_local_experts))
+    order = torch.sort(key, stable=True).indices
+    row_of = torch.empty_like(order).scatter_(0, order, torch.arange(slots, device=ids.device))
+    counts = torch.zeros(num_local_experts + 1, dtype=torch.int32, device=ids.device)
+    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+    return {"order": order.int(), "row_of": row_of.int(),
+            "row_or_drop": torch.where(held, row_of, torch.full_like(row_of, -1)).int(),
+            "hist": counts[:num_local_experts], "gate": scales.reshape(-1).float()[order]}
+
+
+class TritonMxfp4Moe:
+    """triton_kernels' MXFP4 expert layer over this rank's experts, as vLLM and SGLang drive
+    matmul_ogs for gpt-oss on Hopper: bf16 activations, weights in its Hopper layouts.
+
+    Built from flashmix's stacks (spec §13.1) with W1 in the interleaved gate/up order (the order
+    its fused SwiGLU reads): w1 ``[E, 2I, H/2]`` e2m1 bytes with w1_scales ``[E, 2I, H/32]`` ue8m0,
+    w2 ``[E, H, I/2]`` with w2_scales ``[E, H, I/32]`` (uint8 or the torch fp4 / e8m0 dtypes). The
+    conversion into its layouts runs here, once (outside any timing; it needs a few GB of
+    temporaries). k: experts per token; limit: the SwiGLU clamp (DeepSeek-V4: 10); num_warps: the
+    kernel's, which the scale layout is made for (8, as vLLM and SGLang make it on Hopper).
+
+    Its fused activation is gpt-oss's ``silu(g') (u' + 1)``. FC1 here adds a bias of -1 to the up
+    columns before it, so that it computes ``silu(min(g, L)) clamp(u, 1 - L, 1 + L)``: DeepSeek-V4's
+    ``silu(min(g, L)) clamp(u, -L, L)`` wherever ``1 - L <= u <= L`` (the outputs' check shows
+    whether a clamp fired). The unfused form (``forward(..., activation=f)``) runs FC1's GEMM alone
+    and ``f`` on its interleaved ``[T*k, 2I]`` rows."""
+
+    def __init__(self, w1, w1_scales, w2, w2_scales, *, k, limit=10.0, num_warps=8):
+        torch = _torch()
+        self.tk = tk = triton_kernels()
+        self.k, self.limit = k, limit
+        self.num_local_experts, two_i = int(w1.shape[0]), int(w1.shape[1])
+        self.w1, self.pc1 = self._operand(w1, w1_scales, num_warps)
+        self.w2, self.pc2 = self._operand(w2, w2_scales, num_warps)
+        self.up_shift = torch.zeros(self.num_local_experts, two_i, dtype=torch.float32, device=w1.device)
+        self.up_shift[:, 1::2] = -1.0
+        self.swiglu = tk.FusedActivation(tk.FnSpecs("swiglu", tk.swiglu_fn, ("alpha", "limit"), reduction_n=2),
+                                         (1.0, float(limit)))
+
+    def _operand(self, w, scales, num_warps):
+        """(weight, PrecisionConfig) in the default MXFP4 layouts of this GPU (Hopper: HopperMXValueLayout,
+        HopperMXScaleLayout), K along axis 1 of the ``[E, K/2, N]`` view."""
+        torch, tk = _torch(), self.tk
+        value_layout, value_opts = tk.make_default_matmul_mxfp4_w_layout(mx_axis=1)
+        scale_layout, scale_opts = tk.make_default_matmul_mxfp4_w_scale_layout(mx_axis=1, num_warps=num_warps)
+        value = tk.convert_layout(tk.wrap_torch_tensor(w.view(torch.uint8).transpose(-2, -1), dtype=tk.FP4),
+                                  value_layout, **value_opts)
+        scale = tk.convert_layout(tk.wrap_torch_tensor(scales.view(torch.uint8).transpose(-2, -1)),
+                                  scale_layout, **scale_opts)
+        return value, tk.PrecisionConfig(weight_scale=scale, flex_ctx=tk.FlexCtx(rhs_data=tk.InFlexData()))
+
+    def routing(self, ids, scales, start_expert_id=0):
+        """(RoutingData, GatherIndx, ScatterIndx) from the router's global ids and weights (torch ops and
+        make_ragged_tensor_metadata's two kernels: capturable)."""
+        tk = self.tk
+        maps = triton_routing_indices(ids, scales, start_expert_id, self.num_local_experts)
+        meta = tk.make_ragged_tensor_metadata(maps["hist"], ids.numel())
+        data = tk.RoutingData(maps["gate"], maps["hist"], self.num_local_experts, self.k, expt_data=meta)
+        return data, tk.GatherIndx(maps["order"], maps["row_of"]), tk.ScatterIndx(maps["row_or_drop"], maps["order"])
+
+    def fc1(self, x, routing, *, activation=True, out=None):
+        """FC1 with the gather fused, rows in the sorted order (rows past the held slots are not
+        written): ``[T*k, I]`` with the fused activation, ``[T*k, 2I]`` (interleaved gate/up) without."""
+        data, gather, _ = routing
+        if activation:
+            return self.tk.matmul_ogs(x, self.w1, self.up_shift, data, gather_indx=gather, precision_config=self.pc1,
+                                      fused_activation=self.swiglu, y=out)
+        return self.tk.matmul_ogs(x, self.w1, None, data, gather_indx=gather, precision_config=self.pc1, y=out)
+
+    def fc2(self, h, routing, out=None):
+        """FC2 with the router weights, the scatter and the top-k sum: h ``[T*k, I]`` in the sorted
+        order -> out bf16 ``[T, H]`` (tokens without a held slot: 0)."""
+        data, _, scatter = routing
+        return self.tk.matmul_ogs(h, self.w2, None, data, scatter_indx=scatter, precision_config=self.pc2,
+                                  gammas=data.gate_scal, y=out)
+
+    def fc2_rows(self, h, routing, out=None):
+        """FC2's GEMM alone: ``h[r] @ W2[e(r)]^T`` per sorted row, ``[T*k, H]``, no weights, no scatter."""
+        return self.tk.matmul_ogs(h, self.w2, None, routing[0], precision_config=self.pc2, y=out)
+
+    def forward(self, x, routing, out, activation=None):
+        """The layer into out ``[T, H]``: FC1 (the fused activation when activation is None, else FC1's
+        GEMM then ``activation(rows [T*k, 2I]) -> [T*k, I]``), then FC2."""
+        h = self.fc1(x, routing) if activation is None else activation(self.fc1(x, routing, activation=False))
+        return self.fc2(h, routing, out)
+
+
+# ---------------------------------------------------------------------------
 # A CPU self-check of the index maps against the peers' documented semantics
 # (python3 bench/peers_adapters.py; needs torch, no GPU, no peer).
 # ---------------------------------------------------------------------------
@@ -396,7 +579,31 @@ def _selftest():
         padded[dest] = rows
         got = (padded[dest[perm]] * factors[:, None]).view(T, k, H).sum(1)
         assert torch.allclose(got, want, atol=1e-5), "padded finalize"
-    print("peers_adapters self-check: token-major permutation and contiguous layout agree with spec §2")
+    # triton_kernels' routing maps, with a rank holding experts [start, start + E_local) of E:
+    # matmul_ogs' gather, ragged slices, gammas, scatter and masked top-k sum (as its source
+    # reads them) give the spec §2 sum over the held slots.
+    for T, k, E, E_local, start, H in ((5, 2, 4, 4, 0, 8), (37, 6, 256, 32, 0, 16), (16, 6, 64, 8, 24, 8)):
+        ids = torch.rand(T, E, generator=g).topk(k, dim=1).indices.int()
+        scales = torch.rand(T, k, generator=g)
+        m = triton_routing_indices(ids, scales, start, E_local)
+        local = ids.reshape(-1).long() - start
+        held = (local >= 0) & (local < E_local)
+        n = int(held.sum())
+        order, hist = m["order"].long(), m["hist"].long()
+        assert m["hist"].dtype == torch.int32 and int(hist.sum()) == n, "slice sizes"
+        assert torch.equal(local[order[:n]], torch.repeat_interleave(torch.arange(E_local), hist)), "slices"
+        assert torch.equal(m["row_of"].long()[order], torch.arange(T * k)), "row_of inverts order"
+        assert torch.equal(m["row_or_drop"].long() >= 0, held), "dropped slots"
+        rows = torch.randn(T * k, H, generator=g)  # FC2's output row of each slot, by slot
+        sorted_rows = rows[order] * m["gate"][:, None]  # the epilogue's gammas, per sorted row
+        scratch = torch.full((T * k, H), float("nan"))
+        scratch[order[:n]] = sorted_rows[:n]  # the scatter: only the held rows are written
+        mask = (m["row_or_drop"] != -1).view(T, k, 1)
+        got = torch.where(mask, scratch.view(T, k, H), torch.zeros(())).sum(1)
+        want = ((rows * held[:, None]).view(T, k, H) * scales[..., None]).sum(1)
+        assert torch.allclose(got, want, atol=1e-5), "triton_kernels scatter + reduce"
+    print("peers_adapters self-check: token-major permutation and contiguous layout agree with spec §2; "
+          "triton_kernels' routing maps give the spec §2 sum over a rank's held slots")
     print(peer_versions())
 
 

@@ -6,6 +6,9 @@
 #   .peers/  sgl_kernel-<v>-sm90.tar.xz: only sgl_kernel/sm90/common_ops.abi3.so (the
 #            sm_90 ops library: apply_shuffle_mul_sum, moe_sum_reduce, ...), version.py
 #            and the licence, out of the ~380 MB sglang-kernel wheel (~13 MB packed)
+#            triton_kernels-<v>.tar.xz: the same wheel's copy of OpenAI's triton_kernels/
+#            package (pure Python + Triton: matmul_ogs with MXFP4 weights, ...), with the
+#            wheel's licence and a PEER_SOURCE line naming the wheel (~70 KB packed)
 # bench/peers_setup.sh unpacks them on the GPU machine. Not part of the build or CI.
 # The versions are the newest that load under torch 2.11 (newer builds need
 # torch >= 2.12; docs/peers.md).
@@ -33,7 +36,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$py" 
   "sglang-kernel==$sgl_version" "tokenspeed-deepgemm==$deepgemm_version"
 
 mkdir -p "$whl" "$peers"
-rm -f "$whl"/tokenspeed_deepgemm-*.whl "$peers"/sgl_kernel-*.tar.xz
+rm -f "$whl"/tokenspeed_deepgemm-*.whl "$peers"/sgl_kernel-*.tar.xz "$peers"/triton_kernels-*.tar.xz
 cp "$tmp"/tokenspeed_deepgemm-*.whl "$whl/"
 
 # sgl-kernel: the sm_90 ops library alone (the bindings are torch.ops.sgl_kernel.*,
@@ -41,6 +44,13 @@ cp "$tmp"/tokenspeed_deepgemm-*.whl "$whl/"
 unzip -q "$tmp"/sglang_kernel-*.whl 'sgl_kernel/sm90/common_ops.abi3.so' 'sgl_kernel/version.py' -d "$tmp/sgl"
 unzip -q -p "$tmp"/sglang_kernel-*.whl '*.dist-info/licenses/LICENSE' > "$tmp/sgl/sgl_kernel/LICENSE"
 tar -C "$tmp/sgl" -cf - sgl_kernel | xz -T0 -6 > "$peers/sgl_kernel-$sgl_version-sm90.tar.xz"
+
+# triton_kernels: the whole package as the wheel ships it (bench/peers_adapters.py imports it;
+# it needs torch and triton, both on the GPU machine), the licence, and where it came from.
+unzip -q "$tmp"/sglang_kernel-*.whl 'triton_kernels/*' -d "$tmp/tk"
+unzip -q -p "$tmp"/sglang_kernel-*.whl '*.dist-info/licenses/LICENSE' > "$tmp/tk/triton_kernels/LICENSE"
+echo "sglang-kernel==$sgl_version (its triton_kernels/ package, unchanged)" > "$tmp/tk/triton_kernels/PEER_SOURCE"
+tar -C "$tmp/tk" -cf - triton_kernels | xz -T0 -6 > "$peers/triton_kernels-$sgl_version.tar.xz"
 
 echo "peers_fetch: wrote"
 du -h "$whl"/*.whl "$peers"/*.tar.xz

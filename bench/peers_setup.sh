@@ -33,3 +33,9 @@ done
 for lib in "$site"/sgl_kernel/sm90/*.so "$site"/deep_gemm/_C*.so; do
   echo "  $lib"
 done
+if [ -d "$site/triton_kernels" ]; then
+  echo "  $site/triton_kernels ($(cat "$site/triton_kernels/PEER_SOURCE" 2>/dev/null || echo 'source unknown'))"
+  # It imports torch and triton: what the import says here is what bench/peers.py will report.
+  PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" python3 -c 'import triton, triton_kernels.matmul_ogs
+print("peers_setup: import triton_kernels.matmul_ogs: ok (triton %s)" % triton.__version__)' 2>&1 | tail -1
+fi
