@@ -7,6 +7,8 @@
 // (E = G*V: 8, 64, 128, 256, 384, 512) load each lane's chunk with 16-byte
 // (or 8-byte) vectors; any other E (or a logits pointer not aligned for
 // them) runs the general layout: G = 32, V = ceil(E / 32), element loads.
+// G = 1 (E = 8) is its own kernel, moe_router_thread_kernel: the steps below
+// in one thread with compile-time indices.
 //
 // Per token:
 //   1. the logits are read once (NaN -> -inf, +inf -> FLT_MAX), the scores
@@ -89,8 +91,8 @@ struct Params {
   bool candidates;  // the candidate path (G = 32)
 };
 
-// A team of G lanes (aligned to G within the warp) working on one token. All
-// 32 lanes of a warp call every function (idle teams run along).
+// A team of G lanes (G >= 8, aligned to G within the warp) working on one
+// token. All 32 lanes of a warp call every function (idle teams run along).
 template <int G>
 struct Team {
   int r;     // lane within the team
@@ -122,18 +124,13 @@ struct Team {
   }
   // The lowest team lane where p holds (0 if none).
   __device__ int first(bool p) const {
-    if constexpr (G == 1) {
-      return 0;
-    } else {
-      unsigned b = __ballot_sync(kFull, p);
-      if constexpr (G < 32) b = (b >> base) & ((1u << G) - 1u);
-      return b ? __ffs(int(b)) - 1 : 0;
-    }
+    unsigned b = __ballot_sync(kFull, p);
+    if constexpr (G < 32) b = (b >> base) & ((1u << G) - 1u);
+    return b ? __ffs(int(b)) - 1 : 0;
   }
   template <typename X>
   __device__ X from(X x, int src) const {
-    if constexpr (G == 1) return x;
-    else return __shfl_sync(kFull, x, src, G);
+    return __shfl_sync(kFull, x, src, G);
   }
 };
 
@@ -205,6 +202,7 @@ template <typename T, int G, int V, bool kExact, MoeRouterScoring S>
 __global__ void __launch_bounds__(kThreads, router_min_blocks(G, V, S)) moe_router_kernel(const Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr float kNegInf = -INFINITY;
+  static_assert(G >= 8, "G = 1 is moe_router_thread_kernel");
   constexpr int kSlots = (kMaxK + G - 1) / G;  // output slots per lane: j = s*G + r
   constexpr bool kSoftmax = S == MoeRouterScoring::kSoftmax;
   const Team<G> team;
@@ -539,6 +537,175 @@ __global__ void __launch_bounds__(kThreads, router_min_blocks(G, V, S)) moe_rout
   }
 }
 
+// Groups for the thread-a-token kernel: GS experts a group (8 / n_group),
+// each group's top-2 sum, its rank (ties: the lower group first), the keys
+// of the groups outside the topk_group best set to 0. The same sums and
+// comparisons as the team kernel's shared-memory path.
+template <int GS>
+__device__ __forceinline__ void keep_groups_in_thread(const float (&gv)[8], uint32_t (&key)[8], int topk_group) {
+  constexpr int NG = 8 / GS;
+  float score[NG];
+#pragma unroll
+  for (int g = 0; g < NG; ++g) {
+    float t1 = -INFINITY, t2 = -INFINITY;
+#pragma unroll
+    for (int e = g * GS; e < (g + 1) * GS; ++e) {
+      const float hi = fmaxf(t1, gv[e]);
+      t2 = fmaxf(t2, fminf(t1, gv[e]));
+      t1 = hi;
+    }
+    score[g] = GS >= 2 ? t1 + t2 : t1;
+  }
+#pragma unroll
+  for (int g = 0; g < NG; ++g) {
+    int rank = 0;
+#pragma unroll
+    for (int h = 0; h < NG; ++h) rank += (score[h] > score[g]) || (score[h] == score[g] && h < g);
+    if (rank >= topk_group) {
+#pragma unroll
+      for (int e = g * GS; e < (g + 1) * GS; ++e) key[e] = 0u;
+    }
+  }
+}
+
+// E = 8, a thread a token (the (1, 8) layout): the team kernel's steps with
+// every index known at compile time. The k rounds take the arg-max of the
+// eight keys by a three-level tree (the higher index only when strictly
+// larger: ties to the lowest id) and carry the chosen logit along, so the
+// weights need no second read of the row. Same arithmetic, in the same
+// order, as the team kernel's (1, 8) form had (ncu, H200, Mixtral T = 8192,
+// k = 2: ~1,050 instructions a token there, 78 registers).
+template <typename T, MoeRouterScoring S>
+__global__ void __launch_bounds__(kThreads) moe_router_thread_kernel(const Params p) {
+  constexpr int V = 8;
+  constexpr float kNegInf = -INFINITY;
+  constexpr bool kSoftmax = S == MoeRouterScoring::kSoftmax;
+  const int64_t t = int64_t(blockIdx.x) * kThreads + int64_t(threadIdx.x);
+
+  dev::grid_dependency_wait();  // the logits may come from the kernel before us on the stream
+  if (t >= p.T) return;
+  float l[V];
+  load_chunk<T, V>(static_cast<const T*>(p.logits) + t * V, l);
+  float b[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) b[i] = 0.0f;
+  const bool has_bias = p.bias != nullptr;
+  if (has_bias) {
+    if (p.bias_vec) {
+      const float4 lo = __ldg(reinterpret_cast<const float4*>(p.bias)),
+                   hi = __ldg(reinterpret_cast<const float4*>(p.bias) + 1);
+      b[0] = lo.x, b[1] = lo.y, b[2] = lo.z, b[3] = lo.w, b[4] = hi.x, b[5] = hi.y, b[6] = hi.z, b[7] = hi.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < V; ++i) b[i] = __ldg(p.bias + i);
+    }
+  }
+  dev::allow_dependents_launch();
+#pragma unroll
+  for (int i = 0; i < V; ++i) l[i] = sanitize(l[i]);
+
+  const bool need_scores = has_bias || p.grouped;
+  float m = kNegInf, inv_z = 0.0f;
+  if (kSoftmax && (need_scores || !p.renormalize)) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) m = fmaxf(m, l[i]);
+    float z = 0.0f;
+    if (m != kNegInf) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) z += __expf(l[i] - m);
+    }
+    inv_z = m != kNegInf ? 1.0f / z : 0.0f;
+  }
+  uint32_t key[V];
+  float gv[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    float v = l[i];
+    if (need_scores) {
+      float sc;
+      if constexpr (kSoftmax) sc = m != kNegInf ? __expf(l[i] - m) * inv_z : 0.0f;
+      else sc = score_of<S>(l[i]);
+      v = sc + b[i];
+    }
+    gv[i] = v;
+    key[i] = order_key(has_bias ? v : l[i]);
+  }
+  if (p.grouped) {  // n_group in {2, 4, 8} (it divides 8, and topk_group < n_group)
+    if (p.group_size == 4) keep_groups_in_thread<4>(gv, key, p.topk_group);
+    else if (p.group_size == 2) keep_groups_in_thread<2>(gv, key, p.topk_group);
+    else keep_groups_in_thread<1>(gv, key, p.topk_group);
+  }
+
+  // Selection: slot j the j-th largest key (every chosen key is nonzero: the
+  // kept groups hold at least k experts), its logit carried along.
+  int id[V];
+  float lc[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    id[j] = 0;
+    lc[j] = kNegInf;
+  }
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    if (j >= p.k) break;
+    uint32_t k1[4], k2[2];
+    int i1[4], i2[2];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const bool hi = key[2 * q + 1] > key[2 * q];
+      k1[q] = hi ? key[2 * q + 1] : key[2 * q];
+      i1[q] = hi ? 2 * q + 1 : 2 * q;
+    }
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const bool hi = k1[2 * q + 1] > k1[2 * q];
+      k2[q] = hi ? k1[2 * q + 1] : k1[2 * q];
+      i2[q] = hi ? i1[2 * q + 1] : i1[2 * q];
+    }
+    const int w = k2[1] > k2[0] ? i2[1] : i2[0];
+    float lw = kNegInf;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      if (i == w) {
+        lw = l[i];
+        key[i] = 0u;
+      }
+    }
+    id[j] = w;
+    lc[j] = lw;
+  }
+
+  // Weights (as the team kernel computes them, summed in slot order).
+  float base[V];
+  if constexpr (S == MoeRouterScoring::kSigmoid || S == MoeRouterScoring::kSqrtSoftplus) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) base[j] = j < p.k ? score_of<S>(lc[j]) : 0.0f;
+  } else if (kSoftmax && !p.renormalize) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) base[j] = j < p.k && m != kNegInf ? __expf(lc[j] - m) * inv_z : 0.0f;
+  } else {
+    float mr = kNegInf;
+#pragma unroll
+    for (int j = 0; j < V; ++j) mr = fmaxf(mr, lc[j]);  // lc = -inf past k
+#pragma unroll
+    for (int j = 0; j < V; ++j) base[j] = j < p.k && mr != kNegInf ? __expf(lc[j] - mr) : 0.0f;
+  }
+  float f = p.scale;
+  if (S == MoeRouterScoring::kSoftmaxAfterTopk || p.renormalize) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < V; ++j) sum += base[j];
+    f = sum > 0.0f ? p.scale / sum : 0.0f;
+  }
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    if (j < p.k) {
+      p.ids[t * p.k + j] = id[j];
+      p.weights[t * p.k + j] = base[j] * f;
+    }
+  }
+}
+
 // Calls f with the scoring as a compile-time constant
 // (std::integral_constant<MoeRouterScoring, S>): the one switch both
 // launchers take their kernel instantiation from.
@@ -707,7 +874,10 @@ template <typename T, MoeRouterScoring S>
 cudaError_t launch_layout(const Layout& g, const Params& p, cudaStream_t stream, bool pdl) {
   if (!g.exact) return launch_kernel<T, 32, 16, false, S>(p, stream, pdl);
   switch (g.G * 100 + g.V) {
-    case 108: return launch_kernel<T, 1, 8, true, S>(p, stream, pdl);
+    case 108: {
+      const unsigned blocks = unsigned((p.T + kThreads - 1) / kThreads);
+      return dev::launch(moe_router_thread_kernel<T, S>, dim3(blocks), dim3(kThreads), 0, stream, pdl, p);
+    }
     case 808: return launch_kernel<T, 8, 8, true, S>(p, stream, pdl);
     case 1608: return launch_kernel<T, 16, 8, true, S>(p, stream, pdl);
     case 3208: return launch_kernel<T, 32, 8, true, S>(p, stream, pdl);
