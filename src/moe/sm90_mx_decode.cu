@@ -257,17 +257,12 @@ __device__ __forceinline__ void compute_step(const Step<kFp8>& s, int q, float (
 #pragma unroll
     for (int t = 0; t < kTiles; ++t) {
       const int b0 = int((s.sw[t][0] >> (8 * q)) & 0xffu), b1 = int((s.sw[t][1] >> (8 * q)) & 0xffu);
-      const float sc0 = exp2_float(b0 - 127), sc1 = exp2_float(b1 - 127);
+      const Bf16Table t0 = bf16_table_ue8m0(b0), t1 = bf16_table_ue8m0(b1);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {  // packed word i: elements [8 i, 8 i + 8), MMAs 2 i and 2 i + 1
         uint32_t o0[4], o1[4];
-        e2m1x8_to_bf16(word(s.w[t][0], i), sc0, o0);
-        e2m1x8_to_bf16(word(s.w[t][1], i), sc1, o1);
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          if (b0 == kUe8m0NaN) o0[c] = 0x7fc07fc0u;
-          if (b1 == kUe8m0NaN) o1[c] = 0x7fc07fc0u;
-        }
+        e2m1x8_to_bf16_table(word(s.w[t][0], i), t0, o0);
+        e2m1x8_to_bf16_table(word(s.w[t][1], i), t1, o1);
 #pragma unroll
         for (int jj = 0; jj < 2; ++jj) {
           const int j = 2 * i + jj;

@@ -94,13 +94,11 @@ __device__ __forceinline__ void convert(uint32_t raw, uint32_t dst, uint32_t wor
                  : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
                  : "r"(raw + uint32_t(cj * 32 + 16 * ch)));
     const int sb = int((word >> (8 * (2 * (kb & 1) + ch))) & 0xffu);
-    const bool nan = sb == kUe8m0NaN;
-    const float scale = exp2_float(sb - 127);
+    const Bf16Table table = bf16_table_ue8m0(sb);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       uint32_t o[4];
-      e2m1x8_to_bf16(w[i], scale, o);
-      if (nan) o[0] = o[1] = o[2] = o[3] = 0x7fc07fc0u;
+      e2m1x8_to_bf16_table(w[i], table, o);
       const int q = 4 * ch + i;
       asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(out_row + uint32_t((q ^ x) << 4)), "r"(o[0]),
                    "r"(o[1]), "r"(o[2]), "r"(o[3])

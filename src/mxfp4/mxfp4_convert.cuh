@@ -145,6 +145,51 @@ __host__ __device__ __forceinline__ void e2m1x8_to_e4m3_table(uint32_t packed, c
   hi = byte_perm(t.lo, t.hi, mag >> 16) | (byte_perm(p4, packed, 0x7362u) & 0x80808080u);
 }
 
+// W4A16's table: the bf16 of every e2m1 magnitude code 0..7 times `scale`
+// (a power of two; one sub-block's), each rounded once from the exact fp32
+// product as e2m1x8_to_bf16 rounds it, split into the entries' low bytes
+// (lo_a: codes 0-3, lo_b: 4-7) and high bytes (hi_a, hi_b) for byte_perm.
+struct Bf16Table {
+  uint32_t lo_a, lo_b, hi_a, hi_b;
+};
+__host__ __device__ __forceinline__ Bf16Table bf16_table(float scale) {
+  using mxfp4_detail::as_bits;
+  const uint32_t w0 = as_bits(__floats2bfloat162_rn(0.0f * scale, 0.5f * scale));
+  const uint32_t w1 = as_bits(__floats2bfloat162_rn(1.0f * scale, 1.5f * scale));
+  const uint32_t w2 = as_bits(__floats2bfloat162_rn(2.0f * scale, 3.0f * scale));
+  const uint32_t w3 = as_bits(__floats2bfloat162_rn(4.0f * scale, 6.0f * scale));
+  return {byte_perm(w0, w1, 0x6420u), byte_perm(w2, w3, 0x6420u), byte_perm(w0, w1, 0x7531u),
+          byte_perm(w2, w3, 0x7531u)};
+}
+
+// The table of a sub-block's ue8m0 scale byte: NaN (255) gives a NaN
+// (0x7fc0, its sign from the code) for every code, as spec §13.1 rules.
+__host__ __device__ __forceinline__ Bf16Table bf16_table_ue8m0(int s) {
+  return s == kUe8m0NaN ? Bf16Table{0xc0c0c0c0u, 0xc0c0c0c0u, 0x7f7f7f7fu, 0x7f7f7f7fu}
+                        : bf16_table(exp2_float(s - 127));
+}
+
+// Eight codes of a packed word through the bf16 table (element 0 in the low
+// half of out[0]), each sign ORed into its high byte: bitwise
+// e2m1x8_to_bf16(packed, scale) for the table's scale (a sign flips a
+// rounded value exactly; -0 stays -0). Per four elements: two prmt look up
+// the low and high bytes, a third gathers the signs (as in
+// e2m1x8_to_e4m3_table), one lop3 merges them and two prmt interleave the
+// bytes into bf16 pairs: 15 instructions for eight, against ~13 an element
+// for the arithmetic form.
+__host__ __device__ __forceinline__ void e2m1x8_to_bf16_table(uint32_t packed, const Bf16Table& t,
+                                                             uint32_t (&out)[4]) {
+  const uint32_t mag = packed & 0x77777777u, p4 = packed << 4, mag_hi = mag >> 16;
+  const uint32_t lo0 = byte_perm(t.lo_a, t.lo_b, mag);
+  const uint32_t hi0 = byte_perm(t.hi_a, t.hi_b, mag) | (byte_perm(p4, packed, 0x5140u) & 0x80808080u);
+  const uint32_t lo1 = byte_perm(t.lo_a, t.lo_b, mag_hi);
+  const uint32_t hi1 = byte_perm(t.hi_a, t.hi_b, mag_hi) | (byte_perm(p4, packed, 0x7362u) & 0x80808080u);
+  out[0] = byte_perm(lo0, hi0, 0x5140u);
+  out[1] = byte_perm(lo0, hi0, 0x7362u);
+  out[2] = byte_perm(lo1, hi1, 0x5140u);
+  out[3] = byte_perm(lo1, hi1, 0x7362u);
+}
+
 // One 32-element sub-block (16 packed bytes, scale byte s) of a group with
 // exponent E_G as 32 e4m3 bytes (out[0]: elements 0-15): NaN for s = 255,
 // the table for a shift in the fast range, else e2m1x8_to_e4m3 (subnormal

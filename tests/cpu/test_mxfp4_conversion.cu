@@ -88,6 +88,39 @@ TEST(Mxfp4Conversion, Bf16OfEveryCodePositionAndScaleByteMatchesTheHostEncoder) 
       }
 }
 
+// W4A16's table path: bitwise e2m1x8_to_bf16 for every finite scale byte, on
+// every code (both signs) at every position and on random words.
+TEST(Mxfp4Conversion, Bf16TablePathMatchesTheArithmeticPathBitwise) {
+  Rng rng(test_seed());
+  int64_t checked = 0;
+  for (int s = 0; s < 255; ++s) {
+    const float scale = exp2_float(s - 127);
+    const Bf16Table t = bf16_table(scale);
+    auto same = [&](uint32_t w) {
+      uint32_t a[4], b[4];
+      e2m1x8_to_bf16(w, scale, a);
+      e2m1x8_to_bf16_table(w, t, b);
+      for (int i = 0; i < 4; ++i) ASSERT_EQ(a[i], b[i]) << std::hex << "word " << w << std::dec << " s " << s;
+      ++checked;
+    };
+    for (uint32_t c = 0; c < 16; ++c)
+      for (int at = 0; at < 8; ++at) same(word_with(c, at));
+    for (int i = 0; i < 200; ++i) same(uint32_t(rng.integer(0, 0xffffffffll)));
+  }
+  EXPECT_EQ(checked, 255 * (16 * 8 + 200));
+  // A NaN scale byte: every element a NaN, whatever its code and sign.
+  const Bf16Table nan = bf16_table_ue8m0(kUe8m0NaN);
+  for (int i = 0; i < 2000; ++i) {
+    uint32_t o[4];
+    e2m1x8_to_bf16_table(i < 16 ? 0x11111111u * uint32_t(i) : uint32_t(rng.integer(0, 0xffffffffll)), nan, o);
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t h = (o[j / 2] >> (16 * (j % 2))) & 0x7fffu;
+      ASSERT_TRUE(h > 0x7f80u) << std::hex << h;
+    }
+  }
+  EXPECT_EQ(bf16_table_ue8m0(127).lo_a, bf16_table(1.0f).lo_a);
+}
+
 TEST(Mxfp4Conversion, Exp2FloatCoversTheBlockScales) {
   for (int e = -149; e <= 127; ++e) EXPECT_EQ(exp2_float(e), std::ldexp(1.0f, e)) << e;
 }
