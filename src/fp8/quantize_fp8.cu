@@ -9,15 +9,20 @@
 // element. At T=8192, H=7168 that is 178 MB: 53 us at 3.35 TB/s. Measured
 // numbers and the design: docs/quantize_fp8.md.
 //
-// Work decomposition. A thread owns 8 consecutive columns (one 16-byte load
-// of bf16, one 8-byte store of e4m3); 16 threads cover a block's 128
-// columns. The block's amax is taken on the bf16 bits: with the sign bit
-// cleared, magnitudes order as integers and every NaN lies above +inf, so an
-// integer max finds both (redux.sync across the 16 or 32 lanes, shared
-// memory across the warps of a 128 x 128 block).
-//  - 1 x 128: a half-warp per block, two blocks per half-warp in flight.
-//  - 128 x 128: a CTA of 256 threads per block; thread t covers rows
-//    t/16 + 16 i (i < 8), all eight loads in flight before the reduction.
+// Work decomposition. A thread's unit is a chunk of 8 consecutive columns
+// (one 16-byte load of bf16, one 8-byte store of e4m3). The block's amax is
+// taken on the bf16 bits: with the sign bit cleared, magnitudes order as
+// integers and every NaN lies above +inf, so an integer max finds both
+// (redux.sync across the 4 or 32 lanes, shared memory across the warps of a
+// 128 x 128 block).
+//  - 1 x 128: four lanes per block, each with four of its 8-column chunks
+//    (chunk 4 i + lane: every load and store instruction covers 64 / 32
+//    contiguous bytes of a block), eight blocks a warp: the block's index
+//    arithmetic, scale and divisor are computed once per 32 values a thread
+//    instead of per 8 (docs/quantize_fp8.md).
+//  - 128 x 128: a CTA of 256 threads per block, 16 lanes a row's 128
+//    columns; thread t covers rows t/16 + 16 i (i < 8), all eight loads in
+//    flight before the reduction.
 // Rows or pointers off the 16-byte grid take narrower accesses (the same
 // code with 8, 4 or 2 bytes of bf16 per access), never an error.
 //
@@ -46,7 +51,9 @@ constexpr const char* kOp = "quantize_fp8";
 constexpr int kThreads = 256;
 constexpr int kColsPerThread = 8;
 constexpr int kLanesPerBlock = int(kFp8BlockCols) / kColsPerThread;  // 16
-constexpr int k1x128InFlight = 2;  // 1x128 blocks a half-warp loads before it reduces any
+constexpr int kLanesPer1x128 = 4;                                                      // a 1 x 128 block's lanes
+constexpr int kChunksPerLane = int(kFp8BlockCols) / kColsPerThread / kLanesPer1x128;  // 4
+constexpr int k1x128PerCta = kThreads / kLanesPer1x128;                                // 64
 constexpr int kTileRowsPerPass = kThreads / kLanesPerBlock;          // 16
 constexpr int kTilePasses = 128 / kTileRowsPerPass;                  // 8
 
@@ -61,6 +68,7 @@ struct QuantizeParams {
   uint32_t num_blocks;  // scales written: batch * (rows | row_blocks) * col_blocks
   // 1 x 128, batch 1: when not null, only the first min(*device_rows, rows) rows (read on the device).
   const int64_t* device_rows;
+  bool batched;  // batch > 1
 };
 
 // Chunk (fp8_dev): eight consecutive bf16, loaded and stored with accesses of
@@ -109,47 +117,46 @@ __device__ __forceinline__ void store_q(uint8_t* p, uint32_t lo, uint32_t hi) {
 }
 
 // 1 x 128: block g is (row g / col_blocks, column block g % col_blocks) over
-// the batch's rows; its scale index is g.
+// the batch's rows; its scale index is g. Lanes 4 j .. 4 j + 3 of a warp
+// take one block, lane l its chunks 4 i + l (i < 4).
 template <int W, ScaleFormat F>
 __global__ void __launch_bounds__(kThreads) quantize_fp8_1x128_kernel(const QuantizeParams p) {
   dev::grid_dependency_wait();
   dev::allow_dependents_launch();
-  const uint32_t lane = threadIdx.x % kLanesPerBlock;
-  const unsigned half_warp = 0xffffu << (threadIdx.x & 16);
-  const uint64_t groups_per_grid = uint64_t(gridDim.x) * (kThreads / kLanesPerBlock);
+  const uint32_t lane = threadIdx.x % kLanesPer1x128;
+  const unsigned team = 0xfu << (threadIdx.x & 28u);
   uint32_t num_blocks = p.num_blocks;
   if (p.device_rows != nullptr) {  // read after the wait: the kernel that wrote it has finished
     const int64_t live = *p.device_rows;
     const uint32_t rows = live <= 0 ? 0u : live >= int64_t(p.rows) ? p.rows : uint32_t(live);
     num_blocks = rows * p.col_blocks;
   }
-  for (uint64_t g0 = uint64_t(blockIdx.x) * (kThreads / kLanesPerBlock) + threadIdx.x / kLanesPerBlock;
-       g0 < num_blocks; g0 += k1x128InFlight * groups_per_grid) {
-    Chunk c[k1x128InFlight];
-    uint32_t g[k1x128InFlight];
-    int64_t q_offset[k1x128InFlight];
+  const uint64_t g = uint64_t(blockIdx.x) * k1x128PerCta + threadIdx.x / kLanesPer1x128;
+  if (g >= num_blocks) return;  // the whole team (g is the same for its four lanes)
+  const uint32_t row = uint32_t(g) / p.col_blocks, cb = uint32_t(g) - row * p.col_blocks;
+  uint32_t b = 0, r = row;
+  if (p.batched) {
+    b = row / p.rows;
+    r = row - b * p.rows;
+  }
+  const int64_t col = int64_t(cb) * kFp8BlockCols + lane * kColsPerThread;
+  const uint16_t* x = p.x + b * p.x_batch_stride + r * p.x_stride + col;
+  Chunk c[kChunksPerLane];
 #pragma unroll
-    for (int i = 0; i < k1x128InFlight; ++i) {
-      const uint64_t gi = g0 + i * groups_per_grid;
-      g[i] = gi < num_blocks ? uint32_t(gi) : ~0u;  // ~0u: none (uniform over the half-warp)
-      if (g[i] == ~0u) continue;
-      const uint32_t row = g[i] / p.col_blocks, cb = g[i] - row * p.col_blocks;
-      const uint32_t b = row / p.rows, r = row - b * p.rows;
-      const int64_t col = int64_t(cb) * kFp8BlockCols + lane * kColsPerThread;
-      c[i] = load_chunk<W>(p.x + b * p.x_batch_stride + r * p.x_stride + col);
-      q_offset[i] = b * p.q_batch_stride + r * p.q_stride + col;
-    }
+  for (int i = 0; i < kChunksPerLane; ++i) c[i] = load_chunk<W>(x + i * kLanesPer1x128 * kColsPerThread);
+  uint32_t m = 0;
 #pragma unroll
-    for (int i = 0; i < k1x128InFlight; ++i) {
-      if (g[i] == ~0u) continue;
-      const uint32_t amax = __reduce_max_sync(half_warp, chunk_amax_bits(c[i]));
-      const bool nan_block = amax > kBf16Inf;
-      const Scale s = nan_block ? Scale{0.0f, F == ScaleFormat::kUE8M0 ? 255u : 0x7fc00000u} : block_scale<F>(amax);
-      if (lane == 0) store_scale(p.scales, g[i], s.stored, F == ScaleFormat::kUE8M0);
-      uint32_t lo, hi;
-      quantize_chunk<F>(c[i], s.s, nan_block, lo, hi);
-      store_q<W>(p.q + q_offset[i], lo, hi);
-    }
+  for (int i = 0; i < kChunksPerLane; ++i) m = max(m, chunk_amax_bits(c[i]));
+  const uint32_t amax = __reduce_max_sync(team, m);
+  const bool nan_block = amax > kBf16Inf;
+  const Scale s = nan_block ? Scale{0.0f, F == ScaleFormat::kUE8M0 ? 255u : 0x7fc00000u} : block_scale<F>(amax);
+  if (lane == 0) store_scale(p.scales, uint32_t(g), s.stored, F == ScaleFormat::kUE8M0);
+  uint8_t* q = p.q + b * p.q_batch_stride + r * p.q_stride + col;
+#pragma unroll
+  for (int i = 0; i < kChunksPerLane; ++i) {
+    uint32_t lo, hi;
+    quantize_chunk<F>(c[i], s.s, nan_block, lo, hi);
+    store_q<W>(q + i * kLanesPer1x128 * kColsPerThread, lo, hi);
   }
 }
 
@@ -205,8 +212,7 @@ Status launch(const QuantizeParams& p, const QuantizeFp8Args& a, cudaStream_t st
     err = dev::launch(quantize_fp8_128x128_kernel<W, F>, dim3(p.num_blocks), dim3(kThreads), 0, stream,
                       a.enable_pdl, p);
   } else {
-    constexpr uint32_t kBlocksPerCta = (kThreads / kLanesPerBlock) * k1x128InFlight;
-    const uint32_t grid = (p.num_blocks + kBlocksPerCta - 1) / kBlocksPerCta;
+    const uint32_t grid = (p.num_blocks + k1x128PerCta - 1) / k1x128PerCta;
     err = dev::launch(quantize_fp8_1x128_kernel<W, F>, dim3(grid), dim3(kThreads), 0, stream, a.enable_pdl, p);
   }
   FM_RETURN_IF_ERROR(detail::cuda_status(err, kOp, "kernel launch"));
@@ -235,6 +241,7 @@ Status run_quantize(const QuantizeFp8Args& a, const int64_t* device_rows, cudaSt
   p.col_blocks = uint32_t(l.col_blocks);
   p.num_blocks = uint32_t(a.batch * (a.block == Fp8Block::k128x128 ? l.row_blocks : a.rows) * l.col_blocks);
   p.device_rows = device_rows;
+  p.batched = a.batch > 1;
   // The widest access (elements) that every row start allows: columns
   // start at multiples of 8 elements, so only the pointers and strides matter.
   auto fits = [&](int64_t w) {
