@@ -812,10 +812,11 @@ template <typename In, typename Out, int V>
 Status launch_token_blocks(FinalizeParams p, const FinalizeMoeRoutingArgs& a, cudaStream_t stream) {
   auto kernel = p.bias ? finalize_token_block_kernel<In, Out, V, true> : finalize_token_block_kernel<In, Out, V, false>;
   p.vectors = p.hidden / V;
-  // Threads per block: k <= 2 measured best at 256 (H100: 0.91 of copy vs
-  // 0.89 at 512), larger k at 512 (0.976 vs 0.973 at 256).
+  // Threads per block: k <= 2 at 128 (H100: 0.908-0.913 of copy at 128 and
+  // 256, 0.89 at 512; H200: 0.878-0.883 at 128 against 0.860-0.864 at 256),
+  // larger k at 512 (H100: 0.976 vs 0.973 at 256).
   int threads = a.tuning.threads_per_block;
-  if (threads == 0) threads = a.k <= 2 ? 256 : kMaxTokenBlockThreads;
+  if (threads == 0) threads = a.k <= 2 ? 128 : kMaxTokenBlockThreads;
   threads = int(std::min<int64_t>(threads, std::max<int64_t>(32, (p.vectors + 31) / 32 * 32)));
   FM_RETURN_IF_ERROR(detail::cuda_status(
       dev::launch(kernel, dim3(unsigned(a.num_tokens)), dim3(threads), 0, stream, a.enable_pdl, p), kOp,

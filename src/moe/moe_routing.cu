@@ -483,14 +483,17 @@ moe_routing_expand_kernel(const char* __restrict__ input, int64_t in_stride_byte
 }
 
 // ---- FP8 expansion (spec §1.4): permuted_input[p] = Q(input[t]) ----------
-// Token-major like the copy: a half-warp quantises one 1 x 128 block of row t
-// (eight bf16 a lane, one 16-byte load), with quantize_fp8's arithmetic
-// (fp8_dev, so the bytes equal quantize_fp8's), and writes its 128 e4m3 bytes
-// and its scale to each of the token's local permuted rows. Two blocks a
-// half-warp in flight. Bytes: 2 H a token with a local slot read, (H + H / 32)
-// a local slot written.
-constexpr int kExpandFp8InFlight = 2;
-constexpr int kExpandFp8Groups = kExpandThreads / 16;  // half-warps a block
+// Token-major like the copy: four lanes quantise one 1 x 128 block of row t
+// (lane l its 8-column chunks 4 i + l, i < 4: 64 contiguous bytes a load
+// instruction), with quantize_fp8's arithmetic (fp8_dev, so the bytes equal
+// quantize_fp8's; its 1 x 128 kernel's lane layout, docs/quantize_fp8.md: the
+// block's scale and divisor once per 32 values a lane), and write its 128
+// e4m3 bytes and its scale to each of the token's local permuted rows.
+// Bytes: 2 H a token with a local slot read, (H + H / 32) a local slot
+// written.
+constexpr int kExpandFp8Lanes = 4;                                                  // a block's lanes
+constexpr int kExpandFp8Chunks = 128 / 8 / kExpandFp8Lanes;                         // 4 a lane
+constexpr int kExpandFp8Groups = kExpandThreads / kExpandFp8Lanes;                  // blocks a CTA a pass
 
 template <ScaleFormat F>
 __global__ void __launch_bounds__(kExpandThreads)
@@ -502,37 +505,34 @@ moe_routing_expand_fp8_kernel(const uint16_t* __restrict__ input, int64_t in_str
   const int32_t t = blockIdx.x;
   if (!token_local_rows(u2p, t, T, k, rows)) return;
   const uint16_t* src = input + int64_t(t) * in_stride;
-  const int lane = threadIdx.x & 15;
-  const unsigned half_warp = 0xffffu << (threadIdx.x & 16);
+  const int lane = threadIdx.x % kExpandFp8Lanes;
+  const unsigned team = 0xfu << (threadIdx.x & 28u);
   const int stride = gridDim.y * kExpandFp8Groups;
-  // Every lane of a half-warp takes the same blocks (uniform for the shuffles).
-  for (int cb0 = blockIdx.y * kExpandFp8Groups + int(threadIdx.x >> 4); cb0 < col_blocks;
-       cb0 += stride * kExpandFp8InFlight) {
-    Chunk c[kExpandFp8InFlight];
+  // The four lanes of a team take the same blocks (uniform for the reduction).
+  for (int cb = blockIdx.y * kExpandFp8Groups + int(threadIdx.x / kExpandFp8Lanes); cb < col_blocks; cb += stride) {
+    const uint16_t* x = src + int64_t(cb) * 128 + 8 * lane;
+    Chunk c[kExpandFp8Chunks];
+    uint32_t m = 0;
 #pragma unroll
-    for (int u = 0; u < kExpandFp8InFlight; ++u) {
-      const int cb = cb0 + u * stride;
-      if (cb < col_blocks) {
-        const uint4 v = __ldcs(reinterpret_cast<const uint4*>(src + int64_t(cb) * 128 + 8 * lane));
-        c[u] = Chunk{{v.x, v.y, v.z, v.w}};
-      }
+    for (int i = 0; i < kExpandFp8Chunks; ++i) {
+      const uint4 v = __ldcs(reinterpret_cast<const uint4*>(x + 8 * kExpandFp8Lanes * i));
+      c[i] = Chunk{{v.x, v.y, v.z, v.w}};
     }
 #pragma unroll
-    for (int u = 0; u < kExpandFp8InFlight; ++u) {
-      const int cb = cb0 + u * stride;
-      if (cb >= col_blocks) continue;
-      const uint32_t amax = __reduce_max_sync(half_warp, chunk_amax_bits(c[u]));
-      const bool nan_block = amax > kBf16Inf;
-      const Scale sc = block_scale_or_nan<F>(amax);
-      uint32_t lo, hi;
-      quantize_chunk<F>(c[u], sc.s, nan_block, lo, hi);
-      for (int j = 0; j < k; ++j) {
-        const int32_t p = rows[j];
-        if (p < 0) continue;
-        *reinterpret_cast<uint2*>(out + int64_t(p) * out_stride + int64_t(cb) * 128 + 8 * lane) = make_uint2(lo, hi);
-        if (lane == 0)
-          store_scale(scales, uint32_t(int64_t(p) * col_blocks + cb), sc.stored, F == ScaleFormat::kUE8M0);
-      }
+    for (int i = 0; i < kExpandFp8Chunks; ++i) m = max(m, chunk_amax_bits(c[i]));
+    const uint32_t amax = __reduce_max_sync(team, m);
+    const bool nan_block = amax > kBf16Inf;
+    const Scale sc = block_scale_or_nan<F>(amax);
+    uint2 q[kExpandFp8Chunks];
+#pragma unroll
+    for (int i = 0; i < kExpandFp8Chunks; ++i) quantize_chunk<F>(c[i], sc.s, nan_block, q[i].x, q[i].y);
+    for (int j = 0; j < k; ++j) {
+      const int32_t p = rows[j];
+      if (p < 0) continue;
+      uint8_t* dst = out + int64_t(p) * out_stride + int64_t(cb) * 128 + 8 * lane;
+#pragma unroll
+      for (int i = 0; i < kExpandFp8Chunks; ++i) *reinterpret_cast<uint2*>(dst + 8 * kExpandFp8Lanes * i) = q[i];
+      if (lane == 0) store_scale(scales, uint32_t(int64_t(p) * col_blocks + cb), sc.stored, F == ScaleFormat::kUE8M0);
     }
   }
 }
@@ -554,7 +554,7 @@ cudaError_t launch_expand_fp8(const MoeRoutingArgs& a, cudaStream_t stream) {
   const int64_t out_stride = a.permuted_input_stride ? a.permuted_input_stride : a.hidden;
   const int col_blocks = int(a.hidden / 128);
   // As the copy: a row's 128-column blocks split over blocks when there are few tokens.
-  const int64_t parts = row_parts(a.num_tokens, col_blocks, int64_t(kExpandFp8Groups) * kExpandFp8InFlight);
+  const int64_t parts = row_parts(a.num_tokens, col_blocks, int64_t(kExpandFp8Groups));
   return dev::launch(moe_routing_expand_fp8_kernel<F>, dim3(unsigned(a.num_tokens), unsigned(parts)),
                      dim3(kExpandThreads), 0, stream, a.enable_pdl, static_cast<const uint16_t*>(a.input), in_stride,
                      static_cast<uint8_t*>(a.permuted_input), out_stride, a.permuted_input_scales, col_blocks,
