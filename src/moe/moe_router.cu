@@ -175,6 +175,18 @@ __device__ __forceinline__ float score_of(float l) {
   }
 }
 
+// An expert's selection value (what the groups are ranked by): its score
+// plus the bias where a bias or groups need the score (m, inv_z: the row's
+// softmax max and 1 / sum), the logit itself otherwise.
+template <MoeRouterScoring S>
+__device__ __forceinline__ float selection_value(float l, float b, bool need_scores, float m, float inv_z) {
+  if (!need_scores) return l;
+  float s;
+  if constexpr (S == MoeRouterScoring::kSoftmax) s = m != -INFINITY ? __expf(l - m) * inv_z : 0.0f;
+  else s = score_of<S>(l);
+  return s + b;
+}
+
 // One lane's V consecutive logits with the widest vectors V elements allow.
 template <typename T, int V>
 __device__ __forceinline__ void load_chunk(const T* p, float (&x)[V]) {
@@ -280,15 +292,8 @@ __global__ void __launch_bounds__(kThreads, router_min_blocks(G, V, S)) moe_rout
   }
 #pragma unroll
   for (int i = 0; i < V; ++i) {
-    float v = l[i];
-    if (need_scores) {
-      float s;
-      if constexpr (kSoftmax) s = m != kNegInf ? __expf(l[i] - m) * inv_z : 0.0f;
-      else s = score_of<S>(l[i]);
-      v = s + b[i];
-    }
-    gv[i] = v;
-    key[i] = present[i] ? order_key(has_bias ? v : l[i]) : 0u;
+    gv[i] = selection_value<S>(l[i], b[i], need_scores, m, inv_z);
+    key[i] = present[i] ? order_key(has_bias ? gv[i] : l[i]) : 0u;
   }
 
   // Group-limited selection: keep the keys of the topk_group best groups.
@@ -620,15 +625,8 @@ __global__ void __launch_bounds__(kThreads) moe_router_thread_kernel(const Param
   float gv[V];
 #pragma unroll
   for (int i = 0; i < V; ++i) {
-    float v = l[i];
-    if (need_scores) {
-      float sc;
-      if constexpr (kSoftmax) sc = m != kNegInf ? __expf(l[i] - m) * inv_z : 0.0f;
-      else sc = score_of<S>(l[i]);
-      v = sc + b[i];
-    }
-    gv[i] = v;
-    key[i] = order_key(has_bias ? v : l[i]);
+    gv[i] = selection_value<S>(l[i], b[i], need_scores, m, inv_z);
+    key[i] = order_key(has_bias ? gv[i] : l[i]);
   }
   if (p.grouped) {  // n_group in {2, 4, 8} (it divides 8, and topk_group < n_group)
     if (p.group_size == 4) keep_groups_in_thread<4>(gv, key, p.topk_group);
