@@ -180,11 +180,14 @@ __device__ __forceinline__ float score_of(float l) {
 // softmax max and 1 / sum), the logit itself otherwise.
 template <MoeRouterScoring S>
 __device__ __forceinline__ float selection_value(float l, float b, bool need_scores, float m, float inv_z) {
-  if (!need_scores) return l;
-  float s;
-  if constexpr (S == MoeRouterScoring::kSoftmax) s = m != -INFINITY ? __expf(l - m) * inv_z : 0.0f;
-  else s = score_of<S>(l);
-  return s + b;
+  float v = l;
+  if (need_scores) {
+    float s;
+    if constexpr (S == MoeRouterScoring::kSoftmax) s = m != -INFINITY ? __expf(l - m) * inv_z : 0.0f;
+    else s = score_of<S>(l);
+    v = s + b;
+  }
+  return v;
 }
 
 // One lane's V consecutive logits with the widest vectors V elements allow.
@@ -292,8 +295,9 @@ __global__ void __launch_bounds__(kThreads, router_min_blocks(G, V, S)) moe_rout
   }
 #pragma unroll
   for (int i = 0; i < V; ++i) {
-    gv[i] = selection_value<S>(l[i], b[i], need_scores, m, inv_z);
-    key[i] = present[i] ? order_key(has_bias ? gv[i] : l[i]) : 0u;
+    const float v = selection_value<S>(l[i], b[i], need_scores, m, inv_z);
+    gv[i] = v;
+    key[i] = present[i] ? order_key(has_bias ? v : l[i]) : 0u;
   }
 
   // Group-limited selection: keep the keys of the topk_group best groups.
