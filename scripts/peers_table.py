@@ -13,7 +13,7 @@ Usage: scripts/peers_table.py RECORD.json [RECORD.json ...] [--latest] [--ops OP
                                [--readme README.md]
   --latest  per GPU, each op from the newest record that has it (one column per GPU)
   --ops     only these ops (moe_finalize, moe_fc2, moe_fc1, moe_fc2_fp8, moe_fc1_fp8, mhc_pre, mhc_post,
-            moe_forward_mxfp4)
+            moe_router, moe_forward_mxfp4)
   --skip    leave out implementations matching REGEX (default: torch eager, flashmix unfused and
             the dense ceiling, which stay in the JSON)
   --readme  write the table into that file between the lines BEGIN_MARK and END_MARK below
