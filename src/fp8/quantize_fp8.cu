@@ -144,20 +144,12 @@ __global__ void __launch_bounds__(kThreads) quantize_fp8_1x128_kernel(const Quan
   Chunk c[kChunksPerLane];
 #pragma unroll
   for (int i = 0; i < kChunksPerLane; ++i) c[i] = load_chunk<W>(x + i * kLanesPer1x128 * kColsPerThread);
-  uint32_t m = 0;
-#pragma unroll
-  for (int i = 0; i < kChunksPerLane; ++i) m = max(m, chunk_amax_bits(c[i]));
-  const uint32_t amax = __reduce_max_sync(team, m);
-  const bool nan_block = amax > kBf16Inf;
-  const Scale s = nan_block ? Scale{0.0f, F == ScaleFormat::kUE8M0 ? 255u : 0x7fc00000u} : block_scale<F>(amax);
+  uint2 codes[kChunksPerLane];
+  const Scale s = quantize_team_block<F>(c, team, codes);
   if (lane == 0) store_scale(p.scales, uint32_t(g), s.stored, F == ScaleFormat::kUE8M0);
   uint8_t* q = p.q + b * p.q_batch_stride + r * p.q_stride + col;
 #pragma unroll
-  for (int i = 0; i < kChunksPerLane; ++i) {
-    uint32_t lo, hi;
-    quantize_chunk<F>(c[i], s.s, nan_block, lo, hi);
-    store_q<W>(q + i * kLanesPer1x128 * kColsPerThread, lo, hi);
-  }
+  for (int i = 0; i < kChunksPerLane; ++i) store_q<W>(q + i * kLanesPer1x128 * kColsPerThread, codes[i].x, codes[i].y);
 }
 
 // 128 x 128: CTA g is block (matrix b, row block rb, column block cb) with

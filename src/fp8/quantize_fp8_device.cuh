@@ -184,4 +184,20 @@ __device__ __forceinline__ void quantize_chunk(const Chunk& c, float s, bool nan
   quantize8_f32<F>(v, s, nan_block, lo, hi);
 }
 
+// One 1 x 128 block held by a team of lanes (`team`: their mask), each lane
+// N of its 8-value chunks (quantize_fp8's 1 x 128 layout, also the routing's
+// FP8 expansion): the block's amax over the team, its scale (NaN blocks
+// included) and the lane's e4m3 codes, q[i] those of chunk i.
+template <ScaleFormat F, int N>
+__device__ __forceinline__ Scale quantize_team_block(const Chunk (&c)[N], unsigned team, uint2 (&q)[N]) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < N; ++i) m = max(m, chunk_amax_bits(c[i]));
+  const uint32_t amax = __reduce_max_sync(team, m);
+  const Scale s = block_scale_or_nan<F>(amax);
+#pragma unroll
+  for (int i = 0; i < N; ++i) quantize_chunk<F>(c[i], s.s, amax > kBf16Inf, q[i].x, q[i].y);
+  return s;
+}
+
 }  // namespace flashmix::fp8_dev

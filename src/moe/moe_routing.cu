@@ -512,20 +512,13 @@ moe_routing_expand_fp8_kernel(const uint16_t* __restrict__ input, int64_t in_str
   for (int cb = blockIdx.y * kExpandFp8Groups + int(threadIdx.x / kExpandFp8Lanes); cb < col_blocks; cb += stride) {
     const uint16_t* x = src + int64_t(cb) * 128 + 8 * lane;
     Chunk c[kExpandFp8Chunks];
-    uint32_t m = 0;
 #pragma unroll
     for (int i = 0; i < kExpandFp8Chunks; ++i) {
       const uint4 v = __ldcs(reinterpret_cast<const uint4*>(x + 8 * kExpandFp8Lanes * i));
       c[i] = Chunk{{v.x, v.y, v.z, v.w}};
     }
-#pragma unroll
-    for (int i = 0; i < kExpandFp8Chunks; ++i) m = max(m, chunk_amax_bits(c[i]));
-    const uint32_t amax = __reduce_max_sync(team, m);
-    const bool nan_block = amax > kBf16Inf;
-    const Scale sc = block_scale_or_nan<F>(amax);
     uint2 q[kExpandFp8Chunks];
-#pragma unroll
-    for (int i = 0; i < kExpandFp8Chunks; ++i) quantize_chunk<F>(c[i], sc.s, nan_block, q[i].x, q[i].y);
+    const Scale sc = quantize_team_block<F>(c, team, q);
     for (int j = 0; j < k; ++j) {
       const int32_t p = rows[j];
       if (p < 0) continue;
