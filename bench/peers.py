@@ -1235,7 +1235,7 @@ def bench_router(run, case, scoring, E, k, renormalize, with_bias, scale, n_grou
 
         def make_sgl():
             ops = adapters.sgl_ops()
-            if not _has_op(ops, "topk_softmax"):
+            if not adapters.has_torch_op(torch, "sgl_kernel", "topk_softmax"):
                 raise Missing("this sgl-kernel build has no topk_softmax")
             return rotating(lambda lg: ops.topk_softmax.default(sw, si, lg, renorm, 0.0, None))
 
@@ -1248,14 +1248,6 @@ def bench_router(run, case, scoring, E, k, renormalize, with_bias, scale, n_grou
         mark_not_applicable(run, op, case, "sgl-kernel topk_softmax",
                             "softmax scoring only (sgl-kernel 0.4.5 has no grouped sigmoid top-k: its "
                             "moe_fused_gate moved out of the wheel)")
-
-
-def _has_op(ops, name):
-    try:
-        getattr(ops, name)
-        return True
-    except (AttributeError, RuntimeError):
-        return False
 
 
 # ===========================================================================

@@ -156,7 +156,8 @@ def _load_shared_object(path, load):
                 raise
 
 
-def _has_torch_op(torch, namespace, name):
+def has_torch_op(torch, namespace, name):
+    """Whether torch.ops.<namespace>.<name> is registered."""
     try:
         getattr(getattr(torch.ops, namespace), name)
         return True
@@ -170,7 +171,7 @@ SGL_OPS = "sgl_kernel/sm90/common_ops*.so"
 def _load_sgl():
     torch = _torch()
     info = {}
-    if not _has_torch_op(torch, "sgl_kernel", "apply_shuffle_mul_sum"):
+    if not has_torch_op(torch, "sgl_kernel", "apply_shuffle_mul_sum"):
         path = os.environ.get("FLASHMIX_PEERS_SGL_OPS") or _search_path(SGL_OPS)
         if not path:
             raise Missing("%s not found on sys.path (bench/peers_setup.sh unpacks it)" % SGL_OPS)
@@ -205,7 +206,7 @@ def _load_sgl():
         if version:
             info["version"] = version
     for op in ("apply_shuffle_mul_sum", "moe_sum_reduce"):
-        if not _has_torch_op(torch, "sgl_kernel", op):
+        if not has_torch_op(torch, "sgl_kernel", op):
             raise Missing("loaded, but torch.ops.sgl_kernel.%s is not registered" % op)
     return torch.ops.sgl_kernel, info
 
