@@ -225,6 +225,11 @@ void bench_moe_forward(Context& ctx, const Shape& sh, bool direct, const std::st
   if (direct) EP_OK(ep_peers_create(f.shape, ws.p, ws.bytes, comm, stream, &peers));
   f.peers = peers;
   const double t = median_us([&] { EP_OK(ep_moe_forward(f, comm, ws.p, ws.bytes, stream)); }, stream, 2, iters(ctx));
+  // Decode-sized calls: ours again as CUDA-graph replays, as a decode step
+  // runs it (the reference reads its splits on the host: it cannot be captured).
+  const double t_graph = T <= 256 ? graph_us_per_launch([&](int) { EP_OK(ep_moe_forward(f, comm, ws.p, ws.bytes, stream)); },
+                                                        10, stream, iters(ctx))
+                                  : 0.0;
   EP_OK(ep_peers_destroy(peers, comm, stream));
 
   // The plain reference.
@@ -348,6 +353,7 @@ void bench_moe_forward(Context& ctx, const Shape& sh, bool direct, const std::st
   r.extra["reference_us"] = t_ref;
   r.extra["ratio_to_reference"] = t / t_ref;
   r.extra["max_abs_diff_over_max_ref"] = worst;
+  if (t_graph > 0) r.extra["graph_us"] = t_graph;
   r.labels["transport"] = direct ? "direct (NVLink, ep_peers_create)" : "nccl";
   add_record(ctx, std::move(r));
 }
@@ -466,10 +472,12 @@ int rank_main(Context ctx, const std::string& json_path, int rank, int world, nc
       if (want("ep_dispatch_combine", name))
         bench_dispatch_combine(ctx, decode, EpSizing::kCapacity, false, direct, graph, name, rank, world, comm, stream);
     }
-  n = "deepseek_T4096_k8_E256_I2048_H7168" + ep;
-  for (bool direct : {false, true})
-    if (want("ep_moe_forward", n + (direct ? "_direct" : "")))
-      bench_moe_forward(ctx, deepseek, direct, n + (direct ? "_direct" : ""), rank, world, comm, stream);
+  for (const Shape& sh : {deepseek, Shape{16, 8, 256, 2048, 7168}}) {
+    n = "deepseek_T" + std::to_string(sh.T) + "_k8_E256_I2048_H7168" + ep;
+    for (bool direct : {false, true})
+      if (want("ep_moe_forward", n + (direct ? "_direct" : "")))
+        bench_moe_forward(ctx, sh, direct, n + (direct ? "_direct" : ""), rank, world, comm, stream);
+  }
   n = "T4096_H7168" + ep;
   if (want("ep_reduce", n)) bench_reduce(ctx, deepseek, DType::kFloat32, n, rank, world, comm, stream);
   if (want("ep_reduce", n + "_bf16partial"))

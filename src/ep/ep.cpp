@@ -236,6 +236,23 @@ Status dispatch_body(const EpDispatchArgs& a, ncclComm_t comm, char* ws, const L
   constexpr const char* op = kDispatchOp;
   const EpShape& s = a.shape;
   const PeerBases peers = peer_bases(a.peers);
+  // Decode-sized calls on the direct transport: one kernel (after the FP8
+  // rows' quantisation) does plan, pack, handshake and unpack.
+  const bool fused = a.peers != nullptr && use_fused_direct(s, a.num_tokens);
+  if (fused) {
+    if (s.fp8_rows && a.num_tokens > 0) {
+      const Status st = quantize_fp8(quantise_rows(a, l, ws), stream);
+      if (!st.ok()) return Status(st.code(), detail::concat(op, ": ", st.message()));
+    }
+    EP_CUDA(s.fp8_rows ? launch_dispatch_fused(s, l, ws, peers, a.num_tokens, ws + l.x_q, s.hidden,
+                                               reinterpret_cast<const float*>(ws + l.x_q_scales), a.topk_ids,
+                                               a.topk_weights, a.dropped, stream)
+                       : launch_dispatch_fused(s, l, ws, peers, a.num_tokens, a.X,
+                                               or_hidden(a.x_stride, s.hidden) * 2, nullptr, a.topk_ids,
+                                               a.topk_weights, a.dropped, stream),
+            op, "fused dispatch kernel launch");
+    return Status::Ok();
+  }
   if (a.dropped != nullptr) EP_CUDA(cudaMemsetAsync(a.dropped, 0, sizeof(int32_t), stream), op, "zeroing dropped");
   EP_CUDA(launch_plan(s, l, ws, peers, a.num_tokens, a.topk_ids, a.dropped, stream), op, "plan kernel launch");
   if (s.fp8_rows) {
@@ -269,6 +286,13 @@ Status combine_body(const EpCombineArgs& a, ncclComm_t comm, char* ws, const Lay
   constexpr const char* op = kCombineOp;
   const EpShape& s = a.shape;
   const PeerBases peers = peer_bases(a.peers);
+  const int64_t H = s.hidden;
+  if (a.peers != nullptr && use_fused_direct(s, a.num_tokens)) {
+    EP_CUDA(launch_combine_fused(s, l, ws, peers, a.num_tokens, a.shared_output, or_hidden(a.shared_stride, H), a.out,
+                                 or_hidden(a.out_stride, H), stream),
+            op, "fused combine kernel launch");
+    return Status::Ok();
+  }
   if (a.peers != nullptr) {
     // Every rank's expert_out is complete; the reduce reads the peers' slabs.
     EP_CUDA(launch_handshake(s, l, ws, peers, kSyncCombine, stream), op, "handshake kernel launch");
@@ -279,7 +303,6 @@ Status combine_body(const EpCombineArgs& a, ncclComm_t comm, char* ws, const Lay
   } else {
     FM_RETURN_IF_ERROR(exchange_combine(s, l, ws, fixed_spans(s, 0, size_t(l.C)), comm, stream, op));
   }
-  const int64_t H = s.hidden;
   EP_CUDA(launch_combine_reduce(s, l, ws, peers, a.num_tokens, a.shared_output, or_hidden(a.shared_stride, H), a.out,
                                 or_hidden(a.out_stride, H), stream),
           op, "combine kernel launch");

@@ -74,7 +74,9 @@ struct Layout {
 // ep_peers_create): flag[kind][s] is the last call of that kind for which
 // rank s has announced (dispatch: its rows and meta are in this rank's
 // receive slab s; combine: its expert_out is complete); epoch[kind] counts
-// this rank's calls of that kind.
+// this rank's calls of that kind; done[kind] counts the blocks of the
+// one-kernel (fused) form that have finished their part of the current call
+// (the last one resets it to 0 and advances the epoch).
 enum SyncKind { kSyncDispatch = 0, kSyncCombine = 1 };
 FLASHMIX_EP_HOST_DEVICE inline size_t sync_flag_offset(int world, SyncKind kind, int s) {
   return (size_t(kind) * size_t(world) + size_t(s)) * 8;
@@ -82,7 +84,26 @@ FLASHMIX_EP_HOST_DEVICE inline size_t sync_flag_offset(int world, SyncKind kind,
 FLASHMIX_EP_HOST_DEVICE inline size_t sync_epoch_offset(int world, SyncKind kind) {
   return (2 * size_t(world) + size_t(kind)) * 8;
 }
-inline size_t sync_bytes(int world) { return (2 * size_t(world) + 2) * 8; }
+FLASHMIX_EP_HOST_DEVICE inline size_t sync_done_offset(int world, SyncKind kind) {
+  return (2 * size_t(world) + 2 + size_t(kind)) * 8;
+}
+inline size_t sync_bytes(int world) { return (2 * size_t(world) + 4) * 8; }
+
+// The direct transport's one-kernel forms (spec §14.7): dispatch as a single
+// kernel (plan, pack, handshake and unpack) and combine as a single kernel
+// (handshake and reduce), for decode-sized calls. One block a token, and the
+// plan of every token in each block's shared memory: T <= kFusedMaxTokens,
+// and a token's destinations as one 64-bit mask: W <= kFusedMaxWorld.
+// The last block to finish unpacks all W C received rows, so the fused
+// dispatch is taken only while that is small: W C <= kFusedMaxUnpackRows.
+constexpr int64_t kFusedMaxTokens = 128;
+constexpr int kFusedMaxWorld = 64;
+constexpr int64_t kFusedMaxUnpackRows = 4096;
+// Whether a call of T tokens on this shape takes the fused forms (the caller
+// has the direct transport): T, W and W C within the bounds above.
+// FLASHMIX_EP_DIRECT_KERNELS=split pins the kernel-per-step form (A/Bs and
+// its tests); =fused lifts the W C bound.
+bool use_fused_direct(const EpShape& s, int64_t T);
 
 // What the kernels need to reach other ranks' workspaces: the device array
 // of every rank's workspace base as mapped here ([W]; entry `rank` is this
@@ -134,6 +155,17 @@ cudaError_t launch_combine_reduce(const EpShape& s, const Layout& l, const char*
 // visible to them when they pass theirs.
 cudaError_t launch_handshake(const EpShape& s, const Layout& l, char* ws, PeerBases peers, SyncKind kind,
                              cudaStream_t stream);
+
+// The fused forms (use_fused_direct): dispatch_fused does launch_plan +
+// launch_pack + launch_handshake(kSyncDispatch) + launch_unpack (and stores
+// *dropped itself: no zeroing before it); combine_fused does
+// launch_handshake(kSyncCombine) + launch_combine_reduce. X as launch_pack's.
+cudaError_t launch_dispatch_fused(const EpShape& s, const Layout& l, char* ws, PeerBases peers, int64_t T,
+                                  const void* X, int64_t x_stride_bytes, const float* x_scales, const int32_t* ids,
+                                  const float* weights, int32_t* dropped, cudaStream_t stream);
+cudaError_t launch_combine_fused(const EpShape& s, const Layout& l, char* ws, PeerBases peers, int64_t T,
+                                 const void* shared, int64_t shared_stride, void* out, int64_t out_stride,
+                                 cudaStream_t stream);
 
 // Way 1 (ep_finalize_reduce): the summed fp32 partial -> out_dtype. n % 4 == 0.
 cudaError_t launch_convert_from_f32(const float* in, void* out, DType out_dtype, int64_t n, cudaStream_t stream);

@@ -106,14 +106,15 @@ TEST(EpLayoutCpu, RegionsAreDisjointAlignedAndTheReceiveSlabsAdjacent) {
     }
 }
 
-// The direct transport's words (spec §14.7): a flag per (kind, source rank)
-// and an epoch per kind, all distinct, 8-byte aligned, inside the region.
+// The direct transport's words (spec §14.7): a flag per (kind, source rank),
+// an epoch and a fused call's block count per kind, all distinct, 8-byte aligned, inside the region.
 TEST(EpLayoutCpu, HandshakeWordsAreDistinctAndInsideTheirRegion) {
   for (int world : {1, 2, 5, 33}) {
     std::vector<size_t> offs;
     for (ep::SyncKind kind : {ep::kSyncDispatch, ep::kSyncCombine}) {
       for (int r = 0; r < world; ++r) offs.push_back(ep::sync_flag_offset(world, kind, r));
       offs.push_back(ep::sync_epoch_offset(world, kind));
+      offs.push_back(ep::sync_done_offset(world, kind));
     }
     std::sort(offs.begin(), offs.end());
     EXPECT_TRUE(std::adjacent_find(offs.begin(), offs.end()) == offs.end()) << "world " << world;

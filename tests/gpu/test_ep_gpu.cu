@@ -15,6 +15,7 @@
 //    a unit of each partial: |ep - full| <= 2^-7 |full| + 2^-7 max|full|.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -814,6 +815,48 @@ TEST(EpGpu, AllToAllGraphCapture) {
   SKIP_WITHOUT_GPUS(2);
   EpCase c = base_case();
   c.graph = true;
+  run_all_to_all(c);
+}
+
+// spec §14.7: the direct transport's two forms. Calls of up to 128 tokens
+// take the fused kernels (every direct pass above with such T does; T = 0
+// runs one block); here the kernel-per-step form pinned on the same kinds of
+// case, then ranks whose T puts them on different forms in the same calls
+// (128: fused, 129: kernel per step), which must meet in the same handshakes.
+struct ScopedEnv {
+  const char* name;
+  ScopedEnv(const char* n, const char* v) : name(n) { setenv(n, v, 1); }
+  ~ScopedEnv() { unsetenv(name); }
+};
+
+TEST(EpGpu, AllToAllDirectKernelPerStep) {
+  SKIP_WITHOUT_GPUS(2);
+  ScopedEnv pin("FLASHMIX_EP_DIRECT_KERNELS", "split");
+  for (bool graph : {false, true}) {
+    EpCase c = base_case();
+    c.T = {0, 45};
+    c.graph = graph;
+    run_all_to_all(c);
+  }
+  EpCase c = base_case();
+  c.skew = Skew::kMostlyRank0;
+  c.recv_capacity = 20;
+  run_all_to_all(c);
+}
+
+TEST(EpGpu, AllToAllDirectFusedAndKernelPerStepRanks) {
+  SKIP_WITHOUT_GPUS(2);
+  for (bool graph : {false, true}) {
+    EpCase c = base_case();
+    c.T = {128, 129};
+    c.graph = graph;
+    run_all_to_all(c);
+  }
+  EpCase c = base_case();
+  c.T = {129, 128};
+  c.fp8 = true;
+  c.H = 256;
+  c.I = 128;
   run_all_to_all(c);
 }
 
