@@ -133,6 +133,7 @@ struct Case {
   int64_t H, I;
   flashmix::MoeRouterScoring scoring;
   float scaling;
+  int ep = 1;  // rank 0 of EP `ep`: E / ep local experts, router over all E
 };
 
 template <class T>
@@ -231,6 +232,9 @@ int main(int argc, char** argv) {
       {"qwen3", 4096, 8, 128, 2048, 768, MoeRouterScoring::kSoftmax, 1.f},
       {"deepseek_ep", 1024, 8, 32, 7168, 2048, MoeRouterScoring::kSigmoid, 2.5f},
       {"mixtral", 4096, 2, 8, 4096, 14336, MoeRouterScoring::kSoftmax, 1.f},
+      {"deepseek_ep_T16", 16, 8, 32, 7168, 2048, MoeRouterScoring::kSigmoid, 2.5f},
+      {"v4flash_ep8_T16", 16, 6, 256, 4096, 2048, MoeRouterScoring::kSigmoid, 1.5f, 8},
+      {"v4flash_ep8_T64", 64, 6, 256, 4096, 2048, MoeRouterScoring::kSigmoid, 1.5f, 8},
   };
   const std::string want = argc > 1 ? argv[1] : "qwen3";
   const std::string input = argc > 2 ? argv[2] : "auto";
@@ -240,19 +244,20 @@ int main(int argc, char** argv) {
   for (const Case& x : cases)
     if (want == x.name) c = &x;
   if (!c) {
-    std::printf("usage: layer_trace qwen3|deepseek_ep|mixtral [auto|gather|copy] [bf16|fp8|fp8full]\n");
+    std::printf("usage: layer_trace qwen3|deepseek_ep|mixtral|deepseek_ep_T16|v4flash_ep8_T16|v4flash_ep8_T64 "
+                "[auto|gather|copy] [bf16|fp8|fp8full]\n");
     return 2;
   }
-  const int64_t T = c->T, H = c->H, I = c->I, E = c->E;
+  const int64_t T = c->T, H = c->H, I = c->I, E = c->E / c->ep;  // E: the local experts
   const size_t wb = fp8 ? 1 : 2;
   auto* X = dalloc<__nv_bfloat16>(size_t(T * H));
-  auto* logits = dalloc<__nv_bfloat16>(size_t(T * E));
+  auto* logits = dalloc<__nv_bfloat16>(size_t(T * c->E));
   auto* W1 = dalloc<uint8_t>(size_t(E * 2 * I * H) * wb);
   auto* W2 = dalloc<uint8_t>(size_t(E * H * I) * wb);
   auto* out = dalloc<__nv_bfloat16>(size_t(T * H));
   float *s1 = nullptr, *s2 = nullptr;
   fill_bf16<<<1024, 256>>>(X, T * H, 21, 1.0f);
-  fill_bf16<<<1024, 256>>>(logits, T * E, 22, 4.0f);
+  fill_bf16<<<1024, 256>>>(logits, T * c->E, 22, 4.0f);
   if (fp8) {
     fill_e4m3<<<4096, 256>>>(W1, E * 2 * I * H, 23, fp8_full);
     fill_e4m3<<<4096, 256>>>(W2, E * H * I, 24, fp8_full);
@@ -273,7 +278,7 @@ int main(int argc, char** argv) {
   f.hidden = H;
   f.inter = I;
   f.k = c->k;
-  f.num_experts = int(E);
+  f.num_experts = c->E;
   f.num_experts_per_node = int(E);
   f.X = X;
   f.router_logits = logits;

@@ -137,7 +137,12 @@ struct RowsCfg {
   static constexpr int kMaxRows = kMaxRows_;
   // MXFP4's stages hold 8 or 4 KB of weights: more of them (12 / 16 in
   // 32-row tiles for decode, 6 in 128-row tiles) keep the bytes in flight.
-  static constexpr int kStages = !kMx ? 4 : kMaxRows <= 32 ? (kFp8 ? 12 : 16) : kMaxRows <= 128 ? 6 : 4;
+  // Block FP8 at decode (32-row tiles) likewise: 8 stages of 20 KB.
+  static constexpr int kStages = !kMx ? (kBlock && kMaxRows <= 32 ? 8 : 4)
+                                      : kMaxRows <= 32 ? (kFp8 ? 12 : 16) : kMaxRows <= 128 ? 6 : 4;
+  // Block scales with the token rows as wgmma's M (consume_tile_block) need
+  // two warpgroups of 64 rows: the 128-row tiles only.
+  static constexpr bool kRowsMCapable = kBlock && kMaxRows == 128;
   static_assert(!kBlock || kMaxRows <= 128, "block-scaled tiles hold at most 128 rows (two accumulators)");
   static_assert(!kFp8 || kMaxRows <= kWgmmaMaxN, "FP8 tiles take one wgmma (no register-A FP8 path)");
   static_assert(!kMx || kMaxRows <= (kFp8 ? 128 : kWgmmaMaxN), "MXFP4 tiles: 128 rows (W4A8: two accumulators), 256");
@@ -729,7 +734,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int E = p.E;
-  const bool rows_m = Cfg::kBlock && p.block_rows_m;  // consume_tile_block: one release a warp
+  const bool rows_m = Cfg::kRowsMCapable && p.block_rows_m;  // consume_tile_block: one release a warp
   for (int e = tid; e <= E; e += kThreads) row_off[e] = int(p.offsets[e]);
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
@@ -897,7 +902,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const TileInfo t = sh.tab_info[it & 1];
       log.stamp(it, 5, uint32_t(t.n));
       bool done = false;
-      if constexpr (Cfg::kBlock) {
+      if constexpr (Cfg::kRowsMCapable) {
         if (p.block_rows_m) {
           if (bf16_out)
             consume_tile_block<Cfg, true>(p, sh, t, wg, ph, it, log);
@@ -1054,7 +1059,18 @@ Status sm90_fc2_run_rows(const Sm90Fc2GemmParams& p, cudaStream_t stream) {
     return p.E <= Mx16::kMaxExperts ? launch_fp8<Mx16>(p, k, w, a, stream)
                                     : launch_fp8<RowsCfg<128, Fc2In::kMxfp4Bf16>>(p, k, w, a, stream);
   }
-  if (p.fp8 == MoeFp8Scaling::kBlock) return launch_fp8<RowsCfg<128, Fc2In::kFp8Block>>(p, k, w, a, stream);
+  if (p.fp8 == MoeFp8Scaling::kBlock) {
+    // Decode (experts averaging at most 16 rows, W2 rows as M): 32-row tiles,
+    // whose 20 KB stages keep 8 x 16 KB of W2 in flight (4 x 16 KB with
+    // 128-row tiles). FLASHMIX_FC2_ROWS=32|128 pins either.
+    static const int pinned_rows = [] {
+      const char* e = std::getenv("FLASHMIX_FC2_ROWS");
+      return e ? std::atoi(e) : 0;
+    }();
+    const bool decode = !k.block_rows_m && (pinned_rows ? pinned_rows == 32 : int64_t(p.T) * p.k <= int64_t(16) * p.E);
+    return decode ? launch_fp8<RowsCfg<32, Fc2In::kFp8Block>>(p, k, w, a, stream)
+                  : launch_fp8<RowsCfg<128, Fc2In::kFp8Block>>(p, k, w, a, stream);
+  }
   if (p.fp8 == MoeFp8Scaling::kTensor)
     return launch_fp8<RowsCfg<kWgmmaMaxN, Fc2In::kFp8Tensor>>(p, k, w, a, stream);
 
