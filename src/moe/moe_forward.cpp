@@ -10,6 +10,7 @@
 // Every stage's arguments are built and validated before the first launch,
 // so bad input launches nothing and touches no output. No host sync: P lives
 // on the device (expert_first_token_offset), each kernel reads it there.
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <vector>
@@ -218,20 +219,24 @@ Stages make_stages(const MoeForwardArgs& a, char* ws, const MoeForwardLayout& l)
   return s;
 }
 
-// The glue the maps' count kernel does for the layer (detail::RoutingSideWork;
-// the multi-block path only): zero `out` where FC2 would memset it (kAtomic
-// with fill and no shared_output: ~5 us and a break in the PDL chain between
-// FC1 and FC2 at T = 4096, H = 2048 on an H100), and pull X into L2 where FC1
-// gathers the caller's bf16 rows. Before the count kernel's dependency wait
-// when the layer's router runs in front of it (RoutingSideWork::before_wait).
-// FLASHMIX_LAYER_SIDE_WORK=0 turns it off (same-binary A/B; read on every call).
+// The glue the maps' kernels do for the layer (detail::RoutingSideWork):
+// zero `out` where FC2 would memset it (kAtomic with fill and no
+// shared_output: ~5 us and a break in the PDL chain between FC1 and FC2 at
+// T = 4096, H = 2048 on an H100); on the multi-block path pull X into L2
+// where FC1 gathers the caller's bf16 rows (before the count kernel's
+// dependency wait when the layer's router runs in front of it:
+// RoutingSideWork::before_wait); on the single-block path (decode) quantise
+// X for the FP8 layers in blocks beside the maps' (the memset and the
+// quantize_fp8 launch were ~6 us of a ~95 us FP8 layer at V4-Flash T = 16 on
+// an H200, docs/moe_fc1.md). FLASHMIX_LAYER_SIDE_WORK=0 turns it off
+// (same-binary A/B; read on every call).
 detail::RoutingSideWork maps_side_work(const MoeForwardArgs& a, const Stages& s, int sms) {
   detail::RoutingSideWork w;
-  if (detail::plan_moe_routing(s.maps).single_block) return w;
   const char* off = std::getenv("FLASHMIX_LAYER_SIDE_WORK");
   if (off != nullptr && off[0] == '0') return w;
-  w.before_wait = s.run_router;
-  w.min_blocks = 2 * sms;
+  const bool single = detail::plan_moe_routing(s.maps).single_block;
+  w.before_wait = !single && s.run_router;
+  w.min_blocks = single ? 1 : 2 * sms;
   // Rows of hidden * 2 bytes, a multiple of 16 (the stages' validation holds H % 8 == 0).
   const int64_t out_stride_bytes = (a.out_stride ? a.out_stride : a.hidden) * 2;
   if (a.fc2_mode == Fc2Mode::kAtomic && a.fill && a.shared_output == nullptr &&
@@ -240,6 +245,27 @@ detail::RoutingSideWork maps_side_work(const MoeForwardArgs& a, const Stages& s,
     w.zero_rows = a.num_tokens;
     w.zero_row_bytes = a.hidden * 2;
     w.zero_stride_bytes = out_stride_bytes;
+  }
+  if (single) {
+    const QuantizeFp8Args& q = s.quant_x;
+    const int64_t x_stride = q.x_stride ? q.x_stride : q.cols, q_stride = q.q_stride ? q.q_stride : q.cols;
+    if (s.quantise_x && q.block == Fp8Block::k1x128 && q.scale_format == ScaleFormat::kFloat32 && q.batch == 1 &&
+        reinterpret_cast<uintptr_t>(q.x) % 16 == 0 && x_stride % 8 == 0 && q_stride % 8 == 0 &&
+        reinterpret_cast<uintptr_t>(q.q) % 8 == 0) {
+      w.quant_x = q.x;
+      w.quant_x_stride = x_stride;
+      w.quant_rows = q.rows;
+      w.quant_cols = q.cols;
+      w.quant_q = q.q;
+      w.quant_q_stride = q_stride;
+      w.quant_scales = static_cast<float*>(q.scales);
+    }
+    // Blocks beside the maps' one: a team of four lanes a 1 x 128 block (X),
+    // a 16-byte store a thread (out), up to one a multiprocessor.
+    const int64_t lanes = std::max<int64_t>(w.quant_x ? w.quant_rows * (w.quant_cols / 128) * 4 : 0,
+                                            w.zero ? w.zero_rows * w.zero_row_bytes / 16 : 0);
+    w.min_blocks = 1 + int(std::min<int64_t>(sms, (lanes + detail::kRoutingThreads - 1) / detail::kRoutingThreads));
+    return w;
   }
   if (!s.fc1.x_permuted && s.fc1.X == a.X && !s.quantise_x) {
     const int64_t elem = x_prequantised(a) ? 1 : 2;
@@ -495,7 +521,7 @@ Status moe_forward(const MoeForwardArgs& a, void* workspace, size_t workspace_by
   FM_RETURN_IF_ERROR(in_layer(detail::build_moe_routing_maps_with(
       s.maps, side, static_cast<char*>(workspace) + l.maps_ws, l.maps_ws_bytes, stream)));
   const int64_t* live_rows = s.maps.expert_first_token_offset + a.num_experts_per_node;  // P, on the device
-  if (s.quantise_x) FM_RETURN_IF_ERROR(in_layer(quantize_fp8(s.quant_x, stream)));
+  if (s.quantise_x && side.quant_x == nullptr) FM_RETURN_IF_ERROR(in_layer(quantize_fp8(s.quant_x, stream)));
   if (s.fc1_fp8_out) {
     FM_RETURN_IF_ERROR(in_layer(moe_fc1(s.fc1_q, stream)));
   } else {

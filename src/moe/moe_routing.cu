@@ -27,6 +27,7 @@
 // (T' + P)*H elements, T' the tokens with a local slot (one read of each such
 // input row, one write per local slot) and is
 // bandwidth-bound: it should reach the device copy bandwidth.
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 
@@ -181,16 +182,70 @@ inline size_t scatter_smem_bytes(int E) {
   return size_t(E) * sizeof(int) + size_t(kWarps) * E * sizeof(uint16_t);
 }
 
+// ---- moe_forward's side work (detail::RoutingSideWork), spread over blocks ---
+// [first_block, first_block + blocks) of the grid (the caller's blocks only).
+__device__ void side_work(const detail::RoutingSideWork& w, int first_block, int blocks) {
+  const int64_t first = int64_t(int(blockIdx.x) - first_block) * blockDim.x + threadIdx.x,
+                step = int64_t(blocks) * blockDim.x;
+  if (w.zero != nullptr) {
+    const int64_t per_row = w.zero_row_bytes / 16, total = w.zero_rows * per_row;
+    const bool dense = w.zero_stride_bytes == w.zero_row_bytes;
+    for (int64_t i = first; i < total; i += step) {
+      const int64_t r = dense ? 0 : i / per_row;
+      const int64_t off = dense ? i * 16 : r * w.zero_stride_bytes + (i - r * per_row) * 16;
+      *reinterpret_cast<uint4*>(static_cast<char*>(w.zero) + off) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  if (w.prefetch != nullptr) {
+    const int64_t per_row = (w.prefetch_row_bytes + 127) / 128, total = w.prefetch_rows * per_row;
+    for (int64_t i = first; i < total; i += step) {
+      const int64_t r = i / per_row;
+      const char* line = static_cast<const char*>(w.prefetch) + r * w.prefetch_stride_bytes + (i - r * per_row) * 128;
+      asm volatile("prefetch.global.L2::evict_last [%0];\n" ::"l"(line));
+    }
+  }
+  if (w.quant_x != nullptr) {
+    // quantize_fp8's 1 x 128 layout: a team of four lanes a block, lane l its
+    // chunks 4 i + l. first and step are multiples of four, so a team's lanes
+    // take the same blocks and leave the loop together.
+    using namespace fp8_dev;
+    constexpr int kLanes = 4, kChunks = 128 / 8 / kLanes;
+    const int64_t col_blocks = w.quant_cols / 128, total = w.quant_rows * col_blocks;
+    const int lane = int(threadIdx.x % kLanes);
+    const unsigned team = 0xfu << (threadIdx.x & 28u);
+    for (int64_t g = first / kLanes; g < total; g += step / kLanes) {
+      const int64_t r = g / col_blocks, cb = g - r * col_blocks;
+      const uint16_t* x = static_cast<const uint16_t*>(w.quant_x) + r * w.quant_x_stride + cb * 128 + 8 * lane;
+      Chunk c[kChunks];
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) {
+        const uint4 v = *reinterpret_cast<const uint4*>(x + 8 * kLanes * i);
+        c[i] = Chunk{{v.x, v.y, v.z, v.w}};
+      }
+      uint2 q[kChunks];
+      const Scale sc = quantize_team_block<ScaleFormat::kFloat32>(c, team, q);
+      uint8_t* dst = static_cast<uint8_t*>(w.quant_q) + r * w.quant_q_stride + cb * 128 + 8 * lane;
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) *reinterpret_cast<uint2*>(dst + 8 * kLanes * i) = q[i];
+      if (lane == 0) store_scale(w.quant_scales, uint32_t(g), sc.stored, false);
+    }
+  }
+}
+
 // ---- single block: count, scan and scatter in one launch (decode) ---------
 __global__ void __launch_bounds__(kThreads)
 moe_routing_single_block_kernel(SlotSource src, int items, int64_t* __restrict__ offsets,
-                                int32_t* __restrict__ p2u, int32_t* __restrict__ u2p) {
+                                int32_t* __restrict__ p2u, int32_t* __restrict__ u2p, detail::RoutingSideWork side) {
   extern __shared__ int smem[];
   int* running = smem;
   uint16_t* warp_count = reinterpret_cast<uint16_t*>(smem + src.E);
   __shared__ ExpertScan::TempStorage scan_storage;
 
-  dev::grid_dependency_wait();  // the experts may come from the previous kernel
+  dev::grid_dependency_wait();  // the experts (and the side work's X) may come from the previous kernel
+  if (blockIdx.x > 0) {  // blocks 1.. : the side work alone
+    side_work(side, 1, int(gridDim.x) - 1);
+    return;
+  }
   zero_shared(running, src.E);
   zero_shared(reinterpret_cast<int*>(warp_count), (kWarps * src.E + 1) / 2);
   int keys[kMaxItems];
@@ -210,37 +265,15 @@ moe_routing_single_block_kernel(SlotSource src, int items, int64_t* __restrict__
   scatter_segment(keys, items, 0, src, running, warp_count, p2u, u2p);
 }
 
-// ---- moe_forward's side work (detail::RoutingSideWork), spread over the grid --
-__device__ void side_work(const detail::RoutingSideWork& w) {
-  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
-  if (w.zero != nullptr) {
-    const int64_t per_row = w.zero_row_bytes / 16, total = w.zero_rows * per_row;
-    const bool dense = w.zero_stride_bytes == w.zero_row_bytes;
-    for (int64_t i = first; i < total; i += step) {
-      const int64_t r = dense ? 0 : i / per_row;
-      const int64_t off = dense ? i * 16 : r * w.zero_stride_bytes + (i - r * per_row) * 16;
-      *reinterpret_cast<uint4*>(static_cast<char*>(w.zero) + off) = make_uint4(0, 0, 0, 0);
-    }
-  }
-  if (w.prefetch != nullptr) {
-    const int64_t per_row = (w.prefetch_row_bytes + 127) / 128, total = w.prefetch_rows * per_row;
-    for (int64_t i = first; i < total; i += step) {
-      const int64_t r = i / per_row;
-      const char* line = static_cast<const char*>(w.prefetch) + r * w.prefetch_stride_bytes + (i - r * per_row) * 128;
-      asm volatile("prefetch.global.L2::evict_last [%0];\n" ::"l"(line));
-    }
-  }
-}
-
 // ---- multi: 1) count per segment --------------------------------------------
 __global__ void __launch_bounds__(kThreads)
 moe_routing_count_kernel(SlotSource src, int items, int segments, int32_t* __restrict__ counts,
                          int64_t seg_stride, int64_t expert_stride, detail::RoutingSideWork side) {
   extern __shared__ int hist[];
-  if (side.before_wait) side_work(side);
+  if (side.before_wait) side_work(side, 0, gridDim.x);
   dev::grid_dependency_wait();
   if (int(blockIdx.x) >= segments) {  // a block of the side work alone (RoutingSideWork::min_blocks)
-    if (!side.before_wait) side_work(side);
+    if (!side.before_wait) side_work(side, 0, gridDim.x);
     return;
   }
   zero_shared(hist, src.E);
@@ -258,7 +291,7 @@ moe_routing_count_kernel(SlotSource src, int items, int segments, int32_t* __res
     for (int i = threadIdx.x; i < pad * src.E; i += blockDim.x)
       counts[int64_t(i / pad) * expert_stride + segments + i % pad] = 0;
   }
-  if (!side.before_wait) side_work(side);
+  if (!side.before_wait) side_work(side, 0, gridDim.x);
 }
 
 // ---- multi: 2) one block turns the counts into per-(segment, expert) bases --
@@ -621,9 +654,11 @@ Status run_routing(const MoeRoutingArgs& a, const detail::RoutingSideWork& side,
   cudaError_t err;
   if (plan.single_block) {
     FM_RETURN_IF_ERROR(set_smem(reinterpret_cast<const void*>(moe_routing_single_block_kernel), scatter_smem));
-    err = dev::launch(moe_routing_single_block_kernel, dim3(1), dim3(kThreads), scatter_smem, stream,
+    const bool any_side = side.zero != nullptr || side.quant_x != nullptr;
+    const unsigned blocks = any_side ? unsigned(std::max(side.min_blocks, 2)) : 1u;
+    err = dev::launch(moe_routing_single_block_kernel, dim3(blocks), dim3(kThreads), scatter_smem, stream,
                       a.enable_pdl, src, plan.items, a.expert_first_token_offset,
-                      a.permuted_row_to_unpermuted_row, a.unpermuted_row_to_permuted_row);
+                      a.permuted_row_to_unpermuted_row, a.unpermuted_row_to_permuted_row, side);
     FM_RETURN_IF_ERROR(detail::cuda_status(err, kOp, "single-block kernel launch"));
   } else {
     // Align the caller's workspace to 256 bytes (the query added the slack).

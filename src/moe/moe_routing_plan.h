@@ -68,12 +68,15 @@ inline MoeRoutingPlan plan_moe_routing(const MoeRoutingArgs& a) {
   return p;
 }
 
-// moe_forward's glue, done by the maps' count kernel on the way (the
-// multi-block path only; plan.single_block ignores it): zero the layer's
-// output rows for FC2's atomic adds, so no memset runs between FC1 and FC2,
-// and pull the input rows FC1 gathers into L2 (they are read there from
-// DRAM otherwise: the layer's X is whatever the caller last wrote). Memory
-// traffic that the count kernel, bound by its latency, has room for.
+// moe_forward's glue, done by the maps' kernels on the way: zero the
+// layer's output rows for FC2's atomic adds, so no memset runs between FC1
+// and FC2, and pull the input rows FC1 gathers into L2 (they are read there
+// from DRAM otherwise: the layer's X is whatever the caller last wrote);
+// on the single-block path (decode) also quantise X for the FP8 layers, so
+// no quantize_fp8 launch runs before FC1. Memory traffic that the count
+// kernel, bound by its latency, has room for (multi-block path: its blocks
+// past the segments and the count blocks; single-block path: blocks of their
+// own beside the one that builds the maps, min_blocks - 1 of them).
 // before_wait: done ahead of the count kernel's dependency wait, i.e. while
 // the previous kernel finishes. Only where that kernel is the layer's own
 // router, which lets no dependent start before it exits (so every earlier
@@ -84,6 +87,14 @@ struct RoutingSideWork {
   int64_t zero_rows = 0, zero_row_bytes = 0, zero_stride_bytes = 0;
   const void* prefetch = nullptr;  // rows of prefetch_row_bytes, prefetch_stride_bytes apart
   int64_t prefetch_rows = 0, prefetch_row_bytes = 0, prefetch_stride_bytes = 0;
+  // Single-block path only: bf16 rows [quant_rows, quant_cols] (quant_x_stride
+  // elements apart, 16-byte aligned) into e4m3 (quant_q_stride bytes apart)
+  // with 1 x 128 fp32 scales [quant_rows, quant_cols / 128]: quantize_fp8's
+  // result bit for bit (the same team-of-four-lanes code).
+  const void* quant_x = nullptr;
+  int64_t quant_x_stride = 0, quant_rows = 0, quant_cols = 0, quant_q_stride = 0;
+  void* quant_q = nullptr;
+  float* quant_scales = nullptr;
   bool before_wait = false;
   // The count kernel's grid is at least this many blocks (those past its
   // segments do the side work alone): the segments are few on small
