@@ -1561,12 +1561,10 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
   // an expert" is T k / E_local: every slot over the local experts, which
   // overstates it under expert parallelism (most slots are not local).
   // FLASHMIX_FC1_ROWS=128|256 pins one (the A/B). Block-scaled FP8 holds two
-  // accumulators: 128 rows always.
-  // Block-scaled FP8 at decode (experts averaging at most kFp8DecodeRows
-  // rows): 64-row tiles (one consumer warpgroup's M; the other idles), whose
-  // smaller stages keep more of W1 in flight and whose MMAs pad a chunk of
-  // a few tokens to 64 rows instead of 128. FLASHMIX_FC1_ROWS=64|128 pins.
-  constexpr int kFp8DecodeRows = 16;
+  // accumulators: 128 rows, or 64 for decode_sized calls (one consumer
+  // warpgroup's M; the other idles), whose smaller stages keep more of W1 in
+  // flight and whose MMAs pad a chunk of a few tokens to 64 rows instead of
+  // 128. FLASHMIX_FC1_ROWS=64|128 pins one.
   const bool permuted_bf16 = p.x_permuted && p.fp8 == MoeFp8Scaling::kNone;
   const bool rows128 = pinned ? pinned == 128 : slots <= int64_t(permuted_bf16 ? 128 : 512) * p.E;
   if (p.weights == MoeWeightFormat::kMxfp4) {
@@ -1591,7 +1589,7 @@ Status sm90_fc1_run(const Sm90Fc1Params& p, cudaStream_t stream) {
       if (wide)
         return p.out_scales != nullptr ? launch<Fc1Cfg<128, Fc1In::kFp8Block, true, true>>(p, k, w, x64, x16, stream)
                                        : launch<Fc1Cfg<128, Fc1In::kFp8Block, false, true>>(p, k, w, x64, x16, stream);
-      if (pinned ? pinned == 64 : slots <= int64_t(kFp8DecodeRows) * p.E)
+      if (pinned ? pinned == 64 : decode_sized(p.T, p.k, p.E))
         return p.out_scales != nullptr ? launch<Fc1Cfg<64, Fc1In::kFp8Block, true>>(p, k, w, x64, x16, stream)
                                        : launch<Fc1Cfg<64, Fc1In::kFp8Block>>(p, k, w, x64, x16, stream);
       return p.out_scales != nullptr ? launch<Fc1Cfg<128, Fc1In::kFp8Block, true>>(p, k, w, x64, x16, stream)

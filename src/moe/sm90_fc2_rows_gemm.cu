@@ -1060,14 +1060,14 @@ Status sm90_fc2_run_rows(const Sm90Fc2GemmParams& p, cudaStream_t stream) {
                                     : launch_fp8<RowsCfg<128, Fc2In::kMxfp4Bf16>>(p, k, w, a, stream);
   }
   if (p.fp8 == MoeFp8Scaling::kBlock) {
-    // Decode (experts averaging at most 16 rows, W2 rows as M): 32-row tiles,
+    // Decode (decode_sized, W2 rows as M): 32-row tiles,
     // whose 20 KB stages keep 8 x 16 KB of W2 in flight (4 x 16 KB with
     // 128-row tiles). FLASHMIX_FC2_ROWS=32|128 pins either.
     static const int pinned_rows = [] {
       const char* e = std::getenv("FLASHMIX_FC2_ROWS");
       return e ? std::atoi(e) : 0;
     }();
-    const bool decode = !k.block_rows_m && (pinned_rows ? pinned_rows == 32 : int64_t(p.T) * p.k <= int64_t(16) * p.E);
+    const bool decode = !k.block_rows_m && (pinned_rows ? pinned_rows == 32 : decode_sized(p.T, p.k, p.E));
     return decode ? launch_fp8<RowsCfg<32, Fc2In::kFp8Block>>(p, k, w, a, stream)
                   : launch_fp8<RowsCfg<128, Fc2In::kFp8Block>>(p, k, w, a, stream);
   }

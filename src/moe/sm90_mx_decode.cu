@@ -808,7 +808,7 @@ bool mx_decode_applies(int64_t T, int k, int E, int64_t rows, int64_t K) {
   if (rows * (K / 2) > INT32_MAX) return false;
   const char* pin = std::getenv("FLASHMIX_MX_DECODE");
   if (pin != nullptr && *pin != '\0') return std::atoi(pin) != 0;
-  return T * k <= int64_t(16) * E;
+  return decode_sized(T, k, E);
 }
 
 Status sm90_fc1_run_mx_decode(const Sm90Fc1Params& p, cudaStream_t stream) {

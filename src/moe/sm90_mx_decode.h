@@ -15,10 +15,16 @@
 
 namespace flashmix {
 
+// Decode-sized expert GEMMs: every slot over the local experts averages at
+// most kDecodeRowsPerExpert rows an expert (under expert parallelism most
+// slots are not local, so the local experts hold fewer). The MXFP4 decode
+// kernels below and the block-FP8 decode tiles (FC1 64 rows, FC2 32 rows)
+// take such calls.
+constexpr int64_t kDecodeRowsPerExpert = 16;
+inline bool decode_sized(int64_t T, int k, int E) { return T * k <= kDecodeRowsPerExpert * E; }
+
 // Whether the decode kernels take an MXFP4 GEMM of T tokens, top k, over
-// E_local experts: while every slot over the local experts averages at most
-// 16 rows an expert (under expert parallelism most slots are not local, so
-// the local experts hold fewer). FLASHMIX_MX_DECODE=0 / 1 overrides the rule
+// E_local experts: decode_sized. FLASHMIX_MX_DECODE=0 / 1 overrides the rule
 // (the A/B, and the tests running both kernels on one problem); read at
 // each call. Never for an expert matrix of 2^31 packed bytes or more
 // (`rows` x K / 2: the kernel's row offsets are 32-bit).
