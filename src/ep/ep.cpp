@@ -236,38 +236,33 @@ Status dispatch_body(const EpDispatchArgs& a, ncclComm_t comm, char* ws, const L
   constexpr const char* op = kDispatchOp;
   const EpShape& s = a.shape;
   const PeerBases peers = peer_bases(a.peers);
-  // Decode-sized calls on the direct transport: one kernel (after the FP8
-  // rows' quantisation) does plan, pack, handshake and unpack.
-  const bool fused = a.peers != nullptr && use_fused_direct(s, a.num_tokens);
-  if (fused) {
-    if (s.fp8_rows && a.num_tokens > 0) {
-      const Status st = quantize_fp8(quantise_rows(a, l, ws), stream);
-      if (!st.ok()) return Status(st.code(), detail::concat(op, ": ", st.message()));
-    }
-    EP_CUDA(s.fp8_rows ? launch_dispatch_fused(s, l, ws, peers, a.num_tokens, ws + l.x_q, s.hidden,
-                                               reinterpret_cast<const float*>(ws + l.x_q_scales), a.topk_ids,
-                                               a.topk_weights, a.dropped, stream)
-                       : launch_dispatch_fused(s, l, ws, peers, a.num_tokens, a.X,
-                                               or_hidden(a.x_stride, s.hidden) * 2, nullptr, a.topk_ids,
-                                               a.topk_weights, a.dropped, stream),
-            op, "fused dispatch kernel launch");
-    return Status::Ok();
-  }
-  if (a.dropped != nullptr) EP_CUDA(cudaMemsetAsync(a.dropped, 0, sizeof(int32_t), stream), op, "zeroing dropped");
-  EP_CUDA(launch_plan(s, l, ws, peers, a.num_tokens, a.topk_ids, a.dropped, stream), op, "plan kernel launch");
+  // The rows that travel: X as it is, or with fp8_rows its 1 x 128 e4m3
+  // codes and scales, quantised into the workspace first.
+  const void* rows = a.X;
+  int64_t rows_stride_bytes = or_hidden(a.x_stride, s.hidden) * 2;
+  const float* row_scales = nullptr;
   if (s.fp8_rows) {
     if (a.num_tokens > 0) {
       const Status st = quantize_fp8(quantise_rows(a, l, ws), stream);
       if (!st.ok()) return Status(st.code(), detail::concat(op, ": ", st.message()));
     }
-    EP_CUDA(launch_pack(s, l, ws, peers, a.num_tokens, ws + l.x_q, s.hidden,
-                        reinterpret_cast<const float*>(ws + l.x_q_scales), a.topk_ids, a.topk_weights, stream),
-            op, "pack kernel launch");
-  } else {
-    EP_CUDA(launch_pack(s, l, ws, peers, a.num_tokens, a.X, or_hidden(a.x_stride, s.hidden) * 2, nullptr, a.topk_ids,
-                        a.topk_weights, stream),
-            op, "pack kernel launch");
+    rows = ws + l.x_q;
+    rows_stride_bytes = s.hidden;
+    row_scales = reinterpret_cast<const float*>(ws + l.x_q_scales);
   }
+  // Decode-sized calls on the direct transport: one kernel does plan, pack,
+  // handshake and unpack.
+  if (a.peers != nullptr && use_fused_direct(s, a.num_tokens)) {
+    EP_CUDA(launch_dispatch_fused(s, l, ws, peers, a.num_tokens, rows, rows_stride_bytes, row_scales, a.topk_ids,
+                                  a.topk_weights, a.dropped, stream),
+            op, "fused dispatch kernel launch");
+    return Status::Ok();
+  }
+  if (a.dropped != nullptr) EP_CUDA(cudaMemsetAsync(a.dropped, 0, sizeof(int32_t), stream), op, "zeroing dropped");
+  EP_CUDA(launch_plan(s, l, ws, peers, a.num_tokens, a.topk_ids, a.dropped, stream), op, "plan kernel launch");
+  EP_CUDA(launch_pack(s, l, ws, peers, a.num_tokens, rows, rows_stride_bytes, row_scales, a.topk_ids, a.topk_weights,
+                      stream),
+          op, "pack kernel launch");
   if (a.peers != nullptr) {
     EP_CUDA(launch_handshake(s, l, ws, peers, kSyncDispatch, stream), op, "handshake kernel launch");
   } else if (s.sizing == EpSizing::kExact) {

@@ -134,11 +134,11 @@ __device__ __forceinline__ void write_meta(const Geometry& g, char* meta, int64_
 // stores to peers are then ordered (system fence) before whatever release
 // follows.
 __device__ __forceinline__ void copy_row(const Geometry& g, const uint4* __restrict__ src, uint4* const* dst, int n,
-                                         int64_t c_lo, int64_t nvec) {
+                                         int64_t c_lo, int64_t c_hi) {
   // kUnroll loads in flight per thread before their stores.
   constexpr int kUnroll = 4;
   int64_t c = c_lo + threadIdx.x;
-  for (; c + (kUnroll - 1) * kRowThreads < nvec; c += kUnroll * kRowThreads) {
+  for (; c + (kUnroll - 1) * kRowThreads < c_hi; c += kUnroll * kRowThreads) {
     uint4 v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) v[u] = src[c + u * kRowThreads];
@@ -146,7 +146,7 @@ __device__ __forceinline__ void copy_row(const Geometry& g, const uint4* __restr
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) dst[i][c + u * kRowThreads] = v[u];
   }
-  for (; c < nvec; c += kRowThreads) {
+  for (; c < c_hi; c += kRowThreads) {
     const uint4 v = src[c];
     for (int i = 0; i < n; ++i) dst[i][c] = v;
   }
@@ -343,8 +343,13 @@ __device__ __forceinline__ void await_peers(int world, int rank, const char* min
   __syncwarp();
 }
 
+// This rank's next call of `kind` (its epoch + 1), and the epoch advanced to
+// it once the call's handshake is through.
 __device__ __forceinline__ uint64_t next_call(const char* mine, int world, SyncKind kind) {
   return *reinterpret_cast<const volatile uint64_t*>(mine + sync_epoch_offset(world, kind)) + 1;
+}
+__device__ __forceinline__ void advance_epoch(char* mine, int world, SyncKind kind, uint64_t call) {
+  *reinterpret_cast<volatile uint64_t*>(mine + sync_epoch_offset(world, kind)) = call;
 }
 
 // One warp: this call (epoch + 1) announced to every peer, every peer's
@@ -354,7 +359,7 @@ __global__ void handshake_kernel(int world, int rank, char* const* peers, size_t
   const uint64_t call = next_call(mine, world, kind);
   announce(world, rank, peers, off_sync, kind, call);
   await_peers(world, rank, mine, kind, call);
-  if (threadIdx.x == 0) *reinterpret_cast<volatile uint64_t*>(mine + sync_epoch_offset(world, kind)) = call;
+  if (threadIdx.x == 0) advance_epoch(mine, world, kind, call);
 }
 
 // Whether this block is the last of the grid to finish its part of a fused
@@ -397,10 +402,10 @@ constexpr int64_t kFusedPartVecs = 2 * kRowThreads;
 // residency.
 __global__ void __launch_bounds__(kRowThreads) dispatch_fused_kernel(
     Geometry g, int64_t T, const int32_t* __restrict__ ids, const float* __restrict__ weights,
-    const uint4* __restrict__ X, int64_t x_stride_vec, const float* __restrict__ x_scales, int32_t* __restrict__ plan_row,
-    int32_t* __restrict__ plan_counts, int32_t* dropped, size_t off_sync, char* __restrict__ recv_meta,
-    int32_t* __restrict__ recv_ids, float* __restrict__ recv_weights, int32_t* __restrict__ recv_counts,
-    float* __restrict__ recv_x_scales) {
+    const uint4* __restrict__ X, int64_t x_stride_vec, const float* __restrict__ x_scales,
+    int32_t* __restrict__ plan_row, int32_t* __restrict__ plan_counts, int32_t* dropped, size_t off_sync,
+    char* __restrict__ recv_meta, int32_t* __restrict__ recv_ids, float* __restrict__ recv_weights,
+    int32_t* __restrict__ recv_counts, float* __restrict__ recv_x_scales) {
   __shared__ uint64_t dest_mask[kFusedMaxTokens];
   __shared__ uint4* dst_rows[kFusedMaxWorld];
   __shared__ int32_t row_of[kFusedMaxWorld];
@@ -469,7 +474,7 @@ __global__ void __launch_bounds__(kRowThreads) dispatch_fused_kernel(
   if (i < 32) {
     announce(g.world, g.rank, g.peers, off_sync, kSyncDispatch, call);
     await_peers(g.world, g.rank, mine, kSyncDispatch, call);
-    if (i == 0) *reinterpret_cast<volatile uint64_t*>(mine + sync_epoch_offset(g.world, kSyncDispatch)) = call;
+    if (i == 0) advance_epoch(mine, g.world, kSyncDispatch, call);
   }
   __syncthreads();
   for (int64_t r = i; r < g.world * g.C; r += kRowThreads)
@@ -499,7 +504,7 @@ __global__ void __launch_bounds__(kRowThreads) combine_fused_kernel(Geometry g, 
     combine_token(g, blockIdx.x, plan_row, nullptr, nullptr, shared, shared_stride_vec, out, out_stride_vec, src_rows,
                   c_lo, min(c_lo + kFusedPartVecs, g.H / 8));
   if (last_block_done(mine, g.world, kSyncCombine) && threadIdx.x == 0)
-    *reinterpret_cast<volatile uint64_t*>(mine + sync_epoch_offset(g.world, kSyncCombine)) = call;
+    advance_epoch(mine, g.world, kSyncCombine, call);
 }
 
 // The dynamic shared memory of pack's dst_rows[] / combine's src_rows[] (one
@@ -584,8 +589,9 @@ cudaError_t launch_combine_reduce(const EpShape& s, const Layout& l, const char*
 bool use_fused_direct(const EpShape& s, int64_t T) {
   const char* pin = std::getenv("FLASHMIX_EP_DIRECT_KERNELS");
   if (pin != nullptr && std::strcmp(pin, "split") == 0) return false;
+  const bool lifted = pin != nullptr && std::strcmp(pin, "fused") == 0;
   return T <= kFusedMaxTokens && s.world <= kFusedMaxWorld &&
-         (int64_t(s.world) * ep_recv_capacity(s) <= kFusedMaxUnpackRows || (pin != nullptr && std::strcmp(pin, "fused") == 0));
+         (lifted || int64_t(s.world) * ep_recv_capacity(s) <= kFusedMaxUnpackRows);
 }
 
 cudaError_t launch_dispatch_fused(const EpShape& s, const Layout& l, char* ws, PeerBases peers, int64_t T,
