@@ -13,7 +13,9 @@
 //                       maps over all E + the permuted copy, the split counts
 //                       exchanged and read on the host, rows + expert ids out,
 //                       moe_forward (k = 1) on what arrived, rows back,
-//                       finalize_moe_routing over all E): ratio_to_reference.
+//                       finalize_moe_routing over all E): ratio_to_reference;
+//                       experts_us / reference_experts_us: each side's
+//                       moe_forward alone on what its last call received.
 //  ep_reduce            ep_finalize_reduce (reduce_scatter) against the local
 //                       no-fill finalize + NCCL's reduce_scatter of the same
 //                       bytes, timed apart: fraction = (t_fin + t_rs) / t.
@@ -225,6 +227,27 @@ void bench_moe_forward(Context& ctx, const Shape& sh, bool direct, const std::st
   if (direct) EP_OK(ep_peers_create(f.shape, ws.p, ws.bytes, comm, stream, &peers));
   f.peers = peers;
   const double t = median_us([&] { EP_OK(ep_moe_forward(f, comm, ws.p, ws.bytes, stream)); }, stream, 2, iters(ctx));
+  // The experts alone: moe_forward over what the last call received (the
+  // receive view ep_moe_forward's own workspace starts with), as
+  // ep_moe_forward runs it (this rank's expert range, one output row a
+  // received row), no communication.
+  double t_local = 0;
+  {
+    const EpRecvView v = ep_recv_view(f.shape, ws.p);
+    MoeForwardArgs m = layer;
+    m.num_tokens = v.rows;
+    m.num_experts_per_node = e_local;
+    m.start_expert_id = rank * e_local;
+    m.X = v.x;
+    m.x_stride = H;
+    m.token_selected_experts = v.ids;
+    m.token_final_scales = v.weights;
+    m.fill = false;
+    m.out = v.expert_out;
+    m.out_stride = H;
+    Buf mws(moe_forward_workspace_size(m));
+    t_local = median_us([&] { EP_OK(moe_forward(m, mws.p, mws.bytes, stream)); }, stream, 2, iters(ctx));
+  }
   // Decode-sized calls: ours again as CUDA-graph replays, as a decode step
   // runs it (the reference reads its splits on the host: it cannot be captured).
   const double t_graph = T <= 256 ? graph_us_per_launch([&](int) { EP_OK(ep_moe_forward(f, comm, ws.p, ws.bytes, stream)); },
@@ -327,6 +350,21 @@ void bench_moe_forward(Context& ctx, const Shape& sh, bool direct, const std::st
     EP_OK(finalize_moe_routing(fin, stream));
   };
   const double t_ref = median_us(reference, stream, 2, iters(ctx));
+  // The reference's experts alone, on what its last call received.
+  double t_ref_local = 0;
+  {
+    MoeForwardArgs e = expert;
+    e.num_tokens = 0;
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    int32_t got[2 * 8] = {};
+    BENCH_CUDA(cudaMemcpy(got, counts_dev.p, size_t(2 * world) * 4, cudaMemcpyDeviceToHost));
+    for (int p = 0; p < world; ++p) e.num_tokens += got[world + p];
+    e.X = recv_x.p;
+    e.token_selected_experts = recv_e.as<int32_t>();
+    e.out = y.p;
+    t_ref_local = median_us([&] { EP_OK(moe_forward(e, expert_ws.p, expert_ws.bytes, stream)); }, stream, 2,
+                            iters(ctx));
+  }
   // Both computed the same layer: check ours against the reference (the
   // reference rounds once per token, ours once per rank's partial).
   std::vector<uint16_t> a(static_cast<size_t>(T * H)), b(size_t(T * H));
@@ -352,6 +390,8 @@ void bench_moe_forward(Context& ctx, const Shape& sh, bool direct, const std::st
   r.check = bad == 0 ? "passed" : "FAILED: " + std::to_string(bad) + " elements past 2^-7 |ref| + 2^-7 max|ref|";
   r.extra["reference_us"] = t_ref;
   r.extra["ratio_to_reference"] = t / t_ref;
+  r.extra["experts_us"] = t_local;
+  r.extra["reference_experts_us"] = t_ref_local;
   r.extra["max_abs_diff_over_max_ref"] = worst;
   if (t_graph > 0) r.extra["graph_us"] = t_graph;
   r.labels["transport"] = direct ? "direct (NVLink, ep_peers_create)" : "nccl";
