@@ -356,9 +356,9 @@ void bench_moe_forward(Context& ctx, const Shape& sh, bool direct, const std::st
     MoeForwardArgs e = expert;
     e.num_tokens = 0;
     BENCH_CUDA(cudaStreamSynchronize(stream));
-    int32_t got[2 * 8] = {};
-    BENCH_CUDA(cudaMemcpy(got, counts_dev.p, size_t(2 * world) * 4, cudaMemcpyDeviceToHost));
-    for (int p = 0; p < world; ++p) e.num_tokens += got[world + p];
+    std::vector<int32_t> got(size_t(2 * world));
+    BENCH_CUDA(cudaMemcpy(got.data(), counts_dev.p, got.size() * 4, cudaMemcpyDeviceToHost));
+    for (int p = 0; p < world; ++p) e.num_tokens += got[size_t(world + p)];
     e.X = recv_x.p;
     e.token_selected_experts = recv_e.as<int32_t>();
     e.out = y.p;
