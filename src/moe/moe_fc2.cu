@@ -62,6 +62,17 @@ struct TokenRows {
   __device__ int64_t token(int64_t i) const { return p2u ? p2u[i] % T : i; }
 };
 
+// 8 bf16 (16 bytes) at dst: one 16-byte store where dst allows, else four
+// 4-byte ones (out is 4-byte aligned and out_stride even: validate_fc2).
+__device__ __forceinline__ void store_bf16x8(__nv_bfloat16* dst, const uint4& v) {
+  if ((reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+    *reinterpret_cast<uint4*>(dst) = v;
+  } else {
+    uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+    d[0] = v.x, d[1] = v.y, d[2] = v.z, d[3] = v.w;
+  }
+}
+
 // out[t, n] = bf16(acc32[t, n] (+ shared[t, n])), 8 columns per thread (H % 8 == 0).
 __global__ void fc2_cast_rows(const float* __restrict__ acc32, TokenRows rows, int64_t H, __nv_bfloat16* out,
                               int64_t out_stride, const __nv_bfloat16* __restrict__ shared, int64_t shared_stride) {
@@ -79,20 +90,15 @@ __global__ void fc2_cast_rows(const float* __restrict__ acc32, TokenRows rows, i
       a.x += s0.x, a.y += s0.y, a.z += s1.x, a.w += s1.y;
       b.x += s2f.x, b.y += s2f.y, b.z += s3.x, b.w += s3.y;
     }
-    __nv_bfloat162 h[4] = {__floats2bfloat162_rn(a.x, a.y), __floats2bfloat162_rn(a.z, a.w),
-                           __floats2bfloat162_rn(b.x, b.y), __floats2bfloat162_rn(b.z, b.w)};
-    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out + t * out_stride + c);
-    if ((reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<uint4*>(h);
-    } else {
-      for (int q = 0; q < 4; ++q) dst[q] = h[q];
-    }
+    alignas(16) __nv_bfloat162 h[4] = {__floats2bfloat162_rn(a.x, a.y), __floats2bfloat162_rn(a.z, a.w),
+                                       __floats2bfloat162_rn(b.x, b.y), __floats2bfloat162_rn(b.z, b.w)};
+    store_bf16x8(out + t * out_stride + c, *reinterpret_cast<const uint4*>(h));
   }
 }
 
 // kAtomic without fill: out[t] = shared[t] (or 0) for the token of each local
 // row, before the GEMM's adds (tokens without a local row stay untouched).
-// 8 columns a thread (H % 8 == 0), 16-byte accesses where the rows allow.
+// 8 columns a thread (H % 8 == 0), stored by store_bf16x8.
 // (It wrote one bf16 a thread with a 64-bit division by H each until
 // 2026-11-29: ~0.4-0.6 ms of an EP rank's 6.5 ms layer at DeepSeek T4096
 // ep2, 32768 local rows of 7168 columns; docs/ep.md.)
@@ -103,23 +109,9 @@ __global__ void fc2_seed_local_rows(TokenRows rows, int64_t H, __nv_bfloat16* ou
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / vecs_per_row, c = (i - r * vecs_per_row) * 8;
     const int64_t t = rows.token(r);
-    alignas(16) __nv_bfloat16 h[8];
-    if (shared) {
-      const __nv_bfloat16* src = shared + t * shared_stride + c;
-      if ((reinterpret_cast<uintptr_t>(src) & 15) == 0) {
-        *reinterpret_cast<uint4*>(h) = *reinterpret_cast<const uint4*>(src);
-      } else {
-        for (int q = 0; q < 8; ++q) h[q] = src[q];
-      }
-    } else {
-      *reinterpret_cast<uint4*>(h) = make_uint4(0, 0, 0, 0);
-    }
-    __nv_bfloat16* dst = out + t * out_stride + c;
-    if ((reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(h);
-    } else {
-      for (int q = 0; q < 8; ++q) dst[q] = h[q];
-    }
+    // shared_output's rows are 16-byte aligned (validate_fc2), as fc2_cast_rows reads them.
+    store_bf16x8(out + t * out_stride + c,
+                 shared ? *reinterpret_cast<const uint4*>(shared + t * shared_stride + c) : make_uint4(0, 0, 0, 0));
   }
 }
 
