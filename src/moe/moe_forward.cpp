@@ -239,12 +239,18 @@ detail::RoutingSideWork maps_side_work(const MoeForwardArgs& a, const Stages& s,
   w.min_blocks = single ? 1 : 2 * sms;
   // Rows of hidden * 2 bytes, a multiple of 16 (the stages' validation holds H % 8 == 0).
   const int64_t out_stride_bytes = (a.out_stride ? a.out_stride : a.hidden) * 2;
-  if (a.fc2_mode == Fc2Mode::kAtomic && a.fill && a.shared_output == nullptr &&
-      reinterpret_cast<uintptr_t>(a.out) % 16 == 0 && out_stride_bytes % 16 == 0) {
+  if (a.fc2_mode == Fc2Mode::kAtomic && a.shared_output == nullptr && reinterpret_cast<uintptr_t>(a.out) % 16 == 0 &&
+      out_stride_bytes % 16 == 0 && (a.fill || !w.before_wait)) {
     w.zero = a.out;
     w.zero_rows = a.num_tokens;
     w.zero_row_bytes = a.hidden * 2;
     w.zero_stride_bytes = out_stride_bytes;
+    if (!a.fill) {  // only the tokens with a local slot (FC2's seed of them, once a token)
+      w.zero_ids = s.maps.token_selected_experts;
+      w.zero_k = a.k;
+      w.zero_lo = a.start_expert_id;
+      w.zero_n = a.num_experts_per_node;
+    }
   }
   if (single) {
     const QuantizeFp8Args& q = s.quant_x;
@@ -517,7 +523,15 @@ Status moe_forward(const MoeForwardArgs& a, void* workspace, size_t workspace_by
                        dev.cc_major, ".x)");
   if (s.run_router) FM_RETURN_IF_ERROR(in_layer(moe_router(s.router, stream)));
   const detail::RoutingSideWork side = maps_side_work(a, s, dev.sms);
-  if (side.zero != nullptr) s.fc2.out_already_zeroed = true;  // the count kernel zeroes out, not FC2's memset
+  if (side.zero != nullptr) {
+    // The count kernel zeroed out (every row; without fill those of the
+    // tokens with a local slot), not FC2's memset or seed, so FC2 adds onto
+    // it. Its fill then changes nothing (kAtomic's fill only says which rows
+    // its own zeroing covers; the adds touch the local rows' tokens alone):
+    // it is set because out_already_zeroed goes with fill.
+    s.fc2.out_already_zeroed = true;
+    s.fc2.fill = true;
+  }
   FM_RETURN_IF_ERROR(in_layer(detail::build_moe_routing_maps_with(
       s.maps, side, static_cast<char*>(workspace) + l.maps_ws, l.maps_ws_bytes, stream)));
   const int64_t* live_rows = s.maps.expert_first_token_offset + a.num_experts_per_node;  // P, on the device

@@ -187,7 +187,17 @@ inline size_t scatter_smem_bytes(int E) {
 __device__ void side_work(const detail::RoutingSideWork& w, int first_block, int blocks) {
   const int64_t first = int64_t(int(blockIdx.x) - first_block) * blockDim.x + threadIdx.x,
                 step = int64_t(blocks) * blockDim.x;
-  if (w.zero != nullptr) {
+  if (w.zero != nullptr && w.zero_ids != nullptr) {
+    // Rows of tokens with a local id only; first and step are multiples of 32.
+    const int lane = int(threadIdx.x & 31);
+    const int64_t per_row = w.zero_row_bytes / 16;
+    for (int64_t r = first / 32; r < w.zero_rows; r += step / 32) {
+      const int e = lane < w.zero_k ? w.zero_ids[r * w.zero_k + lane] : -1;
+      if (!__any_sync(~0u, e >= w.zero_lo && e - w.zero_lo < w.zero_n)) continue;
+      char* row = static_cast<char*>(w.zero) + r * w.zero_stride_bytes;
+      for (int64_t i = lane; i < per_row; i += 32) *reinterpret_cast<uint4*>(row + i * 16) = make_uint4(0, 0, 0, 0);
+    }
+  } else if (w.zero != nullptr) {
     const int64_t per_row = w.zero_row_bytes / 16, total = w.zero_rows * per_row;
     const bool dense = w.zero_stride_bytes == w.zero_row_bytes;
     for (int64_t i = first; i < total; i += step) {

@@ -85,6 +85,11 @@ inline MoeRoutingPlan plan_moe_routing(const MoeRoutingArgs& a) {
 struct RoutingSideWork {
   void* zero = nullptr;  // rows of zero_row_bytes (a multiple of 16), 16-byte aligned, zero_stride_bytes apart
   int64_t zero_rows = 0, zero_row_bytes = 0, zero_stride_bytes = 0;
+  // With zero_ids ([zero_rows, zero_k] expert ids): only the rows of tokens
+  // with an id in [zero_lo, zero_lo + zero_n), a warp a row (FC2's kAtomic
+  // without fill). The ids may come from the kernel ahead: not with before_wait.
+  const int32_t* zero_ids = nullptr;
+  int zero_k = 0, zero_lo = 0, zero_n = 0;
   const void* prefetch = nullptr;  // rows of prefetch_row_bytes, prefetch_stride_bytes apart
   int64_t prefetch_rows = 0, prefetch_row_bytes = 0, prefetch_stride_bytes = 0;
   // Single-block path only: bf16 rows [quant_rows, quant_cols] (quant_x_stride
