@@ -9,16 +9,16 @@
 //   2 one-row TMA boxes, issued by one warp (4 rows a lane);
 //   3 one-row TMA boxes, issued by one thread (128 a stage);
 //   4 no rows (W1's box alone: the ring's rate without the gather);
-//   5 16-row TMA boxes of consecutive rows (a permuted X: no gather);
-//   6 64-row boxes; 7 one 128-row box (the same rows).
-// W1's box: one 2-D box of 256 rows, or FC1's 5-D box (K 64, row 8, gate /
-// up 2, block 16, expert 1) of the same bytes.
+//   8 + i: TMA boxes of 128 >> i consecutive rows (a permuted X: no gather).
+// W1: one 2-D box of 256 rows, FC1's 5-D box (K 64, row 8, gate / up 2,
+// block 16, expert 1) of the same bytes, or 2-D boxes of 256 >> i rows.
 // The consumers (one warp) wait and release: no MMAs, so the times are the
 // feed's own. One persistent CTA per SM, tiles round-robin, 4 stages of 48 KB.
 // Timed like flashmix-bench (events around one launch, median of 9, warm-up
 // 2), against the same run's cudaMemcpy D2D rate (read + write counted).
 // A stand-alone probe (not built by CMake; docs/moe_fc1.md quotes it):
-//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o tma_gather bench/probes/tma_gather.cu -lcuda
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I src -o tma_gather \
+//        bench/probes/tma_gather.cu
 //   ./tma_gather        (X 512 MiB, W1 224 MiB: from HBM)
 //   ./tma_gather l2     (X 16 MiB, W1 8 MiB, re-read: from L2)
 #include <cuda.h>
@@ -32,77 +32,35 @@
 #include <string>
 #include <vector>
 
+#include "common/sm90.cuh"  // the kernels' own mbarrier / TMA / cp.async helpers
 #include "probe_check.h"
-
-using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                            const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                            CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+#include "probe_tma.h"
 
 namespace {
+namespace dev = flashmix::dev;
 constexpr int kStages = 4, kRows = 128, kWRows = 256, kRowBytes = 128;
 constexpr int kWBytes = kWRows * kRowBytes, kXBytes = kRows * kRowBytes, kStageBytes = kWBytes + kXBytes;
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
-          dst),
-      "l"(map), "r"(bar), "r"(c0), "r"(c1)
-      : "memory");
-}
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-
-// blockDim 160: warps 0-3 load (thread 0 also W1's box), warp 4 consumes.
 struct Maps {
-  CUtensorMap w, w5, x1, x16, x64, x128;
+  CUtensorMap w, w5, x1;
   CUtensorMap wb[5];  // W1 in 2-D boxes of 256 >> i rows
   CUtensorMap xb[5];  // X in 2-D boxes of 128 >> i rows
 };
-__device__ __forceinline__ void tma_5d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2,
-                                       int c3, int c4) {
-  asm volatile(
-      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, "
-      "%6}], [%7];\n" ::"r"(dst),
-      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar)
-      : "memory");
-}
-
 __global__ void __launch_bounds__(160) gather_kernel(const __grid_constant__ Maps maps, const uint8_t* X,
                                                      const int* perm, int tiles, int perm_tiles, int w_tiles,
                                                      int k_blocks, int64_t x_row_bytes, int mode, int wmode) {
   const CUtensorMap& map_w = maps.w;
   const CUtensorMap& map_x1 = maps.x1;
-  const CUtensorMap& map_x16 = maps.x16;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
-  const uint32_t full0 = smem_u32(bars), empty0 = full0 + 8 * kStages;
+  const uint32_t full0 = dev::smem_u32(bars), empty0 = full0 + 8 * kStages;
   const int tid = threadIdx.x;
   if (tid == 0) {
     // Full: thread 0's expect_tx, plus the cp.async threads' noinc arrivals (mode 0).
     for (int i = 0; i < kStages; ++i) {
-      mbar_init(full0 + 8 * i, mode == 0 ? 1 + 128 : 1);
-      mbar_init(empty0 + 8 * i, 1);
+      dev::mbar_init(full0 + 8 * i, mode == 0 ? 1 + 128 : 1);
+      dev::mbar_init(empty0 + 8 * i, 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -114,19 +72,20 @@ __global__ void __launch_bounds__(160) gather_kernel(const __grid_constant__ Map
     const int* rows = perm + int64_t(t % perm_tiles) * kRows;
     const int wt = t % w_tiles;
     for (int kb = 0; kb < k_blocks; ++kb) {
-      const uint32_t full = full0 + 8 * s, st = smem_u32(smem) + s * kStageBytes;
+      const uint32_t full = full0 + 8 * s, st = dev::smem_u32(smem) + s * kStageBytes;
       if (tid < 128) {
-        mbar_wait(empty0 + 8 * s, ph ^ 1);
+        dev::mbar_wait(empty0 + 8 * s, ph ^ 1);
         if (tid == 0) {
           const uint32_t x_bytes = mode == 4 ? 0 : kXBytes;
-          mbar_expect(full, kWBytes + (mode == 0 ? 0 : x_bytes));
+          dev::mbar_arrive_expect_tx(full, kWBytes + (mode == 0 ? 0 : x_bytes));
           if (wmode == 0) {
-            tma_2d(st, &map_w, full, kb * 64, wt * kWRows);
+            dev::tma_load_2d(st, &map_w, full, kb * 64, wt * kWRows);
           } else if (wmode >= 2) {  // W1 in 2-D boxes of 256 >> (wmode - 2) rows
             const int n = 256 >> (wmode - 2);
-            for (int r = 0; r < kWRows; r += n) tma_2d(st + r * kRowBytes, &maps.wb[wmode - 2], full, kb * 64, wt * kWRows + r);
+            for (int r = 0; r < kWRows; r += n)
+              dev::tma_load_2d(st + r * kRowBytes, &maps.wb[wmode - 2], full, kb * 64, wt * kWRows + r);
           } else {  // FC1's 5-D box: 16 blocks of 8 gate rows then their 8 up rows
-            tma_5d(st, &maps.w5, full, kb * 64, 0, 0, (wt % 4) * 16, wt / 4);
+            dev::tma_load_5d(st, &maps.w5, full, kb * 64, 0, 0, (wt % 4) * 16, wt / 4);
           }
         }
         if (mode == 0) {
@@ -134,40 +93,32 @@ __global__ void __launch_bounds__(160) gather_kernel(const __grid_constant__ Map
           for (int i = 0; i < kRows / 16; ++i) {
             const int r = r0 + 16 * i;
             const uint8_t* g = X + int64_t(rows[r]) * x_row_bytes + kb * kRowBytes + 16 * q;
-            cp_async_16(st + kWBytes + r * kRowBytes + ((q ^ (r & 7)) << 4), g);
+            dev::cp_async_16(st + kWBytes + r * kRowBytes + ((q ^ (r & 7)) << 4), g, 16);
           }
-          cp_async_arrive_noinc(full);
+          dev::cp_async_mbar_arrive_noinc(full);
         } else if (mode == 1) {
-          tma_2d(st + kWBytes + tid * kRowBytes, &map_x1, full, kb * 64, rows[tid]);
+          dev::tma_load_2d(st + kWBytes + tid * kRowBytes, &map_x1, full, kb * 64, rows[tid]);
         } else if (mode == 2) {
           if (tid < 32)
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
               const int r = tid + 32 * i;
-              tma_2d(st + kWBytes + r * kRowBytes, &map_x1, full, kb * 64, rows[r]);
+              dev::tma_load_2d(st + kWBytes + r * kRowBytes, &map_x1, full, kb * 64, rows[r]);
             }
         } else if (mode == 3) {
           if (tid == 0)
-            for (int r = 0; r < kRows; ++r) tma_2d(st + kWBytes + r * kRowBytes, &map_x1, full, kb * 64, rows[r]);
-        } else if (mode == 5) {
-          if (tid == 0)
-            for (int r = 0; r < kRows; r += 16)
-              tma_2d(st + kWBytes + r * kRowBytes, &map_x16, full, kb * 64, (t % perm_tiles) * kRows + r);
-        } else if (mode == 6) {
-          if (tid == 0)
-            for (int r = 0; r < kRows; r += 64)
-              tma_2d(st + kWBytes + r * kRowBytes, &maps.x64, full, kb * 64, (t % perm_tiles) * kRows + r);
-        } else if (mode == 7) {
-          if (tid == 0) tma_2d(st + kWBytes, &maps.x128, full, kb * 64, (t % perm_tiles) * kRows);
-        } else if (mode >= 8) {  // boxes of 128 >> (mode - 8) consecutive rows
+            for (int r = 0; r < kRows; ++r)
+              dev::tma_load_2d(st + kWBytes + r * kRowBytes, &map_x1, full, kb * 64, rows[r]);
+        } else if (mode >= 8) {  // boxes of 128 >> (mode - 8) consecutive rows (a permuted X)
           const int n = 128 >> (mode - 8);
           if (tid == 0)
             for (int r = 0; r < kRows; r += n)
-              tma_2d(st + kWBytes + r * kRowBytes, &maps.xb[mode - 8], full, kb * 64, (t % perm_tiles) * kRows + r);
+              dev::tma_load_2d(st + kWBytes + r * kRowBytes, &maps.xb[mode - 8], full, kb * 64,
+                               (t % perm_tiles) * kRows + r);
         }
       } else if (tid == 128) {
-        mbar_wait(full, ph);
-        mbar_arrive(empty0 + 8 * s);
+        dev::mbar_wait(full, ph);
+        dev::mbar_arrive(empty0 + 8 * s);
       }
       if (++s == kStages) {
         s = 0;
@@ -188,10 +139,7 @@ int main(int argc, char** argv) {
   CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
-  Encode encode = nullptr;
-  cudaDriverEntryPointQueryResult q;
-  CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode), 12000,
-                                      cudaEnableDefault, &q));
+  const Encode encode = probe_tensor_map_encoder();
   // X: 65536 tokens x H 4096 bf16 (512 MiB); W1: 28672 rows x 4096 (Mixtral's 2I x H, 224 MiB).
   const int T = l2 ? 2048 : 1 << 16, H = 4096, WR = l2 ? 1024 : 28672;
   const int64_t row_bytes = int64_t(H) * 2;
@@ -226,9 +174,6 @@ int main(int argc, char** argv) {
   Maps maps;
   maps.w = make_map(W, WR, kWRows);
   maps.x1 = make_map(X, T, 1);
-  maps.x16 = make_map(X, T, 16);
-  maps.x64 = make_map(X, T, 64);
-  maps.x128 = make_map(X, T, 128);
   for (int i = 0; i < 5; ++i) {
     maps.wb[i] = make_map(W, WR, 256 >> i);
     maps.xb[i] = make_map(X, T, 128 >> i);
@@ -247,35 +192,15 @@ int main(int argc, char** argv) {
     }
   }
 
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  auto median_ms = [&](auto&& launch) {
-    std::vector<float> ms;
-    for (int i = 0; i < 11; ++i) {
-      CK(cudaEventRecord(a));
-      launch();
-      CK(cudaEventRecord(b));
-      CK(cudaEventSynchronize(b));
-      float x;
-      CK(cudaEventElapsedTime(&x, a, b));
-      if (i >= 2) ms.push_back(x);
-    }
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
-  };
-  const size_t copy_bytes = size_t(T) * row_bytes;
+  auto median_ms = [](auto&& launch) { return probe_median_ms(launch); };
   const float copy_ms = median_ms([&] { CK(cudaMemcpyAsync(W, X, size_t(WR) * row_bytes, cudaMemcpyDeviceToDevice)); });
   const double copy_gbps = 2.0 * double(WR) * row_bytes / (copy_ms * 1e-3) / 1e9;  // (l2: an L2-resident copy)
-  (void)copy_bytes;
   std::printf("%s, %d SMs, %d MHz; cudaMemcpy D2D %.0f GB/s (read + write)\n", prop.name, sms, clock_khz / 1000,
               copy_gbps);
   const size_t smem = size_t(kStages) * kStageBytes + 16 * kStages + 1024;
   CK(cudaFuncSetAttribute(gather_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   const char* names[] = {"cp.async 16 B x 128 threads", "TMA 1-row boxes, 128 issuers", "TMA 1-row boxes, one warp",
-                         "TMA 1-row boxes, one thread", "W1 box alone (no rows)", "TMA 16-row boxes (permuted X)",
-                         "TMA 64-row boxes (permuted X)", "TMA 128-row box (permuted X)"};
-  const int modes[] = {4, 0, 1, 5, 6, 7};
+                         "TMA 1-row boxes, one thread", "W1 box alone (no rows)"};
   auto run = [&](int mode, int wmode) {
     const float ms = median_ms([&] {
       gather_kernel<<<sms, 160, smem>>>(maps, X, d_perm, tiles, perm_tiles, w_tiles, k_blocks, row_bytes, mode, wmode);
@@ -288,17 +213,23 @@ int main(int argc, char** argv) {
     const double total = double(tiles) * k_blocks * (kWBytes + x_bytes);
     const double gbps = total / (ms * 1e-3) / 1e9;
     char wname[32], xname[40];
-    if (wmode == 1) std::snprintf(wname, sizeof wname, "5-D x1");
-    else std::snprintf(wname, sizeof wname, "%dx%d", wmode == 0 ? 1 : 1 << (wmode - 2), wmode == 0 ? 256 : 256 >> (wmode - 2));
-    if (mode >= 8) std::snprintf(xname, sizeof xname, "TMA %d-row boxes (permuted X)", 128 >> (mode - 8));
-    else std::snprintf(xname, sizeof xname, "%s", names[mode]);
+    if (wmode == 1)
+      std::snprintf(wname, sizeof wname, "5-D x1");
+    else
+      std::snprintf(wname, sizeof wname, "%dx%d", wmode == 0 ? 1 : 1 << (wmode - 2),
+                    wmode == 0 ? 256 : 256 >> (wmode - 2));
+    if (mode >= 8)
+      std::snprintf(xname, sizeof xname, "TMA %d-row boxes (permuted X)", 128 >> (mode - 8));
+    else
+      std::snprintf(xname, sizeof xname, "%s", names[mode]);
     std::printf("%-7s %-30s %6.0f %9.0f %9.1f %10.1f %11.0f %8.3f\n", wname, xname, ms * 1e3, stage_ns, x_bytes / clk,
                 (kWBytes + x_bytes) / clk, gbps, gbps / copy_gbps);
   };
-  std::printf("W1 box  rows                            us  stage_ns rows_B/clk stage_B/clk total_GB/s fraction_of_copy\n");
+  std::printf("W1 box  rows                            us  stage_ns rows_B/clk stage_B/clk total_GB/s "
+              "fraction_of_copy\n");
   for (int round = 0; round < 2; ++round) {
     for (int wmode : {0, 1, 2, 3, 4, 5, 6}) run(4, wmode);  // W1 alone, by box size
-    for (int mode : {0, 1, 8, 9, 10, 11, 12}) run(mode, 0);   // the rows beside one 256-row W1 box
+    for (int mode : {0, 1, 2, 3, 8, 9, 10, 11, 12}) run(mode, 0);  // the rows beside one 256-row W1 box
     for (int wmode : {3, 4, 5})
       for (int mode : {0, 9, 10, 11}) run(mode, wmode);     // both split
   }

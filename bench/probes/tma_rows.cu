@@ -21,10 +21,7 @@
 #include <vector>
 
 #include "probe_check.h"
-
-using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                            const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                            CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+#include "probe_tma.h"
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
@@ -89,10 +86,7 @@ int main() {
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
-  Encode encode = nullptr;
-  cudaDriverEntryPointQueryResult q;
-  CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode), 12000,
-                                      cudaEnableDefault, &q));
+  const Encode encode = probe_tensor_map_encoder();
   // 10 "experts" of V4-Flash's packed W1: 4096 rows x 2048 bytes each (84 MB, larger than L2).
   const int64_t rows = 10 * 4096, K = 2048;
   uint8_t* w = nullptr;
@@ -100,23 +94,7 @@ int main() {
   CK(cudaMemset(w, 0x5a, size_t(rows * K)));
   uint8_t* dst = nullptr;
   CK(cudaMalloc(&dst, size_t(rows * K)));
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  auto median_ms = [&](auto&& launch) {
-    std::vector<float> ms;
-    for (int i = 0; i < 11; ++i) {
-      CK(cudaEventRecord(a));
-      launch();
-      CK(cudaEventRecord(b));
-      CK(cudaEventSynchronize(b));
-      float x;
-      CK(cudaEventElapsedTime(&x, a, b));
-      if (i >= 2) ms.push_back(x);
-    }
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
-  };
+  auto median_ms = [](auto&& launch) { return probe_median_ms(launch); };
   const float copy_ms = median_ms([&] { CK(cudaMemcpyAsync(dst, w, size_t(rows * K), cudaMemcpyDeviceToDevice)); });
   const double copy_gbps = 2.0 * double(rows * K) / (copy_ms * 1e-3) / 1e9;
   std::printf("%s, %d SMs; cudaMemcpy D2D %.0f GB/s (read + write)\n", prop.name, sms, copy_gbps);
