@@ -222,7 +222,9 @@ Stages make_stages(const MoeForwardArgs& a, char* ws, const MoeForwardLayout& l)
 // The glue the maps' kernels do for the layer (detail::RoutingSideWork):
 // zero `out` where FC2 would memset it (kAtomic with fill and no
 // shared_output: ~5 us and a break in the PDL chain between FC1 and FC2 at
-// T = 4096, H = 2048 on an H100); on the multi-block path pull X into L2
+// T = 4096, H = 2048 on an H100) or, without fill, seed it (only the rows
+// of the tokens with a local slot, the ids read there: not before the
+// dependency wait); on the multi-block path pull X into L2
 // where FC1 gathers the caller's bf16 rows (before the count kernel's
 // dependency wait when the layer's router runs in front of it:
 // RoutingSideWork::before_wait); on the single-block path (decode) quantise
