@@ -86,8 +86,9 @@ struct RoutingSideWork {
   void* zero = nullptr;  // rows of zero_row_bytes (a multiple of 16), 16-byte aligned, zero_stride_bytes apart
   int64_t zero_rows = 0, zero_row_bytes = 0, zero_stride_bytes = 0;
   // With zero_ids ([zero_rows, zero_k] expert ids): only the rows of tokens
-  // with an id in [zero_lo, zero_lo + zero_n), a warp a row (FC2's kAtomic
-  // without fill). The ids may come from the kernel ahead: not with before_wait.
+  // with an id in [zero_lo, zero_lo + zero_n), a warp a row, a lane an id
+  // (zero_k <= 32; the layer's k <= 16) (FC2's kAtomic without fill). The
+  // ids may come from the kernel ahead: not with before_wait.
   const int32_t* zero_ids = nullptr;
   int zero_k = 0, zero_lo = 0, zero_n = 0;
   const void* prefetch = nullptr;  // rows of prefetch_row_bytes, prefetch_stride_bytes apart
