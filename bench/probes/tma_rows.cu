@@ -14,11 +14,9 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <vector>
 
 #include "probe_check.h"
 #include "probe_tma.h"
@@ -94,8 +92,8 @@ int main() {
   CK(cudaMemset(w, 0x5a, size_t(rows * K)));
   uint8_t* dst = nullptr;
   CK(cudaMalloc(&dst, size_t(rows * K)));
-  auto median_ms = [](auto&& launch) { return probe_median_ms(launch); };
-  const float copy_ms = median_ms([&] { CK(cudaMemcpyAsync(dst, w, size_t(rows * K), cudaMemcpyDeviceToDevice)); });
+  const float copy_ms =
+      probe_median_ms([&] { CK(cudaMemcpyAsync(dst, w, size_t(rows * K), cudaMemcpyDeviceToDevice)); });
   const double copy_gbps = 2.0 * double(rows * K) / (copy_ms * 1e-3) / 1e9;
   std::printf("%s, %d SMs; cudaMemcpy D2D %.0f GB/s (read + write)\n", prop.name, sms, copy_gbps);
   std::printf("row_bytes stages in_flight_KB  GB/s  fraction_of_copy\n");
@@ -116,7 +114,7 @@ int main() {
       }
       CK(cudaFuncSetAttribute(ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
       const int tiles = int(rows / 128), k_boxes = int(K / row_bytes);
-      const float ms = median_ms([&] { ring_kernel<<<sms, 64, smem>>>(map, tiles, k_boxes, row_bytes, stages); });
+      const float ms = probe_median_ms([&] { ring_kernel<<<sms, 64, smem>>>(map, tiles, k_boxes, row_bytes, stages); });
       CK(cudaGetLastError());
       const double gbps = double(rows * K) / (ms * 1e-3) / 1e9;
       std::printf("%9d %6d %12.0f %5.0f  %.3f\n", row_bytes, stages, stages * 128.0 * row_bytes / 1024, gbps,
